@@ -1,0 +1,61 @@
+"""What the scheduler and server may use of an engine. The real `Engine` and the tests' fake engine
+both satisfy these protocols, so the scheduler never depends on tensors or on a model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Protocol
+
+from ballast.engine.plan import StepPlan, StepResult
+from ballast.memory.types import CostModel
+
+
+class TokenizerLike(Protocol):
+    eos_token_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of raw text (special tokens the text spells out are not parsed)."""
+        ...
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of a chat, with the generation prompt for the assistant's turn appended."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+class DetokenizerLike(Protocol):
+    """Turns a stream of token ids into text deltas: never emits a broken UTF-8 sequence, and
+    holds back text that may be the start of a stop string."""
+
+    stopped: bool  # a stop string was found; text after it is never emitted
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated token; return the new text that is safe to emit (maybe "")."""
+        ...
+
+    def flush(self) -> str:
+        """The request finished (not by a stop string): return whatever text was held back."""
+        ...
+
+
+class EngineLike(Protocol):
+    model_name: str
+    num_slots: int  # slots allocated at load: the hard ceiling
+    max_model_len: int  # prompt + generated tokens per slot
+    prefill_chunk_tokens: int  # the largest prefill the engine profiled (tokens per step)
+    cost_model: CostModel
+    tokenizer: TokenizerLike
+
+    def submit(self, plan: StepPlan) -> Future[StepResult]:
+        """Queue a plan on the engine thread. Plans run one at a time, in submission order.
+        The future raises if the step failed; the engine is then unsound (see `healthy`)."""
+        ...
+
+    def new_detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> DetokenizerLike: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,112 @@
+"""The plain data that crosses the scheduler/engine boundary.
+
+The scheduler builds a frozen `StepPlan`; the engine thread executes it and returns a
+`StepResult`. Neither side reaches into the other's state, which is what lets scheduler tests run
+on CPU against a fake engine with the same `submit(plan)` interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None  # per-request generator: same seed + prompt -> same tokens
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None  # None = none; 0 = the sampled token only; n = also the top n
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Feed prompt tokens [start_pos, start_pos + len(token_ids)) of a slot. start_pos 0 starts a
+    new sequence in the slot (its caches are reset). Sample a token only after the last chunk."""
+
+    slot: int
+    token_ids: tuple[int, ...]
+    start_pos: int
+    sample: bool
+
+
+@dataclass(frozen=True)
+class DecodeToken:
+    """Feed one token (the last sampled) at position pos of a slot and sample the next."""
+
+    slot: int
+    token_id: int
+    pos: int
+
+
+@dataclass(frozen=True)
+class CheckpointSave:
+    """Copy a slot's recurrent state after it has consumed the tokens of `prefix` (the engine keys
+    its prefix cache by those tokens)."""
+
+    slot: int
+    prefix: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointRestore:
+    """Before this step's work, load the cached state for the first n_tokens of a prompt into slot."""
+
+    slot: int
+    prefix: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    prefills: tuple[PrefillChunk, ...] = ()
+    decodes: tuple[DecodeToken, ...] = ()
+    sampling: dict[int, SamplingParams] = field(default_factory=dict)  # slot -> params
+    release: tuple[int, ...] = ()  # slots whose request ended: free their per-slot state
+    restores: tuple[CheckpointRestore, ...] = ()
+    saves: tuple[CheckpointSave, ...] = ()
+    max_slots: int | None = None  # resize the active slot limit before the step (ladder)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.prefills or self.decodes or self.release or self.restores or self.saves)
+
+
+@dataclass(frozen=True)
+class SlotOutput:
+    slot: int
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    at_capacity: bool = False  # the slot reached max_model_len: finish by length
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outputs: tuple[SlotOutput, ...] = ()
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens restored from checkpoints instead of prefilled
+    forward_s: float = 0.0
+    ledger_bytes: int = 0
