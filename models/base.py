@@ -1,0 +1,142 @@
+"""The model interface shared by every architecture and the engine.
+
+The engine flattens one step's work (prefill chunks and decode tokens of many slots) into a
+`ForwardBatch`; a model's `forward(batch, states)` returns the logits at each sequence's last token.
+Host-side shapes (`max_len`, `max_ctx`, the python lists) are computed once per step here so the
+layers never synchronise with the device to learn a shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from ballast.memory.specs import LayerSpec
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from ballast.models.state import LayerState
+
+
+class ModelError(Exception):
+    """Base of the models layer's errors."""
+
+
+class UnsupportedModel(ModelError):
+    """The checkpoint's architecture (or one of its options) is not implemented here."""
+
+
+class WeightLoadError(ModelError):
+    """A checkpoint's tensors do not match the model (missing, unexpected, wrong shape, unreadable)."""
+
+
+class ConfigError(ModelError):
+    """A model config dict is missing a required field or holds an invalid value."""
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One step's sequences, flattened. Sequence b holds tokens [cu_lens[b], cu_lens[b+1]) of the
+    flat arrays; they sit at absolute positions starts[b] .. starts[b] + lens[b] - 1 of slot
+    slots[b]. A prefill chunk attends to the slot's cached positions < start and causally within
+    itself; a decode token is a chunk of length 1."""
+
+    token_ids: Tensor  # [T] int64
+    positions: Tensor  # [T] int64, absolute position in the slot's sequence
+    slots: Tensor  # [B] int64
+    starts: Tensor  # [B] int64, tokens already in the slot's cache before this step
+    lens: Tensor  # [B] int64, new tokens this step
+    cu_lens: Tensor  # [B+1] int64
+    last_index: Tensor  # [B] int64, index in T of each sequence's last token
+    seq_of_token: Tensor  # [T] int64, b of each token
+    slot_of_token: Tensor  # [T] int64, slots[seq_of_token]
+    pad_index: Tensor  # [T] int64, index of each token in a flattened [B, max_len] padded layout
+    slots_list: list[int]
+    starts_list: list[int]
+    lens_list: list[int]
+    max_len: int  # longest new-token run of any sequence
+    max_ctx: int  # longest start + len: the cache positions any sequence may read
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.slots_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence feeds exactly one token: the flat and padded layouts coincide."""
+        return self.max_len == 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_ids.device
+
+    @classmethod
+    def build(cls, seqs: Sequence[tuple[int, Sequence[int], int]], device: torch.device | str) -> ForwardBatch:
+        """seqs: (slot, token_ids, start) per sequence. A slot may appear at most once per step."""
+        if not seqs:
+            raise ValueError("a ForwardBatch needs at least one sequence")
+        slots_list = [int(s) for s, _, _ in seqs]
+        if len(set(slots_list)) != len(slots_list):
+            raise ValueError(f"a slot appears twice in one step: {slots_list}")
+        lens_list = [len(t) for _, t, _ in seqs]
+        starts_list = [int(st) for _, _, st in seqs]
+        if min(lens_list) <= 0:
+            raise ValueError("every sequence needs at least one token")
+        if min(starts_list) < 0:
+            raise ValueError("sequence start positions must be >= 0")
+        max_len = max(lens_list)
+        flat: list[int] = []
+        for _, toks, _ in seqs:
+            flat.extend(int(t) for t in toks)
+        # Everything index-like is built on the host in one go and moved with one copy per tensor.
+        lens = torch.tensor(lens_list, dtype=torch.int64)
+        starts = torch.tensor(starts_list, dtype=torch.int64)
+        cu_lens = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+        torch.cumsum(lens, 0, out=cu_lens[1:])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int64), lens)
+        offset_in_seq = torch.arange(len(flat), dtype=torch.int64) - cu_lens[seq_of_token]
+        positions = starts[seq_of_token] + offset_in_seq
+        slots = torch.tensor(slots_list, dtype=torch.int64)
+        host = {
+            "token_ids": torch.tensor(flat, dtype=torch.int64),
+            "positions": positions,
+            "slots": slots,
+            "starts": starts,
+            "lens": lens,
+            "cu_lens": cu_lens,
+            "last_index": cu_lens[1:] - 1,
+            "seq_of_token": seq_of_token,
+            "slot_of_token": slots[seq_of_token],
+            "pad_index": seq_of_token * max_len + offset_in_seq,
+        }
+        dev = torch.device(device)
+        moved: dict[str, Any] = {k: v.to(dev, non_blocking=True) for k, v in host.items()}
+        return cls(
+            **moved,
+            slots_list=slots_list,
+            starts_list=starts_list,
+            lens_list=lens_list,
+            max_len=max_len,
+            max_ctx=max(st + n for st, n in zip(starts_list, lens_list, strict=True)),
+        )
+
+
+class CausalLM(Protocol):
+    """What the engine needs of a model. Models are `nn.Module`s whose parameter names equal the
+    Hugging Face checkpoint names, so `load_state_dict` of HF tensors works as is."""
+
+    config: Any  # the model's frozen config dataclass
+
+    def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
+        """One spec per decoder layer: what that layer's per-slot state costs."""
+        ...
+
+    def forward(self, batch: ForwardBatch, states: Sequence[LayerState]) -> Tensor:
+        """Logits [B, vocab] at each sequence's last token; writes this step's state into states."""
+        ...
