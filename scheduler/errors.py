@@ -1,0 +1,70 @@
+"""Typed refusals the scheduler raises (synchronously from `submit`) or puts in a `FinishEvent`.
+
+They are mapped to HTTP status codes and OpenAI error bodies in ONE place, `ballast.server.errors`:
+`Overloaded` -> 503 + Retry-After (type "server_overloaded"), `QueueFull` -> 429 + Retry-After,
+`ContextTooLong` -> 400 (code "context_length_exceeded"), `RequestTimeout` -> an error event
+(or 408/504 before the first byte), `EngineFailed` -> 500 (the engine is unsound).
+"""
+
+from __future__ import annotations
+
+
+class Refused(Exception):
+    """Base of every way the scheduler declines or ends a request other than by finishing it."""
+
+    retryable: bool = False
+
+
+class Overloaded(Refused):
+    """Memory pressure (CRITICAL, or an admission REJECT) or a scheduler that is not running:
+    come back after `retry_after_s`."""
+
+    retryable = True
+
+    def __init__(self, retry_after_s: float, reason: str) -> None:
+        super().__init__(f"server overloaded: {reason} (retry after {retry_after_s:g} s)")
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+
+
+class QueueFull(Refused):
+    """The bounded waiting queue is full."""
+
+    retryable = True
+
+    def __init__(self, retry_after_s: float, max_queue: int = 0) -> None:
+        super().__init__(f"request queue is full ({max_queue} waiting); retry after {retry_after_s:g} s")
+        self.retry_after_s = retry_after_s
+        self.max_queue = max_queue
+
+
+class ContextTooLong(Refused):
+    """prompt + max_tokens cannot fit the model's context (a client error; retrying will not help)."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the prompt or the completion length."
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.limit = limit
+
+
+class RequestTimeout(Refused):
+    """The request's deadline passed (waiting or running); its slot was released cleanly."""
+
+    def __init__(self, timeout_s: float, completion_tokens: int = 0) -> None:
+        super().__init__(f"request timed out after {timeout_s:.3g} s ({completion_tokens} tokens generated)")
+        self.timeout_s = timeout_s
+        self.completion_tokens = completion_tokens
+
+
+class EngineFailed(Refused):
+    """A step failed on the engine thread: the engine is unsound, every in-flight request ends with
+    this error and the scheduler stops taking work (`/health` should fail)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"engine step failed: {type(cause).__name__}: {cause}")
+        self.cause = cause
