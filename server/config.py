@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ballast.engine.config import DTYPES, KV_QUANT_MODES, EngineConfig
 from ballast.memory.config import MemoryConfig
 
 _INT_RE = re.compile(r"[+-]?[0-9]+")
@@ -111,27 +112,48 @@ def _field_kind(hint: Any) -> tuple[type, bool]:
     raise TypeError(f"unsupported config field type {hint!r}")
 
 
+# Settings of layer configs whose fields carry no metadata (yet): the same keys, stated here.
+# Field metadata, where present, wins; a field named here that the layer lacks is a TypeError.
+_OVERLAYS: dict[type, dict[str, dict[str, Any]]] = {
+    EngineConfig: {
+        "model": _setting("BALLAST_MODEL", "model to serve: default, builtin:NAME, a .gguf file or a Hugging Face directory"),
+        "dtype": _setting("BALLAST_DTYPE", "weights and activations dtype", choices=("auto", *DTYPES)),
+        "device": _setting("BALLAST_DEVICE", "auto, cpu, cuda or cuda:N"),
+        "max_num_seqs": _setting("BALLAST_MAX_NUM_SEQS", "concurrent sequences (slots)", 1, 4096),
+        "max_model_len": _setting("BALLAST_MAX_MODEL_LEN", "prompt + generated tokens per sequence", 2, 1 << 20),
+        "prefill_chunk_tokens": _setting("BALLAST_PREFILL_CHUNK_TOKENS", "largest prefill one step carries", 1, 1 << 16),
+        "kv_quant": _setting("BALLAST_KV_QUANT", "KV cache format", choices=KV_QUANT_MODES),
+        "seed": _setting("BALLAST_SEED", "seed of random-init weights and the shared sampler", 0, (1 << 63) - 1),
+    },
+}
+
+
 def settings_of(layer: type) -> list[Setting]:
-    """The settings a layer config declares: every field whose metadata names an `env`."""
+    """The settings a layer config declares: every field whose metadata (or overlay) names an `env`."""
     hints = typing.get_type_hints(layer)
+    overlay = _OVERLAYS.get(layer, {})
+    names = {f.name for f in dataclasses.fields(layer)}
+    if missing := set(overlay) - names:
+        raise TypeError(f"{layer.__name__} has no fields {sorted(missing)} that server/config.py describes")
     out = []
     for f in dataclasses.fields(layer):
-        env = f.metadata.get("env")
-        if env is None:
+        meta = f.metadata if "env" in f.metadata else overlay.get(f.name)
+        if meta is None:
             continue
+        env = meta["env"]
         kind, optional = _field_kind(hints[f.name])
-        rng = f.metadata.get("range")
-        choices = f.metadata.get("choices")
+        rng = meta.get("range")
+        choices = meta.get("choices")
         out.append(
             Setting(
                 layer=layer,
                 name=f.name,
                 env=env,
-                flag=f.metadata.get("flag") or _flag_for(env),
+                flag=meta.get("flag") or _flag_for(env),
                 kind=kind,
                 optional=optional,
-                doc=f.metadata.get("doc", ""),
-                range=(float(rng[0]), float(rng[1])) if rng else None,
+                doc=meta.get("doc", ""),
+                range=(rng[0], rng[1]) if rng else None,
                 choices=tuple(choices) if choices else None,
             )
         )
@@ -193,7 +215,7 @@ def add_flags(parser: argparse.ArgumentParser, layers: Sequence[type]) -> None:
                     raise TypeError(f"flag {s.flag} claimed by {seen[s.flag]} and {s.env}")
                 continue
             seen[s.flag] = s.env
-            help_text = f"{s.doc}; {s.accepted()}; env {s.env}"
+            help_text = f"{s.doc}; {s.accepted()}; env {s.env}".replace("%", "%%")
             dest = "cfg_" + s.env.lower()
             if s.kind is bool:
                 # `--flag` alone means true; `--flag false` is also accepted, for scripts.
