@@ -1,0 +1,90 @@
+"""The slot table: the one owner of the engine's slots on the scheduler side.
+
+A slot is FREE, BUSY (a request holds it) or DRAINING (its request ended; the release travels in
+the next StepPlan). A draining slot becomes free only after the plan that carried its release
+has run, so a slot is never handed to a new request while the engine may still hold the old
+one's state; reuse therefore always starts from a clean slot.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    BUSY = "busy"
+    DRAINING = "draining"
+
+
+class SlotError(RuntimeError):
+    """A slot was used against its state (a scheduler bug, never a client error)."""
+
+
+class SlotTable:
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("slot table needs at least one slot")
+        self._state = [SlotState.FREE] * capacity
+        self._in_release: set[int] = set()  # draining slots whose release is in a plan in flight
+
+    @property
+    def capacity(self) -> int:
+        return len(self._state)
+
+    def acquire(self, limit: int) -> int | None:
+        """The lowest free slot below `limit`, now busy; None if there is none. Lowest-first keeps
+        live slots packed at the bottom so a lowered ceiling is reached as requests finish."""
+        for slot in range(min(limit, self.capacity)):
+            if self._state[slot] is SlotState.FREE:
+                self._state[slot] = SlotState.BUSY
+                return slot
+        return None
+
+    def retire(self, slot: int) -> None:
+        """The request in `slot` ended: release it in the next plan."""
+        self._expect(slot, SlotState.BUSY)
+        self._state[slot] = SlotState.DRAINING
+
+    def take_releases(self) -> tuple[int, ...]:
+        """Draining slots not yet sent to the engine; they go into the plan being built."""
+        out = tuple(s for s, st in enumerate(self._state) if st is SlotState.DRAINING and s not in self._in_release)
+        self._in_release.update(out)
+        return out
+
+    def released(self, slots: tuple[int, ...]) -> None:
+        """The plan carrying these releases has run: the slots are free again."""
+        for slot in slots:
+            self._expect(slot, SlotState.DRAINING)
+            self._in_release.discard(slot)
+            self._state[slot] = SlotState.FREE
+
+    def _expect(self, slot: int, state: SlotState) -> None:
+        if not 0 <= slot < self.capacity or self._state[slot] is not state:
+            actual = self._state[slot].value if 0 <= slot < self.capacity else "out of range"
+            raise SlotError(f"slot {slot} is {actual}, expected {state.value}")
+
+    # Figures (read-only).
+    @property
+    def busy(self) -> int:
+        return sum(st is SlotState.BUSY for st in self._state)
+
+    @property
+    def draining(self) -> int:
+        return sum(st is SlotState.DRAINING for st in self._state)
+
+    @property
+    def free(self) -> int:
+        return sum(st is SlotState.FREE for st in self._state)
+
+    @property
+    def highest_held(self) -> int:
+        """1 + the highest slot not free (0 if all free): the engine may not shrink below it."""
+        for slot in range(self.capacity - 1, -1, -1):
+            if self._state[slot] is not SlotState.FREE:
+                return slot + 1
+        return 0
+
+    @property
+    def idle(self) -> bool:
+        return self.free == self.capacity
