@@ -1,0 +1,69 @@
+"""The engine's configuration: one frozen dataclass, validated when built.
+
+Values found at load time (the slot count the memory layer allows, the profiled activation bytes)
+are returned by the engine, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+KV_QUANT_MODES = ("none", "int8")
+
+
+class EngineConfigError(ValueError):
+    """A configuration value is out of its accepted range."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"  # "default", "builtin:NAME", a .gguf file, or a Hugging Face directory
+    dtype: str = "auto"  # "auto" = bfloat16 on CUDA, float32 on CPU; else a key of DTYPES
+    device: str = "auto"  # "auto" = cuda:0 when available, else cpu; or "cpu", "cuda", "cuda:N"
+    max_num_seqs: int = 8  # slots allocated at load: the hard ceiling on concurrent sequences
+    max_model_len: int = 2048  # prompt + generated tokens per slot
+    prefill_chunk_tokens: int = 512  # the largest prefill one step may carry (profiled at load)
+    kv_quant: str = "none"  # "none" keeps KV in the model dtype; "int8" adds per token-head scales
+    seed: int = 0  # seeds random-init weights and the sampler's shared generator
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise EngineConfigError("model must name a model: default, builtin:NAME, a .gguf file or an HF dir")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise EngineConfigError(f"dtype={self.dtype!r}: accepted auto, {', '.join(DTYPES)}")
+        if not _valid_device(self.device):
+            raise EngineConfigError(f"device={self.device!r}: accepted auto, cpu, cuda, cuda:N")
+        if not 1 <= self.max_num_seqs <= 4096:
+            raise EngineConfigError(f"max_num_seqs={self.max_num_seqs}: accepted 1..4096")
+        if not 2 <= self.max_model_len <= 1 << 20:
+            raise EngineConfigError(f"max_model_len={self.max_model_len}: accepted 2..{1 << 20}")
+        if not 1 <= self.prefill_chunk_tokens <= 1 << 16:
+            raise EngineConfigError(f"prefill_chunk_tokens={self.prefill_chunk_tokens}: accepted 1..{1 << 16}")
+        if self.kv_quant not in KV_QUANT_MODES:
+            raise EngineConfigError(f"kv_quant={self.kv_quant!r}: accepted {', '.join(KV_QUANT_MODES)}")
+        if not 0 <= self.seed < 1 << 63:
+            raise EngineConfigError(f"seed={self.seed}: accepted 0..2**63-1")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+
+def _valid_device(device: str) -> bool:
+    if device in ("auto", "cpu", "cuda"):
+        return True
+    head, _, index = device.partition(":")
+    return head == "cuda" and index.isdigit()
