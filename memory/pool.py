@@ -1,0 +1,281 @@
+"""A bounded pool of recurrent-state checkpoint buffers (seed 003, with every review follow-up).
+
+A hybrid model's checkpoint holds the whole non-rollbackable sequence state, hundreds of MiB. A
+buffer that size comes straight from mmap() and goes straight back on free, so each fresh one
+faults in every page on first write; on CUDA a device-to-host copy into pageable memory that is
+not yet resident runs ~140x slower than into resident memory. Handing freed buffers to this pool
+keeps their pages mapped and resident, and on CUDA the buffers are pinned, so the next checkpoint
+reuses them at full copy speed. The pool never skips the fill that makes memory resident: it
+makes the fill unnecessary by handing back memory that is already resident.
+
+Policy, where every cap degrades to "no pool" (today's behaviour), never to something worse:
+- byte cap = fraction x the *effective* (cgroup-aware) host total, read live on every put and
+  trim: a 4 GiB pod on a 256 GiB host must not pool 16 GiB. A failed host query (0, negative or
+  absurd) means cap 0: every put is declined.
+- count cap, and a size floor: a buffer below it is cheap to allocate and is not pooled.
+- a full pool displaces only buffers smaller than the incoming one (smallest first), so a pool
+  wedged with buffers no later request can use recovers, while a pool of equal or larger buffers
+  declines; it never evicts and then declines.
+- get() is best fit; the caller's undersized buffer is offered back; a buffer the caller already
+  owns that is large enough is a hit (the cheapest kind), not a miss.
+- trim(max_idle_s) on idle, and trim(0) then exactly one retry when an allocation fails, so pooled
+  bytes are always reclaimable under allocation pressure. The high-water marks survive trim.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# No host has a petabyte of RAM; a larger "total" is a failed query multiplied out (the seed's
+# sysconf() == -1 case), and must bound the pool to nothing rather than to everything.
+_ABSURD_TOTAL_BYTES = 1 << 50
+
+Allocate = Callable[[int, bool], torch.Tensor]
+
+
+class PoolMisuse(ValueError):
+    """A caller broke the pool's contract (a buffer put twice, a view, a wrong dtype): a bug."""
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    hits: int
+    misses: int
+    bytes_held: int
+    buffers: int
+    high_water_bytes: int  # never reset by trim
+    high_water_buffers: int
+    evictions: int  # pooled buffers displaced by a larger incoming one
+    declines: int  # puts refused (floor, caps, no pool)
+    trimmed_bytes: int  # released by trim, cumulative
+    cap_bytes: int  # byte cap at the last put or trim
+    pin_failures: int
+    pinned: bool
+
+
+def _default_allocate(nbytes: int, pin: bool) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def _pinned_size(nbytes: int) -> int:
+    # torch's caching host allocator hands out pinned blocks rounded up to a power of two; asking
+    # for that size makes the tail usable for best fit and the byte accounting honest.
+    return 1 << (nbytes - 1).bit_length()
+
+
+def _release_host_cache() -> None:
+    # torch.accelerator.empty_host_cache is recent; older torch caches pinned blocks until exit.
+    if hasattr(torch.accelerator, "empty_host_cache"):
+        torch.accelerator.empty_host_cache()
+
+
+@dataclass
+class _Entry:
+    buf: torch.Tensor
+    since: float  # clock() when pooled
+
+    @property
+    def size(self) -> int:
+        return self.buf.numel()
+
+
+class CheckpointPool:
+    """Thread-safe pool of 1-D uint8 CPU tensors. get() may return a buffer larger than asked."""
+
+    def __init__(
+        self,
+        effective_total: Callable[[], int],
+        fraction: float,
+        max_buffers: int,
+        min_buffer_bytes: int,
+        *,
+        pin: bool | None = None,
+        allocate: Allocate | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"pool fraction must be in [0, 1], got {fraction}")
+        if max_buffers < 0 or min_buffer_bytes < 0:
+            raise ValueError(f"pool caps must be non-negative (max_buffers={max_buffers}, min_buffer_bytes={min_buffer_bytes})")
+        self._effective_total = effective_total
+        self._fraction = fraction
+        self._max_buffers = max_buffers
+        self._min_bytes = min_buffer_bytes
+        self._pin = torch.cuda.is_available() if pin is None else pin
+        self._allocate_fn = allocate or _default_allocate
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: list[_Entry] = []
+        self._held = 0
+        self._hits = self._misses = self._evictions = self._declines = 0
+        self._trimmed = self._pin_failures = 0
+        self._hw_bytes = self._hw_buffers = 0
+        self._cap = 0
+        self._pinned_ever = False
+
+    @property
+    def pinned(self) -> bool:
+        return self._pin
+
+    def cap_bytes(self) -> int:
+        """The byte cap now: fraction x effective host total, 0 when the total is not known."""
+        total = self._effective_total()
+        if total <= 0 or total > _ABSURD_TOTAL_BYTES:
+            return 0
+        return int(total * self._fraction)
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(
+                hits=self._hits,
+                misses=self._misses,
+                bytes_held=self._held,
+                buffers=len(self._entries),
+                high_water_bytes=self._hw_bytes,
+                high_water_buffers=self._hw_buffers,
+                evictions=self._evictions,
+                declines=self._declines,
+                trimmed_bytes=self._trimmed,
+                cap_bytes=self._cap,
+                pin_failures=self._pin_failures,
+                pinned=self._pin,
+            )
+
+    def get(self, nbytes: int, owned: torch.Tensor | None = None) -> torch.Tensor:
+        """A buffer of at least nbytes: the caller's own if large enough, else the best-fitting
+        pooled one, else a fresh allocation. An undersized `owned` is offered back to the pool."""
+        if nbytes < 1:
+            raise ValueError(f"get needs nbytes >= 1, got {nbytes}")
+        if owned is not None and owned.numel() >= nbytes:
+            with self._lock:
+                self._hits += 1
+            return owned
+        found: torch.Tensor | None = None
+        if nbytes >= self._min_bytes:  # below the floor nothing is pooled, so nothing to find
+            with self._lock:
+                best = min((e for e in self._entries if e.size >= nbytes), key=lambda e: e.size, default=None)
+                if best is not None:
+                    self._entries.remove(best)
+                    self._held -= best.size
+                    self._hits += 1
+                    found = best.buf
+                else:
+                    self._misses += 1
+        if owned is not None:
+            self.put(owned)
+        return found if found is not None else self._allocate(nbytes)
+
+    def put(self, buf: torch.Tensor) -> bool:
+        """Offer a buffer the caller no longer needs. True if pooled; False if declined, in which
+        case dropping the last reference frees it as if there were no pool. Never raises on a
+        decline: callers reach this from cleanup paths."""
+        self._check_buffer(buf)
+        size = buf.numel()
+        cap = self.cap_bytes()  # outside the lock: the callable may read a snapshot or a file
+        with self._lock:
+            self._cap = cap
+            if any(e.buf.data_ptr() == buf.data_ptr() for e in self._entries):
+                raise PoolMisuse("buffer is already pooled: it would be handed to two owners")
+            if size < self._min_bytes or size > cap or self._max_buffers == 0:
+                self._declines += 1
+                return False
+            victims = self._plan_displacement(size, cap)
+            if victims is None:
+                self._declines += 1
+                return False
+            for v in victims:
+                self._entries.remove(v)
+                self._held -= v.size
+            self._evictions += len(victims)
+            self._entries.append(_Entry(buf, self._clock()))
+            self._held += size
+            self._hw_bytes = max(self._hw_bytes, self._held)
+            self._hw_buffers = max(self._hw_buffers, len(self._entries))
+        return True
+
+    def trim(self, max_idle_s: float) -> int:
+        """Release buffers pooled at least max_idle_s ago (trim(0): all of them), then the oldest
+        until the pool fits the live byte cap. Returns the bytes released."""
+        if max_idle_s < 0:
+            raise ValueError(f"max_idle_s must be >= 0, got {max_idle_s}")
+        cap = self.cap_bytes()
+        now = self._clock()
+        with self._lock:
+            self._cap = cap
+            keep = [e for e in self._entries if now - e.since < max_idle_s]
+            dropped = [e for e in self._entries if now - e.since >= max_idle_s]
+            keep.sort(key=lambda e: e.since)
+            while keep and sum(e.size for e in keep) > cap:
+                dropped.append(keep.pop(0))
+            self._entries = keep
+            released = sum(e.size for e in dropped)
+            self._held -= released
+            self._trimmed += released
+        if self._pinned_ever and any(e.buf.is_pinned() for e in dropped):
+            dropped.clear()  # the last references: pinned blocks go back to torch's host cache...
+            _release_host_cache()  # ...which must hand them back to the OS, or trim frees nothing
+        return released
+
+    def _plan_displacement(self, size: int, cap: int) -> list[_Entry] | None:
+        """The pooled buffers to evict so `size` fits both caps: smallest first and each smaller
+        than the newcomer. [] if it fits as is; None if it cannot fit without evicting an equal or
+        larger buffer (then nothing is evicted). Caller holds the lock."""
+        held, count = self._held, len(self._entries)
+        victims: list[_Entry] = []
+        for e in sorted(self._entries, key=lambda e: e.size):
+            if held + size <= cap and count < self._max_buffers:
+                break
+            if e.size >= size:
+                return None
+            victims.append(e)
+            held -= e.size
+            count -= 1
+        if held + size > cap or count >= self._max_buffers:
+            return None
+        return victims
+
+    def _check_buffer(self, buf: torch.Tensor) -> None:
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.device.type != "cpu":
+            raise PoolMisuse(f"pool buffers are 1-D uint8 CPU tensors, got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
+        if buf._base is not None or buf.storage_offset() != 0:
+            raise PoolMisuse("put the buffer get() returned, not a view of it")
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        try:
+            return self._allocate_once(nbytes)
+        except (RuntimeError, MemoryError) as e:
+            # Pooled bytes may be exactly what stands between us and this allocation: give them
+            # back and retry once. A second failure is real and propagates.
+            released = self.trim(0)
+            log.warning("checkpoint buffer of %d bytes failed (%s); trimmed %d pooled bytes, retrying once", nbytes, e, released)
+            return self._allocate_once(nbytes)
+
+    def _allocate_once(self, nbytes: int) -> torch.Tensor:
+        if self._pin:
+            try:
+                buf = self._checked(self._allocate_fn(_pinned_size(nbytes), True), nbytes)
+                self._pinned_ever = True
+                return buf
+            except RuntimeError as e:
+                # Pin failure degrades to pageable for this buffer. If pinning never worked (no
+                # driver, a locked-memory limit) it will not start working: stop trying.
+                with self._lock:
+                    self._pin_failures += 1
+                    if not self._pinned_ever:
+                        self._pin = False
+                log.warning("pinned checkpoint buffer of %d bytes failed (%s); using pageable memory", nbytes, e)
+        return self._checked(self._allocate_fn(nbytes, False), nbytes)
+
+    @staticmethod
+    def _checked(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < nbytes:
+            raise PoolMisuse(f"allocate returned {buf.dtype} {tuple(buf.shape)} for {nbytes} bytes")
+        return buf
