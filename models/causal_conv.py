@@ -1,0 +1,83 @@
+"""Causal depthwise conv1d over a flat batch of sequences, with a rolling per-sequence state.
+
+Linear-attention layers (gated DeltaNet) pass q/k/v through a short causal conv (kernel 4) before
+the recurrence. A slot keeps the last kernel-1 inputs it saw (its conv state), so a prefill chunk
+or a decode token continues exactly where the previous step stopped.
+
+The batch mixes sequences of different lengths (prefill chunks and single decode tokens). Rather
+than pad every sequence to the longest one, each token's window of kernel inputs is read with a
+gather from one buffer that holds every sequence's saved state followed by the step's tokens:
+one gather + multiply-add per kernel tap (4), never a loop over tokens or sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class ConvWindows:
+    """Where every tap of every token's conv window lives, for one step's sequence layout.
+
+    The source buffer is `cat([state.reshape(B * (K-1), C), x])`: rows [0, B*(K-1)) are the saved
+    states (sequence b's oldest input first), rows B*(K-1) + t are the step's tokens.
+    Built once per step and shared by every linear-attention layer (they share the kernel size).
+    """
+
+    kernel: int
+    token_taps: Tensor  # [K, T] int64: source row of tap j (oldest first) for token t
+    state_taps: Tensor  # [K-1, B] int64: source row of the new state's column j for sequence b
+
+    @classmethod
+    def build(cls, cu_lens: Tensor, lens: Tensor, seq_of_token: Tensor, kernel: int) -> ConvWindows:
+        """cu_lens [B+1], lens [B], seq_of_token [T] (all int64, on the compute device)."""
+        if kernel < 1:
+            raise ValueError(f"conv kernel must be >= 1, got {kernel}")
+        hist = kernel - 1
+        num_seqs = int(lens.shape[0])
+        device = lens.device
+        state_base = num_seqs * hist
+
+        def source_rows(seq: Tensor, rel: Tensor) -> Tensor:
+            # rel: position relative to the sequence's first new token; < 0 reads the saved state,
+            # whose column hist + rel holds the input rel steps before the chunk.
+            from_state = seq * hist + (hist + rel).clamp_min(0)
+            from_tokens = state_base + cu_lens[seq] + rel.clamp_min(0)
+            return torch.where(rel < 0, from_state, from_tokens)
+
+        num_tokens = int(seq_of_token.shape[0])
+        offset = torch.arange(num_tokens, device=device) - cu_lens[seq_of_token]
+        taps = torch.arange(kernel, device=device).unsqueeze(1)  # [K, 1]
+        token_taps = source_rows(seq_of_token.unsqueeze(0), offset.unsqueeze(0) - hist + taps)
+        seqs = torch.arange(num_seqs, device=device).unsqueeze(0)
+        cols = torch.arange(hist, device=device).unsqueeze(1)  # [K-1, 1]
+        state_taps = source_rows(seqs.expand(hist, -1), lens.unsqueeze(0) - hist + cols)
+        return cls(kernel=kernel, token_taps=token_taps, state_taps=state_taps)
+
+
+def causal_conv1d_varlen(
+    x: Tensor, state: Tensor, weight: Tensor, windows: ConvWindows, activation: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Depthwise causal conv of a flat batch.
+
+    x [T, C] this step's inputs; state [B, C, K-1] each sequence's previous K-1 inputs (zeros for a
+    sequence starting at position 0); weight [C, K]. Returns (silu(conv(x)) [T, C] in x's dtype,
+    the new state [B, C, K-1] in state's dtype). Accumulates in float32 like the reference conv.
+    """
+    kernel = windows.kernel
+    if weight.shape[-1] != kernel or state.shape[-1] != kernel - 1:
+        raise ValueError(f"kernel mismatch: weight {tuple(weight.shape)}, state {tuple(state.shape)}, {kernel}")
+    channels = x.shape[-1]
+    source = torch.cat([state.transpose(1, 2).reshape(-1, channels).to(x.dtype), x], dim=0)
+    w = weight.float()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in range(kernel):  # the kernel taps, not the tokens
+        out.addcmul_(source.index_select(0, windows.token_taps[j]).float(), w[:, j])
+    if activation:
+        out = F.silu(out)
+    new_state = source[windows.state_taps.reshape(-1)].reshape(kernel - 1, -1, channels).permute(1, 2, 0)
+    return out.to(x.dtype), new_state.to(state.dtype)

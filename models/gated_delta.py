@@ -1,0 +1,252 @@
+"""The gated delta rule (Gated DeltaNet linear attention), for a step of many slots at once.
+
+Per value head the layer keeps a matrix state S [k_dim, v_dim]. For each token, with q and k
+L2-normalised and q scaled by k_dim^-1/2:
+
+    S <- exp(g) * S                       (gated decay, g <= 0)
+    S <- S + k (beta * (v - S^T k))^T     (delta rule: write only what S does not yet predict)
+    o  = S^T q
+
+Two forms compute it:
+- recurrent: one token per sequence, batched over sequences (decode);
+- chunked: the WY / UT-transform form that turns 64-token chunks into a few matmuls and scans
+  only across chunks (prefill), starting from each sequence's state.
+On CUDA with `fla` (flash-linear-attention) installed and a half-precision model, prefill and
+decode go to its Triton kernels instead (varlen through cu_seqlens, so no padding).
+
+The state and the whole recurrence are float32 whatever the model dtype (the reference does the
+same: the state integrates over the whole sequence and bf16 would drift).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+CHUNK = 64
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, the normalisation fla applies in-kernel."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _expand_heads(x: Tensor, num_v_heads: int, dim: int) -> Tensor:
+    """Grouped value heads: q/k head h serves value heads [h*r, (h+1)*r)."""
+    ratio = num_v_heads // x.shape[dim]
+    return x if ratio == 1 else x.repeat_interleave(ratio, dim=dim)
+
+
+def recurrent_gated_delta_step(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One token for each of B sequences.
+
+    q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]; state [B, Hv, Dk, Dv].
+    Returns (o [B, Hv, Dv] in v's dtype, new state [B, Hv, Dk, Dv] float32).
+    """
+    num_v_heads = v.shape[-2]
+    q = _expand_heads(l2norm(q.float()), num_v_heads, 1) * q.shape[-1] ** -0.5
+    k = _expand_heads(l2norm(k.float()), num_v_heads, 1)
+    s = state.float() * g.float().exp()[..., None, None]
+    predicted = (k.unsqueeze(-2) @ s).squeeze(-2)  # S^T k: [B, Hv, Dv]
+    delta = (v.float() - predicted) * beta.float().unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    o = (q.unsqueeze(-2) @ s).squeeze(-2)
+    return o.to(v.dtype), s
+
+
+def chunk_gated_delta(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, chunk: int = CHUNK
+) -> tuple[Tensor, Tensor]:
+    """B sequences of (padded) length L, each from its own initial state.
+
+    q, k [B, L, Hk, Dk]; v [B, L, Hv, Dv]; g, beta [B, L, Hv]; initial_state [B, Hv, Dk, Dv].
+    Padding positions must carry g = 0 and beta = 0 (state passes through unchanged), so the
+    final state of a padded sequence is the state after its last real token.
+    Returns (o [B, L, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32).
+    """
+    batch, length, _, k_dim = k.shape
+    num_v_heads, v_dim = v.shape[-2:]
+    pad = (-length) % chunk
+    n_chunks = (length + pad) // chunk
+
+    def to_chunks(x: Tensor) -> Tensor:
+        # [B, L, H, ...] -> [B, H, N, C, ...] float32, zero-padded to whole chunks
+        x = x.float().transpose(1, 2)
+        x = F.pad(x, (0, pad)) if x.dim() == 3 else F.pad(x, (0, 0, 0, pad))
+        return x.reshape(batch, num_v_heads, n_chunks, chunk, *x.shape[3:])
+
+    qc = to_chunks(_expand_heads(l2norm(q.float()), num_v_heads, 2)) * k_dim**-0.5
+    kc = to_chunks(_expand_heads(l2norm(k.float()), num_v_heads, 2))
+    vc, gc, bc = to_chunks(v), to_chunks(g), to_chunks(beta)
+
+    cum = gc.cumsum(dim=-1)  # log of the decay from the chunk start through each position
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # decay[i, j] = prod of exp(g) over (j, i] for j <= i, else 0
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+
+    k_beta = kc * bc.unsqueeze(-1)
+    # UT transform: (I + strict_lower(beta k k^T * decay))^-1 applied to the per-token writes
+    system = ((k_beta @ kc.transpose(-1, -2)) * decay).tril(-1)
+    rhs = torch.cat([vc * bc.unsqueeze(-1), k_beta * cum.exp().unsqueeze(-1)], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, w = solved[..., :v_dim], solved[..., v_dim:]
+
+    intra = (qc @ kc.transpose(-1, -2)) * decay
+    q_decayed = qc * cum.exp().unsqueeze(-1)
+    last = cum[..., -1:]
+    k_to_end = kc * (last - cum).exp().unsqueeze(-1)
+    chunk_decay = last.exp().unsqueeze(-1)  # [B, H, N, 1, 1]
+
+    s = initial_state.float()
+    out = torch.empty_like(u)
+    for n in range(n_chunks):  # the scan across chunks; tokens inside a chunk are matmuls
+        v_new = u[:, :, n] - w[:, :, n] @ s
+        out[:, :, n] = q_decayed[:, :, n] @ s + intra[:, :, n] @ v_new
+        s = s * chunk_decay[:, :, n] + k_to_end[:, :, n].transpose(-1, -2) @ v_new
+    out = out.reshape(batch, num_v_heads, -1, v_dim)[:, :, :length].transpose(1, 2)
+    return out.to(v.dtype), s
+
+
+@dataclass(frozen=True)
+class DeltaPlan:
+    """How one step's sequences go through the rule: single-token sequences (decode) take the
+    recurrent form together, longer ones (prefill chunks) the chunked form together. Built once
+    per step on the host, shared by every linear-attention layer."""
+
+    decode_seqs: Tensor  # [Bd] sequence indices with one new token
+    decode_tokens: Tensor  # [Bd] their token indices in the flat batch
+    prefill_seqs: Tensor  # [Bp] sequence indices with several new tokens
+    prefill_tokens: Tensor  # [Tp] their token indices, sequence after sequence
+    prefill_padded: Tensor  # [Tp] each such token's row in a [Bp * prefill_len] padded layout
+    prefill_cu_lens: Tensor  # [Bp + 1] int64, for varlen kernels
+    prefill_len: int  # longest prefill run (the padded length)
+
+    @classmethod
+    def build(cls, lens_list: list[int], device: torch.device) -> DeltaPlan:
+        lens = torch.tensor(lens_list, dtype=torch.int64)
+        cu = torch.zeros(len(lens_list) + 1, dtype=torch.int64)
+        torch.cumsum(lens, 0, out=cu[1:])
+        single = lens == 1
+        decode_seqs = single.nonzero().flatten()
+        prefill_seqs = (~single).nonzero().flatten()
+        p_lens = lens[prefill_seqs]
+        p_len = int(p_lens.max()) if len(p_lens) else 0
+        local = torch.repeat_interleave(torch.arange(len(p_lens)), p_lens)
+        p_cu = torch.zeros(len(p_lens) + 1, dtype=torch.int64)
+        torch.cumsum(p_lens, 0, out=p_cu[1:])
+        offset = torch.arange(int(p_lens.sum())) - p_cu[local]
+        host = {
+            "decode_seqs": decode_seqs,
+            "decode_tokens": cu[decode_seqs],
+            "prefill_seqs": prefill_seqs,
+            "prefill_tokens": cu[prefill_seqs][local] + offset,
+            "prefill_padded": local * p_len + offset,
+            "prefill_cu_lens": p_cu,
+        }
+        return cls(**{k: t.to(device, non_blocking=True) for k, t in host.items()}, prefill_len=p_len)
+
+
+@lru_cache(maxsize=1)
+def fla_installed() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def use_fla_for(x: Tensor) -> bool:
+    """fla's chunk kernel is CUDA-only and refuses float32 inputs."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and fla_installed()
+
+
+def gated_delta_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    plan: DeltaPlan,
+    use_fla: bool | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The rule over a flat batch: q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; state
+    [B, Hv, Dk, Dv] each sequence's state before this step (zeros for a fresh sequence).
+    Returns (o [T, Hv, Dv] in v's dtype, new state [B, Hv, Dk, Dv] float32).
+    use_fla None picks fla when it applies (CUDA, half precision, installed)."""
+    fla = use_fla_for(v) if use_fla is None else use_fla
+    out = torch.empty_like(v)
+    new_state = torch.empty(state.shape, dtype=torch.float32, device=state.device)
+    if plan.decode_seqs.numel():
+        idx, seqs = plan.decode_tokens, plan.decode_seqs
+        step = _fla_decode if fla else recurrent_gated_delta_step
+        o, s = step(q[idx], k[idx], v[idx], g[idx], beta[idx], state[seqs])
+        out[idx] = o
+        new_state[seqs] = s
+    if plan.prefill_seqs.numel():
+        idx, seqs = plan.prefill_tokens, plan.prefill_seqs
+        if fla:
+            o, s = _fla_prefill(q[idx], k[idx], v[idx], g[idx], beta[idx], state[seqs], plan.prefill_cu_lens)
+        else:
+            o, s = _padded_prefill(q[idx], k[idx], v[idx], g[idx], beta[idx], state[seqs], plan)
+        out[idx] = o
+        new_state[seqs] = s
+    return out, new_state
+
+
+def _padded_prefill(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, plan: DeltaPlan
+) -> tuple[Tensor, Tensor]:
+    # Pad the prefill sequences to one length so they run as one batch; zero g/beta on the
+    # padding leaves each state untouched there (see chunk_gated_delta).
+    rows = state.shape[0] * plan.prefill_len
+
+    def padded(x: Tensor) -> Tensor:
+        buf = x.new_zeros((rows, *x.shape[1:]))
+        buf[plan.prefill_padded] = x
+        return buf.reshape(state.shape[0], plan.prefill_len, *x.shape[1:])
+
+    o, s = chunk_gated_delta(padded(q), padded(k), padded(v), padded(g), padded(beta), state)
+    return o.reshape(rows, *o.shape[2:])[plan.prefill_padded], s
+
+
+def _fla_prefill(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, cu_lens: Tensor
+) -> tuple[Tensor, Tensor]:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    hv = v.shape[-2]
+    # q/k heads are expanded here rather than relying on in-kernel grouped-value support, which
+    # only some fla releases have.
+    o, s = chunk_gated_delta_rule(
+        q=_expand_heads(q, hv, 1).unsqueeze(0),
+        k=_expand_heads(k, hv, 1).unsqueeze(0),
+        v=v.unsqueeze(0),
+        g=g.float().unsqueeze(0),
+        beta=beta.unsqueeze(0),
+        initial_state=state.float().contiguous(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_lens,
+    )
+    return o.squeeze(0).to(v.dtype), s.float()
+
+
+def _fla_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    hv = v.shape[-2]
+    o, s = fused_recurrent_gated_delta_rule(
+        q=_expand_heads(q, hv, 1).unsqueeze(1),
+        k=_expand_heads(k, hv, 1).unsqueeze(1),
+        v=v.unsqueeze(1),
+        g=g.float().unsqueeze(1),
+        beta=beta.unsqueeze(1),
+        initial_state=state.float().contiguous(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return o.squeeze(1).to(v.dtype), s.float()

@@ -1,0 +1,163 @@
+"""Sparse mixture of experts with a shared expert (Qwen3-Next / Qwen3.5-MoE layout).
+
+Parameter names and layouts follow the Hugging Face checkpoints: `gate.weight` [E, H] (router),
+`experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] (fused expert tensors),
+`shared_expert.{gate,up,down}_proj.weight`, `shared_expert_gate.weight` [1, H].
+
+Expert compute never loops over tokens: the (token, expert) pairs are sorted by expert so each
+expert's tokens are contiguous, then either `torch._grouped_mm` (one grouped GEMM per projection,
+where this torch build has it for the device and dtype) or, as a fallback, one `bmm` over the
+experts that received tokens, each padded to the busiest one's count.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def route(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+    """Softmax over all experts in float32, keep the top k, optionally renormalise them to sum 1.
+    Returns (weights [T, k] in logits' dtype, expert indices [T, k])."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+@lru_cache(maxsize=8)
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs here for this dtype. Older CPU builds lack the kernel and
+    CUDA builds restrict dtypes and architectures, so ask once with a tiny problem; the failure
+    is the answer, not an error to report."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    device = torch.device(device_type)
+    x = torch.ones(32, 16, dtype=dtype, device=device)
+    w = torch.ones(2, 16, 16, dtype=dtype, device=device)
+    offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
+    try:
+        out = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool(torch.allclose(out.float(), torch.full_like(out.float(), 16.0)))
+
+
+def _grouped_ok(x: Tensor, gate_up: Tensor) -> bool:
+    # CUDA grouped GEMM wants 16-byte aligned rows.
+    aligned = all(d * x.element_size() % 16 == 0 for d in (gate_up.shape[1] // 2, gate_up.shape[2]))
+    return (aligned or not x.is_cuda) and grouped_mm_supported(x.device.type, x.dtype)
+
+
+def experts_forward(
+    x: Tensor,
+    experts: Tensor,
+    weights: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    use_grouped_mm: bool | None = None,
+) -> Tensor:
+    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) for every token t.
+
+    x [T, H]; experts, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I]. Returns [T, H] in x's
+    dtype, accumulated in float32. use_grouped_mm None picks grouped GEMM when it runs here."""
+    num_tokens, top_k = experts.shape
+    num_experts = gate_up.shape[0]
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)
+    token = order // top_k
+    counts = torch.bincount(flat, minlength=num_experts)
+    rows = x.index_select(0, token)
+    grouped = _grouped_ok(x, gate_up) if use_grouped_mm is None else use_grouped_mm
+    if grouped:
+        offs = counts.cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
+    else:
+        y = _padded_bmm(rows, flat[order], counts, gate_up, down)
+    y = y.float() * weights.reshape(-1)[order].float().unsqueeze(-1)
+    out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+    return out.index_add_(0, token, y).to(x.dtype)
+
+
+def _padded_bmm(rows: Tensor, row_expert: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """rows sorted by row_expert -> per-row expert output, via one bmm over the active experts."""
+    active = counts.nonzero().flatten()
+    per = counts[active]
+    width = int(per.max())
+    slot_of_expert = torch.full_like(counts, -1)
+    slot_of_expert[active] = torch.arange(len(active), device=counts.device)
+    first_row = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(rows.shape[0], device=rows.device) - first_row[row_expert]
+    where = slot_of_expert[row_expert] * width + rank
+    buf = rows.new_zeros((len(active) * width, rows.shape[1]))
+    buf[where] = rows
+    h = torch.bmm(buf.view(len(active), width, -1), gate_up[active].transpose(1, 2))
+    gate, up = h.chunk(2, dim=-1)
+    y = torch.bmm(F.silu(gate) * up, down[active].transpose(1, 2))
+    return y.reshape(len(active) * width, -1)[where]
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); the dense MLP and the shared expert."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.top_k = top_k
+        self.normalize = normalize
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return route(F.linear(x, self.weight), self.top_k, self.normalize)
+
+
+class Experts(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, intermediate))
+
+    def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        return experts_forward(x, experts, weights, self.gate_up_proj, self.down_proj)
+
+
+class SparseMoeBlock(nn.Module):
+    """Routed experts plus a sigmoid-gated shared expert, over flat tokens x [T, H]."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        expert_intermediate: int,
+        shared_intermediate: int,
+        normalize: bool,
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        self.gate = Router(hidden, num_experts, top_k, normalize)
+        self.experts = Experts(hidden, expert_intermediate, num_experts)
+        self.shared_expert = GatedMLP(hidden, shared_intermediate)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, experts = self.gate(x)
+        routed = self.experts(x, experts, weights)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared
