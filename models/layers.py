@@ -1,0 +1,231 @@
+"""Building blocks shared by the architectures: RMSNorm, RoPE (default, linear, llama3; partial
+rotary), SwiGLU MLP, and GQA attention over the slot KV cache.
+
+Every layer works on the flat token layout of a `ForwardBatch` ([T, hidden]); only attention pads
+to [B, max_len] for `scaled_dot_product_attention`, and a decode-only batch skips even that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel
+from ballast.models.state import KVState
+from torch import Tensor, nn
+
+DEFAULT_ROPE_THETA = 10000.0
+
+
+class RMSNorm(nn.Module):
+    """Normalise in float32, scale in the input dtype (as the reference does, for bf16 parity)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    rope_type: str = "default"  # default | linear | llama3
+    theta: float = DEFAULT_ROPE_THETA
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 0  # llama3
+    partial_rotary_factor: float = 1.0
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> RopeParams:
+        """From `rope_parameters` (transformers 5) or the older `rope_theta` + `rope_scaling`."""
+        params: dict[str, Any] = dict(hf.get("rope_scaling") or {})
+        params.update(hf.get("rope_parameters") or {})
+        rope_type = str(params.get("rope_type", params.get("type", "default")))
+        theta = float(params.get("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA)))
+        partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+        if rope_type == "default":
+            return cls(theta=theta, partial_rotary_factor=partial)
+        if rope_type == "linear":
+            return cls("linear", theta, factor=float(params["factor"]), partial_rotary_factor=partial)
+        if rope_type == "llama3":
+            original = params.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+            if original is None:
+                raise ConfigError("llama3 rope scaling needs original_max_position_embeddings")
+            return cls(
+                "llama3",
+                theta,
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(original),
+                partial_rotary_factor=partial,
+            )
+        raise UnsupportedModel(f"rope type {rope_type!r} is not supported (supported: default, linear, llama3)")
+
+
+def rope_inv_freq(params: RopeParams, head_dim: int) -> Tensor:
+    """Inverse frequencies [rotary_dim / 2], float32, for the rope variant in params."""
+    dim = int(head_dim * params.partial_rotary_factor)
+    # Explicitly on the CPU: models are constructed under `torch.device("meta")`.
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (params.theta ** (steps / dim))
+    if params.rope_type == "linear":
+        return inv_freq / params.factor
+    if params.rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band between
+        # interpolated smoothly, so the model sees familiar frequencies at short range.
+        old = params.original_max_position_embeddings
+        low_wavelen = old / params.low_freq_factor
+        high_wavelen = old / params.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / params.factor, inv_freq)
+        smooth = (old / wavelen - params.low_freq_factor) / (params.high_freq_factor - params.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / params.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin [T, rotary_dim] for the batch's absolute positions, computed once per forward.
+
+    inv_freq is a plain attribute, not a buffer: models are built on the meta device and filled by
+    `load_state_dict(assign=True)`, and a buffer would be left on meta."""
+
+    def __init__(self, params: RopeParams, head_dim: int) -> None:
+        super().__init__()
+        self._inv_freq = rope_inv_freq(params, head_dim)
+        self._on_device: dict[torch.device, Tensor] = {}
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        inv = self._on_device.get(positions.device)
+        if inv is None:
+            inv = self._inv_freq.to(positions.device)
+            self._on_device[positions.device] = inv
+        freqs = positions.float()[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, head_dim] rotated (half-split layout, as HF checkpoints expect); with partial
+    rotary only the first cos.shape[-1] dims turn."""
+    rot = cos.shape[-1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    if rot == x.shape[-1]:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * c + torch.cat((-x2, x1), dim=-1) * s
+    xr, xp = x[..., :rot], x[..., rot:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    return torch.cat((xr * c + torch.cat((-x2, x1), dim=-1) * s, xp), dim=-1)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), HF names gate_proj / up_proj / down_proj."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def slot_attention_mask(batch: ForwardBatch) -> Tensor | None:
+    """[B, 1, max_len, max_ctx] bool: query i of sequence b (absolute position starts[b] + i) sees
+    cache positions <= its own. Padded query rows see position 0 only, so no row is fully masked
+    (a fully masked row would give NaN). None when nothing needs masking (one decode token)."""
+    if batch.num_seqs == 1 and batch.max_len == 1:
+        return None
+    dev = batch.device
+    i = torch.arange(batch.max_len, device=dev)
+    j = torch.arange(batch.max_ctx, device=dev)
+    last = (batch.lens - 1)[:, None]
+    query_pos = batch.starts[:, None] + torch.minimum(i[None, :], last)  # [B, max_len]
+    return (j[None, None, :] <= query_pos[:, :, None])[:, None]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every layer of one forward shares: the batch, rope tables, the attention mask."""
+
+    batch: ForwardBatch
+    cos: Tensor
+    sin: Tensor
+    mask: Tensor | None
+
+
+class SlotAttention(nn.Module):
+    """Grouped-query attention reading and writing a `KVState`. Names follow HF (`self_attn.*`)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
+        # Qwen3 normalises q and k per head before rope.
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+
+    def forward(self, x: Tensor, ctx: StepContext, state: KVState) -> Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, ctx.cos, ctx.sin)
+        k = apply_rope(k, ctx.cos, ctx.sin)
+        state.write(ctx.batch, k, v)
+        out = attend(q, state, ctx)
+        return self.o_proj(out)
+
+
+def attend(q: Tensor, state: KVState, ctx: StepContext) -> Tensor:
+    """q [T, Hq, D] attends to its slot's cache (this step's K/V already written); -> [T, Hq * D]."""
+    batch = ctx.batch
+    b, L = batch.num_seqs, batch.max_len
+    heads, dim = q.shape[1], q.shape[2]
+    keys, values = state.read(batch)  # [B, max_ctx, Hkv, D]
+    if batch.decode_only:
+        qp = q.view(b, 1, heads, dim)
+    else:
+        qp = q.new_zeros(b * L, heads, dim).index_copy_(0, batch.pad_index, q).view(b, L, heads, dim)
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=ctx.mask,
+        enable_gqa=keys.shape[2] != heads,
+    )  # [B, Hq, L, D]
+    out = out.transpose(1, 2).reshape(b * L, heads * dim)
+    return out if batch.decode_only else out.index_select(0, batch.pad_index)

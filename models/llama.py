@@ -1,0 +1,175 @@
+"""The Llama family (llama, and qwen2 / qwen3, which differ only in q/k/v bias and per-head q/k
+norms), over the slot state. Parameter names equal the HF checkpoints' names."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ballast.memory.specs import LayerSpec
+from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel
+from ballast.models.layers import (
+    RMSNorm,
+    RopeParams,
+    RotaryEmbedding,
+    SlotAttention,
+    StepContext,
+    SwiGLU,
+    slot_attention_mask,
+)
+from ballast.models.state import KVState, LayerState, attention_spec
+from torch import Tensor, nn
+
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def _required(hf: Mapping[str, Any], key: str) -> Any:
+    if hf.get(key) is None:
+        raise ConfigError(f"model config lacks {key!r}")
+    return hf[key]
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeParams
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
+        model_type = str(hf.get("model_type", "llama"))
+        if model_type not in LLAMA_FAMILY:
+            raise UnsupportedModel(f"{model_type!r} is not a Llama-family model ({', '.join(LLAMA_FAMILY)})")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModel(f"hidden_act {act!r} is not supported (only silu)")
+        # A sliding window that is configured but switched off (qwen2/3: use_sliding_window false,
+        # mistral: sliding_window null) is plain causal attention; an active one we do not implement.
+        window_on = hf.get("use_sliding_window", model_type == "mistral") and hf.get("sliding_window")
+        if window_on:
+            raise UnsupportedModel(f"sliding-window attention ({model_type}, window {hf['sliding_window']}) is not supported")
+        heads = int(_required(hf, "num_attention_heads"))
+        hidden = int(_required(hf, "hidden_size"))
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(_required(hf, "vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(_required(hf, "intermediate_size")),
+            num_hidden_layers=int(_required(hf, "num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            rope=RopeParams.from_hf(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # qwen2 always has q/k/v bias and none on o; llama's attention_bias covers all four.
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+            bos_token_id=hf.get("bos_token_id"),
+        )
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = SlotAttention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            qkv_bias=cfg.qkv_bias,
+            o_bias=cfg.o_bias,
+            qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+        )
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: Tensor, ctx: StepContext, state: LayerState) -> Tensor:
+        if not isinstance(state, KVState):
+            raise TypeError(f"a Llama layer needs a KVState, got {type(state).__name__}")
+        h = h + self.self_attn(self.input_layernorm(h), ctx, state)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any]) -> LlamaForCausalLM:
+        return cls(LlamaConfig.from_hf(hf))
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head when the config says so (call after loading
+        weights with assign=True, which replaces the embedding's parameter)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
+        c = self.config
+        return [attention_spec(c.num_key_value_heads, c.head_dim, kv_dtype_bytes) for _ in range(c.num_hidden_layers)]
+
+    def forward(self, batch: ForwardBatch, states: Sequence[LayerState]) -> Tensor:
+        """Logits [B, vocab] (float32) at each sequence's last token."""
+        if len(states) != len(self.model.layers):
+            raise ValueError(f"{len(states)} layer states for {len(self.model.layers)} layers")
+        h = self.model.embed_tokens(batch.token_ids)
+        cos, sin = self.model.rotary_emb(batch.positions, h.dtype)
+        ctx = StepContext(batch, cos, sin, slot_attention_mask(batch))
+        for layer, state in zip(self.model.layers, states, strict=True):
+            h = layer(h, ctx, state)
+        # Only the last token of each sequence needs the final norm and the (large) head.
+        if not batch.decode_only:
+            h = h.index_select(0, batch.last_index)
+        return self.lm_head(self.model.norm(h)).float()

@@ -1,0 +1,52 @@
+"""HF `model_type` -> our model class. Keep `MODEL_CLASSES` a plain dict literal: each
+architecture adds one import and one entry."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from ballast.models.base import UnsupportedModel
+from ballast.models.llama import LlamaForCausalLM
+from torch import nn
+
+# Every class here has `from_hf_config(hf: Mapping[str, Any]) -> instance`, `layer_specs`,
+# `forward(batch, states)` and, where it ties embeddings, `tie_weights()`.
+MODEL_CLASSES: dict[str, Any] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+
+def supported_types() -> list[str]:
+    return sorted(MODEL_CLASSES)
+
+
+def model_class(hf_config: Mapping[str, Any]) -> Any:
+    model_type = hf_config.get("model_type")
+    cls = MODEL_CLASSES.get(str(model_type))
+    if cls is None:
+        raise UnsupportedModel(f"model_type {model_type!r} is not supported; supported: {', '.join(supported_types())}")
+    return cls
+
+
+def build_model(
+    hf_config: Mapping[str, Any],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """The model for an HF config dict, with uninitialised parameters in dtype on device (fill them
+    with `load_state_dict`, or `builtin.init_random`).
+
+    Built on the meta device first, so no time goes into an initialisation the weights overwrite."""
+    cls = model_class(hf_config)
+    with torch.device("meta"):
+        model: nn.Module = cls.from_hf_config(hf_config)
+    model = model.to_empty(device=device).to(dtype)
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()  # to_empty gives tied parameters separate storage; share them again
+    return model.eval()
