@@ -1,0 +1,88 @@
+"""Incremental detokenization: token ids in, exact text deltas out.
+
+Decoding each new token alone is wrong for byte-level and SentencePiece tokenizers: a character
+can span several tokens, and a token's leading space depends on what precedes it. So we decode a
+small window twice, as vLLM and TGI do: the tokens from `prefix_offset` up to `read_offset` (text
+already emitted) and up to the newest token; the delta is the difference. While the new tail
+decodes to U+FFFD (an incomplete UTF-8 sequence) we hold it back and wait for the next token.
+
+Stop strings may also span tokens. We hold back the longest tail of the text that could still
+become a stop string, and cut at the first full match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first outputs, for spacing context
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+class Detokenizer:
+    """Implements `ballast.engine.interface.DetokenizerLike` over any tokenizer's `decode`."""
+
+    def __init__(self, decoder: Decoder, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+        self._decoder = decoder
+        self._tokens = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._tokens)
+        self._stops = tuple(s for s in stop if s)
+        self._held = ""  # decoded text not yet emitted because it may start a stop string
+        self.stopped = False
+        self.text = ""  # everything emitted so far
+
+    def add(self, token_id: int) -> str:
+        if self.stopped:
+            return ""
+        self._tokens.append(token_id)
+        return self._emit(self._next_text(final=False), final=False)
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        return self._emit(self._next_text(final=True), final=True)
+
+    def _next_text(self, final: bool) -> str:
+        """New complete text since the last call (with `final`, also an incomplete tail)."""
+        window = self._tokens[self._prefix_offset :]
+        prefix = self._decoder.decode(self._tokens[self._prefix_offset : self._read_offset])
+        full = self._decoder.decode(window)
+        if len(full) <= len(prefix) or (full.endswith(REPLACEMENT) and not final):
+            return ""
+        # Tokens up to here decode to complete text; later windows start where this one ended.
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        return full[len(prefix) :]
+
+    def _emit(self, new_text: str, final: bool) -> str:
+        text = self._held + new_text
+        cut = self._first_stop(text)
+        if cut is not None:
+            self.stopped = True
+            self._held = ""
+            out = text[:cut]
+        else:
+            keep = 0 if final else self._stop_prefix_len(text)
+            out = text[: len(text) - keep]
+            self._held = text[len(text) - keep :]
+        self.text += out
+        return out
+
+    def _first_stop(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+        best = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
