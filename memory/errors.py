@@ -27,8 +27,8 @@ class LedgerFull(MemoryRefused):
 
 
 class UnknownDie(LookupError):
-    """A lease or figure named a die the ledger was never told about (a programming error)."""
+    """A die that was never registered with the ledger, or is not in a snapshot (a caller bug)."""
 
     def __init__(self, die: int) -> None:
         self.die = die
-        super().__init__(f"die {die} is not registered with the VRAM ledger")
+        super().__init__(f"die {die} is unknown: not registered with the VRAM ledger / not in the snapshot")
