@@ -115,7 +115,7 @@ class RequestHandle:
     after the FinishEvent. `abort()` (a client disconnect) frees the slot within one step; using the
     handle as `async with handle:` aborts on exit unless the request finished."""
 
-    def __init__(self, request: GenerationRequest, mailbox: Mailbox, on_abort: Callable[[str], None]) -> None:
+    def __init__(self, request: GenerationRequest, mailbox: Mailbox, on_abort: Callable[[], None]) -> None:
         self.request = request
         self._mailbox = mailbox
         self._on_abort = on_abort
@@ -135,7 +135,7 @@ class RequestHandle:
         """Idempotent; a no-op once the request has finished."""
         if not self._aborted and not self._mailbox.closed:
             self._aborted = True
-            self._on_abort(self.request.request_id)
+            self._on_abort()
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self._events()

@@ -41,6 +41,9 @@ class SlotTable:
                 return slot
         return None
 
+    def has_free(self, limit: int) -> bool:
+        return any(st is SlotState.FREE for st in self._state[: max(0, limit)])
+
     def retire(self, slot: int) -> None:
         """The request in `slot` ended: release it in the next plan."""
         self._expect(slot, SlotState.BUSY)

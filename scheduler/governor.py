@@ -1,0 +1,173 @@
+"""Memory governance for the scheduler, once per step: snapshot -> ladder plan -> admission ->
+pressure level (backpressure). Pure bookkeeping over the memory layer's pure functions; it never
+blocks (MemWatch.read() is one reference read) and never touches the engine.
+
+Backpressure follows seed 000's D3: a snapshot at TIGHT alone does not hold new work (a small box
+sits at TIGHT at rest, and the ladder already halves the slots there); what raises the pressure
+level is an admission REJECT. A reject pins the level at max(TIGHT, snapshot level) until a
+fresher snapshot arrives that is no worse than the one that was refused, so the queue is held (at
+TIGHT) or refused (at CRITICAL) until memory has been looked at again, and retried then. A
+CRITICAL snapshot counts directly: at the reserve line admission refuses everything anyway, and
+answering 503 before a request queues is what lets a client back off in microseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ballast.memory.admission import admit_request
+from ballast.memory.ladder import LadderConfig, plan_for
+from ballast.memory.types import CostModel, LadderPlan, Level, MemState, Verdict, VerdictKind
+from ballast.scheduler.errors import Overloaded
+
+
+class SnapshotSource(Protocol):
+    """What the scheduler needs of MemWatch: a non-blocking read of the latest snapshot."""
+
+    def read(self) -> MemState: ...
+
+
+class VerdictRecorder(Protocol):
+    """What the scheduler needs of the admission metrics: count one verdict."""
+
+    def record(self, verdict: Verdict) -> None: ...
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request may start with `max_tokens` new tokens (fewer than asked when `capped`)."""
+
+    max_tokens: int
+    capped: bool
+    verdict: Verdict
+
+
+@dataclass(frozen=True)
+class GovernorSettings:
+    ladder: LadderConfig  # the operator's slots and window: the plan at OK
+    ladder_disable: bool
+    psi_full_reject_pct: float
+    retry_after_s: float
+    gpu_die: int | None  # the die a GPU-resident engine's caches live on; None = host path
+
+
+class Governor:
+    def __init__(
+        self,
+        settings: GovernorSettings,
+        cost: CostModel,
+        source: SnapshotSource | None = None,
+        recorder: VerdictRecorder | None = None,
+    ) -> None:
+        self._s = settings
+        self._cost = cost
+        self._source = source
+        self._recorder = recorder
+        self._state: MemState | None = None
+        self._plan = plan_for(Level.OK, settings.ladder, disabled=settings.ladder_disable)
+        self._pin: Level = Level.OK  # raised by a reject; see the module doc
+        self._pin_seq = -1  # snapshot seq the reject was decided on
+        self._pin_snapshot_level = Level.OK
+        self.denials = 0
+
+    # --- per step -------------------------------------------------------------------------
+    def refresh(self) -> LadderPlan:
+        """Read the latest snapshot, re-plan the ladder, let a reject's pin decay."""
+        state = self._read()
+        if state is not self._state:
+            self._state = state
+            self._plan = plan_for(self.snapshot_level, self._s.ladder, disabled=self._s.ladder_disable)
+        self._decay(state)
+        return self._plan
+
+    def admit(self, n_prompt: int, max_tokens: int) -> Admission:
+        """Ask the memory layer whether a request may take a slot now. Raises Overloaded (and
+        raises the pressure level) on REJECT. The window is the ladder's: a CAP shortens
+        max_tokens so prompt + new tokens fit; a prompt that cannot fit is refused, not cut."""
+        window = self._plan.prefill_window
+        state = self._state
+        if state is None:  # no memory signals: only the window applies (fail open, as the seed does)
+            fit = min(n_prompt + max_tokens, window)
+            kind = VerdictKind.ADMIT if fit == n_prompt + max_tokens else VerdictKind.CAP
+            verdict = Verdict(kind, fit) if fit > n_prompt else Verdict(VerdictKind.REJECT, 0, f"context window limit: {n_prompt} prompt tokens, window {window}")
+        else:
+            verdict = admit_request(
+                n_prompt,
+                max_tokens,
+                state,
+                self._cost,
+                max_window=window,
+                gpu_die=self._s.gpu_die,
+                quantized_kv=False,  # the engine's CostModel states the KV format its caches use
+                psi_full_reject_pct=self._s.psi_full_reject_pct,
+                min_window=n_prompt + 1,
+            )
+        if self._recorder is not None:
+            self._recorder.record(verdict)
+        if verdict.kind is VerdictKind.REJECT:
+            self._deny(state)
+            raise Overloaded(self._s.retry_after_s, verdict.reason or "admission refused")
+        capped = verdict.kind is VerdictKind.CAP
+        return Admission(verdict.fit_tokens - n_prompt if capped else max_tokens, capped, verdict)
+
+    def check_submit(self) -> None:
+        """Raise Overloaded at CRITICAL pressure, from a fresh snapshot (microseconds)."""
+        self.refresh()
+        if self.pressure_level >= Level.CRITICAL:
+            raise Overloaded(self._s.retry_after_s, f"memory pressure {self.pressure_level.name}")
+
+    def overloaded(self, what: str) -> Overloaded:
+        return Overloaded(self._s.retry_after_s, f"memory pressure {self.pressure_level.name}: {what}")
+
+    # --- figures --------------------------------------------------------------------------
+    @property
+    def plan(self) -> LadderPlan:
+        return self._plan
+
+    @property
+    def snapshot(self) -> MemState | None:
+        return self._state
+
+    @property
+    def snapshot_level(self) -> Level:
+        return self._state.level if self._state is not None else Level.OK
+
+    @property
+    def pressure_level(self) -> Level:
+        direct = self.snapshot_level if self.snapshot_level >= Level.CRITICAL else Level.OK
+        return max(direct, self._pin)
+
+    @property
+    def holding(self) -> bool:
+        """New work waits in the queue (TIGHT) or is refused (CRITICAL)."""
+        return self.pressure_level >= Level.TIGHT
+
+    # --- internals ------------------------------------------------------------------------
+    def _read(self) -> MemState | None:
+        return self._source.read() if self._source is not None else None
+
+    def _deny(self, state: MemState | None) -> None:
+        self.denials += 1
+        level = state.level if state is not None else Level.OK
+        self._pin = max(self._pin, Level.TIGHT, level)
+        self._pin_seq = state.seq if state is not None else -1
+        self._pin_snapshot_level = level
+
+    def _decay(self, state: MemState | None) -> None:
+        if self._pin is Level.OK:
+            return
+        if state is None:
+            # No signals to wait for: the reject was about the window alone, nothing to hold.
+            self._clear_pin()
+        elif state.seq != self._pin_seq and state.level <= self._pin_snapshot_level:
+            self._clear_pin()
+        elif state.level > self._pin_snapshot_level:
+            # Worse than when we were refused: follow it up (CRITICAL refuses the queue).
+            self._pin = max(self._pin, state.level)
+            self._pin_snapshot_level = state.level
+
+    def _clear_pin(self) -> None:
+        self._pin = Level.OK
+        self._pin_seq = -1
+        self._pin_snapshot_level = Level.OK

@@ -1,0 +1,366 @@
+"""The asyncio continuous-batching loop: govern, schedule, execute, apply.
+
+Everything here runs on the event loop thread; the engine runs plans on its own thread and the
+only things crossing are a frozen `StepPlan` and a `StepResult`. Per-request state (`_Seq`) is
+private to this module and changed only here (the field-tested failure mode is a request object
+mutated by scheduler, allocator and runner at once). One plan is in flight at a time, so a slot
+freed by a finished or aborted request is released in the next plan and reused only after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ballast.engine.interface import DetokenizerLike, EngineLike
+from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, SlotOutput, StepPlan, StepResult
+from ballast.memory.ladder import LadderConfig
+from ballast.memory.types import LadderPlan, Level
+from ballast.scheduler.config import SchedulerConfig
+from ballast.scheduler.errors import (
+    ContextTooLong,
+    EngineFailed,
+    Overloaded,
+    QueueFull,
+    Refused,
+    RequestTimeout,
+)
+from ballast.scheduler.governor import Governor, GovernorSettings, SnapshotSource, VerdictRecorder
+from ballast.scheduler.queue import WaitingQueue
+from ballast.scheduler.request import (
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    Mailbox,
+    RequestHandle,
+    TokenEvent,
+    TokenLogprob,
+)
+from ballast.scheduler.slots import SlotTable
+
+log = logging.getLogger(__name__)
+
+OUTCOMES = ("stop", "length", "abort", "timeout", "overloaded", "queue_full", "context_length", "failed")
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: GenerationRequest
+    mailbox: Mailbox
+    submitted_at: float
+    deadline: float | None
+    detok: DetokenizerLike
+    phase: Phase = Phase.WAITING
+    slot: int | None = None
+    prefilled: int = 0  # prompt tokens already sent to the engine
+    max_tokens: int = 0  # after admission (a CAP lowers it)
+    capped: bool = False
+    output: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: EngineLike,
+        config: SchedulerConfig,
+        *,
+        memwatch: SnapshotSource | None = None,
+        admission_metrics: VerdictRecorder | None = None,
+        gpu_die: int | None = None,
+        on_idle: Callable[[], None] | None = None,
+    ) -> None:
+        self._engine = engine
+        self._cfg = config
+        self._on_idle = on_idle
+        self._max_slots = min(config.max_num_seqs, engine.num_slots)
+        self._window = min(config.prefill_window or engine.max_model_len, engine.max_model_len)
+        settings = GovernorSettings(
+            LadderConfig(self._max_slots, self._window), config.ladder_disable, config.psi_full_reject_pct, config.retry_after_s, gpu_die
+        )
+        self._gov = Governor(settings, engine.cost_model, memwatch, admission_metrics)
+        self._eos = engine.tokenizer.eos_token_ids
+        self._slots = SlotTable(engine.num_slots)
+        self._queue: WaitingQueue[_Seq] = WaitingQueue(config.max_queue)
+        self._running: list[_Seq] = []  # admission order: the FCFS order of prefill chunks
+        self._by_slot: dict[int, _Seq] = {}
+        self._engine_slots = engine.num_slots  # the max_slots the engine applies now
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._idle_noted = False
+        self.failure: EngineFailed | None = None
+        self.steps = 0
+        self._outcomes = dict.fromkeys(OUTCOMES, 0)
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._gov.refresh()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="ballast-scheduler")
+
+    async def stop(self) -> None:
+        """Abort everything queued or running, send the engine the last releases, end the loop."""
+        if self._task is None or self._closing:
+            return
+        self._closing = True
+        for seq in [*self._queue, *self._running]:
+            self._finish(seq, "abort")
+        self._wake.set()
+        await self._task
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done() and not self._closing
+
+    @property
+    def healthy(self) -> bool:
+        """False once an engine step failed (the process should report unhealthy and exit)."""
+        return self.failure is None
+
+    # --- intake ---------------------------------------------------------------------------
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises ContextTooLong, Overloaded or QueueFull at once. Call from the
+        event loop thread."""
+        try:
+            if not self.running:
+                raise Overloaded(self._cfg.retry_after_s, "the scheduler is not running")
+            if len(req.prompt_ids) + req.max_tokens > self._window:
+                raise ContextTooLong(len(req.prompt_ids), req.max_tokens, self._window)
+            self._gov.check_submit()
+            if self._queue.full:
+                raise QueueFull(self._cfg.retry_after_s, self._queue.max_size)
+        except Refused as refusal:
+            self._count_refusal(refusal)
+            raise
+        now = time.monotonic()
+        deadline = req.deadline_s
+        if deadline is None and self._cfg.request_timeout_s > 0:
+            deadline = now + self._cfg.request_timeout_s
+        detok = self._engine.new_detokenizer(req.prompt_ids, req.stop)
+        seq = _Seq(req, Mailbox(self._cfg.mailbox_events), now, deadline, detok, max_tokens=req.max_tokens)
+        self._queue.push(seq)
+        self._wake.set()
+        return RequestHandle(req, seq.mailbox, lambda: self._abort(seq))
+
+    def _abort(self, seq: _Seq) -> None:
+        if seq.phase is not Phase.FINISHED:
+            self._finish(seq, "abort")
+            self._wake.set()  # an idle loop must still send the slot's release
+
+    # --- the loop -------------------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            while not self._closing or self._slots.draining:
+                self._govern()
+                plan = self._schedule()
+                if plan.empty:
+                    await self._wait_for_work()
+                    continue
+                result = await asyncio.wrap_future(self._engine.submit(plan))
+                self._apply(plan, result)
+        except Exception as exc:
+            # The engine (or a step's bookkeeping) is unsound: every request gets an error event,
+            # `healthy` turns false, and the cause is logged and kept in `failure`.
+            log.exception("scheduler loop stopped: engine step failed")
+            self._fail(exc)
+
+    def _govern(self) -> None:
+        """Memory first: refresh the ladder plan and pressure; end requests past their deadline;
+        at CRITICAL refuse everything still waiting (in-flight requests are never killed)."""
+        self._gov.refresh()
+        now = time.monotonic()
+        for seq in [*self._queue, *self._running]:
+            if seq.deadline is not None and now >= seq.deadline:
+                self._finish(seq, "error", RequestTimeout(seq.deadline - seq.submitted_at, len(seq.output)))
+        if self._gov.pressure_level >= Level.CRITICAL:
+            for seq in list(self._queue):
+                self._finish(seq, "error", self._gov.overloaded("queued request refused"))
+
+    def _schedule(self) -> StepPlan:
+        """Decodes first (one token each), then prefill chunks of the oldest admitted requests,
+        then new admissions from the queue head while token budget and slots remain."""
+        sampling: dict[int, SamplingParams] = {}
+        decodes = []
+        for seq in self._running:
+            if seq.phase is Phase.DECODING and seq.slot is not None:
+                decodes.append(DecodeToken(seq.slot, seq.output[-1], len(seq.req.prompt_ids) + len(seq.output) - 1))
+                sampling[seq.slot] = seq.req.params
+        budget = min(self._cfg.max_num_batched_tokens - len(decodes), self._engine.prefill_chunk_tokens)
+        prefills: list[PrefillChunk] = []
+        for seq in self._running:
+            if budget > 0 and seq.phase is Phase.PREFILLING and seq.prefilled < len(seq.req.prompt_ids):
+                budget -= self._chunk(seq, budget, prefills, sampling)
+        while budget > 0 and not self._closing and (new := self._admit_head()) is not None:
+            budget -= self._chunk(new, budget, prefills, sampling)
+        return StepPlan(
+            prefills=tuple(prefills),
+            decodes=tuple(decodes),
+            sampling=sampling,
+            release=self._slots.take_releases(),
+            max_slots=self._engine_slot_change(),
+        )
+
+    def _apply(self, plan: StepPlan, result: StepResult) -> None:
+        self.steps += 1
+        self._slots.released(plan.release)
+        outputs = {out.slot: out for out in result.outputs}
+        expected = [d.slot for d in plan.decodes] + [p.slot for p in plan.prefills if p.sample]
+        for slot in expected:
+            seq = self._by_slot.get(slot)
+            if seq is None:  # finished (aborted, timed out) while the step ran: drop its token
+                continue
+            if slot not in outputs:
+                raise RuntimeError(f"engine returned no token for slot {slot} of request {seq.req.request_id}")
+            self._on_token(seq, outputs[slot])
+
+    # --- pieces ---------------------------------------------------------------------------
+    def _admit_head(self) -> _Seq | None:
+        """Give the queue head a slot if memory and the ladder allow; FCFS: never skip the head."""
+        while (seq := self._queue.head()) is not None:
+            if self._gov.holding or not self._slots.has_free(self.slot_limit) or len(self._running) >= self.slot_limit:
+                return None
+            try:
+                admission = self._gov.admit(len(seq.req.prompt_ids), seq.req.max_tokens)
+            except Overloaded as refusal:  # the governor has raised the pressure level
+                self._finish(seq, "error", refusal)
+                continue
+            slot = self._slots.acquire(self.slot_limit)
+            assert slot is not None  # has_free said so, and nothing ran in between
+            self._queue.pop_head()
+            seq.slot, seq.phase = slot, Phase.PREFILLING
+            seq.max_tokens, seq.capped = admission.max_tokens, admission.capped
+            self._running.append(seq)
+            self._by_slot[slot] = seq
+            return seq
+        return None
+
+    def _chunk(self, seq: _Seq, budget: int, out: list[PrefillChunk], sampling: dict[int, SamplingParams]) -> int:
+        assert seq.slot is not None
+        prompt = seq.req.prompt_ids
+        n = min(budget, len(prompt) - seq.prefilled)
+        end = seq.prefilled + n
+        out.append(PrefillChunk(seq.slot, prompt[seq.prefilled : end], seq.prefilled, sample=end == len(prompt)))
+        sampling[seq.slot] = seq.req.params
+        seq.prefilled = end
+        return n
+
+    def _on_token(self, seq: _Seq, out: SlotOutput) -> None:
+        seq.phase = Phase.DECODING
+        seq.output.append(out.token_id)
+        if out.token_id in self._eos:
+            self._finish(seq, "stop")
+            return
+        text = seq.detok.add(out.token_id)
+        logprobs = None
+        if seq.req.params.logprobs is not None and out.logprob is not None:
+            logprobs = (TokenLogprob(out.token_id, out.logprob, out.top_logprobs),)
+        seq.mailbox.put(TokenEvent(text, (out.token_id,), logprobs))
+        if seq.detok.stopped:
+            self._finish(seq, "stop")
+        elif len(seq.output) >= seq.max_tokens or out.at_capacity:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: _Seq, reason: FinishReason, error: Refused | None = None) -> None:
+        """End a request wherever it is: out of the queue or its slot, final text, FinishEvent."""
+        if seq.phase is Phase.FINISHED:
+            return
+        if seq.phase is Phase.WAITING:
+            self._queue.drop_if(lambda s: s is seq)
+        else:
+            self._running.remove(seq)
+            if seq.slot is not None:
+                del self._by_slot[seq.slot]
+                self._slots.retire(seq.slot)
+        seq.phase = Phase.FINISHED
+        if reason in ("stop", "length") and not seq.detok.stopped:
+            tail = seq.detok.flush()
+            if tail:
+                seq.mailbox.put(TokenEvent(tail, ()))
+        capped = seq.capped and reason == "length"
+        seq.mailbox.put(FinishEvent(reason, len(seq.req.prompt_ids), len(seq.output), capped, error))
+        self._outcomes[reason if error is None else self._outcome_of(error)] += 1
+
+    def _fail(self, exc: Exception) -> None:
+        self.failure = EngineFailed(exc)
+        self._closing = True
+        for seq in [*self._queue, *self._running]:
+            self._finish(seq, "error", self.failure)
+
+    async def _wait_for_work(self) -> None:
+        """Sleep on the wake event when idle (trimming caches once per idle spell); while the
+        queue is held by pressure, re-read memory every hold_poll_s instead."""
+        self._wake.clear()
+        if self.idle:
+            if not self._idle_noted and self._on_idle is not None:
+                self._on_idle()
+            self._idle_noted = True
+            await self._wake.wait()
+            self._idle_noted = False
+        else:
+            # A held queue's poll tick: time out, go round and re-read the snapshot.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._cfg.hold_poll_s)
+
+    def _engine_slot_change(self) -> int | None:
+        """The slot limit the engine should apply, when it changes; never below a held slot."""
+        want = max(self.slot_limit, self._slots.highest_held)
+        if want == self._engine_slots:
+            return None
+        self._engine_slots = want
+        return want
+
+    def _count_refusal(self, refusal: Refused) -> None:
+        self._outcomes[self._outcome_of(refusal)] += 1
+
+    @staticmethod
+    def _outcome_of(error: Refused) -> str:
+        if isinstance(error, RequestTimeout):
+            return "timeout"
+        if isinstance(error, QueueFull):
+            return "queue_full"
+        if isinstance(error, ContextTooLong):
+            return "context_length"
+        if isinstance(error, Overloaded):
+            return "overloaded"
+        return "failed"
+
+    # --- figures (read-only) --------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active_slots(self) -> int:
+        return self._slots.busy
+
+    @property
+    def slot_limit(self) -> int:
+        return min(self._max_slots, self._gov.plan.max_slots)
+
+    @property
+    def pressure_level(self) -> Level:
+        return self._gov.pressure_level
+
+    @property
+    def plan(self) -> LadderPlan:
+        return self._gov.plan
+
+    @property
+    def idle(self) -> bool:
+        return not self._queue and not self._running and self._slots.idle
+
+    @property
+    def outcomes(self) -> dict[str, int]:
+        return dict(self._outcomes)

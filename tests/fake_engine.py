@@ -1,0 +1,267 @@
+"""A deterministic engine for scheduler and server tests: the real `EngineLike` contract, no model.
+
+It runs every plan on a real single worker thread (as the engine thread does), keeps real per-slot
+sequences and refuses any plan a real engine could not run (a prefill at the wrong position, a
+decode of a token that was not sampled, reuse of a slot that was never released, more prefill
+tokens than it profiled, a slot above its current limit) so a scheduler bug fails the step instead
+of passing silently. Each sampled token is a pure function of (prompt, position) (and the seed when
+sampling is not greedy), so a test can know a request's text without running it and compare runs.
+Every plan is recorded for tests that assert batching.
+
+Import it as `from fake_engine import FakeEngine` (tests/ is on sys.path via conftest.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ballast.engine.plan import SamplingParams, SlotOutput, StepPlan, StepResult
+from ballast.memory.types import CostModel
+
+# A toy vocabulary: id 0 is end-of-sequence, a few ids are several characters long.
+VOCAB: tuple[str, ...] = ("<eos>", *"abcdefghijklmnopqrstuvwxyz", " ", ".", ",", "\n", "?", "!", ":", *"0123456789", "th", "ing", " the")
+EOS = 0
+_IDS = {piece: i for i, piece in enumerate(VOCAB) if i != EOS}
+_UNKNOWN = _IDS["?"]
+_LONGEST = max(len(p) for p in VOCAB[1:])
+# Generated tokens come from letters and space only, so text is easy to read and to search.
+_GEN = tuple(range(1, 28))
+
+
+class FakeEngineError(RuntimeError):
+    """A plan broke the engine contract: the scheduler under test has a bug."""
+
+
+class FakeTokenizer:
+    eos_token_ids = frozenset({EOS})
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        i = 0
+        while i < len(text):
+            for size in range(min(_LONGEST, len(text) - i), 0, -1):  # longest match first
+                piece = _IDS.get(text[i : i + size])
+                if piece is not None:
+                    ids.append(piece)
+                    i += size
+                    break
+            else:
+                ids.append(_UNKNOWN)
+                i += 1
+        return ids
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(VOCAB[t] for t in token_ids if t != EOS)
+
+
+class FakeDetokenizer:
+    """Incremental text with stop strings: text that may be the start of a stop string is held
+    back until it is known not to be one; text from a stop string on is never emitted."""
+
+    def __init__(self, stop: Sequence[str] = ()) -> None:
+        self._stop = tuple(stop)
+        self._text = ""
+        self._emitted = 0
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        if self.stopped:
+            return ""
+        self._text += VOCAB[token_id] if token_id != EOS else ""
+        hits = [i for i in (self._text.find(s, self._emitted) for s in self._stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            return self._take(min(hits))
+        return self._take(len(self._text) - self._held_back())
+
+    def flush(self) -> str:
+        return "" if self.stopped else self._take(len(self._text))
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(self._text) - self._emitted), best, -1):
+                if self._text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def _take(self, end: int) -> str:
+        out = self._text[self._emitted : end]
+        self._emitted = max(self._emitted, end)
+        return out
+
+
+def token_for(prompt: Sequence[int], pos: int, params: SamplingParams | None = None, eos_after: int | None = None) -> int:
+    """The token sampled at position `pos` after `prompt`: the fake model's whole definition."""
+    if eos_after is not None and pos - len(prompt) >= eos_after:
+        return EOS
+    seed = b"" if params is None or params.greedy or params.seed is None else params.seed.to_bytes(8, "little", signed=True)
+    h = hashlib.blake2b(seed + b"%d:" % pos + b",".join(b"%d" % t for t in prompt), digest_size=8)
+    return _GEN[int.from_bytes(h.digest(), "little") % len(_GEN)]
+
+
+def expected_tokens(prompt: Sequence[int], n: int, eos_after: int | None = None) -> list[int]:
+    """The first n tokens a greedy request with this prompt generates (stops after an EOS)."""
+    out: list[int] = []
+    for i in range(n):
+        out.append(token_for(prompt, len(prompt) + i, None, eos_after))
+        if out[-1] == EOS:
+            break
+    return out
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        *,
+        num_slots: int = 8,
+        max_model_len: int = 256,
+        prefill_chunk_tokens: int = 64,
+        step_delay_s: float = 0.0,
+        eos_after: int | None = None,
+        cost_model: CostModel | None = None,
+        model_name: str = "fake-model",
+    ) -> None:
+        self.model_name = model_name
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.cost_model = cost_model or CostModel(kv_bytes_per_token=1 << 16, state_bytes_per_slot=1 << 20, activation_bytes_per_prefill_token=1 << 12)
+        self.tokenizer = FakeTokenizer()
+        self.step_delay_s = step_delay_s
+        self.eos_after = eos_after
+        self.slot_limit = num_slots  # the ladder's max_slots as last applied between steps
+        self.plans: list[StepPlan] = []
+        self._lock = threading.Lock()
+        self._seqs: dict[int, list[int]] = {}  # slot -> tokens consumed (prompt, then generated)
+        self._prompt_len: dict[int, int] = {}  # slot -> prompt length, once its last chunk arrived
+        self._pending: dict[int, int] = {}  # slot -> last sampled token, not yet fed back
+        self._failure: BaseException | None = None
+        self._fail_next: BaseException | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-engine")
+
+    # --- EngineLike -----------------------------------------------------------------------
+    def submit(self, plan: StepPlan) -> Future[StepResult]:
+        return self._pool.submit(self._step, plan)
+
+    def new_detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> FakeDetokenizer:
+        return FakeDetokenizer(stop)
+
+    @property
+    def healthy(self) -> bool:
+        return self._failure is None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # --- test controls and figures --------------------------------------------------------
+    def fail_next_step(self, exc: BaseException) -> None:
+        """The next plan raises `exc` on the engine thread (a failed forward)."""
+        self._fail_next = exc
+
+    @property
+    def active_slots(self) -> int:
+        """Slots holding a sequence: 0 when the scheduler has released everything."""
+        with self._lock:
+            return len(self._seqs)
+
+    def recorded(self) -> list[StepPlan]:
+        with self._lock:
+            return list(self.plans)
+
+    # --- the engine thread ----------------------------------------------------------------
+    def _step(self, plan: StepPlan) -> StepResult:
+        with self._lock:
+            self.plans.append(plan)
+            if self._failure is not None:
+                raise FakeEngineError(f"engine is unsound after {self._failure!r}")
+            try:
+                if self._fail_next is not None:
+                    exc, self._fail_next = self._fail_next, None
+                    raise exc
+                result = self._execute(plan)
+            except BaseException as exc:
+                self._failure = exc
+                raise
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)  # compute time, outside the lock so figures stay readable
+        return result
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        for slot in plan.release:
+            if slot not in self._seqs:
+                raise FakeEngineError(f"release of slot {slot}, which holds nothing")
+            del self._seqs[slot]
+            self._prompt_len.pop(slot, None)
+            self._pending.pop(slot, None)
+        if plan.max_slots is not None:
+            held = [s for s in self._seqs if s >= plan.max_slots]
+            if plan.max_slots < 1 or plan.max_slots > self.num_slots or held:
+                raise FakeEngineError(f"max_slots={plan.max_slots} with slots {held} held ({self.num_slots} allocated)")
+            self.slot_limit = plan.max_slots
+        used = [c.slot for c in plan.prefills] + [d.slot for d in plan.decodes]
+        if len(used) != len(set(used)):
+            raise FakeEngineError(f"a slot appears twice in one plan: {used}")
+        prefill_tokens = sum(len(c.token_ids) for c in plan.prefills)
+        if prefill_tokens > self.prefill_chunk_tokens:
+            raise FakeEngineError(f"{prefill_tokens} prefill tokens > profiled {self.prefill_chunk_tokens}")
+        outputs = [out for c in plan.prefills if (out := self._prefill(c.slot, c.token_ids, c.start_pos, c.sample, plan)) is not None]
+        outputs += [self._decode(d.slot, d.token_id, d.pos, plan) for d in plan.decodes]
+        return StepResult(outputs=tuple(outputs), prefill_tokens=prefill_tokens, decode_tokens=len(plan.decodes))
+
+    def _prefill(self, slot: int, tokens: tuple[int, ...], start: int, sample: bool, plan: StepPlan) -> SlotOutput | None:
+        self._check_slot(slot)
+        if start == 0:
+            if slot in self._seqs:
+                raise FakeEngineError(f"slot {slot} reused without a release")
+            self._seqs[slot] = []
+        seq = self._seqs.get(slot)
+        if seq is None or len(seq) != start or slot in self._prompt_len:
+            raise FakeEngineError(f"prefill of slot {slot} at {start}, slot holds {None if seq is None else len(seq)}")
+        if not tokens:
+            raise FakeEngineError(f"empty prefill chunk for slot {slot}")
+        seq.extend(tokens)
+        if not sample:
+            return None
+        self._prompt_len[slot] = len(seq)
+        return self._sample(slot, plan)
+
+    def _decode(self, slot: int, token: int, pos: int, plan: StepPlan) -> SlotOutput:
+        self._check_slot(slot)
+        seq = self._seqs.get(slot)
+        if seq is None or slot not in self._pending or self._pending[slot] != token or len(seq) != pos:
+            raise FakeEngineError(f"decode of slot {slot} token {token} at {pos} does not continue its sequence")
+        seq.append(token)
+        return self._sample(slot, plan)
+
+    def _sample(self, slot: int, plan: StepPlan) -> SlotOutput:
+        seq = self._seqs[slot]
+        if len(seq) >= self.max_model_len:
+            raise FakeEngineError(f"slot {slot} past max_model_len {self.max_model_len}")
+        params = plan.sampling.get(slot)
+        if params is None:
+            raise FakeEngineError(f"no sampling params for slot {slot}")
+        prompt = seq[: self._prompt_len[slot]]
+        tok = token_for(prompt, len(seq), params, self.eos_after)
+        self._pending[slot] = tok
+        logprob: float | None = None
+        top: tuple[tuple[int, float], ...] = ()
+        if params.logprobs is not None:
+            logprob = -0.1 * (1 + tok % 7)
+            candidates = (tok, *(t for t in _GEN if t != tok))[: params.logprobs]
+            top = tuple((t, logprob - 0.05 * i) for i, t in enumerate(candidates))
+        return SlotOutput(slot, tok, logprob, top, at_capacity=len(seq) + 1 >= self.max_model_len)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slot_limit:
+            raise FakeEngineError(f"slot {slot} outside the current limit {self.slot_limit}")
