@@ -1,0 +1,406 @@
+"""Qwen3-Next: gated DeltaNet linear-attention layers interleaved with gated full attention, and
+sparse MoE MLPs with a shared expert. Qwen3.5-MoE (models/qwen3_5_moe.py) reuses everything here
+except the linear-attention input projections.
+
+Per-layer state follows the layer's kind: full-attention layers read and write a `KVState`,
+linear-attention layers a `RecurrentState` (conv window + float32 delta-rule state). The engine
+sees only `layer_specs` and `forward(batch, states)`; nothing outside this file knows the model is
+hybrid. Parameter names equal the Hugging Face checkpoint names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from ballast.memory.specs import LayerSpec, RecurrentStateSpec
+from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel
+from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
+from ballast.models.gated_delta import DeltaPlan, gated_delta_varlen
+from ballast.models.layers import (
+    RopeParams,
+    RotaryEmbedding,
+    StepContext,
+    apply_rope,
+    attend,
+    slot_attention_mask,
+)
+from ballast.models.moe import GatedMLP, SparseMoeBlock
+from ballast.models.state import KVState, LayerState, RecurrentState, attention_spec, dtype_bytes
+from torch import Tensor, nn
+
+LINEAR, FULL = "linear_attention", "full_attention"
+# Older configs name the layer kinds after the architecture they came from.
+_LEGACY_KINDS = {"mamba": LINEAR, "conv": LINEAR, "attention": FULL}
+
+
+def _int(hf: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = hf.get(key, default)
+    if value is None:
+        raise ConfigError(f"model config lacks {key!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """The Qwen3-Next / Qwen3.5-MoE text config; defaults are the reference configs' defaults."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeParams
+    layer_types: tuple[str, ...]
+    linear_conv_kernel_dim: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    intermediate_size: int  # dense-MLP layers only (0 when every layer is sparse)
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_num_key_heads", "linear_num_value_heads", "decoder_sparse_step"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {LINEAR, FULL}:
+            raise ConfigError(f"layer_types must name {self.num_hidden_layers} layers of {LINEAR!r} / {FULL!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if any(self.is_sparse(i) for i in range(self.num_hidden_layers)) and not (
+            0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+        ):
+            raise ConfigError("MoE layers need 0 < num_experts_per_tok <= num_experts and moe_intermediate_size > 0")
+        if not all(self.is_sparse(i) for i in range(self.num_hidden_layers)) and self.intermediate_size <= 0:
+            raise ConfigError("dense MLP layers need intermediate_size > 0")
+
+    def is_sparse(self, index: int) -> bool:
+        return (
+            index not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (index + 1) % self.decoder_sparse_step == 0
+        )
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], model_types: tuple[str, ...], all_sparse: bool = False) -> HybridConfig:
+        """From an HF config dict. A multimodal Qwen3.5 config nests the text model in text_config.
+        all_sparse: every layer is MoE with normalised top-k (Qwen3.5 has no dense layers)."""
+        if isinstance(hf.get("text_config"), Mapping):
+            outer = hf
+            hf = {**hf["text_config"]}
+            hf.setdefault("tie_word_embeddings", outer.get("tie_word_embeddings", False))
+        model_type = str(hf.get("model_type"))
+        if model_type not in model_types:
+            raise UnsupportedModel(f"model_type {model_type!r} is not one of {', '.join(model_types)}")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModel(f"hidden_act {act!r} is not supported (only silu)")
+        layers = _int(hf, "num_hidden_layers")
+        kinds = hf.get("layer_types")
+        if kinds is None:
+            interval = _int(hf, "full_attention_interval", 4)
+            kinds = [LINEAR if (i + 1) % interval else FULL for i in range(layers)]
+        rope_src = dict(hf)
+        if "partial_rotary_factor" not in hf and "partial_rotary_factor" not in (hf.get("rope_parameters") or {}):
+            rope_src["partial_rotary_factor"] = 0.25  # the reference's default for these models
+        eos = hf.get("eos_token_id")
+        return cls(
+            model_type=model_type,
+            vocab_size=_int(hf, "vocab_size"),
+            hidden_size=_int(hf, "hidden_size"),
+            num_hidden_layers=layers,
+            num_attention_heads=_int(hf, "num_attention_heads"),
+            num_key_value_heads=_int(hf, "num_key_value_heads", 2),
+            head_dim=_int(hf, "head_dim", 256),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=_int(hf, "max_position_embeddings", 32768),
+            rope=RopeParams.from_hf(rope_src),
+            layer_types=tuple(_LEGACY_KINDS.get(k, k) for k in kinds),
+            linear_conv_kernel_dim=_int(hf, "linear_conv_kernel_dim", 4),
+            linear_key_head_dim=_int(hf, "linear_key_head_dim", 128),
+            linear_value_head_dim=_int(hf, "linear_value_head_dim", 128),
+            linear_num_key_heads=_int(hf, "linear_num_key_heads", 16),
+            linear_num_value_heads=_int(hf, "linear_num_value_heads", 32),
+            num_experts=_int(hf, "num_experts", 512),
+            num_experts_per_tok=_int(hf, "num_experts_per_tok", 10),
+            moe_intermediate_size=_int(hf, "moe_intermediate_size", 512),
+            shared_expert_intermediate_size=_int(hf, "shared_expert_intermediate_size", 512),
+            norm_topk_prob=True if all_sparse else bool(hf.get("norm_topk_prob", True)),
+            intermediate_size=0 if all_sparse else _int(hf, "intermediate_size", 5632),
+            decoder_sparse_step=1 if all_sparse else _int(hf, "decoder_sparse_step", 1),
+            mlp_only_layers=() if all_sparse else tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            eos_token_ids=(int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos or ()),
+            bos_token_id=hf.get("bos_token_id"),
+        )
+
+
+class CenteredRMSNorm(nn.Module):
+    """RMSNorm whose weight is stored around 0 and applied as (1 + weight), in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm of the delta-rule output, then multiplied by silu(z)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
+@dataclass(frozen=True)
+class HybridStep:
+    """What every layer of one forward shares, computed once per step."""
+
+    attn: StepContext  # batch, rope tables, attention mask
+    windows: ConvWindows  # conv taps of every token (all linear layers share the kernel size)
+    plan: DeltaPlan  # which sequences take the recurrent form and which the chunked one
+    has_history: Tensor  # [B] bool: the slot already holds this sequence's earlier tokens
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, cos: Tensor, sin: Tensor, conv_kernel: int) -> HybridStep:
+        return cls(
+            attn=StepContext(batch, cos, sin, slot_attention_mask(batch)),
+            windows=ConvWindows.build(batch.cu_lens, batch.lens, batch.seq_of_token, conv_kernel),
+            plan=DeltaPlan.build(batch.lens_list, batch.device),
+            has_history=batch.starts > 0,
+        )
+
+
+class GatedAttention(nn.Module):
+    """Full attention whose q_proj also yields a per-channel output gate; q/k RMS-normed per head;
+    partial rotary. Names follow HF (`self_attn.*`)."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = CenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = CenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, step: HybridStep, state: LayerState) -> Tensor:
+        if not isinstance(state, KVState):
+            raise TypeError(f"a full-attention layer needs a KVState, got {type(state).__name__}")
+        t = x.shape[0]
+        # Per head, q_proj's output is [query (head_dim), gate (head_dim)].
+        q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rope(self.q_norm(q), step.attn.cos, step.attn.sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim)), step.attn.cos, step.attn.sin)
+        state.write(step.attn.batch, k, self.v_proj(x).view(t, self.kv_heads, self.head_dim))
+        out = attend(q, state, step.attn) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(out)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet linear attention over a `RecurrentState`. Subclasses supply the input
+    projections (fused in Qwen3-Next, separate in Qwen3.5)."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.k_heads, self.v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_width = self.k_heads * self.k_dim
+        self.value_width = self.v_heads * self.v_dim
+        self.conv_channels = 2 * self.key_width + self.value_width
+        kernel = cfg.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(
+            self.conv_channels, self.conv_channels, kernel, groups=self.conv_channels, padding=kernel - 1, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_width, cfg.hidden_size, bias=False)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [T, H] -> (q|k|v [T, conv_channels], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, step: HybridStep, state: LayerState) -> Tensor:
+        if not isinstance(state, RecurrentState):
+            raise TypeError(f"a linear-attention layer needs a RecurrentState, got {type(state).__name__}")
+        t = x.shape[0]
+        slots = step.attn.batch.slots
+        keep = step.has_history
+        qkv, z, b, a = self.project(x)
+        # A sequence at position 0 starts from zero state whatever its slot held before.
+        conv0 = torch.where(keep[:, None, None], state.conv.index_select(0, slots), 0)
+        mixed, new_conv = causal_conv1d_varlen(qkv, conv0, self.conv1d.weight.squeeze(1), step.windows)
+        q, k, v = mixed.split([self.key_width, self.key_width, self.value_width], dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        rec0 = torch.where(keep[:, None, None, None], state.recurrent.index_select(0, slots), 0)
+        out, new_rec = gated_delta_varlen(
+            q.reshape(t, self.k_heads, self.k_dim),
+            k.reshape(t, self.k_heads, self.k_dim),
+            v.reshape(t, self.v_heads, self.v_dim),
+            g,
+            beta,
+            rec0,
+            step.plan,
+        )
+        state.conv.index_copy_(0, slots, new_conv)
+        state.recurrent.index_copy_(0, slots, new_rec.to(state.recurrent.dtype))
+        return self.out_proj(self.norm(out, z).reshape(t, self.value_width))
+
+
+class FusedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next: in_proj_qkvz and in_proj_ba, laid out per key head as
+    [q (Dk), k (Dk), v (r*Dv), z (r*Dv)] and [b (r), a (r)], r = value heads per key head."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__(cfg)
+        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.key_width + 2 * self.value_width, bias=False)
+        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.v_heads, bias=False)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        t, r = x.shape[0], self.v_heads // self.k_heads
+        qkvz = self.in_proj_qkvz(x).view(t, self.k_heads, -1)
+        q, k, v, z = qkvz.split([self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, self.k_heads, 2 * r).split([r, r], dim=-1)
+        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return qkv, z.reshape(t, self.v_heads, self.v_dim), b.reshape(t, -1), a.reshape(t, -1)
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: HybridConfig, index: int, linear_cls: type[GatedDeltaNet]) -> None:
+        super().__init__()
+        self.linear_attn: GatedDeltaNet | None = None
+        self.self_attn: GatedAttention | None = None
+        if cfg.layer_types[index] == LINEAR:
+            self.linear_attn = linear_cls(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.mlp: nn.Module
+        if cfg.is_sparse(index):
+            self.mlp = SparseMoeBlock(
+                cfg.hidden_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.moe_intermediate_size,
+                cfg.shared_expert_intermediate_size,
+                cfg.norm_topk_prob,
+            )
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: Tensor, step: HybridStep, state: LayerState) -> Tensor:
+        mixer = self.linear_attn if self.linear_attn is not None else self.self_attn
+        assert mixer is not None
+        h = h + mixer(self.input_layernorm(h), step, state)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: HybridConfig, linear_cls: type[GatedDeltaNet]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, linear_cls) for i in range(cfg.num_hidden_layers))
+        self.norm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    linear_attention_class: type[GatedDeltaNet] = FusedGatedDeltaNet
+    model_types: tuple[str, ...] = ("qwen3_next",)
+    all_sparse = False
+
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = HybridModel(config, self.linear_attention_class)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any]) -> Qwen3NextForCausalLM:
+        return cls(HybridConfig.from_hf(hf, cls.model_types, cls.all_sparse))
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
+        c = self.config
+        conv_bytes = dtype_bytes(self.model.embed_tokens.weight.dtype)
+        linear = RecurrentStateSpec(
+            conv_shape=(2 * c.linear_num_key_heads * c.linear_key_head_dim
+                        + c.linear_num_value_heads * c.linear_value_head_dim, c.linear_conv_kernel_dim - 1),
+            conv_dtype_bytes=conv_bytes,
+            state_shape=(c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+            state_dtype_bytes=4,
+        )
+        full = attention_spec(c.num_key_value_heads, c.head_dim, kv_dtype_bytes)
+        return [linear if kind == LINEAR else full for kind in c.layer_types]
+
+    def forward(self, batch: ForwardBatch, states: Sequence[LayerState]) -> Tensor:
+        """Logits [B, vocab] (float32) at each sequence's last token; updates states in place."""
+        if len(states) != len(self.model.layers):
+            raise ValueError(f"{len(states)} layer states for {len(self.model.layers)} layers")
+        h = self.model.embed_tokens(batch.token_ids)
+        cos, sin = self.model.rotary_emb(batch.positions, h.dtype)
+        step = HybridStep.build(batch, cos, sin, self.config.linear_conv_kernel_dim)
+        for layer, state in zip(self.model.layers, states, strict=True):
+            h = layer(h, step, state)
+        if not batch.decode_only:
+            h = h.index_select(0, batch.last_index)
+        return self.lm_head(self.model.norm(h)).float()
+
+    def init_random_weights(self, gen: torch.Generator) -> None:
+        """Called by builtin.init_random after its generic pass: centred norms start at 0 (scale
+        1), and the decay parameters get the reference's init (A in U(0.01, 16), dt_bias 1)."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, CenteredRMSNorm):
+                    module.weight.zero_()
+                elif isinstance(module, GatedRMSNorm):
+                    module.weight.fill_(1.0)
+                elif isinstance(module, GatedDeltaNet):
+                    a = torch.empty(module.v_heads).uniform_(0.01, 16.0, generator=gen)
+                    module.A_log.copy_(a.log())
+                    module.dt_bias.fill_(1.0)
+
