@@ -6,14 +6,13 @@ import threading
 from pathlib import Path
 
 import pytest
-from memfixtures import level_tree
-
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import DieReading, StaticDeviceReader
 from ballast.memory.errors import LedgerFull, MemoryRefused, UnknownDie
 from ballast.memory.ledger import VramLedger
 from ballast.memory.types import GiB, Level, MiB
 from ballast.memory.watch import MemWatch
+from memfixtures import level_tree
 
 
 @pytest.mark.parametrize(

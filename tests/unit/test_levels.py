@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from memfixtures import CgroupMode, level_tree, write_file, write_tree
-
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import DieReading, StaticDeviceReader
 from ballast.memory.host import read_host
 from ballast.memory.levels import bytes_level, die_level, host_level, host_reserve_bytes, psi_level, worst
 from ballast.memory.types import GiB, Level, MiB
 from ballast.memory.watch import MemWatch
+from memfixtures import CgroupMode, level_tree, write_file, write_tree
 
 KiB = 1024
 CFG = MemoryConfig()
