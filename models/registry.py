@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from ballast.models.base import UnsupportedModel
 from ballast.models.llama import LlamaForCausalLM
+from ballast.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+from ballast.models.qwen3_next import Qwen3NextForCausalLM
 from torch import nn
 
 # Every class here has `from_hf_config(hf: Mapping[str, Any]) -> instance`, `layer_specs`,
@@ -18,6 +20,9 @@ MODEL_CLASSES: dict[str, Any] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
+    "qwen3_5_moe": Qwen3_5MoeForCausalLM,
+    "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
 }
 
 
