@@ -1,0 +1,141 @@
+"""The FastAPI app factory and its lifecycle.
+
+Start-up: MemWatch starts (one synchronous poll, so the first /metrics is real), then the engine
+loads on a worker thread while the server already answers (/health 200, /ready 503 "loading"),
+then the scheduler starts and /ready turns 200. Shut-down runs the other way: the scheduler
+aborts everything and stops, the engine shuts down, MemWatch stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+from ballast.engine.interface import EngineLike
+from ballast.scheduler.config import SchedulerConfig
+from ballast.scheduler.scheduler import Scheduler
+from ballast.server import errors, routes
+from ballast.server.config import ServerConfig
+from ballast.server.metrics import HttpMetrics
+from ballast.server.state import Phase, ServerState, SnapshotWatch
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("ballast.server")
+
+EngineFactory = Callable[[], EngineLike]
+
+
+class BodyTooLarge(HTTPException):
+    # An HTTPException so FastAPI's body reader re-raises it as is (it turns other errors into 400).
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is larger than the limit of {limit} bytes")
+
+
+class BodyLimit:
+    """Refuse bodies over `max_bytes` before parsing: by Content-Length up front, and by counting
+    what arrives for chunked uploads (which have no length)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            status = 413 if length.isdigit() else 400
+            message = str(BodyTooLarge(self.max_bytes).detail) if status == 413 else "invalid Content-Length header"
+            response = errors.ApiError(status, message, code="request_too_large" if status == 413 else None).response()
+            await response(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counted, send)
+
+
+async def _load(state: ServerState, factory: EngineFactory, scheduler_config: SchedulerConfig) -> None:
+    """Load the engine off the event loop, then start the scheduler; a failure makes us unsound."""
+    try:
+        engine = await asyncio.to_thread(factory)
+    except Exception as exc:
+        log.exception("model load failed")
+        state.fail(f"model load failed: {type(exc).__name__}: {exc}")
+        return
+    state.engine = engine
+    if state.phase is not Phase.LOADING:  # shut down while we were loading
+        return
+    try:
+        scheduler = Scheduler(engine, scheduler_config, memwatch=state.memwatch)
+        await scheduler.start()
+    except Exception as exc:
+        log.exception("scheduler start failed")
+        state.fail(f"scheduler start failed: {type(exc).__name__}: {exc}")
+        return
+    state.scheduler = scheduler
+    state.phase = Phase.READY
+    log.info("ready: serving %s", state.model_name)
+
+
+def _lifespan(factory: EngineFactory, scheduler_config: SchedulerConfig) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state: ServerState = app.state.ballast
+        if state.memwatch is not None:
+            state.memwatch.start()
+        loader = asyncio.create_task(_load(state, factory, scheduler_config), name="ballast-load")
+        try:
+            yield
+        finally:
+            if state.phase is not Phase.FAILED:
+                state.phase = Phase.STOPPING
+            await loader  # a load in progress runs to its end so its engine can be shut down
+            if state.scheduler is not None:
+                await state.scheduler.stop()
+            if state.engine is not None:
+                await asyncio.to_thread(state.engine.shutdown)
+            if state.memwatch is not None:
+                state.memwatch.stop()
+
+    return lifespan
+
+
+def create_app(
+    config: ServerConfig,
+    scheduler_config: SchedulerConfig,
+    engine_factory: EngineFactory,
+    *,
+    memwatch: SnapshotWatch | None = None,
+    on_fatal: Callable[[str], None] | None = None,
+) -> FastAPI:
+    """An app serving the engine `engine_factory` builds (called once, on a worker thread).
+
+    `memwatch` is started and stopped with the app; `on_fatal(reason)` is called once if the
+    engine becomes unsound (`ballast serve` uses it to exit non-zero)."""
+    registry = CollectorRegistry(auto_describe=True)
+    metrics = HttpMetrics(registry)
+    state = ServerState(config=config, registry=registry, metrics=metrics, memwatch=memwatch)
+    if on_fatal is not None:
+        state.on_fatal = on_fatal
+    metrics.watch_scheduler(state.scheduler_figures)
+    app = FastAPI(title="ballast", lifespan=_lifespan(engine_factory, scheduler_config), docs_url=None, redoc_url=None)
+    app.state.ballast = state
+    errors.install(app)
+    routes.install(app, config.api_key)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    return app

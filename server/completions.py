@@ -1,0 +1,265 @@
+"""POST /v1/completions and /v1/chat/completions: request -> `GenerationRequest` -> response.
+
+Both endpoints share one flow: validate what pydantic cannot (model name, unsupported options),
+tokenize, submit to the scheduler (a refusal raises here, before any byte is sent), wait for the
+first event (a request refused while queued still gets a proper 503, not a broken stream), then
+either collect the whole answer or stream it (`ballast.server.streaming`).
+
+A CAP verdict (admission shortened the request's window to fit memory) ends the request with
+finish_reason "length" and, on non-streaming responses, the header `X-Ballast-Capped: 1`; a stream
+says it in its last chunk as `"x_ballast_capped": true`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal
+
+from ballast.engine.interface import TokenizerLike
+from ballast.engine.plan import SamplingParams
+from ballast.scheduler.errors import EngineFailed, Refused
+from ballast.scheduler.request import (
+    Event,
+    FinishEvent,
+    GenerationRequest,
+    RequestHandle,
+    TokenEvent,
+    TokenLogprob,
+)
+from ballast.server import protocol as p
+from ballast.server.errors import ApiError, bad_request, from_refusal
+from ballast.server.metrics import RequestTimer
+from ballast.server.state import ServerState
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+Endpoint = Literal["chat", "completion"]
+CAPPED_HEADER = "X-Ballast-Capped"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated generation request and how to answer it."""
+
+    endpoint: Endpoint
+    response_id: str
+    model: str
+    gen: GenerationRequest
+    stream: bool
+    include_usage: bool
+    want_logprobs: bool
+    prompt_param: str  # the parameter a context-length error names
+
+
+def _check_model(state: ServerState, requested: str) -> str:
+    name = state.model_name
+    if name is None:
+        raise ApiError(503, "the model is still loading", "server_overloaded", code="model_loading", headers={"Retry-After": "1"})
+    if requested != name:
+        raise ApiError(404, f"The model `{requested}` does not exist; this server serves `{name}`", param="model", code="model_not_found")
+    return name
+
+
+def _sampling(req: p._Sampling, logprobs: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            min_p=req.min_p or 0.0,
+            seed=req.seed,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:  # a combination pydantic's per-field checks let through
+        raise bad_request(str(exc)) from exc
+
+
+def _max_tokens(asked: int | None, prompt_len: int, max_model_len: int) -> int:
+    # Unset: whatever is left of the context. Never below 1, so a prompt that fills the context is
+    # refused by the scheduler's one context check (ContextTooLong), not by a second one here.
+    return asked if asked is not None else max(1, max_model_len - prompt_len)
+
+
+def _common_checks(req: p._Sampling) -> None:
+    if req.n != 1:
+        raise bad_request("only n=1 is supported", param="n")
+
+
+def _ready_engine(state: ServerState) -> tuple[TokenizerLike, int]:
+    if state.engine is None or state.scheduler is None:
+        raise ApiError(503, "the model is still loading", "server_overloaded", code="model_loading", headers={"Retry-After": "1"})
+    return state.engine.tokenizer, state.engine.max_model_len
+
+
+def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
+    model = _check_model(state, req.model)
+    tokenizer, max_len = _ready_engine(state)
+    _common_checks(req)
+    if req.echo:
+        raise bad_request("echo is not supported", param="echo")
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if req.best_of not in (None, 1):
+        raise bad_request("only best_of=1 is supported", param="best_of")
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise bad_request("a list of several prompts is not supported; send one request per prompt", param="prompt")
+        prompt = prompt[0]  # type: ignore[assignment]
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]  # type: ignore[union-attr]
+        if any(t < 0 for t in ids):
+            raise bad_request("token ids must be >= 0", param="prompt")
+    if not ids:
+        raise bad_request("the prompt is empty", param="prompt")
+    gen = _generation(p.new_id("cmpl"), ids, req, req.max_tokens, max_len, req.logprobs)
+    return Job("completion", gen.request_id, model, gen, req.stream, _usage(req), req.logprobs is not None, "prompt")
+
+
+def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
+    model = _check_model(state, req.model)
+    tokenizer, max_len = _ready_engine(state)
+    _common_checks(req)
+    if req.tools:
+        raise bad_request("tools are not supported", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format type 'text' is supported", param="response_format")
+    ids = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    gen = _generation(p.new_id("chatcmpl"), ids, req, asked, max_len, top)
+    return Job("chat", gen.request_id, model, gen, req.stream, _usage(req), req.logprobs, "messages")
+
+
+def _usage(req: p._Sampling) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def _generation(rid: str, ids: list[int], req: p._Sampling, asked: int | None, max_len: int, logprobs: int | None) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=rid,
+        prompt_ids=tuple(ids),
+        params=_sampling(req, logprobs),
+        max_tokens=_max_tokens(asked, len(ids), max_len),
+        stop=req.stop_strings(),
+    )
+
+
+def _outcome(exc: BaseException) -> str:
+    return type(exc).__name__.lower()
+
+
+def refuse(state: ServerState, job: Job, exc: Refused) -> ApiError:
+    """Count a refusal, mark the server unsound if the engine failed, and map it for the client."""
+    if isinstance(exc, EngineFailed):
+        state.fail(str(exc))
+    err = from_refusal(exc, job.prompt_param)
+    state.metrics.refused(job.endpoint, err.status, _outcome(exc))
+    return err
+
+
+@dataclass(frozen=True)
+class Started:
+    """A submitted request whose first event has arrived."""
+
+    handle: RequestHandle
+    events: AsyncIterator[Event]  # the one iterator over the handle's mailbox
+    first: Event
+    timer: RequestTimer
+
+
+async def start(state: ServerState, job: Job) -> Started:
+    """Submit and wait for the first event; a refusal (now or while queued) raises an ApiError."""
+    assert state.scheduler is not None
+    timer = RequestTimer(state.metrics, job.endpoint)
+    try:
+        handle = state.scheduler.submit(job.gen)
+    except Refused as exc:
+        raise refuse(state, job, exc) from exc
+    events = aiter(handle)
+    try:
+        first = await anext(events)
+    except BaseException:
+        handle.abort()  # cancelled while waiting (client gone, server stopping): free the slot
+        raise
+    if isinstance(first, FinishEvent) and first.error is not None:
+        raise refuse(state, job, first.error)
+    return Started(handle, events, first, timer)
+
+
+async def abort_on_disconnect(request: Request, handle: RequestHandle) -> None:
+    """The body has been read, so the next ASGI message is the client going away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            handle.abort()
+            return
+
+
+def token_text(tokenizer: TokenizerLike, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def chat_logprobs(tokenizer: TokenizerLike, entries: tuple[TokenLogprob, ...]) -> list[p.ChatTokenLogprob]:
+    out = []
+    for e in entries:
+        text = token_text(tokenizer, e.token_id)
+        top = [p.TopLogprob(token=(t := token_text(tokenizer, tid)), logprob=lp, bytes=list(t.encode())) for tid, lp in e.top]
+        out.append(p.ChatTokenLogprob(token=text, logprob=e.logprob, bytes=list(text.encode()), top_logprobs=top))
+    return out
+
+
+def completion_logprobs(tokenizer: TokenizerLike, entries: tuple[TokenLogprob, ...], offset: int) -> p.CompletionLogprobs:
+    out = p.CompletionLogprobs()
+    for e in entries:
+        text = token_text(tokenizer, e.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(e.logprob)
+        out.top_logprobs.append({token_text(tokenizer, tid): lp for tid, lp in e.top})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+async def respond(state: ServerState, job: Job, started: Started, request: Request) -> Response:
+    """Collect the whole answer (non-streaming)."""
+    assert state.engine is not None
+    tokenizer = state.engine.tokenizer
+    handle, timer = started.handle, started.timer
+    watcher = asyncio.create_task(abort_on_disconnect(request, handle))
+    texts: list[str] = []
+    entries: list[TokenLogprob] = []
+    try:
+        event = started.first
+        while isinstance(event, TokenEvent):
+            texts.append(event.text)
+            entries.extend(event.logprobs or ())
+            timer.tokens(len(event.token_ids))
+            event = await anext(started.events)
+    finally:
+        watcher.cancel()
+        handle.abort()
+    finish = event
+    timer.finished(finish.reason, finish.prompt_tokens, finish.completion_tokens)
+    if finish.error is not None:
+        raise refuse(state, job, finish.error)
+    text = "".join(texts)
+    usage = p.Usage.of(finish.prompt_tokens, finish.completion_tokens)
+    body: p.ChatCompletion | p.Completion
+    if job.endpoint == "chat":
+        lp = p.ChatLogprobs(content=chat_logprobs(tokenizer, tuple(entries))) if job.want_logprobs else None
+        choice = p.ChatChoice(message=p.AssistantMessage(content=text), logprobs=lp, finish_reason=finish.reason)
+        body = p.ChatCompletion(id=job.response_id, created=p.now(), model=job.model, choices=[choice], usage=usage)
+    else:
+        clp = completion_logprobs(tokenizer, tuple(entries), 0) if job.want_logprobs else None
+        cchoice = p.CompletionChoice(text=text, logprobs=clp, finish_reason=finish.reason)
+        body = p.Completion(id=job.response_id, created=p.now(), model=job.model, choices=[cchoice], usage=usage)
+    headers = {CAPPED_HEADER: "1"} if finish.capped else {}
+    return JSONResponse(body.model_dump(), headers=headers)

@@ -1,0 +1,147 @@
+"""The ONE place that maps typed errors to HTTP status codes and OpenAI error JSON.
+
+Body shape everywhere: `{"error": {"message", "type", "param", "code"}}`. Bad input is a 400 (never
+FastAPI's default 422 shape, never a 500 with a traceback); memory pressure is a 503 with
+`Retry-After`; a full queue is a 429 with `Retry-After`; an engine failure is a 500 and makes
+`/health` fail (the engine reports itself unsound; see `routes.health`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from ballast.memory.errors import MemoryRefused
+from ballast.scheduler.errors import (
+    ContextTooLong,
+    EngineFailed,
+    Overloaded,
+    QueueFull,
+    Refused,
+    RequestTimeout,
+)
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("ballast.server")
+
+# Seconds a client is told to wait when the refusal names no figure of its own.
+DEFAULT_RETRY_AFTER_S = 1.0
+
+
+class ApiError(Exception):
+    """An error the client sees: status, OpenAI error fields, extra headers."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def retry_after_header(seconds: float) -> dict[str, str]:
+    # Retry-After takes whole seconds; round up so a client never comes back too early.
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def from_refusal(exc: Refused | MemoryRefused, prompt_param: str = "messages") -> ApiError:
+    """Map a scheduler or memory refusal to what the client sees."""
+    if isinstance(exc, Overloaded):
+        return ApiError(503, str(exc), "server_overloaded", code="server_overloaded", headers=retry_after_header(exc.retry_after_s))
+    if isinstance(exc, QueueFull):
+        return ApiError(429, str(exc), "rate_limit_exceeded", code="queue_full", headers=retry_after_header(exc.retry_after_s))
+    if isinstance(exc, ContextTooLong):
+        return ApiError(400, str(exc), param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, RequestTimeout):
+        return ApiError(504, str(exc), "timeout", code="request_timeout")
+    if isinstance(exc, EngineFailed):
+        return ApiError(500, str(exc), "server_error", code="engine_failed")
+    if isinstance(exc, MemoryRefused):
+        return ApiError(503, str(exc), "server_overloaded", code="server_overloaded", headers=retry_after_header(DEFAULT_RETRY_AFTER_S))
+    if exc.retryable:
+        return ApiError(503, str(exc), "server_overloaded", code="server_overloaded", headers=retry_after_header(DEFAULT_RETRY_AFTER_S))
+    return ApiError(500, str(exc), "server_error")
+
+
+def _loc_param(loc: Sequence[int | str]) -> str | None:
+    """`("body", "messages", 0, "content")` -> "messages.0.content"; None for the body itself."""
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def from_validation(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    param = _loc_param(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return bad_request("request body is not valid JSON", code="invalid_json")
+    message = first.get("msg", "invalid value")
+    if param:
+        message = f"{param}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more)"
+    return bad_request(message, param=param)
+
+
+_HTTP_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers that turn every exception into an OpenAI error response."""
+
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return exc.response()
+
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return from_validation(exc).response()
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = _HTTP_TYPES.get(exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error")
+        return ApiError(exc.status_code, str(exc.detail), kind, headers=dict(exc.headers or {})).response()
+
+    async def on_refusal(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, Refused | MemoryRefused)
+        return from_refusal(exc).response()
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not bad input: log the traceback here, never send it to the client.
+        log.exception("unhandled error while serving a request", exc_info=exc)
+        return ApiError(500, "internal server error", "server_error").response()
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Refused, on_refusal)
+    app.add_exception_handler(MemoryRefused, on_refusal)
+    app.add_exception_handler(Exception, on_unexpected)

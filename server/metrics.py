@@ -1,0 +1,106 @@
+"""HTTP-level Prometheus metrics (prefix `ballast_`), in a registry of the app's own.
+
+One registry per app (not the process-global one) so several apps in one test process do not
+collide, and so /metrics shows exactly what this server registered: these HTTP figures, the
+scheduler's live gauges (read at scrape time, never pushed) and the memory layer's collectors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Latency buckets, seconds: from one fast CPU token to a long queued generation.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+@dataclass(frozen=True)
+class SchedulerFigures:
+    """What the scheduler gauges show at one scrape."""
+
+    queue_depth: int
+    active_slots: int
+    slot_limit: int
+    pressure_level: int
+
+
+class _SchedulerCollector(Collector):
+    """Reads the scheduler's figures when scraped; shows nothing while the engine is loading."""
+
+    def __init__(self, read: Callable[[], SchedulerFigures | None]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        figures = self._read()
+        if figures is None:
+            return
+        yield GaugeMetricFamily("ballast_queue_depth", "Requests waiting for a slot", value=figures.queue_depth)
+        yield GaugeMetricFamily("ballast_slots_active", "Slots running a request", value=figures.active_slots)
+        yield GaugeMetricFamily("ballast_slots_limit", "Slots the scheduler may use now (ladder-capped)", value=figures.slot_limit)
+        yield GaugeMetricFamily(
+            "ballast_scheduler_pressure_level", "Scheduler's pressure level (0 OK .. 3 CRITICAL)", value=figures.pressure_level
+        )
+
+
+class HttpMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "ballast_requests", "Generation requests by endpoint and outcome", ["endpoint", "outcome"], registry=registry
+        )
+        self.rejections = Counter(
+            "ballast_http_rejections", "Requests refused for load (503 pressure, 429 queue full)", ["status"], registry=registry
+        )
+        self.ttft = Histogram("ballast_time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=registry)
+        self.itl = Histogram("ballast_inter_token_latency_seconds", "Time between tokens", buckets=_ITL_BUCKETS, registry=registry)
+        self.e2e = Histogram("ballast_e2e_request_latency_seconds", "Request latency, arrival to last byte", buckets=_E2E_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter("ballast_prompt_tokens", "Prompt tokens of finished requests", registry=registry)
+        self.generation_tokens = Counter("ballast_generation_tokens", "Generated tokens", registry=registry)
+        for status in ("503", "429"):  # present from the start so rate() works before the first one
+            self.rejections.labels(status=status)
+
+    def watch_scheduler(self, read: Callable[[], SchedulerFigures | None]) -> None:
+        self.registry.register(_SchedulerCollector(read))
+
+    def refused(self, endpoint: str, status: int, outcome: str) -> None:
+        self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+        if status in (429, 503):
+            self.rejections.labels(status=str(status)).inc()
+
+
+class RequestTimer:
+    """Token timing of one request: TTFT at the first token, inter-token latency after it."""
+
+    def __init__(self, metrics: HttpMetrics, endpoint: str) -> None:
+        self._metrics = metrics
+        self._endpoint = endpoint
+        self._start = time.monotonic()
+        self._last: float | None = None
+
+    def tokens(self, n: int) -> None:
+        """n tokens arrived together (a slow reader's mailbox merges events): spread the gap."""
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self._last is None:
+            self._metrics.ttft.observe(now - self._start)
+            n -= 1
+        elif n:
+            gap = (now - self._last) / n
+            for _ in range(n):
+                self._metrics.itl.observe(gap)
+        self._last = now
+
+    def finished(self, outcome: str, prompt_tokens: int, completion_tokens: int) -> None:
+        m = self._metrics
+        m.e2e.observe(time.monotonic() - self._start)
+        m.requests.labels(endpoint=self._endpoint, outcome=outcome).inc()
+        m.prompt_tokens.inc(prompt_tokens)
+        m.generation_tokens.inc(completion_tokens)

@@ -1,0 +1,97 @@
+"""The endpoints. Generation flows live in `completions` and `streaming`; this file only routes.
+
+/health, /ready and /metrics are open (probes and scrapers); /v1 needs the API key when one is set.
+"""
+
+from __future__ import annotations
+
+from ballast.server import protocol as p
+from ballast.server.auth import bearer_dependency
+from ballast.server.completions import Job, chat_job, completion_job, respond, start
+from ballast.server.errors import ApiError
+from ballast.server.state import ServerState
+from ballast.server.streaming import stream_response
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+
+def state_of(request: Request) -> ServerState:
+    state: ServerState = request.app.state.ballast
+    return state
+
+
+ops = APIRouter()
+
+
+@ops.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 while the process and the engine are sound (loading counts as sound)."""
+    state = state_of(request)
+    if state.sound():
+        return JSONResponse({"status": "ok", "phase": state.phase.value})
+    return JSONResponse({"status": "unsound", "reason": state.failure}, status_code=503)
+
+
+@ops.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """200 when a load balancer should send work here: loaded, sound, and not at CRITICAL."""
+    state = state_of(request)
+    reason = state.not_ready_reason()
+    if reason is None:
+        return JSONResponse({"status": "ready", "level": state.level().name})
+    return JSONResponse({"status": "not ready", "reason": reason}, status_code=503, headers={"Retry-After": "1"})
+
+
+@ops.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(state_of(request).registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _answer(state: ServerState, job: Job, request: Request) -> Response:
+    started = await start(state, job)
+    if job.stream:
+        return stream_response(state, job, started)
+    return await respond(state, job, started, request)
+
+
+def _invalid(state: ServerState, endpoint: str, exc: ApiError) -> ApiError:
+    state.metrics.requests.labels(endpoint=endpoint, outcome="invalid" if exc.status < 500 else "unavailable").inc()
+    return exc
+
+
+def v1_router(api_key: str | None) -> APIRouter:
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_dependency(api_key))])
+
+    @v1.get("/models")
+    async def models(request: Request) -> p.ModelList:
+        state = state_of(request)
+        name = state.model_name
+        if name is None or state.engine is None:
+            return p.ModelList(data=[])
+        return p.ModelList(data=[p.ModelCard(id=name, created=p.now(), max_model_len=state.engine.max_model_len)])
+
+    @v1.post("/completions", response_model=None)
+    async def completions(body: p.CompletionRequest, request: Request) -> Response:
+        state = state_of(request)
+        try:
+            job = completion_job(state, body)
+        except ApiError as exc:
+            raise _invalid(state, "completion", exc) from exc
+        return await _answer(state, job, request)
+
+    @v1.post("/chat/completions", response_model=None)
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
+        state = state_of(request)
+        try:
+            job = chat_job(state, body)
+        except ApiError as exc:
+            raise _invalid(state, "chat", exc) from exc
+        return await _answer(state, job, request)
+
+    return v1
+
+
+def install(app: FastAPI, api_key: str | None) -> None:
+    app.include_router(ops)
+    app.include_router(v1_router(api_key))

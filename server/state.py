@@ -1,0 +1,110 @@
+"""What one running app knows about itself: its parts, its phase, and whether it is sound.
+
+Two failure kinds are kept apart (CONVENTIONS 10): one request failing is the client's error and
+the server goes on; the engine failing (a load that raised, a step that raised, `healthy` false)
+makes the server unsound: /health fails and `on_fatal` is called, which in `ballast serve` stops
+uvicorn so the process exits non-zero and a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from ballast.engine.interface import EngineLike
+from ballast.memory.types import Level, MemState
+from ballast.server.config import ServerConfig
+from ballast.server.metrics import HttpMetrics, SchedulerFigures
+from prometheus_client import CollectorRegistry
+
+if TYPE_CHECKING:
+    from ballast.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("ballast.server")
+
+
+class SnapshotWatch(Protocol):
+    """What the server needs of MemWatch: start/stop with the app, and a non-blocking read."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def read(self) -> MemState: ...
+
+
+class Phase(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPING = "stopping"
+
+
+def _log_fatal(reason: str) -> None:
+    log.error("engine unsound: %s", reason)
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    registry: CollectorRegistry
+    metrics: HttpMetrics
+    memwatch: SnapshotWatch | None = None
+    engine: EngineLike | None = None
+    scheduler: Scheduler | None = None
+    phase: Phase = Phase.LOADING
+    failure: str | None = None
+    on_fatal: Callable[[str], None] = field(default=_log_fatal)
+
+    @property
+    def model_name(self) -> str | None:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        return self.engine.model_name if self.engine is not None else None
+
+    def fail(self, reason: str) -> None:
+        """The engine is unsound. Idempotent: only the first reason is kept and reported."""
+        if self.phase is Phase.FAILED:
+            return
+        self.phase = Phase.FAILED
+        self.failure = reason
+        self.on_fatal(reason)
+
+    def sound(self) -> bool:
+        """The process and the engine can still serve (loading counts as sound)."""
+        if self.phase is Phase.FAILED:
+            return False
+        if self.engine is not None and not self.engine.healthy:
+            self.fail("the engine reports itself unhealthy")
+            return False
+        if self.scheduler is not None and not self.scheduler.healthy:
+            self.fail(f"the scheduler stopped: {self.scheduler.failure}")
+            return False
+        return True
+
+    def level(self) -> Level:
+        """The worst of the memory snapshot and the scheduler's own pressure level."""
+        level = self.memwatch.read().level if self.memwatch is not None else Level.OK
+        if self.scheduler is not None:
+            level = max(level, Level(self.scheduler.pressure_level))
+        return level
+
+    def not_ready_reason(self) -> str | None:
+        """None when a load balancer should route here; else why not."""
+        if not self.sound():
+            return f"engine unsound: {self.failure}"
+        if self.phase is not Phase.READY:
+            return f"server is {self.phase.value}"
+        level = self.level()
+        if level >= Level.CRITICAL:
+            return f"memory pressure {level.name}"
+        return None
+
+    def scheduler_figures(self) -> SchedulerFigures | None:
+        s = self.scheduler
+        if s is None:
+            return None
+        return SchedulerFigures(s.queue_depth, s.active_slots, s.slot_limit, int(s.pressure_level))

@@ -1,0 +1,167 @@
+"""The OpenAI protocol end to end: the official `openai` client against a real uvicorn server.
+
+The engine is the deterministic FakeEngine (its greedy text is a pure function of the prompt), so
+every answer can be checked exactly; one slow test runs the real engine on a builtin model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from ballast.memory.config import MemoryConfig
+from ballast.memory.types import Level
+from ballast.memory.watch import MemWatch
+from ballast.scheduler.config import SchedulerConfig
+from ballast.server.app import create_app
+from ballast.server.config import ServerConfig
+from fake_engine import FakeEngine, FakeTokenizer, expected_tokens
+from memfixtures import level_tree
+from prometheus_client.parser import text_string_to_metric_families
+from serverproc import running_server
+
+TOK = FakeTokenizer()
+MESSAGES = [{"role": "user", "content": "say something"}]
+
+
+def chat_prompt(messages: list[dict[str, str]]) -> list[int]:
+    return TOK.apply_chat_template(messages)
+
+
+def greedy_text(prompt: list[int], n: int) -> str:
+    return TOK.decode(expected_tokens(prompt, n))
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root: Path = tmp_path_factory.mktemp("proc")
+    level_tree(root, Level.OK)
+    watch = MemWatch(MemoryConfig(root=str(root)))
+    app = create_app(ServerConfig(), SchedulerConfig(), lambda: FakeEngine(max_model_len=256), memwatch=watch)
+    with running_server(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_model_list(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == ["fake-model"]
+
+
+def test_chat_non_stream_is_the_greedy_text_with_usage(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="fake-model", messages=MESSAGES, temperature=0, max_tokens=12)  # type: ignore[arg-type]
+    prompt = chat_prompt(MESSAGES)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == greedy_text(prompt, 12)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(prompt), 12, len(prompt) + 12)
+
+
+def test_chat_stream_equals_non_stream_and_reports_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="fake-model", messages=MESSAGES, temperature=0, max_completion_tokens=10, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == greedy_text(chat_prompt(MESSAGES), 10)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == len(chat_prompt(MESSAGES))
+
+
+def test_completions_stream_and_non_stream(client: openai.OpenAI) -> None:
+    prompt = "the cat sat"
+    ids = TOK.encode(prompt)
+    r = client.completions.create(model="fake-model", prompt=prompt, temperature=0, max_tokens=9)
+    assert r.object == "text_completion"
+    assert r.choices[0].text == greedy_text(ids, 9)
+    assert r.usage is not None and r.usage.prompt_tokens == len(ids)
+    parts = [c.choices[0].text for c in client.completions.create(model="fake-model", prompt=prompt, temperature=0, max_tokens=9, stream=True) if c.choices]
+    assert "".join(parts) == r.choices[0].text
+
+
+def test_completions_accepts_token_ids(client: openai.OpenAI) -> None:
+    ids = TOK.encode("hello there")
+    r = client.completions.create(model="fake-model", prompt=ids, temperature=0, max_tokens=5)
+    assert r.choices[0].text == greedy_text(ids, 5)
+
+
+def test_stop_string_cuts_the_text_and_finishes_with_stop(client: openai.OpenAI) -> None:
+    prompt = chat_prompt(MESSAGES)
+    full = greedy_text(prompt, 30)
+    stop = full[7:9]  # a stop string that first occurs somewhere in the greedy text
+    cut = full[: full.index(stop)]
+    r = client.chat.completions.create(model="fake-model", messages=MESSAGES, temperature=0, max_tokens=30, stop=[stop, "never-there"])  # type: ignore[arg-type]
+    assert r.choices[0].message.content == cut
+    assert r.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model="fake-model", messages=MESSAGES, temperature=0, max_tokens=30, stop=stop, stream=True)  # type: ignore[arg-type]
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_reproduces_sampled_text(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        r = client.completions.create(model="fake-model", prompt="once upon", temperature=1.0, seed=seed, max_tokens=16)
+        return r.choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3, 4)}) > 1  # the seed does change the draw
+    greedy = greedy_text(TOK.encode("once upon"), 16)
+    assert sample(7) != greedy
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="fake-model", messages=MESSAGES, temperature=0, max_tokens=4, logprobs=True, top_logprobs=3)  # type: ignore[arg-type]
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.content is not None and len(lp.content) == 4
+    tokens = expected_tokens(chat_prompt(MESSAGES), 4)
+    assert [e.token for e in lp.content] == [TOK.decode([t]) for t in tokens]
+    for e in lp.content:
+        assert len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert e.bytes == list(e.token.encode())
+
+
+def test_completion_logprobs_offsets(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="fake-model", prompt="abc", temperature=0, max_tokens=5, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.text_offset is not None and lp.top_logprobs is not None
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+
+
+def test_metrics_parse_and_carry_http_scheduler_and_memory_figures(client: openai.OpenAI, base_url: str) -> None:
+    client.chat.completions.create(model="fake-model", messages=MESSAGES, temperature=0, max_tokens=3)  # type: ignore[arg-type]
+    text = httpx.get(base_url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("ballast_time_to_first_token_seconds", "ballast_inter_token_latency_seconds", "ballast_e2e_request_latency_seconds",
+                 "ballast_prompt_tokens", "ballast_generation_tokens", "ballast_requests", "ballast_http_rejections",
+                 "ballast_queue_depth", "ballast_slots_active", "ballast_slots_limit"):
+        assert name in families, name
+    requests = {tuple(sorted(s.labels.items())): s.value for s in families["ballast_requests"].samples if s.name == "ballast_requests_total"}
+    assert requests[(("endpoint", "chat"), ("outcome", "length"))] >= 1
+    assert next(s.value for s in families["ballast_slots_limit"].samples) == 8
+    ttft_count = next(s.value for s in families["ballast_time_to_first_token_seconds"].samples if s.name.endswith("_count"))
+    assert ttft_count >= 1
+
+
+def test_health_and_ready(base_url: str) -> None:
+    assert httpx.get(base_url + "/health").status_code == 200
+    r = httpx.get(base_url + "/ready")
+    assert r.status_code == 200 and r.json()["level"] == "OK"
