@@ -1,0 +1,211 @@
+"""The Engine: owns the device, the model runner and the one engine thread.
+
+Every tensor operation (loading, profiling, allocation, each step) runs on a single-worker
+executor, so no allocation or free can race a step in flight (the hazard the seed engine
+catalogued). The scheduler talks to it only through frozen `StepPlan` / `StepResult` values.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ballast.engine.config import EngineConfig
+from ballast.engine.detok import Detokenizer
+from ballast.engine.loading import LoadedModel, load
+from ballast.engine.plan import SamplingParams, SlotOutput, StepPlan, StepResult
+from ballast.engine.runner import ModelRunner, Profile, Sequences, build_cost_model, profile_prefill
+from ballast.engine.tokenizer import Tokenizer
+from ballast.memory.ledger import Lease
+from ballast.memory.types import CostModel
+from ballast.memory.watch import MemWatch
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """Base of the engine's errors."""
+
+
+class PlanError(EngineError):
+    """A StepPlan asks for something impossible (a slot out of range, a position past capacity)."""
+
+
+class EngineUnhealthy(EngineError):
+    """A previous step failed; the engine's device state can no longer be trusted."""
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What loading found, for logs and the bench."""
+
+    load_s: float
+    weights_bytes: int
+    state_bytes: int
+    profile: Profile
+    quantized_kv: bool
+
+
+class Engine:
+    """Implements `ballast.engine.interface.EngineLike`. Build it with `Engine.load(config)`."""
+
+    def __init__(self, config: EngineConfig, watch: MemWatch | None = None, force_quantized_kv: bool = False) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype(self.device)
+        self.num_slots = config.max_num_seqs
+        self.max_model_len = config.max_model_len
+        self.prefill_chunk_tokens = config.prefill_chunk_tokens
+        self.active_slot_limit = config.max_num_seqs  # the ladder's latest max_slots (informational)
+        self._watch = watch
+        self._healthy = True
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ballast-engine")
+        # Loading touches tensors, so it too runs on the engine thread.
+        try:
+            parts = self._executor.submit(self._load, force_quantized_kv).result()
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            raise
+        self._setup(parts)
+
+    @classmethod
+    def load(cls, config: EngineConfig, watch: MemWatch | None = None, force_quantized_kv: bool = False) -> Engine:
+        """Load the model, profile a prefill, allocate slot states. force_quantized_kv: the ladder's
+        plan at load asks for int8 KV (also on when config.kv_quant is int8)."""
+        return cls(config, watch, force_quantized_kv)
+
+    def _load(self, force_quantized_kv: bool) -> tuple[LoadedModel, ModelRunner, Profile, list[Lease]]:
+        cfg = self.config
+        loaded = load(cfg, self.device, self.dtype, self._watch)
+        profile = profile_prefill(loaded.model, loaded.hf_config, cfg.prefill_chunk_tokens, cfg.max_model_len, self.device, self.dtype)
+        quantized = force_quantized_kv or cfg.kv_quant == "int8"
+        runner = ModelRunner(loaded.model, self.device, self.dtype, cfg.max_num_seqs, cfg.max_model_len, quantized, cfg.seed)
+        leases = list(loaded.leases)
+        if self._watch is not None and self.device.type == "cuda":
+            die = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            leases.append(self._watch.ledger.lease(die, runner.state_bytes, f"slot-states:{loaded.source.name}"))
+            leases.append(self._watch.ledger.lease(die, profile.peak_activation_bytes, "activations"))
+        return loaded, runner, profile, leases
+
+    def _setup(self, parts: tuple[LoadedModel, ModelRunner, Profile, list[Lease]]) -> None:
+        loaded, runner, profile, leases = parts
+        self._loaded = loaded
+        self.runner = runner
+        self.model_name = loaded.source.name
+        self._leases = leases
+        self.cost_model: CostModel = build_cost_model(loaded.model, self.dtype, profile, loaded.weights_bytes)
+        self.load_report = LoadReport(loaded.load_s, loaded.weights_bytes, runner.state_bytes, profile, runner.quantized_kv)
+        log.info("engine: %s on %s (%s), %d slots x %d tokens, load %.2fs", self.model_name, self.device, self.dtype,
+                 self.num_slots, self.max_model_len, loaded.load_s)
+
+    # --- EngineLike ------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._loaded.tokenizer.get()
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    def submit(self, plan: StepPlan) -> Future[StepResult]:
+        if not self._healthy:
+            failed: Future[StepResult] = Future()
+            failed.set_exception(EngineUnhealthy("an earlier step failed; restart the engine"))
+            return failed
+        return self._executor.submit(self._guarded_step, plan)
+
+    def new_detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> Detokenizer:
+        return self.tokenizer.new_detokenizer(prompt_ids, stop)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+        for lease in self._leases:
+            lease.release()
+
+    # --- the step, on the engine thread ---------------------------------------------------------
+
+    def _guarded_step(self, plan: StepPlan) -> StepResult:
+        try:
+            return self.step(plan)
+        except BaseException:
+            # A step that died half way may have written some slots' states: nothing on the
+            # device can be trusted any more, so the engine is unsound until restarted.
+            self._healthy = False
+            log.exception("engine step failed; marking the engine unhealthy")
+            raise
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Execute one plan. Call only on the engine thread (through `submit`), or in tests."""
+        self._apply_releases(plan)
+        if plan.restores or plan.saves:
+            raise PlanError("checkpoint save/restore orders are not supported by this engine yet")
+        seqs, sampled = self._sequences(plan)
+        if not seqs:
+            return StepResult()
+        t0 = time.perf_counter()
+        logits = self.runner.forward(seqs)
+        outputs = self._sample(seqs, sampled, logits, plan.sampling)
+        forward_s = time.perf_counter() - t0
+        prefill_tokens = sum(len(p.token_ids) for p in plan.prefills)
+        return StepResult(outputs, prefill_tokens, len(plan.decodes), 0, forward_s, self._ledger_bytes())
+
+    def _apply_releases(self, plan: StepPlan) -> None:
+        if plan.max_slots is not None:
+            # States keep their load-time shapes; the limit bounds what the scheduler admits next.
+            self.active_slot_limit = max(1, min(self.num_slots, plan.max_slots))
+        self._check_slots(plan.release)
+        self.runner.sampler.reset(plan.release)
+
+    def _sequences(self, plan: StepPlan) -> tuple[Sequences, list[bool]]:
+        """(slot, tokens, start) per sequence in plan order (prefills, then decodes), and whether
+        each one samples a token. Slots starting a new sequence are reset first."""
+        seqs: list[tuple[int, Sequence[int], int]] = []
+        sampled: list[bool] = []
+        for p in plan.prefills:
+            seqs.append((p.slot, p.token_ids, p.start_pos))
+            sampled.append(p.sample)
+        for d in plan.decodes:
+            seqs.append((d.slot, (d.token_id,), d.pos))
+            sampled.append(True)
+        self._check_slots([s for s, _, _ in seqs])
+        for slot, tokens, start in seqs:
+            if start + len(tokens) > self.max_model_len:
+                raise PlanError(f"slot {slot}: positions up to {start + len(tokens) - 1} exceed max_model_len {self.max_model_len}")
+        self.runner.reset([p.slot for p in plan.prefills if p.start_pos == 0])
+        for p in plan.prefills:
+            self.runner.sampler.observe_prompt(p.slot, p.token_ids)
+        return seqs, sampled
+
+    def _check_slots(self, slots: Sequence[int]) -> None:
+        bad = [s for s in slots if not 0 <= s < self.num_slots]
+        if bad:
+            raise PlanError(f"slots {bad} out of range 0..{self.num_slots - 1}")
+
+    def _sample(self, seqs: Sequences, sampled: list[bool], logits: torch.Tensor,
+                sampling: dict[int, SamplingParams]) -> tuple[SlotOutput, ...]:
+        rows = [i for i, s in enumerate(sampled) if s]
+        if not rows:
+            return ()
+        slots = [seqs[i][0] for i in rows]
+        missing = [s for s in slots if s not in sampling]
+        if missing:
+            raise PlanError(f"no sampling params for slots {missing}")
+        if len(rows) != len(seqs):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        tokens = self.runner.sampler.sample(logits, slots, [sampling[s] for s in slots])
+        outputs = []
+        for i, tok in zip(rows, tokens, strict=True):
+            slot, fed, start = seqs[i]
+            # The sampled token would be fed at position start + len(fed); past the cache: finish.
+            at_capacity = start + len(fed) >= self.max_model_len
+            outputs.append(SlotOutput(slot, tok.token_id, tok.logprob, tok.top_logprobs, at_capacity))
+        return tuple(outputs)
+
+    def _ledger_bytes(self) -> int:
+        return sum(lease.nbytes for lease in self._leases if not lease.released)

@@ -1,0 +1,189 @@
+"""Resolve a model spec, ask the memory layer, and load weights and tokenizer.
+
+Specs: `default` (the embedded SmolLM2 GGUF), `builtin:NAME` (seeded random init), a `.gguf` file,
+or a Hugging Face directory (config.json + safetensors + tokenizer files). The spec's form picks
+the loader; nothing is guessed from file contents beyond that.
+
+The memory layer is asked before any weight is read: the host must have room for the load's
+staging burst (and for the weights themselves on a CPU load), and a GPU must have room for the
+weights plus KV at max context plus the activation reserve. What lands on a GPU is then held as a
+VRAM ledger lease, so the ledger refuses the next big allocation before the driver would OOM.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from ballast.engine.config import EngineConfig
+from ballast.engine.runner import analytic_activation_bytes, weights_bytes
+from ballast.engine.tokenizer import Tokenizer
+from ballast.memory.admission import admit_load_spike, admit_model_load
+from ballast.memory.config import MemoryConfig
+from ballast.memory.ledger import Lease
+from ballast.memory.specs import kv_bytes_per_token
+from ballast.memory.types import MemState, Verdict
+from ballast.memory.watch import MemWatch
+from ballast.models import builtin
+from ballast.models.default_model import default_model_path
+from ballast.models.gguf_loader import build_tokenizer, gguf_config, gguf_tensors, read_gguf
+from ballast.models.hf_loader import inspect_hf_dir, load_hf_model
+from ballast.models.registry import model_class
+from ballast.models.state import dtype_bytes
+from torch import nn
+
+
+class ModelSpecError(ValueError):
+    """The model spec names nothing loadable."""
+
+
+class ModelLoadRefused(RuntimeError):
+    """The memory layer refused the load; `verdict.reason` says what did not fit."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(f"model load refused by the memory layer: {verdict.reason}")
+        self.verdict = verdict
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "builtin" | "gguf" | "hf"
+    name: str  # what clients see as the model name
+    path: Path | None = None  # None for builtin
+
+
+def resolve(spec: str) -> ModelSource:
+    if spec == "default":
+        path = default_model_path()
+        return ModelSource("gguf", path.stem, path)
+    if spec.startswith(builtin.PREFIX):
+        builtin.builtin_config(spec)  # raises UnsupportedModel naming the built-in models
+        return ModelSource("builtin", spec)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path.stem, path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource("hf", path.name, path)
+    raise ModelSpecError(f"model {spec!r} is not 'default', 'builtin:NAME', a .gguf file or a Hugging Face directory with config.json")
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    model: nn.Module
+    hf_config: dict[str, Any]
+    tokenizer: LazyTokenizer
+    weights_bytes: int
+    load_s: float
+    leases: list[Lease]
+
+
+class LazyTokenizer:
+    """Loads the tokenizer on first use. A built-in model borrows the default model's tokenizer
+    (same vocabulary); tests that drive it with token ids never pay for fetching it."""
+
+    def __init__(self, factory: Callable[[], Tokenizer]) -> None:
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._value: Tokenizer | None = None
+
+    def get(self) -> Tokenizer:
+        with self._lock:
+            if self._value is None:
+                self._value = self._factory()
+            return self._value
+
+
+def planned_weights_bytes(hf_config: Mapping[str, Any], dtype: torch.dtype) -> int:
+    """Bytes the model will hold, from its config alone (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = model_class(hf_config).from_hf_config(hf_config)
+    # parameters() yields a tied parameter once, so tied embeddings are not counted twice.
+    return sum(p.numel() for p in model.parameters()) * dtype_bytes(dtype)
+
+
+def admit_load(hf_config: Mapping[str, Any], config: EngineConfig, device: torch.device, dtype: torch.dtype,
+               weights: int, watch: MemWatch | None, mem_config: MemoryConfig) -> None:
+    """Raise ModelLoadRefused unless the host (and the GPU, on CUDA) has room for this load."""
+    if watch is None:
+        return  # tests and tools without a memory layer
+    state: MemState = watch.poll_now()
+    host_weights = weights if device.type == "cpu" else 0
+    spike = admit_load_spike(mem_config.load_spike_bytes, state, host_weights_bytes=host_weights)
+    if not spike.admitted:
+        raise ModelLoadRefused(spike)
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    watch.ledger.register_die(_die(device), total, free)
+    with torch.device("meta"):
+        specs = model_class(hf_config).from_hf_config(hf_config).layer_specs(dtype_bytes(dtype))
+    kv = kv_bytes_per_token(specs) * config.max_model_len * config.max_num_seqs
+    act_bytes = dtype_bytes(dtype)
+    activations = analytic_activation_bytes(hf_config, config.prefill_chunk_tokens, config.max_model_len, act_bytes)
+    verdict = admit_model_load(weights, kv, activations, free, mem_config.die_reserve_bytes)
+    if not verdict.admitted:
+        raise ModelLoadRefused(verdict)
+
+
+def _die(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def load(config: EngineConfig, device: torch.device, dtype: torch.dtype, watch: MemWatch | None = None) -> LoadedModel:
+    """Load the model config.model names onto device in dtype, after the memory layer agrees."""
+    mem_config = watch.config if watch is not None else MemoryConfig()
+    source = resolve(config.model)
+    t0 = time.perf_counter()
+    if source.kind == "builtin":
+        hf_config = builtin.builtin_config(source.name)
+        weights = planned_weights_bytes(hf_config, dtype)
+        admit_load(hf_config, config, device, dtype, weights, watch, mem_config)
+        model = builtin.build_builtin(source.name, dtype=dtype, device=device)
+        tokenizer = LazyTokenizer(lambda: Tokenizer(build_tokenizer(read_gguf(default_model_path()).metadata)))
+    elif source.kind == "gguf":
+        assert source.path is not None
+        gf = read_gguf(source.path)
+        hf_config = gguf_config(gf)
+        weights = sum(math.prod(t.shape) for t in gf.tensors.values()) * dtype_bytes(dtype)
+        admit_load(hf_config, config, device, dtype, weights, watch, mem_config)
+        model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype), device)
+        hf_tok = build_tokenizer(gf.metadata)
+        tokenizer = LazyTokenizer(lambda: Tokenizer(hf_tok))
+    else:
+        assert source.path is not None
+        ckpt = inspect_hf_dir(source.path)
+        hf_config = ckpt.config
+        weights = ckpt.weights_bytes(dtype)
+        admit_load(hf_config, config, device, dtype, weights + ckpt.largest_tensor_bytes(dtype), watch, mem_config)
+        model = load_hf_model(ckpt, dtype=dtype, device=device)
+        path = source.path
+        tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(path))
+    leases: list[Lease] = []
+    held = weights_bytes(model)
+    if watch is not None and device.type == "cuda":
+        leases.append(watch.ledger.lease(_die(device), held, f"weights:{source.name}"))
+    return LoadedModel(source, model.eval(), dict(hf_config), tokenizer, held, time.perf_counter() - t0, leases)
+
+
+def _from_tensors(hf_config: Mapping[str, Any], tensors: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
+    """Build the model on the meta device and adopt the loaded tensors as its parameters."""
+    with torch.device("meta"):
+        model = model_class(hf_config).from_hf_config(hf_config)
+    # Not strict: a checkpoint with tied embeddings has no lm_head tensor; tie_weights covers it.
+    result = model.load_state_dict(tensors, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ModelSpecError(f"checkpoint has tensors the model does not: {', '.join(result.unexpected_keys[:8])}")
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
+    missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
+    if missing:
+        raise ModelSpecError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    return model.to(device)

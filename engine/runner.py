@@ -1,0 +1,153 @@
+"""The model runner: one model, its per-layer slot states and the sampler, on one device.
+
+Everything here runs on the engine thread. States are allocated once, after the profiling pass,
+with fixed shapes (gpt-fast's `setup_caches`, nano-vllm's `warmup_model` then `allocate_kv_cache`);
+nothing here grows at run time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from ballast.engine.sampler import Sampler
+from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
+from ballast.memory.types import CostModel
+from ballast.models.base import CausalLM, ForwardBatch
+from ballast.models.state import LayerState, allocate_states, dtype_bytes
+from torch import Tensor, nn
+
+Sequences = Sequence[tuple[int, Sequence[int], int]]  # (slot, token ids, start position)
+
+
+def weights_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each shared storage counted once."""
+    seen: set[tuple[torch.device, int]] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        key = (t.device, t.untyped_storage().data_ptr()) if t.device.type != "meta" else (t.device, id(t))
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def as_causal_lm(model: nn.Module) -> CausalLM:
+    """The model seen through the interface every architecture implements."""
+    return cast(CausalLM, model)
+
+
+def analytic_activation_bytes(hf_config: Mapping[str, Any], tokens: int, context: int, act_bytes: int) -> int:
+    """Upper estimate of the live activation bytes of one prefill chunk of `tokens` tokens that
+    attends to `context` cached positions, for CPU where no allocator reports a peak.
+
+    Inference mode frees each layer's intermediates before the next layer runs, so the peak is the
+    residual stream plus the larger of one attention block and one MLP block:
+      attention: q, k, v and their rotated copies, the gathered K/V view expanded to all query
+        heads (GQA), float32 scores and softmax (heads x tokens x context), the attention output;
+      MLP: gate, up and their product (3 x intermediate per token), the projection back;
+    plus float32 logits of the chunk's last token. Hybrid / MoE configs contribute their larger
+    intermediate (routed experts x moe_intermediate_size) through the same MLP term.
+    """
+    h = int(hf_config.get("hidden_size", 0))
+    heads = int(hf_config.get("num_attention_heads", 0) or 1)
+    kv_heads = int(hf_config.get("num_key_value_heads", 0) or heads)
+    head_dim = int(hf_config.get("head_dim", 0) or (h // heads))
+    inter = int(hf_config.get("intermediate_size", 0) or 0)
+    moe_inter = int(hf_config.get("moe_intermediate_size", 0) or 0) * int(hf_config.get("num_experts_per_tok", 0) or 0)
+    inter = max(inter, moe_inter + int(hf_config.get("shared_expert_intermediate_size", 0) or 0))
+    vocab = int(hf_config.get("vocab_size", 0))
+    residual = 2 * tokens * h * act_bytes
+    qkv = tokens * (2 * heads + 3 * kv_heads) * head_dim * act_bytes
+    kv_view = 2 * context * heads * head_dim * act_bytes
+    scores = 2 * heads * tokens * context * 4
+    attention = qkv + kv_view + scores + tokens * (heads * head_dim + h) * act_bytes
+    mlp = tokens * (3 * inter + h) * act_bytes
+    return residual + max(attention, mlp) + vocab * 4
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the profiling prefill found."""
+
+    chunk_tokens: int
+    peak_activation_bytes: int
+    measured: bool  # True: the device allocator's peak; False: the analytic bound
+
+
+def profile_prefill(model: nn.Module, hf_config: Mapping[str, Any], chunk_tokens: int, max_model_len: int,
+                    device: torch.device, dtype: torch.dtype) -> Profile:
+    """Run one prefill of `chunk_tokens` tokens through the model (on a throwaway one-slot cache)
+    and report its peak activation bytes. The chunk is placed at the end of a max_model_len
+    context, so attention reads the longest cache any real chunk can read."""
+    start = max(0, max_model_len - chunk_tokens)
+    specs = as_causal_lm(model).layer_specs(dtype_bytes(dtype))
+    states = allocate_states(specs, 1, start + chunk_tokens, device, dtype)
+    batch = ForwardBatch.build([(0, [0] * chunk_tokens, start)], device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        with torch.inference_mode():
+            model(batch, states)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        return Profile(chunk_tokens, int(peak), measured=True)
+    with torch.inference_mode():
+        model(batch, states)  # proves the shapes work; the figure itself is analytic on CPU
+    act_bytes = torch.empty((), dtype=dtype).element_size()
+    return Profile(chunk_tokens, analytic_activation_bytes(hf_config, chunk_tokens, start + chunk_tokens, act_bytes), measured=False)
+
+
+def build_cost_model(model: nn.Module, dtype: torch.dtype, profile: Profile, weights: int) -> CostModel:
+    lm = as_causal_lm(model)
+    specs: list[LayerSpec] = lm.layer_specs(dtype_bytes(dtype))
+    quantized: list[LayerSpec] = lm.layer_specs(1)
+    return CostModel(
+        kv_bytes_per_token=kv_bytes_per_token(specs),
+        state_bytes_per_slot=state_bytes_per_slot(specs),
+        activation_bytes_per_prefill_token=-(-profile.peak_activation_bytes // profile.chunk_tokens),
+        weights_bytes=weights,
+        quantized_kv_bytes_per_token=kv_bytes_per_token(quantized),
+        extra={"profile_chunk_tokens": profile.chunk_tokens, "profile_peak_bytes": profile.peak_activation_bytes},
+    )
+
+
+class ModelRunner:
+    """Owns the model's slot states and the sampler; runs one forward over many slots."""
+
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, num_slots: int,
+                 max_model_len: int, quantized_kv: bool, seed: int) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        self.quantized_kv = quantized_kv
+        lm = as_causal_lm(model)
+        specs = lm.layer_specs(1 if quantized_kv else dtype_bytes(dtype))
+        self.states: list[LayerState] = allocate_states(specs, num_slots, max_model_len, device, dtype, quantized_kv)
+        vocab = int(lm.config.vocab_size)
+        self.sampler = Sampler(num_slots, vocab, device, seed)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(s.nbytes for s in self.states) + self.sampler.state_bytes
+
+    def reset(self, slots: Sequence[int]) -> None:
+        """New sequences start in these slots."""
+        if not slots:
+            return
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        for state in self.states:
+            state.reset(index)
+        self.sampler.reset(slots)
+
+    def forward(self, seqs: Sequences) -> Tensor:
+        """Logits [len(seqs), vocab] at each sequence's last token; writes the slots' states."""
+        batch = ForwardBatch.build(seqs, self.device)
+        with torch.inference_mode():
+            logits: Tensor = self.model(batch, self.states)
+        return logits
