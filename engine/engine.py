@@ -14,7 +14,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-
 from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
 from ballast.engine.loading import LoadedModel, load
