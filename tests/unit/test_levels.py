@@ -21,20 +21,22 @@ TOTAL = 20 * GiB
 R = 3 * GiB
 
 
-def tree_with_available(root: Path, mode: CgroupMode, available: int, **psi: float) -> None:
+def tree_with_available(root: Path, mode: CgroupMode, available: int, psi_some: float = 0.0, psi_full: float = 0.0) -> None:
     """A tree whose *effective* available bytes are `available` and effective total is TOTAL.
 
     Without a cgroup it is the host's MemAvailable; with one, a 64 GiB host holds a TOTAL-limited
     cgroup whose usage (plus 1 GiB of reclaimable cache, which must not count) leaves `available`.
+    PSI goes to the host file, except on v2 where it goes to the cgroup's own memory.pressure.
     """
     if mode is None:
-        write_tree(root, mem_total=TOTAL, mem_available=available, **psi)
+        write_tree(root, mem_total=TOTAL, mem_available=available, psi_some=psi_some, psi_full=psi_full)
         return
-    cgroup_psi = {"cg_psi_some": psi.get("psi_some", 0.0), "cg_psi_full": psi.get("psi_full", 0.0)} if mode == "v2" else {}
-    host_psi = {} if mode == "v2" else psi  # v2 reports its own memory.pressure; v1 relies on the host's
+    on_v2 = mode == "v2"
     write_tree(
         root, mem_total=64 * GiB, mem_available=60 * GiB, cgroup=mode, cg_max=TOTAL,
-        cg_usage=TOTAL - available + GiB, inactive_file=GiB, **host_psi, **cgroup_psi,
+        cg_usage=TOTAL - available + GiB, inactive_file=GiB,
+        psi_some=0.0 if on_v2 else psi_some, psi_full=0.0 if on_v2 else psi_full,
+        cg_psi_some=psi_some if on_v2 else 0.0, cg_psi_full=psi_full if on_v2 else 0.0,
     )
 
 
