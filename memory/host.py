@@ -22,6 +22,8 @@ NO_LIMIT_FLOOR = 1 << 60
 # No machine has 4 PiB of RAM: a larger total is a misread, and is treated as unknown.
 MAX_SANE_BYTES = 1 << 52
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+_V2_STAT_KEYS = frozenset({"inactive_file"})
+_V1_STAT_KEYS = frozenset({"total_inactive_file", "inactive_file", "hierarchical_memory_limit"})
 
 
 @dataclass(frozen=True)
@@ -35,12 +37,21 @@ class CgroupLocation:
 
 def _read_text(path: str) -> str | None:
     """The file's text, or None when it is absent or unreadable (an expected state: old kernels
-    have no PSI, most processes sit in no limited cgroup)."""
+    have no PSI, most processes sit in no limited cgroup). Raw os.read: a poll reads about ten
+    small files, and the text-mode file object costs more than the read itself."""
     try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("ascii", errors="replace")
 
 
 def _parse_count(text: str | None) -> int | None:
@@ -62,30 +73,34 @@ def _parse_limit(text: str | None) -> int:
     return value
 
 
-def _parse_stat(text: str | None) -> dict[str, int]:
-    """`key value` lines (memory.stat); malformed lines are skipped."""
+def _parse_stat(text: str | None, keys: frozenset[str]) -> dict[str, int]:
+    """The wanted `key value` lines of memory.stat (40-odd lines); malformed lines are skipped."""
     out: dict[str, int] = {}
     for line in (text or "").splitlines():
-        parts = line.split()
-        if len(parts) == 2:
-            value = _parse_count(parts[1])
+        key, _, raw = line.partition(" ")
+        if key in keys:
+            value = _parse_count(raw)
             if value is not None:
-                out[parts[0]] = value
+                out[key] = value
     return out
 
 
 def parse_meminfo(text: str | None) -> tuple[int, int]:
     """(MemTotal, MemAvailable) in bytes from /proc/meminfo; 0 for what cannot be trusted."""
+    wanted = {"MemTotal", "MemFree", "MemAvailable"}
     fields: dict[str, int] = {}
     for line in (text or "").splitlines():
         key, _, rest = line.partition(":")
+        key = key.strip()
         parts = rest.split()
-        if not parts:
+        if key not in wanted or not parts:
             continue
         value = _parse_count(parts[0])
         if value is None:
             continue
-        fields[key.strip()] = value * 1024 if len(parts) > 1 and parts[1] == "kB" else value
+        fields[key] = value * 1024 if len(parts) > 1 and parts[1] == "kB" else value
+        if len(fields) == len(wanted):  # they lead the file: skip the other ~50 lines
+            break
     total = fields.get("MemTotal", 0)
     if not 0 < total <= MAX_SANE_BYTES:
         total = 0
@@ -213,7 +228,7 @@ def _v2_level(path: str) -> tuple[int, int, int]:
     current = _parse_count(_read_text(os.path.join(path, "memory.current")))
     if current is None or current >= NO_LIMIT_FLOOR:
         current = 0
-    inactive = _parse_stat(_read_text(os.path.join(path, "memory.stat"))).get("inactive_file", 0)
+    inactive = _parse_stat(_read_text(os.path.join(path, "memory.stat")), _V2_STAT_KEYS).get("inactive_file", 0)
     high = _parse_limit(_read_text(os.path.join(path, "memory.high")))
     limit = _parse_limit(_read_text(os.path.join(path, "memory.max")))
     return max(0, current - inactive), high, limit
@@ -244,7 +259,7 @@ def read_cgroup_v1(loc: CgroupLocation) -> CgroupReading:
     usage = _parse_count(_read_text(os.path.join(loc.path, "memory.usage_in_bytes")))
     if usage is None or usage >= NO_LIMIT_FLOOR:
         usage = 0
-    stat = _parse_stat(_read_text(os.path.join(loc.path, "memory.stat")))
+    stat = _parse_stat(_read_text(os.path.join(loc.path, "memory.stat")), _V1_STAT_KEYS)
     inactive = stat.get("total_inactive_file", stat.get("inactive_file", 0))
     limit = _parse_limit(_read_text(os.path.join(loc.path, "memory.limit_in_bytes")))
     # With use_hierarchy a parent's smaller limit binds too; the kernel reports the tightest.
