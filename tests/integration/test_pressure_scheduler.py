@@ -1,0 +1,191 @@
+"""The scheduler under memory pressure: a real MemWatch reads a fixture /proc tree that the test
+rewrites, the fake engine runs plans on its worker thread, and nothing in between is simulated."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from ballast.memory.config import MemoryConfig
+from ballast.memory.device import StaticDeviceReader
+from ballast.memory.types import Level
+from ballast.memory.watch import MemWatch
+from ballast.scheduler.config import SchedulerConfig
+from ballast.scheduler.errors import Overloaded
+from ballast.scheduler.request import GenerationRequest, RequestHandle
+from ballast.scheduler.scheduler import Scheduler
+from fake_engine import FakeEngine, FakeTokenizer, expected_tokens
+from memfixtures import level_tree
+
+TOK = FakeTokenizer()
+
+
+def req(i: int, max_tokens: int, words: int = 3) -> GenerationRequest:
+    return GenerationRequest(f"r{i}", tuple(TOK.encode(f"pressure test {i} " + "word " * words)), max_tokens=max_tokens)
+
+
+def calm(r: GenerationRequest, n: int | None = None) -> str:
+    return TOK.decode(expected_tokens(r.prompt_ids, n or r.max_tokens))
+
+
+async def wait_until(cond: Callable[[], bool], what: str) -> None:
+    for _ in range(10000):
+        if cond():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"never happened: {what}")
+
+
+class Box:
+    """The fixture tree and the MemWatch reading it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cfg = MemoryConfig(root=str(root))
+        level_tree(root, Level.OK, config=self.cfg)
+        self.watch = MemWatch(self.cfg, StaticDeviceReader())
+        self.watch.poll_now()
+
+    def set(self, level: Level) -> None:
+        level_tree(self.root, level, config=self.cfg)
+        assert self.watch.poll_now().level == level
+
+
+@pytest.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[tuple[Scheduler, FakeEngine, Box]]:
+    box = Box(tmp_path)
+    eng = FakeEngine(num_slots=8, max_model_len=256, prefill_chunk_tokens=64, step_delay_s=0.002)
+    s = Scheduler(eng, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, retry_after_s=1.5), memwatch=box.watch)
+    await s.start()
+    yield s, eng, box
+    await s.stop()
+    eng.shutdown()
+
+
+def concurrency(eng: FakeEngine, since: int) -> int:
+    return max((len(p.prefills) + len(p.decodes) for p in eng.recorded()[since:]), default=0)
+
+
+async def test_ladder_walk_slots_window_and_refusals(rig: tuple[Scheduler, FakeEngine, Box]) -> None:
+    s, eng, box = rig
+    # OK: eight requests run side by side.
+    ok = [s.submit(req(i, 40)) for i in range(8)]
+    await wait_until(lambda: s.active_slots == 8, "8 running at OK")
+
+    # TIGHT while they run: nobody is killed, but the ceiling is 4 and the window 128.
+    box.set(Level.TIGHT)
+    tight = [s.submit(req(10 + i, 30)) for i in range(6)]
+    capped = s.submit(req(99, 200))
+    for h in ok:
+        text, _, fin = await h.collect()
+        assert fin.reason == "length" and text == calm(h.request)
+    mark = len(eng.recorded())
+    results = [await h.collect() for h in tight]
+    assert [t for t, _, _ in results] == [calm(h.request) for h in tight]
+    assert concurrency(eng, mark) <= 4 and s.slot_limit == 4 and s.plan.prefill_window == 128
+    text, _, fin = await capped.collect()
+    n_prompt = len(capped.request.prompt_ids)
+    assert fin.capped and fin.reason == "length" and fin.completion_tokens == 128 - n_prompt
+    assert text == calm(capped.request, 128 - n_prompt)
+    await wait_until(lambda: eng.slot_limit == 4, "engine applied the TIGHT ceiling")
+
+    # CRITICAL: one slot; new requests refused at once; queued ones refused; the running one finishes.
+    running = s.submit(req(50, 60))
+    queued = [s.submit(req(51 + i, 5)) for i in range(3)]
+    await wait_until(lambda: s.active_slots == 4, "four admitted at TIGHT")
+    box.set(Level.CRITICAL)
+    with pytest.raises(Overloaded) as refused:
+        s.submit(req(60, 5))
+    assert refused.value.retry_after_s == 1.5
+    for h in queued:  # they had slots at TIGHT (4 of them), so they run to completion
+        assert (await h.collect())[0] == calm(h.request)
+    text, _, fin = await running.collect()
+    assert fin.reason == "length" and text == calm(running.request)
+    await wait_until(lambda: eng.slot_limit == 1, "engine applied the CRITICAL ceiling")
+    assert s.pressure_level == Level.CRITICAL and s.plan.prefill_window == 64
+
+    # Back to OK: the server serves again with the full ladder.
+    box.set(Level.OK)
+    again = [s.submit(req(70 + i, 10)) for i in range(8)]
+    assert [(await h.collect())[0] for h in again] == [calm(h.request) for h in again]
+    await wait_until(lambda: s.idle and eng.active_slots == 0, "idle")
+    assert s.slot_limit == 8 and s.pressure_level == Level.OK and eng.slot_limit == 8
+    assert s.outcomes["overloaded"] == 1
+
+
+async def test_critical_refuses_the_waiting_queue(rig: tuple[Scheduler, FakeEngine, Box]) -> None:
+    s, eng, box = rig
+    box.set(Level.TIGHT)  # 4 slots
+    running = [s.submit(req(i, 50)) for i in range(4)]
+    await wait_until(lambda: s.active_slots == 4, "4 running")
+    waiting = [s.submit(req(10 + i, 5)) for i in range(5)]
+    assert s.queue_depth == 5
+    box.set(Level.CRITICAL)
+    for h in waiting:
+        _, _, fin = await h.collect()
+        assert fin.reason == "error" and isinstance(fin.error, Overloaded) and fin.completion_tokens == 0
+    for h in running:  # in-flight requests are never killed by pressure
+        text, _, fin = await h.collect()
+        assert fin.reason == "length" and text == calm(h.request)
+    await wait_until(lambda: s.idle and eng.active_slots == 0, "idle")
+    assert s.outcomes["overloaded"] == 5 and s.outcomes["length"] == 4
+
+
+async def test_level_flapping_never_changes_an_admitted_request(rig: tuple[Scheduler, FakeEngine, Box]) -> None:
+    s, eng, box = rig
+    reqs = [req(i, 48, words=i % 5) for i in range(16)]
+    stop = threading.Event()
+    flips = 0
+
+    def flap() -> None:  # another thread rewrites /proc and publishes, as the poll thread would
+        nonlocal flips
+        level = Level.CRITICAL
+        while not stop.is_set():
+            box.set(level)
+            flips += 1
+            level = Level.OK if level is Level.CRITICAL else Level.CRITICAL
+            stop.wait(0.05)
+
+    flapper = threading.Thread(target=flap, name="flapper")
+    flapper.start()
+    handles: list[RequestHandle] = []
+    refused_at_submit = 0
+    try:
+        for r in reqs:
+            try:
+                handles.append(s.submit(r))
+            except Overloaded:
+                refused_at_submit += 1
+            await asyncio.sleep(0.02)
+        results = [await h.collect() for h in handles]
+    finally:
+        stop.set()
+        flapper.join()
+    completed = 0
+    for h, (text, _, fin) in zip(handles, results, strict=True):
+        if fin.reason == "error":
+            assert isinstance(fin.error, Overloaded) and fin.completion_tokens == 0
+        else:
+            assert (fin.reason, text) == ("length", calm(h.request))
+            completed += 1
+    assert flips >= 4 and completed > 0 and refused_at_submit + (len(handles) - completed) > 0
+    box.set(Level.OK)
+    await wait_until(lambda: s.idle and eng.active_slots == 0, "idle")
+    assert s.queue_depth == 0 and s.active_slots == 0 and s.pressure_level == Level.OK
+
+
+async def test_submit_at_critical_is_synchronous_and_cheap(rig: tuple[Scheduler, FakeEngine, Box]) -> None:
+    s, _, box = rig
+    box.set(Level.CRITICAL)
+    # No await between submit and the refusal: it cannot wait on the loop, the engine or a lock.
+    t0 = time.perf_counter()
+    for i in range(1000):
+        with pytest.raises(Overloaded):
+            s.submit(req(i, 5))
+    elapsed = time.perf_counter() - t0
+    assert s.outcomes["overloaded"] == 1000 and s.queue_depth == 0
+    print(f"\nsubmit refusal at CRITICAL: {elapsed / 1000 * 1e6:.1f} us each")
