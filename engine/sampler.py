@@ -105,7 +105,12 @@ class Sampler:
         probs = torch.softmax(filtered, dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) picks index i with probability p_i. It
         # lets each seeded row draw from its own generator with a fixed number of values per step.
-        noise = torch.empty_like(probs).exponential_(generator=self._shared)
+        noise = torch.empty_like(probs)
+        unseeded = [k for k, row in enumerate(random_rows) if params[row].seed is None]
+        if len(unseeded) == len(random_rows):
+            noise.exponential_(generator=self._shared)
+        elif unseeded:
+            noise[unseeded] = torch.empty_like(noise[unseeded]).exponential_(generator=self._shared)
         for k, row in enumerate(random_rows):
             seed = params[row].seed
             if seed is not None:

@@ -1,0 +1,212 @@
+"""The Engine on the built-in tiny Llama (random init, CPU, float32): batching invariance, mixed
+prefill + decode steps, chunked prefill, releases, capacity, failures, seeds, quantized KV."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from ballast.engine.config import EngineConfig, EngineConfigError
+from ballast.engine.engine import Engine, EngineUnhealthy, PlanError
+from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan, StepResult
+
+GREEDY = SamplingParams(temperature=0.0)
+MAX_LEN = 48
+
+
+def config(**kw: object) -> EngineConfig:
+    base: dict[str, object] = {"model": "builtin:tiny-llama", "device": "cpu", "max_num_seqs": 4,
+                               "max_model_len": MAX_LEN, "prefill_chunk_tokens": 16}
+    base.update(kw)
+    return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    eng = Engine.load(config())
+    yield eng
+    eng.shutdown()
+
+
+def run(engine: Engine, plan: StepPlan) -> StepResult:
+    return engine.submit(plan).result(timeout=60)
+
+
+def prompt(seed: int, n: int) -> tuple[int, ...]:
+    return tuple(torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+
+
+def generate_alone(engine: Engine, slot: int, ids: tuple[int, ...], steps: int, chunk: int | None = None) -> list[int]:
+    """Greedy tokens of one sequence run by itself (optionally prefilled in chunks)."""
+    chunk = chunk or len(ids)
+    out: list[int] = []
+    for start in range(0, len(ids), chunk):
+        part = ids[start : start + chunk]
+        last = start + len(part) == len(ids)
+        res = run(engine, StepPlan(prefills=(PrefillChunk(slot, part, start, last),), sampling={slot: GREEDY}))
+        out += [o.token_id for o in res.outputs]
+    pos = len(ids)
+    for _ in range(steps - 1):
+        res = run(engine, StepPlan(decodes=(DecodeToken(slot, out[-1], pos),), sampling={slot: GREEDY}))
+        out.append(res.outputs[0].token_id)
+        pos += 1
+    return out
+
+
+def test_batched_slots_match_each_alone(engine: Engine) -> None:
+    prompts = {0: prompt(1, 5), 1: prompt(2, 11), 2: prompt(3, 2), 3: prompt(4, 17)}
+    alone = {s: generate_alone(engine, s, p, steps=6) for s, p in prompts.items()}
+    # All four prefill in one step, then decode together, each at its own position.
+    res = run(engine, StepPlan(prefills=tuple(PrefillChunk(s, p, 0, True) for s, p in prompts.items()),
+                               sampling=dict.fromkeys(prompts, GREEDY)))
+    assert res.prefill_tokens == sum(len(p) for p in prompts.values())
+    got = {o.slot: [o.token_id] for o in res.outputs}
+    pos = {s: len(p) for s, p in prompts.items()}
+    for _ in range(5):
+        plan = StepPlan(decodes=tuple(DecodeToken(s, got[s][-1], pos[s]) for s in prompts), sampling=dict.fromkeys(prompts, GREEDY))
+        res = run(engine, plan)
+        assert res.decode_tokens == 4
+        for o in res.outputs:
+            got[o.slot].append(o.token_id)
+            pos[o.slot] += 1
+    assert got == alone
+
+
+def test_mixed_prefill_and_decode_in_one_step(engine: Engine) -> None:
+    a, b = prompt(10, 9), prompt(11, 13)
+    alone_a = generate_alone(engine, 0, a, steps=4)
+    alone_b = generate_alone(engine, 1, b, steps=3)
+    # slot 0 starts; slot 1 joins later in two prefill chunks while slot 0 decodes.
+    first = run(engine, StepPlan(prefills=(PrefillChunk(0, a, 0, True),), sampling={0: GREEDY}))
+    ga = [first.outputs[0].token_id]
+    step = run(engine, StepPlan(prefills=(PrefillChunk(1, b[:6], 0, False),), decodes=(DecodeToken(0, ga[-1], 9),),
+                                sampling={0: GREEDY, 1: GREEDY}))
+    assert [o.slot for o in step.outputs] == [0]  # a non-final chunk samples nothing
+    ga.append(step.outputs[0].token_id)
+    step = run(engine, StepPlan(prefills=(PrefillChunk(1, b[6:], 6, True),), decodes=(DecodeToken(0, ga[-1], 10),),
+                                sampling={0: GREEDY, 1: GREEDY}))
+    by_slot = {o.slot: o.token_id for o in step.outputs}
+    ga.append(by_slot[0])
+    gb = [by_slot[1]]
+    step = run(engine, StepPlan(decodes=(DecodeToken(0, ga[-1], 11), DecodeToken(1, gb[-1], 13)), sampling={0: GREEDY, 1: GREEDY}))
+    by_slot = {o.slot: o.token_id for o in step.outputs}
+    ga.append(by_slot[0])
+    gb.append(by_slot[1])
+    step = run(engine, StepPlan(decodes=(DecodeToken(1, gb[-1], 14),), sampling={1: GREEDY}))
+    gb.append(step.outputs[0].token_id)
+    assert ga == alone_a
+    assert gb == alone_b
+
+
+def test_chunked_prefill_equals_one_shot(engine: Engine) -> None:
+    ids = prompt(20, 23)
+    assert generate_alone(engine, 2, ids, steps=4, chunk=5) == generate_alone(engine, 2, ids, steps=4)
+
+
+def test_release_and_reuse_of_a_slot(engine: Engine) -> None:
+    old, new = prompt(30, 20), prompt(31, 4)
+    fresh = generate_alone(engine, 3, new, steps=4)
+    generate_alone(engine, 3, old, steps=3)  # leaves a longer sequence's KV in slot 3
+    assert run(engine, StepPlan(release=(3,))).outputs == ()
+    assert generate_alone(engine, 3, new, steps=4) == fresh
+
+
+def test_at_capacity_when_the_next_position_reaches_max_len(engine: Engine) -> None:
+    ids = prompt(40, MAX_LEN - 2)
+    res = run(engine, StepPlan(prefills=(PrefillChunk(0, ids, 0, True),), sampling={0: GREEDY}))
+    assert not res.outputs[0].at_capacity  # its token goes to position MAX_LEN - 2
+    res = run(engine, StepPlan(decodes=(DecodeToken(0, res.outputs[0].token_id, MAX_LEN - 2),), sampling={0: GREEDY}))
+    assert not res.outputs[0].at_capacity
+    res = run(engine, StepPlan(decodes=(DecodeToken(0, res.outputs[0].token_id, MAX_LEN - 1),), sampling={0: GREEDY}))
+    assert res.outputs[0].at_capacity  # the next token would sit at MAX_LEN
+
+
+def test_seeded_request_is_independent_of_its_batch(engine: Engine) -> None:
+    seeded = SamplingParams(temperature=1.0, seed=77)
+    other = SamplingParams(temperature=1.0)
+    ids = prompt(50, 6)
+
+    def draw(slot: int, companions: dict[int, tuple[int, ...]]) -> list[int]:
+        res = run(engine, StepPlan(prefills=(PrefillChunk(slot, ids, 0, True), *(PrefillChunk(s, p, 0, True) for s, p in companions.items())),
+                                   sampling={slot: seeded, **dict.fromkeys(companions, other)}))
+        out = {o.slot: o.token_id for o in res.outputs}
+        toks = [out[slot]]
+        pos = {slot: len(ids), **{s: len(p) for s, p in companions.items()}}
+        for _ in range(7):
+            plan = StepPlan(decodes=tuple(DecodeToken(s, out[s], pos[s]) for s in out), sampling={slot: seeded, **dict.fromkeys(companions, other)})
+            out = {o.slot: o.token_id for o in run(engine, plan).outputs}
+            pos = {s: p + 1 for s, p in pos.items()}
+            toks.append(out[slot])
+        return toks
+
+    assert draw(0, {}) == draw(2, {0: prompt(51, 3), 3: prompt(52, 8)})
+
+
+def test_logprobs_through_the_engine(engine: Engine) -> None:
+    res = run(engine, StepPlan(prefills=(PrefillChunk(1, prompt(60, 5), 0, True),), sampling={1: SamplingParams(temperature=0.0, logprobs=3)}))
+    out = res.outputs[0]
+    assert out.logprob is not None and out.logprob <= 0
+    assert len(out.top_logprobs) == 3 and out.top_logprobs[0] == (out.token_id, pytest.approx(out.logprob))
+
+
+def test_cost_model_comes_from_specs_and_profile(engine: Engine) -> None:
+    cm = engine.cost_model
+    # tiny-llama: 2 layers, 2 KV heads of 16 dims, K and V, float32
+    assert cm.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert cm.quantized_kv_bytes_per_token == 2 * 2 * 2 * (16 + 4)  # int8 + a float32 scale per head
+    assert cm.state_bytes_per_slot == 0
+    assert cm.weights_bytes == sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    assert cm.activation_bytes_per_prefill_token > 0
+    assert engine.load_report.profile.chunk_tokens == 16
+
+
+def test_quantized_kv_when_the_ladder_asks() -> None:
+    eng = Engine.load(config(max_num_seqs=2), force_quantized_kv=True)
+    try:
+        assert eng.runner.quantized_kv
+        ids = prompt(70, 8)
+        toks = generate_alone(eng, 0, ids, steps=3)
+        assert len(toks) == 3
+        kv = eng.runner.states[0]
+        assert kv.k.dtype == torch.int8
+    finally:
+        eng.shutdown()
+
+
+def test_a_failed_step_makes_the_engine_unhealthy() -> None:
+    eng = Engine.load(config(max_num_seqs=2))
+    try:
+        assert eng.healthy
+        with pytest.raises(PlanError):
+            run(eng, StepPlan(decodes=(DecodeToken(0, 5, MAX_LEN),), sampling={0: GREEDY}))
+        assert not eng.healthy
+        with pytest.raises(EngineUnhealthy):
+            run(eng, StepPlan(decodes=(DecodeToken(0, 5, 1),), sampling={0: GREEDY}))
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        StepPlan(decodes=(DecodeToken(9, 5, 1),), sampling={9: GREEDY}),  # slot out of range
+        StepPlan(decodes=(DecodeToken(0, 5, 1),)),  # no sampling params for a sampled slot
+        StepPlan(prefills=(PrefillChunk(0, tuple(range(MAX_LEN + 1)), 0, True),), sampling={0: GREEDY}),
+    ],
+)
+def test_impossible_plans_are_refused(plan: StepPlan) -> None:
+    eng = Engine.load(config(max_num_seqs=2))
+    try:
+        with pytest.raises(PlanError):
+            run(eng, plan)
+    finally:
+        eng.shutdown()
+
+
+def test_empty_plan_and_config_validation(engine: Engine) -> None:
+    assert run(engine, StepPlan()) == StepResult()
+    with pytest.raises(EngineConfigError):
+        config(kv_quant="fp4")
+    with pytest.raises(EngineConfigError):
+        config(device="tpu")
