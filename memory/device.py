@@ -101,7 +101,7 @@ class NvmlReader:
                 chosen = all_handles
             else:
                 uuids = [_text(pynvml.nvmlDeviceGetUUID(h)) for h in all_handles]
-                chosen = [_map_entry(e, all_handles, uuids) for e in entries]
+                chosen = [map_visible_entry(e, all_handles, uuids) for e in entries]
         except pynvml.NVMLError as e:
             raise NvmlUnavailable(str(e)) from e
         self._nvml = pynvml
@@ -129,7 +129,7 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _map_entry(entry: str, handles: list[Any], uuids: list[str]) -> Any:
+def map_visible_entry(entry: str, handles: list[Any], uuids: list[str]) -> Any:
     """The NVML handle of one CUDA_VISIBLE_DEVICES entry: an NVML index or a (prefix of a) GPU
     UUID. MIG instances and anything else cannot be mapped here; the torch fallback handles them."""
     if entry.isdigit():

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 from ballast.memory.config import MemoryConfig
-from ballast.memory.device import DieReading, StaticDeviceReader
+from ballast.memory.device import (
+    DieReading,
+    NvmlReader,
+    NvmlUnavailable,
+    StaticDeviceReader,
+    SystemDeviceReader,
+    map_visible_entry,
+)
 from ballast.memory.levels import die_level, host_level, worst
 from ballast.memory.report import render
 from ballast.memory.types import GiB, LadderPlan, Level, MemState
@@ -280,3 +287,21 @@ def test_render_shows_every_signal(tmp_path: Path) -> None:
     ):
         assert expected in text, expected
     assert "ladder" not in render(watch.read(), None)
+
+
+def test_visible_devices_map_to_nvml_handles() -> None:
+    handles = ["h0", "h1", "h2"]
+    uuids = ["GPU-aaaa-1111", "GPU-bbbb-2222", "GPU-bbbc-3333"]
+    assert map_visible_entry("2", handles, uuids) == "h2"
+    assert map_visible_entry("GPU-aaaa", handles, uuids) == "h0"  # CUDA accepts a unique UUID prefix
+    for bad in ("3", "GPU-bbb", "MIG-aaaa", "gpu0"):  # out of range, ambiguous, MIG, garbage
+        with pytest.raises(NvmlUnavailable):
+            map_visible_entry(bad, handles, uuids)
+
+
+@pytest.mark.skipif(NvmlReader().available, reason="this box has NVML GPUs")
+def test_cpu_box_reports_no_gpus(tmp_path: Path) -> None:
+    level_tree(tmp_path, Level.OK)
+    assert SystemDeviceReader().read() == ()
+    watch = MemWatch(MemoryConfig(root=str(tmp_path)))  # the default, real device reader
+    assert watch.poll_now().dies == ()
