@@ -195,14 +195,18 @@ class HybridStep:
     windows: ConvWindows  # conv taps of every token (all linear layers share the kernel size)
     plan: DeltaPlan  # which sequences take the recurrent form and which the chunked one
     has_history: Tensor  # [B] bool: the slot already holds this sequence's earlier tokens
+    use_fla: bool | None  # None: fla kernels where they apply (CUDA, half precision, installed)
 
     @classmethod
-    def build(cls, batch: ForwardBatch, cos: Tensor, sin: Tensor, conv_kernel: int) -> HybridStep:
+    def build(
+        cls, batch: ForwardBatch, cos: Tensor, sin: Tensor, conv_kernel: int, use_fla: bool | None
+    ) -> HybridStep:
         return cls(
             attn=StepContext(batch, cos, sin, slot_attention_mask(batch)),
             windows=ConvWindows.build(batch.cu_lens, batch.lens, batch.seq_of_token, conv_kernel),
             plan=DeltaPlan.build(batch.lens_list, batch.device),
             has_history=batch.starts > 0,
+            use_fla=use_fla,
         )
 
 
@@ -280,6 +284,7 @@ class GatedDeltaNet(nn.Module):
             beta,
             rec0,
             step.plan,
+            step.use_fla,
         )
         state.conv.index_copy_(0, slots, new_conv)
         state.recurrent.index_copy_(0, slots, new_rec.to(state.recurrent.dtype))
@@ -352,6 +357,9 @@ class Qwen3NextForCausalLM(nn.Module):
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
         self.config = config
+        # Which gated-delta kernels to use: None picks fla where it applies; False forces the
+        # pure-torch forms (e.g. to compare the two on one set of weights).
+        self.use_fla: bool | None = None
         self.model = HybridModel(config, self.linear_attention_class)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -383,7 +391,7 @@ class Qwen3NextForCausalLM(nn.Module):
             raise ValueError(f"{len(states)} layer states for {len(self.model.layers)} layers")
         h = self.model.embed_tokens(batch.token_ids)
         cos, sin = self.model.rotary_emb(batch.positions, h.dtype)
-        step = HybridStep.build(batch, cos, sin, self.config.linear_conv_kernel_dim)
+        step = HybridStep.build(batch, cos, sin, self.config.linear_conv_kernel_dim, self.use_fla)
         for layer, state in zip(self.model.layers, states, strict=True):
             h = layer(h, step, state)
         if not batch.decode_only:
@@ -391,14 +399,13 @@ class Qwen3NextForCausalLM(nn.Module):
         return self.lm_head(self.model.norm(h)).float()
 
     def init_random_weights(self, gen: torch.Generator) -> None:
-        """Called by builtin.init_random after its generic pass: centred norms start at 0 (scale
-        1), and the decay parameters get the reference's init (A in U(0.01, 16), dt_bias 1)."""
+        """Called by builtin.init_random after its generic pass (which sets every norm to 1):
+        centred norms go back to 0 (scale 1), and the decay parameters get the reference's init
+        (A in U(0.01, 16), dt_bias 1)."""
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, CenteredRMSNorm):
                     module.weight.zero_()
-                elif isinstance(module, GatedRMSNorm):
-                    module.weight.fill_(1.0)
                 elif isinstance(module, GatedDeltaNet):
                     a = torch.empty(module.v_heads).uniform_(0.01, 16.0, generator=gen)
                     module.A_log.copy_(a.log())
