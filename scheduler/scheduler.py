@@ -102,6 +102,7 @@ class Scheduler:
         self._idle_noted = False
         self.failure: EngineFailed | None = None
         self.steps = 0
+        self.idle_failures = 0
         self._outcomes = dict.fromkeys(OUTCOMES, 0)
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -134,6 +135,8 @@ class Scheduler:
         """Queue a request; raises ContextTooLong, Overloaded or QueueFull at once. Call from the
         event loop thread."""
         try:
+            if self.failure is not None:
+                raise EngineFailed(self.failure.cause)
             if not self.running:
                 raise Overloaded(self._cfg.retry_after_s, "the scheduler is not running")
             if len(req.prompt_ids) + req.max_tokens > self._window:
@@ -170,6 +173,12 @@ class Scheduler:
                     continue
                 result = await asyncio.wrap_future(self._engine.submit(plan))
                 self._apply(plan, result)
+        except asyncio.CancelledError:
+            # Cancelled without stop() (the event loop is going away): readers still get an end.
+            self._closing = True
+            for seq in [*self._queue, *self._running]:
+                self._finish(seq, "abort")
+            raise
         except Exception as exc:
             # The engine (or a step's bookkeeping) is unsound: every request gets an error event,
             # `healthy` turns false, and the cause is logged and kept in `failure`.
@@ -304,7 +313,13 @@ class Scheduler:
         self._wake.clear()
         if self.idle:
             if not self._idle_noted and self._on_idle is not None:
-                self._on_idle()
+                try:
+                    self._on_idle()
+                except Exception:
+                    # Trimming a cache is housekeeping: its failure must not stop serving, but
+                    # it is logged and counted, never dropped.
+                    self.idle_failures += 1
+                    log.exception("on_idle callback failed")
             self._idle_noted = True
             await self._wake.wait()
             self._idle_noted = False
