@@ -27,6 +27,7 @@ class SchedulerConfig:
     ladder_disable: bool = field(default=False, metadata=_setting("BALLAST_LADDER_DISABLE", 0, 1, "1 turns the degradation ladder off (slots and window stay as configured)"))
     psi_full_reject_pct: float = field(default=15.0, metadata=_setting("BALLAST_PSI_FULL_REJECT", 0.01, 100.0, "PSI full avg10 (%) at which admission refuses new requests"))
     mailbox_events: int = field(default=64, metadata=_setting("BALLAST_MAILBOX_EVENTS", 2, 1 << 16, "events buffered per request before token events coalesce (slow readers)"))
+    idle_tick_s: float = field(default=5.0, metadata=_setting("BALLAST_IDLE_TICK_S", 0.01, 3600.0, "while idle, how often the idle hook (checkpoint-pool trim) runs again"))
     hold_poll_s: float = field(default=0.02, metadata=_setting("BALLAST_HOLD_POLL_S", 0.001, 10.0, "how often a held queue re-reads the memory snapshot"))
 
     def __post_init__(self) -> None:

@@ -99,9 +99,9 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
-        self._idle_noted = False
         self.failure: EngineFailed | None = None
         self.steps = 0
+        self.idle_ticks = 0
         self.idle_failures = 0
         self._outcomes = dict.fromkeys(OUTCOMES, 0)
 
@@ -308,25 +308,31 @@ class Scheduler:
             self._finish(seq, "error", self.failure)
 
     async def _wait_for_work(self) -> None:
-        """Sleep on the wake event when idle (trimming caches once per idle spell); while the
-        queue is held by pressure, re-read memory every hold_poll_s instead."""
+        """Sleep on the wake event. While idle, run the idle hook (trim the checkpoint pool) on
+        entering idleness and again every idle_tick_s, so buffers that age past the pool's idle
+        limit during a long quiet spell are still given back; while the queue is held by
+        pressure, re-read memory every hold_poll_s instead. Never a busy loop."""
         self._wake.clear()
         if self.idle:
-            if not self._idle_noted and self._on_idle is not None:
-                try:
-                    self._on_idle()
-                except Exception:
-                    # Trimming a cache is housekeeping: its failure must not stop serving, but
-                    # it is logged and counted, never dropped.
-                    self.idle_failures += 1
-                    log.exception("on_idle callback failed")
-            self._idle_noted = True
-            await self._wake.wait()
-            self._idle_noted = False
+            self._run_idle_hook()
+            timeout = self._cfg.idle_tick_s if self._on_idle is not None else None
         else:
-            # A held queue's poll tick: time out, go round and re-read the snapshot.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._cfg.hold_poll_s)
+            timeout = self._cfg.hold_poll_s
+        # A timeout is a tick, not an error: go round, re-read the snapshot, maybe trim again.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _run_idle_hook(self) -> None:
+        if self._on_idle is None:
+            return
+        self.idle_ticks += 1
+        try:
+            self._on_idle()
+        except Exception:
+            # Trimming a cache is housekeeping: its failure must not stop serving, but it is
+            # logged and counted, never dropped.
+            self.idle_failures += 1
+            log.exception("on_idle callback failed")
 
     def _engine_slot_change(self) -> int | None:
         """The slot limit the engine should apply, when it changes; never below a held slot."""

@@ -265,21 +265,28 @@ async def test_stop_aborts_everything_and_releases_engine_slots() -> None:
     eng.shutdown()
 
 
-async def test_idle_callback_runs_once_per_idle_spell() -> None:
-    eng = FakeEngine()
-    calls: list[int] = []
-    s = Scheduler(eng, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8), on_idle=lambda: calls.append(eng.active_slots))
+async def test_idle_hook_runs_when_idle_and_on_a_slow_tick_never_while_busy() -> None:
+    eng = FakeEngine(step_delay_s=0.002)
+    seen: list[tuple[int, int]] = []  # (busy slots, engine slots) each time the hook ran
+    s: Scheduler | None = None
+
+    def trim() -> None:
+        assert s is not None
+        seen.append((s.active_slots, eng.active_slots))
+
+    s = Scheduler(eng, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, idle_tick_s=0.02), on_idle=trim)
     await s.start()
     try:
-        await asyncio.sleep(0.01)
-        assert calls == [0]
-        await s.submit(req(1)).collect()
-        await settle(s, eng)
-        await asyncio.sleep(0.01)
-        assert calls == [0, 0]  # trimmed again after the request, with every slot released
+        await wait_until(lambda: len(seen) >= 3)  # idle from the start: entry, then ticks
+        handles = [s.submit(req(i, max_tokens=30)) for i in range(3)]
+        before = len(seen)
+        await asyncio.gather(*(h.collect() for h in handles))
+        assert len(seen) <= before + 1  # at most the tick that was already due; none while busy
+        await wait_until(lambda: len(seen) >= before + 3)
+        assert set(seen) == {(0, 0)}  # only ever with every slot released
         steps = s.steps
-        await asyncio.sleep(0.02)
-        assert s.steps == steps  # no busy loop while idle
+        await asyncio.sleep(0.03)
+        assert s.steps == steps  # ticks run the hook but never an engine step
     finally:
         await s.stop()
         eng.shutdown()
