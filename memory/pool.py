@@ -77,7 +77,7 @@ def _release_host_cache() -> None:
         torch.accelerator.empty_host_cache()
 
 
-@dataclass
+@dataclass(eq=False)  # identity: list.remove must find this entry, not compare tensors
 class _Entry:
     buf: torch.Tensor
     since: float  # clock() when pooled
