@@ -10,12 +10,11 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from torch import nn
-
 from ballast.models.base import ForwardBatch
 from ballast.models.layers import RopeParams, rope_inv_freq
 from ballast.models.registry import build_model
 from ballast.models.state import LayerState, allocate_states
+from torch import nn
 
 TOL = 1e-4
 VOCAB = 128

@@ -1,0 +1,176 @@
+"""Load a Hugging Face model directory: config.json plus safetensors (one file, or shards listed in
+model.safetensors.index.json).
+
+Two steps so the engine can ask the memory layer first: `inspect_hf_dir` reads only the config and
+the safetensors headers and states what loading will cost (`weights_bytes(dtype)`,
+`largest_tensor_bytes(dtype)`); `load_hf_model` then builds the model and fills it one tensor at a
+time, so the peak is the model plus one tensor in flight.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from ballast.memory.types import MiB
+from ballast.models.base import ConfigError, WeightLoadError
+from ballast.models.registry import build_model
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Non-persistent buffers some older checkpoints saved; our models compute them.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_PROGRESS_MIN_BYTES = 256 * MiB
+
+_ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                   "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    dtype: str  # safetensors dtype name, e.g. "BF16"
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    path: Path
+    config: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+
+    def weights_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of every tensor once cast to dtype (what the model will hold)."""
+        size = torch.tensor([], dtype=dtype).element_size()
+        return sum(t.numel for t in self.tensors.values()) * size
+
+    def largest_tensor_bytes(self, dtype: torch.dtype) -> int:
+        """The transient extra a load holds at its peak: one tensor read and cast."""
+        size = torch.tensor([], dtype=dtype).element_size()
+        return max((t.numel * (size + _ST_DTYPE_BYTES.get(t.dtype, 4)) for t in self.tensors.values()), default=0)
+
+    @property
+    def files_bytes(self) -> int:
+        return sum(f.stat().st_size for f in {t.file for t in self.tensors.values()})
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{path} has no config.json")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_file} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{cfg_file} does not hold a JSON object")
+    return cfg
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise WeightLoadError(f"{index} has no weight_map")
+        files = sorted({path / str(f) for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise WeightLoadError(f"{index} lists shards that are not there: {missing}")
+        return files
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    found = sorted(path.glob("*.safetensors"))
+    if found:
+        return found
+    raise WeightLoadError(f"{path} has no safetensors weights (only safetensors are supported)")
+
+
+def inspect_hf_dir(path: str | Path) -> HFCheckpoint:
+    """Config and tensor table of an HF directory, from the headers only (no tensor data read)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise WeightLoadError(f"{root} is not a directory")
+    config = read_config(root)
+    tensors: dict[str, TensorInfo] = {}
+    for file in _weight_files(root):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    sl = f.get_slice(name)
+                    if name in tensors:
+                        raise WeightLoadError(f"tensor {name} appears in {tensors[name].file.name} and {file.name}")
+                    tensors[name] = TensorInfo(file, str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape()))
+        except (OSError, ValueError, RuntimeError) as e:  # safetensors raises SafetensorError(ValueError-like)
+            raise WeightLoadError(f"cannot read {file}: {e}") from e
+    return HFCheckpoint(root, config, tensors)
+
+
+def _plan_names(ckpt: HFCheckpoint, model: nn.Module) -> dict[str, str]:
+    """checkpoint name -> model parameter name, after checking nothing is missing or unexpected."""
+    params = dict(model.state_dict(keep_vars=True))
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    wanted = {n for n in ckpt.tensors if not n.endswith(_IGNORED_SUFFIXES)}
+    if tied:
+        # The head shares the embedding; if the checkpoint also stores it, the embedding wins.
+        wanted.discard("lm_head.weight")
+    unexpected = sorted(wanted - params.keys())
+    missing = sorted(params.keys() - wanted - ({"lm_head.weight"} if tied else set()))
+    if unexpected or missing:
+        raise WeightLoadError(
+            f"{ckpt.path}: checkpoint does not match the model: missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
+    for name in wanted:
+        shape = tuple(params[name].shape)
+        if ckpt.tensors[name].shape != shape:
+            raise WeightLoadError(f"{name}: checkpoint shape {ckpt.tensors[name].shape}, model expects {shape}")
+    return {n: n for n in wanted}
+
+
+def load_hf_model(
+    ckpt: HFCheckpoint,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    progress: bool | None = None,
+) -> nn.Module:
+    """Build the model for ckpt.config and fill it from the safetensors files. The caller has
+    already admitted `ckpt.weights_bytes(dtype)` (+ `largest_tensor_bytes`) with the memory layer.
+    progress: a tqdm bar (None: only for loads over 256 MiB)."""
+    model = build_model(ckpt.config, dtype=dtype, device=device)
+    names = _plan_names(ckpt, model)
+    params = dict(model.state_dict(keep_vars=True))
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(names):
+        by_file.setdefault(ckpt.tensors[name].file, []).append(name)
+    total = ckpt.weights_bytes(dtype)
+    show = progress if progress is not None else total >= _PROGRESS_MIN_BYTES
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not show) as bar, torch.no_grad():
+        for file, file_names in by_file.items():
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in file_names:
+                        dst = params[names[name]]
+                        dst.copy_(f.get_tensor(name).to(dtype=dst.dtype))
+                        bar.update(dst.nbytes)
+            except (OSError, ValueError, RuntimeError) as e:
+                raise WeightLoadError(f"cannot load {file}: {e}") from e
+    return model
+
+
+def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
+    """inspect + load in one call, for callers with nothing to admit (tests, tools)."""
+    return load_hf_model(inspect_hf_dir(path), dtype=dtype, device=device)
