@@ -1,0 +1,113 @@
+"""ForwardBatch layout and the per-layer state objects (KV, int8 KV, recurrent), on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ballast.memory.specs import AttentionSpec, RecurrentStateSpec, kv_bytes_per_token, state_bytes_per_slot
+from ballast.models.base import ForwardBatch
+from ballast.models.layers import slot_attention_mask
+from ballast.models.state import KVState, RecurrentState, allocate_states, attention_spec
+
+
+def test_forward_batch_flattens_mixed_sequences() -> None:
+    b = ForwardBatch.build([(3, [10, 11, 12], 0), (0, [20], 7), (5, [30, 31], 4)], "cpu")
+    assert b.token_ids.tolist() == [10, 11, 12, 20, 30, 31]
+    assert b.positions.tolist() == [0, 1, 2, 7, 4, 5]
+    assert b.slots.tolist() == [3, 0, 5] == b.slots_list
+    assert b.slot_of_token.tolist() == [3, 3, 3, 0, 5, 5]
+    assert b.seq_of_token.tolist() == [0, 0, 0, 1, 2, 2]
+    assert b.cu_lens.tolist() == [0, 3, 4, 6]
+    assert b.last_index.tolist() == [2, 3, 5]
+    assert b.pad_index.tolist() == [0, 1, 2, 3, 6, 7]  # padded layout [3 seqs, max_len 3]
+    assert (b.max_len, b.max_ctx, b.num_seqs, b.num_tokens) == (3, 8, 3, 6)
+    assert not b.decode_only
+    assert ForwardBatch.build([(0, [1], 4), (1, [2], 9)], "cpu").decode_only
+
+
+@pytest.mark.parametrize("seqs", [[], [(0, [1], 0), (0, [2], 3)], [(0, [], 0)], [(0, [1], -1)]])
+def test_forward_batch_rejects_bad_input(seqs: list[tuple[int, list[int], int]]) -> None:
+    with pytest.raises(ValueError):
+        ForwardBatch.build(seqs, "cpu")
+
+
+def test_mask_lets_each_token_see_its_cache_and_earlier_chunk_tokens() -> None:
+    b = ForwardBatch.build([(0, [1, 2, 3], 2), (1, [4], 0)], "cpu")
+    mask = slot_attention_mask(b)
+    assert mask is not None and mask.shape == (2, 1, 3, 5)
+    assert mask[0, 0].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    # The decode token sees position 0 only; its padded rows repeat the last real row (never empty).
+    assert mask[1, 0].int().tolist() == [[1, 0, 0, 0, 0]] * 3
+    assert slot_attention_mask(ForwardBatch.build([(2, [7], 9)], "cpu")) is None
+
+
+def test_kv_write_then_read_by_slot_and_position() -> None:
+    kv = KVState(num_slots=4, max_len=16, num_kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu")
+    b = ForwardBatch.build([(2, [1, 2, 3], 5), (0, [4], 1)], "cpu")
+    k = torch.randn(4, 2, 8)
+    v = torch.randn(4, 2, 8)
+    kv.write(b, k, v)
+    assert torch.equal(kv.k[2, 5:8], k[:3]) and torch.equal(kv.v[0, 1], v[3])
+    keys, values = kv.read(b)
+    assert keys.shape == (2, 8, 2, 8)  # [B, max_ctx, heads, dim]
+    assert torch.equal(keys[0, 5:8], k[:3]) and torch.equal(values[1, 1], v[3])
+    assert kv.k[1].abs().sum() == 0 and kv.k[3].abs().sum() == 0  # other slots untouched
+
+
+def test_int8_kv_round_trip_is_close() -> None:
+    kv = KVState(2, 8, 3, 16, torch.float32, "cpu", quantized=True)
+    b = ForwardBatch.build([(1, list(range(6)), 0)], "cpu")
+    k, v = torch.randn(6, 3, 16) * 5, torch.randn(6, 3, 16)
+    kv.write(b, k, v)
+    assert kv.k.dtype == torch.int8 and kv.k_scale is not None
+    keys, values = kv.read(b)
+    assert keys.dtype == torch.float32
+    # Symmetric absmax int8: error at most half a step, step = row absmax / 127.
+    step = k.abs().amax(-1, keepdim=True) / 127
+    assert ((keys[0, :6] - k).abs() <= step / 2 + 1e-6).all()
+    assert (values[0, :6] - v).abs().max() < 0.02
+    assert kv.nbytes == 2 * (2 * 8 * 3 * 16) + 2 * (2 * 8 * 3 * 4)
+
+
+def test_kv_save_load_and_copy_prefix() -> None:
+    for quantized in (False, True):
+        kv = KVState(3, 10, 2, 4, torch.float32, "cpu", quantized=quantized)
+        b = ForwardBatch.build([(0, list(range(7)), 0)], "cpu")
+        kv.write(b, torch.randn(7, 2, 4), torch.randn(7, 2, 4))
+        saved = kv.save(0, 5)
+        assert saved[0].shape == (5, 2, 4) and len(saved) == (4 if quantized else 2)
+        kv.load(2, saved)
+        assert torch.equal(kv.k[2, :5], kv.k[0, :5]) and kv.k[2, 5:].abs().sum() == 0
+        kv.copy_tokens(0, 1, 7)
+        assert torch.equal(kv.v[1, :7], kv.v[0, :7])
+        with pytest.raises(ValueError):
+            kv.load(1, saved[:1])
+
+
+def test_recurrent_reset_only_touches_given_slots_and_save_load() -> None:
+    st = RecurrentState(4, conv_shape=(6, 3), state_shape=(2, 4, 5), dtype=torch.bfloat16, device="cpu")
+    assert st.conv.dtype == torch.bfloat16 and st.recurrent.dtype == torch.float32
+    st.conv.fill_(1)
+    st.recurrent.fill_(2)
+    st.reset(torch.tensor([1, 3]))
+    assert st.conv[1].abs().sum() == 0 and st.recurrent[3].abs().sum() == 0
+    assert (st.conv[0] == 1).all() and (st.recurrent[2] == 2).all()
+    saved = st.save(0)
+    st.conv[0].fill_(7)  # save copied: later writes do not reach the checkpoint
+    st.load(3, saved)
+    assert (st.conv[3] == 1).all() and (st.recurrent[3] == 2).all()
+    conv_view, _ = st.tensors(3)
+    assert conv_view.data_ptr() == st.conv[3].data_ptr()
+
+
+def test_allocate_states_follows_specs_and_bytes_match() -> None:
+    specs = [attention_spec(2, 8, 4), RecurrentStateSpec((6, 3), 4, (2, 4, 5)), attention_spec(2, 8, 4)]
+    states = allocate_states(specs, num_slots=3, max_len=10, device="cpu", dtype=torch.float32)
+    assert [type(s) for s in states] == [KVState, RecurrentState, KVState]
+    kv_bytes = sum(s.nbytes for s in states if isinstance(s, KVState))
+    assert kv_bytes == kv_bytes_per_token(specs) * 3 * 10
+    assert states[1].nbytes == state_bytes_per_slot(specs) * 3
+    q_specs = [attention_spec(2, 8, 1)]
+    assert q_specs[0] == AttentionSpec(2, 8, 1, scale_bytes=4)
+    q_states = allocate_states(q_specs, 3, 10, "cpu", torch.float32, quantized_kv=True)
+    assert q_states[0].nbytes == kv_bytes_per_token(q_specs) * 3 * 10
