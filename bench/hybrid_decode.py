@@ -1,0 +1,159 @@
+"""Decode throughput of a small hybrid (gated DeltaNet + attention) MoE model on CPU: ballast's
+slot-batched forward against transformers' `generate` on the same weights.
+
+transformers batches a fixed set of equal-length prompts (no continuous batching for these
+models); ballast runs the same prompts as slots of one step. Both decode greedily; the figure is
+decode tokens per second (prefill excluded). One run each, table on stdout, JSON to
+bench/results/hybrid_decode.json.
+
+    python -m ballast.bench.hybrid_decode [--batches 1 8 32] [--new-tokens 32] [--prompt-len 32] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from ballast.models.base import ForwardBatch
+from ballast.models.builtin import init_random
+from ballast.models.registry import build_model
+from ballast.models.state import allocate_states
+from torch import nn
+
+RESULTS = Path(__file__).parent / "results" / "hybrid_decode.json"
+
+# Small but shaped like the real thing: 3 linear-attention layers per full-attention layer,
+# grouped value heads, 16 experts top-4 plus a shared expert on every layer.
+SMALL_HYBRID_MOE: dict[str, Any] = {
+    "model_type": "qwen3_next",
+    "vocab_size": 8192,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 8,
+    "full_attention_interval": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 256,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": False,
+}
+
+
+def _prompts(batch: int, length: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(batch))
+
+
+@torch.no_grad()
+def ours_decode(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds spent in the decode steps, and the generated tokens per sequence."""
+    batch, length = prompts.shape
+    states = allocate_states(model.layer_specs(4), batch, length + new_tokens + 1, "cpu", torch.float32)
+    logits = model(ForwardBatch.build([(i, prompts[i].tolist(), 0) for i in range(batch)], "cpu"), states)
+    tokens = [[int(t)] for t in logits.argmax(-1)]
+    start = time.perf_counter()
+    for step in range(new_tokens - 1):
+        seqs = [(i, [tokens[i][-1]], length + step) for i in range(batch)]
+        logits = model(ForwardBatch.build(seqs, "cpu"), states)
+        for i, t in enumerate(logits.argmax(-1).tolist()):
+            tokens[i].append(t)
+    return time.perf_counter() - start, tokens
+
+
+@torch.no_grad()
+def hf_decode(model: Any, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
+    """generate(new_tokens) minus generate(1): the decode steps' share of the time."""
+    kwargs: dict[str, Any] = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None,
+                              "attention_mask": torch.ones_like(prompts)}
+    model.generate(prompts, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
+    t0 = time.perf_counter()
+    model.generate(prompts, max_new_tokens=1, min_new_tokens=1, **kwargs)
+    t1 = time.perf_counter()
+    out = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+    t2 = time.perf_counter()
+    return max((t2 - t1) - (t1 - t0), 1e-9), out[:, prompts.shape[1]:].tolist()
+
+
+def reference_model(ours: nn.Module) -> nn.Module:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = {k: v for k, v in SMALL_HYBRID_MOE.items() if k != "model_type"}
+    ref = Qwen3NextForCausalLM(Qwen3NextConfig(**cfg))
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    return ref.eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.threads < 0:
+        parser.error("--threads must be >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be >= 2 (the first token comes from prefill)")
+
+    ours = build_model(SMALL_HYBRID_MOE)
+    init_random(ours, seed=0)
+    reference = reference_model(ours)
+    rows = []
+    for batch in args.batches:
+        prompts = _prompts(batch, args.prompt_len, SMALL_HYBRID_MOE["vocab_size"])
+        decoded = batch * (args.new_tokens - 1)
+        ours_decode(ours, prompts, 2)  # warm-up
+        ours_s, ours_tokens = ours_decode(ours, prompts, args.new_tokens)
+        hf_s, hf_tokens = hf_decode(reference, prompts, args.new_tokens)
+        rows.append({
+            "batch": batch,
+            "decode_tokens": decoded,
+            "ours_tok_s": decoded / ours_s,
+            "transformers_tok_s": decoded / hf_s,
+            "speedup": hf_s / ours_s,
+            "same_tokens": ours_tokens == hf_tokens,
+        })
+
+    print(f"hybrid MoE decode on CPU ({torch.get_num_threads()} threads), prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, float32")
+    print(f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'speedup':>8} {'same tokens':>12}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r['transformers_tok_s']:>10.1f} "
+              f"{r['speedup']:>7.2f}x {str(r['same_tokens']):>12}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "bench": "hybrid_decode",
+        "config": SMALL_HYBRID_MOE,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
