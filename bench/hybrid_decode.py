@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from ballast.models.base import ForwardBatch
 from ballast.models.builtin import init_random
+from ballast.models.qwen3_next import Qwen3NextForCausalLM
 from ballast.models.registry import build_model
 from ballast.models.state import allocate_states
 from torch import nn
@@ -61,7 +62,7 @@ def _prompts(batch: int, length: int, vocab: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def ours_decode(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
+def ours_decode(model: Qwen3NextForCausalLM, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
     """Seconds spent in the decode steps, and the generated tokens per sequence."""
     batch, length = prompts.shape
     states = allocate_states(model.layer_specs(4), batch, length + new_tokens + 1, "cpu", torch.float32)
@@ -115,6 +116,7 @@ def main() -> None:
         parser.error("--new-tokens must be >= 2 (the first token comes from prefill)")
 
     ours = build_model(SMALL_HYBRID_MOE)
+    assert isinstance(ours, Qwen3NextForCausalLM)
     init_random(ours, seed=0)
     reference = reference_model(ours)
     rows = []
