@@ -76,11 +76,18 @@ async def test_ladder_walk_slots_window_and_refusals(rig: tuple[Scheduler, FakeE
     ok = [s.submit(req(i, 40)) for i in range(8)]
     await wait_until(lambda: s.active_slots == 8, "8 running at OK")
 
+    # WATCH: quantized KV for new caches and the prefix cache shed, but concurrency is untouched.
+    box.set(Level.WATCH)
+    watch_wave = [s.submit(req(20 + i, 4)) for i in range(8)]
+    await wait_until(lambda: s.plan.level == Level.WATCH, "WATCH plan")
+    assert s.plan.force_quantized_kv and s.plan.shed_prefix_cache and s.slot_limit == 8 and s.plan.prefill_window == 256
+    assert s.pressure_level == Level.OK
+
     # TIGHT while they run: nobody is killed, but the ceiling is 4 and the window 128.
     box.set(Level.TIGHT)
     tight = [s.submit(req(10 + i, 30)) for i in range(6)]
     capped = s.submit(req(99, 200))
-    for h in ok:
+    for h in ok + watch_wave:
         text, _, fin = await h.collect()
         assert fin.reason == "length" and text == calm(h.request)
     mark = len(eng.recorded())
