@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 GREEDY = SamplingParams(temperature=0.0)
 TINY_LOGIT_BOUND = 1e-4
-DEFAULT_LOGIT_BOUND = 2e-3  # 30 layers of 576 wide: float32 summation order differs from HF's
+DEFAULT_LOGIT_BOUND = 5e-4  # 30 layers 576 wide; measured 5.6e-5 (float32 summation order differs from HF)
 
 
 def reference(engine: Engine) -> LlamaForCausalLM:
