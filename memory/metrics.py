@@ -26,7 +26,15 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
-class MemoryCollector(Collector):
+class _Described(Collector):
+    """describe() names the families, so registering a collector twice on one registry is an
+    error instead of duplicated samples on every scrape."""
+
+    def describe(self) -> list[Metric]:
+        return list(self.collect())
+
+
+class MemoryCollector(_Described):
     """Level, host, PSI, cgroup and per-GPU gauges from one `MemState` per scrape."""
 
     def __init__(self, snapshot: Callable[[], MemState], clock: Callable[[], float] = time.monotonic) -> None:
@@ -76,7 +84,7 @@ class MemoryCollector(Collector):
             yield family
 
 
-class PoolCollector(Collector):
+class PoolCollector(_Described):
     """The checkpoint buffer pool's counters and gauges."""
 
     def __init__(self, pool: CheckpointPool) -> None:
@@ -96,7 +104,7 @@ class PoolCollector(Collector):
         yield _gauge("ballast_checkpoint_pool_pinned", "1 if pooled buffers are pinned host memory", 1.0 if p.pinned else 0.0)
 
 
-class LadderCollector(Collector):
+class LadderCollector(_Described):
     """The ladder rung in force, from a callable giving the current plan."""
 
     def __init__(self, plan: Callable[[], LadderPlan]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from ballast.memory.admission import admit_request
 from ballast.memory.ladder import LadderConfig, plan_for
@@ -120,3 +121,10 @@ def test_pool_ladder_and_admission_counters() -> None:
     assert m[(verdicts, (("reason", "stall"), ("result", "reject")))] == 1
     assert m[(verdicts, (("reason", "window"), ("result", "cap")))] == 1
     assert m[(verdicts, (("reason", "other"), ("result", "reject")))] == 1
+
+
+def test_registering_twice_is_an_error() -> None:
+    reg = CollectorRegistry()
+    register_memory_metrics(reg, lambda: STATE)
+    with pytest.raises(ValueError, match="Duplicated"):
+        register_memory_metrics(reg, lambda: STATE)
