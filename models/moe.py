@@ -12,6 +12,7 @@ experts that received tokens, each padded to the busiest one's count.
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 
 import torch
@@ -100,6 +101,30 @@ def _padded_bmm(rows: Tensor, row_expert: Tensor, counts: Tensor, gate_up: Tenso
     gate, up = h.chunk(2, dim=-1)
     y = torch.bmm(F.silu(gate) * up, down[active].transpose(1, 2))
     return y.reshape(len(active) * width, -1)[where]
+
+
+# Many published checkpoints store each expert separately; our parameters are the fused tensors.
+_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def per_expert_target(name: str) -> tuple[str, int, str] | None:
+    """For an unfused checkpoint tensor `....mlp.experts.{e}.{gate,up,down}_proj.weight`: (our
+    fused parameter's name, e, part). None for any other name."""
+    m = _PER_EXPERT.match(name)
+    if m is None:
+        return None
+    fused = "gate_up_proj" if m["part"] in ("gate_proj", "up_proj") else "down_proj"
+    return f"{m['prefix']}.{fused}", int(m["expert"]), m["part"]
+
+
+def place_expert_tensor(fused: Tensor, expert: int, part: str, tensor: Tensor) -> None:
+    """Copy one expert's projection into its fused parameter (gate rows first, then up, as the
+    reference concatenates them): gate -> gate_up_proj[e, :I], up -> [e, I:], down -> down_proj[e]."""
+    rows = tensor.shape[0]
+    dst = {"gate_proj": fused[expert, :rows], "up_proj": fused[expert, rows:], "down_proj": fused[expert]}[part]
+    if dst.shape != tensor.shape:
+        raise ValueError(f"expert {expert} {part}: tensor {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
+    dst.copy_(tensor)
 
 
 class GatedMLP(nn.Module):

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ballast.models.moe import SparseMoeBlock, experts_forward, grouped_mm_supported, route
+from ballast.models.moe import (
+    SparseMoeBlock,
+    experts_forward,
+    grouped_mm_supported,
+    per_expert_target,
+    place_expert_tensor,
+    route,
+)
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
@@ -117,3 +124,26 @@ def test_bf16_output_dtype_and_closeness() -> None:
 def test_bad_top_k_is_refused() -> None:
     with pytest.raises(ValueError):
         SparseMoeBlock(HIDDEN, EXPERTS, EXPERTS + 1, INTER, SHARED, True)
+
+
+def test_per_expert_checkpoint_tensors_fill_the_fused_parameters() -> None:
+    """Unfused checkpoints (one tensor per expert and projection) land where transformers'
+    conversion puts them, so the block computes the same thing."""
+    reference = _next_block(norm_topk_prob=True)
+    ours = _ours(reference, normalize=True)
+    fused = dict(ours.named_parameters())
+    rebuilt = {n: torch.zeros_like(p) for n, p in fused.items()}
+    gate_up, down = reference.experts.gate_up_proj.detach(), reference.experts.down_proj.detach()
+    for e in range(EXPERTS):
+        per_expert = {"gate_proj": gate_up[e, :INTER], "up_proj": gate_up[e, INTER:], "down_proj": down[e]}
+        for part, tensor in per_expert.items():
+            target = per_expert_target(f"model.layers.3.mlp.experts.{e}.{part}.weight")
+            assert target is not None
+            name, expert, got_part = target
+            assert name in ("model.layers.3.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj")
+            place_expert_tensor(rebuilt[name.removeprefix("model.layers.3.mlp.")], expert, got_part, tensor)
+    assert torch.equal(rebuilt["experts.gate_up_proj"], fused["experts.gate_up_proj"].detach())
+    assert torch.equal(rebuilt["experts.down_proj"], fused["experts.down_proj"].detach())
+    assert per_expert_target("model.layers.3.mlp.shared_expert.gate_proj.weight") is None
+    with pytest.raises(ValueError):
+        place_expert_tensor(rebuilt["experts.down_proj"], 0, "down_proj", torch.zeros(3, 3))
