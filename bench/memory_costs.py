@@ -1,5 +1,6 @@
 """What the memory layer costs: one host poll, one admission decision, one ladder plan, pool
-get/put, the page-fault cost the pool saves, and the CPU share of a running MemWatch thread.
+get/put, the page-fault cost the pool saves (and on CUDA the device-to-host copy into a fresh
+pageable buffer against a pooled pinned one), and the CPU share of a running MemWatch thread.
 
 Polls read this machine's real /proc and cgroup files. Micro-costs are medians over batches of
 calls (microseconds per call); the MemWatch share is the poll thread's own CPU time (from the
@@ -105,6 +106,30 @@ def fill_costs(nbytes: int, reps: int) -> dict[str, float]:
     return {"bytes": nbytes, "fresh_fill_ms": statistics.median(fresh), "pooled_fill_ms": statistics.median(pooled[1:] or pooled)}
 
 
+def d2h_costs(nbytes: int, reps: int) -> dict[str, float] | None:
+    """On CUDA: a device-to-host checkpoint copy into a fresh pageable buffer (the seed's slow
+    case: pages not yet resident) against a pooled pinned one. None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    pool = CheckpointPool(lambda: psutil.virtual_memory().total, 0.25, 4, MiB, pin=True)
+
+    def timed(dst: torch.Tensor) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        return (time.perf_counter_ns() - t0) / 1e6
+
+    fresh, pooled = [], []
+    for _ in range(reps):
+        fresh.append(timed(torch.empty(nbytes, dtype=torch.uint8)))
+        buf = pool.get(nbytes)
+        pooled.append(timed(buf[:nbytes]))
+        pool.put(buf)
+    return {"bytes": nbytes, "fresh_pageable_ms": statistics.median(fresh), "pooled_pinned_ms": statistics.median(pooled[1:] or pooled), "pinned": float(pool.pinned)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--watch-seconds", type=float, default=5.0)
@@ -142,12 +167,15 @@ def main() -> None:
         "pool get+put (hit, 48 MiB of 64 MiB)": per_call_us(pool_round_trip, 200, 50),
     }
     fill = fill_costs(args.fill_mib * MiB, reps=9)
+    d2h = d2h_costs(args.fill_mib * MiB, reps=9)
     share = watch_cpu_share(args.watch_seconds, args.poll_s)
 
     print(f"{'operation':52s} {'median us':>11s} {'p90 us':>10s} {'calls':>7s}")
     for name, r in rows.items():
         print(f"{name:52s} {r['median_us']:11.2f} {r['p90_us']:10.2f} {r['calls']:7d}")
     print(f"\ncheckpoint write, {args.fill_mib} MiB: fresh buffer {fill['fresh_fill_ms']:.1f} ms, pooled buffer {fill['pooled_fill_ms']:.1f} ms")
+    if d2h is not None:
+        print(f"device-to-host copy, {args.fill_mib} MiB: fresh pageable {d2h['fresh_pageable_ms']:.1f} ms, pooled pinned {d2h['pooled_pinned_ms']:.1f} ms")
     print(
         f"MemWatch at {share['poll_interval_s']} s over {share['wall_s']:.1f} s: {share['polls']} polls, "
         f"thread CPU {share['thread_cpu_share_pct']:.3f}% ({share['thread_cpu_us_per_poll']:.0f} us/poll), "
@@ -164,6 +192,7 @@ def main() -> None:
         },
         "micro": rows,
         "checkpoint_fill": fill,
+        "checkpoint_d2h": d2h,
         "memwatch": share,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

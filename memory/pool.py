@@ -72,9 +72,13 @@ def _pinned_size(nbytes: int) -> int:
 
 
 def _release_host_cache() -> None:
-    # torch.accelerator.empty_host_cache is recent; older torch caches pinned blocks until exit.
+    # Public since recent torch; torch 2.11 (the GPU machine's) has only the private CUDA call.
     if hasattr(torch.accelerator, "empty_host_cache"):
         torch.accelerator.empty_host_cache()
+        return
+    legacy = getattr(torch._C, "_host_emptyCache", None)
+    if legacy is not None:
+        legacy()
 
 
 @dataclass(eq=False)  # identity: list.remove must find this entry, not compare tensors
