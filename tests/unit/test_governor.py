@@ -8,34 +8,30 @@ import pytest
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader
 from ballast.memory.ladder import LadderConfig
-from ballast.memory.types import CostModel, GiB, Level, MiB, Verdict, VerdictKind
+from ballast.memory.metrics import AdmissionMetrics
+from ballast.memory.types import CostModel, GiB, Level, MiB
 from ballast.memory.watch import MemWatch
 from ballast.scheduler.errors import Overloaded
 from ballast.scheduler.governor import Governor, GovernorSettings
 from memfixtures import level_tree, write_tree
+from prometheus_client import CollectorRegistry
 
 CHEAP = CostModel(kv_bytes_per_token=64 << 10, state_bytes_per_slot=MiB, activation_bytes_per_prefill_token=4 << 10)
 
 
-class Verdicts:
-    """Collects what the governor reports to the admission metrics."""
-
-    def __init__(self) -> None:
-        self.seen: list[Verdict] = []
-
-    def record(self, verdict: Verdict) -> None:
-        self.seen.append(verdict)
+def verdicts(registry: CollectorRegistry, result: str, reason: str) -> float:
+    return registry.get_sample_value("ballast_admission_verdicts_total", {"result": result, "reason": reason}) or 0.0
 
 
-def make(tmp_path: Path, *, cost: CostModel = CHEAP, disable: bool = False) -> tuple[Governor, MemWatch, MemoryConfig, Verdicts]:
+def make(tmp_path: Path, *, cost: CostModel = CHEAP, disable: bool = False) -> tuple[Governor, MemWatch, MemoryConfig, CollectorRegistry]:
     cfg = MemoryConfig(root=str(tmp_path))
     level_tree(tmp_path, Level.OK, config=cfg)
     watch = MemWatch(cfg, StaticDeviceReader())
     watch.poll_now()
-    verdicts = Verdicts()
-    gov = Governor(GovernorSettings(LadderConfig(8, 1024), disable, 15.0, 3.0, None), cost, watch, verdicts)
+    registry = CollectorRegistry()
+    gov = Governor(GovernorSettings(LadderConfig(8, 1024), disable, 15.0, 3.0, None), cost, watch, AdmissionMetrics(registry))
     gov.refresh()
-    return gov, watch, cfg, verdicts
+    return gov, watch, cfg, registry
 
 
 def go(tmp_path: Path, watch: MemWatch, cfg: MemoryConfig, level: Level, gov: Governor) -> None:
@@ -67,13 +63,13 @@ def test_plan_follows_the_snapshot_and_only_critical_refuses_submits(tmp_path: P
 
 
 def test_admit_caps_max_tokens_to_the_ladder_window(tmp_path: Path) -> None:
-    gov, watch, cfg, verdicts = make(tmp_path)
+    gov, watch, cfg, registry = make(tmp_path)
     full = gov.admit(100, 500)
     assert (full.max_tokens, full.capped) == (500, False)
     go(tmp_path, watch, cfg, Level.TIGHT, gov)  # window 512
     capped = gov.admit(100, 500)
     assert (capped.max_tokens, capped.capped) == (412, True)
-    assert [v.kind for v in verdicts.seen] == [VerdictKind.ADMIT, VerdictKind.CAP]
+    assert verdicts(registry, "admit", "none") == 1 and verdicts(registry, "cap", "window") == 1
 
 
 def test_admit_caps_to_the_host_budget(tmp_path: Path) -> None:
@@ -86,10 +82,11 @@ def test_admit_caps_to_the_host_budget(tmp_path: Path) -> None:
 
 
 def test_reject_raises_pressure_until_a_fresh_snapshot(tmp_path: Path) -> None:
-    gov, watch, _, _ = make(tmp_path, cost=CostModel(kv_bytes_per_token=GiB, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0))
+    gov, watch, _, registry = make(tmp_path, cost=CostModel(kv_bytes_per_token=GiB, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0))
     with pytest.raises(Overloaded) as refused:
         gov.admit(50, 10)  # 50 GiB of prompt can never fit: refused, not cut
     assert "host memory budget" in refused.value.reason
+    assert verdicts(registry, "reject", "host_budget") == 1
     assert gov.pressure_level == Level.TIGHT and gov.holding and gov.denials == 1
     gov.refresh()  # same snapshot: still held
     assert gov.holding
