@@ -10,12 +10,13 @@ dequantization is vectorised torch, several times faster than `gguf.quants.dequa
 
 from __future__ import annotations
 
+import json
 import math
 import mmap
 import struct
 import sys
+import tempfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,13 +24,14 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from torch import Tensor
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 _MAGIC = b"GGUF"
 _U64 = struct.Struct("<Q")
+_CHUNK_VALUES = 1 << 16  # per dequant step: 256 KiB of float32, cache-sized
 _DEFAULT_ALIGNMENT = 32
 # a progress bar only when the load is long enough to wonder about
 _PROGRESS_MIN_BYTES = 512 * 2**20
@@ -305,7 +307,11 @@ def dequantize(
     shape = (blocks.shape[0], block)
     # float32 straight into the result; another dtype goes through a float32 scratch
     out = np.empty(shape, np.float32) if dtype == torch.float32 else scratch.get("f32", shape, np.float32)
-    fn(blocks, out, scratch)
+    # in chunks that stay in cache: each value is then written to main memory once, not once
+    # per arithmetic pass
+    step = max(1, _CHUNK_VALUES // block)
+    for i in range(0, shape[0], step):
+        fn(blocks[i : i + step], out[i : i + step], scratch)
     result = torch.from_numpy(out.reshape(-1))
     return result if dtype == torch.float32 else result.to(dtype)
 
@@ -480,22 +486,22 @@ def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]
     return [(tokens[left], tokens[right]) for _, _, left, right in found]
 
 
-def _backend(md: dict[str, Any]) -> Tokenizer:
+def _skeleton(md: dict[str, Any], merges: list[str]) -> Tokenizer:
+    """The tokenizer's pipeline (normalizer, splitting, model options, decoder) around an empty
+    vocabulary; the vocabulary goes in as JSON (see build_tokenizer)."""
     kind = md.get("tokenizer.ggml.model")
-    tokens: list[str] = md["tokenizer.ggml.tokens"]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
     if kind == "gpt2":
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+        tok = Tokenizer(models.BPE(vocab={}, merges=[]))
         tok.pre_tokenizer = _byte_level_pre_tokenizer(md.get("tokenizer.ggml.pre", "default"))
         tok.decoder = decoders.ByteLevel()
         return tok
     if kind == "llama":  # SentencePiece BPE with byte fallback
+        tokens: list[str] = md["tokenizer.ggml.tokens"]
         if not merges:
-            merges = _spm_merges(tokens, md["tokenizer.ggml.scores"])
+            merges.extend(f"{a} {b}" for a, b in _spm_merges(tokens, md["tokenizer.ggml.scores"]))
         unk_id = md.get("tokenizer.ggml.unknown_token_id")
         unk = tokens[unk_id] if unk_id is not None else None
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+        tok = Tokenizer(models.BPE(vocab={}, merges=[], unk_token=unk, fuse_unk=True, byte_fallback=True))
         spaces = normalizers.Replace(" ", "\u2581")
         if md.get("tokenizer.ggml.add_space_prefix", True):
             tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), spaces])
@@ -509,40 +515,56 @@ def _backend(md: dict[str, Any]) -> Tokenizer:
 
 def build_tokenizer(md: dict[str, Any]) -> PreTrainedTokenizerFast:
     """A transformers fast tokenizer equal to the one the GGUF describes: vocab, merges, split
-    rules, control tokens kept whole, bos/eos/unk/pad, bos/eos insertion, chat template."""
+    rules, control tokens kept whole, bos/eos/unk/pad, bos/eos insertion, chat template.
+
+    Built as tokenizer.json text that transformers parses once: handing it a Tokenizer object
+    instead costs a deep copy (serialise + parse) of the 49k-entry vocabulary and merges."""
     if "tokenizer.ggml.tokens" not in md:
         raise GGUFError("GGUF has no tokenizer (tokenizer.ggml.tokens missing)")
-    tok = _backend(md)
     tokens: list[str] = md["tokenizer.ggml.tokens"]
     types: list[int] = md.get("tokenizer.ggml.token_type", [])
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL])
-    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED])
+    merges: list[str] = list(md.get("tokenizer.ggml.merges", []))
+    skeleton = _skeleton(md, merges)
 
-    def special(name: str) -> str | None:
+    def special(name: str) -> list[tuple[str, int]]:
         token_id = md.get(f"tokenizer.ggml.{name}_token_id")
-        return tokens[token_id] if token_id is not None else None
+        return [] if token_id is None else [(tokens[token_id], int(token_id))]
 
-    bos, eos = special("bos"), special("eos")
+    def content(name: str) -> str | None:
+        found = special(name)
+        return found[0][0] if found else None
+
     # llama.cpp adds BOS for SentencePiece vocabularies that do not say otherwise
-    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", md.get("tokenizer.ggml.model") == "llama")) and bos is not None
-    add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
-    if add_bos or add_eos:
-        template = [*([bos] if add_bos else []), "$A", *([eos] if add_eos else [])]
-        specials = {t: tok.token_to_id(t) for t in (bos, eos) if t is not None}
-        tok.post_processor = processors.TemplateProcessing(
-            single=template, pair=[*template, "$B:1"], special_tokens=list(specials.items())
+    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", md.get("tokenizer.ggml.model") == "llama"))
+    add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
+    first, last = special("bos") if add_bos else [], special("eos") if add_eos else []
+    if first or last:
+        template = [t for t, _ in first] + ["$A"] + [t for t, _ in last]
+        skeleton.post_processor = processors.TemplateProcessing(
+            single=template, pair=[*template, "$B:1"], special_tokens=[*first, *last]
         )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=bos,
-        eos_token=eos,
-        unk_token=special("unknown"),
-        pad_token=special("padding"),
-        add_bos_token=add_bos,
-        add_eos_token=add_eos,
-        chat_template=md.get("tokenizer.chat_template"),
-        model_max_length=int(md.get(f"{md.get('general.architecture')}.context_length", 2**31 - 1)),
-    )
+    spec = json.loads(skeleton.to_str())
+    spec["model"]["vocab"] = {t: i for i, t in enumerate(tokens)}
+    spec["model"]["merges"] = merges  # "a b" strings, the format every tokenizers version reads
+    spec["added_tokens"] = [
+        {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": t == _CONTROL}
+        for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)
+    ]  # fmt: skip
+    with tempfile.NamedTemporaryFile("w", suffix=".json", encoding="utf-8") as f:
+        json.dump(spec, f, ensure_ascii=False)
+        f.flush()
+        return PreTrainedTokenizerFast(
+            tokenizer_file=f.name,
+            bos_token=content("bos"),
+            eos_token=content("eos"),
+            unk_token=content("unknown"),
+            pad_token=content("padding"),
+            add_bos_token=bool(first),
+            add_eos_token=bool(last),
+            chat_template=md.get("tokenizer.chat_template"),
+            model_max_length=int(md.get(f"{md.get('general.architecture')}.context_length", 2**31 - 1)),
+        )
 
 
 # ---- the whole load -----------------------------------------------------------------------------
@@ -574,12 +596,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel
     """Config, tensors and tokenizer of a GGUF file, reading it once."""
     gf = read_gguf(path)
     config = gguf_config(gf)
-    # The tokenizer builds on a second thread: numpy drops the GIL in its loops, so the two
-    # overlap on a multi-core box. An error in either is raised here.
-    with ThreadPoolExecutor(1, thread_name_prefix="gguf-tokenizer") as pool:
-        tokenizer = pool.submit(build_tokenizer, gf.metadata)
-        tensors = gguf_tensors(gf, config, dtype)
-        return GGUFModel(config, tensors, tokenizer.result())
+    # Sequential on purpose: building the tokenizer on a second thread was tried, and its long
+    # GIL-holding calls stall the chunked dequantization more than the overlap gains.
+    return GGUFModel(config, gguf_tensors(gf, config, dtype), build_tokenizer(gf.metadata))
 
 
 def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
