@@ -19,6 +19,7 @@ from ballast.models.base import CausalLM, ForwardBatch
 from ballast.models.state import LayerState, allocate_states, dtype_bytes
 from torch import Tensor, nn
 
+CPU_WARMUP_TOKENS = 8
 Sequences = Sequence[tuple[int, Sequence[int], int]]  # (slot, token ids, start position)
 
 
@@ -79,14 +80,17 @@ class Profile:
 
 def profile_prefill(model: nn.Module, hf_config: Mapping[str, Any], chunk_tokens: int, max_model_len: int,
                     device: torch.device, dtype: torch.dtype) -> Profile:
-    """Run one prefill of `chunk_tokens` tokens through the model (on a throwaway one-slot cache)
-    and report its peak activation bytes. The chunk is placed at the end of a max_model_len
-    context, so attention reads the longest cache any real chunk can read."""
+    """Peak activation bytes of one prefill of `chunk_tokens` tokens placed at the end of a
+    max_model_len context (so attention reads the longest cache any real chunk can read).
+
+    On CUDA: run that prefill on a throwaway one-slot cache and take the allocator's peak. On CPU
+    no allocator reports a peak (tracemalloc does not see torch's allocations), so the figure is
+    `analytic_activation_bytes`, and a short warm-up prefill checks the model runs."""
     start = max(0, max_model_len - chunk_tokens)
     specs = as_causal_lm(model).layer_specs(dtype_bytes(dtype))
-    states = allocate_states(specs, 1, start + chunk_tokens, device, dtype)
-    batch = ForwardBatch.build([(0, [0] * chunk_tokens, start)], device)
     if device.type == "cuda":
+        states = allocate_states(specs, 1, start + chunk_tokens, device, dtype)
+        batch = ForwardBatch.build([(0, [0] * chunk_tokens, start)], device)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -95,8 +99,13 @@ def profile_prefill(model: nn.Module, hf_config: Mapping[str, Any], chunk_tokens
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base
         return Profile(chunk_tokens, int(peak), measured=True)
+    # On CPU the figure is analytic, so a short prefill is enough to prove the model runs on these
+    # states and to take first-call costs (kernel selection) out of the first request; a full
+    # chunk would add seconds to every load for nothing measured.
+    warm = min(chunk_tokens, CPU_WARMUP_TOKENS)
+    states = allocate_states(specs, 1, warm, device, dtype)
     with torch.inference_mode():
-        model(batch, states)  # proves the shapes work; the figure itself is analytic on CPU
+        model(ForwardBatch.build([(0, [0] * warm, 0)], device), states)
     act_bytes = torch.empty((), dtype=dtype).element_size()
     return Profile(chunk_tokens, analytic_activation_bytes(hf_config, chunk_tokens, start + chunk_tokens, act_bytes), measured=False)
 

@@ -1,0 +1,139 @@
+"""Decode throughput and load time of the default model (SmolLM2-135M-Instruct GGUF) on CPU in
+float32: ballast's Engine (submit/step, sampler included) against transformers' `generate` on the
+same GGUF, same prompts, same lengths, greedy.
+
+Two throughput figures per batch size: end to end (prefill + all new tokens, what a user waits
+for) and decode only (transformers: generate(N) minus generate(1); ours: the decode steps' time).
+Load: our `Engine.load` (read, dequantize, build, profile, allocate) against transformers'
+`from_pretrained(gguf_file=...)`. Ours loads first, so it also pays the process's first-use
+imports. One run; table on stdout, JSON to bench/results/engine_decode.json.
+
+    python -m ballast.bench.engine_decode [--batches 1 8] [--new-tokens 64] [--prompt-len 24] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
+from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from ballast.models.default_model import default_model_path
+
+RESULTS = Path(__file__).parent / "results" / "engine_decode.json"
+GREEDY = SamplingParams(temperature=0.0)
+TOPICS = ["the history of Paris", "how bees make honey", "why the sky is blue", "a recipe for bread",
+          "the rules of chess", "how rain forms", "the life of a star", "how a bicycle works"]
+
+
+def prompts(engine: Engine, batch: int, length: int) -> list[list[int]]:
+    """`batch` chat prompts cut to exactly `length` tokens (no padding needed on either side)."""
+    tok = engine.tokenizer
+    out = []
+    for i in range(batch):
+        ids = tok.apply_chat_template([{"role": "user", "content": f"Write a long essay about {TOPICS[i % len(TOPICS)]}, please."}])
+        if len(ids) < length:
+            raise ValueError(f"prompt {i} has only {len(ids)} tokens; lower --prompt-len")
+        out.append(ids[-length:])
+    return out
+
+
+def ours(engine: Engine, batch_prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
+    """(end-to-end seconds, decode-only seconds, tokens per sequence) through Engine.submit."""
+    sampling = dict.fromkeys(range(len(batch_prompts)), GREEDY)
+    t0 = time.perf_counter()
+    res = engine.submit(StepPlan(prefills=tuple(PrefillChunk(s, tuple(p), 0, True) for s, p in enumerate(batch_prompts)),
+                                 sampling=sampling)).result()
+    tokens = [[o.token_id] for o in res.outputs]
+    t1 = time.perf_counter()
+    length = len(batch_prompts[0])
+    for step in range(new_tokens - 1):
+        plan = StepPlan(decodes=tuple(DecodeToken(s, tokens[s][-1], length + step) for s in range(len(batch_prompts))), sampling=sampling)
+        for o in engine.submit(plan).result().outputs:
+            tokens[o.slot].append(o.token_id)
+    t2 = time.perf_counter()
+    engine.submit(StepPlan(release=tuple(sampling))).result()
+    return t2 - t0, t2 - t1, tokens
+
+
+@torch.inference_mode()
+def transformers_run(model: Any, batch_prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
+    ids = torch.tensor(batch_prompts)
+    kwargs: dict[str, Any] = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, "attention_mask": torch.ones_like(ids)}
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+    t1 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+    t2 = time.perf_counter()
+    return t2 - t1, max((t2 - t1) - (t1 - t0), 1e-9), out[:, ids.shape[1]:].tolist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.threads < 0 or args.new_tokens < 2 or min(args.batches) < 1:
+        parser.error("--threads >= 0, --new-tokens >= 2 and batches >= 1 are required")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = default_model_path()
+
+    t0 = time.perf_counter()
+    engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", max_num_seqs=max(args.batches),
+                                      max_model_len=args.prompt_len + args.new_tokens + 8, prefill_chunk_tokens=256))
+    ours_load = time.perf_counter() - t0
+
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf_load = time.perf_counter() - t0
+
+    rows = []
+    for batch in args.batches:
+        ps = prompts(engine, batch, args.prompt_len)
+        ours(engine, ps, 4)  # warm-up
+        transformers_run(hf, ps, 4)
+        o_e2e, o_dec, o_tok = ours(engine, ps, args.new_tokens)
+        h_e2e, h_dec, h_tok = transformers_run(hf, ps, args.new_tokens)
+        new = batch * args.new_tokens
+        decoded = batch * (args.new_tokens - 1)
+        rows.append({
+            "batch": batch,
+            "ours_tok_s": new / o_e2e, "transformers_tok_s": new / h_e2e, "speedup": h_e2e / o_e2e,
+            "ours_decode_tok_s": decoded / o_dec, "transformers_decode_tok_s": decoded / h_dec, "decode_speedup": h_dec / o_dec,
+            "same_tokens": o_tok == h_tok,
+        })
+    engine.shutdown()
+
+    print(f"default model ({path.name}) on CPU, float32, {torch.get_num_threads()} threads, "
+          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy")
+    print(f"load: ours {ours_load:.2f}s (model read+dequantize+build {engine.load_report.load_s:.2f}s), transformers {hf_load:.2f}s")
+    print(f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>9} {'x':>6} | {'ours decode':>12} {'HF decode':>10} {'x':>6} | same tokens")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r['transformers_tok_s']:>9.1f} {r['speedup']:>5.2f}x | "
+              f"{r['ours_decode_tok_s']:>12.1f} {r['transformers_decode_tok_s']:>10.1f} {r['decode_speedup']:>5.2f}x | {r['same_tokens']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "bench": "engine_decode", "model": path.name, "dtype": "float32", "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "machine": platform.machine(), "load_s": {"ours": ours_load, "ours_model_only": engine.load_report.load_s, "transformers": hf_load},
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
