@@ -373,3 +373,43 @@ def test_unknown_pre_tokenizer_is_named(tmp_path: Path) -> None:
     _write_minimal(tmp_path / "p.gguf", "llama", "token_embd.weight", pre="martian")
     with pytest.raises(GGUFUnsupportedError, match="martian"):
         gguf_tokenizer(tmp_path / "p.gguf")
+
+
+def write_spm_vocab(path: Path) -> None:
+    """A SentencePiece-style GGUF vocabulary (tokenizer.ggml.model "llama"): unk/bos/eos, 256 byte
+    tokens, then pieces with scores in merge order and no merge list, as llama.cpp writes them."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300))
+    vocab = tok.get_vocab()
+    pieces = sorted(vocab, key=vocab.__getitem__)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces])
+    w.add_token_types([2, 3, 3, *[6] * 256, *[1] * len(pieces)])
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("token_embd.weight", np.zeros((259 + len(pieces), 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_sentencepiece_vocabulary_matches_transformers(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    write_spm_vocab(tmp_path / "spm.gguf")
+    ours = gguf_tokenizer(tmp_path / "spm.gguf")
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in ["Hello world! What's up?", "The capital of France is Paris.", "café 🙂 東京", "a\nb 42"]:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text), text
+        assert ids[0] == 1  # BOS, as llama.cpp adds for SentencePiece vocabularies
+        assert ours.decode(ids, skip_special_tokens=True) == text
+    # Leading spaces: SentencePiece (and llama.cpp) prefix one "▁" and keep every space, so the
+    # text round-trips; transformers' converter drops one here, so it is not the reference.
+    assert ours.convert_ids_to_tokens(ours.encode("  x"))[:4] == ["<s>", "▁", "▁", "▁"]
+    assert ours.decode(ours.encode("  two"), skip_special_tokens=True) == "  two"
