@@ -86,11 +86,11 @@ class ServerState:
         return True
 
     def level(self) -> Level:
-        """The worst of the memory snapshot and the scheduler's own pressure level."""
-        level = self.memwatch.read().level if self.memwatch is not None else Level.OK
-        if self.scheduler is not None:
-            level = max(level, Level(self.scheduler.pressure_level))
-        return level
+        """The live memory level. Not the scheduler's pressure level: that one is refreshed only
+        when the scheduler steps or takes a request, so while idle it can stay at a past CRITICAL,
+        and a load balancer that never routes to us would never let it refresh. Its pin reaches
+        CRITICAL only from a CRITICAL snapshot, which this reading sees first anyway."""
+        return self.memwatch.read().level if self.memwatch is not None else Level.OK
 
     def not_ready_reason(self) -> str | None:
         """None when a load balancer should route here; else why not."""
