@@ -168,7 +168,7 @@ class Scheduler:
             while not self._closing or self._slots.draining:
                 self._govern()
                 plan = self._schedule()
-                if plan.empty:
+                if plan.empty and plan.max_slots is None:  # a ladder change alone is still sent
                     await self._wait_for_work()
                     continue
                 result = await asyncio.wrap_future(self._engine.submit(plan))

@@ -196,3 +196,23 @@ async def test_submit_at_critical_is_synchronous_and_cheap(rig: tuple[Scheduler,
     elapsed = time.perf_counter() - t0
     assert s.outcomes["overloaded"] == 1000 and s.queue_depth == 0
     print(f"\nsubmit refusal at CRITICAL: {elapsed / 1000 * 1e6:.1f} us each")
+
+
+async def test_ceiling_changes_reach_the_engine_while_idle(tmp_path: Path) -> None:
+    box = Box(tmp_path)
+    eng = FakeEngine(num_slots=8)
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, idle_tick_s=0.01)
+    s = Scheduler(eng, cfg, memwatch=box.watch, on_idle=lambda: None)
+    await s.start()
+    try:
+        box.set(Level.CRITICAL)
+        await wait_until(lambda: eng.slot_limit == 1, "CRITICAL ceiling sent while idle")
+        box.set(Level.OK)
+        await wait_until(lambda: eng.slot_limit == 8, "OK ceiling sent while idle")
+        # The engine now accepts all eight slots again (it refuses a slot above its limit).
+        handles = [s.submit(req(i, 6)) for i in range(8)]
+        assert [(await h.collect())[0] for h in handles] == [calm(h.request) for h in handles]
+        assert concurrency(eng, 0) == 8
+    finally:
+        await s.stop()
+        eng.shutdown()

@@ -174,7 +174,7 @@ async def test_abort_while_waiting_and_async_with(make) -> None:
 
 async def test_deadline_ends_running_and_waiting_requests_cleanly(make) -> None:
     s, eng = await make(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8), step_delay_s=0.005)
-    soon = time.monotonic() + 0.05
+    soon = time.monotonic() + 0.3
     running = s.submit(req(1, max_tokens=200, deadline_s=soon))
     waiting = s.submit(req(2, max_tokens=5, deadline_s=soon))
     t1, _, f1 = await running.collect()
