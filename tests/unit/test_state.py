@@ -59,7 +59,7 @@ def test_int8_kv_round_trip_is_close() -> None:
     b = ForwardBatch.build([(1, list(range(6)), 0)], "cpu")
     k, v = torch.randn(6, 3, 16) * 5, torch.randn(6, 3, 16)
     kv.write(b, k, v)
-    assert kv.k.dtype == torch.int8 and kv.k_scale is not None
+    assert kv.k.dtype == torch.int8 and kv.scale is not None
     keys, values = kv.read(b)
     assert keys.dtype == torch.float32
     # Symmetric absmax int8: error at most half a step, step = row absmax / 127.
@@ -75,13 +75,13 @@ def test_kv_save_load_and_copy_prefix() -> None:
         b = ForwardBatch.build([(0, list(range(7)), 0)], "cpu")
         kv.write(b, torch.randn(7, 2, 4), torch.randn(7, 2, 4))
         saved = kv.save(0, 5)
-        assert saved[0].shape == (5, 2, 4) and len(saved) == (4 if quantized else 2)
+        assert saved[0].shape == (5, 4, 4) and len(saved) == (2 if quantized else 1)
         kv.load(2, saved)
         assert torch.equal(kv.k[2, :5], kv.k[0, :5]) and kv.k[2, 5:].abs().sum() == 0
         kv.copy_tokens(0, 1, 7)
         assert torch.equal(kv.v[1, :7], kv.v[0, :7])
         with pytest.raises(ValueError):
-            kv.load(1, saved[:1])
+            kv.load(1, saved + saved)
 
 
 def test_recurrent_reset_only_touches_given_slots_and_save_load() -> None:
