@@ -405,8 +405,9 @@ def test_sentencepiece_vocabulary_matches_transformers(tmp_path: Path) -> None:
     ours = gguf_tokenizer(tmp_path / "spm.gguf")
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
     for text in ["Hello world! What's up?", "The capital of France is Paris.", "café 🙂 東京", "a\nb 42"]:
+        # without specials: transformers 5.17 adds no BOS here, 5.24 does
+        assert ours.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False), text
         ids = ours.encode(text)
-        assert ids == ref.encode(text), text
         assert ids[0] == 1  # BOS, as llama.cpp adds for SentencePiece vocabularies
         assert ours.decode(ids, skip_special_tokens=True) == text
     # Leading spaces: SentencePiece (and llama.cpp) prefix one "▁" and keep every space, so the
