@@ -12,8 +12,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 
 from ballast.engine.interface import EngineLike
+from ballast.memory.metrics import AdmissionMetrics, LadderCollector, register_memory_metrics
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.scheduler import Scheduler
 from ballast.server import errors, routes
@@ -69,7 +71,16 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
-async def _load(state: ServerState, factory: EngineFactory, scheduler_config: SchedulerConfig) -> None:
+@dataclass(frozen=True)
+class _Wiring:
+    """How the scheduler is built once the engine has loaded."""
+
+    scheduler_config: SchedulerConfig
+    gpu_die: int | None
+    admission: AdmissionMetrics | None
+
+
+async def _load(state: ServerState, factory: EngineFactory, wiring: _Wiring) -> None:
     """Load the engine off the event loop, then start the scheduler; a failure makes us unsound."""
     try:
         engine = await asyncio.to_thread(factory)
@@ -81,8 +92,12 @@ async def _load(state: ServerState, factory: EngineFactory, scheduler_config: Sc
     if state.phase is not Phase.LOADING:  # shut down while we were loading
         return
     try:
-        scheduler = Scheduler(engine, scheduler_config, memwatch=state.memwatch)
+        scheduler = Scheduler(
+            engine, wiring.scheduler_config, memwatch=state.memwatch, admission_metrics=wiring.admission, gpu_die=wiring.gpu_die
+        )
         await scheduler.start()
+        if state.memwatch is not None:
+            state.registry.register(LadderCollector(lambda: scheduler.plan))
     except Exception as exc:
         log.exception("scheduler start failed")
         state.fail(f"scheduler start failed: {type(exc).__name__}: {exc}")
@@ -92,13 +107,13 @@ async def _load(state: ServerState, factory: EngineFactory, scheduler_config: Sc
     log.info("ready: serving %s", state.model_name)
 
 
-def _lifespan(factory: EngineFactory, scheduler_config: SchedulerConfig) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+def _lifespan(factory: EngineFactory, wiring: _Wiring) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state: ServerState = app.state.ballast
         if state.memwatch is not None:
             state.memwatch.start()
-        loader = asyncio.create_task(_load(state, factory, scheduler_config), name="ballast-load")
+        loader = asyncio.create_task(_load(state, factory, wiring), name="ballast-load")
         try:
             yield
         finally:
@@ -122,18 +137,22 @@ def create_app(
     *,
     memwatch: SnapshotWatch | None = None,
     on_fatal: Callable[[str], None] | None = None,
+    gpu_die: int | None = None,
 ) -> FastAPI:
     """An app serving the engine `engine_factory` builds (called once, on a worker thread).
 
-    `memwatch` is started and stopped with the app; `on_fatal(reason)` is called once if the
-    engine becomes unsound (`ballast serve` uses it to exit non-zero)."""
+    `memwatch` is started and stopped with the app and its figures are on /metrics; `on_fatal(reason)`
+    is called once if the engine becomes unsound (`ballast serve` uses it to exit non-zero);
+    `gpu_die` is the GPU whose ledger admission checks (None: the engine runs on the host)."""
     registry = CollectorRegistry(auto_describe=True)
     metrics = HttpMetrics(registry)
     state = ServerState(config=config, registry=registry, metrics=metrics, memwatch=memwatch)
     if on_fatal is not None:
         state.on_fatal = on_fatal
     metrics.watch_scheduler(state.scheduler_figures)
-    app = FastAPI(title="ballast", lifespan=_lifespan(engine_factory, scheduler_config), docs_url=None, redoc_url=None)
+    admission = register_memory_metrics(registry, memwatch.read) if memwatch is not None else None
+    wiring = _Wiring(scheduler_config, gpu_die, admission)
+    app = FastAPI(title="ballast", lifespan=_lifespan(engine_factory, wiring), docs_url=None, redoc_url=None)
     app.state.ballast = state
     errors.install(app)
     routes.install(app, config.api_key)

@@ -1,0 +1,146 @@
+"""The `ballast` command: `serve`, `memory [--watch]`, `generate`.
+
+Every setting of every layer is a flag here and a `BALLAST_*` variable (see `ballast.server.config`);
+a bad value exits with code 2 and a message naming the flag, the variable and the accepted range.
+`ballast serve` exits non-zero if the engine fails to load or becomes unsound, so a supervisor
+restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+import uvicorn
+from ballast.engine.config import EngineConfig
+from ballast.memory.config import MemoryConfig
+from ballast.memory.ladder import LadderConfig, plan_for
+from ballast.memory.report import render
+from ballast.memory.types import LadderPlan, MemState
+from ballast.memory.watch import MemWatch
+from ballast.scheduler.config import SchedulerConfig
+from ballast.server.config import ConfigError, ServerConfig, add_flags, build, warn_unknown
+
+# Order matters only for --help: the settings people reach for first come first.
+LAYERS: tuple[type, ...] = (ServerConfig, EngineConfig, SchedulerConfig, MemoryConfig)
+MEMORY_LAYERS: tuple[type, ...] = (MemoryConfig, EngineConfig, SchedulerConfig)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser and its subcommand parsers (a config error is reported by the subcommand's)."""
+    parser = argparse.ArgumentParser(prog="ballast", description="OpenAI-compatible LLM server with memory governance.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,memory,generate}")
+    serve = sub.add_parser("serve", help="serve the OpenAI API over HTTP", description="Serve the OpenAI API over HTTP.")
+    add_flags(serve, LAYERS)
+    memory = sub.add_parser("memory", help="print the memory snapshot and the ladder plan", description="Print what the memory layer sees.")
+    memory.add_argument("--watch", action="store_true", help="print again every second until interrupted")
+    add_flags(memory, MEMORY_LAYERS)
+    # `generate` owns its flags (engine/generate.py); listed here so --help shows it.
+    sub.add_parser("generate", help="generate text from one prompt (see `ballast generate --help`)", add_help=False)
+    return parser, {"serve": serve, "memory": memory}
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    env = os.environ if environ is None else environ
+    if args_in and args_in[0] == "generate":
+        from ballast.engine.generate import main as generate_main  # torch-heavy: only when asked
+
+        return generate_main(args_in[1:])
+    parser, subparsers = build_parser()
+    args = parser.parse_args(args_in)
+    try:
+        if args.command == "serve":
+            return serve(args, env)
+        return memory(args, env)
+    except ConfigError as exc:
+        subparsers[args.command].error(str(exc))  # exits 2 with the usage line, as argparse does for a bad flag
+        return 2
+
+
+def _configs(args: argparse.Namespace, env: Mapping[str, str], layers: Sequence[type]) -> dict[type, object]:
+    warn_unknown(env, LAYERS)
+    return {layer: build(layer, args, env) for layer in layers}
+
+
+def _ladder_plan(state: MemState, engine: EngineConfig, sched: SchedulerConfig, memory_cfg: MemoryConfig) -> LadderPlan:
+    slots = min(engine.max_num_seqs, sched.max_num_seqs)
+    window = min(sched.prefill_window or engine.max_model_len, engine.max_model_len)
+    disabled = memory_cfg.ladder_disable or sched.ladder_disable
+    return plan_for(state.level, LadderConfig(slots, window), disabled=disabled)
+
+
+def memory(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    cfg = _configs(args, env, MEMORY_LAYERS)
+    memory_cfg, engine_cfg, sched_cfg = cfg[MemoryConfig], cfg[EngineConfig], cfg[SchedulerConfig]
+    assert isinstance(memory_cfg, MemoryConfig) and isinstance(engine_cfg, EngineConfig) and isinstance(sched_cfg, SchedulerConfig)
+    watch = MemWatch(memory_cfg)
+    if not args.watch:
+        state = watch.poll_now()
+        print(render(state, _ladder_plan(state, engine_cfg, sched_cfg, memory_cfg)))
+        return 0
+    watch.start()
+    try:
+        while True:
+            state = watch.read()
+            print(render(state, _ladder_plan(state, engine_cfg, sched_cfg, memory_cfg)), flush=True)
+            print()
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        watch.stop()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from ballast.engine.engine import Engine  # torch-heavy: after the configs are known to be good
+    from ballast.server.app import create_app
+
+    cfg = _configs(args, env, LAYERS)
+    server_cfg, engine_cfg, sched_cfg, memory_cfg = cfg[ServerConfig], cfg[EngineConfig], cfg[SchedulerConfig], cfg[MemoryConfig]
+    assert isinstance(server_cfg, ServerConfig) and isinstance(engine_cfg, EngineConfig)
+    assert isinstance(sched_cfg, SchedulerConfig) and isinstance(memory_cfg, MemoryConfig)
+    logging.basicConfig(level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device = engine_cfg.resolved_device()
+    gpu_die = (device.index or 0) if device.type == "cuda" else None
+    watch = MemWatch(memory_cfg)
+    exit_code = 0
+    server: uvicorn.Server | None = None
+
+    def on_fatal(reason: str) -> None:
+        nonlocal exit_code
+        print(f"ballast: fatal: {reason}; shutting down", file=sys.stderr, flush=True)
+        exit_code = 1
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(server_cfg, sched_cfg, lambda: Engine.load(engine_cfg, watch), memwatch=watch, on_fatal=on_fatal, gpu_die=gpu_die)
+    try:
+        sock = _bind(server_cfg.host, server_cfg.port)
+    except OSError as exc:
+        print(f"ballast: cannot listen on {server_cfg.host}:{server_cfg.port}: {exc}", file=sys.stderr)
+        return 1
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    server = uvicorn.Server(uvicorn.Config(app, log_level=server_cfg.log_level, lifespan="on", timeout_graceful_shutdown=10))
+    print(f"ballast: listening on http://{shown}:{port} (model {engine_cfg.model} loading; /ready turns 200 when it is served)", flush=True)
+    server.run(sockets=[sock])
+    return exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
