@@ -54,14 +54,16 @@ def _bf16_model(name: str, use_fla: bool | None) -> nn.Module:
 
 
 def _run(model: nn.Module, prompts: list[list[int]], steps: int) -> tuple[list[torch.Tensor], list[RecurrentState]]:
-    """Prefill all prompts in one step, then greedy-decode them together; logits of every step."""
+    """Prefill all prompts in one step, then decode them together on fixed tokens (not each run's
+    own argmax: in bf16 a near-tie can flip one token and the runs would no longer be comparable);
+    logits of every step."""
     dtype = next(model.parameters()).dtype
     states = allocate_states(model.layer_specs(dtype_bytes(dtype)), len(prompts), 512, CUDA, dtype)
     logits = model(ForwardBatch.build([(i, p, 0) for i, p in enumerate(prompts)], CUDA), states)
     out = [logits.float().cpu()]
     pos = [len(p) for p in prompts]
-    for _ in range(steps):
-        tokens = logits.argmax(-1).tolist()
+    feed = torch.randint(0, 49152, (steps, len(prompts)), generator=torch.Generator().manual_seed(3)).tolist()
+    for tokens in feed:
         logits = model(ForwardBatch.build([(i, [t], pos[i]) for i, t in enumerate(tokens)], CUDA), states)
         pos = [p + 1 for p in pos]
         out.append(logits.float().cpu())

@@ -3,6 +3,8 @@ transformers (their own fallbacks), and the varlen batching against one-sequence
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,11 @@ from ballast.models.gated_delta import (
 from transformers.models.qwen3_next import modeling_qwen3_next as ref
 
 HK, HV, DK, DV = 2, 4, 16, 8
+# transformers swaps in fla's CUDA kernels when fla is installed; the reference here is its own
+# pure-torch fallback, which the decorator keeps as __wrapped__.
+REF_CHUNK = inspect.unwrap(ref.torch_chunk_gated_delta_rule)
+REF_RECURRENT = inspect.unwrap(ref.torch_recurrent_gated_delta_rule)
+REF_CONV_UPDATE = inspect.unwrap(ref.causal_conv1d_update)
 
 
 def _inputs(batch: int, length: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -34,7 +41,7 @@ def _reference_chunk(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
     # them itself. Expanding here works with both.
     r = HV // HK
     q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
-    return ref.torch_chunk_gated_delta_rule(
+    return REF_CHUNK(
         q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
 
@@ -42,7 +49,7 @@ def _reference_chunk(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
 def _reference_recurrent(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
     r = HV // HK
     q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
-    return ref.torch_recurrent_gated_delta_rule(
+    return REF_RECURRENT(
         q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
 
@@ -148,7 +155,7 @@ def test_conv_decode_matches_reference_update() -> None:
     state = torch.randn(batch, channels, kernel - 1, generator=gen)
     x = torch.randn(batch, channels, generator=gen)
     ref_state = state.clone()
-    want = ref.causal_conv1d_update(x.unsqueeze(-1), ref_state, weight, None, "silu")[..., 0]
+    want = REF_CONV_UPDATE(x.unsqueeze(-1), ref_state, weight, None, "silu")[..., 0]
     ones = torch.ones(batch, dtype=torch.int64)
     windows = ConvWindows.build(torch.arange(batch + 1), ones, torch.arange(batch), kernel)
     out, new_state = causal_conv1d_varlen(x, state, weight, windows)

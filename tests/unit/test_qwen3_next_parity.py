@@ -4,6 +4,8 @@ Bound: logits agree within 1e-4 absolute (observed ~2e-6 on these configs)."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,7 +18,8 @@ from torch import nn
 from transformers import Qwen3NextConfig
 from transformers import Qwen3NextForCausalLM as HFQwen3Next
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM as HFQwen35Moe
-from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig, modeling_qwen3_5_moe
+from transformers.models.qwen3_next import modeling_qwen3_next
 
 ATOL = 1e-4
 VOCAB = 96
@@ -56,6 +59,20 @@ ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
                              "mrope_section": [2, 1, 1], "mrope_interleaved": True}},
     ),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reference_in_pure_torch() -> Iterator[None]:
+    """With fla (or causal-conv1d) installed, transformers routes these layers to CUDA-only
+    kernels even for CPU tensors; the reference here is its own pure-torch fallback."""
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+             "causal_conv1d_update")
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (modeling_qwen3_next, modeling_qwen3_5_moe):
+            for name in names:
+                if hasattr(module, name):
+                    mp.setattr(module, name, inspect.unwrap(getattr(module, name)))
+        yield
 
 
 def _pair(arch: str) -> tuple[nn.Module, nn.Module]:
