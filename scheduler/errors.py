@@ -68,3 +68,20 @@ class EngineFailed(Refused):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(f"engine step failed: {type(cause).__name__}: {cause}")
         self.cause = cause
+
+
+# Labels for the scheduler's `outcomes` counters (requests by outcome), one per refusal kind.
+REFUSAL_OUTCOMES = ("timeout", "overloaded", "queue_full", "context_length", "failed")
+
+
+def outcome_of(error: Refused) -> str:
+    """The `outcomes` label a refusal is counted under."""
+    if isinstance(error, RequestTimeout):
+        return "timeout"
+    if isinstance(error, QueueFull):
+        return "queue_full"
+    if isinstance(error, ContextTooLong):
+        return "context_length"
+    if isinstance(error, Overloaded):
+        return "overloaded"
+    return "failed"

@@ -50,6 +50,7 @@ class GovernorSettings:
     psi_full_reject_pct: float
     retry_after_s: float
     gpu_die: int | None  # the die a GPU-resident engine's caches live on; None = host path
+    quantized_kv: bool = False  # the engine's slot caches hold quantized KV (fixed at load)
 
 
 class Governor:
@@ -99,7 +100,7 @@ class Governor:
                 self._cost,
                 max_window=window,
                 gpu_die=self._s.gpu_die,
-                quantized_kv=False,  # the engine's CostModel states the KV format its caches use
+                quantized_kv=self._s.quantized_kv,
                 psi_full_reject_pct=self._s.psi_full_reject_pct,
                 min_window=n_prompt + 1,
             )

@@ -23,12 +23,14 @@ from ballast.memory.ladder import LadderConfig
 from ballast.memory.types import LadderPlan, Level
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import (
+    REFUSAL_OUTCOMES,
     ContextTooLong,
     EngineFailed,
     Overloaded,
     QueueFull,
     Refused,
     RequestTimeout,
+    outcome_of,
 )
 from ballast.scheduler.governor import Governor, GovernorSettings, SnapshotSource, VerdictRecorder
 from ballast.scheduler.queue import WaitingQueue
@@ -45,7 +47,7 @@ from ballast.scheduler.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
-OUTCOMES = ("stop", "length", "abort", "timeout", "overloaded", "queue_full", "context_length", "failed")
+OUTCOMES = ("stop", "length", "abort", *REFUSAL_OUTCOMES)
 
 
 class Phase(enum.Enum):
@@ -79,15 +81,25 @@ class Scheduler:
         memwatch: SnapshotSource | None = None,
         admission_metrics: VerdictRecorder | None = None,
         gpu_die: int | None = None,
+        quantized_kv: bool = False,
         on_idle: Callable[[], None] | None = None,
     ) -> None:
+        """memwatch: the snapshot source (None: no memory governance beyond the window).
+        admission_metrics: counts every verdict. gpu_die / quantized_kv: where the engine's slot
+        caches live and whether they hold quantized KV, for admission's byte maths. on_idle: runs
+        when the scheduler goes idle and every idle_tick_s while it stays idle (pool trim)."""
         self._engine = engine
         self._cfg = config
         self._on_idle = on_idle
         self._max_slots = min(config.max_num_seqs, engine.num_slots)
         self._window = min(config.prefill_window or engine.max_model_len, engine.max_model_len)
         settings = GovernorSettings(
-            LadderConfig(self._max_slots, self._window), config.ladder_disable, config.psi_full_reject_pct, config.retry_after_s, gpu_die
+            LadderConfig(self._max_slots, self._window),
+            config.ladder_disable,
+            config.psi_full_reject_pct,
+            config.retry_after_s,
+            gpu_die,
+            quantized_kv,
         )
         self._gov = Governor(settings, engine.cost_model, memwatch, admission_metrics)
         self._eos = engine.tokenizer.eos_token_ids
@@ -145,7 +157,7 @@ class Scheduler:
             if self._queue.full:
                 raise QueueFull(self._cfg.retry_after_s, self._queue.max_size)
         except Refused as refusal:
-            self._count_refusal(refusal)
+            self._outcomes[outcome_of(refusal)] += 1
             raise
         now = time.monotonic()
         deadline = req.deadline_s
@@ -299,7 +311,7 @@ class Scheduler:
                 seq.mailbox.put(TokenEvent(tail, ()))
         capped = seq.capped and reason == "length"
         seq.mailbox.put(FinishEvent(reason, len(seq.req.prompt_ids), len(seq.output), capped, error))
-        self._outcomes[reason if error is None else self._outcome_of(error)] += 1
+        self._outcomes[reason if error is None else outcome_of(error)] += 1
 
     def _fail(self, exc: Exception) -> None:
         self.failure = EngineFailed(exc)
@@ -341,21 +353,6 @@ class Scheduler:
             return None
         self._engine_slots = want
         return want
-
-    def _count_refusal(self, refusal: Refused) -> None:
-        self._outcomes[self._outcome_of(refusal)] += 1
-
-    @staticmethod
-    def _outcome_of(error: Refused) -> str:
-        if isinstance(error, RequestTimeout):
-            return "timeout"
-        if isinstance(error, QueueFull):
-            return "queue_full"
-        if isinstance(error, ContextTooLong):
-            return "context_length"
-        if isinstance(error, Overloaded):
-            return "overloaded"
-        return "failed"
 
     # --- figures (read-only) --------------------------------------------------------------
     @property

@@ -136,3 +136,13 @@ def test_without_memwatch_only_the_window_applies() -> None:
     assert gov.admit(10, 100).max_tokens == 54
     gov.check_submit()
     assert gov.pressure_level == Level.OK and gov.plan.max_slots == 4
+
+
+def test_quantized_caches_use_the_quantized_kv_cost(tmp_path: Path) -> None:
+    cost = CostModel(kv_bytes_per_token=256 * MiB, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0, quantized_kv_bytes_per_token=64 * MiB)
+    plain, watch, _, _ = make(tmp_path, cost=cost)
+    quant = Governor(GovernorSettings(LadderConfig(8, 1024), False, 15.0, 3.0, None, quantized_kv=True), cost, watch)
+    quant.refresh()
+    budget = plain.snapshot.host_budget_bytes if plain.snapshot else 0
+    assert plain.admit(10, 500).max_tokens == budget // (256 * MiB) - 10
+    assert quant.admit(10, 500).max_tokens == budget // (64 * MiB) - 10
