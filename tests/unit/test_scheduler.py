@@ -8,11 +8,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-from ballast.engine.plan import SamplingParams, StepPlan
+from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import ContextTooLong, EngineFailed, Overloaded, QueueFull, RequestTimeout
 from ballast.scheduler.request import FinishEvent, GenerationRequest, Mailbox, TokenEvent
 from ballast.scheduler.scheduler import Scheduler
+from ballast.scheduler.slots import SlotError, SlotTable
 from fake_engine import EOS, FakeEngine, FakeEngineError, FakeTokenizer, expected_tokens
 
 TOK = FakeTokenizer()
@@ -240,16 +241,6 @@ async def test_engine_failure_ends_every_request_with_an_error(make) -> None:
         s.submit(req(9))
 
 
-async def test_scheduler_bug_caught_by_the_fake_engine_is_reported() -> None:
-    eng = FakeEngine()
-    try:
-        with pytest.raises(FakeEngineError):
-            eng.submit(StepPlan(release=(3,))).result()
-        assert not eng.healthy
-    finally:
-        eng.shutdown()
-
-
 async def test_stop_aborts_everything_and_releases_engine_slots() -> None:
     eng = FakeEngine(step_delay_s=0.002)
     s = Scheduler(eng, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8))
@@ -352,3 +343,44 @@ def test_mailbox_coalesces_tokens_when_the_reader_is_slow() -> None:
     assert isinstance(events[-1], FinishEvent)
     with pytest.raises(RuntimeError):
         box.put(TokenEvent("x", (1,)))
+
+
+def test_slot_table_reuses_a_slot_only_after_its_release_ran() -> None:
+    table = SlotTable(3)
+    assert [table.acquire(3), table.acquire(3), table.acquire(2)] == [0, 1, None]  # the limit binds
+    table.retire(0)
+    assert table.acquire(1) is None  # draining: not free until the engine has released it
+    sent = table.take_releases()
+    assert sent == (0,) and table.take_releases() == ()  # each release travels in one plan only
+    assert table.highest_held == 2 and table.draining == 1
+    table.released(sent)
+    assert table.acquire(1) == 0
+    with pytest.raises(SlotError):
+        table.retire(2)  # never acquired
+    with pytest.raises(SlotError):
+        table.released((1,))  # busy, not draining
+
+
+@pytest.mark.parametrize(
+    "plans",
+    [
+        [StepPlan(prefills=(PrefillChunk(0, (5, 6), 0, True),), sampling={0: SamplingParams()}), StepPlan(prefills=(PrefillChunk(0, (7,), 0, True),), sampling={0: SamplingParams()})],
+        [StepPlan(prefills=(PrefillChunk(0, (5, 6), 0, True),), sampling={0: SamplingParams()}), StepPlan(decodes=(DecodeToken(0, EOS, 2),), sampling={0: SamplingParams()})],
+        [StepPlan(prefills=(PrefillChunk(0, (5, 6), 2, False),), sampling={0: SamplingParams()})],
+        [StepPlan(max_slots=2), StepPlan(prefills=(PrefillChunk(3, (5,), 0, True),), sampling={3: SamplingParams()})],
+        [StepPlan(prefills=(PrefillChunk(0, tuple(range(1, 80)), 0, True),), sampling={0: SamplingParams()})],
+        [StepPlan(release=(3,))],
+    ],
+    ids=["reuse-without-release", "decode-of-unsampled-token", "prefill-at-wrong-position", "slot-above-limit", "over-profiled-chunk", "release-of-empty-slot"],
+)
+def test_fake_engine_refuses_plans_a_real_engine_could_not_run(plans: list[StepPlan]) -> None:
+    eng = FakeEngine(prefill_chunk_tokens=64)
+    try:
+        *ok, bad = plans
+        for plan in ok:
+            eng.submit(plan).result()
+        with pytest.raises(FakeEngineError):
+            eng.submit(bad).result()
+        assert not eng.healthy
+    finally:
+        eng.shutdown()
