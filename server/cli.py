@@ -107,10 +107,10 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from ballast.engine.engine import Engine  # torch-heavy: after the configs are known to be good
+    cfg = _configs(args, env, LAYERS)
+    from ballast.engine.engine import Engine  # heavy imports only once the configs are known good
     from ballast.server.app import create_app
 
-    cfg = _configs(args, env, LAYERS)
     server_cfg, engine_cfg, sched_cfg, memory_cfg = cfg[ServerConfig], cfg[EngineConfig], cfg[SchedulerConfig], cfg[MemoryConfig]
     assert isinstance(server_cfg, ServerConfig) and isinstance(engine_cfg, EngineConfig)
     assert isinstance(sched_cfg, SchedulerConfig) and isinstance(memory_cfg, MemoryConfig)

@@ -6,6 +6,7 @@ every answer can be checked exactly; one slow test runs the real engine on a bui
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from ballast.server.config import ServerConfig
 from fake_engine import FakeEngine, FakeTokenizer, expected_tokens
 from memfixtures import level_tree
 from prometheus_client.parser import text_string_to_metric_families
-from serverproc import running_server
+from serverproc import running_server, serve_subprocess
 
 TOK = FakeTokenizer()
 MESSAGES = [{"role": "user", "content": "say something"}]
@@ -150,7 +151,8 @@ def test_metrics_parse_and_carry_http_scheduler_and_memory_figures(client: opena
     client.chat.completions.create(model="fake-model", messages=MESSAGES, temperature=0, max_tokens=3)  # type: ignore[arg-type]
     text = httpx.get(base_url + "/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("ballast_time_to_first_token_seconds", "ballast_inter_token_latency_seconds", "ballast_e2e_request_latency_seconds",
+    for name in ("ballast_memory_pressure_level", "ballast_host_memory_available_bytes", "ballast_memory_psi_full_avg10",
+                 "ballast_ladder_max_slots", "ballast_admission_verdicts", "ballast_time_to_first_token_seconds", "ballast_inter_token_latency_seconds", "ballast_e2e_request_latency_seconds",
                  "ballast_prompt_tokens", "ballast_generation_tokens", "ballast_requests", "ballast_http_rejections",
                  "ballast_queue_depth", "ballast_slots_active", "ballast_slots_limit"):
         assert name in families, name
@@ -159,9 +161,31 @@ def test_metrics_parse_and_carry_http_scheduler_and_memory_figures(client: opena
     assert next(s.value for s in families["ballast_slots_limit"].samples) == 8
     ttft_count = next(s.value for s in families["ballast_time_to_first_token_seconds"].samples if s.name.endswith("_count"))
     assert ttft_count >= 1
+    assert next(s.value for s in families["ballast_memory_pressure_level"].samples) == 0  # the OK fixture tree
+    assert next(s.value for s in families["ballast_host_memory_total_bytes"].samples) == 16 * (1 << 30)
 
 
 def test_health_and_ready(base_url: str) -> None:
     assert httpx.get(base_url + "/health").status_code == 200
     r = httpx.get(base_url + "/ready")
     assert r.status_code == 200 and r.json()["level"] == "OK"
+
+
+@pytest.mark.slow
+def test_real_engine_through_ballast_serve() -> None:
+    """`ballast serve` in a child process with a real (tiny, random-init) model: chat through the
+    openai client, streamed and not, greedy runs agree, and the server exits cleanly."""
+    with serve_subprocess(["--model", "builtin:tiny-llama", "--max-model-len", "256", "--max-num-seqs", "4"]) as (url, proc):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        [model] = [m.id for m in client.models.list().data]
+        assert model == "builtin:tiny-llama"
+        r = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=12)  # type: ignore[arg-type]
+        assert r.choices[0].finish_reason in ("length", "stop") and r.usage is not None
+        assert r.usage.completion_tokens >= 1 and r.choices[0].message.content
+        chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=12, stream=True))  # type: ignore[arg-type]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+        metrics = httpx.get(url + "/metrics").text
+        assert "ballast_memory_pressure_level" in metrics and "ballast_generation_tokens_total" in metrics
+        proc.terminate()
+        # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught (so -15, not a crash code)
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
