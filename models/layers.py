@@ -31,6 +31,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same maths
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
@@ -131,6 +133,53 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((xr * c + torch.cat((-x2, x1), dim=-1) * s, xp), dim=-1)
 
 
+class FusedLinears:
+    """Linears that read the same input, run as one matmul (fewer, larger GEMMs: decode on CPU is
+    dominated by per-op overhead). The parameters keep their HF names but, once fused, are views
+    into one weight, so loading into them with copy_ fills the fused weight as well. Anything that
+    re-creates them (`.to()`, `load_state_dict(assign=True)`) breaks the views; the next call
+    notices (data pointers) and fuses again from the current parameters, so a stale weight is
+    never used. Deliberately not a Module: it owns no parameters of its own."""
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        self.linears = linears
+        self.weight: Tensor | None = None
+        self.bias: Tensor | None = None
+        self._ptrs: list[int] = []
+
+    def fuse(self) -> None:
+        biases = [lin.bias for lin in self.linears]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            raise ValueError("cannot fuse linears where only some have a bias")
+        # Outside inference mode: parameters made of inference tensors could not be loaded into later.
+        with torch.inference_mode(False), torch.no_grad():
+            weight = torch.cat([lin.weight for lin in self.linears])
+            bias = torch.cat([b for b in biases if b is not None]) if biases[0] is not None else None
+            offset = 0
+            for lin in self.linears:
+                n = lin.out_features
+                lin.weight = nn.Parameter(weight[offset : offset + n], requires_grad=False)
+                if bias is not None:
+                    lin.bias = nn.Parameter(bias[offset : offset + n], requires_grad=False)
+                offset += n
+        self.weight, self.bias = weight, bias
+        self._ptrs = self._current_ptrs()
+
+    @property
+    def fused(self) -> bool:
+        return self.weight is not None and self._current_ptrs() == self._ptrs
+
+    def _current_ptrs(self) -> list[int]:
+        ptrs = [lin.weight.data_ptr() for lin in self.linears]
+        return ptrs + [lin.bias.data_ptr() for lin in self.linears if lin.bias is not None]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if not self.fused:
+            self.fuse()
+        assert self.weight is not None  # fuse() set it
+        return F.linear(x, self.weight, self.bias)
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), HF names gate_proj / up_proj / down_proj."""
 
@@ -139,9 +188,12 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.intermediate = intermediate
+        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up(x)
+        return self.down_proj(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
 
 
 def slot_attention_mask(batch: ForwardBatch) -> Tensor | None:
@@ -189,6 +241,7 @@ class SlotAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
+        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         # Qwen3 normalises q and k per head before rope.
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -197,17 +250,19 @@ class SlotAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
 
     def forward(self, x: Tensor, ctx: StepContext, state: KVState) -> Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).view(x.shape[0], hq + 2 * hkv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, ctx.cos, ctx.sin)
-        k = apply_rope(k, ctx.cos, ctx.sin)
-        state.write(ctx.batch, k, v)
-        out = attend(q, state, ctx)
-        return self.o_proj(out)
+            q = apply_rope(self.q_norm(qkv[:, :hq]), ctx.cos, ctx.sin)
+            k = apply_rope(self.k_norm(qkv[:, hq : hq + hkv]), ctx.cos, ctx.sin)
+        else:
+            qk = apply_rope(qkv[:, : hq + hkv], ctx.cos, ctx.sin)  # q and k heads turned in one go
+            q, k = qk[:, :hq], qk[:, hq:]
+        state.write(ctx.batch, k, qkv[:, hq + hkv :])
+        return self.o_proj(attend(q, state, ctx))
+
+    def fuse(self) -> None:
+        self.qkv.fuse()
 
 
 def attend(q: Tensor, state: KVState, ctx: StepContext) -> Tensor:
@@ -217,7 +272,7 @@ def attend(q: Tensor, state: KVState, ctx: StepContext) -> Tensor:
     heads, dim = q.shape[1], q.shape[2]
     keys, values = state.read(batch)  # [B, max_ctx, Hkv, D]
     if batch.decode_only:
-        qp = q.view(b, 1, heads, dim)
+        qp = q.reshape(b, 1, heads, dim)
     else:
         qp = q.new_zeros(b * L, heads, dim).index_copy_(0, batch.pad_index, q).view(b, L, heads, dim)
     out = F.scaled_dot_product_attention(

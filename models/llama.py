@@ -156,6 +156,14 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def fuse_projections(self) -> None:
+        """Run q/k/v and gate/up as one matmul each (see `FusedLinears`); call after anything that
+        re-creates the parameters. Loading with copy_ (as our loaders do) keeps the fusion."""
+        for layer in self.model.layers:
+            if isinstance(layer, LlamaDecoderLayer):
+                layer.self_attn.fuse()
+                layer.mlp.gate_up.fuse()
+
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
         c = self.config
         return [attention_spec(c.num_key_value_heads, c.head_dim, kv_dtype_bytes) for _ in range(c.num_hidden_layers)]

@@ -14,7 +14,8 @@ from ballast.models.qwen3_next import Qwen3NextForCausalLM
 from torch import nn
 
 # Every class here has `from_hf_config(hf: Mapping[str, Any]) -> instance`, `layer_specs`,
-# `forward(batch, states)` and, where it ties embeddings, `tie_weights()`.
+# `forward(batch, states)`; optionally `tie_weights()` and `fuse_projections()`, which
+# build_model calls once the parameters have real storage.
 MODEL_CLASSES: dict[str, Any] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
@@ -49,9 +50,12 @@ def build_model(
     Built on the meta device first, so no time goes into an initialisation the weights overwrite."""
     cls = model_class(hf_config)
     with torch.device("meta"):
-        model: nn.Module = cls.from_hf_config(hf_config)
-    model = model.to_empty(device=device).to(dtype)
+        model: nn.Module = cls.from_hf_config(hf_config).to(dtype)
+    model = model.to_empty(device=device)
     tie = getattr(model, "tie_weights", None)
     if tie is not None:
         tie()  # to_empty gives tied parameters separate storage; share them again
+    fuse = getattr(model, "fuse_projections", None)
+    if fuse is not None:
+        fuse()
     return model.eval()

@@ -183,3 +183,22 @@ def test_bf16_close_to_transformers_bf16() -> None:
     ref = hf_last_logits(hf, ids).float()
     assert logits.dtype == torch.float32
     assert (logits - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+
+
+@torch.no_grad()
+def test_fused_projections_survive_loading_and_refuse_when_parameters_change() -> None:
+    hf, ours = make_pair("qwen2")  # q/k/v biases fuse too
+    attn = ours.model.layers[0].self_attn
+    assert attn.qkv.fused
+    assert attn.q_proj.weight.data_ptr() == attn.qkv.weight.data_ptr()  # loading kept the views
+    ids = prompt(15, 60)
+    fused = ours(ForwardBatch.build([(0, ids, 0)], "cpu"), new_states(ours))[0]
+    # An assign-load re-creates the parameters: the old fused weight must not be used.
+    sd = {k: v.clone() * (1.5 if k.endswith("q_proj.weight") else 1.0) for k, v in hf.state_dict().items()}
+    ours.load_state_dict(sd, assign=True)
+    hf.load_state_dict(sd)
+    assert not attn.qkv.fused
+    refused = ours(ForwardBatch.build([(0, ids, 0)], "cpu"), new_states(ours))[0]
+    assert attn.qkv.fused
+    assert (refused - hf_last_logits(hf, ids)).abs().max().item() < TOL
+    assert (refused - fused).abs().max().item() > TOL
