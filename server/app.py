@@ -80,10 +80,17 @@ class _Wiring:
     admission: AdmissionMetrics | None
 
 
+def _build(factory: EngineFactory) -> EngineLike:
+    engine = factory()
+    # The tokenizer may load lazily; its first use must not be a request on the event loop.
+    engine.tokenizer.encode("warm-up")
+    return engine
+
+
 async def _load(state: ServerState, factory: EngineFactory, wiring: _Wiring) -> None:
     """Load the engine off the event loop, then start the scheduler; a failure makes us unsound."""
     try:
-        engine = await asyncio.to_thread(factory)
+        engine = await asyncio.to_thread(_build, factory)
     except Exception as exc:
         log.exception("model load failed")
         state.fail(f"model load failed: {type(exc).__name__}: {exc}")

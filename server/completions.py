@@ -19,6 +19,7 @@ from typing import Literal
 
 from ballast.engine.interface import TokenizerLike
 from ballast.engine.plan import SamplingParams
+from ballast.engine.tokenizer import Tokenizer
 from ballast.scheduler.errors import EngineFailed, Refused
 from ballast.scheduler.request import (
     Event,
@@ -96,6 +97,17 @@ def _ready_engine(state: ServerState) -> tuple[TokenizerLike, int]:
     return state.engine.tokenizer, state.engine.max_model_len
 
 
+def _check_token_ids(tokenizer: TokenizerLike, ids: list[int]) -> None:
+    """A client's token ids reach the embedding as they are; one out of range would fail the step
+    and with it the whole engine, so it is refused here as bad input. The protocol states no
+    vocabulary size, so the bound comes from the real tokenizer when it is one."""
+    limit = tokenizer.vocab_size if isinstance(tokenizer, Tokenizer) else None
+    bad = [t for t in ids if t < 0 or (limit is not None and t >= limit)]
+    if bad:
+        accepted = f"0..{limit - 1}" if limit is not None else ">= 0"
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary ({accepted})", param="prompt")
+
+
 def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
     model = _check_model(state, req.model)
     tokenizer, max_len = _ready_engine(state)
@@ -115,8 +127,7 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
         ids = tokenizer.encode(prompt)
     else:
         ids = [int(t) for t in prompt]  # type: ignore[union-attr]
-        if any(t < 0 for t in ids):
-            raise bad_request("token ids must be >= 0", param="prompt")
+        _check_token_ids(tokenizer, ids)
     if not ids:
         raise bad_request("the prompt is empty", param="prompt")
     gen = _generation(p.new_id("cmpl"), ids, req, req.max_tokens, max_len, req.logprobs)

@@ -95,6 +95,21 @@ def test_missing_field_and_broken_json_are_400(calm: str) -> None:
     assert_openai_error(r, 400, code="invalid_json")
 
 
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": [3, -1]}, "prompt"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ],
+)
+def test_bad_completion_prompts_are_400(calm: str, body: dict[str, object], param: str) -> None:
+    r = httpx.post(calm + "/v1/completions", json={"model": "fake-model", "max_tokens": 2, **body})
+    assert_openai_error(r, 400, param=param)
+
+
 def test_context_length_exceeded(calm: str) -> None:
     r = httpx.post(calm + "/v1/completions", json={"model": "fake-model", "prompt": "abcdefghij" * 5, "max_tokens": 30})
     err = assert_openai_error(r, 400, code="context_length_exceeded", param="prompt")

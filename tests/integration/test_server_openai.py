@@ -184,6 +184,10 @@ def test_real_engine_through_ballast_serve() -> None:
         assert r.usage.completion_tokens >= 1 and r.choices[0].message.content
         chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=12, stream=True))  # type: ignore[arg-type]
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+        # a token id outside the vocabulary is the client's error, not an engine failure
+        bad = httpx.post(url + "/v1/completions", json={"model": model, "prompt": [1, 10**9], "max_tokens": 2})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+        assert httpx.get(url + "/health").status_code == 200
         metrics = httpx.get(url + "/metrics").text
         assert "ballast_memory_pressure_level" in metrics and "ballast_generation_tokens_total" in metrics
         proc.terminate()
