@@ -77,8 +77,15 @@ class ForwardBatch:
         return self.token_ids.device
 
     @classmethod
-    def build(cls, seqs: Sequence[tuple[int, Sequence[int], int]], device: torch.device | str) -> ForwardBatch:
-        """seqs: (slot, token_ids, start) per sequence. A slot may appear at most once per step."""
+    def build(
+        cls,
+        seqs: Sequence[tuple[int, Sequence[int], int]],
+        device: torch.device | str,
+        max_ctx: int | None = None,
+    ) -> ForwardBatch:
+        """seqs: (slot, token_ids, start) per sequence. A slot may appear at most once per step.
+        max_ctx: read this many cache positions (>= every start + len; at most the cache length)
+        instead of the least that serves, so shapes stay fixed from step to step (CUDA graphs)."""
         if not seqs:
             raise ValueError("a ForwardBatch needs at least one sequence")
         slots_list = [int(s) for s, _, _ in seqs]
@@ -115,15 +122,22 @@ class ForwardBatch:
             "slot_of_token": slots[seq_of_token],
             "pad_index": seq_of_token * max_len + offset_in_seq,
         }
+        need_ctx = max(st + n for st, n in zip(starts_list, lens_list, strict=True))
+        if max_ctx is not None and max_ctx < need_ctx:
+            raise ValueError(f"max_ctx {max_ctx} is less than the {need_ctx} positions this step reads")
         dev = torch.device(device)
-        moved: dict[str, Any] = {k: v.to(dev, non_blocking=True) for k, v in host.items()}
+        moved: dict[str, Any] = host
+        if dev.type != "cpu":
+            # One host-to-device copy instead of ten: each small copy costs a launch and a sync.
+            packed = torch.cat(list(host.values())).to(dev)
+            moved = dict(zip(host, packed.split([v.shape[0] for v in host.values()]), strict=True))
         return cls(
             **moved,
             slots_list=slots_list,
             starts_list=starts_list,
             lens_list=lens_list,
             max_len=max_len,
-            max_ctx=max(st + n for st, n in zip(starts_list, lens_list, strict=True)),
+            max_ctx=max_ctx if max_ctx is not None else need_ctx,
         )
 
 

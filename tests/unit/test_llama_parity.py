@@ -202,3 +202,18 @@ def test_fused_projections_survive_loading_and_refuse_when_parameters_change() -
     assert attn.qkv.fused
     assert (refused - hf_last_logits(hf, ids)).abs().max().item() < TOL
     assert (refused - fused).abs().max().item() > TOL
+
+
+@torch.no_grad()
+def test_fixed_max_ctx_gives_the_same_logits() -> None:
+    """The engine may pin max_ctx to the cache length so shapes stay fixed (CUDA graphs)."""
+    _, ours = make_pair("llama")
+    states = new_states(ours)
+    a, b = prompt(9, 70), prompt(4, 71)
+    ours(ForwardBatch.build([(0, a, 0), (1, b, 0)], "cpu"), states)
+    seqs = [(0, [3], 9), (1, [4], 4)]
+    tight = ours(ForwardBatch.build(seqs, "cpu"), states)
+    padded = ours(ForwardBatch.build(seqs, "cpu", max_ctx=64), states)
+    assert (tight - padded).abs().max().item() < TOL
+    with pytest.raises(ValueError):
+        ForwardBatch.build(seqs, "cpu", max_ctx=5)
