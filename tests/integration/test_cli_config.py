@@ -146,3 +146,23 @@ def test_console_script_exits_2_on_bad_env() -> None:
     )
     assert proc.returncode == 2
     assert "BALLAST_HOST_RESERVE_FRACTION" in proc.stderr and "0..0.9" in proc.stderr
+
+
+def test_generate_delegates_to_the_engine_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--help"], {})
+    assert exit_info.value.code == 0
+    assert "--prompt" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_serve_exits_1_when_the_model_cannot_load() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ballast.server.cli", "serve", "--port", "0", "--model", "builtin:no-such-model"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "listening on http://127.0.0.1:" in proc.stdout
+    assert "fatal: model load failed" in proc.stderr and "no-such-model" in proc.stderr
