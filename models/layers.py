@@ -200,7 +200,7 @@ def slot_attention_mask(batch: ForwardBatch) -> Tensor | None:
     """[B, 1, max_len, max_ctx] bool: query i of sequence b (absolute position starts[b] + i) sees
     cache positions <= its own. Padded query rows see position 0 only, so no row is fully masked
     (a fully masked row would give NaN). None when nothing needs masking (one decode token)."""
-    if batch.num_seqs == 1 and batch.max_len == 1:
+    if batch.num_seqs == 1 and batch.max_len == 1 and batch.max_ctx == batch.starts_list[0] + 1:
         return None
     dev = batch.device
     i = torch.arange(batch.max_len, device=dev)

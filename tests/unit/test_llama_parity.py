@@ -217,3 +217,7 @@ def test_fixed_max_ctx_gives_the_same_logits() -> None:
     assert (tight - padded).abs().max().item() < TOL
     with pytest.raises(ValueError):
         ForwardBatch.build(seqs, "cpu", max_ctx=5)
+    # One decode token alone needs no mask, unless max_ctx reaches past its position.
+    alone = ours(ForwardBatch.build([(0, [5], 10)], "cpu"), states)
+    alone_padded = ours(ForwardBatch.build([(0, [5], 10)], "cpu", max_ctx=64), states)
+    assert (alone - alone_padded).abs().max().item() < TOL
