@@ -22,7 +22,7 @@ from ballast.scheduler.config import SchedulerConfig
 from ballast.server.app import create_app
 from ballast.server.config import ServerConfig
 from ballast.server.state import ServerState
-from fake_engine import FakeEngine, FakeTokenizer
+from fake_engine import FakeEngine, FakeTokenizer, expected_tokens
 from memfixtures import level_tree
 from serverproc import running_server
 
@@ -248,3 +248,73 @@ def _wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.02)
+
+
+def _stream_once(client: httpx.Client, url: str, content: str) -> tuple[str, str]:
+    """One streaming chat; ("ok", text) when it completed, ("refused", "") for a clean 503."""
+    body = {**CHAT, "messages": [{"role": "user", "content": content}], "max_tokens": 16, "stream": True}
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code == 503:
+            r.read()
+            assert_openai_error(r, 503, type="server_overloaded")
+            assert int(r.headers["retry-after"]) >= 1
+            return "refused", ""
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "error" not in events[-1], events[-1]  # an admitted request is never killed mid-stream
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    return "ok", "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+
+
+def test_pressure_walk_under_32_streaming_clients(tmp_path: Path) -> None:
+    """OK -> WATCH -> TIGHT -> CRITICAL -> OK while 32 clients stream: the slot ceiling and window
+    follow the ladder, CRITICAL answers 503 + Retry-After, every admitted request completes with its
+    calm text, and the server serves again at OK with nothing left behind."""
+    tok = FakeTokenizer()
+    sched = SchedulerConfig(max_num_seqs=8, max_queue=64, max_num_batched_tokens=256)
+    with serve(tmp_path, scheduler=sched, engine=FakeEngine(num_slots=8, step_delay_s=0.005)) as (url, state, fake):
+        assert state.scheduler is not None
+        stop = threading.Event()
+        outcomes: list[str] = []
+        failures: list[BaseException] = []
+
+        def client_loop(i: int) -> None:
+            with httpx.Client(timeout=60) as client:
+                k = 0
+                while not stop.is_set():
+                    content = f"client {i} request {k}"
+                    try:
+                        outcome, text = _stream_once(client, url, content)
+                        if outcome == "ok":
+                            prompt = tok.apply_chat_template([{"role": "user", "content": content}])
+                            assert text == tok.decode(expected_tokens(prompt, 16))
+                        outcomes.append(outcome)
+                    except BaseException as exc:  # reported below; a thread must not die silently
+                        failures.append(exc)
+                        return
+                    k += 1
+
+        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(32)]
+        for t in threads:
+            t.start()
+        s = state.scheduler
+        try:
+            _wait_until(lambda: outcomes.count("ok") >= 32)
+            for level, slots, window in ((Level.WATCH, 8, 256), (Level.TIGHT, 4, 128), (Level.CRITICAL, 1, 64)):
+                level_tree(tmp_path, level)
+                _wait_until(lambda s=slots, w=window: s == state.scheduler.slot_limit and w == state.scheduler.plan.prefill_window)  # type: ignore[union-attr]
+                if level is Level.CRITICAL:
+                    _wait_until(lambda: outcomes.count("refused") >= 8)
+                    assert httpx.get(url + "/ready").status_code == 503
+                    assert httpx.get(url + "/health").status_code == 200
+            level_tree(tmp_path, Level.OK)
+            _wait_until(lambda: s.slot_limit == 8 and httpx.get(url + "/ready").status_code == 200)
+            served = outcomes.count("ok")
+            _wait_until(lambda: outcomes.count("ok") >= served + 32)  # serving again at OK
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+        assert not failures, failures[:3]
+        _wait_until(lambda: s.idle and fake.active_slots == 0)
+        assert s.queue_depth == 0 and s.active_slots == 0
