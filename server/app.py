@@ -109,6 +109,10 @@ async def _load(state: ServerState, factory: EngineFactory, wiring: _Wiring) -> 
         log.exception("scheduler start failed")
         state.fail(f"scheduler start failed: {type(exc).__name__}: {exc}")
         return
+    # The scheduler refuses prompt + max_tokens beyond this window (ContextTooLong); the server
+    # needs it to fill in an unset max_tokens. Same rule as the scheduler's: 0 = the model's length.
+    window = wiring.scheduler_config.prefill_window or engine.max_model_len
+    state.context_window = min(window, engine.max_model_len)
     state.scheduler = scheduler
     state.phase = Phase.READY
     log.info("ready: serving %s", state.model_name)

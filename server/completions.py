@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from ballast.engine.interface import TokenizerLike
 from ballast.engine.plan import SamplingParams
@@ -63,7 +63,7 @@ def _check_model(state: ServerState, requested: str) -> str:
     return name
 
 
-def _sampling(req: p._Sampling, logprobs: int | None) -> SamplingParams:
+def _sampling(req: p.GenerationFields, logprobs: int | None) -> SamplingParams:
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -86,15 +86,16 @@ def _max_tokens(asked: int | None, prompt_len: int, max_model_len: int) -> int:
     return asked if asked is not None else max(1, max_model_len - prompt_len)
 
 
-def _common_checks(req: p._Sampling) -> None:
+def _common_checks(req: p.GenerationFields) -> None:
     if req.n != 1:
         raise bad_request("only n=1 is supported", param="n")
 
 
 def _ready_engine(state: ServerState) -> tuple[TokenizerLike, int]:
+    """The tokenizer and the context window a request may fill (prompt + new tokens)."""
     if state.engine is None or state.scheduler is None:
         raise ApiError(503, "the model is still loading", "server_overloaded", code="model_loading", headers={"Retry-After": "1"})
-    return state.engine.tokenizer, state.engine.max_model_len
+    return state.engine.tokenizer, state.context_window
 
 
 def _check_token_ids(tokenizer: TokenizerLike, ids: list[int]) -> None:
@@ -108,6 +109,23 @@ def _check_token_ids(tokenizer: TokenizerLike, ids: list[int]) -> None:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary ({accepted})", param="prompt")
 
 
+def _prompt_ids(tokenizer: TokenizerLike, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
+    """Token ids of a completion prompt: text, token ids, or a batch of one of either."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if not prompt:
+        return []
+    first = prompt[0]
+    if not isinstance(first, int) and len(prompt) != 1:
+        raise bad_request("a list of several prompts is not supported; send one request per prompt", param="prompt")
+    if isinstance(first, str):
+        return tokenizer.encode(first)
+    # pydantic made the list homogeneous: ids, or one list of ids
+    ids = list(first) if isinstance(first, list) else cast(list[int], prompt)
+    _check_token_ids(tokenizer, ids)
+    return ids
+
+
 def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
     model = _check_model(state, req.model)
     tokenizer, max_len = _ready_engine(state)
@@ -118,16 +136,7 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of not in (None, 1):
         raise bad_request("only best_of=1 is supported", param="best_of")
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise bad_request("a list of several prompts is not supported; send one request per prompt", param="prompt")
-        prompt = prompt[0]  # type: ignore[assignment]
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    else:
-        ids = [int(t) for t in prompt]  # type: ignore[union-attr]
-        _check_token_ids(tokenizer, ids)
+    ids = _prompt_ids(tokenizer, req.prompt)
     if not ids:
         raise bad_request("the prompt is empty", param="prompt")
     gen = _generation(p.new_id("cmpl"), ids, req, req.max_tokens, max_len, req.logprobs)
@@ -149,11 +158,11 @@ def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
     return Job("chat", gen.request_id, model, gen, req.stream, _usage(req), req.logprobs, "messages")
 
 
-def _usage(req: p._Sampling) -> bool:
+def _usage(req: p.GenerationFields) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
-def _generation(rid: str, ids: list[int], req: p._Sampling, asked: int | None, max_len: int, logprobs: int | None) -> GenerationRequest:
+def _generation(rid: str, ids: list[int], req: p.GenerationFields, asked: int | None, max_len: int, logprobs: int | None) -> GenerationRequest:
     return GenerationRequest(
         request_id=rid,
         prompt_ids=tuple(ids),

@@ -26,7 +26,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _Sampling(_Request):
+class GenerationFields(_Request):
     """Parameters shared by both generation endpoints."""
 
     model: str
@@ -45,7 +45,7 @@ class _Sampling(_Request):
     user: str | None = None
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> _Sampling:
+    def _stream_options_need_stream(self) -> GenerationFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -57,7 +57,7 @@ class _Sampling(_Request):
         return tuple(s for s in stops if s)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -84,7 +84,7 @@ class ChatMessage(_Request):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(GenerationFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None

@@ -69,7 +69,7 @@ def v1_router(api_key: str | None) -> APIRouter:
         name = state.model_name
         if name is None or state.engine is None:
             return p.ModelList(data=[])
-        return p.ModelList(data=[p.ModelCard(id=name, created=p.now(), max_model_len=state.engine.max_model_len)])
+        return p.ModelList(data=[p.ModelCard(id=name, created=p.now(), max_model_len=state.context_window)])
 
     @v1.post("/completions", response_model=None)
     async def completions(body: p.CompletionRequest, request: Request) -> Response:

@@ -55,6 +55,7 @@ class ServerState:
     memwatch: SnapshotWatch | None = None
     engine: EngineLike | None = None
     scheduler: Scheduler | None = None
+    context_window: int = 0  # prompt + new tokens one request may use; known once loaded
     phase: Phase = Phase.LOADING
     failure: str | None = None
     on_fatal: Callable[[str], None] = field(default=_log_fatal)

@@ -116,6 +116,17 @@ def test_context_length_exceeded(calm: str) -> None:
     assert "64" in str(err["message"])
 
 
+def test_unset_max_tokens_fills_the_configured_window(tmp_path: Path) -> None:
+    sched = SchedulerConfig(prefill_window=48)
+    with serve(tmp_path, scheduler=sched, engine=FakeEngine(max_model_len=256)) as (url, _, _):
+        body = {k: v for k, v in CHAT.items() if k != "max_tokens"}
+        r = httpx.post(url + "/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["total_tokens"] == 48 and r.json()["choices"][0]["finish_reason"] == "length"
+        assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == 48
+
+
 def test_unknown_model_and_route_are_404(calm: str) -> None:
     assert_openai_error(httpx.post(calm + "/v1/chat/completions", json={**CHAT, "model": "gpt-9"}), 404, code="model_not_found", param="model")
     assert_openai_error(httpx.get(calm + "/v1/nothing-here"), 404)
