@@ -144,15 +144,18 @@ def _tensor_data(qtype: QT, shape: tuple[int, int], rng: np.random.Generator) ->
     return values.astype(np.float16) if qtype == QT.F16 else values
 
 
-def write_tiny_llama(path: Path, pre: str = "gpt2", tied: bool = True, seed: int = 0) -> TinyGGUF:
+def write_tiny_llama(path: Path, pre: str = "gpt2", tied: bool = True, seed: int = 0, arch: str = "llama") -> TinyGGUF:
+    """A 2-layer model of `arch` (llama, qwen2: q/k/v biases, qwen3: q/k norms) with every
+    supported tensor type; only llama's q/k rows are permuted, as llama.cpp's converter does."""
     rng = np.random.default_rng(seed)
     tok = train_tokenizer(pre)
     vocab = tok.get_vocab()
     tokens = sorted(vocab, key=vocab.__getitem__)
     merges = [" ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
-    head_dim = HIDDEN // HEADS
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama-test")
+    # qwen3 as in the real ones: heads * head_dim != hidden (transformers assumes its 128)
+    head_dim = 128 if arch == "qwen3" else HIDDEN // HEADS
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}-test")
     w.add_block_count(LAYERS)
     w.add_context_length(512)
     w.add_embedding_length(HIDDEN)
@@ -160,6 +163,8 @@ def write_tiny_llama(path: Path, pre: str = "gpt2", tied: bool = True, seed: int
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)  # llama.cpp writes these
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(50000.0)
     w.add_vocab_size(len(tokens))
@@ -188,8 +193,15 @@ def write_tiny_llama(path: Path, pre: str = "gpt2", tied: bool = True, seed: int
     for i, types in enumerate(LAYER_TYPES):
         add(f"blk.{i}.attn_norm.weight", QT.F32, (HIDDEN,))
         add(f"blk.{i}.ffn_norm.weight", QT.F32, (HIDDEN,))
-        add(f"blk.{i}.attn_q.weight", types["attn_q"], (HEADS * head_dim, HIDDEN), n_head=HEADS)
-        add(f"blk.{i}.attn_k.weight", types["attn_k"], (KV_HEADS * head_dim, HIDDEN), n_head=KV_HEADS)
+        permuted = arch == "llama"
+        add(f"blk.{i}.attn_q.weight", types["attn_q"], (HEADS * head_dim, HIDDEN), n_head=HEADS if permuted else None)
+        add(f"blk.{i}.attn_k.weight", types["attn_k"], (KV_HEADS * head_dim, HIDDEN), n_head=KV_HEADS if permuted else None)
+        if arch == "qwen2":
+            for proj, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+                add(f"blk.{i}.attn_{proj}.bias", QT.F32, (rows * head_dim,))
+        if arch == "qwen3":
+            add(f"blk.{i}.attn_q_norm.weight", QT.F32, (head_dim,))
+            add(f"blk.{i}.attn_k_norm.weight", QT.F32, (head_dim,))
         add(f"blk.{i}.attn_v.weight", types["attn_v"], (KV_HEADS * head_dim, HIDDEN))
         add(f"blk.{i}.attn_output.weight", types["attn_output"], (HIDDEN, HEADS * head_dim))
         add(f"blk.{i}.ffn_gate.weight", types["ffn_gate"], (FFN, HIDDEN))
@@ -265,11 +277,13 @@ def test_bfloat16_load(tiny: TinyGGUF) -> None:
 
 
 @pytest.mark.slow
-def test_matches_transformers_gguf_loading(tiny: TinyGGUF) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_matches_transformers_gguf_loading(tmp_path: Path, arch: str) -> None:
     """transformers dequantizes through gguf-py and undoes the permutation itself: same names,
-    same values, and a LlamaForCausalLM built from our config and tensors gives its logits."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    same values, and a model built by transformers from our config and tensors gives its logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    tiny = write_tiny_llama(tmp_path / f"{arch}.gguf", arch=arch, seed=7)
     ref = AutoModelForCausalLM.from_pretrained(str(tiny.path.parent), gguf_file=tiny.path.name, dtype=torch.float32)
     ref_state = ref.state_dict()
     model = load_gguf(tiny.path)
@@ -277,7 +291,8 @@ def test_matches_transformers_gguf_loading(tiny: TinyGGUF) -> None:
     for name, got in model.tensors.items():
         torch.testing.assert_close(got, ref_state[name], rtol=1e-6, atol=1e-7, msg=name)
 
-    ours = LlamaForCausalLM(LlamaConfig(**model.config)).eval()
+    config = AutoConfig.for_model(**model.config)
+    ours = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     missing, unexpected = ours.load_state_dict(model.tensors, strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected
     ids = torch.tensor([[5, 17, 42, 99, 7, 250, 3]])
