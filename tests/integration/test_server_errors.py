@@ -329,3 +329,47 @@ def test_pressure_walk_under_32_streaming_clients(tmp_path: Path) -> None:
         assert not failures, failures[:3]
         _wait_until(lambda: s.idle and fake.active_slots == 0)
         assert s.queue_depth == 0 and s.active_slots == 0
+
+
+def test_level_flapping_never_corrupts_an_admitted_request(tmp_path: Path) -> None:
+    """The level toggles OK <-> CRITICAL every 50 ms while 16 greedy requests stream: each one
+    either completes with exactly its calm text or is refused with a clean 503."""
+    tok = FakeTokenizer()
+    with serve(tmp_path, engine=FakeEngine(num_slots=8, step_delay_s=0.005)) as (url, state, fake):
+        flapping = threading.Event()
+
+        def flap() -> None:
+            level = Level.CRITICAL
+            while not flapping.is_set():
+                level_tree(tmp_path, level)
+                level = Level.OK if level is Level.CRITICAL else Level.CRITICAL
+                time.sleep(0.05)
+            level_tree(tmp_path, Level.OK)
+
+        results: list[tuple[str, str, str]] = []
+
+        def one(i: int) -> None:
+            content = f"flap {i}"
+            with httpx.Client(timeout=60) as client:
+                outcome, text = _stream_once(client, url, content)
+            results.append((content, outcome, text))
+
+        flapper = threading.Thread(target=flap)
+        flapper.start()
+        clients = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+        try:
+            for t in clients:
+                t.start()
+                time.sleep(0.02)  # spread arrivals over several flips
+            for t in clients:
+                t.join(timeout=60)
+        finally:
+            flapping.set()
+            flapper.join()
+        assert len(results) == 16
+        for content, outcome, text in results:
+            if outcome == "ok":
+                prompt = tok.apply_chat_template([{"role": "user", "content": content}])
+                assert text == tok.decode(expected_tokens(prompt, 16)), content
+        assert state.sound()
+        _wait_until(lambda: state.scheduler is not None and state.scheduler.idle and fake.active_slots == 0)
