@@ -16,6 +16,9 @@ decode go to its Triton kernels instead (varlen through cu_seqlens, so no paddin
 
 The state and the whole recurrence are float32 whatever the model dtype (the reference does the
 same: the state integrates over the whole sequence and bf16 would drift).
+
+`GatedDeltaNet` is the layer around the rule (conv, gates, gated norm, output projection) over a
+slot's `RecurrentState`; architectures subclass it for their input projections.
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from ballast.models.base import ForwardBatch
+from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
+from ballast.models.layers import StepContext, slot_attention_mask
+from ballast.models.state import LayerState, RecurrentState
+from torch import Tensor, nn
 
 CHUNK = 64
 
@@ -127,6 +134,7 @@ class DeltaPlan:
     prefill_padded: Tensor  # [Tp] each such token's row in a [Bp * prefill_len] padded layout
     prefill_cu_lens: Tensor  # [Bp + 1] int64, for varlen kernels
     prefill_len: int  # longest prefill run (the padded length)
+    all_decode: bool  # every sequence has one token: no regrouping needed
 
     @classmethod
     def build(cls, lens_list: list[int], device: torch.device) -> DeltaPlan:
@@ -150,7 +158,8 @@ class DeltaPlan:
             "prefill_padded": local * p_len + offset,
             "prefill_cu_lens": p_cu,
         }
-        return cls(**{k: t.to(device, non_blocking=True) for k, t in host.items()}, prefill_len=p_len)
+        moved = {k: t.to(device, non_blocking=True) for k, t in host.items()}
+        return cls(**moved, prefill_len=p_len, all_decode=p_len == 0)
 
 
 @lru_cache(maxsize=1)
@@ -178,6 +187,8 @@ def gated_delta_varlen(
     Returns (o [T, Hv, Dv] in v's dtype, new state [B, Hv, Dk, Dv] float32).
     use_fla None picks fla when it applies (CUDA, half precision, installed)."""
     fla = use_fla_for(v) if use_fla is None else use_fla
+    if plan.all_decode:  # the common decode step: sequences are already in order, one token each
+        return (_fla_decode if fla else recurrent_gated_delta_step)(q, k, v, g, beta, state)
     out = torch.empty_like(v)
     new_state = torch.empty(state.shape, dtype=torch.float32, device=state.device)
     if plan.decode_seqs.numel():
@@ -250,3 +261,100 @@ def _fla_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
         use_qk_l2norm_in_kernel=True,
     )
     return o.squeeze(1).to(v.dtype), s.float()
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm of the delta-rule output, then multiplied by silu(z)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
+@dataclass(frozen=True)
+class HybridStep:
+    """What every layer of one forward shares, computed once per step."""
+
+    attn: StepContext  # batch, rope tables, attention mask
+    windows: ConvWindows  # conv taps of every token (all linear layers share the kernel size)
+    plan: DeltaPlan  # which sequences take the recurrent form and which the chunked one
+    has_history: Tensor  # [B] bool: the slot already holds this sequence's earlier tokens
+    any_fresh: bool  # some sequence starts at position 0 this step (host-side mirror)
+    use_fla: bool | None  # None: fla kernels where they apply (CUDA, half precision, installed)
+
+    @classmethod
+    def build(
+        cls, batch: ForwardBatch, cos: Tensor, sin: Tensor, conv_kernel: int, use_fla: bool | None
+    ) -> HybridStep:
+        return cls(
+            attn=StepContext(batch, cos, sin, slot_attention_mask(batch)),
+            windows=ConvWindows.build(batch.cu_lens, batch.lens, batch.seq_of_token, conv_kernel),
+            plan=DeltaPlan.build(batch.lens_list, batch.device),
+            has_history=batch.starts > 0,
+            any_fresh=min(batch.starts_list) == 0,
+            use_fla=use_fla,
+        )
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet linear attention over a `RecurrentState`. Subclasses supply the input
+    projections (fused in Qwen3-Next, separate in Qwen3.5)."""
+
+    def __init__(
+        self, hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, kernel: int, eps: float
+    ) -> None:
+        super().__init__()
+        self.k_heads, self.v_heads = k_heads, v_heads
+        self.k_dim, self.v_dim = k_dim, v_dim
+        self.key_width = self.k_heads * self.k_dim
+        self.value_width = self.v_heads * self.v_dim
+        self.conv_channels = 2 * self.key_width + self.value_width
+        self.conv1d = nn.Conv1d(
+            self.conv_channels, self.conv_channels, kernel, groups=self.conv_channels, padding=kernel - 1, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, eps)
+        self.out_proj = nn.Linear(self.value_width, hidden, bias=False)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [T, H] -> (q|k|v [T, conv_channels], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, step: HybridStep, state: LayerState) -> Tensor:
+        if not isinstance(state, RecurrentState):
+            raise TypeError(f"a linear-attention layer needs a RecurrentState, got {type(state).__name__}")
+        t = x.shape[0]
+        slots = step.attn.batch.slots
+        keep = step.has_history
+        qkv, z, b, a = self.project(x)
+        # A sequence at position 0 starts from zero state whatever its slot held before.
+        conv0 = state.conv.index_select(0, slots)
+        rec0 = state.recurrent.index_select(0, slots)
+        if step.any_fresh:
+            conv0 = torch.where(keep[:, None, None], conv0, 0)
+            rec0 = torch.where(keep[:, None, None, None], rec0, 0)
+        mixed, new_conv = causal_conv1d_varlen(qkv, conv0, self.conv1d.weight.squeeze(1), step.windows)
+        q, k, v = mixed.split([self.key_width, self.key_width, self.value_width], dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out, new_rec = gated_delta_varlen(
+            q.reshape(t, self.k_heads, self.k_dim),
+            k.reshape(t, self.k_heads, self.k_dim),
+            v.reshape(t, self.v_heads, self.v_dim),
+            g,
+            beta,
+            rec0,
+            step.plan,
+            step.use_fla,
+        )
+        state.conv.index_copy_(0, slots, new_conv)
+        state.recurrent.index_copy_(0, slots, new_rec.to(state.recurrent.dtype))
+        return self.out_proj(self.norm(out, z).reshape(t, self.value_width))

@@ -15,21 +15,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from ballast.memory.specs import LayerSpec, RecurrentStateSpec
 from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel
-from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
-from ballast.models.gated_delta import DeltaPlan, gated_delta_varlen
+from ballast.models.gated_delta import GatedDeltaNet, HybridStep
 from ballast.models.layers import (
     RopeParams,
     RotaryEmbedding,
-    StepContext,
     apply_rope,
     attend,
-    slot_attention_mask,
 )
 from ballast.models.moe import GatedMLP, SparseMoeBlock
-from ballast.models.state import KVState, LayerState, RecurrentState, attention_spec, dtype_bytes
+from ballast.models.state import KVState, LayerState, attention_spec, dtype_bytes
 from torch import Tensor, nn
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -172,44 +168,6 @@ class CenteredRMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
-    """Per-head RMSNorm of the delta-rule output, then multiplied by silu(z)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h.to(dtype) * F.silu(gate.float())).to(dtype)
-
-
-@dataclass(frozen=True)
-class HybridStep:
-    """What every layer of one forward shares, computed once per step."""
-
-    attn: StepContext  # batch, rope tables, attention mask
-    windows: ConvWindows  # conv taps of every token (all linear layers share the kernel size)
-    plan: DeltaPlan  # which sequences take the recurrent form and which the chunked one
-    has_history: Tensor  # [B] bool: the slot already holds this sequence's earlier tokens
-    use_fla: bool | None  # None: fla kernels where they apply (CUDA, half precision, installed)
-
-    @classmethod
-    def build(
-        cls, batch: ForwardBatch, cos: Tensor, sin: Tensor, conv_kernel: int, use_fla: bool | None
-    ) -> HybridStep:
-        return cls(
-            attn=StepContext(batch, cos, sin, slot_attention_mask(batch)),
-            windows=ConvWindows.build(batch.cu_lens, batch.lens, batch.seq_of_token, conv_kernel),
-            plan=DeltaPlan.build(batch.lens_list, batch.device),
-            has_history=batch.starts > 0,
-            use_fla=use_fla,
-        )
-
-
 class GatedAttention(nn.Module):
     """Full attention whose q_proj also yields a per-channel output gate; q/k RMS-normed per head;
     partial rotary. Names follow HF (`self_attn.*`)."""
@@ -238,57 +196,10 @@ class GatedAttention(nn.Module):
         return self.o_proj(out)
 
 
-class GatedDeltaNet(nn.Module):
-    """Gated DeltaNet linear attention over a `RecurrentState`. Subclasses supply the input
-    projections (fused in Qwen3-Next, separate in Qwen3.5)."""
-
-    def __init__(self, cfg: HybridConfig) -> None:
-        super().__init__()
-        self.k_heads, self.v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.key_width = self.k_heads * self.k_dim
-        self.value_width = self.v_heads * self.v_dim
-        self.conv_channels = 2 * self.key_width + self.value_width
-        kernel = cfg.linear_conv_kernel_dim
-        self.conv1d = nn.Conv1d(
-            self.conv_channels, self.conv_channels, kernel, groups=self.conv_channels, padding=kernel - 1, bias=False
-        )
-        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
-        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
-        self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_width, cfg.hidden_size, bias=False)
-
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """x [T, H] -> (q|k|v [T, conv_channels], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
-        raise NotImplementedError
-
-    def forward(self, x: Tensor, step: HybridStep, state: LayerState) -> Tensor:
-        if not isinstance(state, RecurrentState):
-            raise TypeError(f"a linear-attention layer needs a RecurrentState, got {type(state).__name__}")
-        t = x.shape[0]
-        slots = step.attn.batch.slots
-        keep = step.has_history
-        qkv, z, b, a = self.project(x)
-        # A sequence at position 0 starts from zero state whatever its slot held before.
-        conv0 = torch.where(keep[:, None, None], state.conv.index_select(0, slots), 0)
-        mixed, new_conv = causal_conv1d_varlen(qkv, conv0, self.conv1d.weight.squeeze(1), step.windows)
-        q, k, v = mixed.split([self.key_width, self.key_width, self.value_width], dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        rec0 = torch.where(keep[:, None, None, None], state.recurrent.index_select(0, slots), 0)
-        out, new_rec = gated_delta_varlen(
-            q.reshape(t, self.k_heads, self.k_dim),
-            k.reshape(t, self.k_heads, self.k_dim),
-            v.reshape(t, self.v_heads, self.v_dim),
-            g,
-            beta,
-            rec0,
-            step.plan,
-            step.use_fla,
-        )
-        state.conv.index_copy_(0, slots, new_conv)
-        state.recurrent.index_copy_(0, slots, new_rec.to(state.recurrent.dtype))
-        return self.out_proj(self.norm(out, z).reshape(t, self.value_width))
+def delta_net_dims(cfg: HybridConfig) -> tuple[int, int, int, int, int, int, float]:
+    """GatedDeltaNet's constructor arguments from the config."""
+    return (cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps)
 
 
 class FusedGatedDeltaNet(GatedDeltaNet):
@@ -296,7 +207,7 @@ class FusedGatedDeltaNet(GatedDeltaNet):
     [q (Dk), k (Dk), v (r*Dv), z (r*Dv)] and [b (r), a (r)], r = value heads per key head."""
 
     def __init__(self, cfg: HybridConfig) -> None:
-        super().__init__(cfg)
+        super().__init__(*delta_net_dims(cfg))
         self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.key_width + 2 * self.value_width, bias=False)
         self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.v_heads, bias=False)
 

@@ -118,6 +118,7 @@ def test_delta_plan_groups_sequences() -> None:
     assert plan.prefill_len == 4
     assert plan.prefill_padded.tolist() == [0, 1, 2, 4, 5, 6, 7]
     assert plan.prefill_cu_lens.tolist() == [0, 3, 7]
+    assert not plan.all_decode and DeltaPlan.build([1, 1], torch.device("cpu")).all_decode
 
 
 def _conv_case(lens: list[int], history: list[int], channels: int, kernel: int):  # type: ignore[no-untyped-def]
