@@ -449,6 +449,9 @@ _SPLIT_PRE = {
     "llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
     "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
 }  # fmt: skip
+# llama.cpp (and Llama 3's tokenizer.json) take a split piece that is a vocabulary entry whole,
+# without merging, and add BOS unless the file says otherwise
+_LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe")
 
 
 def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -526,8 +529,9 @@ def build_tokenizer(md: dict[str, Any]) -> PreTrainedTokenizerFast:
         found = special(name)
         return found[0][0] if found else None
 
-    # llama.cpp adds BOS for SentencePiece vocabularies that do not say otherwise
-    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", md.get("tokenizer.ggml.model") == "llama"))
+    # llama.cpp adds BOS for SentencePiece and Llama 3 vocabularies that do not say otherwise
+    llama3 = md.get("tokenizer.ggml.model") == "gpt2" and md.get("tokenizer.ggml.pre") in _LLAMA3_PRE
+    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", md.get("tokenizer.ggml.model") == "llama" or llama3))
     add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
     first, last = special("bos") if add_bos else [], special("eos") if add_eos else []
     if first or last:
@@ -538,6 +542,7 @@ def build_tokenizer(md: dict[str, Any]) -> PreTrainedTokenizerFast:
     spec = json.loads(skeleton.to_str())
     spec["model"]["vocab"] = {t: i for i, t in enumerate(tokens)}
     spec["model"]["merges"] = merges  # "a b" strings, the format every tokenizers version reads
+    spec["model"]["ignore_merges"] = llama3
     spec["added_tokens"] = [
         {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
          "normalized": False, "special": t == _CONTROL}

@@ -144,13 +144,15 @@ def _tensor_data(qtype: QT, shape: tuple[int, int], rng: np.random.Generator) ->
     return values.astype(np.float16) if qtype == QT.F16 else values
 
 
-def write_tiny_llama(path: Path, pre: str = "gpt2", tied: bool = True, seed: int = 0, arch: str = "llama") -> TinyGGUF:
+def write_tiny_llama(
+    path: Path, pre: str = "gpt2", tied: bool = True, seed: int = 0, arch: str = "llama", extra_tokens: tuple[str, ...] = ()
+) -> TinyGGUF:
     """A 2-layer model of `arch` (llama, qwen2: q/k/v biases, qwen3: q/k norms) with every
     supported tensor type; only llama's q/k rows are permuted, as llama.cpp's converter does."""
     rng = np.random.default_rng(seed)
     tok = train_tokenizer(pre)
     vocab = tok.get_vocab()
-    tokens = sorted(vocab, key=vocab.__getitem__)
+    tokens = sorted(vocab, key=vocab.__getitem__) + list(extra_tokens)
     merges = [" ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
     # qwen3 as in the real ones: heads * head_dim != hidden (transformers assumes its 128)
     head_dim = 128 if arch == "qwen3" else HIDDEN // HEADS
@@ -320,6 +322,17 @@ def test_tokenizer_reproduces_the_source_tokenizer(tmp_path: Path, pre: str) -> 
         assert tok.encode(text) == want, text
         assert tok.decode(want) == text
     assert tok.convert_ids_to_tokens(tok.encode("<|im_end|>")) == ["<|im_end|>"]  # control tokens stay whole
+
+
+def test_llama3_pre_takes_vocabulary_pieces_whole(tmp_path: Path) -> None:
+    """Llama 3 vocabularies hold pieces no merge sequence builds; llama.cpp and tokenizer.json
+    (ignore_merges) take them whole. Other pre-tokenizers merge byte by byte."""
+    ids = {}
+    for pre in ("llama-bpe", "gpt2"):
+        tiny = write_tiny_llama(tmp_path / f"{pre}.gguf", pre=pre, extra_tokens=("zzqq",))
+        ids[pre] = gguf_tokenizer(tiny.path).encode("zzqq")
+    assert ids["llama-bpe"] == [tiny.vocab_size - 1]
+    assert len(ids["gpt2"]) > 1
 
 
 def test_tokenizer_specials_and_chat_template(tiny: TinyGGUF) -> None:
