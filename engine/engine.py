@@ -141,9 +141,9 @@ class Engine:
 
     def step(self, plan: StepPlan) -> StepResult:
         """Execute one plan. Call only on the engine thread (through `submit`), or in tests."""
-        self._apply_releases(plan)
         if plan.restores or plan.saves:
             raise PlanError("checkpoint save/restore orders are not supported by this engine yet")
+        self._apply_releases(plan)
         seqs, sampled = self._sequences(plan)
         if not seqs:
             return StepResult()

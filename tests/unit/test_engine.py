@@ -210,3 +210,27 @@ def test_empty_plan_and_config_validation(engine: Engine) -> None:
         config(kv_quant="fp4")
     with pytest.raises(EngineConfigError):
         config(device="tpu")
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny-qwen3-next", "builtin:tiny-qwen3.5-moe"])
+def test_hybrid_models_run_through_the_same_engine(model: str) -> None:
+    """Recurrent-state layers behind the same runner: slots reused for a second sequence start
+    from a clean state, chunked prefill equals one shot, and batching changes nothing."""
+    eng = Engine.load(config(model=model))
+    try:
+        prompts = {0: prompt(80, 3), 1: prompt(81, 9), 2: prompt(82, 14)}
+        alone = {s: generate_alone(eng, s, p, steps=4) for s, p in prompts.items()}
+        chunked = {s: generate_alone(eng, s, p, steps=4, chunk=4) for s, p in prompts.items()}
+        assert chunked == alone
+        res = run(eng, StepPlan(prefills=tuple(PrefillChunk(s, p, 0, True) for s, p in prompts.items()),
+                                sampling=dict.fromkeys(prompts, GREEDY)))
+        got = {o.slot: [o.token_id] for o in res.outputs}
+        for step in range(3):
+            plan = StepPlan(decodes=tuple(DecodeToken(s, got[s][-1], len(p) + step) for s, p in prompts.items()),
+                            sampling=dict.fromkeys(prompts, GREEDY))
+            for o in run(eng, plan).outputs:
+                got[o.slot].append(o.token_id)
+        assert got == alone
+        assert eng.cost_model.state_bytes_per_slot > 0
+    finally:
+        eng.shutdown()
