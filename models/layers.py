@@ -275,12 +275,15 @@ def attend(q: Tensor, state: KVState, ctx: StepContext) -> Tensor:
         qp = q.reshape(b, 1, heads, dim)
     else:
         qp = q.new_zeros(b * L, heads, dim).index_copy_(0, batch.pad_index, q).view(b, L, heads, dim)
+    gqa = keys.shape[2] != heads
+    if gqa and ctx.mask is not None and q.device.type == "cuda":
+        # CUDA's fused kernels take a mask or GQA, not both (the pair falls back to the unfused
+        # maths path); repeating the KV heads keeps the memory-efficient kernel.
+        groups = heads // keys.shape[2]
+        keys, values = keys.repeat_interleave(groups, dim=2), values.repeat_interleave(groups, dim=2)
+        gqa = False
     out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=ctx.mask,
-        enable_gqa=keys.shape[2] != heads,
+        qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=ctx.mask, enable_gqa=gqa
     )  # [B, Hq, L, D]
     out = out.transpose(1, 2).reshape(b * L, heads * dim)
     return out if batch.decode_only else out.index_select(0, batch.pad_index)
