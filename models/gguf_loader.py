@@ -324,6 +324,7 @@ _ARCHS = {
     "qwen2": _Arch("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": _Arch("qwen3", "Qwen3ForCausalLM", False),
 }
+_ROPE_FREQS = "rope_freqs.weight"  # configuration stored as a tensor: read into the config
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -342,8 +343,6 @@ def hf_tensor_name(gguf_name: str) -> str:
             return f"{_GLOBAL_NAMES[parts[0]]}.{suffix}"
         if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
             return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    if stem == "rope_freqs":
-        raise GGUFUnsupportedError("rope_freqs (llama3-style rope scaling stored as a tensor) is not mapped yet")
     raise GGUFUnsupportedError(f"GGUF tensor {gguf_name!r} has no Llama-family counterpart")
 
 
@@ -393,7 +392,7 @@ def gguf_config(gf: GGUFFile) -> dict[str, Any]:
         "max_position_embeddings": int(key("context_length")),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(md, name),
+        "rope_scaling": _rope_scaling(md, name) if _ROPE_FREQS not in gf.tensors else _llama3_rope(gf, head_dim),
         "tie_word_embeddings": "output.weight" not in gf.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gf.tensors,
         "mlp_bias": False,
@@ -417,6 +416,33 @@ def _rope_scaling(md: dict[str, Any], name: str) -> dict[str, Any] | None:
         original = int(md[f"{name}.rope.scaling.original_context_length"])
         return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
     raise GGUFUnsupportedError(f"rope scaling type {kind!r} is not supported (none, linear, yarn)")
+
+
+def _llama3_rope(gf: GGUFFile, head_dim: int) -> dict[str, Any] | None:
+    """Llama 3.1's rope scaling, which llama.cpp stores as a per-frequency divisor tensor, as HF
+    `llama3` parameters giving the same divisors. The divisor is `factor` below the band, 1 above
+    it, and 1/((1-s)/factor + s) inside, with s linear in old_context/wavelength; only the band's
+    edges relative to the old context matter, so that context is pinned at Llama 3's 8192."""
+    info = gf.tensors[_ROPE_FREQS]
+    divisors = dequantize(gf.raw(_ROPE_FREQS), info.qtype).double().numpy()
+    theta = float(gf.metadata.get(f"{gf.metadata['general.architecture']}.rope.freq_base", 10000.0))
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    factor = float(divisors.max())
+    if divisors.shape != inv_freq.shape or factor <= 1.0:
+        raise GGUFUnsupportedError(f"rope_freqs of shape {divisors.shape} is not Llama 3 rope scaling")
+    u = 8192 * inv_freq / (2 * math.pi)
+    s = (1 / divisors - 1 / factor) / (1 - 1 / factor)
+    band = (s > 1e-4) & (s < 1 - 1e-4)
+    if band.sum() < 2:
+        raise GGUFUnsupportedError("rope_freqs has fewer than two frequencies in the smoothing band")
+    slope, intercept = np.polyfit(u[band], s[band], 1)
+    low = -intercept / slope
+    params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low),
+              "high_freq_factor": float(low + 1 / slope), "original_max_position_embeddings": 8192}  # fmt: skip
+    smooth = np.clip((u - low) / (1 / slope), 0.0, 1.0)
+    if not np.allclose(1 / ((1 - smooth) / factor + smooth), divisors, rtol=1e-4):
+        raise GGUFUnsupportedError("rope_freqs does not follow Llama 3's rope scaling")
+    return params
 
 
 def _eos_ids(md: dict[str, Any]) -> int | list[int] | None:
@@ -576,6 +602,8 @@ def gguf_tensors(gf: GGUFFile, config: dict[str, Any], dtype: torch.dtype = torc
     out: dict[str, Tensor] = {}
     scratch = _Scratch()
     for info in tqdm(gf.tensors.values(), desc=f"loading {gf.path.name}", unit="tensor", disable=not show):
+        if info.name == _ROPE_FREQS:
+            continue
         hf = hf_tensor_name(info.name)
         raw = gf.raw(info.name)
         n_head = next((n for part, n in heads.items() if part in hf), None)

@@ -145,7 +145,13 @@ def _tensor_data(qtype: QT, shape: tuple[int, int], rng: np.random.Generator) ->
 
 
 def write_tiny_llama(
-    path: Path, pre: str = "gpt2", tied: bool = True, seed: int = 0, arch: str = "llama", extra_tokens: tuple[str, ...] = ()
+    path: Path,
+    pre: str = "gpt2",
+    tied: bool = True,
+    seed: int = 0,
+    arch: str = "llama",
+    extra_tokens: tuple[str, ...] = (),
+    rope_freqs: np.ndarray | None = None,
 ) -> TinyGGUF:
     """A 2-layer model of `arch` (llama, qwen2: q/k/v biases, qwen3: q/k norms) with every
     supported tensor type; only llama's q/k rows are permuted, as llama.cpp's converter does."""
@@ -210,6 +216,8 @@ def write_tiny_llama(
         add(f"blk.{i}.ffn_up.weight", types["ffn_up"], (FFN, HIDDEN))
         add(f"blk.{i}.ffn_down.weight", types["ffn_down"], (HIDDEN, FFN))
     add("output_norm.weight", QT.F32, (HIDDEN,))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     if not tied:
         add("output.weight", QT.Q6_K, (len(tokens), HIDDEN))
     w.write_header_to_file()
@@ -269,6 +277,36 @@ def test_untied_output_is_loaded_as_lm_head(tmp_path: Path) -> None:
     model = load_gguf(tiny.path)
     assert model.config["tie_word_embeddings"] is False
     np.testing.assert_allclose(model.tensors["lm_head.weight"].numpy(), tiny.expected["lm_head.weight"], rtol=1e-6)
+
+
+def test_llama3_rope_freqs_become_llama3_rope_parameters(tmp_path: Path) -> None:
+    """llama.cpp stores Llama 3.1 rope scaling as per-frequency divisors; the config we derive
+    must make transformers compute the same frequencies as the original parameters."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    def inv_freq(config: dict[str, object]) -> torch.Tensor:
+        return ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(**config), "cpu")[0].double()
+
+    original = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}  # fmt: skip
+    base = {"hidden_size": HIDDEN, "num_attention_heads": HEADS, "rope_theta": 50000.0}  # the writer's theta
+    head_dim = HIDDEN // HEADS
+    plain = 50000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    want = inv_freq({**base, "rope_scaling": original})
+    assert not torch.allclose(want, plain)  # the scaling does change some frequencies
+    tiny = write_tiny_llama(tmp_path / "llama3.gguf", rope_freqs=(plain / want).numpy())
+    model = load_gguf(tiny.path)
+    assert "rope_freqs.weight" not in model.tensors and set(model.tensors) == set(tiny.expected)
+    assert model.config["rope_scaling"]["rope_type"] == "llama3"
+    got = inv_freq({**base, "rope_scaling": model.config["rope_scaling"]})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+def test_rope_freqs_that_are_not_llama3_are_refused(tmp_path: Path) -> None:
+    tiny = write_tiny_llama(tmp_path / "odd.gguf", rope_freqs=np.linspace(1.0, 3.0, HIDDEN // HEADS // 2))
+    with pytest.raises(GGUFUnsupportedError, match="rope_freqs"):
+        load_gguf(tiny.path)
 
 
 def test_bfloat16_load(tiny: TinyGGUF) -> None:
