@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from ballast.models.base import ForwardBatch
-from ballast.models.layers import RopeParams, rope_inv_freq
+from ballast.models.layers import RopeParams, RotaryEmbedding, apply_rope, rope_inv_freq
 from ballast.models.registry import build_model
 from ballast.models.state import LayerState, allocate_states
 from torch import nn
@@ -221,3 +221,18 @@ def test_fixed_max_ctx_gives_the_same_logits() -> None:
     alone = ours(ForwardBatch.build([(0, [5], 10)], "cpu"), states)
     alone_padded = ours(ForwardBatch.build([(0, [5], 10)], "cpu", max_ctx=64), states)
     assert (alone - alone_padded).abs().max().item() < TOL
+
+
+def test_partial_rotary_turns_only_the_leading_dims() -> None:
+    """Partial rotary (used by the hybrid models): the first rotary_dim dims rotate exactly as a
+    full rope of that size would; the rest pass through."""
+    x = torch.randn(5, 3, 16)
+    positions = torch.tensor([0, 1, 7, 30, 2])
+    cos, sin = RotaryEmbedding(RopeParams(theta=1e4, partial_rotary_factor=0.25), 16)(positions, torch.float32)
+    assert cos.shape == (5, 4)
+    out = apply_rope(x, cos, sin)
+    assert torch.equal(out[..., 4:], x[..., 4:])
+    full_cos, full_sin = RotaryEmbedding(RopeParams(theta=1e4), 4)(positions, torch.float32)
+    assert torch.allclose(full_cos, cos)  # rotary dim 4 of head 16 == a 4-dim head's rope
+    assert torch.allclose(out[..., :4], apply_rope(x[..., :4].contiguous(), full_cos, full_sin))
+    assert not torch.allclose(out[..., :4], x[..., :4])
