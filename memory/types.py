@@ -131,9 +131,13 @@ class CostModel:
     activation_bytes_per_prefill_token: int  # measured peak activations / prefill chunk tokens
     weights_bytes: int = 0
     quantized_kv_bytes_per_token: int = 0  # same as kv_bytes_per_token if no quantized KV exists
+    prefill_chunk_tokens: int = 0  # prefill runs in chunks of at most this many tokens (0 = unchunked)
     extra: dict[str, int] = field(default_factory=dict, compare=False)
 
     def request_bytes(self, n_tokens: int, quantized_kv: bool = False) -> int:
-        """Bytes one request of n_tokens holds while running (KV + state + prefill activations)."""
+        """Bytes one request of n_tokens holds while running: KV for every token and the slot's
+        state, plus the activations of its largest prefill chunk (prefill is chunked, so the
+        activation peak is one chunk's worth, not the whole prompt's)."""
         per_tok = self.quantized_kv_bytes_per_token if quantized_kv and self.quantized_kv_bytes_per_token else self.kv_bytes_per_token
-        return n_tokens * (per_tok + self.activation_bytes_per_prefill_token) + self.state_bytes_per_slot
+        chunk = min(n_tokens, self.prefill_chunk_tokens) if self.prefill_chunk_tokens > 0 else n_tokens
+        return n_tokens * per_tok + chunk * self.activation_bytes_per_prefill_token + self.state_bytes_per_slot
