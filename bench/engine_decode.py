@@ -6,15 +6,19 @@ Two throughput figures per batch size: end to end (prefill + all new tokens, wha
 for) and decode only (transformers: generate(N) minus generate(1); ours: the decode steps' time).
 Load: our `Engine.load` (read, dequantize, build, profile, allocate) against transformers'
 `from_pretrained(gguf_file=...)`. Ours loads first, so it also pays the process's first-use
-imports. One run; table on stdout, JSON to bench/results/engine_decode.json.
+imports. Each throughput figure is the best of --repeats runs, ours and transformers alternating,
+so a burst of load from another process on a shared box hits both sides alike and the best run
+is the one least disturbed (timeit's rule). The load average is printed with the table. One run
+of this script; table on stdout, JSON to bench/results/engine_decode.json.
 
-    python -m ballast.bench.engine_decode [--batches 1 8] [--new-tokens 64] [--prompt-len 24] [--threads N]
+    python -m ballast.bench.engine_decode [--batches 1 8] [--new-tokens 64] [--prompt-len 24] [--repeats 3] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -80,11 +84,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side; the best counts")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    if args.threads < 0 or args.new_tokens < 2 or min(args.batches) < 1:
-        parser.error("--threads >= 0, --new-tokens >= 2 and batches >= 1 are required")
+    if args.threads < 0 or args.new_tokens < 2 or min(args.batches) < 1 or args.repeats < 1:
+        parser.error("--threads >= 0, --new-tokens >= 2, --repeats >= 1 and batches >= 1 are required")
     if args.threads:
         torch.set_num_threads(args.threads)
     path = default_model_path()
@@ -100,13 +105,19 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     hf_load = time.perf_counter() - t0
 
+    load_before = os.getloadavg()
     rows = []
     for batch in args.batches:
         ps = prompts(engine, batch, args.prompt_len)
         ours(engine, ps, 4)  # warm-up
         transformers_run(hf, ps, 4)
-        o_e2e, o_dec, o_tok = ours(engine, ps, args.new_tokens)
-        h_e2e, h_dec, h_tok = transformers_run(hf, ps, args.new_tokens)
+        o_runs, h_runs = [], []
+        for _ in range(args.repeats):
+            o_runs.append(ours(engine, ps, args.new_tokens))
+            h_runs.append(transformers_run(hf, ps, args.new_tokens))
+        o_e2e, o_dec = min(r[0] for r in o_runs), min(r[1] for r in o_runs)
+        h_e2e, h_dec = min(r[0] for r in h_runs), min(r[1] for r in h_runs)
+        o_tok, h_tok = o_runs[0][2], h_runs[0][2]
         new = batch * args.new_tokens
         decoded = batch * (args.new_tokens - 1)
         rows.append({
@@ -116,9 +127,11 @@ def main() -> None:
             "same_tokens": o_tok == h_tok,
         })
     engine.shutdown()
+    load_after = os.getloadavg()
 
     print(f"default model ({path.name}) on CPU, float32, {torch.get_num_threads()} threads, "
-          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy")
+          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, best of {args.repeats}; "
+          f"load average {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"load: ours {ours_load:.2f}s (model read+dequantize+build {engine.load_report.load_s:.2f}s), transformers {hf_load:.2f}s")
     print(f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>9} {'x':>6} | {'ours decode':>12} {'HF decode':>10} {'x':>6} | same tokens")
     for r in rows:
@@ -127,7 +140,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "bench": "engine_decode", "model": path.name, "dtype": "float32", "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "new_tokens": args.new_tokens, "repeats": args.repeats, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(), "load_average_1m": [load_before[0], load_after[0]],
         "machine": platform.machine(), "load_s": {"ours": ours_load, "ours_model_only": engine.load_report.load_s, "transformers": hf_load},
         "rows": rows,
     }
