@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
