@@ -112,6 +112,8 @@ def test_unknown_model_type_names_the_supported_ones() -> None:
         assert name in str(err.value)
     with pytest.raises(ConfigError, match="lacks"):
         build_model({"model_type": "llama", "vocab_size": 10})
+    with pytest.raises(UnsupportedModel, match="sliding"):
+        build_model(dict(builtin_config("tiny-llama"), model_type="mistral", sliding_window=4096))
     with pytest.raises(UnsupportedModel, match="rope"):
         build_model(dict(builtin_config("tiny-llama"), rope_parameters={"rope_type": "yarn", "factor": 2.0}))
 

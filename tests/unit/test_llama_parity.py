@@ -42,6 +42,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "linear-rope": ("LlamaConfig", dict(_BASE, rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "qwen2": ("Qwen2Config", dict(_BASE)),
     "qwen3": ("Qwen3Config", dict(_BASE, head_dim=32, tie_word_embeddings=True)),
+    "mistral-no-window": ("MistralConfig", dict(_BASE, sliding_window=None)),
 }
 
 
