@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -97,48 +98,79 @@ class ForwardBatch:
             raise ValueError("every sequence needs at least one token")
         if min(starts_list) < 0:
             raise ValueError("sequence start positions must be >= 0")
-        max_len = max(lens_list)
         flat: list[int] = []
         for _, toks, _ in seqs:
             flat.extend(int(t) for t in toks)
-        # Everything index-like is built on the host in one go and moved with one copy per tensor.
-        lens = torch.tensor(lens_list, dtype=torch.int64)
-        starts = torch.tensor(starts_list, dtype=torch.int64)
-        cu_lens = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        torch.cumsum(lens, 0, out=cu_lens[1:])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int64), lens)
-        offset_in_seq = torch.arange(len(flat), dtype=torch.int64) - cu_lens[seq_of_token]
-        positions = starts[seq_of_token] + offset_in_seq
-        slots = torch.tensor(slots_list, dtype=torch.int64)
-        host = {
-            "token_ids": torch.tensor(flat, dtype=torch.int64),
-            "positions": positions,
-            "slots": slots,
-            "starts": starts,
-            "lens": lens,
-            "cu_lens": cu_lens,
-            "last_index": cu_lens[1:] - 1,
-            "seq_of_token": seq_of_token,
-            "slot_of_token": slots[seq_of_token],
-            "pad_index": seq_of_token * max_len + offset_in_seq,
-        }
         need_ctx = max(st + n for st, n in zip(starts_list, lens_list, strict=True))
         if max_ctx is not None and max_ctx < need_ctx:
             raise ValueError(f"max_ctx {max_ctx} is less than the {need_ctx} positions this step reads")
-        dev = torch.device(device)
-        moved: dict[str, Any] = host
-        if dev.type != "cpu":
-            # One host-to-device copy instead of ten: each small copy costs a launch and a sync.
-            packed = torch.cat(list(host.values())).to(dev)
-            moved = dict(zip(host, packed.split([v.shape[0] for v in host.values()]), strict=True))
+        host = _index_tensors(slots_list, starts_list, lens_list)
+        host["token_ids"] = torch.tensor(flat, dtype=torch.int64)
         return cls(
+            **_to_device(host, torch.device(device)),
+            slots_list=slots_list,
+            starts_list=starts_list,
+            lens_list=lens_list,
+            max_len=max(lens_list),
+            max_ctx=max_ctx if max_ctx is not None else need_ctx,
+        )
+
+    def subset(self, seq_index: Sequence[int]) -> tuple[ForwardBatch, Tensor]:
+        """The batch of sequences seq_index only (in that order), and the index in this batch's
+        flat layout of each of its tokens. Lets attention pad decode tokens and prefill chunks
+        separately instead of padding every decode token to the longest chunk."""
+        if not seq_index:
+            raise ValueError("a subset needs at least one sequence")
+        slots_list = [self.slots_list[i] for i in seq_index]
+        starts_list = [self.starts_list[i] for i in seq_index]
+        lens_list = [self.lens_list[i] for i in seq_index]
+        host = _index_tensors(slots_list, starts_list, lens_list)
+        first = torch.tensor([0, *accumulate(self.lens_list)], dtype=torch.int64)[list(seq_index)]
+        seq_of_token = host["seq_of_token"]
+        host["token_index"] = first[seq_of_token] + torch.arange(seq_of_token.shape[0]) - host["cu_lens"][seq_of_token]
+        moved = _to_device(host, self.device)
+        token_index = moved.pop("token_index")
+        sub = ForwardBatch(
+            token_ids=self.token_ids.index_select(0, token_index),
             **moved,
             slots_list=slots_list,
             starts_list=starts_list,
             lens_list=lens_list,
-            max_len=max_len,
-            max_ctx=max_ctx if max_ctx is not None else need_ctx,
+            max_len=max(lens_list),
+            max_ctx=max(st + n for st, n in zip(starts_list, lens_list, strict=True)),
         )
+        return sub, token_index
+
+
+def _index_tensors(slots_list: list[int], starts_list: list[int], lens_list: list[int]) -> dict[str, Tensor]:
+    """The host-side index tensors of a batch with these sequences (all but token_ids)."""
+    max_len = max(lens_list)
+    lens = torch.tensor(lens_list, dtype=torch.int64)
+    starts = torch.tensor(starts_list, dtype=torch.int64)
+    slots = torch.tensor(slots_list, dtype=torch.int64)
+    cu_lens = torch.zeros(len(lens_list) + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=cu_lens[1:])
+    seq_of_token = torch.repeat_interleave(torch.arange(len(lens_list), dtype=torch.int64), lens)
+    offset_in_seq = torch.arange(seq_of_token.shape[0], dtype=torch.int64) - cu_lens[seq_of_token]
+    return {
+        "positions": starts[seq_of_token] + offset_in_seq,
+        "slots": slots,
+        "starts": starts,
+        "lens": lens,
+        "cu_lens": cu_lens,
+        "last_index": cu_lens[1:] - 1,
+        "seq_of_token": seq_of_token,
+        "slot_of_token": slots[seq_of_token],
+        "pad_index": seq_of_token * max_len + offset_in_seq,
+    }
+
+
+def _to_device(host: dict[str, Tensor], dev: torch.device) -> dict[str, Any]:
+    if dev.type == "cpu":
+        return dict(host)
+    # One host-to-device copy instead of ten: each small copy costs a launch and a sync.
+    packed = torch.cat(list(host.values())).to(dev)
+    return dict(zip(host, packed.split([v.shape[0] for v in host.values()]), strict=True))
 
 
 class CausalLM(Protocol):

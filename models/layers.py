@@ -211,13 +211,40 @@ def slot_attention_mask(batch: ForwardBatch) -> Tensor | None:
 
 
 @dataclass(frozen=True)
+class AttnGroup:
+    """Sequences attended in one padded call: a sub-batch, where its tokens sit in the full batch,
+    and its own mask."""
+
+    batch: ForwardBatch
+    token_index: Tensor
+    mask: Tensor | None
+
+
+@dataclass(frozen=True)
 class StepContext:
-    """What every layer of one forward shares: the batch, rope tables, the attention mask."""
+    """What every layer of one forward shares: the batch, rope tables, the attention mask, and for
+    a step that mixes decode tokens with prefill chunks, the two attention groups."""
 
     batch: ForwardBatch
     cos: Tensor
     sin: Tensor
     mask: Tensor | None
+    groups: tuple[AttnGroup, ...] = ()
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, cos: Tensor, sin: Tensor) -> StepContext:
+        """Padding every sequence to the longest would make each decode token in a mixed step
+        cost (and hold activations for) a whole prefill chunk; so decode tokens and prefill
+        chunks are attended as two groups, each padded to its own longest run."""
+        decodes = [i for i, n in enumerate(batch.lens_list) if n == 1]
+        if not decodes or len(decodes) == batch.num_seqs:
+            return cls(batch, cos, sin, slot_attention_mask(batch))
+        chunks = [i for i, n in enumerate(batch.lens_list) if n > 1]
+        groups = []
+        for seqs in (decodes, chunks):
+            sub, token_index = batch.subset(seqs)
+            groups.append(AttnGroup(sub, token_index, slot_attention_mask(sub)))
+        return cls(batch, cos, sin, None, tuple(groups))
 
 
 class SlotAttention(nn.Module):
@@ -267,7 +294,16 @@ class SlotAttention(nn.Module):
 
 def attend(q: Tensor, state: KVState, ctx: StepContext) -> Tensor:
     """q [T, Hq, D] attends to its slot's cache (this step's K/V already written); -> [T, Hq * D]."""
-    batch = ctx.batch
+    if not ctx.groups:
+        return _attend_padded(q, state, ctx.batch, ctx.mask)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for g in ctx.groups:  # two at most: the decode tokens, and the prefill chunks
+        out.index_copy_(0, g.token_index, _attend_padded(q.index_select(0, g.token_index), state, g.batch, g.mask))
+    return out
+
+
+def _attend_padded(q: Tensor, state: KVState, batch: ForwardBatch, mask: Tensor | None) -> Tensor:
+    """Attention for the sequences of batch, each padded to batch.max_len queries."""
     b, L = batch.num_seqs, batch.max_len
     heads, dim = q.shape[1], q.shape[2]
     keys, values = state.read(batch)  # [B, max_ctx, Hkv, D]
@@ -276,14 +312,14 @@ def attend(q: Tensor, state: KVState, ctx: StepContext) -> Tensor:
     else:
         qp = q.new_zeros(b * L, heads, dim).index_copy_(0, batch.pad_index, q).view(b, L, heads, dim)
     gqa = keys.shape[2] != heads
-    if gqa and ctx.mask is not None and q.device.type == "cuda":
+    if gqa and mask is not None and q.device.type == "cuda":
         # CUDA's fused kernels take a mask or GQA, not both (the pair falls back to the unfused
         # maths path); repeating the KV heads keeps the memory-efficient kernel.
         groups = heads // keys.shape[2]
         keys, values = keys.repeat_interleave(groups, dim=2), values.repeat_interleave(groups, dim=2)
         gqa = False
     out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=ctx.mask, enable_gqa=gqa
+        qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=gqa
     )  # [B, Hq, L, D]
     out = out.transpose(1, 2).reshape(b * L, heads * dim)
     return out if batch.decode_only else out.index_select(0, batch.pad_index)

@@ -16,7 +16,6 @@ from ballast.models.layers import (
     SlotAttention,
     StepContext,
     SwiGLU,
-    slot_attention_mask,
 )
 from ballast.models.state import KVState, LayerState, attention_spec
 from torch import Tensor, nn
@@ -174,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"{len(states)} layer states for {len(self.model.layers)} layers")
         h = self.model.embed_tokens(batch.token_ids)
         cos, sin = self.model.rotary_emb(batch.positions, h.dtype)
-        ctx = StepContext(batch, cos, sin, slot_attention_mask(batch))
+        ctx = StepContext.build(batch, cos, sin)
         for layer, state in zip(self.model.layers, states, strict=True):
             h = layer(h, ctx, state)
         # Only the last token of each sequence needs the final norm and the (large) head.

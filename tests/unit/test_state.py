@@ -6,7 +6,7 @@ import pytest
 import torch
 from ballast.memory.specs import AttentionSpec, RecurrentStateSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.models.base import ForwardBatch
-from ballast.models.layers import slot_attention_mask
+from ballast.models.layers import StepContext, slot_attention_mask
 from ballast.models.state import KVState, RecurrentState, allocate_states, attention_spec
 
 
@@ -111,3 +111,22 @@ def test_allocate_states_follows_specs_and_bytes_match() -> None:
     assert q_specs[0] == AttentionSpec(2, 8, 1, scale_bytes=4)
     q_states = allocate_states(q_specs, 3, 10, "cpu", torch.float32, quantized_kv=True)
     assert q_states[0].nbytes == kv_bytes_per_token(q_specs) * 3 * 10
+
+
+def test_subset_and_mixed_step_groups() -> None:
+    b = ForwardBatch.build([(3, [10, 11, 12], 0), (0, [20], 7), (5, [30, 31], 4), (1, [40], 2)], "cpu")
+    sub, token_index = b.subset([2, 0])
+    assert token_index.tolist() == [4, 5, 0, 1, 2]
+    assert sub.token_ids.tolist() == [30, 31, 10, 11, 12]
+    assert sub.positions.tolist() == [4, 5, 0, 1, 2]
+    assert sub.slots_list == [5, 3] and (sub.max_len, sub.max_ctx) == (3, 6)
+    assert sub.pad_index.tolist() == [0, 1, 3, 4, 5]
+    ctx = StepContext.build(b, torch.zeros(7, 4), torch.zeros(7, 4))
+    decodes, chunks = ctx.groups
+    assert decodes.batch.decode_only and decodes.token_index.tolist() == [3, 6]
+    assert chunks.batch.slots_list == [3, 5] and chunks.token_index.tolist() == [0, 1, 2, 4, 5]
+    # Decode tokens are not padded to the chunk length: their group's mask has one query row.
+    assert decodes.mask is not None and decodes.mask.shape == (2, 1, 1, 8)
+    # A step of only chunks, or only decodes, is one padded call.
+    assert not StepContext.build(ForwardBatch.build([(0, [1, 2], 0), (1, [3, 4, 5], 0)], "cpu"),
+                                 torch.zeros(5, 4), torch.zeros(5, 4)).groups
