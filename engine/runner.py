@@ -130,6 +130,7 @@ def build_cost_model(model: nn.Module, dtype: torch.dtype, profile: Profile, wei
         activation_bytes_per_prefill_token=-(-profile.peak_activation_bytes // profile.chunk_tokens),
         weights_bytes=weights,
         quantized_kv_bytes_per_token=kv_bytes_per_token(quantized),
+        prefill_chunk_tokens=profile.chunk_tokens,
         extra={"profile_chunk_tokens": profile.chunk_tokens, "profile_peak_bytes": profile.peak_activation_bytes},
     )
 

@@ -158,7 +158,7 @@ def test_cost_model_comes_from_specs_and_profile(engine: Engine) -> None:
     assert cm.state_bytes_per_slot == 0
     assert cm.weights_bytes == sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     assert cm.activation_bytes_per_prefill_token > 0
-    assert engine.load_report.profile.chunk_tokens == 16
+    assert engine.load_report.profile.chunk_tokens == cm.prefill_chunk_tokens == 16
 
 
 def test_quantized_kv_when_the_ladder_asks() -> None:
