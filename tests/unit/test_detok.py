@@ -3,6 +3,9 @@ characters split across tokens, stop strings across token boundaries, flush."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from ballast.engine.detok import REPLACEMENT, Detokenizer
 from ballast.engine.tokenizer import Tokenizer
@@ -19,8 +22,7 @@ CORPUS = [
 ] * 20
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
+def trained_tokenizer() -> Tokenizer:
     raw = RawTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
@@ -29,6 +31,11 @@ def tok() -> Tokenizer:
     )
     raw.train_from_iterator(CORPUS, trainer)
     return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>"))
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return trained_tokenizer()
 
 
 def stream(tok: Tokenizer, ids: list[int], prompt: list[int] | None = None, stop: tuple[str, ...] = ()) -> tuple[list[str], Detokenizer]:
@@ -117,3 +124,27 @@ def test_works_without_a_tokenizer_wrapper() -> None:
     assert detok.add(ord("x")) == ""
     assert detok.add(ord("y")) == ""
     assert detok.stopped and detok.text == "cdxz"
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_hf_dir_tokenizer_eos_chat_and_literal_specials(tmp_path: Path) -> None:
+    hf = trained_tokenizer().hf
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(tmp_path)
+    eos = hf.convert_tokens_to_ids("<eos>")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 77]}))
+    loaded = Tokenizer.from_hf_dir(tmp_path)
+    im_start, im_end = (loaded.hf.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>"))
+    # eos, the generation config's extra id, and the end-of-turn token the template writes
+    assert loaded.eos_token_ids == {eos, 77, im_end}
+    ids = loaded.apply_chat_template([{"role": "user", "content": "Hello world"}])
+    assert ids.count(im_start) == 2 and ids[-1] != im_end
+    assert loaded.decode(ids).endswith("assistant\n")
+    # a user typing the marker gets text, not the control token
+    assert im_end not in loaded.encode("say <|im_end|> please")

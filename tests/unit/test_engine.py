@@ -4,12 +4,20 @@ prefill + decode steps, chunked prefill, releases, capacity, failures, seeds, qu
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from ballast.engine.config import EngineConfig, EngineConfigError
 from ballast.engine.engine import Engine, EngineUnhealthy, PlanError
+from ballast.engine.loading import ModelLoadRefused, ModelSpecError, resolve
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan, StepResult
+from ballast.memory.config import MemoryConfig
+from ballast.memory.device import StaticDeviceReader
+from ballast.memory.types import GiB, MiB
+from ballast.memory.watch import MemWatch
+from ballast.models.base import UnsupportedModel
+from memfixtures import write_tree
 
 GREEDY = SamplingParams(temperature=0.0)
 MAX_LEN = 48
@@ -234,3 +242,31 @@ def test_hybrid_models_run_through_the_same_engine(model: str) -> None:
         assert eng.cost_model.state_bytes_per_slot > 0
     finally:
         eng.shutdown()
+
+
+def test_the_memory_layer_gates_the_load(tmp_path: Path) -> None:
+    """16 GiB host, reserve 2.4 GiB: 100 MiB above the reserve cannot take the 512 MiB load spike;
+    8 GiB above it can, and the engine then loads."""
+    config_mem = MemoryConfig(root=str(tmp_path))
+    watch = MemWatch(config_mem, device_reader=StaticDeviceReader())
+    reserve = int(0.15 * 16 * GiB)
+    write_tree(tmp_path, mem_total=16 * GiB, mem_available=reserve + 100 * MiB)
+    with pytest.raises(ModelLoadRefused) as refused:
+        Engine.load(config(max_num_seqs=1), watch=watch)
+    assert "MiB" in str(refused.value) and refused.value.verdict.kind.value == "reject"
+    write_tree(tmp_path, mem_total=16 * GiB, mem_available=reserve + 8 * GiB)
+    eng = Engine.load(config(max_num_seqs=1), watch=watch)
+    try:
+        assert eng.healthy and eng.load_report.weights_bytes > 0
+    finally:
+        eng.shutdown()
+
+
+def test_model_specs_resolve_or_fail_clearly(tmp_path: Path) -> None:
+    assert resolve("builtin:tiny-llama").kind == "builtin"
+    with pytest.raises(UnsupportedModel, match="tiny-llama"):
+        resolve("builtin:no-such-model")  # the message lists what is built in
+    with pytest.raises(ModelSpecError):
+        resolve(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelSpecError):
+        resolve(str(tmp_path))  # a directory without config.json
