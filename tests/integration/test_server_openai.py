@@ -138,6 +138,13 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         assert e.bytes == list(e.token.encode())
 
 
+def test_chat_stream_logprobs_cover_every_token(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(model="fake-model", messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True, stream=True))  # type: ignore[arg-type]
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content for e in c.choices[0].logprobs.content]
+    assert [e.token for e in entries] == [TOK.decode([t]) for t in expected_tokens(chat_prompt(MESSAGES), 6)]
+    assert all(e.top_logprobs == [] for e in entries)  # top_logprobs unset: the sampled token only
+
+
 def test_completion_logprobs_offsets(client: openai.OpenAI) -> None:
     r = client.completions.create(model="fake-model", prompt="abc", temperature=0, max_tokens=5, logprobs=2)
     lp = r.choices[0].logprobs
