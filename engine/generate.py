@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
+from ballast.engine.loading import LOAD_ERRORS
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 
 SLOT = 0
@@ -99,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"ballast generate: {e}", file=sys.stderr)
         return 2
-    engine = Engine.load(config)
+    try:
+        engine = Engine.load(config)
+    except LOAD_ERRORS as e:
+        print(f"ballast generate: {e}", file=sys.stderr)
+        return 1
     try:
         tok = engine.tokenizer
         use_chat = not args.raw and tok.has_chat_template

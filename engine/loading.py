@@ -23,16 +23,18 @@ from typing import Any
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.runner import analytic_activation_bytes, weights_bytes
-from ballast.engine.tokenizer import Tokenizer
+from ballast.engine.tokenizer import Tokenizer, TokenizerError
 from ballast.memory.admission import admit_load_spike, admit_model_load
 from ballast.memory.config import MemoryConfig
+from ballast.memory.errors import MemoryRefused
 from ballast.memory.ledger import Lease
 from ballast.memory.specs import kv_bytes_per_token
 from ballast.memory.types import MemState, Verdict
 from ballast.memory.watch import MemWatch
 from ballast.models import builtin
-from ballast.models.default_model import default_model_path
-from ballast.models.gguf_loader import build_tokenizer, gguf_config, gguf_tensors, read_gguf
+from ballast.models.base import ModelError
+from ballast.models.default_model import DefaultModelError, default_model_path
+from ballast.models.gguf_loader import GGUFError, build_tokenizer, gguf_config, gguf_tensors, read_gguf
 from ballast.models.hf_loader import inspect_hf_dir, load_hf_model
 from ballast.models.registry import model_class
 from ballast.models.state import dtype_bytes
@@ -49,6 +51,13 @@ class ModelLoadRefused(RuntimeError):
     def __init__(self, verdict: Verdict) -> None:
         super().__init__(f"model load refused by the memory layer: {verdict.reason}")
         self.verdict = verdict
+
+
+# Everything a load can fail with for a reason the operator can fix (a bad spec or file, a model we
+# do not implement, not enough memory, no network for the default model): report, don't trace.
+LOAD_ERRORS: tuple[type[Exception], ...] = (
+    ModelSpecError, ModelLoadRefused, ModelError, DefaultModelError, GGUFError, TokenizerError, MemoryRefused,
+)
 
 
 @dataclass(frozen=True)

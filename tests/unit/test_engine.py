@@ -270,3 +270,11 @@ def test_model_specs_resolve_or_fail_clearly(tmp_path: Path) -> None:
         resolve(str(tmp_path / "missing.gguf"))
     with pytest.raises(ModelSpecError):
         resolve(str(tmp_path))  # a directory without config.json
+
+
+def test_generate_cli_reports_load_errors_without_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    from ballast.engine.generate import main
+
+    assert main(["--model", "builtin:no-such-model", "--prompt", "hi", "--device", "cpu"]) == 1
+    assert "built in: builtin:tiny-llama" in capsys.readouterr().err
+    assert main(["--model", "builtin:tiny-llama", "--prompt", "hi", "--max-tokens", "0"]) == 2
