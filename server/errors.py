@@ -111,7 +111,8 @@ def from_validation(exc: RequestValidationError) -> ApiError:
     return bad_request(message, param=param)
 
 
-_HTTP_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+# Codes for statuses Starlette raises itself (unknown route, wrong method, a chunked body too large).
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 def install(app: FastAPI) -> None:
@@ -127,8 +128,9 @@ def install(app: FastAPI) -> None:
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        kind = _HTTP_TYPES.get(exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error")
-        return ApiError(exc.status_code, str(exc.detail), kind, headers=dict(exc.headers or {})).response()
+        kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        code = _HTTP_CODES.get(exc.status_code)
+        return ApiError(exc.status_code, str(exc.detail), kind, code=code, headers=dict(exc.headers or {})).response()
 
     async def on_refusal(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, Refused | MemoryRefused)

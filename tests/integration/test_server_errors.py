@@ -129,19 +129,21 @@ def test_unset_max_tokens_fills_the_configured_window(tmp_path: Path) -> None:
 
 def test_unknown_model_and_route_are_404(calm: str) -> None:
     assert_openai_error(httpx.post(calm + "/v1/chat/completions", json={**CHAT, "model": "gpt-9"}), 404, code="model_not_found", param="model")
-    assert_openai_error(httpx.get(calm + "/v1/nothing-here"), 404)
+    assert_openai_error(httpx.get(calm + "/v1/nothing-here"), 404, code="not_found")
+    assert_openai_error(httpx.get(calm + "/v1/chat/completions"), 405, code="method_not_allowed")
 
 
 def test_body_too_large_is_413_by_length_and_when_chunked(calm: str) -> None:
     big = {**CHAT, "messages": [{"role": "user", "content": "x" * 8000}]}
-    assert_openai_error(httpx.post(calm + "/v1/chat/completions", json=big), 413)
+    assert_openai_error(httpx.post(calm + "/v1/chat/completions", json=big), 413, code="request_too_large")
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: the limit must count what arrives
         data = json.dumps(big).encode()
         for i in range(0, len(data), 1000):
             yield data[i : i + 1000]
 
-    assert_openai_error(httpx.post(calm + "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}), 413)
+    r = httpx.post(calm + "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert_openai_error(r, 413, code="request_too_large")
     # and a small body is still fine afterwards
     assert httpx.post(calm + "/v1/chat/completions", json=CHAT).status_code == 200
 
