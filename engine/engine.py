@@ -18,7 +18,14 @@ from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
 from ballast.engine.loading import LoadedModel, load
 from ballast.engine.plan import SamplingParams, SlotOutput, StepPlan, StepResult
-from ballast.engine.runner import ModelRunner, Profile, Sequences, build_cost_model, profile_prefill
+from ballast.engine.runner import (
+    ModelRunner,
+    Profile,
+    Sequences,
+    build_cost_model,
+    planned_state_bytes,
+    profile_prefill,
+)
 from ballast.engine.tokenizer import Tokenizer
 from ballast.memory.ledger import Lease
 from ballast.memory.types import CostModel
@@ -81,14 +88,21 @@ class Engine:
     def _load(self, force_quantized_kv: bool) -> tuple[LoadedModel, ModelRunner, Profile, list[Lease]]:
         cfg = self.config
         loaded = load(cfg, self.device, self.dtype, self._watch)
-        profile = profile_prefill(loaded.model, loaded.hf_config, cfg.prefill_chunk_tokens, cfg.max_model_len, self.device, self.dtype)
-        quantized = force_quantized_kv or cfg.kv_quant == "int8"
-        runner = ModelRunner(loaded.model, self.device, self.dtype, cfg.max_num_seqs, cfg.max_model_len, quantized, cfg.seed)
         leases = list(loaded.leases)
-        if self._watch is not None and self.device.type == "cuda":
-            die = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            leases.append(self._watch.ledger.lease(die, runner.state_bytes, f"slot-states:{loaded.source.name}"))
-            leases.append(self._watch.ledger.lease(die, profile.peak_activation_bytes, "activations"))
+        try:
+            profile = profile_prefill(loaded.model, loaded.hf_config, cfg.prefill_chunk_tokens, cfg.max_model_len, self.device, self.dtype)
+            quantized = force_quantized_kv or cfg.kv_quant == "int8"
+            if self._watch is not None and self.device.type == "cuda":
+                # Lease before allocating: the ledger refuses before the driver would OOM.
+                die = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                planned = planned_state_bytes(loaded.model, self.dtype, cfg.max_num_seqs, cfg.max_model_len, quantized)
+                leases.append(self._watch.ledger.lease(die, planned, f"slot-states:{loaded.source.name}"))
+                leases.append(self._watch.ledger.lease(die, profile.peak_activation_bytes, "activations"))
+            runner = ModelRunner(loaded.model, self.device, self.dtype, cfg.max_num_seqs, cfg.max_model_len, quantized, cfg.seed)
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
         return loaded, runner, profile, leases
 
     def _setup(self, parts: tuple[LoadedModel, ModelRunner, Profile, list[Lease]]) -> None:

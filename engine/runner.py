@@ -135,6 +135,16 @@ def build_cost_model(model: nn.Module, dtype: torch.dtype, profile: Profile, wei
     )
 
 
+def planned_state_bytes(model: nn.Module, dtype: torch.dtype, num_slots: int, max_model_len: int, quantized_kv: bool) -> int:
+    """Bytes `ModelRunner` will allocate for these settings, from the layer specs alone, so the
+    VRAM ledger can be asked before anything is allocated."""
+    lm = as_causal_lm(model)
+    kv = kv_bytes_per_token(lm.layer_specs(1 if quantized_kv else dtype_bytes(dtype)))
+    recurrent = state_bytes_per_slot(lm.layer_specs(dtype_bytes(dtype)))
+    vocab = int(lm.config.vocab_size)
+    return num_slots * (kv * max_model_len + recurrent) + Sampler.planned_bytes(num_slots, vocab)
+
+
 class ModelRunner:
     """Owns the model's slot states and the sampler; runs one forward over many slots."""
 

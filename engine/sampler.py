@@ -46,6 +46,11 @@ class Sampler:
     def state_bytes(self) -> int:
         return self._counts.numel() * self._counts.element_size() + self._seen.numel()
 
+    @staticmethod
+    def planned_bytes(num_slots: int, vocab_size: int) -> int:
+        """What `state_bytes` will be: int32 counts and bool marks per slot and token."""
+        return num_slots * vocab_size * (4 + 1)
+
     def reset(self, slots: Sequence[int]) -> None:
         """A new sequence starts in these slots: forget their history and generators."""
         if not slots:

@@ -12,6 +12,7 @@ from ballast.engine.config import EngineConfig, EngineConfigError
 from ballast.engine.engine import Engine, EngineUnhealthy, PlanError
 from ballast.engine.loading import ModelLoadRefused, ModelSpecError, resolve
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan, StepResult
+from ballast.engine.runner import planned_state_bytes
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader
 from ballast.memory.types import GiB, MiB
@@ -278,3 +279,15 @@ def test_generate_cli_reports_load_errors_without_a_traceback(capsys: pytest.Cap
     assert main(["--model", "builtin:no-such-model", "--prompt", "hi", "--device", "cpu"]) == 1
     assert "built in: builtin:tiny-llama" in capsys.readouterr().err
     assert main(["--model", "builtin:tiny-llama", "--prompt", "hi", "--max-tokens", "0"]) == 2
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny-llama", "builtin:tiny-qwen3-next"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_planned_state_bytes_equal_what_is_allocated(model: str, quantized: bool) -> None:
+    """The ledger is asked for the planned figure before allocation; it must be the real one."""
+    eng = Engine.load(config(model=model, max_num_seqs=3), force_quantized_kv=quantized)
+    try:
+        planned = planned_state_bytes(eng.runner.model, eng.dtype, 3, MAX_LEN, quantized)
+        assert planned == eng.runner.state_bytes
+    finally:
+        eng.shutdown()
