@@ -15,6 +15,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
 from ballast.engine.interface import EngineLike
+from ballast.engine.loading import LOAD_ERRORS
 from ballast.memory.metrics import AdmissionMetrics, LadderCollector, register_memory_metrics
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.scheduler import Scheduler
@@ -91,6 +92,10 @@ async def _load(state: ServerState, factory: EngineFactory, wiring: _Wiring) -> 
     """Load the engine off the event loop, then start the scheduler; a failure makes us unsound."""
     try:
         engine = await asyncio.to_thread(_build, factory)
+    except LOAD_ERRORS as exc:  # the operator can fix these (a bad path, too little memory): no trace
+        log.error("model load failed: %s", exc)
+        state.fail(f"model load failed: {type(exc).__name__}: {exc}")
+        return
     except Exception as exc:
         log.exception("model load failed")
         state.fail(f"model load failed: {type(exc).__name__}: {exc}")
