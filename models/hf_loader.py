@@ -3,13 +3,16 @@ model.safetensors.index.json).
 
 Two steps so the engine can ask the memory layer first: `inspect_hf_dir` reads only the config and
 the safetensors headers and states what loading will cost (`weights_bytes(dtype)`,
-`largest_tensor_bytes(dtype)`); `load_hf_model` then builds the model and fills it one tensor at a
-time, so the peak is the model plus one tensor in flight.
+`transient_bytes()`); `load_hf_model` then builds the model and fills it a few tensors at a
+time, so the peak is the model plus `transient_bytes()` of source tensors in flight.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,8 @@ SINGLE_FILE = "model.safetensors"
 # Non-persistent buffers some older checkpoints saved; our models compute them.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _PROGRESS_MIN_BYTES = 256 * MiB
+_LOAD_THREADS = 8
+_READ_AHEAD = 2 * _LOAD_THREADS  # source tensors held at once, at most
 
 _ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -57,10 +62,11 @@ class HFCheckpoint:
         size = torch.tensor([], dtype=dtype).element_size()
         return sum(t.numel for t in self.tensors.values()) * size
 
-    def largest_tensor_bytes(self, dtype: torch.dtype) -> int:
-        """The transient extra a load holds at its peak: one tensor read and cast."""
-        size = torch.tensor([], dtype=dtype).element_size()
-        return max((t.numel * (size + _ST_DTYPE_BYTES.get(t.dtype, 4)) for t in self.tensors.values()), default=0)
+    def transient_bytes(self) -> int:
+        """The extra a load holds at its peak besides the model: the source tensors read ahead
+        (copies cast straight into the model's parameters)."""
+        sizes = sorted((t.numel * _ST_DTYPE_BYTES.get(t.dtype, 4) for t in self.tensors.values()), reverse=True)
+        return sum(sizes[: _READ_AHEAD])
 
     @property
     def files_bytes(self) -> int:
@@ -148,7 +154,7 @@ def load_hf_model(
     progress: bool | None = None,
 ) -> nn.Module:
     """Build the model for ckpt.config and fill it from the safetensors files. The caller has
-    already admitted `ckpt.weights_bytes(dtype)` (+ `largest_tensor_bytes`) with the memory layer.
+    already admitted `ckpt.weights_bytes(dtype)` (+ `ckpt.transient_bytes()`) with the memory layer.
     progress: a tqdm bar (None: only for loads over 256 MiB)."""
     model = build_model(ckpt.config, dtype=dtype, device=device)
     names = _plan_names(ckpt, model)
@@ -158,17 +164,33 @@ def load_hf_model(
         by_file.setdefault(ckpt.tensors[name].file, []).append(name)
     total = ckpt.weights_bytes(dtype)
     show = progress if progress is not None else total >= _PROGRESS_MIN_BYTES
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not show) as bar, torch.no_grad():
+    # Copies run on a few threads (copy_ releases the GIL): a load is mostly page faults on fresh
+    # memory and dtype casts, which parallelise. At most 2 x workers source tensors are read
+    # ahead, so the transient extra stays a few tensors' worth.
+    workers = max(1, min(_LOAD_THREADS, os.cpu_count() or 1))
+    with (
+        tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not show) as bar,
+        ThreadPoolExecutor(workers, thread_name_prefix="ballast-load") as pool,
+    ):
         for file, file_names in by_file.items():
             try:
                 with safe_open(str(file), framework="pt", device="cpu") as f:
-                    for name in file_names:
-                        dst = params[names[name]]
-                        dst.copy_(f.get_tensor(name).to(dtype=dst.dtype))
-                        bar.update(dst.nbytes)
+                    pending: deque[Future[int]] = deque()
+                    for n in file_names:
+                        if len(pending) >= min(_READ_AHEAD, 2 * workers):  # bound what is read ahead
+                            bar.update(pending.popleft().result())
+                        pending.append(pool.submit(_copy_into, params[names[n]], f.get_tensor(n)))
+                    while pending:
+                        bar.update(pending.popleft().result())
             except (OSError, ValueError, RuntimeError) as e:
                 raise WeightLoadError(f"cannot load {file}: {e}") from e
     return model
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> int:
+    with torch.no_grad():
+        dst.copy_(src)  # copy_ casts: no intermediate tensor
+    return dst.nbytes
 
 
 def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:

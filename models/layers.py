@@ -8,7 +8,7 @@ to [B, max_len] for `scaled_dot_product_attention`, and a decode-only batch skip
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +133,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((xr * c + torch.cat((-x2, x1), dim=-1) * s, xp), dim=-1)
 
 
+def _empty_cat(tensors: Sequence[Tensor]) -> Tensor:
+    """The shape torch.cat would give, uninitialised."""
+    first = tensors[0]
+    return first.new_empty((sum(t.shape[0] for t in tensors), *first.shape[1:]))
+
+
 class FusedLinears:
     """Linears that read the same input, run as one matmul (fewer, larger GEMMs: decode on CPU is
     dominated by per-op overhead). The parameters keep their HF names but, once fused, are views
@@ -147,14 +153,16 @@ class FusedLinears:
         self.bias: Tensor | None = None
         self._ptrs: list[int] = []
 
-    def fuse(self) -> None:
+    def fuse(self, keep_values: bool = True) -> None:
+        """keep_values=False (parameters not yet loaded) skips copying what they hold."""
         biases = [lin.bias for lin in self.linears]
         if any(b is None for b in biases) and any(b is not None for b in biases):
             raise ValueError("cannot fuse linears where only some have a bias")
+        join = torch.cat if keep_values else _empty_cat
         # Outside inference mode: parameters made of inference tensors could not be loaded into later.
         with torch.inference_mode(False), torch.no_grad():
-            weight = torch.cat([lin.weight for lin in self.linears])
-            bias = torch.cat([b for b in biases if b is not None]) if biases[0] is not None else None
+            weight = join([lin.weight for lin in self.linears])
+            bias = join([b for b in biases if b is not None]) if biases[0] is not None else None
             offset = 0
             for lin in self.linears:
                 n = lin.out_features
@@ -288,8 +296,8 @@ class SlotAttention(nn.Module):
         state.write(ctx.batch, k, qkv[:, hq + hkv :])
         return self.o_proj(attend(q, state, ctx))
 
-    def fuse(self) -> None:
-        self.qkv.fuse()
+    def fuse(self, keep_values: bool = True) -> None:
+        self.qkv.fuse(keep_values)
 
 
 def attend(q: Tensor, state: KVState, ctx: StepContext) -> Tensor:

@@ -155,13 +155,15 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def fuse_projections(self) -> None:
-        """Run q/k/v and gate/up as one matmul each (see `FusedLinears`); call after anything that
-        re-creates the parameters. Loading with copy_ (as our loaders do) keeps the fusion."""
+    def fuse_projections(self, keep_values: bool = True) -> None:
+        """Run q/k/v and gate/up as one matmul each (see `FusedLinears`). build_model does this
+        before any weight is loaded (keep_values=False: nothing to copy, no transient second copy);
+        loading with copy_ keeps the fusion, and a forward re-fuses after anything re-creates
+        the parameters."""
         for layer in self.model.layers:
             if isinstance(layer, LlamaDecoderLayer):
-                layer.self_attn.fuse()
-                layer.mlp.gate_up.fuse()
+                layer.self_attn.fuse(keep_values)
+                layer.mlp.gate_up.fuse(keep_values)
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
         c = self.config

@@ -14,8 +14,8 @@ from ballast.models.qwen3_next import Qwen3NextForCausalLM
 from torch import nn
 
 # Every class here has `from_hf_config(hf: Mapping[str, Any]) -> instance`, `layer_specs`,
-# `forward(batch, states)`; optionally `tie_weights()` and `fuse_projections()`, which
-# build_model calls once the parameters have real storage.
+# `forward(batch, states)`; optionally `tie_weights()` and `fuse_projections(keep_values: bool)`,
+# which build_model calls once the parameters have real (still uninitialised) storage.
 MODEL_CLASSES: dict[str, Any] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
@@ -57,5 +57,5 @@ def build_model(
         tie()  # to_empty gives tied parameters separate storage; share them again
     fuse = getattr(model, "fuse_projections", None)
     if fuse is not None:
-        fuse()
+        fuse(keep_values=False)  # the parameters hold nothing yet
     return model.eval()

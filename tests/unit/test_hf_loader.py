@@ -47,6 +47,7 @@ def test_save_pretrained_round_trip(tmp_path: Path, tied: bool, shard: str | Non
     n_params = sum(p.numel() for p in hf.parameters())  # parameters() counts a tied tensor once
     assert ckpt.weights_bytes(torch.float32) == 4 * n_params
     assert ckpt.weights_bytes(torch.bfloat16) == 2 * n_params
+    assert 0 < ckpt.transient_bytes() < ckpt.files_bytes  # a bounded read-ahead, not the whole checkpoint
     model = load_hf_model(ckpt)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     # Identical to the same weights loaded in memory, and to the reference within float error.
