@@ -125,8 +125,9 @@ def inspect_hf_dir(path: str | Path) -> HFCheckpoint:
     return HFCheckpoint(root, config, tensors)
 
 
-def _plan_names(ckpt: HFCheckpoint, model: nn.Module) -> dict[str, str]:
-    """checkpoint name -> model parameter name, after checking nothing is missing or unexpected."""
+def _names_to_load(ckpt: HFCheckpoint, model: nn.Module) -> list[str]:
+    """The checkpoint tensors to copy (their names are the model's parameter names), after checking
+    that nothing is missing, unexpected or of the wrong shape."""
     params = dict(model.state_dict(keep_vars=True))
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     wanted = {n for n in ckpt.tensors if not n.endswith(_IGNORED_SUFFIXES)}
@@ -144,7 +145,7 @@ def _plan_names(ckpt: HFCheckpoint, model: nn.Module) -> dict[str, str]:
         shape = tuple(params[name].shape)
         if ckpt.tensors[name].shape != shape:
             raise WeightLoadError(f"{name}: checkpoint shape {ckpt.tensors[name].shape}, model expects {shape}")
-    return {n: n for n in wanted}
+    return sorted(wanted)
 
 
 def load_hf_model(
@@ -157,10 +158,10 @@ def load_hf_model(
     already admitted `ckpt.weights_bytes(dtype)` (+ `ckpt.transient_bytes()`) with the memory layer.
     progress: a tqdm bar (None: only for loads over 256 MiB)."""
     model = build_model(ckpt.config, dtype=dtype, device=device)
-    names = _plan_names(ckpt, model)
+    names = _names_to_load(ckpt, model)
     params = dict(model.state_dict(keep_vars=True))
     by_file: dict[Path, list[str]] = {}
-    for name in sorted(names):
+    for name in names:
         by_file.setdefault(ckpt.tensors[name].file, []).append(name)
     total = ckpt.weights_bytes(dtype)
     show = progress if progress is not None else total >= _PROGRESS_MIN_BYTES
@@ -179,7 +180,7 @@ def load_hf_model(
                     for n in file_names:
                         if len(pending) >= min(_READ_AHEAD, 2 * workers):  # bound what is read ahead
                             bar.update(pending.popleft().result())
-                        pending.append(pool.submit(_copy_into, params[names[n]], f.get_tensor(n)))
+                        pending.append(pool.submit(_copy_into, params[n], f.get_tensor(n)))
                     while pending:
                         bar.update(pending.popleft().result())
             except (OSError, ValueError, RuntimeError) as e:
