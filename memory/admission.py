@@ -79,11 +79,10 @@ def largest_fitting_window(lo: int, hi: int, fits: Callable[[int], bool]) -> int
 
 
 def die_request_bytes(cost: CostModel, n_tokens: int, quantized_kv: bool) -> int:
-    """Bytes a request takes on its die: KV for n_tokens plus one slot's recurrent state."""
-    per_token = cost.kv_bytes_per_token
-    if quantized_kv and cost.quantized_kv_bytes_per_token:
-        per_token = cost.quantized_kv_bytes_per_token
-    return n_tokens * per_token + cost.state_bytes_per_slot
+    """Bytes a request takes on its die: KV for n_tokens plus one slot's recurrent state, less
+    what the slot's caches allocated at load already hold. Activations are not counted here:
+    they live in the scratch reserved when the model was loaded."""
+    return cost.cache_bytes(n_tokens, quantized_kv)
 
 
 def _find_die(state: MemState, die: int) -> DieState:

@@ -132,12 +132,21 @@ class CostModel:
     weights_bytes: int = 0
     quantized_kv_bytes_per_token: int = 0  # same as kv_bytes_per_token if no quantized KV exists
     prefill_chunk_tokens: int = 0  # prefill runs in chunks of at most this many tokens (0 = unchunked)
+    # Tokens of KV (and the slot's state) each slot already holds because the engine allocated
+    # its caches at load. A request that fits in that pays nothing more for them: charging it
+    # again would count the same bytes twice (once in the load's lease, once per request).
+    preallocated_tokens: int = 0
     extra: dict[str, int] = field(default_factory=dict, compare=False)
 
-    def request_bytes(self, n_tokens: int, quantized_kv: bool = False) -> int:
-        """Bytes one request of n_tokens holds while running: KV for every token and the slot's
-        state, plus the activations of its largest prefill chunk (prefill is chunked, so the
-        activation peak is one chunk's worth, not the whole prompt's)."""
+    def cache_bytes(self, n_tokens: int, quantized_kv: bool = False) -> int:
+        """KV + state bytes a request of n_tokens adds beyond what its slot already holds."""
         per_tok = self.quantized_kv_bytes_per_token if quantized_kv and self.quantized_kv_bytes_per_token else self.kv_bytes_per_token
+        state = 0 if self.preallocated_tokens > 0 else self.state_bytes_per_slot
+        return max(0, n_tokens - self.preallocated_tokens) * per_tok + state
+
+    def request_bytes(self, n_tokens: int, quantized_kv: bool = False) -> int:
+        """Bytes a request of n_tokens adds while running: its cache bytes plus the activations
+        of its largest prefill chunk (prefill is chunked, so the activation peak is one chunk's
+        worth, not the whole prompt's)."""
         chunk = min(n_tokens, self.prefill_chunk_tokens) if self.prefill_chunk_tokens > 0 else n_tokens
-        return n_tokens * per_tok + chunk * self.activation_bytes_per_prefill_token + self.state_bytes_per_slot
+        return self.cache_bytes(n_tokens, quantized_kv) + chunk * self.activation_bytes_per_prefill_token
