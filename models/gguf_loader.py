@@ -1,70 +1,36 @@
 """Load a GGUF file (llama.cpp's format) into an HF-style config dict, HF-named float tensors and a
 transformers fast tokenizer, reading the file once.
 
-Why not `gguf.GGUFReader`: it builds a numpy memmap object per metadata item, which costs ~4 s for
-the default model's 98k-entry vocabulary and merge list, more than our whole 3 s load budget. The
-format is small, so we parse the header ourselves (struct over an mmap) and keep the `gguf` package
-for its enums and block sizes, and as the reference our tests compare against. Likewise the
-dequantization is our own (chunked numpy into reused buffers), several times faster than
-`gguf.quants.dequantize`, which alone takes ~2 s here.
+The work is split by concern: models/gguf_reader.py parses the file, models/gguf_quants.py
+dequantizes, models/gguf_tokenizer.py builds the tokenizer; this module maps the architecture's
+metadata to a config.json-style dict and llama.cpp's tensor names to Hugging Face's.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import mmap
-import struct
 import sys
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from ballast.models.gguf_quants import Scratch, dequantize
+from ballast.models.gguf_reader import GGUFError, GGUFFile, GGUFUnsupportedError, read_gguf
+from ballast.models.gguf_tokenizer import build_tokenizer
 from torch import Tensor
 from tqdm import tqdm
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase
 
-_MAGIC = b"GGUF"
-_U64 = struct.Struct("<Q")
-_CHUNK_VALUES = 1 << 16  # per dequant step: 256 KiB of float32, cache-sized
-_DEFAULT_ALIGNMENT = 32
+# what engine/, bench/ and the tests import from here
+__all__ = [
+    "GGUFError", "GGUFFile", "GGUFModel", "GGUFUnsupportedError", "build_tokenizer", "dequantize",
+    "gguf_config", "gguf_tensors", "gguf_tokenizer", "hf_tensor_name", "load_gguf", "qk_row_order", "read_gguf",
+]  # fmt: skip
+
 # a progress bar only when the load is long enough to wonder about
 _PROGRESS_MIN_BYTES = 512 * 2**20
-
-
-class GGUFError(ValueError):
-    """The file is not a GGUF we can read (bad magic, truncated, unknown value type)."""
-
-
-class GGUFUnsupportedError(GGUFError):
-    """A well-formed GGUF that uses something we do not map (architecture, tensor, quant type)."""
-
-
-@dataclass(frozen=True)
-class GGUFTensorInfo:
-    name: str
-    qtype: GGMLQuantizationType
-    shape: tuple[int, ...]  # torch order (outermost first): GGUF lists dims innermost first
-    offset: int  # absolute byte offset in the file
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class GGUFFile:
-    path: Path
-    metadata: dict[str, Any]
-    tensors: dict[str, GGUFTensorInfo]
-    data: np.ndarray  # the whole file as uint8, mapped, never copied
-
-    def raw(self, name: str) -> np.ndarray:
-        info = self.tensors[name]
-        return self.data[info.offset : info.offset + info.nbytes]
 
 
 @dataclass(frozen=True)
@@ -72,243 +38,6 @@ class GGUFModel:
     config: dict[str, Any]  # HF-style (config.json) dict: the registry builds our model from it
     tensors: dict[str, Tensor]  # HF parameter names -> owned CPU tensors in the requested dtype
     tokenizer: PreTrainedTokenizerBase
-
-
-# ---- reading -----------------------------------------------------------------------------------
-
-_SCALAR_FORMATS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}  # fmt: skip
-
-
-class _Cursor:
-    def __init__(self, buf: mmap.mmap) -> None:
-        self.buf = buf
-        self.pos = 0
-
-    def unpack(self, fmt: str) -> Any:
-        size = struct.calcsize(fmt)
-        if self.pos + size > len(self.buf):
-            raise GGUFError(f"truncated GGUF: needed {size} bytes at offset {self.pos}")
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += size
-        return value
-
-    def string(self) -> str:
-        return self.strings(1)[0]
-
-    def strings(self, count: int) -> list[str]:
-        # the vocabulary and merges: ~100k strings, so a tight loop with everything local
-        buf, pos, size, read_len = self.buf, self.pos, len(self.buf), _U64.unpack_from
-        out = []
-        try:
-            for _ in range(count):
-                (length,) = read_len(buf, pos)
-                pos += 8
-                if pos + length > size:
-                    raise GGUFError(f"truncated GGUF: string of {length} bytes at offset {pos}")
-                out.append(buf[pos : pos + length].decode("utf-8"))
-                pos += length
-        except (struct.error, UnicodeDecodeError) as exc:
-            raise GGUFError(f"bad GGUF string array at offset {pos}: {exc}") from exc
-        self.pos = pos
-        return out
-
-    def value(self, vtype: int) -> Any:
-        if vtype == GGUFValueType.STRING:
-            return self.string()
-        if vtype == GGUFValueType.ARRAY:
-            item_type, count = self.unpack("<I"), self.unpack("<Q")
-            if item_type == GGUFValueType.STRING:
-                return self.strings(count)
-            if item_type in _SCALAR_FORMATS:
-                fmt = _SCALAR_FORMATS[GGUFValueType(item_type)]
-                size = struct.calcsize(fmt) * count
-                if self.pos + size > len(self.buf):
-                    raise GGUFError(f"truncated GGUF: array of {count} at offset {self.pos}")
-                items = list(struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos))
-                self.pos += size
-                return items
-            return [self.value(item_type) for _ in range(count)]
-        if vtype not in _SCALAR_FORMATS:
-            raise GGUFError(f"unknown GGUF value type {vtype} at offset {self.pos}")
-        return self.unpack(_SCALAR_FORMATS[GGUFValueType(vtype)])
-
-
-def read_gguf(path: str | Path) -> GGUFFile:
-    """Parse header, metadata and tensor table; the tensor data stays mapped, untouched."""
-    path = Path(path)
-    with open(path, "rb") as f:
-        if f.read(4) != _MAGIC:
-            raise GGUFError(f"{path} is not a GGUF file (no GGUF magic)")
-        # ACCESS_COPY: a private mapping looks writable, so torch.from_numpy takes views of it
-        # without a read-only warning; nothing ever writes to it.
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    cur = _Cursor(buf)
-    cur.pos = 4
-    version = cur.unpack("<I")
-    if version not in (2, 3):
-        raise GGUFUnsupportedError(f"{path}: GGUF version {version} (supported: 2, 3)")
-    n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
-    metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(cur.unpack("<I"))
-    table = []
-    for _ in range(n_tensors):
-        name = cur.string()
-        dims = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
-        table.append((name, dims, cur.unpack("<I"), cur.unpack("<Q")))
-    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
-    data_start = -(-cur.pos // alignment) * alignment
-    tensors = {}
-    for name, dims, type_id, offset in table:
-        try:
-            qtype = GGMLQuantizationType(type_id)
-        except ValueError as exc:
-            raise GGUFUnsupportedError(f"{path}: tensor {name} has unknown ggml type {type_id}") from exc
-        block, block_bytes = GGML_QUANT_SIZES[qtype]
-        if dims[0] % block:
-            raise GGUFError(f"{path}: tensor {name} row of {dims[0]} is not whole {qtype.name} blocks")
-        nbytes = math.prod(dims) // block * block_bytes
-        start = data_start + offset
-        if start + nbytes > len(buf):
-            raise GGUFError(f"{path}: tensor {name} runs past the end of the file")
-        tensors[name] = GGUFTensorInfo(name, qtype, tuple(reversed(dims)), start, nbytes)
-    return GGUFFile(path, metadata, tensors, np.frombuffer(buf, dtype=np.uint8))
-
-
-# ---- dequantization (layouts: ggml-common.h block_* structs) ------------------------------------
-# numpy, single-threaded, writing through reused scratch buffers: on VMs with free-page reporting
-# the first touch of fresh memory costs ~10 us a page, more than the arithmetic, and torch's
-# OpenMP wake-ups cost more than these element-wise ops on 2 cores. So each tensor's output is
-# the only new memory it touches.
-
-
-class _Scratch:
-    """Named uint8 buffers that grow to the largest tensor and are reused for every other."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[str, np.ndarray] = {}
-
-    def get(self, key: str, shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:
-        n = math.prod(shape) * np.dtype(dtype).itemsize
-        buf = self._bufs.get(key)
-        if buf is None or buf.nbytes < n:
-            buf = self._bufs[key] = np.empty(n, np.uint8)
-        return buf[:n].view(dtype).reshape(shape)
-
-
-def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    """One fp16 field per block as a float32 column (nb, 1)."""
-    return blocks[:, start : start + 2].view(np.float16).astype(np.float32)
-
-
-def _nibbles_into(qs: np.ndarray, dst: np.ndarray) -> None:
-    """(..., k) bytes -> dst (..., 2k): the k low nibbles, then the k high ones (ggml's order)."""
-    k = qs.shape[-1]
-    np.bitwise_and(qs, 0xF, out=dst[..., :k])
-    np.right_shift(qs, 4, out=dst[..., k:])
-
-
-def _q8_0(b: np.ndarray, out: np.ndarray, s: _Scratch) -> None:
-    np.copyto(out, b[:, 2:].view(np.int8))
-    out *= _f16(b, 0)
-
-
-def _q4_0(b: np.ndarray, out: np.ndarray, s: _Scratch) -> None:
-    q = s.get("q", out.shape, np.uint8)
-    _nibbles_into(b[:, 2:], q)
-    np.copyto(out, q)
-    out -= 8.0
-    out *= _f16(b, 0)
-
-
-def _q4_1(b: np.ndarray, out: np.ndarray, s: _Scratch) -> None:
-    q = s.get("q", out.shape, np.uint8)
-    _nibbles_into(b[:, 4:], q)
-    np.copyto(out, q)
-    out *= _f16(b, 0)
-    out += _f16(b, 2)
-
-
-def _q4_k(b: np.ndarray, out: np.ndarray, s: _Scratch) -> None:
-    # 8 sub-blocks of 32 with a 6-bit scale and min each, packed in 12 bytes (get_scale_min_k4)
-    nb = b.shape[0]
-    q = s.get("q", (nb, 4, 64), np.uint8)
-    _nibbles_into(b[:, 16:].reshape(nb, 4, 32), q)
-    np.copyto(out, q.reshape(nb, 256))
-    sc = b[:, 4:16]
-    scale = np.concatenate([sc[:, 0:4] & 63, (sc[:, 8:12] & 0xF) | ((sc[:, 0:4] >> 6) << 4)], axis=1)
-    minimum = np.concatenate([sc[:, 4:8] & 63, (sc[:, 8:12] >> 4) | ((sc[:, 4:8] >> 6) << 4)], axis=1)
-    sub = out.reshape(nb, 8, 32)
-    sub *= (_f16(b, 0) * scale)[:, :, None]
-    sub -= (_f16(b, 2) * minimum)[:, :, None]
-
-
-def _q6_k(b: np.ndarray, out: np.ndarray, s: _Scratch) -> None:
-    # two halves of 128 values, each 4 groups of 32: low 4 bits from ql (low nibbles of its two
-    # 32-byte rows, then high nibbles), high 2 bits from qh at shift 2*group; an int8 scale per 16
-    nb = b.shape[0]
-    q = s.get("q", (nb, 2, 4, 32), np.uint8)
-    ql = b[:, :128].reshape(nb, 2, 2, 32)
-    np.bitwise_and(ql, 0xF, out=q[:, :, 0:2])
-    np.right_shift(ql, 4, out=q[:, :, 2:4])
-    qh = b[:, 128:192].reshape(nb, 2, 32)
-    t = s.get("t", (nb, 2, 32), np.uint8)
-    for group in range(4):
-        np.right_shift(qh, 2 * group, out=t)
-        np.bitwise_and(t, 3, out=t)
-        np.left_shift(t, 4, out=t)
-        np.bitwise_or(q[:, :, group], t, out=q[:, :, group])
-    np.copyto(out, q.reshape(nb, 256))
-    out -= 32.0
-    out.reshape(nb, 16, 16)[...] *= (_f16(b, 208) * b[:, 192:208].view(np.int8))[:, :, None]
-
-
-_BLOCK_DEQUANT: dict[GGMLQuantizationType, Callable[[np.ndarray, np.ndarray, _Scratch], None]] = {
-    GGMLQuantizationType.Q8_0: _q8_0,
-    GGMLQuantizationType.Q4_0: _q4_0,
-    GGMLQuantizationType.Q4_1: _q4_1,
-    GGMLQuantizationType.Q4_K: _q4_k,
-    GGMLQuantizationType.Q6_K: _q6_k,
-}
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-SUPPORTED_TYPES = tuple(t.name for t in (*_FLOAT_TYPES, *_BLOCK_DEQUANT))
-
-
-def dequantize(
-    raw: np.ndarray, qtype: GGMLQuantizationType, dtype: torch.dtype = torch.float32, scratch: _Scratch | None = None
-) -> Tensor:
-    """Flat uint8 bytes of one tensor -> flat values in dtype, always in new memory."""
-    if qtype == GGMLQuantizationType.BF16:  # numpy has no bfloat16
-        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16).to(dtype, copy=True)
-    if qtype == GGMLQuantizationType.F16:
-        return torch.from_numpy(raw.view(np.float16)).to(dtype, copy=True)
-    if qtype == GGMLQuantizationType.F32:
-        return torch.from_numpy(raw.view(np.float32)).to(dtype, copy=True)
-    fn = _BLOCK_DEQUANT.get(qtype)
-    if fn is None:
-        raise GGUFUnsupportedError(f"ggml type {qtype.name} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
-    scratch = scratch or _Scratch()
-    block, block_bytes = GGML_QUANT_SIZES[qtype]
-    blocks = raw.reshape(-1, block_bytes)
-    shape = (blocks.shape[0], block)
-    # float32 straight into the result; another dtype goes through a float32 scratch
-    out = np.empty(shape, np.float32) if dtype == torch.float32 else scratch.get("f32", shape, np.float32)
-    # in chunks that stay in cache: each value is then written to main memory once, not once
-    # per arithmetic pass
-    step = max(1, _CHUNK_VALUES // block)
-    for i in range(0, shape[0], step):
-        fn(blocks[i : i + step], out[i : i + step], scratch)
-    result = torch.from_numpy(out.reshape(-1))
-    return result if dtype == torch.float32 else result.to(dtype)
-
-
-# ---- architecture: config and tensor names ------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -458,141 +187,6 @@ def _eos_ids(md: dict[str, Any]) -> int | list[int] | None:
     return ids[0] if len(ids) == 1 else ids
 
 
-# ---- tokenizer (from tokenizer.ggml.* metadata; no transformers GGUF code, whose API moves) ------
-
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# tokenizer.ggml.pre -> how text is split before BPE; these follow llama.cpp's llama-vocab.cpp.
-# "smollm" & co. split every digit apart, then apply GPT-2's regex (ByteLevel's built-in one).
-_GPT2_PRE = ("default", "gpt2", "mpt", "olmo", "jais")
-_DIGITS_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
-_SPLIT_PRE = {
-    "llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-}  # fmt: skip
-# llama.cpp (and Llama 3's tokenizer.json) take a split piece that is a vocabulary entry whole,
-# without merging, and add BOS unless the file says otherwise
-_LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe")
-
-
-def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _GPT2_PRE:
-        return gpt2
-    if pre in _DIGITS_PRE:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
-    if pre in _SPLIT_PRE:
-        split = pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated")
-        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    known = sorted((*_GPT2_PRE, *_DIGITS_PRE, *_SPLIT_PRE))
-    raise GGUFUnsupportedError(f"tokenizer.ggml.pre {pre!r} is not supported (supported: {', '.join(known)})")
-
-
-def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """SentencePiece files list no merges: every split of a piece into two pieces is a merge,
-    ranked by the merged piece's score (what SentencePiece's BPE picks first)."""
-    ids = {t: i for i, t in enumerate(tokens)}
-    found = [
-        (-scores[ids[t]], ids[t], ids[t[:i]], ids[t[i:]])
-        for t in ids
-        for i in range(1, len(t))
-        if t[:i] in ids and t[i:] in ids
-    ]
-    found.sort()
-    return [(tokens[left], tokens[right]) for _, _, left, right in found]
-
-
-def _skeleton(md: dict[str, Any], merges: list[str]) -> Tokenizer:
-    """The tokenizer's pipeline (normalizer, splitting, model options, decoder) around an empty
-    vocabulary; the vocabulary goes in as JSON (see build_tokenizer)."""
-    kind = md.get("tokenizer.ggml.model")
-    if kind == "gpt2":
-        tok = Tokenizer(models.BPE(vocab={}, merges=[]))
-        tok.pre_tokenizer = _byte_level_pre_tokenizer(md.get("tokenizer.ggml.pre", "default"))
-        tok.decoder = decoders.ByteLevel()
-        return tok
-    if kind == "llama":  # SentencePiece BPE with byte fallback
-        tokens: list[str] = md["tokenizer.ggml.tokens"]
-        if not merges:
-            merges.extend(f"{a} {b}" for a, b in _spm_merges(tokens, md["tokenizer.ggml.scores"]))
-        unk_id = md.get("tokenizer.ggml.unknown_token_id")
-        unk = tokens[unk_id] if unk_id is not None else None
-        tok = Tokenizer(models.BPE(vocab={}, merges=[], unk_token=unk, fuse_unk=True, byte_fallback=True))
-        spaces = normalizers.Replace(" ", "\u2581")
-        if md.get("tokenizer.ggml.add_space_prefix", True):
-            tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), spaces])
-            strip: list[decoders.Decoder] = [decoders.Strip(" ", 1, 0)]
-        else:
-            tok.normalizer, strip = spaces, []
-        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
-        return tok
-    raise GGUFUnsupportedError(f"tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama)")
-
-
-def build_tokenizer(md: dict[str, Any]) -> PreTrainedTokenizerFast:
-    """A transformers fast tokenizer equal to the one the GGUF describes: vocab, merges, split
-    rules, control tokens kept whole, bos/eos/unk/pad, bos/eos insertion, chat template.
-
-    Built as tokenizer.json text that transformers parses once: handing it a Tokenizer object
-    instead costs a deep copy (serialise + parse) of the 49k-entry vocabulary and merges."""
-    if "tokenizer.ggml.tokens" not in md:
-        raise GGUFError("GGUF has no tokenizer (tokenizer.ggml.tokens missing)")
-    tokens: list[str] = md["tokenizer.ggml.tokens"]
-    types: list[int] = md.get("tokenizer.ggml.token_type", [])
-    merges: list[str] = list(md.get("tokenizer.ggml.merges", []))
-    skeleton = _skeleton(md, merges)
-
-    def special(name: str) -> list[tuple[str, int]]:
-        token_id = md.get(f"tokenizer.ggml.{name}_token_id")
-        return [] if token_id is None else [(tokens[token_id], int(token_id))]
-
-    def content(name: str) -> str | None:
-        found = special(name)
-        return found[0][0] if found else None
-
-    # llama.cpp adds BOS for SentencePiece and Llama 3 vocabularies that do not say otherwise
-    llama3 = md.get("tokenizer.ggml.model") == "gpt2" and md.get("tokenizer.ggml.pre") in _LLAMA3_PRE
-    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", md.get("tokenizer.ggml.model") == "llama" or llama3))
-    add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
-    first, last = special("bos") if add_bos else [], special("eos") if add_eos else []
-    if first or last:
-        template = [t for t, _ in first] + ["$A"] + [t for t, _ in last]
-        skeleton.post_processor = processors.TemplateProcessing(
-            single=template, pair=[*template, "$B:1"], special_tokens=[*first, *last]
-        )
-    spec = json.loads(skeleton.to_str())
-    spec["model"]["vocab"] = {t: i for i, t in enumerate(tokens)}
-    spec["model"]["merges"] = merges  # "a b" strings, the format every tokenizers version reads
-    spec["model"]["ignore_merges"] = llama3
-    spec["added_tokens"] = [
-        {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": t == _CONTROL}
-        for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)
-    ]  # fmt: skip
-    with tempfile.NamedTemporaryFile("w", suffix=".json", encoding="utf-8") as f:
-        json.dump(spec, f, ensure_ascii=False)
-        f.flush()
-        return PreTrainedTokenizerFast(
-            tokenizer_file=f.name,
-            bos_token=content("bos"),
-            eos_token=content("eos"),
-            unk_token=content("unknown"),
-            pad_token=content("padding"),
-            add_bos_token=bool(first),
-            add_eos_token=bool(last),
-            chat_template=md.get("tokenizer.chat_template"),
-            model_max_length=int(md.get(f"{md.get('general.architecture')}.context_length", 2**31 - 1)),
-        )
-
-
-# ---- the whole load -----------------------------------------------------------------------------
-
-
 def gguf_tensors(gf: GGUFFile, config: dict[str, Any], dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
     """Every tensor dequantized to dtype under its HF name, q/k rows back in HF order."""
     _, arch = _arch(gf.metadata)
@@ -600,7 +194,7 @@ def gguf_tensors(gf: GGUFFile, config: dict[str, Any], dtype: torch.dtype = torc
     total = sum(t.nbytes for t in gf.tensors.values())
     show = sys.stderr.isatty() and total >= _PROGRESS_MIN_BYTES
     out: dict[str, Tensor] = {}
-    scratch = _Scratch()
+    scratch = Scratch()
     for info in tqdm(gf.tensors.values(), desc=f"loading {gf.path.name}", unit="tensor", disable=not show):
         if info.name == _ROPE_FREQS:
             continue
