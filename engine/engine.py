@@ -123,6 +123,11 @@ class Engine:
         return self._loaded.tokenizer.get()
 
     @property
+    def hf_config(self) -> dict[str, object]:
+        """The model's Hugging Face-style config dict (from config.json, the GGUF, or built in)."""
+        return dict(self._loaded.hf_config)
+
+    @property
     def healthy(self) -> bool:
         return self._healthy
 

@@ -21,7 +21,7 @@ DEFAULT_LOGIT_BOUND = 5e-4  # 30 layers 576 wide; measured 5.6e-5 (float32 summa
 
 def reference(engine: Engine) -> LlamaForCausalLM:
     """transformers' Llama with our engine's exact weights."""
-    hf_config: dict[str, Any] = {k: v for k, v in engine._loaded.hf_config.items() if k != "seed"}
+    hf_config: dict[str, Any] = {k: v for k, v in engine.hf_config.items() if k != "seed"}
     ref = LlamaForCausalLM(LlamaConfig(**hf_config)).eval()
     missing, unexpected = ref.load_state_dict(engine.runner.model.state_dict(), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
