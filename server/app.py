@@ -83,8 +83,12 @@ class _Wiring:
 
 def _build(factory: EngineFactory) -> EngineLike:
     engine = factory()
-    # The tokenizer may load lazily; its first use must not be a request on the event loop.
-    engine.tokenizer.encode("warm-up")
+    try:
+        # The tokenizer may load lazily; its first use must not be a request on the event loop.
+        engine.tokenizer.encode("warm-up")
+    except BaseException:
+        engine.shutdown()  # nobody else holds it yet: release its thread and leases here
+        raise
     return engine
 
 
@@ -103,22 +107,22 @@ async def _load(state: ServerState, factory: EngineFactory, wiring: _Wiring) -> 
     state.engine = engine
     if state.phase is not Phase.LOADING:  # shut down while we were loading
         return
+    # The scheduler refuses prompt + max_tokens beyond this window (ContextTooLong); the server
+    # needs it to fill in an unset max_tokens. Same rule as the scheduler's: 0 = the model's length.
+    window = wiring.scheduler_config.prefill_window or engine.max_model_len
+    state.context_window = min(window, engine.max_model_len)
     try:
         scheduler = Scheduler(
             engine, wiring.scheduler_config, memwatch=state.memwatch, admission_metrics=wiring.admission, gpu_die=wiring.gpu_die
         )
         await scheduler.start()
+        state.scheduler = scheduler  # from here on, shut-down stops it
         if state.memwatch is not None:
             state.registry.register(LadderCollector(lambda: scheduler.plan))
     except Exception as exc:
         log.exception("scheduler start failed")
         state.fail(f"scheduler start failed: {type(exc).__name__}: {exc}")
         return
-    # The scheduler refuses prompt + max_tokens beyond this window (ContextTooLong); the server
-    # needs it to fill in an unset max_tokens. Same rule as the scheduler's: 0 = the model's length.
-    window = wiring.scheduler_config.prefill_window or engine.max_model_len
-    state.context_window = min(window, engine.max_model_len)
-    state.scheduler = scheduler
     state.phase = Phase.READY
     log.info("ready: serving %s", state.model_name)
 
