@@ -375,39 +375,3 @@ def test_level_flapping_never_corrupts_an_admitted_request(tmp_path: Path) -> No
                 assert text == tok.decode(expected_tokens(prompt, 16)), content
         assert state.sound()
         _wait_until(lambda: state.scheduler is not None and state.scheduler.idle and fake.active_slots == 0)
-
-
-def test_loading_phase_answers_503_until_the_engine_is_up(tmp_path: Path) -> None:
-    level_tree(tmp_path, Level.OK)
-    release = threading.Event()
-
-    def slow_factory() -> FakeEngine:
-        assert release.wait(30), "test never released the load"
-        return FakeEngine()
-
-    app = create_app(ServerConfig(), SchedulerConfig(), slow_factory, memwatch=MemWatch(MemoryConfig(root=str(tmp_path))))
-    with running_server(app, wait_for_ready=False) as url:
-        health = httpx.get(url + "/health")
-        assert health.status_code == 200 and health.json()["phase"] == "loading"
-        ready = httpx.get(url + "/ready")
-        assert ready.status_code == 503 and "loading" in ready.json()["reason"]
-        r = httpx.post(url + "/v1/chat/completions", json=CHAT)
-        assert_openai_error(r, 503, code="model_loading")
-        assert r.headers["retry-after"] == "1"
-        assert httpx.get(url + "/v1/models").json()["data"] == []
-        release.set()
-        _wait_until(lambda: httpx.get(url + "/ready").status_code == 200)
-        assert httpx.post(url + "/v1/chat/completions", json=CHAT).status_code == 200
-
-
-def test_failed_load_makes_health_fail_and_calls_on_fatal(tmp_path: Path) -> None:
-    def broken_factory() -> FakeEngine:
-        raise OSError("weights file is truncated")
-
-    fatal: list[str] = []
-    app = create_app(ServerConfig(), SchedulerConfig(), broken_factory, on_fatal=fatal.append)
-    with running_server(app, wait_for_ready=False) as url:
-        _wait_until(lambda: httpx.get(url + "/health").status_code == 503)
-        assert "weights file is truncated" in httpx.get(url + "/health").json()["reason"]
-        assert httpx.get(url + "/ready").status_code == 503
-        assert len(fatal) == 1 and "model load failed" in fatal[0]

@@ -7,7 +7,9 @@ every answer can be checked exactly; one slow test runs the real engine on a bui
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -26,6 +28,7 @@ from serverproc import running_server, serve_subprocess
 
 TOK = FakeTokenizer()
 MESSAGES = [{"role": "user", "content": "say something"}]
+CHAT = {"model": "fake-model", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
 
 
 def chat_prompt(messages: list[dict[str, str]]) -> list[int]:
@@ -200,3 +203,46 @@ def test_real_engine_through_ballast_serve() -> None:
         proc.terminate()
         # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught (so -15, not a crash code)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+
+
+def test_loading_phase_answers_503_until_the_engine_is_up(tmp_path: Path) -> None:
+    level_tree(tmp_path, Level.OK)
+    release = threading.Event()
+
+    def slow_factory() -> FakeEngine:
+        assert release.wait(30), "test never released the load"
+        return FakeEngine()
+
+    app = create_app(ServerConfig(), SchedulerConfig(), slow_factory, memwatch=MemWatch(MemoryConfig(root=str(tmp_path))))
+    with running_server(app, wait_for_ready=False) as url:
+        health = httpx.get(url + "/health")
+        assert health.status_code == 200 and health.json()["phase"] == "loading"
+        ready = httpx.get(url + "/ready")
+        assert ready.status_code == 503 and "loading" in ready.json()["reason"]
+        r = httpx.post(url + "/v1/chat/completions", json=CHAT)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        assert r.headers["retry-after"] == "1"
+        assert httpx.get(url + "/v1/models").json()["data"] == []
+        release.set()
+        wait_until(lambda: httpx.get(url + "/ready").status_code == 200)
+        assert httpx.post(url + "/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_failed_load_makes_health_fail_and_calls_on_fatal(tmp_path: Path) -> None:
+    def broken_factory() -> FakeEngine:
+        raise OSError("weights file is truncated")
+
+    fatal: list[str] = []
+    app = create_app(ServerConfig(), SchedulerConfig(), broken_factory, on_fatal=fatal.append)
+    with running_server(app, wait_for_ready=False) as url:
+        wait_until(lambda: httpx.get(url + "/health").status_code == 503)
+        assert "weights file is truncated" in httpx.get(url + "/health").json()["reason"]
+        assert httpx.get(url + "/ready").status_code == 503
+        assert len(fatal) == 1 and "model load failed" in fatal[0]
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
