@@ -8,6 +8,7 @@ flag beats the variable, and one variable shared by two layers feeds both.
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 
@@ -166,3 +167,20 @@ def test_serve_exits_1_when_the_model_cannot_load() -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "listening on http://127.0.0.1:" in proc.stdout
     assert "fatal: model load failed" in proc.stderr and "no-such-model" in proc.stderr
+
+
+@pytest.mark.slow
+def test_memory_watch_prints_every_second_until_interrupted() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "ballast.server.cli", "memory", "--watch"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        headers = []
+        for line in proc.stdout:
+            if line.startswith("ballast memory"):
+                headers.append(line)
+                if len(headers) == 2:
+                    break
+        assert len(headers) == 2 and headers[0] != headers[1]  # a fresh snapshot each time (seq moves)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0

@@ -1,7 +1,8 @@
 """The OpenAI protocol end to end: the official `openai` client against a real uvicorn server.
 
 The engine is the deterministic FakeEngine (its greedy text is a pure function of the prompt), so
-every answer can be checked exactly; one slow test runs the real engine on a builtin model.
+every answer can be checked exactly; one slow test runs the real engine on a builtin model through
+`ballast serve`. The app's lifecycle (loading, a failed load) is checked here too.
 """
 
 from __future__ import annotations
