@@ -5,13 +5,18 @@ Two steps so the engine can ask the memory layer first: `inspect_hf_dir` reads o
 the safetensors headers and states what loading will cost (`weights_bytes(dtype)`,
 `transient_bytes()`); `load_hf_model` then builds the model and fills it a few tensors at a
 time, so the peak is the model plus `transient_bytes()` of source tensors in flight.
+
+Checkpoint names need not be the model's parameter names: a model class may define
+`checkpoint_key(name) -> str | None` (its name for a checkpoint tensor; None: a tensor it does not
+use, such as a vision tower or a multi-token-prediction head), and per-expert MoE tensors
+(`mlp.experts.{e}.gate_proj.weight` ...) are copied into the fused expert parameters.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +25,10 @@ from typing import Any
 import torch
 from ballast.memory.types import MiB
 from ballast.models.base import ConfigError, WeightLoadError
-from ballast.models.registry import build_model
+from ballast.models.moe import per_expert_target, place_expert_tensor
+from ballast.models.registry import build_model, model_class
 from safetensors import safe_open
-from torch import nn
+from torch import Tensor, nn
 from tqdm import tqdm
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -42,6 +48,7 @@ class TensorInfo:
     file: Path
     dtype: str  # safetensors dtype name, e.g. "BF16"
     shape: tuple[int, ...]
+    key: str  # the model's name for it (see checkpoint_key); a per-expert name stays unfused here
 
     @property
     def numel(self) -> int:
@@ -55,7 +62,7 @@ class TensorInfo:
 class HFCheckpoint:
     path: Path
     config: dict[str, Any]
-    tensors: dict[str, TensorInfo]
+    tensors: dict[str, TensorInfo]  # by checkpoint name; only the tensors the model uses
 
     def weights_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of every tensor once cast to dtype (what the model will hold)."""
@@ -106,46 +113,97 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def inspect_hf_dir(path: str | Path) -> HFCheckpoint:
-    """Config and tensor table of an HF directory, from the headers only (no tensor data read)."""
+    """Config and tensor table of an HF directory, from the headers only (no tensor data read).
+    Tensors the model does not use are left out here, so the byte figures count only what loads."""
     root = Path(path)
     if not root.is_dir():
         raise WeightLoadError(f"{root} is not a directory")
     config = read_config(root)
+    model_key = getattr(model_class(config), "checkpoint_key", None)
     tensors: dict[str, TensorInfo] = {}
     for file in _weight_files(root):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    sl = f.get_slice(name)
                     if name in tensors:
                         raise WeightLoadError(f"tensor {name} appears in {tensors[name].file.name} and {file.name}")
-                    tensors[name] = TensorInfo(file, str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape()))
+                    key = name if model_key is None else model_key(name)
+                    if key is None or key.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    sl = f.get_slice(name)
+                    tensors[name] = TensorInfo(file, str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape()), key)
         except (OSError, ValueError, RuntimeError) as e:  # safetensors raises SafetensorError(ValueError-like)
             raise WeightLoadError(f"cannot read {file}: {e}") from e
     return HFCheckpoint(root, config, tensors)
 
 
-def _names_to_load(ckpt: HFCheckpoint, model: nn.Module) -> list[str]:
-    """The checkpoint tensors to copy (their names are the model's parameter names), after checking
-    that nothing is missing, unexpected or of the wrong shape."""
+@dataclass(frozen=True)
+class _Copy:
+    """One checkpoint tensor and the parameter it fills: whole, or one expert's projection of a
+    fused expert parameter (expert, part as `per_expert_target` names them)."""
+
+    name: str
+    param: str
+    expert: int | None = None
+    part: str = ""
+
+
+def _expert_shape(fused: Tensor, expert: int, part: str) -> tuple[int, ...] | None:
+    """The shape one expert's `part` has in the fused parameter; None if there is no such expert."""
+    if not 0 <= expert < fused.shape[0]:
+        return None
+    if part == "down_proj":
+        return tuple(fused.shape[1:])
+    return (fused.shape[1] // 2, fused.shape[2])  # gate_proj and up_proj: each half of gate_up_proj
+
+
+def _pieces_in(param: str, fused: Tensor) -> int:
+    """How many per-expert tensors fill a fused expert parameter: gate and up for each expert of
+    `gate_up_proj`, down for each of `down_proj`."""
+    return fused.shape[0] * (1 if param.endswith(".down_proj") else 2)
+
+
+def _plan_copies(ckpt: HFCheckpoint, model: nn.Module) -> list[_Copy]:
+    """Where each checkpoint tensor goes, after checking that every parameter is filled exactly
+    once, nothing is unexpected and every shape fits."""
     params = dict(model.state_dict(keep_vars=True))
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    wanted = {n for n in ckpt.tensors if not n.endswith(_IGNORED_SUFFIXES)}
-    if tied:
-        # The head shares the embedding; if the checkpoint also stores it, the embedding wins.
-        wanted.discard("lm_head.weight")
-    unexpected = sorted(wanted - params.keys())
-    missing = sorted(params.keys() - wanted - ({"lm_head.weight"} if tied else set()))
-    if unexpected or missing:
+    # The head shares the embedding; if the checkpoint also stores it, the embedding wins.
+    tied = {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
+    copies: list[_Copy] = []
+    unexpected: list[str] = []
+    for name, info in sorted(ckpt.tensors.items()):
+        if info.key in tied:
+            continue
+        target = per_expert_target(info.key)
+        shape: tuple[int, ...] | None = None
+        if info.key in params:
+            copy, shape = _Copy(name, info.key), tuple(params[info.key].shape)
+        elif target is not None and target[0] in params:
+            copy = _Copy(name, *target)
+            shape = _expert_shape(params[target[0]], target[1], target[2])
+        if shape is None:
+            unexpected.append(name)
+        elif info.shape != shape:
+            raise WeightLoadError(f"{name}: checkpoint shape {info.shape}, model expects {shape}")
+        else:
+            copies.append(copy)
+    # every parameter filled once: whole, or (a fused expert parameter) by all of its pieces
+    slots = Counter((c.param, c.expert, c.part) for c in copies)
+    whole = {p for p, e, _ in slots if e is None}
+    pieces = Counter(p for p, e, _ in slots if e is not None)
+    twice = sorted({p for (p, _, _), n in slots.items() if n > 1} | (whole & pieces.keys()))
+    complete = whole | {p for p, n in pieces.items() if n == _pieces_in(p, params[p])}
+    missing = sorted(params.keys() - tied - complete)
+    if unexpected or missing or twice:
         raise WeightLoadError(
-            f"{ckpt.path}: checkpoint does not match the model: missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+            f"{ckpt.path}: checkpoint does not match the model: missing {_few(missing)}, unexpected "
+            f"{_few(unexpected)}" + (f", filled twice {_few(twice)}" if twice else "")
         )
-    for name in wanted:
-        shape = tuple(params[name].shape)
-        if ckpt.tensors[name].shape != shape:
-            raise WeightLoadError(f"{name}: checkpoint shape {ckpt.tensors[name].shape}, model expects {shape}")
-    return sorted(wanted)
+    return copies
+
+
+def _few(names: list[str]) -> str:
+    return f"{names[:8]}{'...' if len(names) > 8 else ''}"
 
 
 def load_hf_model(
@@ -158,11 +216,11 @@ def load_hf_model(
     already admitted `ckpt.weights_bytes(dtype)` (+ `ckpt.transient_bytes()`) with the memory layer.
     progress: a tqdm bar (None: only for loads over 256 MiB)."""
     model = build_model(ckpt.config, dtype=dtype, device=device)
-    names = _names_to_load(ckpt, model)
+    copies = _plan_copies(ckpt, model)
     params = dict(model.state_dict(keep_vars=True))
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
-        by_file.setdefault(ckpt.tensors[name].file, []).append(name)
+    by_file: dict[Path, list[_Copy]] = {}
+    for c in copies:
+        by_file.setdefault(ckpt.tensors[c.name].file, []).append(c)
     total = ckpt.weights_bytes(dtype)
     show = progress if progress is not None else total >= _PROGRESS_MIN_BYTES
     # Copies run on a few threads (copy_ releases the GIL): a load is mostly page faults on fresh
@@ -173,14 +231,14 @@ def load_hf_model(
         tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not show) as bar,
         ThreadPoolExecutor(workers, thread_name_prefix="ballast-load") as pool,
     ):
-        for file, file_names in by_file.items():
+        for file, file_copies in by_file.items():
             try:
                 with safe_open(str(file), framework="pt", device="cpu") as f:
                     pending: deque[Future[int]] = deque()
-                    for n in file_names:
+                    for c in file_copies:
                         if len(pending) >= min(_READ_AHEAD, 2 * workers):  # bound what is read ahead
                             bar.update(pending.popleft().result())
-                        pending.append(pool.submit(_copy_into, params[n], f.get_tensor(n)))
+                        pending.append(pool.submit(_copy_into, params[c.param], c, f.get_tensor(c.name)))
                     while pending:
                         bar.update(pending.popleft().result())
             except (OSError, ValueError, RuntimeError) as e:
@@ -188,10 +246,14 @@ def load_hf_model(
     return model
 
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> int:
+def _copy_into(param: Tensor, copy: _Copy, src: Tensor) -> int:
+    """Copy (casting, no intermediate tensor) src into its place; returns the bytes written."""
     with torch.no_grad():
-        dst.copy_(src)  # copy_ casts: no intermediate tensor
-    return dst.nbytes
+        if copy.expert is None:
+            param.copy_(src)
+        else:
+            place_expert_tensor(param, copy.expert, copy.part, src)
+    return src.numel() * param.element_size()
 
 
 def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:

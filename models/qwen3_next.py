@@ -279,6 +279,12 @@ class Qwen3NextForCausalLM(nn.Module):
     def from_hf_config(cls, hf: Mapping[str, Any]) -> Qwen3NextForCausalLM:
         return cls(HybridConfig.from_hf(hf, cls.model_types, cls.all_sparse))
 
+    @staticmethod
+    def checkpoint_key(hf_key: str) -> str | None:
+        """Our parameter name for a checkpoint tensor; None for the multi-token-prediction head
+        (`mtp.*`), which published checkpoints carry and this model does not use."""
+        return None if hf_key.startswith("mtp.") else hf_key
+
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -75,7 +75,7 @@ def reference_in_pure_torch() -> Iterator[None]:
         yield
 
 
-def _pair(arch: str) -> tuple[nn.Module, nn.Module]:
+def random_pair(arch: str) -> tuple[nn.Module, nn.Module]:
     """(ours, reference) with the same random weights."""
     config_cls, model_cls, extra = ARCHS[arch]
     torch.manual_seed(0)
@@ -93,7 +93,7 @@ def _pair(arch: str) -> tuple[nn.Module, nn.Module]:
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def pair(request: pytest.FixtureRequest) -> tuple[nn.Module, nn.Module]:
-    return _pair(request.param)
+    return random_pair(request.param)
 
 
 def _states(model: nn.Module, num_slots: int = 6, max_len: int = 256) -> list[LayerState]:
@@ -208,7 +208,7 @@ def test_layer_specs_follow_layer_types_and_size_the_states(pair: tuple[nn.Modul
 @torch.no_grad()
 def test_bf16_model_keeps_float32_recurrent_state() -> None:
     ours = build_model({"model_type": "qwen3_5_moe_text", **COMMON, **ARCHS["qwen3_5_moe_text"][2]}, dtype=torch.bfloat16)
-    ref32, _ = _pair("qwen3_5_moe_text")
+    ref32, _ = random_pair("qwen3_5_moe_text")
     ours.load_state_dict(ref32.state_dict())
     specs = ours.layer_specs(2)
     states = allocate_states(specs, 2, 64, "cpu", torch.bfloat16)
