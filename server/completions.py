@@ -20,7 +20,7 @@ from typing import Literal, cast
 from ballast.engine.interface import TokenizerLike
 from ballast.engine.plan import SamplingParams
 from ballast.engine.tokenizer import Tokenizer
-from ballast.scheduler.errors import EngineFailed, Refused
+from ballast.scheduler.errors import EngineFailed, Refused, outcome_of
 from ballast.scheduler.request import (
     Event,
     FinishEvent,
@@ -172,17 +172,20 @@ def _generation(rid: str, ids: list[int], req: p.GenerationFields, asked: int | 
     )
 
 
-def _outcome(exc: BaseException) -> str:
-    return type(exc).__name__.lower()
-
-
-def refuse(state: ServerState, job: Job, exc: Refused) -> ApiError:
-    """Count a refusal, mark the server unsound if the engine failed, and map it for the client."""
+def refuse(state: ServerState, job: Job, exc: Refused, *, counted: bool = False) -> ApiError:
+    """Map a refusal for the client, mark the server unsound if the engine failed, and count it
+    (unless the request's timer already did, for an error that ended a running request)."""
     if isinstance(exc, EngineFailed):
         state.fail(str(exc))
     err = from_refusal(exc, job.prompt_param)
-    state.metrics.refused(job.endpoint, err.status, _outcome(exc))
+    if not counted:
+        state.metrics.refused(job.endpoint, err.status, outcome_of(exc))
     return err
+
+
+def finish_outcome(finish: FinishEvent) -> str:
+    """The metrics label of a finished request: its reason, or the refusal that ended it."""
+    return finish.reason if finish.error is None else outcome_of(finish.error)
 
 
 @dataclass(frozen=True)
@@ -267,9 +270,9 @@ async def respond(state: ServerState, job: Job, started: Started, request: Reque
         watcher.cancel()
         handle.abort()
     finish = event
-    timer.finished(finish.reason, finish.prompt_tokens, finish.completion_tokens)
+    timer.finished(finish_outcome(finish), finish.prompt_tokens, finish.completion_tokens)
     if finish.error is not None:
-        raise refuse(state, job, finish.error)
+        raise refuse(state, job, finish.error, counted=True)
     text = "".join(texts)
     usage = p.Usage.of(finish.prompt_tokens, finish.completion_tokens)
     body: p.ChatCompletion | p.Completion

@@ -17,7 +17,14 @@ from typing import Any
 
 from ballast.scheduler.request import FinishEvent, TokenEvent
 from ballast.server import protocol as p
-from ballast.server.completions import Job, Started, chat_logprobs, completion_logprobs, refuse
+from ballast.server.completions import (
+    Job,
+    Started,
+    chat_logprobs,
+    completion_logprobs,
+    finish_outcome,
+    refuse,
+)
 from ballast.server.state import ServerState
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -90,9 +97,9 @@ async def _events(state: ServerState, job: Job, started: Started) -> AsyncIterat
             if event.text or event.logprobs:  # "" while a stop-string prefix is held back
                 yield writer.tokens(event)
             event = await anext(started.events)
-        timer.finished(event.reason, event.prompt_tokens, event.completion_tokens)
+        timer.finished(finish_outcome(event), event.prompt_tokens, event.completion_tokens)
         if event.error is not None:
-            yield sse(refuse(state, job, event.error).body())
+            yield sse(refuse(state, job, event.error, counted=True).body())
             return
         yield writer.finish(event)
         if job.include_usage:

@@ -218,6 +218,9 @@ def test_engine_failure_is_500_and_health_fails(tmp_path: Path) -> None:
         r = httpx.post(url + "/v1/chat/completions", json=CHAT)
         err = assert_openai_error(r, 500, type="server_error")
         assert "device lost" in str(err["message"])
+        metrics = httpx.get(url + "/metrics").text  # counted once, under the refusal's label
+        assert 'ballast_requests_total{endpoint="chat",outcome="failed"} 1.0' in metrics
+        assert 'outcome="error"' not in metrics
         assert httpx.get(url + "/health").status_code == 503
         assert httpx.get(url + "/ready").status_code == 503
         assert state.failure is not None
