@@ -169,6 +169,26 @@ def test_chunked_prefill_equals_one_shot(pair: tuple[nn.Module, nn.Module]) -> N
 
 
 @torch.no_grad()
+def test_mixed_step_equals_each_sequence_alone(pair: tuple[nn.Module, nn.Module]) -> None:
+    """One step of three decode tokens and two prefill chunks of different lengths (attended as two
+    groups) gives every sequence the logits, and leaves the state, it gets when run alone."""
+    ours, _ = pair
+    histories = {0: _prompt(20, seed=20), 1: _prompt(7, seed=21), 3: _prompt(33, seed=22), 4: _prompt(12, seed=23)}
+    work = [(0, [7], 20), (2, _prompt(45, seed=24), 0), (1, [9], 7), (4, _prompt(6, seed=25), 12), (3, [2], 33)]
+    mixed, alone = _states(ours), _states(ours)
+    for states in (mixed, alone):
+        ours(ForwardBatch.build([(s, p, 0) for s, p in histories.items()], "cpu"), states)
+    got = ours(ForwardBatch.build(work, "cpu"), mixed)
+    for i, seq in enumerate(work):
+        want = ours(ForwardBatch.build([seq], "cpu"), alone)[0]
+        torch.testing.assert_close(got[i], want, atol=ATOL, rtol=0)
+    follow = [(s, [3], start + len(toks)) for s, toks, start in work]
+    torch.testing.assert_close(
+        ours(ForwardBatch.build(follow, "cpu"), mixed), ours(ForwardBatch.build(follow, "cpu"), alone), atol=ATOL, rtol=0
+    )
+
+
+@torch.no_grad()
 def test_reused_slot_starts_clean_and_saved_state_moves_between_slots(pair: tuple[nn.Module, nn.Module]) -> None:
     ours, _ = pair
     prompt, follow = _prompt(30, seed=5), _prompt(1, seed=6)
