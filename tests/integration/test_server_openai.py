@@ -7,6 +7,7 @@ every answer can be checked exactly; one slow test runs the real engine on a bui
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -20,10 +21,16 @@ from ballast.memory.config import MemoryConfig
 from ballast.memory.types import Level
 from ballast.memory.watch import MemWatch
 from ballast.scheduler.config import SchedulerConfig
+from ballast.scheduler.request import GenerationRequest, TokenEvent
 from ballast.server.app import create_app
+from ballast.server.completions import Job
 from ballast.server.config import ServerConfig
+from ballast.server.metrics import HttpMetrics
+from ballast.server.state import ServerState
+from ballast.server.streaming import _ChunkWriter
 from fake_engine import FakeEngine, FakeTokenizer, expected_tokens
 from memfixtures import level_tree
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from serverproc import running_server, serve_subprocess
 
@@ -247,3 +254,22 @@ def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.02)
+
+
+def test_streamed_text_chunks_are_the_modelled_bytes() -> None:
+    """The per-token fast path (a pre-rendered chunk around the JSON text) gives exactly the bytes
+    the pydantic models give, for text that needs escaping too."""
+    engine = FakeEngine()
+    registry = CollectorRegistry()
+    state = ServerState(config=ServerConfig(), registry=registry, metrics=HttpMetrics(registry), engine=engine)
+    try:
+        for endpoint in ("chat", "completion"):
+            for include_usage in (False, True):
+                job = Job(endpoint, "id-1", "m", GenerationRequest("id-1", (1,)), True, include_usage, False, "prompt")
+                writer = _ChunkWriter(job, state)
+                for text in ("plain", 'quote " and \\ backslash', "line\nbreak\t", "ünïcødé 漢字 🙂", "\x00", ""):
+                    event = TokenEvent(text, (1,))
+                    assert writer.tokens(event) == writer._modelled_tokens(event)
+                    assert json.loads(writer.tokens(event)[6:])["object"] in ("chat.completion.chunk", "text_completion")
+    finally:
+        engine.shutdown()
