@@ -192,9 +192,12 @@ class Engine:
             seqs.append((d.slot, (d.token_id,), d.pos))
             sampled.append(True)
         self._check_slots([s for s, _, _ in seqs])
+        vocab = self.runner.sampler.vocab_size
         for slot, tokens, start in seqs:
             if start + len(tokens) > self.max_model_len:
                 raise PlanError(f"slot {slot}: positions up to {start + len(tokens) - 1} exceed max_model_len {self.max_model_len}")
+            if min(tokens) < 0 or max(tokens) >= vocab:
+                raise PlanError(f"slot {slot}: token ids must be in 0..{vocab - 1}")
         self.runner.reset([p.slot for p in plan.prefills if p.start_pos == 0])
         for p in plan.prefills:
             self.runner.sampler.observe_prompt(p.slot, p.token_ids)

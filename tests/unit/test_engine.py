@@ -202,6 +202,8 @@ def test_a_failed_step_makes_the_engine_unhealthy() -> None:
         StepPlan(decodes=(DecodeToken(9, 5, 1),), sampling={9: GREEDY}),  # slot out of range
         StepPlan(decodes=(DecodeToken(0, 5, 1),)),  # no sampling params for a sampled slot
         StepPlan(prefills=(PrefillChunk(0, tuple(range(MAX_LEN + 1)), 0, True),), sampling={0: GREEDY}),
+        StepPlan(prefills=(PrefillChunk(0, (5, 49152), 0, True),), sampling={0: GREEDY}),  # token id past the vocabulary
+        StepPlan(decodes=(DecodeToken(0, -1, 3),), sampling={0: GREEDY}),
     ],
 )
 def test_impossible_plans_are_refused(plan: StepPlan) -> None:
