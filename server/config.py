@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ballast.engine.config import DTYPES, KV_QUANT_MODES, EngineConfig
-from ballast.memory.config import MemoryConfig
 
 _INT_RE = re.compile(r"[+-]?[0-9]+")
 _FLOAT_RE = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
@@ -251,7 +250,3 @@ def unknown_variables(environ: Mapping[str, str], layers: Sequence[type], also_k
 def warn_unknown(environ: Mapping[str, str], layers: Sequence[type], also_known: Sequence[str] = ()) -> None:
     for name in unknown_variables(environ, layers, also_known):
         print(f"ballast: warning: {name} is set but no setting reads it (typo?)", file=sys.stderr)
-
-
-def memory_config(args: argparse.Namespace | None, environ: Mapping[str, str]) -> MemoryConfig:
-    return build(MemoryConfig, args, environ)
