@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from ballast.engine.config import EngineConfig
+from ballast.engine.loading import load
 from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel, WeightLoadError
 from ballast.models.builtin import BUILTIN, build_builtin, builtin_config
 from ballast.models.hf_loader import INDEX_FILE, inspect_hf_dir, load_hf_dir, load_hf_model
@@ -248,3 +250,13 @@ def test_per_expert_mismatches_are_typed_errors(tmp_path: Path) -> None:
         load_with({**good, f"{expert}.2.gate_proj.weight": torch.zeros(3, 64)})
     with pytest.raises(WeightLoadError, match=r"filled twice \['model.layers.0.mlp.experts.down_proj'\]"):
         load_with({**good, f"{expert}.down_proj": direct.state_dict()[f"{expert}.down_proj"].clone()})
+
+
+def test_engine_loads_a_hybrid_checkpoint_directory(tmp_path: Path, hybrid: tuple[str, nn.Module, Any]) -> None:
+    """The engine's load path (admission figures from inspect_hf_dir, then load_hf_model) on a
+    transformers-written directory."""
+    _, direct, reference = hybrid
+    reference.save_pretrained(tmp_path)
+    loaded = load(EngineConfig(model=str(tmp_path)), torch.device("cpu"), torch.float32)
+    assert loaded.weights_bytes == 4 * sum(p.numel() for p in direct.parameters())
+    assert torch.equal(last_logits(loaded.model, HYBRID_IDS), last_logits(direct, HYBRID_IDS))
