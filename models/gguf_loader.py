@@ -23,10 +23,10 @@ from torch import Tensor
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-# what engine/, bench/ and the tests import from here
+# re-exported: engine/loading.py and bench/load_time.py import these from here
 __all__ = [
-    "GGUFError", "GGUFFile", "GGUFModel", "GGUFUnsupportedError", "build_tokenizer", "dequantize",
-    "gguf_config", "gguf_tensors", "gguf_tokenizer", "hf_tensor_name", "load_gguf", "qk_row_order", "read_gguf",
+    "GGUFError", "GGUFModel", "build_tokenizer", "gguf_config", "gguf_tensors", "gguf_tokenizer", "hf_tensor_name",
+    "load_gguf", "qk_row_order", "read_gguf",
 ]  # fmt: skip
 
 # a progress bar only when the load is long enough to wonder about

@@ -12,16 +12,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from ballast.models.gguf_loader import (
-    GGUFError,
-    GGUFUnsupportedError,
-    dequantize,
-    gguf_tokenizer,
-    hf_tensor_name,
-    load_gguf,
-    qk_row_order,
-    read_gguf,
-)
+from ballast.models.gguf_loader import gguf_tokenizer, hf_tensor_name, load_gguf, qk_row_order
+from ballast.models.gguf_quants import dequantize
+from ballast.models.gguf_reader import GGUFError, GGUFUnsupportedError, read_gguf
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as QT
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
