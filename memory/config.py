@@ -6,6 +6,7 @@ field metadata names the variable and its accepted range so a bad value is repor
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 
 from ballast.memory.types import GiB, MiB
@@ -32,9 +33,13 @@ class MemoryConfig:
     pool_min_buffer_bytes: int = field(default=MiB, metadata=_env("BALLAST_POOL_MIN_BUFFER_BYTES", 0, 1 << 40, "buffers smaller than this are not pooled"))
     pool_max_idle_s: float = field(default=30.0, metadata=_env("BALLAST_POOL_MAX_IDLE_S", 0.0, 86400.0, "idle trim age for pooled buffers"))
     ladder_disable: bool = field(default=False, metadata=_env("BALLAST_LADDER_DISABLE", 0, 1, "1 turns the degradation ladder off"))
-    root: str = field(default="/", metadata={"doc": "filesystem root for /proc and /sys reads (tests point it at a temp tree)"})
+    # A container that mounts the host's /proc and /sys elsewhere points this there (as node
+    # exporter's --path.rootfs does); tests point it at a temp tree.
+    root: str = field(default="/", metadata={"env": "BALLAST_MEMORY_ROOT", "doc": "filesystem root under which proc/ and sys/fs/cgroup are read"})
 
     def __post_init__(self) -> None:
+        if not os.path.isdir(self.root):
+            raise ValueError(f"BALLAST_MEMORY_ROOT={self.root!r} is not a directory (the root under which proc/ is read)")
         for f in fields(self):
             rng = f.metadata.get("range")
             if rng is None:
