@@ -21,6 +21,13 @@ from torch import Tensor, nn
 DEFAULT_ROPE_THETA = 10000.0
 
 
+def token_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
+    """An embedding table left uninitialised: loaders and `init_random` fill it. nn.Embedding's own
+    initialisation imports torch._dynamo (about 2 s of a model load on a 2-core box, even on the
+    meta device); passing the weight skips it."""
+    return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
+
+
 class RMSNorm(nn.Module):
     """Normalise in float32, scale in the input dtype (as the reference does, for bf16 parity)."""
 
