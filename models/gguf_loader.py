@@ -23,7 +23,8 @@ from torch import Tensor
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-# re-exported: engine/loading.py and bench/load_time.py import these from here
+# GGUFError, read_gguf and build_tokenizer are re-exported: engine/loading.py and bench/load_time.py
+# import them from here
 __all__ = [
     "GGUFError", "GGUFModel", "build_tokenizer", "gguf_config", "gguf_tensors", "gguf_tokenizer", "hf_tensor_name",
     "load_gguf", "qk_row_order", "read_gguf",
