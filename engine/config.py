@@ -6,7 +6,7 @@ are returned by the engine, never written back here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,20 +18,31 @@ DTYPES: dict[str, torch.dtype] = {
 KV_QUANT_MODES = ("none", "int8")
 
 
+def _setting(env: str, doc: str, rng: tuple[int, int] | None = None, choices: tuple[str, ...] | None = None) -> dict[str, object]:
+    meta: dict[str, object] = {"env": env, "doc": doc}
+    if rng is not None:
+        meta["range"] = rng
+    if choices is not None:
+        meta["choices"] = choices
+    return meta
+
+
 class EngineConfigError(ValueError):
     """A configuration value is out of its accepted range."""
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "default"  # "default", "builtin:NAME", a .gguf file, or a Hugging Face directory
-    dtype: str = "auto"  # "auto" = bfloat16 on CUDA, float32 on CPU; else a key of DTYPES
-    device: str = "auto"  # "auto" = cuda:0 when available, else cpu; or "cpu", "cuda", "cuda:N"
-    max_num_seqs: int = 8  # slots allocated at load: the hard ceiling on concurrent sequences
-    max_model_len: int = 2048  # prompt + generated tokens per slot
-    prefill_chunk_tokens: int = 512  # the largest prefill one step may carry (profiled at load)
-    kv_quant: str = "none"  # "none" keeps KV in the model dtype; "int8" adds per token-head scales
-    seed: int = 0  # seeds random-init weights and the sampler's shared generator
+    # Field metadata names each setting's variable, range or choices, and doc: the one
+    # configuration path (ballast.server.config) reads it to build flags and parse the environment.
+    model: str = field(default="default", metadata=_setting("BALLAST_MODEL", "model to serve: default, builtin:NAME, a .gguf file or a Hugging Face directory"))
+    dtype: str = field(default="auto", metadata=_setting("BALLAST_DTYPE", "weights and activations dtype (auto = bfloat16 on CUDA, float32 on CPU)", choices=("auto", *DTYPES)))
+    device: str = field(default="auto", metadata=_setting("BALLAST_DEVICE", "auto, cpu, cuda or cuda:N"))
+    max_num_seqs: int = field(default=8, metadata=_setting("BALLAST_MAX_NUM_SEQS", "concurrent sequences (slots allocated at load)", (1, 4096)))
+    max_model_len: int = field(default=2048, metadata=_setting("BALLAST_MAX_MODEL_LEN", "prompt + generated tokens per sequence", (2, 1 << 20)))
+    prefill_chunk_tokens: int = field(default=512, metadata=_setting("BALLAST_PREFILL_CHUNK_TOKENS", "largest prefill one step carries (profiled at load)", (1, 1 << 16)))
+    kv_quant: str = field(default="none", metadata=_setting("BALLAST_KV_QUANT", "KV cache format: none keeps the model dtype, int8 adds per token-head scales", choices=KV_QUANT_MODES))
+    seed: int = field(default=0, metadata=_setting("BALLAST_SEED", "seed of random-init weights and the shared sampler", (0, (1 << 63) - 1)))
 
     def __post_init__(self) -> None:
         if not self.model:

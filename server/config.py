@@ -25,8 +25,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ballast.engine.config import DTYPES, KV_QUANT_MODES, EngineConfig
-
 _INT_RE = re.compile(r"[+-]?[0-9]+")
 _FLOAT_RE = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
 _BOOLS = {"1": True, "true": True, "0": False, "false": False}
@@ -113,31 +111,13 @@ def _field_kind(hint: Any) -> tuple[type, bool]:
 
 # Settings of layer configs whose fields carry no metadata (yet): the same keys, stated here.
 # Field metadata, where present, wins; a field named here that the layer lacks is a TypeError.
-_OVERLAYS: dict[type, dict[str, dict[str, Any]]] = {
-    EngineConfig: {
-        "model": _setting("BALLAST_MODEL", "model to serve: default, builtin:NAME, a .gguf file or a Hugging Face directory"),
-        "dtype": _setting("BALLAST_DTYPE", "weights and activations dtype", choices=("auto", *DTYPES)),
-        "device": _setting("BALLAST_DEVICE", "auto, cpu, cuda or cuda:N"),
-        "max_num_seqs": _setting("BALLAST_MAX_NUM_SEQS", "concurrent sequences (slots)", 1, 4096),
-        "max_model_len": _setting("BALLAST_MAX_MODEL_LEN", "prompt + generated tokens per sequence", 2, 1 << 20),
-        "prefill_chunk_tokens": _setting("BALLAST_PREFILL_CHUNK_TOKENS", "largest prefill one step carries", 1, 1 << 16),
-        "kv_quant": _setting("BALLAST_KV_QUANT", "KV cache format", choices=KV_QUANT_MODES),
-        "seed": _setting("BALLAST_SEED", "seed of random-init weights and the shared sampler", 0, (1 << 63) - 1),
-    },
-}
-
-
 def settings_of(layer: type) -> list[Setting]:
-    """The settings a layer config declares: every field whose metadata (or overlay) names an `env`."""
+    """The settings a layer config declares: every field whose metadata names an `env`."""
     hints = typing.get_type_hints(layer)
-    overlay = _OVERLAYS.get(layer, {})
-    names = {f.name for f in dataclasses.fields(layer)}
-    if missing := set(overlay) - names:
-        raise TypeError(f"{layer.__name__} has no fields {sorted(missing)} that server/config.py describes")
     out = []
     for f in dataclasses.fields(layer):
-        meta = f.metadata if "env" in f.metadata else overlay.get(f.name)
-        if meta is None:
+        meta = f.metadata
+        if "env" not in meta:
             continue
         env = meta["env"]
         kind, optional = _field_kind(hints[f.name])
