@@ -24,6 +24,7 @@ from ballast.models.layers import (
     StepContext,
     apply_rope,
     attend,
+    token_embedding,
 )
 from ballast.models.moe import GatedMLP, SparseMoeBlock
 from ballast.models.state import KVState, LayerState, attention_spec, dtype_bytes
@@ -255,7 +256,7 @@ class HybridDecoderLayer(nn.Module):
 class HybridModel(nn.Module):
     def __init__(self, cfg: HybridConfig, linear_cls: type[GatedDeltaNet]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, linear_cls) for i in range(cfg.num_hidden_layers))
         self.norm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim)
