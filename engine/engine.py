@@ -13,11 +13,13 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import psutil
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
 from ballast.engine.loading import LoadedModel, load
 from ballast.engine.plan import SamplingParams, SlotOutput, StepPlan, StepResult
+from ballast.engine.prefix_cache import CheckpointMissing, PrefixCache, PrefixCacheConfig, auto_interval
 from ballast.engine.runner import (
     ModelRunner,
     Profile,
@@ -28,6 +30,7 @@ from ballast.engine.runner import (
 )
 from ballast.engine.tokenizer import Tokenizer
 from ballast.memory.ledger import Lease
+from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import CostModel
 from ballast.memory.watch import MemWatch
 
@@ -60,8 +63,11 @@ class LoadReport:
 class Engine:
     """Implements `ballast.engine.interface.EngineLike`. Build it with `Engine.load(config)`."""
 
-    def __init__(self, config: EngineConfig, watch: MemWatch | None = None, force_quantized_kv: bool = False) -> None:
+    def __init__(self, config: EngineConfig, watch: MemWatch | None = None, force_quantized_kv: bool = False, *,
+                 prefix_cache: PrefixCacheConfig | None = None, pool: CheckpointPool | None = None) -> None:
         self.config = config
+        self._prefix_cfg = prefix_cache or PrefixCacheConfig()
+        self._pool = pool
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
         self.num_slots = config.max_num_seqs
@@ -80,10 +86,12 @@ class Engine:
         self._setup(parts)
 
     @classmethod
-    def load(cls, config: EngineConfig, watch: MemWatch | None = None, force_quantized_kv: bool = False) -> Engine:
+    def load(cls, config: EngineConfig, watch: MemWatch | None = None, force_quantized_kv: bool = False, *,
+             prefix_cache: PrefixCacheConfig | None = None, pool: CheckpointPool | None = None) -> Engine:
         """Load the model, profile a prefill, allocate slot states. force_quantized_kv: the ladder's
-        plan at load asks for int8 KV (also on when config.kv_quant is int8)."""
-        return cls(config, watch, force_quantized_kv)
+        plan at load asks for int8 KV (also on when config.kv_quant is int8). prefix_cache: the
+        checkpoint cache's settings (default: on); pool: where its buffers come from and go back to."""
+        return cls(config, watch, force_quantized_kv, prefix_cache=prefix_cache, pool=pool)
 
     def _load(self, force_quantized_kv: bool) -> tuple[LoadedModel, ModelRunner, Profile, list[Lease]]:
         cfg = self.config
@@ -113,8 +121,29 @@ class Engine:
         self._leases = leases
         self.cost_model: CostModel = build_cost_model(loaded.model, self.dtype, profile, loaded.weights_bytes)
         self.load_report = LoadReport(loaded.load_s, loaded.weights_bytes, runner.state_bytes, profile, runner.quantized_kv)
+        self.prefix_cache = self._build_prefix_cache()
+        self.checkpoint_interval = self.prefix_cache.interval if self.prefix_cache is not None else 0
+        # Cumulative figures: prompt tokens run through the model vs restored from checkpoints.
+        self.prefilled_tokens = 0
+        self.reused_tokens = 0
         log.info("engine: %s on %s (%s), %d slots x %d tokens, load %.2fs", self.model_name, self.device, self.dtype,
                  self.num_slots, self.max_model_len, loaded.load_s)
+
+    def _build_prefix_cache(self) -> PrefixCache | None:
+        cfg = self._prefix_cfg
+        if not cfg.enabled:
+            return None
+        watch = self._watch
+
+        def budget() -> int:
+            # Live, like the pool's cap: a cgroup limit that shrinks shrinks the cache's next save.
+            total = watch.read().host.effective_total_bytes if watch is not None else psutil.virtual_memory().total
+            cap = int(total * cfg.fraction)
+            return min(cap, cfg.max_bytes) if cfg.max_bytes else cap
+
+        cost = self.cost_model
+        interval = cfg.checkpoint_interval or auto_interval(cost.state_bytes_per_slot, cost.kv_bytes_per_token)
+        return PrefixCache(self.runner.states, budget, interval, self._pool)
 
     # --- EngineLike ------------------------------------------------------------------------
 
@@ -138,11 +167,17 @@ class Engine:
             return failed
         return self._executor.submit(self._guarded_step, plan)
 
+    def match_prefix(self, prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens a restore would cover now (0: none, or prefix caching is off)."""
+        return self.prefix_cache.match(prompt_ids) if self.prefix_cache is not None else 0
+
     def new_detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> Detokenizer:
         return self.tokenizer.new_detokenizer(prompt_ids, stop)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
+        if self.prefix_cache is not None:
+            self.prefix_cache.shed()  # buffers back to the pool, which the owner trims
         for lease in self._leases:
             lease.release()
 
@@ -160,18 +195,22 @@ class Engine:
 
     def step(self, plan: StepPlan) -> StepResult:
         """Execute one plan. Call only on the engine thread (through `submit`), or in tests."""
-        if plan.restores or plan.saves:
-            raise PlanError("checkpoint save/restore orders are not supported by this engine yet")
         self._apply_releases(plan)
+        reused = self._apply_restores(plan)
         seqs, sampled = self._sequences(plan)
-        if not seqs:
-            return StepResult()
-        t0 = time.perf_counter()
-        logits = self.runner.forward(seqs)
-        outputs = self._sample(seqs, sampled, logits, plan.sampling)
-        forward_s = time.perf_counter() - t0
+        outputs, forward_s = self._forward(seqs, sampled, plan.sampling)
+        self._apply_saves(plan)
         prefill_tokens = sum(len(p.token_ids) for p in plan.prefills)
-        return StepResult(outputs, prefill_tokens, len(plan.decodes), 0, forward_s, self._ledger_bytes())
+        self.prefilled_tokens += prefill_tokens
+        self.reused_tokens += reused
+        return StepResult(outputs, prefill_tokens, len(plan.decodes), reused, forward_s, self._ledger_bytes())
+
+    def _forward(self, seqs: Sequences, sampled: list[bool], sampling: dict[int, SamplingParams]) -> tuple[tuple[SlotOutput, ...], float]:
+        if not seqs:
+            return (), 0.0
+        t0 = time.perf_counter()
+        outputs = self._sample(seqs, sampled, self.runner.forward(seqs), sampling)
+        return outputs, time.perf_counter() - t0
 
     def _apply_releases(self, plan: StepPlan) -> None:
         if plan.max_slots is not None:
@@ -179,6 +218,44 @@ class Engine:
             self.active_slot_limit = max(1, min(self.num_slots, plan.max_slots))
         self._check_slots(plan.release)
         self.runner.sampler.reset(plan.release)
+
+    def _apply_restores(self, plan: StepPlan) -> int:
+        """Shed the prefix cache if the ladder says so, then load each restore's checkpoint into its
+        slot, before any forward. Returns the prompt tokens restored."""
+        cache = self.prefix_cache
+        if cache is None:
+            if plan.restores or plan.saves:
+                raise PlanError("checkpoint orders sent to an engine whose prefix cache is off")
+            return 0
+        if plan.shed_prefix_cache:
+            if plan.restores or plan.saves:
+                raise PlanError("a plan that sheds the prefix cache cannot also save or restore checkpoints")
+            cache.shed()
+            return 0
+        starts = {p.slot: p.start_pos for p in plan.prefills}
+        reused = 0
+        for r in plan.restores:
+            self._check_slots([r.slot])
+            if starts.get(r.slot) != len(r.prefix):
+                raise PlanError(f"slot {r.slot}: a restore of {len(r.prefix)} tokens needs a prefill chunk starting there")
+            try:
+                reused += cache.restore(r.slot, r.prefix)
+            except CheckpointMissing as e:
+                raise PlanError(str(e)) from e
+            # The restored prefix counts for the repetition penalty as if it had been prefilled.
+            self.runner.sampler.reset([r.slot])
+            self.runner.sampler.observe_prompt(r.slot, r.prefix)
+        return reused
+
+    def _apply_saves(self, plan: StepPlan) -> None:
+        """After the forward: each save's slot has consumed exactly its prefix."""
+        if self.prefix_cache is None:
+            return
+        self._check_slots([s.slot for s in plan.saves])
+        for s in plan.saves:
+            if not 0 < len(s.prefix) <= self.max_model_len:
+                raise PlanError(f"slot {s.slot}: a checkpoint of {len(s.prefix)} tokens is outside 1..{self.max_model_len}")
+            self.prefix_cache.save(s.slot, s.prefix)
 
     def _sequences(self, plan: StepPlan) -> tuple[Sequences, list[bool]]:
         """(slot, tokens, start) per sequence in plan order (prefills, then decodes), and whether

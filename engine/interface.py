@@ -45,12 +45,22 @@ class EngineLike(Protocol):
     num_slots: int  # slots allocated at load: the hard ceiling
     max_model_len: int  # prompt + generated tokens per slot
     prefill_chunk_tokens: int  # the largest prefill the engine profiled (tokens per step)
+    # Prefill chunks end at multiples of this, where the scheduler orders checkpoint saves (a
+    # recurrent state exists only at the position a chunk ended); 0 = prefix caching is off.
+    checkpoint_interval: int
     cost_model: CostModel
     tokenizer: TokenizerLike
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         """Queue a plan on the engine thread. Plans run one at a time, in submission order.
         The future raises if the step failed; the engine is then unsound (see `healthy`)."""
+        ...
+
+    def match_prefix(self, prompt_ids: Sequence[int]) -> int:
+        """How many leading tokens of this prompt a `CheckpointRestore` could cover in the next
+        plan (always fewer than the prompt's length; 0 = none). Called on the event loop while no
+        plan is in flight: checkpoints change only inside steps, so the answer holds for the next
+        plan."""
         ...
 
     def new_detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> DetokenizerLike: ...

@@ -63,8 +63,10 @@ class DecodeToken:
 
 @dataclass(frozen=True)
 class CheckpointSave:
-    """Copy a slot's recurrent state after it has consumed the tokens of `prefix` (the engine keys
-    its prefix cache by those tokens)."""
+    """After this step's forward, copy the slot's state into the prefix cache. The slot has then
+    consumed exactly the tokens of `prefix` (a recurrent state cannot be cut back, so the scheduler
+    ends a prefill chunk at the position, or saves a finished request's prompt + output[:-1]); the
+    engine keys the checkpoint by those tokens."""
 
     slot: int
     prefix: tuple[int, ...]
@@ -72,7 +74,9 @@ class CheckpointSave:
 
 @dataclass(frozen=True)
 class CheckpointRestore:
-    """Before this step's work, load the cached state for the first n_tokens of a prompt into slot."""
+    """Before this step's forward, load the checkpoint of exactly `prefix` (one the engine's
+    `match_prefix` reported while this plan was built) into the slot. The same plan carries the
+    slot's prefill chunk starting at len(prefix); the engine does not reset the slot for it."""
 
     slot: int
     prefix: tuple[int, ...]
@@ -87,10 +91,11 @@ class StepPlan:
     restores: tuple[CheckpointRestore, ...] = ()
     saves: tuple[CheckpointSave, ...] = ()
     max_slots: int | None = None  # resize the active slot limit before the step (ladder)
+    shed_prefix_cache: bool = False  # empty the prefix cache before the step (ladder, WATCH+)
 
     @property
     def empty(self) -> bool:
-        return not (self.prefills or self.decodes or self.release or self.restores or self.saves)
+        return not (self.prefills or self.decodes or self.release or self.restores or self.saves or self.shed_prefix_cache)
 
 
 @dataclass(frozen=True)

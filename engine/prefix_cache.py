@@ -1,0 +1,285 @@
+"""The prefix cache: slot states saved at chosen prompt positions, restored for a later prompt that
+starts with the same tokens, so only the rest is prefilled.
+
+KV can be truncated, a recurrent (linear-attention / SSM) state cannot: the state after n tokens
+exists only at the moment the slot has consumed exactly n tokens. So a checkpoint is taken at the
+end of a step whose prefill chunk ends at n (the scheduler splits chunks at `checkpoint_interval`
+multiples and at the end of each prompt) or when a request finishes (its slot holds prompt +
+output[:-1]). One entry holds everything needed to resume at n, for every layer: a recurrent
+layer's conv + recurrent state, an attention layer's K/V rows [0, n) (and their int8 scales).
+
+Entries live in buffers from the memory layer's `CheckpointPool` (pinned on CUDA, so the copies
+run at full speed, and recycled, so a new checkpoint does not page-fault a fresh mmap; seed 003).
+The cache is bounded by a live byte budget (a fraction of the effective, cgroup-aware host memory),
+evicts least recently used entries to fit, and is emptied by `shed()` when the ladder reaches WATCH:
+cached state is the cheapest memory to give back, since nothing running depends on it.
+
+Threads: `match` runs on the event loop (the scheduler asks it while building a plan); every other
+method runs on the engine thread. The index is guarded by a lock. Entries change only inside a step
+(saves insert and evict, a plan's shed empties), and the scheduler has one plan in flight, so an
+entry it matched while building plan P is still there when P's restores run (restores run first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from ballast.memory.pool import CheckpointPool
+from ballast.models.state import KVState, LayerState, RecurrentState
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+# Segment offsets inside a buffer are aligned so any dtype can be viewed at them (and so CUDA
+# copies stay on their fast path).
+_ALIGN = 64
+# Checkpoints closer than this are never worth a split prefill chunk (each split costs a step).
+MIN_INTERVAL = 512
+_INTERVAL_QUANTUM = 256
+
+
+def _setting(env: str, lo: float, hi: float, doc: str) -> dict[str, object]:
+    return {"env": env, "range": (lo, hi), "doc": doc}
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    """The prefix cache's settings (flags and BALLAST_* variables through `ballast.server.config`)."""
+
+    fraction: float = field(default=0.05, metadata=_setting(
+        "BALLAST_PREFIX_CACHE_FRACTION", 0.0, 0.5, "prefix cache byte budget as a fraction of effective host memory; 0 turns prefix reuse off"))
+    max_bytes: int = field(default=0, metadata=_setting(
+        "BALLAST_PREFIX_CACHE_BYTES", 0, 1 << 50, "fixed cap on the prefix cache's bytes on top of the fraction; 0 = the fraction alone"))
+    checkpoint_interval: int = field(default=0, metadata=_setting(
+        "BALLAST_CHECKPOINT_INTERVAL", 0, 1 << 20, "prompt tokens between checkpoints; 0 = from the model's costs"))
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 0.5:
+            raise ValueError(f"BALLAST_PREFIX_CACHE_FRACTION={self.fraction} is out of range: accepted 0..0.5")
+        if self.max_bytes < 0 or self.checkpoint_interval < 0:
+            raise ValueError(f"prefix cache caps must be >= 0, got max_bytes={self.max_bytes}, checkpoint_interval={self.checkpoint_interval}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.fraction > 0
+
+
+def auto_interval(state_bytes_per_slot: int, kv_bytes_per_token: int) -> int:
+    """Tokens between checkpoints, from the model's costs. A checkpoint's fixed part (the recurrent
+    state) costs as much as state/kv tokens of KV; placing checkpoints at least that far apart keeps
+    the recurrent copies from costing more than the KV they let a later prompt skip, so interval
+    checkpoints at most double the cache's bytes. Never below MIN_INTERVAL: each split prefill chunk
+    costs a step."""
+    if kv_bytes_per_token <= 0:  # no attention layers: nothing to weigh the state against
+        return MIN_INTERVAL
+    tokens = math.ceil(state_bytes_per_slot / kv_bytes_per_token)
+    return max(MIN_INTERVAL, _INTERVAL_QUANTUM * math.ceil(tokens / _INTERVAL_QUANTUM))
+
+
+class CheckpointMissing(LookupError):
+    """A restore names a prefix the cache does not hold (a scheduler/engine contract violation)."""
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    entries: int
+    bytes_held: int
+    saves: int  # checkpoints stored
+    duplicates: int  # saves of a prefix already held (no copy, the entry became most recent)
+    declined: int  # saves larger than the whole budget, or whose buffer could not be allocated
+    restores: int
+    evictions: int  # entries dropped to fit a newer one
+    sheds: int  # shed() calls that released something
+
+
+def _digest(tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+@dataclass(eq=False)
+class _Entry:
+    n_tokens: int
+    buf: Tensor  # 1-D uint8 host buffer from the pool
+    nbytes: int  # bytes of buf in use (the pool may hand out a larger buffer)
+    # Per layer, per tensor: (offset, dtype, shape) of the segment holding it.
+    layout: tuple[tuple[tuple[int, torch.dtype, torch.Size], ...], ...]
+
+
+def slot_views(state: LayerState, slot: int, n_tokens: int) -> tuple[Tensor, ...]:
+    """Views (no copy) of what resuming a slot at n_tokens needs from one layer's state: what
+    `LayerState.save` would clone. Kept here because LayerState has no public view method yet."""
+    if isinstance(state, RecurrentState):
+        return state.tensors(slot)
+    if isinstance(state, KVState):
+        return tuple(t[slot, :n_tokens] for t in (state.kv, state.scale) if t is not None)
+    raise TypeError(f"no checkpoint layout for {type(state).__name__}")
+
+
+class PrefixCache:
+    """Checkpoints of slot states keyed by the exact token prefix they consumed; LRU in bytes."""
+
+    def __init__(self, states: Sequence[LayerState], budget_bytes: Callable[[], int], interval: int,
+                 pool: CheckpointPool | None = None) -> None:
+        if interval < 1:
+            raise ValueError(f"checkpoint interval must be >= 1, got {interval}")
+        self._states = list(states)
+        self._budget = budget_bytes
+        self.interval = interval
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[int, bytes], _Entry] = OrderedDict()  # LRU first
+        self._lengths: Counter[int] = Counter()  # n_tokens of the entries, for match
+        self._held = 0
+        self._saves = self._duplicates = self._declined = self._restores = self._evictions = self._sheds = 0
+        self._cuda = any(t.is_cuda for s in self._states for t in slot_views(s, 0, 1))
+
+    # --- any thread ------------------------------------------------------------------------
+    def match(self, prompt: Sequence[int]) -> int:
+        """The longest cached prefix of `prompt` shorter than it (at least one token must still be
+        prefilled to produce the first logits); 0 if none."""
+        with self._lock:
+            lengths = sorted(n for n in self._lengths if n < len(prompt))
+            if not lengths:
+                return 0
+            h = hashlib.blake2b(digest_size=16)
+            prev, best = 0, 0
+            for n in lengths:
+                h.update(array("q", prompt[prev:n]).tobytes())
+                prev = n
+                if (n, h.copy().digest()) in self._entries:
+                    best = n
+            return best
+
+    def stats(self) -> PrefixCacheStats:
+        with self._lock:
+            return PrefixCacheStats(len(self._entries), self._held, self._saves, self._duplicates, self._declined,
+                                    self._restores, self._evictions, self._sheds)
+
+    # --- engine thread ---------------------------------------------------------------------
+    def save(self, slot: int, prefix: Sequence[int]) -> bool:
+        """Copy the slot's state, which has consumed exactly `prefix`, into the cache. False if the
+        checkpoint does not fit the budget at all (nothing is evicted for it then)."""
+        n = len(prefix)
+        key = (n, _digest(prefix))
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                self._duplicates += 1
+                return True
+        views = [slot_views(s, slot, n) for s in self._states]
+        layout, nbytes = _layout(views)
+        if nbytes > self._budget() or not self._make_room(nbytes):
+            with self._lock:
+                self._declined += 1
+            return False
+        buf = self._buffer(nbytes)
+        if buf is None:
+            return False
+        for layer_views, layer_layout in zip(views, layout, strict=True):
+            for src, (off, dtype, shape) in zip(layer_views, layer_layout, strict=True):
+                _segment(buf, off, dtype, shape).copy_(src, non_blocking=self._cuda)
+        self._sync()  # the buffer must hold the state before anyone can restore from it
+        with self._lock:
+            self._entries[key] = _Entry(n, buf, nbytes, layout)
+            self._lengths[n] += 1
+            self._held += nbytes
+            self._saves += 1
+        return True
+
+    def restore(self, slot: int, prefix: Sequence[int]) -> int:
+        """Load the checkpoint of exactly `prefix` into the slot; returns its token count."""
+        key = (len(prefix), _digest(prefix))
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise CheckpointMissing(f"no checkpoint for a {len(prefix)}-token prefix (slot {slot})")
+            self._entries.move_to_end(key)
+            self._restores += 1
+        for state, layer_layout in zip(self._states, entry.layout, strict=True):
+            state.load(slot, [_segment(entry.buf, off, dtype, shape) for off, dtype, shape in layer_layout])
+        self._sync()  # the buffer may go back to the pool (eviction) once the copies have run
+        return entry.n_tokens
+
+    def shed(self) -> int:
+        """Drop every entry, buffers back to the pool; returns the bytes released."""
+        with self._lock:
+            dropped = list(self._entries.values())
+            self._entries.clear()
+            self._lengths.clear()
+            released, self._held = self._held, 0
+            if dropped:
+                self._sheds += 1
+        for e in dropped:
+            self._give_back(e.buf)
+        return released
+
+    @property
+    def bytes_held(self) -> int:
+        return self._held
+
+    # --- internals -------------------------------------------------------------------------
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict least recently used entries until nbytes more fit the live budget."""
+        budget = self._budget()
+        dropped: list[_Entry] = []
+        with self._lock:
+            while self._entries and self._held + nbytes > budget:
+                _, e = self._entries.popitem(last=False)
+                self._lengths[e.n_tokens] -= 1
+                if not self._lengths[e.n_tokens]:
+                    del self._lengths[e.n_tokens]
+                self._held -= e.nbytes
+                self._evictions += 1
+                dropped.append(e)
+            fits = self._held + nbytes <= budget
+        for e in dropped:
+            self._give_back(e.buf)
+        return fits
+
+    def _buffer(self, nbytes: int) -> Tensor | None:
+        try:
+            if self._pool is not None:
+                return self._pool.get(nbytes)
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+        except (RuntimeError, MemoryError) as e:
+            # The pool already trimmed itself and retried once. A checkpoint is an optimisation:
+            # give back everything the cache holds and go on without this one (logged, counted).
+            released = self.shed()
+            with self._lock:
+                self._declined += 1
+            log.warning("checkpoint buffer of %d bytes failed (%s); prefix cache shed %d bytes", nbytes, e, released)
+            return None
+
+    def _give_back(self, buf: Tensor) -> None:
+        if self._pool is not None:
+            self._pool.put(buf)  # a declined buffer is freed when its last reference goes
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()
+
+
+def _layout(views: Sequence[Sequence[Tensor]]) -> tuple[tuple[tuple[tuple[int, torch.dtype, torch.Size], ...], ...], int]:
+    off = 0
+    layout = []
+    for layer_views in views:
+        segs = []
+        for t in layer_views:
+            off = -(-off // _ALIGN) * _ALIGN
+            segs.append((off, t.dtype, t.shape))
+            off += t.numel() * t.element_size()
+        layout.append(tuple(segs))
+    return tuple(layout), max(off, 1)
+
+
+def _segment(buf: Tensor, off: int, dtype: torch.dtype, shape: torch.Size) -> Tensor:
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return buf[off : off + nbytes].view(dtype).view(shape)

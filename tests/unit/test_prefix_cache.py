@@ -1,0 +1,230 @@
+"""The engine's prefix cache on the built-in tiny models (random init, CPU, float32): a multi-turn
+chat whose later turns restore checkpoints gives the same greedy tokens as cold runs and prefills
+fewer tokens (engine counters); LRU eviction under a small byte budget; shed empties the cache and
+returns its buffers to the pool; malformed checkpoint orders are plan errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine, PlanError
+from ballast.engine.plan import (
+    CheckpointRestore,
+    CheckpointSave,
+    DecodeToken,
+    PrefillChunk,
+    SamplingParams,
+    StepPlan,
+)
+from ballast.engine.prefix_cache import MIN_INTERVAL, PrefixCacheConfig, auto_interval
+from ballast.memory.pool import CheckpointPool
+from ballast.memory.types import MiB
+
+GREEDY = SamplingParams(temperature=0.0)
+INTERVAL = 16
+MAX_LEN = 160
+
+
+def load(model: str, **cache: object) -> Engine:
+    cfg = EngineConfig(model=model, device="cpu", max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk_tokens=64)
+    return Engine.load(cfg, prefix_cache=PrefixCacheConfig(**{"checkpoint_interval": INTERVAL, **cache}))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> Iterator[Engine]:
+    eng = load("builtin:tiny-qwen3-next")
+    yield eng
+    eng.shutdown()
+
+
+def ids(seed: int, n: int) -> tuple[int, ...]:
+    return tuple(torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+
+
+def run_request(eng: Engine, slot: int, prompt: tuple[int, ...], new_tokens: int, *, reuse: bool = True) -> list[int]:
+    """One greedy request the way the scheduler runs it: restore the longest checkpoint, prefill
+    the rest in chunks ending at checkpoint positions (saving there and at the prompt's end),
+    decode, then save prompt + output[:-1] in the plan that releases the slot."""
+    start = eng.match_prefix(prompt) if reuse else 0
+    restores = (CheckpointRestore(slot, prompt[:start]),) if start else ()
+    out: list[int] = []
+    while start < len(prompt):
+        end = min(len(prompt), (start // INTERVAL + 1) * INTERVAL)
+        last = end == len(prompt)
+        chunk = PrefillChunk(slot, prompt[start:end], start, last)
+        res = eng.step(StepPlan(prefills=(chunk,), sampling={slot: GREEDY}, restores=restores,
+                                saves=(CheckpointSave(slot, prompt[:end]),)))
+        restores = ()
+        out += [o.token_id for o in res.outputs]
+        start = end
+    for _ in range(new_tokens - 1):
+        res = eng.step(StepPlan(decodes=(DecodeToken(slot, out[-1], len(prompt) + len(out) - 1),), sampling={slot: GREEDY}))
+        out.append(res.outputs[0].token_id)
+    eng.step(StepPlan(release=(slot,), saves=(CheckpointSave(slot, prompt + tuple(out[:-1])),)))
+    return out
+
+
+def chat(eng: Engine, turns: int, *, reuse: bool) -> tuple[list[list[int]], int, int]:
+    """A multi-turn chat: each turn's prompt is the previous prompt + its answer + a new user
+    message. Returns the answers and the prompt tokens prefilled and reused."""
+    prefilled, reused = eng.prefilled_tokens, eng.reused_tokens
+    prompt: tuple[int, ...] = ()
+    answers: list[list[int]] = []
+    for turn in range(turns):
+        prompt = prompt + (tuple(answers[-1]) if answers else ()) + ids(100 + turn, 21 + 3 * turn)
+        answers.append(run_request(eng, turn % 2, prompt, 6, reuse=reuse))
+    return answers, eng.prefilled_tokens - prefilled, eng.reused_tokens - reused
+
+
+def test_multi_turn_reuse_matches_cold_and_prefills_less(hybrid: Engine) -> None:
+    assert hybrid.prefix_cache is not None
+    hybrid.prefix_cache.shed()
+    cold, cold_prefilled, cold_reused = chat(hybrid, 3, reuse=False)
+    hybrid.prefix_cache.shed()
+    warm, warm_prefilled, warm_reused = chat(hybrid, 3, reuse=True)
+    assert warm == cold
+    assert cold_reused == 0
+    # Turns 2 and 3 restore the previous turn's end-of-generation checkpoint: everything but the
+    # new user message (and the last answer token, never fed) is restored, not prefilled.
+    assert warm_reused > 0
+    assert warm_prefilled + warm_reused == cold_prefilled
+    assert hybrid.prefix_cache.stats().restores >= 2
+
+
+def test_restored_state_equals_prefilled_state(hybrid: Engine) -> None:
+    """The slot's recurrent and KV state after restore + the rest equals a cold prefill's."""
+    assert hybrid.prefix_cache is not None
+    hybrid.prefix_cache.shed()
+    base = ids(7, 40)
+    run_request(hybrid, 0, base, 2)
+    longer = base + ids(8, 9)
+    assert hybrid.match_prefix(longer) == len(base)  # the end-of-prompt checkpoint
+    warm = run_request(hybrid, 1, longer, 4)
+    hybrid.prefix_cache.shed()
+    assert run_request(hybrid, 0, longer, 4, reuse=False) == warm
+
+
+def test_llama_family_reuses_kv_only() -> None:
+    eng = load("builtin:tiny-llama")
+    try:
+        cold, cold_prefilled, _ = chat(eng, 2, reuse=False)
+        assert eng.prefix_cache is not None
+        eng.prefix_cache.shed()
+        warm, warm_prefilled, warm_reused = chat(eng, 2, reuse=True)
+        assert warm == cold and warm_reused > 0 and warm_prefilled < cold_prefilled
+    finally:
+        eng.shutdown()
+
+
+def test_qwen35_moe_reuse_matches_cold() -> None:
+    eng = load("builtin:tiny-qwen3.5-moe")
+    try:
+        cold, _, _ = chat(eng, 2, reuse=False)
+        assert eng.prefix_cache is not None
+        eng.prefix_cache.shed()
+        warm, _, warm_reused = chat(eng, 2, reuse=True)
+        assert warm == cold and warm_reused > 0
+    finally:
+        eng.shutdown()
+
+
+def measured_entry_bytes(eng: Engine, n_tokens: int) -> int:
+    """Bytes the checkpoints of one n_tokens prompt take in the cache (segments are aligned): one
+    checkpoint for n <= INTERVAL, two (INTERVAL and n) up to 2 * INTERVAL."""
+    assert eng.prefix_cache is not None
+    eng.prefix_cache.shed()
+    run_request(eng, 0, ids(99, n_tokens), 1)
+    held = eng.prefix_cache.bytes_held
+    eng.prefix_cache.shed()
+    return held
+
+
+def test_lru_eviction_under_a_small_budget(hybrid: Engine) -> None:
+    e16 = measured_entry_bytes(hybrid, INTERVAL)
+    e17 = measured_entry_bytes(hybrid, INTERVAL + 1) - e16
+    assert e17 > e16  # one more KV row
+    small = load("builtin:tiny-qwen3-next", max_bytes=2 * e16 + e17)
+    try:
+        assert small.prefix_cache is not None
+        a, b, c = (ids(s, INTERVAL) for s in (11, 12, 13))
+        for p in (a, b, c):  # one 16-token checkpoint each: all three fit
+            run_request(small, 0, p, 1)
+        assert small.prefix_cache.stats().entries == 3 and small.prefix_cache.stats().evictions == 0
+        # A restore of a makes it the most recent; the 17-token checkpoint its request saves then
+        # needs room, and b, now the least recently used, is evicted (not a, the oldest).
+        run_request(small, 1, a + (9,), 1)
+        stats = small.prefix_cache.stats()
+        assert stats.restores == 1 and stats.evictions == 1 and stats.bytes_held <= 2 * e16 + e17
+        assert small.match_prefix(b + (5,)) == 0
+        assert small.match_prefix(a + (9, 5)) == INTERVAL + 1
+        assert small.match_prefix(a + (5,)) == INTERVAL
+        assert small.match_prefix(c + (5,)) == INTERVAL
+    finally:
+        small.shutdown()
+
+
+def test_save_larger_than_budget_is_declined() -> None:
+    eng = load("builtin:tiny-qwen3-next", max_bytes=1024)
+    try:
+        run_request(eng, 0, ids(3, 20), 2)
+        assert eng.prefix_cache is not None
+        stats = eng.prefix_cache.stats()
+        assert stats.entries == 0 and stats.declined == 3 and stats.saves == 0
+        assert eng.match_prefix(ids(3, 20) + (1,)) == 0
+    finally:
+        eng.shutdown()
+
+
+def test_shed_empties_the_cache_and_returns_buffers_to_the_pool() -> None:
+    pool = CheckpointPool(lambda: 1 << 34, 0.5, 64, 1, pin=False)
+    cfg = EngineConfig(model="builtin:tiny-qwen3-next", device="cpu", max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk_tokens=64)
+    eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=INTERVAL), pool=pool)
+    try:
+        run_request(eng, 0, ids(21, 40), 3)
+        assert eng.prefix_cache is not None
+        held = eng.prefix_cache.stats()
+        assert held.entries == 4 and pool.stats().buffers == 0  # 16, 32, 40, 42 tokens
+        res = eng.step(StepPlan(shed_prefix_cache=True))
+        assert res.outputs == ()
+        assert eng.prefix_cache.stats().entries == 0 and eng.prefix_cache.bytes_held == 0
+        assert pool.stats().buffers == 4 and pool.stats().bytes_held >= held.bytes_held
+        assert eng.match_prefix(ids(21, 40) + (1,)) == 0
+        # The next checkpoints reuse the pooled buffers (hits), which the idle trim releases.
+        run_request(eng, 0, ids(22, 40), 3)
+        assert pool.stats().hits >= 4
+        eng.prefix_cache.shed()
+        assert pool.trim(0) > 0 and pool.stats().bytes_held == 0
+    finally:
+        eng.shutdown()
+
+
+def test_bad_checkpoint_orders_are_plan_errors(hybrid: Engine) -> None:
+    assert hybrid.prefix_cache is not None
+    hybrid.prefix_cache.shed()
+    p = ids(31, 20)
+    with pytest.raises(PlanError, match="no checkpoint"):
+        hybrid.step(StepPlan(prefills=(PrefillChunk(0, p[16:], 16, True),), sampling={0: GREEDY},
+                             restores=(CheckpointRestore(0, p[:16]),)))
+    with pytest.raises(PlanError, match="prefill chunk starting there"):
+        hybrid.step(StepPlan(restores=(CheckpointRestore(0, p[:16]),)))
+    with pytest.raises(PlanError, match="cannot also"):
+        hybrid.step(StepPlan(shed_prefix_cache=True, saves=(CheckpointSave(0, p),)))
+
+
+def test_cache_off_refuses_checkpoint_orders() -> None:
+    eng = load("builtin:tiny-llama", fraction=0.0)
+    try:
+        assert eng.checkpoint_interval == 0 and eng.prefix_cache is None and eng.match_prefix((1, 2, 3)) == 0
+        with pytest.raises(PlanError, match="off"):
+            eng.step(StepPlan(saves=(CheckpointSave(0, (1, 2)),)))
+    finally:
+        eng.shutdown()
+
+
+def test_auto_interval_follows_the_cost_ratio() -> None:
+    assert auto_interval(0, 1024) == MIN_INTERVAL
+    assert auto_interval(75 * MiB, 24 * 1024) == 3328  # a Qwen3-Next-80B-like ratio, 256-aligned
+    assert auto_interval(MiB, 0) == MIN_INTERVAL
