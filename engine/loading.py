@@ -170,7 +170,7 @@ def load(config: EngineConfig, device: torch.device, dtype: torch.dtype, watch: 
         ckpt = inspect_hf_dir(source.path)
         hf_config = ckpt.config
         weights = ckpt.weights_bytes(dtype)
-        admit_load(hf_config, config, device, dtype, weights + ckpt.largest_tensor_bytes(dtype), watch, mem_config)
+        admit_load(hf_config, config, device, dtype, weights + ckpt.transient_bytes(), watch, mem_config)
         model = load_hf_model(ckpt, dtype=dtype, device=device)
         path = source.path
         tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(path))

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from ballast.models.base import ForwardBatch
 from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
-from ballast.models.layers import StepContext, slot_attention_mask
+from ballast.models.layers import StepContext
 from ballast.models.state import LayerState, RecurrentState
 from torch import Tensor, nn
 
@@ -294,7 +294,7 @@ class HybridStep:
         cls, batch: ForwardBatch, cos: Tensor, sin: Tensor, conv_kernel: int, use_fla: bool | None
     ) -> HybridStep:
         return cls(
-            attn=StepContext(batch, cos, sin, slot_attention_mask(batch)),
+            attn=StepContext.build(batch, cos, sin),
             windows=ConvWindows.build(batch.cu_lens, batch.lens, batch.seq_of_token, conv_kernel),
             plan=DeltaPlan.build(batch.lens_list, batch.device),
             has_history=batch.starts > 0,

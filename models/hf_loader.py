@@ -75,11 +75,6 @@ class HFCheckpoint:
         sizes = sorted((t.numel * _ST_DTYPE_BYTES.get(t.dtype, 4) for t in self.tensors.values()), reverse=True)
         return sum(sizes[: _READ_AHEAD])
 
-    def largest_tensor_bytes(self, dtype: torch.dtype) -> int:
-        """The former name of `transient_bytes` (dtype unused: what is held is the source tensors),
-        kept because engine/loading.py still calls it; remove once it calls transient_bytes()."""
-        return self.transient_bytes()
-
     @property
     def files_bytes(self) -> int:
         return sum(f.stat().st_size for f in {t.file for t in self.tensors.values()})

@@ -11,7 +11,7 @@ hybrid. Parameter names equal the Hugging Face checkpoint names.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +21,6 @@ from ballast.models.gated_delta import GatedDeltaNet, HybridStep
 from ballast.models.layers import (
     RopeParams,
     RotaryEmbedding,
-    StepContext,
     apply_rope,
     attend,
     token_embedding,
@@ -311,11 +310,6 @@ class Qwen3NextForCausalLM(nn.Module):
         h = self.model.embed_tokens(batch.token_ids)
         cos, sin = self.model.rotary_emb(batch.positions, h.dtype)
         step = HybridStep.build(batch, cos, sin, self.config.linear_conv_kernel_dim, self.use_fla)
-        # StepContext.build: a step mixing decode tokens with prefill chunks attends them as two
-        # groups, each padded to its own length, not every decode token to the longest chunk.
-        # (HybridStep.build, in gated_delta.py, still makes the single padded context; it should
-        # call StepContext.build itself, and this line then goes.)
-        step = replace(step, attn=StepContext.build(batch, cos, sin))
         for layer, state in zip(self.model.layers, states, strict=True):
             h = layer(h, step, state)
         if not batch.decode_only:
