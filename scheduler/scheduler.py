@@ -18,7 +18,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ballast.engine.interface import DetokenizerLike, EngineLike
-from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, SlotOutput, StepPlan, StepResult
+from ballast.engine.plan import (
+    CheckpointRestore,
+    CheckpointSave,
+    DecodeToken,
+    PrefillChunk,
+    SamplingParams,
+    SlotOutput,
+    StepPlan,
+    StepResult,
+)
 from ballast.memory.ladder import LadderConfig
 from ballast.memory.types import LadderPlan, Level
 from ballast.scheduler.config import SchedulerConfig
@@ -66,7 +75,8 @@ class _Seq:
     detok: DetokenizerLike
     phase: Phase = Phase.WAITING
     slot: int | None = None
-    prefilled: int = 0  # prompt tokens already sent to the engine
+    prefilled: int = 0  # prompt tokens already in the slot (sent to the engine or restored)
+    reused: int = 0  # prompt tokens restored from a checkpoint instead of prefilled
     max_tokens: int = 0  # after admission (a CAP lowers it)
     capped: bool = False
     output: list[int] = field(default_factory=list)
@@ -108,6 +118,13 @@ class Scheduler:
         self._running: list[_Seq] = []  # admission order: the FCFS order of prefill chunks
         self._by_slot: dict[int, _Seq] = {}
         self._engine_slots = engine.num_slots  # the max_slots the engine applies now
+        # Prefix reuse: chunks end at multiples of the engine's checkpoint interval and at each
+        # prompt's end, where a save is ordered; a finished request saves prompt + output[:-1].
+        self._interval = engine.checkpoint_interval
+        self._saves: list[CheckpointSave] = []  # for the next plan
+        self._restores: list[CheckpointRestore] = []
+        self._shed_sent = False  # the engine has been told to shed since the ladder asked
+        self.reused_tokens = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -225,16 +242,25 @@ class Scheduler:
                 budget -= self._chunk(seq, budget, prefills, sampling)
         while budget > 0 and not self._closing and (new := self._admit_head()) is not None:
             budget -= self._chunk(new, budget, prefills, sampling)
+        shed = self._interval > 0 and self._gov.plan.shed_prefix_cache and not self._shed_sent
+        self._shed_sent = self._gov.plan.shed_prefix_cache
+        saves, restores = tuple(self._saves), tuple(self._restores)
+        self._saves.clear()
+        self._restores.clear()
         return StepPlan(
             prefills=tuple(prefills),
             decodes=tuple(decodes),
             sampling=sampling,
             release=self._slots.take_releases(),
+            restores=() if shed else restores,
+            saves=() if shed else saves,
             max_slots=self._engine_slot_change(),
+            shed_prefix_cache=shed,
         )
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
         self.steps += 1
+        self.reused_tokens += result.reused_tokens
         self._slots.released(plan.release)
         outputs = {out.slot: out for out in result.outputs}
         expected = [d.slot for d in plan.decodes] + [p.slot for p in plan.prefills if p.sample]
@@ -267,14 +293,27 @@ class Scheduler:
             return seq
         return None
 
+    @property
+    def _caching(self) -> bool:
+        """Checkpoints are saved and restored: the engine has a prefix cache and the ladder is not
+        shedding it (WATCH and above give cached state back first)."""
+        return self._interval > 0 and not self._gov.plan.shed_prefix_cache
+
     def _chunk(self, seq: _Seq, budget: int, out: list[PrefillChunk], sampling: dict[int, SamplingParams]) -> int:
+        """The seq's next prefill chunk (its first one restores the longest cached prefix)."""
         assert seq.slot is not None
         prompt = seq.req.prompt_ids
-        n = min(budget, len(prompt) - seq.prefilled)
-        end = seq.prefilled + n
+        if seq.prefilled == 0 and self._caching and (n := self._engine.match_prefix(prompt)) > 0:
+            self._restores.append(CheckpointRestore(seq.slot, prompt[:n]))
+            seq.prefilled = seq.reused = n
+        end = min(len(prompt), seq.prefilled + budget)
+        if self._caching:  # a recurrent state exists only where a chunk ends: end at the next checkpoint
+            end = min(end, (seq.prefilled // self._interval + 1) * self._interval)
+            if end % self._interval == 0 or end == len(prompt):
+                self._saves.append(CheckpointSave(seq.slot, prompt[:end]))
         out.append(PrefillChunk(seq.slot, prompt[seq.prefilled : end], seq.prefilled, sample=end == len(prompt)))
         sampling[seq.slot] = seq.req.params
-        seq.prefilled = end
+        n, seq.prefilled = end - seq.prefilled, end
         return n
 
     def _on_token(self, seq: _Seq, out: SlotOutput) -> None:
@@ -302,6 +341,10 @@ class Scheduler:
         else:
             self._running.remove(seq)
             if seq.slot is not None:
+                if reason in ("stop", "length") and seq.phase is Phase.DECODING and self._caching:
+                    # The slot has consumed prompt + output[:-1] (the last token was never fed):
+                    # the next turn of a chat starts with exactly that. Saved before the release.
+                    self._saves.append(CheckpointSave(seq.slot, seq.req.prompt_ids + tuple(seq.output[:-1])))
                 del self._by_slot[seq.slot]
                 self._slots.retire(seq.slot)
         seq.phase = Phase.FINISHED

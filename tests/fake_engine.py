@@ -8,6 +8,11 @@ of passing silently. Each sampled token is a pure function of (prompt, position)
 sampling is not greedy), so a test can know a request's text without running it and compare runs.
 Every plan is recorded for tests that assert batching.
 
+With `checkpoint_interval` > 0 it keeps a real prefix cache of token sequences: a save must name
+exactly the tokens its slot has consumed (after the step's forward; a released slot keeps what it
+consumed until it is reused), a restore must name a saved prefix and come with the slot's chunk at
+that position, and a shed empties the cache, as the real engine's contract says.
+
 Import it as `from fake_engine import FakeEngine` (tests/ is on sys.path via conftest.py).
 """
 
@@ -131,6 +136,7 @@ class FakeEngine:
         eos_after: int | None = None,
         cost_model: CostModel | None = None,
         model_name: str = "fake-model",
+        checkpoint_interval: int = 0,
     ) -> None:
         self.model_name = model_name
         self.num_slots = num_slots
@@ -141,6 +147,12 @@ class FakeEngine:
         self.step_delay_s = step_delay_s
         self.eos_after = eos_after
         self.slot_limit = num_slots  # the ladder's max_slots as last applied between steps
+        self.checkpoint_interval = checkpoint_interval
+        self.checkpoints: set[tuple[int, ...]] = set()
+        self.sheds = 0
+        self.prefilled_tokens = 0
+        self.reused_tokens = 0
+        self._consumed: dict[int, list[int]] = {}  # released slot -> what it consumed, until reused
         self.plans: list[StepPlan] = []
         self._lock = threading.Lock()
         self._seqs: dict[int, list[int]] = {}  # slot -> tokens consumed (prompt, then generated)
@@ -153,6 +165,11 @@ class FakeEngine:
     # --- EngineLike -----------------------------------------------------------------------
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         return self._pool.submit(self._step, plan)
+
+    def match_prefix(self, prompt_ids: Sequence[int]) -> int:
+        with self._lock:
+            lengths = [len(c) for c in self.checkpoints if len(c) < len(prompt_ids) and tuple(prompt_ids[: len(c)]) == c]
+        return max(lengths, default=0)
 
     def new_detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> FakeDetokenizer:
         return FakeDetokenizer(stop)
@@ -201,7 +218,7 @@ class FakeEngine:
         for slot in plan.release:
             if slot not in self._seqs:
                 raise FakeEngineError(f"release of slot {slot}, which holds nothing")
-            del self._seqs[slot]
+            self._consumed[slot] = self._seqs.pop(slot)
             self._prompt_len.pop(slot, None)
             self._pending.pop(slot, None)
         if plan.max_slots is not None:
@@ -215,9 +232,32 @@ class FakeEngine:
         prefill_tokens = sum(len(c.token_ids) for c in plan.prefills)
         if prefill_tokens > self.prefill_chunk_tokens:
             raise FakeEngineError(f"{prefill_tokens} prefill tokens > profiled {self.prefill_chunk_tokens}")
+        reused = self._restore(plan)
         outputs = [out for c in plan.prefills if (out := self._prefill(c.slot, c.token_ids, c.start_pos, c.sample, plan)) is not None]
         outputs += [self._decode(d.slot, d.token_id, d.pos, plan) for d in plan.decodes]
-        return StepResult(outputs=tuple(outputs), prefill_tokens=prefill_tokens, decode_tokens=len(plan.decodes))
+        for save in plan.saves:
+            consumed = self._seqs.get(save.slot, self._consumed.get(save.slot))
+            if consumed is None or tuple(consumed) != save.prefix:
+                raise FakeEngineError(f"save of {len(save.prefix)} tokens from slot {save.slot}, which consumed other tokens")
+            self.checkpoints.add(save.prefix)
+        self.prefilled_tokens += prefill_tokens
+        self.reused_tokens += reused
+        return StepResult(outputs=tuple(outputs), prefill_tokens=prefill_tokens, decode_tokens=len(plan.decodes), reused_tokens=reused)
+
+    def _restore(self, plan: StepPlan) -> int:
+        if (plan.saves or plan.restores) and (self.checkpoint_interval == 0 or plan.shed_prefix_cache):
+            raise FakeEngineError("checkpoint orders while prefix caching is off or being shed")
+        if plan.shed_prefix_cache:
+            self.checkpoints.clear()
+            self.sheds += 1
+        starts = {c.slot: c.start_pos for c in plan.prefills}
+        for r in plan.restores:
+            if r.prefix not in self.checkpoints or starts.get(r.slot) != len(r.prefix) or r.slot in self._seqs:
+                raise FakeEngineError(f"restore of {len(r.prefix)} tokens into slot {r.slot} breaks the contract")
+            self._check_slot(r.slot)
+            self._seqs[r.slot] = list(r.prefix)
+            self._consumed.pop(r.slot, None)
+        return sum(len(r.prefix) for r in plan.restores)
 
     def _prefill(self, slot: int, tokens: tuple[int, ...], start: int, sample: bool, plan: StepPlan) -> SlotOutput | None:
         self._check_slot(slot)
@@ -225,6 +265,7 @@ class FakeEngine:
             if slot in self._seqs:
                 raise FakeEngineError(f"slot {slot} reused without a release")
             self._seqs[slot] = []
+            self._consumed.pop(slot, None)
         seq = self._seqs.get(slot)
         if seq is None or len(seq) != start or slot in self._prompt_len:
             raise FakeEngineError(f"prefill of slot {slot} at {start}, slot holds {None if seq is None else len(seq)}")

@@ -1,0 +1,138 @@
+"""Prefix reuse through the scheduler: checkpoint orders against the fake engine (whose prefix cache
+checks every save names exactly what its slot consumed), the ladder shedding the cache at WATCH,
+and a multi-turn chat on the real engine (builtin:tiny-qwen3-next) whose later turns restore
+checkpoints, give the same tokens as a cold engine, and prefill fewer tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
+from ballast.engine.interface import EngineLike
+from ballast.engine.plan import SamplingParams
+from ballast.engine.prefix_cache import PrefixCacheConfig
+from ballast.memory.config import MemoryConfig
+from ballast.memory.device import StaticDeviceReader
+from ballast.memory.types import Level
+from ballast.memory.watch import MemWatch
+from ballast.scheduler.config import SchedulerConfig
+from ballast.scheduler.request import GenerationRequest
+from ballast.scheduler.scheduler import Scheduler
+from fake_engine import FakeEngine, FakeTokenizer, expected_tokens
+from memfixtures import level_tree
+
+TOK = FakeTokenizer()
+INTERVAL = 8
+GREEDY = SamplingParams(temperature=0.0)
+
+
+async def chat(s: Scheduler, turns: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """Each turn's prompt is the previous prompt + its answer + the new user message."""
+    prompt: tuple[int, ...] = ()
+    answers: list[list[int]] = []
+    for i, user in enumerate(turns):
+        prompt = prompt + (tuple(answers[-1]) if answers else ()) + tuple(user)
+        _, ids, _ = await s.submit(GenerationRequest(f"t{i}", prompt, GREEDY, max_tokens=max_tokens)).collect()
+        answers.append(list(ids))
+    return answers
+
+
+async def run_chat(engine: EngineLike, turns: Sequence[Sequence[int]], max_tokens: int, memwatch: MemWatch | None = None) -> tuple[list[list[int]], Scheduler]:
+    s = Scheduler(engine, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), memwatch=memwatch)
+    await s.start()
+    try:
+        return await chat(s, turns, max_tokens), s
+    finally:
+        await s.stop()
+
+
+USER = [TOK.encode("user: hello there, how are you today?\nassistant:"),
+        TOK.encode("user: and what is the weather like?\nassistant:"),
+        TOK.encode("user: thanks!\nassistant:")]
+
+
+async def test_fake_engine_turns_restore_and_chunks_end_at_checkpoints() -> None:
+    eng = FakeEngine(checkpoint_interval=INTERVAL)
+    try:
+        answers, s = await run_chat(eng, USER, 10)
+    finally:
+        eng.shutdown()
+    prompt: tuple[int, ...] = ()
+    prompt_tokens = 0
+    for user, answer in zip(USER, answers, strict=True):
+        prompt = prompt + tuple(user)
+        prompt_tokens += len(prompt)
+        assert answer == expected_tokens(prompt, 10)  # reuse changes no token
+        prompt = prompt + tuple(answer)
+    plans = eng.recorded()
+    restores = [r for p in plans for r in p.restores]
+    # Turns 2 and 3 restore the previous turn's end-of-generation checkpoint (prompt + answer
+    # minus its last token, which was sampled but never fed).
+    assert len(restores) == 2 and s.reused_tokens == eng.reused_tokens == sum(len(r.prefix) for r in restores)
+    assert len(restores[0].prefix) == len(USER[0]) + 10 - 1
+    assert eng.prefilled_tokens + eng.reused_tokens == prompt_tokens
+    for p in plans:
+        for c in p.prefills:  # no chunk crosses a checkpoint position
+            assert (c.start_pos + len(c.token_ids) - 1) // INTERVAL == c.start_pos // INTERVAL
+
+
+async def test_no_checkpoint_orders_when_the_engine_has_no_cache() -> None:
+    eng = FakeEngine()
+    try:
+        answers, _ = await run_chat(eng, USER[:2], 6)
+    finally:
+        eng.shutdown()
+    assert answers[0] == expected_tokens(tuple(USER[0]), 6)
+    assert not any(p.saves or p.restores or p.shed_prefix_cache for p in eng.recorded())
+
+
+async def test_watch_sheds_once_and_stops_checkpoints(tmp_path: Path) -> None:
+    cfg = MemoryConfig(root=str(tmp_path))
+    level_tree(tmp_path, Level.OK, config=cfg)
+    watch = MemWatch(cfg, StaticDeviceReader())
+    watch.poll_now()
+    eng = FakeEngine(checkpoint_interval=INTERVAL)
+    s = Scheduler(eng, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), memwatch=watch)
+    await s.start()
+    try:
+        await chat(s, USER[:1], 6)
+        assert eng.checkpoints
+        level_tree(tmp_path, Level.WATCH, config=cfg)
+        assert watch.poll_now().level is Level.WATCH
+        since = len(eng.recorded())
+        answers = await chat(s, USER[:2], 6)
+        at_watch = eng.recorded()[since:]
+        assert sum(p.shed_prefix_cache for p in at_watch) == 1 and at_watch[0].shed_prefix_cache
+        assert not any(p.saves or p.restores for p in at_watch)
+        assert not eng.checkpoints and eng.sheds == 1
+        assert answers[1] == expected_tokens(tuple(USER[0]) + tuple(answers[0]) + tuple(USER[1]), 6)
+        level_tree(tmp_path, Level.OK, config=cfg)
+        watch.poll_now()
+        await chat(s, USER[:1], 6)
+        assert eng.checkpoints  # back at OK, checkpoints are saved again
+    finally:
+        await s.stop()
+        eng.shutdown()
+
+
+def tiny_hybrid(fraction: float) -> Engine:
+    cfg = EngineConfig(model="builtin:tiny-qwen3-next", device="cpu", max_num_seqs=2, max_model_len=256, prefill_chunk_tokens=64)
+    return Engine.load(cfg, prefix_cache=PrefixCacheConfig(fraction=fraction, checkpoint_interval=16))
+
+
+async def test_real_engine_chat_through_the_scheduler_matches_cold_and_prefills_less() -> None:
+    turns = [[5 + i for i in range(40)], [900 + i for i in range(13)], [3000 + i for i in range(9)]]
+    cold_engine, warm_engine = tiny_hybrid(0.0), tiny_hybrid(0.05)
+    try:
+        cold, _ = await run_chat(cold_engine, turns, 8)
+        warm, s = await run_chat(warm_engine, turns, 8)
+        assert warm == cold
+        assert cold_engine.reused_tokens == 0
+        assert warm_engine.reused_tokens > 0 and s.reused_tokens == warm_engine.reused_tokens
+        assert warm_engine.prefilled_tokens + warm_engine.reused_tokens == cold_engine.prefilled_tokens
+        assert warm_engine.prefilled_tokens < cold_engine.prefilled_tokens / 2
+    finally:
+        cold_engine.shutdown()
+        warm_engine.shutdown()
