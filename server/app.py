@@ -13,10 +13,11 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ballast.engine.interface import EngineLike
 from ballast.engine.loading import LOAD_ERRORS
-from ballast.memory.metrics import AdmissionMetrics, LadderCollector, register_memory_metrics
+from ballast.memory.metrics import AdmissionMetrics, LadderCollector, PoolCollector, register_memory_metrics
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.scheduler import Scheduler
 from ballast.server import errors, routes
@@ -27,6 +28,9 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:  # the pool pulls in torch; the app only hands it around
+    from ballast.memory.pool import CheckpointPool
 
 log = logging.getLogger("ballast.server")
 
@@ -79,6 +83,11 @@ class _Wiring:
     scheduler_config: SchedulerConfig
     gpu_die: int | None
     admission: AdmissionMetrics | None
+    on_idle: Callable[[], None] | None  # trims the checkpoint pool while the scheduler idles
+
+
+def _trim(pool: CheckpointPool, max_idle_s: float) -> None:
+    pool.trim(max_idle_s)  # the released byte count is on /metrics (trimmed_bytes)
 
 
 def _build(factory: EngineFactory) -> EngineLike:
@@ -113,7 +122,8 @@ async def _load(state: ServerState, factory: EngineFactory, wiring: _Wiring) -> 
     state.context_window = min(window, engine.max_model_len)
     try:
         scheduler = Scheduler(
-            engine, wiring.scheduler_config, memwatch=state.memwatch, admission_metrics=wiring.admission, gpu_die=wiring.gpu_die
+            engine, wiring.scheduler_config, memwatch=state.memwatch, admission_metrics=wiring.admission, gpu_die=wiring.gpu_die,
+            on_idle=wiring.on_idle,
         )
         await scheduler.start()
         state.scheduler = scheduler  # from here on, shut-down stops it
@@ -158,20 +168,27 @@ def create_app(
     memwatch: SnapshotWatch | None = None,
     on_fatal: Callable[[str], None] | None = None,
     gpu_die: int | None = None,
+    pool: CheckpointPool | None = None,
+    pool_max_idle_s: float = 30.0,
 ) -> FastAPI:
     """An app serving the engine `engine_factory` builds (called once, on a worker thread).
 
     `memwatch` is started and stopped with the app and its figures are on /metrics; `on_fatal(reason)`
     is called once if the engine becomes unsound (`ballast serve` uses it to exit non-zero);
-    `gpu_die` is the GPU whose ledger admission checks (None: the engine runs on the host)."""
+    `gpu_die` is the GPU whose ledger admission checks (None: the engine runs on the host); `pool` is
+    the checkpoint buffer pool the engine's prefix cache uses: its figures go on /metrics and the
+    idle scheduler trims buffers pooled longer than `pool_max_idle_s`."""
     registry = CollectorRegistry(auto_describe=True)
     metrics = HttpMetrics(registry)
     state = ServerState(config=config, registry=registry, metrics=metrics, memwatch=memwatch)
     if on_fatal is not None:
         state.on_fatal = on_fatal
     metrics.watch_scheduler(state.scheduler_figures)
-    admission = register_memory_metrics(registry, memwatch.read) if memwatch is not None else None
-    wiring = _Wiring(scheduler_config, gpu_die, admission)
+    admission = register_memory_metrics(registry, memwatch.read, pool=pool) if memwatch is not None else None
+    if pool is not None and memwatch is None:
+        registry.register(PoolCollector(pool))
+    on_idle = None if pool is None else lambda: _trim(pool, pool_max_idle_s)
+    wiring = _Wiring(scheduler_config, gpu_die, admission, on_idle)
     app = FastAPI(title="ballast", lifespan=_lifespan(engine_factory, wiring), docs_url=None, redoc_url=None)
     app.state.ballast = state
     errors.install(app)

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import uvicorn
 from ballast.engine.config import EngineConfig
+from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.memory.config import MemoryConfig
 from ballast.memory.ladder import LadderConfig, plan_for
 from ballast.memory.report import render
@@ -27,7 +28,7 @@ from ballast.scheduler.config import SchedulerConfig
 from ballast.server.config import ConfigError, ServerConfig, add_flags, build, warn_unknown
 
 # Order matters only for --help: the settings people reach for first come first.
-LAYERS: tuple[type, ...] = (ServerConfig, EngineConfig, SchedulerConfig, MemoryConfig)
+LAYERS: tuple[type, ...] = (ServerConfig, EngineConfig, PrefixCacheConfig, SchedulerConfig, MemoryConfig)
 MEMORY_LAYERS: tuple[type, ...] = (MemoryConfig, EngineConfig, SchedulerConfig)
 
 
@@ -109,15 +110,21 @@ def _bind(host: str, port: int) -> socket.socket:
 def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     cfg = _configs(args, env, LAYERS)
     from ballast.engine.engine import Engine  # heavy imports only once the configs are known good
+    from ballast.memory.pool import CheckpointPool
     from ballast.server.app import create_app
 
     server_cfg, engine_cfg, sched_cfg, memory_cfg = cfg[ServerConfig], cfg[EngineConfig], cfg[SchedulerConfig], cfg[MemoryConfig]
-    assert isinstance(server_cfg, ServerConfig) and isinstance(engine_cfg, EngineConfig)
+    prefix_cfg = cfg[PrefixCacheConfig]
+    assert isinstance(server_cfg, ServerConfig) and isinstance(engine_cfg, EngineConfig) and isinstance(prefix_cfg, PrefixCacheConfig)
     assert isinstance(sched_cfg, SchedulerConfig) and isinstance(memory_cfg, MemoryConfig)
     logging.basicConfig(level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = engine_cfg.resolved_device()
     gpu_die = (device.index or 0) if device.type == "cuda" else None
     watch = MemWatch(memory_cfg)
+    # The prefix cache's checkpoint buffers come from (and go back to) this pool; its cap follows
+    # the live, cgroup-aware host total, and the scheduler trims it while idle.
+    pool = CheckpointPool(lambda: watch.read().host.effective_total_bytes, memory_cfg.pool_fraction,
+                          memory_cfg.pool_max_buffers, memory_cfg.pool_min_buffer_bytes)
     exit_code = 0
     server: uvicorn.Server | None = None
 
@@ -128,7 +135,8 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(server_cfg, sched_cfg, lambda: Engine.load(engine_cfg, watch), memwatch=watch, on_fatal=on_fatal, gpu_die=gpu_die)
+    app = create_app(server_cfg, sched_cfg, lambda: Engine.load(engine_cfg, watch, prefix_cache=prefix_cfg, pool=pool), memwatch=watch,
+                     on_fatal=on_fatal, gpu_die=gpu_die, pool=pool, pool_max_idle_s=memory_cfg.pool_max_idle_s)
     try:
         sock = _bind(server_cfg.host, server_cfg.port)
     except OSError as exc:

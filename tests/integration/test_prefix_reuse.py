@@ -5,9 +5,11 @@ checkpoints, give the same tokens as a cold engine, and prefill fewer tokens."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.interface import EngineLike
@@ -15,13 +17,18 @@ from ballast.engine.plan import SamplingParams
 from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader
+from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import Level
 from ballast.memory.watch import MemWatch
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.request import GenerationRequest
 from ballast.scheduler.scheduler import Scheduler
+from ballast.server.app import create_app
+from ballast.server.config import ServerConfig
 from fake_engine import FakeEngine, FakeTokenizer, expected_tokens
 from memfixtures import level_tree
+from prometheus_client.parser import text_string_to_metric_families
+from serverproc import running_server
 
 TOK = FakeTokenizer()
 INTERVAL = 8
@@ -117,9 +124,11 @@ async def test_watch_sheds_once_and_stops_checkpoints(tmp_path: Path) -> None:
         eng.shutdown()
 
 
+HYBRID = EngineConfig(model="builtin:tiny-qwen3-next", device="cpu", max_num_seqs=2, max_model_len=256, prefill_chunk_tokens=64)
+
+
 def tiny_hybrid(fraction: float) -> Engine:
-    cfg = EngineConfig(model="builtin:tiny-qwen3-next", device="cpu", max_num_seqs=2, max_model_len=256, prefill_chunk_tokens=64)
-    return Engine.load(cfg, prefix_cache=PrefixCacheConfig(fraction=fraction, checkpoint_interval=16))
+    return Engine.load(HYBRID, prefix_cache=PrefixCacheConfig(fraction=fraction, checkpoint_interval=16))
 
 
 async def test_real_engine_chat_through_the_scheduler_matches_cold_and_prefills_less() -> None:
@@ -136,3 +145,44 @@ async def test_real_engine_chat_through_the_scheduler_matches_cold_and_prefills_
     finally:
         cold_engine.shutdown()
         warm_engine.shutdown()
+
+
+def metric(url: str, name: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    raise AssertionError(f"{name} not on /metrics")
+
+
+def test_server_wiring_sheds_into_the_pool_and_trims_it_when_idle(tmp_path: Path) -> None:
+    """The app's pool: the engine's checkpoints go back to it when WATCH sheds the cache, the
+    idle scheduler trims it, and /metrics shows both."""
+    mem = MemoryConfig(root=str(tmp_path))
+    level_tree(tmp_path, Level.OK, config=mem)
+    watch = MemWatch(mem, StaticDeviceReader())
+    pool = CheckpointPool(lambda: watch.read().host.effective_total_bytes, 0.5, 64, 1, pin=False)
+    engines: list[Engine] = []
+
+    def factory() -> Engine:
+        engines.append(Engine.load(HYBRID, watch, prefix_cache=PrefixCacheConfig(checkpoint_interval=16), pool=pool))
+        return engines[0]
+
+    app = create_app(ServerConfig(), SchedulerConfig(idle_tick_s=0.02), factory, memwatch=watch, pool=pool, pool_max_idle_s=0.0)
+    with running_server(app) as url:
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "tell me a long story about a cat " * 3, "max_tokens": 4, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        cache = engines[0].prefix_cache
+        assert cache is not None and cache.stats().entries > 0 and pool.stats().buffers == 0
+        level_tree(tmp_path, Level.WATCH, config=mem)
+        assert watch.poll_now().level is Level.WATCH
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert cache.stats().entries == 0 and cache.stats().sheds == 1
+        for _ in range(500):  # the idle hook runs every idle tick; bounded wait, no timing asserted
+            if pool.stats().trimmed_bytes > 0 and pool.stats().bytes_held == 0:
+                break
+            time.sleep(0.01)
+        assert pool.stats().bytes_held == 0 and pool.stats().trimmed_bytes > 0
+        assert metric(url, "ballast_checkpoint_pool_trimmed_bytes_total") == pool.stats().trimmed_bytes
+        assert metric(url, "ballast_checkpoint_pool_bytes") == 0
