@@ -195,6 +195,7 @@ class Engine:
 
     def step(self, plan: StepPlan) -> StepResult:
         """Execute one plan. Call only on the engine thread (through `submit`), or in tests."""
+        self._apply_shed(plan)
         self._apply_releases(plan)
         reused = self._apply_restores(plan)
         seqs, sampled = self._sequences(plan)
@@ -219,18 +220,21 @@ class Engine:
         self._check_slots(plan.release)
         self.runner.sampler.reset(plan.release)
 
-    def _apply_restores(self, plan: StepPlan) -> int:
-        """Shed the prefix cache if the ladder says so, then load each restore's checkpoint into its
-        slot, before any forward. Returns the prompt tokens restored."""
-        cache = self.prefix_cache
-        if cache is None:
+    def _apply_shed(self, plan: StepPlan) -> None:
+        """The ladder's first rung (WATCH): cached state goes back before anything else shrinks."""
+        if self.prefix_cache is None:
             if plan.restores or plan.saves:
                 raise PlanError("checkpoint orders sent to an engine whose prefix cache is off")
-            return 0
-        if plan.shed_prefix_cache:
+        elif plan.shed_prefix_cache:
             if plan.restores or plan.saves:
                 raise PlanError("a plan that sheds the prefix cache cannot also save or restore checkpoints")
-            cache.shed()
+            self.prefix_cache.shed()
+
+    def _apply_restores(self, plan: StepPlan) -> int:
+        """Load each restore's checkpoint into its slot, before any forward. Returns the prompt
+        tokens restored."""
+        cache = self.prefix_cache
+        if cache is None:
             return 0
         starts = {p.slot: p.start_pos for p in plan.prefills}
         reused = 0

@@ -76,7 +76,6 @@ class _Seq:
     phase: Phase = Phase.WAITING
     slot: int | None = None
     prefilled: int = 0  # prompt tokens already in the slot (sent to the engine or restored)
-    reused: int = 0  # prompt tokens restored from a checkpoint instead of prefilled
     max_tokens: int = 0  # after admission (a CAP lowers it)
     capped: bool = False
     output: list[int] = field(default_factory=list)
@@ -244,16 +243,15 @@ class Scheduler:
             budget -= self._chunk(new, budget, prefills, sampling)
         shed = self._interval > 0 and self._gov.plan.shed_prefix_cache and not self._shed_sent
         self._shed_sent = self._gov.plan.shed_prefix_cache
-        saves, restores = tuple(self._saves), tuple(self._restores)
-        self._saves.clear()
-        self._restores.clear()
+        saves, restores = ((), ()) if shed else (tuple(self._saves), tuple(self._restores))
+        self._saves, self._restores = [], []
         return StepPlan(
             prefills=tuple(prefills),
             decodes=tuple(decodes),
             sampling=sampling,
             release=self._slots.take_releases(),
-            restores=() if shed else restores,
-            saves=() if shed else saves,
+            restores=restores,
+            saves=saves,
             max_slots=self._engine_slot_change(),
             shed_prefix_cache=shed,
         )
@@ -305,7 +303,7 @@ class Scheduler:
         prompt = seq.req.prompt_ids
         if seq.prefilled == 0 and self._caching and (n := self._engine.match_prefix(prompt)) > 0:
             self._restores.append(CheckpointRestore(seq.slot, prompt[:n]))
-            seq.prefilled = seq.reused = n
+            seq.prefilled = n
         end = min(len(prompt), seq.prefilled + budget)
         if self._caching:  # a recurrent state exists only where a chunk ends: end at the next checkpoint
             end = min(end, (seq.prefilled // self._interval + 1) * self._interval)
