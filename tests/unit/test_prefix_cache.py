@@ -28,8 +28,8 @@ INTERVAL = 16
 MAX_LEN = 160
 
 
-def load(model: str, **cache: object) -> Engine:
-    cfg = EngineConfig(model=model, device="cpu", max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk_tokens=64)
+def load(model: str, kv_quant: str = "none", **cache: object) -> Engine:
+    cfg = EngineConfig(model=model, device="cpu", max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk_tokens=64, kv_quant=kv_quant)
     return Engine.load(cfg, prefix_cache=PrefixCacheConfig(**{"checkpoint_interval": INTERVAL, **cache}))  # type: ignore[arg-type]
 
 
@@ -122,6 +122,19 @@ def test_llama_family_reuses_kv_only() -> None:
 def test_qwen35_moe_reuse_matches_cold() -> None:
     eng = load("builtin:tiny-qwen3.5-moe")
     try:
+        cold, _, _ = chat(eng, 2, reuse=False)
+        assert eng.prefix_cache is not None
+        eng.prefix_cache.shed()
+        warm, _, warm_reused = chat(eng, 2, reuse=True)
+        assert warm == cold and warm_reused > 0
+    finally:
+        eng.shutdown()
+
+
+def test_int8_kv_checkpoints_carry_their_scales() -> None:
+    eng = load("builtin:tiny-qwen3-next", kv_quant="int8")
+    try:
+        assert eng.runner.quantized_kv
         cold, _, _ = chat(eng, 2, reuse=False)
         assert eng.prefix_cache is not None
         eng.prefix_cache.shed()
