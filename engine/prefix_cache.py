@@ -139,7 +139,8 @@ class PrefixCache:
         self._lengths: Counter[int] = Counter()  # n_tokens of the entries, for match
         self._held = 0
         self._saves = self._duplicates = self._declined = self._restores = self._evictions = self._sheds = 0
-        self._cuda = any(t.is_cuda for s in self._states for t in slot_views(s, 0, 1))
+        self._device = slot_views(self._states[0], 0, 1)[0].device if self._states else torch.device("cpu")
+        self._cuda = self._device.type == "cuda"
 
     # --- any thread ------------------------------------------------------------------------
     def match(self, prompt: Sequence[int]) -> int:
@@ -264,7 +265,7 @@ class PrefixCache:
 
     def _sync(self) -> None:
         if self._cuda:
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(self._device).synchronize()
 
 
 def _layout(views: Sequence[Sequence[Tensor]]) -> tuple[tuple[tuple[tuple[int, torch.dtype, torch.Size], ...], ...], int]:
@@ -281,5 +282,5 @@ def _layout(views: Sequence[Sequence[Tensor]]) -> tuple[tuple[tuple[tuple[int, t
 
 
 def _segment(buf: Tensor, off: int, dtype: torch.dtype, shape: torch.Size) -> Tensor:
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return buf[off : off + nbytes].view(dtype).view(shape)
