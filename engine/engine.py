@@ -229,6 +229,10 @@ class Engine:
             if plan.restores or plan.saves:
                 raise PlanError("a plan that sheds the prefix cache cannot also save or restore checkpoints")
             self.prefix_cache.shed()
+            if self._pool is not None:
+                # Under pressure no checkpoint is saved, so pooled buffers would only wait for the
+                # idle trim: give them back to the OS now (on CUDA this also frees pinned pages).
+                self._pool.trim(0)
 
     def _apply_restores(self, plan: StepPlan) -> int:
         """Load each restore's checkpoint into its slot, before any forward. Returns the prompt

@@ -155,9 +155,9 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not on /metrics")
 
 
-def test_server_wiring_sheds_into_the_pool_and_trims_it_when_idle(tmp_path: Path) -> None:
-    """The app's pool: the engine's checkpoints go back to it when WATCH sheds the cache, the
-    idle scheduler trims it, and /metrics shows both."""
+def test_server_wiring_pools_evicted_checkpoints_trims_when_idle_and_sheds_at_watch(tmp_path: Path) -> None:
+    """The app's pool: checkpoints the engine's small cache evicts go back to it, the idle
+    scheduler trims it, WATCH sheds the cache, and /metrics shows the pool's figures."""
     mem = MemoryConfig(root=str(tmp_path))
     level_tree(tmp_path, Level.OK, config=mem)
     watch = MemWatch(mem, StaticDeviceReader())
@@ -165,24 +165,27 @@ def test_server_wiring_sheds_into_the_pool_and_trims_it_when_idle(tmp_path: Path
     engines: list[Engine] = []
 
     def factory() -> Engine:
-        engines.append(Engine.load(HYBRID, watch, prefix_cache=PrefixCacheConfig(checkpoint_interval=16), pool=pool))
+        # Room for two or three of this model's checkpoints (~17 KiB of state + 512 B per token).
+        cache = PrefixCacheConfig(checkpoint_interval=16, max_bytes=60_000)
+        engines.append(Engine.load(HYBRID, watch, prefix_cache=cache, pool=pool))
         return engines[0]
 
     app = create_app(ServerConfig(), SchedulerConfig(idle_tick_s=0.02), factory, memwatch=watch, pool=pool, pool_max_idle_s=0.0)
     with running_server(app) as url:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        body = {"model": model, "prompt": "tell me a long story about a cat " * 3, "max_tokens": 4, "temperature": 0}
+        body = {"model": model, "prompt": "tell me a long story about a cat " * 8, "max_tokens": 4, "temperature": 0}
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
         cache = engines[0].prefix_cache
-        assert cache is not None and cache.stats().entries > 0 and pool.stats().buffers == 0
-        level_tree(tmp_path, Level.WATCH, config=mem)
-        assert watch.poll_now().level is Level.WATCH
-        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
-        assert cache.stats().entries == 0 and cache.stats().sheds == 1
+        assert cache is not None and cache.stats().entries > 0 and cache.stats().evictions > 0
         for _ in range(500):  # the idle hook runs every idle tick; bounded wait, no timing asserted
             if pool.stats().trimmed_bytes > 0 and pool.stats().bytes_held == 0:
                 break
             time.sleep(0.01)
-        assert pool.stats().bytes_held == 0 and pool.stats().trimmed_bytes > 0
+        assert pool.stats().high_water_bytes > 0 and pool.stats().bytes_held == 0 and pool.stats().trimmed_bytes > 0
         assert metric(url, "ballast_checkpoint_pool_trimmed_bytes_total") == pool.stats().trimmed_bytes
+        assert metric(url, "ballast_checkpoint_pool_high_water_bytes") == pool.stats().high_water_bytes
+        level_tree(tmp_path, Level.WATCH, config=mem)
+        assert watch.poll_now().level is Level.WATCH
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert cache.stats().entries == 0 and cache.stats().sheds == 1 and pool.stats().bytes_held == 0
         assert metric(url, "ballast_checkpoint_pool_bytes") == 0

@@ -191,25 +191,28 @@ def test_save_larger_than_budget_is_declined() -> None:
         eng.shutdown()
 
 
-def test_shed_empties_the_cache_and_returns_buffers_to_the_pool() -> None:
+def test_shed_returns_buffers_to_the_pool_and_the_ladder_shed_trims_it() -> None:
     pool = CheckpointPool(lambda: 1 << 34, 0.5, 64, 1, pin=False)
     cfg = EngineConfig(model="builtin:tiny-qwen3-next", device="cpu", max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk_tokens=64)
     eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=INTERVAL), pool=pool)
     try:
         run_request(eng, 0, ids(21, 40), 3)
-        assert eng.prefix_cache is not None
-        held = eng.prefix_cache.stats()
+        cache = eng.prefix_cache
+        assert cache is not None
+        held = cache.stats()
         assert held.entries == 4 and pool.stats().buffers == 0  # 16, 32, 40, 42 tokens
+        # Shed: the buffers go back to the pool, and the next checkpoints reuse them (hits).
+        assert cache.shed() == held.bytes_held
+        assert cache.stats().entries == 0 and pool.stats().buffers == 4 and pool.stats().bytes_held >= held.bytes_held
+        assert eng.match_prefix(ids(21, 40) + (1,)) == 0
+        run_request(eng, 0, ids(22, 40), 3)
+        assert pool.stats().hits >= 4 and cache.stats().entries == 4
+        # The ladder's shed (WATCH) also trims the pool: under pressure nothing would reuse the
+        # buffers, so they go back to the OS at once instead of after the idle age.
         res = eng.step(StepPlan(shed_prefix_cache=True))
         assert res.outputs == ()
-        assert eng.prefix_cache.stats().entries == 0 and eng.prefix_cache.bytes_held == 0
-        assert pool.stats().buffers == 4 and pool.stats().bytes_held >= held.bytes_held
-        assert eng.match_prefix(ids(21, 40) + (1,)) == 0
-        # The next checkpoints reuse the pooled buffers (hits), which the idle trim releases.
-        run_request(eng, 0, ids(22, 40), 3)
-        assert pool.stats().hits >= 4
-        eng.prefix_cache.shed()
-        assert pool.trim(0) > 0 and pool.stats().bytes_held == 0
+        assert cache.stats().entries == 0 and cache.bytes_held == 0
+        assert pool.stats().bytes_held == 0 and pool.stats().trimmed_bytes >= held.bytes_held
     finally:
         eng.shutdown()
 
