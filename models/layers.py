@@ -21,6 +21,40 @@ from torch import Tensor, nn
 DEFAULT_ROPE_THETA = 10000.0
 
 
+# oneDNN's JIT matmul picks its kernels by CPU features; MKL (torch's BLAS for float32) runs its
+# generic, non-AVX2 sgemm on AMD CPUs. For decode-sized float32 inputs oneDNN measured 1.3-1.7x
+# faster over the default model's weights on a 2-core AMD EPYC (bench/engine_decode.py); for
+# prefill-sized inputs MKL was as fast or faster (0.5x at 192 rows, 2 threads), hence the cut-off.
+# Both are plain float32 FMA over the same dense weight; only the summation order differs.
+ONEDNN_MAX_ROWS = 64
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear; small float32 batches on the CPU run through oneDNN on the same dense weight (no
+    packed copy: the parameters stay the only copy of the weights, as the memory layer counts)."""
+    if (
+        _ONEDNN
+        and x.dim() == 2
+        and x.shape[0] <= ONEDNN_MAX_ROWS
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and not torch.is_grad_enabled()
+        and x.is_contiguous()
+        and weight.is_contiguous()
+    ):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same names) through `linear`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 def token_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
     """An embedding table left uninitialised: loaders and `init_random` fill it. nn.Embedding's own
     initialisation imports torch._dynamo (about 2 s of a model load on a 2-core box, even on the
@@ -192,7 +226,7 @@ class FusedLinears:
         if not self.fused:
             self.fuse()
         assert self.weight is not None  # fuse() set it
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class SwiGLU(nn.Module):
@@ -200,9 +234,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.intermediate = intermediate
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
@@ -279,10 +313,10 @@ class SlotAttention(nn.Module):
         if num_heads % num_kv_heads:
             raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
+        self.q_proj = Linear(hidden, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden, bias=o_bias)
         self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         # Qwen3 normalises q and k per head before rope.
         self.q_norm: RMSNorm | None = None

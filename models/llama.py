@@ -10,6 +10,7 @@ from typing import Any
 from ballast.memory.specs import LayerSpec
 from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel
 from ballast.models.layers import (
+    Linear,
     RMSNorm,
     RopeParams,
     RotaryEmbedding,
@@ -143,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     @classmethod
