@@ -107,27 +107,33 @@ def fill_costs(nbytes: int, reps: int) -> dict[str, float]:
 
 
 def d2h_costs(nbytes: int, reps: int) -> dict[str, float] | None:
-    """On CUDA: a device-to-host checkpoint copy into a fresh pageable buffer (the seed's slow
-    case: pages not yet resident) against a pooled pinned one. None without CUDA."""
+    """On CUDA: a checkpoint save (device -> host) into a fresh pageable buffer (the seed's slow
+    case: pages not yet resident) against a pooled pinned one, and the restore (host -> device)
+    from each. None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    device_buf = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
     pool = CheckpointPool(lambda: psutil.virtual_memory().total, 0.25, 4, MiB, pin=True)
 
-    def timed(dst: torch.Tensor) -> float:
+    def timed(dst: torch.Tensor, src: torch.Tensor) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
         dst.copy_(src)
         torch.cuda.synchronize()
         return (time.perf_counter_ns() - t0) / 1e6
 
-    fresh, pooled = [], []
+    save_fresh, save_pooled, restore_fresh, restore_pooled = [], [], [], []
     for _ in range(reps):
-        fresh.append(timed(torch.empty(nbytes, dtype=torch.uint8)))
+        fresh = torch.empty(nbytes, dtype=torch.uint8)
+        save_fresh.append(timed(fresh, device_buf))
+        restore_fresh.append(timed(device_buf, fresh))
         buf = pool.get(nbytes)
-        pooled.append(timed(buf[:nbytes]))
+        save_pooled.append(timed(buf[:nbytes], device_buf))
+        restore_pooled.append(timed(device_buf, buf[:nbytes]))
         pool.put(buf)
-    return {"bytes": nbytes, "fresh_pageable_ms": statistics.median(fresh), "pooled_pinned_ms": statistics.median(pooled[1:] or pooled), "pinned": float(pool.pinned)}
+    return {"bytes": nbytes, "fresh_pageable_ms": statistics.median(save_fresh), "pooled_pinned_ms": statistics.median(save_pooled[1:] or save_pooled),
+            "restore_fresh_pageable_ms": statistics.median(restore_fresh), "restore_pooled_pinned_ms": statistics.median(restore_pooled[1:] or restore_pooled),
+            "pinned": float(pool.pinned)}
 
 
 def main() -> None:
@@ -175,7 +181,8 @@ def main() -> None:
         print(f"{name:52s} {r['median_us']:11.2f} {r['p90_us']:10.2f} {r['calls']:7d}")
     print(f"\ncheckpoint write, {args.fill_mib} MiB: fresh buffer {fill['fresh_fill_ms']:.1f} ms, pooled buffer {fill['pooled_fill_ms']:.1f} ms")
     if d2h is not None:
-        print(f"device-to-host copy, {args.fill_mib} MiB: fresh pageable {d2h['fresh_pageable_ms']:.1f} ms, pooled pinned {d2h['pooled_pinned_ms']:.1f} ms")
+        print(f"checkpoint save (device-to-host), {args.fill_mib} MiB: fresh pageable {d2h['fresh_pageable_ms']:.1f} ms, pooled pinned {d2h['pooled_pinned_ms']:.1f} ms")
+        print(f"checkpoint restore (host-to-device), {args.fill_mib} MiB: pageable {d2h['restore_fresh_pageable_ms']:.1f} ms, pooled pinned {d2h['restore_pooled_pinned_ms']:.1f} ms")
     print(
         f"MemWatch at {share['poll_interval_s']} s over {share['wall_s']:.1f} s: {share['polls']} polls, "
         f"thread CPU {share['thread_cpu_share_pct']:.3f}% ({share['thread_cpu_us_per_poll']:.0f} us/poll), "

@@ -1,0 +1,45 @@
+"""On CUDA: prefix reuse through checkpoints restores the same state as a cold prefill (bf16
+hybrid model, KV and recurrent state copied device -> pooled pinned host buffer -> device).
+Skips cleanly without CUDA."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
+from ballast.engine.prefix_cache import PrefixCacheConfig
+from ballast.memory.pool import CheckpointPool
+from ballast.memory.types import GiB, MiB
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_prefix_cache import INTERVAL, MAX_LEN, chat  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(params=["builtin:tiny-qwen3-next", "builtin:tiny-llama"])
+def cuda_engine(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, CheckpointPool]]:
+    cfg = EngineConfig(model=request.param, device="cuda", dtype="bfloat16", max_num_seqs=2,
+                       max_model_len=MAX_LEN, prefill_chunk_tokens=64)
+    pool = CheckpointPool(lambda: 64 * GiB, 0.25, 8, MiB)
+    eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=INTERVAL), pool=pool)
+    yield eng, pool
+    eng.shutdown()
+
+
+def test_cuda_reuse_matches_cold_and_uses_pinned_buffers(cuda_engine: tuple[Engine, CheckpointPool]) -> None:
+    engine, pool = cuda_engine
+    cache = engine.prefix_cache
+    assert cache is not None
+    cache.shed()
+    cold, cold_prefilled, _ = chat(engine, 3, reuse=False)
+    cache.shed()
+    warm, warm_prefilled, warm_reused = chat(engine, 3, reuse=True)
+    assert warm == cold
+    assert warm_reused > 0 and warm_prefilled + warm_reused == cold_prefilled
+    assert pool.pinned and pool.stats().misses > 0  # checkpoints went through pinned pool buffers
