@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 # Latency buckets, seconds: from one fast CPU token to a long queued generation.
@@ -29,6 +29,7 @@ class SchedulerFigures:
     active_slots: int
     slot_limit: int
     pressure_level: int
+    reused_prompt_tokens: int = 0  # prompt tokens restored from prefix checkpoints, not prefilled
 
 
 class _SchedulerCollector(Collector):
@@ -46,6 +47,10 @@ class _SchedulerCollector(Collector):
         yield GaugeMetricFamily("ballast_slots_limit", "Slots the scheduler may use now (ladder-capped)", value=figures.slot_limit)
         yield GaugeMetricFamily(
             "ballast_scheduler_pressure_level", "Scheduler's pressure level (0 OK .. 3 CRITICAL)", value=figures.pressure_level
+        )
+        yield CounterMetricFamily(
+            "ballast_prompt_tokens_reused", "Prompt tokens restored from prefix checkpoints instead of prefilled",
+            value=figures.reused_prompt_tokens,
         )
 
 

@@ -108,4 +108,4 @@ class ServerState:
         s = self.scheduler
         if s is None:
             return None
-        return SchedulerFigures(s.queue_depth, s.active_slots, s.slot_limit, int(s.pressure_level))
+        return SchedulerFigures(s.queue_depth, s.active_slots, s.slot_limit, int(s.pressure_level), s.reused_tokens)

@@ -189,3 +189,21 @@ def test_server_wiring_pools_evicted_checkpoints_trims_when_idle_and_sheds_at_wa
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
         assert cache.stats().entries == 0 and cache.stats().sheds == 1 and pool.stats().bytes_held == 0
         assert metric(url, "ballast_checkpoint_pool_bytes") == 0
+
+
+def test_reused_prompt_tokens_reach_metrics(tmp_path: Path) -> None:
+    """A prompt sent twice restores its last interval checkpoint the second time; /metrics counts
+    the restored tokens (and the first request restored none)."""
+    mem = MemoryConfig(root=str(tmp_path))
+    level_tree(tmp_path, Level.OK, config=mem)
+    watch = MemWatch(mem, StaticDeviceReader())
+    app = create_app(ServerConfig(), SchedulerConfig(), lambda: Engine.load(HYBRID, watch, prefix_cache=PrefixCacheConfig(checkpoint_interval=16)),
+                     memwatch=watch)
+    with running_server(app) as url:
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "tell me a long story about a cat " * 8, "max_tokens": 4, "temperature": 0}
+        first = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert metric(url, "ballast_prompt_tokens_reused_total") == 0
+        second = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        assert metric(url, "ballast_prompt_tokens_reused_total") >= 16

@@ -172,7 +172,7 @@ def test_metrics_parse_and_carry_http_scheduler_and_memory_figures(client: opena
     for name in ("ballast_memory_pressure_level", "ballast_host_memory_available_bytes", "ballast_memory_psi_full_avg10",
                  "ballast_ladder_max_slots", "ballast_admission_verdicts", "ballast_time_to_first_token_seconds", "ballast_inter_token_latency_seconds", "ballast_e2e_request_latency_seconds",
                  "ballast_prompt_tokens", "ballast_generation_tokens", "ballast_requests", "ballast_http_rejections",
-                 "ballast_queue_depth", "ballast_slots_active", "ballast_slots_limit"):
+                 "ballast_queue_depth", "ballast_slots_active", "ballast_slots_limit", "ballast_prompt_tokens_reused"):
         assert name in families, name
     requests = {tuple(sorted(s.labels.items())): s.value for s in families["ballast_requests"].samples if s.name == "ballast_requests_total"}
     assert requests[(("endpoint", "chat"), ("outcome", "length"))] >= 1
