@@ -11,7 +11,14 @@ import pytest
 import torch
 import transformers
 from ballast.models.base import ForwardBatch
-from ballast.models.layers import RopeParams, RotaryEmbedding, apply_rope, rope_inv_freq
+from ballast.models.layers import (
+    ONEDNN_MAX_ROWS,
+    RopeParams,
+    RotaryEmbedding,
+    apply_rope,
+    linear,
+    rope_inv_freq,
+)
 from ballast.models.registry import build_model
 from ballast.models.state import LayerState, allocate_states
 from torch import nn
@@ -237,3 +244,28 @@ def test_partial_rotary_turns_only_the_leading_dims() -> None:
     assert torch.allclose(full_cos, cos)  # rotary dim 4 of head 16 == a 4-dim head's rope
     assert torch.allclose(out[..., :4], apply_rope(x[..., :4].contiguous(), full_cos, full_sin))
     assert not torch.allclose(out[..., :4], x[..., :4])
+
+
+@pytest.mark.parametrize("rows", [1, 8, ONEDNN_MAX_ROWS, ONEDNN_MAX_ROWS + 1, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear_whichever_gemm_runs(rows: int, bias: bool) -> None:
+    """Decode-sized float32 inputs go through oneDNN, larger ones through torch's BLAS; both are
+    float32 over the same weight, so they agree to float32 rounding (summation order only)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g)
+    w = torch.randn(1536, 576, generator=g)
+    b = torch.randn(1536, generator=g) if bias else None
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double() if b is not None else None)
+    with torch.inference_mode():
+        out = linear(x, w, b)
+    assert out.dtype == torch.float32 and out.shape == (rows, 1536)
+    # |x.w| sums 576 products of N(0,1) values (~24 in size): float32 keeps ~1e-5 of that.
+    assert (out.double() - ref).abs().max().item() < 1e-3
+    assert (out - torch.nn.functional.linear(x, w, b)).abs().max().item() < 1e-3
+
+
+def test_linear_keeps_autograd_when_gradients_are_on() -> None:
+    w = torch.randn(16, 8, requires_grad=True)
+    out = linear(torch.randn(2, 8), w)
+    out.sum().backward()
+    assert w.grad is not None and w.grad.shape == (16, 8)
