@@ -29,11 +29,24 @@ from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.models.default_model import default_model_path
+from ballast.models.layers import ONEDNN_MAX_ROWS, onednn_linear_available
 
 RESULTS = Path(__file__).parent / "results" / "engine_decode.json"
 GREEDY = SamplingParams(temperature=0.0)
 TOPICS = ["the history of Paris", "how bees make honey", "why the sky is blue", "a recipe for bread",
           "the rules of chess", "how rain forms", "the life of a star", "how a bicycle works"]
+
+
+def read_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of one pass reading a buffer far larger than the caches: at batch 8 a decode step
+    reads every weight once, so weights_bytes / this is the floor of a step's time."""
+    buf = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
 
 
 def prompts(engine: Engine, batch: int, length: int) -> list[list[int]]:
@@ -105,6 +118,8 @@ def main() -> None:
     hf_load = time.perf_counter() - t0
 
     load_before = os.getloadavg()
+    bandwidth = read_bandwidth()
+    weights = engine.load_report.weights_bytes
     rows = []
     for batch in args.batches:
         ps = prompts(engine, batch, args.prompt_len)
@@ -124,6 +139,7 @@ def main() -> None:
             "ours_tok_s": new / o_e2e, "transformers_tok_s": new / h_e2e, "speedup": h_e2e / o_e2e,
             "ours_decode_tok_s": decoded / o_dec, "transformers_decode_tok_s": decoded / h_dec, "decode_speedup": h_dec / o_dec,
             "same_tokens": o_tok == h_tok,
+            "bandwidth_floor_decode_tok_s": batch * bandwidth / weights,
         })
     engine.shutdown()
     load_after = os.getloadavg()
@@ -131,6 +147,9 @@ def main() -> None:
     print(f"default model ({path.name}) on CPU, float32, {torch.get_num_threads()} threads, "
           f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, best of {args.repeats}; "
           f"load average {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} CPUs")
+    gemm = f"oneDNN up to {ONEDNN_MAX_ROWS} rows, else torch BLAS" if onednn_linear_available() else "torch BLAS"
+    print(f"linears: {gemm}; read bandwidth {bandwidth / 1e9:.1f} GB/s over {weights / 1e6:.0f} MB of weights "
+          f"-> decode floor {bandwidth / weights:.1f} steps/s")
     print(f"load: ours {ours_load:.2f}s (model read+dequantize+build {engine.load_report.load_s:.2f}s), transformers {hf_load:.2f}s")
     print(f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>9} {'x':>6} | {'ours decode':>12} {'HF decode':>10} {'x':>6} | same tokens")
     for r in rows:
@@ -141,7 +160,8 @@ def main() -> None:
         "bench": "engine_decode", "model": path.name, "dtype": "float32", "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "repeats": args.repeats, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(), "load_average_1m": [load_before[0], load_after[0]],
-        "machine": platform.machine(), "load_s": {"ours": ours_load, "ours_model_only": engine.load_report.load_s, "transformers": hf_load},
+        "machine": platform.machine(), "linears": gemm, "read_bandwidth_bytes_s": bandwidth, "weights_bytes": weights,
+        "load_s": {"ours": ours_load, "ours_model_only": engine.load_report.load_s, "transformers": hf_load},
         "rows": rows,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -30,6 +30,11 @@ ONEDNN_MAX_ROWS = 64
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_linear_available() -> bool:
+    """Whether `linear` can route small float32 CPU batches through oneDNN in this torch build."""
+    return _ONEDNN
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear; small float32 batches on the CPU run through oneDNN on the same dense weight (no
     packed copy: the parameters stay the only copy of the weights, as the memory layer counts)."""
