@@ -205,22 +205,36 @@ def main(argv: list[str] | None = None) -> int:
                   f"statuses {refusals['statuses']}  Retry-After {refusals['retry_after']}", flush=True)
 
     if args.reference == "transformers":
-        from ballast.models.default_model import default_model_path
-
-        gguf = default_model_path()
+        model_dir = reference_dir()
         port = free_port()
-        name = f"{gguf.parent}:{gguf.name}"
         cmd = [str(Path(sys.executable).parent / "transformers"), "serve", "--continuous-batching",
-               "--port", str(port), name]
+               "--port", str(port), str(model_dir)]
         with server(cmd, {"HF_HUB_OFFLINE": "1"}, "/health", port, timeout_s=600) as base:
-            print("transformers serve --continuous-batching", flush=True)
-            result["transformers"] = run_levels(base, name, args)
+            print("transformers serve --continuous-batching (same weights, float32)", flush=True)
+            result["transformers"] = run_levels(base, str(model_dir), args)
 
     result["loadavg_after"] = os.getloadavg()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "http_load.json").write_text(json.dumps(result, indent=2, default=str))
     print(table(result))
     return 0
+
+
+def reference_dir() -> Path:
+    """The default model as a Hugging Face directory for `transformers serve` (its GGUF path
+    needs `architectures`, which the file lacks): converted once by transformers itself and cached."""
+    from ballast.models.default_model import default_model_path
+
+    gguf = default_model_path()
+    out = gguf.parent / "hf-reference"
+    if not (out / "config.json").exists():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model.config.architectures = [type(model).__name__]
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+        model.save_pretrained(out)
+    return out
 
 
 def table(result: dict[str, object]) -> str:
