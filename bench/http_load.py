@@ -221,19 +221,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def reference_dir() -> Path:
-    """The default model as a Hugging Face directory for `transformers serve` (its GGUF path
-    needs `architectures`, which the file lacks): converted once by transformers itself and cached."""
+    """The default model as a Hugging Face directory for `transformers serve` (its GGUF path needs
+    `architectures`, which the file lacks, and transformers will not save a GGUF-loaded model).
+    Written once from our GGUF loader, whose tensors equal transformers' dequantization exactly."""
     from ballast.models.default_model import default_model_path
+    from ballast.models.gguf_loader import load_gguf
+    from safetensors.torch import save_file
 
     gguf = default_model_path()
     out = gguf.parent / "hf-reference"
-    if not (out / "config.json").exists():
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model.config.architectures = [type(model).__name__]
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
-        model.save_pretrained(out)
+    if not (out / "model.safetensors").exists():
+        model = load_gguf(gguf)
+        out.mkdir(exist_ok=True)
+        config = {**model.config, "architectures": ["LlamaForCausalLM"], "torch_dtype": "float32"}
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        model.tokenizer.save_pretrained(out)
+        save_file({k: v.contiguous() for k, v in model.tensors.items()}, str(out / "model.safetensors"))
     return out
 
 
