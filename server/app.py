@@ -170,6 +170,7 @@ def create_app(
     gpu_die: int | None = None,
     pool: CheckpointPool | None = None,
     pool_max_idle_s: float = 30.0,
+    model_aliases: tuple[str, ...] = (),
 ) -> FastAPI:
     """An app serving the engine `engine_factory` builds (called once, on a worker thread).
 
@@ -177,10 +178,11 @@ def create_app(
     is called once if the engine becomes unsound (`ballast serve` uses it to exit non-zero);
     `gpu_die` is the GPU whose ledger admission checks (None: the engine runs on the host); `pool` is
     the checkpoint buffer pool the engine's prefix cache uses: its figures go on /metrics and the
-    idle scheduler trims buffers pooled longer than `pool_max_idle_s`."""
+    idle scheduler trims buffers pooled longer than `pool_max_idle_s`; `model_aliases` are other
+    names requests may give the model (responses always carry the served name)."""
     registry = CollectorRegistry(auto_describe=True)
     metrics = HttpMetrics(registry)
-    state = ServerState(config=config, registry=registry, metrics=metrics, memwatch=memwatch)
+    state = ServerState(config=config, registry=registry, metrics=metrics, memwatch=memwatch, model_aliases=model_aliases)
     if on_fatal is not None:
         state.on_fatal = on_fatal
     metrics.watch_scheduler(state.scheduler_figures)

@@ -136,7 +136,8 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             server.should_exit = True
 
     app = create_app(server_cfg, sched_cfg, lambda: Engine.load(engine_cfg, watch, prefix_cache=prefix_cfg, pool=pool), memwatch=watch,
-                     on_fatal=on_fatal, gpu_die=gpu_die, pool=pool, pool_max_idle_s=memory_cfg.pool_max_idle_s)
+                     on_fatal=on_fatal, gpu_die=gpu_die, pool=pool, pool_max_idle_s=memory_cfg.pool_max_idle_s,
+                     model_aliases=() if server_cfg.served_model_name else (engine_cfg.model,))
     try:
         sock = _bind(server_cfg.host, server_cfg.port)
     except OSError as exc:

@@ -58,7 +58,7 @@ def _check_model(state: ServerState, requested: str) -> str:
     name = state.model_name
     if name is None:
         raise ApiError(503, "the model is still loading", "server_overloaded", code="model_loading", headers={"Retry-After": "1"})
-    if requested != name:
+    if requested != name and requested not in state.model_aliases:
         raise ApiError(404, f"The model `{requested}` does not exist; this server serves `{name}`", param="model", code="model_not_found")
     return name
 

@@ -59,6 +59,9 @@ class ServerState:
     phase: Phase = Phase.LOADING
     failure: str | None = None
     on_fatal: Callable[[str], None] = field(default=_log_fatal)
+    # Other names clients may use for the served model: `ballast serve --model default` also
+    # answers to "default", as vLLM answers to its --model argument.
+    model_aliases: tuple[str, ...] = ()
 
     @property
     def model_name(self) -> str | None:

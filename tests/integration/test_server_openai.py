@@ -52,7 +52,8 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root: Path = tmp_path_factory.mktemp("proc")
     level_tree(root, Level.OK)
     watch = MemWatch(MemoryConfig(root=str(root)))
-    app = create_app(ServerConfig(), SchedulerConfig(), lambda: FakeEngine(max_model_len=256), memwatch=watch)
+    app = create_app(ServerConfig(), SchedulerConfig(), lambda: FakeEngine(max_model_len=256), memwatch=watch,
+                     model_aliases=("default",))
     with running_server(app) as url:
         yield url
 
@@ -273,3 +274,12 @@ def test_streamed_text_chunks_are_the_modelled_bytes() -> None:
                     assert json.loads(writer.tokens(event)[6:])["object"] in ("chat.completion.chunk", "text_completion")
     finally:
         engine.shutdown()
+
+
+def test_the_model_spec_is_an_alias_of_the_served_name(client: openai.OpenAI) -> None:
+    """`ballast serve --model default` answers to "default" too (as vLLM answers to its --model);
+    responses carry the served name, and any other name is still a 404."""
+    done = client.chat.completions.create(model="default", messages=MESSAGES, temperature=0, max_tokens=3)  # type: ignore[arg-type]
+    assert done.model == "fake-model"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
