@@ -1,12 +1,15 @@
-"""Decode throughput of a small hybrid (gated DeltaNet + attention) MoE model on CPU: ballast's
-slot-batched forward against transformers' `generate` on the same weights.
+"""Decode throughput of a small hybrid (gated DeltaNet + attention) MoE model: ballast's
+slot-batched forward against transformers' `generate` on the same weights (CPU by default; on
+CUDA both sides use the flash-linear-attention kernels where that package is installed).
 
 transformers batches a fixed set of equal-length prompts (no continuous batching for these
 models); ballast runs the same prompts as slots of one step. Both decode greedily; the figure is
 decode tokens per second (prefill excluded). One run each, table on stdout, JSON to
-bench/results/hybrid_decode.json.
+bench/results/hybrid_decode.json. In bfloat16 the two sides may pick different tokens once two
+logits round alike, so "same tokens" is only expected in float32.
 
     python -m ballast.bench.hybrid_decode [--batches 1 8 32] [--new-tokens 32] [--prompt-len 32] [--threads N]
+                                          [--device cuda --dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ballast.engine.runner import ATTENTION_BACKENDS
 from ballast.models.base import ForwardBatch
 from ballast.models.builtin import init_random
 from ballast.models.qwen3_next import Qwen3NextForCausalLM
 from ballast.models.registry import build_model
 from ballast.models.state import allocate_states
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 RESULTS = Path(__file__).parent / "results" / "hybrid_decode.json"
 
@@ -61,25 +66,30 @@ def _prompts(batch: int, length: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(batch))
 
 
-@torch.no_grad()
+@torch.inference_mode()
+@sdpa_kernel(ATTENTION_BACKENDS)
 def ours_decode(model: Qwen3NextForCausalLM, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
     """Seconds spent in the decode steps, and the generated tokens per sequence."""
     batch, length = prompts.shape
-    states = allocate_states(model.layer_specs(4), batch, length + new_tokens + 1, "cpu", torch.float32)
-    logits = model(ForwardBatch.build([(i, prompts[i].tolist(), 0) for i in range(batch)], "cpu"), states)
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    states = allocate_states(model.layer_specs(param.element_size()), batch, length + new_tokens + 1, device, dtype)
+    logits = model(ForwardBatch.build([(i, prompts[i].tolist(), 0) for i in range(batch)], device), states)
     tokens = [[int(t)] for t in logits.argmax(-1)]
     start = time.perf_counter()
     for step in range(new_tokens - 1):
         seqs = [(i, [tokens[i][-1]], length + step) for i in range(batch)]
-        logits = model(ForwardBatch.build(seqs, "cpu"), states)
+        logits = model(ForwardBatch.build(seqs, device), states)
         for i, t in enumerate(logits.argmax(-1).tolist()):
             tokens[i].append(t)
     return time.perf_counter() - start, tokens
 
 
-@torch.no_grad()
+@torch.inference_mode()
+@sdpa_kernel(ATTENTION_BACKENDS)
 def hf_decode(model: Any, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
     """generate(new_tokens) minus generate(1): the decode steps' share of the time."""
+    prompts = prompts.to(next(model.parameters()).device)
     kwargs: dict[str, Any] = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None,
                               "attention_mask": torch.ones_like(prompts)}
     model.generate(prompts, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
@@ -106,6 +116,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.threads < 0:
@@ -119,6 +131,9 @@ def main() -> None:
     assert isinstance(ours, Qwen3NextForCausalLM)
     init_random(ours, seed=0)
     reference = reference_model(ours)
+    dtype = getattr(torch, args.dtype)
+    ours.to(args.device, dtype)
+    reference.to(args.device, dtype)
     rows = []
     for batch in args.batches:
         prompts = _prompts(batch, args.prompt_len, SMALL_HYBRID_MOE["vocab_size"])
@@ -135,8 +150,8 @@ def main() -> None:
             "same_tokens": ours_tokens == hf_tokens,
         })
 
-    print(f"hybrid MoE decode on CPU ({torch.get_num_threads()} threads), prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, float32")
+    where = f"CPU ({torch.get_num_threads()} threads)" if args.device == "cpu" else args.device
+    print(f"hybrid MoE decode on {where}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.dtype}")
     print(f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'speedup':>8} {'same tokens':>12}")
     for r in rows:
         print(f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r['transformers_tok_s']:>10.1f} "
@@ -149,6 +164,8 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "device": args.device,
+        "dtype": args.dtype,
         "machine": platform.machine(),
         "processor": platform.processor(),
         "rows": rows,

@@ -21,6 +21,10 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 WARMUP_TOKENS = 8
+# cuDNN attention (torch's first choice for bf16 with a mask on Hopper) builds a new plan for
+# every new KV length, ~27 ms a call measured on an H200 with torch 2.11, and decode changes the
+# length every step. Flash / memory-efficient kernels have no such setup.
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 Sequences = Sequence[tuple[int, Sequence[int], int]]  # (slot, token ids, start position)
 
 
@@ -159,10 +163,6 @@ class ModelRunner:
         lm = as_causal_lm(model)
         specs = lm.layer_specs(1 if quantized_kv else dtype_bytes(dtype))
         self.states: list[LayerState] = allocate_states(specs, num_slots, max_model_len, device, dtype, quantized_kv)
-        # cuDNN attention (torch's first choice for bf16 with a mask on Hopper) builds a new plan
-        # for every new KV length, ~27 ms a call measured on an H200 with torch 2.11, and decode
-        # changes the length every step. Flash / memory-efficient kernels have no such setup.
-        self._attention_backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
         vocab = int(lm.config.vocab_size)
         self.sampler = Sampler(num_slots, vocab, device, seed)
 
@@ -182,6 +182,6 @@ class ModelRunner:
     def forward(self, seqs: Sequences) -> Tensor:
         """Logits [len(seqs), vocab] at each sequence's last token; writes the slots' states."""
         batch = ForwardBatch.build(seqs, self.device)
-        with torch.inference_mode(), sdpa_kernel(self._attention_backends):
+        with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):
             logits: Tensor = self.model(batch, self.states)
         return logits

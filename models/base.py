@@ -107,7 +107,7 @@ class ForwardBatch:
         host = _index_tensors(slots_list, starts_list, lens_list)
         host["token_ids"] = torch.tensor(flat, dtype=torch.int64)
         return cls(
-            **_to_device(host, torch.device(device)),
+            **to_device_packed(host, torch.device(device)),
             slots_list=slots_list,
             starts_list=starts_list,
             lens_list=lens_list,
@@ -128,7 +128,7 @@ class ForwardBatch:
         first = torch.tensor([0, *accumulate(self.lens_list)], dtype=torch.int64)[list(seq_index)]
         seq_of_token = host["seq_of_token"]
         host["token_index"] = first[seq_of_token] + torch.arange(seq_of_token.shape[0]) - host["cu_lens"][seq_of_token]
-        moved = _to_device(host, self.device)
+        moved = to_device_packed(host, self.device)
         token_index = moved.pop("token_index")
         sub = ForwardBatch(
             token_ids=self.token_ids.index_select(0, token_index),
@@ -165,7 +165,8 @@ def _index_tensors(slots_list: list[int], starts_list: list[int], lens_list: lis
     }
 
 
-def _to_device(host: dict[str, Tensor], dev: torch.device) -> dict[str, Any]:
+def to_device_packed(host: dict[str, Tensor], dev: torch.device) -> dict[str, Any]:
+    """1-D int64 host tensors on `dev`, moved in one copy (views of one packed tensor)."""
     if dev.type == "cpu":
         return dict(host)
     # One host-to-device copy instead of ten: each small copy costs a launch and a sync.

@@ -29,14 +29,19 @@ class ConvWindows:
     """
 
     kernel: int
-    token_taps: Tensor  # [K, T] int64: source row of tap j (oldest first) for token t
-    state_taps: Tensor  # [K-1, B] int64: source row of the new state's column j for sequence b
+    token_taps: Tensor | None  # [K, T] int64: source row of tap j (oldest first) for token t
+    state_taps: Tensor | None  # [K-1, B] int64: source row of the new state's column j for sequence b
+    # Every sequence feeds one token (a decode step): each token's window is its sequence's state
+    # followed by the token, so no taps are needed (None above).
+    decode_only: bool = False
 
     @classmethod
     def build(cls, cu_lens: Tensor, lens: Tensor, seq_of_token: Tensor, kernel: int) -> ConvWindows:
         """cu_lens [B+1], lens [B], seq_of_token [T] (all int64, on the compute device)."""
         if kernel < 1:
             raise ValueError(f"conv kernel must be >= 1, got {kernel}")
+        if seq_of_token.shape[0] == lens.shape[0]:  # T == B and every len >= 1: one token each
+            return cls(kernel=kernel, token_taps=None, state_taps=None, decode_only=True)
         hist = kernel - 1
         num_seqs = int(lens.shape[0])
         device = lens.device
@@ -71,6 +76,9 @@ def causal_conv1d_varlen(
     kernel = windows.kernel
     if weight.shape[-1] != kernel or state.shape[-1] != kernel - 1:
         raise ValueError(f"kernel mismatch: weight {tuple(weight.shape)}, state {tuple(state.shape)}, {kernel}")
+    if windows.decode_only:
+        return _conv_decode(x, state, weight, activation)
+    assert windows.token_taps is not None and windows.state_taps is not None
     channels = x.shape[-1]
     source = torch.cat([state.transpose(1, 2).reshape(-1, channels).to(x.dtype), x], dim=0)
     w = weight.float()
@@ -81,3 +89,18 @@ def causal_conv1d_varlen(
         out = F.silu(out)
     new_state = source[windows.state_taps.reshape(-1)].reshape(kernel - 1, -1, channels).permute(1, 2, 0)
     return out.to(x.dtype), new_state.to(state.dtype)
+
+
+def _conv_decode(x: Tensor, state: Tensor, weight: Tensor, activation: bool) -> tuple[Tensor, Tensor]:
+    # One token per sequence: the window is [state, x]. Same accumulation order as the gathered
+    # form (taps oldest first into float32 zeros), so a decode step gives the same bits either way;
+    # half the kernel launches, which is what a decode step on a GPU is bound by.
+    window = torch.cat([state.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, K]
+    src = window.float()
+    w = weight.float()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in range(w.shape[-1]):
+        out.addcmul_(src[..., j], w[:, j])
+    if activation:
+        out = F.silu(out)
+    return out.to(x.dtype), window[..., 1:].to(state.dtype)

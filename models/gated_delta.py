@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
-from ballast.models.base import ForwardBatch
+from ballast.models.base import ForwardBatch, to_device_packed
 from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
 from ballast.models.layers import StepContext
 from ballast.models.state import LayerState, RecurrentState
@@ -39,8 +39,10 @@ CHUNK = 64
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, the normalisation fla applies in-kernel."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+    """x / sqrt(sum(x^2) + eps) over the last dim, the normalisation fla applies in-kernel.
+    As an RMS norm (x / sqrt(mean(x^2) + eps / D)) scaled by 1 / sqrt(D): one fused kernel."""
+    dim = x.shape[-1]
+    return F.rms_norm(x, (dim,), eps=eps / dim) * dim**-0.5
 
 
 def _expand_heads(x: Tensor, num_v_heads: int, dim: int) -> Tensor:
@@ -138,6 +140,10 @@ class DeltaPlan:
 
     @classmethod
     def build(cls, lens_list: list[int], device: torch.device) -> DeltaPlan:
+        if max(lens_list) == 1:  # a decode step: token i is sequence i; no host tensors to copy
+            seqs = torch.arange(len(lens_list), device=device)
+            none = seqs[:0]
+            return cls(seqs, seqs, none, none, none, seqs.new_zeros(1), prefill_len=0, all_decode=True)
         lens = torch.tensor(lens_list, dtype=torch.int64)
         cu = torch.zeros(len(lens_list) + 1, dtype=torch.int64)
         torch.cumsum(lens, 0, out=cu[1:])
@@ -158,8 +164,7 @@ class DeltaPlan:
             "prefill_padded": local * p_len + offset,
             "prefill_cu_lens": p_cu,
         }
-        moved = {k: t.to(device, non_blocking=True) for k, t in host.items()}
-        return cls(**moved, prefill_len=p_len, all_decode=p_len == 0)
+        return cls(**to_device_packed(host, device), prefill_len=p_len, all_decode=False)
 
 
 @lru_cache(maxsize=1)
@@ -273,8 +278,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
         dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (self.weight * h.to(dtype) * F.silu(gate.float())).to(dtype)
 
 
