@@ -132,9 +132,11 @@ class Sampler:
         return gen
 
     def _record(self, slot_index: torch.Tensor, tokens: torch.Tensor) -> None:
-        ones = torch.ones_like(tokens, dtype=self._counts.dtype)
-        self._counts.index_put_((slot_index, tokens), ones, accumulate=True)
-        self._seen[slot_index, tokens] = True
+        # One kernel each on the flattened tables (an accumulating index_put_ sorts its indices
+        # on CUDA first); rows are distinct slots, so no two updates hit the same cell.
+        flat = slot_index * self.vocab_size + tokens
+        self._counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=self._counts.dtype))
+        self._seen.view(-1).index_fill_(0, flat, True)
 
 
 def filter_logits(

@@ -63,6 +63,7 @@ class FinishEvent:
     completion_tokens: int
     capped: bool = False  # admission CAP shortened max_tokens to fit memory (reason is "length")
     error: Refused | None = None  # set when reason == "error" (Overloaded, RequestTimeout, ...)
+    cached_tokens: int = 0  # prompt tokens restored from a prefix checkpoint, not prefilled
 
 
 Event = TokenEvent | FinishEvent

@@ -76,6 +76,7 @@ class _Seq:
     phase: Phase = Phase.WAITING
     slot: int | None = None
     prefilled: int = 0  # prompt tokens already in the slot (sent to the engine or restored)
+    cached: int = 0  # of which restored from a prefix checkpoint
     max_tokens: int = 0  # after admission (a CAP lowers it)
     capped: bool = False
     output: list[int] = field(default_factory=list)
@@ -303,7 +304,7 @@ class Scheduler:
         prompt = seq.req.prompt_ids
         if seq.prefilled == 0 and self._caching and (n := self._engine.match_prefix(prompt)) > 0:
             self._restores.append(CheckpointRestore(seq.slot, prompt[:n]))
-            seq.prefilled = n
+            seq.prefilled = seq.cached = n
         end = min(len(prompt), seq.prefilled + budget)
         if self._caching:  # a recurrent state exists only where a chunk ends: end at the next checkpoint
             end = min(end, (seq.prefilled // self._interval + 1) * self._interval)
@@ -351,7 +352,7 @@ class Scheduler:
             if tail:
                 seq.mailbox.put(TokenEvent(tail, ()))
         capped = seq.capped and reason == "length"
-        seq.mailbox.put(FinishEvent(reason, len(seq.req.prompt_ids), len(seq.output), capped, error))
+        seq.mailbox.put(FinishEvent(reason, len(seq.req.prompt_ids), len(seq.output), capped, error, seq.cached))
         self._outcomes[reason if error is None else outcome_of(error)] += 1
 
     def _fail(self, exc: Exception) -> None:

@@ -274,7 +274,7 @@ async def respond(state: ServerState, job: Job, started: Started, request: Reque
     if finish.error is not None:
         raise refuse(state, job, finish.error, counted=True)
     text = "".join(texts)
-    usage = p.Usage.of(finish.prompt_tokens, finish.completion_tokens)
+    usage = p.Usage.of(finish.prompt_tokens, finish.completion_tokens, finish.cached_tokens)
     body: p.ChatCompletion | p.Completion
     if job.endpoint == "chat":
         lp = p.ChatLogprobs(content=chat_logprobs(tokenizer, tuple(entries))) if job.want_logprobs else None

@@ -95,7 +95,7 @@ class _ChunkWriter:
         return self._completion(p.CompletionChoice(text="", finish_reason=event.reason), **extra)
 
     def usage(self, event: FinishEvent) -> str:
-        usage = p.Usage.of(event.prompt_tokens, event.completion_tokens).model_dump()
+        usage = p.Usage.of(event.prompt_tokens, event.completion_tokens, event.cached_tokens).model_dump()
         obj = "chat.completion.chunk" if self.job.endpoint == "chat" else "text_completion"
         return sse({"id": self.job.response_id, "object": obj, "created": self.created, "model": self.job.model, "choices": [], "usage": usage})
 

@@ -215,3 +215,35 @@ def test_reused_prompt_tokens_reach_metrics(tmp_path: Path) -> None:
         second = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
         assert metric(url, "ballast_prompt_tokens_reused_total") >= 16
+
+
+def test_usage_reports_cached_prompt_tokens_through_the_openai_client(tmp_path: Path) -> None:
+    """usage.prompt_tokens_details.cached_tokens (as OpenAI reports it) is the number of prompt
+    tokens the scheduler restored from a checkpoint: 0 on a first turn, and on the second turn
+    of a chat exactly what /metrics counts as reused, streamed or not."""
+    import openai
+
+    level_tree(tmp_path, Level.OK)
+    watch = MemWatch(MemoryConfig(root=str(tmp_path)))
+    app = create_app(ServerConfig(), SchedulerConfig(), lambda: FakeEngine(max_model_len=512, checkpoint_interval=INTERVAL),
+                     memwatch=watch)
+    with running_server(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "hello there, how are you today?"}]
+        first = client.chat.completions.create(model="fake-model", messages=messages, temperature=0, max_tokens=12)  # type: ignore[arg-type]
+        assert first.usage is not None and first.usage.prompt_tokens_details is not None
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                     {"role": "user", "content": "and what is the weather like?"}]
+        for stream in (False, True):
+            before = metric(url, "ballast_prompt_tokens_reused_total")
+            if stream:
+                chunks = list(client.chat.completions.create(
+                    model="fake-model", messages=messages, temperature=0, max_tokens=4, stream=True,  # type: ignore[arg-type]
+                    stream_options={"include_usage": True}))
+                usage = chunks[-1].usage
+            else:
+                usage = client.chat.completions.create(model="fake-model", messages=messages, temperature=0, max_tokens=4).usage  # type: ignore[arg-type]
+            assert usage is not None and usage.prompt_tokens_details is not None
+            reused = metric(url, "ballast_prompt_tokens_reused_total") - before
+            assert 0 < usage.prompt_tokens_details.cached_tokens == reused < usage.prompt_tokens
