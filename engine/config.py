@@ -43,6 +43,7 @@ class EngineConfig:
     prefill_chunk_tokens: int = field(default=512, metadata=_setting("BALLAST_PREFILL_CHUNK_TOKENS", "largest prefill one step carries (profiled at load)", (1, 1 << 16)))
     kv_quant: str = field(default="none", metadata=_setting("BALLAST_KV_QUANT", "KV cache format: none keeps the model dtype, int8 adds per token-head scales", choices=KV_QUANT_MODES))
     seed: int = field(default=0, metadata=_setting("BALLAST_SEED", "seed of random-init weights and the shared sampler", (0, (1 << 63) - 1)))
+    cuda_graphs: bool = field(default=True, metadata=_setting("BALLAST_CUDA_GRAPHS", "replay decode steps as CUDA graphs (CUDA only; falls back to eager if capture fails)"))
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -17,6 +17,7 @@ import psutil
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
+from ballast.engine.graphs import GraphCaptureError
 from ballast.engine.loading import LoadedModel, load
 from ballast.engine.plan import SamplingParams, SlotOutput, StepPlan, StepResult
 from ballast.engine.prefix_cache import CheckpointMissing, PrefixCache, PrefixCacheConfig, auto_interval
@@ -29,6 +30,7 @@ from ballast.engine.runner import (
     profile_prefill,
 )
 from ballast.engine.tokenizer import Tokenizer
+from ballast.memory.errors import LedgerFull
 from ballast.memory.ledger import Lease
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import CostModel
@@ -100,18 +102,43 @@ class Engine:
         try:
             profile = profile_prefill(loaded.model, loaded.hf_config, cfg.prefill_chunk_tokens, cfg.max_model_len, self.device, self.dtype)
             quantized = force_quantized_kv or cfg.kv_quant == "int8"
+            graphs = cfg.cuda_graphs and self.device.type == "cuda"
             if self._watch is not None and self.device.type == "cuda":
                 # Lease before allocating: the ledger refuses before the driver would OOM.
-                die = self.device.index if self.device.index is not None else torch.cuda.current_device()
-                planned = planned_state_bytes(loaded.model, self.dtype, cfg.max_num_seqs, cfg.max_model_len, quantized)
-                leases.append(self._watch.ledger.lease(die, planned, f"slot-states:{loaded.source.name}"))
-                leases.append(self._watch.ledger.lease(die, profile.peak_activation_bytes, "activations"))
-            runner = ModelRunner(loaded.model, self.device, self.dtype, cfg.max_num_seqs, cfg.max_model_len, quantized, cfg.seed)
+                planned = planned_state_bytes(loaded.model, self.dtype, cfg.max_num_seqs, cfg.max_model_len, quantized, graphs)
+                leases.append(self._watch.ledger.lease(self._die(), planned, f"slot-states:{loaded.source.name}"))
+                leases.append(self._watch.ledger.lease(self._die(), profile.peak_activation_bytes, "activations"))
+            runner = ModelRunner(loaded.model, self.device, self.dtype, cfg.max_num_seqs, cfg.max_model_len, quantized,
+                                 cfg.seed, scratch_slot=graphs)
+            if graphs:
+                self._capture_graphs(runner, leases)
         except BaseException:
             for lease in leases:
                 lease.release()
             raise
         return loaded, runner, profile, leases
+
+    def _die(self) -> int:
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def _capture_graphs(self, runner: ModelRunner, leases: list[Lease]) -> None:
+        """Decode graphs are a speed-up, never a reason to fail: a model that cannot be captured,
+        or a ledger without room for the graphs' memory, runs eagerly (logged)."""
+        try:
+            held = runner.capture_graphs()
+        except GraphCaptureError as e:
+            log.warning("%s; decode runs eagerly", e)
+            return
+        if self._watch is not None:
+            try:
+                leases.append(self._watch.ledger.lease(self._die(), held, "cuda-graphs"))
+            except LedgerFull as e:
+                runner.release_graphs()
+                log.warning("no VRAM for decode graphs (%s); decode runs eagerly", e)
+                return
+        assert runner.graphs is not None
+        log.info("decode graphs: %d captured (batch %s x context %s), %.1f MiB", runner.graphs.captured,
+                 list(runner.graphs.batch_buckets), list(runner.graphs.context_buckets), held / 2**20)
 
     def _setup(self, parts: tuple[LoadedModel, ModelRunner, Profile, list[Lease]]) -> None:
         loaded, runner, profile, leases = parts
@@ -176,6 +203,7 @@ class Engine:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
+        self.runner.release_graphs()
         if self.prefix_cache is not None:
             self.prefix_cache.shed()  # buffers back to the pool, which the owner trims
         for lease in self._leases:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from ballast.engine.graphs import DecodeGraphs, GraphCaptureError
 from ballast.engine.sampler import Sampler
 from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import CostModel
@@ -139,21 +140,24 @@ def build_cost_model(model: nn.Module, dtype: torch.dtype, profile: Profile, wei
     )
 
 
-def planned_state_bytes(model: nn.Module, dtype: torch.dtype, num_slots: int, max_model_len: int, quantized_kv: bool) -> int:
+def planned_state_bytes(model: nn.Module, dtype: torch.dtype, num_slots: int, max_model_len: int, quantized_kv: bool,
+                        scratch_slot: bool = False) -> int:
     """Bytes `ModelRunner` will allocate for these settings, from the layer specs alone, so the
     VRAM ledger can be asked before anything is allocated."""
     lm = as_causal_lm(model)
     kv = kv_bytes_per_token(lm.layer_specs(1 if quantized_kv else dtype_bytes(dtype)))
     recurrent = state_bytes_per_slot(lm.layer_specs(dtype_bytes(dtype)))
     vocab = int(lm.config.vocab_size)
-    return num_slots * (kv * max_model_len + recurrent) + Sampler.planned_bytes(num_slots, vocab)
+    state_slots = num_slots + int(scratch_slot)
+    return state_slots * (kv * max_model_len + recurrent) + Sampler.planned_bytes(num_slots, vocab)
 
 
 class ModelRunner:
-    """Owns the model's slot states and the sampler; runs one forward over many slots."""
+    """Owns the model's slot states, the sampler and the decode graphs; runs one forward over many
+    slots. With scratch_slot the states carry one slot more than num_slots, for graph padding."""
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, num_slots: int,
-                 max_model_len: int, quantized_kv: bool, seed: int) -> None:
+                 max_model_len: int, quantized_kv: bool, seed: int, scratch_slot: bool = False) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -162,7 +166,9 @@ class ModelRunner:
         self.quantized_kv = quantized_kv
         lm = as_causal_lm(model)
         specs = lm.layer_specs(1 if quantized_kv else dtype_bytes(dtype))
-        self.states: list[LayerState] = allocate_states(specs, num_slots, max_model_len, device, dtype, quantized_kv)
+        self._state_slots = num_slots + int(scratch_slot)
+        self.states: list[LayerState] = allocate_states(specs, self._state_slots, max_model_len, device, dtype, quantized_kv)
+        self.graphs: DecodeGraphs | None = None
         vocab = int(lm.config.vocab_size)
         self.sampler = Sampler(num_slots, vocab, device, seed)
 
@@ -179,9 +185,31 @@ class ModelRunner:
             state.reset(index)
         self.sampler.reset(slots)
 
+    def capture_graphs(self) -> int:
+        """Capture decode graphs for every batch up to num_slots (CUDA, with a scratch slot).
+        Returns the bytes they hold; raises GraphCaptureError (and keeps running eagerly) if the
+        model cannot be captured."""
+        if self.device.type != "cuda" or self._state_slots == self.num_slots:
+            raise GraphCaptureError("decode graphs need CUDA and a scratch slot")
+        graphs = DecodeGraphs(self.device, self.num_slots, self.num_slots, self.max_model_len)
+        held = graphs.capture(self._run)
+        self.graphs = graphs
+        return held
+
+    def release_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def forward(self, seqs: Sequences) -> Tensor:
-        """Logits [len(seqs), vocab] at each sequence's last token; writes the slots' states."""
-        batch = ForwardBatch.build(seqs, self.device)
+        """Logits [len(seqs), vocab] at each sequence's last token; writes the slots' states. A
+        decode step replays a graph where one was captured for its shape (the logits are then a
+        view valid until the next step)."""
+        if self.graphs is not None and self.graphs.can_use(seqs):
+            return self.graphs.replay(seqs)
+        return self._run(ForwardBatch.build(seqs, self.device))
+
+    def _run(self, batch: ForwardBatch) -> Tensor:
         with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):
             logits: Tensor = self.model(batch, self.states)
         return logits

@@ -71,7 +71,8 @@ def experts_forward(
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
     token = order // top_k
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not bincount: on CUDA it reads the largest index back to the host, which a graph cannot hold.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
     rows = x.index_select(0, token)
     grouped = _grouped_ok(x, gate_up) if use_grouped_mm is None else use_grouped_mm
     if grouped:

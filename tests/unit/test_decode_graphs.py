@@ -1,0 +1,75 @@
+"""The decode-graph plumbing that does not need CUDA: buckets, when a graph may serve a step, and
+the static padded batch a graph is captured with. The last is checked by running a real model
+on CPU: rows padded into a scratch slot must leave the real rows' logits and every real slot's
+state exactly as the plain batch does. (Capture and replay themselves: tests/gpu.)"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from ballast.engine.graphs import DecodeGraphs, bucket_for, doubling_buckets
+from ballast.models.base import ForwardBatch
+from ballast.models.builtin import BUILTIN, init_random
+from ballast.models.registry import build_model
+from ballast.models.state import LayerState, allocate_states
+
+CPU = torch.device("cpu")
+
+
+def test_buckets_double_up_to_the_limit() -> None:
+    assert doubling_buckets(1, 8) == (1, 2, 4, 8)
+    assert doubling_buckets(1, 6) == (1, 2, 4, 6)
+    assert doubling_buckets(256, 2048) == (256, 512, 1024, 2048)
+    assert doubling_buckets(256, 100) == (100,)
+    assert doubling_buckets(1, 1) == (1,)
+    with pytest.raises(ValueError):
+        doubling_buckets(1, 0)
+    assert bucket_for((1, 2, 4, 6), 3) == 4 and bucket_for((1, 2, 4, 6), 6) == 6
+    assert bucket_for((1, 2, 4, 6), 7) is None
+
+
+def test_a_graph_serves_only_decode_steps_that_fit_a_bucket() -> None:
+    graphs = DecodeGraphs(CPU, scratch_slot=4, max_batch=4, max_context=512)
+    decode = [(0, [5], 10), (2, [7], 300)]
+    assert not graphs.can_use(decode)  # nothing captured yet
+    graphs._graphs[(4, 512)] = (None, torch.zeros(4, 3))  # type: ignore[assignment]  # stands for a capture
+    assert graphs.can_use(decode)
+    assert not graphs.can_use([(0, [5, 6], 10)])  # a prefill chunk
+    assert not graphs.can_use([(0, [5], 511), (1, [6], 512)])  # reads 513 positions
+    assert not graphs.can_use([(s, [5], 3) for s in range(5)])  # more sequences than slots
+    assert not graphs.can_use([])
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-next", "tiny-qwen3.5-moe"])
+def test_padded_static_batch_gives_the_plain_batch_logits_and_states(name: str) -> None:
+    model = build_model(BUILTIN[name])
+    init_random(model, seed=0)
+    slots, scratch, ctx = 3, 3, 64
+    states = allocate_states(model.layer_specs(4), slots + 1, ctx, CPU, torch.float32)
+    with torch.inference_mode():
+        model(ForwardBatch.build([(0, list(range(5, 12)), 0), (2, list(range(20, 24)), 0)], CPU), states)
+        decode = [(2, [31], 4), (0, [17], 7)]
+        graphs = DecodeGraphs(CPU, scratch_slot=scratch, max_batch=4, max_context=ctx)
+        graphs._stage(decode, 4)
+        padded_states = [_clone(s) for s in states]
+        padded = model(graphs._static_batch(4, ctx), padded_states)
+        plain = model(ForwardBatch.build(decode, CPU, max_ctx=ctx), states)
+    torch.testing.assert_close(padded[:2], plain, rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(padded_states, states, strict=True):
+        for a, b in zip(_tensors(mine), _tensors(theirs), strict=True):
+            torch.testing.assert_close(a[:scratch], b[:scratch], rtol=1e-5, atol=1e-5)  # real slots only
+
+
+def _clone(state: LayerState) -> LayerState:
+    """The same layer state over copies of its tensors."""
+    twin = copy.copy(state)
+    for attr, value in vars(state).items():
+        if isinstance(value, torch.Tensor):
+            setattr(twin, attr, value.clone())
+    return twin
+
+
+def _tensors(state: LayerState) -> list[torch.Tensor]:
+    return [v for _, v in sorted(vars(state).items()) if isinstance(v, torch.Tensor)]
