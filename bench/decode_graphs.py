@@ -65,11 +65,12 @@ def main() -> None:
             engine = Engine.load(cfg)
             load_s = time.perf_counter() - t0
             try:
-                captured = engine.runner.graphs.captured if engine.runner.graphs is not None else 0
+                dg = engine.runner.graphs
+                captured, held = (dg.captured, dg.held_bytes) if dg is not None else (0, 0)
                 for batch in args.batches:
                     decode_ms(engine, batch, 4)  # warm-up (first-call costs out of the timing)
                     ms = decode_ms(engine, batch, args.steps)
-                    rows.append({"model": model, "graphs": graphs, "captured": captured, "load_s": load_s,
+                    rows.append({"model": model, "graphs": graphs, "captured": captured, "held_bytes": held, "load_s": load_s,
                                  "batch": batch, "step_ms": ms, "tok_s": batch * 1000 / ms})
             finally:
                 engine.shutdown()
@@ -85,7 +86,8 @@ def main() -> None:
     for model in args.models:
         g = next(r for r in rows if r["model"] == model and r["graphs"])
         e = next(r for r in rows if r["model"] == model and not r["graphs"])
-        print(f"{model}: {g['captured']} graphs captured; load {e['load_s']:.2f} s eager, {g['load_s']:.2f} s with capture")
+        print(f"{model}: {g['captured']} graphs captured, holding {g['held_bytes'] / 2**20:.1f} MiB; "
+              f"load {e['load_s']:.2f} s eager, {g['load_s']:.2f} s with capture")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "decode_graphs", "device": torch.cuda.get_device_name(),
                                     "torch": torch.__version__, "steps": args.steps, "rows": rows}, indent=2) + "\n")

@@ -10,8 +10,8 @@ step of n sequences reading up to c cache positions replays the graph of the sma
 bucket >= n and the smallest context bucket >= c. Padding rows feed token 0 at position 1 of a
 scratch slot (one slot more than the scheduler is told of), so they write nothing a real
 sequence reads. Inputs enter through one static [3, batch] buffer (token, position, slot rows)
-with one host-to-device copy per step; logits come out of the graph's static output, valid until
-the next replay.
+with one host-to-device copy per step; logits come out in one static [batch, vocab] buffer that
+every graph writes, valid until the next replay.
 
 Capture runs on the engine thread at load, after the slot states exist. The memory the graphs
 keep (their shared private pool) is measured and handed to the caller to lease from the VRAM
@@ -72,7 +72,9 @@ class DecodeGraphs:
         self._inputs = torch.zeros((3, width), dtype=torch.int64, device=device)  # token, position, slot
         self._arange = torch.arange(width + 1, dtype=torch.int64, device=device)
         self._ones = torch.ones(width, dtype=torch.int64, device=device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._logits: Tensor | None = None  # [batch, vocab]: every graph writes its rows here
+        self.held_bytes = 0
         self.replays = 0
 
     @property
@@ -85,26 +87,34 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
+        width = self.batch_buckets[-1]
         try:
             for b in reversed(self.batch_buckets):
                 for c in reversed(self.context_buckets):
                     batch = self._static_batch(b, c)
                     self._stage([])
-                    forward(batch)  # eager first: kernels compiled and tuned outside the capture
+                    eager = forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
+                    if self._logits is None:
+                        self._logits = eager.new_empty((width, *eager.shape[1:]))
+                    out = self._logits[:b]
                     torch.cuda.synchronize(self.device)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        out = forward(batch)
-                    self._graphs[(b, c)] = (graph, out)
+                        # One shared output: a graph's own logits are freed at the end of its capture,
+                        # so the graphs together keep one [batch, vocab] buffer, not one per graph.
+                        out.copy_(forward(batch))
+                    self._graphs[(b, c)] = graph
             torch.cuda.synchronize(self.device)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self.release()
             raise GraphCaptureError(f"decode graph capture failed: {e}") from e
-        return max(0, torch.cuda.memory_reserved(self.device) - before)
+        self.held_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
+        return self.held_bytes
 
     def release(self) -> None:
         """Drop every graph and its output; the pool's memory goes back to the allocator's cache."""
         self._graphs.clear()
+        self._logits = None
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 
@@ -122,11 +132,11 @@ class DecodeGraphs:
         b = bucket_for(self.batch_buckets, len(seqs))
         c = bucket_for(self.context_buckets, max(start for _, _, start in seqs) + 1)
         assert b is not None and c is not None, "replay needs can_use(seqs)"
+        assert self._logits is not None  # set by the capture that filled _graphs
         self._stage(seqs, b)
-        graph, out = self._graphs[(b, c)]
-        graph.replay()
+        self._graphs[(b, c)].replay()
         self.replays += 1
-        return out[: len(seqs)]
+        return self._logits[: len(seqs)]
 
     def _stage(self, seqs: Sequences, width: int | None = None) -> None:
         """Write the step's rows into the static inputs (padding the rest), one copy."""

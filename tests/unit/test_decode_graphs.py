@@ -34,7 +34,7 @@ def test_a_graph_serves_only_decode_steps_that_fit_a_bucket() -> None:
     graphs = DecodeGraphs(CPU, scratch_slot=4, max_batch=4, max_context=512)
     decode = [(0, [5], 10), (2, [7], 300)]
     assert not graphs.can_use(decode)  # nothing captured yet
-    graphs._graphs[(4, 512)] = (None, torch.zeros(4, 3))  # type: ignore[assignment]  # stands for a capture
+    graphs._graphs[(4, 512)] = None  # type: ignore[assignment]  # stands for a capture
     assert graphs.can_use(decode)
     assert not graphs.can_use([(0, [5, 6], 10)])  # a prefill chunk
     assert not graphs.can_use([(0, [5], 511), (1, [6], 512)])  # reads 513 positions
