@@ -1,0 +1,24 @@
+"""On CUDA the checkpoint pool hands out pinned buffers, and trim gives the pinned pages back.
+Skips cleanly without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ballast.memory.pool import CheckpointPool
+from ballast.memory.types import MiB
+
+KiB = 1 << 10
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_pins_on_cuda_and_trim_releases_pinned_buffers() -> None:
+    pool = CheckpointPool(lambda: 64 << 30, 0.5, 4, KiB)
+    assert pool.pinned
+    b = pool.get(3 * MiB)
+    assert b.is_pinned() and b.numel() == 4 * MiB
+    assert pool.put(b)
+    del b
+    assert pool.trim(0) == 4 * MiB
+    assert pool.stats().pin_failures == 0
