@@ -17,7 +17,7 @@ import psutil
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
-from ballast.engine.graphs import GraphCaptureError
+from ballast.engine.graphs import MIN_READ_BUDGET_BYTES, GraphCaptureError
 from ballast.engine.loading import LoadedModel, load
 from ballast.engine.plan import SamplingParams, SlotOutput, StepPlan, StepResult
 from ballast.engine.prefix_cache import CheckpointMissing, PrefixCache, PrefixCacheConfig, auto_interval
@@ -111,7 +111,7 @@ class Engine:
             runner = ModelRunner(loaded.model, self.device, self.dtype, cfg.max_num_seqs, cfg.max_model_len, quantized,
                                  cfg.seed, scratch_slot=graphs)
             if graphs:
-                self._capture_graphs(runner, leases)
+                self._capture_graphs(runner, leases, max(profile.peak_activation_bytes, MIN_READ_BUDGET_BYTES))
         except BaseException:
             for lease in leases:
                 lease.release()
@@ -121,11 +121,13 @@ class Engine:
     def _die(self) -> int:
         return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
-    def _capture_graphs(self, runner: ModelRunner, leases: list[Lease]) -> None:
+    def _capture_graphs(self, runner: ModelRunner, leases: list[Lease], budget_bytes: int) -> None:
         """Decode graphs are a speed-up, never a reason to fail: a model that cannot be captured,
-        or a ledger without room for the graphs' memory, runs eagerly (logged)."""
+        or a ledger without room for the graphs' memory, runs eagerly (logged). A graph may read
+        as much as the profiled prefill chunk, which the ledger already granted (budget_bytes,
+        never below MIN_READ_BUDGET_BYTES)."""
         try:
-            held = runner.capture_graphs()
+            held = runner.capture_graphs(budget_bytes)
         except GraphCaptureError as e:
             log.warning("%s; decode runs eagerly", e)
             return
@@ -137,8 +139,10 @@ class Engine:
                 log.warning("no VRAM for decode graphs (%s); decode runs eagerly", e)
                 return
         assert runner.graphs is not None
-        log.info("decode graphs: %d captured (batch %s x context %s), %.1f MiB", runner.graphs.captured,
-                 list(runner.graphs.batch_buckets), list(runner.graphs.context_buckets), held / 2**20)
+        g = runner.graphs
+        log.info("decode graphs: %d captured of %d buckets (batch <= %d, context <= %d), %.1f MiB", g.captured,
+                 len(g.batch_buckets) * len(g.context_buckets), max(b for b, _ in g.pairs), max(c for _, c in g.pairs),
+                 held / 2**20)
 
     def _setup(self, parts: tuple[LoadedModel, ModelRunner, Profile, list[Lease]]) -> None:
         loaded, runner, profile, leases = parts

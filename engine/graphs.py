@@ -7,7 +7,8 @@ for ~0.6 ms of GPU work. A graph replays the whole forward with one launch.
 
 Shapes are fixed inside a graph, so one is captured per (batch bucket, context bucket): a decode
 step of n sequences reading up to c cache positions replays the graph of the smallest batch
-bucket >= n and the smallest context bucket >= c. Padding rows feed token 0 at position 1 of a
+bucket >= n and the smallest context bucket >= c, if that pair was captured: pairs whose
+attention reads would pass a memory budget (the profiled prefill peak) are not, and run eagerly. Padding rows feed token 0 at position 1 of a
 scratch slot (one slot more than the scheduler is told of), so they write nothing a real
 sequence reads. Inputs enter through one static [3, batch] buffer (token, position, slot rows)
 with one host-to-device copy per step; logits come out in one static [batch, vocab] buffer that
@@ -31,6 +32,9 @@ Forward = Callable[[ForwardBatch], Tensor]
 Sequences = Sequence[tuple[int, Sequence[int], int]]  # (slot, token ids, start position)
 
 SMALLEST_CONTEXT_BUCKET = 256
+# The smallest read budget: below this a graph's attention reads are noise on any GPU (a tiny or
+# small model's every bucket fits), whatever a small profiled prefill says.
+MIN_READ_BUDGET_BYTES = 256 << 20
 PAD_TOKEN = 0
 PAD_POSITION = 1
 
@@ -52,6 +56,16 @@ def doubling_buckets(first: int, limit: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def bucket_pairs(batch_buckets: Sequence[int], context_buckets: Sequence[int], read_bytes_per_position: int,
+                 budget_bytes: int) -> tuple[tuple[int, int], ...]:
+    """The (batch, context) buckets to capture, largest first: those whose step reads of batch x
+    context cache positions (attention gathers each slot's K/V up to the context) take at most
+    budget_bytes. A graph's pool keeps its peak for good, so a 256-slot, 32k-context graph of a
+    real model (tens of GiB) is left to the eager path, which only pays it when a step needs it."""
+    pairs = sorted(((b, c) for b in batch_buckets for c in context_buckets), key=lambda p: (p[0] * p[1], p), reverse=True)
+    return tuple(p for p in pairs if p[0] * p[1] * read_bytes_per_position <= budget_bytes)
+
+
 def bucket_for(buckets: Sequence[int], n: int) -> int | None:
     """The smallest bucket >= n, or None when n is beyond the largest."""
     for b in buckets:
@@ -63,11 +77,14 @@ def bucket_for(buckets: Sequence[int], n: int) -> int | None:
 class DecodeGraphs:
     """Decode-step graphs over a model's slot states."""
 
-    def __init__(self, device: torch.device, scratch_slot: int, max_batch: int, max_context: int) -> None:
+    def __init__(self, device: torch.device, scratch_slot: int, max_batch: int, max_context: int,
+                 read_bytes_per_position: int = 0, budget_bytes: int = 0) -> None:
+        """read_bytes_per_position / budget_bytes: see `bucket_pairs` (0 bytes: capture them all)."""
         self.device = device
         self.scratch_slot = scratch_slot
         self.batch_buckets = doubling_buckets(1, max_batch)
         self.context_buckets = doubling_buckets(SMALLEST_CONTEXT_BUCKET, max_context)
+        self.pairs = bucket_pairs(self.batch_buckets, self.context_buckets, read_bytes_per_position, budget_bytes)
         width = self.batch_buckets[-1]
         self._inputs = torch.zeros((3, width), dtype=torch.int64, device=device)  # token, position, slot
         self._arange = torch.arange(width + 1, dtype=torch.int64, device=device)
@@ -87,23 +104,24 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        width = self.batch_buckets[-1]
+        if not self.pairs:
+            raise GraphCaptureError("no decode graph fits the memory budget")
+        width = max(b for b, _ in self.pairs)
         try:
-            for b in reversed(self.batch_buckets):
-                for c in reversed(self.context_buckets):
-                    batch = self._static_batch(b, c)
-                    self._stage([])
-                    eager = forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
-                    if self._logits is None:
-                        self._logits = eager.new_empty((width, *eager.shape[1:]))
-                    out = self._logits[:b]
-                    torch.cuda.synchronize(self.device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        # One shared output: a graph's own logits are freed at the end of its capture,
-                        # so the graphs together keep one [batch, vocab] buffer, not one per graph.
-                        out.copy_(forward(batch))
-                    self._graphs[(b, c)] = graph
+            for b, c in self.pairs:
+                batch = self._static_batch(b, c)
+                self._stage([])
+                eager = forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
+                if self._logits is None:
+                    self._logits = eager.new_empty((width, *eager.shape[1:]))
+                out = self._logits[:b]
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    # One shared output: a graph's own logits are freed at the end of its capture,
+                    # so the graphs together keep one [batch, vocab] buffer, not one per graph.
+                    out.copy_(forward(batch))
+                self._graphs[(b, c)] = graph
             torch.cuda.synchronize(self.device)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self.release()
@@ -123,20 +141,22 @@ class DecodeGraphs:
         positions read fit a captured bucket."""
         if not self._graphs or not seqs or any(len(tokens) != 1 for _, tokens, _ in seqs):
             return False
-        context = max(start for _, _, start in seqs) + 1
-        return len(seqs) <= self.batch_buckets[-1] and context <= self.context_buckets[-1]
+        return self._key(seqs) in self._graphs
 
     def replay(self, seqs: Sequences) -> Tensor:
         """Logits [len(seqs), vocab] of this decode step; a view of the graph's output, valid until
         the next replay. Call only where `can_use(seqs)`."""
-        b = bucket_for(self.batch_buckets, len(seqs))
-        c = bucket_for(self.context_buckets, max(start for _, _, start in seqs) + 1)
-        assert b is not None and c is not None, "replay needs can_use(seqs)"
-        assert self._logits is not None  # set by the capture that filled _graphs
-        self._stage(seqs, b)
-        self._graphs[(b, c)].replay()
+        key = self._key(seqs)
+        assert key in self._graphs and self._logits is not None, "replay needs can_use(seqs)"
+        self._stage(seqs, key[0])
+        self._graphs[key].replay()
         self.replays += 1
         return self._logits[: len(seqs)]
+
+    def _key(self, seqs: Sequences) -> tuple[int, int] | None:
+        b = bucket_for(self.batch_buckets, len(seqs))
+        c = bucket_for(self.context_buckets, max(start for _, _, start in seqs) + 1)
+        return None if b is None or c is None else (b, c)
 
     def _stage(self, seqs: Sequences, width: int | None = None) -> None:
         """Write the step's rows into the static inputs (padding the rest), one copy."""

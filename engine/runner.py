@@ -14,7 +14,7 @@ from typing import Any, cast
 import torch
 from ballast.engine.graphs import DecodeGraphs, GraphCaptureError
 from ballast.engine.sampler import Sampler
-from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
+from ballast.memory.specs import AttentionSpec, LayerSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import CostModel
 from ballast.models.base import CausalLM, ForwardBatch
 from ballast.models.state import LayerState, allocate_states, dtype_bytes
@@ -152,6 +152,16 @@ def planned_state_bytes(model: nn.Module, dtype: torch.dtype, num_slots: int, ma
     return state_slots * (kv * max_model_len + recurrent) + Sampler.planned_bytes(num_slots, vocab)
 
 
+def decode_read_bytes_per_position(model: nn.Module, dtype: torch.dtype) -> int:
+    """What a decode step's attention holds per (sequence, cache position) read, in the layer
+    that holds most: the gathered K and V rows in the model dtype, and on CUDA their copy
+    repeated to every query head (the masked fused kernels take no GQA)."""
+    lm = as_causal_lm(model)
+    heads = int(lm.config.num_attention_heads)
+    widths = [s.head_dim * (s.num_kv_heads + heads) for s in lm.layer_specs(dtype_bytes(dtype)) if isinstance(s, AttentionSpec)]
+    return 2 * max(widths, default=0) * dtype_bytes(dtype)
+
+
 class ModelRunner:
     """Owns the model's slot states, the sampler and the decode graphs; runs one forward over many
     slots. With scratch_slot the states carry one slot more than num_slots, for graph padding."""
@@ -185,13 +195,14 @@ class ModelRunner:
             state.reset(index)
         self.sampler.reset(slots)
 
-    def capture_graphs(self) -> int:
-        """Capture decode graphs for every batch up to num_slots (CUDA, with a scratch slot).
-        Returns the bytes they hold; raises GraphCaptureError (and keeps running eagerly) if the
-        model cannot be captured."""
+    def capture_graphs(self, budget_bytes: int) -> int:
+        """Capture decode graphs for batches up to num_slots (CUDA, with a scratch slot), each
+        within budget_bytes of attention reads. Returns the bytes they hold; raises
+        GraphCaptureError (the engine then runs eagerly) if the model cannot be captured."""
         if self.device.type != "cuda" or self._state_slots == self.num_slots:
             raise GraphCaptureError("decode graphs need CUDA and a scratch slot")
-        graphs = DecodeGraphs(self.device, self.num_slots, self.num_slots, self.max_model_len)
+        graphs = DecodeGraphs(self.device, self.num_slots, self.num_slots, self.max_model_len,
+                              decode_read_bytes_per_position(self.model, self.dtype), budget_bytes)
         held = graphs.capture(self._run)
         self.graphs = graphs
         return held

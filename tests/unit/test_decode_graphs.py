@@ -9,7 +9,8 @@ import copy
 
 import pytest
 import torch
-from ballast.engine.graphs import DecodeGraphs, bucket_for, doubling_buckets
+from ballast.engine.graphs import DecodeGraphs, bucket_for, bucket_pairs, doubling_buckets
+from ballast.engine.runner import decode_read_bytes_per_position
 from ballast.models.base import ForwardBatch
 from ballast.models.builtin import BUILTIN, init_random
 from ballast.models.registry import build_model
@@ -30,16 +31,32 @@ def test_buckets_double_up_to_the_limit() -> None:
     assert bucket_for((1, 2, 4, 6), 7) is None
 
 
-def test_a_graph_serves_only_decode_steps_that_fit_a_bucket() -> None:
+def test_bucket_pairs_largest_first_within_the_read_budget() -> None:
+    pairs = bucket_pairs((1, 2, 4), (256, 512), read_bytes_per_position=10, budget_bytes=10 * 1024)
+    assert pairs == ((4, 256), (2, 512), (2, 256), (1, 512), (1, 256))  # (4, 512) reads 2048 positions
+    assert bucket_pairs((1, 2), (256,), 0, 0) == ((2, 256), (1, 256))  # nothing read: all of them
+    assert bucket_pairs((1,), (256,), 10, 100) == ()
+
+
+def test_a_graph_serves_only_decode_steps_of_a_captured_bucket() -> None:
     graphs = DecodeGraphs(CPU, scratch_slot=4, max_batch=4, max_context=512)
-    decode = [(0, [5], 10), (2, [7], 300)]
+    assert len(graphs.pairs) == 6
+    decode = [(0, [5], 10), (2, [7], 300)]  # 2 sequences, 301 positions: the (2, 512) bucket
     assert not graphs.can_use(decode)  # nothing captured yet
-    graphs._graphs[(4, 512)] = None  # type: ignore[assignment]  # stands for a capture
+    graphs._graphs[(2, 512)] = None  # type: ignore[assignment]  # stands for a capture
     assert graphs.can_use(decode)
-    assert not graphs.can_use([(0, [5, 6], 10)])  # a prefill chunk
+    assert not graphs.can_use([(0, [5], 10)])  # (1, 256): not captured
+    assert not graphs.can_use([(0, [5, 6], 10), (1, [6], 10)])  # a prefill chunk
     assert not graphs.can_use([(0, [5], 511), (1, [6], 512)])  # reads 513 positions
     assert not graphs.can_use([(s, [5], 3) for s in range(5)])  # more sequences than slots
     assert not graphs.can_use([])
+
+
+def test_decode_read_bytes_follow_the_attention_layers() -> None:
+    llama = build_model(BUILTIN["tiny-llama"])  # 4 query heads, 2 KV heads of 16 dims
+    assert decode_read_bytes_per_position(llama, torch.bfloat16) == 2 * 16 * (2 + 4) * 2
+    hybrid = build_model(BUILTIN["tiny-qwen3-next"])  # one attention layer: 4 heads, 2 KV heads of 32
+    assert decode_read_bytes_per_position(hybrid, torch.float32) == 2 * 32 * (2 + 4) * 4
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-next", "tiny-qwen3.5-moe"])
