@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 
 from ballast.engine.interface import DetokenizerLike, EngineLike
 from ballast.engine.plan import (
-    CheckpointRestore,
-    CheckpointSave,
     DecodeToken,
     PrefillChunk,
     SamplingParams,
@@ -30,6 +28,7 @@ from ballast.engine.plan import (
 )
 from ballast.memory.ladder import LadderConfig
 from ballast.memory.types import LadderPlan, Level
+from ballast.scheduler.checkpoints import CheckpointOrders
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import (
     REFUSAL_OUTCOMES,
@@ -118,12 +117,8 @@ class Scheduler:
         self._running: list[_Seq] = []  # admission order: the FCFS order of prefill chunks
         self._by_slot: dict[int, _Seq] = {}
         self._engine_slots = engine.num_slots  # the max_slots the engine applies now
-        # Prefix reuse: chunks end at multiples of the engine's checkpoint interval and at each
-        # prompt's end, where a save is ordered; a finished request saves prompt + output[:-1].
-        self._interval = engine.checkpoint_interval
-        self._saves: list[CheckpointSave] = []  # for the next plan
-        self._restores: list[CheckpointRestore] = []
-        self._shed_sent = False  # the engine has been told to shed since the ladder asked
+        self._checkpoints = CheckpointOrders(engine.checkpoint_interval, engine.match_prefix,
+                                             lambda: self._gov.plan.shed_prefix_cache)
         self.reused_tokens = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -242,10 +237,7 @@ class Scheduler:
                 budget -= self._chunk(seq, budget, prefills, sampling)
         while budget > 0 and not self._closing and (new := self._admit_head()) is not None:
             budget -= self._chunk(new, budget, prefills, sampling)
-        shed = self._interval > 0 and self._gov.plan.shed_prefix_cache and not self._shed_sent
-        self._shed_sent = self._gov.plan.shed_prefix_cache
-        saves, restores = ((), ()) if shed else (tuple(self._saves), tuple(self._restores))
-        self._saves, self._restores = [], []
+        shed, saves, restores = self._checkpoints.take()
         return StepPlan(
             prefills=tuple(prefills),
             decodes=tuple(decodes),
@@ -292,24 +284,13 @@ class Scheduler:
             return seq
         return None
 
-    @property
-    def _caching(self) -> bool:
-        """Checkpoints are saved and restored: the engine has a prefix cache and the ladder is not
-        shedding it (WATCH and above give cached state back first)."""
-        return self._interval > 0 and not self._gov.plan.shed_prefix_cache
-
     def _chunk(self, seq: _Seq, budget: int, out: list[PrefillChunk], sampling: dict[int, SamplingParams]) -> int:
         """The seq's next prefill chunk (its first one restores the longest cached prefix)."""
         assert seq.slot is not None
         prompt = seq.req.prompt_ids
-        if seq.prefilled == 0 and self._caching and (n := self._engine.match_prefix(prompt)) > 0:
-            self._restores.append(CheckpointRestore(seq.slot, prompt[:n]))
+        if seq.prefilled == 0 and (n := self._checkpoints.restore(seq.slot, prompt)) > 0:
             seq.prefilled = seq.cached = n
-        end = min(len(prompt), seq.prefilled + budget)
-        if self._caching:  # a recurrent state exists only where a chunk ends: end at the next checkpoint
-            end = min(end, (seq.prefilled // self._interval + 1) * self._interval)
-            if end % self._interval == 0 or end == len(prompt):
-                self._saves.append(CheckpointSave(seq.slot, prompt[:end]))
+        end = self._checkpoints.chunk_end(seq.slot, prompt, seq.prefilled, min(len(prompt), seq.prefilled + budget))
         out.append(PrefillChunk(seq.slot, prompt[seq.prefilled : end], seq.prefilled, sample=end == len(prompt)))
         sampling[seq.slot] = seq.req.params
         n, seq.prefilled = end - seq.prefilled, end
@@ -340,10 +321,9 @@ class Scheduler:
         else:
             self._running.remove(seq)
             if seq.slot is not None:
-                if reason in ("stop", "length") and seq.phase is Phase.DECODING and self._caching:
-                    # The slot has consumed prompt + output[:-1] (the last token was never fed):
-                    # the next turn of a chat starts with exactly that. Saved before the release.
-                    self._saves.append(CheckpointSave(seq.slot, seq.req.prompt_ids + tuple(seq.output[:-1])))
+                if reason in ("stop", "length") and seq.phase is Phase.DECODING:
+                    # Saved before the release: the slot has consumed prompt + output[:-1].
+                    self._checkpoints.finished(seq.slot, seq.req.prompt_ids + tuple(seq.output[:-1]))
                 del self._by_slot[seq.slot]
                 self._slots.retire(seq.slot)
         seq.phase = Phase.FINISHED

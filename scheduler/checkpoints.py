@@ -1,0 +1,61 @@
+"""The scheduler's side of prefix reuse: which checkpoints the next plan saves and restores.
+
+A recurrent state exists only where a prefill chunk ends and cannot be cut back, so chunks end at
+multiples of the engine's checkpoint interval (and at each prompt's end), where a save is
+ordered; a finished request saves prompt + output[:-1] (the last token was sampled, never fed),
+which is what the next turn of a chat starts with. While the ladder sheds the prefix cache
+(WATCH and above) nothing is saved or restored, and the engine is told to shed once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ballast.engine.plan import CheckpointRestore, CheckpointSave
+
+
+class CheckpointOrders:
+    def __init__(self, interval: int, match_prefix: Callable[[Sequence[int]], int], shedding: Callable[[], bool]) -> None:
+        """interval: the engine's checkpoint interval (0: its prefix cache is off); match_prefix:
+        prompt tokens a restore would cover now; shedding: the ladder's plan sheds the cache now."""
+        self.interval = interval
+        self._match = match_prefix
+        self._shedding = shedding
+        self._saves: list[CheckpointSave] = []  # for the next plan
+        self._restores: list[CheckpointRestore] = []
+        self._shed_sent = False  # the engine has been told to shed since the ladder asked
+
+    @property
+    def active(self) -> bool:
+        return self.interval > 0 and not self._shedding()
+
+    def restore(self, slot: int, prompt: tuple[int, ...]) -> int:
+        """Order a restore of the longest cached prefix of prompt into slot; its length (0: none)."""
+        n = self._match(prompt) if self.active else 0
+        if n > 0:
+            self._restores.append(CheckpointRestore(slot, prompt[:n]))
+        return n
+
+    def chunk_end(self, slot: int, prompt: tuple[int, ...], start: int, end: int) -> int:
+        """Where a chunk [start, end) of prompt may end: at the next checkpoint at the latest,
+        ordering a save there (or at the prompt's end)."""
+        if not self.active:
+            return end
+        end = min(end, (start // self.interval + 1) * self.interval)
+        if end % self.interval == 0 or end == len(prompt):
+            self._saves.append(CheckpointSave(slot, prompt[:end]))
+        return end
+
+    def finished(self, slot: int, consumed: tuple[int, ...]) -> None:
+        """A request ended normally in slot, which has consumed exactly these tokens."""
+        if self.active:
+            self._saves.append(CheckpointSave(slot, consumed))
+
+    def take(self) -> tuple[bool, tuple[CheckpointSave, ...], tuple[CheckpointRestore, ...]]:
+        """(shed the cache now, saves, restores) for the next plan; a plan that sheds carries none."""
+        shedding = self._shedding()
+        shed = self.interval > 0 and shedding and not self._shed_sent
+        self._shed_sent = shedding
+        saves, restores = ((), ()) if shed else (tuple(self._saves), tuple(self._restores))
+        self._saves, self._restores = [], []
+        return shed, saves, restores
