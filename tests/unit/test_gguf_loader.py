@@ -1,6 +1,6 @@
-"""GGUF loader: dequantization against gguf-py's reference, tiny Llama GGUFs written with
-gguf.GGUFWriter checked against what was written and against transformers' own GGUF loading,
-q/k row order, the tokenizer against the tokenizer the file was made from, and typed errors."""
+"""GGUF loader: tiny Llama GGUFs written with gguf.GGUFWriter checked against what was written
+and against transformers' own GGUF loading, the tokenizer against the tokenizer the file was made
+from, and typed errors. (Dequantization and q/k row order: test_gguf_quants.py.)"""
 
 from __future__ import annotations
 
@@ -12,70 +12,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from ballast.models.gguf_loader import gguf_tokenizer, hf_tensor_name, load_gguf, qk_row_order
-from ballast.models.gguf_quants import dequantize
+from ballast.models.gguf_loader import gguf_tokenizer, hf_tensor_name, load_gguf
 from ballast.models.gguf_reader import GGUFError, GGUFUnsupportedError, read_gguf
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as QT
+from ggufdata import F16_FIELDS, hf_to_gguf_permute, random_blocks
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-# byte offsets of the fp16 scale/min fields in each block layout (ggml-common.h)
-_F16_FIELDS = {QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q4_K: (0, 2), QT.Q6_K: (208,)}
-BLOCK_TYPES = tuple(_F16_FIELDS)
-
-
-def random_blocks(qtype: QT, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
-    """Random but valid blocks: random quant bits, finite positive fp16 scales."""
-    blocks = rng.integers(0, 256, size=(n_blocks, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
-    for at in _F16_FIELDS[qtype]:
-        scale = rng.uniform(1e-3, 2e-2, size=n_blocks).astype(np.float16)
-        blocks[:, at : at + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
-    return blocks
-
-
-@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
-def test_block_dequant_matches_gguf_reference(qtype: QT) -> None:
-    blocks = random_blocks(qtype, 300, np.random.default_rng(int(qtype)))
-    ours = dequantize(blocks.reshape(-1), qtype).numpy()
-    ref = quants.dequantize(blocks, qtype).reshape(-1)
-    assert ours.shape == ref.shape
-    np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16], ids=lambda q: q.name)
-def test_float_dequant_matches_gguf_reference(qtype: QT) -> None:
-    values = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
-    raw = {QT.F32: values, QT.F16: values.astype(np.float16)}.get(qtype)
-    data = quants.quantize(values, QT.BF16) if raw is None else raw
-    ours = dequantize(data.view(np.uint8).reshape(-1), qtype).numpy()
-    np.testing.assert_array_equal(ours, quants.dequantize(data.view(np.uint8), qtype).reshape(-1))
-
-
-def test_dequant_to_bfloat16_is_the_float32_result_rounded() -> None:
-    blocks = random_blocks(QT.Q4_K, 8, np.random.default_rng(1)).reshape(-1)
-    as_bf16 = dequantize(blocks, QT.Q4_K, torch.bfloat16)
-    assert as_bf16.dtype == torch.bfloat16
-    assert torch.equal(as_bf16, dequantize(blocks, QT.Q4_K).to(torch.bfloat16))
-
-
-def test_unsupported_quant_type_is_a_typed_error() -> None:
-    with pytest.raises(GGUFUnsupportedError, match="Q5_K"):
-        dequantize(np.zeros(176, np.uint8), QT.Q5_K)
-
-
-def hf_to_gguf_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf does to q/k rows (its `permute`), written from its
-    description: each head's two rotate-half halves become interleaved pairs."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-@pytest.mark.parametrize("n_head", [1, 3, 8])
-def test_qk_row_order_undoes_the_converter_permutation(n_head: int) -> None:
-    w = np.random.default_rng(n_head).standard_normal((n_head * 16, 5))
-    assert np.array_equal(hf_to_gguf_permute(w, n_head)[qk_row_order(w.shape[0], n_head)], w)
-    bias = np.arange(n_head * 16)
-    assert np.array_equal(hf_to_gguf_permute(bias, n_head)[qk_row_order(bias.shape[0], n_head)], bias)
-
 
 # ---- tiny Llama GGUFs ---------------------------------------------------------------------------
 
@@ -128,7 +70,7 @@ class TinyGGUF:
 def _tensor_data(qtype: QT, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
     """Data as GGUFWriter takes it: packed uint8 rows for block types, else float arrays."""
     rows, cols = shape
-    if qtype in _F16_FIELDS:
+    if qtype in F16_FIELDS:
         block, block_bytes = GGML_QUANT_SIZES[qtype]
         return random_blocks(qtype, rows * cols // block, rng).reshape(rows, cols // block * block_bytes)
     values = rng.standard_normal(shape).astype(np.float32) * 0.05
