@@ -24,11 +24,14 @@ from ballast.memory.ladder import LadderConfig, plan_for
 from ballast.memory.report import render
 from ballast.memory.types import LadderPlan, MemState
 from ballast.memory.watch import MemWatch
+from ballast.models.default_model import CACHE_ENV
 from ballast.scheduler.config import SchedulerConfig
 from ballast.server.config import ConfigError, ServerConfig, add_flags, build, warn_unknown
 
 # Order matters only for --help: the settings people reach for first come first.
 LAYERS: tuple[type, ...] = (ServerConfig, EngineConfig, PrefixCacheConfig, SchedulerConfig, MemoryConfig)
+# Variables read outside the config layers (so not typos).
+OTHER_VARIABLES: tuple[str, ...] = (CACHE_ENV,)
 MEMORY_LAYERS: tuple[type, ...] = (MemoryConfig, EngineConfig, SchedulerConfig)
 
 
@@ -65,7 +68,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 
 
 def _configs(args: argparse.Namespace, env: Mapping[str, str], layers: Sequence[type]) -> dict[type, object]:
-    warn_unknown(env, LAYERS)
+    warn_unknown(env, LAYERS, OTHER_VARIABLES)
     return {layer: build(layer, args, env) for layer in layers}
 
 
