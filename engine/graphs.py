@@ -99,13 +99,13 @@ class DecodeGraphs:
         return len(self._graphs)
 
     def capture(self, forward: Forward) -> int:
-        """Capture every (batch, context) bucket, largest first so later graphs fit in the pool the
+        """Capture a graph for each of `pairs`, largest first so later graphs fit in the pool the
         first one sized. Returns the bytes the device allocator holds more than before."""
+        if not self.pairs:
+            raise GraphCaptureError("no decode graph fits the memory budget")
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        if not self.pairs:
-            raise GraphCaptureError("no decode graph fits the memory budget")
         width = max(b for b, _ in self.pairs)
         try:
             for b, c in self.pairs:
