@@ -9,8 +9,8 @@ import copy
 
 import pytest
 import torch
-from ballast.engine.graphs import DecodeGraphs, bucket_for, bucket_pairs, doubling_buckets
-from ballast.engine.runner import decode_read_bytes_per_position
+from ballast.engine.graphs import DecodeGraphs, GraphCaptureError, bucket_for, bucket_pairs, doubling_buckets
+from ballast.engine.runner import ModelRunner, decode_read_bytes_per_position, planned_state_bytes
 from ballast.models.base import ForwardBatch
 from ballast.models.builtin import BUILTIN, init_random
 from ballast.models.registry import build_model
@@ -90,3 +90,18 @@ def _clone(state: LayerState) -> LayerState:
 
 def _tensors(state: LayerState) -> list[torch.Tensor]:
     return [v for _, v in sorted(vars(state).items()) if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("scratch", [False, True])
+def test_the_scratch_slot_is_allocated_and_planned_alike(scratch: bool) -> None:
+    """The ledger is asked for what the runner allocates, scratch slot included (the slot
+    graphs pad into is memory like any other)."""
+    model = build_model(BUILTIN["tiny-qwen3-next"])
+    init_random(model, seed=0)
+    runner = ModelRunner(model, CPU, torch.float32, num_slots=3, max_model_len=32, quantized_kv=False, seed=0,
+                         scratch_slot=scratch)
+    assert all(t.shape[0] == 3 + scratch for s in runner.states for t in _tensors(s))
+    assert runner.state_bytes == planned_state_bytes(model, torch.float32, 3, 32, False, scratch_slot=scratch)
+    assert runner.graphs is None
+    with pytest.raises(GraphCaptureError, match="CUDA"):  # graphs are captured on CUDA only
+        runner.capture_graphs(1 << 30)
