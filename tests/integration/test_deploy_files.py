@@ -1,5 +1,5 @@
 """The files in deploy/ stay true to the server: the alert rules are well formed and every metric
-they name is on a live server's /metrics (with a GPU in its snapshot), the scrape job is the one
+they (and docs/OPERATIONS.md) name is on a live server's /metrics (with a GPU in its snapshot), the scrape job is the one
 the rules select, and the systemd unit's command line and environment pass the CLI's strict
 configuration path."""
 
@@ -15,6 +15,7 @@ import httpx
 import yaml
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import DieReading, StaticDeviceReader
+from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import GiB, Level
 from ballast.memory.watch import MemWatch
 from ballast.scheduler.config import SchedulerConfig
@@ -28,6 +29,7 @@ from serverproc import running_server
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SEVERITIES = {"warning", "critical"}
+METRIC = r"\bballast_[a-z0-9_]+"
 
 
 def rules() -> list[dict[str, Any]]:
@@ -54,14 +56,16 @@ def test_the_scrape_job_is_the_one_the_rules_select() -> None:
     assert scrape["rule_files"] == ["ballast.rules.yml"]
 
 
-def test_every_metric_an_alert_names_is_served(tmp_path: Path) -> None:
-    named = {m for r in rules() for m in re.findall(r"\bballast_[a-z0-9_]+", r["expr"])}
-    assert len(named) >= 5
+def test_every_metric_the_rules_and_the_guide_name_is_served(tmp_path: Path) -> None:
+    in_rules = {m for r in rules() for m in re.findall(METRIC, r["expr"])}
+    in_guide = set(re.findall(METRIC, (DEPLOY.parent / "docs" / "OPERATIONS.md").read_text()))
+    assert len(in_rules) >= 5 and len(in_guide) >= 10
     cfg = MemoryConfig(root=str(tmp_path))
     level_tree(tmp_path, Level.OK, config=cfg)
     watch = MemWatch(cfg, StaticDeviceReader([DieReading(0, "test-gpu", 80 * GiB, 70 * GiB)]))
     watch.ledger.register_die(0, 80 * GiB, 70 * GiB)  # as the engine's loader does before the weights
-    app = create_app(ServerConfig(), SchedulerConfig(), lambda: FakeEngine(), memwatch=watch, gpu_die=0)
+    pool = CheckpointPool(lambda: watch.read().host.effective_total_bytes, 0.25, 8, 1, pin=False)  # as `ballast serve` has
+    app = create_app(ServerConfig(), SchedulerConfig(), lambda: FakeEngine(), memwatch=watch, gpu_die=0, pool=pool)
     with running_server(app) as url:
         body = {"model": "fake-model", "prompt": "the cat", "max_tokens": 3, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
@@ -69,8 +73,9 @@ def test_every_metric_an_alert_names_is_served(tmp_path: Path) -> None:
         families = list(text_string_to_metric_families(httpx.get(url + "/metrics").text))
     served = {f.name for f in families} | {s.name for f in families for s in f.samples}
     # A labelled counter with no sample yet still declares its family (name without _total).
-    missing = {m for m in named if m not in served and re.sub(r"_(total|bucket|count|sum)$", "", m) not in served}
-    assert not missing, f"alert rules name metrics the server does not serve: {sorted(missing)}"
+    for source, named in (("the alert rules", in_rules), ("docs/OPERATIONS.md", in_guide)):
+        missing = {m for m in named if m not in served and re.sub(r"_(total|bucket|count|sum)$", "", m) not in served}
+        assert not missing, f"{source} name metrics the server does not serve: {sorted(missing)}"
 
 
 def test_systemd_unit_passes_the_configuration_path() -> None:
