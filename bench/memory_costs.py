@@ -30,11 +30,10 @@ from ballast.memory.config import MemoryConfig
 from ballast.memory.host import HostReader, read_host
 from ballast.memory.ladder import LadderConfig, plan_for
 from ballast.memory.pool import CheckpointPool
-from ballast.memory.types import CostModel, DieState, Level, MemState
+from ballast.memory.types import CostModel, DieState, Level, MemState, MiB
 from ballast.memory.watch import MemWatch
 
 RESULTS = Path(__file__).parent / "results" / "memory_costs.json"
-MiB = 1 << 20
 
 # A cost shaped like a small hybrid model: bf16 KV of 8 attention layers x 2 KV heads x 128 dims,
 # 24 linear-attention layers of float32 recurrent state, and measured-looking activations.

@@ -26,9 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ballast.memory.errors import UnknownDie
-from ballast.memory.types import CostModel, DieState, MemState, Verdict, VerdictKind
-
-_MiB = float(1 << 20)
+from ballast.memory.types import CostModel, DieState, MemState, MiB, Verdict, VerdictKind
 
 
 class Cause(enum.Enum):
@@ -54,7 +52,7 @@ def reason_class(verdict: Verdict) -> str:
 
 
 def _mib(n: int) -> str:
-    return f"{n / _MiB:.1f} MiB"
+    return f"{n / MiB:.1f} MiB"
 
 
 def _reason(cause: Cause, detail: str = "") -> str:

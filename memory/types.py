@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 GiB = 1 << 30
 MiB = 1 << 20
+KiB = 1 << 10
 
 
 class Level(enum.IntEnum):

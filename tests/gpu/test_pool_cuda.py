@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ballast.memory.pool import CheckpointPool
-from ballast.memory.types import MiB
-
-KiB = 1 << 10
+from ballast.memory.types import KiB, MiB
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -8,9 +8,7 @@ import threading
 import pytest
 import torch
 from ballast.memory.pool import CheckpointPool, PoolMisuse
-
-KiB = 1 << 10
-MiB = 1 << 20
+from ballast.memory.types import KiB, MiB
 
 
 class Clock:
