@@ -33,7 +33,7 @@ from ballast.engine.tokenizer import Tokenizer
 from ballast.memory.errors import LedgerFull
 from ballast.memory.ledger import Lease
 from ballast.memory.pool import CheckpointPool
-from ballast.memory.types import CostModel
+from ballast.memory.types import CostModel, MiB
 from ballast.memory.watch import MemWatch
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class Engine:
         g = runner.graphs
         log.info("decode graphs: %d captured of %d buckets (batch <= %d, context <= %d), %.1f MiB", g.captured,
                  len(g.batch_buckets) * len(g.context_buckets), max(b for b, _ in g.pairs), max(c for _, c in g.pairs),
-                 held / 2**20)
+                 held / MiB)
 
     def _setup(self, parts: tuple[LoadedModel, ModelRunner, Profile, list[Lease]]) -> None:
         loaded, runner, profile, leases = parts
