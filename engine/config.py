@@ -42,6 +42,7 @@ class EngineConfig:
     max_model_len: int = field(default=2048, metadata=_setting("BALLAST_MAX_MODEL_LEN", "prompt + generated tokens per sequence", (2, 1 << 20)))
     prefill_chunk_tokens: int = field(default=512, metadata=_setting("BALLAST_PREFILL_CHUNK_TOKENS", "largest prefill one step carries (profiled at load)", (1, 1 << 16)))
     kv_quant: str = field(default="none", metadata=_setting("BALLAST_KV_QUANT", "KV cache format: none keeps the model dtype, int8 adds per token-head scales", choices=KV_QUANT_MODES))
+    kv_segment_bytes: int = field(default=0, metadata=_setting("BALLAST_KV_SEGMENT_BYTES", "KV pool growth step in bytes (whole blocks; 0 = 64 MiB on CPU, 256 MiB on CUDA)", (0, 1 << 40)))
     seed: int = field(default=0, metadata=_setting("BALLAST_SEED", "seed of random-init weights and the shared sampler", (0, (1 << 63) - 1)))
     cuda_graphs: bool = field(default=True, metadata=_setting("BALLAST_CUDA_GRAPHS", "replay decode steps as CUDA graphs (CUDA only; falls back to eager if capture fails)"))
 
@@ -60,6 +61,8 @@ class EngineConfig:
             raise EngineConfigError(f"prefill_chunk_tokens={self.prefill_chunk_tokens}: accepted 1..{1 << 16}")
         if self.kv_quant not in KV_QUANT_MODES:
             raise EngineConfigError(f"kv_quant={self.kv_quant!r}: accepted {', '.join(KV_QUANT_MODES)}")
+        if not 0 <= self.kv_segment_bytes <= 1 << 40:
+            raise EngineConfigError(f"kv_segment_bytes={self.kv_segment_bytes}: accepted 0..{1 << 40}")
         if not 0 <= self.seed < 1 << 63:
             raise EngineConfigError(f"seed={self.seed}: accepted 0..2**63-1")
 

@@ -11,15 +11,17 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
-from ballast.engine.graphs import MIN_READ_BUDGET_BYTES, GraphCaptureError
+from ballast.engine.graphs import GraphCaptureError
+from ballast.engine.kv_budget import capacity_line, segment_grant
+from ballast.engine.kv_pool import KVPool
 from ballast.engine.loading import LoadedModel, load
-from ballast.engine.plan import SamplingParams, SlotOutput, StepPlan, StepResult
+from ballast.engine.plan import KVFigures, SamplingParams, SlotOutput, StepPlan, StepResult
 from ballast.engine.prefix_cache import CheckpointMissing, PrefixCache, PrefixCacheConfig, auto_interval
 from ballast.engine.runner import (
     ModelRunner,
@@ -103,31 +105,39 @@ class Engine:
             profile = profile_prefill(loaded.model, loaded.hf_config, cfg.prefill_chunk_tokens, cfg.max_model_len, self.device, self.dtype)
             quantized = force_quantized_kv or cfg.kv_quant == "int8"
             graphs = cfg.cuda_graphs and self.device.type == "cuda"
-            if self._watch is not None and self.device.type == "cuda":
+            die = self._die() if self.device.type == "cuda" else None
+            if self._watch is not None and die is not None:
                 # Lease before allocating: the ledger refuses before the driver would OOM.
-                planned = planned_state_bytes(loaded.model, self.dtype, cfg.max_num_seqs, cfg.max_model_len, quantized, graphs)
-                leases.append(self._watch.ledger.lease(self._die(), planned, f"slot-states:{loaded.source.name}"))
-                leases.append(self._watch.ledger.lease(self._die(), profile.peak_activation_bytes, "activations"))
+                planned = planned_state_bytes(loaded.model, self.dtype, cfg.max_num_seqs, graphs)
+                leases.append(self._watch.ledger.lease(die, planned, f"slot-states:{loaded.source.name}"))
+                leases.append(self._watch.ledger.lease(die, profile.peak_activation_bytes, "activations"))
+            acquire = segment_grant(self._watch, die) if self._watch is not None else None
             runner = ModelRunner(loaded.model, self.device, self.dtype, cfg.max_num_seqs, cfg.max_model_len, quantized,
-                                 cfg.seed, scratch_slot=graphs)
+                                 cfg.seed, scratch_slot=graphs, acquire=acquire, segment_bytes=cfg.kv_segment_bytes)
             if graphs:
-                self._capture_graphs(runner, leases, max(profile.peak_activation_bytes, MIN_READ_BUDGET_BYTES))
+                self._capture_graphs(runner, leases)
         except BaseException:
             for lease in leases:
                 lease.release()
             raise
         return loaded, runner, profile, leases
 
+    def _capacity_bytes(self) -> int:
+        """What the KV pool could still be granted now (ledger headroom, or the host budget)."""
+        if self._watch is None:
+            return psutil.virtual_memory().available
+        if self.device.type == "cuda":
+            return self._watch.ledger.headroom(self._die())
+        return self._watch.read().host_budget_bytes
+
     def _die(self) -> int:
         return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
-    def _capture_graphs(self, runner: ModelRunner, leases: list[Lease], budget_bytes: int) -> None:
+    def _capture_graphs(self, runner: ModelRunner, leases: list[Lease]) -> None:
         """Decode graphs are a speed-up, never a reason to fail: a model that cannot be captured,
-        or a ledger without room for the graphs' memory, runs eagerly (logged). A graph may read
-        as much as the profiled prefill chunk, which the ledger already granted (budget_bytes,
-        never below MIN_READ_BUDGET_BYTES)."""
+        or a ledger without room for the graphs' memory, runs eagerly (logged)."""
         try:
-            held = runner.capture_graphs(budget_bytes)
+            held = runner.capture_graphs()
         except GraphCaptureError as e:
             log.warning("%s; decode runs eagerly", e)
             return
@@ -150,15 +160,20 @@ class Engine:
         self.runner = runner
         self.model_name = loaded.source.name
         self._leases = leases
-        self.cost_model: CostModel = build_cost_model(loaded.model, self.dtype, profile, loaded.weights_bytes)
+        self.cost_model: CostModel = build_cost_model(loaded.model, self.dtype, profile, loaded.weights_bytes,
+                                                      runner.kv.layout.block_size if runner.kv is not None else 1)
         self.load_report = LoadReport(loaded.load_s, loaded.weights_bytes, runner.state_bytes, profile, runner.quantized_kv)
         self.prefix_cache = self._build_prefix_cache()
         self.checkpoint_interval = self.prefix_cache.interval if self.prefix_cache is not None else 0
-        # Cumulative figures: prompt tokens run through the model vs restored from checkpoints.
+        # Cumulative figures: prompt tokens run through the model vs restored from checkpoints, and
+        # sequences moved out of the KV pool for want of blocks.
         self.prefilled_tokens = 0
         self.reused_tokens = 0
-        log.info("engine: %s on %s (%s), %d slots x %d tokens, load %.2fs", self.model_name, self.device, self.dtype,
-                 self.num_slots, self.max_model_len, loaded.load_s)
+        self.preemptions = 0
+        log.info("engine: %s on %s (%s), up to %d sequences x %d tokens, load %.2fs", self.model_name, self.device,
+                 self.dtype, self.num_slots, self.max_model_len, loaded.load_s)
+        log.info("%s", capacity_line(self.cost_model, runner.fixed_bytes, self._capacity_bytes(), runner.quantized_kv,
+                                     self.num_slots, self.max_model_len))
 
     def _build_prefix_cache(self) -> PrefixCache | None:
         cfg = self._prefix_cfg
@@ -174,7 +189,7 @@ class Engine:
 
         cost = self.cost_model
         interval = cfg.checkpoint_interval or auto_interval(cost.state_bytes_per_slot, cost.kv_bytes_per_token)
-        return PrefixCache(self.runner.states, budget, interval, self._pool)
+        return PrefixCache(self.runner.states, self.runner.kv, budget, interval, self._pool, self.device)
 
     # --- EngineLike ------------------------------------------------------------------------
 
@@ -210,6 +225,8 @@ class Engine:
         self.runner.release_graphs()
         if self.prefix_cache is not None:
             self.prefix_cache.shed()  # buffers back to the pool, which the owner trims
+        if self.runner.kv is not None:
+            self.runner.kv.close()  # segments' grants (ledger leases) released
         for lease in self._leases:
             lease.release()
 
@@ -231,12 +248,22 @@ class Engine:
         self._apply_releases(plan)
         reused = self._apply_restores(plan)
         seqs, sampled = self._sequences(plan)
+        preempted = self._take_blocks(plan, seqs)
+        if preempted:
+            keep = [i for i, (slot, _, _) in enumerate(seqs) if slot not in preempted]
+            seqs, sampled = [seqs[i] for i in keep], [sampled[i] for i in keep]
         outputs, forward_s = self._forward(seqs, sampled, plan.sampling)
-        self._apply_saves(plan)
-        prefill_tokens = sum(len(p.token_ids) for p in plan.prefills)
+        self._apply_saves(plan, frozenset(plan.release) | preempted)
+        prefill_tokens = sum(len(p.token_ids) for p in plan.prefills if p.slot not in preempted)
         self.prefilled_tokens += prefill_tokens
         self.reused_tokens += reused
-        return StepResult(outputs, prefill_tokens, len(plan.decodes), reused, forward_s, self._ledger_bytes())
+        kv = self.runner.kv.figures() if self.runner.kv is not None else None
+        return StepResult(outputs, prefill_tokens, len(plan.decodes), reused, forward_s, self._ledger_bytes(),
+                          tuple(sorted(preempted)), kv)
+
+    def kv_figures(self) -> KVFigures | None:
+        """The KV pool's figures now (for the scheduler's first admissions, before any step)."""
+        return self.runner.kv.figures() if self.runner.kv is not None else None
 
     def _forward(self, seqs: Sequences, sampled: list[bool], sampling: dict[int, SamplingParams]) -> tuple[tuple[SlotOutput, ...], float]:
         if not seqs:
@@ -247,10 +274,22 @@ class Engine:
 
     def _apply_releases(self, plan: StepPlan) -> None:
         if plan.max_slots is not None:
-            # States keep their load-time shapes; the limit bounds what the scheduler admits next.
+            # The limit bounds what the scheduler admits next; running sequences keep their slots.
             self.active_slot_limit = max(1, min(self.num_slots, plan.max_slots))
         self._check_slots(plan.release)
+        # A finished request's checkpoint travels with its slot's release: save it first, while
+        # the slot still holds the blocks.
+        self._apply_saves(replace(plan, saves=tuple(s for s in plan.saves if s.slot in plan.release)), frozenset())
         self.runner.sampler.reset(plan.release)
+        kv = self.runner.kv
+        if kv is None:
+            return
+        for slot in plan.release:
+            kv.release(slot)
+        if plan.shrink_kv:
+            # TIGHT and worse: free segments go back to the device / host at once instead of
+            # waiting to be reused; CRITICAL thereby shrinks the pool to what running sequences hold.
+            kv.shrink(keep_segments=0)
 
     def _apply_shed(self, plan: StepPlan) -> None:
         """The ladder's first rung (WATCH): cached state goes back before anything else shrinks."""
@@ -267,7 +306,7 @@ class Engine:
                 self._pool.trim(0)
 
     def _apply_restores(self, plan: StepPlan) -> int:
-        """Load each restore's checkpoint into its slot, before any forward. Returns the prompt
+        """Start each restore's slot from its checkpoint, before any forward. Returns the prompt
         tokens restored."""
         cache = self.prefix_cache
         if cache is None:
@@ -278,6 +317,8 @@ class Engine:
             self._check_slots([r.slot])
             if starts.get(r.slot) != len(r.prefix):
                 raise PlanError(f"slot {r.slot}: a restore of {len(r.prefix)} tokens needs a prefill chunk starting there")
+            if self.runner.kv is not None:
+                self.runner.kv.release(r.slot)  # a new sequence: whatever the slot held is gone
             try:
                 reused += cache.restore(r.slot, r.prefix)
             except CheckpointMissing as e:
@@ -287,17 +328,20 @@ class Engine:
             self.runner.sampler.observe_prompt(r.slot, r.prefix)
         return reused
 
-    def _apply_saves(self, plan: StepPlan) -> None:
-        """After the forward: each save's slot has consumed exactly its prefix."""
+    def _apply_saves(self, plan: StepPlan, skip: frozenset[int]) -> None:
+        """After the forward: each save's slot has consumed exactly its prefix (saves of slots in
+        `skip` are not made here: released slots saved before their release, preempted ones not)."""
         if self.prefix_cache is None:
             return
         self._check_slots([s.slot for s in plan.saves])
         for s in plan.saves:
+            if s.slot in skip:
+                continue
             if not 0 < len(s.prefix) <= self.max_model_len:
                 raise PlanError(f"slot {s.slot}: a checkpoint of {len(s.prefix)} tokens is outside 1..{self.max_model_len}")
             self.prefix_cache.save(s.slot, s.prefix)
 
-    def _sequences(self, plan: StepPlan) -> tuple[Sequences, list[bool]]:
+    def _sequences(self, plan: StepPlan) -> tuple[list[tuple[int, Sequence[int], int]], list[bool]]:
         """(slot, tokens, start) per sequence in plan order (prefills, then decodes), and whether
         each one samples a token. Slots starting a new sequence are reset first."""
         seqs: list[tuple[int, Sequence[int], int]] = []
@@ -315,10 +359,47 @@ class Engine:
                 raise PlanError(f"slot {slot}: positions up to {start + len(tokens) - 1} exceed max_model_len {self.max_model_len}")
             if min(tokens) < 0 or max(tokens) >= vocab:
                 raise PlanError(f"slot {slot}: token ids must be in 0..{vocab - 1}")
-        self.runner.reset([p.slot for p in plan.prefills if p.start_pos == 0])
+        fresh = [p.slot for p in plan.prefills if p.start_pos == 0]
+        if self.runner.kv is not None:
+            for slot in fresh:
+                self.runner.kv.release(slot)
+        self.runner.reset(fresh)
         for p in plan.prefills:
             self.runner.sampler.observe_prompt(p.slot, p.token_ids)
         return seqs, sampled
+
+    def _take_blocks(self, plan: StepPlan, seqs: Sequences) -> frozenset[int]:
+        """Grow every sequence's block table to cover this step's positions. Blocks that cannot be
+        had (the memory layer refused new segments) are found by evicting prefix-cache entries
+        first, then by preempting sequences, youngest first (new prefills, then decodes from the
+        last admitted): a preempted sequence's blocks go back and the scheduler resumes it later.
+        Returns the preempted slots (never a sequence that could run)."""
+        kv = self.runner.kv
+        if kv is None:
+            return frozenset()
+        need = {slot: start + len(tokens) for slot, tokens, start in seqs}
+        short = [slot for slot, n in need.items() if not kv.ensure(slot, n)]
+        if not short:
+            return frozenset()
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict_for_blocks(sum(self._missing(kv, s, need[s]) for s in short))
+        victims = [p.slot for p in reversed(plan.prefills)] + [d.slot for d in reversed(plan.decodes)]
+        preempted: set[int] = set()
+        while True:
+            short = [s for s in short if s not in preempted and not kv.ensure(s, need[s])]
+            if not short:
+                break
+            victim = next(v for v in victims if v not in preempted)
+            preempted.add(victim)
+            kv.release(victim)
+            self.runner.sampler.reset([victim])
+        self.preemptions += len(preempted)
+        log.warning("KV blocks short: preempted slots %s (they resume when blocks are free)", sorted(preempted))
+        return frozenset(preempted)
+
+    @staticmethod
+    def _missing(kv: KVPool, slot: int, n_tokens: int) -> int:
+        return max(0, -(-n_tokens // kv.layout.block_size) - len(kv.table(slot)) - kv.alloc.free_blocks)
 
     def _check_slots(self, slots: Sequence[int]) -> None:
         bad = [s for s in slots if not 0 <= s < self.num_slots]

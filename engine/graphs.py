@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from ballast.memory.types import MiB
 from ballast.models.base import ForwardBatch
 from torch import Tensor
 
@@ -33,9 +32,6 @@ Forward = Callable[[ForwardBatch], Tensor]
 Sequences = Sequence[tuple[int, Sequence[int], int]]  # (slot, token ids, start position)
 
 SMALLEST_CONTEXT_BUCKET = 256
-# The smallest read budget: below this a graph's attention reads are noise on any GPU (a tiny or
-# small model's every bucket fits), whatever a small profiled prefill says.
-MIN_READ_BUDGET_BYTES = 256 * MiB
 PAD_TOKEN = 0
 PAD_POSITION = 1
 

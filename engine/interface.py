@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
-from ballast.engine.plan import StepPlan, StepResult
+from ballast.engine.plan import KVFigures, StepPlan, StepResult
 from ballast.memory.types import CostModel
 
 
@@ -64,6 +64,11 @@ class EngineLike(Protocol):
         ...
 
     def new_detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> DetokenizerLike: ...
+
+    def kv_figures(self) -> KVFigures | None:
+        """The KV block pool's figures before any step (later ones come with each StepResult);
+        None for a model without attention KV."""
+        ...
 
     @property
     def healthy(self) -> bool: ...

@@ -23,12 +23,13 @@ from typing import Any
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.runner import analytic_activation_bytes, weights_bytes
+from ballast.engine.sampler import Sampler
 from ballast.engine.tokenizer import Tokenizer, TokenizerError
 from ballast.memory.admission import admit_load_spike, admit_model_load
 from ballast.memory.config import MemoryConfig
 from ballast.memory.errors import MemoryRefused
 from ballast.memory.ledger import Lease
-from ballast.memory.specs import kv_bytes_per_token
+from ballast.memory.specs import kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import MemState, Verdict
 from ballast.memory.watch import MemWatch
 from ballast.models import builtin
@@ -117,26 +118,41 @@ def planned_weights_bytes(hf_config: Mapping[str, Any], dtype: torch.dtype) -> i
     return sum(p.numel() for p in model.parameters()) * dtype_bytes(dtype)
 
 
+def slot_bytes_at_load(hf_config: Mapping[str, Any], config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes allocated for the slots at load: recurrent states and sampler buffers, bytes of KV
+    for one sequence at max_model_len: the least a pool must be able to hold to serve it)."""
+    with torch.device("meta"):
+        specs = model_class(hf_config).from_hf_config(hf_config).layer_specs(dtype_bytes(dtype))
+    slots = config.max_num_seqs + 1  # the decode graphs' scratch slot
+    vocab = int(hf_config.get("vocab_size", 0))
+    fixed = slots * state_bytes_per_slot(specs) + Sampler.planned_bytes(config.max_num_seqs, vocab)
+    return fixed, kv_bytes_per_token(specs) * config.max_model_len
+
+
 def admit_load(hf_config: Mapping[str, Any], config: EngineConfig, device: torch.device, dtype: torch.dtype,
-               weights: int, watch: MemWatch | None, mem_config: MemoryConfig) -> None:
-    """Raise ModelLoadRefused unless the host (and the GPU, on CUDA) has room for this load."""
+               weights: int, watch: MemWatch | None, mem_config: MemoryConfig, *, host_staging: int = 0) -> None:
+    """Raise ModelLoadRefused unless the memory this load allocates fits: the weights, the slots'
+    fixed states, the KV of one max-length sequence and the prefill activations, on the host for a
+    CPU engine or on the die (under the ledger's ceiling, the limit every later lease meets) for a
+    GPU engine; host_staging is host memory the load passes through on its way to a GPU (a GGUF
+    dequantized whole, safetensors read ahead), checked against the host with the load spike."""
     if watch is None:
         return  # tests and tools without a memory layer
     state: MemState = watch.poll_now()
-    host_weights = weights if device.type == "cpu" else 0
-    spike = admit_load_spike(mem_config.load_spike_bytes, state, host_weights_bytes=host_weights)
+    fixed, one_seq = slot_bytes_at_load(hf_config, config, dtype)
+    activations = analytic_activation_bytes(hf_config, config.prefill_chunk_tokens, config.max_model_len,
+                                            dtype_bytes(dtype))
+    resident = weights + fixed + one_seq + activations
+    host = resident + host_staging if device.type == "cpu" else host_staging
+    spike = admit_load_spike(mem_config.load_spike_bytes, state, host_weights_bytes=host)
     if not spike.admitted:
         raise ModelLoadRefused(spike)
     if device.type != "cuda":
         return
     free, total = torch.cuda.mem_get_info(device)
-    watch.ledger.register_die(_die(device), total, free)
-    with torch.device("meta"):
-        specs = model_class(hf_config).from_hf_config(hf_config).layer_specs(dtype_bytes(dtype))
-    kv = kv_bytes_per_token(specs) * config.max_model_len * config.max_num_seqs
-    act_bytes = dtype_bytes(dtype)
-    activations = analytic_activation_bytes(hf_config, config.prefill_chunk_tokens, config.max_model_len, act_bytes)
-    verdict = admit_model_load(weights, kv, activations, free, mem_config.die_reserve_bytes)
+    ceiling = watch.ledger.register_die(_die(device), total, free)
+    verdict = admit_model_load(weights + fixed, one_seq, activations, ceiling + mem_config.die_reserve_bytes,
+                               mem_config.die_reserve_bytes)
     if not verdict.admitted:
         raise ModelLoadRefused(verdict)
 
@@ -161,7 +177,9 @@ def load(config: EngineConfig, device: torch.device, dtype: torch.dtype, watch: 
         gf = read_gguf(source.path)
         hf_config = gguf_config(gf)
         weights = sum(math.prod(t.shape) for t in gf.tensors.values()) * dtype_bytes(dtype)
-        admit_load(hf_config, config, device, dtype, weights, watch, mem_config)
+        # The GGUF is dequantized whole in host memory before it moves to a GPU.
+        admit_load(hf_config, config, device, dtype, weights, watch, mem_config,
+                   host_staging=weights if device.type == "cuda" else 0)
         model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype), device)
         hf_tok = build_tokenizer(gf.metadata)
         tokenizer = LazyTokenizer(lambda: Tokenizer(hf_tok))
@@ -170,7 +188,7 @@ def load(config: EngineConfig, device: torch.device, dtype: torch.dtype, watch: 
         ckpt = inspect_hf_dir(source.path)
         hf_config = ckpt.config
         weights = ckpt.weights_bytes(dtype)
-        admit_load(hf_config, config, device, dtype, weights + ckpt.transient_bytes(), watch, mem_config)
+        admit_load(hf_config, config, device, dtype, weights, watch, mem_config, host_staging=ckpt.transient_bytes())
         model = load_hf_model(ckpt, dtype=dtype, device=device)
         path = source.path
         tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(path))

@@ -92,10 +92,12 @@ class StepPlan:
     saves: tuple[CheckpointSave, ...] = ()
     max_slots: int | None = None  # resize the active slot limit before the step (ladder)
     shed_prefix_cache: bool = False  # empty the prefix cache before the step (ladder, WATCH+)
+    shrink_kv: bool = False  # give free KV segments back before the step (ladder, TIGHT+)
 
     @property
     def empty(self) -> bool:
-        return not (self.prefills or self.decodes or self.release or self.restores or self.saves or self.shed_prefix_cache)
+        return not (self.prefills or self.decodes or self.release or self.restores or self.saves or self.shed_prefix_cache
+                    or self.shrink_kv)
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,27 @@ class SlotOutput:
 
 
 @dataclass(frozen=True)
+class KVFigures:
+    """The KV block pool after a step: what admission counts blocks against."""
+
+    block_size: int  # positions per block
+    block_bytes: int  # one block across every attention layer
+    free_blocks: int  # in live segments, held by nobody
+    used_blocks: int
+    segments: int  # live segments
+    addable_blocks: int  # blocks the limits still allow in segments not yet live
+    bytes_held: int
+
+    @property
+    def free_bytes(self) -> int:
+        return self.free_blocks * self.block_bytes
+
+    @property
+    def addable_bytes(self) -> int:
+        return self.addable_blocks * self.block_bytes
+
+
+@dataclass(frozen=True)
 class StepResult:
     outputs: tuple[SlotOutput, ...] = ()
     prefill_tokens: int = 0
@@ -115,3 +138,7 @@ class StepResult:
     reused_tokens: int = 0  # prompt tokens restored from checkpoints instead of prefilled
     forward_s: float = 0.0
     ledger_bytes: int = 0
+    # Slots whose sequence the engine moved out because their blocks could not be had; the
+    # scheduler re-queues their requests, which resume where they stopped.
+    preempted: tuple[int, ...] = ()
+    kv: KVFigures | None = None

@@ -5,14 +5,18 @@ KV can be truncated, a recurrent (linear-attention / SSM) state cannot: the stat
 exists only at the moment the slot has consumed exactly n tokens. So a checkpoint is taken at the
 end of a step whose prefill chunk ends at n (the scheduler splits chunks at `checkpoint_interval`
 multiples and at the end of each prompt) or when a request finishes (its slot holds prompt +
-output[:-1]). One entry holds everything needed to resume at n, for every layer: a recurrent
-layer's conv + recurrent state, an attention layer's K/V rows [0, n) (and their int8 scales).
+output[:-1]). One entry holds everything needed to resume at n: the KV blocks of positions [0, n),
+shared by reference with the slot (the pool's own blocks, not a copy; a slot restoring the entry
+copies only a partly filled last block), and a copy of every recurrent layer's conv + recurrent
+state.
 
-Entries live in buffers from the memory layer's `CheckpointPool` (pinned on CUDA, so the copies
-run at full speed, and recycled, so a new checkpoint does not page-fault a fresh mmap; seed 003).
-The cache is bounded by a live byte budget (a fraction of the effective, cgroup-aware host memory),
-evicts least recently used entries to fit, and is emptied by `shed()` when the ladder reaches WATCH:
-cached state is the cheapest memory to give back, since nothing running depends on it.
+Recurrent copies live in buffers from the memory layer's `CheckpointPool` (pinned on CUDA, so the
+copies run at full speed, and recycled, so a new checkpoint does not page-fault a fresh mmap). The
+cache is bounded by a live byte budget (a fraction of the effective, cgroup-aware host memory)
+that counts the buffers it holds and the KV blocks it keeps alive; it evicts least recently used
+entries to fit (and when the KV pool runs short of blocks), and is emptied by `shed()` when the
+ladder reaches WATCH: cached state is the cheapest memory to give back, since nothing running
+depends on it.
 
 Threads: `match` runs on the event loop (the scheduler asks it while building a plan); every other
 method runs on the engine thread. The index is guarded by a lock. Entries change only inside a step
@@ -32,8 +36,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from ballast.engine.kv_pool import KVPool
 from ballast.memory.pool import CheckpointPool
-from ballast.models.state import KVState, LayerState, RecurrentState
+from ballast.models.state import LayerState
 from torch import Tensor
 
 log = logging.getLogger(__name__)
@@ -107,30 +112,22 @@ def _digest(tokens: Sequence[int]) -> bytes:
 @dataclass(eq=False)
 class _Entry:
     n_tokens: int
-    buf: Tensor  # 1-D uint8 host buffer from the pool
-    nbytes: int  # bytes of buf in use (the pool may hand out a larger buffer)
+    blocks: tuple[int, ...]  # KV blocks of positions [0, n_tokens); the cache holds one reference
+    buf: Tensor | None  # 1-D uint8 host buffer from the pool with the recurrent states (None: none)
+    nbytes: int  # what the entry costs the budget: the buffer as handed out, plus its blocks
     # Per layer, per tensor: (offset, dtype, shape) of the segment holding it.
     layout: tuple[tuple[tuple[int, torch.dtype, torch.Size], ...], ...]
-
-
-def slot_views(state: LayerState, slot: int, n_tokens: int) -> tuple[Tensor, ...]:
-    """Views (no copy) of what resuming a slot at n_tokens needs from one layer's state: what
-    `LayerState.save` would clone. Kept here because LayerState has no public view method yet."""
-    if isinstance(state, RecurrentState):
-        return state.tensors(slot)
-    if isinstance(state, KVState):
-        return tuple(t[slot, :n_tokens] for t in (state.kv, state.scale) if t is not None)
-    raise TypeError(f"no checkpoint layout for {type(state).__name__}")
 
 
 class PrefixCache:
     """Checkpoints of slot states keyed by the exact token prefix they consumed; LRU in bytes."""
 
-    def __init__(self, states: Sequence[LayerState], budget_bytes: Callable[[], int], interval: int,
-                 pool: CheckpointPool | None = None) -> None:
+    def __init__(self, states: Sequence[LayerState], kv: KVPool | None, budget_bytes: Callable[[], int],
+                 interval: int, pool: CheckpointPool | None = None, device: torch.device | str = "cpu") -> None:
         if interval < 1:
             raise ValueError(f"checkpoint interval must be >= 1, got {interval}")
         self._states = list(states)
+        self._kv = kv
         self._budget = budget_bytes
         self.interval = interval
         self._pool = pool
@@ -139,7 +136,7 @@ class PrefixCache:
         self._lengths: Counter[int] = Counter()  # n_tokens of the entries, for match
         self._held = 0
         self._saves = self._duplicates = self._declined = self._restores = self._evictions = self._sheds = 0
-        self._device = slot_views(self._states[0], 0, 1)[0].device if self._states else torch.device("cpu")
+        self._device = torch.device(device)
         self._cuda = self._device.type == "cuda"
 
     # --- any thread ------------------------------------------------------------------------
@@ -166,8 +163,9 @@ class PrefixCache:
 
     # --- engine thread ---------------------------------------------------------------------
     def save(self, slot: int, prefix: Sequence[int]) -> bool:
-        """Copy the slot's state, which has consumed exactly `prefix`, into the cache. False if the
-        checkpoint does not fit the budget at all (nothing is evicted for it then)."""
+        """Keep the slot's state, which has consumed exactly `prefix`: its KV blocks by reference,
+        its recurrent states copied. False if the checkpoint does not fit the budget at all
+        (nothing is evicted for it then)."""
         n = len(prefix)
         key = (n, _digest(prefix))
         with self._lock:
@@ -175,28 +173,34 @@ class PrefixCache:
                 self._entries.move_to_end(key)
                 self._duplicates += 1
                 return True
-        views = [slot_views(s, slot, n) for s in self._states]
-        layout, nbytes = _layout(views)
-        if nbytes > self._budget() or not self._make_room(nbytes):
+        views = [s.slot_views(slot) for s in self._states]
+        layout, buf_bytes = _layout(views)
+        n_blocks = -(-n // self._kv.layout.block_size) if self._kv is not None else 0
+        block_bytes = n_blocks * self._kv.layout.block_bytes if self._kv is not None else 0
+        if buf_bytes + block_bytes > self._budget() or not self._make_room(buf_bytes + block_bytes):
             with self._lock:
                 self._declined += 1
             return False
-        buf = self._buffer(nbytes)
-        if buf is None:
-            return False
-        for layer_views, layer_layout in zip(views, layout, strict=True):
-            for src, (off, dtype, shape) in zip(layer_views, layer_layout, strict=True):
-                _segment(buf, off, dtype, shape).copy_(src, non_blocking=self._cuda)
-        self._sync()  # the buffer must hold the state before anyone can restore from it
+        buf = None
+        if buf_bytes:
+            buf = self._buffer(buf_bytes)
+            if buf is None:
+                return False
+            for layer_views, layer_layout in zip(views, layout, strict=True):
+                for src, (off, dtype, shape) in zip(layer_views, layer_layout, strict=True):
+                    _segment(buf, off, dtype, shape).copy_(src, non_blocking=self._cuda)
+            self._sync()  # the buffer must hold the state before anyone can restore from it
+        blocks = self._kv.hold(slot, n) if self._kv is not None else ()
+        nbytes = (buf.numel() if buf is not None else 0) + block_bytes
         with self._lock:
-            self._entries[key] = _Entry(n, buf, nbytes, layout)
+            self._entries[key] = _Entry(n, blocks, buf, nbytes, layout)
             self._lengths[n] += 1
             self._held += nbytes
             self._saves += 1
         return True
 
     def restore(self, slot: int, prefix: Sequence[int]) -> int:
-        """Load the checkpoint of exactly `prefix` into the slot; returns its token count."""
+        """Start the (empty) slot from the checkpoint of exactly `prefix`; returns its token count."""
         key = (len(prefix), _digest(prefix))
         with self._lock:
             entry = self._entries.get(key)
@@ -204,13 +208,16 @@ class PrefixCache:
                 raise CheckpointMissing(f"no checkpoint for a {len(prefix)}-token prefix (slot {slot})")
             self._entries.move_to_end(key)
             self._restores += 1
-        for state, layer_layout in zip(self._states, entry.layout, strict=True):
-            state.load(slot, [_segment(entry.buf, off, dtype, shape) for off, dtype, shape in layer_layout])
-        self._sync()  # the buffer may go back to the pool (eviction) once the copies have run
+        if self._kv is not None and not self._kv.attach(slot, entry.blocks, entry.n_tokens):
+            raise CheckpointMissing(f"no free KV block to copy the last block of a {entry.n_tokens}-token prefix")
+        if entry.buf is not None:
+            for state, layer_layout in zip(self._states, entry.layout, strict=True):
+                state.load(slot, [_segment(entry.buf, off, dtype, shape) for off, dtype, shape in layer_layout])
+            self._sync()  # the buffer may go back to the pool (eviction) once the copies have run
         return entry.n_tokens
 
     def shed(self) -> int:
-        """Drop every entry, buffers back to the pool; returns the bytes released."""
+        """Drop every entry, blocks and buffers back to their pools; returns the bytes released."""
         with self._lock:
             dropped = list(self._entries.values())
             self._entries.clear()
@@ -219,8 +226,23 @@ class PrefixCache:
             if dropped:
                 self._sheds += 1
         for e in dropped:
-            self._give_back(e.buf)
+            self._give_back(e)
         return released
+
+    def evict_for_blocks(self, n_blocks: int) -> bool:
+        """Evict least recently used entries until the KV pool has n_blocks free (blocks are worth
+        more to a running sequence than to a prompt that may come back); False if even an empty
+        cache leaves too few."""
+        kv = self._kv
+        if kv is None:
+            return False
+        while kv.alloc.free_blocks < n_blocks:
+            with self._lock:
+                if not self._entries:
+                    break
+                e = self._pop_lru()
+            self._give_back(e)
+        return kv.alloc.free_blocks >= n_blocks
 
     @property
     def bytes_held(self) -> int:
@@ -233,17 +255,21 @@ class PrefixCache:
         dropped: list[_Entry] = []
         with self._lock:
             while self._entries and self._held + nbytes > budget:
-                _, e = self._entries.popitem(last=False)
-                self._lengths[e.n_tokens] -= 1
-                if not self._lengths[e.n_tokens]:
-                    del self._lengths[e.n_tokens]
-                self._held -= e.nbytes
-                self._evictions += 1
-                dropped.append(e)
+                dropped.append(self._pop_lru())
             fits = self._held + nbytes <= budget
         for e in dropped:
-            self._give_back(e.buf)
+            self._give_back(e)
         return fits
+
+    def _pop_lru(self) -> _Entry:
+        """Unlink the least recently used entry (call under the lock; the caller gives it back)."""
+        _, e = self._entries.popitem(last=False)
+        self._lengths[e.n_tokens] -= 1
+        if not self._lengths[e.n_tokens]:
+            del self._lengths[e.n_tokens]
+        self._held -= e.nbytes
+        self._evictions += 1
+        return e
 
     def _buffer(self, nbytes: int) -> Tensor | None:
         try:
@@ -259,9 +285,11 @@ class PrefixCache:
             log.warning("checkpoint buffer of %d bytes failed (%s); prefix cache shed %d bytes", nbytes, e, released)
             return None
 
-    def _give_back(self, buf: Tensor) -> None:
-        if self._pool is not None:
-            self._pool.put(buf)  # a declined buffer is freed when its last reference goes
+    def _give_back(self, e: _Entry) -> None:
+        if self._kv is not None and e.blocks:
+            self._kv.drop(e.blocks)
+        if self._pool is not None and e.buf is not None:
+            self._pool.put(e.buf)  # a declined buffer is freed when its last reference goes
 
     def _sync(self) -> None:
         if self._cuda:
@@ -278,7 +306,7 @@ def _layout(views: Sequence[Sequence[Tensor]]) -> tuple[tuple[tuple[tuple[int, t
             segs.append((off, t.dtype, t.shape))
             off += t.numel() * t.element_size()
         layout.append(tuple(segs))
-    return tuple(layout), max(off, 1)
+    return tuple(layout), off
 
 
 def _segment(buf: Tensor, off: int, dtype: torch.dtype, shape: torch.Size) -> Tensor:

@@ -1,8 +1,9 @@
-"""The model runner: one model, its per-layer slot states and the sampler, on one device.
+"""The model runner: one model, its per-layer slot states, the KV block pool and the sampler, on one
+device.
 
-Everything here runs on the engine thread. States are allocated once, after the profiling pass,
-with fixed shapes (gpt-fast's `setup_caches`, nano-vllm's `warmup_model` then `allocate_kv_cache`);
-nothing here grows at run time.
+Everything here runs on the engine thread. Per-slot states (recurrent layers, the sampler) are
+allocated once after the profiling pass with fixed shapes; attention KV lives in the block pool,
+which starts empty and grows and shrinks in segments while serving.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from ballast.engine.graphs import DecodeGraphs, GraphCaptureError
+from ballast.engine.graphs import PAD_POSITION, DecodeGraphs, GraphCaptureError
+from ballast.engine.kv_pool import Acquire, KVPool
 from ballast.engine.sampler import Sampler
-from ballast.memory.specs import AttentionSpec, LayerSpec, kv_bytes_per_token, state_bytes_per_slot
+from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import CostModel
 from ballast.models.base import CausalLM, ForwardBatch
-from ballast.models.state import LayerState, allocate_states, dtype_bytes
+from ballast.models.state import LayerState, allocate_states, build_states, dtype_bytes, kv_store_for
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -125,7 +127,7 @@ def profile_prefill(model: nn.Module, hf_config: Mapping[str, Any], chunk_tokens
     return Profile(chunk_tokens, analytic_activation_bytes(hf_config, chunk_tokens, start + chunk_tokens, act_bytes), measured=False)
 
 
-def build_cost_model(model: nn.Module, dtype: torch.dtype, profile: Profile, weights: int) -> CostModel:
+def build_cost_model(model: nn.Module, dtype: torch.dtype, profile: Profile, weights: int, kv_block_tokens: int = 1) -> CostModel:
     lm = as_causal_lm(model)
     specs: list[LayerSpec] = lm.layer_specs(dtype_bytes(dtype))
     quantized: list[LayerSpec] = lm.layer_specs(1)
@@ -136,38 +138,29 @@ def build_cost_model(model: nn.Module, dtype: torch.dtype, profile: Profile, wei
         weights_bytes=weights,
         quantized_kv_bytes_per_token=kv_bytes_per_token(quantized),
         prefill_chunk_tokens=profile.chunk_tokens,
+        kv_block_tokens=kv_block_tokens,
+        state_preallocated=True,
         extra={"profile_chunk_tokens": profile.chunk_tokens, "profile_peak_bytes": profile.peak_activation_bytes},
     )
 
 
-def planned_state_bytes(model: nn.Module, dtype: torch.dtype, num_slots: int, max_model_len: int, quantized_kv: bool,
-                        scratch_slot: bool = False) -> int:
-    """Bytes `ModelRunner` will allocate for these settings, from the layer specs alone, so the
-    VRAM ledger can be asked before anything is allocated."""
+def planned_state_bytes(model: nn.Module, dtype: torch.dtype, num_slots: int, scratch_slot: bool = False) -> int:
+    """Bytes `ModelRunner` allocates at load for these settings (per-slot recurrent states and the
+    sampler's buffers), from the layer specs alone, so the VRAM ledger can be asked before anything
+    is allocated. KV blocks are not in it: the pool leases them segment by segment."""
     lm = as_causal_lm(model)
-    kv = kv_bytes_per_token(lm.layer_specs(1 if quantized_kv else dtype_bytes(dtype)))
     recurrent = state_bytes_per_slot(lm.layer_specs(dtype_bytes(dtype)))
-    vocab = int(lm.config.vocab_size)
-    state_slots = num_slots + int(scratch_slot)
-    return state_slots * (kv * max_model_len + recurrent) + Sampler.planned_bytes(num_slots, vocab)
-
-
-def decode_read_bytes_per_position(model: nn.Module, dtype: torch.dtype) -> int:
-    """What a decode step's attention holds per (sequence, cache position) read, in the layer
-    that holds most: the gathered K and V rows in the model dtype, and on CUDA their copy
-    repeated to every query head (the masked fused kernels take no GQA)."""
-    lm = as_causal_lm(model)
-    heads = int(lm.config.num_attention_heads)
-    widths = [s.head_dim * (s.num_kv_heads + heads) for s in lm.layer_specs(dtype_bytes(dtype)) if isinstance(s, AttentionSpec)]
-    return 2 * max(widths, default=0) * dtype_bytes(dtype)
+    return (num_slots + int(scratch_slot)) * recurrent + Sampler.planned_bytes(num_slots, int(lm.config.vocab_size))
 
 
 class ModelRunner:
-    """Owns the model's slot states, the sampler and the decode graphs; runs one forward over many
-    slots. With scratch_slot the states carry one slot more than num_slots, for graph padding."""
+    """Owns the model's slot states, the KV block pool, the sampler and the decode graphs; runs one
+    forward over many slots. With scratch_slot the states carry one slot more than num_slots, for
+    graph padding (it holds one block for good: padding rows write there)."""
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, num_slots: int,
-                 max_model_len: int, quantized_kv: bool, seed: int, scratch_slot: bool = False) -> None:
+                 max_model_len: int, quantized_kv: bool, seed: int, scratch_slot: bool = False,
+                 acquire: Acquire | None = None, segment_bytes: int = 0) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -177,17 +170,27 @@ class ModelRunner:
         lm = as_causal_lm(model)
         specs = lm.layer_specs(1 if quantized_kv else dtype_bytes(dtype))
         self._state_slots = num_slots + int(scratch_slot)
-        self.states: list[LayerState] = allocate_states(specs, self._state_slots, max_model_len, device, dtype, quantized_kv)
+        store = kv_store_for(specs, self._state_slots, max_model_len, device, dtype, quantized_kv, segment_bytes)
+        self.kv: KVPool | None = None
+        if store is not None:
+            self.kv = KVPool(store, acquire) if acquire is not None else KVPool(store)
+        self.states: list[LayerState] = build_states(specs, self._state_slots, store, device, dtype)
         self.graphs: DecodeGraphs | None = None
         vocab = int(lm.config.vocab_size)
         self.sampler = Sampler(num_slots, vocab, device, seed)
 
     @property
+    def fixed_bytes(self) -> int:
+        """Bytes held for the slots whatever runs: per-slot states and the sampler's buffers."""
+        return sum(s.nbytes for s in self.states if s.slot_views(0)) + self.sampler.state_bytes
+
+    @property
     def state_bytes(self) -> int:
-        return sum(s.nbytes for s in self.states) + self.sampler.state_bytes
+        """Bytes held for slots now: the fixed part and the KV pool's live segments."""
+        return self.fixed_bytes + (self.kv.bytes_held if self.kv is not None else 0)
 
     def reset(self, slots: Sequence[int]) -> None:
-        """New sequences start in these slots."""
+        """New sequences start in these slots (their KV blocks were released before)."""
         if not slots:
             return
         index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
@@ -195,14 +198,17 @@ class ModelRunner:
             state.reset(index)
         self.sampler.reset(slots)
 
-    def capture_graphs(self, budget_bytes: int) -> int:
-        """Capture decode graphs for batches up to num_slots (CUDA, with a scratch slot), each
-        within budget_bytes of attention reads. Returns the bytes they hold; raises
-        GraphCaptureError (the engine then runs eagerly) if the model cannot be captured."""
+    def capture_graphs(self) -> int:
+        """Capture decode graphs for batches up to num_slots (CUDA, with a scratch slot) and every
+        context bucket (attention reads the blocks in place, so a graph's memory does not grow with
+        its context). Returns the bytes they hold; raises GraphCaptureError (the engine then runs
+        eagerly) if the model cannot be captured."""
         if self.device.type != "cuda" or self._state_slots == self.num_slots:
             raise GraphCaptureError("decode graphs need CUDA and a scratch slot")
-        graphs = DecodeGraphs(self.device, self.num_slots, self.num_slots, self.max_model_len,
-                              decode_read_bytes_per_position(self.model, self.dtype), budget_bytes)
+        scratch = self.num_slots
+        if self.kv is not None and not self.kv.ensure(scratch, PAD_POSITION + 1):
+            raise GraphCaptureError("no KV block for the graphs' scratch slot")
+        graphs = DecodeGraphs(self.device, scratch, self.num_slots, self.max_model_len)
         held = graphs.capture(self._run)
         self.graphs = graphs
         return held
@@ -216,6 +222,11 @@ class ModelRunner:
         """Logits [len(seqs), vocab] at each sequence's last token; writes the slots' states. A
         decode step replays a graph where one was captured for its shape (the logits are then a
         view valid until the next step)."""
+        if self.kv is not None:
+            bs, alloc = self.kv.layout.block_size, self.kv.alloc
+            bare = [slot for slot, tokens, start in seqs if alloc.count(slot) * bs < start + len(tokens)]
+            if bare:  # writing there would land in another sequence's blocks
+                raise ValueError(f"slots {bare} have no KV blocks for this step's positions (KVPool.ensure first)")
         if self.graphs is not None and self.graphs.can_use(seqs):
             return self.graphs.replay(seqs)
         return self._run(ForwardBatch.build(seqs, self.device))

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ballast.memory.errors import UnknownDie
-from ballast.memory.types import CostModel, DieState, MemState, MiB, Verdict, VerdictKind
+from ballast.memory.types import CostModel, DieState, MemState, MiB, PoolRoom, Verdict, VerdictKind
 
 
 class Cause(enum.Enum):
@@ -77,9 +77,9 @@ def largest_fitting_window(lo: int, hi: int, fits: Callable[[int], bool]) -> int
 
 
 def die_request_bytes(cost: CostModel, n_tokens: int, quantized_kv: bool) -> int:
-    """Bytes a request takes on its die: KV for n_tokens plus one slot's recurrent state, less
-    what the slot's caches allocated at load already hold. Activations are not counted here:
-    they live in the scratch reserved when the model was loaded."""
+    """Bytes a request takes on its die: KV blocks for n_tokens (and a slot's recurrent state
+    unless every slot's was allocated at load). Activations are not counted here: they live in
+    the scratch reserved when the model was loaded."""
     return cost.cache_bytes(n_tokens, quantized_kv)
 
 
@@ -117,12 +117,15 @@ def admit_request(
     quantized_kv: bool,
     psi_full_reject_pct: float,
     min_window: int = 1,
+    pool: PoolRoom | None = None,
 ) -> Verdict:
     """Decide whether a request of n_prompt + max_new_tokens tokens may start now.
 
     max_window is the operator's context limit already clamped by the ladder's prefill window.
     min_window is the smallest window worth running: 1 follows the seed (a CAP may cut the
     prompt); a scheduler that would rather refuse than truncate passes n_prompt + 1.
+    pool: the KV pool's room; its spare blocks count on top of new memory, and it never grows past
+    its limits (None: no pool, every byte is new memory).
     ADMIT's fit_tokens is the whole request; CAP's is the largest window that fits.
     Raises ValueError for impossible arguments and UnknownDie for a die not in the snapshot.
     """
@@ -143,11 +146,18 @@ def admit_request(
             return Verdict(VerdictKind.REJECT, 0, _reason(Cause.HOST_RESERVE, f"{_mib(host_avail)} available, reserve {_mib(state.host_reserve_bytes)}"))
         # A die with no ceiling yet (model not loaded there) has no headroom: refusing is the safe
         # reading of "unknown", as a failed host total is never read as "huge".
-        headroom = max(0, die.ceiling_bytes - die.ledger_bytes)
+        room = pool or PoolRoom()
+        headroom = min(max(0, die.ceiling_bytes - die.ledger_bytes), room.addable_bytes) + room.spare_bytes
         return _decide(n_tokens, max_window, min_window, lambda w: die_request_bytes(cost, w, quantized_kv) <= headroom, Cause.DIE_BUDGET, headroom)
 
-    budget = state.host_budget_bytes
-    return _decide(n_tokens, max_window, min_window, lambda w: cost.request_bytes(w, quantized_kv) <= budget, Cause.HOST_BUDGET, budget)
+    room = pool or PoolRoom()
+    budget = state.host_budget_bytes + room.spare_bytes
+    kv_room = room.addable_bytes + room.spare_bytes
+
+    def fits(w: int) -> bool:
+        return cost.request_bytes(w, quantized_kv) <= budget and cost.kv_bytes(w, quantized_kv) <= kv_room
+
+    return _decide(n_tokens, max_window, min_window, fits, Cause.HOST_BUDGET, budget)
 
 
 def admit_model_load(weights_bytes: int, kv_bytes_at_max_ctx: int, activation_reserve_bytes: int, die_free: int, die_reserve: int) -> Verdict:

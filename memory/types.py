@@ -124,6 +124,22 @@ class LadderPlan:
 
 
 @dataclass(frozen=True)
+class PoolRoom:
+    """What the KV block pool can give a new request besides new memory: free blocks it already
+    holds, less the blocks that admitted requests will still take as they grow; and how much more
+    its limits let it add (whatever memory says)."""
+
+    free_bytes: int = 0
+    promised_bytes: int = 0
+    addable_bytes: int = 1 << 62
+
+    @property
+    def spare_bytes(self) -> int:
+        """Held and unpromised (negative when promises exceed what is held free)."""
+        return self.free_bytes - self.promised_bytes
+
+
+@dataclass(frozen=True)
 class CostModel:
     """What one request costs, filled by the engine from layer specs and a profiling prefill."""
 
@@ -133,17 +149,22 @@ class CostModel:
     weights_bytes: int = 0
     quantized_kv_bytes_per_token: int = 0  # same as kv_bytes_per_token if no quantized KV exists
     prefill_chunk_tokens: int = 0  # prefill runs in chunks of at most this many tokens (0 = unchunked)
-    # Tokens of KV (and the slot's state) each slot already holds because the engine allocated
-    # its caches at load. A request that fits in that pays nothing more for them: charging it
-    # again would count the same bytes twice (once in the load's lease, once per request).
-    preallocated_tokens: int = 0
+    # KV is held in blocks of this many positions: a request pays for whole blocks.
+    kv_block_tokens: int = 1
+    # The engine allocated every slot's recurrent state at load: a request that takes a slot adds
+    # no state bytes (charging them again would count the same bytes twice).
+    state_preallocated: bool = False
     extra: dict[str, int] = field(default_factory=dict, compare=False)
 
-    def cache_bytes(self, n_tokens: int, quantized_kv: bool = False) -> int:
-        """KV + state bytes a request of n_tokens adds beyond what its slot already holds."""
+    def kv_bytes(self, n_tokens: int, quantized_kv: bool = False) -> int:
+        """KV bytes of n_tokens positions, in whole blocks."""
         per_tok = self.quantized_kv_bytes_per_token if quantized_kv and self.quantized_kv_bytes_per_token else self.kv_bytes_per_token
-        state = 0 if self.preallocated_tokens > 0 else self.state_bytes_per_slot
-        return max(0, n_tokens - self.preallocated_tokens) * per_tok + state
+        block = max(1, self.kv_block_tokens)
+        return -(-max(0, n_tokens) // block) * block * per_tok
+
+    def cache_bytes(self, n_tokens: int, quantized_kv: bool = False) -> int:
+        """KV + state bytes a request of n_tokens adds to what is already allocated."""
+        return self.kv_bytes(n_tokens, quantized_kv) + (0 if self.state_preallocated else self.state_bytes_per_slot)
 
     def request_bytes(self, n_tokens: int, quantized_kv: bool = False) -> int:
         """Bytes a request of n_tokens adds while running: its cache bytes plus the activations

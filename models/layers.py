@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel
-from ballast.models.state import KVState
+from ballast.models.state import PagedKV
 from torch import Tensor, nn
 
 DEFAULT_ROPE_THETA = 10000.0
@@ -289,7 +289,10 @@ class StepContext:
     def build(cls, batch: ForwardBatch, cos: Tensor, sin: Tensor) -> StepContext:
         """Padding every sequence to the longest would make each decode token in a mixed step
         cost (and hold activations for) a whole prefill chunk; so decode tokens and prefill
-        chunks are attended as two groups, each padded to its own longest run."""
+        chunks are attended as two groups, each padded to its own longest run. On CUDA the
+        kernels read the blocks in place and need neither masks nor groups."""
+        if batch.device.type == "cuda":
+            return cls(batch, cos, sin, None)
         decodes = [i for i, n in enumerate(batch.lens_list) if n == 1]
         if not decodes or len(decodes) == batch.num_seqs:
             return cls(batch, cos, sin, slot_attention_mask(batch))
@@ -302,7 +305,7 @@ class StepContext:
 
 
 class SlotAttention(nn.Module):
-    """Grouped-query attention reading and writing a `KVState`. Names follow HF (`self_attn.*`)."""
+    """Grouped-query attention reading and writing a `PagedKV`. Names follow HF (`self_attn.*`)."""
 
     def __init__(
         self,
@@ -330,7 +333,7 @@ class SlotAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
 
-    def forward(self, x: Tensor, ctx: StepContext, state: KVState) -> Tensor:
+    def forward(self, x: Tensor, ctx: StepContext, state: PagedKV) -> Tensor:
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x).view(x.shape[0], hq + 2 * hkv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -346,8 +349,10 @@ class SlotAttention(nn.Module):
         self.qkv.fuse(keep_values)
 
 
-def attend(q: Tensor, state: KVState, ctx: StepContext) -> Tensor:
+def attend(q: Tensor, state: PagedKV, ctx: StepContext) -> Tensor:
     """q [T, Hq, D] attends to its slot's cache (this step's K/V already written); -> [T, Hq * D]."""
+    if state.kernels:
+        return state.attend_in_place(q, ctx.batch)
     if not ctx.groups:
         return _attend_padded(q, state, ctx.batch, ctx.mask)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
@@ -356,7 +361,7 @@ def attend(q: Tensor, state: KVState, ctx: StepContext) -> Tensor:
     return out
 
 
-def _attend_padded(q: Tensor, state: KVState, batch: ForwardBatch, mask: Tensor | None) -> Tensor:
+def _attend_padded(q: Tensor, state: PagedKV, batch: ForwardBatch, mask: Tensor | None) -> Tensor:
     """Attention for the sequences of batch, each padded to batch.max_len queries."""
     b, L = batch.num_seqs, batch.max_len
     heads, dim = q.shape[1], q.shape[2]
@@ -366,12 +371,6 @@ def _attend_padded(q: Tensor, state: KVState, batch: ForwardBatch, mask: Tensor 
     else:
         qp = q.new_zeros(b * L, heads, dim).index_copy_(0, batch.pad_index, q).view(b, L, heads, dim)
     gqa = keys.shape[2] != heads
-    if gqa and mask is not None and q.device.type == "cuda":
-        # CUDA's fused kernels take a mask or GQA, not both (the pair falls back to the unfused
-        # maths path); repeating the KV heads keeps the memory-efficient kernel.
-        groups = heads // keys.shape[2]
-        keys, values = keys.repeat_interleave(groups, dim=2), values.repeat_interleave(groups, dim=2)
-        gqa = False
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=gqa
     )  # [B, Hq, L, D]

@@ -19,7 +19,7 @@ from ballast.models.layers import (
     SwiGLU,
     token_embedding,
 )
-from ballast.models.state import KVState, LayerState, attention_spec
+from ballast.models.state import LayerState, PagedKV, attention_spec
 from torch import Tensor, nn
 
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
@@ -124,8 +124,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: Tensor, ctx: StepContext, state: LayerState) -> Tensor:
-        if not isinstance(state, KVState):
-            raise TypeError(f"a Llama layer needs a KVState, got {type(state).__name__}")
+        if not isinstance(state, PagedKV):
+            raise TypeError(f"a Llama layer needs a PagedKV, got {type(state).__name__}")
         h = h + self.self_attn(self.input_layernorm(h), ctx, state)
         return h + self.mlp(self.post_attention_layernorm(h))
 

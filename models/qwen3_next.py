@@ -2,7 +2,7 @@
 sparse MoE MLPs with a shared expert. Qwen3.5-MoE (models/qwen3_5_moe.py) reuses everything here
 except the linear-attention input projections.
 
-Per-layer state follows the layer's kind: full-attention layers read and write a `KVState`,
+Per-layer state follows the layer's kind: full-attention layers read and write a `PagedKV`,
 linear-attention layers a `RecurrentState` (conv window + float32 delta-rule state). The engine
 sees only `layer_specs` and `forward(batch, states)`; nothing outside this file knows the model is
 hybrid. Parameter names equal the Hugging Face checkpoint names.
@@ -27,7 +27,7 @@ from ballast.models.layers import (
     token_embedding,
 )
 from ballast.models.moe import GatedMLP, SparseMoeBlock
-from ballast.models.state import KVState, LayerState, attention_spec, dtype_bytes
+from ballast.models.state import LayerState, PagedKV, attention_spec, dtype_bytes
 from torch import Tensor, nn
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -185,8 +185,8 @@ class GatedAttention(nn.Module):
         self.k_norm = CenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, step: HybridStep, state: LayerState) -> Tensor:
-        if not isinstance(state, KVState):
-            raise TypeError(f"a full-attention layer needs a KVState, got {type(state).__name__}")
+        if not isinstance(state, PagedKV):
+            raise TypeError(f"a full-attention layer needs a PagedKV, got {type(state).__name__}")
         t = x.shape[0]
         # Per head, q_proj's output is [query (head_dim), gate (head_dim)].
         q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)

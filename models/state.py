@@ -1,9 +1,10 @@
 """Per-layer, per-slot state behind one small interface ("hybrid is a strategy, not a branch").
 
-Each decoder layer gets the state object its spec asks for: attention layers a `KVState`, linear
-attention / SSM layers a `RecurrentState`. The engine allocates them once (fixed shapes, after its
-profiling pass) with `allocate_states`, resets slots when a new sequence starts in them, and
-saves/loads slot contents for checkpoints; the model reads and writes them inside `forward`.
+Each decoder layer gets the state object its spec asks for: attention layers a `PagedKV` (their
+K/V live in the blocks of one shared `KVStore`, reached through each slot's block table), linear
+attention / SSM layers a `RecurrentState` (a fixed-size state per slot). The engine builds them at
+load, resets slots when a new sequence starts in them, and copies the per-slot part out and back
+for checkpoints (`slot_views` / `load`); the model reads and writes them inside `forward`.
 """
 
 from __future__ import annotations
@@ -14,16 +15,13 @@ from collections.abc import Sequence
 import torch
 from ballast.memory.specs import AttentionSpec, LayerSpec, RecurrentStateSpec
 from ballast.models.base import ForwardBatch
+from ballast.models.kv_store import SCALE_BYTES, KVStore, plan_layout, quantize_rows
 from torch import Tensor
-
-# Quantized KV keeps one float32 scale per (token, kv head) for K and for V.
-KV_SCALE_BYTES = 4
-_INT8_MAX = 127.0
 
 
 def attention_spec(num_kv_heads: int, head_dim: int, kv_dtype_bytes: int) -> AttentionSpec:
     """The spec of one attention layer's cache; 1-byte KV carries per token-head scales."""
-    scale = KV_SCALE_BYTES if kv_dtype_bytes == 1 else 0
+    scale = SCALE_BYTES if kv_dtype_bytes == 1 else 0
     return AttentionSpec(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=kv_dtype_bytes, scale_bytes=scale)
 
 
@@ -35,12 +33,13 @@ class LayerState(abc.ABC):
         """Sequences start at position 0 in these slots."""
 
     @abc.abstractmethod
-    def save(self, slot: int, n_tokens: int) -> tuple[Tensor, ...]:
-        """Copies of the slot's state after it consumed n_tokens (for checkpoints / prefix reuse)."""
+    def slot_views(self, slot: int) -> tuple[Tensor, ...]:
+        """Views (no copy) of the slot's own state: what a checkpoint must copy to resume the slot
+        later (empty where the state is shared by reference, as attention blocks are)."""
 
     @abc.abstractmethod
     def load(self, slot: int, saved: Sequence[Tensor]) -> None:
-        """Put what `save` returned (from any slot) into this slot."""
+        """Put tensors shaped like `slot_views` (from any slot) into this slot."""
 
     @property
     @abc.abstractmethod
@@ -48,109 +47,105 @@ class LayerState(abc.ABC):
         """Bytes this state holds on its device."""
 
 
-def _quantize(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric int8 with one float32 scale per row of the last dim (per token-head)."""
-    scale = x.detach().abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-8) / _INT8_MAX
-    q = torch.round(x.float() / scale).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
-    return q, scale
+class PagedKV(LayerState):
+    """One attention layer's view of the model's `KVStore`: writes this step's K/V into the slots'
+    blocks and attends over them in place (on CUDA through the Triton kernels; on the CPU by
+    gathering each sequence's blocks, one index_select per layer)."""
 
-
-def _gather_prefix(cache: Tensor, slots: Tensor, n: int) -> Tensor:
-    """cache[slots, :n] as a new [B, n, ...] tensor. Gathering rows of a 2-D view whose rows are
-    each slot's first n positions (contiguous in memory) is one memcpy per slot, many times
-    faster on CPU than index_select over a sliced 4-D view."""
-    rows = cache.view(cache.shape[0], -1)[:, : n * cache[0, 0].numel()]
-    return rows.index_select(0, slots).view(slots.shape[0], n, *cache.shape[2:])
-
-
-class KVState(LayerState):
-    """K and V of one attention layer, stored together as kv [num_slots, max_len, 2 * n_kv_heads,
-    head_dim] (K heads first, then V heads) so one gather serves both; `k` and `v` are views. The
-    model dtype, or int8 plus float32 scales [num_slots, max_len, 2 * n_kv_heads, 1] when quantized."""
-
-    def __init__(
-        self,
-        num_slots: int,
-        max_len: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        quantized: bool = False,
-    ) -> None:
-        if num_slots <= 0 or max_len <= 0:
-            raise ValueError(f"KVState needs num_slots > 0 and max_len > 0, got {num_slots}, {max_len}")
-        self.dtype = dtype
-        self.quantized = quantized
-        self.max_len = max_len
-        self.num_kv_heads = num_kv_heads
-        shape = (num_slots, max_len, 2 * num_kv_heads, head_dim)
-        self.kv = torch.zeros(shape, dtype=torch.int8 if quantized else dtype, device=device)
-        self.scale: Tensor | None = None
-        if quantized:
-            self.scale = torch.zeros((*shape[:3], 1), dtype=torch.float32, device=device)
+    def __init__(self, store: KVStore, layer: int) -> None:
+        self.store = store
+        self.layer = layer
+        self.layout = store.layout
+        self.kernels = store.device.type == "cuda"
 
     @property
-    def k(self) -> Tensor:
-        return self.kv[:, :, : self.num_kv_heads]
+    def num_kv_heads(self) -> int:
+        return self.layout.num_kv_heads
 
     @property
-    def v(self) -> Tensor:
-        return self.kv[:, :, self.num_kv_heads :]
+    def quantized(self) -> bool:
+        return self.layout.quantized
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes + (self.scale.nbytes if self.scale is not None else 0)
+        return self.store.bytes_held // self.layout.num_layers
 
     def reset(self, slots: Tensor) -> None:
-        # Nothing to clear: attention masks every cache position at or beyond a token's own
-        # position, so what a previous sequence left behind is never read.
+        # Nothing to clear: a sequence only reads positions it wrote, through its own table.
         return None
 
-    def write(self, batch: ForwardBatch, k: Tensor, v: Tensor) -> None:
-        """Store this step's k, v [T, n_kv_heads, head_dim] at (slot, position) of every token.
-        Positions must be < max_len (the engine caps sequences at max_model_len)."""
-        self.write_kv(batch, torch.cat((k, v), dim=1))
-
-    def write_kv(self, batch: ForwardBatch, kv: Tensor) -> None:
-        """As `write`, with K and V already side by side: kv [T, 2 * n_kv_heads, head_dim]."""
-        index = (batch.slot_of_token, batch.positions)
-        if self.scale is None:
-            self.kv.index_put_(index, kv.to(self.dtype))
-            return
-        q, scale = _quantize(kv)
-        self.kv.index_put_(index, q)
-        self.scale.index_put_(index, scale)
-
-    def read(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
-        """K and V of each sequence's slot, positions [0, max_ctx): [B, max_ctx, n_kv, head_dim] in
-        the model dtype (views of one gathered tensor). Positions past a sequence's own end hold
-        stale data; the caller masks them."""
-        kv = _gather_prefix(self.kv, batch.slots, batch.max_ctx)
-        if self.scale is not None:
-            kv = (kv.float() * _gather_prefix(self.scale, batch.slots, batch.max_ctx)).to(self.dtype)
-        h = self.num_kv_heads
-        return kv[:, :, :h], kv[:, :, h:]
-
-    def _tensors(self) -> list[Tensor]:
-        return [self.kv] if self.scale is None else [self.kv, self.scale]
-
-    def save(self, slot: int, n_tokens: int) -> tuple[Tensor, ...]:
-        if not 0 <= n_tokens <= self.max_len:
-            raise ValueError(f"cannot save {n_tokens} tokens of a {self.max_len}-token cache")
-        return tuple(t[slot, :n_tokens].clone() for t in self._tensors())
+    def slot_views(self, slot: int) -> tuple[Tensor, ...]:
+        # KV is reached through the block table and shared by reference, never copied per slot.
+        return ()
 
     def load(self, slot: int, saved: Sequence[Tensor]) -> None:
-        mine = self._tensors()
-        if len(saved) != len(mine):
-            raise ValueError(f"expected {len(mine)} saved tensors, got {len(saved)} (quantized={self.quantized})")
-        for dst, src in zip(mine, saved, strict=True):
-            dst[slot, : src.shape[0]].copy_(src)
+        if saved:
+            raise ValueError("an attention layer's checkpoint holds no tensors (its blocks are shared)")
 
-    def copy_tokens(self, src_slot: int, dst_slot: int, n_tokens: int) -> None:
-        """Share a prefix: the first n_tokens of src_slot's cache become dst_slot's."""
-        for t in self._tensors():
-            t[dst_slot, :n_tokens].copy_(t[src_slot, :n_tokens])
+    def _block_index(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
+        bs = self.layout.block_size
+        blocks = self.store.block_table[batch.slot_of_token, batch.positions // bs].long()
+        return blocks, batch.positions % bs
+
+    def write(self, batch: ForwardBatch, k: Tensor, v: Tensor) -> None:
+        """Store this step's k, v [T, n_kv_heads, head_dim] at (slot, position) of every token; the
+        slot's table must already cover the position (the engine grows it before the step)."""
+        kv = torch.cat((k, v), dim=1)
+        if self.kernels:
+            from ballast.models.paged_store import store_rows
+
+            store_rows(self.store, self.layer, batch, kv)
+            return
+        host = self.store.host
+        assert host is not None
+        blocks, offsets = self._block_index(batch)
+        if host.scale is None:
+            host.kv[self.layer].index_put_((blocks, offsets), kv.to(self.layout.dtype))
+            return
+        q, scale = quantize_rows(kv)
+        host.kv[self.layer].index_put_((blocks, offsets), q)
+        host.scale[self.layer].index_put_((blocks, offsets), scale)
+
+    def read(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
+        """K and V of each sequence, positions [0, max_ctx): [B, max_ctx, n_kv, head_dim] in the
+        model dtype, gathered from the blocks (CPU path). Positions past a sequence's own end hold
+        stale data; the caller masks them."""
+        host = self.store.host
+        assert host is not None, "on CUDA attention reads the blocks in place (attend_in_place)"
+        bs, b = self.layout.block_size, batch.num_seqs
+        nb = -(-batch.max_ctx // bs)
+        ids = self.store.block_table[batch.slots, :nb].reshape(-1).long()
+        kv = _gather_blocks(host.kv[self.layer], ids, b)[:, : batch.max_ctx]
+        if host.scale is not None:
+            scale = _gather_blocks(host.scale[self.layer], ids, b)[:, : batch.max_ctx]
+            kv = (kv.float() * scale[..., None]).to(self.layout.dtype)
+        h = self.layout.num_kv_heads
+        return kv[:, :, :h], kv[:, :, h:]
+
+    def attend_in_place(self, q: Tensor, batch: ForwardBatch) -> Tensor:
+        """q [T, Hq, D] over the blocks, by the CUDA kernels -> [T, Hq * D]."""
+        from ballast.models.paged_triton import paged_decode, paged_prefill
+
+        lay, cuda = self.layout, self.store.cuda
+        assert cuda is not None
+        out = torch.empty_like(q)
+        common = dict(layer=self.layer, num_layers=lay.num_layers, seg_blocks=lay.seg_blocks,
+                      block_size=lay.block_size, num_kv_heads=lay.num_kv_heads, kv_dtype=lay.storage_dtype,
+                      sm_scale=q.shape[-1] ** -0.5)
+        if batch.decode_only:
+            paged_decode(q, out, cuda.kv_ptrs, cuda.scale_ptrs, self.store.block_table, batch.slots,
+                         batch.positions + 1, max_ctx=batch.max_ctx, **common)  # type: ignore[arg-type]
+        else:
+            paged_prefill(q, out, cuda.kv_ptrs, cuda.scale_ptrs, self.store.block_table, batch.slots, batch.starts,
+                          batch.cu_lens, max_len=batch.max_len, max_ctx=batch.max_ctx, **common)  # type: ignore[arg-type]
+        return out.view(q.shape[0], -1)
+
+
+def _gather_blocks(layer: Tensor, ids: Tensor, num_seqs: int) -> Tensor:
+    """layer[ids] as [num_seqs, len(ids) / num_seqs * block_size, ...]. One block is contiguous
+    memory, so gathering rows of a 2-D view is one memcpy per block."""
+    rows = layer.view(layer.shape[0], -1).index_select(0, ids)
+    return rows.view(num_seqs, -1, *layer.shape[2:])
 
 
 class RecurrentState(LayerState):
@@ -181,13 +176,9 @@ class RecurrentState(LayerState):
         self.conv.index_fill_(0, slots, 0)
         self.recurrent.index_fill_(0, slots, 0)
 
-    def tensors(self, slot: int) -> tuple[Tensor, Tensor]:
-        """Views (no copy) of one slot's conv and recurrent state, e.g. to copy into pool buffers."""
+    def slot_views(self, slot: int) -> tuple[Tensor, ...]:
+        # The same size after any number of tokens: a checkpoint copies it whole.
         return self.conv[slot], self.recurrent[slot]
-
-    def save(self, slot: int, n_tokens: int = 0) -> tuple[Tensor, ...]:
-        # n_tokens is irrelevant: a recurrent state is the same size after any number of tokens.
-        return self.conv[slot].clone(), self.recurrent[slot].clone()
 
     def load(self, slot: int, saved: Sequence[Tensor]) -> None:
         if len(saved) != 2:
@@ -196,7 +187,41 @@ class RecurrentState(LayerState):
         self.recurrent[slot].copy_(saved[1])
 
 
-_DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+def build_states(specs: Sequence[LayerSpec], num_slots: int, store: KVStore | None, device: torch.device | str,
+                 dtype: torch.dtype) -> list[LayerState]:
+    """One state per decoder layer, chosen by its spec: attention layers view `store` (the i-th
+    attention layer its layer i), recurrent layers get num_slots fixed-size states."""
+    states: list[LayerState] = []
+    attn = 0
+    for spec in specs:
+        if isinstance(spec, AttentionSpec):
+            if store is None:
+                raise ValueError("attention layers need a KV store")
+            states.append(PagedKV(store, attn))
+            attn += 1
+        elif isinstance(spec, RecurrentStateSpec):
+            state_dtype = torch.float32 if spec.state_dtype_bytes == 4 else dtype
+            states.append(RecurrentState(num_slots, spec.conv_shape, spec.state_shape, dtype, device, state_dtype))
+        else:
+            raise TypeError(f"no state kind for spec {spec!r}")
+    return states
+
+
+def kv_store_for(specs: Sequence[LayerSpec], table_rows: int, max_len: int, device: torch.device | str,
+                 dtype: torch.dtype, quantized_kv: bool = False, segment_bytes: int = 0) -> KVStore | None:
+    """An empty KV store shaped for the attention layers of `specs` (None if there are none).
+    Every attention layer must have the same KV heads and head dim."""
+    attn = [s for s in specs if isinstance(s, AttentionSpec)]
+    if not attn:
+        return None
+    shapes = {(s.num_kv_heads, s.head_dim) for s in attn}
+    if len(shapes) != 1:
+        raise ValueError(f"attention layers of different KV shapes {sorted(shapes)} are not supported")
+    heads, head_dim = shapes.pop()
+    dev = torch.device(device)
+    layout = plan_layout(len(attn), heads, head_dim, dtype, quantized_kv, table_rows, max_len, dev,
+                         segment_bytes=segment_bytes)
+    return KVStore(layout, dev)
 
 
 def allocate_states(
@@ -207,17 +232,21 @@ def allocate_states(
     dtype: torch.dtype,
     quantized_kv: bool = False,
 ) -> list[LayerState]:
-    """One state per decoder layer, chosen by its spec. quantized_kv stores attention KV as int8."""
-    states: list[LayerState] = []
-    for spec in specs:
-        if isinstance(spec, AttentionSpec):
-            states.append(KVState(num_slots, max_len, spec.num_kv_heads, spec.head_dim, dtype, device, quantized_kv))
-        elif isinstance(spec, RecurrentStateSpec):
-            state_dtype = torch.float32 if spec.state_dtype_bytes == 4 else dtype
-            states.append(RecurrentState(num_slots, spec.conv_shape, spec.state_shape, dtype, device, state_dtype))
-        else:
-            raise TypeError(f"no state kind for spec {spec!r}")
-    return states
+    """States for num_slots sequences of up to max_len tokens with every slot's blocks assigned up
+    front (slot s owns blocks s * per_slot ..): for tests, benchmarks and the profiling pass, which
+    run a model without the engine's allocator. quantized_kv stores attention KV as int8."""
+    store = kv_store_for(specs, num_slots, max_len, device, dtype, quantized_kv)
+    if store is not None:
+        lay = store.layout
+        for seg in range(lay.max_segments):
+            store.add_segment(seg)
+        per_slot = lay.max_blocks_per_seq
+        for slot in range(num_slots):
+            store.set_table(slot, 0, list(range(slot * per_slot, (slot + 1) * per_slot)))
+    return build_states(specs, num_slots, store, device, dtype)
+
+
+_DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from ballast.memory.admission import admit_request
 from ballast.memory.ladder import LadderConfig, plan_for
-from ballast.memory.types import CostModel, LadderPlan, Level, MemState, Verdict, VerdictKind
+from ballast.memory.types import CostModel, LadderPlan, Level, MemState, PoolRoom, Verdict, VerdictKind
 from ballast.scheduler.errors import Overloaded
 
 
@@ -82,10 +82,11 @@ class Governor:
         self._decay(state)
         return self._plan
 
-    def admit(self, n_prompt: int, max_tokens: int) -> Admission:
+    def admit(self, n_prompt: int, max_tokens: int, pool: PoolRoom | None = None) -> Admission:
         """Ask the memory layer whether a request may take a slot now. Raises Overloaded (and
         raises the pressure level) on REJECT. The window is the ladder's: a CAP shortens
-        max_tokens so prompt + new tokens fit; a prompt that cannot fit is refused, not cut."""
+        max_tokens so prompt + new tokens fit; a prompt that cannot fit is refused, not cut.
+        pool: the KV pool's room (its spare blocks count before new memory)."""
         window = self._plan.prefill_window
         state = self._state
         if state is None:  # no memory signals: only the window applies (fail open, as the seed does)
@@ -103,6 +104,7 @@ class Governor:
                 quantized_kv=self._s.quantized_kv,
                 psi_full_reject_pct=self._s.psi_full_reject_pct,
                 min_window=n_prompt + 1,
+                pool=pool,
             )
         if self._recorder is not None:
             self._recorder.record(verdict)

@@ -30,6 +30,11 @@ class WaitingQueue(Generic[T]):
             raise OverflowError(f"waiting queue is full ({self.max_size})")
         self._items.append(item)
 
+    def push_front(self, item: T) -> None:
+        """Put back a request that already held a slot (preempted), ahead of everyone: it was
+        admitted before any of them. It may exceed max_size by the requests preempted at once."""
+        self._items.appendleft(item)
+
     def head(self) -> T | None:
         return self._items[0] if self._items else None
 

@@ -17,9 +17,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ballast.engine.blocks import blocks_for
 from ballast.engine.interface import DetokenizerLike, EngineLike
 from ballast.engine.plan import (
     DecodeToken,
+    KVFigures,
     PrefillChunk,
     SamplingParams,
     SlotOutput,
@@ -27,7 +29,7 @@ from ballast.engine.plan import (
     StepResult,
 )
 from ballast.memory.ladder import LadderConfig
-from ballast.memory.types import LadderPlan, Level
+from ballast.memory.types import LadderPlan, Level, PoolRoom
 from ballast.scheduler.checkpoints import CheckpointOrders
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import (
@@ -79,6 +81,27 @@ class _Seq:
     max_tokens: int = 0  # after admission (a CAP lowers it)
     capped: bool = False
     output: list[int] = field(default_factory=list)
+    # Output tokens generated before the engine preempted the sequence: prefilled again after the
+    # prompt when it resumes, so generation continues where it stopped.
+    resumed: tuple[int, ...] = ()
+    preempted: bool = False
+
+    @property
+    def feed(self) -> tuple[int, ...]:
+        """The tokens prefill runs over: the prompt, and after a preemption what was generated."""
+        return self.req.prompt_ids + self.resumed if self.resumed else self.req.prompt_ids
+
+    @property
+    def total_tokens(self) -> int:
+        """Positions the sequence may reach: what admission charged."""
+        return len(self.req.prompt_ids) + self.max_tokens
+
+    @property
+    def held_tokens(self) -> int:
+        """Positions the engine holds for it after the last step."""
+        if self.phase is Phase.DECODING:
+            return len(self.req.prompt_ids) + len(self.output) - 1
+        return self.prefilled
 
 
 class Scheduler:
@@ -119,6 +142,9 @@ class Scheduler:
         self._engine_slots = engine.num_slots  # the max_slots the engine applies now
         self._checkpoints = CheckpointOrders(engine.checkpoint_interval, engine.match_prefix,
                                              lambda: self._gov.plan.shed_prefix_cache)
+        self._kv: KVFigures | None = engine.kv_figures()  # the pool after the last step
+        self._shrink_sent = False  # the engine was told to give free KV segments back
+        self.preemptions = 0
         self.reused_tokens = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -219,7 +245,8 @@ class Scheduler:
                 self._finish(seq, "error", RequestTimeout(seq.deadline - seq.submitted_at, len(seq.output)))
         if self._gov.pressure_level >= Level.CRITICAL:
             for seq in list(self._queue):
-                self._finish(seq, "error", self._gov.overloaded("queued request refused"))
+                if not seq.preempted:  # an admitted request waits for its blocks, never fails
+                    self._finish(seq, "error", self._gov.overloaded("queued request refused"))
 
     def _schedule(self) -> StepPlan:
         """Decodes first (one token each), then prefill chunks of the oldest admitted requests,
@@ -233,29 +260,35 @@ class Scheduler:
         budget = min(self._cfg.max_num_batched_tokens - len(decodes), self._engine.prefill_chunk_tokens)
         prefills: list[PrefillChunk] = []
         for seq in self._running:
-            if budget > 0 and seq.phase is Phase.PREFILLING and seq.prefilled < len(seq.req.prompt_ids):
+            if budget > 0 and seq.phase is Phase.PREFILLING and seq.prefilled < len(seq.feed):
                 budget -= self._chunk(seq, budget, prefills, sampling)
         while budget > 0 and not self._closing and (new := self._admit_head()) is not None:
             budget -= self._chunk(new, budget, prefills, sampling)
         shed, saves, restores = self._checkpoints.take()
+        release = self._slots.take_releases()
         return StepPlan(
             prefills=tuple(prefills),
             decodes=tuple(decodes),
             sampling=sampling,
-            release=self._slots.take_releases(),
+            release=release,
             restores=restores,
             saves=saves,
             max_slots=self._engine_slot_change(),
             shed_prefix_cache=shed,
+            shrink_kv=self._shrink_kv(bool(release)),
         )
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
         self.steps += 1
         self.reused_tokens += result.reused_tokens
         self._slots.released(plan.release)
+        if result.kv is not None:
+            self._kv = result.kv
+        for slot in result.preempted:
+            self._requeue(slot)
         outputs = {out.slot: out for out in result.outputs}
         expected = [d.slot for d in plan.decodes] + [p.slot for p in plan.prefills if p.sample]
-        for slot in expected:
+        for slot in (s for s in expected if s not in result.preempted):
             seq = self._by_slot.get(slot)
             if seq is None:  # finished (aborted, timed out) while the step ran: drop its token
                 continue
@@ -269,16 +302,20 @@ class Scheduler:
         while (seq := self._queue.head()) is not None:
             if self._gov.holding or not self._slots.has_free(self.slot_limit) or len(self._running) >= self.slot_limit:
                 return None
+            asked = seq.req.max_tokens - len(seq.resumed)
             try:
-                admission = self._gov.admit(len(seq.req.prompt_ids), seq.req.max_tokens)
+                admission = self._gov.admit(len(seq.feed), asked, self._pool_room())
             except Overloaded as refusal:  # the governor has raised the pressure level
+                if seq.preempted:  # a preempted request is never failed: it waits for blocks
+                    return None
                 self._finish(seq, "error", refusal)
                 continue
             slot = self._slots.acquire(self.slot_limit)
             assert slot is not None  # has_free said so, and nothing ran in between
             self._queue.pop_head()
             seq.slot, seq.phase = slot, Phase.PREFILLING
-            seq.max_tokens, seq.capped = admission.max_tokens, admission.capped
+            seq.max_tokens = admission.max_tokens + len(seq.resumed)
+            seq.capped = seq.capped or admission.capped
             self._running.append(seq)
             self._by_slot[slot] = seq
             return seq
@@ -287,14 +324,49 @@ class Scheduler:
     def _chunk(self, seq: _Seq, budget: int, out: list[PrefillChunk], sampling: dict[int, SamplingParams]) -> int:
         """The seq's next prefill chunk (its first one restores the longest cached prefix)."""
         assert seq.slot is not None
-        prompt = seq.req.prompt_ids
+        prompt = seq.feed
         if seq.prefilled == 0 and (n := self._checkpoints.restore(seq.slot, prompt)) > 0:
-            seq.prefilled = seq.cached = n
+            seq.prefilled = n
+            if not seq.resumed:
+                seq.cached = n
         end = self._checkpoints.chunk_end(seq.slot, prompt, seq.prefilled, min(len(prompt), seq.prefilled + budget))
         out.append(PrefillChunk(seq.slot, prompt[seq.prefilled : end], seq.prefilled, sample=end == len(prompt)))
         sampling[seq.slot] = seq.req.params
         n, seq.prefilled = end - seq.prefilled, end
         return n
+
+    def _requeue(self, slot: int) -> None:
+        """The engine preempted the sequence in slot (its blocks are gone): the request goes back
+        to the queue head and, when blocks are free again, prefills prompt + what it generated and
+        goes on. Its client sees no gap but the wait."""
+        seq = self._by_slot.pop(slot, None)
+        if seq is None:  # it finished while the step ran; its release is already on its way
+            return
+        self._running.remove(seq)
+        self._slots.retire(slot)
+        self.preemptions += 1
+        seq.slot, seq.phase, seq.prefilled = None, Phase.WAITING, 0
+        seq.resumed, seq.preempted = tuple(seq.output), True
+        self._queue.push_front(seq)
+
+    def _pool_room(self) -> PoolRoom | None:
+        """What the KV pool can give the next admission: its free blocks after the last step less
+        what running requests will still take (their whole window was charged when admitted) and a
+        watermark of one block per running request (the figures are one step old)."""
+        kv = self._kv
+        if kv is None:
+            return None
+        bs = kv.block_size
+        promised = sum(blocks_for(s.total_tokens, bs) - blocks_for(s.held_tokens, bs) + 1 for s in self._running)
+        return PoolRoom(kv.free_bytes, promised * kv.block_bytes, kv.addable_bytes)
+
+    def _shrink_kv(self, releasing: bool) -> bool:
+        """Ask the engine to give free KV segments back while the ladder evicts KV (TIGHT and
+        worse): once when the rung engages, then with every plan that frees blocks."""
+        evict = self._gov.plan.kv_evict
+        send = evict and (releasing or not self._shrink_sent)
+        self._shrink_sent = evict
+        return send
 
     def _on_token(self, seq: _Seq, out: SlotOutput) -> None:
         seq.phase = Phase.DECODING

@@ -166,6 +166,9 @@ class FakeEngine:
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         return self._pool.submit(self._step, plan)
 
+    def kv_figures(self) -> None:
+        return None  # no KV pool is modelled: admission counts bytes against the snapshot alone
+
     def match_prefix(self, prompt_ids: Sequence[int]) -> int:
         with self._lock:
             lengths = [len(c) for c in self.checkpoints if len(c) < len(prompt_ids) and tuple(prompt_ids[: len(c)]) == c]

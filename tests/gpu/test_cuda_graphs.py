@@ -42,6 +42,9 @@ def test_replayed_decode_matches_eager(pair: tuple[Engine, Engine, str]) -> None
     tol = 1e-4 if dtype == "float32" else 5e-2
     for e in (with_graphs, eager):
         e.runner.reset(list(PROMPTS))
+        assert e.runner.kv is not None
+        for s, p in PROMPTS.items():  # blocks for the prompt and the 12 decode steps below
+            assert e.runner.kv.ensure(s, len(p) + 12)
         e.runner.forward([(s, p, 0) for s, p in PROMPTS.items()])
     pos = {s: len(p) for s, p in PROMPTS.items()}
     token = dict.fromkeys(PROMPTS, 7)

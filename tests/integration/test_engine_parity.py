@@ -53,6 +53,11 @@ def batched_greedy(engine: Engine, prompts: dict[int, list[int]], new_tokens: in
 
 
 def max_prefill_logit_diff(engine: Engine, ref: LlamaForCausalLM, prompts: dict[int, list[int]]) -> float:
+    kv = engine.runner.kv
+    assert kv is not None
+    for s, p in prompts.items():
+        kv.release(s)
+        assert kv.ensure(s, len(p))
     ours = engine.runner.forward([(s, p, 0) for s, p in prompts.items()])
     worst = 0.0
     with torch.inference_mode():

@@ -165,8 +165,9 @@ def test_server_wiring_pools_evicted_checkpoints_trims_when_idle_and_sheds_at_wa
     engines: list[Engine] = []
 
     def factory() -> Engine:
-        # Room for two or three of this model's checkpoints (~17 KiB of state + 512 B per token).
-        cache = PrefixCacheConfig(checkpoint_interval=16, max_bytes=60_000)
+        # Room for two or three of this model's checkpoints (~17 KiB of state + 16 KiB per block
+        # of 32 tokens they keep), so later saves evict earlier ones and their buffers pool up.
+        cache = PrefixCacheConfig(checkpoint_interval=16, max_bytes=120_000)
         engines.append(Engine.load(HYBRID, watch, prefix_cache=cache, pool=pool))
         return engines[0]
 

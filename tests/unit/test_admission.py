@@ -223,13 +223,14 @@ def test_admit_load_spike_counts_cpu_weights() -> None:
     assert v.kind is VerdictKind.REJECT and reason_class(v) == "load_spike"
 
 
-def test_preallocated_slot_caches_are_not_charged_twice() -> None:
-    """An engine that allocated every slot's KV and state at load has paid for them in its lease;
-    a request within the slot's length adds only its prefill activations."""
+def test_requests_pay_whole_kv_blocks_and_no_preallocated_state() -> None:
+    """KV is charged in whole blocks of the pool; a slot's recurrent state, allocated for every
+    slot at load, is not charged again."""
     cost = CostModel(kv_bytes_per_token=1000, state_bytes_per_slot=5000, activation_bytes_per_prefill_token=10,
-                     prefill_chunk_tokens=64, preallocated_tokens=2048)
-    assert die_request_bytes(cost, 2048, False) == 0
-    assert die_request_bytes(cost, 2050, False) == 2 * 1000
-    assert cost.request_bytes(2048) == 64 * 10
+                     prefill_chunk_tokens=64, kv_block_tokens=32, state_preallocated=True)
+    assert die_request_bytes(cost, 1, False) == 32 * 1000
+    assert die_request_bytes(cost, 32, False) == 32 * 1000
+    assert die_request_bytes(cost, 33, False) == 64 * 1000
+    assert cost.request_bytes(100) == 128 * 1000 + 64 * 10
     fresh = CostModel(kv_bytes_per_token=1000, state_bytes_per_slot=5000, activation_bytes_per_prefill_token=10)
     assert fresh.request_bytes(100) == 100 * 1000 + 5000 + 100 * 10

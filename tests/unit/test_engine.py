@@ -4,6 +4,7 @@ prefill + decode steps, chunked prefill, releases, capacity, failures, seeds, qu
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -177,8 +178,8 @@ def test_quantized_kv_when_the_ladder_asks() -> None:
         ids = prompt(70, 8)
         toks = generate_alone(eng, 0, ids, steps=3)
         assert len(toks) == 3
-        kv = eng.runner.states[0]
-        assert kv.k.dtype == torch.int8
+        assert eng.runner.kv is not None and eng.runner.kv.layout.storage_dtype == torch.int8
+        assert eng.runner.kv.figures().used_blocks == 1  # 8 + 3 tokens: one block of 32
     finally:
         eng.shutdown()
 
@@ -216,7 +217,7 @@ def test_impossible_plans_are_refused(plan: StepPlan) -> None:
 
 
 def test_empty_plan_and_config_validation(engine: Engine) -> None:
-    assert run(engine, StepPlan()) == StepResult()
+    assert replace(run(engine, StepPlan()), kv=None) == StepResult()
     with pytest.raises(EngineConfigError):
         config(kv_quant="fp4")
     with pytest.raises(EngineConfigError):
@@ -286,10 +287,11 @@ def test_generate_cli_reports_load_errors_without_a_traceback(capsys: pytest.Cap
 @pytest.mark.parametrize("model", ["builtin:tiny-llama", "builtin:tiny-qwen3-next"])
 @pytest.mark.parametrize("quantized", [False, True])
 def test_planned_state_bytes_equal_what_is_allocated(model: str, quantized: bool) -> None:
-    """The ledger is asked for the planned figure before allocation; it must be the real one."""
+    """The ledger is asked for the planned figure before allocation; it must be the real one. The
+    KV pool holds nothing until a sequence needs blocks."""
     eng = Engine.load(config(model=model, max_num_seqs=3), force_quantized_kv=quantized)
     try:
-        planned = planned_state_bytes(eng.runner.model, eng.dtype, 3, MAX_LEN, quantized)
-        assert planned == eng.runner.state_bytes
+        planned = planned_state_bytes(eng.runner.model, eng.dtype, 3)
+        assert planned == eng.runner.fixed_bytes == eng.runner.state_bytes
     finally:
         eng.shutdown()

@@ -13,7 +13,7 @@ import torch
 from ballast.memory.specs import AttentionSpec, RecurrentStateSpec
 from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel
 from ballast.models.registry import build_model
-from ballast.models.state import KVState, LayerState, RecurrentState, allocate_states
+from ballast.models.state import LayerState, PagedKV, RecurrentState, allocate_states
 from torch import nn
 from transformers import Qwen3NextConfig
 from transformers import Qwen3NextForCausalLM as HFQwen3Next
@@ -164,8 +164,9 @@ def test_chunked_prefill_equals_one_shot(pair: tuple[nn.Module, nn.Module]) -> N
         if isinstance(a, RecurrentState) and isinstance(b, RecurrentState):
             torch.testing.assert_close(a.recurrent[1], b.recurrent[1], atol=ATOL, rtol=0)
             torch.testing.assert_close(a.conv[1], b.conv[1], atol=ATOL, rtol=0)
-        elif isinstance(a, KVState) and isinstance(b, KVState):
-            torch.testing.assert_close(a.k[1, :150], b.k[1, :150], atol=ATOL, rtol=0)
+        elif isinstance(a, PagedKV) and isinstance(b, PagedKV):
+            probe = ForwardBatch.build([(1, [0] * 150, 0)], "cpu")
+            torch.testing.assert_close(a.read(probe)[0], b.read(probe)[0], atol=ATOL, rtol=0)
 
 
 @torch.no_grad()
@@ -201,11 +202,12 @@ def test_reused_slot_starts_clean_and_saved_state_moves_between_slots(pair: tupl
     got = ours(ForwardBatch.build([(3, prompt, 0)], "cpu"), states)[0]  # no reset: position 0 starts clean
     torch.testing.assert_close(got, want_prefill, atol=ATOL, rtol=0)
 
-    saved = [s.save(3, 30) for s in states]
-    moved = _states(ours)
-    for state, tensors in zip(moved, saved, strict=True):
-        state.load(5, tensors)
-    got_next = ours(ForwardBatch.build([(5, follow, 30)], "cpu"), moved)[0]
+    # Slot 5 resumes slot 3's sequence: recurrent state copied, KV blocks shared by reference.
+    for state in states:
+        state.load(5, [t.clone() for t in state.slot_views(3)])
+    store = next(s.store for s in states if isinstance(s, PagedKV))
+    store.block_table[5] = store.block_table[3]
+    got_next = ours(ForwardBatch.build([(5, follow, 30)], "cpu"), states)[0]
     torch.testing.assert_close(got_next, want_next, atol=ATOL, rtol=0)
 
 
@@ -221,8 +223,8 @@ def test_layer_specs_follow_layer_types_and_size_the_states(pair: tuple[nn.Modul
             assert state.recurrent.dtype == torch.float32
             assert state.nbytes == 3 * spec.bytes_per_slot
         else:
-            assert isinstance(spec, AttentionSpec) and isinstance(state, KVState)
-            assert state.nbytes == 3 * 64 * spec.bytes_per_token
+            assert isinstance(spec, AttentionSpec) and isinstance(state, PagedKV)
+            assert state.layout.block_layer_bytes == state.layout.block_size * spec.bytes_per_token
 
 
 @torch.no_grad()

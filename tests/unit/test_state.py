@@ -7,7 +7,7 @@ import torch
 from ballast.memory.specs import AttentionSpec, RecurrentStateSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.models.base import ForwardBatch
 from ballast.models.layers import StepContext, slot_attention_mask
-from ballast.models.state import KVState, RecurrentState, allocate_states, attention_spec
+from ballast.models.state import PagedKV, RecurrentState, allocate_states, attention_spec
 
 
 def test_forward_batch_flattens_mixed_sequences() -> None:
@@ -41,50 +41,67 @@ def test_mask_lets_each_token_see_its_cache_and_earlier_chunk_tokens() -> None:
     assert slot_attention_mask(ForwardBatch.build([(2, [7], 9)], "cpu")) is None
 
 
+def _kv(num_slots: int, max_len: int, heads: int, dim: int, quantized: bool = False) -> PagedKV:
+    state = allocate_states([attention_spec(heads, dim, 1 if quantized else 4)], num_slots, max_len, "cpu",
+                            torch.float32, quantized_kv=quantized)[0]
+    assert isinstance(state, PagedKV)
+    return state
+
+
 def test_kv_write_then_read_by_slot_and_position() -> None:
-    kv = KVState(num_slots=4, max_len=16, num_kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu")
+    kv = _kv(num_slots=4, max_len=16, heads=2, dim=8)
     b = ForwardBatch.build([(2, [1, 2, 3], 5), (0, [4], 1)], "cpu")
     k = torch.randn(4, 2, 8)
     v = torch.randn(4, 2, 8)
     kv.write(b, k, v)
-    assert torch.equal(kv.k[2, 5:8], k[:3]) and torch.equal(kv.v[0, 1], v[3])
     keys, values = kv.read(b)
     assert keys.shape == (2, 8, 2, 8)  # [B, max_ctx, heads, dim]
     assert torch.equal(keys[0, 5:8], k[:3]) and torch.equal(values[1, 1], v[3])
-    assert kv.k[1].abs().sum() == 0 and kv.k[3].abs().sum() == 0  # other slots untouched
+    others, _ = kv.read(ForwardBatch.build([(1, [0] * 16, 0), (3, [0] * 16, 0)], "cpu"))
+    assert others.abs().sum() == 0  # other slots untouched
+
+
+def test_kv_positions_cross_blocks_through_the_table() -> None:
+    """A slot's blocks need not be consecutive: positions map through its table row."""
+    kv = _kv(num_slots=2, max_len=96, heads=1, dim=4)
+    table = kv.store.block_table
+    table[0, :3] = torch.tensor([5, 1, 3], dtype=torch.int32)  # slot 0's positions 0-95 in blocks 5, 1, 3
+    b = ForwardBatch.build([(0, list(range(70)), 0)], "cpu")
+    k, v = torch.randn(70, 1, 4), torch.randn(70, 1, 4)
+    kv.write(b, k, v)
+    keys, _ = kv.read(b)
+    assert torch.equal(keys[0], k)
+    bs = kv.layout.block_size
+    host = kv.store.host
+    assert host is not None
+    assert torch.equal(host.kv[0, 1, 0, 0], k[bs, 0]) and torch.equal(host.kv[0, 3, 0, 0], k[2 * bs, 0])
 
 
 def test_int8_kv_round_trip_is_close() -> None:
-    kv = KVState(2, 8, 3, 16, torch.float32, "cpu", quantized=True)
+    kv = _kv(2, 8, 3, 16, quantized=True)
     b = ForwardBatch.build([(1, list(range(6)), 0)], "cpu")
     k, v = torch.randn(6, 3, 16) * 5, torch.randn(6, 3, 16)
     kv.write(b, k, v)
-    assert kv.k.dtype == torch.int8 and kv.scale is not None
+    assert kv.store.host is not None and kv.store.host.kv.dtype == torch.int8
     keys, values = kv.read(b)
     assert keys.dtype == torch.float32
     # Symmetric absmax int8: error at most half a step, step = row absmax / 127.
     step = k.abs().amax(-1, keepdim=True) / 127
     assert ((keys[0, :6] - k).abs() <= step / 2 + 1e-6).all()
     assert (values[0, :6] - v).abs().max() < 0.02
-    assert kv.nbytes == 2 * (2 * 8 * 3 * 16) + 2 * (2 * 8 * 3 * 4)
+    # Per position: 2 * 3 heads of 16 int8 values and a float32 scale each.
+    assert kv.layout.block_layer_bytes == kv.layout.block_size * (2 * 3 * 16 + 2 * 3 * 4)
 
 
-def test_kv_save_load_and_copy_prefix() -> None:
-    for quantized in (False, True):
-        kv = KVState(3, 10, 2, 4, torch.float32, "cpu", quantized=quantized)
-        b = ForwardBatch.build([(0, list(range(7)), 0)], "cpu")
-        kv.write(b, torch.randn(7, 2, 4), torch.randn(7, 2, 4))
-        saved = kv.save(0, 5)
-        assert saved[0].shape == (5, 4, 4) and len(saved) == (2 if quantized else 1)
-        kv.load(2, saved)
-        assert torch.equal(kv.k[2, :5], kv.k[0, :5]) and kv.k[2, 5:].abs().sum() == 0
-        kv.copy_tokens(0, 1, 7)
-        assert torch.equal(kv.v[1, :7], kv.v[0, :7])
-        with pytest.raises(ValueError):
-            kv.load(1, saved + saved)
+def test_kv_layer_has_no_per_slot_checkpoint_tensors() -> None:
+    kv = _kv(2, 8, 1, 4)
+    assert kv.slot_views(0) == ()
+    kv.load(1, ())
+    with pytest.raises(ValueError):
+        kv.load(1, (torch.zeros(1),))
 
 
-def test_recurrent_reset_only_touches_given_slots_and_save_load() -> None:
+def test_recurrent_reset_only_touches_given_slots_and_views_load() -> None:
     st = RecurrentState(4, conv_shape=(6, 3), state_shape=(2, 4, 5), dtype=torch.bfloat16, device="cpu")
     assert st.conv.dtype == torch.bfloat16 and st.recurrent.dtype == torch.float32
     st.conv.fill_(1)
@@ -92,25 +109,29 @@ def test_recurrent_reset_only_touches_given_slots_and_save_load() -> None:
     st.reset(torch.tensor([1, 3]))
     assert st.conv[1].abs().sum() == 0 and st.recurrent[3].abs().sum() == 0
     assert (st.conv[0] == 1).all() and (st.recurrent[2] == 2).all()
-    saved = st.save(0)
-    st.conv[0].fill_(7)  # save copied: later writes do not reach the checkpoint
+    saved = [t.clone() for t in st.slot_views(0)]
+    st.conv[0].fill_(7)  # a copy taken from the views: later writes do not reach it
     st.load(3, saved)
     assert (st.conv[3] == 1).all() and (st.recurrent[3] == 2).all()
-    conv_view, _ = st.tensors(3)
+    conv_view, _ = st.slot_views(3)
     assert conv_view.data_ptr() == st.conv[3].data_ptr()
 
 
 def test_allocate_states_follows_specs_and_bytes_match() -> None:
     specs = [attention_spec(2, 8, 4), RecurrentStateSpec((6, 3), 4, (2, 4, 5)), attention_spec(2, 8, 4)]
     states = allocate_states(specs, num_slots=3, max_len=10, device="cpu", dtype=torch.float32)
-    assert [type(s) for s in states] == [KVState, RecurrentState, KVState]
-    kv_bytes = sum(s.nbytes for s in states if isinstance(s, KVState))
-    assert kv_bytes == kv_bytes_per_token(specs) * 3 * 10
+    assert [type(s) for s in states] == [PagedKV, RecurrentState, PagedKV]
+    kv = states[0]
+    assert isinstance(kv, PagedKV) and kv.store is states[2].store  # one store for every layer
+    # A block holds block_size positions of every attention layer.
+    assert kv.layout.block_bytes == kv_bytes_per_token(specs) * kv.layout.block_size
+    assert kv.layout.capacity_blocks >= 3  # every slot's 10 tokens fit in one block each
     assert states[1].nbytes == state_bytes_per_slot(specs) * 3
     q_specs = [attention_spec(2, 8, 1)]
     assert q_specs[0] == AttentionSpec(2, 8, 1, scale_bytes=4)
     q_states = allocate_states(q_specs, 3, 10, "cpu", torch.float32, quantized_kv=True)
-    assert q_states[0].nbytes == kv_bytes_per_token(q_specs) * 3 * 10
+    q = q_states[0]
+    assert isinstance(q, PagedKV) and q.layout.block_bytes == kv_bytes_per_token(q_specs) * q.layout.block_size
 
 
 def test_subset_and_mixed_step_groups() -> None:

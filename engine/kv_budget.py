@@ -1,0 +1,69 @@
+"""Where the KV pool's memory comes from, and what it adds up to.
+
+A segment is granted by the memory layer before it is allocated: on CUDA as a VRAM ledger lease
+(so the ledger refuses before the driver would OOM), on the CPU against the host budget (effective
+available memory above the reserve, from the latest MemWatch snapshot). A snapshot is up to one poll
+old, so bytes granted since it was taken are counted against it until the next one arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ballast.engine.kv_pool import Acquire
+from ballast.memory.errors import LedgerFull
+from ballast.memory.types import CostModel, GiB, MiB
+from ballast.memory.watch import MemWatch
+
+log = logging.getLogger(__name__)
+
+
+def segment_grant(watch: MemWatch, die: int | None) -> Acquire:
+    """Grants for KV segments on `die` (None: the host)."""
+    if die is not None:
+        def lease(nbytes: int) -> Callable[[], None] | None:
+            try:
+                return watch.ledger.lease(die, nbytes, "kv-segment").release
+            except LedgerFull:
+                return None
+
+        return lease
+    return _HostGrant(watch)
+
+
+class _HostGrant:
+    def __init__(self, watch: MemWatch) -> None:
+        self._watch = watch
+        self._seq = -1
+        self._since = 0  # bytes granted since snapshot `_seq` was taken
+
+    def __call__(self, nbytes: int) -> Callable[[], None] | None:
+        state = self._watch.read()
+        if state.seq != self._seq:
+            self._seq, self._since = state.seq, 0
+        if self._since + nbytes > state.host_budget_bytes:
+            return None
+        self._since += nbytes
+        return _nothing
+
+
+def _nothing() -> None:
+    return None
+
+
+def capacity_line(cost: CostModel, fixed_bytes: int, kv_room_bytes: int, quantized: bool, max_seqs: int,
+                  max_model_len: int) -> str:
+    """The start-up report: what the memory left after loading holds, in tokens and sequences. Every
+    per-slot cost is in it (a hybrid model's recurrent states are allocated for every slot at load
+    and are often larger than a short sequence's KV), so the figures are what admission will find."""
+    per_tok = cost.quantized_kv_bytes_per_token if quantized and cost.quantized_kv_bytes_per_token else cost.kv_bytes_per_token
+    if per_tok <= 0:
+        return (f"capacity: no attention KV; {max_seqs} slots of recurrent state hold {fixed_bytes / MiB:.1f} MiB; "
+                f"{kv_room_bytes / GiB:.2f} GiB left")
+    tokens = kv_room_bytes // per_tok
+    seqs = min(max_seqs, tokens // max_model_len)
+    return (f"capacity: KV room {kv_room_bytes / GiB:.2f} GiB = {tokens:,} tokens at {per_tok / 1024:.1f} KiB/token "
+            f"({'int8' if quantized else 'model dtype'}, blocks of {cost.kv_block_tokens}): {seqs} of {max_seqs} "
+            f"sequences at max_model_len {max_model_len}, or {min(max_seqs, tokens // 1024 or 0)} at 1k tokens; "
+            f"per-slot states for {max_seqs} slots {fixed_bytes / MiB:.1f} MiB (allocated)")

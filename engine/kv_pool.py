@@ -1,0 +1,146 @@
+"""The KV block pool: the allocator's bookkeeping and the store's memory, kept in step, on the
+engine thread.
+
+A slot takes blocks as its sequence grows (`ensure`) and gives them back when it ends (`release`);
+the prefix cache holds a prompt's blocks by reference (`hold` / `drop`) and a later slot starts
+from them (`attach`, copying the last block if it is partly filled, since the new sequence will
+write into it). When the free blocks run out the pool adds a segment, if the memory layer grants
+one (`acquire`: a VRAM ledger lease on CUDA, the host budget on the CPU); `shrink` gives whole
+free segments back. Nothing here runs while a step is in flight: the engine calls it between steps,
+so no block an executing kernel reads is ever freed or moved.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from ballast.engine.blocks import BlockAllocator, blocks_for
+from ballast.engine.plan import KVFigures
+from ballast.memory.types import MiB
+from ballast.models.kv_store import KVStore
+
+log = logging.getLogger(__name__)
+
+# Grants the bytes of one more segment and returns how to give them back, or None (refused).
+Acquire = Callable[[int], Callable[[], None] | None]
+
+
+def _unlimited(nbytes: int) -> Callable[[], None]:
+    return lambda: None
+
+
+class KVPool:
+    def __init__(self, store: KVStore, acquire: Acquire = _unlimited) -> None:
+        self.store = store
+        self.layout = store.layout
+        self.alloc = BlockAllocator(self.layout.seg_blocks, self.layout.max_segments)
+        self._acquire = acquire
+        self._give_back: dict[int, Callable[[], None]] = {}  # segment -> its grant's release
+        self.refused = 0  # segments the memory layer would not grant
+
+    # --- figures --------------------------------------------------------------------------
+    def figures(self) -> KVFigures:
+        a, lay = self.alloc, self.layout
+        return KVFigures(lay.block_size, lay.block_bytes, a.free_blocks, a.used_blocks, len(a.segments),
+                         a.addable_segments * lay.seg_blocks, self.store.bytes_held)
+
+    @property
+    def bytes_held(self) -> int:
+        return self.store.bytes_held
+
+    def table(self, slot: int) -> list[int]:
+        return self.alloc.table(slot)
+
+    # --- slots ----------------------------------------------------------------------------
+    def ensure(self, slot: int, n_tokens: int) -> bool:
+        """Grow the slot's table to hold n_tokens positions, adding segments as needed and granted.
+        False (nothing changed) when the blocks cannot be had."""
+        have = len(self.alloc.table(slot))
+        need = blocks_for(n_tokens, self.layout.block_size) - have
+        if need <= 0:
+            return True
+        if need > self.layout.max_blocks_per_seq - have or not self.reserve(need):
+            return False
+        self.store.set_table(slot, have, self.alloc.grow(slot, have + need))
+        return True
+
+    def reserve(self, n_blocks: int) -> bool:
+        """Make n_blocks free, adding granted segments; False if the memory layer says no."""
+        while self.alloc.free_blocks < n_blocks:
+            if not self._add_segment():
+                return False
+        return True
+
+    def release(self, slot: int) -> None:
+        """The slot's sequence ended (or moved out): its blocks lose the slot's reference."""
+        self.alloc.release(slot)
+
+    def attach(self, slot: int, blocks: Sequence[int], n_tokens: int) -> bool:
+        """Start the (empty) slot's sequence on `blocks`, which hold its first n_tokens positions,
+        shared by reference. A partly filled last block is copied first (the slot will write the
+        rest of it). False, with nothing attached, when that copy finds no free block."""
+        bs = self.layout.block_size
+        if len(blocks) != blocks_for(n_tokens, bs):
+            raise ValueError(f"{len(blocks)} blocks for {n_tokens} tokens of block size {bs}")
+        partial = n_tokens % bs != 0
+        if partial and not self.reserve(1):
+            return False
+        self.alloc.attach(slot, blocks)
+        if partial:
+            fresh = self.alloc.take()
+            self.store.copy_block(blocks[-1], fresh)
+            self.alloc.replace(slot, len(blocks) - 1, fresh)
+        self.store.set_table(slot, 0, self.alloc.table(slot))
+        return True
+
+    # --- holds (prefix cache) ----------------------------------------------------------------
+    def hold(self, slot: int, n_tokens: int) -> tuple[int, ...]:
+        """One more reference to the blocks holding the slot's first n_tokens positions."""
+        blocks = self.alloc.table(slot)[: blocks_for(n_tokens, self.layout.block_size)]
+        self.alloc.hold(blocks)
+        return tuple(blocks)
+
+    def drop(self, blocks: Sequence[int]) -> None:
+        self.alloc.drop(blocks)
+
+    # --- segments -------------------------------------------------------------------------
+    def shrink(self, keep_segments: int = 0) -> int:
+        """Give back every segment with no block in use (keeping `keep_segments` live at least);
+        returns the bytes released."""
+        gone = self.alloc.remove_free_segments(keep_segments)
+        if not gone:
+            return 0
+        self.store.release_segments(gone)
+        for seg in gone:
+            self._give_back.pop(seg)()
+        released = len(gone) * self.layout.segment_bytes
+        log.info("KV pool: %d segment(s) released, %.1f MiB", len(gone), released / MiB)
+        return released
+
+    def _add_segment(self) -> bool:
+        if self.alloc.addable_segments == 0:
+            return False
+        give_back = self._acquire(self.layout.segment_bytes)
+        if give_back is None:
+            self.refused += 1
+            return False
+        seg = self.alloc.add_segment()
+        try:
+            self.store.add_segment(seg)
+        except (RuntimeError, MemoryError) as e:  # torch.cuda.OutOfMemoryError is a RuntimeError
+            # The grant said yes but the allocator could not deliver (fragmentation, another
+            # process): a refusal like any other, never an OOM reaching a request.
+            self.alloc.remove_segment(seg)
+            give_back()
+            self.refused += 1
+            log.warning("KV segment of %.1f MiB could not be allocated: %s", self.layout.segment_bytes / MiB, e)
+            return False
+        self._give_back[seg] = give_back
+        return True
+
+    def close(self) -> None:
+        for give_back in self._give_back.values():
+            give_back()
+        self._give_back.clear()
+        self.store.close()

@@ -1,0 +1,251 @@
+"""Where attention KV lives: fixed-size blocks in segments that come and go, and a block table per slot.
+
+One `KVStore` serves every attention layer of a model. A block holds `block_size` consecutive
+positions of one sequence for all attention layers; a slot's block table (a row of `block_table`,
+indexed by slot) lists its blocks in position order. Which block belongs to whom is decided by the
+engine's allocator; this module only holds the memory and reads and writes it.
+
+Block size 32: a multiple of 16, so the CUDA kernels' tiles are whole blocks and tensor-core
+shapes; a sequence wastes under 32 positions (under 2% of a 2k-token context), and a 8k-token
+sequence's table is 256 entries. Smaller blocks would only multiply table entries and gather
+indices; larger ones would waste more of each short sequence and share prefixes more coarsely.
+
+Memory comes in segments of whole blocks, so the pool grows and gives memory back while serving:
+- CPU: one anonymous mapping reserves the address space of every block the limits allow
+  (MAP_NORESERVE: no memory is committed); a segment's pages are committed when first written and
+  returned to the OS with madvise(MADV_DONTNEED) when the segment goes. Layout [layer, block, pos,
+  2 * kv_heads, head_dim], so one layer's blocks are one tensor and attention gathers a sequence's
+  blocks with one index_select.
+- CUDA: each segment is its own allocation [block, layer, pos, 2 * kv_heads, head_dim]; kernels
+  find it through `kv_ptrs` (segment -> base address), a device table that changes when segments
+  come and go, so captured CUDA graphs stay valid.
+Within a position, K heads come first, then V heads. int8 blocks carry a float32 scale per
+(position, head) row: value = int8 * scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+BLOCK_SIZE = 32
+_PAGE = mmap.PAGESIZE
+_INT8_MAX = 127.0
+SCALE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of a model's KV store; fixed at load."""
+
+    num_layers: int  # attention layers
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the model's: queries and dequantized K/V
+    quantized: bool  # int8 blocks with float32 scales
+    block_size: int
+    seg_blocks: int
+    max_segments: int
+    table_rows: int  # slots, the graphs' scratch slot included
+    max_blocks_per_seq: int
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.seg_blocks,
+               self.max_segments, self.table_rows, self.max_blocks_per_seq) < 1:
+            raise ValueError(f"invalid KVLayout {self}")
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return torch.int8 if self.quantized else self.dtype
+
+    @property
+    def row_width(self) -> int:
+        """K and V heads of one position: rows of head_dim."""
+        return 2 * self.num_kv_heads
+
+    @property
+    def block_layer_bytes(self) -> int:
+        """One block of one layer, scales included."""
+        rows = self.block_size * self.row_width
+        return rows * self.head_dim * self.storage_dtype.itemsize + (rows * SCALE_BYTES if self.quantized else 0)
+
+    @property
+    def block_bytes(self) -> int:
+        """One block across every attention layer: what a sequence pays per block_size positions."""
+        return self.num_layers * self.block_layer_bytes
+
+    @property
+    def segment_bytes(self) -> int:
+        return self.seg_blocks * self.block_bytes
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.seg_blocks * self.max_segments
+
+
+def plan_layout(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, quantized: bool,
+                table_rows: int, max_model_len: int, device: torch.device, *, block_size: int = BLOCK_SIZE,
+                segment_bytes: int = 0) -> KVLayout:
+    """A layout whose segments hold about `segment_bytes` (default 64 MiB on CPU, 256 MiB on CUDA:
+    coarse enough that growing is rare, fine enough that a shrink gives back a useful share) and
+    whose capacity covers every slot at max_model_len, the most the limits could ever ask for."""
+    probe = KVLayout(num_layers, num_kv_heads, head_dim, dtype, quantized, block_size, 1, 1, table_rows, 1)
+    target = segment_bytes or ((256 if device.type == "cuda" else 64) << 20)
+    seg_blocks = max(1, target // probe.block_bytes)
+    if device.type == "cpu":
+        # madvise works on whole pages: every layer's share of a segment must be page aligned.
+        unit = math.lcm(*(_PAGE // math.gcd(n, _PAGE) for n in _cpu_block_parts(probe)))
+        seg_blocks = -(-seg_blocks // unit) * unit
+    per_seq = -(-max_model_len // block_size)
+    max_segments = max(1, -(-(per_seq * table_rows) // seg_blocks))
+    return KVLayout(num_layers, num_kv_heads, head_dim, dtype, quantized, block_size, seg_blocks, max_segments,
+                    table_rows, per_seq)
+
+
+def _cpu_block_parts(layout: KVLayout) -> list[int]:
+    """Bytes of one block of one layer in each CPU tensor (K/V data, and scales when int8)."""
+    rows = layout.block_size * layout.row_width
+    parts = [rows * layout.head_dim * layout.storage_dtype.itemsize]
+    if layout.quantized:
+        parts.append(rows * SCALE_BYTES)
+    return parts
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 with one float32 scale per row of the last dim (per position-head)."""
+    scale = x.detach().abs().amax(dim=-1).float().clamp_min(1e-8) / _INT8_MAX
+    q = torch.round(x.float() / scale[..., None]).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+class _HostMemory:
+    """CPU storage: [layer, capacity block, pos, row, head_dim] over one reserved mapping."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        cap = layout.capacity_blocks
+        shape = (layout.num_layers, cap, layout.block_size, layout.row_width)
+        self._maps: list[mmap.mmap] = []
+        self.kv = self._reserve((*shape, layout.head_dim), layout.storage_dtype)
+        self.scale = self._reserve(shape, torch.float32) if layout.quantized else None
+
+    def _reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+        m = mmap.mmap(-1, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._maps.append(m)
+        return torch.frombuffer(m, dtype=dtype).view(shape)
+
+    def tensors(self) -> list[Tensor]:
+        return [self.kv] if self.scale is None else [self.kv, self.scale]
+
+    def release_segment(self, seg: int) -> None:
+        """Give a segment's pages back to the OS (they read as zeros if touched again)."""
+        lay = self.layout
+        for m, t in zip(self._maps, self.tensors(), strict=True):
+            layer_bytes = t[0].numel() * t.element_size()
+            seg_bytes = lay.seg_blocks * t[0, 0].numel() * t.element_size()
+            for layer in range(lay.num_layers):
+                m.madvise(mmap.MADV_DONTNEED, layer * layer_bytes + seg * seg_bytes, seg_bytes)
+
+    def close(self) -> None:
+        self.kv = self.scale = None  # type: ignore[assignment]
+        for m in self._maps:
+            with contextlib.suppress(BufferError):  # a view is still alive: the mapping goes with it
+                m.close()
+        self._maps.clear()
+
+
+class _DeviceMemory:
+    """CUDA storage: one allocation per live segment, found through base-address tables."""
+
+    def __init__(self, layout: KVLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        self.kv_ptrs = torch.zeros(layout.max_segments, dtype=torch.int64, device=device)
+        self.scale_ptrs = torch.zeros(layout.max_segments, dtype=torch.int64, device=device)
+        self.segments: dict[int, tuple[Tensor, Tensor | None]] = {}
+
+    def add_segment(self, seg: int) -> None:
+        lay = self.layout
+        shape = (lay.seg_blocks, lay.num_layers, lay.block_size, lay.row_width)
+        kv = torch.empty((*shape, lay.head_dim), dtype=lay.storage_dtype, device=self.device)
+        scale = torch.empty(shape, dtype=torch.float32, device=self.device) if lay.quantized else None
+        self.segments[seg] = (kv, scale)
+        self.kv_ptrs[seg] = kv.data_ptr()
+        self.scale_ptrs[seg] = scale.data_ptr() if scale is not None else kv.data_ptr()
+
+    def release_segment(self, seg: int) -> None:
+        self.kv_ptrs[seg] = 0
+        self.scale_ptrs[seg] = 0
+        del self.segments[seg]  # the caller empties torch's cache once for all segments dropped
+
+    def block(self, block: int) -> list[Tensor]:
+        """Views of one block (every layer) in each tensor of its segment."""
+        seg, local = divmod(block, self.layout.seg_blocks)
+        kv, scale = self.segments[seg]
+        return [kv[local]] if scale is None else [kv[local], scale[local]]
+
+
+class KVStore:
+    """The memory of every attention layer's KV blocks and the slots' block tables."""
+
+    def __init__(self, layout: KVLayout, device: torch.device | str) -> None:
+        self.layout = layout
+        self.device = torch.device(device)
+        self.block_table = torch.zeros((layout.table_rows, layout.max_blocks_per_seq), dtype=torch.int32,
+                                       device=self.device)
+        self.host: _HostMemory | None = None
+        self.cuda: _DeviceMemory | None = None
+        if self.device.type == "cuda":
+            self.cuda = _DeviceMemory(layout, self.device)
+        else:
+            self.host = _HostMemory(layout)
+        self.live_segments: set[int] = set()
+
+    @property
+    def bytes_held(self) -> int:
+        return len(self.live_segments) * self.layout.segment_bytes
+
+    def add_segment(self, seg: int) -> None:
+        if self.cuda is not None:
+            self.cuda.add_segment(seg)
+        self.live_segments.add(seg)
+
+    def release_segments(self, segs: Sequence[int]) -> None:
+        for seg in segs:
+            self.live_segments.discard(seg)
+            if self.cuda is not None:
+                self.cuda.release_segment(seg)
+            elif self.host is not None:
+                self.host.release_segment(seg)
+        if segs and self.cuda is not None:
+            torch.cuda.empty_cache()  # back to the driver, where other processes can have it
+
+    def set_table(self, slot: int, start: int, blocks: Sequence[int]) -> None:
+        """Table entries start.. of the slot's row become `blocks` (one small host-to-device copy)."""
+        if blocks:
+            self.block_table[slot, start : start + len(blocks)].copy_(torch.tensor(blocks, dtype=torch.int32))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy a whole block (every layer), e.g. copy on write of a shared partial block."""
+        if self.cuda is not None:
+            for d, s in zip(self.cuda.block(dst), self.cuda.block(src), strict=True):
+                d.copy_(s)
+            return
+        assert self.host is not None
+        for t in self.host.tensors():
+            t[:, dst].copy_(t[:, src])
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+        if self.cuda is not None:
+            self.cuda.segments.clear()
+        self.live_segments.clear()

@@ -1,0 +1,104 @@
+"""The ladder acts on the KV pool, through the real scheduler and engine (tiny Llama on the CPU):
+a walk OK -> WATCH -> TIGHT -> CRITICAL -> OK while 8 greedy streams run. WATCH sheds the prefix
+cache, TIGHT gives free segments back, CRITICAL refuses new segments so sequences that need blocks
+are preempted (youngest first) and resume later; every request completes with the tokens of a calm
+run, and the pool ends idle."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
+from ballast.engine.plan import SamplingParams
+from ballast.memory.config import MemoryConfig
+from ballast.memory.device import StaticDeviceReader
+from ballast.memory.types import Level
+from ballast.memory.watch import MemWatch
+from ballast.scheduler.config import SchedulerConfig
+from ballast.scheduler.request import FinishEvent, GenerationRequest, TokenEvent
+from ballast.scheduler.scheduler import Scheduler
+from memfixtures import level_tree
+
+GREEDY = SamplingParams(temperature=0.0)
+STREAMS, NEW_TOKENS = 8, 96
+# 64 KiB segments hold 4 blocks of this model's KV (16 KiB each): the pool grows and shrinks often.
+CFG = EngineConfig(model="builtin:tiny-llama", device="cpu", max_num_seqs=STREAMS, max_model_len=256,
+                   prefill_chunk_tokens=64, kv_segment_bytes=64 << 10)
+
+
+def prompts() -> list[tuple[int, ...]]:
+    return [tuple(range(100 + 7 * i, 100 + 7 * i + 20 + 3 * i)) for i in range(STREAMS)]
+
+
+async def run_all(sched: Scheduler, on_progress=None) -> list[tuple[tuple[int, ...], str]]:  # type: ignore[no-untyped-def]
+    handles = [sched.submit(GenerationRequest(f"r{i}", p, GREEDY, max_tokens=NEW_TOKENS)) for i, p in enumerate(prompts())]
+    tokens: list[list[int]] = [[] for _ in handles]
+
+    async def consume(i: int) -> str:
+        async for ev in handles[i]:
+            if isinstance(ev, TokenEvent):
+                tokens[i].extend(ev.token_ids)
+            elif isinstance(ev, FinishEvent):
+                return ev.reason
+        return "none"
+
+    tasks = [asyncio.ensure_future(consume(i)) for i in range(len(handles))]
+    if on_progress is not None:
+        while not all(t.done() for t in tasks):
+            await on_progress(sum(len(t) for t in tokens))
+            await asyncio.sleep(0.002)
+    reasons = await asyncio.gather(*tasks)
+    return [(tuple(t), r) for t, r in zip(tokens, reasons, strict=True)]
+
+
+async def test_ladder_walk_gives_kv_memory_back_and_every_request_completes(tmp_path: Path) -> None:
+    calm_engine = Engine.load(CFG)
+    calm = Scheduler(calm_engine, SchedulerConfig(max_num_seqs=STREAMS))
+    await calm.start()
+    try:
+        want = await run_all(calm)
+    finally:
+        await calm.stop()
+        calm_engine.shutdown()
+    assert all(r == "length" and len(t) == NEW_TOKENS for t, r in want)
+
+    mem = MemoryConfig(root=str(tmp_path))
+    level_tree(tmp_path, Level.OK, config=mem)
+    watch = MemWatch(mem, StaticDeviceReader())
+    watch.poll_now()
+    engine = Engine.load(CFG, watch)
+    sched = Scheduler(engine, SchedulerConfig(max_num_seqs=STREAMS), memwatch=watch)
+    kv, cache = engine.runner.kv, engine.prefix_cache
+    assert kv is not None and cache is not None
+    total = STREAMS * NEW_TOKENS
+    walk = [(0.1, Level.WATCH), (0.25, Level.TIGHT), (0.4, Level.CRITICAL), (0.7, Level.OK)]
+    seen: dict[Level, dict[str, int]] = {}
+    peak = {"kv": 0}
+
+    async def on_progress(done: int) -> None:
+        peak["kv"] = max(peak["kv"], kv.bytes_held)
+        if walk and done >= walk[0][0] * total:
+            _, level = walk.pop(0)
+            seen[level] = {"kv": kv.bytes_held, "cache": cache.bytes_held, "at": done}
+            level_tree(tmp_path, level, config=mem)
+            watch.poll_now()
+
+    await sched.start()
+    try:
+        got = await run_all(sched, on_progress)
+    finally:
+        await sched.stop()
+    try:
+        assert [t for t, _ in got] == [t for t, _ in want]  # same tokens as the calm run, every one
+        assert all(r == "length" for _, r in got)
+        assert set(seen) == {Level.WATCH, Level.TIGHT, Level.CRITICAL, Level.OK}
+        assert seen[Level.WATCH]["cache"] > 0 and seen[Level.TIGHT]["cache"] == 0  # WATCH shed the prefix cache
+        assert engine.preemptions > 0 and sched.preemptions == engine.preemptions  # CRITICAL: no new segment
+        assert seen[Level.OK]["kv"] < peak["kv"]  # TIGHT and CRITICAL gave segments back
+        assert kv.figures().used_blocks == 0 or cache.bytes_held > 0  # only the prefix cache may hold blocks
+        cache.shed()
+        assert kv.figures().used_blocks == 0
+    finally:
+        engine.shutdown()
