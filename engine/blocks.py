@@ -29,11 +29,14 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
 
 
 class BlockAllocator:
-    def __init__(self, seg_blocks: int, max_segments: int) -> None:
-        if seg_blocks < 1 or max_segments < 1:
-            raise ValueError(f"need seg_blocks >= 1 and max_segments >= 1, got {seg_blocks}, {max_segments}")
+    def __init__(self, seg_blocks: int, max_segments: int, reserved: int = 0) -> None:
+        """reserved: block ids below this are never handed out (the store's sink block)."""
+        if seg_blocks < 1 or max_segments < 1 or not 0 <= reserved < seg_blocks:
+            raise ValueError(f"need seg_blocks >= 1, max_segments >= 1, 0 <= reserved < seg_blocks; got "
+                             f"{seg_blocks}, {max_segments}, {reserved}")
         self.seg_blocks = seg_blocks
         self.max_segments = max_segments
+        self.reserved = reserved
         self._segments: set[int] = set()
         self._free: list[int] = []  # min-heap of free block ids in live segments
         self._refs: dict[int, int] = {}  # block -> references, for blocks in use only
@@ -55,7 +58,8 @@ class BlockAllocator:
 
     @property
     def total_blocks(self) -> int:
-        return len(self._segments) * self.seg_blocks
+        """Blocks of the live segments that sequences can have (reserved ones excluded)."""
+        return len(self._segments) * self.seg_blocks - (self.reserved if 0 in self._segments else 0)
 
     @property
     def addable_segments(self) -> int:
@@ -80,7 +84,7 @@ class BlockAllocator:
             raise BlockError(f"all {self.max_segments} segments are live")
         self._segments.add(seg)
         self._used_in[seg] = 0
-        for b in range(seg * self.seg_blocks, (seg + 1) * self.seg_blocks):
+        for b in range(max(seg * self.seg_blocks, self.reserved), (seg + 1) * self.seg_blocks):
             heapq.heappush(self._free, b)
         return seg
 

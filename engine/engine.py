@@ -165,6 +165,7 @@ class Engine:
         self.load_report = LoadReport(loaded.load_s, loaded.weights_bytes, runner.state_bytes, profile, runner.quantized_kv)
         self.prefix_cache = self._build_prefix_cache()
         self.checkpoint_interval = self.prefix_cache.interval if self.prefix_cache is not None else 0
+        self._slot_pool: dict[int, KVPool] = {}  # slots whose sequence lives in the int8 pool
         # Cumulative figures: prompt tokens run through the model vs restored from checkpoints, and
         # sequences moved out of the KV pool for want of blocks.
         self.prefilled_tokens = 0
@@ -225,8 +226,8 @@ class Engine:
         self.runner.release_graphs()
         if self.prefix_cache is not None:
             self.prefix_cache.shed()  # buffers back to the pool, which the owner trims
-        if self.runner.kv is not None:
-            self.runner.kv.close()  # segments' grants (ledger leases) released
+        for pool in self.runner.pools:
+            pool.close()  # segments' grants (ledger leases) released
         for lease in self._leases:
             lease.release()
 
@@ -257,13 +258,43 @@ class Engine:
         prefill_tokens = sum(len(p.token_ids) for p in plan.prefills if p.slot not in preempted)
         self.prefilled_tokens += prefill_tokens
         self.reused_tokens += reused
-        kv = self.runner.kv.figures() if self.runner.kv is not None else None
+        kv, kv_int8 = self.kv_figures(), self.kv_figures(int8=True)
         return StepResult(outputs, prefill_tokens, len(plan.decodes), reused, forward_s, self._ledger_bytes(),
-                          tuple(sorted(preempted)), kv)
+                          tuple(sorted(preempted)), kv, kv_int8)
 
-    def kv_figures(self) -> KVFigures | None:
-        """The KV pool's figures now (for the scheduler's first admissions, before any step)."""
-        return self.runner.kv.figures() if self.runner.kv is not None else None
+    def kv_figures(self, int8: bool = False) -> KVFigures | None:
+        """A KV pool's figures now: the main one, or the int8 one new sequences use under pressure
+        (None where there is none: no attention layers, or the main pool is int8 already)."""
+        pool = self.runner.kv_int8 if int8 else self.runner.kv
+        return pool.figures() if pool is not None else None
+
+    def _kv_of(self, slot: int) -> KVPool:
+        pool = self._slot_pool.get(slot, self.runner.kv)
+        assert pool is not None
+        return pool
+
+    def _start(self, slots: Sequence[int], int8: Sequence[bool] = ()) -> None:
+        """New sequences start in these slots: whatever they held goes back, and each lives in the
+        int8 pool if asked (and there is one), else in the main pool."""
+        if self.runner.kv is None:
+            return
+        self._drop(slots)
+        to_int8 = [s for s, q in zip(slots, int8, strict=False) if q and self.runner.kv_int8 is not None]
+        for slot in to_int8:
+            self._slot_pool[slot] = self.runner.kv_int8  # type: ignore[assignment]
+        stores = self.runner.kv_stores
+        if to_int8 and stores is not None:
+            stores.int8_slots[torch.tensor(to_int8, device=stores.int8_slots.device)] = True
+
+    def _drop(self, slots: Sequence[int]) -> None:
+        """The slots' sequences are gone: blocks back to their pools, slots back to the main pool."""
+        moved = [s for s in slots if self._slot_pool.pop(s, None) is not None]
+        for slot in slots:
+            for pool in self.runner.pools:
+                pool.release(slot)
+        stores = self.runner.kv_stores
+        if moved and stores is not None:
+            stores.int8_slots[torch.tensor(moved, device=stores.int8_slots.device)] = False
 
     def _forward(self, seqs: Sequences, sampled: list[bool], sampling: dict[int, SamplingParams]) -> tuple[tuple[SlotOutput, ...], float]:
         if not seqs:
@@ -281,15 +312,12 @@ class Engine:
         # the slot still holds the blocks.
         self._apply_saves(replace(plan, saves=tuple(s for s in plan.saves if s.slot in plan.release)), frozenset())
         self.runner.sampler.reset(plan.release)
-        kv = self.runner.kv
-        if kv is None:
-            return
-        for slot in plan.release:
-            kv.release(slot)
+        self._drop(plan.release)
         if plan.shrink_kv:
             # TIGHT and worse: free segments go back to the device / host at once instead of
-            # waiting to be reused; CRITICAL thereby shrinks the pool to what running sequences hold.
-            kv.shrink(keep_segments=0)
+            # waiting to be reused; CRITICAL thereby shrinks the pools to what running sequences hold.
+            for pool in self.runner.pools:
+                pool.shrink(keep_segments=0)
 
     def _apply_shed(self, plan: StepPlan) -> None:
         """The ladder's first rung (WATCH): cached state goes back before anything else shrinks."""
@@ -317,8 +345,7 @@ class Engine:
             self._check_slots([r.slot])
             if starts.get(r.slot) != len(r.prefix):
                 raise PlanError(f"slot {r.slot}: a restore of {len(r.prefix)} tokens needs a prefill chunk starting there")
-            if self.runner.kv is not None:
-                self.runner.kv.release(r.slot)  # a new sequence: whatever the slot held is gone
+            self._start([r.slot])  # a new sequence, in the main pool (where the cache's blocks are)
             try:
                 reused += cache.restore(r.slot, r.prefix)
             except CheckpointMissing as e:
@@ -334,6 +361,9 @@ class Engine:
         if self.prefix_cache is None:
             return
         self._check_slots([s.slot for s in plan.saves])
+        int8 = [s.slot for s in plan.saves if s.slot in self._slot_pool]
+        if int8:
+            raise PlanError(f"slots {int8} hold int8 KV outside the prefix cache's pool: no checkpoint there")
         for s in plan.saves:
             if s.slot in skip:
                 continue
@@ -359,11 +389,9 @@ class Engine:
                 raise PlanError(f"slot {slot}: positions up to {start + len(tokens) - 1} exceed max_model_len {self.max_model_len}")
             if min(tokens) < 0 or max(tokens) >= vocab:
                 raise PlanError(f"slot {slot}: token ids must be in 0..{vocab - 1}")
-        fresh = [p.slot for p in plan.prefills if p.start_pos == 0]
-        if self.runner.kv is not None:
-            for slot in fresh:
-                self.runner.kv.release(slot)
-        self.runner.reset(fresh)
+        fresh = [p for p in plan.prefills if p.start_pos == 0]
+        self._start([p.slot for p in fresh], [p.int8_kv for p in fresh])
+        self.runner.reset([p.slot for p in fresh])
         for p in plan.prefills:
             self.runner.sampler.observe_prompt(p.slot, p.token_ids)
         return seqs, sampled
@@ -378,21 +406,26 @@ class Engine:
         if kv is None:
             return frozenset()
         need = {slot: start + len(tokens) for slot, tokens, start in seqs}
-        short = [slot for slot, n in need.items() if not kv.ensure(slot, n)]
-        if not short:
-            return frozenset()
-        if self.prefix_cache is not None:
-            self.prefix_cache.evict_for_blocks(sum(self._missing(kv, s, need[s]) for s in short))
+        short = [slot for slot, n in need.items() if not self._kv_of(slot).ensure(slot, n)]
+        if short and self.prefix_cache is not None:
+            missing = sum(self._missing(kv, s, need[s]) for s in short if self._kv_of(s) is kv)
+            self.prefix_cache.evict_for_blocks(missing)
         victims = [p.slot for p in reversed(plan.prefills)] + [d.slot for d in reversed(plan.decodes)]
         preempted: set[int] = set()
         while True:
-            short = [s for s in short if s not in preempted and not kv.ensure(s, need[s])]
+            short = [s for s in short if s not in preempted and not self._kv_of(s).ensure(s, need[s])]
             if not short:
                 break
-            victim = next(v for v in victims if v not in preempted)
+            pool = self._kv_of(short[0])  # blocks freed in another pool would not help it
+            victim = next(v for v in victims if v not in preempted and self._kv_of(v) is pool)
             preempted.add(victim)
-            kv.release(victim)
+            self._drop([victim])
             self.runner.sampler.reset([victim])
+        if self.runner.kv_stores is not None and self.runner.kv_int8 is not None:
+            # Every layer visits the int8 store only while a sequence lives there.
+            self.runner.kv_stores.mixed = bool(self._slot_pool)
+        if not preempted:
+            return frozenset()
         self.preemptions += len(preempted)
         log.warning("KV blocks short: preempted slots %s (they resume when blocks are free)", sorted(preempted))
         return frozenset(preempted)

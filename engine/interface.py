@@ -65,9 +65,9 @@ class EngineLike(Protocol):
 
     def new_detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> DetokenizerLike: ...
 
-    def kv_figures(self) -> KVFigures | None:
-        """The KV block pool's figures before any step (later ones come with each StepResult);
-        None for a model without attention KV."""
+    def kv_figures(self, int8: bool = False) -> KVFigures | None:
+        """A KV block pool's figures before any step (later ones come with each StepResult): the
+        main pool, or the int8 pool new sequences use under pressure; None where there is none."""
         ...
 
     @property

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from ballast.engine.blocks import BlockAllocator, blocks_for
 from ballast.engine.plan import KVFigures
 from ballast.memory.types import MiB
-from ballast.models.kv_store import KVStore
+from ballast.models.kv_store import SINK_BLOCK, KVStore
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class KVPool:
     def __init__(self, store: KVStore, acquire: Acquire = _unlimited) -> None:
         self.store = store
         self.layout = store.layout
-        self.alloc = BlockAllocator(self.layout.seg_blocks, self.layout.max_segments)
+        self.alloc = BlockAllocator(self.layout.seg_blocks, self.layout.max_segments, reserved=SINK_BLOCK + 1)
         self._acquire = acquire
         self._give_back: dict[int, Callable[[], None]] = {}  # segment -> its grant's release
         self.refused = 0  # segments the memory layer would not grant
@@ -73,8 +73,11 @@ class KVPool:
         return True
 
     def release(self, slot: int) -> None:
-        """The slot's sequence ended (or moved out): its blocks lose the slot's reference."""
-        self.alloc.release(slot)
+        """The slot's sequence ended (or moved out): its blocks lose the slot's reference, and
+        its table row points at the sink again."""
+        if self.alloc.count(slot):
+            self.alloc.release(slot)
+            self.store.clear_table(slot)
 
     def attach(self, slot: int, blocks: Sequence[int], n_tokens: int) -> bool:
         """Start the (empty) slot's sequence on `blocks`, which hold its first n_tokens positions,

@@ -50,6 +50,7 @@ class PrefillChunk:
     token_ids: tuple[int, ...]
     start_pos: int
     sample: bool
+    int8_kv: bool = False  # a new sequence (start_pos 0) keeps its KV in int8 (the ladder at WATCH+)
 
 
 @dataclass(frozen=True)
@@ -141,4 +142,5 @@ class StepResult:
     # Slots whose sequence the engine moved out because their blocks could not be had; the
     # scheduler re-queues their requests, which resume where they stopped.
     preempted: tuple[int, ...] = ()
-    kv: KVFigures | None = None
+    kv: KVFigures | None = None  # the main KV pool
+    kv_int8: KVFigures | None = None  # the int8 pool new sequences use under pressure, if any

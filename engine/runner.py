@@ -19,7 +19,14 @@ from ballast.engine.sampler import Sampler
 from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import CostModel
 from ballast.models.base import CausalLM, ForwardBatch
-from ballast.models.state import LayerState, allocate_states, build_states, dtype_bytes, kv_store_for
+from ballast.models.state import (
+    KVStores,
+    LayerState,
+    allocate_states,
+    build_states,
+    dtype_bytes,
+    kv_store_for,
+)
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -170,11 +177,19 @@ class ModelRunner:
         lm = as_causal_lm(model)
         specs = lm.layer_specs(1 if quantized_kv else dtype_bytes(dtype))
         self._state_slots = num_slots + int(scratch_slot)
-        store = kv_store_for(specs, self._state_slots, max_model_len, device, dtype, quantized_kv, segment_bytes)
+        # The main store in the load-time format; an int8 one beside it (address space only until
+        # a sequence needs it) for sequences the ladder starts in int8 at WATCH and worse.
+        main = kv_store_for(specs, self._state_slots, max_model_len, device, dtype, quantized_kv, segment_bytes)
+        int8 = None if main is None or quantized_kv else kv_store_for(
+            specs, self._state_slots, max_model_len, device, dtype, True, segment_bytes)
+        self.kv_stores = KVStores(main, int8) if main is not None else None
         self.kv: KVPool | None = None
-        if store is not None:
-            self.kv = KVPool(store, acquire) if acquire is not None else KVPool(store)
-        self.states: list[LayerState] = build_states(specs, self._state_slots, store, device, dtype)
+        self.kv_int8: KVPool | None = None
+        if main is not None:
+            self.kv = KVPool(main, acquire) if acquire is not None else KVPool(main)
+        if int8 is not None:
+            self.kv_int8 = KVPool(int8, acquire) if acquire is not None else KVPool(int8)
+        self.states: list[LayerState] = build_states(specs, self._state_slots, self.kv_stores, device, dtype)
         self.graphs: DecodeGraphs | None = None
         vocab = int(lm.config.vocab_size)
         self.sampler = Sampler(num_slots, vocab, device, seed)
@@ -185,9 +200,13 @@ class ModelRunner:
         return sum(s.nbytes for s in self.states if s.slot_views(0)) + self.sampler.state_bytes
 
     @property
+    def pools(self) -> list[KVPool]:
+        return [p for p in (self.kv, self.kv_int8) if p is not None]
+
+    @property
     def state_bytes(self) -> int:
-        """Bytes held for slots now: the fixed part and the KV pool's live segments."""
-        return self.fixed_bytes + (self.kv.bytes_held if self.kv is not None else 0)
+        """Bytes held for slots now: the fixed part and the KV pools' live segments."""
+        return self.fixed_bytes + sum(p.bytes_held for p in self.pools)
 
     def reset(self, slots: Sequence[int]) -> None:
         """New sequences start in these slots (their KV blocks were released before)."""
@@ -223,11 +242,13 @@ class ModelRunner:
         decode step replays a graph where one was captured for its shape (the logits are then a
         view valid until the next step)."""
         if self.kv is not None:
-            bs, alloc = self.kv.layout.block_size, self.kv.alloc
-            bare = [slot for slot, tokens, start in seqs if alloc.count(slot) * bs < start + len(tokens)]
+            bs = self.kv.layout.block_size
+            held = {slot: sum(p.alloc.count(slot) for p in self.pools) for slot, _, _ in seqs}
+            bare = [slot for slot, tokens, start in seqs if held[slot] * bs < start + len(tokens)]
             if bare:  # writing there would land in another sequence's blocks
                 raise ValueError(f"slots {bare} have no KV blocks for this step's positions (KVPool.ensure first)")
-        if self.graphs is not None and self.graphs.can_use(seqs):
+        mixed = self.kv_stores is not None and self.kv_stores.mixed
+        if self.graphs is not None and not mixed and self.graphs.can_use(seqs):
             return self.graphs.replay(seqs)
         return self._run(ForwardBatch.build(seqs, self.device))
 

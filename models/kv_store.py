@@ -35,6 +35,10 @@ import torch
 from torch import Tensor
 
 BLOCK_SIZE = 32
+# Block 0 of every store is never handed to a sequence: a table row of zeros (a slot with no blocks
+# in this store) points there, so a step may write and read every slot in every store with fixed
+# shapes (and in captured graphs) and what lands in the sink is never read as anyone's KV.
+SINK_BLOCK = 0
 _PAGE = mmap.PAGESIZE
 _INT8_MAX = 127.0
 SCALE_BYTES = 4
@@ -97,13 +101,13 @@ def plan_layout(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.
     whose capacity covers every slot at max_model_len, the most the limits could ever ask for."""
     probe = KVLayout(num_layers, num_kv_heads, head_dim, dtype, quantized, block_size, 1, 1, table_rows, 1)
     target = segment_bytes or ((256 if device.type == "cuda" else 64) << 20)
-    seg_blocks = max(1, target // probe.block_bytes)
+    seg_blocks = max(2, target // probe.block_bytes)  # at least one block besides the sink
     if device.type == "cpu":
         # madvise works on whole pages: every layer's share of a segment must be page aligned.
         unit = math.lcm(*(_PAGE // math.gcd(n, _PAGE) for n in _cpu_block_parts(probe)))
         seg_blocks = -(-seg_blocks // unit) * unit
     per_seq = -(-max_model_len // block_size)
-    max_segments = max(1, -(-(per_seq * table_rows) // seg_blocks))
+    max_segments = max(1, -(-(per_seq * table_rows + 1) // seg_blocks))  # + the sink
     return KVLayout(num_layers, num_kv_heads, head_dim, dtype, quantized, block_size, seg_blocks, max_segments,
                     table_rows, per_seq)
 
@@ -227,6 +231,10 @@ class KVStore:
                 self.host.release_segment(seg)
         if segs and self.cuda is not None:
             torch.cuda.empty_cache()  # back to the driver, where other processes can have it
+
+    def clear_table(self, slot: int) -> None:
+        """The slot holds no block here: its row points at the sink block (see `SINK_BLOCK`)."""
+        self.block_table[slot].zero_()
 
     def set_table(self, slot: int, start: int, blocks: Sequence[int]) -> None:
         """Table entries start.. of the slot's row become `blocks` (one small host-to-device copy)."""

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from ballast.memory.specs import AttentionSpec, LayerSpec, RecurrentStateSpec
 from ballast.models.base import ForwardBatch
-from ballast.models.kv_store import SCALE_BYTES, KVStore, plan_layout, quantize_rows
+from ballast.models.kv_store import SCALE_BYTES, SINK_BLOCK, KVStore, plan_layout, quantize_rows
 from torch import Tensor
 
 
@@ -47,28 +47,43 @@ class LayerState(abc.ABC):
         """Bytes this state holds on its device."""
 
 
-class PagedKV(LayerState):
-    """One attention layer's view of the model's `KVStore`: writes this step's K/V into the slots'
-    blocks and attends over them in place (on CUDA through the Triton kernels; on the CPU by
-    gathering each sequence's blocks, one index_select per layer)."""
+class KVStores:
+    """The model's KV stores: `main` in the format chosen at load, and `int8` (when main is not
+    already int8) for sequences started under memory pressure, so the ladder's int8 rung applies
+    to new sequences while running ones keep their format. `int8_slots` marks the slots whose
+    sequence lives in the int8 store; `mixed` (set by the engine between steps) says the int8 store
+    holds a sequence, so every layer writes to and reads from both (each slot's row in the store it
+    does not use points at the sink block, whose contents nobody reads as KV)."""
 
-    def __init__(self, store: KVStore, layer: int) -> None:
-        self.store = store
+    def __init__(self, main: KVStore, int8: KVStore | None = None) -> None:
+        self.main = main
+        self.int8 = int8
+        self.int8_slots = torch.zeros(main.layout.table_rows, dtype=torch.bool, device=main.device)
+        self.mixed = False
+
+    def all(self) -> list[KVStore]:
+        return [self.main] if self.int8 is None else [self.main, self.int8]
+
+
+class PagedKV(LayerState):
+    """One attention layer's view of the model's KV stores: writes this step's K/V into the slots'
+    blocks and attends over them in place (on CUDA through the Triton kernels; on the CPU by
+    gathering each sequence's blocks, one index_select per layer and store)."""
+
+    def __init__(self, stores: KVStores | KVStore, layer: int) -> None:
+        self.stores = stores if isinstance(stores, KVStores) else KVStores(stores)
+        self.store = self.stores.main
         self.layer = layer
-        self.layout = store.layout
-        self.kernels = store.device.type == "cuda"
+        self.layout = self.store.layout
+        self.kernels = self.store.device.type == "cuda"
 
     @property
     def num_kv_heads(self) -> int:
         return self.layout.num_kv_heads
 
     @property
-    def quantized(self) -> bool:
-        return self.layout.quantized
-
-    @property
     def nbytes(self) -> int:
-        return self.store.bytes_held // self.layout.num_layers
+        return sum(s.bytes_held for s in self.stores.all()) // self.layout.num_layers
 
     def reset(self, slots: Tensor) -> None:
         # Nothing to clear: a sequence only reads positions it wrote, through its own table.
@@ -82,63 +97,93 @@ class PagedKV(LayerState):
         if saved:
             raise ValueError("an attention layer's checkpoint holds no tensors (its blocks are shared)")
 
-    def _block_index(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
-        bs = self.layout.block_size
-        blocks = self.store.block_table[batch.slot_of_token, batch.positions // bs].long()
-        return blocks, batch.positions % bs
+    def _stores(self) -> list[KVStore]:
+        return self.stores.all() if self.stores.mixed else [self.store]
 
     def write(self, batch: ForwardBatch, k: Tensor, v: Tensor) -> None:
         """Store this step's k, v [T, n_kv_heads, head_dim] at (slot, position) of every token; the
         slot's table must already cover the position (the engine grows it before the step)."""
         kv = torch.cat((k, v), dim=1)
-        if self.kernels:
-            from ballast.models.paged_store import store_rows
-
-            store_rows(self.store, self.layer, batch, kv)
-            return
-        host = self.store.host
-        assert host is not None
-        blocks, offsets = self._block_index(batch)
-        if host.scale is None:
-            host.kv[self.layer].index_put_((blocks, offsets), kv.to(self.layout.dtype))
-            return
-        q, scale = quantize_rows(kv)
-        host.kv[self.layer].index_put_((blocks, offsets), q)
-        host.scale[self.layer].index_put_((blocks, offsets), scale)
+        for store in self._stores():
+            _write(store, self.layer, batch, kv)
 
     def read(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
         """K and V of each sequence, positions [0, max_ctx): [B, max_ctx, n_kv, head_dim] in the
         model dtype, gathered from the blocks (CPU path). Positions past a sequence's own end hold
         stale data; the caller masks them."""
-        host = self.store.host
-        assert host is not None, "on CUDA attention reads the blocks in place (attend_in_place)"
-        bs, b = self.layout.block_size, batch.num_seqs
-        nb = -(-batch.max_ctx // bs)
-        ids = self.store.block_table[batch.slots, :nb].reshape(-1).long()
-        kv = _gather_blocks(host.kv[self.layer], ids, b)[:, : batch.max_ctx]
-        if host.scale is not None:
-            scale = _gather_blocks(host.scale[self.layer], ids, b)[:, : batch.max_ctx]
-            kv = (kv.float() * scale[..., None]).to(self.layout.dtype)
+        kv = _read(self.store, self.layer, batch)
+        if self.stores.mixed and self.stores.int8 is not None:
+            in_int8 = self.stores.int8_slots[batch.slots].view(-1, 1, 1, 1)
+            kv = torch.where(in_int8, _read(self.stores.int8, self.layer, batch), kv)
         h = self.layout.num_kv_heads
         return kv[:, :, :h], kv[:, :, h:]
 
     def attend_in_place(self, q: Tensor, batch: ForwardBatch) -> Tensor:
-        """q [T, Hq, D] over the blocks, by the CUDA kernels -> [T, Hq * D]."""
-        from ballast.models.paged_triton import paged_decode, paged_prefill
+        """q [T, Hq, D] over the blocks, by the CUDA kernels -> [T, Hq * D]. With both stores in
+        use each is attended with the other store's sequences cut to their first position (in the
+        sink), and each token keeps the result of its own sequence's store."""
+        if not (self.stores.mixed and self.stores.int8 is not None):
+            return _attend(self.store, self.layer, q, batch, None).view(q.shape[0], -1)
+        in_int8 = self.stores.int8_slots[batch.slots]
+        main = _attend(self.store, self.layer, q, batch, in_int8)
+        int8 = _attend(self.stores.int8, self.layer, q, batch, ~in_int8)
+        return torch.where(in_int8[batch.seq_of_token].view(-1, 1, 1), int8, main).view(q.shape[0], -1)
 
-        lay, cuda = self.layout, self.store.cuda
-        assert cuda is not None
-        out = torch.empty_like(q)
-        common = dict(layer=self.layer, num_layers=lay.num_layers, seg_blocks=lay.seg_blocks,
-                      block_size=lay.block_size, num_kv_heads=lay.num_kv_heads, kv_dtype=lay.storage_dtype,
-                      sm_scale=q.shape[-1] ** -0.5)
-        if batch.decode_only:
-            paged_decode(q, out, cuda.kv_ptrs, cuda.scale_ptrs, self.store.block_table, batch.slots,
-                         batch.positions + 1, max_ctx=batch.max_ctx, **common)  # type: ignore[arg-type]
-        else:
-            paged_prefill(q, out, cuda.kv_ptrs, cuda.scale_ptrs, self.store.block_table, batch.slots, batch.starts,
-                          batch.cu_lens, max_len=batch.max_len, max_ctx=batch.max_ctx, **common)  # type: ignore[arg-type]
-        return out.view(q.shape[0], -1)
+
+def _write(store: KVStore, layer: int, batch: ForwardBatch, kv: Tensor) -> None:
+    if store.cuda is not None:
+        from ballast.models.paged_store import store_rows
+
+        store_rows(store, layer, batch, kv)
+        return
+    host = store.host
+    assert host is not None
+    bs = store.layout.block_size
+    blocks = store.block_table[batch.slot_of_token, batch.positions // bs].long()
+    index = (blocks, batch.positions % bs)
+    if host.scale is None:
+        host.kv[layer].index_put_(index, kv.to(store.layout.dtype))
+        return
+    q, scale = quantize_rows(kv)
+    host.kv[layer].index_put_(index, q)
+    host.scale[layer].index_put_(index, scale)
+
+
+def _read(store: KVStore, layer: int, batch: ForwardBatch) -> Tensor:
+    """[B, max_ctx, 2 * n_kv, head_dim] in the model dtype, gathered from the store's blocks."""
+    host = store.host
+    assert host is not None, "on CUDA attention reads the blocks in place (attend_in_place)"
+    lay, b = store.layout, batch.num_seqs
+    nb = -(-batch.max_ctx // lay.block_size)
+    ids = store.block_table[batch.slots, :nb].reshape(-1).long()
+    kv = _gather_blocks(host.kv[layer], ids, b)[:, : batch.max_ctx]
+    if host.scale is not None:
+        scale = _gather_blocks(host.scale[layer], ids, b)[:, : batch.max_ctx]
+        kv = (kv.float() * scale[..., None]).to(lay.dtype)
+    return kv
+
+
+def _attend(store: KVStore, layer: int, q: Tensor, batch: ForwardBatch, foreign: Tensor | None) -> Tensor:
+    """q [T, Hq, D] attended over one store's blocks by the CUDA kernels. `foreign` [B] marks
+    sequences that live in the other store: they read only their first position (the sink)."""
+    from ballast.models.paged_triton import paged_decode, paged_prefill
+
+    lay, cuda = store.layout, store.cuda
+    assert cuda is not None
+    out = torch.empty_like(q)
+    common = dict(layer=layer, num_layers=lay.num_layers, seg_blocks=lay.seg_blocks, block_size=lay.block_size,
+                  num_kv_heads=lay.num_kv_heads, kv_dtype=lay.storage_dtype, sm_scale=q.shape[-1] ** -0.5)
+    if batch.decode_only:
+        ctx = batch.positions + 1
+        if foreign is not None:
+            ctx = torch.where(foreign, torch.ones_like(ctx), ctx)
+        paged_decode(q, out, cuda.kv_ptrs, cuda.scale_ptrs, store.block_table, batch.slots, ctx,
+                     max_ctx=batch.max_ctx, **common)  # type: ignore[arg-type]
+    else:
+        starts = batch.starts if foreign is None else torch.where(foreign, torch.zeros_like(batch.starts), batch.starts)
+        paged_prefill(q, out, cuda.kv_ptrs, cuda.scale_ptrs, store.block_table, batch.slots, starts, batch.cu_lens,
+                      max_len=batch.max_len, max_ctx=batch.max_ctx, **common)  # type: ignore[arg-type]
+    return out
 
 
 def _gather_blocks(layer: Tensor, ids: Tensor, num_seqs: int) -> Tensor:
@@ -187,8 +232,8 @@ class RecurrentState(LayerState):
         self.recurrent[slot].copy_(saved[1])
 
 
-def build_states(specs: Sequence[LayerSpec], num_slots: int, store: KVStore | None, device: torch.device | str,
-                 dtype: torch.dtype) -> list[LayerState]:
+def build_states(specs: Sequence[LayerSpec], num_slots: int, store: KVStores | KVStore | None,
+                 device: torch.device | str, dtype: torch.dtype) -> list[LayerState]:
     """One state per decoder layer, chosen by its spec: attention layers view `store` (the i-th
     attention layer its layer i), recurrent layers get num_slots fixed-size states."""
     states: list[LayerState] = []
@@ -197,6 +242,7 @@ def build_states(specs: Sequence[LayerSpec], num_slots: int, store: KVStore | No
         if isinstance(spec, AttentionSpec):
             if store is None:
                 raise ValueError("attention layers need a KV store")
+            store = store if isinstance(store, KVStores) else KVStores(store)  # one holder for all layers
             states.append(PagedKV(store, attn))
             attn += 1
         elif isinstance(spec, RecurrentStateSpec):
@@ -233,7 +279,7 @@ def allocate_states(
     quantized_kv: bool = False,
 ) -> list[LayerState]:
     """States for num_slots sequences of up to max_len tokens with every slot's blocks assigned up
-    front (slot s owns blocks s * per_slot ..): for tests, benchmarks and the profiling pass, which
+    front (slot s owns blocks 1 + s * per_slot ..; block 0 is the sink): for tests, benchmarks and the profiling pass, which
     run a model without the engine's allocator. quantized_kv stores attention KV as int8."""
     store = kv_store_for(specs, num_slots, max_len, device, dtype, quantized_kv)
     if store is not None:
@@ -242,7 +288,8 @@ def allocate_states(
             store.add_segment(seg)
         per_slot = lay.max_blocks_per_seq
         for slot in range(num_slots):
-            store.set_table(slot, 0, list(range(slot * per_slot, (slot + 1) * per_slot)))
+            first = SINK_BLOCK + 1 + slot * per_slot
+            store.set_table(slot, 0, list(range(first, first + per_slot)))
     return build_states(specs, num_slots, store, device, dtype)
 
 

@@ -82,11 +82,12 @@ class Governor:
         self._decay(state)
         return self._plan
 
-    def admit(self, n_prompt: int, max_tokens: int, pool: PoolRoom | None = None) -> Admission:
+    def admit(self, n_prompt: int, max_tokens: int, pool: PoolRoom | None = None, quantized: bool = False) -> Admission:
         """Ask the memory layer whether a request may take a slot now. Raises Overloaded (and
         raises the pressure level) on REJECT. The window is the ladder's: a CAP shortens
         max_tokens so prompt + new tokens fit; a prompt that cannot fit is refused, not cut.
-        pool: the KV pool's room (its spare blocks count before new memory)."""
+        pool: the KV pool's room (its spare blocks count before new memory); quantized: the
+        request's KV will be int8 (the engine's format, or the ladder's int8 rung)."""
         window = self._plan.prefill_window
         state = self._state
         if state is None:  # no memory signals: only the window applies (fail open, as the seed does)
@@ -101,7 +102,7 @@ class Governor:
                 self._cost,
                 max_window=window,
                 gpu_die=self._s.gpu_die,
-                quantized_kv=self._s.quantized_kv,
+                quantized_kv=self._s.quantized_kv or quantized,
                 psi_full_reject_pct=self._s.psi_full_reject_pct,
                 min_window=n_prompt + 1,
                 pool=pool,

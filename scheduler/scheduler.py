@@ -85,6 +85,9 @@ class _Seq:
     # prompt when it resumes, so generation continues where it stopped.
     resumed: tuple[int, ...] = ()
     preempted: bool = False
+    # Its KV lives in int8 blocks: decided at its first admission (the ladder at WATCH or worse)
+    # and kept when it resumes, so a level change never changes an admitted request's tokens.
+    int8_kv: bool | None = None
 
     @property
     def feed(self) -> tuple[int, ...]:
@@ -142,7 +145,9 @@ class Scheduler:
         self._engine_slots = engine.num_slots  # the max_slots the engine applies now
         self._checkpoints = CheckpointOrders(engine.checkpoint_interval, engine.match_prefix,
                                              lambda: self._gov.plan.shed_prefix_cache)
-        self._kv: KVFigures | None = engine.kv_figures()  # the pool after the last step
+        # The KV pools after the last step: the main one and the int8 one (None: there is none).
+        self._kv: KVFigures | None = engine.kv_figures()
+        self._kv_int8: KVFigures | None = engine.kv_figures(int8=True)
         self._shrink_sent = False  # the engine was told to give free KV segments back
         self.preemptions = 0
         self.reused_tokens = 0
@@ -284,6 +289,8 @@ class Scheduler:
         self._slots.released(plan.release)
         if result.kv is not None:
             self._kv = result.kv
+        if result.kv_int8 is not None:
+            self._kv_int8 = result.kv_int8
         for slot in result.preempted:
             self._requeue(slot)
         outputs = {out.slot: out for out in result.outputs}
@@ -303,8 +310,9 @@ class Scheduler:
             if self._gov.holding or not self._slots.has_free(self.slot_limit) or len(self._running) >= self.slot_limit:
                 return None
             asked = seq.req.max_tokens - len(seq.resumed)
+            int8 = seq.int8_kv if seq.int8_kv is not None else self._gov.plan.force_quantized_kv and self._kv_int8 is not None
             try:
-                admission = self._gov.admit(len(seq.feed), asked, self._pool_room())
+                admission = self._gov.admit(len(seq.feed), asked, self._pool_room(int8), quantized=int8)
             except Overloaded as refusal:  # the governor has raised the pressure level
                 if seq.preempted:  # a preempted request is never failed: it waits for blocks
                     return None
@@ -313,7 +321,7 @@ class Scheduler:
             slot = self._slots.acquire(self.slot_limit)
             assert slot is not None  # has_free said so, and nothing ran in between
             self._queue.pop_head()
-            seq.slot, seq.phase = slot, Phase.PREFILLING
+            seq.slot, seq.phase, seq.int8_kv = slot, Phase.PREFILLING, int8
             seq.max_tokens = admission.max_tokens + len(seq.resumed)
             seq.capped = seq.capped or admission.capped
             self._running.append(seq)
@@ -325,12 +333,16 @@ class Scheduler:
         """The seq's next prefill chunk (its first one restores the longest cached prefix)."""
         assert seq.slot is not None
         prompt = seq.feed
-        if seq.prefilled == 0 and (n := self._checkpoints.restore(seq.slot, prompt)) > 0:
+        cached = not seq.int8_kv  # the prefix cache holds main-pool blocks: int8 sequences neither save nor restore
+        if cached and seq.prefilled == 0 and (n := self._checkpoints.restore(seq.slot, prompt)) > 0:
             seq.prefilled = n
             if not seq.resumed:
                 seq.cached = n
-        end = self._checkpoints.chunk_end(seq.slot, prompt, seq.prefilled, min(len(prompt), seq.prefilled + budget))
-        out.append(PrefillChunk(seq.slot, prompt[seq.prefilled : end], seq.prefilled, sample=end == len(prompt)))
+        end = min(len(prompt), seq.prefilled + budget)
+        if cached:
+            end = self._checkpoints.chunk_end(seq.slot, prompt, seq.prefilled, end)
+        out.append(PrefillChunk(seq.slot, prompt[seq.prefilled : end], seq.prefilled, sample=end == len(prompt),
+                                int8_kv=bool(seq.int8_kv)))
         sampling[seq.slot] = seq.req.params
         n, seq.prefilled = end - seq.prefilled, end
         return n
@@ -349,15 +361,17 @@ class Scheduler:
         seq.resumed, seq.preempted = tuple(seq.output), True
         self._queue.push_front(seq)
 
-    def _pool_room(self) -> PoolRoom | None:
-        """What the KV pool can give the next admission: its free blocks after the last step less
-        what running requests will still take (their whole window was charged when admitted) and a
-        watermark of one block per running request (the figures are one step old)."""
-        kv = self._kv
+    def _pool_room(self, int8: bool) -> PoolRoom | None:
+        """What the KV pool a new sequence would use can give it: its free blocks after the last
+        step less what running requests in that pool will still take (their whole window was
+        charged when admitted) and a watermark of one block per running request (the figures are
+        one step old)."""
+        kv = self._kv_int8 if int8 else self._kv
         if kv is None:
             return None
         bs = kv.block_size
-        promised = sum(blocks_for(s.total_tokens, bs) - blocks_for(s.held_tokens, bs) + 1 for s in self._running)
+        promised = sum(blocks_for(s.total_tokens, bs) - blocks_for(s.held_tokens, bs) + 1
+                       for s in self._running if bool(s.int8_kv) == int8)
         return PoolRoom(kv.free_bytes, promised * kv.block_bytes, kv.addable_bytes)
 
     def _shrink_kv(self, releasing: bool) -> bool:
@@ -393,7 +407,7 @@ class Scheduler:
         else:
             self._running.remove(seq)
             if seq.slot is not None:
-                if reason in ("stop", "length") and seq.phase is Phase.DECODING:
+                if reason in ("stop", "length") and seq.phase is Phase.DECODING and not seq.int8_kv:
                     # Saved before the release: the slot has consumed prompt + output[:-1].
                     self._checkpoints.finished(seq.slot, seq.req.prompt_ids + tuple(seq.output[:-1]))
                 del self._by_slot[seq.slot]

@@ -166,7 +166,7 @@ class FakeEngine:
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         return self._pool.submit(self._step, plan)
 
-    def kv_figures(self) -> None:
+    def kv_figures(self, int8: bool = False) -> None:
         return None  # no KV pool is modelled: admission counts bytes against the snapshot alone
 
     def match_prefix(self, prompt_ids: Sequence[int]) -> int:

@@ -102,3 +102,41 @@ async def test_ladder_walk_gives_kv_memory_back_and_every_request_completes(tmp_
         assert kv.figures().used_blocks == 0
     finally:
         engine.shutdown()
+
+
+async def test_watch_starts_new_sequences_in_int8_blocks(tmp_path: Path) -> None:
+    """At WATCH new sequences keep their KV in int8 blocks (fewer bytes per token than the model
+    dtype), beside sequences already running in the main pool; their tokens are those of an engine
+    configured for int8 KV."""
+    int8_engine = Engine.load(EngineConfig(**{**CFG.__dict__, "kv_quant": "int8"}))
+    ref = Scheduler(int8_engine, SchedulerConfig(max_num_seqs=STREAMS))
+    await ref.start()
+    try:
+        want = await run_all(ref)
+    finally:
+        await ref.stop()
+        int8_engine.shutdown()
+
+    mem = MemoryConfig(root=str(tmp_path))
+    level_tree(tmp_path, Level.WATCH, config=mem)
+    watch = MemWatch(mem, StaticDeviceReader())
+    watch.poll_now()
+    engine = Engine.load(CFG, watch)
+    main, int8 = engine.runner.kv, engine.runner.kv_int8
+    assert main is not None and int8 is not None
+    assert int8.layout.block_bytes * 3 < main.layout.block_bytes  # float32 KV: int8 + scales is < 1/3
+    sched = Scheduler(engine, SchedulerConfig(max_num_seqs=STREAMS), memwatch=watch)
+    peak = {"main": 0, "int8": 0}
+
+    async def on_progress(done: int) -> None:
+        peak["main"] = max(peak["main"], main.figures().used_blocks)
+        peak["int8"] = max(peak["int8"], int8.figures().used_blocks)
+
+    await sched.start()
+    try:
+        got = await run_all(sched, on_progress)
+    finally:
+        await sched.stop()
+        engine.shutdown()
+    assert peak["int8"] > 0 and peak["main"] == 0  # every sequence started at WATCH is int8
+    assert got == want

@@ -217,7 +217,7 @@ def test_impossible_plans_are_refused(plan: StepPlan) -> None:
 
 
 def test_empty_plan_and_config_validation(engine: Engine) -> None:
-    assert replace(run(engine, StepPlan()), kv=None) == StepResult()
+    assert replace(run(engine, StepPlan()), kv=None, kv_int8=None) == StepResult()
     with pytest.raises(EngineConfigError):
         config(kv_quant="fp4")
     with pytest.raises(EngineConfigError):
@@ -295,3 +295,35 @@ def test_planned_state_bytes_equal_what_is_allocated(model: str, quantized: bool
         assert planned == eng.runner.fixed_bytes == eng.runner.state_bytes
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny-llama", "builtin:tiny-qwen3-next"])
+def test_int8_and_main_pool_sequences_run_side_by_side(model: str) -> None:
+    """A sequence started with int8_kv (the ladder's WATCH rung) lives in the int8 pool while one
+    started before it keeps the model dtype; in mixed steps each gets exactly the tokens it gets
+    alone in an engine of its own format."""
+    def alone(kv_quant: str, ids: tuple[int, ...]) -> list[int]:
+        eng = Engine.load(config(model=model, kv_quant=kv_quant))
+        try:
+            return generate_alone(eng, 0, ids, steps=6)
+        finally:
+            eng.shutdown()
+
+    a, b = prompt(11, 20), prompt(12, 37)
+    eng = Engine.load(config(model=model))
+    try:
+        res = run(eng, StepPlan(prefills=(PrefillChunk(0, a, 0, True), PrefillChunk(1, b, 0, True, int8_kv=True)),
+                                sampling={0: GREEDY, 1: GREEDY}))
+        out = {o.slot: [o.token_id] for o in res.outputs}
+        assert res.kv is not None and res.kv_int8 is not None
+        assert res.kv.used_blocks == 1 and res.kv_int8.used_blocks == 2  # 20 tokens in main, 37 in int8
+        for step in range(5):
+            decodes = (DecodeToken(0, out[0][-1], len(a) + step), DecodeToken(1, out[1][-1], len(b) + step))
+            for o in run(eng, StepPlan(decodes=decodes, sampling={0: GREEDY, 1: GREEDY})).outputs:
+                out[o.slot].append(o.token_id)
+        res = run(eng, StepPlan(release=(0, 1)))
+        assert res.kv_int8 is not None and res.kv_int8.used_blocks == 0
+    finally:
+        eng.shutdown()
+    assert out[0] == alone("none", a)
+    assert out[1] == alone("int8", b)

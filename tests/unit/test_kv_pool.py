@@ -177,9 +177,11 @@ def test_a_refused_grant_leaves_the_pool_as_it_was() -> None:
 
     pool = small_pool(slots=4, max_len=1024, segment_bytes=1, acquire=acquire)
     bs = pool.layout.block_size
-    assert pool.ensure(0, 2 * bs)
+    assert pool.layout.seg_blocks == 2  # two grants: blocks 1, 2, 3 (block 0 is the sink)
+    assert pool.ensure(0, 3 * bs)
+    assert pool.table(0) == [1, 2, 3]
     assert not pool.ensure(1, 1) and pool.refused == 1
-    assert pool.table(1) == [] and pool.alloc.used_blocks == 2
+    assert pool.table(1) == [] and pool.alloc.used_blocks == 3
     pool.release(0)
     pool.shrink()
     assert granted == []  # every grant given back with its segment

@@ -1,0 +1,349 @@
+"""Triton paged attention over the segmented block pool: decode (one query token per sequence,
+flash-decoding splits plus a small reduce) and prefill (causal tiles of query tokens x KV tokens).
+
+The pool layout these kernels read: segment s is a contiguous tensor
+`[seg_blocks, num_layers, block_size, 2 * num_kv_heads, head_dim]` (K heads first, then V heads),
+global block g sits in segment g // seg_blocks at index g % seg_blocks, and int8 pools carry a
+float32 `[seg_blocks, num_layers, block_size, 2 * num_kv_heads]` scale per token-head row. Segment
+base addresses are read from `kv_ptrs` / `scale_ptrs` at run time, so a captured CUDA graph stays
+valid while segments are added and dropped: only the tables' contents change, never the launch.
+Every segment base and the `kv_ptrs` table itself must be SEGMENT_ALIGN (64) byte aligned, as
+allocator addresses are: the kernels rely on it to load K/V rows as 16-byte vectors.
+
+Imports without Triton (CPU machines, CI): the kernels are defined only when Triton imports.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the entry points raise, the rest of ballast never notices
+    triton = None
+    tl = None
+
+# Each split reads at least this many tokens: below it the reduce kernel's extra pass over the
+# partial results costs more than the parallelism the split buys.
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+# Programs per SM the split count aims for: several resident programs per SM hide the latency of
+# the dependent block-table -> segment-table -> KV loads.
+PROGRAMS_PER_SM = 4
+# Segment bases (and the kv_ptrs table itself) must sit on this many bytes: 16 elements of fp32.
+SEGMENT_ALIGN = 64
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+@dataclass(frozen=True)
+class DecodeTiling:
+    """How one decode launch is cut: context splits per (sequence, kv head), KV tokens per loop
+    step, and the Triton launch knobs. Chosen from host ints only, so it is CUDA-graph safe."""
+
+    num_splits: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def choose_decode_tiling(batch: int, num_kv_heads: int, max_ctx: int, head_dim: int, kv_dtype: torch.dtype,
+                         sm_count: int) -> DecodeTiling:
+    wide = head_dim > 128 or kv_dtype == torch.float32
+    block_n = 32 if wide else 64
+    programs = batch * num_kv_heads
+    want = math.ceil(PROGRAMS_PER_SM * sm_count / programs)
+    most = max(1, math.ceil(max_ctx / MIN_SPLIT_TOKENS))
+    return DecodeTiling(num_splits=max(1, min(want, most, MAX_SPLITS)), block_n=block_n, num_warps=4,
+                        num_stages=2 if wide else 3)
+
+
+_TL_DTYPES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16",
+                                      torch.float32: "float32", torch.int8: "int8"}
+
+
+def _tl_dtype(dtype: torch.dtype) -> Any:
+    if dtype not in _TL_DTYPES:
+        raise ValueError(f"paged attention does not read {dtype} KV")
+    return getattr(tl, _TL_DTYPES[dtype])
+
+
+def _precision(q_dtype: torch.dtype) -> str:
+    # fp32 queries are the reference path (tests, CPU-sized models): no tf32 rounding for them.
+    return "ieee" if q_dtype == torch.float32 else "tf32"
+
+
+def _check(q: Tensor, out: Tensor, kv_ptrs: Tensor, block_size: int, num_kv_heads: int) -> tuple[int, int]:
+    if triton is None:
+        raise RuntimeError("paged attention kernels need Triton, which is not installed")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    heads, head_dim = q.shape[-2], q.shape[-1]
+    if heads % num_kv_heads:
+        raise ValueError(f"{heads} query heads do not group onto {num_kv_heads} kv heads")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if q.stride(-1) != 1 or out.stride(-1) != 1 or out.shape != q.shape:
+        raise ValueError("q and out must have the same shape and a contiguous last dimension")
+    # The kernels address segments as offsets from kv_ptrs' own address, promised to be whole
+    # 16-element vectors: true when it and every segment base are 64-byte aligned (allocator
+    # addresses are), false for a table sliced at an odd index.
+    if kv_ptrs.data_ptr() % SEGMENT_ALIGN:
+        raise ValueError(f"kv_ptrs must start at a {SEGMENT_ALIGN}-byte aligned address")
+    return heads // num_kv_heads, head_dim
+
+
+def _layout_constexprs(q: Tensor, kv_dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int,
+                       block_size: int) -> dict[str, Any]:
+    """The compile-time constants both kernels share: pool layout, dtypes, GQA group."""
+    return {"KV_DTYPE": _tl_dtype(kv_dtype), "KV_BYTES": kv_dtype.itemsize, "QUANT": kv_dtype == torch.int8,
+            "COMPUTE": _tl_dtype(q.dtype), "PRECISION": _precision(q.dtype), "HKV": num_kv_heads,
+            "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size}
+
+
+def paged_decode(q: Tensor, out: Tensor, kv_ptrs: Tensor, scale_ptrs: Tensor, block_table: Tensor,
+                 slots: Tensor, ctx_lens: Tensor, *, layer: int, num_layers: int, seg_blocks: int,
+                 block_size: int, num_kv_heads: int, kv_dtype: torch.dtype, sm_scale: float,
+                 max_ctx: int) -> None:
+    """q, out: [B, Hq, D] (one query token per sequence). Sequence b attends to positions
+    0..ctx_lens[b]-1 of slot slots[b] (this step's K/V already written). max_ctx: a host-side upper
+    bound on ctx_lens (the engine passes the CUDA-graph context bucket), used to choose the number of
+    context splits. No host sync and no data-dependent host logic: capturable in a CUDA graph."""
+    tiling = choose_decode_tiling(q.shape[0], num_kv_heads, max_ctx, q.shape[-1], kv_dtype,
+                                  _sm_count(q.device.index or 0))
+    decode_with(tiling, q, out, kv_ptrs, scale_ptrs, block_table, slots, ctx_lens, layer=layer,
+                num_layers=num_layers, seg_blocks=seg_blocks, block_size=block_size,
+                num_kv_heads=num_kv_heads, kv_dtype=kv_dtype, sm_scale=sm_scale, max_ctx=max_ctx)
+
+
+def decode_with(tiling: DecodeTiling, q: Tensor, out: Tensor, kv_ptrs: Tensor, scale_ptrs: Tensor,
+                block_table: Tensor, slots: Tensor, ctx_lens: Tensor, *, layer: int, num_layers: int,
+                seg_blocks: int, block_size: int, num_kv_heads: int, kv_dtype: torch.dtype, sm_scale: float,
+                max_ctx: int) -> None:
+    """paged_decode with an explicit tiling (the benchmark sweeps tilings through this)."""
+    group, head_dim = _check(q, out, kv_ptrs, block_size, num_kv_heads)
+    batch, heads = q.shape[0], q.shape[1]
+    if batch == 0:
+        return
+    splits = tiling.num_splits
+    # Each split covers a whole number of loop steps so only the last step of a split is ragged.
+    split_tokens = math.ceil(max(max_ctx, 1) / splits / tiling.block_n) * tiling.block_n
+    if splits > 1:
+        part_out = torch.empty(batch, heads, splits, head_dim, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
+    else:  # never read: the kernel writes `out` directly
+        part_out = part_lse = out
+    _decode_kernel[(batch, num_kv_heads, splits)](
+        q, out, part_out, part_lse, kv_ptrs, scale_ptrs, block_table, slots, ctx_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        layer, num_layers, seg_blocks, split_tokens, sm_scale * math.log2(math.e),
+        **_layout_constexprs(q, kv_dtype, num_kv_heads, group, head_dim, block_size),
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiling.block_n, SPLIT=splits > 1,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+    if splits > 1:
+        _reduce_kernel[(batch, heads)](part_out, part_lse, out, out.stride(0), out.stride(1), splits,
+                                       HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+
+
+def paged_prefill(q: Tensor, out: Tensor, kv_ptrs: Tensor, scale_ptrs: Tensor, block_table: Tensor,
+                  slots: Tensor, starts: Tensor, cu_lens: Tensor, *, layer: int, num_layers: int,
+                  seg_blocks: int, block_size: int, num_kv_heads: int, kv_dtype: torch.dtype, sm_scale: float,
+                  max_len: int, max_ctx: int) -> None:
+    """q, out: [T, Hq, D], tokens of B sequences flattened; sequence b owns tokens
+    cu_lens[b]..cu_lens[b+1]-1 at positions starts[b] + i; token i attends causally to positions
+    0..starts[b]+i of its slot (cached prefix plus this chunk, all already written into the blocks).
+    max_len: longest chunk; max_ctx: longest starts+len (host ints)."""
+    group, head_dim = _check(q, out, kv_ptrs, block_size, num_kv_heads)
+    batch, heads = slots.shape[0], q.shape[1]
+    if batch == 0 or q.shape[0] == 0 or max_len == 0:
+        return
+    wide = head_dim > 128 or q.dtype == torch.float32
+    block_m, block_n = (32, 32) if wide else (64, 64)
+    grid = (triton.cdiv(max_len, block_m), heads, batch)
+    _prefill_kernel[grid](
+        q, out, kv_ptrs, scale_ptrs, block_table, slots, starts, cu_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        layer, num_layers, seg_blocks, sm_scale * math.log2(math.e),
+        **_layout_constexprs(q, kv_dtype, num_kv_heads, group, head_dim, block_size),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _kv_rows(kv_ptrs, scale_ptrs, bt_row, pos, valid, layer, num_layers, seg_blocks, kvh,
+                 KV_DTYPE: tl.constexpr, KV_BYTES: tl.constexpr, QUANT: tl.constexpr, HKV: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """K and V rows [N, D] (and their int8 scales [N]) of the positions `pos` of one slot."""
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        seg = blk // seg_blocks
+        # Token row index inside its segment, in rows of HEAD_DIM elements; int64 because a large
+        # segment passes 2**31 elements.
+        row = (((blk % seg_blocks) * num_layers + layer) * BLOCK_SIZE + pos % BLOCK_SIZE) * (2 * HKV) + kvh
+        # Segments are addressed as element offsets from one typed pointer (the table's own
+        # address) rather than by casting each loaded address to a pointer: Triton knows nothing of
+        # a pointer made from an integer and loads through it 2 bytes at a time (8% of copy
+        # bandwidth, measured), while an offset it is told is a multiple of 16 elements (every base
+        # SEGMENT_ALIGN-aligned) lets every K/V row load as 16-byte vectors.
+        ref = kv_ptrs.to(tl.pointer_type(KV_DTYPE), bitcast=True)
+        ref_addr = kv_ptrs.to(tl.int64)
+        seg_off = (tl.load(kv_ptrs + seg, mask=valid, other=ref_addr) - ref_addr) // KV_BYTES
+        offset = tl.multiple_of(seg_off + row * HEAD_DIM, 16)
+        offs_d = tl.arange(0, HEAD_DIM)
+        k_ptr = ref + offset[:, None] + offs_d[None, :]
+        k = tl.load(k_ptr, mask=valid[:, None], other=0)
+        v = tl.load(k_ptr + HKV * HEAD_DIM, mask=valid[:, None], other=0)
+        if QUANT:
+            sbase = tl.load(scale_ptrs + seg, mask=valid, other=0).to(tl.pointer_type(tl.float32))
+            k_scale = tl.load(sbase + row, mask=valid, other=0.0)
+            v_scale = tl.load(sbase + row + HKV, mask=valid, other=0.0)
+        else:
+            k_scale = tl.full(pos.shape, 1.0, tl.float32)
+            v_scale = k_scale
+        return k, v, k_scale, v_scale
+
+    @triton.jit
+    def _decode_kernel(q_ptr, out_ptr, part_out, part_lse, kv_ptrs, scale_ptrs, bt_ptr, slots_ptr, ctx_ptr,
+                       sqb, sqh, sob, soh, sbt, layer, num_layers, seg_blocks, split_tokens, qk_scale,
+                       KV_DTYPE: tl.constexpr, KV_BYTES: tl.constexpr, QUANT: tl.constexpr,
+                       COMPUTE: tl.constexpr, PRECISION: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+        """One program: every query head of one kv group of one sequence, over one context split.
+        The group's heads are the rows of the tl.dot (padded to BLOCK_H >= 16), so each K/V row is
+        read once per group instead of once per query head."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        ctx = tl.load(ctx_ptr + b).to(tl.int32)
+        bt_row = bt_ptr + tl.load(slots_ptr + b) * sbt
+        lo = split * split_tokens
+        hi = tl.minimum(lo + split_tokens, ctx)
+
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, HEAD_DIM)
+        head_ok = offs_h < GROUP
+        heads = kvh * GROUP + offs_h
+        q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + offs_d[None, :], mask=head_ok[:, None],
+                    other=0.0)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            valid = pos < hi
+            k, v, k_scale, v_scale = _kv_rows(kv_ptrs, scale_ptrs, bt_row, pos, valid, layer, num_layers,
+                                              seg_blocks, kvh, KV_DTYPE, KV_BYTES, QUANT, HKV, HEAD_DIM,
+                                              BLOCK_SIZE)
+            # int8 values are exact in bf16/fp16, so the scale is applied to the scores and to the
+            # probabilities rather than to K and V: one multiply per token instead of per element.
+            s = tl.dot(q.to(COMPUTE), tl.trans(k.to(COMPUTE)), input_precision=PRECISION)
+            s = s * (k_scale * qk_scale)[None, :]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            pv = (p * v_scale[None, :]).to(COMPUTE)
+            acc = acc * alpha[:, None] + tl.dot(pv, v.to(COMPUTE), input_precision=PRECISION)
+            m_i = m_new
+
+        has = l_i > 0
+        o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+        if SPLIT:
+            splits = tl.num_programs(2)
+            row = (b * (HKV * GROUP) + heads) * splits + split
+            tl.store(part_out + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=head_ok[:, None])
+            tl.store(part_lse + row, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")),
+                     mask=head_ok)
+        else:
+            tl.store(out_ptr + b * sob + heads[:, None] * soh + offs_d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+    @triton.jit
+    def _reduce_kernel(part_out, part_lse, out_ptr, sob, soh, splits, HEAD_DIM: tl.constexpr,
+                       BLOCK_S: tl.constexpr):
+        """Merges one (sequence, query head)'s split results by their log-sum-exps (base 2)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        heads = tl.num_programs(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row = (b * heads + h) * splits + offs_s
+        lse = tl.load(part_lse + row, mask=offs_s < splits, other=float("-inf"))
+        top = tl.max(lse, 0)
+        # An all-empty row (context 0, a padding row) has top = -inf; weigh nothing then.
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(top > float("-inf"), top, 0.0)), 0.0)
+        parts = tl.load(part_out + row[:, None] * HEAD_DIM + offs_d[None, :], mask=(w > 0)[:, None],
+                        other=0.0)
+        total = tl.sum(w, 0)
+        o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + b * sob + h * soh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _prefill_kernel(q_ptr, out_ptr, kv_ptrs, scale_ptrs, bt_ptr, slots_ptr, starts_ptr, cu_ptr,
+                        sqt, sqh, sot, soh, sbt, layer, num_layers, seg_blocks, qk_scale,
+                        KV_DTYPE: tl.constexpr, KV_BYTES: tl.constexpr, QUANT: tl.constexpr,
+                        COMPUTE: tl.constexpr, PRECISION: tl.constexpr, HKV: tl.constexpr,
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One program: BLOCK_M query tokens of one sequence and one query head, over every KV tile
+        up to the causal limit of its last token (tiles past it are never loaded)."""
+        m_tile = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        first = tl.load(cu_ptr + b)
+        n = (tl.load(cu_ptr + b + 1) - first).to(tl.int32)
+        start = tl.load(starts_ptr + b).to(tl.int32)
+        bt_row = bt_ptr + tl.load(slots_ptr + b) * sbt
+        kvh = h // GROUP
+
+        offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m < n
+        q_pos = start + offs_m
+        q = tl.load(q_ptr + (first + offs_m)[:, None] * sqt + h * sqh + offs_d[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        # Keys below `hi` are the causal window of this tile's last token; 0 for a tile past the chunk.
+        hi = tl.where(m_tile * BLOCK_M < n, start + tl.minimum(n, (m_tile + 1) * BLOCK_M), 0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for k_start in range(0, hi, BLOCK_N):
+            pos = k_start + tl.arange(0, BLOCK_N)
+            valid = pos < hi
+            k, v, k_scale, v_scale = _kv_rows(kv_ptrs, scale_ptrs, bt_row, pos, valid, layer, num_layers,
+                                              seg_blocks, kvh, KV_DTYPE, KV_BYTES, QUANT, HKV, HEAD_DIM,
+                                              BLOCK_SIZE)
+            s = tl.dot(q.to(COMPUTE), tl.trans(k.to(COMPUTE)), input_precision=PRECISION)
+            s = s * (k_scale * qk_scale)[None, :]
+            # The first tile holds position 0, which every row may see, so m_i is finite after it
+            # and a later fully-masked row never computes -inf - -inf.
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            pv = (p * v_scale[None, :]).to(COMPUTE)
+            acc = acc * alpha[:, None] + tl.dot(pv, v.to(COMPUTE), input_precision=PRECISION)
+            m_i = m_new
+
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (first + offs_m)[:, None] * sot + h * soh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
