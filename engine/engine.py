@@ -165,6 +165,7 @@ class Engine:
         self.load_report = LoadReport(loaded.load_s, loaded.weights_bytes, runner.state_bytes, profile, runner.quantized_kv)
         self.prefix_cache = self._build_prefix_cache()
         self.checkpoint_interval = self.prefix_cache.interval if self.prefix_cache is not None else 0
+        self.quantized_kv = runner.quantized_kv
         self._slot_pool: dict[int, KVPool] = {}  # slots whose sequence lives in the int8 pool
         # Cumulative figures: prompt tokens run through the model vs restored from checkpoints, and
         # sequences moved out of the KV pool for want of blocks.

@@ -50,6 +50,7 @@ class EngineLike(Protocol):
     checkpoint_interval: int
     cost_model: CostModel
     tokenizer: TokenizerLike
+    quantized_kv: bool  # the main KV pool holds int8 (configured, or the ladder's plan at load)
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         """Queue a plan on the engine thread. Plans run one at a time, in submission order.

@@ -32,11 +32,12 @@ except ImportError:  # CPU-only installs: the entry points raise, the rest of ba
 
 # Each split reads at least this many tokens: below it the reduce kernel's extra pass over the
 # partial results costs more than the parallelism the split buys.
-MIN_SPLIT_TOKENS = 256
+MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
-# Programs per SM the split count aims for: several resident programs per SM hide the latency of
-# the dependent block-table -> segment-table -> KV loads.
-PROGRAMS_PER_SM = 4
+# Programs per SM the split count aims for. Measured on an H200 (bench/paged_attention.py --sweep,
+# Llama-8B-shaped layer): one program per SM with 128-token steps reads KV at 90-100% of the copy
+# bandwidth from batch 32 up; more splits only added reduce work.
+PROGRAMS_PER_SM = 1
 # Segment bases (and the kv_ptrs table itself) must sit on this many bytes: 16 elements of fp32.
 SEGMENT_ALIGN = 64
 
@@ -64,12 +65,12 @@ def _sm_count(device_index: int) -> int:
 def choose_decode_tiling(batch: int, num_kv_heads: int, max_ctx: int, head_dim: int, kv_dtype: torch.dtype,
                          sm_count: int) -> DecodeTiling:
     wide = head_dim > 128 or kv_dtype == torch.float32
-    block_n = 32 if wide else 64
+    block_n = 64 if wide else 128  # wide rows: keep two stages of K and V within shared memory
     programs = batch * num_kv_heads
     want = math.ceil(PROGRAMS_PER_SM * sm_count / programs)
     most = max(1, math.ceil(max_ctx / MIN_SPLIT_TOKENS))
     return DecodeTiling(num_splits=max(1, min(want, most, MAX_SPLITS)), block_n=block_n, num_warps=4,
-                        num_stages=2 if wide else 3)
+                        num_stages=2)
 
 
 _TL_DTYPES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16",

@@ -116,13 +116,12 @@ class Scheduler:
         memwatch: SnapshotSource | None = None,
         admission_metrics: VerdictRecorder | None = None,
         gpu_die: int | None = None,
-        quantized_kv: bool = False,
         on_idle: Callable[[], None] | None = None,
     ) -> None:
         """memwatch: the snapshot source (None: no memory governance beyond the window).
-        admission_metrics: counts every verdict. gpu_die / quantized_kv: where the engine's slot
-        caches live and whether they hold quantized KV, for admission's byte maths. on_idle: runs
-        when the scheduler goes idle and every idle_tick_s while it stays idle (pool trim)."""
+        admission_metrics: counts every verdict. gpu_die: where the engine's KV lives (admission
+        reads the engine's own KV format). on_idle: runs when the scheduler goes idle and every
+        idle_tick_s while it stays idle (pool trim)."""
         self._engine = engine
         self._cfg = config
         self._on_idle = on_idle
@@ -134,7 +133,7 @@ class Scheduler:
             config.psi_full_reject_pct,
             config.retry_after_s,
             gpu_die,
-            quantized_kv,
+            engine.quantized_kv,
         )
         self._gov = Governor(settings, engine.cost_model, memwatch, admission_metrics)
         self._eos = engine.tokenizer.eos_token_ids

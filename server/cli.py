@@ -138,7 +138,13 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(server_cfg, sched_cfg, lambda: Engine.load(engine_cfg, watch, prefix_cache=prefix_cfg, pool=pool), memwatch=watch,
+    def load_engine() -> Engine:
+        # The ladder's plan when loading starts: at WATCH or worse the main KV pool is int8 from
+        # the start (new sequences would be int8 anyway, and every byte counts).
+        plan = _ladder_plan(watch.poll_now(), engine_cfg, sched_cfg, memory_cfg)
+        return Engine.load(engine_cfg, watch, plan.force_quantized_kv, prefix_cache=prefix_cfg, pool=pool)
+
+    app = create_app(server_cfg, sched_cfg, load_engine, memwatch=watch,
                      on_fatal=on_fatal, gpu_die=gpu_die, pool=pool, pool_max_idle_s=memory_cfg.pool_max_idle_s,
                      model_aliases=() if server_cfg.served_model_name else (engine_cfg.model,))
     try:

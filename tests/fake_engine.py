@@ -137,8 +137,10 @@ class FakeEngine:
         cost_model: CostModel | None = None,
         model_name: str = "fake-model",
         checkpoint_interval: int = 0,
+        quantized_kv: bool = False,
     ) -> None:
         self.model_name = model_name
+        self.quantized_kv = quantized_kv
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         self.prefill_chunk_tokens = prefill_chunk_tokens

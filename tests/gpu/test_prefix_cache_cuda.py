@@ -45,7 +45,11 @@ def test_cuda_reuse_matches_cold_and_uses_pinned_buffers(cuda_engine: tuple[Engi
     assert warm == cold
     assert warm_reused > 0 and warm_prefilled + warm_reused == cold_prefilled
     entries = list(cache._entries.values())
-    assert entries and all(e.buf.is_pinned() for e in entries)  # host copies live in pinned memory
-    stats = pool.stats()
-    # The cold run's buffers went back to the pool at shed() and the warm run took them again.
-    assert stats.misses > 0 and stats.hits > 0 and stats.declines == 0
+    assert entries and all(e.blocks for e in entries)  # KV stays on the GPU, shared by reference
+    if engine.runner.fixed_bytes > engine.runner.sampler.state_bytes:  # a hybrid: recurrent states are copied
+        assert all(e.buf is not None and e.buf.is_pinned() for e in entries)  # into pinned host memory
+        stats = pool.stats()
+        # The cold run's buffers went back to the pool at shed() and the warm run took them again.
+        assert stats.misses > 0 and stats.hits > 0 and stats.declines == 0
+    else:  # attention only: nothing to copy, the pool is never asked
+        assert all(e.buf is None for e in entries) and pool.stats().misses == 0

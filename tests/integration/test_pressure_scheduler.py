@@ -216,3 +216,29 @@ async def test_ceiling_changes_reach_the_engine_while_idle(tmp_path: Path) -> No
     finally:
         await s.stop()
         eng.shutdown()
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+async def test_admission_charges_the_engines_own_kv_format(tmp_path: Path, quantized: bool) -> None:
+    """An engine whose KV is int8 is charged int8 bytes: a request that the model dtype's bytes
+    would cap is admitted whole (the format comes from the engine, not from a separate argument)."""
+    from ballast.memory.types import CostModel, GiB, MiB
+    from memfixtures import write_tree
+
+    cfg = MemoryConfig(root=str(tmp_path))
+    write_tree(tmp_path, mem_total=64 * GiB, mem_available=int(9.6 * GiB) + 12 * GiB)  # 12 GiB above the reserve
+    watch = MemWatch(cfg, StaticDeviceReader())
+    watch.poll_now()
+    cost = CostModel(kv_bytes_per_token=10 * MiB, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0,
+                     quantized_kv_bytes_per_token=10 * MiB // 4)
+    eng = FakeEngine(max_model_len=4096, cost_model=cost, quantized_kv=quantized)
+    s = Scheduler(eng, SchedulerConfig(max_num_seqs=2), memwatch=watch)
+    await s.start()
+    try:
+        r = req(0, max_tokens=2000)  # ~2,010 tokens: 19.6 GiB in the model dtype, 4.9 GiB in int8
+        _, tokens, fin = await s.submit(r).collect()
+        assert fin.capped is not quantized
+        assert len(tokens) == 2000 if quantized else 0 < len(tokens) < 2000
+    finally:
+        await s.stop()
+        eng.shutdown()
