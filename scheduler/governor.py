@@ -88,25 +88,8 @@ class Governor:
         max_tokens so prompt + new tokens fit; a prompt that cannot fit is refused, not cut.
         pool: the KV pool's room (its spare blocks count before new memory); quantized: the
         request's KV will be int8 (the engine's format, or the ladder's int8 rung)."""
-        window = self._plan.prefill_window
         state = self._state
-        if state is None:  # no memory signals: only the window applies (fail open, as the seed does)
-            fit = min(n_prompt + max_tokens, window)
-            kind = VerdictKind.ADMIT if fit == n_prompt + max_tokens else VerdictKind.CAP
-            verdict = Verdict(kind, fit) if fit > n_prompt else Verdict(VerdictKind.REJECT, 0, f"context window limit: {n_prompt} prompt tokens, window {window}")
-        else:
-            verdict = admit_request(
-                n_prompt,
-                max_tokens,
-                state,
-                self._cost,
-                max_window=window,
-                gpu_die=self._s.gpu_die,
-                quantized_kv=self._s.quantized_kv or quantized,
-                psi_full_reject_pct=self._s.psi_full_reject_pct,
-                min_window=n_prompt + 1,
-                pool=pool,
-            )
+        verdict = self.verdict(n_prompt, max_tokens, pool, quantized)
         if self._recorder is not None:
             self._recorder.record(verdict)
         if verdict.kind is VerdictKind.REJECT:
@@ -114,6 +97,28 @@ class Governor:
             raise Overloaded(self._s.retry_after_s, verdict.reason or "admission refused")
         capped = verdict.kind is VerdictKind.CAP
         return Admission(verdict.fit_tokens - n_prompt if capped else max_tokens, capped, verdict)
+
+    def verdict(self, n_prompt: int, max_tokens: int, pool: PoolRoom | None = None, quantized: bool = False) -> Verdict:
+        """What `admit` would decide now, without counting it or acting on it."""
+        window = self._plan.prefill_window
+        if self._state is None:  # no memory signals: only the window applies (fail open, as the seed does)
+            fit = min(n_prompt + max_tokens, window)
+            kind = VerdictKind.ADMIT if fit == n_prompt + max_tokens else VerdictKind.CAP
+            if fit > n_prompt:
+                return Verdict(kind, fit)
+            return Verdict(VerdictKind.REJECT, 0, f"context window limit: {n_prompt} prompt tokens, window {window}")
+        return admit_request(
+            n_prompt,
+            max_tokens,
+            self._state,
+            self._cost,
+            max_window=window,
+            gpu_die=self._s.gpu_die,
+            quantized_kv=self._s.quantized_kv or quantized,
+            psi_full_reject_pct=self._s.psi_full_reject_pct,
+            min_window=n_prompt + 1,
+            pool=pool,
+        )
 
     def check_submit(self) -> None:
         """Raise Overloaded at CRITICAL pressure, from a fresh snapshot (microseconds)."""

@@ -29,7 +29,7 @@ from ballast.engine.plan import (
     StepResult,
 )
 from ballast.memory.ladder import LadderConfig
-from ballast.memory.types import LadderPlan, Level, PoolRoom
+from ballast.memory.types import LadderPlan, Level, PoolRoom, VerdictKind
 from ballast.scheduler.checkpoints import CheckpointOrders
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import (
@@ -88,6 +88,7 @@ class _Seq:
     # Its KV lives in int8 blocks: decided at its first admission (the ladder at WATCH or worse)
     # and kept when it resumes, so a level change never changes an admitted request's tokens.
     int8_kv: bool | None = None
+    kv_held: int = 0  # positions the engine held for it after the last step (what its figures count)
 
     @property
     def feed(self) -> tuple[int, ...]:
@@ -100,8 +101,8 @@ class _Seq:
         return len(self.req.prompt_ids) + self.max_tokens
 
     @property
-    def held_tokens(self) -> int:
-        """Positions the engine holds for it after the last step."""
+    def consumed_tokens(self) -> int:
+        """Positions it has been fed, in plans sent so far."""
         if self.phase is Phase.DECODING:
             return len(self.req.prompt_ids) + len(self.output) - 1
         return self.prefilled
@@ -301,6 +302,8 @@ class Scheduler:
             if slot not in outputs:
                 raise RuntimeError(f"engine returned no token for slot {slot} of request {seq.req.request_id}")
             self._on_token(seq, outputs[slot])
+        for seq in self._running:  # what the step's KV figures count for each running request
+            seq.kv_held = seq.consumed_tokens
 
     # --- pieces ---------------------------------------------------------------------------
     def _admit_head(self) -> _Seq | None:
@@ -310,6 +313,8 @@ class Scheduler:
                 return None
             asked = seq.req.max_tokens - len(seq.resumed)
             int8 = seq.int8_kv if seq.int8_kv is not None else self._gov.plan.force_quantized_kv and self._kv_int8 is not None
+            if self._waits_for_blocks(len(seq.feed), asked, int8):
+                return None
             try:
                 admission = self._gov.admit(len(seq.feed), asked, self._pool_room(int8), quantized=int8)
             except Overloaded as refusal:  # the governor has raised the pressure level
@@ -356,7 +361,7 @@ class Scheduler:
         self._running.remove(seq)
         self._slots.retire(slot)
         self.preemptions += 1
-        seq.slot, seq.phase, seq.prefilled = None, Phase.WAITING, 0
+        seq.slot, seq.phase, seq.prefilled, seq.kv_held = None, Phase.WAITING, 0, 0
         seq.resumed, seq.preempted = tuple(seq.output), True
         self._queue.push_front(seq)
 
@@ -369,9 +374,23 @@ class Scheduler:
         if kv is None:
             return None
         bs = kv.block_size
-        promised = sum(blocks_for(s.total_tokens, bs) - blocks_for(s.held_tokens, bs) + 1
+        promised = sum(blocks_for(s.total_tokens, bs) - blocks_for(s.kv_held, bs) + 1
                        for s in self._running if bool(s.int8_kv) == int8)
         return PoolRoom(kv.free_bytes, promised * kv.block_bytes, kv.addable_bytes)
+
+    def _waits_for_blocks(self, n_prompt: int, max_tokens: int, int8: bool) -> bool:
+        """The head would be admitted whole once running requests give their blocks back, but not
+        now: it waits at the head of the queue (as a peer server queues it) instead of being refused
+        or cut short because of work that is about to end. Memory pressure is not involved, so
+        nothing is counted and the pressure level does not move."""
+        room = self._pool_room(int8)
+        kv = self._kv_int8 if int8 else self._kv
+        if not (self._running or self._slots.draining) or room is None or kv is None:
+            return False  # nothing will come back: decide now
+        if self._gov.verdict(n_prompt, max_tokens, room, int8).kind is VerdictKind.ADMIT:
+            return False
+        idle = PoolRoom(kv.free_bytes + kv.used_blocks * kv.block_bytes, 0, kv.addable_bytes)
+        return self._gov.verdict(n_prompt, max_tokens, idle, int8).kind is VerdictKind.ADMIT
 
     def _shrink_kv(self, releasing: bool) -> bool:
         """Ask the engine to give free KV segments back while the ladder evicts KV (TIGHT and

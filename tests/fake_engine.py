@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ballast.engine.plan import SamplingParams, SlotOutput, StepPlan, StepResult
+from ballast.engine.plan import KVFigures, SamplingParams, SlotOutput, StepPlan, StepResult
 from ballast.memory.types import CostModel
 
 # A toy vocabulary: id 0 is end-of-sequence, a few ids are several characters long.
@@ -33,6 +33,7 @@ EOS = 0
 _IDS = {piece: i for i, piece in enumerate(VOCAB) if i != EOS}
 _UNKNOWN = _IDS["?"]
 _LONGEST = max(len(p) for p in VOCAB[1:])
+KV_BLOCK = 4  # tokens per block of the modelled KV pool
 # Generated tokens come from letters and space only, so text is easy to read and to search.
 _GEN = tuple(range(1, 28))
 
@@ -138,9 +139,14 @@ class FakeEngine:
         model_name: str = "fake-model",
         checkpoint_interval: int = 0,
         quantized_kv: bool = False,
+        kv_blocks: int = 0,
     ) -> None:
+        """kv_blocks > 0 models a KV pool of that many blocks of KV_BLOCK tokens (no growth): each
+        step reports its figures (blocks held by the slots' sequences), as the real engine does."""
         self.model_name = model_name
         self.quantized_kv = quantized_kv
+        self.kv_blocks = kv_blocks
+        self.peak_blocks = 0
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -168,8 +174,21 @@ class FakeEngine:
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         return self._pool.submit(self._step, plan)
 
-    def kv_figures(self, int8: bool = False) -> None:
-        return None  # no KV pool is modelled: admission counts bytes against the snapshot alone
+    def kv_figures(self, int8: bool = False) -> KVFigures | None:
+        if int8:
+            return None
+        with self._lock:
+            return self._figures()
+
+    def _figures(self) -> KVFigures | None:
+        if not self.kv_blocks:
+            return None  # no KV pool modelled: admission counts bytes against the snapshot alone
+        used = sum(-(-len(seq) // KV_BLOCK) for seq in self._seqs.values())
+        self.peak_blocks = max(self.peak_blocks, used)
+        if used > self.kv_blocks:
+            raise FakeEngineError(f"{used} KV blocks held, the pool has {self.kv_blocks}")
+        block_bytes = KV_BLOCK * self.cost_model.kv_bytes_per_token
+        return KVFigures(KV_BLOCK, block_bytes, self.kv_blocks - used, used, 1, 0, self.kv_blocks * block_bytes)
 
     def match_prefix(self, prompt_ids: Sequence[int]) -> int:
         with self._lock:
@@ -247,7 +266,8 @@ class FakeEngine:
             self.checkpoints.add(save.prefix)
         self.prefilled_tokens += prefill_tokens
         self.reused_tokens += reused
-        return StepResult(outputs=tuple(outputs), prefill_tokens=prefill_tokens, decode_tokens=len(plan.decodes), reused_tokens=reused)
+        return StepResult(outputs=tuple(outputs), prefill_tokens=prefill_tokens, decode_tokens=len(plan.decodes),
+                          reused_tokens=reused, kv=self._figures())
 
     def _restore(self, plan: StepPlan) -> int:
         if (plan.saves or plan.restores) and (self.checkpoint_interval == 0 or plan.shed_prefix_cache):

@@ -242,3 +242,26 @@ async def test_admission_charges_the_engines_own_kv_format(tmp_path: Path, quant
     finally:
         await s.stop()
         eng.shutdown()
+
+
+async def test_a_head_that_fits_once_running_requests_end_waits_instead_of_being_refused(tmp_path: Path) -> None:
+    """Admission charges whole requests in KV blocks: with a pool of 40 blocks and requests of ~10
+    blocks each, about three run at once; the others wait at the queue head (not refused, not cut
+    short) and start as blocks come back. Every request completes whole with its calm text."""
+    cfg = MemoryConfig(root=str(tmp_path))
+    level_tree(tmp_path, Level.OK, config=cfg)
+    watch = MemWatch(cfg, StaticDeviceReader())
+    watch.poll_now()
+    eng = FakeEngine(max_model_len=256, kv_blocks=40)
+    s = Scheduler(eng, SchedulerConfig(max_num_seqs=8), memwatch=watch)
+    await s.start()
+    try:
+        reqs = [req(i, max_tokens=28) for i in range(8)]  # 8-9 prompt + 28 new tokens: 10 blocks of 4
+        results = await asyncio.gather(*(s.submit(r).collect() for r in reqs))
+        for r, (text, _, fin) in zip(reqs, results, strict=True):
+            assert fin.reason == "length" and not fin.capped and text == calm(r)
+        assert s.outcomes["overloaded"] == 0 and 0 < eng.peak_blocks <= 40
+        assert max(len(p.prefills) + len(p.decodes) for p in eng.recorded()) <= 4  # never all 8 at once
+    finally:
+        await s.stop()
+        eng.shutdown()
