@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -163,10 +164,15 @@ class Engine:
         self.cost_model: CostModel = build_cost_model(loaded.model, self.dtype, profile, loaded.weights_bytes,
                                                       runner.kv.layout.block_size if runner.kv is not None else 1)
         self.load_report = LoadReport(loaded.load_s, loaded.weights_bytes, runner.state_bytes, profile, runner.quantized_kv)
-        self.prefix_cache = self._build_prefix_cache()
-        self.checkpoint_interval = self.prefix_cache.interval if self.prefix_cache is not None else 0
+        # One cache object holds prefix checkpoints (when prefix caching is on) and the sequences
+        # parked by preemption (always): both are slot states kept in pool buffers.
+        self._cache = self._build_prefix_cache()
+        self.prefix_cache = self._cache if self._prefix_cfg.enabled else None
+        self.checkpoint_interval = self._cache.interval if self.prefix_cache is not None else 0
         self.quantized_kv = runner.quantized_kv
         self._slot_pool: dict[int, KVPool] = {}  # slots whose sequence lives in the int8 pool
+        self._fed: dict[int, array[int]] = {}  # slot -> the tokens its sequence has been fed (to park it)
+        self.parked = 0  # preempted sequences moved to host buffers (the rest were recomputed)
         # Cumulative figures: prompt tokens run through the model vs restored from checkpoints, and
         # sequences moved out of the KV pool for want of blocks.
         self.prefilled_tokens = 0
@@ -177,10 +183,8 @@ class Engine:
         log.info("%s", capacity_line(self.cost_model, runner.fixed_bytes, self._capacity_bytes(), runner.quantized_kv,
                                      self.num_slots, self.max_model_len))
 
-    def _build_prefix_cache(self) -> PrefixCache | None:
+    def _build_prefix_cache(self) -> PrefixCache:
         cfg = self._prefix_cfg
-        if not cfg.enabled:
-            return None
         watch = self._watch
 
         def budget() -> int:
@@ -215,6 +219,10 @@ class Engine:
             return failed
         return self._executor.submit(self._guarded_step, plan)
 
+    def match_parked(self, tokens: Sequence[int]) -> int:
+        """Tokens of `tokens` a parked (preempted) sequence holds: restore them to resume it."""
+        return self._cache.match_parked(tokens)
+
     def match_prefix(self, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens a restore would cover now (0: none, or prefix caching is off)."""
         return self.prefix_cache.match(prompt_ids) if self.prefix_cache is not None else 0
@@ -225,8 +233,8 @@ class Engine:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
         self.runner.release_graphs()
-        if self.prefix_cache is not None:
-            self.prefix_cache.shed()  # buffers back to the pool, which the owner trims
+        self._cache.shed()  # buffers back to the pool, which the owner trims
+        self._cache.unpark_all()
         for pool in self.runner.pools:
             pool.close()  # segments' grants (ledger leases) released
         for lease in self._leases:
@@ -248,9 +256,9 @@ class Engine:
         """Execute one plan. Call only on the engine thread (through `submit`), or in tests."""
         self._apply_shed(plan)
         self._apply_releases(plan)
-        reused = self._apply_restores(plan)
-        seqs, sampled = self._sequences(plan)
-        preempted = self._take_blocks(plan, seqs)
+        reused, unrestored = self._apply_restores(plan)
+        seqs, sampled = self._sequences(plan, unrestored)
+        preempted = self._take_blocks(plan, seqs) | unrestored
         if preempted:
             keep = [i for i, (slot, _, _) in enumerate(seqs) if slot not in preempted]
             seqs, sampled = [seqs[i] for i in keep], [sampled[i] for i in keep]
@@ -289,6 +297,8 @@ class Engine:
 
     def _drop(self, slots: Sequence[int]) -> None:
         """The slots' sequences are gone: blocks back to their pools, slots back to the main pool."""
+        for slot in slots:
+            self._fed.pop(slot, None)
         moved = [s for s in slots if self._slot_pool.pop(s, None) is not None]
         for slot in slots:
             for pool in self.runner.pools:
@@ -321,40 +331,53 @@ class Engine:
                 pool.shrink(keep_segments=0)
 
     def _apply_shed(self, plan: StepPlan) -> None:
-        """The ladder's first rung (WATCH): cached state goes back before anything else shrinks."""
+        """The ladder's first rung (WATCH): cached state goes back before anything else shrinks.
+        Parked sequences stay: they are running work, not cache."""
+        for tokens in plan.unpark:
+            self._cache.unpark(tokens)
         if self.prefix_cache is None:
-            if plan.restores or plan.saves:
-                raise PlanError("checkpoint orders sent to an engine whose prefix cache is off")
+            if plan.saves:
+                raise PlanError("checkpoint saves sent to an engine whose prefix cache is off")
         elif plan.shed_prefix_cache:
-            if plan.restores or plan.saves:
-                raise PlanError("a plan that sheds the prefix cache cannot also save or restore checkpoints")
+            if plan.saves:
+                raise PlanError("a plan that sheds the prefix cache cannot also save checkpoints")
             self.prefix_cache.shed()
             if self._pool is not None:
                 # Under pressure no checkpoint is saved, so pooled buffers would only wait for the
                 # idle trim: give them back to the OS now (on CUDA this also frees pinned pages).
                 self._pool.trim(0)
 
-    def _apply_restores(self, plan: StepPlan) -> int:
-        """Start each restore's slot from its checkpoint, before any forward. Returns the prompt
-        tokens restored."""
-        cache = self.prefix_cache
-        if cache is None:
-            return 0
+    def _apply_restores(self, plan: StepPlan) -> tuple[int, frozenset[int]]:
+        """Start each restore's slot from its parked sequence or checkpoint, before any forward.
+        Returns the prompt tokens restored from checkpoints, and the slots whose parked sequence
+        found no blocks to come back to (they stay parked; the step skips them like preempted ones)."""
+        cache = self._cache
         starts = {p.slot: p.start_pos for p in plan.prefills}
         reused = 0
+        failed: set[int] = set()
         for r in plan.restores:
             self._check_slots([r.slot])
             if starts.get(r.slot) != len(r.prefix):
                 raise PlanError(f"slot {r.slot}: a restore of {len(r.prefix)} tokens needs a prefill chunk starting there")
-            self._start([r.slot])  # a new sequence, in the main pool (where the cache's blocks are)
+            home = cache.parked_pool(r.prefix)
+            # A new sequence: what the slot held goes; it lives where its blocks are (a parked one
+            # in the pool it was parked from, a checkpoint's in the main pool).
+            self._start([r.slot], [home is not None and home is self.runner.kv_int8])
             try:
-                reused += cache.restore(r.slot, r.prefix)
+                n = cache.restore(r.slot, r.prefix)
             except CheckpointMissing as e:
-                raise PlanError(str(e)) from e
+                if home is None:
+                    raise PlanError(str(e)) from e
+                self._drop([r.slot])
+                failed.add(r.slot)
+                continue
+            if home is None:
+                reused += n
+            self._fed[r.slot] = array("q", r.prefix)
             # The restored prefix counts for the repetition penalty as if it had been prefilled.
             self.runner.sampler.reset([r.slot])
             self.runner.sampler.observe_prompt(r.slot, r.prefix)
-        return reused
+        return reused, frozenset(failed)
 
     def _apply_saves(self, plan: StepPlan, skip: frozenset[int]) -> None:
         """After the forward: each save's slot has consumed exactly its prefix (saves of slots in
@@ -372,12 +395,13 @@ class Engine:
                 raise PlanError(f"slot {s.slot}: a checkpoint of {len(s.prefix)} tokens is outside 1..{self.max_model_len}")
             self.prefix_cache.save(s.slot, s.prefix)
 
-    def _sequences(self, plan: StepPlan) -> tuple[list[tuple[int, Sequence[int], int]], list[bool]]:
-        """(slot, tokens, start) per sequence in plan order (prefills, then decodes), and whether
-        each one samples a token. Slots starting a new sequence are reset first."""
+    def _sequences(self, plan: StepPlan, skip: frozenset[int]) -> tuple[list[tuple[int, Sequence[int], int]], list[bool]]:
+        """(slot, tokens, start) per sequence in plan order (prefills, then decodes; slots in
+        `skip` left out), and whether each one samples a token. Slots starting a new sequence are
+        reset first."""
         seqs: list[tuple[int, Sequence[int], int]] = []
         sampled: list[bool] = []
-        for p in plan.prefills:
+        for p in (p for p in plan.prefills if p.slot not in skip):
             seqs.append((p.slot, p.token_ids, p.start_pos))
             sampled.append(p.sample)
         for d in plan.decodes:
@@ -394,7 +418,8 @@ class Engine:
         self._start([p.slot for p in fresh], [p.int8_kv for p in fresh])
         self.runner.reset([p.slot for p in fresh])
         for p in plan.prefills:
-            self.runner.sampler.observe_prompt(p.slot, p.token_ids)
+            if p.slot not in skip:
+                self.runner.sampler.observe_prompt(p.slot, p.token_ids)
         return seqs, sampled
 
     def _take_blocks(self, plan: StepPlan, seqs: Sequences) -> frozenset[int]:
@@ -408,9 +433,9 @@ class Engine:
             return frozenset()
         need = {slot: start + len(tokens) for slot, tokens, start in seqs}
         short = [slot for slot, n in need.items() if not self._kv_of(slot).ensure(slot, n)]
-        if short and self.prefix_cache is not None:
+        if short:
             missing = sum(self._missing(kv, s, need[s]) for s in short if self._kv_of(s) is kv)
-            self.prefix_cache.evict_for_blocks(missing)
+            self._cache.evict_for_blocks(missing)
         victims = [p.slot for p in reversed(plan.prefills)] + [d.slot for d in reversed(plan.decodes)]
         preempted: set[int] = set()
         while True:
@@ -420,16 +445,35 @@ class Engine:
             pool = self._kv_of(short[0])  # blocks freed in another pool would not help it
             victim = next(v for v in victims if v not in preempted and self._kv_of(v) is pool)
             preempted.add(victim)
+            self._park(victim)
             self._drop([victim])
             self.runner.sampler.reset([victim])
         if self.runner.kv_stores is not None and self.runner.kv_int8 is not None:
             # Every layer visits the int8 store only while a sequence lives there.
             self.runner.kv_stores.mixed = bool(self._slot_pool)
+        for slot, tokens, _ in seqs:  # what each slot has been fed, once this step runs
+            if slot not in preempted:
+                self._fed.setdefault(slot, array("q")).extend(tokens)
         if not preempted:
             return frozenset()
         self.preemptions += len(preempted)
         log.warning("KV blocks short: preempted slots %s (they resume when blocks are free)", sorted(preempted))
         return frozenset(preempted)
+
+    def _park(self, slot: int) -> None:
+        """Move a preempted sequence's blocks and recurrent states from the GPU to pinned host
+        buffers so it resumes without a recompute; when the host is short too, it is recomputed
+        instead. On the CPU the blocks already are host memory: moving them would free nothing,
+        so a preempted sequence there is always recomputed."""
+        fed = self._fed.get(slot)
+        pool = self._kv_of(slot)
+        if not fed or pool.store.device.type != "cuda":
+            return
+        need = len(pool.table(slot)) * pool.layout.block_bytes + self.runner.fixed_bytes // max(1, self.num_slots)
+        if self._watch is not None and self._watch.read().host_budget_bytes < need:
+            return
+        if self._cache.park(slot, fed, pool):
+            self.parked += 1
 
     @staticmethod
     def _missing(kv: KVPool, slot: int, n_tokens: int) -> int:

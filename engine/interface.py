@@ -64,6 +64,11 @@ class EngineLike(Protocol):
         plan."""
         ...
 
+    def match_parked(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` a sequence the engine parked when it preempted it
+        holds (0: none, it will be recomputed). A `CheckpointRestore` of them resumes it."""
+        ...
+
     def new_detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> DetokenizerLike: ...
 
     def kv_figures(self, int8: bool = False) -> KVFigures | None:

@@ -94,11 +94,13 @@ class StepPlan:
     max_slots: int | None = None  # resize the active slot limit before the step (ladder)
     shed_prefix_cache: bool = False  # empty the prefix cache before the step (ladder, WATCH+)
     shrink_kv: bool = False  # give free KV segments back before the step (ladder, TIGHT+)
+    # Parked (preempted) sequences whose request ended while it waited: drop what would resume them.
+    unpark: tuple[tuple[int, ...], ...] = ()
 
     @property
     def empty(self) -> bool:
         return not (self.prefills or self.decodes or self.release or self.restores or self.saves or self.shed_prefix_cache
-                    or self.shrink_kv)
+                    or self.shrink_kv or self.unpark)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import math
 import threading
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -93,6 +93,18 @@ class CheckpointMissing(LookupError):
     """A restore names a prefix the cache does not hold (a scheduler/engine contract violation)."""
 
 
+@dataclass(eq=False)
+class _Parked:
+    """A preempted sequence moved out of the KV pool: its blocks' contents and its recurrent
+    states in one host buffer (pinned on CUDA), until the sequence resumes."""
+
+    n_tokens: int
+    buf: Tensor
+    kv: KVPool  # the pool its blocks came from, and go back to
+    n_blocks: int
+    views: tuple[tuple[int, torch.dtype, torch.Size], ...]  # recurrent layers' tensors, then block tensors
+
+
 @dataclass(frozen=True)
 class PrefixCacheStats:
     entries: int
@@ -103,6 +115,8 @@ class PrefixCacheStats:
     restores: int
     evictions: int  # entries dropped to fit a newer one
     sheds: int  # shed() calls that released something
+    parked: int = 0  # preempted sequences held in host buffers now
+    parked_bytes: int = 0
 
 
 def _digest(tokens: Sequence[int]) -> bytes:
@@ -138,28 +152,27 @@ class PrefixCache:
         self._saves = self._duplicates = self._declined = self._restores = self._evictions = self._sheds = 0
         self._device = torch.device(device)
         self._cuda = self._device.type == "cuda"
+        self._parked: dict[tuple[int, bytes], _Parked] = {}
+        self._parked_lengths: Counter[int] = Counter()
 
     # --- any thread ------------------------------------------------------------------------
     def match(self, prompt: Sequence[int]) -> int:
         """The longest cached prefix of `prompt` shorter than it (at least one token must still be
         prefilled to produce the first logits); 0 if none."""
         with self._lock:
-            lengths = sorted(n for n in self._lengths if n < len(prompt))
-            if not lengths:
-                return 0
-            h = hashlib.blake2b(digest_size=16)
-            prev, best = 0, 0
-            for n in lengths:
-                h.update(array("q", prompt[prev:n]).tobytes())
-                prev = n
-                if (n, h.copy().digest()) in self._entries:
-                    best = n
-            return best
+            return _longest(self._lengths, self._entries, prompt)
+
+    def match_parked(self, tokens: Sequence[int]) -> int:
+        """The length of the longest parked sequence whose tokens start `tokens` (shorter than it:
+        one token is always fed after a resume); 0 if none."""
+        with self._lock:
+            return _longest(self._parked_lengths, self._parked, tokens)
 
     def stats(self) -> PrefixCacheStats:
         with self._lock:
+            parked = sum(p.buf.numel() for p in self._parked.values())
             return PrefixCacheStats(len(self._entries), self._held, self._saves, self._duplicates, self._declined,
-                                    self._restores, self._evictions, self._sheds)
+                                    self._restores, self._evictions, self._sheds, len(self._parked), parked)
 
     # --- engine thread ---------------------------------------------------------------------
     def save(self, slot: int, prefix: Sequence[int]) -> bool:
@@ -199,9 +212,66 @@ class PrefixCache:
             self._saves += 1
         return True
 
+    def park(self, slot: int, tokens: Sequence[int], kv: KVPool) -> bool:
+        """Copy a sequence the engine is preempting out of the pool: the KV blocks holding its
+        tokens (from `kv`, the pool it lives in) and its recurrent states, into a host buffer. The
+        caller then releases its blocks; `restore` of the same tokens brings it back without a
+        recompute. False (nothing held) when no host buffer can be had: it is recomputed then."""
+        n = len(tokens)
+        blocks = kv.table(slot)[: -(-n // kv.layout.block_size)]
+        views = [v for s in self._states for v in s.slot_views(slot)]
+        views += [v for b in blocks for v in kv.store.block_views(b)]
+        layout, nbytes = _layout([views])
+        buf = self._buffer(nbytes, shed_on_failure=False) if nbytes else None
+        if buf is None:
+            return False
+        for src, (off, dtype, shape) in zip(views, layout[0], strict=True):
+            _segment(buf, off, dtype, shape).copy_(src, non_blocking=self._cuda)
+        self._sync()
+        key = (n, _digest(tokens))
+        with self._lock:
+            old = self._parked.pop(key, None)
+            self._parked[key] = _Parked(n, buf, kv, len(blocks), layout[0])
+            if old is None:
+                self._parked_lengths[n] += 1
+        if old is not None and self._pool is not None:
+            self._pool.put(old.buf)
+        return True
+
+    def unpark(self, tokens: Sequence[int]) -> bool:
+        """Drop the parked sequence that `tokens` would resume (its request ended while it waited)."""
+        n = self.match_parked(tokens)
+        if n == 0:
+            return False
+        parked = self._take_parked((n, _digest(tokens[:n])))
+        if self._pool is not None:
+            self._pool.put(parked.buf)
+        return True
+
+    def unpark_all(self) -> None:
+        with self._lock:
+            parked = list(self._parked.values())
+            self._parked.clear()
+            self._parked_lengths.clear()
+        for p in parked:
+            if self._pool is not None:
+                self._pool.put(p.buf)
+
+    def parked_pool(self, prefix: Sequence[int]) -> KVPool | None:
+        """The pool a parked sequence of exactly `prefix` goes back to; None if it is not parked."""
+        with self._lock:
+            parked = self._parked.get((len(prefix), _digest(prefix)))
+            return parked.kv if parked is not None else None
+
     def restore(self, slot: int, prefix: Sequence[int]) -> int:
-        """Start the (empty) slot from the checkpoint of exactly `prefix`; returns its token count."""
+        """Start the (empty) slot from the parked sequence or the checkpoint of exactly `prefix`;
+        returns its token count. A parked sequence needs fresh blocks in its pool: CheckpointMissing
+        when they cannot be had (it stays parked)."""
         key = (len(prefix), _digest(prefix))
+        with self._lock:
+            parked = self._parked.get(key)
+        if parked is not None:
+            return self._unpark_into(slot, key, parked)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -228,6 +298,29 @@ class PrefixCache:
         for e in dropped:
             self._give_back(e)
         return released
+
+    def _unpark_into(self, slot: int, key: tuple[int, bytes], parked: _Parked) -> int:
+        if not parked.kv.ensure(slot, parked.n_tokens):
+            raise CheckpointMissing(f"no KV blocks to resume a parked {parked.n_tokens}-token sequence (slot {slot})")
+        dests = [v for s in self._states for v in s.slot_views(slot)]
+        dests += [v for b in parked.kv.table(slot)[: parked.n_blocks] for v in parked.kv.store.block_views(b)]
+        for dst, (off, dtype, shape) in zip(dests, parked.views, strict=True):
+            dst.copy_(_segment(parked.buf, off, dtype, shape), non_blocking=self._cuda)
+        self._sync()  # the buffer goes back to the pool next
+        self._take_parked(key)
+        if self._pool is not None:
+            self._pool.put(parked.buf)
+        with self._lock:
+            self._restores += 1
+        return parked.n_tokens
+
+    def _take_parked(self, key: tuple[int, bytes]) -> _Parked:
+        with self._lock:
+            parked = self._parked.pop(key)
+            self._parked_lengths[parked.n_tokens] -= 1
+            if not self._parked_lengths[parked.n_tokens]:
+                del self._parked_lengths[parked.n_tokens]
+        return parked
 
     def evict_for_blocks(self, n_blocks: int) -> bool:
         """Evict least recently used entries until the KV pool has n_blocks free (blocks are worth
@@ -271,7 +364,7 @@ class PrefixCache:
         self._evictions += 1
         return e
 
-    def _buffer(self, nbytes: int) -> Tensor | None:
+    def _buffer(self, nbytes: int, shed_on_failure: bool = True) -> Tensor | None:
         try:
             if self._pool is not None:
                 return self._pool.get(nbytes)
@@ -279,7 +372,7 @@ class PrefixCache:
         except (RuntimeError, MemoryError) as e:
             # The pool already trimmed itself and retried once. A checkpoint is an optimisation:
             # give back everything the cache holds and go on without this one (logged, counted).
-            released = self.shed()
+            released = self.shed() if shed_on_failure else 0
             with self._lock:
                 self._declined += 1
             log.warning("checkpoint buffer of %d bytes failed (%s); prefix cache shed %d bytes", nbytes, e, released)
@@ -294,6 +387,19 @@ class PrefixCache:
     def _sync(self) -> None:
         if self._cuda:
             torch.cuda.current_stream(self._device).synchronize()
+
+
+def _longest(lengths: Counter[int], entries: Mapping[tuple[int, bytes], object], tokens: Sequence[int]) -> int:
+    """The longest n < len(tokens) with an entry keyed by tokens[:n] (hashes of growing prefixes)."""
+    candidates = sorted(n for n in lengths if n < len(tokens))
+    h = hashlib.blake2b(digest_size=16)
+    prev, best = 0, 0
+    for n in candidates:
+        h.update(array("q", tokens[prev:n]).tobytes())
+        prev = n
+        if (n, h.copy().digest()) in entries:
+            best = n
+    return best
 
 
 def _layout(views: Sequence[Sequence[Tensor]]) -> tuple[tuple[tuple[tuple[int, torch.dtype, torch.Size], ...], ...], int]:

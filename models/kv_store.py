@@ -241,6 +241,14 @@ class KVStore:
         if blocks:
             self.block_table[slot, start : start + len(blocks)].copy_(torch.tensor(blocks, dtype=torch.int32))
 
+    def block_views(self, block: int) -> list[Tensor]:
+        """Views of one block across every layer, one per tensor (K/V, and scales when int8),
+        each [num_layers, block_size, ...]: what parking a sequence copies out and back."""
+        if self.cuda is not None:
+            return self.cuda.block(block)
+        assert self.host is not None
+        return [t[:, block] for t in self.host.tensors()]
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy a whole block (every layer), e.g. copy on write of a shared partial block."""
         if self.cuda is not None:

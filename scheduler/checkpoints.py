@@ -23,6 +23,7 @@ class CheckpointOrders:
         self._shedding = shedding
         self._saves: list[CheckpointSave] = []  # for the next plan
         self._restores: list[CheckpointRestore] = []
+        self._resumes: list[CheckpointRestore] = []
         self._shed_sent = False  # the engine has been told to shed since the ladder asked
 
     @property
@@ -35,6 +36,11 @@ class CheckpointOrders:
         if n > 0:
             self._restores.append(CheckpointRestore(slot, prompt[:n]))
         return n
+
+    def resume(self, slot: int, prefix: tuple[int, ...]) -> None:
+        """Order a preempted sequence's parked state back into slot: always, shedding or not
+        (it is running work, not cache)."""
+        self._resumes.append(CheckpointRestore(slot, prefix))
 
     def chunk_end(self, slot: int, prompt: tuple[int, ...], start: int, end: int) -> int:
         """Where a chunk [start, end) of prompt may end: at the next checkpoint at the latest,
@@ -52,10 +58,12 @@ class CheckpointOrders:
             self._saves.append(CheckpointSave(slot, consumed))
 
     def take(self) -> tuple[bool, tuple[CheckpointSave, ...], tuple[CheckpointRestore, ...]]:
-        """(shed the cache now, saves, restores) for the next plan; a plan that sheds carries none."""
+        """(shed the cache now, saves, restores) for the next plan; a plan that sheds carries no
+        checkpoint order, only the resumes of parked sequences."""
         shedding = self._shedding()
         shed = self.interval > 0 and shedding and not self._shed_sent
         self._shed_sent = shedding
         saves, restores = ((), ()) if shed else (tuple(self._saves), tuple(self._restores))
-        self._saves, self._restores = [], []
+        restores += tuple(self._resumes)
+        self._saves, self._restores, self._resumes = [], [], []
         return shed, saves, restores

@@ -149,6 +149,7 @@ class Scheduler:
         self._kv: KVFigures | None = engine.kv_figures()
         self._kv_int8: KVFigures | None = engine.kv_figures(int8=True)
         self._shrink_sent = False  # the engine was told to give free KV segments back
+        self._unpark: list[tuple[int, ...]] = []  # for the next plan
         self.preemptions = 0
         self.reused_tokens = 0
         self._wake = asyncio.Event()
@@ -281,6 +282,7 @@ class Scheduler:
             max_slots=self._engine_slot_change(),
             shed_prefix_cache=shed,
             shrink_kv=self._shrink_kv(bool(release)),
+            unpark=self._take_unpark(),
         )
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
@@ -338,7 +340,10 @@ class Scheduler:
         assert seq.slot is not None
         prompt = seq.feed
         cached = not seq.int8_kv  # the prefix cache holds main-pool blocks: int8 sequences neither save nor restore
-        if cached and seq.prefilled == 0 and (n := self._checkpoints.restore(seq.slot, prompt)) > 0:
+        if seq.preempted and seq.prefilled == 0 and (n := self._engine.match_parked(prompt)) > 0:
+            self._checkpoints.resume(seq.slot, prompt[:n])  # parked when preempted: no recompute
+            seq.prefilled = n
+        elif cached and seq.prefilled == 0 and (n := self._checkpoints.restore(seq.slot, prompt)) > 0:
             seq.prefilled = n
             if not seq.resumed:
                 seq.cached = n
@@ -392,6 +397,10 @@ class Scheduler:
         idle = PoolRoom(kv.free_bytes + kv.used_blocks * kv.block_bytes, 0, kv.addable_bytes)
         return self._gov.verdict(n_prompt, max_tokens, idle, int8).kind is VerdictKind.ADMIT
 
+    def _take_unpark(self) -> tuple[tuple[int, ...], ...]:
+        out, self._unpark = tuple(self._unpark), []
+        return out
+
     def _shrink_kv(self, releasing: bool) -> bool:
         """Ask the engine to give free KV segments back while the ladder evicts KV (TIGHT and
         worse): once when the rung engages, then with every plan that frees blocks."""
@@ -422,6 +431,8 @@ class Scheduler:
             return
         if seq.phase is Phase.WAITING:
             self._queue.drop_if(lambda s: s is seq)
+            if seq.preempted:  # whatever the engine parked for it would never be resumed
+                self._unpark.append(seq.feed)
         else:
             self._running.remove(seq)
             if seq.slot is not None:

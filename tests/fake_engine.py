@@ -190,6 +190,9 @@ class FakeEngine:
         block_bytes = KV_BLOCK * self.cost_model.kv_bytes_per_token
         return KVFigures(KV_BLOCK, block_bytes, self.kv_blocks - used, used, 1, 0, self.kv_blocks * block_bytes)
 
+    def match_parked(self, tokens: Sequence[int]) -> int:
+        return 0  # the fake never preempts
+
     def match_prefix(self, prompt_ids: Sequence[int]) -> int:
         with self._lock:
             lengths = [len(c) for c in self.checkpoints if len(c) < len(prompt_ids) and tuple(prompt_ids[: len(c)]) == c]

@@ -250,3 +250,50 @@ def test_auto_interval_follows_the_cost_ratio() -> None:
     assert auto_interval(0, 1024) == MIN_INTERVAL
     assert auto_interval(75 * MiB, 24 * 1024) == 3328  # a Qwen3-Next-80B-like ratio, 256-aligned
     assert auto_interval(MiB, 0) == MIN_INTERVAL
+
+
+def greedy(eng: Engine, slot: int, prompt: tuple[int, ...], new_tokens: int) -> list[int]:
+    """One greedy sequence, prefilled whole, decoded; the slot is not released."""
+    res = eng.step(StepPlan(prefills=(PrefillChunk(slot, prompt, 0, True),), sampling={slot: GREEDY}))
+    out = [res.outputs[0].token_id]
+    for _ in range(new_tokens - 1):
+        res = eng.step(StepPlan(decodes=(DecodeToken(slot, out[-1], len(prompt) + len(out) - 1),), sampling={slot: GREEDY}))
+        out.append(res.outputs[0].token_id)
+    return out
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny-llama", "builtin:tiny-qwen3-next"])
+def test_a_parked_sequence_resumes_exactly_where_it_stopped(model: str) -> None:
+    """Parking copies a sequence's blocks and recurrent states out of the pools (what the engine
+    does on CUDA when it preempts); its slot is released; a restore of the same tokens into another
+    slot brings it back and decoding goes on with the tokens of an uninterrupted run. Unpark drops
+    a parked sequence whose request ended."""
+    cfg = EngineConfig(model=model, device="cpu", max_num_seqs=3, max_model_len=MAX_LEN, prefill_chunk_tokens=64)
+    eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(fraction=0.0))  # prefix caching off: parking still works
+    try:
+        p = ids(41, 45)
+        calm = greedy(eng, 0, p, 8)
+        eng.step(StepPlan(release=(0,)))
+        first = greedy(eng, 0, p, 4)
+        kv = eng.runner.kv
+        assert kv is not None and eng.prefix_cache is None
+        fed = p + tuple(first[:-1])
+        assert eng._cache.park(0, fed, kv) and eng.match_parked(fed + (first[-1],)) == len(fed)
+        eng.step(StepPlan(release=(0,)))
+        assert kv.figures().used_blocks == 0
+        res = eng.step(StepPlan(prefills=(PrefillChunk(2, (first[-1],), len(fed), True),),
+                                restores=(CheckpointRestore(2, fed),), sampling={2: GREEDY}))
+        assert res.reused_tokens == 0  # a resume, not prefix reuse
+        out = first + [res.outputs[0].token_id]
+        for _ in range(3):
+            step = eng.step(StepPlan(decodes=(DecodeToken(2, out[-1], len(p) + len(out) - 1),), sampling={2: GREEDY}))
+            out.append(step.outputs[0].token_id)
+        assert out == calm
+        assert eng._cache.stats().parked == 0
+        eng.step(StepPlan(release=(2,)))
+        greedy(eng, 0, p, 2)
+        assert eng._cache.park(0, p, kv) and eng._cache.stats().parked == 1
+        eng.step(StepPlan(release=(0,), unpark=(p + (1,),)))
+        assert eng._cache.stats().parked == 0 and eng.match_parked(p + (1,)) == 0
+    finally:
+        eng.shutdown()
