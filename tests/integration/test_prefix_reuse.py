@@ -5,6 +5,7 @@ checkpoints, give the same tokens as a cold engine, and prefill fewer tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -106,6 +107,11 @@ async def test_watch_sheds_once_and_stops_checkpoints(tmp_path: Path) -> None:
     try:
         await chat(s, USER[:1], 6)
         assert eng.checkpoints
+        for _ in range(5000):  # the answer can arrive before the plan releasing its slot has run
+            if s.idle:
+                break
+            await asyncio.sleep(0.001)
+        assert s.idle
         level_tree(tmp_path, Level.WATCH, config=cfg)
         assert watch.poll_now().level is Level.WATCH
         since = len(eng.recorded())
