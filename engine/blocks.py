@@ -42,6 +42,8 @@ class BlockAllocator:
         self._refs: dict[int, int] = {}  # block -> references, for blocks in use only
         self._used_in: dict[int, int] = {}  # segment -> blocks in use
         self._tables: dict[int, list[int]] = {}  # slot -> its blocks in position order
+        self._in_tables: dict[int, int] = {}  # block -> slot tables listing it (blocks in use only)
+        self._held_only = 0  # blocks in use that no slot lists: only holds (the prefix cache) keep them
 
     # --- figures --------------------------------------------------------------------------
     @property
@@ -55,6 +57,11 @@ class BlockAllocator:
     @property
     def used_blocks(self) -> int:
         return len(self._refs)
+
+    @property
+    def held_only_blocks(self) -> int:
+        """Blocks kept only by holds, none by a slot: what dropping every hold would free."""
+        return self._held_only
 
     @property
     def total_blocks(self) -> int:
@@ -125,6 +132,7 @@ class BlockAllocator:
         new = [heapq.heappop(self._free) for _ in range(need)]
         for b in new:
             self._refs[b] = 1
+            self._in_tables[b] = 1
             self._used_in[b // self.seg_blocks] += 1
         table.extend(new)
         return new
@@ -134,6 +142,8 @@ class BlockAllocator:
         if self._tables.get(slot):
             raise BlockError(f"slot {slot} already holds blocks")
         self.hold(blocks)
+        for b in blocks:
+            self._enter(b)
         self._tables[slot] = list(blocks)
 
     def replace(self, slot: int, index: int, block: int) -> int:
@@ -143,6 +153,8 @@ class BlockAllocator:
         table = self._tables[slot]
         old = table[index]
         table[index] = block
+        self._enter(block)
+        self._leave(old)
         self.drop([old])
         return old
 
@@ -152,12 +164,17 @@ class BlockAllocator:
             raise BlockError("no free block")
         b = heapq.heappop(self._free)
         self._refs[b] = 1
+        self._in_tables[b] = 0
+        self._held_only += 1
         self._used_in[b // self.seg_blocks] += 1
         return b
 
     def release(self, slot: int) -> list[int]:
         """The slot's sequence ended: its table empties. Returns the blocks that became free."""
-        return self.drop(self._tables.pop(slot, ()))
+        table = self._tables.pop(slot, ())
+        for b in table:
+            self._leave(b)
+        return self.drop(table)
 
     def hold(self, blocks: Iterable[int]) -> None:
         """One more reference to each block (all must be in use)."""
@@ -177,7 +194,23 @@ class BlockAllocator:
                 self._refs[b] = n - 1
                 continue
             del self._refs[b]
+            if self._in_tables.pop(b) == 0:
+                self._held_only -= 1
             self._used_in[b // self.seg_blocks] -= 1
             heapq.heappush(self._free, b)
             freed.append(b)
         return freed
+
+    def _enter(self, block: int) -> None:
+        """A slot's table lists the block once more."""
+        n = self._in_tables[block]
+        self._in_tables[block] = n + 1
+        if n == 0:
+            self._held_only -= 1
+
+    def _leave(self, block: int) -> None:
+        """A slot's table lists the block once less (its reference is dropped next)."""
+        n = self._in_tables[block] - 1
+        self._in_tables[block] = n
+        if n == 0:
+            self._held_only += 1

@@ -43,7 +43,7 @@ class KVPool:
     def figures(self) -> KVFigures:
         a, lay = self.alloc, self.layout
         return KVFigures(lay.block_size, lay.block_bytes, a.free_blocks, a.used_blocks, len(a.segments),
-                         a.addable_segments * lay.seg_blocks, self.store.bytes_held)
+                         a.addable_segments * lay.seg_blocks, self.store.bytes_held, a.held_only_blocks)
 
     @property
     def bytes_held(self) -> int:

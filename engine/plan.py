@@ -123,10 +123,17 @@ class KVFigures:
     segments: int  # live segments
     addable_blocks: int  # blocks the limits still allow in segments not yet live
     bytes_held: int
+    evictable_blocks: int = 0  # in use only by the prefix cache: the engine evicts them for a sequence
+
+    @property
+    def spare_blocks(self) -> int:
+        """Blocks a sequence can have without new memory: free, or freed by evicting cache."""
+        return self.free_blocks + self.evictable_blocks
 
     @property
     def free_bytes(self) -> int:
-        return self.free_blocks * self.block_bytes
+        """Bytes of the spare blocks (free or held only by the prefix cache)."""
+        return self.spare_blocks * self.block_bytes
 
     @property
     def addable_bytes(self) -> int:

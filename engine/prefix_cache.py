@@ -300,6 +300,8 @@ class PrefixCache:
         return released
 
     def _unpark_into(self, slot: int, key: tuple[int, bytes], parked: _Parked) -> int:
+        if parked.kv is self._kv and not parked.kv.ensure(slot, parked.n_tokens):
+            self.evict_for_blocks(-(-parked.n_tokens // parked.kv.layout.block_size))  # cached prefixes go first
         if not parked.kv.ensure(slot, parked.n_tokens):
             raise CheckpointMissing(f"no KV blocks to resume a parked {parked.n_tokens}-token sequence (slot {slot})")
         dests = [v for s in self._states for v in s.slot_views(slot)]

@@ -315,7 +315,7 @@ class Scheduler:
                 return None
             asked = seq.req.max_tokens - len(seq.resumed)
             int8 = seq.int8_kv if seq.int8_kv is not None else self._gov.plan.force_quantized_kv and self._kv_int8 is not None
-            if self._waits_for_blocks(len(seq.feed), asked, int8):
+            if self._waits_for_blocks(len(seq.feed), asked, int8) or (seq.preempted and not self._resumable(seq, int8)):
                 return None
             try:
                 admission = self._gov.admit(len(seq.feed), asked, self._pool_room(int8), quantized=int8)
@@ -394,12 +394,26 @@ class Scheduler:
             return False  # nothing will come back: decide now
         if self._gov.verdict(n_prompt, max_tokens, room, int8).kind is VerdictKind.ADMIT:
             return False
-        idle = PoolRoom(kv.free_bytes + kv.used_blocks * kv.block_bytes, 0, kv.addable_bytes)
+        idle = PoolRoom((kv.free_blocks + kv.used_blocks) * kv.block_bytes, 0, kv.addable_bytes)
         return self._gov.verdict(n_prompt, max_tokens, idle, int8).kind is VerdictKind.ADMIT
 
     def _take_unpark(self) -> tuple[tuple[int, ...], ...]:
         out, self._unpark = tuple(self._unpark), []
         return out
+
+    def _resumable(self, seq: _Seq, int8: bool) -> bool:
+        """A preempted request comes back only when its pool holds free blocks for what it had and
+        its next token, beyond what running requests will still take: it was preempted because
+        blocks could not be had, so counting on new memory would preempt it again at once. With a
+        memory snapshot, admission also weighs new memory (the pressure that caused the preemption
+        shows there); without one the free blocks decide alone."""
+        kv = self._kv_int8 if int8 else self._kv
+        if kv is None or self._gov.snapshot is not None:
+            return True
+        bs = kv.block_size
+        promised = sum(blocks_for(s.total_tokens, bs) - blocks_for(s.kv_held, bs) for s in self._running
+                       if bool(s.int8_kv) == int8)
+        return kv.spare_blocks - promised >= blocks_for(len(seq.feed) + 1, bs)
 
     def _shrink_kv(self, releasing: bool) -> bool:
         """Ask the engine to give free KV segments back while the ladder evicts KV (TIGHT and

@@ -32,6 +32,8 @@ def check_invariants(alloc: BlockAllocator, tables: dict[int, list[int]], holds:
         want.update(table)
     assert {b: alloc.refs(b) for b in want} == dict(want)
     assert alloc.used_blocks == len(want)
+    listed = {b for t in tables.values() for b in t}
+    assert alloc.held_only_blocks == len(set(want) - listed)  # what dropping the holds would free
     assert alloc.free_blocks + alloc.used_blocks == alloc.total_blocks
     live = {b for s in alloc.segments for b in range(s * alloc.seg_blocks, (s + 1) * alloc.seg_blocks)}
     assert set(want) <= live
