@@ -300,9 +300,10 @@ class PrefixCache:
         return released
 
     def _unpark_into(self, slot: int, key: tuple[int, bytes], parked: _Parked) -> int:
-        if parked.kv is self._kv and not parked.kv.ensure(slot, parked.n_tokens):
-            self.evict_for_blocks(-(-parked.n_tokens // parked.kv.layout.block_size))  # cached prefixes go first
-        if not parked.kv.ensure(slot, parked.n_tokens):
+        kv = parked.kv
+        if not kv.ensure(slot, parked.n_tokens) and kv is self._kv:
+            self.evict_for_blocks(parked.n_blocks)  # cached prefixes go first
+        if not kv.ensure(slot, parked.n_tokens):
             raise CheckpointMissing(f"no KV blocks to resume a parked {parked.n_tokens}-token sequence (slot {slot})")
         dests = [v for s in self._states for v in s.slot_views(slot)]
         dests += [v for b in parked.kv.table(slot)[: parked.n_blocks] for v in parked.kv.store.block_views(b)]
