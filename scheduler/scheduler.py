@@ -507,6 +507,11 @@ class Scheduler:
 
     # --- figures (read-only) --------------------------------------------------------------
     @property
+    def kv_pools(self) -> list[tuple[str, KVFigures]]:
+        """The KV pools' figures after the last step, by name."""
+        return [(name, f) for name, f in (("main", self._kv), ("int8", self._kv_int8)) if f is not None]
+
+    @property
     def queue_depth(self) -> int:
         return len(self._queue)
 

@@ -30,6 +30,9 @@ class SchedulerFigures:
     slot_limit: int
     pressure_level: int
     reused_prompt_tokens: int = 0  # prompt tokens restored from prefix checkpoints, not prefilled
+    # Per KV pool ("main", "int8"): (bytes of its live segments, blocks in use, spare blocks).
+    kv_pools: tuple[tuple[str, int, int, int], ...] = ()
+    preemptions: int = 0  # sequences moved out of the KV pool for want of blocks (all resumed)
 
 
 class _SchedulerCollector(Collector):
@@ -52,6 +55,18 @@ class _SchedulerCollector(Collector):
             "ballast_prompt_tokens_reused", "Prompt tokens restored from prefix checkpoints instead of prefilled",
             value=figures.reused_prompt_tokens,
         )
+        if not figures.kv_pools:
+            return
+        held = GaugeMetricFamily("ballast_kv_pool_bytes", "Bytes of the KV pool's live segments", labels=["pool"])
+        blocks = GaugeMetricFamily("ballast_kv_blocks", "KV blocks in use and spare (free or cache-only)", labels=["pool", "state"])
+        for pool, nbytes, used, spare in figures.kv_pools:
+            held.add_metric([pool], nbytes)
+            blocks.add_metric([pool, "used"], used)
+            blocks.add_metric([pool, "spare"], spare)
+        yield held
+        yield blocks
+        yield CounterMetricFamily("ballast_kv_preemptions", "Sequences preempted for want of KV blocks (resumed later)",
+                                  value=figures.preemptions)
 
 
 class HttpMetrics:

@@ -111,4 +111,6 @@ class ServerState:
         s = self.scheduler
         if s is None:
             return None
-        return SchedulerFigures(s.queue_depth, s.active_slots, s.slot_limit, int(s.pressure_level), s.reused_tokens)
+        pools = tuple((name, f.bytes_held, f.used_blocks, f.spare_blocks) for name, f in s.kv_pools)
+        return SchedulerFigures(s.queue_depth, s.active_slots, s.slot_limit, int(s.pressure_level), s.reused_tokens,
+                                pools, s.preemptions)
