@@ -14,11 +14,12 @@ PSI escalation (avg10, percent) only ever raises the level:
     some >= psi_some_tight (10)   at least TIGHT
     some > 0                      at least WATCH
 
-Die (GPU) VRAM, budget = total - die reserve; a die with budget 0 is not tracked:
+Die (GPU) VRAM, budget = total - die reserve, room = budget - our own leases (planned memory is
+no pressure); a die with budget 0 is not tracked:
 
     free == 0         CRITICAL
-    free < budget/16  TIGHT
-    free < budget/8   WATCH
+    free < room/16    TIGHT
+    free < room/8     WATCH
 
 Overall = the worst of the host level and every die level.
 """
@@ -86,15 +87,22 @@ def host_level(sample: HostSample, config: MemoryConfig) -> Level:
     return max(bytes_level(available, host_reserve_bytes(total, config)), pressure)
 
 
-def die_level(free_bytes: int, budget_bytes: int) -> Level:
-    """The die table; a die whose budget is 0 (unknown or all reserve) is skipped (OK)."""
+def die_level(free_bytes: int, budget_bytes: int, ledger_bytes: int = 0) -> Level:
+    """The die table; a die whose budget is 0 (unknown or all reserve) is skipped (OK).
+
+    Free VRAM is judged against the part of the budget our own leases do not hold: what we
+    leased is planned memory (the ledger refuses past its ceiling), so a KV pool grown to the
+    ceiling, which leaves only the ceiling's cushion free, is no pressure; other processes and
+    unplanned allocations eating into that remainder are. With nothing leased this is the plain
+    table: free 0 CRITICAL, < budget/16 TIGHT, < budget/8 WATCH."""
     if budget_bytes <= 0:
         return Level.OK
     if free_bytes <= 0:
         return Level.CRITICAL
-    if free_bytes < budget_bytes / 16:
+    room = max(0, budget_bytes - ledger_bytes)
+    if free_bytes < room / 16:
         return Level.TIGHT
-    if free_bytes < budget_bytes / 8:
+    if free_bytes < room / 8:
         return Level.WATCH
     return Level.OK
 

@@ -148,7 +148,7 @@ class MemWatch:
                     budget_bytes=budget,
                     ledger_bytes=ours,
                     ceiling_bytes=booked.ceiling_bytes if booked else 0,
-                    level=die_level(free, budget),
+                    level=die_level(free, budget, ours),
                 )
             )
         h_level = host_level(host, self.config)

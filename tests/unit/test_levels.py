@@ -206,3 +206,17 @@ def test_pure_table_functions_agree() -> None:
     assert psi_level(0.0, 0.0, CFG) == Level.OK and psi_level(0.0, 15.0, CFG) == Level.CRITICAL
     assert psi_level(5.0, 0.0, MemoryConfig(psi_some_tight_pct=5.0)) == Level.TIGHT
     assert worst([]) == Level.OK and worst([Level.WATCH, Level.OK, Level.TIGHT]) == Level.TIGHT
+
+
+@pytest.mark.parametrize(
+    ("free", "ledger", "expect"),
+    [
+        (BUDGET // 10, 0, Level.WATCH),  # nothing of ours: 10% free of the whole budget is WATCH
+        (BUDGET // 10, BUDGET * 9 // 10, Level.OK),  # our pool leased to the ceiling: the cushion left is no pressure
+        (BUDGET // 100, BUDGET * 9 // 10, Level.WATCH),  # others ate into the remainder
+        (BUDGET // 200, BUDGET * 9 // 10, Level.TIGHT),
+        (0, BUDGET * 9 // 10, Level.CRITICAL),
+    ],
+)
+def test_our_own_leases_do_not_raise_the_die_level(free: int, ledger: int, expect: Level) -> None:
+    assert die_level(free, BUDGET, ledger) == expect
