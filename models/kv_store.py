@@ -30,6 +30,7 @@ import math
 import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -212,6 +213,8 @@ class KVStore:
         else:
             self.host = _HostMemory(layout)
         self.live_segments: set[int] = set()
+        # The CPU path's per-step row and block indices, shared by every layer (see state.py).
+        self.step_index: tuple[Any, tuple[Tensor, Tensor], Tensor] | None = None
 
     @property
     def bytes_held(self) -> int:

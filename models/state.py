@@ -138,9 +138,7 @@ def _write(store: KVStore, layer: int, batch: ForwardBatch, kv: Tensor) -> None:
         return
     host = store.host
     assert host is not None
-    bs = store.layout.block_size
-    blocks = store.block_table[batch.slot_of_token, batch.positions // bs].long()
-    index = (blocks, batch.positions % bs)
+    index = _step_index(store, batch)[0]
     if host.scale is None:
         host.kv[layer].index_put_(index, kv.to(store.layout.dtype))
         return
@@ -154,13 +152,25 @@ def _read(store: KVStore, layer: int, batch: ForwardBatch) -> Tensor:
     host = store.host
     assert host is not None, "on CUDA attention reads the blocks in place (attend_in_place)"
     lay, b = store.layout, batch.num_seqs
-    nb = -(-batch.max_ctx // lay.block_size)
-    ids = store.block_table[batch.slots, :nb].reshape(-1).long()
+    ids = _step_index(store, batch)[1]
     kv = _gather_blocks(host.kv[layer], ids, b)[:, : batch.max_ctx]
     if host.scale is not None:
         scale = _gather_blocks(host.scale[layer], ids, b)[:, : batch.max_ctx]
         kv = (kv.float() * scale[..., None]).to(lay.dtype)
     return kv
+
+
+def _step_index(store: KVStore, batch: ForwardBatch) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    """(block, offset) of every token's row and the blocks each sequence reads, for the CPU path:
+    the same for every layer of a step, so computed once per step and store."""
+    cached = store.step_index
+    if cached is not None and cached[0] is batch:
+        return cached[1], cached[2]
+    bs = store.layout.block_size
+    rows = (store.block_table[batch.slot_of_token, batch.positions // bs].long(), batch.positions % bs)
+    ids = store.block_table[batch.slots, : -(-batch.max_ctx // bs)].reshape(-1).long()
+    store.step_index = (batch, rows, ids)
+    return rows, ids
 
 
 def _attend(store: KVStore, layer: int, q: Tensor, batch: ForwardBatch, foreign: Tensor | None) -> Tensor:
