@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -20,7 +19,6 @@ from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
 from ballast.engine.graphs import GraphCaptureError
 from ballast.engine.kv_budget import capacity_line, segment_grant
-from ballast.engine.kv_pool import KVPool
 from ballast.engine.loading import LoadedModel, load
 from ballast.engine.plan import KVFigures, SamplingParams, SlotOutput, StepPlan, StepResult
 from ballast.engine.prefix_cache import CheckpointMissing, PrefixCache, PrefixCacheConfig, auto_interval
@@ -32,6 +30,7 @@ from ballast.engine.runner import (
     planned_state_bytes,
     profile_prefill,
 )
+from ballast.engine.slot_kv import SlotKV
 from ballast.engine.tokenizer import Tokenizer
 from ballast.memory.errors import LedgerFull
 from ballast.memory.ledger import Lease
@@ -170,14 +169,10 @@ class Engine:
         self.prefix_cache = self._cache if self._prefix_cfg.enabled else None
         self.checkpoint_interval = self._cache.interval if self.prefix_cache is not None else 0
         self.quantized_kv = runner.quantized_kv
-        self._slot_pool: dict[int, KVPool] = {}  # slots whose sequence lives in the int8 pool
-        self._fed: dict[int, array[int]] = {}  # slot -> the tokens its sequence has been fed (to park it)
-        self.parked = 0  # preempted sequences moved to host buffers (the rest were recomputed)
-        # Cumulative figures: prompt tokens run through the model vs restored from checkpoints, and
-        # sequences moved out of the KV pool for want of blocks.
+        self.slot_kv = SlotKV(self.runner, self._cache, self._watch)
+        # Cumulative figures: prompt tokens run through the model vs restored from checkpoints.
         self.prefilled_tokens = 0
         self.reused_tokens = 0
-        self.preemptions = 0
         log.info("engine: %s on %s (%s), up to %d sequences x %d tokens, load %.2fs", self.model_name, self.device,
                  self.dtype, self.num_slots, self.max_model_len, loaded.load_s)
         log.info("%s", capacity_line(self.cost_model, runner.fixed_bytes, self._capacity_bytes(), runner.quantized_kv,
@@ -207,6 +202,16 @@ class Engine:
     def hf_config(self) -> dict[str, object]:
         """The model's Hugging Face-style config dict (from config.json, the GGUF, or built in)."""
         return dict(self._loaded.hf_config)
+
+    @property
+    def preemptions(self) -> int:
+        """Sequences moved out of the KV pool for want of blocks (each resumed later)."""
+        return self.slot_kv.preemptions
+
+    @property
+    def parked(self) -> int:
+        """Of the preemptions, those parked in host buffers rather than recomputed."""
+        return self.slot_kv.parked
 
     @property
     def healthy(self) -> bool:
@@ -258,7 +263,7 @@ class Engine:
         self._apply_releases(plan)
         reused, unrestored = self._apply_restores(plan)
         seqs, sampled = self._sequences(plan, unrestored)
-        preempted = self._take_blocks(plan, seqs) | unrestored
+        preempted = self.slot_kv.take_blocks(plan, seqs) | unrestored
         if preempted:
             keep = [i for i, (slot, _, _) in enumerate(seqs) if slot not in preempted]
             seqs, sampled = [seqs[i] for i in keep], [sampled[i] for i in keep]
@@ -277,36 +282,6 @@ class Engine:
         pool = self.runner.kv_int8 if int8 else self.runner.kv
         return pool.figures() if pool is not None else None
 
-    def _kv_of(self, slot: int) -> KVPool:
-        pool = self._slot_pool.get(slot, self.runner.kv)
-        assert pool is not None
-        return pool
-
-    def _start(self, slots: Sequence[int], int8: Sequence[bool] = ()) -> None:
-        """New sequences start in these slots: whatever they held goes back, and each lives in the
-        int8 pool if asked (and there is one), else in the main pool."""
-        if self.runner.kv is None:
-            return
-        self._drop(slots)
-        to_int8 = [s for s, q in zip(slots, int8, strict=False) if q and self.runner.kv_int8 is not None]
-        for slot in to_int8:
-            self._slot_pool[slot] = self.runner.kv_int8  # type: ignore[assignment]
-        stores = self.runner.kv_stores
-        if to_int8 and stores is not None:
-            stores.int8_slots[torch.tensor(to_int8, device=stores.int8_slots.device)] = True
-
-    def _drop(self, slots: Sequence[int]) -> None:
-        """The slots' sequences are gone: blocks back to their pools, slots back to the main pool."""
-        for slot in slots:
-            self._fed.pop(slot, None)
-        moved = [s for s in slots if self._slot_pool.pop(s, None) is not None]
-        for slot in slots:
-            for pool in self.runner.pools:
-                pool.release(slot)
-        stores = self.runner.kv_stores
-        if moved and stores is not None:
-            stores.int8_slots[torch.tensor(moved, device=stores.int8_slots.device)] = False
-
     def _forward(self, seqs: Sequences, sampled: list[bool], sampling: dict[int, SamplingParams]) -> tuple[tuple[SlotOutput, ...], float]:
         if not seqs:
             return (), 0.0
@@ -323,12 +298,11 @@ class Engine:
         # the slot still holds the blocks.
         self._apply_saves(replace(plan, saves=tuple(s for s in plan.saves if s.slot in plan.release)), frozenset())
         self.runner.sampler.reset(plan.release)
-        self._drop(plan.release)
+        self.slot_kv.drop(plan.release)
         if plan.shrink_kv:
             # TIGHT and worse: free segments go back to the device / host at once instead of
             # waiting to be reused; CRITICAL thereby shrinks the pools to what running sequences hold.
-            for pool in self.runner.pools:
-                pool.shrink(keep_segments=0)
+            self.slot_kv.shrink()
 
     def _apply_shed(self, plan: StepPlan) -> None:
         """The ladder's first rung (WATCH): cached state goes back before anything else shrinks.
@@ -362,18 +336,18 @@ class Engine:
             home = cache.parked_pool(r.prefix)
             # A new sequence: what the slot held goes; it lives where its blocks are (a parked one
             # in the pool it was parked from, a checkpoint's in the main pool).
-            self._start([r.slot], [home is not None and home is self.runner.kv_int8])
+            self.slot_kv.start([r.slot], [home is not None and home is self.runner.kv_int8])
             try:
                 n = cache.restore(r.slot, r.prefix)
             except CheckpointMissing as e:
                 if home is None:
                     raise PlanError(str(e)) from e
-                self._drop([r.slot])
+                self.slot_kv.drop([r.slot])
                 failed.add(r.slot)
                 continue
             if home is None:
                 reused += n
-            self._fed[r.slot] = array("q", r.prefix)
+            self.slot_kv.restored(r.slot, r.prefix)
             # The restored prefix counts for the repetition penalty as if it had been prefilled.
             self.runner.sampler.reset([r.slot])
             self.runner.sampler.observe_prompt(r.slot, r.prefix)
@@ -385,7 +359,7 @@ class Engine:
         if self.prefix_cache is None:
             return
         self._check_slots([s.slot for s in plan.saves])
-        int8 = [s.slot for s in plan.saves if s.slot in self._slot_pool]
+        int8 = [s.slot for s in plan.saves if self.slot_kv.in_int8(s.slot)]
         if int8:
             raise PlanError(f"slots {int8} hold int8 KV outside the prefix cache's pool: no checkpoint there")
         for s in plan.saves:
@@ -415,69 +389,12 @@ class Engine:
             if min(tokens) < 0 or max(tokens) >= vocab:
                 raise PlanError(f"slot {slot}: token ids must be in 0..{vocab - 1}")
         fresh = [p for p in plan.prefills if p.start_pos == 0]
-        self._start([p.slot for p in fresh], [p.int8_kv for p in fresh])
+        self.slot_kv.start([p.slot for p in fresh], [p.int8_kv for p in fresh])
         self.runner.reset([p.slot for p in fresh])
         for p in plan.prefills:
             if p.slot not in skip:
                 self.runner.sampler.observe_prompt(p.slot, p.token_ids)
         return seqs, sampled
-
-    def _take_blocks(self, plan: StepPlan, seqs: Sequences) -> frozenset[int]:
-        """Grow every sequence's block table to cover this step's positions. Blocks that cannot be
-        had (the memory layer refused new segments) are found by evicting prefix-cache entries
-        first, then by preempting sequences, youngest first (new prefills, then decodes from the
-        last admitted): a preempted sequence's blocks go back and the scheduler resumes it later.
-        Returns the preempted slots (never a sequence that could run)."""
-        kv = self.runner.kv
-        if kv is None:
-            return frozenset()
-        need = {slot: start + len(tokens) for slot, tokens, start in seqs}
-        short = [slot for slot, n in need.items() if not self._kv_of(slot).ensure(slot, n)]
-        if short:
-            missing = sum(self._missing(kv, s, need[s]) for s in short if self._kv_of(s) is kv)
-            self._cache.evict_for_blocks(missing)
-        victims = [p.slot for p in reversed(plan.prefills)] + [d.slot for d in reversed(plan.decodes)]
-        preempted: set[int] = set()
-        while True:
-            short = [s for s in short if s not in preempted and not self._kv_of(s).ensure(s, need[s])]
-            if not short:
-                break
-            pool = self._kv_of(short[0])  # blocks freed in another pool would not help it
-            victim = next(v for v in victims if v not in preempted and self._kv_of(v) is pool)
-            preempted.add(victim)
-            self._park(victim)
-            self._drop([victim])
-            self.runner.sampler.reset([victim])
-        if self.runner.kv_stores is not None and self.runner.kv_int8 is not None:
-            # Every layer visits the int8 store only while a sequence lives there.
-            self.runner.kv_stores.mixed = bool(self._slot_pool)
-        for slot, tokens, _ in seqs:  # what each slot has been fed, once this step runs
-            if slot not in preempted:
-                self._fed.setdefault(slot, array("q")).extend(tokens)
-        if not preempted:
-            return frozenset()
-        self.preemptions += len(preempted)
-        log.warning("KV blocks short: preempted slots %s (they resume when blocks are free)", sorted(preempted))
-        return frozenset(preempted)
-
-    def _park(self, slot: int) -> None:
-        """Move a preempted sequence's blocks and recurrent states from the GPU to pinned host
-        buffers so it resumes without a recompute; when the host is short too, it is recomputed
-        instead. On the CPU the blocks already are host memory: moving them would free nothing,
-        so a preempted sequence there is always recomputed."""
-        fed = self._fed.get(slot)
-        pool = self._kv_of(slot)
-        if not fed or pool.store.device.type != "cuda":
-            return
-        need = len(pool.table(slot)) * pool.layout.block_bytes + self.runner.fixed_bytes // max(1, self.num_slots)
-        if self._watch is not None and self._watch.read().host_budget_bytes < need:
-            return
-        if self._cache.park(slot, fed, pool):
-            self.parked += 1
-
-    @staticmethod
-    def _missing(kv: KVPool, slot: int, n_tokens: int) -> int:
-        return max(0, -(-n_tokens // kv.layout.block_size) - len(kv.table(slot)) - kv.alloc.free_blocks)
 
     def _check_slots(self, slots: Sequence[int]) -> None:
         bad = [s for s in slots if not 0 <= s < self.num_slots]

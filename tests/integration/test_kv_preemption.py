@@ -14,6 +14,7 @@ import pytest
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import SamplingParams
+from ballast.engine.slot_kv import SlotKV
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.request import GenerationRequest
 from ballast.scheduler.scheduler import Scheduler
@@ -67,12 +68,12 @@ def calm() -> list[tuple[int, ...]]:
 async def test_preempted_sequences_resume_with_the_same_tokens(calm: list[tuple[int, ...]], park: bool,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     if park:
-        def park_always(self: Engine, slot: int) -> None:
-            fed, pool = self._fed.get(slot), self._kv_of(slot)
+        def park_always(self: SlotKV, slot: int) -> None:  # the GPU's choice, without its device check
+            fed, pool = self._fed.get(slot), self.pool_of(slot)
             if fed and self._cache.park(slot, fed, pool):
                 self.parked += 1
 
-        monkeypatch.setattr(Engine, "_park", park_always)
+        monkeypatch.setattr(SlotKV, "_park", park_always)
     engine = Engine.load(config("builtin:tiny-llama"))
     try:
         kv = engine.runner.kv

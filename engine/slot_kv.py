@@ -1,0 +1,129 @@
+"""The engine's side of the KV pools: which pool each slot's sequence lives in, what each slot
+has been fed, and what a step needs before its forward (blocks for every position it writes).
+
+One owner, on the engine thread. A slot's sequence lives in the main pool, or in the int8 pool
+when it started under memory pressure. Before a step, every sequence's table grows to cover its
+positions; blocks that cannot be had are found by evicting prefix-cache entries first, then by
+preempting sequences youngest first (new prefills, then decodes from the last admitted): on CUDA
+a preempted sequence is parked (blocks and recurrent state copied to pinned host buffers) so it
+resumes without a recompute; on the CPU, or when the host is short too, it is recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections.abc import Sequence
+
+import torch
+from ballast.engine.kv_pool import KVPool
+from ballast.engine.plan import StepPlan
+from ballast.engine.prefix_cache import PrefixCache
+from ballast.engine.runner import ModelRunner, Sequences
+from ballast.memory.watch import MemWatch
+
+log = logging.getLogger(__name__)
+
+
+class SlotKV:
+    def __init__(self, runner: ModelRunner, cache: PrefixCache, watch: MemWatch | None) -> None:
+        self._runner = runner
+        self._cache = cache
+        self._watch = watch
+        self._int8: dict[int, KVPool] = {}  # slots whose sequence lives in the int8 pool
+        self._fed: dict[int, array[int]] = {}  # slot -> the tokens its sequence has been fed (to park it)
+        self.preemptions = 0  # sequences moved out for want of blocks
+        self.parked = 0  # of which parked in host buffers (the rest are recomputed)
+
+    def pool_of(self, slot: int) -> KVPool:
+        pool = self._int8.get(slot, self._runner.kv)
+        assert pool is not None
+        return pool
+
+    def in_int8(self, slot: int) -> bool:
+        return slot in self._int8
+
+    def start(self, slots: Sequence[int], int8: Sequence[bool] = ()) -> None:
+        """New sequences start in these slots: whatever they held goes back, and each lives in the
+        int8 pool if asked (and there is one), else in the main pool."""
+        if self._runner.kv is None:
+            return
+        self.drop(slots)
+        int8_pool = self._runner.kv_int8
+        to_int8 = [s for s, q in zip(slots, int8, strict=False) if q and int8_pool is not None]
+        for slot in to_int8:
+            assert int8_pool is not None
+            self._int8[slot] = int8_pool
+        self._mark_int8(to_int8, True)
+
+    def restored(self, slot: int, prefix: Sequence[int]) -> None:
+        """The slot's sequence was restored with these tokens fed."""
+        self._fed[slot] = array("q", prefix)
+
+    def drop(self, slots: Sequence[int]) -> None:
+        """The slots' sequences are gone: blocks back to their pools, slots back to the main pool."""
+        for slot in slots:
+            self._fed.pop(slot, None)
+            for pool in self._runner.pools:
+                pool.release(slot)
+        self._mark_int8([s for s in slots if self._int8.pop(s, None) is not None], False)
+
+    def shrink(self) -> None:
+        """Free segments go back to the device / host (the ladder at TIGHT and worse)."""
+        for pool in self._runner.pools:
+            pool.shrink(keep_segments=0)
+
+    def take_blocks(self, plan: StepPlan, seqs: Sequences) -> frozenset[int]:
+        """Grow every sequence's table to cover this step's positions, evicting cache and then
+        preempting where blocks cannot be had. Returns the preempted slots (the step skips them)."""
+        kv = self._runner.kv
+        if kv is None:
+            return frozenset()
+        need = {slot: start + len(tokens) for slot, tokens, start in seqs}
+        short = [slot for slot, n in need.items() if not self.pool_of(slot).ensure(slot, n)]
+        if short:
+            self._cache.evict_for_blocks(sum(_missing(kv, s, need[s]) for s in short if self.pool_of(s) is kv))
+        victims = [p.slot for p in reversed(plan.prefills)] + [d.slot for d in reversed(plan.decodes)]
+        preempted: set[int] = set()
+        while short := [s for s in short if s not in preempted and not self.pool_of(s).ensure(s, need[s])]:
+            pool = self.pool_of(short[0])  # blocks freed in another pool would not help it
+            victim = next(v for v in victims if v not in preempted and self.pool_of(v) is pool)
+            preempted.add(victim)
+            self._park(victim)
+            self.drop([victim])
+            self._runner.sampler.reset([victim])
+        if self._runner.kv_stores is not None and self._runner.kv_int8 is not None:
+            # Every layer visits the int8 store only while a sequence lives there.
+            self._runner.kv_stores.mixed = bool(self._int8)
+        for slot, tokens, _ in seqs:  # what each slot has been fed once this step runs
+            if slot not in preempted:
+                self._fed.setdefault(slot, array("q")).extend(tokens)
+        if preempted:
+            self.preemptions += len(preempted)
+            log.warning("KV blocks short: preempted slots %s (they resume when blocks are free)", sorted(preempted))
+        return frozenset(preempted)
+
+    def _park(self, slot: int) -> None:
+        """Move a preempted sequence from the GPU to pinned host buffers. On the CPU its blocks
+        already are host memory: moving them would free nothing, so it is recomputed instead, as it
+        is when the host is short too."""
+        fed = self._fed.get(slot)
+        pool = self.pool_of(slot)
+        if not fed or pool.store.device.type != "cuda":
+            return
+        slots = max(1, self._runner.num_slots)
+        need = len(pool.table(slot)) * pool.layout.block_bytes + self._runner.fixed_bytes // slots
+        if self._watch is not None and self._watch.read().host_budget_bytes < need:
+            return
+        if self._cache.park(slot, fed, pool):
+            self.parked += 1
+
+    def _mark_int8(self, slots: Sequence[int], value: bool) -> None:
+        stores = self._runner.kv_stores
+        if slots and stores is not None:
+            stores.int8_slots[torch.tensor(list(slots), device=stores.int8_slots.device)] = value
+
+
+def _missing(kv: KVPool, slot: int, n_tokens: int) -> int:
+    """Blocks the pool lacks for the slot to hold n_tokens."""
+    return max(0, -(-n_tokens // kv.layout.block_size) - len(kv.table(slot)) - kv.alloc.free_blocks)
