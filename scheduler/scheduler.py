@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ballast.engine.blocks import blocks_for
 from ballast.engine.interface import DetokenizerLike, EngineLike
 from ballast.engine.plan import (
     DecodeToken,
@@ -29,7 +28,7 @@ from ballast.engine.plan import (
     StepResult,
 )
 from ballast.memory.ladder import LadderConfig
-from ballast.memory.types import LadderPlan, Level, PoolRoom, VerdictKind
+from ballast.memory.types import LadderPlan, Level, VerdictKind
 from ballast.scheduler.checkpoints import CheckpointOrders
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import (
@@ -43,6 +42,7 @@ from ballast.scheduler.errors import (
     outcome_of,
 )
 from ballast.scheduler.governor import Governor, GovernorSettings, SnapshotSource, VerdictRecorder
+from ballast.scheduler.kv_room import Charge, KVRoom
 from ballast.scheduler.queue import WaitingQueue
 from ballast.scheduler.request import (
     FinishEvent,
@@ -145,9 +145,7 @@ class Scheduler:
         self._engine_slots = engine.num_slots  # the max_slots the engine applies now
         self._checkpoints = CheckpointOrders(engine.checkpoint_interval, engine.match_prefix,
                                              lambda: self._gov.plan.shed_prefix_cache)
-        # The KV pools after the last step: the main one and the int8 one (None: there is none).
-        self._kv: KVFigures | None = engine.kv_figures()
-        self._kv_int8: KVFigures | None = engine.kv_figures(int8=True)
+        self._kv = KVRoom(engine.kv_figures(), engine.kv_figures(int8=True))  # the pools after the last step
         self._shrink_sent = False  # the engine was told to give free KV segments back
         self._unpark: list[tuple[int, ...]] = []  # for the next plan
         self.preemptions = 0
@@ -289,10 +287,7 @@ class Scheduler:
         self.steps += 1
         self.reused_tokens += result.reused_tokens
         self._slots.released(plan.release)
-        if result.kv is not None:
-            self._kv = result.kv
-        if result.kv_int8 is not None:
-            self._kv_int8 = result.kv_int8
+        self._kv.update(result)
         for slot in result.preempted:
             self._requeue(slot)
         outputs = {out.slot: out for out in result.outputs}
@@ -314,11 +309,11 @@ class Scheduler:
             if self._gov.holding or not self._slots.has_free(self.slot_limit) or len(self._running) >= self.slot_limit:
                 return None
             asked = seq.req.max_tokens - len(seq.resumed)
-            int8 = seq.int8_kv if seq.int8_kv is not None else self._gov.plan.force_quantized_kv and self._kv_int8 is not None
+            int8 = seq.int8_kv if seq.int8_kv is not None else self._gov.plan.force_quantized_kv and self._kv.int8 is not None
             if self._waits_for_blocks(len(seq.feed), asked, int8) or (seq.preempted and not self._resumable(seq, int8)):
                 return None
             try:
-                admission = self._gov.admit(len(seq.feed), asked, self._pool_room(int8), quantized=int8)
+                admission = self._gov.admit(len(seq.feed), asked, self._kv.room(int8, self._charges()), quantized=int8)
             except Overloaded as refusal:  # the governor has raised the pressure level
                 if seq.preempted:  # a preempted request is never failed: it waits for blocks
                     return None
@@ -370,31 +365,19 @@ class Scheduler:
         seq.resumed, seq.preempted = tuple(seq.output), True
         self._queue.push_front(seq)
 
-    def _pool_room(self, int8: bool) -> PoolRoom | None:
-        """What the KV pool a new sequence would use can give it: its free blocks after the last
-        step less what running requests in that pool will still take (their whole window was
-        charged when admitted) and a watermark of one block per running request (the figures are
-        one step old)."""
-        kv = self._kv_int8 if int8 else self._kv
-        if kv is None:
-            return None
-        bs = kv.block_size
-        promised = sum(blocks_for(s.total_tokens, bs) - blocks_for(s.kv_held, bs) + 1
-                       for s in self._running if bool(s.int8_kv) == int8)
-        return PoolRoom(kv.free_bytes, promised * kv.block_bytes, kv.addable_bytes)
+    def _charges(self) -> list[Charge]:
+        return [Charge(s.total_tokens, s.kv_held, bool(s.int8_kv)) for s in self._running]
 
     def _waits_for_blocks(self, n_prompt: int, max_tokens: int, int8: bool) -> bool:
         """The head would be admitted whole once running requests give their blocks back, but not
         now: it waits at the head of the queue (as a peer server queues it) instead of being refused
         or cut short because of work that is about to end. Memory pressure is not involved, so
         nothing is counted and the pressure level does not move."""
-        room = self._pool_room(int8)
-        kv = self._kv_int8 if int8 else self._kv
-        if not (self._running or self._slots.draining) or room is None or kv is None:
+        room, idle = self._kv.room(int8, self._charges()), self._kv.room_when_idle(int8)
+        if not (self._running or self._slots.draining) or room is None or idle is None:
             return False  # nothing will come back: decide now
         if self._gov.verdict(n_prompt, max_tokens, room, int8).kind is VerdictKind.ADMIT:
             return False
-        idle = PoolRoom((kv.free_blocks + kv.used_blocks) * kv.block_bytes, 0, kv.addable_bytes)
         return self._gov.verdict(n_prompt, max_tokens, idle, int8).kind is VerdictKind.ADMIT
 
     def _take_unpark(self) -> tuple[tuple[int, ...], ...]:
@@ -407,13 +390,7 @@ class Scheduler:
         blocks could not be had, so counting on new memory would preempt it again at once. With a
         memory snapshot, admission also weighs new memory (the pressure that caused the preemption
         shows there); without one the free blocks decide alone."""
-        kv = self._kv_int8 if int8 else self._kv
-        if kv is None or self._gov.snapshot is not None:
-            return True
-        bs = kv.block_size
-        promised = sum(blocks_for(s.total_tokens, bs) - blocks_for(s.kv_held, bs) for s in self._running
-                       if bool(s.int8_kv) == int8)
-        return kv.spare_blocks - promised >= blocks_for(len(seq.feed) + 1, bs)
+        return self._gov.snapshot is not None or self._kv.holds(int8, len(seq.feed) + 1, self._charges())
 
     def _shrink_kv(self, releasing: bool) -> bool:
         """Ask the engine to give free KV segments back while the ladder evicts KV (TIGHT and
@@ -509,7 +486,7 @@ class Scheduler:
     @property
     def kv_pools(self) -> list[tuple[str, KVFigures]]:
         """The KV pools' figures after the last step, by name."""
-        return [(name, f) for name, f in (("main", self._kv), ("int8", self._kv_int8)) if f is not None]
+        return self._kv.pools()
 
     @property
     def queue_depth(self) -> int:
