@@ -110,6 +110,34 @@ class BlockAllocator:
             heapq.heapify(self._free)
         return gone
 
+    def compact(self) -> dict[int, int]:
+        """Move blocks in use out of the highest segments into free blocks of the lowest ones, so
+        the high segments empty and can be given back; every table and reference follows. Returns
+        the moves (old block -> new block) for the caller to copy the contents."""
+        if not self._refs:
+            return {}
+        needed = -(-(len(self._refs) + self.reserved) // self.seg_blocks)
+        keep = sorted(self._segments)[:needed]
+        if not keep:
+            return {}
+        cutoff = (keep[-1] + 1) * self.seg_blocks
+        movers = sorted((b for b in self._refs if b >= cutoff), reverse=True)
+        spots = sorted(b for b in self._free if b < cutoff)
+        moves = dict(zip(movers, spots, strict=False))
+        if not moves:
+            return {}
+        for src, dst in moves.items():
+            self._refs[dst] = self._refs.pop(src)
+            self._in_tables[dst] = self._in_tables.pop(src)
+            self._used_in[src // self.seg_blocks] -= 1
+            self._used_in[dst // self.seg_blocks] += 1
+        taken = set(moves.values())
+        self._free = [b for b in self._free if b not in taken] + list(moves)
+        heapq.heapify(self._free)
+        for table in self._tables.values():
+            table[:] = [moves.get(b, b) for b in table]
+        return moves
+
     def remove_segment(self, seg: int) -> None:
         """Remove one live segment none of whose blocks is in use."""
         if seg not in self._segments or self._used_in[seg]:

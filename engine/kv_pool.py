@@ -108,6 +108,23 @@ class KVPool:
         self.alloc.drop(blocks)
 
     # --- segments -------------------------------------------------------------------------
+    def compact(self) -> dict[int, int]:
+        """Pack the blocks in use into the lowest segments (contents copied, tables rewritten) so
+        that `shrink` can give back segments that only a few scattered blocks kept. Returns the
+        moves; holders of block ids outside the tables (the prefix cache) must follow them."""
+        slots_before = {slot: self.alloc.table(slot) for slot in self._slots()}
+        moves = self.alloc.compact()
+        for src, dst in moves.items():
+            self.store.copy_block(src, dst)
+        for slot, before in slots_before.items():
+            after = self.alloc.table(slot)
+            if after != before:
+                self.store.set_table(slot, 0, after)
+        return moves
+
+    def _slots(self) -> list[int]:
+        return [slot for slot in range(self.layout.table_rows) if self.alloc.count(slot)]
+
     def shrink(self, keep_segments: int = 0) -> int:
         """Give back every segment with no block in use (keeping `keep_segments` live at least);
         returns the bytes released."""

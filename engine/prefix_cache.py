@@ -325,6 +325,14 @@ class PrefixCache:
                 del self._parked_lengths[parked.n_tokens]
         return parked
 
+    def follow_moves(self, moves: dict[int, int]) -> None:
+        """The KV pool moved blocks (compaction): entries name them by their new ids."""
+        if not moves:
+            return
+        with self._lock:
+            for e in self._entries.values():
+                e.blocks = tuple(moves.get(b, b) for b in e.blocks)
+
     def evict_for_blocks(self, n_blocks: int) -> bool:
         """Evict least recently used entries until the KV pool has n_blocks free (blocks are worth
         more to a running sequence than to a prompt that may come back); False if even an empty

@@ -69,8 +69,12 @@ class SlotKV:
         self._mark_int8([s for s in slots if self._int8.pop(s, None) is not None], False)
 
     def shrink(self) -> None:
-        """Free segments go back to the device / host (the ladder at TIGHT and worse)."""
+        """Give memory back (the ladder at TIGHT and worse): blocks in use are packed into the
+        lowest segments, then every segment left empty goes back to the device / host."""
         for pool in self._runner.pools:
+            moves = pool.compact()
+            if pool is self._runner.kv:
+                self._cache.follow_moves(moves)  # the cache holds main-pool blocks by id
             pool.shrink(keep_segments=0)
 
     def take_blocks(self, plan: StepPlan, seqs: Sequences) -> frozenset[int]:

@@ -40,7 +40,7 @@ def check_invariants(alloc: BlockAllocator, tables: dict[int, list[int]], holds:
 
 
 def test_random_histories_never_hold_a_block_twice_and_end_idle() -> None:
-    """1,000 random admit / grow / share / preempt / resume / release / shrink operations."""
+    """1,000 random admit / grow / share / preempt / resume / release / compact / shrink operations."""
     rng = random.Random(0)
     pool = small_pool(slots=6, max_len=256, segment_bytes=1)  # 1 block per segment: segments churn
     alloc, bs = pool.alloc, pool.layout.block_size
@@ -50,7 +50,8 @@ def test_random_histories_never_hold_a_block_twice_and_end_idle() -> None:
     held_tokens: list[int] = []
     swapped: list[int] = []  # lengths of preempted sequences, to resume
     for _ in range(1000):
-        op = rng.choice(["admit", "grow", "grow", "share", "hold", "drop", "preempt", "resume", "release", "shrink"])
+        op = rng.choice(["admit", "grow", "grow", "share", "hold", "drop", "preempt", "resume", "release", "shrink",
+                         "compact"])
         free_slots = [s for s in range(6) if s not in lengths]
         if op in ("admit", "resume") and free_slots:
             slot = free_slots[0]
@@ -84,6 +85,10 @@ def test_random_histories_never_hold_a_block_twice_and_end_idle() -> None:
             del lengths[slot]
         elif op == "shrink":
             pool.shrink()
+        elif op == "compact":
+            moves = pool.compact()
+            held = [tuple(moves.get(b, b) for b in h) for h in held]
+            assert not moves or max(moves.values()) < min(moves)  # blocks only move down
         tables = {s: alloc.table(s) for s in lengths}
         assert all(len(t) == blocks_for(lengths[s], bs) for s, t in tables.items())
         check_invariants(alloc, tables, Counter(b for h in held for b in h))
@@ -187,3 +192,24 @@ def test_a_refused_grant_leaves_the_pool_as_it_was() -> None:
     pool.release(0)
     pool.shrink()
     assert granted == []  # every grant given back with its segment
+
+
+def test_compaction_packs_blocks_down_keeps_contents_and_gives_segments_back() -> None:
+    """Blocks scattered over the high segments (their neighbours' sequences ended) move into the
+    low ones with their contents, tables follow, and the emptied segments go back."""
+    pool = small_pool(slots=6, max_len=256, segment_bytes=1)  # 2 blocks per segment (1 + the sink in seg 0)
+    bs = pool.layout.block_size
+    for slot in range(4):
+        assert pool.ensure(slot, 2 * bs)
+    kv = PagedKV(pool.store, 0)
+    batch = ForwardBatch.build([(3, list(range(2 * bs)), 0)], CPU)
+    keys = torch.randn(2 * bs, 2, 8)
+    kv.write(batch, keys, keys)
+    for slot in range(3):
+        pool.release(slot)
+    before = pool.table(3)  # slot 3's blocks sit in the highest segments
+    moves = pool.compact()
+    assert moves and set(moves) == set(before) and pool.table(3) == [moves[b] for b in before]
+    assert int(pool.store.block_table[3, 0]) == pool.table(3)[0]
+    assert torch.equal(kv.read(batch)[0][0], keys)
+    assert pool.shrink() > 0 and len(pool.alloc.segments) == 2  # the sink's segment and one more
