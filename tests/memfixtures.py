@@ -16,6 +16,7 @@ Byte figures land in /proc/meminfo in kB, so pass multiples of 1 KiB.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -136,3 +137,17 @@ def level_tree(root: Path, level: Level, *, cgroup: CgroupMode = None, config: M
         write_tree(root, mem_total=total, mem_available=available)
     else:
         write_tree(root, mem_total=64 * GiB, mem_available=60 * GiB, cgroup=cgroup, cg_usage=total - available, cg_max=total)
+
+
+def limited_grants(grants: int) -> Callable[[int], Callable[[], None] | None]:
+    """A memory layer that grants at most `grants` KV segments at a time (a KV pool's `_acquire`):
+    the levels a test cannot cause on its machine, as a grant function."""
+    held = [0]
+
+    def acquire(nbytes: int) -> Callable[[], None] | None:
+        if held[0] >= grants:
+            return None
+        held[0] += 1
+        return lambda: held.__setitem__(0, held[0] - 1)
+
+    return acquire

@@ -6,7 +6,6 @@ run that was never short of memory. Skips cleanly without CUDA."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.request import GenerationRequest
 from ballast.scheduler.scheduler import Scheduler
 from fake_engine import FakeTokenizer
+from memfixtures import limited_grants
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -69,18 +69,6 @@ async def generate(engine: Engine) -> list[tuple[tuple[int, ...], str]]:
     return [(tokens, fin.reason) for _, tokens, fin in done]
 
 
-def limited(grants: int) -> Callable[[int], Callable[[], None] | None]:
-    held = [0]
-
-    def acquire(nbytes: int) -> Callable[[], None] | None:
-        if held[0] >= grants:
-            return None
-        held[0] += 1
-        return lambda: held.__setitem__(0, held[0] - 1)
-
-    return acquire
-
-
 @pytest.mark.parametrize("model", ["builtin:tiny-llama", "builtin:tiny-qwen3-next"])
 async def test_preempted_sequences_park_and_resume_with_the_same_tokens(model: str) -> None:
     calm_engine = Engine.load(config(model))
@@ -94,7 +82,7 @@ async def test_preempted_sequences_park_and_resume_with_the_same_tokens(model: s
         assert kv is not None
         need = 4 * -(-(40 + NEW) // kv.layout.block_size)  # blocks all four need at the end
         # Grants for about two thirds of that (the graphs' scratch slot holds one block already).
-        kv._acquire = limited(max(2, (2 * need) // (3 * (kv.layout.seg_blocks - 1))))
+        kv._acquire = limited_grants(max(2, (2 * need) // (3 * (kv.layout.seg_blocks - 1))))
         got = await generate(engine)
         assert sum(len(t) for t, _ in got) > 200  # long enough to need more blocks than granted
         assert engine.preemptions > 0 and engine.parked == engine.preemptions  # parked, not recomputed

@@ -8,7 +8,6 @@ tests/gpu/test_kv_preemption_cuda.py runs the GPU's own choice on CUDA."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import pytest
 from ballast.engine.config import EngineConfig
@@ -18,6 +17,7 @@ from ballast.engine.slot_kv import SlotKV
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.request import GenerationRequest
 from ballast.scheduler.scheduler import Scheduler
+from memfixtures import limited_grants
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [tuple(range(100 + 11 * i, 140 + 11 * i)) for i in range(4)]
@@ -40,19 +40,6 @@ async def generate(engine: Engine) -> list[tuple[int, ...]]:
         await sched.stop()
     assert all(fin.reason == "length" for _, _, fin in done)
     return [tokens for _, tokens, _ in done]
-
-
-def limited(grants: int) -> Callable[[int], Callable[[], None] | None]:
-    """A memory layer that grants `grants` segments at a time."""
-    held = [0]
-
-    def acquire(nbytes: int) -> Callable[[], None] | None:
-        if held[0] >= grants:
-            return None
-        held[0] += 1
-        return lambda: held.__setitem__(0, held[0] - 1)
-
-    return acquire
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +66,7 @@ async def test_preempted_sequences_resume_with_the_same_tokens(calm: list[tuple[
         kv = engine.runner.kv
         assert kv is not None
         need = 4 * -(-(40 + NEW) // kv.layout.block_size)  # blocks all four need at the end
-        kv._acquire = limited((2 * need) // (3 * (kv.layout.seg_blocks - 1)))  # about two thirds of it
+        kv._acquire = limited_grants((2 * need) // (3 * (kv.layout.seg_blocks - 1)))  # about two thirds of it
         got = await generate(engine)
         assert engine.preemptions > 0
         assert engine.parked == (engine.preemptions if park else 0)
