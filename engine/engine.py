@@ -17,7 +17,7 @@ import psutil
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
-from ballast.engine.graphs import GraphCaptureError
+from ballast.engine.graphs import GraphCaptureError, Sequences
 from ballast.engine.kv_budget import capacity_line, segment_grant
 from ballast.engine.loading import LoadedModel, load
 from ballast.engine.plan import KVFigures, SamplingParams, SlotOutput, StepPlan, StepResult
@@ -25,7 +25,6 @@ from ballast.engine.prefix_cache import CheckpointMissing, PrefixCache, PrefixCa
 from ballast.engine.runner import (
     ModelRunner,
     Profile,
-    Sequences,
     build_cost_model,
     planned_state_bytes,
     profile_prefill,

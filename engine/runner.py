@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from ballast.engine.graphs import PAD_POSITION, DecodeGraphs, GraphCaptureError
+from ballast.engine.graphs import PAD_POSITION, DecodeGraphs, GraphCaptureError, Sequences
 from ballast.engine.kv_pool import Acquire, KVPool
 from ballast.engine.sampler import Sampler
 from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
@@ -35,7 +35,6 @@ WARMUP_TOKENS = 8
 # every new KV length, ~27 ms a call measured on an H200 with torch 2.11, and decode changes the
 # length every step. Flash / memory-efficient kernels have no such setup.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-Sequences = Sequence[tuple[int, Sequence[int], int]]  # (slot, token ids, start position)
 
 
 def weights_bytes(model: nn.Module) -> int:

@@ -16,10 +16,11 @@ from array import array
 from collections.abc import Sequence
 
 import torch
+from ballast.engine.graphs import Sequences
 from ballast.engine.kv_pool import KVPool
 from ballast.engine.plan import StepPlan
 from ballast.engine.prefix_cache import PrefixCache
-from ballast.engine.runner import ModelRunner, Sequences
+from ballast.engine.runner import ModelRunner
 from ballast.memory.watch import MemWatch
 
 log = logging.getLogger(__name__)

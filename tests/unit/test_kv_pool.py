@@ -213,3 +213,15 @@ def test_compaction_packs_blocks_down_keeps_contents_and_gives_segments_back() -
     assert int(pool.store.block_table[3, 0]) == pool.table(3)[0]
     assert torch.equal(kv.read(batch)[0][0], keys)
     assert pool.shrink() > 0 and len(pool.alloc.segments) == 2  # the sink's segment and one more
+
+
+def test_capacity_line_counts_tokens_sequences_and_slot_states() -> None:
+    from ballast.engine.kv_budget import capacity_line
+    from ballast.memory.types import CostModel, GiB, MiB
+
+    cost = CostModel(kv_bytes_per_token=128 * 1024, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0,
+                     quantized_kv_bytes_per_token=66 * 1024, kv_block_tokens=32)
+    line = capacity_line(cost, 3 * MiB, 16 * GiB, False, 64, 8192)
+    assert "131,072 tokens" in line and "16 of 64 sequences at max_model_len 8192" in line and "64 at 1k" in line
+    assert "3.0 MiB" in line
+    assert "254,200 tokens" in capacity_line(cost, 0, 16 * GiB, True, 64, 8192)  # int8: 66 KiB a token
