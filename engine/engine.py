@@ -17,7 +17,7 @@ import psutil
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
-from ballast.engine.graphs import GraphCaptureError, Sequences
+from ballast.engine.graphs import GraphCaptureError
 from ballast.engine.kv_budget import capacity_line, segment_grant
 from ballast.engine.loading import LoadedModel, load
 from ballast.engine.plan import KVFigures, SamplingParams, SlotOutput, StepPlan, StepResult
@@ -36,6 +36,7 @@ from ballast.memory.ledger import Lease
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import CostModel, MiB
 from ballast.memory.watch import MemWatch
+from ballast.models.base import Rows
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +282,7 @@ class Engine:
         pool = self.runner.kv_int8 if int8 else self.runner.kv
         return pool.figures() if pool is not None else None
 
-    def _forward(self, seqs: Sequences, sampled: list[bool], sampling: dict[int, SamplingParams]) -> tuple[tuple[SlotOutput, ...], float]:
+    def _forward(self, seqs: Rows, sampled: list[bool], sampling: dict[int, SamplingParams]) -> tuple[tuple[SlotOutput, ...], float]:
         if not seqs:
             return (), 0.0
         t0 = time.perf_counter()
@@ -400,7 +401,7 @@ class Engine:
         if bad:
             raise PlanError(f"slots {bad} out of range 0..{self.num_slots - 1}")
 
-    def _sample(self, seqs: Sequences, sampled: list[bool], logits: torch.Tensor,
+    def _sample(self, seqs: Rows, sampled: list[bool], logits: torch.Tensor,
                 sampling: dict[int, SamplingParams]) -> tuple[SlotOutput, ...]:
         rows = [i for i, s in enumerate(sampled) if s]
         if not rows:

@@ -25,11 +25,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from ballast.models.base import ForwardBatch
+from ballast.models.base import ForwardBatch, Rows
 from torch import Tensor
 
 Forward = Callable[[ForwardBatch], Tensor]
-Sequences = Sequence[tuple[int, Sequence[int], int]]  # (slot, token ids, start position)
 
 SMALLEST_CONTEXT_BUCKET = 256
 PAD_TOKEN = 0
@@ -133,14 +132,14 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 
-    def can_use(self, seqs: Sequences) -> bool:
+    def can_use(self, seqs: Rows) -> bool:
         """A graph serves this step: every sequence feeds one token, and the batch and the cache
         positions read fit a captured bucket."""
         if not self._graphs or not seqs or any(len(tokens) != 1 for _, tokens, _ in seqs):
             return False
         return self._key(seqs) in self._graphs
 
-    def replay(self, seqs: Sequences) -> Tensor:
+    def replay(self, seqs: Rows) -> Tensor:
         """Logits [len(seqs), vocab] of this decode step; a view of the graph's output, valid until
         the next replay. Call only where `can_use(seqs)`."""
         key = self._key(seqs)
@@ -150,12 +149,12 @@ class DecodeGraphs:
         self.replays += 1
         return self._logits[: len(seqs)]
 
-    def _key(self, seqs: Sequences) -> tuple[int, int] | None:
+    def _key(self, seqs: Rows) -> tuple[int, int] | None:
         b = bucket_for(self.batch_buckets, len(seqs))
         c = bucket_for(self.context_buckets, max(start for _, _, start in seqs) + 1)
         return None if b is None or c is None else (b, c)
 
-    def _stage(self, seqs: Sequences, width: int | None = None) -> None:
+    def _stage(self, seqs: Rows, width: int | None = None) -> None:
         """Write the step's rows into the static inputs (padding the rest), one copy."""
         width = width or self.batch_buckets[-1]
         pad = width - len(seqs)

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from ballast.engine.graphs import PAD_POSITION, DecodeGraphs, GraphCaptureError, Sequences
+from ballast.engine.graphs import PAD_POSITION, DecodeGraphs, GraphCaptureError
 from ballast.engine.kv_pool import Acquire, KVPool
 from ballast.engine.sampler import Sampler
 from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import CostModel
-from ballast.models.base import CausalLM, ForwardBatch
+from ballast.models.base import CausalLM, ForwardBatch, Rows
 from ballast.models.state import (
     KVStores,
     LayerState,
@@ -236,7 +236,7 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
 
-    def forward(self, seqs: Sequences) -> Tensor:
+    def forward(self, seqs: Rows) -> Tensor:
         """Logits [len(seqs), vocab] at each sequence's last token; writes the slots' states. A
         decode step replays a graph where one was captured for its shape (the logits are then a
         view valid until the next step)."""

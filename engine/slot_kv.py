@@ -16,12 +16,12 @@ from array import array
 from collections.abc import Sequence
 
 import torch
-from ballast.engine.graphs import Sequences
 from ballast.engine.kv_pool import KVPool
 from ballast.engine.plan import StepPlan
 from ballast.engine.prefix_cache import PrefixCache
 from ballast.engine.runner import ModelRunner
 from ballast.memory.watch import MemWatch
+from ballast.models.base import Rows
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class SlotKV:
                 self._cache.follow_moves(moves)  # the cache holds main-pool blocks by id
             pool.shrink(keep_segments=0)
 
-    def take_blocks(self, plan: StepPlan, seqs: Sequences) -> frozenset[int]:
+    def take_blocks(self, plan: StepPlan, seqs: Rows) -> frozenset[int]:
         """Grow every sequence's table to cover this step's positions, evicting cache and then
         preempting where blocks cannot be had. Returns the preempted slots (the step skips them)."""
         kv = self._runner.kv

@@ -37,6 +37,11 @@ class ConfigError(ModelError):
     """A model config dict is missing a required field or holds an invalid value."""
 
 
+# One step's work as the engine hands it over, one row per sequence: (slot, token ids, start
+# position). `ForwardBatch.build` turns rows into the device-side batch every layer reads.
+Rows = Sequence[tuple[int, Sequence[int], int]]
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     """One step's sequences, flattened. Sequence b holds tokens [cu_lens[b], cu_lens[b+1]) of the
@@ -80,7 +85,7 @@ class ForwardBatch:
     @classmethod
     def build(
         cls,
-        seqs: Sequence[tuple[int, Sequence[int], int]],
+        seqs: Rows,
         device: torch.device | str,
         max_ctx: int | None = None,
     ) -> ForwardBatch:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from ballast.models.base import ForwardBatch, to_device_packed
 from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
-from ballast.models.layers import StepContext
+from ballast.models.layers import Rope
 from ballast.models.state import LayerState, RecurrentState
 from torch import Tensor, nn
 
@@ -286,7 +286,8 @@ class GatedRMSNorm(nn.Module):
 class HybridStep:
     """What every layer of one forward shares, computed once per step."""
 
-    attn: StepContext  # batch, rope tables, attention mask
+    batch: ForwardBatch
+    rope: Rope  # the full-attention layers' rotary tables
     windows: ConvWindows  # conv taps of every token (all linear layers share the kernel size)
     plan: DeltaPlan  # which sequences take the recurrent form and which the chunked one
     has_history: Tensor  # [B] bool: the slot already holds this sequence's earlier tokens
@@ -295,10 +296,11 @@ class HybridStep:
 
     @classmethod
     def build(
-        cls, batch: ForwardBatch, cos: Tensor, sin: Tensor, conv_kernel: int, use_fla: bool | None
+        cls, batch: ForwardBatch, rope: Rope, conv_kernel: int, use_fla: bool | None
     ) -> HybridStep:
         return cls(
-            attn=StepContext.build(batch, cos, sin),
+            batch=batch,
+            rope=rope,
             windows=ConvWindows.build(batch.cu_lens, batch.lens, batch.seq_of_token, conv_kernel),
             plan=DeltaPlan.build(batch.lens_list, batch.device),
             has_history=batch.starts > 0,
@@ -336,7 +338,7 @@ class GatedDeltaNet(nn.Module):
         if not isinstance(state, RecurrentState):
             raise TypeError(f"a linear-attention layer needs a RecurrentState, got {type(state).__name__}")
         t = x.shape[0]
-        slots = step.attn.batch.slots
+        slots = step.batch.slots
         keep = step.has_history
         qkv, z, b, a = self.project(x)
         # A sequence at position 0 starts from zero state whatever its slot held before.

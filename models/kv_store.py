@@ -213,8 +213,9 @@ class KVStore:
         else:
             self.host = _HostMemory(layout)
         self.live_segments: set[int] = set()
-        # The CPU path's per-step row and block indices, shared by every layer (see state.py).
-        self.step_index: tuple[Any, tuple[Tensor, Tensor], Tensor] | None = None
+        # The CPU path's row and block indices of this step's batch and its attention groups,
+        # shared by every layer (see attention.py).
+        self.step_index: list[tuple[Any, tuple[Tensor, Tensor], Tensor]] = []
 
     @property
     def bytes_held(self) -> int:

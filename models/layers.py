@@ -1,8 +1,8 @@
 """Building blocks shared by the architectures: RMSNorm, RoPE (default, linear, llama3; partial
 rotary), SwiGLU MLP, and GQA attention over the slot KV cache.
 
-Every layer works on the flat token layout of a `ForwardBatch` ([T, hidden]); only attention pads
-to [B, max_len] for `scaled_dot_product_attention`, and a decode-only batch skips even that.
+Every layer works on the flat token layout of a `ForwardBatch` ([T, hidden]); attention hands its
+queries and K/V to the layer's `PagedKV`, which owns the cache layout (models/attention.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -250,58 +250,14 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
 
 
-def slot_attention_mask(batch: ForwardBatch) -> Tensor | None:
-    """[B, 1, max_len, max_ctx] bool: query i of sequence b (absolute position starts[b] + i) sees
-    cache positions <= its own. Padded query rows see position 0 only, so no row is fully masked
-    (a fully masked row would give NaN). None when nothing needs masking (one decode token)."""
-    if batch.num_seqs == 1 and batch.max_len == 1 and batch.max_ctx == batch.starts_list[0] + 1:
-        return None
-    dev = batch.device
-    i = torch.arange(batch.max_len, device=dev)
-    j = torch.arange(batch.max_ctx, device=dev)
-    last = (batch.lens - 1)[:, None]
-    query_pos = batch.starts[:, None] + torch.minimum(i[None, :], last)  # [B, max_len]
-    return (j[None, None, :] <= query_pos[:, :, None])[:, None]
+class Rope(NamedTuple):
+    """One step's rotary tables, [T, rotary_dim / 2] each: computed once, used by every layer."""
 
-
-@dataclass(frozen=True)
-class AttnGroup:
-    """Sequences attended in one padded call: a sub-batch, where its tokens sit in the full batch,
-    and its own mask."""
-
-    batch: ForwardBatch
-    token_index: Tensor
-    mask: Tensor | None
-
-
-@dataclass(frozen=True)
-class StepContext:
-    """What every layer of one forward shares: the batch, rope tables, the attention mask, and for
-    a step that mixes decode tokens with prefill chunks, the two attention groups."""
-
-    batch: ForwardBatch
     cos: Tensor
     sin: Tensor
-    mask: Tensor | None
-    groups: tuple[AttnGroup, ...] = ()
 
-    @classmethod
-    def build(cls, batch: ForwardBatch, cos: Tensor, sin: Tensor) -> StepContext:
-        """Padding every sequence to the longest would make each decode token in a mixed step
-        cost (and hold activations for) a whole prefill chunk; so decode tokens and prefill
-        chunks are attended as two groups, each padded to its own longest run. On CUDA the
-        kernels read the blocks in place and need neither masks nor groups."""
-        if batch.device.type == "cuda":
-            return cls(batch, cos, sin, None)
-        decodes = [i for i, n in enumerate(batch.lens_list) if n == 1]
-        if not decodes or len(decodes) == batch.num_seqs:
-            return cls(batch, cos, sin, slot_attention_mask(batch))
-        chunks = [i for i, n in enumerate(batch.lens_list) if n > 1]
-        groups = []
-        for seqs in (decodes, chunks):
-            sub, token_index = batch.subset(seqs)
-            groups.append(AttnGroup(sub, token_index, slot_attention_mask(sub)))
-        return cls(batch, cos, sin, None, tuple(groups))
+    def __call__(self, x: Tensor) -> Tensor:
+        return apply_rope(x, self.cos, self.sin)
 
 
 class SlotAttention(nn.Module):
@@ -333,46 +289,16 @@ class SlotAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
 
-    def forward(self, x: Tensor, ctx: StepContext, state: PagedKV) -> Tensor:
+    def forward(self, x: Tensor, batch: ForwardBatch, rope: Rope, state: PagedKV) -> Tensor:
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x).view(x.shape[0], hq + 2 * hkv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rope(self.q_norm(qkv[:, :hq]), ctx.cos, ctx.sin)
-            k = apply_rope(self.k_norm(qkv[:, hq : hq + hkv]), ctx.cos, ctx.sin)
+            q, k = rope(self.q_norm(qkv[:, :hq])), rope(self.k_norm(qkv[:, hq : hq + hkv]))
         else:
-            qk = apply_rope(qkv[:, : hq + hkv], ctx.cos, ctx.sin)  # q and k heads turned in one go
+            qk = rope(qkv[:, : hq + hkv])  # q and k heads turned in one go
             q, k = qk[:, :hq], qk[:, hq:]
-        state.write(ctx.batch, k, qkv[:, hq + hkv :])
-        return self.o_proj(attend(q, state, ctx))
+        state.write(batch, k, qkv[:, hq + hkv :])
+        return self.o_proj(state.attend(q, batch))
 
     def fuse(self, keep_values: bool = True) -> None:
         self.qkv.fuse(keep_values)
-
-
-def attend(q: Tensor, state: PagedKV, ctx: StepContext) -> Tensor:
-    """q [T, Hq, D] attends to its slot's cache (this step's K/V already written); -> [T, Hq * D]."""
-    if state.kernels:
-        return state.attend_in_place(q, ctx.batch)
-    if not ctx.groups:
-        return _attend_padded(q, state, ctx.batch, ctx.mask)
-    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    for g in ctx.groups:  # two at most: the decode tokens, and the prefill chunks
-        out.index_copy_(0, g.token_index, _attend_padded(q.index_select(0, g.token_index), state, g.batch, g.mask))
-    return out
-
-
-def _attend_padded(q: Tensor, state: PagedKV, batch: ForwardBatch, mask: Tensor | None) -> Tensor:
-    """Attention for the sequences of batch, each padded to batch.max_len queries."""
-    b, L = batch.num_seqs, batch.max_len
-    heads, dim = q.shape[1], q.shape[2]
-    keys, values = state.read(batch)  # [B, max_ctx, Hkv, D]
-    if batch.decode_only:
-        qp = q.reshape(b, 1, heads, dim)
-    else:
-        qp = q.new_zeros(b * L, heads, dim).index_copy_(0, batch.pad_index, q).view(b, L, heads, dim)
-    gqa = keys.shape[2] != heads
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=gqa
-    )  # [B, Hq, L, D]
-    out = out.transpose(1, 2).reshape(b * L, heads * dim)
-    return out if batch.decode_only else out.index_select(0, batch.pad_index)

@@ -12,10 +12,10 @@ from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel
 from ballast.models.layers import (
     Linear,
     RMSNorm,
+    Rope,
     RopeParams,
     RotaryEmbedding,
     SlotAttention,
-    StepContext,
     SwiGLU,
     token_embedding,
 )
@@ -123,10 +123,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: Tensor, ctx: StepContext, state: LayerState) -> Tensor:
+    def forward(self, h: Tensor, batch: ForwardBatch, rope: Rope, state: LayerState) -> Tensor:
         if not isinstance(state, PagedKV):
             raise TypeError(f"a Llama layer needs a PagedKV, got {type(state).__name__}")
-        h = h + self.self_attn(self.input_layernorm(h), ctx, state)
+        h = h + self.self_attn(self.input_layernorm(h), batch, rope, state)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -176,10 +176,9 @@ class LlamaForCausalLM(nn.Module):
         if len(states) != len(self.model.layers):
             raise ValueError(f"{len(states)} layer states for {len(self.model.layers)} layers")
         h = self.model.embed_tokens(batch.token_ids)
-        cos, sin = self.model.rotary_emb(batch.positions, h.dtype)
-        ctx = StepContext.build(batch, cos, sin)
+        rope = Rope(*self.model.rotary_emb(batch.positions, h.dtype))
         for layer, state in zip(self.model.layers, states, strict=True):
-            h = layer(h, ctx, state)
+            h = layer(h, batch, rope, state)
         # Only the last token of each sequence needs the final norm and the (large) head.
         if not batch.decode_only:
             h = h.index_select(0, batch.last_index)

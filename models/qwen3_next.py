@@ -20,10 +20,9 @@ from ballast.memory.specs import LayerSpec, RecurrentStateSpec
 from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel
 from ballast.models.gated_delta import GatedDeltaNet, HybridStep
 from ballast.models.layers import (
+    Rope,
     RopeParams,
     RotaryEmbedding,
-    apply_rope,
-    attend,
     token_embedding,
 )
 from ballast.models.moe import GatedMLP, SparseMoeBlock
@@ -190,10 +189,10 @@ class GatedAttention(nn.Module):
         t = x.shape[0]
         # Per head, q_proj's output is [query (head_dim), gate (head_dim)].
         q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_rope(self.q_norm(q), step.attn.cos, step.attn.sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim)), step.attn.cos, step.attn.sin)
-        state.write(step.attn.batch, k, self.v_proj(x).view(t, self.kv_heads, self.head_dim))
-        out = attend(q, state, step.attn) * torch.sigmoid(gate.reshape(t, -1))
+        q = step.rope(self.q_norm(q))
+        k = step.rope(self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim)))
+        state.write(step.batch, k, self.v_proj(x).view(t, self.kv_heads, self.head_dim))
+        out = state.attend(q, step.batch) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
 
 
@@ -308,8 +307,8 @@ class Qwen3NextForCausalLM(nn.Module):
         if len(states) != len(self.model.layers):
             raise ValueError(f"{len(states)} layer states for {len(self.model.layers)} layers")
         h = self.model.embed_tokens(batch.token_ids)
-        cos, sin = self.model.rotary_emb(batch.positions, h.dtype)
-        step = HybridStep.build(batch, cos, sin, self.config.linear_conv_kernel_dim, self.use_fla)
+        rope = Rope(*self.model.rotary_emb(batch.positions, h.dtype))
+        step = HybridStep.build(batch, rope, self.config.linear_conv_kernel_dim, self.use_fla)
         for layer, state in zip(self.model.layers, states, strict=True):
             h = layer(h, step, state)
         if not batch.decode_only:

@@ -14,8 +14,16 @@ from collections.abc import Sequence
 
 import torch
 from ballast.memory.specs import AttentionSpec, LayerSpec, RecurrentStateSpec
+from ballast.models.attention import (
+    PaddedGroup,
+    attend_gathered,
+    attend_kernels,
+    gather,
+    padded_groups,
+    write_rows,
+)
 from ballast.models.base import ForwardBatch
-from ballast.models.kv_store import SCALE_BYTES, SINK_BLOCK, KVStore, plan_layout, quantize_rows
+from ballast.models.kv_store import SCALE_BYTES, SINK_BLOCK, KVStore, plan_layout
 from torch import Tensor
 
 
@@ -60,9 +68,17 @@ class KVStores:
         self.int8 = int8
         self.int8_slots = torch.zeros(main.layout.table_rows, dtype=torch.bool, device=main.device)
         self.mixed = False
+        self._groups: tuple[ForwardBatch, tuple[PaddedGroup, ...]] | None = None
 
     def all(self) -> list[KVStore]:
         return [self.main] if self.int8 is None else [self.main, self.int8]
+
+    def padded_groups(self, batch: ForwardBatch) -> tuple[PaddedGroup, ...]:
+        """The CPU reference's attention groups of this step: computed by the first layer, reused
+        by the others."""
+        if self._groups is None or self._groups[0] is not batch:
+            self._groups = (batch, padded_groups(batch))
+        return self._groups[1]
 
 
 class PagedKV(LayerState):
@@ -105,102 +121,45 @@ class PagedKV(LayerState):
         slot's table must already cover the position (the engine grows it before the step)."""
         kv = torch.cat((k, v), dim=1)
         for store in self._stores():
-            _write(store, self.layer, batch, kv)
+            write_rows(store, self.layer, batch, kv)
+
+    def attend(self, q: Tensor, batch: ForwardBatch) -> Tensor:
+        """q [T, Hq, D] attends to its sequence's cache (this step's K/V already written) ->
+        [T, Hq * D]: by the Triton kernels on CUDA, by the gathering reference on the CPU."""
+        out = self._attend_kernels(q, batch) if self.kernels else self._attend_reference(q, batch)
+        return out.view(q.shape[0], -1)
 
     def read(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
         """K and V of each sequence, positions [0, max_ctx): [B, max_ctx, n_kv, head_dim] in the
-        model dtype, gathered from the blocks (CPU path). Positions past a sequence's own end hold
-        stale data; the caller masks them."""
-        kv = _read(self.store, self.layer, batch)
+        model dtype, gathered from the blocks (CPU only). Positions past a sequence's own end hold
+        stale data."""
+        kv = gather(self.store, self.layer, batch)
         if self.stores.mixed and self.stores.int8 is not None:
             in_int8 = self.stores.int8_slots[batch.slots].view(-1, 1, 1, 1)
-            kv = torch.where(in_int8, _read(self.stores.int8, self.layer, batch), kv)
+            kv = torch.where(in_int8, gather(self.stores.int8, self.layer, batch), kv)
         h = self.layout.num_kv_heads
         return kv[:, :, :h], kv[:, :, h:]
 
-    def attend_in_place(self, q: Tensor, batch: ForwardBatch) -> Tensor:
-        """q [T, Hq, D] over the blocks, by the CUDA kernels -> [T, Hq * D]. With both stores in
-        use each is attended with the other store's sequences cut to their first position (in the
-        sink), and each token keeps the result of its own sequence's store."""
+    def _attend_reference(self, q: Tensor, batch: ForwardBatch) -> Tensor:
+        groups = self.stores.padded_groups(batch)
+        if len(groups) == 1:
+            return attend_gathered(q, torch.cat(self.read(batch), dim=2), groups[0])
+        out = torch.empty_like(q)
+        for g in groups:  # two: the decode tokens, and the prefill chunks
+            assert g.token_index is not None
+            kv = torch.cat(self.read(g.batch), dim=2)
+            out.index_copy_(0, g.token_index, attend_gathered(q.index_select(0, g.token_index), kv, g))
+        return out
+
+    def _attend_kernels(self, q: Tensor, batch: ForwardBatch) -> Tensor:
+        """With both stores in use each is attended with the other store's sequences cut to their
+        first position (in the sink), and each token keeps the result of its own sequence's store."""
         if not (self.stores.mixed and self.stores.int8 is not None):
-            return _attend(self.store, self.layer, q, batch, None).view(q.shape[0], -1)
+            return attend_kernels(self.store, self.layer, q, batch, None)
         in_int8 = self.stores.int8_slots[batch.slots]
-        main = _attend(self.store, self.layer, q, batch, in_int8)
-        int8 = _attend(self.stores.int8, self.layer, q, batch, ~in_int8)
-        return torch.where(in_int8[batch.seq_of_token].view(-1, 1, 1), int8, main).view(q.shape[0], -1)
-
-
-def _write(store: KVStore, layer: int, batch: ForwardBatch, kv: Tensor) -> None:
-    if store.cuda is not None:
-        from ballast.models.paged_store import store_rows
-
-        store_rows(store, layer, batch, kv)
-        return
-    host = store.host
-    assert host is not None
-    index = _step_index(store, batch)[0]
-    if host.scale is None:
-        host.kv[layer].index_put_(index, kv.to(store.layout.dtype))
-        return
-    q, scale = quantize_rows(kv)
-    host.kv[layer].index_put_(index, q)
-    host.scale[layer].index_put_(index, scale)
-
-
-def _read(store: KVStore, layer: int, batch: ForwardBatch) -> Tensor:
-    """[B, max_ctx, 2 * n_kv, head_dim] in the model dtype, gathered from the store's blocks."""
-    host = store.host
-    assert host is not None, "on CUDA attention reads the blocks in place (attend_in_place)"
-    lay, b = store.layout, batch.num_seqs
-    ids = _step_index(store, batch)[1]
-    kv = _gather_blocks(host.kv[layer], ids, b)[:, : batch.max_ctx]
-    if host.scale is not None:
-        scale = _gather_blocks(host.scale[layer], ids, b)[:, : batch.max_ctx]
-        kv = (kv.float() * scale[..., None]).to(lay.dtype)
-    return kv
-
-
-def _step_index(store: KVStore, batch: ForwardBatch) -> tuple[tuple[Tensor, Tensor], Tensor]:
-    """(block, offset) of every token's row and the blocks each sequence reads, for the CPU path:
-    the same for every layer of a step, so computed once per step and store."""
-    cached = store.step_index
-    if cached is not None and cached[0] is batch:
-        return cached[1], cached[2]
-    bs = store.layout.block_size
-    rows = (store.block_table[batch.slot_of_token, batch.positions // bs].long(), batch.positions % bs)
-    ids = store.block_table[batch.slots, : -(-batch.max_ctx // bs)].reshape(-1).long()
-    store.step_index = (batch, rows, ids)
-    return rows, ids
-
-
-def _attend(store: KVStore, layer: int, q: Tensor, batch: ForwardBatch, foreign: Tensor | None) -> Tensor:
-    """q [T, Hq, D] attended over one store's blocks by the CUDA kernels. `foreign` [B] marks
-    sequences that live in the other store: they read only their first position (the sink)."""
-    from ballast.models.paged_triton import paged_decode, paged_prefill
-
-    lay, cuda = store.layout, store.cuda
-    assert cuda is not None
-    out = torch.empty_like(q)
-    common = dict(layer=layer, num_layers=lay.num_layers, seg_blocks=lay.seg_blocks, block_size=lay.block_size,
-                  num_kv_heads=lay.num_kv_heads, kv_dtype=lay.storage_dtype, sm_scale=q.shape[-1] ** -0.5)
-    if batch.decode_only:
-        ctx = batch.positions + 1
-        if foreign is not None:
-            ctx = torch.where(foreign, torch.ones_like(ctx), ctx)
-        paged_decode(q, out, cuda.kv_ptrs, cuda.scale_ptrs, store.block_table, batch.slots, ctx,
-                     max_ctx=batch.max_ctx, **common)  # type: ignore[arg-type]
-    else:
-        starts = batch.starts if foreign is None else torch.where(foreign, torch.zeros_like(batch.starts), batch.starts)
-        paged_prefill(q, out, cuda.kv_ptrs, cuda.scale_ptrs, store.block_table, batch.slots, starts, batch.cu_lens,
-                      max_len=batch.max_len, max_ctx=batch.max_ctx, **common)  # type: ignore[arg-type]
-    return out
-
-
-def _gather_blocks(layer: Tensor, ids: Tensor, num_seqs: int) -> Tensor:
-    """layer[ids] as [num_seqs, len(ids) / num_seqs * block_size, ...]. One block is contiguous
-    memory, so gathering rows of a 2-D view is one memcpy per block."""
-    rows = layer.view(layer.shape[0], -1).index_select(0, ids)
-    return rows.view(num_seqs, -1, *layer.shape[2:])
+        main = attend_kernels(self.store, self.layer, q, batch, in_int8)
+        int8 = attend_kernels(self.stores.int8, self.layer, q, batch, ~in_int8)
+        return torch.where(in_int8[batch.seq_of_token].view(-1, 1, 1), int8, main)
 
 
 class RecurrentState(LayerState):

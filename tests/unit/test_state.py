@@ -6,7 +6,7 @@ import pytest
 import torch
 from ballast.memory.specs import AttentionSpec, RecurrentStateSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.models.base import ForwardBatch
-from ballast.models.layers import StepContext, slot_attention_mask
+from ballast.models.attention import padded_groups, slot_attention_mask
 from ballast.models.state import PagedKV, RecurrentState, allocate_states, attention_spec
 
 
@@ -142,12 +142,12 @@ def test_subset_and_mixed_step_groups() -> None:
     assert sub.positions.tolist() == [4, 5, 0, 1, 2]
     assert sub.slots_list == [5, 3] and (sub.max_len, sub.max_ctx) == (3, 6)
     assert sub.pad_index.tolist() == [0, 1, 3, 4, 5]
-    ctx = StepContext.build(b, torch.zeros(7, 4), torch.zeros(7, 4))
-    decodes, chunks = ctx.groups
+    decodes, chunks = padded_groups(b)
+    assert decodes.token_index is not None and chunks.token_index is not None
     assert decodes.batch.decode_only and decodes.token_index.tolist() == [3, 6]
     assert chunks.batch.slots_list == [3, 5] and chunks.token_index.tolist() == [0, 1, 2, 4, 5]
     # Decode tokens are not padded to the chunk length: their group's mask has one query row.
     assert decodes.mask is not None and decodes.mask.shape == (2, 1, 1, 8)
     # A step of only chunks, or only decodes, is one padded call.
-    assert not StepContext.build(ForwardBatch.build([(0, [1, 2], 0), (1, [3, 4, 5], 0)], "cpu"),
-                                 torch.zeros(5, 4), torch.zeros(5, 4)).groups
+    (whole,) = padded_groups(ForwardBatch.build([(0, [1, 2], 0), (1, [3, 4, 5], 0)], "cpu"))
+    assert whole.token_index is None and whole.mask is not None and whole.mask.shape == (2, 1, 3, 3)
