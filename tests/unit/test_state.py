@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from ballast.memory.specs import AttentionSpec, RecurrentStateSpec, kv_bytes_per_token, state_bytes_per_slot
-from ballast.models.base import ForwardBatch
 from ballast.models.attention import padded_groups, slot_attention_mask
+from ballast.models.base import ForwardBatch
 from ballast.models.state import PagedKV, RecurrentState, allocate_states, attention_spec
 
 
