@@ -32,7 +32,8 @@ LEVEL_LOG = logging.getLogger("ballast.events.level")
 REQUEST_LOG = logging.getLogger("ballast.events.request")
 
 # Attributes every LogRecord has; anything else on a record came from `extra=` and is an event field.
-_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}
+# uvicorn's `color_message` is its message again with terminal colour codes: not for a log pipeline.
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName", "color_message"}
 
 
 class JsonFormatter(logging.Formatter):
@@ -63,6 +64,7 @@ def configure_logging(log_format: str, log_level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(log_level.upper())
+    logging.captureWarnings(log_format == "json")  # a library's warning is a log line too, not bare text
     quiet = log_format == "text" and log_level != "debug"
     REQUEST_LOG.setLevel(logging.WARNING if quiet else logging.NOTSET)
 
