@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint typecheck bench clean
+.PHONY: setup serve test lint typecheck bench clean ci-tools
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,19 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 setup: $(VENV)/.installed
+
+# System tools the deploy/ and page tests drive (Debian packages): headless Chromium for
+# /dashboard, Prometheus and promtool for the alert rules, kubectl (kustomize) where the machine
+# has it. Their tests skip, saying why, where a tool is absent; CI (root, apt reachable) installs
+# them here. Only what is missing is installed.
+ci-tools:
+	@missing=""; command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v prometheus >/dev/null && command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+		else echo "ci-tools: not root or no apt-get; tests needing$$missing will skip"; fi; \
+	fi
 
 serve: setup
 	$(VENV)/bin/ballast serve --model $(MODEL) --host $(HOST) --port $(PORT)

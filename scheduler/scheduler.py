@@ -56,6 +56,9 @@ from ballast.scheduler.request import (
 from ballast.scheduler.slots import SlotTable
 
 log = logging.getLogger(__name__)
+# Admission verdicts are operator events: one record per decision, with the request's id (the
+# server's JSON log format puts the extra fields at the top level).
+verdict_log = logging.getLogger("ballast.events.request")
 
 OUTCOMES = ("stop", "length", "abort", *REFUSAL_OUTCOMES)
 
@@ -317,8 +320,10 @@ class Scheduler:
             except Overloaded as refusal:  # the governor has raised the pressure level
                 if seq.preempted:  # a preempted request is never failed: it waits for blocks
                     return None
+                _log_verdict(seq, "reject", 0, refusal.reason)
                 self._finish(seq, "error", refusal)
                 continue
+            _log_verdict(seq, admission.verdict.kind.value, admission.verdict.fit_tokens, admission.verdict.reason)
             slot = self._slots.acquire(self.slot_limit)
             assert slot is not None  # has_free said so, and nothing ran in between
             self._queue.pop_head()
@@ -515,3 +520,10 @@ class Scheduler:
     @property
     def outcomes(self) -> dict[str, int]:
         return dict(self._outcomes)
+
+
+def _log_verdict(seq: _Seq, verdict: str, fit_tokens: int, reason: str) -> None:
+    rid = seq.req.request_id
+    verdict_log.info("request %s admission: %s%s", rid, verdict, f" ({reason})" if reason else "",
+                     extra={"event": "verdict", "request_id": rid, "verdict": verdict, "fit_tokens": fit_tokens,
+                            "reason": reason, "resumed": seq.preempted})

@@ -20,7 +20,7 @@ from ballast.engine.loading import LOAD_ERRORS
 from ballast.memory.metrics import AdmissionMetrics, LadderCollector, PoolCollector, register_memory_metrics
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.scheduler import Scheduler
-from ballast.server import errors, routes
+from ballast.server import dashboard, errors, routes
 from ballast.server.config import ServerConfig
 from ballast.server.metrics import HttpMetrics
 from ballast.server.state import Phase, ServerState, SnapshotWatch
@@ -195,5 +195,7 @@ def create_app(
     app.state.ballast = state
     errors.install(app)
     routes.install(app, config.api_key)
+    if config.dashboard:
+        dashboard.install(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     return app

@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import uvicorn
 from ballast.engine.config import EngineConfig
@@ -26,7 +27,10 @@ from ballast.memory.types import LadderPlan, MemState
 from ballast.memory.watch import MemWatch
 from ballast.models.default_model import CACHE_ENV
 from ballast.scheduler.config import SchedulerConfig
+from ballast.server import events
 from ballast.server.config import ConfigError, ServerConfig, add_flags, build, warn_unknown
+
+log = logging.getLogger("ballast.server")
 
 # Order matters only for --help: the settings people reach for first come first.
 LAYERS: tuple[type, ...] = (ServerConfig, EngineConfig, PrefixCacheConfig, SchedulerConfig, MemoryConfig)
@@ -120,20 +124,25 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     prefix_cfg = cfg[PrefixCacheConfig]
     assert isinstance(server_cfg, ServerConfig) and isinstance(engine_cfg, EngineConfig) and isinstance(prefix_cfg, PrefixCacheConfig)
     assert isinstance(sched_cfg, SchedulerConfig) and isinstance(memory_cfg, MemoryConfig)
-    logging.basicConfig(level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    events.configure_logging(server_cfg.log_format, server_cfg.log_level)
     device = engine_cfg.resolved_device()
     gpu_die = (device.index or 0) if device.type == "cuda" else None
     watch = MemWatch(memory_cfg)
+    watch.add_listener(events.level_changed)
     # The prefix cache's checkpoint buffers come from (and go back to) this pool; its cap follows
     # the live, cgroup-aware host total, and the scheduler trims it while idle.
     pool = CheckpointPool(lambda: watch.read().host.effective_total_bytes, memory_cfg.pool_fraction,
                           memory_cfg.pool_max_buffers, memory_cfg.pool_min_buffer_bytes)
     exit_code = 0
     server: uvicorn.Server | None = None
+    json_logs = server_cfg.log_format == "json"
 
     def on_fatal(reason: str) -> None:
         nonlocal exit_code
-        print(f"ballast: fatal: {reason}; shutting down", file=sys.stderr, flush=True)
+        if json_logs:
+            log.critical("fatal: %s; shutting down", reason, extra={"event": "fatal", "reason": reason})
+        else:
+            print(f"ballast: fatal: {reason}; shutting down", file=sys.stderr, flush=True)
         exit_code = 1
         if server is not None:
             server.should_exit = True
@@ -154,8 +163,16 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         return 1
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    server = uvicorn.Server(uvicorn.Config(app, log_level=server_cfg.log_level, lifespan="on", timeout_graceful_shutdown=10))
-    print(f"ballast: listening on http://{shown}:{port} (model {engine_cfg.model} loading; /ready turns 200 when it is served)", flush=True)
+    # In JSON mode uvicorn's loggers keep no handlers of their own: their records reach the root's
+    # JSON handler like ours, so every line of the log is one object.
+    logs: dict[str, Any] = {"log_config": None} if json_logs else {}
+    server = uvicorn.Server(uvicorn.Config(app, log_level=server_cfg.log_level, lifespan="on", timeout_graceful_shutdown=10, **logs))
+    url = f"http://{shown}:{port}"
+    if json_logs:
+        log.info("listening on %s (model %s loading; /ready turns 200 when it is served)", url, engine_cfg.model,
+                 extra={"event": "listening", "url": url, "model": engine_cfg.model})
+    else:
+        print(f"ballast: listening on {url} (model {engine_cfg.model} loading; /ready turns 200 when it is served)", flush=True)
     server.run(sockets=[sock])
     return exit_code
 

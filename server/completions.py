@@ -31,6 +31,7 @@ from ballast.scheduler.request import (
 )
 from ballast.server import protocol as p
 from ballast.server.errors import ApiError, bad_request, from_refusal
+from ballast.server.events import request_accepted, request_refused
 from ballast.server.metrics import RequestTimer
 from ballast.server.state import ServerState
 from fastapi import Request
@@ -178,6 +179,7 @@ def refuse(state: ServerState, job: Job, exc: Refused, *, counted: bool = False)
     if isinstance(exc, EngineFailed):
         state.fail(str(exc))
     err = from_refusal(exc, job.prompt_param)
+    request_refused(job.response_id, job.endpoint, err.status, err.code, str(exc))
     if not counted:
         state.metrics.refused(job.endpoint, err.status, outcome_of(exc))
     return err
@@ -201,7 +203,9 @@ class Started:
 async def start(state: ServerState, job: Job) -> Started:
     """Submit and wait for the first event; a refusal (now or while queued) raises an ApiError."""
     assert state.scheduler is not None
-    timer = RequestTimer(state.metrics, job.endpoint)
+    timer = RequestTimer(state.metrics, job.endpoint, job.response_id)
+    if state.engine is not None:
+        request_accepted(job.endpoint, job.gen, state.engine.tokenizer, state.config.log_prompts)
     try:
         handle = state.scheduler.submit(job.gen)
     except Refused as exc:

@@ -53,6 +53,9 @@ class ServerConfig:
     max_body_bytes: int = field(default=8 << 20, metadata=_setting("BALLAST_MAX_BODY_BYTES", "largest request body accepted (413 beyond)", 1024, 1 << 34))
     served_model_name: str | None = field(default=None, metadata=_setting("BALLAST_SERVED_MODEL_NAME", "model name clients use; default: the engine's model name"))
     log_level: str = field(default="info", metadata=_setting("BALLAST_LOG_LEVEL", "uvicorn log level", choices=("critical", "error", "warning", "info", "debug")))
+    log_format: str = field(default="text", metadata=_setting("BALLAST_LOG_FORMAT", "'json': one JSON object per log line, with request, verdict, refusal and level-change events", choices=("text", "json")))
+    log_prompts: bool = field(default=False, metadata=_setting("BALLAST_LOG_PROMPTS", "put the prompt text in request events (off: never logged)"))
+    dashboard: bool = field(default=True, metadata=_setting("BALLAST_DASHBOARD", "serve the live page /dashboard and its JSON /dashboard/state"))
 
     def __post_init__(self) -> None:
         check_ranges(self)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from ballast.server import events
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -98,11 +99,13 @@ class HttpMetrics:
 class RequestTimer:
     """Token timing of one request: TTFT at the first token, inter-token latency after it."""
 
-    def __init__(self, metrics: HttpMetrics, endpoint: str) -> None:
+    def __init__(self, metrics: HttpMetrics, endpoint: str, request_id: str = "") -> None:
         self._metrics = metrics
         self._endpoint = endpoint
+        self._request_id = request_id
         self._start = time.monotonic()
         self._last: float | None = None
+        self._ttft: float | None = None
 
     def tokens(self, n: int) -> None:
         """n tokens arrived together (a slow reader's mailbox merges events): spread the gap."""
@@ -110,7 +113,8 @@ class RequestTimer:
             return
         now = time.monotonic()
         if self._last is None:
-            self._metrics.ttft.observe(now - self._start)
+            self._ttft = now - self._start
+            self._metrics.ttft.observe(self._ttft)
             n -= 1
         elif n:
             gap = (now - self._last) / n
@@ -120,7 +124,9 @@ class RequestTimer:
 
     def finished(self, outcome: str, prompt_tokens: int, completion_tokens: int) -> None:
         m = self._metrics
-        m.e2e.observe(time.monotonic() - self._start)
+        e2e = time.monotonic() - self._start
+        m.e2e.observe(e2e)
+        events.request_finished(self._request_id, self._endpoint, outcome, prompt_tokens, completion_tokens, self._ttft, e2e)
         m.requests.labels(endpoint=self._endpoint, outcome=outcome).inc()
         m.prompt_tokens.inc(prompt_tokens)
         m.generation_tokens.inc(completion_tokens)

@@ -79,19 +79,23 @@ def running_server(app: FastAPI, *, wait_for_ready: bool = True, timeout_s: floa
 
 @contextmanager
 def serve_subprocess(
-    args: list[str], env: Mapping[str, str] | None = None, *, timeout_s: float = 120.0, wait_for_ready: bool = True
+    args: list[str], env: Mapping[str, str] | None = None, *, timeout_s: float = 120.0, wait_for_ready: bool = True,
+    output: list[str] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """Run `ballast serve --port 0 ARGS` in a child process; yields (base_url, process)."""
+    """Run `ballast serve --port 0 ARGS` in a child process; yields (base_url, process). `output`,
+    if given, receives every line the child prints (stdout and stderr), complete once it exits."""
     cmd = [sys.executable, "-m", "ballast.server.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args]
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
-    lines: list[str] = []
+    lines: list[str] = output if output is not None else []
+    drain: threading.Thread | None = None
     try:
         base_url = _read_listen_line(proc, lines, timeout_s)
         if wait_for_ready:
             wait_ready(base_url, timeout_s)
         # Keep draining output so the child never blocks on a full pipe.
-        threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
+        drain = threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True)
+        drain.start()
         yield base_url, proc
     finally:
         if proc.poll() is None:
@@ -101,6 +105,8 @@ def serve_subprocess(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if drain is not None:
+            drain.join(timeout=10)
 
 
 def _read_listen_line(proc: subprocess.Popen[str], lines: list[str], timeout_s: float) -> str:

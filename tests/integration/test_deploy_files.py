@@ -21,7 +21,7 @@ from ballast.memory.watch import MemWatch
 from ballast.scheduler.config import SchedulerConfig
 from ballast.server.app import create_app
 from ballast.server.cli import LAYERS, OTHER_VARIABLES, build_parser
-from ballast.server.config import ServerConfig, build, unknown_variables
+from ballast.server.config import ServerConfig, build, settings_of, unknown_variables
 from fake_engine import FakeEngine
 from memfixtures import level_tree
 from prometheus_client.parser import text_string_to_metric_families
@@ -94,3 +94,11 @@ def test_systemd_unit_passes_the_configuration_path() -> None:
     assert env and unknown_variables(env, LAYERS, OTHER_VARIABLES) == []
     assert unit["Service"]["Restart"] == "on-failure"
     assert unit["Service"]["MemoryMax"] and unit["Service"]["MemoryHigh"]
+
+
+def test_the_guide_names_every_setting() -> None:
+    guide = (DEPLOY.parent / "docs" / "OPERATIONS.md").read_text()
+    missing = [f"{s.flag} ({s.env})" for layer in LAYERS for s in settings_of(layer)
+               if f"`{s.flag}`" not in guide or f"`{s.env}`" not in guide]
+    assert not missing, f"docs/OPERATIONS.md does not list: {missing}"
+    assert all(f"`{name}`" in guide for name in OTHER_VARIABLES)

@@ -27,6 +27,7 @@ def test_wheel_contains_and_imports_every_subpackage(tmp_path: Path) -> None:
     for sub in SUBPACKAGES:
         assert f"ballast/{sub}/__init__.py" in names, f"wheel lacks ballast/{sub}"
     assert "ballast/memory/types.py" in names
+    assert "ballast/server/dashboard.html" in names, "the /dashboard page is package data"
     assert not any(n.startswith(("memory/", "tests/")) for n in names), "top-level folders leaked into the wheel"
 
     target = tmp_path / "site"
