@@ -27,6 +27,7 @@ setup: $(VENV)/.installed
 ci-tools:
 	@missing=""; command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v prometheus >/dev/null && command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	command -v kubectl >/dev/null || missing="$$missing kubectl"; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
