@@ -105,7 +105,7 @@ class Engine:
             profile = profile_prefill(loaded.model, loaded.hf_config, cfg.prefill_chunk_tokens, cfg.max_model_len, self.device, self.dtype)
             quantized = force_quantized_kv or cfg.kv_quant == "int8"
             graphs = cfg.cuda_graphs and self.device.type == "cuda"
-            die = self._die() if self.device.type == "cuda" else None
+            die = self.gpu_die
             if self._watch is not None and die is not None:
                 # Lease before allocating: the ledger refuses before the driver would OOM.
                 planned = planned_state_bytes(loaded.model, self.dtype, cfg.max_num_seqs, graphs)
@@ -129,6 +129,11 @@ class Engine:
         if self.device.type == "cuda":
             return self._watch.ledger.headroom(self._die())
         return self._watch.read().host_budget_bytes
+
+    @property
+    def gpu_die(self) -> int | None:
+        """The GPU whose ledger holds this engine's memory (None: it runs on the host)."""
+        return self._die() if self.device.type == "cuda" else None
 
     def _die(self) -> int:
         return self.device.index if self.device.index is not None else torch.cuda.current_device()

@@ -51,6 +51,7 @@ class EngineLike(Protocol):
     cost_model: CostModel
     tokenizer: TokenizerLike
     quantized_kv: bool  # the main KV pool holds int8 (configured, or the ladder's plan at load)
+    gpu_die: int | None  # the GPU whose ledger admission checks (None: the engine runs on the host)
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         """Queue a plan on the engine thread. Plans run one at a time, in submission order.

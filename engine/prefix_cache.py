@@ -41,6 +41,8 @@ from ballast.memory.pool import CheckpointPool
 from ballast.models.state import LayerState
 from torch import Tensor
 
+from ballast.settings import check, setting
+
 log = logging.getLogger(__name__)
 
 # Segment offsets inside a buffer are aligned so any dtype can be viewed at them (and so CUDA
@@ -51,26 +53,19 @@ MIN_INTERVAL = 512
 _INTERVAL_QUANTUM = 256
 
 
-def _setting(env: str, lo: float, hi: float, doc: str) -> dict[str, object]:
-    return {"env": env, "range": (lo, hi), "doc": doc}
-
-
 @dataclass(frozen=True)
 class PrefixCacheConfig:
     """The prefix cache's settings (flags and BALLAST_* variables through `ballast.server.config`)."""
 
-    fraction: float = field(default=0.05, metadata=_setting(
-        "BALLAST_PREFIX_CACHE_FRACTION", 0.0, 0.5, "prefix cache byte budget as a fraction of effective host memory; 0 turns prefix reuse off"))
-    max_bytes: int = field(default=0, metadata=_setting(
-        "BALLAST_PREFIX_CACHE_BYTES", 0, 1 << 50, "fixed cap on the prefix cache's bytes on top of the fraction; 0 = the fraction alone"))
-    checkpoint_interval: int = field(default=0, metadata=_setting(
-        "BALLAST_CHECKPOINT_INTERVAL", 0, 1 << 20, "prompt tokens between checkpoints; 0 = from the model's costs"))
+    fraction: float = field(default=0.05, metadata=setting(
+        "BALLAST_PREFIX_CACHE_FRACTION", "prefix cache byte budget as a fraction of effective host memory; 0 turns prefix reuse off", 0.0, 0.5))
+    max_bytes: int = field(default=0, metadata=setting(
+        "BALLAST_PREFIX_CACHE_BYTES", "fixed cap on the prefix cache's bytes on top of the fraction; 0 = the fraction alone", 0, 1 << 50))
+    checkpoint_interval: int = field(default=0, metadata=setting(
+        "BALLAST_CHECKPOINT_INTERVAL", "prompt tokens between checkpoints; 0 = from the model's costs", 0, 1 << 20))
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.fraction <= 0.5:
-            raise ValueError(f"BALLAST_PREFIX_CACHE_FRACTION={self.fraction} is out of range: accepted 0..0.5")
-        if self.max_bytes < 0 or self.checkpoint_interval < 0:
-            raise ValueError(f"prefix cache caps must be >= 0, got max_bytes={self.max_bytes}, checkpoint_interval={self.checkpoint_interval}")
+        check(self)
 
     @property
     def enabled(self) -> bool:

@@ -119,24 +119,23 @@ class Scheduler:
         *,
         memwatch: SnapshotSource | None = None,
         admission_metrics: VerdictRecorder | None = None,
-        gpu_die: int | None = None,
         on_idle: Callable[[], None] | None = None,
     ) -> None:
         """memwatch: the snapshot source (None: no memory governance beyond the window).
-        admission_metrics: counts every verdict. gpu_die: where the engine's KV lives (admission
-        reads the engine's own KV format). on_idle: runs when the scheduler goes idle and every
+        admission_metrics: counts every verdict. Admission reads where the engine's memory lives
+        and its KV format from the engine itself. on_idle: runs when the scheduler goes idle and every
         idle_tick_s while it stays idle (pool trim)."""
         self._engine = engine
         self._cfg = config
         self._on_idle = on_idle
         self._max_slots = min(config.max_num_seqs, engine.num_slots)
-        self._window = min(config.prefill_window or engine.max_model_len, engine.max_model_len)
+        self._window = config.context_window(engine.max_model_len)
         settings = GovernorSettings(
             LadderConfig(self._max_slots, self._window),
             config.ladder_disable,
             config.psi_full_reject_pct,
             config.retry_after_s,
-            gpu_die,
+            engine.gpu_die,
             engine.quantized_kv,
         )
         self._gov = Governor(settings, engine.cost_model, memwatch, admission_metrics)

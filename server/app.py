@@ -81,7 +81,6 @@ class _Wiring:
     """How the scheduler is built once the engine has loaded."""
 
     scheduler_config: SchedulerConfig
-    gpu_die: int | None
     admission: AdmissionMetrics | None
     on_idle: Callable[[], None] | None  # trims the checkpoint pool while the scheduler idles
 
@@ -117,13 +116,11 @@ async def _load(state: ServerState, factory: EngineFactory, wiring: _Wiring) -> 
     if state.phase is not Phase.LOADING:  # shut down while we were loading
         return
     # The scheduler refuses prompt + max_tokens beyond this window (ContextTooLong); the server
-    # needs it to fill in an unset max_tokens. Same rule as the scheduler's: 0 = the model's length.
-    window = wiring.scheduler_config.prefill_window or engine.max_model_len
-    state.context_window = min(window, engine.max_model_len)
+    # needs it to fill in an unset max_tokens.
+    state.context_window = wiring.scheduler_config.context_window(engine.max_model_len)
     try:
         scheduler = Scheduler(
-            engine, wiring.scheduler_config, memwatch=state.memwatch, admission_metrics=wiring.admission, gpu_die=wiring.gpu_die,
-            on_idle=wiring.on_idle,
+            engine, wiring.scheduler_config, memwatch=state.memwatch, admission_metrics=wiring.admission, on_idle=wiring.on_idle,
         )
         await scheduler.start()
         state.scheduler = scheduler  # from here on, shut-down stops it
@@ -167,7 +164,6 @@ def create_app(
     *,
     memwatch: SnapshotWatch | None = None,
     on_fatal: Callable[[str], None] | None = None,
-    gpu_die: int | None = None,
     pool: CheckpointPool | None = None,
     pool_max_idle_s: float = 30.0,
     model_aliases: tuple[str, ...] = (),
@@ -176,7 +172,7 @@ def create_app(
 
     `memwatch` is started and stopped with the app and its figures are on /metrics; `on_fatal(reason)`
     is called once if the engine becomes unsound (`ballast serve` uses it to exit non-zero);
-    `gpu_die` is the GPU whose ledger admission checks (None: the engine runs on the host); `pool` is
+    `pool` is
     the checkpoint buffer pool the engine's prefix cache uses: its figures go on /metrics and the
     idle scheduler trims buffers pooled longer than `pool_max_idle_s`; `model_aliases` are other
     names requests may give the model (responses always carry the served name)."""
@@ -190,7 +186,7 @@ def create_app(
     if pool is not None and memwatch is None:
         registry.register(PoolCollector(pool))
     on_idle = None if pool is None else lambda: _trim(pool, pool_max_idle_s)
-    wiring = _Wiring(scheduler_config, gpu_die, admission, on_idle)
+    wiring = _Wiring(scheduler_config, admission, on_idle)
     app = FastAPI(title="ballast", lifespan=_lifespan(engine_factory, wiring), docs_url=None, redoc_url=None)
     app.state.ballast = state
     errors.install(app)

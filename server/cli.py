@@ -71,32 +71,38 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return 2
 
 
-def _configs(args: argparse.Namespace, env: Mapping[str, str], layers: Sequence[type]) -> dict[type, object]:
+def build_configs(args: argparse.Namespace, env: Mapping[str, str], layers: Sequence[type]) -> dict[type, object]:
+    """Each layer's config; the scheduler's takes its slot count from the engine's and its ladder
+    and PSI settings from the memory layer's (each setting is declared once)."""
     warn_unknown(env, LAYERS, OTHER_VARIABLES)
-    return {layer: build(layer, args, env) for layer in layers}
+    cfg: dict[type, object] = {layer: build(layer, args, env) for layer in layers if layer is not SchedulerConfig}
+    if SchedulerConfig in layers:
+        engine, mem = cfg[EngineConfig], cfg[MemoryConfig]
+        assert isinstance(engine, EngineConfig) and isinstance(mem, MemoryConfig)
+        cfg[SchedulerConfig] = build(SchedulerConfig, args, env, max_num_seqs=engine.max_num_seqs,
+                                     ladder_disable=mem.ladder_disable, psi_full_reject_pct=mem.psi_full_reject_pct)
+    return cfg
 
 
-def _ladder_plan(state: MemState, engine: EngineConfig, sched: SchedulerConfig, memory_cfg: MemoryConfig) -> LadderPlan:
-    slots = min(engine.max_num_seqs, sched.max_num_seqs)
-    window = min(sched.prefill_window or engine.max_model_len, engine.max_model_len)
-    disabled = memory_cfg.ladder_disable or sched.ladder_disable
-    return plan_for(state.level, LadderConfig(slots, window), disabled=disabled)
+def _ladder_plan(state: MemState, engine: EngineConfig, sched: SchedulerConfig) -> LadderPlan:
+    window = sched.context_window(engine.max_model_len)
+    return plan_for(state.level, LadderConfig(sched.max_num_seqs, window), disabled=sched.ladder_disable)
 
 
 def memory(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    cfg = _configs(args, env, MEMORY_LAYERS)
+    cfg = build_configs(args, env, MEMORY_LAYERS)
     memory_cfg, engine_cfg, sched_cfg = cfg[MemoryConfig], cfg[EngineConfig], cfg[SchedulerConfig]
     assert isinstance(memory_cfg, MemoryConfig) and isinstance(engine_cfg, EngineConfig) and isinstance(sched_cfg, SchedulerConfig)
     watch = MemWatch(memory_cfg)
     if not args.watch:
         state = watch.poll_now()
-        print(render(state, _ladder_plan(state, engine_cfg, sched_cfg, memory_cfg)))
+        print(render(state, _ladder_plan(state, engine_cfg, sched_cfg)))
         return 0
     watch.start()
     try:
         while True:
             state = watch.read()
-            print(render(state, _ladder_plan(state, engine_cfg, sched_cfg, memory_cfg)), flush=True)
+            print(render(state, _ladder_plan(state, engine_cfg, sched_cfg)), flush=True)
             print()
             time.sleep(1.0)
     except KeyboardInterrupt:
@@ -115,7 +121,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    cfg = _configs(args, env, LAYERS)
+    cfg = build_configs(args, env, LAYERS)
     from ballast.engine.engine import Engine  # heavy imports only once the configs are known good
     from ballast.memory.pool import CheckpointPool
     from ballast.server.app import create_app
@@ -125,8 +131,6 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     assert isinstance(server_cfg, ServerConfig) and isinstance(engine_cfg, EngineConfig) and isinstance(prefix_cfg, PrefixCacheConfig)
     assert isinstance(sched_cfg, SchedulerConfig) and isinstance(memory_cfg, MemoryConfig)
     events.configure_logging(server_cfg.log_format, server_cfg.log_level)
-    device = engine_cfg.resolved_device()
-    gpu_die = (device.index or 0) if device.type == "cuda" else None
     watch = MemWatch(memory_cfg)
     watch.add_listener(events.level_changed)
     # The prefix cache's checkpoint buffers come from (and go back to) this pool; its cap follows
@@ -150,11 +154,11 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     def load_engine() -> Engine:
         # The ladder's plan when loading starts: at WATCH or worse the main KV pool is int8 from
         # the start (new sequences would be int8 anyway, and every byte counts).
-        plan = _ladder_plan(watch.poll_now(), engine_cfg, sched_cfg, memory_cfg)
+        plan = _ladder_plan(watch.poll_now(), engine_cfg, sched_cfg)
         return Engine.load(engine_cfg, watch, plan.force_quantized_kv, prefix_cache=prefix_cfg, pool=pool)
 
     app = create_app(server_cfg, sched_cfg, load_engine, memwatch=watch,
-                     on_fatal=on_fatal, gpu_die=gpu_die, pool=pool, pool_max_idle_s=memory_cfg.pool_max_idle_s,
+                     on_fatal=on_fatal, pool=pool, pool_max_idle_s=memory_cfg.pool_max_idle_s,
                      model_aliases=() if server_cfg.served_model_name else (engine_cfg.model,))
     try:
         sock = _bind(server_cfg.host, server_cfg.port)

@@ -140,11 +140,13 @@ class FakeEngine:
         checkpoint_interval: int = 0,
         quantized_kv: bool = False,
         kv_blocks: int = 0,
+        gpu_die: int | None = None,
     ) -> None:
         """kv_blocks > 0 models a KV pool of that many blocks of KV_BLOCK tokens (no growth): each
         step reports its figures (blocks held by the slots' sequences), as the real engine does."""
         self.model_name = model_name
         self.quantized_kv = quantized_kv
+        self.gpu_die = gpu_die
         self.kv_blocks = kv_blocks
         self.peak_blocks = 0
         self.num_slots = num_slots

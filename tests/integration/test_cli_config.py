@@ -16,7 +16,7 @@ import pytest
 from ballast.engine.config import EngineConfig
 from ballast.memory.config import MemoryConfig
 from ballast.scheduler.config import SchedulerConfig
-from ballast.server.cli import LAYERS, OTHER_VARIABLES, main
+from ballast.server.cli import LAYERS, OTHER_VARIABLES, build_configs, main
 from ballast.server.config import (
     ConfigError,
     ServerConfig,
@@ -88,10 +88,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def test_flags_beat_env_and_shared_variables_feed_every_layer() -> None:
     env = {"BALLAST_MAX_NUM_SEQS": "4", "BALLAST_PORT": "9001", "BALLAST_LADDER_DISABLE": "true", "BALLAST_MODEL": "builtin:tiny-llama"}
     args = parse(["--port", "9002", "--max-model-len", "512", "--api-key", "k"])
-    server = build(ServerConfig, args, env)
-    engine = build(EngineConfig, args, env)
-    sched = build(SchedulerConfig, args, env)
-    memory = build(MemoryConfig, args, env)
+    cfg = build_configs(args, env, LAYERS)
+    server, engine, sched, memory = cfg[ServerConfig], cfg[EngineConfig], cfg[SchedulerConfig], cfg[MemoryConfig]
+    assert isinstance(server, ServerConfig) and isinstance(engine, EngineConfig)
+    assert isinstance(sched, SchedulerConfig) and isinstance(memory, MemoryConfig)
     assert (server.port, server.api_key) == (9002, "k")
     assert (engine.max_num_seqs, engine.max_model_len, engine.model) == (4, 512, "builtin:tiny-llama")
     assert sched.max_num_seqs == 4

@@ -35,8 +35,8 @@ def dashboard_server(root: Path, *, step_delay_s: float = 0.0, dashboard: bool =
     level_tree(root, Level.OK, config=cfg)
     watch = MemWatch(cfg, StaticDeviceReader([DieReading(0, "test-gpu", 80 * GiB, 70 * GiB)]))
     watch.ledger.register_die(0, 80 * GiB, 70 * GiB)
-    engine = lambda: FakeEngine(kv_blocks=256, step_delay_s=step_delay_s)  # noqa: E731
-    app = create_app(ServerConfig(dashboard=dashboard), SchedulerConfig(), engine, memwatch=watch, gpu_die=0)
+    engine = lambda: FakeEngine(kv_blocks=256, step_delay_s=step_delay_s, gpu_die=0)  # noqa: E731
+    app = create_app(ServerConfig(dashboard=dashboard), SchedulerConfig(), engine, memwatch=watch)
     with running_server(app) as url:
         yield url
 

@@ -21,11 +21,13 @@ from ballast.memory.watch import MemWatch
 from ballast.scheduler.config import SchedulerConfig
 from ballast.server.app import create_app
 from ballast.server.cli import LAYERS, OTHER_VARIABLES, build_parser
-from ballast.server.config import ServerConfig, build, settings_of, unknown_variables
+from ballast.server.config import ServerConfig, build, unknown_variables
 from fake_engine import FakeEngine
 from memfixtures import level_tree
 from prometheus_client.parser import text_string_to_metric_families
 from serverproc import running_server
+
+from ballast.settings import settings_of
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SEVERITIES = {"warning", "critical"}
@@ -65,7 +67,7 @@ def test_every_metric_the_rules_and_the_guide_name_is_served(tmp_path: Path) -> 
     watch = MemWatch(cfg, StaticDeviceReader([DieReading(0, "test-gpu", 80 * GiB, 70 * GiB)]))
     watch.ledger.register_die(0, 80 * GiB, 70 * GiB)  # as the engine's loader does before the weights
     pool = CheckpointPool(lambda: watch.read().host.effective_total_bytes, 0.25, 8, 1, pin=False)  # as `ballast serve` has
-    app = create_app(ServerConfig(), SchedulerConfig(), lambda: FakeEngine(kv_blocks=64), memwatch=watch, gpu_die=0, pool=pool)
+    app = create_app(ServerConfig(), SchedulerConfig(), lambda: FakeEngine(kv_blocks=64, gpu_die=0), memwatch=watch, pool=pool)
     with running_server(app) as url:
         body = {"model": "fake-model", "prompt": "the cat", "max_tokens": 3, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:

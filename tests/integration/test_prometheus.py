@@ -68,7 +68,7 @@ def ballast(root: Path) -> Iterator[str]:
     watch = MemWatch(cfg, StaticDeviceReader([DieReading(0, "test-gpu", 80 * GiB, 70 * GiB)]))
     watch.ledger.register_die(0, 80 * GiB, 70 * GiB)
     pool = CheckpointPool(lambda: watch.read().host.effective_total_bytes, 0.25, 8, 1, pin=False)  # as `ballast serve` has
-    app = create_app(ServerConfig(), SchedulerConfig(), lambda: FakeEngine(kv_blocks=64), memwatch=watch, gpu_die=0, pool=pool)
+    app = create_app(ServerConfig(), SchedulerConfig(), lambda: FakeEngine(kv_blocks=64, gpu_die=0), memwatch=watch, pool=pool)
     with running_server(app) as url:
         yield url
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ballast.engine.config import EngineConfig, EngineConfigError
+from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine, EngineUnhealthy, PlanError
 from ballast.engine.loading import ModelLoadRefused, ModelSpecError, resolve
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan, StepResult
@@ -20,6 +20,8 @@ from ballast.memory.types import GiB, MiB
 from ballast.memory.watch import MemWatch
 from ballast.models.base import UnsupportedModel
 from memfixtures import write_tree
+
+from ballast.settings import ConfigError
 
 GREEDY = SamplingParams(temperature=0.0)
 MAX_LEN = 48
@@ -218,9 +220,9 @@ def test_impossible_plans_are_refused(plan: StepPlan) -> None:
 
 def test_empty_plan_and_config_validation(engine: Engine) -> None:
     assert replace(run(engine, StepPlan()), kv=None, kv_int8=None) == StepResult()
-    with pytest.raises(EngineConfigError):
+    with pytest.raises(ConfigError):
         config(kv_quant="fp4")
-    with pytest.raises(EngineConfigError):
+    with pytest.raises(ConfigError):
         config(device="tpu")
 
 
