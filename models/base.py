@@ -33,7 +33,7 @@ class WeightLoadError(ModelError):
     """A checkpoint's tensors do not match the model (missing, unexpected, wrong shape, unreadable)."""
 
 
-class ConfigError(ModelError):
+class ModelConfigError(ModelError):
     """A model config dict is missing a required field or holds an invalid value."""
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from ballast.memory.types import MiB
-from ballast.models.base import ConfigError, WeightLoadError
+from ballast.models.base import ModelConfigError, WeightLoadError
 from ballast.models.moe import per_expert_target, place_expert_tensor
 from ballast.models.registry import build_model, model_class
 from safetensors import safe_open
@@ -83,13 +83,13 @@ class HFCheckpoint:
 def read_config(path: Path) -> dict[str, Any]:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise ConfigError(f"{path} has no config.json")
+        raise ModelConfigError(f"{path} has no config.json")
     try:
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_file} is not valid JSON: {e}") from e
+        raise ModelConfigError(f"{cfg_file} is not valid JSON: {e}") from e
     if not isinstance(cfg, dict):
-        raise ConfigError(f"{cfg_file} does not hold a JSON object")
+        raise ModelConfigError(f"{cfg_file} does not hold a JSON object")
     return cfg
 
 

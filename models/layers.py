@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel
+from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
 from ballast.models.state import PagedKV
 from torch import Tensor, nn
 
@@ -109,7 +109,7 @@ class RopeParams:
         if rope_type == "llama3":
             original = params.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
             if original is None:
-                raise ConfigError("llama3 rope scaling needs original_max_position_embeddings")
+                raise ModelConfigError("llama3 rope scaling needs original_max_position_embeddings")
             return cls(
                 "llama3",
                 theta,
@@ -275,7 +275,7 @@ class SlotAttention(nn.Module):
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+            raise ModelConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = Linear(hidden, num_heads * head_dim, bias=qkv_bias)
         self.k_proj = Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ballast.memory.specs import LayerSpec
-from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel
+from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
 from ballast.models.layers import (
     Linear,
     RMSNorm,
@@ -27,7 +27,7 @@ LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
 
 def _required(hf: Mapping[str, Any], key: str) -> Any:
     if hf.get(key) is None:
-        raise ConfigError(f"model config lacks {key!r}")
+        raise ModelConfigError(f"model config lacks {key!r}")
     return hf[key]
 
 
@@ -64,9 +64,9 @@ class LlamaConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise ModelConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+            raise ModelConfigError("num_attention_heads must be a multiple of num_key_value_heads")
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from ballast.memory.specs import LayerSpec, RecurrentStateSpec
-from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel
+from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
 from ballast.models.gated_delta import GatedDeltaNet, HybridStep
 from ballast.models.layers import (
     Rope,
@@ -37,7 +37,7 @@ _LEGACY_KINDS = {"mamba": LINEAR, "conv": LINEAR, "attention": FULL}
 def _int(hf: Mapping[str, Any], key: str, default: int | None = None) -> int:
     value = hf.get(key, default)
     if value is None:
-        raise ConfigError(f"model config lacks {key!r}")
+        raise ModelConfigError(f"model config lacks {key!r}")
     return int(value)
 
 
@@ -79,19 +79,19 @@ class HybridConfig:
                      "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                      "linear_num_key_heads", "linear_num_value_heads", "decoder_sparse_step"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise ModelConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {LINEAR, FULL}:
-            raise ConfigError(f"layer_types must name {self.num_hidden_layers} layers of {LINEAR!r} / {FULL!r}")
+            raise ModelConfigError(f"layer_types must name {self.num_hidden_layers} layers of {LINEAR!r} / {FULL!r}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+            raise ModelConfigError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+            raise ModelConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if any(self.is_sparse(i) for i in range(self.num_hidden_layers)) and not (
             0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
         ):
-            raise ConfigError("MoE layers need 0 < num_experts_per_tok <= num_experts and moe_intermediate_size > 0")
+            raise ModelConfigError("MoE layers need 0 < num_experts_per_tok <= num_experts and moe_intermediate_size > 0")
         if not all(self.is_sparse(i) for i in range(self.num_hidden_layers)) and self.intermediate_size <= 0:
-            raise ConfigError("dense MLP layers need intermediate_size > 0")
+            raise ModelConfigError("dense MLP layers need intermediate_size > 0")
 
     def is_sparse(self, index: int) -> bool:
         return (

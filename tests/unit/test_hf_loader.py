@@ -12,7 +12,7 @@ import torch
 import transformers
 from ballast.engine.config import EngineConfig
 from ballast.engine.loading import load
-from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel, WeightLoadError
+from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel, WeightLoadError
 from ballast.models.builtin import BUILTIN, build_builtin, builtin_config
 from ballast.models.hf_loader import INDEX_FILE, inspect_hf_dir, load_hf_dir, load_hf_model
 from ballast.models.registry import MODEL_CLASSES, build_model
@@ -99,13 +99,13 @@ def test_wrong_shape_is_a_typed_error(tmp_path: Path) -> None:
 def test_directory_problems_are_typed_errors(tmp_path: Path) -> None:
     with pytest.raises(WeightLoadError):
         inspect_hf_dir(tmp_path / "absent")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ModelConfigError):
         inspect_hf_dir(tmp_path)  # no config.json
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(WeightLoadError, match="safetensors"):
         inspect_hf_dir(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ModelConfigError):
         inspect_hf_dir(tmp_path)
 
 
@@ -114,7 +114,7 @@ def test_unknown_model_type_names_the_supported_ones() -> None:
         build_model({"model_type": "gpt2", "vocab_size": 10})
     for name in MODEL_CLASSES:
         assert name in str(err.value)
-    with pytest.raises(ConfigError, match="lacks"):
+    with pytest.raises(ModelConfigError, match="lacks"):
         build_model({"model_type": "llama", "vocab_size": 10})
     with pytest.raises(UnsupportedModel, match="sliding"):
         build_model(dict(builtin_config("tiny-llama"), model_type="mistral", sliding_window=4096))

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from ballast.memory.specs import AttentionSpec, RecurrentStateSpec
-from ballast.models.base import ConfigError, ForwardBatch, UnsupportedModel
+from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
 from ballast.models.registry import build_model
 from ballast.models.state import LayerState, PagedKV, RecurrentState, allocate_states
 from torch import nn
@@ -252,7 +252,7 @@ def test_config_parsing() -> None:
     assert derived.config.layer_types == tuple(KINDS)
     with pytest.raises(UnsupportedModel):
         build_model({**text, "hidden_act": "gelu"})
-    with pytest.raises(ConfigError):
+    with pytest.raises(ModelConfigError):
         build_model({**text, "layer_types": KINDS[:3]})
-    with pytest.raises(ConfigError):
+    with pytest.raises(ModelConfigError):
         build_model({**text, "linear_num_value_heads": 3})
