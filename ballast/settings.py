@@ -27,9 +27,11 @@ class ConfigError(ValueError):
 
 
 def setting(env: str, doc: str, lo: float | None = None, hi: float | None = None, *,
-            choices: tuple[str, ...] | None = None, flag: str | None = None) -> dict[str, Any]:
-    """Field metadata declaring a setting (see the module doc)."""
-    meta: dict[str, Any] = {"env": env, "doc": doc}
+            choices: tuple[str, ...] | None = None, flag: str | None = None,
+            deprecated: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Field metadata declaring a setting (see the module doc). `deprecated`: former variable
+    names still read (their flags too), with a warning, for one release."""
+    meta: dict[str, Any] = {"env": env, "doc": doc, "deprecated": deprecated}
     if lo is not None and hi is not None:
         meta["range"] = (lo, hi)
     if choices is not None:
@@ -52,6 +54,7 @@ class Setting:
     doc: str
     range: tuple[float, float] | None
     choices: tuple[str, ...] | None
+    deprecated: tuple[str, ...] = ()  # former variable names (see `setting`)
 
     @property
     def label(self) -> str:
@@ -100,7 +103,8 @@ def settings_of(layer: type) -> list[Setting]:
         choices = meta.get("choices")
         out.append(Setting(layer=layer, name=f.name, env=meta["env"], flag=meta.get("flag") or flag_for(meta["env"]),
                            kind=kind, optional=optional, doc=meta.get("doc", ""),
-                           range=(rng[0], rng[1]) if rng else None, choices=tuple(choices) if choices else None))
+                           range=(rng[0], rng[1]) if rng else None, choices=tuple(choices) if choices else None,
+                           deprecated=tuple(meta.get("deprecated", ()))))
     return out
 
 

@@ -149,7 +149,7 @@ def main() -> None:
     state = watch.poll_now()
     die = DieState(index=0, total_bytes=80 << 30, free_bytes=60 << 30, budget_bytes=79 << 30, ledger_bytes=20 << 30, ceiling_bytes=54 << 30)
     gpu_state = MemState(host=state.host, dies=(die,), host_reserve_bytes=state.host_reserve_bytes, level=state.level)
-    ladder = LadderConfig(max_slots=32, prefill_window=8192)
+    ladder = LadderConfig(max_slots=32, context_window=8192)
     pool = CheckpointPool(lambda: state.host.effective_total_bytes, 0.05, 16, MiB, pin=False)
     pool.put(torch.empty(64 * MiB, dtype=torch.uint8))
 

@@ -36,7 +36,7 @@ SYSTEM = ("You are a careful assistant for a team that runs inference servers. A
 USER = (
     "Our server restarts under load. The logs show the kernel killing it when many long prompts arrive "
     "together. What should we look at first, and which settings bound the memory a request may take?",
-    "We set the prefill window lower and it helped, but now long documents are refused. Is there a way "
+    "We set the context window lower and it helped, but now long documents are refused. Is there a way "
     "to keep them while staying safe?",
     "How does the prefix cache interact with that, and what happens to it when memory gets tight?",
     "Summarise the three changes we should make, in order, with the setting name for each.",

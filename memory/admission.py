@@ -121,7 +121,7 @@ def admit_request(
 ) -> Verdict:
     """Decide whether a request of n_prompt + max_new_tokens tokens may start now.
 
-    max_window is the operator's context limit already clamped by the ladder's prefill window.
+    max_window is the operator's context limit already clamped by the ladder's context window.
     min_window is the smallest window worth running: 1 follows the seed (a CAP may cut the
     prompt); a scheduler that would rather refuse than truncate passes n_prompt + 1.
     pool: the KV pool's room; its spare blocks count on top of new memory, and it never grows past

@@ -9,8 +9,8 @@ layer were not there).
 | level    | rungs                                                                    |
 |----------|--------------------------------------------------------------------------|
 | WATCH    | quantized KV for new caches; shed the prefix/checkpoint cache            |
-| TIGHT    | + slots / 2, prefill window / 2 (each >= 1), KV eviction flag           |
-| CRITICAL | + 1 slot, prefill window / 4 (>= 1)                                      |
+| TIGHT    | + slots / 2, context window / 2 (each >= 1), KV eviction flag           |
+| CRITICAL | + 1 slot, context window / 4 (>= 1)                                      |
 
 Shedding cached state comes first (beyond the seed): it is the cheapest memory to give back,
 since nothing running depends on it. Quantized KV only affects caches built from now on; a live
@@ -29,20 +29,20 @@ class LadderConfig:
     """What the operator configured: the plan at OK, and the ceiling every other plan stays under."""
 
     max_slots: int
-    prefill_window: int
+    context_window: int
 
     def __post_init__(self) -> None:
-        if self.max_slots < 1 or self.prefill_window < 1:
-            raise ValueError(f"LadderConfig needs max_slots >= 1 and prefill_window >= 1, got {self}")
+        if self.max_slots < 1 or self.context_window < 1:
+            raise ValueError(f"LadderConfig needs max_slots >= 1 and context_window >= 1, got {self}")
 
 
 def plan_for(level: Level, config: LadderConfig, *, disabled: bool = False) -> LadderPlan:
     """The plan at `level`. With `disabled` (BALLAST_LADDER_DISABLE) the config applies at every level."""
     if disabled or level is Level.OK:
         note = "ladder disabled" if disabled and level is not Level.OK else ""
-        return LadderPlan(level=level, max_slots=config.max_slots, prefill_window=config.prefill_window, note=note)
+        return LadderPlan(level=level, max_slots=config.max_slots, context_window=config.context_window, note=note)
 
-    slots, window = config.max_slots, config.prefill_window
+    slots, window = config.max_slots, config.context_window
     reduced = ["quantized KV for new caches", "prefix cache shed"]
     if level is Level.TIGHT:
         slots, window = max(1, slots // 2), max(1, window // 2)
@@ -50,15 +50,15 @@ def plan_for(level: Level, config: LadderConfig, *, disabled: bool = False) -> L
         slots, window = 1, max(1, window // 4)
     if slots < config.max_slots:
         reduced.append(f"slots {config.max_slots} -> {slots}")
-    if window < config.prefill_window:
-        reduced.append(f"prefill window {config.prefill_window} -> {window}")
+    if window < config.context_window:
+        reduced.append(f"context window {config.context_window} -> {window}")
     kv_evict = level >= Level.TIGHT
     if kv_evict:
         reduced.append("KV eviction on")
     return LadderPlan(
         level=level,
         max_slots=slots,
-        prefill_window=window,
+        context_window=window,
         force_quantized_kv=True,
         kv_evict=kv_evict,
         shed_prefix_cache=True,

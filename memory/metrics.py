@@ -114,7 +114,7 @@ class LadderCollector(_Described):
         p = self._plan()
         yield _gauge("ballast_ladder_level", "Level the ladder plan was made for (0-3)", int(p.level))
         yield _gauge("ballast_ladder_max_slots", "Slot ceiling the ladder allows", p.max_slots)
-        yield _gauge("ballast_ladder_prefill_window", "Prefill window the ladder allows, tokens", p.prefill_window)
+        yield _gauge("ballast_ladder_context_window", "Context window the ladder allows, tokens", p.context_window)
         yield _gauge("ballast_ladder_force_quantized_kv", "1 if new KV caches are forced to a quantized format", float(p.force_quantized_kv))
         yield _gauge("ballast_ladder_kv_evict", "1 if KV eviction is on", float(p.kv_evict))
         yield _gauge("ballast_ladder_shed_prefix_cache", "1 if the prefix/checkpoint cache is being shed", float(p.shed_prefix_cache))

@@ -48,7 +48,7 @@ def _die_lines(dies: tuple[DieState, ...]) -> list[str]:
 def _plan_lines(plan: LadderPlan) -> list[str]:
     rungs = [
         f"max slots {plan.max_slots}",
-        f"prefill window {plan.prefill_window or 'unclamped'}",
+        f"context window {plan.context_window or 'unclamped'}",
         f"quantized KV {'forced' if plan.force_quantized_kv else 'off'}",
         f"KV eviction {'on' if plan.kv_evict else 'off'}",
         f"prefix cache {'shed' if plan.shed_prefix_cache else 'kept'}",

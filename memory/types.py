@@ -115,7 +115,7 @@ class LadderPlan:
 
     level: Level
     max_slots: int
-    prefill_window: int
+    context_window: int
     force_quantized_kv: bool = False
     kv_evict: bool = False
     shed_prefix_cache: bool = False

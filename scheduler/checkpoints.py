@@ -30,19 +30,19 @@ class CheckpointOrders:
     def active(self) -> bool:
         return self.interval > 0 and not self._shedding()
 
-    def restore(self, slot: int, prompt: tuple[int, ...]) -> int:
+    def queue_restore(self, slot: int, prompt: tuple[int, ...]) -> int:
         """Order a restore of the longest cached prefix of prompt into slot; its length (0: none)."""
         n = self._match(prompt) if self.active else 0
         if n > 0:
             self._restores.append(CheckpointRestore(slot, prompt[:n]))
         return n
 
-    def resume(self, slot: int, prefix: tuple[int, ...]) -> None:
+    def queue_resume(self, slot: int, prefix: tuple[int, ...]) -> None:
         """Order a preempted sequence's parked state back into slot: always, shedding or not
         (it is running work, not cache)."""
         self._resumes.append(CheckpointRestore(slot, prefix))
 
-    def chunk_end(self, slot: int, prompt: tuple[int, ...], start: int, end: int) -> int:
+    def end_chunk_at_checkpoint(self, slot: int, prompt: tuple[int, ...], start: int, end: int) -> int:
         """Where a chunk [start, end) of prompt may end: at the next checkpoint at the latest,
         ordering a save there (or at the prompt's end)."""
         if not self.active:
@@ -52,12 +52,12 @@ class CheckpointOrders:
             self._saves.append(CheckpointSave(slot, prompt[:end]))
         return end
 
-    def finished(self, slot: int, consumed: tuple[int, ...]) -> None:
-        """A request ended normally in slot, which has consumed exactly these tokens."""
+    def queue_final_save(self, slot: int, consumed: tuple[int, ...]) -> None:
+        """A request ended normally in slot, which has consumed exactly these tokens: save them."""
         if self.active:
             self._saves.append(CheckpointSave(slot, consumed))
 
-    def take(self) -> tuple[bool, tuple[CheckpointSave, ...], tuple[CheckpointRestore, ...]]:
+    def take_orders(self) -> tuple[bool, tuple[CheckpointSave, ...], tuple[CheckpointRestore, ...]]:
         """(shed the cache now, saves, restores) for the next plan; a plan that sheds carries no
         checkpoint order, only the resumes of parked sequences."""
         shedding = self._shedding()

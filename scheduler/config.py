@@ -21,7 +21,8 @@ class SchedulerConfig:
     psi_full_reject_pct: float = 15.0  # PSI full avg10 (%) at which admission refuses new requests
     max_queue: int = field(default=256, metadata=setting("BALLAST_MAX_QUEUE", "most requests waiting for a slot; beyond it new ones get 429", 0, 1 << 20))
     max_num_batched_tokens: int = field(default=512, metadata=setting("BALLAST_MAX_NUM_BATCHED_TOKENS", "tokens per step (decodes + prefill chunks); must be >= max_num_seqs", 1, 1 << 20))
-    prefill_window: int = field(default=0, metadata=setting("BALLAST_PREFILL_WINDOW", "context (prompt + new tokens) a request may use; 0 = the model's max_model_len. The ladder halves it at TIGHT, quarters it at CRITICAL", 0, 1 << 24))
+    context_window: int = field(default=0, metadata=setting("BALLAST_CONTEXT_WINDOW", "context (prompt + new tokens) a request may use; 0 = the model's max_model_len. The ladder halves it at TIGHT, quarters it at CRITICAL", 0, 1 << 24,
+        deprecated=("BALLAST_PREFILL_WINDOW",)))
     request_timeout_s: float = field(default=600.0, metadata=setting("BALLAST_REQUEST_TIMEOUT_S", "deadline from submission for a request without its own; 0 = none", 0.0, 86400.0))
     retry_after_s: float = field(default=2.0, metadata=setting("BALLAST_RETRY_AFTER_S", "Retry-After advertised with 503 and 429 refusals", 0.0, 3600.0))
     mailbox_events: int = field(default=64, metadata=setting("BALLAST_MAILBOX_EVENTS", "events buffered per request before token events coalesce (slow readers)", 2, 1 << 16))
@@ -36,7 +37,7 @@ class SchedulerConfig:
             raise ConfigError(f"BALLAST_MAX_NUM_BATCHED_TOKENS={self.max_num_batched_tokens} must be >= "
                               f"BALLAST_MAX_NUM_SEQS={self.max_num_seqs}")
 
-    def context_window(self, max_model_len: int) -> int:
+    def window_for(self, max_model_len: int) -> int:
         """The context (prompt + new tokens) a request may use with this model, before the ladder
-        shrinks it: prefill_window where set, never past the model's max_model_len."""
-        return min(self.prefill_window or max_model_len, max_model_len)
+        shrinks it: context_window where set, never past the model's max_model_len."""
+        return min(self.context_window or max_model_len, max_model_len)

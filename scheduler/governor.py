@@ -100,7 +100,7 @@ class Governor:
 
     def verdict(self, n_prompt: int, max_tokens: int, pool: PoolRoom | None = None, quantized: bool = False) -> Verdict:
         """What `admit` would decide now, without counting it or acting on it."""
-        window = self._plan.prefill_window
+        window = self._plan.context_window
         if self._state is None:  # no memory signals: only the window applies (fail open, as the seed does)
             fit = min(n_prompt + max_tokens, window)
             kind = VerdictKind.ADMIT if fit == n_prompt + max_tokens else VerdictKind.CAP
@@ -131,7 +131,8 @@ class Governor:
 
     # --- figures --------------------------------------------------------------------------
     @property
-    def plan(self) -> LadderPlan:
+    def ladder(self) -> LadderPlan:
+        """The degradation ladder's plan for the current level."""
         return self._plan
 
     @property

@@ -129,9 +129,9 @@ class Scheduler:
         self._cfg = config
         self._on_idle = on_idle
         self._max_slots = min(config.max_num_seqs, engine.num_slots)
-        self._window = config.context_window(engine.max_model_len)
+        self._context_window = config.window_for(engine.max_model_len)
         settings = GovernorSettings(
-            LadderConfig(self._max_slots, self._window),
+            LadderConfig(self._max_slots, self._context_window),
             config.ladder_disable,
             config.psi_full_reject_pct,
             config.retry_after_s,
@@ -146,7 +146,7 @@ class Scheduler:
         self._by_slot: dict[int, _Seq] = {}
         self._engine_slots = engine.num_slots  # the max_slots the engine applies now
         self._checkpoints = CheckpointOrders(engine.checkpoint_interval, engine.match_prefix,
-                                             lambda: self._gov.plan.shed_prefix_cache)
+                                             lambda: self._gov.ladder.shed_prefix_cache)
         self._kv = KVRoom(engine.kv_figures(), engine.kv_figures(int8=True))  # the pools after the last step
         self._shrink_sent = False  # the engine was told to give free KV segments back
         self._unpark: list[tuple[int, ...]] = []  # for the next plan
@@ -195,8 +195,8 @@ class Scheduler:
                 raise EngineFailed(self.failure.cause)
             if not self.running:
                 raise Overloaded(self._cfg.retry_after_s, "the scheduler is not running")
-            if len(req.prompt_ids) + req.max_tokens > self._window:
-                raise ContextTooLong(len(req.prompt_ids), req.max_tokens, self._window)
+            if len(req.prompt_ids) + req.max_tokens > self._context_window:
+                raise ContextTooLong(len(req.prompt_ids), req.max_tokens, self._context_window)
             self._gov.check_submit()
             if self._queue.full:
                 raise QueueFull(self._cfg.retry_after_s, self._queue.max_size)
@@ -270,7 +270,7 @@ class Scheduler:
                 budget -= self._chunk(seq, budget, prefills, sampling)
         while budget > 0 and not self._closing and (new := self._admit_head()) is not None:
             budget -= self._chunk(new, budget, prefills, sampling)
-        shed, saves, restores = self._checkpoints.take()
+        shed, saves, restores = self._checkpoints.take_orders()
         release = self._slots.take_releases()
         return StepPlan(
             prefills=tuple(prefills),
@@ -311,7 +311,7 @@ class Scheduler:
             if self._gov.holding or not self._slots.has_free(self.slot_limit) or len(self._running) >= self.slot_limit:
                 return None
             asked = seq.req.max_tokens - len(seq.resumed)
-            int8 = seq.int8_kv if seq.int8_kv is not None else self._gov.plan.force_quantized_kv and self._kv.int8 is not None
+            int8 = seq.int8_kv if seq.int8_kv is not None else self._gov.ladder.force_quantized_kv and self._kv.int8 is not None
             if self._waits_for_blocks(len(seq.feed), asked, int8) or (seq.preempted and not self._resumable(seq, int8)):
                 return None
             try:
@@ -340,15 +340,15 @@ class Scheduler:
         prompt = seq.feed
         cached = not seq.int8_kv  # the prefix cache holds main-pool blocks: int8 sequences neither save nor restore
         if seq.preempted and seq.prefilled == 0 and (n := self._engine.match_parked(prompt)) > 0:
-            self._checkpoints.resume(seq.slot, prompt[:n])  # parked when preempted: no recompute
+            self._checkpoints.queue_resume(seq.slot, prompt[:n])  # parked when preempted: no recompute
             seq.prefilled = n
-        elif cached and seq.prefilled == 0 and (n := self._checkpoints.restore(seq.slot, prompt)) > 0:
+        elif cached and seq.prefilled == 0 and (n := self._checkpoints.queue_restore(seq.slot, prompt)) > 0:
             seq.prefilled = n
             if not seq.resumed:
                 seq.cached = n
         end = min(len(prompt), seq.prefilled + budget)
         if cached:
-            end = self._checkpoints.chunk_end(seq.slot, prompt, seq.prefilled, end)
+            end = self._checkpoints.end_chunk_at_checkpoint(seq.slot, prompt, seq.prefilled, end)
         out.append(PrefillChunk(seq.slot, prompt[seq.prefilled : end], seq.prefilled, sample=end == len(prompt),
                                 int8_kv=bool(seq.int8_kv)))
         sampling[seq.slot] = seq.req.params
@@ -399,7 +399,7 @@ class Scheduler:
     def _shrink_kv(self, releasing: bool) -> bool:
         """Ask the engine to give free KV segments back while the ladder evicts KV (TIGHT and
         worse): once when the rung engages, then with every plan that frees blocks."""
-        evict = self._gov.plan.kv_evict
+        evict = self._gov.ladder.kv_evict
         send = evict and (releasing or not self._shrink_sent)
         self._shrink_sent = evict
         return send
@@ -433,7 +433,7 @@ class Scheduler:
             if seq.slot is not None:
                 if reason in ("stop", "length") and seq.phase is Phase.DECODING and not seq.int8_kv:
                     # Saved before the release: the slot has consumed prompt + output[:-1].
-                    self._checkpoints.finished(seq.slot, seq.req.prompt_ids + tuple(seq.output[:-1]))
+                    self._checkpoints.queue_final_save(seq.slot, seq.req.prompt_ids + tuple(seq.output[:-1]))
                 del self._by_slot[seq.slot]
                 self._slots.retire(seq.slot)
         seq.phase = Phase.FINISHED
@@ -502,15 +502,16 @@ class Scheduler:
 
     @property
     def slot_limit(self) -> int:
-        return min(self._max_slots, self._gov.plan.max_slots)
+        return min(self._max_slots, self._gov.ladder.max_slots)
 
     @property
     def pressure_level(self) -> Level:
         return self._gov.pressure_level
 
     @property
-    def plan(self) -> LadderPlan:
-        return self._gov.plan
+    def ladder(self) -> LadderPlan:
+        """The degradation ladder's plan the scheduler applies now (not a step: see StepPlan)."""
+        return self._gov.ladder
 
     @property
     def idle(self) -> bool:

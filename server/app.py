@@ -117,7 +117,7 @@ async def _load(state: ServerState, factory: EngineFactory, wiring: _Wiring) -> 
         return
     # The scheduler refuses prompt + max_tokens beyond this window (ContextTooLong); the server
     # needs it to fill in an unset max_tokens.
-    state.context_window = wiring.scheduler_config.context_window(engine.max_model_len)
+    state.context_window = wiring.scheduler_config.window_for(engine.max_model_len)
     try:
         scheduler = Scheduler(
             engine, wiring.scheduler_config, memwatch=state.memwatch, admission_metrics=wiring.admission, on_idle=wiring.on_idle,
@@ -125,7 +125,7 @@ async def _load(state: ServerState, factory: EngineFactory, wiring: _Wiring) -> 
         await scheduler.start()
         state.scheduler = scheduler  # from here on, shut-down stops it
         if state.memwatch is not None:
-            state.registry.register(LadderCollector(lambda: scheduler.plan))
+            state.registry.register(LadderCollector(lambda: scheduler.ladder))
     except Exception as exc:
         log.exception("scheduler start failed")
         state.fail(f"scheduler start failed: {type(exc).__name__}: {exc}")

@@ -85,7 +85,7 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str], layers: Sequ
 
 
 def _ladder_plan(state: MemState, engine: EngineConfig, sched: SchedulerConfig) -> LadderPlan:
-    window = sched.context_window(engine.max_model_len)
+    window = sched.window_for(engine.max_model_len)
     return plan_for(state.level, LadderConfig(sched.max_num_seqs, window), disabled=sched.ladder_disable)
 
 

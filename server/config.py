@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ballast.settings import ConfigError, Setting, check, setting, settings_of
+from ballast.settings import ConfigError, Setting, check, flag_for, setting, settings_of
 
 _INT_RE = re.compile(r"[+-]?[0-9]+")
 _FLOAT_RE = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
@@ -88,6 +88,8 @@ def add_flags(parser: argparse.ArgumentParser, layers: Sequence[type]) -> None:
                     raise TypeError(f"flag {s.flag} claimed by {seen[s.flag]} and {s.env}")
                 continue
             seen[s.flag] = s.env
+            for old in s.deprecated:  # still accepted, not shown
+                group.add_argument(flag_for(old), dest="cfg_" + old.lower(), default=None, help=argparse.SUPPRESS)
             help_text = f"{s.doc}; {s.accepted()}; env {s.env}".replace("%", "%%")
             dest = "cfg_" + s.env.lower()
             if s.kind is bool:
@@ -107,6 +109,15 @@ def build(layer: type[C], args: argparse.Namespace | None, environ: Mapping[str,
             values[s.name] = parse_value(s, raw_flag, s.flag)
         elif s.env in environ:
             values[s.name] = parse_value(s, environ[s.env], s.env)
+        else:
+            for old in s.deprecated:
+                raw_old = getattr(args, "cfg_" + old.lower(), None) if args is not None else None
+                source, raw = (flag_for(old), raw_old) if raw_old is not None else (old, environ.get(old))
+                if raw is not None:
+                    print(f"ballast: warning: {source} is deprecated, use {s.flag if source.startswith('--') else s.env}",
+                          file=sys.stderr)
+                    values[s.name] = parse_value(s, raw, source)
+                    break
     try:
         return layer(**values)
     except ConfigError:
@@ -117,7 +128,7 @@ def build(layer: type[C], args: argparse.Namespace | None, environ: Mapping[str,
 
 def unknown_variables(environ: Mapping[str, str], layers: Sequence[type], also_known: Sequence[str] = ()) -> list[str]:
     """`BALLAST_*` variables no layer declares: most likely typos, which the CLI warns about."""
-    known = {s.env for layer in layers for s in settings_of(layer)} | set(also_known)
+    known = {e for layer in layers for s in settings_of(layer) for e in (s.env, *s.deprecated)} | set(also_known)
     return sorted(k for k in environ if k.startswith("BALLAST_") and k not in known)
 
 

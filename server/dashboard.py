@@ -113,8 +113,8 @@ def state_document(state: ServerState) -> dict[str, Any]:
                          for pool, nbytes, used, spare in figures.kv_pools],
         }
     if state.scheduler is not None:
-        plan = asdict(state.scheduler.plan)
-        plan["level"] = state.scheduler.plan.level.name
+        plan = asdict(state.scheduler.ladder)
+        plan["level"] = state.scheduler.ladder.level.name
         doc["ladder"] = plan
     return doc
 

@@ -185,3 +185,14 @@ def test_memory_watch_prints_every_second_until_interrupted() -> None:
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+
+
+def test_the_old_window_names_still_work_with_a_warning(capsys: pytest.CaptureFixture[str]) -> None:
+    assert build(SchedulerConfig, parse([]), {"BALLAST_PREFILL_WINDOW": "1024"}).context_window == 1024
+    assert "BALLAST_PREFILL_WINDOW is deprecated, use BALLAST_CONTEXT_WINDOW" in capsys.readouterr().err
+    assert build(SchedulerConfig, parse(["--prefill-window", "512"]), {}).context_window == 512
+    assert "--prefill-window is deprecated, use --context-window" in capsys.readouterr().err
+    # The new name wins, silently.
+    assert build(SchedulerConfig, parse(["--context-window", "256"]), {"BALLAST_PREFILL_WINDOW": "1024"}).context_window == 256
+    assert "deprecated" not in capsys.readouterr().err
+    assert unknown_variables({"BALLAST_PREFILL_WINDOW": "1"}, LAYERS) == []

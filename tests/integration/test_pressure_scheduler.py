@@ -79,8 +79,8 @@ async def test_ladder_walk_slots_window_and_refusals(rig: tuple[Scheduler, FakeE
     # WATCH: quantized KV for new caches and the prefix cache shed, but concurrency is untouched.
     box.set(Level.WATCH)
     watch_wave = [s.submit(req(20 + i, 4)) for i in range(8)]
-    await wait_until(lambda: s.plan.level == Level.WATCH, "WATCH plan")
-    assert s.plan.force_quantized_kv and s.plan.shed_prefix_cache and s.slot_limit == 8 and s.plan.prefill_window == 256
+    await wait_until(lambda: s.ladder.level == Level.WATCH, "WATCH plan")
+    assert s.ladder.force_quantized_kv and s.ladder.shed_prefix_cache and s.slot_limit == 8 and s.ladder.context_window == 256
     assert s.pressure_level == Level.OK
 
     # TIGHT while they run: nobody is killed, but the ceiling is 4 and the window 128.
@@ -93,7 +93,7 @@ async def test_ladder_walk_slots_window_and_refusals(rig: tuple[Scheduler, FakeE
     mark = len(eng.recorded())
     results = [await h.collect() for h in tight]
     assert [t for t, _, _ in results] == [calm(h.request) for h in tight]
-    assert concurrency(eng, mark) <= 4 and s.slot_limit == 4 and s.plan.prefill_window == 128
+    assert concurrency(eng, mark) <= 4 and s.slot_limit == 4 and s.ladder.context_window == 128
     text, _, fin = await capped.collect()
     n_prompt = len(capped.request.prompt_ids)
     assert fin.capped and fin.reason == "length" and fin.completion_tokens == 128 - n_prompt
@@ -113,7 +113,7 @@ async def test_ladder_walk_slots_window_and_refusals(rig: tuple[Scheduler, FakeE
     text, _, fin = await running.collect()
     assert fin.reason == "length" and text == calm(running.request)
     await wait_until(lambda: eng.slot_limit == 1, "engine applied the CRITICAL ceiling")
-    assert s.pressure_level == Level.CRITICAL and s.plan.prefill_window == 64
+    assert s.pressure_level == Level.CRITICAL and s.ladder.context_window == 64
 
     # Back to OK: the server serves again with the full ladder.
     box.set(Level.OK)

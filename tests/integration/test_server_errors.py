@@ -117,7 +117,7 @@ def test_context_length_exceeded(calm: str) -> None:
 
 
 def test_unset_max_tokens_fills_the_configured_window(tmp_path: Path) -> None:
-    sched = SchedulerConfig(prefill_window=48)
+    sched = SchedulerConfig(context_window=48)
     with serve(tmp_path, scheduler=sched, engine=FakeEngine(max_model_len=256)) as (url, _, _):
         body = {k: v for k, v in CHAT.items() if k != "max_tokens"}
         r = httpx.post(url + "/v1/chat/completions", json=body)
@@ -318,7 +318,7 @@ def test_pressure_walk_under_32_streaming_clients(tmp_path: Path) -> None:
             _wait_until(lambda: outcomes.count("ok") >= 32)
             for level, slots, window in ((Level.WATCH, 8, 256), (Level.TIGHT, 4, 128), (Level.CRITICAL, 1, 64)):
                 level_tree(tmp_path, level)
-                _wait_until(lambda s=slots, w=window: s == state.scheduler.slot_limit and w == state.scheduler.plan.prefill_window)  # type: ignore[union-attr]
+                _wait_until(lambda s=slots, w=window: s == state.scheduler.slot_limit and w == state.scheduler.ladder.context_window)  # type: ignore[union-attr]
                 if level is Level.CRITICAL:
                     _wait_until(lambda: outcomes.count("refused") >= 8)
                     assert httpx.get(url + "/ready").status_code == 503

@@ -51,7 +51,7 @@ def test_plan_follows_the_snapshot_and_only_critical_refuses_submits(tmp_path: P
         except Overloaded as e:
             refused = True
             assert e.retry_after_s == 3.0
-        seen.append((gov.snapshot_level, gov.plan.max_slots, gov.plan.prefill_window, gov.pressure_level, refused))
+        seen.append((gov.snapshot_level, gov.ladder.max_slots, gov.ladder.context_window, gov.pressure_level, refused))
     assert seen == [
         (Level.OK, 8, 1024, Level.OK, False),
         (Level.WATCH, 8, 1024, Level.OK, False),
@@ -124,7 +124,7 @@ def test_psi_stall_refuses_and_holds(tmp_path: Path) -> None:
 def test_disabled_ladder_keeps_the_config_but_backpressure_stays(tmp_path: Path) -> None:
     gov, watch, cfg, _ = make(tmp_path, disable=True)
     go(tmp_path, watch, cfg, Level.CRITICAL, gov)
-    assert (gov.plan.max_slots, gov.plan.prefill_window) == (8, 1024)
+    assert (gov.ladder.max_slots, gov.ladder.context_window) == (8, 1024)
     with pytest.raises(Overloaded):
         gov.check_submit()
 
@@ -135,7 +135,7 @@ def test_without_memwatch_only_the_window_applies() -> None:
     assert gov.admit(10, 20).max_tokens == 20
     assert gov.admit(10, 100).max_tokens == 54
     gov.check_submit()
-    assert gov.pressure_level == Level.OK and gov.plan.max_slots == 4
+    assert gov.pressure_level == Level.OK and gov.ladder.max_slots == 4
 
 
 def test_quantized_caches_use_the_quantized_kv_cost(tmp_path: Path) -> None:

@@ -92,7 +92,7 @@ def test_pool_ladder_and_admission_counters() -> None:
     pool.get(4 * MiB)  # miss
     pool.put(torch.empty(2 * MiB, dtype=torch.uint8))
     pool.trim(0)
-    plan = plan_for(Level.TIGHT, LadderConfig(max_slots=8, prefill_window=4096))
+    plan = plan_for(Level.TIGHT, LadderConfig(max_slots=8, context_window=4096))
     reg = CollectorRegistry()
     admission = register_memory_metrics(reg, lambda: STATE, pool=pool, plan=lambda: plan)
 
@@ -111,7 +111,7 @@ def test_pool_ladder_and_admission_counters() -> None:
     assert m[("ballast_checkpoint_pool_buffers", ())] == 0
     assert m[("ballast_checkpoint_pool_trimmed_bytes_total", ())] == 2 * MiB
     assert m[("ballast_ladder_max_slots", ())] == 4
-    assert m[("ballast_ladder_prefill_window", ())] == 2048
+    assert m[("ballast_ladder_context_window", ())] == 2048
     assert m[("ballast_ladder_kv_evict", ())] == 1
     assert m[("ballast_ladder_force_quantized_kv", ())] == 1
     assert m[("ballast_ladder_shed_prefix_cache", ())] == 1

@@ -241,7 +241,12 @@ def test_readers_never_see_a_torn_snapshot(tmp_path: Path) -> None:
     def read_hard() -> None:
         last = 0
         distinct = 0
-        for _ in range(20_000):
+        reads = 0
+        # At least 20,000 reads, and on until 30 publishes were seen (a busy machine schedules
+        # these threads less often); 30 s at most.
+        deadline = time.monotonic() + 30
+        while (reads < 20_000 or distinct <= 30) and time.monotonic() < deadline:
+            reads += 1
             state = watch.read()
             if state.seq < last:
                 problems.append(f"seq went back {last} -> {state.seq}")
@@ -268,7 +273,7 @@ def test_readers_never_see_a_torn_snapshot(tmp_path: Path) -> None:
     finally:
         sys.setswitchinterval(interval)
     assert problems == []
-    assert min(seen_seqs) > 20  # readers really ran during publishes (typically 40-70 here)
+    assert min(seen_seqs) > 20  # readers really ran during publishes
 
 
 def test_render_shows_every_signal(tmp_path: Path) -> None:
@@ -278,13 +283,13 @@ def test_render_shows_every_signal(tmp_path: Path) -> None:
     assert "no snapshot yet" in render(watch.read(), None)
     watch.ledger.register_die(0, total_bytes=141 * GiB, free_bytes=100 * GiB)
     watch.ledger.lease(0, 20 * GiB, "weights")
-    plan = LadderPlan(level=Level.TIGHT, max_slots=4, prefill_window=1024, force_quantized_kv=True, kv_evict=True, degraded=True, note="halved")
+    plan = LadderPlan(level=Level.TIGHT, max_slots=4, context_window=1024, force_quantized_kv=True, kv_evict=True, degraded=True, note="halved")
     text = render(watch.poll_now(), plan)
     for expected in (
         "level WATCH",  # 3 GiB free over a 1.2 GiB reserve in an 8 GiB cgroup (OK), PSI some 3.25%
         "64.00 GiB", "60.00 GiB", "8.00 GiB", "cgroup v2", "some 3.25%",
         "NVIDIA H200", "100.00 GiB", "140.00 GiB", "20.00 GiB", "90.00 GiB",
-        "max slots 4", "prefill window 1024", "quantized KV forced", "KV eviction on", "halved",
+        "max slots 4", "context window 1024", "quantized KV forced", "KV eviction on", "halved",
     ):
         assert expected in text, expected
     assert "ladder" not in render(watch.read(), None)
