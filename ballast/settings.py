@@ -55,6 +55,7 @@ class Setting:
     range: tuple[float, float] | None
     choices: tuple[str, ...] | None
     deprecated: tuple[str, ...] = ()  # former variable names (see `setting`)
+    default: Any = None  # the field's default
 
     @property
     def label(self) -> str:
@@ -104,7 +105,7 @@ def settings_of(layer: type) -> list[Setting]:
         out.append(Setting(layer=layer, name=f.name, env=meta["env"], flag=meta.get("flag") or flag_for(meta["env"]),
                            kind=kind, optional=optional, doc=meta.get("doc", ""),
                            range=(rng[0], rng[1]) if rng else None, choices=tuple(choices) if choices else None,
-                           deprecated=tuple(meta.get("deprecated", ()))))
+                           deprecated=tuple(meta.get("deprecated", ())), default=f.default))
     return out
 
 

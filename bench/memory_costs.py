@@ -106,8 +106,8 @@ def fill_costs(nbytes: int, reps: int) -> dict[str, float]:
 
 
 def d2h_costs(nbytes: int, reps: int) -> dict[str, float] | None:
-    """On CUDA: a checkpoint save (device -> host) into a fresh pageable buffer (the seed's slow
-    case: pages not yet resident) against a pooled pinned one, and the restore (host -> device)
+    """On CUDA: a checkpoint save (device -> host) into a fresh pageable buffer (the slow case:
+    pages not yet resident) against a pooled pinned one, and the restore (host -> device)
     from each. None without CUDA."""
     if not torch.cuda.is_available():
         return None

@@ -68,6 +68,13 @@ class ModelSource:
     path: Path | None = None  # None for builtin
 
 
+def check_spec(spec: str) -> None:
+    """Fail fast on a model that names no file, directory or built-in model (before anything
+    loads); the default model is fetched at load, not here."""
+    if spec != "default":
+        resolve(spec)
+
+
 def resolve(spec: str) -> ModelSource:
     if spec == "default":
         path = default_model_path()
@@ -76,6 +83,8 @@ def resolve(spec: str) -> ModelSource:
         builtin.builtin_config(spec)  # raises UnsupportedModel naming the built-in models
         return ModelSource("builtin", spec)
     path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelSpecError(f"model {spec!r} not found (no such file or directory)")
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource("gguf", path.stem, path)
     if path.is_dir() and (path / "config.json").is_file():

@@ -2,7 +2,7 @@
 
 Nothing here reads a file, a clock or a global: the caller hands in the snapshot (`MemState`), the
 cost of a token (`CostModel`) and the operator's numbers, so every decision is a table lookup a
-test can reproduce. The order of checks follows seed 000 ("Admission control"):
+test can reproduce. The order of checks:
 
 1. PSI-full stall guard: a box that is already stalling on memory refuses everything, whatever
    the byte maths says, because the byte figures lag a stall (MemAvailable stays high while the

@@ -1,4 +1,4 @@
-"""The degradation ladder: a pure planner from a pressure level to what may run (seed 000).
+"""The degradation ladder: a pure planner from a pressure level to what may run.
 
 Given a level and the operator's config, `plan_for` returns absolute values the scheduler and
 engine apply, never deltas, so applying the same plan twice is harmless and a lost update cannot

@@ -1,7 +1,7 @@
 """The VRAM ledger: our own named leases per GPU ("die"), refused before the driver would OOM.
 
 Each die has a ceiling = min(budget, usable free at load x vram_usable_fraction), budget = total -
-die reserve. Why the free-at-load term (seed 004): a ceiling taken from the nominal total sits
+die reserve. Why the free-at-load term: a ceiling taken from the nominal total sits
 above what the driver can really hand out when something else (another process, the display,
 the CUDA context itself) holds VRAM, so the ledger would grant a lease the driver then fails as
 an OOM — a cliff. Clamping to measured free x 0.90 makes the ledger refuse first, cleanly and

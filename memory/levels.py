@@ -1,4 +1,4 @@
-"""Pressure levels from signals: pure functions, exactly the seed's tables (seed 000).
+"""Pressure levels from signals: pure functions over the tables below.
 
 Host bytes: reserve = max(1 GiB, 15% of the effective total), or a fixed reserve if configured.
 

@@ -1,4 +1,4 @@
-"""A bounded pool of recurrent-state checkpoint buffers (seed 003, with every review follow-up).
+"""A bounded pool of recurrent-state checkpoint buffers.
 
 A hybrid model's checkpoint holds the whole non-rollbackable sequence state, hundreds of MiB. A
 buffer that size comes straight from mmap() and goes straight back on free, so each fresh one
@@ -34,8 +34,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# No host has a petabyte of RAM; a larger "total" is a failed query multiplied out (the seed's
-# sysconf() == -1 case), and must bound the pool to nothing rather than to everything.
+# No host has a petabyte of RAM; a larger "total" is a failed query multiplied out (sysconf()
+# returning -1), and must bound the pool to nothing rather than to everything.
 _ABSURD_TOTAL_BYTES = 1 << 50
 
 Allocate = Callable[[int, bool], torch.Tensor]

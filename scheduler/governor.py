@@ -2,7 +2,7 @@
 pressure level (backpressure). Pure bookkeeping over the memory layer's pure functions; it never
 blocks (MemWatch.read() is one reference read) and never touches the engine.
 
-Backpressure follows seed 000's D3: a snapshot at TIGHT alone does not hold new work (a small box
+Backpressure: a snapshot at TIGHT alone does not hold new work (a small box
 sits at TIGHT at rest, and the ladder already halves the slots there); what raises the pressure
 level is an admission REJECT. A reject pins the level at max(TIGHT, snapshot level) until a
 fresher snapshot arrives that is no worse than the one that was refused, so the queue is held (at

@@ -30,6 +30,8 @@ from ballast.scheduler.config import SchedulerConfig
 from ballast.server import events
 from ballast.server.config import ConfigError, ServerConfig, add_flags, build, warn_unknown
 
+from ballast import __version__
+
 log = logging.getLogger("ballast.server")
 
 # Order matters only for --help: the settings people reach for first come first.
@@ -42,7 +44,8 @@ MEMORY_LAYERS: tuple[type, ...] = (MemoryConfig, EngineConfig, SchedulerConfig)
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser and its subcommand parsers (a config error is reported by the subcommand's)."""
     parser = argparse.ArgumentParser(prog="ballast", description="OpenAI-compatible LLM server with memory governance.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,memory,generate}")
+    parser.add_argument("--version", action="version", version=f"ballast {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,memory,generate}")
     serve = sub.add_parser("serve", help="serve the OpenAI API over HTTP", description="Serve the OpenAI API over HTTP.")
     add_flags(serve, LAYERS)
     memory = sub.add_parser("memory", help="print the memory snapshot and the ladder plan", description="Print what the memory layer sees.")
@@ -62,6 +65,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return generate_main(args_in[1:])
     parser, subparsers = build_parser()
     args = parser.parse_args(args_in)
+    if args.command is None:  # `ballast` alone: what it can do
+        parser.print_help()
+        return 0
     try:
         if args.command == "serve":
             return serve(args, env)
@@ -123,13 +129,19 @@ def _bind(host: str, port: int) -> socket.socket:
 def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     cfg = build_configs(args, env, LAYERS)
     from ballast.engine.engine import Engine  # heavy imports only once the configs are known good
+    from ballast.engine.loading import ModelSpecError, check_spec
     from ballast.memory.pool import CheckpointPool
+    from ballast.models.base import ModelError
     from ballast.server.app import create_app
 
     server_cfg, engine_cfg, sched_cfg, memory_cfg = cfg[ServerConfig], cfg[EngineConfig], cfg[SchedulerConfig], cfg[MemoryConfig]
     prefix_cfg = cfg[PrefixCacheConfig]
     assert isinstance(server_cfg, ServerConfig) and isinstance(engine_cfg, EngineConfig) and isinstance(prefix_cfg, PrefixCacheConfig)
     assert isinstance(sched_cfg, SchedulerConfig) and isinstance(memory_cfg, MemoryConfig)
+    try:
+        check_spec(engine_cfg.model)
+    except (ModelSpecError, ModelError) as exc:
+        raise ConfigError(f"--model (BALLAST_MODEL): {exc}") from exc
     events.configure_logging(server_cfg.log_format, server_cfg.log_level)
     watch = MemWatch(memory_cfg)
     watch.add_listener(events.level_changed)

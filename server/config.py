@@ -90,7 +90,8 @@ def add_flags(parser: argparse.ArgumentParser, layers: Sequence[type]) -> None:
             seen[s.flag] = s.env
             for old in s.deprecated:  # still accepted, not shown
                 group.add_argument(flag_for(old), dest="cfg_" + old.lower(), default=None, help=argparse.SUPPRESS)
-            help_text = f"{s.doc}; {s.accepted()}; env {s.env}".replace("%", "%%")
+            default = "unset" if s.default is None else str(s.default).lower() if s.kind is bool else s.default
+            help_text = f"{s.doc}; {s.accepted()}; default {default}; env {s.env}".replace("%", "%%")
             dest = "cfg_" + s.env.lower()
             if s.kind is bool:
                 # `--flag` alone means true; `--flag false` is also accepted, for scripts.

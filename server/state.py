@@ -1,6 +1,6 @@
 """What one running app knows about itself: its parts, its phase, and whether it is sound.
 
-Two failure kinds are kept apart (CONVENTIONS 10): one request failing is the client's error and
+Two failure kinds are kept apart: one request failing is the client's error and
 the server goes on; the engine failing (a load that raised, a step that raised, `healthy` false)
 makes the server unsound: /health fails and `on_fatal` is called, which in `ballast serve` stops
 uvicorn so the process exits non-zero and a supervisor restarts it.

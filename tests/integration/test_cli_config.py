@@ -2,7 +2,7 @@
 
 Every setting every layer declares gets a bad value through the real CLI entry point: it must exit
 with code 2 and name the variable and the accepted range. Good values land in the right layer, a
-flag beats the variable, and one variable shared by two layers feeds both.
+flag beats the variable, and a value one layer declares reaches every layer that uses it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import argparse
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from ballast.engine.config import EngineConfig
@@ -27,6 +28,8 @@ from ballast.server.config import (
     settings_of,
     unknown_variables,
 )
+
+from ballast import __version__
 
 ALL_SETTINGS = {s.env: s for layer in LAYERS for s in settings_of(layer)}
 
@@ -158,16 +161,24 @@ def test_generate_delegates_to_the_engine_cli(capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.slow
-def test_serve_exits_1_when_the_model_cannot_load() -> None:
+def test_serve_exits_1_when_the_model_cannot_load(tmp_path: Path) -> None:
+    # A directory that looks like a model (so the early check passes) of an unknown architecture.
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-arch", "architectures": ["NoSuchArch"]}')
     proc = subprocess.run(
-        [sys.executable, "-m", "ballast.server.cli", "serve", "--port", "0", "--model", "builtin:no-such-model"],
+        [sys.executable, "-m", "ballast.server.cli", "serve", "--port", "0", "--model", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=180,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "listening on http://127.0.0.1:" in proc.stdout
-    assert "fatal: model load failed" in proc.stderr and "no-such-model" in proc.stderr
+    assert "fatal: model load failed" in proc.stderr and "no-such-arch" in proc.stderr
+
+
+def test_serve_exits_2_at_once_for_an_unknown_builtin(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "builtin:no-such-model"], {})
+    assert exit_info.value.code == 2 and "no-such-model" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -196,3 +207,19 @@ def test_the_old_window_names_still_work_with_a_warning(capsys: pytest.CaptureFi
     assert build(SchedulerConfig, parse(["--context-window", "256"]), {"BALLAST_PREFILL_WINDOW": "1024"}).context_window == 256
     assert "deprecated" not in capsys.readouterr().err
     assert unknown_variables({"BALLAST_PREFILL_WINDOW": "1"}, LAYERS) == []
+
+
+def test_version_help_and_a_missing_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"], {})
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"ballast {__version__}"
+    assert main([], {}) == 0  # no command: the help, not an error
+    assert "{serve,memory,generate}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"], {})
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "default 8; env BALLAST_MAX_NUM_SEQS" in help_text and "default unset; env BALLAST_API_KEY" in help_text
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", str(tmp_path / "absent.gguf")], {})
+    assert exit_info.value.code == 2
+    assert f"model '{tmp_path / 'absent.gguf'}' not found" in capsys.readouterr().err

@@ -55,7 +55,7 @@ def test_plan_follows_the_snapshot_and_only_critical_refuses_submits(tmp_path: P
     assert seen == [
         (Level.OK, 8, 1024, Level.OK, False),
         (Level.WATCH, 8, 1024, Level.OK, False),
-        # TIGHT alone halves slots and window but holds nothing (seed D3: only a reject does).
+        # TIGHT alone halves slots and window but holds nothing (only a reject does).
         (Level.TIGHT, 4, 512, Level.OK, False),
         (Level.CRITICAL, 1, 256, Level.CRITICAL, True),
         (Level.OK, 8, 1024, Level.OK, False),
