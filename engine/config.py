@@ -32,6 +32,7 @@ class EngineConfig:
     kv_segment_bytes: int = field(default=0, metadata=setting("BALLAST_KV_SEGMENT_BYTES", "KV pool growth step in bytes (whole blocks; 0 = 64 MiB on CPU, 256 MiB on CUDA)", 0, 1 << 40))
     seed: int = field(default=0, metadata=setting("BALLAST_SEED", "seed of random-init weights and the shared sampler", 0, (1 << 63) - 1))
     cuda_graphs: bool = field(default=True, metadata=setting("BALLAST_CUDA_GRAPHS", "replay decode steps as CUDA graphs (CUDA only; falls back to eager if capture fails)"))
+    compile: bool = field(default=True, metadata=setting("BALLAST_COMPILE", "fuse each norm, rope and gated activation into one kernel with torch.compile (CUDA only; eager if compiling fails)"))
 
     def __post_init__(self) -> None:
         check(self)

@@ -36,6 +36,7 @@ from ballast.memory.ledger import Lease
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import CostModel, MiB
 from ballast.memory.watch import MemWatch
+from ballast.models import pointwise
 from ballast.models.base import Rows
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class Engine:
 
     def _load(self, force_quantized_kv: bool) -> tuple[LoadedModel, ModelRunner, Profile, list[Lease]]:
         cfg = self.config
+        pointwise.set_enabled(cfg.compile)  # before the first forward: the profile compiles them
         loaded = load(cfg, self.device, self.dtype, self._watch)
         leases = list(loaded.leases)
         try:

@@ -29,6 +29,7 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+from ballast.models import pointwise
 from ballast.models.base import ForwardBatch, to_device_packed
 from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
 from ballast.models.layers import Rope
@@ -277,6 +278,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        if x.is_cuda:
+            return pointwise.gated_rms_norm(x, gate, self.weight, self.eps)  # one kernel
         dtype = x.dtype
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (self.weight * h.to(dtype) * F.silu(gate.float())).to(dtype)

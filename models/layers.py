@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from ballast.models import pointwise
 from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
 from ballast.models.state import PagedKV
 from torch import Tensor, nn
@@ -76,6 +77,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda:
+            return pointwise.rms_norm(x, self.weight, self.eps)  # one kernel
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # same maths, fewer dispatches
@@ -166,19 +169,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, head_dim] rotated (half-split layout, as HF checkpoints expect); with partial
-    rotary only the first cos.shape[-1] dims turn."""
-    rot = cos.shape[-1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    if rot == x.shape[-1]:
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * c + torch.cat((-x2, x1), dim=-1) * s
-    xr, xp = x[..., :rot], x[..., rot:]
-    x1, x2 = xr.chunk(2, dim=-1)
-    return torch.cat((xr * c + torch.cat((-x2, x1), dim=-1) * s, xp), dim=-1)
-
-
 def _empty_cat(tensors: Sequence[Tensor]) -> Tensor:
     """The shape torch.cat would give, uninitialised."""
     first = tensors[0]
@@ -246,8 +236,7 @@ class SwiGLU(nn.Module):
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up(x)
-        return self.down_proj(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
+        return self.down_proj(pointwise.silu_mul(self.gate_up(x), self.intermediate))
 
 
 class Rope(NamedTuple):
@@ -257,7 +246,7 @@ class Rope(NamedTuple):
     sin: Tensor
 
     def __call__(self, x: Tensor) -> Tensor:
-        return apply_rope(x, self.cos, self.sin)
+        return pointwise.rope(x, self.cos, self.sin)
 
 
 class SlotAttention(nn.Module):

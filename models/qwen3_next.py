@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from ballast.memory.specs import LayerSpec, RecurrentStateSpec
+from ballast.models import pointwise
 from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
 from ballast.models.gated_delta import GatedDeltaNet, HybridStep
 from ballast.models.layers import (
@@ -164,6 +165,8 @@ class CenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda:
+            return pointwise.centered_rms_norm(x, self.weight, self.eps)  # one kernel
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # fused: one kernel, not five
         return (h * (1.0 + self.weight.float())).to(x.dtype)
 

@@ -15,10 +15,10 @@ from ballast.models.layers import (
     ONEDNN_MAX_ROWS,
     RopeParams,
     RotaryEmbedding,
-    apply_rope,
     linear,
     rope_inv_freq,
 )
+from ballast.models.pointwise import apply_rope
 from ballast.models.registry import build_model
 from ballast.models.state import LayerState, allocate_states
 from torch import nn
