@@ -203,6 +203,11 @@ class Engine:
         return dict(self._loaded.hf_config)
 
     @property
+    def vocab_size(self) -> int:
+        """Width of the logits the sampler draws from (may exceed the tokenizer's vocabulary)."""
+        return self.runner.sampler.vocab_size
+
+    @property
     def preemptions(self) -> int:
         """Sequences moved out of the KV pool for want of blocks (each resumed later)."""
         return self.slot_kv.preemptions

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, cast
 
+from ballast.engine.grammar import Constraint
 from ballast.engine.interface import TokenizerLike
 from ballast.engine.plan import SamplingParams
 from ballast.engine.tokenizer import Tokenizer
@@ -29,10 +30,12 @@ from ballast.scheduler.request import (
     TokenEvent,
     TokenLogprob,
 )
+from ballast.server import chat
 from ballast.server import protocol as p
 from ballast.server.errors import ApiError, bad_request, from_refusal
 from ballast.server.metrics import RequestTimer
 from ballast.server.state import ServerState
+from ballast.server.toolcalls import Call, parse
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -52,6 +55,7 @@ class Job:
     include_usage: bool
     want_logprobs: bool
     prompt_param: str  # the parameter a context-length error names
+    tools: chat.ToolPlan | None = None  # read tool calls out of the answer
 
 
 def _check_model(state: ServerState, requested: str) -> str:
@@ -63,7 +67,19 @@ def _check_model(state: ServerState, requested: str) -> str:
     return name
 
 
-def _sampling(req: p.GenerationFields, logprobs: int | None) -> SamplingParams:
+def _logit_bias(tokenizer: TokenizerLike, req: p.GenerationFields) -> tuple[tuple[int, float], ...]:
+    if not req.logit_bias:
+        return ()
+    try:
+        bias = tuple((int(token), float(value)) for token, value in req.logit_bias.items())
+    except ValueError as exc:
+        raise bad_request("logit_bias keys must be token ids", param="logit_bias") from exc
+    _check_token_ids(tokenizer, [t for t, _ in bias], "logit_bias")
+    return bias
+
+
+def _sampling(req: p.GenerationFields, logprobs: int | None, bias: tuple[tuple[int, float], ...] = (),
+              constraint: Constraint | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -75,6 +91,8 @@ def _sampling(req: p.GenerationFields, logprobs: int | None) -> SamplingParams:
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             logprobs=logprobs,
+            logit_bias=bias,
+            constraint=constraint,
         )
     except ValueError as exc:  # a combination pydantic's per-field checks let through
         raise bad_request(str(exc)) from exc
@@ -87,6 +105,9 @@ def _max_tokens(asked: int | None, prompt_len: int, max_model_len: int) -> int:
 
 
 def _common_checks(req: p.GenerationFields) -> None:
+    refused = req.refused_field()
+    if refused is not None:
+        raise bad_request(refused[1], param=refused[0], code="unsupported_parameter")
     if req.n != 1:
         raise bad_request("only n=1 is supported", param="n")
 
@@ -98,7 +119,7 @@ def _ready_engine(state: ServerState) -> tuple[TokenizerLike, int]:
     return state.engine.tokenizer, state.context_window
 
 
-def _check_token_ids(tokenizer: TokenizerLike, ids: list[int]) -> None:
+def _check_token_ids(tokenizer: TokenizerLike, ids: list[int], param: str = "prompt") -> None:
     """A client's token ids reach the embedding as they are; one out of range would fail the step
     and with it the whole engine, so it is refused here as bad input. The protocol states no
     vocabulary size, so the bound comes from the real tokenizer when it is one."""
@@ -106,7 +127,7 @@ def _check_token_ids(tokenizer: TokenizerLike, ids: list[int]) -> None:
     bad = [t for t in ids if t < 0 or (limit is not None and t >= limit)]
     if bad:
         accepted = f"0..{limit - 1}" if limit is not None else ">= 0"
-        raise bad_request(f"token id {bad[0]} is outside the vocabulary ({accepted})", param="prompt")
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary ({accepted})", param=param)
 
 
 def _prompt_ids(tokenizer: TokenizerLike, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
@@ -139,7 +160,8 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
     ids = _prompt_ids(tokenizer, req.prompt)
     if not ids:
         raise bad_request("the prompt is empty", param="prompt")
-    gen = _generation(p.new_id("cmpl"), ids, req, req.max_tokens, max_len, req.logprobs)
+    params = _sampling(req, req.logprobs, _logit_bias(tokenizer, req))
+    gen = _generation(p.new_id("cmpl"), ids, req, params, req.max_tokens, max_len)
     return Job("completion", gen.request_id, model, gen, req.stream, _usage(req), req.logprobs is not None, "prompt")
 
 
@@ -147,26 +169,25 @@ def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
     model = _check_model(state, req.model)
     tokenizer, max_len = _ready_engine(state)
     _common_checks(req)
-    if req.tools:
-        raise bad_request("tools are not supported", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format type 'text' is supported", param="response_format")
-    ids = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+    chat.check_tools(req)
+    ids = chat.chat_prompt(state, tokenizer, req)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
-    gen = _generation(p.new_id("chatcmpl"), ids, req, asked, max_len, top)
-    return Job("chat", gen.request_id, model, gen, req.stream, _usage(req), req.logprobs, "messages")
+    params = _sampling(req, top, _logit_bias(tokenizer, req), chat.constraint(state, req, len(ids)))
+    gen = _generation(p.new_id("chatcmpl"), ids, req, params, asked, max_len)
+    return Job("chat", gen.request_id, model, gen, req.stream, _usage(req), req.logprobs, "messages", chat.tool_plan(req))
 
 
 def _usage(req: p.GenerationFields) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
-def _generation(rid: str, ids: list[int], req: p.GenerationFields, asked: int | None, max_len: int, logprobs: int | None) -> GenerationRequest:
+def _generation(rid: str, ids: list[int], req: p.GenerationFields, params: SamplingParams, asked: int | None,
+                max_len: int) -> GenerationRequest:
     return GenerationRequest(
         request_id=rid,
         prompt_ids=tuple(ids),
-        params=_sampling(req, logprobs),
+        params=params,
         max_tokens=_max_tokens(asked, len(ids), max_len),
         stop=req.stop_strings(),
     )
@@ -227,15 +248,21 @@ async def abort_on_disconnect(request: Request, handle: RequestHandle) -> None:
 
 
 def token_text(tokenizer: TokenizerLike, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+    """A token as text; a token holding part of a UTF-8 character shows its bytes as \\xNN."""
+    return tokenizer.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
+
+
+def _top(tokenizer: TokenizerLike, token_id: int, logprob: float) -> p.TopLogprob:
+    raw = tokenizer.token_bytes(token_id)
+    return p.TopLogprob(token=raw.decode("utf-8", errors="backslashreplace"), logprob=logprob, bytes=list(raw))
 
 
 def chat_logprobs(tokenizer: TokenizerLike, entries: tuple[TokenLogprob, ...]) -> list[p.ChatTokenLogprob]:
     out = []
     for e in entries:
-        text = token_text(tokenizer, e.token_id)
-        top = [p.TopLogprob(token=(t := token_text(tokenizer, tid)), logprob=lp, bytes=list(t.encode())) for tid, lp in e.top]
-        out.append(p.ChatTokenLogprob(token=text, logprob=e.logprob, bytes=list(text.encode()), top_logprobs=top))
+        chosen = _top(tokenizer, e.token_id, e.logprob)
+        top = [_top(tokenizer, tid, lp) for tid, lp in e.top]
+        out.append(p.ChatTokenLogprob(token=chosen.token, logprob=e.logprob, bytes=chosen.bytes, top_logprobs=top))
     return out
 
 
@@ -249,6 +276,10 @@ def completion_logprobs(tokenizer: TokenizerLike, entries: tuple[TokenLogprob, .
         out.text_offset.append(offset)
         offset += len(text)
     return out
+
+
+def response_call(call: Call) -> p.ResponseToolCall:
+    return p.ResponseToolCall(id=call.id, function=p.ResponseFunction(name=call.name, arguments=call.arguments))
 
 
 async def respond(state: ServerState, job: Job, started: Started, request: Request) -> Response:
@@ -278,7 +309,11 @@ async def respond(state: ServerState, job: Job, started: Started, request: Reque
     body: p.ChatCompletion | p.Completion
     if job.endpoint == "chat":
         lp = p.ChatLogprobs(content=chat_logprobs(tokenizer, tuple(entries))) if job.want_logprobs else None
-        choice = p.ChatChoice(message=p.AssistantMessage(content=text), logprobs=lp, finish_reason=finish.reason)
+        content, calls = parse(text, job.tools.schemas) if job.tools is not None else (text, [])
+        calls = calls[: job.tools.max_calls] if job.tools is not None and job.tools.max_calls else calls
+        message = p.AssistantMessage(content=content, tool_calls=[response_call(c) for c in calls] or None)
+        reason = "tool_calls" if calls and finish.reason == "stop" else finish.reason
+        choice = p.ChatChoice(message=message, logprobs=lp, finish_reason=reason)
         body = p.ChatCompletion(id=job.response_id, created=p.now(), model=job.model, choices=[choice], usage=usage)
     else:
         clp = completion_logprobs(tokenizer, tuple(entries), 0) if job.want_logprobs else None

@@ -6,7 +6,11 @@ Each event is `data: <json>\\n\\n`; the stream ends with `data: [DONE]\\n\\n`. W
 an engine failure) is sent as `data: {"error": {...}}`, which the official client raises.
 
 A client that disconnects cancels the response task (Starlette) or fails the next send; either way
-the generator's `finally` aborts the request, so its slot is freed within one step.
+the generator's `finally` aborts the request, so its slot is freed within one step, and counts it
+with outcome "abort" in the request counter and the latency histograms.
+
+A chat request with tools streams its text through a `ToolCallStream`: content as it comes, text
+that may open a `<tool_call>` held back, and each call as one `tool_calls` delta when it closes.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ballast.server.completions import (
     refuse,
 )
 from ballast.server.state import ServerState
+from ballast.server.toolcalls import Call, ToolCallStream
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
@@ -56,6 +61,8 @@ class _ChunkWriter:
         marker = "\x00ballast-text\x00"
         head, tail = self._modelled_tokens(TokenEvent(marker, ())).split(_json(marker))
         self._text_head, self._text_tail = head, tail
+        tools = job.tools
+        self.calls = ToolCallStream(tools.schemas, tools.max_calls) if tools is not None and job.endpoint == "chat" else None
 
     def _usage(self) -> dict[str, Any]:
         return {"usage": None} if self.job.include_usage else {}
@@ -75,9 +82,22 @@ class _ChunkWriter:
         return sse({**data, **self._usage(), **extra})
 
     def tokens(self, event: TokenEvent) -> str:
+        if self.calls is not None:
+            content, calls = self.calls.feed(event.text)
+            return self._with_calls(TokenEvent(content, event.token_ids, event.logprobs), calls)
         if not self.job.want_logprobs:
             return self._text_head + _json(event.text) + self._text_tail
         return self._modelled_tokens(event)
+
+    def _with_calls(self, event: TokenEvent, calls: list[Call]) -> str:
+        out = ""
+        if event.text or (self.job.want_logprobs and event.logprobs):
+            out += self._modelled_tokens(event)
+        first = len(self.calls.calls) - len(calls) if self.calls is not None else 0
+        for k, call in enumerate(calls):
+            delta = p.DeltaToolCall(index=first + k, id=call.id, function=p.ResponseFunction(name=call.name, arguments=call.arguments))
+            out += self._chat(p.ChatChunkChoice(delta=p.ChatDelta(tool_calls=[delta])))
+        return out
 
     def _modelled_tokens(self, event: TokenEvent) -> str:
         entries = event.logprobs or ()
@@ -91,7 +111,12 @@ class _ChunkWriter:
     def finish(self, event: FinishEvent) -> str:
         extra = {"x_ballast_capped": True} if event.capped else {}
         if self.job.endpoint == "chat":
-            return self._chat(p.ChatChunkChoice(delta=p.ChatDelta(), finish_reason=event.reason), **extra)
+            held, reason = "", event.reason
+            if self.calls is not None:
+                held = self.calls.flush()
+                reason = "tool_calls" if self.calls.calls and reason == "stop" else reason
+            last = self._chat(p.ChatChunkChoice(delta=p.ChatDelta(), finish_reason=reason), **extra)
+            return (self._modelled_tokens(TokenEvent(held, ())) if held else "") + last
         return self._completion(p.CompletionChoice(text="", finish_reason=event.reason), **extra)
 
     def usage(self, event: FinishEvent) -> str:
@@ -103,15 +128,21 @@ class _ChunkWriter:
 async def _events(state: ServerState, job: Job, started: Started) -> AsyncIterator[str]:
     writer = _ChunkWriter(job, state)
     handle, timer = started.handle, started.timer
+    generated = 0
+    counted = False
     try:
         if job.endpoint == "chat":
             yield writer.role()
         event = started.first
         while isinstance(event, TokenEvent):
             timer.tokens(len(event.token_ids))
+            generated += len(event.token_ids)
             if event.text or event.logprobs:  # "" while a stop-string prefix is held back
-                yield writer.tokens(event)
+                chunk = writer.tokens(event)
+                if chunk:
+                    yield chunk
             event = await anext(started.events)
+        counted = True
         timer.finished(finish_outcome(event), event.prompt_tokens, event.completion_tokens)
         if event.error is not None:
             yield sse(refuse(state, job, event.error, counted=True).body())
@@ -122,6 +153,8 @@ async def _events(state: ServerState, job: Job, started: Started) -> AsyncIterat
         yield DONE
     finally:
         handle.abort()  # no-op after a finish; frees the slot when the client went away
+        if not counted:  # the client went away before the finish
+            timer.finished("abort", len(job.gen.prompt_ids), generated)
 
 
 def stream_response(state: ServerState, job: Job, started: Started) -> StreamingResponse:
