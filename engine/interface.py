@@ -14,8 +14,9 @@ from ballast.memory.types import CostModel
 class TokenizerLike(Protocol):
     eos_token_ids: frozenset[int]
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of raw text (special tokens the text spells out are not parsed)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of raw text (special tokens the text spells out are not parsed); with
+        add_special_tokens, a BOS where the tokenizer wants one."""
         ...
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:

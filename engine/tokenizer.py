@@ -71,10 +71,10 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # add_special_tokens adds a BOS where the tokenizer wants one (llama-style); split_special
         # keeps a user's literal "<|im_end|>" as plain text instead of a control token.
-        ids = self.hf(text, add_special_tokens=True, split_special_tokens=True)["input_ids"]
+        ids = self.hf(text, add_special_tokens=add_special_tokens, split_special_tokens=True)["input_ids"]
         return [int(i) for i in ids]
 
     @property

@@ -29,6 +29,8 @@ from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ballast import __version__
+
 if TYPE_CHECKING:  # the pool pulls in torch; the app only hands it around
     from ballast.memory.pool import CheckpointPool
 
@@ -191,7 +193,8 @@ def create_app(
         registry.register(PoolCollector(pool))
     on_idle = None if pool is None else lambda: _trim(pool, pool_max_idle_s)
     wiring = _Wiring(scheduler_config, gpu_die, admission, on_idle)
-    app = FastAPI(title="ballast", lifespan=_lifespan(engine_factory, wiring), docs_url=None, redoc_url=None)
+    app = FastAPI(title="ballast", version=__version__, lifespan=_lifespan(engine_factory, wiring), docs_url="/docs",
+                  redoc_url=None)
     app.state.ballast = state
     errors.install(app)
     routes.install(app, config.api_key)

@@ -58,7 +58,7 @@ class Job:
     tools: chat.ToolPlan | None = None  # read tool calls out of the answer
 
 
-def _check_model(state: ServerState, requested: str) -> str:
+def check_model(state: ServerState, requested: str) -> str:
     name = state.model_name
     if name is None:
         raise ApiError(503, "the model is still loading", "server_overloaded", code="model_loading", headers={"Retry-After": "1"})
@@ -74,7 +74,7 @@ def _logit_bias(tokenizer: TokenizerLike, req: p.GenerationFields) -> tuple[tupl
         bias = tuple((int(token), float(value)) for token, value in req.logit_bias.items())
     except ValueError as exc:
         raise bad_request("logit_bias keys must be token ids", param="logit_bias") from exc
-    _check_token_ids(tokenizer, [t for t, _ in bias], "logit_bias")
+    check_token_ids(tokenizer, [t for t, _ in bias], "logit_bias")
     return bias
 
 
@@ -112,14 +112,14 @@ def _common_checks(req: p.GenerationFields) -> None:
         raise bad_request("only n=1 is supported", param="n")
 
 
-def _ready_engine(state: ServerState) -> tuple[TokenizerLike, int]:
+def ready_engine(state: ServerState) -> tuple[TokenizerLike, int]:
     """The tokenizer and the context window a request may fill (prompt + new tokens)."""
     if state.engine is None or state.scheduler is None:
         raise ApiError(503, "the model is still loading", "server_overloaded", code="model_loading", headers={"Retry-After": "1"})
     return state.engine.tokenizer, state.context_window
 
 
-def _check_token_ids(tokenizer: TokenizerLike, ids: list[int], param: str = "prompt") -> None:
+def check_token_ids(tokenizer: TokenizerLike, ids: list[int], param: str = "prompt") -> None:
     """A client's token ids reach the embedding as they are; one out of range would fail the step
     and with it the whole engine, so it is refused here as bad input. The protocol states no
     vocabulary size, so the bound comes from the real tokenizer when it is one."""
@@ -143,13 +143,13 @@ def _prompt_ids(tokenizer: TokenizerLike, prompt: str | list[str] | list[int] | 
         return tokenizer.encode(first)
     # pydantic made the list homogeneous: ids, or one list of ids
     ids = list(first) if isinstance(first, list) else cast(list[int], prompt)
-    _check_token_ids(tokenizer, ids)
+    check_token_ids(tokenizer, ids)
     return ids
 
 
 def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
-    model = _check_model(state, req.model)
-    tokenizer, max_len = _ready_engine(state)
+    model = check_model(state, req.model)
+    tokenizer, max_len = ready_engine(state)
     _common_checks(req)
     if req.echo:
         raise bad_request("echo is not supported", param="echo")
@@ -166,8 +166,8 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
 
 
 def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
-    model = _check_model(state, req.model)
-    tokenizer, max_len = _ready_engine(state)
+    model = check_model(state, req.model)
+    tokenizer, max_len = ready_engine(state)
     _common_checks(req)
     chat.check_tools(req)
     ids = chat.chat_prompt(state, tokenizer, req)

@@ -46,7 +46,7 @@ class FakeEngineError(RuntimeError):
 class FakeTokenizer:
     eos_token_ids = frozenset({EOS})
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = []
         i = 0
         while i < len(text):

@@ -78,7 +78,17 @@ def calm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({"n": 2}, "n"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "tool_choice"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+         "messages[0].content"),
+        ({"logit_bias": {"-3": 5}}, "logit_bias"),
+        ({"logit_bias": {"one": 5}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias.1"),
         ({"stop": 5}, None),
         ({"stream_options": {"include_usage": True}}, None),
     ],
@@ -238,6 +248,11 @@ def test_client_disconnect_frees_the_slot(tmp_path: Path, stream: bool) -> None:
                 httpx.post(url + "/v1/chat/completions", json=body, timeout=0.5)
         _wait_until(lambda: state.scheduler is not None and state.scheduler.idle and fake.active_slots == 0)
         assert len(fake.recorded()) < 150  # it stopped long before 200 tokens
+        # Counted once, as an abort, in the request counter and the end-to-end histogram.
+        _wait_until(lambda: 'ballast_requests_total{endpoint="chat",outcome="abort"} 1.0' in httpx.get(url + "/metrics").text)
+        metrics = httpx.get(url + "/metrics").text
+        assert "ballast_e2e_request_latency_seconds_count 1.0" in metrics
+        assert 'ballast_requests_total{endpoint="chat",outcome="length"}' not in metrics
 
 
 def test_cap_verdict_sets_finish_length_and_header(tmp_path: Path) -> None:

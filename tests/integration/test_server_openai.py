@@ -34,6 +34,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from serverproc import running_server, serve_subprocess
 
+import ballast
+
 TOK = FakeTokenizer()
 MESSAGES = [{"role": "user", "content": "say something"}]
 CHAT = {"model": "fake-model", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
@@ -283,3 +285,41 @@ def test_the_model_spec_is_an_alias_of_the_served_name(client: openai.OpenAI) ->
     assert done.model == "fake-model"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
+
+
+def test_developer_role_is_the_system_role(client: openai.OpenAI) -> None:
+    dev = client.chat.completions.create(model="fake-model", messages=[{"role": "developer", "content": "be brief"}, *MESSAGES],  # type: ignore[list-item]
+                                         temperature=0, max_tokens=4)
+    as_system = chat_prompt([{"role": "system", "content": "be brief"}, *MESSAGES])
+    assert dev.usage is not None and dev.usage.prompt_tokens == len(as_system)
+    assert dev.choices[0].message.content == greedy_text(as_system, 4)
+
+
+def test_refused_fields_are_named_and_harmless_ones_accepted(base_url: str) -> None:
+    r = httpx.post(base_url + "/v1/chat/completions", json={**CHAT, "stop_token_ids": [3]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+    r = httpx.post(base_url + "/v1/completions", json={"model": "fake-model", "prompt": "ab", "max_tokens": 2, "min_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    ok = httpx.post(base_url + "/v1/chat/completions", json={**CHAT, "metadata": {"a": "b"}, "store": False, "user": "u",
+                                                              "service_tier": "auto", "parallel_tool_calls": False})
+    assert ok.status_code == 200, ok.text
+
+
+def test_model_retrieve_version_and_docs(client: openai.OpenAI, base_url: str) -> None:
+    card = client.models.retrieve("fake-model")
+    assert card.id == "fake-model" and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert httpx.get(base_url + "/version").json() == {"version": ballast.__version__}
+    assert httpx.get(base_url + "/docs").status_code == 200
+    assert "/v1/chat/completions" in httpx.get(base_url + "/openapi.json").json()["paths"]
+
+
+def test_tokenize_and_detokenize_in_vllm_shapes(base_url: str) -> None:
+    r = httpx.post(base_url + "/tokenize", json={"model": "fake-model", "prompt": "the cat"}).json()
+    assert r == {"count": len(TOK.encode("the cat")), "max_model_len": 256, "tokens": TOK.encode("the cat"), "token_strs": None}
+    chat = httpx.post(base_url + "/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == chat_prompt(MESSAGES)
+    assert httpx.post(base_url + "/detokenize", json={"tokens": TOK.encode("the cat")}).json() == {"prompt": "the cat"}
+    assert httpx.post(base_url + "/detokenize", json={"tokens": [-1]}).status_code == 400
+    assert httpx.post(base_url + "/tokenize", json={"prompt": "a", "messages": MESSAGES}).status_code == 400
