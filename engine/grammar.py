@@ -103,7 +103,7 @@ class SlotMatchers:
         self._matchers: dict[int, llguidance.LLMatcher] = {}
         self._history: dict[int, list[int]] = {}  # tokens fed since the slot's last reset
         self._words = (vocab_size + 31) // 32
-        self._shifts = torch.arange(32, dtype=torch.int32)
+        self._powers = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32)  # bit 31 wraps to int32 min
 
     def reset(self, slots: Sequence[int]) -> None:
         for slot in slots:
@@ -123,11 +123,14 @@ class SlotMatchers:
             matcher = self._matcher(slot, constraint)
             row = bitmask[k]
             matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-        shifts = self._shifts.to(logits.device)
         bits = bitmask.to(logits.device, non_blocking=True)
-        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, : logits.shape[1]].bool()
-        index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
-        return logits.index_put((index,), logits[index].masked_fill(~allowed, float("-inf")))
+        # Bit j of word w allows token 32 w + j: one AND against the 32 powers of two unpacks it.
+        allowed = (bits.unsqueeze(-1) & self._powers.to(logits.device)).ne(0).view(len(rows), -1)[:, : logits.shape[1]]
+        if len(rows) < logits.shape[0]:
+            every = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+            every[torch.tensor(list(rows), dtype=torch.long, device=logits.device)] = allowed
+            allowed = every
+        return torch.where(allowed, logits, float("-inf"))
 
     def accept(self, slots: Sequence[int], tokens: Sequence[int]) -> None:
         for slot, token in zip(slots, tokens, strict=True):
