@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, cast
 
+from ballast.engine.engine import Engine
 from ballast.engine.grammar import Constraint
 from ballast.engine.interface import TokenizerLike
 from ballast.engine.plan import SamplingParams
@@ -78,16 +79,24 @@ def _logit_bias(tokenizer: TokenizerLike, req: p.GenerationFields) -> tuple[tupl
     return bias
 
 
-def _sampling(req: p.GenerationFields, logprobs: int | None, bias: tuple[tuple[int, float], ...] = (),
-              constraint: Constraint | None = None) -> SamplingParams:
+def sampling_defaults(state: ServerState) -> dict[str, float]:
+    """What the model's makers sample with, for the values a request omits."""
+    return state.engine.sampling_defaults if isinstance(state.engine, Engine) else {}
+
+
+def _sampling(req: p.GenerationFields, defaults: dict[str, float], logprobs: int | None,
+              bias: tuple[tuple[int, float], ...] = (), constraint: Constraint | None = None) -> SamplingParams:
+    def pick(asked: float | None, name: str, plain: float) -> float:
+        return asked if asked is not None else defaults.get(name, plain)
+
     try:
         return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(0, req.top_k or 0),
-            min_p=req.min_p or 0.0,
+            temperature=pick(req.temperature, "temperature", 1.0),
+            top_p=pick(req.top_p, "top_p", 1.0),
+            top_k=max(0, int(pick(req.top_k, "top_k", 0))),
+            min_p=pick(req.min_p, "min_p", 0.0),
             seed=req.seed,
-            repetition_penalty=req.repetition_penalty or 1.0,
+            repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             logprobs=logprobs,
@@ -160,7 +169,7 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
     ids = _prompt_ids(tokenizer, req.prompt)
     if not ids:
         raise bad_request("the prompt is empty", param="prompt")
-    params = _sampling(req, req.logprobs, _logit_bias(tokenizer, req))
+    params = _sampling(req, sampling_defaults(state), req.logprobs, _logit_bias(tokenizer, req))
     gen = _generation(p.new_id("cmpl"), ids, req, params, req.max_tokens, max_len)
     return Job("completion", gen.request_id, model, gen, req.stream, _usage(req), req.logprobs is not None, "prompt")
 
@@ -173,7 +182,7 @@ def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
     ids = chat.chat_prompt(state, tokenizer, req)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = _sampling(req, top, _logit_bias(tokenizer, req), chat.constraint(state, req, len(ids)))
+    params = _sampling(req, sampling_defaults(state), top, _logit_bias(tokenizer, req), chat.constraint(state, req, len(ids)))
     gen = _generation(p.new_id("chatcmpl"), ids, req, params, asked, max_len)
     return Job("chat", gen.request_id, model, gen, req.stream, _usage(req), req.logprobs, "messages", chat.tool_plan(req))
 
