@@ -71,7 +71,7 @@ class GenerationFields(_Request):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=64)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty | None = None

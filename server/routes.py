@@ -18,10 +18,10 @@ from ballast.server.completions import (
     check_token_ids,
     completion_job,
     ready_engine,
-    respond,
     start,
 )
 from ballast.server.errors import ApiError, bad_request
+from ballast.server.respond import respond
 from ballast.server.state import ServerState
 from ballast.server.streaming import stream_response
 from fastapi import APIRouter, Depends, FastAPI, Request
