@@ -103,7 +103,11 @@ class SlotMatchers:
         self._matchers: dict[int, llguidance.LLMatcher] = {}
         self._history: dict[int, list[int]] = {}  # tokens fed since the slot's last reset
         self._words = (vocab_size + 31) // 32
-        self._powers = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32)  # bit 31 wraps to int32 min
+        self._powers: dict[torch.device, torch.Tensor] = {}
+        self._host: torch.Tensor | None = None  # bitmask rows, reused (pinned when logits are on a GPU)
+        # Fills the rows' masks on its own threads, without the GIL, so the event loop runs meanwhile;
+        # made on first use (most engines never see a grammar).
+        self._executor: llguidance.LLExecutor | None = None
 
     def reset(self, slots: Sequence[int]) -> None:
         for slot in slots:
@@ -118,19 +122,35 @@ class SlotMatchers:
     def mask(self, logits: torch.Tensor, rows: Sequence[int], slots: Sequence[int],
              constraints: Sequence[Constraint]) -> torch.Tensor:
         """`logits` with every token the grammar forbids set to -inf in the given rows."""
-        bitmask = torch.empty(len(rows), self._words, dtype=torch.int32)
-        for k, (slot, constraint) in enumerate(zip(slots, constraints, strict=True)):
-            matcher = self._matcher(slot, constraint)
-            row = bitmask[k]
-            matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        matchers = [self._matcher(slot, c) for slot, c in zip(slots, constraints, strict=True)]
+        bitmask = self._host_rows(len(rows), logits.device)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        self._executor.unsafe_compute_mask_ptr([(m, k) for k, m in enumerate(matchers)], bitmask.data_ptr(),
+                                               self._words * 4, len(rows))
+        # The copy may run ahead of the host: the buffer is next written a step later, after this
+        # step's sampled tokens reached the host, by which time the copy has finished.
         bits = bitmask.to(logits.device, non_blocking=True)
         # Bit j of word w allows token 32 w + j: one AND against the 32 powers of two unpacks it.
-        allowed = (bits.unsqueeze(-1) & self._powers.to(logits.device)).ne(0).view(len(rows), -1)[:, : logits.shape[1]]
+        allowed = (bits.unsqueeze(-1) & self._powers_on(logits.device)).ne(0).view(len(rows), -1)[:, : logits.shape[1]]
         if len(rows) < logits.shape[0]:
             every = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
             every[torch.tensor(list(rows), dtype=torch.long, device=logits.device)] = allowed
             allowed = every
         return torch.where(allowed, logits, float("-inf"))
+
+    def _host_rows(self, rows: int, device: torch.device) -> torch.Tensor:
+        if self._host is None or self._host.shape[0] < rows:
+            self._host = torch.empty(rows, self._words, dtype=torch.int32, pin_memory=device.type == "cuda")
+        return self._host[:rows]
+
+    def _powers_on(self, device: torch.device) -> torch.Tensor:
+        powers = self._powers.get(device)
+        if powers is None:
+            # 1 << 31 wraps to int32's minimum, which is the bit pattern wanted.
+            powers = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32).to(device)
+            self._powers[device] = powers
+        return powers
 
     def accept(self, slots: Sequence[int], tokens: Sequence[int]) -> None:
         for slot, token in zip(slots, tokens, strict=True):
