@@ -123,6 +123,11 @@ def describe_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) 
     return [{"role": "system", "content": text}, *messages]
 
 
+def wants_grammar(req: p.ChatCompletionRequest) -> bool:
+    """The answer will be constrained (a forced tool call or a JSON response_format)."""
+    return bool(req.tools and _forced(req)) or (req.response_format is not None and req.response_format.type != "text")
+
+
 def _forced(req: p.ChatCompletionRequest) -> bool:
     return req.tool_choice == "required" or isinstance(req.tool_choice, p.NamedToolChoice)
 
@@ -132,7 +137,7 @@ def compiler(state: ServerState) -> GrammarCompiler:
     engine = state.engine
     if not isinstance(engine, Engine):
         raise bad_request("structured outputs need a model with its own tokenizer", param="response_format")
-    if state.grammars is None:
+    if state.grammars is None:  # two first requests at once may both build it: harmless, one is kept
         state.grammars = GrammarCompiler(engine.tokenizer.hf, engine.vocab_size, engine.tokenizer.eos_token_ids)
     return state.grammars
 

@@ -7,6 +7,8 @@ vLLM's do.
 
 from __future__ import annotations
 
+import asyncio
+
 from ballast.engine.tokenizer import TokenizerError
 from ballast.server import chat
 from ballast.server import protocol as p
@@ -111,7 +113,9 @@ def v1_router(api_key: str | None) -> APIRouter:
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
         state = state_of(request)
         try:
-            job = chat_job(state, body)
+            # Building a grammar (and, once, the tokenizer's grammar view) takes milliseconds to a
+            # second: off the event loop, so other requests' tokens keep flowing meanwhile.
+            job = await asyncio.to_thread(chat_job, state, body) if chat.wants_grammar(body) else chat_job(state, body)
         except ApiError as exc:
             raise _invalid(state, "chat", exc) from exc
         return await _answer(state, job, request)
