@@ -83,8 +83,9 @@ def json_object_schema() -> dict[str, Any]:
 
 
 def lark_json(schema: dict[str, Any]) -> str:
-    """A JSON schema as a Lark rule body (llguidance's `%json` extension)."""
-    return "%json " + json.dumps(schema, separators=(",", ":"))
+    """A JSON schema as a Lark rule body (llguidance's `%json` extension), with the same compact
+    whitespace as `GrammarCompiler.json_schema` (the options travel in the schema's x-guidance)."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, separators=(",", ":"))
 
 
 def lark_literal(text: str) -> str:

@@ -24,16 +24,14 @@ from ballast.engine.grammar import (
     GrammarCompiler,
     GrammarError,
     json_object_schema,
-    lark_json,
-    lark_literal,
 )
 from ballast.engine.tokenizer import Tokenizer
 from ballast.server import protocol as p
 from ballast.server.errors import bad_request
 from ballast.server.state import ServerState
+from ballast.server.toolgrammar import style_of, tool_call_lark
 
 TEXT_ONLY = "this model takes text only"
-OPEN_CALL, CLOSE_CALL = "<tool_call>\n", "\n</tool_call>"  # as the Hermes-style templates write a call
 
 
 @dataclass(frozen=True)
@@ -147,7 +145,13 @@ def constraint(state: ServerState, req: p.ChatCompletionRequest, prompt_tokens: 
     try:
         if req.tools and _forced(req):
             grammars = compiler(state)
-            return grammars.constraint(grammars.lark(_tool_call_lark(req)), prompt_tokens)
+            allowed = req.tools
+            if isinstance(req.tool_choice, p.NamedToolChoice):
+                allowed = [t for t in req.tools if t.function.name == req.tool_choice.function.name]
+            assert isinstance(state.engine, Engine)  # compiler() refuses any other
+            style = style_of(state.engine.tokenizer.hf.chat_template)
+            several = req.parallel_tool_calls and req.tool_choice == "required"
+            return grammars.constraint(grammars.lark(tool_call_lark(allowed, style, several)), prompt_tokens)
         fmt = req.response_format
         if fmt is None or fmt.type == "text":
             return None
@@ -157,25 +161,6 @@ def constraint(state: ServerState, req: p.ChatCompletionRequest, prompt_tokens: 
     except GrammarError as exc:
         param = "tools" if req.tools and _forced(req) else "response_format"
         raise bad_request(str(exc), param=param, code="invalid_schema") from exc
-
-
-def _tool_call_lark(req: p.ChatCompletionRequest) -> str:
-    """One Hermes-style call of an allowed tool, or (required + parallel) one or more of them."""
-    assert req.tools is not None
-    allowed = req.tools
-    if isinstance(req.tool_choice, p.NamedToolChoice):
-        allowed = [t for t in req.tools if t.function.name == req.tool_choice.function.name]
-    rules = [f"tool{i}: {lark_json(_call_schema(t))}" for i, t in enumerate(allowed)]
-    calls = " | ".join(f"tool{i}" for i in range(len(allowed)))
-    repeat = 'call ("\\n" call)*' if req.parallel_tool_calls and req.tool_choice == "required" else "call"
-    call = f"call: {lark_literal(OPEN_CALL)} body {lark_literal(CLOSE_CALL)}"
-    return "\n".join([f"start: {repeat}", call, f"body: {calls}", *rules])
-
-
-def _call_schema(tool: p.Tool) -> dict[str, Any]:
-    parameters = tool.function.parameters or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
 
 
 def chat_prompt(state: ServerState, tokenizer: Any, req: p.ChatCompletionRequest) -> list[int]:
