@@ -42,7 +42,20 @@ REFUSED: dict[str, str] = {
     "add_generation_prompt": "`add_generation_prompt` is not supported",
     "continue_final_message": "`continue_final_message` is not supported",
     "documents": "`documents` is not supported",
-    "prompt_logprobs": "`prompt_logprobs` is not supported; use /v1/completions with echo and logprobs",
+    "prompt_logprobs": "`prompt_logprobs` is not supported",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "`length_penalty` (beam search) is not supported",
+    "bad_words": "`bad_words` is not supported; use logit_bias",
+    "allowed_token_ids": "`allowed_token_ids` is not supported; use logit_bias or response_format",
+    "truncate_prompt_tokens": "`truncate_prompt_tokens` is not supported",
+    "logits_processors": "`logits_processors` is not supported",
+    # Parameters of the other endpoint: declared there, so they reach this list only here.
+    "echo": "`echo` is only supported by /v1/completions",
+    "suffix": "`suffix` is not supported",
+    "best_of": "`best_of` is only supported by /v1/completions (equal to n)",
+    "response_format": "`response_format` is only supported by /v1/chat/completions",
+    "tools": "`tools` are only supported by /v1/chat/completions",
+    "tool_choice": "`tool_choice` is only supported by /v1/chat/completions",
 }
 
 

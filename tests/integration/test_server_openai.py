@@ -300,6 +300,11 @@ def test_refused_fields_are_named_and_harmless_ones_accepted(base_url: str) -> N
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
     r = httpx.post(base_url + "/v1/completions", json={"model": "fake-model", "prompt": "ab", "max_tokens": 2, "min_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    fmt = {"type": "json_object"}
+    r = httpx.post(base_url + "/v1/completions", json={"model": "fake-model", "prompt": "ab", "response_format": fmt})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    r = httpx.post(base_url + "/v1/chat/completions", json={**CHAT, "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     ok = httpx.post(base_url + "/v1/chat/completions", json={**CHAT, "metadata": {"a": "b"}, "store": False, "user": "u",
                                                               "service_tier": "auto", "parallel_tool_calls": False})
     assert ok.status_code == 200, ok.text
