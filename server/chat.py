@@ -25,7 +25,7 @@ from ballast.engine.grammar import (
     GrammarError,
     json_object_schema,
 )
-from ballast.engine.tokenizer import Tokenizer
+from ballast.engine.tokenizer import Tokenizer, TokenizerError
 from ballast.server import protocol as p
 from ballast.server.errors import bad_request
 from ballast.server.state import ServerState
@@ -171,4 +171,7 @@ def chat_prompt(state: ServerState, tokenizer: Any, req: p.ChatCompletionRequest
         return list(tokenizer.apply_chat_template(messages))
     if tools and not tokenizer.template_knows_tools:
         messages, tools = describe_tools(messages, tools), None
-    return tokenizer.apply_chat_template(messages, tools, special_tokens_in_content=state.config.special_tokens_in_chat)
+    try:
+        return tokenizer.apply_chat_template(messages, tools, special_tokens_in_content=state.config.special_tokens_in_chat)
+    except TokenizerError as exc:  # the template refused this conversation (its shape, its roles)
+        raise bad_request(str(exc), param="messages") from exc

@@ -177,9 +177,9 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
     prompts = _prompts(tokenizer, req.prompt)
     params = _sampling(req, sampling_defaults(state), req.logprobs, _logit_bias(tokenizer, req))
     rid = p.new_id("cmpl")
-    count = len(prompts) * req.n
-    gens = tuple(_generation(_choice_id(rid, k, count), ids, req, _choice_params(params, i), req.max_tokens, max_len)
-                 for k, (i, (_, ids)) in enumerate((i, pr) for pr in prompts for i in range(req.n)))
+    choices = [(i, ids) for _, ids in prompts for i in range(req.n)]  # (index among its prompt's, prompt)
+    gens = tuple(_generation(_choice_id(rid, k, len(choices)), ids, req, _choice_params(params, i), req.max_tokens, max_len)
+                 for k, (i, ids) in enumerate(choices))
     echo = tuple((text if text is not None else tokenizer.decode(ids)) if req.echo else "" for text, ids in prompts
                  for _ in range(req.n))
     return Job("completion", rid, model, gens, req.stream, _usage(req), req.logprobs is not None, "prompt", n=req.n, echo=echo)

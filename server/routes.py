@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 
-from ballast.engine.tokenizer import TokenizerError
 from ballast.server import chat
 from ballast.server import protocol as p
 from ballast.server.auth import bearer_dependency
@@ -22,7 +21,7 @@ from ballast.server.completions import (
     ready_engine,
     start,
 )
-from ballast.server.errors import ApiError, bad_request
+from ballast.server.errors import ApiError
 from ballast.server.respond import respond
 from ballast.server.state import ServerState
 from ballast.server.streaming import stream_response
@@ -136,10 +135,7 @@ def tokens_router(api_key: str | None) -> APIRouter:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             req = p.ChatCompletionRequest(model=state.model_name or "", messages=body.messages or [], tools=body.tools)
-            try:
-                ids = chat.chat_prompt(state, tokenizer, req)
-            except TokenizerError as exc:
-                raise bad_request(str(exc), param="messages") from exc
+            ids = chat.chat_prompt(state, tokenizer, req)
         return p.TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids)
 
     @tokens.post("/detokenize")
