@@ -1,8 +1,8 @@
 """Constrained decoding: a grammar per request, a matcher per slot, one token mask per step.
 
 llguidance is the grammar engine. It was chosen over xgrammar by measurement (bench/grammar_mask:
-per-token mask cost on CPU at batch 1/8/32 with the default model's 49k vocabulary, llguidance
-was about 3x cheaper) and because it has no dependencies, where xgrammar pulls triton and a
+the mask fill per step on CPU with the default model's 49k vocabulary was 2-11x cheaper at batch
+32, depending on the schema) and because it has no dependencies, where xgrammar pulls triton and a
 second FFI runtime into a CPU install.
 
 The server turns a request's `response_format` or forced tool call into a `Constraint`: the
