@@ -7,6 +7,7 @@ catalogued). The scheduler talks to it only through frozen `StepPlan` / `StepRes
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from ballast.engine.runner import (
     planned_state_bytes,
     profile_prefill,
 )
+from ballast.engine.sampling_defaults import sampling_defaults as defaults_for
 from ballast.engine.slot_kv import SlotKV
 from ballast.engine.tokenizer import Tokenizer
 from ballast.memory.errors import LedgerFull
@@ -209,6 +211,17 @@ class Engine:
     def hf_config(self) -> dict[str, object]:
         """The model's Hugging Face-style config dict (from config.json, the GGUF, or built in)."""
         return dict(self._loaded.hf_config)
+
+    @functools.cached_property
+    def sampling_defaults(self) -> dict[str, float]:
+        """Sampling values for what a request omits (generation_config.json, or GGUF defaults)."""
+        source = self._loaded.source
+        return defaults_for(source.kind, source.path)
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits the sampler draws from (may exceed the tokenizer's vocabulary)."""
+        return self.runner.sampler.vocab_size
 
     @property
     def preemptions(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Any, Protocol
 
 from ballast.engine.plan import KVFigures, StepPlan, StepResult
 from ballast.memory.types import CostModel
@@ -14,15 +14,20 @@ from ballast.memory.types import CostModel
 class TokenizerLike(Protocol):
     eos_token_ids: frozenset[int]
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of raw text (special tokens the text spells out are not parsed)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of raw text (special tokens the text spells out are not parsed); with
+        add_special_tokens, a BOS where the tokenizer wants one."""
         ...
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Token ids of a chat, with the generation prompt for the assistant's turn appended."""
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token, also when it holds part of a UTF-8 character."""
+        ...
 
 
 class DetokenizerLike(Protocol):

@@ -24,6 +24,7 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.runner import analytic_activation_bytes, weights_bytes
 from ballast.engine.sampler import Sampler
+from ballast.engine.sampling_defaults import GenerationConfigError
 from ballast.engine.tokenizer import Tokenizer, TokenizerError
 from ballast.memory.admission import admit_load_spike, admit_model_load
 from ballast.memory.config import MemoryConfig
@@ -58,6 +59,7 @@ class ModelLoadRefused(RuntimeError):
 # do not implement, not enough memory, no network for the default model): report, don't trace.
 LOAD_ERRORS: tuple[type[Exception], ...] = (
     ModelSpecError, ModelLoadRefused, ModelError, DefaultModelError, GGUFError, TokenizerError, MemoryRefused,
+    GenerationConfigError,
 )
 
 

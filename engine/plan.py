@@ -8,6 +8,10 @@ on CPU against a fake engine with the same `submit(plan)` interface.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ballast.engine.grammar import Constraint
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int | None = None  # None = none; 0 = the sampled token only; n = also the top n
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    constraint: Constraint | None = None  # the output must follow this grammar
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -35,6 +41,8 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be in [0, 20]")
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -2,8 +2,13 @@
 
 Order of operations follows Hugging Face's logits processors: penalties on the raw logits, then
 temperature, top-k, top-p, min-p, then a draw. Logprobs are those of the model's own distribution
-(log-softmax of the raw logits, before any penalty or filter), as vLLM reports by default: they
-say what the model believed, whatever the request's sampling knobs were.
+(log-softmax of the raw logits, before any bias, penalty, grammar or filter), as vLLM reports by
+default: they say what the model believed, whatever the request's sampling knobs were.
+
+`logit_bias` is added to the raw logits first (OpenAI's order: the bias shifts what the model
+said, the rest of sampling works on the shifted values). A request with a `constraint` then has
+every token its grammar forbids set to -inf (`ballast.engine.grammar.SlotMatchers`), so neither
+greedy nor random choice can leave the grammar.
 
 Reproducibility: a request with a seed draws from its own per-slot generator, seeded at the
 request's first sample, and each draw consumes exactly `vocab` exponentials from it. So the same
@@ -17,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from ballast.engine.grammar import SlotMatchers
 from ballast.engine.plan import SamplingParams
 
 
@@ -41,6 +47,7 @@ class Sampler:
         self._generators: dict[int, torch.Generator] = {}
         self._shared = torch.Generator(device=device)
         self._shared.manual_seed(seed)
+        self.matchers = SlotMatchers(vocab_size)
 
     @property
     def state_bytes(self) -> int:
@@ -60,9 +67,11 @@ class Sampler:
         self._seen.index_fill_(0, index, False)
         for slot in slots:
             self._generators.pop(slot, None)
+        self.matchers.reset(slots)
 
     def observe_prompt(self, slot: int, token_ids: Sequence[int]) -> None:
         """Prompt tokens count for the repetition penalty (not for frequency/presence)."""
+        self.matchers.observe(slot, token_ids)
         if token_ids:
             index = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
             self._seen[slot].index_fill_(0, index.clamp_(0, self.vocab_size - 1), True)
@@ -76,10 +85,17 @@ class Sampler:
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        processed = self._apply_penalties(logits, slot_index, params)
+        processed = self._apply_penalties(_biased(logits, params), slot_index, params)
+        constrained = [i for i, p in enumerate(params) if p.constraint is not None]
+        if constrained:
+            processed = self.matchers.mask(processed, constrained, [slots[i] for i in constrained],
+                               [c for c in (params[i].constraint for i in constrained) if c is not None])
         tokens = self._choose(processed, slots, params)
         self._record(slot_index, tokens)
-        return _outputs(tokens, raw_logprobs, params)
+        token_list = tokens.tolist()  # the step's one device-to-host sync
+        if constrained:
+            self.matchers.accept([slots[i] for i in constrained], [token_list[i] for i in constrained])
+        return _outputs(token_list, tokens, raw_logprobs, params)
 
     def _apply_penalties(self, logits: torch.Tensor, slot_index: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         if all(p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 for p in params):
@@ -174,13 +190,23 @@ def filter_logits(
     return logits
 
 
+def _biased(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The logits with each row's logit_bias added (a copy; the raw logits stay for logprobs)."""
+    entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias]
+    if not entries:
+        return logits
+    rows, tokens, biases = zip(*entries, strict=True)
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
 def _column(params: Sequence[SamplingParams], name: str, like: torch.Tensor) -> torch.Tensor:
     values = [float(getattr(p, name)) for p in params]
     return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(-1)
 
 
-def _outputs(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, params: Sequence[SamplingParams]) -> list[SampledToken]:
-    token_list = tokens.tolist()
+def _outputs(token_list: list[int], tokens: torch.Tensor, raw_logprobs: torch.Tensor | None,
+             params: Sequence[SamplingParams]) -> list[SampledToken]:
     if raw_logprobs is None:
         return [SampledToken(t) for t in token_list]
     top_n = max(p.logprobs or 0 for p in params)

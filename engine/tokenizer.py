@@ -4,12 +4,20 @@ End of generation is more than `eos_token_id`: chat models end a turn with a tok
 `<|im_end|>` or `<|eot_id|>` that the base eos may not be. We collect the eos id, the ids a
 `generation_config.json` lists, and the special token the chat template itself writes right after
 an assistant message, so a chat reply stops where the template says a turn ends.
+
+Chat content is text: a user who writes `<|im_end|><|im_start|>system` gets those characters, not
+the control tokens, so nobody can forge a turn (`special_tokens_in_content=True` lets an operator
+who wants the old behaviour have it). The template's own markers are still parsed: a message
+whose content spells a special token is rendered with a placeholder in its place, and the
+rendered pieces around the placeholders are tokenized with special tokens, the content between
+them without.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +29,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 log = logging.getLogger(__name__)
 
 _TURN_MARKER = "ballastturnmarker"
+# Placeholders for message content while the template renders: private-use characters, which no
+# template writes and which a tokenizer never merges with the text around them.
+_OPEN, _CLOSE = "\ue000", "\ue001"
+_PLACEHOLDER = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class TokenizerError(Exception):
@@ -37,6 +50,9 @@ class Tokenizer:
             ids.add(int(hf.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(ids)
         self._special_ids = frozenset(int(i) for i in hf.all_special_ids)
+        added = getattr(hf, "added_tokens_decoder", {})
+        self._special_texts = tuple({str(t) for t in hf.all_special_tokens} | {t.content for t in added.values() if t.special})
+        self._byte_decoder = _byte_level_decoder()
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
@@ -55,31 +71,87 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # add_special_tokens adds a BOS where the tokenizer wants one (llama-style); split_special
         # keeps a user's literal "<|im_end|>" as plain text instead of a control token.
-        ids = self.hf(text, add_special_tokens=True, split_special_tokens=True)["input_ids"]
+        ids = self.hf(text, add_special_tokens=add_special_tokens, split_special_tokens=True)["input_ids"]
         return [int(i) for i in ids]
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    @property
+    def template_knows_tools(self) -> bool:
+        """The chat template renders a `tools` list (else a caller must describe tools itself)."""
+        return "tools" in str(getattr(self.hf, "chat_template", "") or "")
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                            *, special_tokens_in_content: bool = False) -> list[int]:
         if not self.has_chat_template:
             raise TokenizerError("this model's tokenizer has no chat template; use a raw completion")
-        text = self.render_chat(messages)
-        # The template writes BOS and the turn markers itself: parse them, add nothing.
-        ids = self.hf(text, add_special_tokens=False)["input_ids"]
-        return [int(i) for i in ids]
+        forged = [] if special_tokens_in_content else [i for i, m in enumerate(messages) if self._spells_special(m.get("content"))]
+        if not forged:
+            # The template writes BOS and the turn markers itself: parse them, add nothing.
+            return self._ids(self.render_chat(messages, tools), special=True)
+        marked = [{**m, "content": f"{_OPEN}{i}{_CLOSE}"} if i in forged else m for i, m in enumerate(messages)]
+        pieces = _PLACEHOLDER.split(self.render_chat(marked, tools))
+        found = [int(x) for x in pieces[1::2]]
+        if sorted(found) != forged:
+            raise TokenizerError("this chat template rewrites message content, so content that spells a special token "
+                                 "cannot be kept as text")
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                ids += self._ids(piece, special=True)
+            else:
+                ids += self._ids(str(messages[int(piece)]["content"]), special=False)
+        return ids
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
-        text = self.hf.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> str:
+        try:
+            text = self.hf.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                               add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"the chat template cannot render this conversation: {e}") from e
         if not isinstance(text, str):
             raise TokenizerError(f"chat template rendered {type(text).__name__}, expected text")
         return text
+
+    def _spells_special(self, content: object) -> bool:
+        return isinstance(content, str) and any(t in content for t in self._special_texts)
+
+    def _ids(self, text: str, *, special: bool) -> list[int]:
+        if not text:
+            return []
+        ids = self.hf(text, add_special_tokens=False, split_special_tokens=not special)["input_ids"]
+        return [int(i) for i in ids]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also when it holds only part of a UTF-8 character
+        (decoding it alone would give U+FFFD)."""
+        text = self.decode([token_id])
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = str(self.hf.convert_ids_to_tokens(int(token_id)))
+        byte = _BYTE_TOKEN.fullmatch(piece)
+        if byte:  # sentencepiece byte fallback
+            return bytes([int(byte.group(1), 16)])
+        if piece and all(c in self._byte_decoder for c in piece):  # byte-level BPE
+            return bytes(self._byte_decoder[c] for c in piece)
+        return text.encode()
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.hf.decode(list(token_ids), skip_special_tokens=True))
 
     def new_detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> Detokenizer:
         return Detokenizer(self, prompt_ids, stop)
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE writes each byte as one printable character: printable Latin-1 bytes as
+    themselves, the other 68 bytes as the code points from 256 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    mapping = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in set(printable)]
+    mapping.update({chr(256 + k): b for k, b in enumerate(others)})
+    return mapping
 
 
 def _generation_config_eos(path: Path) -> set[int]:

@@ -15,6 +15,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ballast.engine.engine import Engine
 from ballast.engine.interface import EngineLike
 from ballast.engine.loading import LOAD_ERRORS
 from ballast.memory.metrics import AdmissionMetrics, LadderCollector, PoolCollector, register_memory_metrics
@@ -28,6 +29,8 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ballast import __version__
 
 if TYPE_CHECKING:  # the pool pulls in torch; the app only hands it around
     from ballast.memory.pool import CheckpointPool
@@ -94,6 +97,8 @@ def _build(factory: EngineFactory) -> EngineLike:
     try:
         # The tokenizer may load lazily; its first use must not be a request on the event loop.
         engine.tokenizer.encode("warm-up")
+        if isinstance(engine, Engine):
+            engine.sampling_defaults  # noqa: B018 - read now: a bad generation_config.json fails the load
     except BaseException:
         engine.shutdown()  # nobody else holds it yet: release its thread and leases here
         raise
@@ -187,7 +192,8 @@ def create_app(
         registry.register(PoolCollector(pool))
     on_idle = None if pool is None else lambda: _trim(pool, pool_max_idle_s)
     wiring = _Wiring(scheduler_config, admission, on_idle)
-    app = FastAPI(title="ballast", lifespan=_lifespan(engine_factory, wiring), docs_url=None, redoc_url=None)
+    app = FastAPI(title="ballast", version=__version__, lifespan=_lifespan(engine_factory, wiring), docs_url="/docs",
+                  redoc_url=None)
     app.state.ballast = state
     errors.install(app)
     routes.install(app, config.api_key)

@@ -13,10 +13,13 @@ says it in its last chunk as `"x_ballast_capped": true`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, cast
 
+from ballast.engine.engine import Engine
+from ballast.engine.grammar import Constraint
 from ballast.engine.interface import TokenizerLike
 from ballast.engine.plan import SamplingParams
 from ballast.engine.tokenizer import Tokenizer
@@ -26,16 +29,14 @@ from ballast.scheduler.request import (
     FinishEvent,
     GenerationRequest,
     RequestHandle,
-    TokenEvent,
-    TokenLogprob,
 )
+from ballast.server import chat
 from ballast.server import protocol as p
 from ballast.server.errors import ApiError, bad_request, from_refusal
 from ballast.server.events import request_accepted, request_refused
 from ballast.server.metrics import RequestTimer
 from ballast.server.state import ServerState
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
 
 Endpoint = Literal["chat", "completion"]
 CAPPED_HEADER = "X-Ballast-Capped"
@@ -48,14 +49,22 @@ class Job:
     endpoint: Endpoint
     response_id: str
     model: str
-    gen: GenerationRequest
+    gens: tuple[GenerationRequest, ...]  # one per choice, in choice order: n per prompt, prompt by prompt
     stream: bool
     include_usage: bool
     want_logprobs: bool
     prompt_param: str  # the parameter a context-length error names
+    tools: chat.ToolPlan | None = None  # read tool calls out of the answer
+    n: int = 1  # choices per prompt
+    echo: tuple[str, ...] = ()  # per choice, the prompt text put before its answer (completions' echo)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of the request: each prompt once, however many choices it has."""
+        return sum(len(g.prompt_ids) for g in self.gens[:: self.n])
 
 
-def _check_model(state: ServerState, requested: str) -> str:
+def check_model(state: ServerState, requested: str) -> str:
     name = state.model_name
     if name is None:
         raise ApiError(503, "the model is still loading", "server_overloaded", code="model_loading", headers={"Retry-After": "1"})
@@ -64,18 +73,40 @@ def _check_model(state: ServerState, requested: str) -> str:
     return name
 
 
-def _sampling(req: p.GenerationFields, logprobs: int | None) -> SamplingParams:
+def _logit_bias(tokenizer: TokenizerLike, req: p.GenerationFields) -> tuple[tuple[int, float], ...]:
+    if not req.logit_bias:
+        return ()
+    try:
+        bias = tuple((int(token), float(value)) for token, value in req.logit_bias.items())
+    except ValueError as exc:
+        raise bad_request("logit_bias keys must be token ids", param="logit_bias") from exc
+    check_token_ids(tokenizer, [t for t, _ in bias], "logit_bias")
+    return bias
+
+
+def sampling_defaults(state: ServerState) -> dict[str, float]:
+    """What the model's makers sample with, for the values a request omits."""
+    return state.engine.sampling_defaults if isinstance(state.engine, Engine) else {}
+
+
+def _sampling(req: p.GenerationFields, defaults: dict[str, float], logprobs: int | None,
+              bias: tuple[tuple[int, float], ...] = (), constraint: Constraint | None = None) -> SamplingParams:
+    def pick(asked: float | None, name: str, plain: float) -> float:
+        return asked if asked is not None else defaults.get(name, plain)
+
     try:
         return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(0, req.top_k or 0),
-            min_p=req.min_p or 0.0,
+            temperature=pick(req.temperature, "temperature", 1.0),
+            top_p=pick(req.top_p, "top_p", 1.0),
+            top_k=max(0, int(pick(req.top_k, "top_k", 0))),
+            min_p=pick(req.min_p, "min_p", 0.0),
             seed=req.seed,
-            repetition_penalty=req.repetition_penalty or 1.0,
+            repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             logprobs=logprobs,
+            logit_bias=bias,
+            constraint=constraint,
         )
     except ValueError as exc:  # a combination pydantic's per-field checks let through
         raise bad_request(str(exc)) from exc
@@ -88,18 +119,19 @@ def _max_tokens(asked: int | None, prompt_len: int, max_model_len: int) -> int:
 
 
 def _common_checks(req: p.GenerationFields) -> None:
-    if req.n != 1:
-        raise bad_request("only n=1 is supported", param="n")
+    refused = req.refused_field()
+    if refused is not None:
+        raise bad_request(refused[1], param=refused[0], code="unsupported_parameter")
 
 
-def _ready_engine(state: ServerState) -> tuple[TokenizerLike, int]:
+def ready_engine(state: ServerState) -> tuple[TokenizerLike, int]:
     """The tokenizer and the context window a request may fill (prompt + new tokens)."""
     if state.engine is None or state.scheduler is None:
         raise ApiError(503, "the model is still loading", "server_overloaded", code="model_loading", headers={"Retry-After": "1"})
     return state.engine.tokenizer, state.context_window
 
 
-def _check_token_ids(tokenizer: TokenizerLike, ids: list[int]) -> None:
+def check_token_ids(tokenizer: TokenizerLike, ids: list[int], param: str = "prompt") -> None:
     """A client's token ids reach the embedding as they are; one out of range would fail the step
     and with it the whole engine, so it is refused here as bad input. The protocol states no
     vocabulary size, so the bound comes from the real tokenizer when it is one."""
@@ -107,67 +139,87 @@ def _check_token_ids(tokenizer: TokenizerLike, ids: list[int]) -> None:
     bad = [t for t in ids if t < 0 or (limit is not None and t >= limit)]
     if bad:
         accepted = f"0..{limit - 1}" if limit is not None else ">= 0"
-        raise bad_request(f"token id {bad[0]} is outside the vocabulary ({accepted})", param="prompt")
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary ({accepted})", param=param)
 
 
-def _prompt_ids(tokenizer: TokenizerLike, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
-    """Token ids of a completion prompt: text, token ids, or a batch of one of either."""
+def _prompts(tokenizer: TokenizerLike, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[str | None, list[int]]]:
+    """(text, token ids) of each completion prompt: text, token ids, or a list of either (text is
+    None for prompts given as ids)."""
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        prompt = [prompt]
     if not prompt:
-        return []
-    first = prompt[0]
-    if not isinstance(first, int) and len(prompt) != 1:
-        raise bad_request("a list of several prompts is not supported; send one request per prompt", param="prompt")
-    if isinstance(first, str):
-        return tokenizer.encode(first)
-    # pydantic made the list homogeneous: ids, or one list of ids
-    ids = list(first) if isinstance(first, list) else cast(list[int], prompt)
-    _check_token_ids(tokenizer, ids)
-    return ids
+        raise bad_request("the prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):  # pydantic made the list homogeneous: one prompt of ids
+        batch: list[str] | list[list[int]] = [cast(list[int], prompt)]
+    else:
+        batch = cast("list[str] | list[list[int]]", prompt)
+    out: list[tuple[str | None, list[int]]] = []
+    for item in batch:
+        if isinstance(item, str):
+            out.append((item, tokenizer.encode(item)))
+        else:
+            check_token_ids(tokenizer, list(item))
+            out.append((None, list(item)))
+    if any(not ids for _, ids in out):
+        raise bad_request("the prompt is empty", param="prompt")
+    return out
 
 
 def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
-    model = _check_model(state, req.model)
-    tokenizer, max_len = _ready_engine(state)
+    model = check_model(state, req.model)
+    tokenizer, max_len = ready_engine(state)
     _common_checks(req)
-    if req.echo:
-        raise bad_request("echo is not supported", param="echo")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs (the prompt's logprobs) is not supported yet", param="echo")
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
-    if req.best_of not in (None, 1):
-        raise bad_request("only best_of=1 is supported", param="best_of")
-    ids = _prompt_ids(tokenizer, req.prompt)
-    if not ids:
-        raise bad_request("the prompt is empty", param="prompt")
-    gen = _generation(p.new_id("cmpl"), ids, req, req.max_tokens, max_len, req.logprobs)
-    return Job("completion", gen.request_id, model, gen, req.stream, _usage(req), req.logprobs is not None, "prompt")
+    if req.best_of not in (None, 1, req.n):
+        raise bad_request("best_of must equal n (no server-side ranking)", param="best_of")
+    prompts = _prompts(tokenizer, req.prompt)
+    params = _sampling(req, sampling_defaults(state), req.logprobs, _logit_bias(tokenizer, req))
+    rid = p.new_id("cmpl")
+    choices = [(i, ids) for _, ids in prompts for i in range(req.n)]  # (index among its prompt's, prompt)
+    gens = tuple(_generation(_choice_id(rid, k, len(choices)), ids, req, _choice_params(params, i), req.max_tokens, max_len)
+                 for k, (i, ids) in enumerate(choices))
+    echo = tuple((text if text is not None else tokenizer.decode(ids)) if req.echo else "" for text, ids in prompts
+                 for _ in range(req.n))
+    return Job("completion", rid, model, gens, req.stream, _usage(req), req.logprobs is not None, "prompt", n=req.n, echo=echo)
 
 
 def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
-    model = _check_model(state, req.model)
-    tokenizer, max_len = _ready_engine(state)
+    model = check_model(state, req.model)
+    tokenizer, max_len = ready_engine(state)
     _common_checks(req)
-    if req.tools:
-        raise bad_request("tools are not supported", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format type 'text' is supported", param="response_format")
-    ids = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+    chat.check_tools(req)
+    ids = chat.chat_prompt(state, tokenizer, req)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
-    gen = _generation(p.new_id("chatcmpl"), ids, req, asked, max_len, top)
-    return Job("chat", gen.request_id, model, gen, req.stream, _usage(req), req.logprobs, "messages")
+    params = _sampling(req, sampling_defaults(state), top, _logit_bias(tokenizer, req), chat.constraint(state, req, len(ids)))
+    rid = p.new_id("chatcmpl")
+    gens = tuple(_generation(_choice_id(rid, i, req.n), ids, req, _choice_params(params, i), asked, max_len)
+                 for i in range(req.n))
+    return Job("chat", rid, model, gens, req.stream, _usage(req), req.logprobs, "messages", chat.tool_plan(req), n=req.n)
+
+
+def _choice_id(response_id: str, index: int, count: int) -> str:
+    return response_id if count == 1 else f"{response_id}-{index}"
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice i of n draws with seed + i: a seeded request stays reproducible, its choices differ."""
+    return params if params.seed is None or index == 0 else dataclasses.replace(params, seed=params.seed + index)
 
 
 def _usage(req: p.GenerationFields) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
-def _generation(rid: str, ids: list[int], req: p.GenerationFields, asked: int | None, max_len: int, logprobs: int | None) -> GenerationRequest:
+def _generation(rid: str, ids: list[int], req: p.GenerationFields, params: SamplingParams, asked: int | None,
+                max_len: int) -> GenerationRequest:
     return GenerationRequest(
         request_id=rid,
         prompt_ids=tuple(ids),
-        params=_sampling(req, logprobs),
+        params=params,
         max_tokens=_max_tokens(asked, len(ids), max_len),
         stop=req.stop_strings(),
     )
@@ -191,23 +243,60 @@ def finish_outcome(finish: FinishEvent) -> str:
 
 
 @dataclass(frozen=True)
-class Started:
-    """A submitted request whose first event has arrived."""
+class Run:
+    """One submitted choice whose first event has arrived."""
 
     handle: RequestHandle
     events: AsyncIterator[Event]  # the one iterator over the handle's mailbox
     first: Event
+
+
+@dataclass(frozen=True)
+class Started:
+    """Every choice of a request, submitted, each with its first event."""
+
+    runs: tuple[Run, ...]
     timer: RequestTimer
+
+    def abort(self) -> None:
+        for run in self.runs:
+            run.handle.abort()
 
 
 async def start(state: ServerState, job: Job) -> Started:
-    """Submit and wait for the first event; a refusal (now or while queued) raises an ApiError."""
+    """Submit every choice and wait for their first events; a refusal (now or while queued) of any
+    raises an ApiError and aborts the others. With n > 1 the first choice of each prompt goes
+    first and the others follow once it has a token: by then its prompt is prefilled, and they
+    restore it from the prefix cache (where the model and the interval allow) instead of
+    prefilling it again."""
     assert state.scheduler is not None
     timer = RequestTimer(state.metrics, job.endpoint, job.response_id)
-    if state.engine is not None:
-        request_accepted(job.endpoint, job.gen, state.engine.tokenizer, state.config.log_prompts)
+    if state.engine is not None:  # one request event per HTTP request, with its first prompt
+        request_accepted(job.endpoint, job.gens[0], state.engine.tokenizer, state.config.log_prompts)
+    runs: list[Run | None] = [None] * len(job.gens)
+    leaders = list(range(0, len(job.gens), job.n))
+    followers = [i for i in range(len(job.gens)) if i % job.n]
     try:
-        handle = state.scheduler.submit(job.gen)
+        for wave in (leaders, followers):
+            started = await asyncio.gather(*(_submit(state, job, job.gens[i]) for i in wave), return_exceptions=True)
+            for i, result in zip(wave, started, strict=True):
+                if isinstance(result, Run):
+                    runs[i] = result
+            failed = [r for r in started if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
+    except BaseException:
+        for run in runs:
+            if run is not None:
+                run.handle.abort()  # cancelled or refused: free the slots of the others
+        raise
+    return Started(tuple(r for r in runs if r is not None), timer)
+
+
+async def _submit(state: ServerState, job: Job, gen: GenerationRequest) -> Run:
+    assert state.scheduler is not None
+    try:
+        handle = state.scheduler.submit(gen)
     except Refused as exc:
         raise refuse(state, job, exc) from exc
     events = aiter(handle)
@@ -218,75 +307,13 @@ async def start(state: ServerState, job: Job) -> Started:
         raise
     if isinstance(first, FinishEvent) and first.error is not None:
         raise refuse(state, job, first.error)
-    return Started(handle, events, first, timer)
+    return Run(handle, events, first)
 
 
-async def abort_on_disconnect(request: Request, handle: RequestHandle) -> None:
+async def abort_on_disconnect(request: Request, started: Started) -> None:
     """The body has been read, so the next ASGI message is the client going away."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            handle.abort()
+            started.abort()
             return
-
-
-def token_text(tokenizer: TokenizerLike, token_id: int) -> str:
-    return tokenizer.decode([token_id])
-
-
-def chat_logprobs(tokenizer: TokenizerLike, entries: tuple[TokenLogprob, ...]) -> list[p.ChatTokenLogprob]:
-    out = []
-    for e in entries:
-        text = token_text(tokenizer, e.token_id)
-        top = [p.TopLogprob(token=(t := token_text(tokenizer, tid)), logprob=lp, bytes=list(t.encode())) for tid, lp in e.top]
-        out.append(p.ChatTokenLogprob(token=text, logprob=e.logprob, bytes=list(text.encode()), top_logprobs=top))
-    return out
-
-
-def completion_logprobs(tokenizer: TokenizerLike, entries: tuple[TokenLogprob, ...], offset: int) -> p.CompletionLogprobs:
-    out = p.CompletionLogprobs()
-    for e in entries:
-        text = token_text(tokenizer, e.token_id)
-        out.tokens.append(text)
-        out.token_logprobs.append(e.logprob)
-        out.top_logprobs.append({token_text(tokenizer, tid): lp for tid, lp in e.top})
-        out.text_offset.append(offset)
-        offset += len(text)
-    return out
-
-
-async def respond(state: ServerState, job: Job, started: Started, request: Request) -> Response:
-    """Collect the whole answer (non-streaming)."""
-    assert state.engine is not None
-    tokenizer = state.engine.tokenizer
-    handle, timer = started.handle, started.timer
-    watcher = asyncio.create_task(abort_on_disconnect(request, handle))
-    texts: list[str] = []
-    entries: list[TokenLogprob] = []
-    try:
-        event = started.first
-        while isinstance(event, TokenEvent):
-            texts.append(event.text)
-            entries.extend(event.logprobs or ())
-            timer.tokens(len(event.token_ids))
-            event = await anext(started.events)
-    finally:
-        watcher.cancel()
-        handle.abort()
-    finish = event
-    timer.finished(finish_outcome(finish), finish.prompt_tokens, finish.completion_tokens)
-    if finish.error is not None:
-        raise refuse(state, job, finish.error, counted=True)
-    text = "".join(texts)
-    usage = p.Usage.of(finish.prompt_tokens, finish.completion_tokens, finish.cached_tokens)
-    body: p.ChatCompletion | p.Completion
-    if job.endpoint == "chat":
-        lp = p.ChatLogprobs(content=chat_logprobs(tokenizer, tuple(entries))) if job.want_logprobs else None
-        choice = p.ChatChoice(message=p.AssistantMessage(content=text), logprobs=lp, finish_reason=finish.reason)
-        body = p.ChatCompletion(id=job.response_id, created=p.now(), model=job.model, choices=[choice], usage=usage)
-    else:
-        clp = completion_logprobs(tokenizer, tuple(entries), 0) if job.want_logprobs else None
-        cchoice = p.CompletionChoice(text=text, logprobs=clp, finish_reason=finish.reason)
-        body = p.Completion(id=job.response_id, created=p.now(), model=job.model, choices=[cchoice], usage=usage)
-    headers = {CAPPED_HEADER: "1"} if finish.capped else {}
-    return JSONResponse(body.model_dump(), headers=headers)

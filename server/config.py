@@ -38,6 +38,9 @@ class ServerConfig:
     api_key: str | None = field(default=None, metadata=setting("BALLAST_API_KEY", "if set, /v1 requires 'Authorization: Bearer <key>'"))
     max_body_bytes: int = field(default=8 << 20, metadata=setting("BALLAST_MAX_BODY_BYTES", "largest request body accepted (413 beyond)", 1024, 1 << 34))
     served_model_name: str | None = field(default=None, metadata=setting("BALLAST_SERVED_MODEL_NAME", "model name clients use; default: the engine's model name"))
+    special_tokens_in_chat: bool = field(default=False, metadata=setting(
+        "BALLAST_SPECIAL_TOKENS_IN_CHAT", "parse special-token strings in chat message content as control tokens "
+        "(off: they are text, so a user cannot forge a turn)"))
     log_level: str = field(default="info", metadata=setting("BALLAST_LOG_LEVEL", "uvicorn log level", choices=("critical", "error", "warning", "info", "debug")))
     log_format: str = field(default="text", metadata=setting("BALLAST_LOG_FORMAT", "'json': one JSON object per log line, with request, verdict, refusal and level-change events", choices=("text", "json")))
     log_prompts: bool = field(default=False, metadata=setting("BALLAST_LOG_PROMPTS", "put the prompt text in request events (off: never logged)"))

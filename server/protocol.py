@@ -1,9 +1,9 @@
 """Pydantic models of the OpenAI API subset ballast serves.
 
 Requests validate ranges here, so a bad value is a 400 naming its parameter before any work is
-done. Unknown fields are ignored (clients send many optional ones), but fields that would change
-the meaning of the answer and that ballast does not implement (tools, response_format, echo, n > 1)
-are refused explicitly by the handlers, never silently dropped.
+done. Fields with no effect on the answer (user, metadata, store, ...) are accepted; every field
+that would change the answer is either honoured or refused with a 400 naming it (`REFUSED`): an
+unknown field is kept in `model_extra` so the handlers can check it against that list.
 """
 
 from __future__ import annotations
@@ -18,8 +18,56 @@ NonNegFloat = Annotated[float, Field(ge=0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
+# Fields clients send that would change the answer and that ballast does not implement, with
+# what to use instead. Anything else unknown has no effect on the answer and is accepted.
+REFUSED: dict[str, str] = {
+    "functions": "the legacy `functions` parameter is not supported; use `tools`",
+    "function_call": "the legacy `function_call` parameter is not supported; use `tool_choice`",
+    "guided_json": "`guided_json` is not supported; use response_format {\"type\": \"json_schema\"}",
+    "guided_regex": "`guided_regex` is not supported",
+    "guided_choice": "`guided_choice` is not supported; use response_format {\"type\": \"json_schema\"} with an enum",
+    "guided_grammar": "`guided_grammar` is not supported",
+    "structured_outputs": "`structured_outputs` is not supported; use response_format",
+    "audio": "this model takes and gives text only",
+    "modalities": "this model takes and gives text only",
+    "prediction": "`prediction` (predicted outputs) is not supported",
+    "min_tokens": "`min_tokens` is not supported",
+    "ignore_eos": "`ignore_eos` is not supported",
+    "stop_token_ids": "`stop_token_ids` is not supported; use `stop`",
+    "include_stop_str_in_output": "`include_stop_str_in_output` is not supported",
+    "reasoning_effort": "`reasoning_effort` is not supported",
+    "web_search_options": "`web_search_options` is not supported",
+    "chat_template": "`chat_template` is not supported; the model's own template is used",
+    "chat_template_kwargs": "`chat_template_kwargs` is not supported",
+    "add_generation_prompt": "`add_generation_prompt` is not supported",
+    "continue_final_message": "`continue_final_message` is not supported",
+    "documents": "`documents` is not supported",
+    "prompt_logprobs": "`prompt_logprobs` is not supported",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "`length_penalty` (beam search) is not supported",
+    "bad_words": "`bad_words` is not supported; use logit_bias",
+    "allowed_token_ids": "`allowed_token_ids` is not supported; use logit_bias or response_format",
+    "truncate_prompt_tokens": "`truncate_prompt_tokens` is not supported",
+    "logits_processors": "`logits_processors` is not supported",
+    # Parameters of the other endpoint: declared there, so they reach this list only here.
+    "echo": "`echo` is only supported by /v1/completions",
+    "suffix": "`suffix` is not supported",
+    "best_of": "`best_of` is only supported by /v1/completions (equal to n)",
+    "response_format": "`response_format` is only supported by /v1/chat/completions",
+    "tools": "`tools` are only supported by /v1/chat/completions",
+    "tool_choice": "`tool_choice` is only supported by /v1/chat/completions",
+}
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+    def refused_field(self) -> tuple[str, str] | None:
+        """The first field this request sets that would change the answer and is not implemented."""
+        for name, value in (self.model_extra or {}).items():
+            if name in REFUSED and value not in (None, False, [], {}):
+                return name, REFUSED[name]
+        return None
 
 
 class StreamOptions(_Request):
@@ -36,12 +84,13 @@ class GenerationFields(_Request):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=64)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     user: str | None = None
 
     @model_validator(mode="after")
@@ -66,22 +115,67 @@ class CompletionRequest(GenerationFields):
     best_of: int | None = None
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Request):
+    type: str  # only "text" is served; image_url, input_audio, file get "this model takes text only"
+    text: str | None = None
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+
+class FunctionDef(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -90,9 +184,10 @@ class ChatCompletionRequest(GenerationFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -150,9 +245,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
+class DeltaToolCall(ResponseToolCall):
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -174,6 +285,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -221,3 +333,38 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# --- vLLM's /tokenize and /detokenize --------------------------------------------------------------
+
+
+class TokenizeRequest(_Request):
+    """Either `prompt` (raw text) or `messages` (a chat, through the template), as vLLM takes them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    tools: list[Tool] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,19 +1,35 @@
 """The endpoints. Generation flows live in `completions` and `streaming`; this file only routes.
 
-/health, /ready and /metrics are open (probes and scrapers); /v1 needs the API key when one is set.
+/health, /ready, /metrics, /version and /docs are open (probes, scrapers, people); /v1, /tokenize
+and /detokenize need the API key when one is set. /tokenize and /detokenize take and give what
+vLLM's do.
 """
 
 from __future__ import annotations
 
+import asyncio
+
+from ballast.server import chat
 from ballast.server import protocol as p
 from ballast.server.auth import bearer_dependency
-from ballast.server.completions import Job, chat_job, completion_job, respond, start
+from ballast.server.completions import (
+    Job,
+    chat_job,
+    check_model,
+    check_token_ids,
+    completion_job,
+    ready_engine,
+    start,
+)
 from ballast.server.errors import ApiError
+from ballast.server.respond import respond
 from ballast.server.state import ServerState
 from ballast.server.streaming import stream_response
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ballast import __version__
 
 
 def state_of(request: Request) -> ServerState:
@@ -41,6 +57,11 @@ async def ready(request: Request) -> JSONResponse:
     if reason is None:
         return JSONResponse({"status": "ready", "level": state.level().name})
     return JSONResponse({"status": "not ready", "reason": reason}, status_code=503, headers={"Retry-After": "1"})
+
+
+@ops.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": __version__})
 
 
 @ops.get("/metrics")
@@ -71,6 +92,13 @@ def v1_router(api_key: str | None) -> APIRouter:
             return p.ModelList(data=[])
         return p.ModelList(data=[p.ModelCard(id=name, created=p.now(), max_model_len=state.context_window)])
 
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> p.ModelCard:
+        state = state_of(request)
+        check_model(state, model_id)
+        ready_engine(state)
+        return p.ModelCard(id=model_id, created=p.now(), max_model_len=state.context_window)
+
     @v1.post("/completions", response_model=None)
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
         state = state_of(request)
@@ -84,7 +112,9 @@ def v1_router(api_key: str | None) -> APIRouter:
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
         state = state_of(request)
         try:
-            job = chat_job(state, body)
+            # Building a grammar (and, once, the tokenizer's grammar view) takes milliseconds to a
+            # second: off the event loop, so other requests' tokens keep flowing meanwhile.
+            job = await asyncio.to_thread(chat_job, state, body) if chat.wants_grammar(body) else chat_job(state, body)
         except ApiError as exc:
             raise _invalid(state, "chat", exc) from exc
         return await _answer(state, job, request)
@@ -92,6 +122,35 @@ def v1_router(api_key: str | None) -> APIRouter:
     return v1
 
 
+def tokens_router(api_key: str | None) -> APIRouter:
+    tokens = APIRouter(dependencies=[Depends(bearer_dependency(api_key))])
+
+    @tokens.post("/tokenize")
+    async def tokenize(body: p.TokenizeRequest, request: Request) -> p.TokenizeResponse:
+        state = state_of(request)
+        if body.model is not None:
+            check_model(state, body.model)
+        tokenizer, max_len = ready_engine(state)
+        if body.prompt is not None:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            req = p.ChatCompletionRequest(model=state.model_name or "", messages=body.messages or [], tools=body.tools)
+            ids = chat.chat_prompt(state, tokenizer, req)
+        return p.TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids)
+
+    @tokens.post("/detokenize")
+    async def detokenize(body: p.DetokenizeRequest, request: Request) -> p.DetokenizeResponse:
+        state = state_of(request)
+        if body.model is not None:
+            check_model(state, body.model)
+        tokenizer, _ = ready_engine(state)
+        check_token_ids(tokenizer, body.tokens, "tokens")
+        return p.DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+
+    return tokens
+
+
 def install(app: FastAPI, api_key: str | None) -> None:
     app.include_router(ops)
     app.include_router(v1_router(api_key))
+    app.include_router(tokens_router(api_key))

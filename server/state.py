@@ -21,6 +21,7 @@ from ballast.server.metrics import HttpMetrics, SchedulerFigures
 from prometheus_client import CollectorRegistry
 
 if TYPE_CHECKING:
+    from ballast.engine.grammar import GrammarCompiler
     from ballast.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("ballast.server")
@@ -62,6 +63,7 @@ class ServerState:
     # Other names clients may use for the served model: `ballast serve --model default` also
     # answers to "default", as vLLM answers to its --model argument.
     model_aliases: tuple[str, ...] = ()
+    grammars: GrammarCompiler | None = None  # the GrammarCompiler of the loaded tokenizer, built on first use
 
     @property
     def model_name(self) -> str | None:

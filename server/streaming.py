@@ -6,26 +6,26 @@ Each event is `data: <json>\\n\\n`; the stream ends with `data: [DONE]\\n\\n`. W
 an engine failure) is sent as `data: {"error": {...}}`, which the official client raises.
 
 A client that disconnects cancels the response task (Starlette) or fails the next send; either way
-the generator's `finally` aborts the request, so its slot is freed within one step.
+the generator's `finally` aborts the request, so its slot is freed within one step, and counts it
+with outcome "abort" in the request counter and the latency histograms.
+
+A chat request with tools streams its text through a `ToolCallStream`: content as it comes, text
+that may open a `<tool_call>` held back, and each call as one `tool_calls` delta when it closes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ballast.scheduler.request import FinishEvent, TokenEvent
+from ballast.scheduler.request import Event, FinishEvent, TokenEvent
 from ballast.server import protocol as p
-from ballast.server.completions import (
-    Job,
-    Started,
-    chat_logprobs,
-    completion_logprobs,
-    finish_outcome,
-    refuse,
-)
+from ballast.server.completions import Job, Run, Started, finish_outcome, refuse
+from ballast.server.respond import chat_logprobs, completion_logprobs
 from ballast.server.state import ServerState
+from ballast.server.toolcalls import Call, ToolCallStream
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
@@ -42,13 +42,14 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 
 
 class _ChunkWriter:
-    """Builds the chunks of one response (chat or completion shape)."""
+    """Builds the chunks of one choice of a response (chat or completion shape)."""
 
-    def __init__(self, job: Job, state: ServerState) -> None:
+    def __init__(self, job: Job, state: ServerState, index: int = 0, created: int | None = None) -> None:
         assert state.engine is not None
         self.job = job
+        self.index = index
         self.tokenizer = state.engine.tokenizer
-        self.created = p.now()
+        self.created = p.now() if created is None else created
         self.offset = 0  # text offset for completion logprobs
         # Most chunks carry only text. Render one through the models with a marker and keep the
         # halves around it: each later text chunk is head + JSON string + tail, the same bytes the
@@ -56,13 +57,15 @@ class _ChunkWriter:
         marker = "\x00ballast-text\x00"
         head, tail = self._modelled_tokens(TokenEvent(marker, ())).split(_json(marker))
         self._text_head, self._text_tail = head, tail
+        tools = job.tools
+        self.calls = ToolCallStream(tools.schemas, tools.max_calls) if tools is not None and job.endpoint == "chat" else None
 
     def _usage(self) -> dict[str, Any]:
         return {"usage": None} if self.job.include_usage else {}
 
     def role(self) -> str:
         delta = p.ChatDelta(role="assistant", content="")
-        return self._chat(p.ChatChunkChoice(delta=delta))
+        return self._chat(p.ChatChunkChoice(index=self.index, delta=delta))
 
     def _chat(self, choice: p.ChatChunkChoice, **extra: Any) -> str:
         chunk = p.ChatCompletionChunk(id=self.job.response_id, created=self.created, model=self.job.model, choices=[choice])
@@ -75,53 +78,123 @@ class _ChunkWriter:
         return sse({**data, **self._usage(), **extra})
 
     def tokens(self, event: TokenEvent) -> str:
+        if self.calls is not None:
+            content, calls = self.calls.feed(event.text)
+            return self._with_calls(TokenEvent(content, event.token_ids, event.logprobs), calls)
         if not self.job.want_logprobs:
             return self._text_head + _json(event.text) + self._text_tail
         return self._modelled_tokens(event)
+
+    def _with_calls(self, event: TokenEvent, calls: list[Call]) -> str:
+        out = ""
+        if event.text or (self.job.want_logprobs and event.logprobs):
+            out += self._modelled_tokens(event)
+        first = len(self.calls.calls) - len(calls) if self.calls is not None else 0
+        for k, call in enumerate(calls):
+            delta = p.DeltaToolCall(index=first + k, id=call.id, function=p.ResponseFunction(name=call.name, arguments=call.arguments))
+            out += self._chat(p.ChatChunkChoice(index=self.index, delta=p.ChatDelta(tool_calls=[delta])))
+        return out
 
     def _modelled_tokens(self, event: TokenEvent) -> str:
         entries = event.logprobs or ()
         if self.job.endpoint == "chat":
             lp = p.ChatLogprobs(content=chat_logprobs(self.tokenizer, entries)) if self.job.want_logprobs else None
-            return self._chat(p.ChatChunkChoice(delta=p.ChatDelta(content=event.text), logprobs=lp))
+            return self._chat(p.ChatChunkChoice(index=self.index, delta=p.ChatDelta(content=event.text), logprobs=lp))
         clp = completion_logprobs(self.tokenizer, entries, self.offset) if self.job.want_logprobs else None
         self.offset += len(event.text)
-        return self._completion(p.CompletionChoice(text=event.text, logprobs=clp, finish_reason=None))
+        return self._completion(p.CompletionChoice(index=self.index, text=event.text, logprobs=clp, finish_reason=None))
 
     def finish(self, event: FinishEvent) -> str:
         extra = {"x_ballast_capped": True} if event.capped else {}
         if self.job.endpoint == "chat":
-            return self._chat(p.ChatChunkChoice(delta=p.ChatDelta(), finish_reason=event.reason), **extra)
-        return self._completion(p.CompletionChoice(text="", finish_reason=event.reason), **extra)
+            held, reason = "", event.reason
+            if self.calls is not None:
+                held = self.calls.flush()
+                reason = "tool_calls" if self.calls.calls and reason == "stop" else reason
+            last = self._chat(p.ChatChunkChoice(index=self.index, delta=p.ChatDelta(), finish_reason=reason), **extra)
+            return (self._modelled_tokens(TokenEvent(held, ())) if held else "") + last
+        return self._completion(p.CompletionChoice(index=self.index, text="", finish_reason=event.reason), **extra)
 
-    def usage(self, event: FinishEvent) -> str:
-        usage = p.Usage.of(event.prompt_tokens, event.completion_tokens, event.cached_tokens).model_dump()
+    def echo(self) -> str:
+        """Completions' echo: the prompt's text, before the first generated text."""
+        text = self.job.echo[self.index] if self.job.echo else ""
+        if not text:
+            return ""
+        self.offset += len(text)
+        return self._completion(p.CompletionChoice(index=self.index, text=text, finish_reason=None))
+
+    def usage(self, finishes: list[FinishEvent]) -> str:
+        completion = sum(f.completion_tokens for f in finishes)
+        cached = sum(f.cached_tokens for f in finishes[:: self.job.n])
+        usage = p.Usage.of(self.job.prompt_tokens, completion, cached).model_dump()
         obj = "chat.completion.chunk" if self.job.endpoint == "chat" else "text_completion"
         return sse({"id": self.job.response_id, "object": obj, "created": self.created, "model": self.job.model, "choices": [], "usage": usage})
 
 
-async def _events(state: ServerState, job: Job, started: Started) -> AsyncIterator[str]:
-    writer = _ChunkWriter(job, state)
-    handle, timer = started.handle, started.timer
-    try:
-        if job.endpoint == "chat":
-            yield writer.role()
-        event = started.first
+async def _merged(runs: tuple[Run, ...]) -> AsyncIterator[tuple[int, Event]]:
+    """(choice index, event) of every run as they arrive; each run's first event comes first. One
+    run is read directly (the common case, no task per token)."""
+    for i, run in enumerate(runs):
+        yield i, run.first
+    if len(runs) == 1:
+        event = runs[0].first
         while isinstance(event, TokenEvent):
-            timer.tokens(len(event.token_ids))
-            if event.text or event.logprobs:  # "" while a stop-string prefix is held back
-                yield writer.tokens(event)
-            event = await anext(started.events)
-        timer.finished(finish_outcome(event), event.prompt_tokens, event.completion_tokens)
-        if event.error is not None:
-            yield sse(refuse(state, job, event.error, counted=True).body())
-            return
-        yield writer.finish(event)
+            event = await anext(runs[0].events)
+            yield 0, event
+        return
+    pending = {asyncio.ensure_future(anext(run.events)): i for i, run in enumerate(runs) if isinstance(run.first, TokenEvent)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t]):
+                i = pending.pop(task)
+                event = task.result()
+                if isinstance(event, TokenEvent):
+                    pending[asyncio.ensure_future(anext(runs[i].events))] = i
+                yield i, event
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _events(state: ServerState, job: Job, started: Started) -> AsyncIterator[str]:
+    created = p.now()
+    writers = [_ChunkWriter(job, state, i, created) for i in range(len(started.runs))]
+    timer = started.timer
+    generated = 0
+    counted = False
+    finishes: dict[int, FinishEvent] = {}
+    try:
+        for writer in writers:
+            opening = writer.role() if job.endpoint == "chat" else writer.echo()
+            if opening:
+                yield opening
+        async for i, event in _merged(started.runs):
+            if isinstance(event, TokenEvent):
+                timer.tokens(len(event.token_ids))
+                generated += len(event.token_ids)
+                if event.text or event.logprobs:  # "" while a stop-string prefix is held back
+                    chunk = writers[i].tokens(event)
+                    if chunk:
+                        yield chunk
+                continue
+            if event.error is not None:
+                counted = True
+                timer.finished(finish_outcome(event), job.prompt_tokens, generated)
+                yield sse(refuse(state, job, event.error, counted=True).body())
+                return
+            finishes[i] = event
+            yield writers[i].finish(event)
+        ordered = [finishes[i] for i in range(len(writers))]
+        counted = True
+        timer.finished(finish_outcome(ordered[0]), job.prompt_tokens, sum(f.completion_tokens for f in ordered))
         if job.include_usage:
-            yield writer.usage(event)
+            yield writers[0].usage(ordered)
         yield DONE
     finally:
-        handle.abort()  # no-op after a finish; frees the slot when the client went away
+        started.abort()  # no-op after a finish; frees the slots when the client went away
+        if not counted:  # the client went away before the finish
+            timer.finished("abort", job.prompt_tokens, generated)
 
 
 def stream_response(state: ServerState, job: Job, started: Started) -> StreamingResponse:

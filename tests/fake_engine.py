@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from ballast.engine.plan import KVFigures, SamplingParams, SlotOutput, StepPlan, StepResult
 from ballast.memory.types import CostModel
@@ -45,7 +46,7 @@ class FakeEngineError(RuntimeError):
 class FakeTokenizer:
     eos_token_ids = frozenset({EOS})
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = []
         i = 0
         while i < len(text):
@@ -60,12 +61,15 @@ class FakeTokenizer:
                 i += 1
         return ids
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(VOCAB[t] for t in token_ids if t != EOS)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.decode([token_id]).encode()
 
 
 class FakeDetokenizer:

@@ -77,8 +77,19 @@ def calm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-        ({"n": 2}, "n"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"n": 0}, "n"),
+        ({"n": 65}, "n"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "tool_choice"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+         "messages[0].content"),
+        ({"logit_bias": {"-3": 5}}, "logit_bias"),
+        ({"logit_bias": {"one": 5}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias.1"),
         ({"stop": 5}, None),
         ({"stream_options": {"include_usage": True}}, None),
     ],
@@ -99,9 +110,10 @@ def test_missing_field_and_broken_json_are_400(calm: str) -> None:
     ("body", "param"),
     [
         ({"prompt": [3, -1]}, "prompt"),
-        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": ["one", ""]}, "prompt"),
+        ({"prompt": [[1, 2], []]}, "prompt"),
         ({"prompt": ""}, "prompt"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ],
 )
@@ -238,6 +250,11 @@ def test_client_disconnect_frees_the_slot(tmp_path: Path, stream: bool) -> None:
                 httpx.post(url + "/v1/chat/completions", json=body, timeout=0.5)
         _wait_until(lambda: state.scheduler is not None and state.scheduler.idle and fake.active_slots == 0)
         assert len(fake.recorded()) < 150  # it stopped long before 200 tokens
+        # Counted once, as an abort, in the request counter and the end-to-end histogram.
+        _wait_until(lambda: 'ballast_requests_total{endpoint="chat",outcome="abort"} 1.0' in httpx.get(url + "/metrics").text)
+        metrics = httpx.get(url + "/metrics").text
+        assert "ballast_e2e_request_latency_seconds_count 1.0" in metrics
+        assert 'ballast_requests_total{endpoint="chat",outcome="length"}' not in metrics
 
 
 def test_cap_verdict_sets_finish_length_and_header(tmp_path: Path) -> None:
@@ -378,3 +395,19 @@ def test_level_flapping_never_corrupts_an_admitted_request(tmp_path: Path) -> No
                 assert text == tok.decode(expected_tokens(prompt, 16)), content
         assert state.sound()
         _wait_until(lambda: state.scheduler is not None and state.scheduler.idle and fake.active_slots == 0)
+
+
+def test_n_choices_prefill_their_prompt_once(tmp_path: Path) -> None:
+    """The first choice prefills the prompt; the others start once it has, and restore it from the
+    prefix cache instead of prefilling it again (up to the last checkpoint boundary)."""
+    with serve(tmp_path, engine=FakeEngine(checkpoint_interval=8, prefill_chunk_tokens=64)) as (url, _, fake):
+        content = "a prompt long enough to span several checkpoints of eight tokens"
+        body = {**CHAT, "messages": [{"role": "user", "content": content}], "max_tokens": 3, "n": 3}
+        r = httpx.post(url + "/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        prompt = FakeTokenizer().apply_chat_template(body["messages"])  # type: ignore[arg-type]
+        prefilled = sum(len(c.token_ids) for plan in fake.recorded() for c in plan.prefills)
+        restored = [len(x.prefix) for plan in fake.recorded() for x in plan.restores]
+        assert restored == [len(prompt) // 8 * 8] * 2
+        assert prefilled == len(prompt) + 2 * (len(prompt) - restored[0])
+        assert len({c["message"]["content"] for c in r.json()["choices"]}) == 1  # greedy: the same answer thrice

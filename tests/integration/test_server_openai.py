@@ -34,6 +34,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from serverproc import running_server, serve_subprocess
 
+import ballast
+
 TOK = FakeTokenizer()
 MESSAGES = [{"role": "user", "content": "say something"}]
 CHAT = {"model": "fake-model", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
@@ -266,7 +268,7 @@ def test_streamed_text_chunks_are_the_modelled_bytes() -> None:
     try:
         for endpoint in ("chat", "completion"):
             for include_usage in (False, True):
-                job = Job(endpoint, "id-1", "m", GenerationRequest("id-1", (1,)), True, include_usage, False, "prompt")
+                job = Job(endpoint, "id-1", "m", (GenerationRequest("id-1", (1,)),), True, include_usage, False, "prompt")
                 writer = _ChunkWriter(job, state)
                 for text in ("plain", 'quote " and \\ backslash', "line\nbreak\t", "ünïcødé 漢字 🙂", "\x00", ""):
                     event = TokenEvent(text, (1,))
@@ -283,3 +285,90 @@ def test_the_model_spec_is_an_alias_of_the_served_name(client: openai.OpenAI) ->
     assert done.model == "fake-model"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
+
+
+def test_developer_role_is_the_system_role(client: openai.OpenAI) -> None:
+    dev = client.chat.completions.create(model="fake-model", messages=[{"role": "developer", "content": "be brief"}, *MESSAGES],  # type: ignore[list-item]
+                                         temperature=0, max_tokens=4)
+    as_system = chat_prompt([{"role": "system", "content": "be brief"}, *MESSAGES])
+    assert dev.usage is not None and dev.usage.prompt_tokens == len(as_system)
+    assert dev.choices[0].message.content == greedy_text(as_system, 4)
+
+
+def test_refused_fields_are_named_and_harmless_ones_accepted(base_url: str) -> None:
+    r = httpx.post(base_url + "/v1/chat/completions", json={**CHAT, "stop_token_ids": [3]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+    r = httpx.post(base_url + "/v1/completions", json={"model": "fake-model", "prompt": "ab", "max_tokens": 2, "min_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    fmt = {"type": "json_object"}
+    r = httpx.post(base_url + "/v1/completions", json={"model": "fake-model", "prompt": "ab", "response_format": fmt})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    r = httpx.post(base_url + "/v1/chat/completions", json={**CHAT, "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    ok = httpx.post(base_url + "/v1/chat/completions", json={**CHAT, "metadata": {"a": "b"}, "store": False, "user": "u",
+                                                              "service_tier": "auto", "parallel_tool_calls": False})
+    assert ok.status_code == 200, ok.text
+
+
+def test_model_retrieve_version_and_docs(client: openai.OpenAI, base_url: str) -> None:
+    card = client.models.retrieve("fake-model")
+    assert card.id == "fake-model" and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert httpx.get(base_url + "/version").json() == {"version": ballast.__version__}
+    assert httpx.get(base_url + "/docs").status_code == 200
+    assert "/v1/chat/completions" in httpx.get(base_url + "/openapi.json").json()["paths"]
+
+
+def test_tokenize_and_detokenize_in_vllm_shapes(base_url: str) -> None:
+    r = httpx.post(base_url + "/tokenize", json={"model": "fake-model", "prompt": "the cat"}).json()
+    assert r == {"count": len(TOK.encode("the cat")), "max_model_len": 256, "tokens": TOK.encode("the cat"), "token_strs": None}
+    chat = httpx.post(base_url + "/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == chat_prompt(MESSAGES)
+    assert httpx.post(base_url + "/detokenize", json={"tokens": TOK.encode("the cat")}).json() == {"prompt": "the cat"}
+    assert httpx.post(base_url + "/detokenize", json={"tokens": [-1]}).status_code == 400
+    assert httpx.post(base_url + "/tokenize", json={"prompt": "a", "messages": MESSAGES}).status_code == 400
+
+
+def test_n_choices_greedy_and_seeded(client: openai.OpenAI) -> None:
+    prompt = chat_prompt(MESSAGES)
+    r = client.chat.completions.create(model="fake-model", messages=MESSAGES, temperature=0, max_tokens=5, n=3)  # type: ignore[arg-type]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert {c.message.content for c in r.choices} == {greedy_text(prompt, 5)}
+    assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 15)
+    seeded = client.chat.completions.create(model="fake-model", messages=MESSAGES, temperature=1, seed=5, max_tokens=8, n=2)  # type: ignore[arg-type]
+    again = client.chat.completions.create(model="fake-model", messages=MESSAGES, temperature=1, seed=5, max_tokens=8, n=2)  # type: ignore[arg-type]
+    texts = [c.message.content for c in seeded.choices]
+    assert texts == [c.message.content for c in again.choices] and texts[0] != texts[1]
+
+
+def test_n_choices_stream_by_index(client: openai.OpenAI) -> None:
+    prompt = chat_prompt(MESSAGES)
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for chunk in client.chat.completions.create(model="fake-model", messages=MESSAGES, temperature=0, max_tokens=6, n=2,  # type: ignore[arg-type]
+                                                stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == {0: greedy_text(prompt, 6), 1: greedy_text(prompt, 6)}
+    assert finishes == {0: "length", 1: "length"}
+
+
+def test_a_list_of_prompts_gives_a_choice_per_prompt_and_n(client: openai.OpenAI) -> None:
+    prompts = ["the cat", "a dog", "bird"]
+    r = client.completions.create(model="fake-model", prompt=prompts, temperature=0, max_tokens=4, n=2)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [greedy_text(TOK.encode(p), 4) for p in prompts for _ in range(2)]
+    assert r.usage is not None and r.usage.prompt_tokens == sum(len(TOK.encode(p)) for p in prompts)
+    ids = client.completions.create(model="fake-model", prompt=[TOK.encode("a dog"), TOK.encode("bird")], temperature=0, max_tokens=3)
+    assert [c.text for c in ids.choices] == [greedy_text(TOK.encode(p), 3) for p in ("a dog", "bird")]
+
+
+def test_echo_puts_the_prompt_before_the_answer(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="fake-model", prompt="the cat", temperature=0, max_tokens=4, echo=True)
+    assert r.choices[0].text == "the cat" + greedy_text(TOK.encode("the cat"), 4)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="fake-model", prompt="the cat", temperature=0, max_tokens=4, echo=True, stream=True) if c.choices)
+    assert streamed == r.choices[0].text

@@ -1,0 +1,123 @@
+"""A whole (non-streaming) answer: every choice collected, tool calls read out, logprobs shaped
+for the client. The logprob helpers serve the streaming chunks too."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from ballast.engine.interface import TokenizerLike
+from ballast.scheduler.request import FinishEvent, TokenEvent, TokenLogprob
+from ballast.server import protocol as p
+from ballast.server.completions import (
+    CAPPED_HEADER,
+    Job,
+    Run,
+    Started,
+    abort_on_disconnect,
+    finish_outcome,
+    refuse,
+)
+from ballast.server.metrics import RequestTimer
+from ballast.server.state import ServerState
+from ballast.server.toolcalls import Call, parse
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+
+def token_text(tokenizer: TokenizerLike, token_id: int) -> str:
+    """A token as text; a token holding part of a UTF-8 character shows its bytes as \\xNN."""
+    return tokenizer.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
+
+
+def _top(tokenizer: TokenizerLike, token_id: int, logprob: float) -> p.TopLogprob:
+    raw = tokenizer.token_bytes(token_id)
+    return p.TopLogprob(token=raw.decode("utf-8", errors="backslashreplace"), logprob=logprob, bytes=list(raw))
+
+
+def chat_logprobs(tokenizer: TokenizerLike, entries: tuple[TokenLogprob, ...]) -> list[p.ChatTokenLogprob]:
+    out = []
+    for e in entries:
+        chosen = _top(tokenizer, e.token_id, e.logprob)
+        top = [_top(tokenizer, tid, lp) for tid, lp in e.top]
+        out.append(p.ChatTokenLogprob(token=chosen.token, logprob=e.logprob, bytes=chosen.bytes, top_logprobs=top))
+    return out
+
+
+def completion_logprobs(tokenizer: TokenizerLike, entries: tuple[TokenLogprob, ...], offset: int) -> p.CompletionLogprobs:
+    out = p.CompletionLogprobs()
+    for e in entries:
+        text = token_text(tokenizer, e.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(e.logprob)
+        out.top_logprobs.append({token_text(tokenizer, tid): lp for tid, lp in e.top})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+@dataclass(frozen=True)
+class Collected:
+    text: str
+    entries: tuple[TokenLogprob, ...]
+    finish: FinishEvent
+
+
+async def _collect(run: Run, timer: RequestTimer) -> Collected:
+    texts: list[str] = []
+    entries: list[TokenLogprob] = []
+    event = run.first
+    while isinstance(event, TokenEvent):
+        texts.append(event.text)
+        entries.extend(event.logprobs or ())
+        timer.tokens(len(event.token_ids))
+        event = await anext(run.events)
+    return Collected("".join(texts), tuple(entries), event)
+
+
+async def respond(state: ServerState, job: Job, started: Started, request: Request) -> Response:
+    """Collect every choice (non-streaming)."""
+    assert state.engine is not None
+    tokenizer = state.engine.tokenizer
+    watcher = asyncio.create_task(abort_on_disconnect(request, started))
+    try:
+        results = [await _collect(run, started.timer) for run in started.runs]
+    finally:
+        watcher.cancel()
+        started.abort()
+    finishes = [r.finish for r in results]
+    failed = next((f for f in finishes if f.error is not None), None)
+    completion_tokens = sum(f.completion_tokens for f in finishes)
+    started.timer.finished(finish_outcome(failed or finishes[0]), job.prompt_tokens, completion_tokens)
+    if failed is not None and failed.error is not None:
+        raise refuse(state, job, failed.error, counted=True)
+    cached = sum(f.cached_tokens for f in finishes[:: job.n])
+    usage = p.Usage.of(job.prompt_tokens, completion_tokens, cached)
+    body: p.ChatCompletion | p.Completion
+    if job.endpoint == "chat":
+        choices = [_chat_choice(tokenizer, job, i, r) for i, r in enumerate(results)]
+        body = p.ChatCompletion(id=job.response_id, created=p.now(), model=job.model, choices=choices, usage=usage)
+    else:
+        cchoices = [_completion_choice(tokenizer, job, i, r) for i, r in enumerate(results)]
+        body = p.Completion(id=job.response_id, created=p.now(), model=job.model, choices=cchoices, usage=usage)
+    headers = {CAPPED_HEADER: "1"} if any(f.capped for f in finishes) else {}
+    return JSONResponse(body.model_dump(), headers=headers)
+
+
+def _chat_choice(tokenizer: TokenizerLike, job: Job, index: int, result: Collected) -> p.ChatChoice:
+    lp = p.ChatLogprobs(content=chat_logprobs(tokenizer, result.entries)) if job.want_logprobs else None
+    content, calls = parse(result.text, job.tools.schemas) if job.tools is not None else (result.text, [])
+    calls = calls[: job.tools.max_calls] if job.tools is not None and job.tools.max_calls else calls
+    message = p.AssistantMessage(content=content, tool_calls=[response_call(c) for c in calls] or None)
+    reason = "tool_calls" if calls and result.finish.reason == "stop" else result.finish.reason
+    return p.ChatChoice(index=index, message=message, logprobs=lp, finish_reason=reason)
+
+
+def _completion_choice(tokenizer: TokenizerLike, job: Job, index: int, result: Collected) -> p.CompletionChoice:
+    echo = job.echo[index] if job.echo else ""
+    clp = completion_logprobs(tokenizer, result.entries, 0) if job.want_logprobs else None
+    return p.CompletionChoice(index=index, text=echo + result.text, logprobs=clp, finish_reason=result.finish.reason)
+
+
+def response_call(call: Call) -> p.ResponseToolCall:
+    return p.ResponseToolCall(id=call.id, function=p.ResponseFunction(name=call.name, arguments=call.arguments))
