@@ -243,30 +243,34 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, dtype
     try:
         hf.save_pretrained(str(work))
         built_s = time.perf_counter() - t0
-        engine = Engine.load(EngineConfig(model=str(work), device=str(device), dtype=args.dtype, max_num_seqs=max_batch,
-                                          max_model_len=positions, prefill_chunk_tokens=args.prefill_chunk,
-                                          cuda_graphs=device.type == "cuda"),
-                             prefix_cache=PrefixCacheConfig(fraction=0.0))
-        try:
-            rm = read_model(engine, cfg)
-            kv = engine.runner.kv
-            block = kv.layout.block_size if kv is not None else 1
-            g = engine.runner.graphs
-            print(f"{name}: built + saved in {built_s:.1f}s, engine load {engine.load_report.load_s:.1f}s, "
-                  f"weights {rm.weights_bytes / GiB:.2f} GiB, KV {rm.kv_bytes_per_token / 1024:.1f} KiB/token, "
-                  f"state {rm.state_bytes_per_slot / 2**20:.1f} MiB/slot, graphs {g.captured if g else 0}", flush=True)
-            for context in args.contexts:
-                for batch in args.batches:
-                    rows.append(run_ours(engine, rm, name, batch, context, block, vocab, args, device, bandwidth))
-        finally:
-            engine.shutdown()
-            del engine
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        for compiled in args.compile_modes:
+            engine = Engine.load(EngineConfig(model=str(work), device=str(device), dtype=args.dtype, max_num_seqs=max_batch,
+                                              max_model_len=positions, prefill_chunk_tokens=args.prefill_chunk,
+                                              cuda_graphs=device.type == "cuda", compile=compiled),
+                                 prefix_cache=PrefixCacheConfig(fraction=0.0))
+            try:
+                rm = read_model(engine, cfg)
+                kv = engine.runner.kv
+                block = kv.layout.block_size if kv is not None else 1
+                g = engine.runner.graphs
+                print(f"{name}: built + saved in {built_s:.1f}s, engine load {engine.load_report.load_s:.1f}s "
+                      f"(compile {'on' if compiled else 'off'}), weights {rm.weights_bytes / GiB:.2f} GiB, "
+                      f"KV {rm.kv_bytes_per_token / 1024:.1f} KiB/token, state {rm.state_bytes_per_slot / 2**20:.1f} "
+                      f"MiB/slot, graphs {g.captured if g else 0}", flush=True)
+                for context in args.contexts:
+                    for batch in args.batches:
+                        row = run_ours(engine, rm, name, batch, context, block, vocab, args, device, bandwidth)
+                        rows.append(row | {"compile": compiled})
+            finally:
+                engine.shutdown()
+                del engine
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         if not args.no_reference:
             for row in rows:
-                run_reference(hf, row, rm, vocab, args, device)
+                if row["compile"] == args.compile_modes[-1]:  # once per configuration
+                    run_reference(hf, row, rm, vocab, args, device)
     finally:
         del hf
         gc.collect()
@@ -329,7 +333,7 @@ def run_reference(hf: nn.Module, row: dict[str, Any], rm: ReadModel, vocab: int,
 
 def print_table(rows: Sequence[dict[str, Any]], header: str) -> None:
     print(header)
-    print(f"{'model':<11} {'batch':>5} {'context':>7} {'KV GiB':>7} {'ours tok/s':>11} {'step ms':>8} {'floor ms':>9} "
+    print(f"{'model':<11} {'compile':>7} {'batch':>5} {'context':>7} {'KV GiB':>7} {'ours tok/s':>11} {'step ms':>8} {'floor ms':>9} "
           f"{'% roof':>7} {'graphs':>6} {'HF tok/s':>10} {'speedup':>8} {'same tokens':>11}")
     for r in rows:
         o, ref = r.get("ours"), r.get("transformers", "-")
@@ -341,7 +345,7 @@ def print_table(rows: Sequence[dict[str, Any]], header: str) -> None:
         ref_col = f"{ref['tok_s']:>10.0f}" if isinstance(ref, dict) else f"{str(ref)[:10]:>10}"
         speed = f"{r['speedup']:>7.2f}x" if "speedup" in r else f"{'-':>8}"
         same = str(r.get("same_tokens", "-"))
-        print(f"{r['model']:<11} {r['batch']:>5} {r['context']:>7} {r['kv_gib']:>7.1f} {ours_cols} {ref_col} {speed} {same:>11}")
+        print(f"{r['model']:<11} {'on' if r.get('compile', True) else 'off':>7} {r['batch']:>5} {r['context']:>7} {r['kv_gib']:>7.1f} {ours_cols} {ref_col} {speed} {same:>11}")
 
 
 def main() -> None:
@@ -360,8 +364,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (with --tiny)")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default bfloat16 (cpu: float32)")
     parser.add_argument("--work-dir", default=None, help="where the random-weight HF directories are written")
+    parser.add_argument("--compile", choices=["on", "off", "both"], default="on",
+                        help="fuse the pointwise pieces with torch.compile (both: off, then on, side by side)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    args.compile_modes = {"on": [True], "off": [False], "both": [False, True]}[args.compile]
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("paged_decode: CUDA is not available here; it is a GPU benchmark "
