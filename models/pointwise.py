@@ -77,12 +77,24 @@ def _silu_mul(gate_up: Tensor, n: int) -> Tensor:
     return F.silu(gate_up[:, :n]) * gate_up[:, n:]
 
 
+def _allow_variants() -> None:
+    """Each call site hands a function its own layout (a norm of a whole row, of a per-head view
+    with another stride; one token or many), and each layout is a compiled variant: dynamo's
+    default of 8 per function would send the later ones back to eager code (with other rounding)
+    in the middle of a model. They are all made during the engine's warm-up; 64 is plenty."""
+    config = torch._dynamo.config
+    for limit in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, limit):
+            setattr(config, limit, max(getattr(config, limit), 64))
+
+
 def _on_cuda(name: str, eager: F_) -> F_:
     def run(*args: Any) -> Any:
         if not (_state["enabled"] and args[0].is_cuda):
             return eager(*args)
         fn = _compiled.get(name)
         if fn is None:
+            _allow_variants()
             fn = _compiled[name] = torch.compile(eager, dynamic=True, fullgraph=True)
         try:
             return fn(*args)
