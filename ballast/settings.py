@@ -26,9 +26,16 @@ class ConfigError(ValueError):
     or two settings contradict each other."""
 
 
-def setting(env: str, doc: str, lo: float | None = None, hi: float | None = None, *,
-            choices: tuple[str, ...] | None = None, flag: str | None = None,
-            deprecated: tuple[str, ...] = ()) -> dict[str, Any]:
+def setting(
+    env: str,
+    doc: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    choices: tuple[str, ...] | None = None,
+    flag: str | None = None,
+    deprecated: tuple[str, ...] = (),
+) -> dict[str, Any]:
     """Field metadata declaring a setting (see the module doc). `deprecated`: former variable
     names still read (their flags too), with a warning, for one release."""
     meta: dict[str, Any] = {"env": env, "doc": doc, "deprecated": deprecated}
@@ -102,10 +109,21 @@ def settings_of(layer: type) -> list[Setting]:
         kind, optional = _field_kind(hints[f.name])
         rng = meta.get("range")
         choices = meta.get("choices")
-        out.append(Setting(layer=layer, name=f.name, env=meta["env"], flag=meta.get("flag") or flag_for(meta["env"]),
-                           kind=kind, optional=optional, doc=meta.get("doc", ""),
-                           range=(rng[0], rng[1]) if rng else None, choices=tuple(choices) if choices else None,
-                           deprecated=tuple(meta.get("deprecated", ())), default=f.default))
+        out.append(
+            Setting(
+                layer=layer,
+                name=f.name,
+                env=meta["env"],
+                flag=meta.get("flag") or flag_for(meta["env"]),
+                kind=kind,
+                optional=optional,
+                doc=meta.get("doc", ""),
+                range=(rng[0], rng[1]) if rng else None,
+                choices=tuple(choices) if choices else None,
+                deprecated=tuple(meta.get("deprecated", ())),
+                default=f.default,
+            )
+        )
     return out
 
 

@@ -36,30 +36,50 @@ def measure(root: str | None, batch: int, context: int, steps: int, threads: int
     from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 
     greedy = SamplingParams(temperature=0.0)
-    eng = Engine.load(EngineConfig(model="default", device="cpu", max_num_seqs=batch,
-                                   max_model_len=context + steps + 8, prefill_chunk_tokens=1024))
+    eng = Engine.load(
+        EngineConfig(
+            model="default",
+            device="cpu",
+            max_num_seqs=batch,
+            max_model_len=context + steps + 8,
+            prefill_chunk_tokens=1024,
+        )
+    )
     try:
         gen = torch.Generator().manual_seed(0)
-        prompts = {s: tuple(torch.randint(3, 49000, (context,), generator=gen).tolist()) for s in range(batch)}
+        prompts = {
+            s: tuple(torch.randint(3, 49000, (context,), generator=gen).tolist()) for s in range(batch)
+        }
         last: dict[int, int] = {}
         for s, p in prompts.items():
             for start in range(0, context, 1024):
                 part = p[start : start + 1024]
-                res = eng.step(StepPlan(prefills=(PrefillChunk(s, part, start, start + len(part) == context),),
-                                        sampling={s: greedy}))
+                res = eng.step(
+                    StepPlan(
+                        prefills=(PrefillChunk(s, part, start, start + len(part) == context),),
+                        sampling={s: greedy},
+                    )
+                )
             last[s] = res.outputs[0].token_id
         pos = context
         sampling = dict.fromkeys(prompts, greedy)
         t0 = time.perf_counter()
         for _ in range(steps):
-            res = eng.step(StepPlan(decodes=tuple(DecodeToken(s, last[s], pos) for s in prompts), sampling=sampling))
+            res = eng.step(
+                StepPlan(decodes=tuple(DecodeToken(s, last[s], pos) for s in prompts), sampling=sampling)
+            )
             last = {o.slot: o.token_id for o in res.outputs}
             pos += 1
         step_s = (time.perf_counter() - t0) / steps
     finally:
         eng.shutdown()
-    return {"engine": root or "this checkout", "batch": batch, "context": context, "step_ms": 1e3 * step_s,
-            "tok_s": batch / step_s}
+    return {
+        "engine": root or "this checkout",
+        "batch": batch,
+        "context": context,
+        "step_ms": 1e3 * step_s,
+        "tok_s": batch / step_s,
+    }
 
 
 def run(root: str | None, batch: int, context: int, steps: int, threads: int) -> dict[str, Any]:
@@ -94,16 +114,33 @@ def main() -> None:
     rows = []
     for cfg in args.configs:
         batch, context = (int(x) for x in cfg.split("x"))
-        runs = [run(root, batch, context, args.steps, args.threads) for root in (args.old, None, args.old, None)]
+        runs = [
+            run(root, batch, context, args.steps, args.threads) for root in (args.old, None, args.old, None)
+        ]
         old = min((r for r in runs if r["engine"] != "this checkout"), key=lambda r: r["step_ms"])
         new = min((r for r in runs if r["engine"] == "this checkout"), key=lambda r: r["step_ms"])
-        rows.append({"batch": batch, "context": context, "old_step_ms": old["step_ms"], "new_step_ms": new["step_ms"],
-                     "old_tok_s": old["tok_s"], "new_tok_s": new["tok_s"], "speedup": old["step_ms"] / new["step_ms"]})
-    print(f"CPU decode, default model float32, {args.threads} threads, best of 2 runs per side, {args.steps} steps")
+        rows.append(
+            {
+                "batch": batch,
+                "context": context,
+                "old_step_ms": old["step_ms"],
+                "new_step_ms": new["step_ms"],
+                "old_tok_s": old["tok_s"],
+                "new_tok_s": new["tok_s"],
+                "speedup": old["step_ms"] / new["step_ms"],
+            }
+        )
+    print(
+        f"CPU decode, default model float32, {args.threads} threads, best of 2 runs per side, {args.steps} "
+        "steps"
+    )
     print("batch context  old ms/step  new ms/step  old tok/s  new tok/s  new/old")
     for r in rows:
-        print(f"{r['batch']:5} {r['context']:7} {r['old_step_ms']:12.1f} {r['new_step_ms']:12.1f} {r['old_tok_s']:10.1f} "
-              f"{r['new_tok_s']:10.1f} {r['speedup']:7.2f}x")
+        print(
+            f"{r['batch']:5} {r['context']:7} {r['old_step_ms']:12.1f} {r['new_step_ms']:12.1f} "
+            f"{r['old_tok_s']:10.1f} "
+            f"{r['new_tok_s']:10.1f} {r['speedup']:7.2f}x"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"old": args.old, "rows": rows}, indent=2))
     print(f"wrote {args.out}")

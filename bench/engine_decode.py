@@ -11,7 +11,8 @@ so a burst of load from another process on a shared box hits both sides alike an
 is the one least disturbed (timeit's rule). The load average is printed with the table. One run
 of this script; table on stdout, JSON to bench/results/engine_decode.json.
 
-    python -m ballast.bench.engine_decode [--batches 1 8] [--new-tokens 64] [--prompt-len 24] [--repeats 3] [--threads N]
+    python -m ballast.bench.engine_decode [--batches 1 8] [--new-tokens 64] [--prompt-len 24]
+        [--repeats 3] [--threads N]
 """
 
 from __future__ import annotations
@@ -33,8 +34,16 @@ from ballast.models.layers import ONEDNN_MAX_ROWS, onednn_linear_available
 
 RESULTS = Path(__file__).parent / "results" / "engine_decode.json"
 GREEDY = SamplingParams(temperature=0.0)
-TOPICS = ["the history of Paris", "how bees make honey", "why the sky is blue", "a recipe for bread",
-          "the rules of chess", "how rain forms", "the life of a star", "how a bicycle works"]
+TOPICS = [
+    "the history of Paris",
+    "how bees make honey",
+    "why the sky is blue",
+    "a recipe for bread",
+    "the rules of chess",
+    "how rain forms",
+    "the life of a star",
+    "how a bicycle works",
+]
 
 
 def read_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -54,24 +63,35 @@ def prompts(engine: Engine, batch: int, length: int) -> list[list[int]]:
     tok = engine.tokenizer
     out = []
     for i in range(batch):
-        ids = tok.apply_chat_template([{"role": "user", "content": f"Write a long essay about {TOPICS[i % len(TOPICS)]}, please."}])
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": f"Write a long essay about {TOPICS[i % len(TOPICS)]}, please."}]
+        )
         if len(ids) < length:
             raise ValueError(f"prompt {i} has only {len(ids)} tokens; lower --prompt-len")
         out.append(ids[-length:])
     return out
 
 
-def ours(engine: Engine, batch_prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
+def ours(
+    engine: Engine, batch_prompts: list[list[int]], new_tokens: int
+) -> tuple[float, float, list[list[int]]]:
     """(end-to-end seconds, decode-only seconds, tokens per sequence) through Engine.submit."""
     sampling = dict.fromkeys(range(len(batch_prompts)), GREEDY)
     t0 = time.perf_counter()
-    res = engine.submit(StepPlan(prefills=tuple(PrefillChunk(s, tuple(p), 0, True) for s, p in enumerate(batch_prompts)),
-                                 sampling=sampling)).result()
+    res = engine.submit(
+        StepPlan(
+            prefills=tuple(PrefillChunk(s, tuple(p), 0, True) for s, p in enumerate(batch_prompts)),
+            sampling=sampling,
+        )
+    ).result()
     tokens = [[o.token_id] for o in res.outputs]
     t1 = time.perf_counter()
     length = len(batch_prompts[0])
     for step in range(new_tokens - 1):
-        plan = StepPlan(decodes=tuple(DecodeToken(s, tokens[s][-1], length + step) for s in range(len(batch_prompts))), sampling=sampling)
+        plan = StepPlan(
+            decodes=tuple(DecodeToken(s, tokens[s][-1], length + step) for s in range(len(batch_prompts))),
+            sampling=sampling,
+        )
         for o in engine.submit(plan).result().outputs:
             tokens[o.slot].append(o.token_id)
     t2 = time.perf_counter()
@@ -80,15 +100,22 @@ def ours(engine: Engine, batch_prompts: list[list[int]], new_tokens: int) -> tup
 
 
 @torch.inference_mode()
-def transformers_run(model: Any, batch_prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
+def transformers_run(
+    model: Any, batch_prompts: list[list[int]], new_tokens: int
+) -> tuple[float, float, list[list[int]]]:
     ids = torch.tensor(batch_prompts)
-    kwargs: dict[str, Any] = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, "attention_mask": torch.ones_like(ids)}
+    kwargs: dict[str, Any] = {
+        "do_sample": False,
+        "pad_token_id": 0,
+        "eos_token_id": None,
+        "attention_mask": torch.ones_like(ids),
+    }
     t0 = time.perf_counter()
     model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
     t1 = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
     t2 = time.perf_counter()
-    return t2 - t1, max((t2 - t1) - (t1 - t0), 1e-9), out[:, ids.shape[1]:].tolist()
+    return t2 - t1, max((t2 - t1) - (t1 - t0), 1e-9), out[:, ids.shape[1] :].tolist()
 
 
 def main() -> None:
@@ -107,14 +134,24 @@ def main() -> None:
     path = default_model_path()
 
     t0 = time.perf_counter()
-    engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", max_num_seqs=max(args.batches),
-                                      max_model_len=args.prompt_len + args.new_tokens + 8, prefill_chunk_tokens=256))
+    engine = Engine.load(
+        EngineConfig(
+            model=str(path),
+            device="cpu",
+            dtype="float32",
+            max_num_seqs=max(args.batches),
+            max_model_len=args.prompt_len + args.new_tokens + 8,
+            prefill_chunk_tokens=256,
+        )
+    )
     ours_load = time.perf_counter() - t0
 
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     hf_load = time.perf_counter() - t0
 
     load_before = os.getloadavg()
@@ -134,33 +171,65 @@ def main() -> None:
         o_tok, h_tok = o_runs[0][2], h_runs[0][2]
         new = batch * args.new_tokens
         decoded = batch * (args.new_tokens - 1)
-        rows.append({
-            "batch": batch,
-            "ours_tok_s": new / o_e2e, "transformers_tok_s": new / h_e2e, "speedup": h_e2e / o_e2e,
-            "ours_decode_tok_s": decoded / o_dec, "transformers_decode_tok_s": decoded / h_dec, "decode_speedup": h_dec / o_dec,
-            "same_tokens": o_tok == h_tok,
-            "bandwidth_floor_decode_tok_s": batch * bandwidth / weights,
-        })
+        rows.append(
+            {
+                "batch": batch,
+                "ours_tok_s": new / o_e2e,
+                "transformers_tok_s": new / h_e2e,
+                "speedup": h_e2e / o_e2e,
+                "ours_decode_tok_s": decoded / o_dec,
+                "transformers_decode_tok_s": decoded / h_dec,
+                "decode_speedup": h_dec / o_dec,
+                "same_tokens": o_tok == h_tok,
+                "bandwidth_floor_decode_tok_s": batch * bandwidth / weights,
+            }
+        )
     engine.shutdown()
     load_after = os.getloadavg()
 
-    print(f"default model ({path.name}) on CPU, float32, {torch.get_num_threads()} threads, "
-          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, best of {args.repeats}; "
-          f"load average {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} CPUs")
-    gemm = f"oneDNN up to {ONEDNN_MAX_ROWS} rows, else torch BLAS" if onednn_linear_available() else "torch BLAS"
-    print(f"linears: {gemm}; read bandwidth {bandwidth / 1e9:.1f} GB/s over {weights / 1e6:.0f} MB of weights "
-          f"-> decode floor {bandwidth / weights:.1f} steps/s")
-    print(f"load: ours {ours_load:.2f}s (model read+dequantize+build {engine.load_report.load_s:.2f}s), transformers {hf_load:.2f}s")
-    print(f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>9} {'x':>6} | {'ours decode':>12} {'HF decode':>10} {'x':>6} | same tokens")
+    print(
+        f"default model ({path.name}) on CPU, float32, {torch.get_num_threads()} threads, "
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, best of {args.repeats}; "
+        f"load average {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    gemm = (
+        f"oneDNN up to {ONEDNN_MAX_ROWS} rows, else torch BLAS" if onednn_linear_available() else "torch BLAS"
+    )
+    print(
+        f"linears: {gemm}; read bandwidth {bandwidth / 1e9:.1f} GB/s over {weights / 1e6:.0f} MB of weights "
+        f"-> decode floor {bandwidth / weights:.1f} steps/s"
+    )
+    print(
+        f"load: ours {ours_load:.2f}s (model read+dequantize+build {engine.load_report.load_s:.2f}s), "
+        f"transformers {hf_load:.2f}s"
+    )
+    print(
+        f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>9} {'x':>6} | {'ours decode':>12} {'HF decode':>10} "
+        f"{'x':>6} | same tokens"
+    )
     for r in rows:
-        print(f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r['transformers_tok_s']:>9.1f} {r['speedup']:>5.2f}x | "
-              f"{r['ours_decode_tok_s']:>12.1f} {r['transformers_decode_tok_s']:>10.1f} {r['decode_speedup']:>5.2f}x | {r['same_tokens']}")
+        print(
+            f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r['transformers_tok_s']:>9.1f} "
+            f"{r['speedup']:>5.2f}x | "
+            f"{r['ours_decode_tok_s']:>12.1f} {r['transformers_decode_tok_s']:>10.1f} "
+            f"{r['decode_speedup']:>5.2f}x | {r['same_tokens']}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
-        "bench": "engine_decode", "model": path.name, "dtype": "float32", "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "repeats": args.repeats, "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(), "load_average_1m": [load_before[0], load_after[0]],
-        "machine": platform.machine(), "linears": gemm, "read_bandwidth_bytes_s": bandwidth, "weights_bytes": weights,
+        "bench": "engine_decode",
+        "model": path.name,
+        "dtype": "float32",
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "load_average_1m": [load_before[0], load_after[0]],
+        "machine": platform.machine(),
+        "linears": gemm,
+        "read_bandwidth_bytes_s": bandwidth,
+        "weights_bytes": weights,
         "load_s": {"ours": ours_load, "ours_model_only": engine.load_report.load_s, "transformers": hf_load},
         "rows": rows,
     }

@@ -37,15 +37,27 @@ from ballast.models.gguf_loader import build_tokenizer, read_gguf
 RESULTS = Path(__file__).parent / "results" / "grammar_mask.json"
 BATCHES = (1, 8, 32)
 SCHEMAS: dict[str, dict[str, Any]] = {
-    "enum_int": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "San Francisco"]},
-                                                  "days": {"type": "integer", "minimum": 1, "maximum": 14}},
-                 "required": ["city", "days"], "additionalProperties": False},
-    "free_text": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
-                  "additionalProperties": False},
+    "enum_int": {
+        "type": "object",
+        "properties": {
+            "city": {"enum": ["Paris", "Rome", "San Francisco"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+    "free_text": {
+        "type": "object",
+        "properties": {"text": {"type": "string"}},
+        "required": ["text"],
+        "additionalProperties": False,
+    },
 }
 
 
-def step_ms(sampler: Sampler, params: list[SamplingParams], steps: int, stop: frozenset[int], device: torch.device) -> float:
+def step_ms(
+    sampler: Sampler, params: list[SamplingParams], steps: int, stop: frozenset[int], device: torch.device
+) -> float:
     """Median ms of one `sample` call over the batch; rows that drew a stop id start over."""
     batch = len(params)
     slots = list(range(batch))
@@ -70,8 +82,12 @@ def xgrammar_fill_ms(tok: Tokenizer, schema: dict[str, Any], batch: int, steps: 
         import xgrammar as xgr  # type: ignore[import-not-found]
     except ImportError:
         return None
-    info = xgr.TokenizerInfo.from_huggingface(tok.hf, vocab_size=tok.vocab_size, stop_token_ids=sorted(tok.eos_token_ids))
-    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_json_schema(json.dumps(schema), any_whitespace=False)
+    info = xgr.TokenizerInfo.from_huggingface(
+        tok.hf, vocab_size=tok.vocab_size, stop_token_ids=sorted(tok.eos_token_ids)
+    )
+    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_json_schema(
+        json.dumps(schema), any_whitespace=False
+    )
     matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
     bitmask = xgr.allocate_token_bitmask(batch, tok.vocab_size)
     gen = torch.Generator().manual_seed(0)
@@ -105,8 +121,12 @@ def llguidance_fill_ms(compiler: GrammarCompiler, schema: dict[str, Any], batch:
             row = bitmask[i]
             m.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
         times.append(time.perf_counter() - t0)
-        bits = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(batch, -1)[:, : compiler.vocab_size]
-        for m, token in zip(matchers, logits.masked_fill(bits == 0, float("-inf")).argmax(-1).tolist(), strict=True):
+        bits = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(batch, -1)[
+            :, : compiler.vocab_size
+        ]
+        for m, token in zip(
+            matchers, logits.masked_fill(bits == 0, float("-inf")).argmax(-1).tolist(), strict=True
+        ):
             m.consume_token(token)
             if m.is_stopped():
                 m.reset()
@@ -130,26 +150,60 @@ def main() -> None:
         for batch in BATCHES:
             free = [SamplingParams(temperature=0.0)] * batch
             bound = [SamplingParams(temperature=0.0, constraint=constraint)] * batch
-            plain_ms = min(step_ms(Sampler(batch, tok.vocab_size, device), free, args.steps, tok.eos_token_ids, device)
-                           for _ in range(args.rounds))
-            grammar_ms = min(step_ms(Sampler(batch, tok.vocab_size, device), bound, args.steps, tok.eos_token_ids, device)
-                             for _ in range(args.rounds))
+            plain_ms = min(
+                step_ms(Sampler(batch, tok.vocab_size, device), free, args.steps, tok.eos_token_ids, device)
+                for _ in range(args.rounds)
+            )
+            grammar_ms = min(
+                step_ms(Sampler(batch, tok.vocab_size, device), bound, args.steps, tok.eos_token_ids, device)
+                for _ in range(args.rounds)
+            )
             llg = min(llguidance_fill_ms(compiler, schema, batch, args.steps) for _ in range(args.rounds))
             xgr_runs = [xgrammar_fill_ms(tok, schema, batch, args.steps) for _ in range(args.rounds)]
             xgr = min((x for x in xgr_runs if x is not None), default=None)
-            rows.append({"schema": name, "batch": batch, "sample_ms": plain_ms, "constrained_sample_ms": grammar_ms,
-                         "overhead_ms": grammar_ms - plain_ms, "overhead_us_per_row": (grammar_ms - plain_ms) * 1000 / batch,
-                         "llguidance_fill_ms": llg, "xgrammar_fill_apply_ms": xgr})
-    print(f"device {device}, vocab {tok.vocab_size}, llguidance {llguidance.__version__ if hasattr(llguidance, '__version__') else '?'}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'schema':10s} {'batch':>5s} {'sample ms':>10s} {'+grammar ms':>12s} {'overhead ms':>12s} {'us/row':>8s} "
-          f"{'llg fill ms':>12s} {'xgr fill ms':>12s}")
+            rows.append(
+                {
+                    "schema": name,
+                    "batch": batch,
+                    "sample_ms": plain_ms,
+                    "constrained_sample_ms": grammar_ms,
+                    "overhead_ms": grammar_ms - plain_ms,
+                    "overhead_us_per_row": (grammar_ms - plain_ms) * 1000 / batch,
+                    "llguidance_fill_ms": llg,
+                    "xgrammar_fill_apply_ms": xgr,
+                }
+            )
+    print(
+        f"device {device}, vocab {tok.vocab_size}, llguidance "
+        f"{llguidance.__version__ if hasattr(llguidance, '__version__') else '?'}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'schema':10s} {'batch':>5s} {'sample ms':>10s} {'+grammar ms':>12s} {'overhead ms':>12s} "
+        f"{'us/row':>8s} "
+        f"{'llg fill ms':>12s} {'xgr fill ms':>12s}"
+    )
     for r in rows:
-        xgr_text = f"{r['xgrammar_fill_apply_ms']:12.3f}" if r["xgrammar_fill_apply_ms"] is not None else f"{'-':>12s}"
-        print(f"{r['schema']:10s} {r['batch']:5d} {r['sample_ms']:10.3f} {r['constrained_sample_ms']:12.3f} "
-              f"{r['overhead_ms']:12.3f} {r['overhead_us_per_row']:8.1f} {r['llguidance_fill_ms']:12.3f} {xgr_text}")
-    report = {"device": str(device), "vocab": tok.vocab_size, "torch": torch.__version__, "machine": platform.machine(),
-              "threads": torch.get_num_threads(), "steps": args.steps, "rounds": args.rounds, "rows": rows}
+        xgr_text = (
+            f"{r['xgrammar_fill_apply_ms']:12.3f}"
+            if r["xgrammar_fill_apply_ms"] is not None
+            else f"{'-':>12s}"
+        )
+        print(
+            f"{r['schema']:10s} {r['batch']:5d} {r['sample_ms']:10.3f} {r['constrained_sample_ms']:12.3f} "
+            f"{r['overhead_ms']:12.3f} {r['overhead_us_per_row']:8.1f} {r['llguidance_fill_ms']:12.3f} "
+            f"{xgr_text}"
+        )
+    report = {
+        "device": str(device),
+        "vocab": tok.vocab_size,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "rows": rows,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")

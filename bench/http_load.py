@@ -29,8 +29,20 @@ import httpx
 from openai import APIStatusError, AsyncOpenAI
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TOPICS = ["a lighthouse", "the ocean", "a small robot", "autumn leaves", "a train journey", "the moon",
-          "a lost key", "a mountain village", "bread baking", "a chess game", "rain in a city", "an old map"]
+TOPICS = [
+    "a lighthouse",
+    "the ocean",
+    "a small robot",
+    "autumn leaves",
+    "a train journey",
+    "the moon",
+    "a lost key",
+    "a mountain village",
+    "bread baking",
+    "a chess game",
+    "rain in a city",
+    "an old map",
+]
 GiB = 1 << 30
 
 
@@ -38,18 +50,27 @@ def write_meminfo(root: Path, total: int, available: int) -> None:
     """A minimal /proc tree for the server's MemWatch (no cgroup, no PSI pressure)."""
     proc = root / "proc"
     (proc / "pressure").mkdir(parents=True, exist_ok=True)
-    for rel, text in (("meminfo", f"MemTotal: {total // 1024} kB\nMemAvailable: {available // 1024} kB\n"),
-                      ("pressure/memory", "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
-                                          "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")):
+    for rel, text in (
+        ("meminfo", f"MemTotal: {total // 1024} kB\nMemAvailable: {available // 1024} kB\n"),
+        (
+            "pressure/memory",
+            "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+            "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
+        ),
+    ):
         tmp = proc / (rel + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, proc / rel)
 
 
 @contextmanager
-def server(cmd: list[str], env: dict[str, str], ready_path: str, port: int, timeout_s: float = 300.0) -> Iterator[str]:
+def server(
+    cmd: list[str], env: dict[str, str], ready_path: str, port: int, timeout_s: float = 300.0
+) -> Iterator[str]:
     with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        )
         base = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + timeout_s
@@ -96,9 +117,13 @@ async def one_stream(client: AsyncOpenAI, model: str, topic: str, new_tokens: in
     last = start
     try:
         stream = await client.chat.completions.create(
-            model=model, stream=True, max_tokens=new_tokens, temperature=0.0,
+            model=model,
+            stream=True,
+            max_tokens=new_tokens,
+            temperature=0.0,
             stream_options={"include_usage": True},
-            messages=[{"role": "user", "content": f"Write a long story about {topic}."}])
+            messages=[{"role": "user", "content": f"Write a long story about {topic}."}],
+        )
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices and chunk.choices[0].delta.content:
@@ -137,10 +162,17 @@ async def load(base: str, model: str, concurrency: int, requests: int, new_token
     ok = [o for o in outs if not o.error]
     itl = [x for o in ok for x in o.itl_s]
     return {
-        "concurrency": concurrency, "requests": requests, "completed": len(ok), "dropped": len(outs) - len(ok),
-        "tokens": sum(o.tokens for o in ok), "wall_s": wall, "tok_s": sum(o.tokens for o in ok) / wall,
-        "ttft_p50_s": pct([o.ttft_s for o in ok], 50), "ttft_p99_s": pct([o.ttft_s for o in ok], 99),
-        "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
+        "concurrency": concurrency,
+        "requests": requests,
+        "completed": len(ok),
+        "dropped": len(outs) - len(ok),
+        "tokens": sum(o.tokens for o in ok),
+        "wall_s": wall,
+        "tok_s": sum(o.tokens for o in ok) / wall,
+        "ttft_p50_s": pct([o.ttft_s for o in ok], 50),
+        "ttft_p99_s": pct([o.ttft_s for o in ok], 99),
+        "itl_p50_ms": 1e3 * pct(itl, 50),
+        "itl_p99_ms": 1e3 * pct(itl, 99),
         "errors": sorted({o.error for o in outs if o.error})[:3],  # type: ignore[dict-item]
     }
 
@@ -153,23 +185,35 @@ async def time_to_503(base: str, model: str, n: int) -> dict[str, float]:
     for _ in range(n):
         start = time.perf_counter()
         try:
-            await client.chat.completions.create(model=model, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+            await client.chat.completions.create(
+                model=model, max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+            )
             statuses["200"] = statuses.get("200", 0) + 1
         except APIStatusError as exc:
             times.append(time.perf_counter() - start)
             statuses[str(exc.status_code)] = statuses.get(str(exc.status_code), 0) + 1
             retry_after.add(exc.response.headers.get("retry-after", ""))
     await client.close()
-    return {"requests": n, "statuses": statuses, "retry_after": sorted(retry_after),  # type: ignore[dict-item]
-            "p50_ms": 1e3 * pct(times, 50), "p99_ms": 1e3 * pct(times, 99)}
+    return {
+        "requests": n,
+        "statuses": statuses,  # type: ignore[dict-item]
+        "retry_after": sorted(retry_after),  # type: ignore[dict-item]
+        "p50_ms": 1e3 * pct(times, 50),
+        "p99_ms": 1e3 * pct(times, 99),
+    }
 
 
 def run_levels(base: str, model: str, args: argparse.Namespace) -> list[dict[str, float]]:
     rows = []
     for c in args.concurrency:
         row = asyncio.run(load(base, model, c, max(args.min_requests, 2 * c), args.new_tokens))
-        print(f"  c={c:<3} {row['tok_s']:7.1f} tok/s  ttft p50/p99 {row['ttft_p50_s']:.2f}/{row['ttft_p99_s']:.2f} s"
-              f"  itl p50/p99 {row['itl_p50_ms']:.0f}/{row['itl_p99_ms']:.0f} ms  dropped {row['dropped']} {row['errors']}", flush=True)
+        print(
+            f"  c={c:<3} {row['tok_s']:7.1f} tok/s  ttft p50/p99 "
+            f"{row['ttft_p50_s']:.2f}/{row['ttft_p99_s']:.2f} s"
+            f"  itl p50/p99 {row['itl_p50_ms']:.0f}/{row['itl_p99_ms']:.0f} ms  dropped {row['dropped']} "
+            f"{row['errors']}",
+            flush=True,
+        )
         rows.append(row)
     return rows
 
@@ -185,14 +229,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refusals", type=int, default=200, help="requests timed at CRITICAL")
     args = ap.parse_args(argv)
 
-    result: dict[str, object] = {"bench": "http_load", "model": args.model, "new_tokens": args.new_tokens,
-                                 "cpus": os.cpu_count(), "loadavg_before": os.getloadavg()}
+    result: dict[str, object] = {
+        "bench": "http_load",
+        "model": args.model,
+        "new_tokens": args.new_tokens,
+        "cpus": os.cpu_count(),
+        "loadavg_before": os.getloadavg(),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_meminfo(root, 16 * GiB, 12 * GiB)  # OK
         port = free_port()
-        cmd = [sys.executable, "-m", "ballast.server.cli", "serve", "--model", args.model, "--port", str(port),
-               "--max-num-seqs", str(args.max_num_seqs), "--max-queue", "1024", "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ballast.server.cli",
+            "serve",
+            "--model",
+            args.model,
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--max-queue",
+            "1024",
+            "--log-level",
+            "warning",
+        ]
         with server(cmd, {"BALLAST_MEMORY_ROOT": str(root)}, "/ready", port) as base:
             served = httpx.get(base + "/v1/models").json()["data"][0]["id"]
             print(f"ballast ({served}, --max-num-seqs {args.max_num_seqs})", flush=True)
@@ -201,14 +264,23 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)  # > 2 MemWatch polls
             refusals = asyncio.run(time_to_503(base, served, args.refusals))
             result["ballast_time_to_503"] = refusals
-            print(f"  CRITICAL: time to 503 p50 {refusals['p50_ms']:.2f} ms  p99 {refusals['p99_ms']:.2f} ms  "
-                  f"statuses {refusals['statuses']}  Retry-After {refusals['retry_after']}", flush=True)
+            print(
+                f"  CRITICAL: time to 503 p50 {refusals['p50_ms']:.2f} ms  p99 {refusals['p99_ms']:.2f} ms  "
+                f"statuses {refusals['statuses']}  Retry-After {refusals['retry_after']}",
+                flush=True,
+            )
 
     if args.reference == "transformers":
         model_dir = reference_dir()
         port = free_port()
-        cmd = [str(Path(sys.executable).parent / "transformers"), "serve", "--continuous-batching",
-               "--port", str(port), str(model_dir)]
+        cmd = [
+            str(Path(sys.executable).parent / "transformers"),
+            "serve",
+            "--continuous-batching",
+            "--port",
+            str(port),
+            str(model_dir),
+        ]
         with server(cmd, {"HF_HUB_OFFLINE": "1"}, "/health", port, timeout_s=600) as base:
             print("transformers serve --continuous-batching (same weights, float32)", flush=True)
             result["transformers"] = run_levels(base, str(model_dir), args)
@@ -241,16 +313,25 @@ def reference_dir() -> Path:
 
 
 def table(result: dict[str, object]) -> str:
-    lines = ["", "| server | concurrency | tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | completed | dropped |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "",
+        "| server | concurrency | tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | completed | dropped |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name in ("ballast", "transformers"):
         for row in result.get(name, []):  # type: ignore[attr-defined]
-            lines.append(f"| {name} | {row['concurrency']} | {row['tok_s']:.1f} | {row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f} "
-                         f"| {row['itl_p50_ms']:.0f} / {row['itl_p99_ms']:.0f} | {row['completed']} | {row['dropped']} |")
+            lines.append(
+                f"| {name} | {row['concurrency']} | {row['tok_s']:.1f} | {row['ttft_p50_s']:.2f} / "
+                f"{row['ttft_p99_s']:.2f} "
+                f"| {row['itl_p50_ms']:.0f} / {row['itl_p99_ms']:.0f} | {row['completed']} | "
+                f"{row['dropped']} |"
+            )
     refusals = result.get("ballast_time_to_503")
     if isinstance(refusals, dict):
-        lines.append(f"\ntime to 503 at CRITICAL: p50 {refusals['p50_ms']:.2f} ms, p99 {refusals['p99_ms']:.2f} ms "
-                     f"over {refusals['requests']} requests ({refusals['statuses']})")
+        lines.append(
+            f"\ntime to 503 at CRITICAL: p50 {refusals['p50_ms']:.2f} ms, p99 {refusals['p99_ms']:.2f} ms "
+            f"over {refusals['requests']} requests ({refusals['statuses']})"
+        )
     return "\n".join(lines)
 
 

@@ -5,8 +5,8 @@ CUDA both sides use the flash-linear-attention kernels where that package is ins
 transformers batches a fixed set of equal-length prompts (no continuous batching for these
 models); ballast runs the same prompts as slots of one step. Both decode greedily; the figure is
 decode tokens per second (prefill excluded), the fastest of --repeats interleaved runs per side.
-Table on stdout, JSON to bench/results/hybrid_decode.json. In bfloat16 the two sides may pick different tokens once two
-logits round alike, so "same tokens" is only expected in float32.
+Table on stdout, JSON to bench/results/hybrid_decode.json. In bfloat16 the two sides may pick
+different tokens once two logits round alike, so "same tokens" is only expected in float32.
 
     python -m ballast.bench.hybrid_decode [--batches 1 8 32] [--new-tokens 32] [--prompt-len 32]
                                           [--threads N] [--repeats 3] [--device cuda --dtype bfloat16]
@@ -68,12 +68,16 @@ def _prompts(batch: int, length: int, vocab: int) -> torch.Tensor:
 
 @torch.inference_mode()
 @sdpa_kernel(ATTENTION_BACKENDS)
-def ours_decode(model: Qwen3NextForCausalLM, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
+def ours_decode(
+    model: Qwen3NextForCausalLM, prompts: torch.Tensor, new_tokens: int
+) -> tuple[float, list[list[int]]]:
     """Seconds spent in the decode steps, and the generated tokens per sequence."""
     batch, length = prompts.shape
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    states = allocate_states(model.layer_specs(param.element_size()), batch, length + new_tokens + 1, device, dtype)
+    states = allocate_states(
+        model.layer_specs(param.element_size()), batch, length + new_tokens + 1, device, dtype
+    )
     logits = model(ForwardBatch.build([(i, prompts[i].tolist(), 0) for i in range(batch)], device), states)
     tokens = [[int(t)] for t in logits.argmax(-1)]
     start = time.perf_counter()
@@ -90,15 +94,19 @@ def ours_decode(model: Qwen3NextForCausalLM, prompts: torch.Tensor, new_tokens: 
 def hf_decode(model: Any, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
     """generate(new_tokens) minus generate(1): the decode steps' share of the time."""
     prompts = prompts.to(next(model.parameters()).device)
-    kwargs: dict[str, Any] = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None,
-                              "attention_mask": torch.ones_like(prompts)}
+    kwargs: dict[str, Any] = {
+        "do_sample": False,
+        "pad_token_id": 0,
+        "eos_token_id": None,
+        "attention_mask": torch.ones_like(prompts),
+    }
     model.generate(prompts, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
     t0 = time.perf_counter()
     model.generate(prompts, max_new_tokens=1, min_new_tokens=1, **kwargs)
     t1 = time.perf_counter()
     out = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
     t2 = time.perf_counter()
-    return max((t2 - t1) - (t1 - t0), 1e-9), out[:, prompts.shape[1]:].tolist()
+    return max((t2 - t1) - (t1 - t0), 1e-9), out[:, prompts.shape[1] :].tolist()
 
 
 def reference_model(ours: nn.Module) -> nn.Module:
@@ -147,21 +155,27 @@ def main() -> None:
             ours_runs.append(ours_decode(ours, prompts, args.new_tokens))
             hf_runs.append(hf_decode(reference, prompts, args.new_tokens))
         (ours_s, ours_tokens), (hf_s, hf_tokens) = min(ours_runs), min(hf_runs)
-        rows.append({
-            "batch": batch,
-            "decode_tokens": decoded,
-            "ours_tok_s": decoded / ours_s,
-            "transformers_tok_s": decoded / hf_s,
-            "speedup": hf_s / ours_s,
-            "same_tokens": ours_tokens == hf_tokens,
-        })
+        rows.append(
+            {
+                "batch": batch,
+                "decode_tokens": decoded,
+                "ours_tok_s": decoded / ours_s,
+                "transformers_tok_s": decoded / hf_s,
+                "speedup": hf_s / ours_s,
+                "same_tokens": ours_tokens == hf_tokens,
+            }
+        )
 
     where = f"CPU ({torch.get_num_threads()} threads)" if args.device == "cpu" else args.device
-    print(f"hybrid MoE decode on {where}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.dtype}")
+    print(
+        f"hybrid MoE decode on {where}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.dtype}"
+    )
     print(f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'speedup':>8} {'same tokens':>12}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r['transformers_tok_s']:>10.1f} "
-              f"{r['speedup']:>7.2f}x {str(r['same_tokens']):>12}")
+        print(
+            f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r['transformers_tok_s']:>10.1f} "
+            f"{r['speedup']:>7.2f}x {str(r['same_tokens']):>12}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "bench": "hybrid_decode",

@@ -77,15 +77,31 @@ STATIC_SLOTS_MEASURED = 4
 GREEDY = SamplingParams(temperature=0.0)
 
 LLAMA3_8B: dict[str, Any] = {
-    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
     "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
 }
 SMOLLM2_135M: dict[str, Any] = {  # as the default model's GGUF states it
-    "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
     "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
 }
 # SmolLM2-135M's attention KV (30 layers x 3 KV heads x 64) on a model narrow everywhere else
@@ -93,8 +109,13 @@ SMOLLM2_135M: dict[str, Any] = {  # as the default model's GGUF states it
 # 3 query heads also keep admission's activation charge (attention scores grow with query heads)
 # small beside the KV budget, as on a real model of this KV size.
 CAPACITY_MODEL: dict[str, Any] = {
-    **SMOLLM2_135M, "hidden_size": 96, "intermediate_size": 128, "num_attention_heads": 3,
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    **SMOLLM2_135M,
+    "hidden_size": 96,
+    "intermediate_size": 128,
+    "num_attention_heads": 3,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 
 
@@ -121,7 +142,9 @@ def shape_of(name: str, hf_config: Mapping[str, Any], dtype: torch.dtype) -> Sha
     """Per-token KV and per-slot recurrent state as the engine charges them (its layer specs)."""
     model = build_model(hf_config, dtype=dtype, device="meta")
     specs = model.layer_specs(dtype_bytes(dtype))  # type: ignore[operator]
-    return Shape(name, str(dtype).removeprefix("torch."), kv_bytes_per_token(specs), state_bytes_per_slot(specs))
+    return Shape(
+        name, str(dtype).removeprefix("torch."), kv_bytes_per_token(specs), state_bytes_per_slot(specs)
+    )
 
 
 def request_mix(n: int, seed: int, dist: str, scale: float = 1.0) -> list[int]:
@@ -152,9 +175,11 @@ def paged_in_order(budget: int, shape: Shape, prompts: Sequence[int], new_tokens
 
 
 def analytic(budgets: Sequence[int], prompts: Sequence[int]) -> list[dict[str, Any]]:
-    shapes = [shape_of("Llama-3-8B", LLAMA3_8B, torch.bfloat16),
-              shape_of("Qwen3-Next-80B-A3B", qwen3_next_80b(), torch.bfloat16),
-              shape_of("SmolLM2-135M", SMOLLM2_135M, torch.float32)]
+    shapes = [
+        shape_of("Llama-3-8B", LLAMA3_8B, torch.bfloat16),
+        shape_of("Qwen3-Next-80B-A3B", qwen3_next_80b(), torch.bfloat16),
+        shape_of("SmolLM2-135M", SMOLLM2_135M, torch.float32),
+    ]
     rows = []
     for shape in shapes:
         mean_cost = sum(paged_cost(shape, p, NEW_TOKENS) for p in prompts) / len(prompts)
@@ -162,13 +187,23 @@ def analytic(budgets: Sequence[int], prompts: Sequence[int]) -> list[dict[str, A
             static = static_slots(budget, shape, MAX_MODEL_LEN)
             wide = static_slots(budget, shape, WIDE_MODEL_LEN)
             paged = paged_in_order(budget, shape, prompts, NEW_TOKENS)
-            rows.append({**asdict(shape), "budget_gib": budget / GiB, "static": static, "paged": paged,
-                         "steady": budget / mean_cost, "ratio": paged / static if static else math.inf,
-                         "static_8k": wide, "ratio_8k": paged / wide if wide else math.inf})
+            rows.append(
+                {
+                    **asdict(shape),
+                    "budget_gib": budget / GiB,
+                    "static": static,
+                    "paged": paged,
+                    "steady": budget / mean_cost,
+                    "ratio": paged / static if static else math.inf,
+                    "static_8k": wide,
+                    "ratio_8k": paged / wide if wide else math.inf,
+                }
+            )
     return rows
 
 
 # --- (b) measured -----------------------------------------------------------------------------
+
 
 def write_capacity_model(path: Path) -> None:
     """An HF directory the engine loads: CAPACITY_MODEL with seeded random weights, and the default
@@ -221,7 +256,9 @@ class ClientTally:
     retrying: int = 0  # clients waiting out a Retry-After now
 
 
-async def serve_mix(sched: Scheduler, prompts: Sequence[int], new_tokens: int, seed: int, tally: ClientTally) -> None:
+async def serve_mix(
+    sched: Scheduler, prompts: Sequence[int], new_tokens: int, seed: int, tally: ClientTally
+) -> None:
     """Submit every request at once; resubmit any the server refuses, after its Retry-After."""
     rng = random.Random(seed)
 
@@ -232,7 +269,9 @@ async def serve_mix(sched: Scheduler, prompts: Sequence[int], new_tokens: int, s
         tally.retrying -= 1
 
     async def one(i: int, n: int) -> None:
-        req = GenerationRequest(f"r{i}", tuple(rng.randrange(100, 49000) for _ in range(n)), GREEDY, new_tokens)
+        req = GenerationRequest(
+            f"r{i}", tuple(rng.randrange(100, 49000) for _ in range(n)), GREEDY, new_tokens
+        )
         while True:
             try:
                 handle = sched.submit(req)
@@ -271,15 +310,26 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         write_capacity_model(model_dir)
         root.mkdir()
         host = EmulatedHost(root, reserve=MiB, headroom=4 * GiB)  # room to load; narrowed below
-        cfg = EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=len(prompts), max_model_len=max_len,
-                           prefill_chunk_tokens=args.chunk, kv_segment_bytes=2 * shape.block_bytes)
+        cfg = EngineConfig(
+            model=str(model_dir),
+            device="cpu",
+            max_num_seqs=len(prompts),
+            max_model_len=max_len,
+            prefill_chunk_tokens=args.chunk,
+            kv_segment_bytes=2 * shape.block_bytes,
+        )
         engine = Engine.load(cfg, host.watch, prefix_cache=PrefixCacheConfig(fraction=0.0))
         kv = engine.runner.kv
         assert kv is not None
         activations = engine.cost_model.activation_bytes_per_prefill_token * args.chunk
         host.set_headroom(kv_budget + activations)
-        sched = Scheduler(engine, SchedulerConfig(max_num_seqs=len(prompts), max_queue=len(prompts),
-                                                  retry_after_s=0.05, request_timeout_s=0), memwatch=host.watch)
+        sched = Scheduler(
+            engine,
+            SchedulerConfig(
+                max_num_seqs=len(prompts), max_queue=len(prompts), retry_after_s=0.05, request_timeout_s=0
+            ),
+            memwatch=host.watch,
+        )
         tally = ClientTally()
         peak = {"running": 0, "bytes": 0}
         saturated: list[int] = []  # running sequences, sampled while requests were kept waiting
@@ -309,41 +359,73 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     static = kv_budget // (max_len * shape.kv_bytes_per_token)
     return {
         "model": {**asdict(shape), "config": CAPACITY_MODEL},
-        "scale": scale, "max_model_len": max_len, "new_tokens": new_tokens, "requests": len(prompts),
-        "prompt_tokens": sum(prompts), "kv_budget_bytes": kv_budget, "activation_allowance_bytes": activations,
-        "segment_bytes": kv.layout.segment_bytes, "static_slots": static,
+        "scale": scale,
+        "max_model_len": max_len,
+        "new_tokens": new_tokens,
+        "requests": len(prompts),
+        "prompt_tokens": sum(prompts),
+        "kv_budget_bytes": kv_budget,
+        "activation_allowance_bytes": activations,
+        "segment_bytes": kv.layout.segment_bytes,
+        "static_slots": static,
         "analytic_paged_in_order": paged_in_order(kv_budget, shape, prompts, new_tokens),
-        "peak_running": peak["running"], "peak_pool_bytes": peak["bytes"],
+        "peak_running": peak["running"],
+        "peak_pool_bytes": peak["bytes"],
         "mean_running_saturated": sum(saturated) / max(1, len(saturated)),
-        "ratio": peak["running"] / static, "completed": tally.completed, "refusals": tally.refusals,
-        "capped": tally.capped, "completion_tokens": tally.tokens, "preemptions": engine.preemptions,
+        "ratio": peak["running"] / static,
+        "completed": tally.completed,
+        "refusals": tally.refusals,
+        "capped": tally.capped,
+        "completion_tokens": tally.tokens,
+        "preemptions": engine.preemptions,
         "wall_s": wall,
     }
 
 
-def print_tables(rows: Sequence[dict[str, Any]], measured: dict[str, Any] | None, args: argparse.Namespace) -> None:
-    print(f"(a) analytic: {args.requests:,} requests, prompts {args.dist} {PROMPT_MIN}..{PROMPT_MAX} + {NEW_TOKENS} new, "
-          f"static slots of {MAX_MODEL_LEN} tokens, blocks of {BLOCK_SIZE}, seed {args.seed}")
-    print(f"{'model':<20} {'dtype':>8} {'KV/token':>9} {'state/slot':>11} {'budget':>7} {'static':>7} {'paged':>7} "
-          f"{'steady':>7} {'ratio':>6} {'static@8k':>9} {'ratio@8k':>8}")
+def print_tables(
+    rows: Sequence[dict[str, Any]], measured: dict[str, Any] | None, args: argparse.Namespace
+) -> None:
+    print(
+        f"(a) analytic: {args.requests:,} requests, prompts {args.dist} {PROMPT_MIN}..{PROMPT_MAX} + "
+        f"{NEW_TOKENS} new, "
+        f"static slots of {MAX_MODEL_LEN} tokens, blocks of {BLOCK_SIZE}, seed {args.seed}"
+    )
+    print(
+        f"{'model':<20} {'dtype':>8} {'KV/token':>9} {'state/slot':>11} {'budget':>7} {'static':>7} "
+        f"{'paged':>7} "
+        f"{'steady':>7} {'ratio':>6} {'static@8k':>9} {'ratio@8k':>8}"
+    )
     for r in rows:
-        print(f"{r['name']:<20} {r['dtype']:>8} {r['kv_bytes_per_token'] / 1024:>7.1f}Ki {r['state_bytes_per_slot'] / MiB:>9.2f}Mi "
-              f"{r['budget_gib']:>5.0f}Gi {r['static']:>7} {r['paged']:>7} {r['steady']:>7.1f} {r['ratio']:>5.2f}x "
-              f"{r['static_8k']:>9} {r['ratio_8k']:>7.2f}x")
+        print(
+            f"{r['name']:<20} {r['dtype']:>8} {r['kv_bytes_per_token'] / 1024:>7.1f}Ki "
+            f"{r['state_bytes_per_slot'] / MiB:>9.2f}Mi "
+            f"{r['budget_gib']:>5.0f}Gi {r['static']:>7} {r['paged']:>7} {r['steady']:>7.1f} "
+            f"{r['ratio']:>5.2f}x "
+            f"{r['static_8k']:>9} {r['ratio_8k']:>7.2f}x"
+        )
     if measured is None:
         return
     m = measured
-    print(f"\n(b) measured, real Scheduler + Engine on CPU: {m['requests']} requests, lengths x{m['scale']:g} "
-          f"(prompts {args.dist} {round(PROMPT_MIN * m['scale'])}..{round(PROMPT_MAX * m['scale'])} + {m['new_tokens']} new, "
-          f"max_model_len {m['max_model_len']}), KV budget {m['kv_budget_bytes'] / MiB:.1f} MiB "
-          f"(+ {m['activation_allowance_bytes'] / MiB:.1f} MiB for one prefill chunk), segments of "
-          f"{m['segment_bytes'] / MiB:.2f} MiB")
-    print(f"{'static slots':>12} {'paged peak':>11} {'ratio':>6} {'mean saturated':>15} {'analytic in order':>18} "
-          f"{'peak pool':>10} {'completed':>10} {'refusals':>9} {'capped':>7} {'preempted':>10} {'wall':>6}")
-    print(f"{m['static_slots']:>12} {m['peak_running']:>11} {m['ratio']:>5.2f}x {m['mean_running_saturated']:>15.1f} "
-          f"{m['analytic_paged_in_order']:>18} "
-          f"{m['peak_pool_bytes'] / MiB:>7.1f}MiB {m['completed']:>6}/{m['requests']:<3} {m['refusals']:>9} "
-          f"{m['capped']:>7} {m['preemptions']:>10} {m['wall_s']:>5.1f}s")
+    print(
+        f"\n(b) measured, real Scheduler + Engine on CPU: {m['requests']} requests, lengths x{m['scale']:g} "
+        f"(prompts {args.dist} {round(PROMPT_MIN * m['scale'])}..{round(PROMPT_MAX * m['scale'])} + "
+        f"{m['new_tokens']} new, "
+        f"max_model_len {m['max_model_len']}), KV budget {m['kv_budget_bytes'] / MiB:.1f} MiB "
+        f"(+ {m['activation_allowance_bytes'] / MiB:.1f} MiB for one prefill chunk), segments of "
+        f"{m['segment_bytes'] / MiB:.2f} MiB"
+    )
+    print(
+        f"{'static slots':>12} {'paged peak':>11} {'ratio':>6} {'mean saturated':>15} "
+        f"{'analytic in order':>18} "
+        f"{'peak pool':>10} {'completed':>10} {'refusals':>9} {'capped':>7} {'preempted':>10} {'wall':>6}"
+    )
+    print(
+        f"{m['static_slots']:>12} {m['peak_running']:>11} {m['ratio']:>5.2f}x "
+        f"{m['mean_running_saturated']:>15.1f} "
+        f"{m['analytic_paged_in_order']:>18} "
+        f"{m['peak_pool_bytes'] / MiB:>7.1f}MiB {m['completed']:>6}/{m['requests']:<3} {m['refusals']:>9} "
+        f"{m['capped']:>7} {m['preemptions']:>10} {m['wall_s']:>5.1f}s"
+    )
 
 
 def main() -> None:
@@ -369,8 +451,15 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "bench": "kv_capacity",
-        "mix": {"dist": args.dist, "prompt_min": PROMPT_MIN, "prompt_max": PROMPT_MAX, "new_tokens": NEW_TOKENS,
-                "requests": args.requests, "seed": args.seed, "mean_prompt": sum(prompts) / len(prompts)},
+        "mix": {
+            "dist": args.dist,
+            "prompt_min": PROMPT_MIN,
+            "prompt_max": PROMPT_MAX,
+            "new_tokens": NEW_TOKENS,
+            "requests": args.requests,
+            "seed": args.seed,
+            "mean_prompt": sum(prompts) / len(prompts),
+        },
         "max_model_len": MAX_MODEL_LEN,
         "block_size": BLOCK_SIZE,
         "qwen3_next_config": "transformers Qwen3NextConfig() defaults",

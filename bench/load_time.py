@@ -43,7 +43,13 @@ def _worker_ours(path: Path) -> dict[str, float]:
     t0 = time.perf_counter()
     g.build_tokenizer(gf.metadata)
     t_tok = time.perf_counter() - t0
-    return {"import_s": t_import, "load_s": total, "read_s": t_read, "tensors_s": t_tensors, "tokenizer_s": t_tok}
+    return {
+        "import_s": t_import,
+        "load_s": total,
+        "read_s": t_read,
+        "tensors_s": t_tensors,
+        "tokenizer_s": t_tok,
+    }
 
 
 def _worker_transformers(path: Path) -> dict[str, float]:
@@ -110,20 +116,31 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "gguf": str(args.gguf),
         "gguf_bytes": args.gguf.stat().st_size,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
         "ours": _summary(results["ours"]),
         "transformers": _summary(results["transformers"]),
     }  # fmt: skip
     ours, ref = report["ours"]["median"], report["transformers"]["median"]
     print(f"GGUF load, {args.gguf.name}, median of {args.repeats} fresh processes (seconds)")
     print(f"{'':14}{'import':>8}{'load':>8}   breakdown")
-    print(f"{'ballast':14}{ours['import_s']:8.2f}{ours['load_s']:8.2f}   read {ours['read_s']:.2f}, "
-          f"tensors {ours['tensors_s']:.2f}, tokenizer {ours['tokenizer_s']:.2f} (phases re-run apart)")
-    print(f"{'transformers':14}{ref['import_s']:8.2f}{ref['load_s']:8.2f}   model {ref['model_s']:.2f}, "
-          f"tokenizer {ref['tokenizer_s']:.2f}")
-    print(f"speed-up {ref['load_s'] / ours['load_s']:.1f}x; max |ours - transformers| over all tensors "
-          f"{ref['max_abs_diff_vs_ours']:.1e}; load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(
+        f"{'ballast':14}{ours['import_s']:8.2f}{ours['load_s']:8.2f}   read {ours['read_s']:.2f}, "
+        f"tensors {ours['tensors_s']:.2f}, tokenizer {ours['tokenizer_s']:.2f} (phases re-run apart)"
+    )
+    print(
+        f"{'transformers':14}{ref['import_s']:8.2f}{ref['load_s']:8.2f}   model {ref['model_s']:.2f}, "
+        f"tokenizer {ref['tokenizer_s']:.2f}"
+    )
+    print(
+        f"speed-up {ref['load_s'] / ours['load_s']:.1f}x; max |ours - transformers| over all tensors "
+        f"{ref['max_abs_diff_vs_ours']:.1e}; load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

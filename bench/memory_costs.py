@@ -55,7 +55,11 @@ def per_call_us(fn: Callable[[], object], calls: int, batches: int) -> dict[str,
             fn()
         samples.append((time.perf_counter_ns() - t0) / calls / 1000.0)
     samples.sort()
-    return {"median_us": statistics.median(samples), "p90_us": samples[int(0.9 * (len(samples) - 1))], "calls": calls * batches}
+    return {
+        "median_us": statistics.median(samples),
+        "p90_us": samples[int(0.9 * (len(samples) - 1))],
+        "calls": calls * batches,
+    }
 
 
 def watch_cpu_share(seconds: float, poll_s: float) -> dict[str, float]:
@@ -102,7 +106,11 @@ def fill_costs(nbytes: int, reps: int) -> dict[str, float]:
         buf.fill_(1)
         pooled.append((time.perf_counter_ns() - t0) / 1e6)
         pool.put(buf)
-    return {"bytes": nbytes, "fresh_fill_ms": statistics.median(fresh), "pooled_fill_ms": statistics.median(pooled[1:] or pooled)}
+    return {
+        "bytes": nbytes,
+        "fresh_fill_ms": statistics.median(fresh),
+        "pooled_fill_ms": statistics.median(pooled[1:] or pooled),
+    }
 
 
 def d2h_costs(nbytes: int, reps: int) -> dict[str, float] | None:
@@ -130,9 +138,14 @@ def d2h_costs(nbytes: int, reps: int) -> dict[str, float] | None:
         save_pooled.append(timed(buf[:nbytes], device_buf))
         restore_pooled.append(timed(device_buf, buf[:nbytes]))
         pool.put(buf)
-    return {"bytes": nbytes, "fresh_pageable_ms": statistics.median(save_fresh), "pooled_pinned_ms": statistics.median(save_pooled[1:] or save_pooled),
-            "restore_fresh_pageable_ms": statistics.median(restore_fresh), "restore_pooled_pinned_ms": statistics.median(restore_pooled[1:] or restore_pooled),
-            "pinned": float(pool.pinned)}
+    return {
+        "bytes": nbytes,
+        "fresh_pageable_ms": statistics.median(save_fresh),
+        "pooled_pinned_ms": statistics.median(save_pooled[1:] or save_pooled),
+        "restore_fresh_pageable_ms": statistics.median(restore_fresh),
+        "restore_pooled_pinned_ms": statistics.median(restore_pooled[1:] or restore_pooled),
+        "pinned": float(pool.pinned),
+    }
 
 
 def main() -> None:
@@ -147,8 +160,17 @@ def main() -> None:
     reader = HostReader("/")
     watch = MemWatch(config)
     state = watch.poll_now()
-    die = DieState(index=0, total_bytes=80 << 30, free_bytes=60 << 30, budget_bytes=79 << 30, ledger_bytes=20 << 30, ceiling_bytes=54 << 30)
-    gpu_state = MemState(host=state.host, dies=(die,), host_reserve_bytes=state.host_reserve_bytes, level=state.level)
+    die = DieState(
+        index=0,
+        total_bytes=80 << 30,
+        free_bytes=60 << 30,
+        budget_bytes=79 << 30,
+        ledger_bytes=20 << 30,
+        ceiling_bytes=54 << 30,
+    )
+    gpu_state = MemState(
+        host=state.host, dies=(die,), host_reserve_bytes=state.host_reserve_bytes, level=state.level
+    )
     ladder = LadderConfig(max_slots=32, context_window=8192)
     pool = CheckpointPool(lambda: state.host.effective_total_bytes, 0.05, 16, MiB, pin=False)
     pool.put(torch.empty(64 * MiB, dtype=torch.uint8))
@@ -157,10 +179,28 @@ def main() -> None:
         pool.put(pool.get(48 * MiB))
 
     def host_admit() -> object:
-        return admit_request(4000, 512, state, COST, max_window=1 << 20, gpu_die=None, quantized_kv=False, psi_full_reject_pct=config.psi_full_reject_pct)
+        return admit_request(
+            4000,
+            512,
+            state,
+            COST,
+            max_window=1 << 20,
+            gpu_die=None,
+            quantized_kv=False,
+            psi_full_reject_pct=config.psi_full_reject_pct,
+        )
 
     def gpu_admit() -> object:
-        return admit_request(4000, 512, gpu_state, COST, max_window=8192, gpu_die=0, quantized_kv=False, psi_full_reject_pct=config.psi_full_reject_pct)
+        return admit_request(
+            4000,
+            512,
+            gpu_state,
+            COST,
+            max_window=8192,
+            gpu_die=0,
+            quantized_kv=False,
+            psi_full_reject_pct=config.psi_full_reject_pct,
+        )
 
     rows = {
         "host poll, cached cgroup lookup (HostReader.read)": per_call_us(reader.read, 20, 50),
@@ -178,10 +218,20 @@ def main() -> None:
     print(f"{'operation':52s} {'median us':>11s} {'p90 us':>10s} {'calls':>7s}")
     for name, r in rows.items():
         print(f"{name:52s} {r['median_us']:11.2f} {r['p90_us']:10.2f} {r['calls']:7d}")
-    print(f"\ncheckpoint write, {args.fill_mib} MiB: fresh buffer {fill['fresh_fill_ms']:.1f} ms, pooled buffer {fill['pooled_fill_ms']:.1f} ms")
+    print(
+        f"\ncheckpoint write, {args.fill_mib} MiB: fresh buffer {fill['fresh_fill_ms']:.1f} ms, pooled "
+        f"buffer {fill['pooled_fill_ms']:.1f} ms"
+    )
     if d2h is not None:
-        print(f"checkpoint save (device-to-host), {args.fill_mib} MiB: fresh pageable {d2h['fresh_pageable_ms']:.1f} ms, pooled pinned {d2h['pooled_pinned_ms']:.1f} ms")
-        print(f"checkpoint restore (host-to-device), {args.fill_mib} MiB: pageable {d2h['restore_fresh_pageable_ms']:.1f} ms, pooled pinned {d2h['restore_pooled_pinned_ms']:.1f} ms")
+        print(
+            f"checkpoint save (device-to-host), {args.fill_mib} MiB: fresh pageable "
+            f"{d2h['fresh_pageable_ms']:.1f} ms, pooled pinned {d2h['pooled_pinned_ms']:.1f} ms"
+        )
+        print(
+            f"checkpoint restore (host-to-device), {args.fill_mib} MiB: pageable "
+            f"{d2h['restore_fresh_pageable_ms']:.1f} ms, "
+            f"pooled pinned {d2h['restore_pooled_pinned_ms']:.1f} ms"
+        )
     print(
         f"MemWatch at {share['poll_interval_s']} s over {share['wall_s']:.1f} s: {share['polls']} polls, "
         f"thread CPU {share['thread_cpu_share_pct']:.3f}% ({share['thread_cpu_us_per_poll']:.0f} us/poll), "

@@ -111,8 +111,9 @@ def make_case(batch: int, ctx: int) -> Case:
     seg_blocks = math.ceil(blocks / SEGMENTS)
     # Segments are views into one allocation so the gather baseline can index all blocks at once;
     # the kernel reads them through kv_ptrs exactly as it reads separate segments.
-    pool = torch.empty(seg_blocks * SEGMENTS, layers, BLOCK, 2 * HKV, HEAD_DIM, dtype=torch.bfloat16,
-                       device="cuda")
+    pool = torch.empty(
+        seg_blocks * SEGMENTS, layers, BLOCK, 2 * HKV, HEAD_DIM, dtype=torch.bfloat16, device="cuda"
+    )
     pool.normal_()
     kv_ptrs = torch.tensor([pool[s * seg_blocks].data_ptr() for s in range(SEGMENTS)], device="cuda")
     table = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, per_seq)
@@ -126,15 +127,23 @@ def ours(case: Case, tiling: DecodeTiling | None = None) -> Callable[[], None]:
 
     def run() -> None:
         for layer in range(case.layers):
-            kw: dict[str, Any] = {"layer": layer, "num_layers": case.layers, "seg_blocks": case.seg_blocks,
-                                  "block_size": BLOCK, "num_kv_heads": HKV, "kv_dtype": torch.bfloat16,
-                                  "sm_scale": HEAD_DIM ** -0.5, "max_ctx": case.ctx}
+            kw: dict[str, Any] = {
+                "layer": layer,
+                "num_layers": case.layers,
+                "seg_blocks": case.seg_blocks,
+                "block_size": BLOCK,
+                "num_kv_heads": HKV,
+                "kv_dtype": torch.bfloat16,
+                "sm_scale": HEAD_DIM**-0.5,
+                "max_ctx": case.ctx,
+            }
             # Not quantized: the scale table is never read, so kv_ptrs stands in for it.
             tables = (case.kv_ptrs, case.kv_ptrs, case.block_table, slots, lens)
             if tiling is None:
                 paged_decode(case.q, case.out, *tables, **kw)
             else:
                 decode_with(tiling, case.q, case.out, *tables, **kw)
+
     return run
 
 
@@ -147,9 +156,11 @@ def gather_sdpa(case: Case, out: torch.Tensor) -> Callable[[], None]:
             rows = case.pool[:, layer]  # [blocks, BLOCK, 2Hkv, D]
             k = rows[:, :, :HKV][ids].reshape(case.batch, case.ctx, HKV, HEAD_DIM)
             v = rows[:, :, HKV:][ids].reshape(case.batch, case.ctx, HKV, HEAD_DIM)
-            o = F.scaled_dot_product_attention(case.q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
-                                               enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                case.q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
+            )
             out.copy_(o[:, :, 0])
+
     return run
 
 
@@ -193,43 +204,70 @@ def main() -> None:
         err = (case.out.float() - base_out.float()).abs().max().item()
         chosen = choose_decode_tiling(batch, HKV, ctx, HEAD_DIM, torch.bfloat16, sms)
         row: dict[str, Any] = {
-            "batch": batch, "ctx": ctx, "layers_per_replay": case.layers, "kv_bytes": case.kv_bytes,
-            "ours_us": t_ours * 1e6, "gather_sdpa_us": t_base * 1e6, "speedup": t_base / t_ours,
-            "ours_bw_pct": 100 * case.kv_bytes / t_ours / copy_bw, "max_abs_diff": err,
+            "batch": batch,
+            "ctx": ctx,
+            "layers_per_replay": case.layers,
+            "kv_bytes": case.kv_bytes,
+            "ours_us": t_ours * 1e6,
+            "gather_sdpa_us": t_base * 1e6,
+            "speedup": t_base / t_ours,
+            "ours_bw_pct": 100 * case.kv_bytes / t_ours / copy_bw,
+            "max_abs_diff": err,
             "tiling": dataclasses.asdict(chosen),
         }
         if args.sweep:
             best, t_best = sweep(case, chosen)
-            row |= {"best_tiling": dataclasses.asdict(best), "best_us": t_best * 1e6,
-                    "best_bw_pct": 100 * case.kv_bytes / t_best / copy_bw}
+            row |= {
+                "best_tiling": dataclasses.asdict(best),
+                "best_us": t_best * 1e6,
+                "best_bw_pct": 100 * case.kv_bytes / t_best / copy_bw,
+            }
         rows.append(row)
         print(f"  batch {batch} ctx {ctx}: {row}", flush=True)
         del case, base_out
         torch.cuda.empty_cache()
 
     name = torch.cuda.get_device_name(0)
-    print(f"paged decode, Hq={HQ} Hkv={HKV} D={HEAD_DIM} bf16, block {BLOCK}, {SEGMENTS} segments, on {name} "
-          f"({sms} SMs); copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write); times per layer, "
-          "CUDA-graph replay")
-    print(f"{'batch':>5} {'ctx':>5} {'KV MB':>7} | {'ours us':>8} {'% copy bw':>9} {'splits':>6} | "
-          f"{'gather+SDPA us':>14} {'x':>6} | {'max diff':>8}"
-          + (" | best tiling (us, % bw)" if args.sweep else ""))
+    print(
+        f"paged decode, Hq={HQ} Hkv={HKV} D={HEAD_DIM} bf16, block {BLOCK}, {SEGMENTS} segments, on {name} "
+        f"({sms} SMs); copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write); times per layer, "
+        "CUDA-graph replay"
+    )
+    print(
+        f"{'batch':>5} {'ctx':>5} {'KV MB':>7} | {'ours us':>8} {'% copy bw':>9} {'splits':>6} | "
+        f"{'gather+SDPA us':>14} {'x':>6} | {'max diff':>8}"
+        + (" | best tiling (us, % bw)" if args.sweep else "")
+    )
     for r in rows:
-        line = (f"{r['batch']:>5} {r['ctx']:>5} {r['kv_bytes'] / 1e6:>7.1f} | {r['ours_us']:>8.1f} "
-                f"{r['ours_bw_pct']:>8.1f}% {r['tiling']['num_splits']:>6} | {r['gather_sdpa_us']:>14.1f} "
-                f"{r['speedup']:>5.1f}x | {r['max_abs_diff']:>8.4f}")
+        line = (
+            f"{r['batch']:>5} {r['ctx']:>5} {r['kv_bytes'] / 1e6:>7.1f} | {r['ours_us']:>8.1f} "
+            f"{r['ours_bw_pct']:>8.1f}% {r['tiling']['num_splits']:>6} | {r['gather_sdpa_us']:>14.1f} "
+            f"{r['speedup']:>5.1f}x | {r['max_abs_diff']:>8.4f}"
+        )
         if args.sweep:
             b = r["best_tiling"]
-            line += (f" | s{b['num_splits']} n{b['block_n']} w{b['num_warps']} st{b['num_stages']} "
-                     f"({r['best_us']:.1f}, {r['best_bw_pct']:.1f}%)")
+            line += (
+                f" | s{b['num_splits']} n{b['block_n']} w{b['num_warps']} st{b['num_stages']} "
+                f"({r['best_us']:.1f}, {r['best_bw_pct']:.1f}%)"
+            )
         print(line)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
-        "bench": "paged_attention", "device": name, "sms": sms, "torch": torch.__version__,
+        "bench": "paged_attention",
+        "device": name,
+        "sms": sms,
+        "torch": torch.__version__,
         "machine": platform.machine(),
-        "shape": {"hq": HQ, "hkv": HKV, "head_dim": HEAD_DIM, "dtype": "bfloat16", "block_size": BLOCK,
-                  "segments": SEGMENTS},
-        "copy_bandwidth_bytes_s": copy_bw, "rows": rows,
+        "shape": {
+            "hq": HQ,
+            "hkv": HKV,
+            "head_dim": HEAD_DIM,
+            "dtype": "bfloat16",
+            "block_size": BLOCK,
+            "segments": SEGMENTS,
+        },
+        "copy_bandwidth_bytes_s": copy_bw,
+        "rows": rows,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -121,7 +121,9 @@ def read_model(engine: Engine, cfg: dict[str, Any]) -> ReadModel:
     if experts:
         dense_only = set(cfg.get("mlp_only_layers") or ())
         step = int(cfg.get("decoder_sparse_step", 1) or 1)
-        moe_layers = sum(1 for i in range(int(cfg["num_hidden_layers"])) if i not in dense_only and (i + 1) % step == 0)
+        moe_layers = sum(
+            1 for i in range(int(cfg["num_hidden_layers"])) if i not in dense_only and (i + 1) % step == 0
+        )
     cost = engine.cost_model
     return ReadModel(
         weights_bytes=engine.load_report.weights_bytes,
@@ -208,9 +210,14 @@ def ours(engine: Engine, prompts: torch.Tensor, steps: int, chunk: int) -> dict[
         pos += 1
     replays = (graphs.replays if graphs is not None else 0) - replays_before
     engine.submit(StepPlan(release=tuple(range(batch)))).result()
-    return {"prefill_s": prefill_s, "step_s": step_s / steps, "tok_s": batch * steps / step_s,
-            "graph_replays": replays, "graphs": graphs is not None and replays >= steps + WARMUP_STEPS,
-            "tokens": tokens}
+    return {
+        "prefill_s": prefill_s,
+        "step_s": step_s / steps,
+        "tok_s": batch * steps / step_s,
+        "graph_replays": replays,
+        "graphs": graphs is not None and replays >= steps + WARMUP_STEPS,
+        "tokens": tokens,
+    }
 
 
 def reference(model: nn.Module, prompts: torch.Tensor, steps: int) -> dict[str, Any]:
@@ -230,8 +237,9 @@ def kv_need(rm: ReadModel, batch: int, positions: int, block: int) -> int:
     return batch * -(-positions // block) * block * rm.kv_bytes_per_token
 
 
-def bench_model(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
-                bandwidth: float) -> list[dict[str, Any]]:
+def bench_model(
+    name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bandwidth: float
+) -> list[dict[str, Any]]:
     cfg = model_config(name, args.tiny, args.experts)
     vocab = int(cfg["vocab_size"])
     max_batch, max_ctx = max(args.batches), max(args.contexts)
@@ -244,22 +252,37 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, dtype
         hf.save_pretrained(str(work))
         built_s = time.perf_counter() - t0
         for compiled in args.compile_modes:
-            engine = Engine.load(EngineConfig(model=str(work), device=str(device), dtype=args.dtype, max_num_seqs=max_batch,
-                                              max_model_len=positions, prefill_chunk_tokens=args.prefill_chunk,
-                                              cuda_graphs=device.type == "cuda", compile=compiled),
-                                 prefix_cache=PrefixCacheConfig(fraction=0.0))
+            engine = Engine.load(
+                EngineConfig(
+                    model=str(work),
+                    device=str(device),
+                    dtype=args.dtype,
+                    max_num_seqs=max_batch,
+                    max_model_len=positions,
+                    prefill_chunk_tokens=args.prefill_chunk,
+                    cuda_graphs=device.type == "cuda",
+                    compile=compiled,
+                ),
+                prefix_cache=PrefixCacheConfig(fraction=0.0),
+            )
             try:
                 rm = read_model(engine, cfg)
                 kv = engine.runner.kv
                 block = kv.layout.block_size if kv is not None else 1
                 g = engine.runner.graphs
-                print(f"{name}: built + saved in {built_s:.1f}s, engine load {engine.load_report.load_s:.1f}s "
-                      f"(compile {'on' if compiled else 'off'}), weights {rm.weights_bytes / GiB:.2f} GiB, "
-                      f"KV {rm.kv_bytes_per_token / 1024:.1f} KiB/token, state {rm.state_bytes_per_slot / 2**20:.1f} "
-                      f"MiB/slot, graphs {g.captured if g else 0}", flush=True)
+                print(
+                    f"{name}: built + saved in {built_s:.1f}s, engine load {engine.load_report.load_s:.1f}s "
+                    f"(compile {'on' if compiled else 'off'}), weights {rm.weights_bytes / GiB:.2f} GiB, "
+                    f"KV {rm.kv_bytes_per_token / 1024:.1f} KiB/token, state "
+                    f"{rm.state_bytes_per_slot / 2**20:.1f} "
+                    f"MiB/slot, graphs {g.captured if g else 0}",
+                    flush=True,
+                )
                 for context in args.contexts:
                     for batch in args.batches:
-                        row = run_ours(engine, rm, name, batch, context, block, vocab, args, device, bandwidth)
+                        row = run_ours(
+                            engine, rm, name, batch, context, block, vocab, args, device, bandwidth
+                        )
                         rows.append(row | {"compile": compiled})
             finally:
                 engine.shutdown()
@@ -280,8 +303,18 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, dtype
     return rows
 
 
-def run_ours(engine: Engine, rm: ReadModel, name: str, batch: int, context: int, block: int, vocab: int,
-             args: argparse.Namespace, device: torch.device, bandwidth: float) -> dict[str, Any]:
+def run_ours(
+    engine: Engine,
+    rm: ReadModel,
+    name: str,
+    batch: int,
+    context: int,
+    block: int,
+    vocab: int,
+    args: argparse.Namespace,
+    device: torch.device,
+    bandwidth: float,
+) -> dict[str, Any]:
     row: dict[str, Any] = {"model": name, "batch": batch, "context": context}
     positions = context + WARMUP_STEPS + args.steps
     held = engine.runner.kv.bytes_held if engine.runner.kv is not None else 0
@@ -297,14 +330,24 @@ def run_ours(engine: Engine, rm: ReadModel, name: str, batch: int, context: int,
     result["floor_s"] = floor
     result["roofline_pct"] = 100 * floor / result["step_s"]
     row["ours"] = result
-    print(f"  {name} batch {batch} context {context}: {result['tok_s']:.0f} tok/s, step {result['step_s'] * 1e3:.2f} ms, "
-          f"{result['roofline_pct']:.0f}% of roofline, prefill {result['prefill_s']:.1f}s, graphs {result['graphs']}",
-          flush=True)
+    print(
+        f"  {name} batch {batch} context {context}: {result['tok_s']:.0f} tok/s, step "
+        f"{result['step_s'] * 1e3:.2f} ms, "
+        f"{result['roofline_pct']:.0f}% of roofline, prefill {result['prefill_s']:.1f}s, graphs "
+        f"{result['graphs']}",
+        flush=True,
+    )
     return row
 
 
-def run_reference(hf: nn.Module, row: dict[str, Any], rm: ReadModel, vocab: int, args: argparse.Namespace,
-                  device: torch.device) -> None:
+def run_reference(
+    hf: nn.Module,
+    row: dict[str, Any],
+    rm: ReadModel,
+    vocab: int,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> None:
     batch, context = row["batch"], row["context"]
     if batch * context > args.reference_max_tokens:
         row["transformers"] = f"skipped (batch x context > {args.reference_max_tokens})"
@@ -333,46 +376,76 @@ def run_reference(hf: nn.Module, row: dict[str, Any], rm: ReadModel, vocab: int,
 
 def print_table(rows: Sequence[dict[str, Any]], header: str) -> None:
     print(header)
-    print(f"{'model':<11} {'compile':>7} {'batch':>5} {'context':>7} {'KV GiB':>7} {'ours tok/s':>11} {'step ms':>8} {'floor ms':>9} "
-          f"{'% roof':>7} {'graphs':>6} {'HF tok/s':>10} {'speedup':>8} {'same tokens':>11}")
+    print(
+        f"{'model':<11} {'compile':>7} {'batch':>5} {'context':>7} {'KV GiB':>7} {'ours tok/s':>11} "
+        f"{'step ms':>8} {'floor ms':>9} "
+        f"{'% roof':>7} {'graphs':>6} {'HF tok/s':>10} {'speedup':>8} {'same tokens':>11}"
+    )
     for r in rows:
         o, ref = r.get("ours"), r.get("transformers", "-")
         if isinstance(o, dict):
-            ours_cols = (f"{o['tok_s']:>11.0f} {o['step_s'] * 1e3:>8.2f} {o['floor_s'] * 1e3:>9.2f} "
-                         f"{o['roofline_pct']:>6.0f}% {'yes' if o['graphs'] else 'no':>6}")
+            ours_cols = (
+                f"{o['tok_s']:>11.0f} {o['step_s'] * 1e3:>8.2f} {o['floor_s'] * 1e3:>9.2f} "
+                f"{o['roofline_pct']:>6.0f}% {'yes' if o['graphs'] else 'no':>6}"
+            )
         else:
             ours_cols = f"{str(o):>45}"
         ref_col = f"{ref['tok_s']:>10.0f}" if isinstance(ref, dict) else f"{str(ref)[:10]:>10}"
         speed = f"{r['speedup']:>7.2f}x" if "speedup" in r else f"{'-':>8}"
         same = str(r.get("same_tokens", "-"))
-        print(f"{r['model']:<11} {'on' if r.get('compile', True) else 'off':>7} {r['batch']:>5} {r['context']:>7} {r['kv_gib']:>7.1f} {ours_cols} {ref_col} {speed} {same:>11}")
+        print(
+            f"{r['model']:<11} {'on' if r.get('compile', True) else 'off':>7} {r['batch']:>5} "
+            f"{r['context']:>7} {r['kv_gib']:>7.1f} {ours_cols} {ref_col} {speed} {same:>11}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=["llama-8b", "qwen3-next"], default=["llama-8b", "qwen3-next"])
-    parser.add_argument("--batches", type=int, nargs="+", default=None, help="default 1 32 128 (--quick: 1 32)")
-    parser.add_argument("--contexts", type=int, nargs="+", default=None, help="default 2048 8192 (--quick: 2048)")
+    parser.add_argument(
+        "--models", nargs="+", choices=["llama-8b", "qwen3-next"], default=["llama-8b", "qwen3-next"]
+    )
+    parser.add_argument(
+        "--batches", type=int, nargs="+", default=None, help="default 1 32 128 (--quick: 1 32)"
+    )
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", default=None, help="default 2048 8192 (--quick: 2048)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps (default 32, --quick 16)")
     parser.add_argument("--quick", action="store_true", help="batches 1 32, context 2048, 16 steps")
-    parser.add_argument("--tiny", action="store_true", help="small stand-in models (a plumbing check, e.g. on CPU)")
-    parser.add_argument("--experts", type=int, default=64, help="routed experts of the Qwen3-Next-shaped model")
+    parser.add_argument(
+        "--tiny", action="store_true", help="small stand-in models (a plumbing check, e.g. on CPU)"
+    )
+    parser.add_argument(
+        "--experts", type=int, default=64, help="routed experts of the Qwen3-Next-shaped model"
+    )
     parser.add_argument("--prefill-chunk", type=int, default=8192, help="prompt tokens per prefill step")
     parser.add_argument("--no-reference", action="store_true", help="skip transformers' generate")
-    parser.add_argument("--reference-max-tokens", type=int, default=65536,
-                        help="run the reference only where batch x context is at most this")
+    parser.add_argument(
+        "--reference-max-tokens",
+        type=int,
+        default=65536,
+        help="run the reference only where batch x context is at most this",
+    )
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (with --tiny)")
-    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default bfloat16 (cpu: float32)")
+    parser.add_argument(
+        "--dtype", default=None, choices=["bfloat16", "float32"], help="default bfloat16 (cpu: float32)"
+    )
     parser.add_argument("--work-dir", default=None, help="where the random-weight HF directories are written")
-    parser.add_argument("--compile", choices=["on", "off", "both"], default="on",
-                        help="fuse the pointwise pieces with torch.compile (both: off, then on, side by side)")
+    parser.add_argument(
+        "--compile",
+        choices=["on", "off", "both"],
+        default="on",
+        help="fuse the pointwise pieces with torch.compile (both: off, then on, side by side)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     args.compile_modes = {"on": [True], "off": [False], "both": [False, True]}[args.compile]
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("paged_decode: CUDA is not available here; it is a GPU benchmark "
-                         "(for a plumbing check without a GPU: --device cpu --tiny --quick)")
+        raise SystemExit(
+            "paged_decode: CUDA is not available here; it is a GPU benchmark "
+            "(for a plumbing check without a GPU: --device cpu --tiny --quick)"
+        )
     if device.type == "cpu" and not args.tiny:
         raise SystemExit("paged_decode: full-size models on the CPU would take hours; add --tiny")
     args.batches = args.batches or ([1, 32] if args.quick else [1, 32, 128])
@@ -385,22 +458,33 @@ def main() -> None:
     random.seed(0)
 
     bandwidth = copy_bandwidth(device, GiB // 4 if device.type == "cpu" else 2 * GiB)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"{where}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write), {args.dtype}, fla "
-          f"{'installed' if fla_installed() else 'not installed'}", flush=True)
+    where = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({torch.get_num_threads()} threads)"
+    )
+    print(
+        f"{where}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write), {args.dtype}, fla "
+        f"{'installed' if fla_installed() else 'not installed'}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for name in args.models:
         rows.extend(bench_model(name, args, device, dtype, bandwidth))
         write_report(rows, args, where, bandwidth, time.perf_counter() - t0)  # a later model may not finish
     wall = time.perf_counter() - t0
-    print_table(rows, f"\npaged decode on {where}, {args.steps} timed steps after {WARMUP_STEPS} warm-up, "
-                      f"{args.dtype}, random weights{' (tiny stand-ins)' if args.tiny else ''}; {wall:.0f}s")
+    print_table(
+        rows,
+        f"\npaged decode on {where}, {args.steps} timed steps after {WARMUP_STEPS} warm-up, "
+        f"{args.dtype}, random weights{' (tiny stand-ins)' if args.tiny else ''}; {wall:.0f}s",
+    )
     print(f"wrote {args.out}")
 
 
-def write_report(rows: Sequence[dict[str, Any]], args: argparse.Namespace, where: str, bandwidth: float,
-                 wall: float) -> None:
+def write_report(
+    rows: Sequence[dict[str, Any]], args: argparse.Namespace, where: str, bandwidth: float, wall: float
+) -> None:
     for r in rows:  # tokens were for the check, not the report
         for side in ("ours", "transformers"):
             if isinstance(r.get(side), dict):

@@ -39,7 +39,9 @@ def prefill(engine: Engine, slot: int, tokens: tuple[int, ...], chunk: int) -> i
     for start in range(0, len(tokens), chunk):
         part = tokens[start : start + chunk]
         last = start + len(part) == len(tokens)
-        res = engine.step(StepPlan(prefills=(PrefillChunk(slot, part, start, last),), sampling={slot: GREEDY}))
+        res = engine.step(
+            StepPlan(prefills=(PrefillChunk(slot, part, start, last),), sampling={slot: GREEDY})
+        )
         if last:
             out = res.outputs[0].token_id
     return out
@@ -52,12 +54,23 @@ def bench(name: str, n_tokens: int, repeats: int, chunk: int, work_dir: str | No
     hf.save_pretrained(work)
     del hf
     torch.cuda.empty_cache()
-    engine = Engine.load(EngineConfig(model=work, device="cuda", dtype="bfloat16", max_num_seqs=2,
-                                      max_model_len=n_tokens + 64, prefill_chunk_tokens=chunk, cuda_graphs=False),
-                         prefix_cache=PrefixCacheConfig(fraction=0.0))
+    engine = Engine.load(
+        EngineConfig(
+            model=work,
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=2,
+            max_model_len=n_tokens + 64,
+            prefill_chunk_tokens=chunk,
+            cuda_graphs=False,
+        ),
+        prefix_cache=PrefixCacheConfig(fraction=0.0),
+    )
     try:
         vocab = int(cfg["vocab_size"])
-        tokens = tuple(torch.randint(3, vocab, (n_tokens,), generator=torch.Generator().manual_seed(1)).tolist())
+        tokens = tuple(
+            torch.randint(3, vocab, (n_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+        )
         kv = engine.runner.kv
         assert kv is not None
         park_s, resume_s, recompute_s, copy_s = [], [], [], []
@@ -93,15 +106,26 @@ def bench(name: str, n_tokens: int, repeats: int, chunk: int, work_dir: str | No
             engine.step(StepPlan(release=(0,)))
             sync()
             t0 = time.perf_counter()
-            res = engine.step(StepPlan(prefills=(PrefillChunk(1, tokens[-1:], len(fed), True),),
-                                       restores=(CheckpointRestore(1, fed),), sampling={1: GREEDY}))
+            res = engine.step(
+                StepPlan(
+                    prefills=(PrefillChunk(1, tokens[-1:], len(fed), True),),
+                    restores=(CheckpointRestore(1, fed),),
+                    sampling={1: GREEDY},
+                )
+            )
             sync()
             resume_s.append(time.perf_counter() - t0)
             assert res.outputs[0].token_id == want, "the resumed sequence sampled another token"
         moved = len(kv.table(1)) * kv.layout.block_bytes + engine.runner.fixed_bytes // 3
-        row = {"model": name, "tokens": n_tokens, "moved_mib": moved / MiB, "park_ms": 1e3 * min(park_s),
-               "resume_copy_ms": 1e3 * min(copy_s), "resume_ms": 1e3 * min(resume_s),
-               "recompute_ms": 1e3 * min(recompute_s)}
+        row = {
+            "model": name,
+            "tokens": n_tokens,
+            "moved_mib": moved / MiB,
+            "park_ms": 1e3 * min(park_s),
+            "resume_copy_ms": 1e3 * min(copy_s),
+            "resume_ms": 1e3 * min(resume_s),
+            "recompute_ms": 1e3 * min(recompute_s),
+        }
         row["swap_ms"] = row["park_ms"] + row["resume_ms"]
         row["speedup"] = row["recompute_ms"] / row["swap_ms"]
         row["gbps"] = 2 * moved / ((row["park_ms"] + row["resume_copy_ms"]) / 1e3) / 1e9
@@ -125,13 +149,23 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("preemption bench: needs CUDA (parking moves KV from the GPU to pinned host memory)")
     rows = [bench(m, args.tokens, args.repeats, args.prefill_chunk, args.work_dir) for m in args.models]
-    print(f"preemption of one {args.tokens}-token sequence on {torch.cuda.get_device_name()}, best of {args.repeats}")
-    print("resume = copy back + the step that samples the next token; recompute = prefill again + the same token")
-    print("model        moved MiB  park ms  copy back ms  resume ms  swap ms  recompute ms  speedup  copy GB/s")
+    print(
+        f"preemption of one {args.tokens}-token sequence on {torch.cuda.get_device_name()}, best of "
+        f"{args.repeats}"
+    )
+    print(
+        "resume = copy back + the step that samples the next token; recompute = prefill again + the same "
+        "token"
+    )
+    print(
+        "model        moved MiB  park ms  copy back ms  resume ms  swap ms  recompute ms  speedup  copy GB/s"
+    )
     for r in rows:
-        print(f"{r['model']:<12} {r['moved_mib']:9.1f} {r['park_ms']:8.1f} {r['resume_copy_ms']:13.1f} "
-              f"{r['resume_ms']:10.1f} {r['swap_ms']:8.1f} {r['recompute_ms']:13.1f} {r['speedup']:7.1f}x "
-              f"{r['gbps']:10.1f}")
+        print(
+            f"{r['model']:<12} {r['moved_mib']:9.1f} {r['park_ms']:8.1f} {r['resume_copy_ms']:13.1f} "
+            f"{r['resume_ms']:10.1f} {r['swap_ms']:8.1f} {r['recompute_ms']:13.1f} {r['speedup']:7.1f}x "
+            f"{r['gbps']:10.1f}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows, "device": torch.cuda.get_device_name()}, indent=2))
     print(f"wrote {args.out}")

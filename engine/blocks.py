@@ -32,8 +32,10 @@ class BlockAllocator:
     def __init__(self, seg_blocks: int, max_segments: int, reserved: int = 0) -> None:
         """reserved: block ids below this are never handed out (the store's sink block)."""
         if seg_blocks < 1 or max_segments < 1 or not 0 <= reserved < seg_blocks:
-            raise ValueError(f"need seg_blocks >= 1, max_segments >= 1, 0 <= reserved < seg_blocks; got "
-                             f"{seg_blocks}, {max_segments}, {reserved}")
+            raise ValueError(
+                f"need seg_blocks >= 1, max_segments >= 1, 0 <= reserved < seg_blocks; got "
+                f"{seg_blocks}, {max_segments}, {reserved}"
+            )
         self.seg_blocks = seg_blocks
         self.max_segments = max_segments
         self.reserved = reserved

@@ -22,17 +22,73 @@ KV_QUANT_MODES = ("none", "int8")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = field(default="default", metadata=setting("BALLAST_MODEL", "model to serve: default, builtin:NAME, a .gguf file or a Hugging Face directory"))
-    dtype: str = field(default="auto", metadata=setting("BALLAST_DTYPE", "weights and activations dtype (auto = bfloat16 on CUDA, float32 on CPU)", choices=("auto", *DTYPES)))
+    model: str = field(
+        default="default",
+        metadata=setting(
+            "BALLAST_MODEL", "model to serve: default, builtin:NAME, a .gguf file or a Hugging Face directory"
+        ),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=setting(
+            "BALLAST_DTYPE",
+            "weights and activations dtype (auto = bfloat16 on CUDA, float32 on CPU)",
+            choices=("auto", *DTYPES),
+        ),
+    )
     device: str = field(default="auto", metadata=setting("BALLAST_DEVICE", "auto, cpu, cuda or cuda:N"))
-    max_num_seqs: int = field(default=8, metadata=setting("BALLAST_MAX_NUM_SEQS", "concurrent sequences (slots allocated at load)", 1, 4096))
-    max_model_len: int = field(default=2048, metadata=setting("BALLAST_MAX_MODEL_LEN", "prompt + generated tokens per sequence", 2, 1 << 20))
-    prefill_chunk_tokens: int = field(default=512, metadata=setting("BALLAST_PREFILL_CHUNK_TOKENS", "largest prefill one step carries (profiled at load)", 1, 1 << 16))
-    kv_quant: str = field(default="none", metadata=setting("BALLAST_KV_QUANT", "KV cache format: none keeps the model dtype, int8 adds per token-head scales", choices=KV_QUANT_MODES))
-    kv_segment_bytes: int = field(default=0, metadata=setting("BALLAST_KV_SEGMENT_BYTES", "KV pool growth step in bytes (whole blocks; 0 = 64 MiB on CPU, 256 MiB on CUDA)", 0, 1 << 40))
-    seed: int = field(default=0, metadata=setting("BALLAST_SEED", "seed of random-init weights and the shared sampler", 0, (1 << 63) - 1))
-    cuda_graphs: bool = field(default=True, metadata=setting("BALLAST_CUDA_GRAPHS", "replay decode steps as CUDA graphs (CUDA only; falls back to eager if capture fails)"))
-    compile: bool = field(default=True, metadata=setting("BALLAST_COMPILE", "fuse each norm, rope and gated activation into one kernel with torch.compile (CUDA only; eager if compiling fails)"))
+    max_num_seqs: int = field(
+        default=8,
+        metadata=setting("BALLAST_MAX_NUM_SEQS", "concurrent sequences (slots allocated at load)", 1, 4096),
+    )
+    max_model_len: int = field(
+        default=2048,
+        metadata=setting("BALLAST_MAX_MODEL_LEN", "prompt + generated tokens per sequence", 2, 1 << 20),
+    )
+    prefill_chunk_tokens: int = field(
+        default=512,
+        metadata=setting(
+            "BALLAST_PREFILL_CHUNK_TOKENS", "largest prefill one step carries (profiled at load)", 1, 1 << 16
+        ),
+    )
+    kv_quant: str = field(
+        default="none",
+        metadata=setting(
+            "BALLAST_KV_QUANT",
+            "KV cache format: none keeps the model dtype, int8 adds per token-head scales",
+            choices=KV_QUANT_MODES,
+        ),
+    )
+    kv_segment_bytes: int = field(
+        default=0,
+        metadata=setting(
+            "BALLAST_KV_SEGMENT_BYTES",
+            "KV pool growth step in bytes (whole blocks; 0 = 64 MiB on CPU, 256 MiB on CUDA)",
+            0,
+            1 << 40,
+        ),
+    )
+    seed: int = field(
+        default=0,
+        metadata=setting(
+            "BALLAST_SEED", "seed of random-init weights and the shared sampler", 0, (1 << 63) - 1
+        ),
+    )
+    cuda_graphs: bool = field(
+        default=True,
+        metadata=setting(
+            "BALLAST_CUDA_GRAPHS",
+            "replay decode steps as CUDA graphs (CUDA only; falls back to eager if capture fails)",
+        ),
+    )
+    compile: bool = field(
+        default=True,
+        metadata=setting(
+            "BALLAST_COMPILE",
+            "fuse each norm, rope and gated activation into one kernel with torch.compile (CUDA only; eager "
+            "if compiling fails)",
+        ),
+    )
 
     def __post_init__(self) -> None:
         check(self)

@@ -28,8 +28,14 @@ class Generation:
     finish_reason: str = ""  # "stop" (eos or stop string) | "length"
 
 
-def generate_stream(engine: Engine, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int,
-                    stop: Sequence[str] = (), result: Generation | None = None) -> Iterator[str]:
+def generate_stream(
+    engine: Engine,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    max_tokens: int,
+    stop: Sequence[str] = (),
+    result: Generation | None = None,
+) -> Iterator[str]:
     """Yield text deltas of one greedy/sampled continuation of prompt_ids in slot 0."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
@@ -44,7 +50,9 @@ def generate_stream(engine: Engine, prompt_ids: Sequence[int], params: SamplingP
     for start in range(0, len(prompt_ids), chunk):
         part = tuple(prompt_ids[start : start + chunk])
         last = start + len(part) == len(prompt_ids)
-        res = engine.submit(StepPlan(prefills=(PrefillChunk(SLOT, part, start, last),), sampling=sampling)).result()
+        res = engine.submit(
+            StepPlan(prefills=(PrefillChunk(SLOT, part, start, last),), sampling=sampling)
+        ).result()
         out = res.outputs[0] if res.outputs else None
     pos = len(prompt_ids)
     try:
@@ -62,7 +70,9 @@ def generate_stream(engine: Engine, prompt_ids: Sequence[int], params: SamplingP
             if len(result.token_ids) >= max_tokens or out.at_capacity:
                 result.finish_reason = "length"
                 break
-            res = engine.submit(StepPlan(decodes=(DecodeToken(SLOT, out.token_id, pos),), sampling=sampling)).result()
+            res = engine.submit(
+                StepPlan(decodes=(DecodeToken(SLOT, out.token_id, pos),), sampling=sampling)
+            ).result()
             out = res.outputs[0]
             pos += 1
         tail = detok.flush()
@@ -73,8 +83,12 @@ def generate_stream(engine: Engine, prompt_ids: Sequence[int], params: SamplingP
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ballast generate", description="Generate text from one prompt, streamed to stdout.")
-    p.add_argument("--model", default="default", help="default, builtin:NAME, a .gguf file or a Hugging Face directory")
+    p = argparse.ArgumentParser(
+        prog="ballast generate", description="Generate text from one prompt, streamed to stdout."
+    )
+    p.add_argument(
+        "--model", default="default", help="default, builtin:NAME, a .gguf file or a Hugging Face directory"
+    )
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
@@ -95,8 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-        config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=1,
-                              max_model_len=args.max_model_len, prefill_chunk_tokens=min(512, args.max_model_len))
+        config = EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_num_seqs=1,
+            max_model_len=args.max_model_len,
+            prefill_chunk_tokens=min(512, args.max_model_len),
+        )
     except ValueError as e:
         print(f"ballast generate: {e}", file=sys.stderr)
         return 2
@@ -108,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tok = engine.tokenizer
         use_chat = not args.raw and tok.has_chat_template
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if use_chat else tok.encode(args.prompt)
+        ids = (
+            tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+            if use_chat
+            else tok.encode(args.prompt)
+        )
         result = Generation()
         for text in generate_stream(engine, ids, params, args.max_tokens, result=result):
             sys.stdout.write(text)

@@ -55,7 +55,9 @@ class GrammarCompiler:
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
         self.vocab_size = vocab_size
-        self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
+        self._tokenizer = llguidance.hf.from_tokenizer(
+            hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
+        )
 
     def json_schema(self, schema: dict[str, Any]) -> str:
         try:
@@ -120,20 +122,30 @@ class SlotMatchers:
         if slot not in self._matchers:
             self._history.setdefault(slot, []).extend(token_ids)
 
-    def mask(self, logits: torch.Tensor, rows: Sequence[int], slots: Sequence[int],
-             constraints: Sequence[Constraint]) -> torch.Tensor:
+    def mask(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[int],
+        slots: Sequence[int],
+        constraints: Sequence[Constraint],
+    ) -> torch.Tensor:
         """`logits` with every token the grammar forbids set to -inf in the given rows."""
         matchers = [self._matcher(slot, c) for slot, c in zip(slots, constraints, strict=True)]
         bitmask = self._host_rows(len(rows), logits.device)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        self._executor.unsafe_compute_mask_ptr([(m, k) for k, m in enumerate(matchers)], bitmask.data_ptr(),
-                                               self._words * 4, len(rows))
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, k) for k, m in enumerate(matchers)], bitmask.data_ptr(), self._words * 4, len(rows)
+        )
         # The copy may run ahead of the host: the buffer is next written a step later, after this
         # step's sampled tokens reached the host, by which time the copy has finished.
         bits = bitmask.to(logits.device, non_blocking=True)
         # Bit j of word w allows token 32 w + j: one AND against the 32 powers of two unpacks it.
-        allowed = (bits.unsqueeze(-1) & self._powers_on(logits.device)).ne(0).view(len(rows), -1)[:, : logits.shape[1]]
+        allowed = (
+            (bits.unsqueeze(-1) & self._powers_on(logits.device))
+            .ne(0)
+            .view(len(rows), -1)[:, : logits.shape[1]]
+        )
         if len(rows) < logits.shape[0]:
             every = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
             every[torch.tensor(list(rows), dtype=torch.long, device=logits.device)] = allowed

@@ -8,7 +8,8 @@ for ~0.6 ms of GPU work. A graph replays the whole forward with one launch.
 Shapes are fixed inside a graph, so one is captured per (batch bucket, context bucket): a decode
 step of n sequences reading up to c cache positions replays the graph of the smallest batch
 bucket >= n and the smallest context bucket >= c, if that pair was captured: pairs whose
-attention reads would pass a memory budget (the profiled prefill peak) are not, and run eagerly. Padding rows feed token 0 at position 1 of a
+attention reads would pass a memory budget (the profiled prefill peak) are not, and run eagerly.
+Padding rows feed token 0 at position 1 of a
 scratch slot (one slot more than the scheduler is told of), so they write nothing a real
 sequence reads. Inputs enter through one static [3, batch] buffer (token, position, slot rows)
 with one host-to-device copy per step; logits come out in one static [batch, vocab] buffer that
@@ -52,13 +53,19 @@ def doubling_buckets(first: int, limit: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def bucket_pairs(batch_buckets: Sequence[int], context_buckets: Sequence[int], read_bytes_per_position: int,
-                 budget_bytes: int) -> tuple[tuple[int, int], ...]:
+def bucket_pairs(
+    batch_buckets: Sequence[int],
+    context_buckets: Sequence[int],
+    read_bytes_per_position: int,
+    budget_bytes: int,
+) -> tuple[tuple[int, int], ...]:
     """The (batch, context) buckets to capture, largest first: those whose step reads of batch x
     context cache positions (attention gathers each slot's K/V up to the context) take at most
     budget_bytes. A graph's pool keeps its peak for good, so a 256-slot, 32k-context graph of a
     real model (tens of GiB) is left to the eager path, which only pays it when a step needs it."""
-    pairs = sorted(((b, c) for b in batch_buckets for c in context_buckets), key=lambda p: (p[0] * p[1], p), reverse=True)
+    pairs = sorted(
+        ((b, c) for b in batch_buckets for c in context_buckets), key=lambda p: (p[0] * p[1], p), reverse=True
+    )
     return tuple(p for p in pairs if p[0] * p[1] * read_bytes_per_position <= budget_bytes)
 
 
@@ -73,14 +80,23 @@ def bucket_for(buckets: Sequence[int], n: int) -> int | None:
 class DecodeGraphs:
     """Decode-step graphs over a model's slot states."""
 
-    def __init__(self, device: torch.device, scratch_slot: int, max_batch: int, max_context: int,
-                 read_bytes_per_position: int = 0, budget_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        scratch_slot: int,
+        max_batch: int,
+        max_context: int,
+        read_bytes_per_position: int = 0,
+        budget_bytes: int = 0,
+    ) -> None:
         """read_bytes_per_position / budget_bytes: see `bucket_pairs` (0 bytes: capture them all)."""
         self.device = device
         self.scratch_slot = scratch_slot
         self.batch_buckets = doubling_buckets(1, max_batch)
         self.context_buckets = doubling_buckets(SMALLEST_CONTEXT_BUCKET, max_context)
-        self.pairs = bucket_pairs(self.batch_buckets, self.context_buckets, read_bytes_per_position, budget_bytes)
+        self.pairs = bucket_pairs(
+            self.batch_buckets, self.context_buckets, read_bytes_per_position, budget_bytes
+        )
         width = self.batch_buckets[-1]
         self._inputs = torch.zeros((3, width), dtype=torch.int64, device=device)  # token, position, slot
         self._arange = torch.arange(width + 1, dtype=torch.int64, device=device)

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 def segment_grant(watch: MemWatch, die: int | None) -> Acquire:
     """Grants for KV segments on `die` (None: the host)."""
     if die is not None:
+
         def lease(nbytes: int) -> Callable[[], None] | None:
             try:
                 return watch.ledger.lease(die, nbytes, "kv-segment").release
@@ -52,18 +53,29 @@ def _nothing() -> None:
     return None
 
 
-def capacity_line(cost: CostModel, fixed_bytes: int, kv_room_bytes: int, quantized: bool, max_seqs: int,
-                  max_model_len: int) -> str:
+def capacity_line(
+    cost: CostModel, fixed_bytes: int, kv_room_bytes: int, quantized: bool, max_seqs: int, max_model_len: int
+) -> str:
     """The start-up report: what the memory left after loading holds, in tokens and sequences. Every
     per-slot cost is in it (a hybrid model's recurrent states are allocated for every slot at load
     and are often larger than a short sequence's KV), so the figures are what admission will find."""
-    per_tok = cost.quantized_kv_bytes_per_token if quantized and cost.quantized_kv_bytes_per_token else cost.kv_bytes_per_token
+    per_tok = (
+        cost.quantized_kv_bytes_per_token
+        if quantized and cost.quantized_kv_bytes_per_token
+        else cost.kv_bytes_per_token
+    )
     if per_tok <= 0:
-        return (f"capacity: no attention KV; {max_seqs} slots of recurrent state hold {fixed_bytes / MiB:.1f} MiB; "
-                f"{kv_room_bytes / GiB:.2f} GiB left")
+        return (
+            f"capacity: no attention KV; {max_seqs} slots of recurrent state hold {fixed_bytes / MiB:.1f} "
+            "MiB; "
+            f"{kv_room_bytes / GiB:.2f} GiB left"
+        )
     tokens = kv_room_bytes // per_tok
     seqs = min(max_seqs, tokens // max_model_len)
-    return (f"capacity: KV room {kv_room_bytes / GiB:.2f} GiB = {tokens:,} tokens at {per_tok / 1024:.1f} KiB/token "
-            f"({'int8' if quantized else 'model dtype'}, blocks of {cost.kv_block_tokens}): {seqs} of {max_seqs} "
-            f"sequences at max_model_len {max_model_len}, or {min(max_seqs, tokens // 1024 or 0)} at 1k tokens; "
-            f"per-slot states for {max_seqs} slots {fixed_bytes / MiB:.1f} MiB (allocated)")
+    return (
+        f"capacity: KV room {kv_room_bytes / GiB:.2f} GiB = {tokens:,} tokens at {per_tok / 1024:.1f} "
+        "KiB/token "
+        f"({'int8' if quantized else 'model dtype'}, blocks of {cost.kv_block_tokens}): {seqs} of {max_seqs} "
+        f"sequences at max_model_len {max_model_len}, or {min(max_seqs, tokens // 1024 or 0)} at 1k tokens; "
+        f"per-slot states for {max_seqs} slots {fixed_bytes / MiB:.1f} MiB (allocated)"
+    )

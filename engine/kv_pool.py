@@ -42,8 +42,16 @@ class KVPool:
     # --- figures --------------------------------------------------------------------------
     def figures(self) -> KVFigures:
         a, lay = self.alloc, self.layout
-        return KVFigures(lay.block_size, lay.block_bytes, a.free_blocks, a.used_blocks, len(a.segments),
-                         a.addable_segments * lay.seg_blocks, self.store.bytes_held, a.held_only_blocks)
+        return KVFigures(
+            lay.block_size,
+            lay.block_bytes,
+            a.free_blocks,
+            a.used_blocks,
+            len(a.segments),
+            a.addable_segments * lay.seg_blocks,
+            self.store.bytes_held,
+            a.held_only_blocks,
+        )
 
     @property
     def bytes_held(self) -> int:
@@ -154,7 +162,9 @@ class KVPool:
             self.alloc.remove_segment(seg)
             give_back()
             self.refused += 1
-            log.warning("KV segment of %.1f MiB could not be allocated: %s", self.layout.segment_bytes / MiB, e)
+            log.warning(
+                "KV segment of %.1f MiB could not be allocated: %s", self.layout.segment_bytes / MiB, e
+            )
             return False
         self._give_back[seg] = give_back
         return True

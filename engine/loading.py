@@ -58,7 +58,13 @@ class ModelLoadRefused(RuntimeError):
 # Everything a load can fail with for a reason the operator can fix (a bad spec or file, a model we
 # do not implement, not enough memory, no network for the default model): report, don't trace.
 LOAD_ERRORS: tuple[type[Exception], ...] = (
-    ModelSpecError, ModelLoadRefused, ModelError, DefaultModelError, GGUFError, TokenizerError, MemoryRefused,
+    ModelSpecError,
+    ModelLoadRefused,
+    ModelError,
+    DefaultModelError,
+    GGUFError,
+    TokenizerError,
+    MemoryRefused,
     GenerationConfigError,
 )
 
@@ -91,7 +97,10 @@ def resolve(spec: str) -> ModelSource:
         return ModelSource("gguf", path.stem, path)
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource("hf", path.name, path)
-    raise ModelSpecError(f"model {spec!r} is not 'default', 'builtin:NAME', a .gguf file or a Hugging Face directory with config.json")
+    raise ModelSpecError(
+        f"model {spec!r} is not 'default', 'builtin:NAME', a .gguf file or a Hugging Face directory with "
+        "config.json"
+    )
 
 
 @dataclass
@@ -129,7 +138,9 @@ def planned_weights_bytes(hf_config: Mapping[str, Any], dtype: torch.dtype) -> i
     return sum(p.numel() for p in model.parameters()) * dtype_bytes(dtype)
 
 
-def slot_bytes_at_load(hf_config: Mapping[str, Any], config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
+def slot_bytes_at_load(
+    hf_config: Mapping[str, Any], config: EngineConfig, dtype: torch.dtype
+) -> tuple[int, int]:
     """(bytes allocated for the slots at load: recurrent states and sampler buffers, bytes of KV
     for one sequence at max_model_len: the least a pool must be able to hold to serve it)."""
     with torch.device("meta"):
@@ -140,8 +151,17 @@ def slot_bytes_at_load(hf_config: Mapping[str, Any], config: EngineConfig, dtype
     return fixed, kv_bytes_per_token(specs) * config.max_model_len
 
 
-def admit_load(hf_config: Mapping[str, Any], config: EngineConfig, device: torch.device, dtype: torch.dtype,
-               weights: int, watch: MemWatch | None, mem_config: MemoryConfig, *, host_staging: int = 0) -> None:
+def admit_load(
+    hf_config: Mapping[str, Any],
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    weights: int,
+    watch: MemWatch | None,
+    mem_config: MemoryConfig,
+    *,
+    host_staging: int = 0,
+) -> None:
     """Raise ModelLoadRefused unless the memory this load allocates fits: the weights, the slots'
     fixed states, the KV of one max-length sequence and the prefill activations, on the host for a
     CPU engine or on the die (under the ledger's ceiling, the limit every later lease meets) for a
@@ -151,8 +171,9 @@ def admit_load(hf_config: Mapping[str, Any], config: EngineConfig, device: torch
         return  # tests and tools without a memory layer
     state: MemState = watch.poll_now()
     fixed, one_seq = slot_bytes_at_load(hf_config, config, dtype)
-    activations = analytic_activation_bytes(hf_config, config.prefill_chunk_tokens, config.max_model_len,
-                                            dtype_bytes(dtype))
+    activations = analytic_activation_bytes(
+        hf_config, config.prefill_chunk_tokens, config.max_model_len, dtype_bytes(dtype)
+    )
     resident = weights + fixed + one_seq + activations
     host = resident + host_staging if device.type == "cpu" else host_staging
     spike = admit_load_spike(mem_config.load_spike_bytes, state, host_weights_bytes=host)
@@ -162,8 +183,13 @@ def admit_load(hf_config: Mapping[str, Any], config: EngineConfig, device: torch
         return
     free, total = torch.cuda.mem_get_info(device)
     ceiling = watch.ledger.register_die(_die(device), total, free)
-    verdict = admit_model_load(weights + fixed, one_seq, activations, ceiling + mem_config.die_reserve_bytes,
-                               mem_config.die_reserve_bytes)
+    verdict = admit_model_load(
+        weights + fixed,
+        one_seq,
+        activations,
+        ceiling + mem_config.die_reserve_bytes,
+        mem_config.die_reserve_bytes,
+    )
     if not verdict.admitted:
         raise ModelLoadRefused(verdict)
 
@@ -172,7 +198,9 @@ def _die(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def load(config: EngineConfig, device: torch.device, dtype: torch.dtype, watch: MemWatch | None = None) -> LoadedModel:
+def load(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, watch: MemWatch | None = None
+) -> LoadedModel:
     """Load the model config.model names onto device in dtype, after the memory layer agrees."""
     mem_config = watch.config if watch is not None else MemoryConfig()
     source = resolve(config.model)
@@ -182,15 +210,25 @@ def load(config: EngineConfig, device: torch.device, dtype: torch.dtype, watch: 
         weights = planned_weights_bytes(hf_config, dtype)
         admit_load(hf_config, config, device, dtype, weights, watch, mem_config)
         model = builtin.build_builtin(source.name, dtype=dtype, device=device)
-        tokenizer = LazyTokenizer(lambda: Tokenizer(build_tokenizer(read_gguf(default_model_path()).metadata)))
+        tokenizer = LazyTokenizer(
+            lambda: Tokenizer(build_tokenizer(read_gguf(default_model_path()).metadata))
+        )
     elif source.kind == "gguf":
         assert source.path is not None
         gf = read_gguf(source.path)
         hf_config = gguf_config(gf)
         weights = sum(math.prod(t.shape) for t in gf.tensors.values()) * dtype_bytes(dtype)
         # The GGUF is dequantized whole in host memory before it moves to a GPU.
-        admit_load(hf_config, config, device, dtype, weights, watch, mem_config,
-                   host_staging=weights if device.type == "cuda" else 0)
+        admit_load(
+            hf_config,
+            config,
+            device,
+            dtype,
+            weights,
+            watch,
+            mem_config,
+            host_staging=weights if device.type == "cuda" else 0,
+        )
         model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype), device)
         hf_tok = build_tokenizer(gf.metadata)
         tokenizer = LazyTokenizer(lambda: Tokenizer(hf_tok))
@@ -199,7 +237,9 @@ def load(config: EngineConfig, device: torch.device, dtype: torch.dtype, watch: 
         ckpt = inspect_hf_dir(source.path)
         hf_config = ckpt.config
         weights = ckpt.weights_bytes(dtype)
-        admit_load(hf_config, config, device, dtype, weights, watch, mem_config, host_staging=ckpt.transient_bytes())
+        admit_load(
+            hf_config, config, device, dtype, weights, watch, mem_config, host_staging=ckpt.transient_bytes()
+        )
         model = load_hf_model(ckpt, dtype=dtype, device=device)
         path = source.path
         tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(path))
@@ -207,21 +247,29 @@ def load(config: EngineConfig, device: torch.device, dtype: torch.dtype, watch: 
     held = weights_bytes(model)
     if watch is not None and device.type == "cuda":
         leases.append(watch.ledger.lease(_die(device), held, f"weights:{source.name}"))
-    return LoadedModel(source, model.eval(), dict(hf_config), tokenizer, held, time.perf_counter() - t0, leases)
+    return LoadedModel(
+        source, model.eval(), dict(hf_config), tokenizer, held, time.perf_counter() - t0, leases
+    )
 
 
-def _from_tensors(hf_config: Mapping[str, Any], tensors: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
+def _from_tensors(
+    hf_config: Mapping[str, Any], tensors: dict[str, torch.Tensor], device: torch.device
+) -> nn.Module:
     """Build the model on the meta device and adopt the loaded tensors as its parameters."""
     with torch.device("meta"):
         model = model_class(hf_config).from_hf_config(hf_config)
     # Not strict: a checkpoint with tied embeddings has no lm_head tensor; tie_weights covers it.
     result = model.load_state_dict(tensors, strict=False, assign=True)
     if result.unexpected_keys:
-        raise ModelSpecError(f"checkpoint has tensors the model does not: {', '.join(result.unexpected_keys[:8])}")
+        raise ModelSpecError(
+            f"checkpoint has tensors the model does not: {', '.join(result.unexpected_keys[:8])}"
+        )
     tie = getattr(model, "tie_weights", None)
     if tie is not None:
         tie()
     missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
     if missing:
-        raise ModelSpecError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        raise ModelSpecError(
+            f"checkpoint lacks tensors for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+        )
     return model.to(device)

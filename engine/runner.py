@@ -76,7 +76,9 @@ def analytic_activation_bytes(hf_config: Mapping[str, Any], tokens: int, context
     kv_heads = int(hf_config.get("num_key_value_heads", 0) or heads)
     head_dim = int(hf_config.get("head_dim", 0) or (h // heads))
     inter = int(hf_config.get("intermediate_size", 0) or 0)
-    moe_inter = int(hf_config.get("moe_intermediate_size", 0) or 0) * int(hf_config.get("num_experts_per_tok", 0) or 0)
+    moe_inter = int(hf_config.get("moe_intermediate_size", 0) or 0) * int(
+        hf_config.get("num_experts_per_tok", 0) or 0
+    )
     inter = max(inter, moe_inter + int(hf_config.get("shared_expert_intermediate_size", 0) or 0))
     vocab = int(hf_config.get("vocab_size", 0))
     residual = 2 * tokens * h * act_bytes
@@ -97,8 +99,14 @@ class Profile:
     measured: bool  # True: the device allocator's peak; False: the analytic bound
 
 
-def profile_prefill(model: nn.Module, hf_config: Mapping[str, Any], chunk_tokens: int, max_model_len: int,
-                    device: torch.device, dtype: torch.dtype) -> Profile:
+def profile_prefill(
+    model: nn.Module,
+    hf_config: Mapping[str, Any],
+    chunk_tokens: int,
+    max_model_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Profile:
     """Peak activation bytes of one prefill of `chunk_tokens` tokens placed at the end of a
     max_model_len context (so attention reads the longest cache any real chunk can read).
 
@@ -130,10 +138,16 @@ def profile_prefill(model: nn.Module, hf_config: Mapping[str, Any], chunk_tokens
     with torch.inference_mode():
         model(ForwardBatch.build([(0, [0] * warm, 0)], device), states)
     act_bytes = torch.empty((), dtype=dtype).element_size()
-    return Profile(chunk_tokens, analytic_activation_bytes(hf_config, chunk_tokens, start + chunk_tokens, act_bytes), measured=False)
+    return Profile(
+        chunk_tokens,
+        analytic_activation_bytes(hf_config, chunk_tokens, start + chunk_tokens, act_bytes),
+        measured=False,
+    )
 
 
-def build_cost_model(model: nn.Module, dtype: torch.dtype, profile: Profile, weights: int, kv_block_tokens: int = 1) -> CostModel:
+def build_cost_model(
+    model: nn.Module, dtype: torch.dtype, profile: Profile, weights: int, kv_block_tokens: int = 1
+) -> CostModel:
     lm = as_causal_lm(model)
     specs: list[LayerSpec] = lm.layer_specs(dtype_bytes(dtype))
     quantized: list[LayerSpec] = lm.layer_specs(1)
@@ -146,17 +160,24 @@ def build_cost_model(model: nn.Module, dtype: torch.dtype, profile: Profile, wei
         prefill_chunk_tokens=profile.chunk_tokens,
         kv_block_tokens=kv_block_tokens,
         state_preallocated=True,
-        extra={"profile_chunk_tokens": profile.chunk_tokens, "profile_peak_bytes": profile.peak_activation_bytes},
+        extra={
+            "profile_chunk_tokens": profile.chunk_tokens,
+            "profile_peak_bytes": profile.peak_activation_bytes,
+        },
     )
 
 
-def planned_state_bytes(model: nn.Module, dtype: torch.dtype, num_slots: int, scratch_slot: bool = False) -> int:
+def planned_state_bytes(
+    model: nn.Module, dtype: torch.dtype, num_slots: int, scratch_slot: bool = False
+) -> int:
     """Bytes `ModelRunner` allocates at load for these settings (per-slot recurrent states and the
     sampler's buffers), from the layer specs alone, so the VRAM ledger can be asked before anything
     is allocated. KV blocks are not in it: the pool leases them segment by segment."""
     lm = as_causal_lm(model)
     recurrent = state_bytes_per_slot(lm.layer_specs(dtype_bytes(dtype)))
-    return (num_slots + int(scratch_slot)) * recurrent + Sampler.planned_bytes(num_slots, int(lm.config.vocab_size))
+    return (num_slots + int(scratch_slot)) * recurrent + Sampler.planned_bytes(
+        num_slots, int(lm.config.vocab_size)
+    )
 
 
 class ModelRunner:
@@ -164,9 +185,19 @@ class ModelRunner:
     forward over many slots. With scratch_slot the states carry one slot more than num_slots, for
     graph padding (it holds one block for good: padding rows write there)."""
 
-    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, num_slots: int,
-                 max_model_len: int, quantized_kv: bool, seed: int, scratch_slot: bool = False,
-                 acquire: Acquire | None = None, segment_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_slots: int,
+        max_model_len: int,
+        quantized_kv: bool,
+        seed: int,
+        scratch_slot: bool = False,
+        acquire: Acquire | None = None,
+        segment_bytes: int = 0,
+    ) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -178,9 +209,14 @@ class ModelRunner:
         self._state_slots = num_slots + int(scratch_slot)
         # The main store in the load-time format; an int8 one beside it (address space only until
         # a sequence needs it) for sequences the ladder starts in int8 at WATCH and worse.
-        main = kv_store_for(specs, self._state_slots, max_model_len, device, dtype, quantized_kv, segment_bytes)
-        int8 = None if main is None or quantized_kv else kv_store_for(
-            specs, self._state_slots, max_model_len, device, dtype, True, segment_bytes)
+        main = kv_store_for(
+            specs, self._state_slots, max_model_len, device, dtype, quantized_kv, segment_bytes
+        )
+        int8 = (
+            None
+            if main is None or quantized_kv
+            else kv_store_for(specs, self._state_slots, max_model_len, device, dtype, True, segment_bytes)
+        )
         self.kv_stores = KVStores(main, int8) if main is not None else None
         self.kv: KVPool | None = None
         self.kv_int8: KVPool | None = None
@@ -245,7 +281,9 @@ class ModelRunner:
             held = {slot: sum(p.alloc.count(slot) for p in self.pools) for slot, _, _ in seqs}
             bare = [slot for slot, tokens, start in seqs if held[slot] * bs < start + len(tokens)]
             if bare:  # writing there would land in another sequence's blocks
-                raise ValueError(f"slots {bare} have no KV blocks for this step's positions (KVPool.ensure first)")
+                raise ValueError(
+                    f"slots {bare} have no KV blocks for this step's positions (KVPool.ensure first)"
+                )
         mixed = self.kv_stores is not None and self.kv_stores.mixed
         if self.graphs is not None and not mixed and self.graphs.can_use(seqs):
             return self.graphs.replay(seqs)

@@ -76,10 +76,14 @@ class Sampler:
             index = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
             self._seen[slot].index_fill_(0, index.clamp_(0, self.vocab_size - 1), True)
 
-    def sample(self, logits: torch.Tensor, slots: Sequence[int], params: Sequence[SamplingParams]) -> list[SampledToken]:
+    def sample(
+        self, logits: torch.Tensor, slots: Sequence[int], params: Sequence[SamplingParams]
+    ) -> list[SampledToken]:
         """Draw one token per row of `logits` [B, vocab]; row i belongs to slots[i]."""
         if logits.dim() != 2 or logits.shape[0] != len(slots) or len(slots) != len(params):
-            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(slots)} slots / {len(params)} params")
+            raise ValueError(
+                f"logits {tuple(logits.shape)} do not match {len(slots)} slots / {len(params)} params"
+            )
         logits = logits[:, : self.vocab_size].float()
         slot_index = torch.tensor(list(slots), dtype=torch.long, device=logits.device)
         want_logprobs = [p.logprobs is not None for p in params]
@@ -88,8 +92,12 @@ class Sampler:
         processed = self._apply_penalties(_biased(logits, params), slot_index, params)
         constrained = [i for i, p in enumerate(params) if p.constraint is not None]
         if constrained:
-            processed = self.matchers.mask(processed, constrained, [slots[i] for i in constrained],
-                               [c for c in (params[i].constraint for i in constrained) if c is not None])
+            processed = self.matchers.mask(
+                processed,
+                constrained,
+                [slots[i] for i in constrained],
+                [c for c in (params[i].constraint for i in constrained) if c is not None],
+            )
         tokens = self._choose(processed, slots, params)
         self._record(slot_index, tokens)
         token_list = tokens.tolist()  # the step's one device-to-host sync
@@ -97,8 +105,13 @@ class Sampler:
             self.matchers.accept([slots[i] for i in constrained], [token_list[i] for i in constrained])
         return _outputs(token_list, tokens, raw_logprobs, params)
 
-    def _apply_penalties(self, logits: torch.Tensor, slot_index: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        if all(p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 for p in params):
+    def _apply_penalties(
+        self, logits: torch.Tensor, slot_index: torch.Tensor, params: Sequence[SamplingParams]
+    ) -> torch.Tensor:
+        if all(
+            p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+            for p in params
+        ):
             return logits
         rep = _column(params, "repetition_penalty", logits)
         freq = _column(params, "frequency_penalty", logits)
@@ -109,7 +122,9 @@ class Sampler:
         logits = torch.where(seen, penalised, logits)
         return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
 
-    def _choose(self, logits: torch.Tensor, slots: Sequence[int], params: Sequence[SamplingParams]) -> torch.Tensor:
+    def _choose(
+        self, logits: torch.Tensor, slots: Sequence[int], params: Sequence[SamplingParams]
+    ) -> torch.Tensor:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
@@ -197,7 +212,9 @@ def _biased(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
         return logits
     rows, tokens, biases = zip(*entries, strict=True)
     index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+    return logits.index_put(
+        index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True
+    )
 
 
 def _column(params: Sequence[SamplingParams], name: str, like: torch.Tensor) -> torch.Tensor:
@@ -205,8 +222,12 @@ def _column(params: Sequence[SamplingParams], name: str, like: torch.Tensor) -> 
     return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(-1)
 
 
-def _outputs(token_list: list[int], tokens: torch.Tensor, raw_logprobs: torch.Tensor | None,
-             params: Sequence[SamplingParams]) -> list[SampledToken]:
+def _outputs(
+    token_list: list[int],
+    tokens: torch.Tensor,
+    raw_logprobs: torch.Tensor | None,
+    params: Sequence[SamplingParams],
+) -> list[SampledToken]:
     if raw_logprobs is None:
         return [SampledToken(t) for t in token_list]
     top_n = max(p.logprobs or 0 for p in params)

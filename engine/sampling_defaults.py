@@ -16,8 +16,13 @@ from pathlib import Path
 from typing import Any
 
 GGUF_DEFAULTS: dict[str, float] = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
-_KEYS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, 1 << 30), "min_p": (0.0, 1.0),
-         "repetition_penalty": (0.0, 10.0)}
+_KEYS = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "top_k": (0, 1 << 30),
+    "min_p": (0.0, 1.0),
+    "repetition_penalty": (0.0, 10.0),
+}
 
 
 class GenerationConfigError(ValueError):
@@ -42,7 +47,12 @@ def sampling_defaults(kind: str, path: Path | None) -> dict[str, float]:
         value = data.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not lo <= value <= hi:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or not lo <= value <= hi
+        ):
             raise GenerationConfigError(f"{file}: {key} must be a number in [{lo}, {hi}], got {value!r}")
         out[key] = float(value)
     if out.get("top_p") == 0.0:

@@ -90,12 +90,18 @@ def _find_die(state: MemState, die: int) -> DieState:
     raise UnknownDie(die)
 
 
-def _decide(n_tokens: int, max_window: int, min_window: int, fits: Callable[[int], bool], cause: Cause, budget: int) -> Verdict:
+def _decide(
+    n_tokens: int, max_window: int, min_window: int, fits: Callable[[int], bool], cause: Cause, budget: int
+) -> Verdict:
     """ADMIT when the whole request fits under both limits, else CAP at the largest fitting window."""
     lo = min(min_window, n_tokens)
     hi = min(n_tokens, max_window)
     if lo > hi:
-        return Verdict(VerdictKind.REJECT, 0, _reason(Cause.WINDOW, f"{n_tokens} tokens need a window of at least {lo}, limit is {max_window}"))
+        return Verdict(
+            VerdictKind.REJECT,
+            0,
+            _reason(Cause.WINDOW, f"{n_tokens} tokens need a window of at least {lo}, limit is {max_window}"),
+        )
     fit = largest_fitting_window(lo, hi, fits)
     if fit is None:
         return Verdict(VerdictKind.REJECT, 0, _reason(cause, f"not even {lo} tokens fit in {_mib(budget)}"))
@@ -130,25 +136,45 @@ def admit_request(
     Raises ValueError for impossible arguments and UnknownDie for a die not in the snapshot.
     """
     if n_prompt < 0 or max_new_tokens < 0 or n_prompt + max_new_tokens < 1:
-        raise ValueError(f"request must hold at least one token (n_prompt={n_prompt}, max_new_tokens={max_new_tokens})")
+        raise ValueError(
+            f"request must hold at least one token (n_prompt={n_prompt}, max_new_tokens={max_new_tokens})"
+        )
     if max_window < 1 or min_window < 1:
         raise ValueError(f"windows must be >= 1 (max_window={max_window}, min_window={min_window})")
     n_tokens = n_prompt + max_new_tokens
 
     psi_full = state.host.psi_full_avg10
     if psi_full >= psi_full_reject_pct:
-        return Verdict(VerdictKind.REJECT, 0, _reason(Cause.STALL, f"PSI full avg10 {psi_full:.1f}% >= {psi_full_reject_pct:.1f}%"))
+        return Verdict(
+            VerdictKind.REJECT,
+            0,
+            _reason(Cause.STALL, f"PSI full avg10 {psi_full:.1f}% >= {psi_full_reject_pct:.1f}%"),
+        )
 
     if gpu_die is not None:
         die = _find_die(state, gpu_die)
         host_avail = state.host.effective_available_bytes
         if host_avail <= state.host_reserve_bytes:
-            return Verdict(VerdictKind.REJECT, 0, _reason(Cause.HOST_RESERVE, f"{_mib(host_avail)} available, reserve {_mib(state.host_reserve_bytes)}"))
+            return Verdict(
+                VerdictKind.REJECT,
+                0,
+                _reason(
+                    Cause.HOST_RESERVE,
+                    f"{_mib(host_avail)} available, reserve {_mib(state.host_reserve_bytes)}",
+                ),
+            )
         # A die with no ceiling yet (model not loaded there) has no headroom: refusing is the safe
         # reading of "unknown", as a failed host total is never read as "huge".
         room = pool or PoolRoom()
         headroom = min(max(0, die.ceiling_bytes - die.ledger_bytes), room.addable_bytes) + room.spare_bytes
-        return _decide(n_tokens, max_window, min_window, lambda w: die_request_bytes(cost, w, quantized_kv) <= headroom, Cause.DIE_BUDGET, headroom)
+        return _decide(
+            n_tokens,
+            max_window,
+            min_window,
+            lambda w: die_request_bytes(cost, w, quantized_kv) <= headroom,
+            Cause.DIE_BUDGET,
+            headroom,
+        )
 
     room = pool or PoolRoom()
     budget = state.host_budget_bytes + room.spare_bytes
@@ -160,7 +186,13 @@ def admit_request(
     return _decide(n_tokens, max_window, min_window, fits, Cause.HOST_BUDGET, budget)
 
 
-def admit_model_load(weights_bytes: int, kv_bytes_at_max_ctx: int, activation_reserve_bytes: int, die_free: int, die_reserve: int) -> Verdict:
+def admit_model_load(
+    weights_bytes: int,
+    kv_bytes_at_max_ctx: int,
+    activation_reserve_bytes: int,
+    die_free: int,
+    die_reserve: int,
+) -> Verdict:
     """Gate a model upload to one die: weights + KV at max context + activation reserve must fit
     in the die's free VRAM minus its reserve."""
     if min(weights_bytes, kv_bytes_at_max_ctx, activation_reserve_bytes, die_free, die_reserve) < 0:
@@ -169,7 +201,10 @@ def admit_model_load(weights_bytes: int, kv_bytes_at_max_ctx: int, activation_re
     room = max(0, die_free - die_reserve)
     if need <= room:
         return Verdict(VerdictKind.ADMIT)
-    detail = f"needs {_mib(need)} (weights {_mib(weights_bytes)}, KV {_mib(kv_bytes_at_max_ctx)}, activations {_mib(activation_reserve_bytes)}), {_mib(room)} free above reserve"
+    detail = (
+        f"needs {_mib(need)} (weights {_mib(weights_bytes)}, KV {_mib(kv_bytes_at_max_ctx)}, "
+        f"activations {_mib(activation_reserve_bytes)}), {_mib(room)} free above reserve"
+    )
     return Verdict(VerdictKind.REJECT, 0, _reason(Cause.LOAD, detail))
 
 
@@ -219,4 +254,8 @@ def admit_load_spike(spike_bytes: int, state: MemState, *, host_weights_bytes: i
     budget = state.host_budget_bytes
     if need <= budget:
         return Verdict(VerdictKind.ADMIT)
-    return Verdict(VerdictKind.REJECT, 0, _reason(Cause.LOAD_SPIKE, f"needs {_mib(need)} of host memory, {_mib(budget)} above the reserve"))
+    return Verdict(
+        VerdictKind.REJECT,
+        0,
+        _reason(Cause.LOAD_SPIKE, f"needs {_mib(need)} of host memory, {_mib(budget)} above the reserve"),
+    )

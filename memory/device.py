@@ -120,7 +120,9 @@ class NvmlReader:
                 # poll rather than reported with invented figures.
                 log.warning("NVML read failed for GPU %d: %s", index, e)
                 continue
-            out.append(DieReading(index=index, name=name, total_bytes=int(mem.total), free_bytes=int(mem.free)))
+            out.append(
+                DieReading(index=index, name=name, total_bytes=int(mem.total), free_bytes=int(mem.free))
+            )
         return tuple(out)
 
 
@@ -160,7 +162,14 @@ class TorchCudaReader:
             if index != current and torch.cuda.memory_reserved(index) == 0:
                 continue
             free, total = torch.cuda.mem_get_info(index)
-            out.append(DieReading(index=index, name=torch.cuda.get_device_name(index), total_bytes=int(total), free_bytes=int(free)))
+            out.append(
+                DieReading(
+                    index=index,
+                    name=torch.cuda.get_device_name(index),
+                    total_bytes=int(total),
+                    free_bytes=int(free),
+                )
+            )
         return tuple(out)
 
 

@@ -152,7 +152,9 @@ def _cgroup_mounts(mountinfo: str, version: int) -> list[tuple[str, str]]:
             continue
         fstype = fields[sep + 1]
         super_opts = fields[sep + 3].split(",") if len(fields) > sep + 3 else []
-        if (version == 2 and fstype == "cgroup2") or (version == 1 and fstype == "cgroup" and "memory" in super_opts):
+        if (version == 2 and fstype == "cgroup2") or (
+            version == 1 and fstype == "cgroup" and "memory" in super_opts
+        ):
             out.append((_unescape(fields[3]), _unescape(fields[4])))
     return out
 
@@ -191,7 +193,11 @@ def locate_cgroup(root: str, proc_self_cgroup: str | None = None) -> CgroupLocat
     A v1 line naming the memory controller wins over the v2 line: on a hybrid host the unified
     hierarchy exists but the memory controller is bound to v1, so v2 files would say nothing.
     """
-    text = proc_self_cgroup if proc_self_cgroup is not None else _read_text(os.path.join(root, "proc/self/cgroup"))
+    text = (
+        proc_self_cgroup
+        if proc_self_cgroup is not None
+        else _read_text(os.path.join(root, "proc/self/cgroup"))
+    )
     mountinfo = _read_text(os.path.join(root, "proc/self/mountinfo"))
     if not text or mountinfo is None:
         return None
@@ -228,7 +234,9 @@ def _v2_level(path: str) -> tuple[int, int, int]:
     current = _parse_count(_read_text(os.path.join(path, "memory.current")))
     if current is None or current >= NO_LIMIT_FLOOR:
         current = 0
-    inactive = _parse_stat(_read_text(os.path.join(path, "memory.stat")), _V2_STAT_KEYS).get("inactive_file", 0)
+    inactive = _parse_stat(_read_text(os.path.join(path, "memory.stat")), _V2_STAT_KEYS).get(
+        "inactive_file", 0
+    )
     high = _parse_limit(_read_text(os.path.join(path, "memory.high")))
     limit = _parse_limit(_read_text(os.path.join(path, "memory.max")))
     return max(0, current - inactive), high, limit
@@ -252,7 +260,9 @@ def read_cgroup_v2(loc: CgroupLocation) -> CgroupReading:
     if best is None:  # no limit anywhere: report our own usage for the operator
         best = (_v2_level(loc.path)[0], 0, 0)
     some, full = parse_psi(_read_text(os.path.join(loc.path, "memory.pressure")))
-    return CgroupReading(usage_bytes=best[0], high_bytes=best[1], max_bytes=best[2], psi_some=some, psi_full=full)
+    return CgroupReading(
+        usage_bytes=best[0], high_bytes=best[1], max_bytes=best[2], psi_some=some, psi_full=full
+    )
 
 
 def read_cgroup_v1(loc: CgroupLocation) -> CgroupReading:
@@ -267,7 +277,9 @@ def read_cgroup_v1(loc: CgroupLocation) -> CgroupReading:
     if 0 < hier < NO_LIMIT_FLOOR and (not limit or hier < limit):
         limit = hier
     some, full = parse_psi(_read_text(os.path.join(loc.path, "memory.pressure")))
-    return CgroupReading(usage_bytes=max(0, usage - inactive), high_bytes=0, max_bytes=limit, psi_some=some, psi_full=full)
+    return CgroupReading(
+        usage_bytes=max(0, usage - inactive), high_bytes=0, max_bytes=limit, psi_some=some, psi_full=full
+    )
 
 
 class HostReader:
@@ -304,7 +316,9 @@ class HostReader:
         some, full = parse_psi(_read_text(os.path.join(self.root, "proc/pressure/memory")))
         loc = self._locate()
         if loc is None:
-            return HostSample(total_bytes=total, available_bytes=available, psi_some_avg10=some, psi_full_avg10=full)
+            return HostSample(
+                total_bytes=total, available_bytes=available, psi_some_avg10=some, psi_full_avg10=full
+            )
         cg = read_cgroup_v2(loc) if loc.version == 2 else read_cgroup_v1(loc)
         # A container's own stall can be worse than the host's average: take the worse of the two.
         return HostSample(

@@ -40,7 +40,9 @@ def plan_for(level: Level, config: LadderConfig, *, disabled: bool = False) -> L
     """The plan at `level`. With `disabled` (BALLAST_LADDER_DISABLE) the config applies at every level."""
     if disabled or level is Level.OK:
         note = "ladder disabled" if disabled and level is not Level.OK else ""
-        return LadderPlan(level=level, max_slots=config.max_slots, context_window=config.context_window, note=note)
+        return LadderPlan(
+            level=level, max_slots=config.max_slots, context_window=config.context_window, note=note
+        )
 
     slots, window = config.max_slots, config.context_window
     reduced = ["quantized KV for new caches", "prefix cache shed"]

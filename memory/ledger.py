@@ -72,7 +72,10 @@ class VramLedger:
 
     def __init__(self, die_reserve_bytes: int, usable_fraction: float) -> None:
         if die_reserve_bytes < 0 or not 0.0 < usable_fraction <= 1.0:
-            raise ValueError(f"die reserve {die_reserve_bytes} must be >= 0 and usable fraction {usable_fraction} in (0, 1]")
+            raise ValueError(
+                f"die reserve {die_reserve_bytes} must be >= 0 and usable fraction {usable_fraction} in (0, "
+                "1]"
+            )
         self.die_reserve_bytes = die_reserve_bytes
         self.usable_fraction = usable_fraction
         self._lock = threading.Lock()
@@ -146,7 +149,14 @@ class VramLedger:
         """Per-die totals, consistent with each other (one lock hold), ordered by die."""
         with self._lock:
             return tuple(
-                DieBudget(die=d, total_bytes=e.total, budget_bytes=e.budget, ceiling_bytes=e.ceiling, held_bytes=e.held, leases=len(e.leases))
+                DieBudget(
+                    die=d,
+                    total_bytes=e.total,
+                    budget_bytes=e.budget,
+                    ceiling_bytes=e.ceiling,
+                    held_bytes=e.held,
+                    leases=len(e.leases),
+                )
                 for d, e in sorted(self._dies.items())
             )
 

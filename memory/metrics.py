@@ -44,27 +44,63 @@ class MemoryCollector(_Described):
     def collect(self) -> Iterator[Metric]:
         s = self._snapshot()
         h = s.host
-        yield _gauge("ballast_memory_pressure_level", "Overall memory pressure level (0 OK, 1 WATCH, 2 TIGHT, 3 CRITICAL)", int(s.level))
-        state = GaugeMetricFamily("ballast_memory_pressure_state", "1 for the current overall pressure level, 0 for the others", labels=["state"])
+        yield _gauge(
+            "ballast_memory_pressure_level",
+            "Overall memory pressure level (0 OK, 1 WATCH, 2 TIGHT, 3 CRITICAL)",
+            int(s.level),
+        )
+        state = GaugeMetricFamily(
+            "ballast_memory_pressure_state",
+            "1 for the current overall pressure level, 0 for the others",
+            labels=["state"],
+        )
         for level in Level:
             state.add_metric([level.name.lower()], 1.0 if s.level is level else 0.0)
         yield state
         yield _gauge("ballast_host_memory_level", "Host-side pressure level (0-3)", int(s.host_level))
         yield _gauge("ballast_host_memory_total_bytes", "Host MemTotal (0 = unknown)", h.total_bytes)
         yield _gauge("ballast_host_memory_available_bytes", "Host MemAvailable", h.available_bytes)
-        yield _gauge("ballast_host_memory_effective_total_bytes", "Smaller of host total and cgroup limit", h.effective_total_bytes)
-        yield _gauge("ballast_host_memory_effective_available_bytes", "Host available, capped by the cgroup's headroom", h.effective_available_bytes)
-        yield _gauge("ballast_host_memory_reserve_bytes", "Host reserve admission keeps free", s.host_reserve_bytes)
-        yield _gauge("ballast_host_memory_budget_bytes", "Host bytes admission may still hand out (available minus reserve)", s.host_budget_bytes)
+        yield _gauge(
+            "ballast_host_memory_effective_total_bytes",
+            "Smaller of host total and cgroup limit",
+            h.effective_total_bytes,
+        )
+        yield _gauge(
+            "ballast_host_memory_effective_available_bytes",
+            "Host available, capped by the cgroup's headroom",
+            h.effective_available_bytes,
+        )
+        yield _gauge(
+            "ballast_host_memory_reserve_bytes", "Host reserve admission keeps free", s.host_reserve_bytes
+        )
+        yield _gauge(
+            "ballast_host_memory_budget_bytes",
+            "Host bytes admission may still hand out (available minus reserve)",
+            s.host_budget_bytes,
+        )
         yield _gauge("ballast_memory_psi_some_avg10", "PSI memory 'some' avg10, percent", h.psi_some_avg10)
         yield _gauge("ballast_memory_psi_full_avg10", "PSI memory 'full' avg10, percent", h.psi_full_avg10)
         yield _gauge("ballast_cgroup_version", "Memory cgroup version found (0 = none)", h.cgroup_version)
-        yield _gauge("ballast_cgroup_memory_usage_bytes", "Cgroup usage minus reclaimable page cache", h.cgroup_usage_bytes)
-        yield _gauge("ballast_cgroup_memory_high_bytes", "Cgroup memory.high (0 = unset)", h.cgroup_high_bytes)
-        yield _gauge("ballast_cgroup_memory_max_bytes", "Cgroup memory.max / limit_in_bytes (0 = unset)", h.cgroup_max_bytes)
+        yield _gauge(
+            "ballast_cgroup_memory_usage_bytes",
+            "Cgroup usage minus reclaimable page cache",
+            h.cgroup_usage_bytes,
+        )
+        yield _gauge(
+            "ballast_cgroup_memory_high_bytes", "Cgroup memory.high (0 = unset)", h.cgroup_high_bytes
+        )
+        yield _gauge(
+            "ballast_cgroup_memory_max_bytes",
+            "Cgroup memory.max / limit_in_bytes (0 = unset)",
+            h.cgroup_max_bytes,
+        )
         yield _gauge("ballast_memwatch_snapshot_seq", "Sequence number of the snapshot scraped", s.seq)
         if s.taken_at > 0:  # a placeholder before the first poll has no age
-            yield _gauge("ballast_memwatch_snapshot_age_seconds", "Seconds since the scraped snapshot was polled", max(0.0, self._clock() - s.taken_at))
+            yield _gauge(
+                "ballast_memwatch_snapshot_age_seconds",
+                "Seconds since the scraped snapshot was polled",
+                max(0.0, self._clock() - s.taken_at),
+            )
         yield from self._gpus(s)
 
     @staticmethod
@@ -72,7 +108,11 @@ class MemoryCollector(_Described):
         fields: list[tuple[str, str, Callable[..., float]]] = [
             ("ballast_gpu_memory_free_bytes", "Free VRAM per GPU", lambda d: d.free_bytes),
             ("ballast_gpu_memory_total_bytes", "Total VRAM per GPU", lambda d: d.total_bytes),
-            ("ballast_gpu_memory_budget_bytes", "VRAM budget per GPU (total minus reserve; 0 = not ours)", lambda d: d.budget_bytes),
+            (
+                "ballast_gpu_memory_budget_bytes",
+                "VRAM budget per GPU (total minus reserve; 0 = not ours)",
+                lambda d: d.budget_bytes,
+            ),
             ("ballast_gpu_memory_ledger_bytes", "VRAM leased by ballast per GPU", lambda d: d.ledger_bytes),
             ("ballast_gpu_memory_ceiling_bytes", "VRAM ledger ceiling per GPU", lambda d: d.ceiling_bytes),
             ("ballast_gpu_memory_level", "Pressure level per GPU (0-3)", lambda d: int(d.level)),
@@ -92,16 +132,38 @@ class PoolCollector(_Described):
 
     def collect(self) -> Iterator[Metric]:
         p = self._pool.stats()
-        yield CounterMetricFamily("ballast_checkpoint_pool_hits", "Checkpoint buffer requests served without allocating", value=p.hits)
-        yield CounterMetricFamily("ballast_checkpoint_pool_misses", "Checkpoint buffer requests that allocated", value=p.misses)
-        yield CounterMetricFamily("ballast_checkpoint_pool_evictions", "Pooled buffers displaced by larger ones", value=p.evictions)
-        yield CounterMetricFamily("ballast_checkpoint_pool_declines", "Buffers the pool declined (floor, caps, no pool)", value=p.declines)
-        yield CounterMetricFamily("ballast_checkpoint_pool_trimmed_bytes", "Bytes released by trim", value=p.trimmed_bytes)
+        yield CounterMetricFamily(
+            "ballast_checkpoint_pool_hits",
+            "Checkpoint buffer requests served without allocating",
+            value=p.hits,
+        )
+        yield CounterMetricFamily(
+            "ballast_checkpoint_pool_misses", "Checkpoint buffer requests that allocated", value=p.misses
+        )
+        yield CounterMetricFamily(
+            "ballast_checkpoint_pool_evictions", "Pooled buffers displaced by larger ones", value=p.evictions
+        )
+        yield CounterMetricFamily(
+            "ballast_checkpoint_pool_declines",
+            "Buffers the pool declined (floor, caps, no pool)",
+            value=p.declines,
+        )
+        yield CounterMetricFamily(
+            "ballast_checkpoint_pool_trimmed_bytes", "Bytes released by trim", value=p.trimmed_bytes
+        )
         yield _gauge("ballast_checkpoint_pool_bytes", "Bytes held in pooled buffers", p.bytes_held)
         yield _gauge("ballast_checkpoint_pool_buffers", "Buffers held", p.buffers)
-        yield _gauge("ballast_checkpoint_pool_high_water_bytes", "Most bytes ever held (not reset by trim)", p.high_water_bytes)
+        yield _gauge(
+            "ballast_checkpoint_pool_high_water_bytes",
+            "Most bytes ever held (not reset by trim)",
+            p.high_water_bytes,
+        )
         yield _gauge("ballast_checkpoint_pool_cap_bytes", "Byte cap at the last put or trim", p.cap_bytes)
-        yield _gauge("ballast_checkpoint_pool_pinned", "1 if pooled buffers are pinned host memory", 1.0 if p.pinned else 0.0)
+        yield _gauge(
+            "ballast_checkpoint_pool_pinned",
+            "1 if pooled buffers are pinned host memory",
+            1.0 if p.pinned else 0.0,
+        )
 
 
 class LadderCollector(_Described):
@@ -114,10 +176,20 @@ class LadderCollector(_Described):
         p = self._plan()
         yield _gauge("ballast_ladder_level", "Level the ladder plan was made for (0-3)", int(p.level))
         yield _gauge("ballast_ladder_max_slots", "Slot ceiling the ladder allows", p.max_slots)
-        yield _gauge("ballast_ladder_context_window", "Context window the ladder allows, tokens", p.context_window)
-        yield _gauge("ballast_ladder_force_quantized_kv", "1 if new KV caches are forced to a quantized format", float(p.force_quantized_kv))
+        yield _gauge(
+            "ballast_ladder_context_window", "Context window the ladder allows, tokens", p.context_window
+        )
+        yield _gauge(
+            "ballast_ladder_force_quantized_kv",
+            "1 if new KV caches are forced to a quantized format",
+            float(p.force_quantized_kv),
+        )
         yield _gauge("ballast_ladder_kv_evict", "1 if KV eviction is on", float(p.kv_evict))
-        yield _gauge("ballast_ladder_shed_prefix_cache", "1 if the prefix/checkpoint cache is being shed", float(p.shed_prefix_cache))
+        yield _gauge(
+            "ballast_ladder_shed_prefix_cache",
+            "1 if the prefix/checkpoint cache is being shed",
+            float(p.shed_prefix_cache),
+        )
         yield _gauge("ballast_ladder_degraded", "1 if any rung reduced a configured value", float(p.degraded))
 
 
@@ -126,7 +198,10 @@ class AdmissionMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._verdicts = Counter(
-            "ballast_admission_verdicts", "Admission verdicts by result and reason class", ["result", "reason"], registry=registry
+            "ballast_admission_verdicts",
+            "Admission verdicts by result and reason class",
+            ["result", "reason"],
+            registry=registry,
         )
 
     def record(self, verdict: Verdict) -> None:

@@ -108,7 +108,10 @@ class CheckpointPool:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"pool fraction must be in [0, 1], got {fraction}")
         if max_buffers < 0 or min_buffer_bytes < 0:
-            raise ValueError(f"pool caps must be non-negative (max_buffers={max_buffers}, min_buffer_bytes={min_buffer_bytes})")
+            raise ValueError(
+                f"pool caps must be non-negative (max_buffers={max_buffers}, "
+                f"min_buffer_bytes={min_buffer_bytes})"
+            )
         self._effective_total = effective_total
         self._fraction = fraction
         self._max_buffers = max_buffers
@@ -248,7 +251,9 @@ class CheckpointPool:
 
     def _check_buffer(self, buf: torch.Tensor) -> None:
         if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.device.type != "cpu":
-            raise PoolMisuse(f"pool buffers are 1-D uint8 CPU tensors, got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
+            raise PoolMisuse(
+                f"pool buffers are 1-D uint8 CPU tensors, got {buf.dtype} {tuple(buf.shape)} on {buf.device}"
+            )
         if buf._base is not None or buf.storage_offset() != 0:
             raise PoolMisuse("put the buffer get() returned, not a view of it")
 
@@ -259,7 +264,12 @@ class CheckpointPool:
             # Pooled bytes may be exactly what stands between us and this allocation: give them
             # back and retry once. A second failure is real and propagates.
             released = self.trim(0)
-            log.warning("checkpoint buffer of %d bytes failed (%s); trimmed %d pooled bytes, retrying once", nbytes, e, released)
+            log.warning(
+                "checkpoint buffer of %d bytes failed (%s); trimmed %d pooled bytes, retrying once",
+                nbytes,
+                e,
+                released,
+            )
             return self._allocate_once(nbytes)
 
     def _allocate_once(self, nbytes: int) -> torch.Tensor:
@@ -275,7 +285,9 @@ class CheckpointPool:
                     self._pin_failures += 1
                     if not self._pinned_ever:
                         self._pin = False
-                log.warning("pinned checkpoint buffer of %d bytes failed (%s); using pageable memory", nbytes, e)
+                log.warning(
+                    "pinned checkpoint buffer of %d bytes failed (%s); using pageable memory", nbytes, e
+                )
         return self._checked(self._allocate_fn(nbytes, False), nbytes)
 
     @staticmethod

@@ -16,7 +16,8 @@ def _host_lines(state: MemState) -> list[str]:
         f"host     level {state.host_level.name}",
         f"  total        {gib(h.total_bytes):>12}   effective {gib(h.effective_total_bytes)}",
         f"  available    {gib(h.available_bytes):>12}   effective {gib(h.effective_available_bytes)}",
-        f"  reserve      {gib(state.host_reserve_bytes):>12}   budget {gib(state.host_budget_bytes)} (available above the reserve)",
+        f"  reserve      {gib(state.host_reserve_bytes):>12}   budget {gib(state.host_budget_bytes)} "
+        "(available above the reserve)",
         f"  PSI avg10    some {h.psi_some_avg10:.2f}%   full {h.psi_full_avg10:.2f}%",
     ]
     if h.cgroup_version:
@@ -34,7 +35,10 @@ def _host_lines(state: MemState) -> list[str]:
 def _die_lines(dies: tuple[DieState, ...]) -> list[str]:
     if not dies:
         return ["gpus     none"]
-    header = f"{'gpu':<4} {'name':<24} {'total':>11} {'free':>11} {'budget':>11} {'ledger':>11} {'ceiling':>11}  level"
+    header = (
+        f"{'gpu':<4} {'name':<24} {'total':>11} {'free':>11} {'budget':>11} {'ledger':>11} "
+        f"{'ceiling':>11}  level"
+    )
     lines = [header]
     for d in dies:
         level = d.level.name if d.budget_bytes else "not tracked"

@@ -158,13 +158,19 @@ class CostModel:
 
     def kv_bytes(self, n_tokens: int, quantized_kv: bool = False) -> int:
         """KV bytes of n_tokens positions, in whole blocks."""
-        per_tok = self.quantized_kv_bytes_per_token if quantized_kv and self.quantized_kv_bytes_per_token else self.kv_bytes_per_token
+        per_tok = (
+            self.quantized_kv_bytes_per_token
+            if quantized_kv and self.quantized_kv_bytes_per_token
+            else self.kv_bytes_per_token
+        )
         block = max(1, self.kv_block_tokens)
         return -(-max(0, n_tokens) // block) * block * per_tok
 
     def cache_bytes(self, n_tokens: int, quantized_kv: bool = False) -> int:
         """KV + state bytes a request of n_tokens adds to what is already allocated."""
-        return self.kv_bytes(n_tokens, quantized_kv) + (0 if self.state_preallocated else self.state_bytes_per_slot)
+        return self.kv_bytes(n_tokens, quantized_kv) + (
+            0 if self.state_preallocated else self.state_bytes_per_slot
+        )
 
     def request_bytes(self, n_tokens: int, quantized_kv: bool = False) -> int:
         """Bytes a request of n_tokens adds while running: its cache bytes plus the activations

@@ -47,7 +47,9 @@ class MemWatch:
         self.ledger = VramLedger(config.die_reserve_bytes, config.vram_usable_fraction)
         self.poll_failures = 0  # polls of the background thread that raised (each one logged)
         self._host_reader = HostReader(config.root)
-        self._device_reader: DeviceReader = device_reader if device_reader is not None else SystemDeviceReader()
+        self._device_reader: DeviceReader = (
+            device_reader if device_reader is not None else SystemDeviceReader()
+        )
         # Lock order: _poll_lock -> _write_lock; _notify_lock is taken with neither held, so a
         # listener may call poll_now() or set_die(). Readers take none of them.
         self._poll_lock = threading.Lock()  # one poll's file and NVML reads at a time
@@ -61,7 +63,9 @@ class MemWatch:
         self._free: dict[int, int] = {}  # latest free figure, from NVML or pushed, whichever is newer
         self._pushed: dict[int, _Pushed] = {}
         self._listeners: list[Listener] = []
-        self._state = MemState(host=self._host, host_reserve_bytes=config.host_reserve_bytes or config.host_reserve_min_bytes)
+        self._state = MemState(
+            host=self._host, host_reserve_bytes=config.host_reserve_bytes or config.host_reserve_min_bytes
+        )
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -117,7 +121,9 @@ class MemWatch:
         file or driver reads.
         """
         if index < 0 or free < 0 or budget < 0 or (ledger is not None and ledger < 0):
-            raise ValueError(f"set_die({index}, free={free}, budget={budget}, ledger={ledger}): figures must be >= 0")
+            raise ValueError(
+                f"set_die({index}, free={free}, budget={budget}, ledger={ledger}): figures must be >= 0"
+            )
         with self._write_lock:
             self._free[index] = free
             self._pushed[index] = _Pushed(budget=budget, ledger=ledger)
@@ -138,7 +144,9 @@ class MemWatch:
             free = self._free.get(index, 0)
             budget = pushed.budget if pushed else booked.budget_bytes if booked else 0
             total = driver.total_bytes if driver else booked.total_bytes if booked else 0
-            ours = pushed.ledger if pushed and pushed.ledger is not None else booked.held_bytes if booked else 0
+            ours = (
+                pushed.ledger if pushed and pushed.ledger is not None else booked.held_bytes if booked else 0
+            )
             dies.append(
                 DieState(
                     index=index,
@@ -183,7 +191,9 @@ class MemWatch:
                         try:
                             fn(old, state.level, state)
                         except Exception:
-                            log.exception("MemWatch listener %r failed on %s -> %s", fn, old.name, state.level.name)
+                            log.exception(
+                                "MemWatch listener %r failed on %s -> %s", fn, old.name, state.level.name
+                            )
             finally:
                 self._notifying = False
 
@@ -197,7 +207,9 @@ class MemWatch:
                 return
             self.poll_now()
             self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._run, args=(self._stop,), name="ballast-memwatch", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, args=(self._stop,), name="ballast-memwatch", daemon=True
+            )
             self._thread.start()
 
     def stop(self) -> None:

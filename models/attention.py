@@ -47,7 +47,9 @@ def write_rows(store: KVStore, layer: int, batch: ForwardBatch, kv: Tensor) -> N
 # --- CUDA: the kernels read the blocks in place ------------------------------------------------
 
 
-def attend_kernels(store: KVStore, layer: int, q: Tensor, batch: ForwardBatch, foreign: Tensor | None) -> Tensor:
+def attend_kernels(
+    store: KVStore, layer: int, q: Tensor, batch: ForwardBatch, foreign: Tensor | None
+) -> Tensor:
     """q [T, Hq, D] attended over one store's blocks by the Triton kernels -> [T, Hq, D].
     `foreign` [B] marks sequences that live in the other store: they read only their first
     position (the sink block), and the caller discards their result."""
@@ -56,18 +58,49 @@ def attend_kernels(store: KVStore, layer: int, q: Tensor, batch: ForwardBatch, f
     lay, cuda = store.layout, store.cuda
     assert cuda is not None
     out = torch.empty_like(q)
-    common = dict(layer=layer, num_layers=lay.num_layers, seg_blocks=lay.seg_blocks, block_size=lay.block_size,
-                  num_kv_heads=lay.num_kv_heads, kv_dtype=lay.storage_dtype, sm_scale=q.shape[-1] ** -0.5)
+    common = dict(
+        layer=layer,
+        num_layers=lay.num_layers,
+        seg_blocks=lay.seg_blocks,
+        block_size=lay.block_size,
+        num_kv_heads=lay.num_kv_heads,
+        kv_dtype=lay.storage_dtype,
+        sm_scale=q.shape[-1] ** -0.5,
+    )
     if batch.decode_only:
         ctx = batch.positions + 1
         if foreign is not None:
             ctx = torch.where(foreign, torch.ones_like(ctx), ctx)
-        paged_decode(q, out, cuda.kv_ptrs, cuda.scale_ptrs, store.block_table, batch.slots, ctx,
-                     max_ctx=batch.max_ctx, **common)  # type: ignore[arg-type]
+        paged_decode(
+            q,
+            out,
+            cuda.kv_ptrs,
+            cuda.scale_ptrs,
+            store.block_table,
+            batch.slots,
+            ctx,
+            max_ctx=batch.max_ctx,
+            **common,
+        )  # type: ignore[arg-type]
     else:
-        starts = batch.starts if foreign is None else torch.where(foreign, torch.zeros_like(batch.starts), batch.starts)
-        paged_prefill(q, out, cuda.kv_ptrs, cuda.scale_ptrs, store.block_table, batch.slots, starts, batch.cu_lens,
-                      max_len=batch.max_len, max_ctx=batch.max_ctx, **common)  # type: ignore[arg-type]
+        starts = (
+            batch.starts
+            if foreign is None
+            else torch.where(foreign, torch.zeros_like(batch.starts), batch.starts)
+        )
+        paged_prefill(
+            q,
+            out,
+            cuda.kv_ptrs,
+            cuda.scale_ptrs,
+            store.block_table,
+            batch.slots,
+            starts,
+            batch.cu_lens,
+            max_len=batch.max_len,
+            max_ctx=batch.max_ctx,
+            **common,
+        )  # type: ignore[arg-type]
     return out
 
 
@@ -139,7 +172,10 @@ def attend_gathered(q: Tensor, kv: Tensor, group: PaddedGroup) -> Tensor:
     else:
         qp = q.new_zeros(b * L, heads, dim).index_copy_(0, batch.pad_index, q).view(b, L, heads, dim)
     out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask,
+        qp.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=group.mask,
         enable_gqa=n_kv != heads,
     )  # [B, Hq, L, D]
     out = out.transpose(1, 2).reshape(b * L, heads, dim)

@@ -132,7 +132,9 @@ class ForwardBatch:
         host = _index_tensors(slots_list, starts_list, lens_list)
         first = torch.tensor([0, *accumulate(self.lens_list)], dtype=torch.int64)[list(seq_index)]
         seq_of_token = host["seq_of_token"]
-        host["token_index"] = first[seq_of_token] + torch.arange(seq_of_token.shape[0]) - host["cu_lens"][seq_of_token]
+        host["token_index"] = (
+            first[seq_of_token] + torch.arange(seq_of_token.shape[0]) - host["cu_lens"][seq_of_token]
+        )
         moved = to_device_packed(host, self.device)
         token_index = moved.pop("token_index")
         sub = ForwardBatch(

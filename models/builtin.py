@@ -97,7 +97,9 @@ def builtin_config(name: str) -> dict[str, Any]:
     """The config of `builtin:NAME` (the prefix is optional); a copy, safe to change."""
     key = name.removeprefix(PREFIX)
     if key not in BUILTIN:
-        raise UnsupportedModel(f"no built-in model {name!r}; built in: {', '.join(PREFIX + n for n in sorted(BUILTIN))}")
+        raise UnsupportedModel(
+            f"no built-in model {name!r}; built in: {', '.join(PREFIX + n for n in sorted(BUILTIN))}"
+        )
     return dict(BUILTIN[key])
 
 
@@ -119,7 +121,9 @@ def init_random(model: nn.Module, seed: int) -> None:
             own(gen)
 
 
-def build_builtin(name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
+def build_builtin(
+    name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> nn.Module:
     cfg = builtin_config(name)
     model = build_model(cfg, dtype=dtype, device=device)
     init_random(model, int(cfg.get("seed", 0)))

@@ -75,7 +75,9 @@ def causal_conv1d_varlen(
     """
     kernel = windows.kernel
     if weight.shape[-1] != kernel or state.shape[-1] != kernel - 1:
-        raise ValueError(f"kernel mismatch: weight {tuple(weight.shape)}, state {tuple(state.shape)}, {kernel}")
+        raise ValueError(
+            f"kernel mismatch: weight {tuple(weight.shape)}, state {tuple(state.shape)}, {kernel}"
+        )
     if windows.decode_only:
         return _conv_decode(x, state, weight, activation)
     assert windows.token_taps is not None and windows.state_taps is not None

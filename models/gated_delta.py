@@ -252,7 +252,9 @@ def _fla_prefill(
     return o.squeeze(0).to(v.dtype), s.float()
 
 
-def _fla_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+def _fla_decode(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
+) -> tuple[Tensor, Tensor]:
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     hv = v.shape[-2]
@@ -298,9 +300,7 @@ class HybridStep:
     use_fla: bool | None  # None: fla kernels where they apply (CUDA, half precision, installed)
 
     @classmethod
-    def build(
-        cls, batch: ForwardBatch, rope: Rope, conv_kernel: int, use_fla: bool | None
-    ) -> HybridStep:
+    def build(cls, batch: ForwardBatch, rope: Rope, conv_kernel: int, use_fla: bool | None) -> HybridStep:
         return cls(
             batch=batch,
             rope=rope,
@@ -326,7 +326,12 @@ class GatedDeltaNet(nn.Module):
         self.value_width = self.v_heads * self.v_dim
         self.conv_channels = 2 * self.key_width + self.value_width
         self.conv1d = nn.Conv1d(
-            self.conv_channels, self.conv_channels, kernel, groups=self.conv_channels, padding=kernel - 1, bias=False
+            self.conv_channels,
+            self.conv_channels,
+            kernel,
+            groups=self.conv_channels,
+            padding=kernel - 1,
+            bias=False,
         )
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))

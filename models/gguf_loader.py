@@ -26,8 +26,8 @@ from transformers import PreTrainedTokenizerBase
 # GGUFError, read_gguf and build_tokenizer are re-exported: engine/loading.py and bench/load_time.py
 # import them from here
 __all__ = [
-    "GGUFError", "GGUFModel", "build_tokenizer", "gguf_config", "gguf_tensors", "gguf_tokenizer", "hf_tensor_name",
-    "load_gguf", "qk_row_order", "read_gguf",
+    "GGUFError", "GGUFModel", "build_tokenizer", "gguf_config", "gguf_tensors", "gguf_tokenizer",
+    "hf_tensor_name", "load_gguf", "qk_row_order", "read_gguf",
 ]  # fmt: skip
 
 # a progress bar only when the load is long enough to wonder about
@@ -86,7 +86,9 @@ def qk_row_order(rows: int, n_head: int) -> np.ndarray:
 def _arch(md: dict[str, Any]) -> tuple[str, _Arch]:
     name = md.get("general.architecture")
     if name not in _ARCHS:
-        raise GGUFUnsupportedError(f"GGUF architecture {name!r} is not supported (supported: {', '.join(_ARCHS)})")
+        raise GGUFUnsupportedError(
+            f"GGUF architecture {name!r} is not supported (supported: {', '.join(_ARCHS)})"
+        )
     return name, _ARCHS[name]
 
 
@@ -104,7 +106,9 @@ def gguf_config(gf: GGUFFile) -> dict[str, Any]:
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", hidden // heads))
     if int(key("rope.dimension_count", head_dim)) != head_dim:
-        raise GGUFUnsupportedError(f"{gf.path}: partial rotary (rope.dimension_count != head_dim) is not supported")
+        raise GGUFUnsupportedError(
+            f"{gf.path}: partial rotary (rope.dimension_count != head_dim) is not supported"
+        )
     embd = gf.tensors.get("token_embd.weight")
     if embd is None:
         raise GGUFError(f"{gf.path}: no token_embd.weight tensor")
@@ -122,7 +126,9 @@ def gguf_config(gf: GGUFFile) -> dict[str, Any]:
         "max_position_embeddings": int(key("context_length")),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(md, name) if _ROPE_FREQS not in gf.tensors else _llama3_rope(gf, head_dim),
+        "rope_scaling": _rope_scaling(md, name)
+        if _ROPE_FREQS not in gf.tensors
+        else _llama3_rope(gf, head_dim),
         "tie_word_embeddings": "output.weight" not in gf.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gf.tensors,
         "mlp_bias": False,
@@ -168,7 +174,8 @@ def _llama3_rope(gf: GGUFFile, head_dim: int) -> dict[str, Any] | None:
     slope, intercept = np.polyfit(u[band], s[band], 1)
     low = -intercept / slope
     params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low),
-              "high_freq_factor": float(low + 1 / slope), "original_max_position_embeddings": 8192}  # fmt: skip
+              "high_freq_factor": float(low + 1 / slope),
+              "original_max_position_embeddings": 8192}  # fmt: skip
     smooth = np.clip((u - low) / (1 / slope), 0.0, 1.0)
     if not np.allclose(1 / ((1 - smooth) / factor + smooth), divisors, rtol=1e-4):
         raise GGUFUnsupportedError("rope_freqs does not follow Llama 3's rope scaling")
@@ -188,10 +195,15 @@ def _eos_ids(md: dict[str, Any]) -> int | list[int] | None:
     return ids[0] if len(ids) == 1 else ids
 
 
-def gguf_tensors(gf: GGUFFile, config: dict[str, Any], dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+def gguf_tensors(
+    gf: GGUFFile, config: dict[str, Any], dtype: torch.dtype = torch.float32
+) -> dict[str, Tensor]:
     """Every tensor dequantized to dtype under its HF name, q/k rows back in HF order."""
     _, arch = _arch(gf.metadata)
-    heads = {".self_attn.q_proj.": config["num_attention_heads"], ".self_attn.k_proj.": config["num_key_value_heads"]}
+    heads = {
+        ".self_attn.q_proj.": config["num_attention_heads"],
+        ".self_attn.k_proj.": config["num_key_value_heads"],
+    }
     total = sum(t.nbytes for t in gf.tensors.values())
     show = sys.stderr.isatty() and total >= _PROGRESS_MIN_BYTES
     out: dict[str, Tensor] = {}

@@ -119,7 +119,10 @@ SUPPORTED_TYPES = tuple(t.name for t in (*_FLOAT_VIEWS, *_BLOCK_DEQUANT))
 
 
 def dequantize(
-    raw: np.ndarray, qtype: GGMLQuantizationType, dtype: torch.dtype = torch.float32, scratch: Scratch | None = None
+    raw: np.ndarray,
+    qtype: GGMLQuantizationType,
+    dtype: torch.dtype = torch.float32,
+    scratch: Scratch | None = None,
 ) -> Tensor:
     """Flat uint8 bytes of one tensor -> flat values in dtype, always in new memory."""
     if qtype in _FLOAT_VIEWS:
@@ -128,7 +131,9 @@ def dequantize(
         return (values if reinterpret is None else values.view(reinterpret)).to(dtype, copy=True)
     fn = _BLOCK_DEQUANT.get(qtype)
     if fn is None:
-        raise GGUFUnsupportedError(f"ggml type {qtype.name} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+        raise GGUFUnsupportedError(
+            f"ggml type {qtype.name} is not supported (supported: {', '.join(SUPPORTED_TYPES)})"
+        )
     scratch = scratch or Scratch()
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(-1, block_bytes)

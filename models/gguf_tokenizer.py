@@ -16,17 +16,20 @@ from transformers import PreTrainedTokenizerFast
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 _LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # tokenizer.ggml.pre -> how text is split before BPE; these follow llama.cpp's llama-vocab.cpp.
 # "smollm" & co. split every digit apart, then apply GPT-2's regex (ByteLevel's built-in one).
 _GPT2_PRE = ("default", "gpt2", "mpt", "olmo", "jais")
 _DIGITS_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _SPLIT_PRE = {
-    "llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
     "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
 }  # fmt: skip
 # llama.cpp (and Llama 3's tokenizer.json) take a split piece that is a vocabulary entry whole,
@@ -42,7 +45,9 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
     if pre in _SPLIT_PRE:
         split = pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated")
-        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
     known = sorted((*_GPT2_PRE, *_DIGITS_PRE, *_SPLIT_PRE))
     raise GGUFUnsupportedError(f"tokenizer.ggml.pre {pre!r} is not supported (supported: {', '.join(known)})")
 
@@ -83,7 +88,9 @@ def _skeleton(md: dict[str, Any], merges: list[str]) -> Tokenizer:
             strip: list[decoders.Decoder] = [decoders.Strip(" ", 1, 0)]
         else:
             tok.normalizer, strip = spaces, []
-        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+        )
         return tok
     raise GGUFUnsupportedError(f"tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama)")
 
@@ -111,7 +118,9 @@ def build_tokenizer(md: dict[str, Any]) -> PreTrainedTokenizerFast:
 
     # llama.cpp adds BOS for SentencePiece and Llama 3 vocabularies that do not say otherwise
     llama3 = md.get("tokenizer.ggml.model") == "gpt2" and md.get("tokenizer.ggml.pre") in _LLAMA3_PRE
-    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", md.get("tokenizer.ggml.model") == "llama" or llama3))
+    add_bos = bool(
+        md.get("tokenizer.ggml.add_bos_token", md.get("tokenizer.ggml.model") == "llama" or llama3)
+    )
     add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
     first, last = special("bos") if add_bos else [], special("eos") if add_eos else []
     if first or last:

@@ -39,8 +39,20 @@ _PROGRESS_MIN_BYTES = 256 * MiB
 _LOAD_THREADS = 8
 _READ_AHEAD = 2 * _LOAD_THREADS  # source tensors held at once, at most
 
-_ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                   "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_ST_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 @dataclass(frozen=True)
@@ -72,8 +84,10 @@ class HFCheckpoint:
     def transient_bytes(self) -> int:
         """The extra a load holds at its peak besides the model: the source tensors read ahead
         (copies cast straight into the model's parameters)."""
-        sizes = sorted((t.numel * _ST_DTYPE_BYTES.get(t.dtype, 4) for t in self.tensors.values()), reverse=True)
-        return sum(sizes[: _READ_AHEAD])
+        sizes = sorted(
+            (t.numel * _ST_DTYPE_BYTES.get(t.dtype, 4) for t in self.tensors.values()), reverse=True
+        )
+        return sum(sizes[:_READ_AHEAD])
 
     @property
     def files_bytes(self) -> int:
@@ -126,13 +140,21 @@ def inspect_hf_dir(path: str | Path) -> HFCheckpoint:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     if name in tensors:
-                        raise WeightLoadError(f"tensor {name} appears in {tensors[name].file.name} and {file.name}")
+                        raise WeightLoadError(
+                            f"tensor {name} appears in {tensors[name].file.name} and {file.name}"
+                        )
                     key = name if model_key is None else model_key(name)
                     if key is None or key.endswith(_IGNORED_SUFFIXES):
                         continue
                     sl = f.get_slice(name)
-                    tensors[name] = TensorInfo(file, str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape()), key)
-        except (OSError, ValueError, RuntimeError) as e:  # safetensors raises SafetensorError(ValueError-like)
+                    tensors[name] = TensorInfo(
+                        file, str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape()), key
+                    )
+        except (
+            OSError,
+            ValueError,
+            RuntimeError,
+        ) as e:  # safetensors raises SafetensorError(ValueError-like)
             raise WeightLoadError(f"cannot read {file}: {e}") from e
     return HFCheckpoint(root, config, tensors)
 
@@ -168,7 +190,9 @@ def _plan_copies(ckpt: HFCheckpoint, model: nn.Module) -> list[_Copy]:
     once, nothing is unexpected and every shape fits."""
     params = dict(model.state_dict(keep_vars=True))
     # The head shares the embedding; if the checkpoint also stores it, the embedding wins.
-    tied = {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
+    tied = (
+        {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
+    )
     copies: list[_Copy] = []
     unexpected: list[str] = []
     for name, info in sorted(ckpt.tensors.items()):
@@ -256,6 +280,8 @@ def _copy_into(param: Tensor, copy: _Copy, src: Tensor) -> int:
     return src.numel() * param.element_size()
 
 
-def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
+def load_hf_dir(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> nn.Module:
     """inspect + load in one call, for callers with nothing to admit (tests, tools)."""
     return load_hf_model(inspect_hf_dir(path), dtype=dtype, device=device)

@@ -61,8 +61,19 @@ class KVLayout:
     max_blocks_per_seq: int
 
     def __post_init__(self) -> None:
-        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.seg_blocks,
-               self.max_segments, self.table_rows, self.max_blocks_per_seq) < 1:
+        if (
+            min(
+                self.num_layers,
+                self.num_kv_heads,
+                self.head_dim,
+                self.block_size,
+                self.seg_blocks,
+                self.max_segments,
+                self.table_rows,
+                self.max_blocks_per_seq,
+            )
+            < 1
+        ):
             raise ValueError(f"invalid KVLayout {self}")
 
     @property
@@ -78,7 +89,9 @@ class KVLayout:
     def block_layer_bytes(self) -> int:
         """One block of one layer, scales included."""
         rows = self.block_size * self.row_width
-        return rows * self.head_dim * self.storage_dtype.itemsize + (rows * SCALE_BYTES if self.quantized else 0)
+        return rows * self.head_dim * self.storage_dtype.itemsize + (
+            rows * SCALE_BYTES if self.quantized else 0
+        )
 
     @property
     def block_bytes(self) -> int:
@@ -94,9 +107,19 @@ class KVLayout:
         return self.seg_blocks * self.max_segments
 
 
-def plan_layout(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, quantized: bool,
-                table_rows: int, max_model_len: int, device: torch.device, *, block_size: int = BLOCK_SIZE,
-                segment_bytes: int = 0) -> KVLayout:
+def plan_layout(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    quantized: bool,
+    table_rows: int,
+    max_model_len: int,
+    device: torch.device,
+    *,
+    block_size: int = BLOCK_SIZE,
+    segment_bytes: int = 0,
+) -> KVLayout:
     """A layout whose segments hold about `segment_bytes` (default 64 MiB on CPU, 256 MiB on CUDA:
     coarse enough that growing is rare, fine enough that a shrink gives back a useful share) and
     whose capacity covers every slot at max_model_len, the most the limits could ever ask for."""
@@ -109,8 +132,18 @@ def plan_layout(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.
         seg_blocks = -(-seg_blocks // unit) * unit
     per_seq = -(-max_model_len // block_size)
     max_segments = max(1, -(-(per_seq * table_rows + 1) // seg_blocks))  # + the sink
-    return KVLayout(num_layers, num_kv_heads, head_dim, dtype, quantized, block_size, seg_blocks, max_segments,
-                    table_rows, per_seq)
+    return KVLayout(
+        num_layers,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        quantized,
+        block_size,
+        seg_blocks,
+        max_segments,
+        table_rows,
+        per_seq,
+    )
 
 
 def _cpu_block_parts(layout: KVLayout) -> list[int]:
@@ -204,8 +237,9 @@ class KVStore:
     def __init__(self, layout: KVLayout, device: torch.device | str) -> None:
         self.layout = layout
         self.device = torch.device(device)
-        self.block_table = torch.zeros((layout.table_rows, layout.max_blocks_per_seq), dtype=torch.int32,
-                                       device=self.device)
+        self.block_table = torch.zeros(
+            (layout.table_rows, layout.max_blocks_per_seq), dtype=torch.int32, device=self.device
+        )
         self.host: _HostMemory | None = None
         self.cuda: _DeviceMemory | None = None
         if self.device.type == "cuda":

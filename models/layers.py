@@ -122,7 +122,9 @@ class RopeParams:
                 original_max_position_embeddings=int(original),
                 partial_rotary_factor=partial,
             )
-        raise UnsupportedModel(f"rope type {rope_type!r} is not supported (supported: default, linear, llama3)")
+        raise UnsupportedModel(
+            f"rope type {rope_type!r} is not supported (supported: default, linear, llama3)"
+        )
 
 
 def rope_inv_freq(params: RopeParams, head_dim: int) -> Tensor:
@@ -264,7 +266,9 @@ class SlotAttention(nn.Module):
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ModelConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+            raise ModelConfigError(
+                f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+            )
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = Linear(hidden, num_heads * head_dim, bias=qkv_bias)
         self.k_proj = Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)

@@ -61,8 +61,16 @@ class LlamaConfig:
     bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -80,7 +88,9 @@ class LlamaConfig:
         # mistral: sliding_window null) is plain causal attention; an active one we do not implement.
         window_on = hf.get("use_sliding_window", model_type == "mistral") and hf.get("sliding_window")
         if window_on:
-            raise UnsupportedModel(f"sliding-window attention ({model_type}, window {hf['sliding_window']}) is not supported")
+            raise UnsupportedModel(
+                f"sliding-window attention ({model_type}, window {hf['sliding_window']}) is not supported"
+            )
         heads = int(_required(hf, "num_attention_heads"))
         hidden = int(_required(hf, "hidden_size"))
         attention_bias = bool(hf.get("attention_bias", False))
@@ -169,7 +179,10 @@ class LlamaForCausalLM(nn.Module):
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
         c = self.config
-        return [attention_spec(c.num_key_value_heads, c.head_dim, kv_dtype_bytes) for _ in range(c.num_hidden_layers)]
+        return [
+            attention_spec(c.num_key_value_heads, c.head_dim, kv_dtype_bytes)
+            for _ in range(c.num_hidden_layers)
+        ]
 
     def forward(self, batch: ForwardBatch, states: Sequence[LayerState]) -> Tensor:
         """Logits [B, vocab] (float32) at each sequence's last token."""

@@ -72,7 +72,9 @@ def experts_forward(
     order = flat.argsort(stable=True)
     token = order // top_k
     # Not bincount: on CUDA it reads the largest index back to the host, which a graph cannot hold.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).index_add_(
+        0, flat, torch.ones_like(flat)
+    )
     rows = x.index_select(0, token)
     grouped = _grouped_ok(x, gate_up) if use_grouped_mm is None else use_grouped_mm
     if grouped:
@@ -105,7 +107,9 @@ def _padded_bmm(rows: Tensor, row_expert: Tensor, counts: Tensor, gate_up: Tenso
 
 
 # Many published checkpoints store each expert separately; our parameters are the fused tensors.
-_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$"
+)
 
 
 def per_expert_target(name: str) -> tuple[str, int, str] | None:
@@ -122,9 +126,13 @@ def place_expert_tensor(fused: Tensor, expert: int, part: str, tensor: Tensor) -
     """Copy one expert's projection into its fused parameter (gate rows first, then up, as the
     reference concatenates them): gate -> gate_up_proj[e, :I], up -> [e, I:], down -> down_proj[e]."""
     rows = tensor.shape[0]
-    dst = {"gate_proj": fused[expert, :rows], "up_proj": fused[expert, rows:], "down_proj": fused[expert]}[part]
+    dst = {"gate_proj": fused[expert, :rows], "up_proj": fused[expert, rows:], "down_proj": fused[expert]}[
+        part
+    ]
     if dst.shape != tensor.shape:
-        raise ValueError(f"expert {expert} {part}: tensor {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
+        raise ValueError(
+            f"expert {expert} {part}: tensor {tuple(tensor.shape)} does not fit {tuple(dst.shape)}"
+        )
     dst.copy_(tensor)
 
 

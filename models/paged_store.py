@@ -25,8 +25,20 @@ def _build() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def store_kernel(src, ptrs, block_table, slot_of_token, positions, table_stride, layer, num_layers, seg_blocks,
-                     BLOCK_SIZE: tl.constexpr, ROW: tl.constexpr, ROW_POW2: tl.constexpr):
+    def store_kernel(
+        src,
+        ptrs,
+        block_table,
+        slot_of_token,
+        positions,
+        table_stride,
+        layer,
+        num_layers,
+        seg_blocks,
+        BLOCK_SIZE: tl.constexpr,
+        ROW: tl.constexpr,
+        ROW_POW2: tl.constexpr,
+    ):
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_of_token + t)
         pos = tl.load(positions + t)
@@ -50,9 +62,20 @@ def _launch(src: Tensor, ptrs: Tensor, store: KVStore, layer: int, batch: Forwar
 
     lay = store.layout
     row = src[0].numel()
-    _kernel[(src.shape[0],)](src, ptrs, store.block_table, batch.slot_of_token, batch.positions,
-                             store.block_table.stride(0), layer, lay.num_layers, lay.seg_blocks,
-                             BLOCK_SIZE=lay.block_size, ROW=row, ROW_POW2=triton.next_power_of_2(row))
+    _kernel[(src.shape[0],)](
+        src,
+        ptrs,
+        store.block_table,
+        batch.slot_of_token,
+        batch.positions,
+        store.block_table.stride(0),
+        layer,
+        lay.num_layers,
+        lay.seg_blocks,
+        BLOCK_SIZE=lay.block_size,
+        ROW=row,
+        ROW_POW2=triton.next_power_of_2(row),
+    )
 
 
 def store_rows(store: KVStore, layer: int, batch: ForwardBatch, kv: Tensor) -> None:

@@ -62,19 +62,25 @@ def _sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
-def choose_decode_tiling(batch: int, num_kv_heads: int, max_ctx: int, head_dim: int, kv_dtype: torch.dtype,
-                         sm_count: int) -> DecodeTiling:
+def choose_decode_tiling(
+    batch: int, num_kv_heads: int, max_ctx: int, head_dim: int, kv_dtype: torch.dtype, sm_count: int
+) -> DecodeTiling:
     wide = head_dim > 128 or kv_dtype == torch.float32
     block_n = 64 if wide else 128  # wide rows: keep two stages of K and V within shared memory
     programs = batch * num_kv_heads
     want = math.ceil(PROGRAMS_PER_SM * sm_count / programs)
     most = max(1, math.ceil(max_ctx / MIN_SPLIT_TOKENS))
-    return DecodeTiling(num_splits=max(1, min(want, most, MAX_SPLITS)), block_n=block_n, num_warps=4,
-                        num_stages=2)
+    return DecodeTiling(
+        num_splits=max(1, min(want, most, MAX_SPLITS)), block_n=block_n, num_warps=4, num_stages=2
+    )
 
 
-_TL_DTYPES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16",
-                                      torch.float32: "float32", torch.int8: "int8"}
+_TL_DTYPES: dict[torch.dtype, str] = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.int8: "int8",
+}
 
 
 def _tl_dtype(dtype: torch.dtype) -> Any:
@@ -108,33 +114,87 @@ def _check(q: Tensor, out: Tensor, kv_ptrs: Tensor, block_size: int, num_kv_head
     return heads // num_kv_heads, head_dim
 
 
-def _layout_constexprs(q: Tensor, kv_dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int,
-                       block_size: int) -> dict[str, Any]:
+def _layout_constexprs(
+    q: Tensor, kv_dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int, block_size: int
+) -> dict[str, Any]:
     """The compile-time constants both kernels share: pool layout, dtypes, GQA group."""
-    return {"KV_DTYPE": _tl_dtype(kv_dtype), "KV_BYTES": kv_dtype.itemsize, "QUANT": kv_dtype == torch.int8,
-            "COMPUTE": _tl_dtype(q.dtype), "PRECISION": _precision(q.dtype), "HKV": num_kv_heads,
-            "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size}
+    return {
+        "KV_DTYPE": _tl_dtype(kv_dtype),
+        "KV_BYTES": kv_dtype.itemsize,
+        "QUANT": kv_dtype == torch.int8,
+        "COMPUTE": _tl_dtype(q.dtype),
+        "PRECISION": _precision(q.dtype),
+        "HKV": num_kv_heads,
+        "GROUP": group,
+        "HEAD_DIM": head_dim,
+        "BLOCK_SIZE": block_size,
+    }
 
 
-def paged_decode(q: Tensor, out: Tensor, kv_ptrs: Tensor, scale_ptrs: Tensor, block_table: Tensor,
-                 slots: Tensor, ctx_lens: Tensor, *, layer: int, num_layers: int, seg_blocks: int,
-                 block_size: int, num_kv_heads: int, kv_dtype: torch.dtype, sm_scale: float,
-                 max_ctx: int) -> None:
+def paged_decode(
+    q: Tensor,
+    out: Tensor,
+    kv_ptrs: Tensor,
+    scale_ptrs: Tensor,
+    block_table: Tensor,
+    slots: Tensor,
+    ctx_lens: Tensor,
+    *,
+    layer: int,
+    num_layers: int,
+    seg_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    kv_dtype: torch.dtype,
+    sm_scale: float,
+    max_ctx: int,
+) -> None:
     """q, out: [B, Hq, D] (one query token per sequence). Sequence b attends to positions
     0..ctx_lens[b]-1 of slot slots[b] (this step's K/V already written). max_ctx: a host-side upper
     bound on ctx_lens (the engine passes the CUDA-graph context bucket), used to choose the number of
     context splits. No host sync and no data-dependent host logic: capturable in a CUDA graph."""
-    tiling = choose_decode_tiling(q.shape[0], num_kv_heads, max_ctx, q.shape[-1], kv_dtype,
-                                  _sm_count(q.device.index or 0))
-    decode_with(tiling, q, out, kv_ptrs, scale_ptrs, block_table, slots, ctx_lens, layer=layer,
-                num_layers=num_layers, seg_blocks=seg_blocks, block_size=block_size,
-                num_kv_heads=num_kv_heads, kv_dtype=kv_dtype, sm_scale=sm_scale, max_ctx=max_ctx)
+    tiling = choose_decode_tiling(
+        q.shape[0], num_kv_heads, max_ctx, q.shape[-1], kv_dtype, _sm_count(q.device.index or 0)
+    )
+    decode_with(
+        tiling,
+        q,
+        out,
+        kv_ptrs,
+        scale_ptrs,
+        block_table,
+        slots,
+        ctx_lens,
+        layer=layer,
+        num_layers=num_layers,
+        seg_blocks=seg_blocks,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        kv_dtype=kv_dtype,
+        sm_scale=sm_scale,
+        max_ctx=max_ctx,
+    )
 
 
-def decode_with(tiling: DecodeTiling, q: Tensor, out: Tensor, kv_ptrs: Tensor, scale_ptrs: Tensor,
-                block_table: Tensor, slots: Tensor, ctx_lens: Tensor, *, layer: int, num_layers: int,
-                seg_blocks: int, block_size: int, num_kv_heads: int, kv_dtype: torch.dtype, sm_scale: float,
-                max_ctx: int) -> None:
+def decode_with(
+    tiling: DecodeTiling,
+    q: Tensor,
+    out: Tensor,
+    kv_ptrs: Tensor,
+    scale_ptrs: Tensor,
+    block_table: Tensor,
+    slots: Tensor,
+    ctx_lens: Tensor,
+    *,
+    layer: int,
+    num_layers: int,
+    seg_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    kv_dtype: torch.dtype,
+    sm_scale: float,
+    max_ctx: int,
+) -> None:
     """paged_decode with an explicit tiling (the benchmark sweeps tilings through this)."""
     group, head_dim = _check(q, out, kv_ptrs, block_size, num_kv_heads)
     batch, heads = q.shape[0], q.shape[1]
@@ -149,21 +209,66 @@ def decode_with(tiling: DecodeTiling, q: Tensor, out: Tensor, kv_ptrs: Tensor, s
     else:  # never read: the kernel writes `out` directly
         part_out = part_lse = out
     _decode_kernel[(batch, num_kv_heads, splits)](
-        q, out, part_out, part_lse, kv_ptrs, scale_ptrs, block_table, slots, ctx_lens,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        layer, num_layers, seg_blocks, split_tokens, sm_scale * math.log2(math.e),
+        q,
+        out,
+        part_out,
+        part_lse,
+        kv_ptrs,
+        scale_ptrs,
+        block_table,
+        slots,
+        ctx_lens,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        layer,
+        num_layers,
+        seg_blocks,
+        split_tokens,
+        sm_scale * math.log2(math.e),
         **_layout_constexprs(q, kv_dtype, num_kv_heads, group, head_dim, block_size),
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiling.block_n, SPLIT=splits > 1,
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=tiling.block_n,
+        SPLIT=splits > 1,
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
+    )
     if splits > 1:
-        _reduce_kernel[(batch, heads)](part_out, part_lse, out, out.stride(0), out.stride(1), splits,
-                                       HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+        _reduce_kernel[(batch, heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=4,
+        )
 
 
-def paged_prefill(q: Tensor, out: Tensor, kv_ptrs: Tensor, scale_ptrs: Tensor, block_table: Tensor,
-                  slots: Tensor, starts: Tensor, cu_lens: Tensor, *, layer: int, num_layers: int,
-                  seg_blocks: int, block_size: int, num_kv_heads: int, kv_dtype: torch.dtype, sm_scale: float,
-                  max_len: int, max_ctx: int) -> None:
+def paged_prefill(
+    q: Tensor,
+    out: Tensor,
+    kv_ptrs: Tensor,
+    scale_ptrs: Tensor,
+    block_table: Tensor,
+    slots: Tensor,
+    starts: Tensor,
+    cu_lens: Tensor,
+    *,
+    layer: int,
+    num_layers: int,
+    seg_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    kv_dtype: torch.dtype,
+    sm_scale: float,
+    max_len: int,
+    max_ctx: int,
+) -> None:
     """q, out: [T, Hq, D], tokens of B sequences flattened; sequence b owns tokens
     cu_lens[b]..cu_lens[b+1]-1 at positions starts[b] + i; token i attends causally to positions
     0..starts[b]+i of its slot (cached prefix plus this chunk, all already written into the blocks).
@@ -176,19 +281,51 @@ def paged_prefill(q: Tensor, out: Tensor, kv_ptrs: Tensor, scale_ptrs: Tensor, b
     block_m, block_n = (32, 32) if wide else (64, 64)
     grid = (triton.cdiv(max_len, block_m), heads, batch)
     _prefill_kernel[grid](
-        q, out, kv_ptrs, scale_ptrs, block_table, slots, starts, cu_lens,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        layer, num_layers, seg_blocks, sm_scale * math.log2(math.e),
+        q,
+        out,
+        kv_ptrs,
+        scale_ptrs,
+        block_table,
+        slots,
+        starts,
+        cu_lens,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        layer,
+        num_layers,
+        seg_blocks,
+        sm_scale * math.log2(math.e),
         **_layout_constexprs(q, kv_dtype, num_kv_heads, group, head_dim, block_size),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2)
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=4,
+        num_stages=2,
+    )
 
 
 if triton is not None:
 
     @triton.jit
-    def _kv_rows(kv_ptrs, scale_ptrs, bt_row, pos, valid, layer, num_layers, seg_blocks, kvh,
-                 KV_DTYPE: tl.constexpr, KV_BYTES: tl.constexpr, QUANT: tl.constexpr, HKV: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    def _kv_rows(
+        kv_ptrs,
+        scale_ptrs,
+        bt_row,
+        pos,
+        valid,
+        layer,
+        num_layers,
+        seg_blocks,
+        kvh,
+        KV_DTYPE: tl.constexpr,
+        KV_BYTES: tl.constexpr,
+        QUANT: tl.constexpr,
+        HKV: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+    ):
         """K and V rows [N, D] (and their int8 scales [N]) of the positions `pos` of one slot."""
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         seg = blk // seg_blocks
@@ -218,12 +355,39 @@ if triton is not None:
         return k, v, k_scale, v_scale
 
     @triton.jit
-    def _decode_kernel(q_ptr, out_ptr, part_out, part_lse, kv_ptrs, scale_ptrs, bt_ptr, slots_ptr, ctx_ptr,
-                       sqb, sqh, sob, soh, sbt, layer, num_layers, seg_blocks, split_tokens, qk_scale,
-                       KV_DTYPE: tl.constexpr, KV_BYTES: tl.constexpr, QUANT: tl.constexpr,
-                       COMPUTE: tl.constexpr, PRECISION: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    def _decode_kernel(
+        q_ptr,
+        out_ptr,
+        part_out,
+        part_lse,
+        kv_ptrs,
+        scale_ptrs,
+        bt_ptr,
+        slots_ptr,
+        ctx_ptr,
+        sqb,
+        sqh,
+        sob,
+        soh,
+        sbt,
+        layer,
+        num_layers,
+        seg_blocks,
+        split_tokens,
+        qk_scale,
+        KV_DTYPE: tl.constexpr,
+        KV_BYTES: tl.constexpr,
+        QUANT: tl.constexpr,
+        COMPUTE: tl.constexpr,
+        PRECISION: tl.constexpr,
+        HKV: tl.constexpr,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr,
+    ):
         """One program: every query head of one kv group of one sequence, over one context split.
         The group's heads are the rows of the tl.dot (padded to BLOCK_H >= 16), so each K/V row is
         read once per group instead of once per query head."""
@@ -239,8 +403,9 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         head_ok = offs_h < GROUP
         heads = kvh * GROUP + offs_h
-        q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + offs_d[None, :], mask=head_ok[:, None],
-                    other=0.0)
+        q = tl.load(
+            q_ptr + b * sqb + heads[:, None] * sqh + offs_d[None, :], mask=head_ok[:, None], other=0.0
+        )
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -248,9 +413,23 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             valid = pos < hi
-            k, v, k_scale, v_scale = _kv_rows(kv_ptrs, scale_ptrs, bt_row, pos, valid, layer, num_layers,
-                                              seg_blocks, kvh, KV_DTYPE, KV_BYTES, QUANT, HKV, HEAD_DIM,
-                                              BLOCK_SIZE)
+            k, v, k_scale, v_scale = _kv_rows(
+                kv_ptrs,
+                scale_ptrs,
+                bt_row,
+                pos,
+                valid,
+                layer,
+                num_layers,
+                seg_blocks,
+                kvh,
+                KV_DTYPE,
+                KV_BYTES,
+                QUANT,
+                HKV,
+                HEAD_DIM,
+                BLOCK_SIZE,
+            )
             # int8 values are exact in bf16/fp16, so the scale is applied to the scores and to the
             # probabilities rather than to K and V: one multiply per token instead of per element.
             s = tl.dot(q.to(COMPUTE), tl.trans(k.to(COMPUTE)), input_precision=PRECISION)
@@ -270,15 +449,22 @@ if triton is not None:
             splits = tl.num_programs(2)
             row = (b * (HKV * GROUP) + heads) * splits + split
             tl.store(part_out + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=head_ok[:, None])
-            tl.store(part_lse + row, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")),
-                     mask=head_ok)
+            tl.store(
+                part_lse + row,
+                tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")),
+                mask=head_ok,
+            )
         else:
-            tl.store(out_ptr + b * sob + heads[:, None] * soh + offs_d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+            tl.store(
+                out_ptr + b * sob + heads[:, None] * soh + offs_d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=head_ok[:, None],
+            )
 
     @triton.jit
-    def _reduce_kernel(part_out, part_lse, out_ptr, sob, soh, splits, HEAD_DIM: tl.constexpr,
-                       BLOCK_S: tl.constexpr):
+    def _reduce_kernel(
+        part_out, part_lse, out_ptr, sob, soh, splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr
+    ):
         """Merges one (sequence, query head)'s split results by their log-sum-exps (base 2)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -290,19 +476,44 @@ if triton is not None:
         top = tl.max(lse, 0)
         # An all-empty row (context 0, a padding row) has top = -inf; weigh nothing then.
         w = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(top > float("-inf"), top, 0.0)), 0.0)
-        parts = tl.load(part_out + row[:, None] * HEAD_DIM + offs_d[None, :], mask=(w > 0)[:, None],
-                        other=0.0)
+        parts = tl.load(
+            part_out + row[:, None] * HEAD_DIM + offs_d[None, :], mask=(w > 0)[:, None], other=0.0
+        )
         total = tl.sum(w, 0)
         o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + b * sob + h * soh + offs_d, o.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _prefill_kernel(q_ptr, out_ptr, kv_ptrs, scale_ptrs, bt_ptr, slots_ptr, starts_ptr, cu_ptr,
-                        sqt, sqh, sot, soh, sbt, layer, num_layers, seg_blocks, qk_scale,
-                        KV_DTYPE: tl.constexpr, KV_BYTES: tl.constexpr, QUANT: tl.constexpr,
-                        COMPUTE: tl.constexpr, PRECISION: tl.constexpr, HKV: tl.constexpr,
-                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _prefill_kernel(
+        q_ptr,
+        out_ptr,
+        kv_ptrs,
+        scale_ptrs,
+        bt_ptr,
+        slots_ptr,
+        starts_ptr,
+        cu_ptr,
+        sqt,
+        sqh,
+        sot,
+        soh,
+        sbt,
+        layer,
+        num_layers,
+        seg_blocks,
+        qk_scale,
+        KV_DTYPE: tl.constexpr,
+        KV_BYTES: tl.constexpr,
+        QUANT: tl.constexpr,
+        COMPUTE: tl.constexpr,
+        PRECISION: tl.constexpr,
+        HKV: tl.constexpr,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         """One program: BLOCK_M query tokens of one sequence and one query head, over every KV tile
         up to the causal limit of its last token (tiles past it are never loaded)."""
         m_tile = tl.program_id(0)
@@ -318,8 +529,11 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         row_ok = offs_m < n
         q_pos = start + offs_m
-        q = tl.load(q_ptr + (first + offs_m)[:, None] * sqt + h * sqh + offs_d[None, :], mask=row_ok[:, None],
-                    other=0.0)
+        q = tl.load(
+            q_ptr + (first + offs_m)[:, None] * sqt + h * sqh + offs_d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
         # Keys below `hi` are the causal window of this tile's last token; 0 for a tile past the chunk.
         hi = tl.where(m_tile * BLOCK_M < n, start + tl.minimum(n, (m_tile + 1) * BLOCK_M), 0)
 
@@ -329,9 +543,23 @@ if triton is not None:
         for k_start in range(0, hi, BLOCK_N):
             pos = k_start + tl.arange(0, BLOCK_N)
             valid = pos < hi
-            k, v, k_scale, v_scale = _kv_rows(kv_ptrs, scale_ptrs, bt_row, pos, valid, layer, num_layers,
-                                              seg_blocks, kvh, KV_DTYPE, KV_BYTES, QUANT, HKV, HEAD_DIM,
-                                              BLOCK_SIZE)
+            k, v, k_scale, v_scale = _kv_rows(
+                kv_ptrs,
+                scale_ptrs,
+                bt_row,
+                pos,
+                valid,
+                layer,
+                num_layers,
+                seg_blocks,
+                kvh,
+                KV_DTYPE,
+                KV_BYTES,
+                QUANT,
+                HKV,
+                HEAD_DIM,
+                BLOCK_SIZE,
+            )
             s = tl.dot(q.to(COMPUTE), tl.trans(k.to(COMPUTE)), input_precision=PRECISION)
             s = s * (k_scale * qk_scale)[None, :]
             # The first tile holds position 0, which every row may see, so m_i is finite after it
@@ -346,5 +574,8 @@ if triton is not None:
             m_i = m_new
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + (first + offs_m)[:, None] * sot + h * soh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(
+            out_ptr + (first + offs_m)[:, None] * sot + h * soh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )

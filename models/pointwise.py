@@ -101,8 +101,11 @@ def _on_cuda(name: str, eager: F_) -> F_:
         except torch._dynamo.exc.TorchDynamoException as exc:  # no compiler on the machine, say: stay eager
             if torch.cuda.is_current_stream_capturing():
                 raise  # a graph capture cannot go on after a failed launch; the engine falls back
-            log.warning("torch.compile of the pointwise kernels failed (%s: %s); running them eagerly",
-                        type(exc).__name__, exc)
+            log.warning(
+                "torch.compile of the pointwise kernels failed (%s: %s); running them eagerly",
+                type(exc).__name__,
+                exc,
+            )
             _state["enabled"] = False
             return eager(*args)
 

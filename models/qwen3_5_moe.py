@@ -48,4 +48,3 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
         if hf_key.startswith("model.language_model."):
             return "model." + hf_key.removeprefix("model.language_model.")
         return hf_key
-

@@ -76,13 +76,26 @@ class HybridConfig:
     bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-                     "linear_num_key_heads", "linear_num_value_heads", "decoder_sparse_step"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "linear_conv_kernel_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "decoder_sparse_step",
+        ):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {LINEAR, FULL}:
-            raise ModelConfigError(f"layer_types must name {self.num_hidden_layers} layers of {LINEAR!r} / {FULL!r}")
+            raise ModelConfigError(
+                f"layer_types must name {self.num_hidden_layers} layers of {LINEAR!r} / {FULL!r}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelConfigError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.linear_num_value_heads % self.linear_num_key_heads:
@@ -90,7 +103,9 @@ class HybridConfig:
         if any(self.is_sparse(i) for i in range(self.num_hidden_layers)) and not (
             0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
         ):
-            raise ModelConfigError("MoE layers need 0 < num_experts_per_tok <= num_experts and moe_intermediate_size > 0")
+            raise ModelConfigError(
+                "MoE layers need 0 < num_experts_per_tok <= num_experts and moe_intermediate_size > 0"
+            )
         if not all(self.is_sparse(i) for i in range(self.num_hidden_layers)) and self.intermediate_size <= 0:
             raise ModelConfigError("dense MLP layers need intermediate_size > 0")
 
@@ -102,7 +117,9 @@ class HybridConfig:
         )
 
     @classmethod
-    def from_hf(cls, hf: Mapping[str, Any], model_types: tuple[str, ...], all_sparse: bool = False) -> HybridConfig:
+    def from_hf(
+        cls, hf: Mapping[str, Any], model_types: tuple[str, ...], all_sparse: bool = False
+    ) -> HybridConfig:
         """From an HF config dict. A multimodal Qwen3.5 config nests the text model in text_config.
         all_sparse: every layer is MoE with normalised top-k (Qwen3.5 has no dense layers)."""
         if isinstance(hf.get("text_config"), Mapping):
@@ -121,7 +138,9 @@ class HybridConfig:
             interval = _int(hf, "full_attention_interval", 4)
             kinds = [LINEAR if (i + 1) % interval else FULL for i in range(layers)]
         rope_src = dict(hf)
-        if "partial_rotary_factor" not in hf and "partial_rotary_factor" not in (hf.get("rope_parameters") or {}):
+        if "partial_rotary_factor" not in hf and "partial_rotary_factor" not in (
+            hf.get("rope_parameters") or {}
+        ):
             rope_src["partial_rotary_factor"] = 0.25  # the reference's default for these models
         eos = hf.get("eos_token_id")
         return cls(
@@ -177,7 +196,11 @@ class GatedAttention(nn.Module):
 
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim * 2, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
@@ -201,8 +224,15 @@ class GatedAttention(nn.Module):
 
 def delta_net_dims(cfg: HybridConfig) -> tuple[int, int, int, int, int, int, float]:
     """GatedDeltaNet's constructor arguments from the config."""
-    return (cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-            cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps)
+    return (
+        cfg.hidden_size,
+        cfg.linear_num_key_heads,
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
+        cfg.linear_conv_kernel_dim,
+        cfg.rms_norm_eps,
+    )
 
 
 class FusedGatedDeltaNet(GatedDeltaNet):
@@ -258,7 +288,9 @@ class HybridModel(nn.Module):
     def __init__(self, cfg: HybridConfig, linear_cls: type[GatedDeltaNet]) -> None:
         super().__init__()
         self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, linear_cls) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(cfg, i, linear_cls) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim)
 
@@ -296,8 +328,11 @@ class Qwen3NextForCausalLM(nn.Module):
         c = self.config
         conv_bytes = dtype_bytes(self.model.embed_tokens.weight.dtype)
         linear = RecurrentStateSpec(
-            conv_shape=(2 * c.linear_num_key_heads * c.linear_key_head_dim
-                        + c.linear_num_value_heads * c.linear_value_head_dim, c.linear_conv_kernel_dim - 1),
+            conv_shape=(
+                2 * c.linear_num_key_heads * c.linear_key_head_dim
+                + c.linear_num_value_heads * c.linear_value_head_dim,
+                c.linear_conv_kernel_dim - 1,
+            ),
             conv_dtype_bytes=conv_bytes,
             state_shape=(c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
             state_dtype_bytes=4,
@@ -330,4 +365,3 @@ class Qwen3NextForCausalLM(nn.Module):
                     a = torch.empty(module.v_heads).uniform_(0.01, 16.0, generator=gen)
                     module.A_log.copy_(a.log())
                     module.dt_bias.fill_(1.0)
-

@@ -35,7 +35,9 @@ def model_class(hf_config: Mapping[str, Any]) -> Any:
     model_type = hf_config.get("model_type")
     cls = MODEL_CLASSES.get(str(model_type))
     if cls is None:
-        raise UnsupportedModel(f"model_type {model_type!r} is not supported; supported: {', '.join(supported_types())}")
+        raise UnsupportedModel(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(supported_types())}"
+        )
     return cls
 
 

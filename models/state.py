@@ -30,7 +30,9 @@ from torch import Tensor
 def attention_spec(num_kv_heads: int, head_dim: int, kv_dtype_bytes: int) -> AttentionSpec:
     """The spec of one attention layer's cache; 1-byte KV carries per token-head scales."""
     scale = SCALE_BYTES if kv_dtype_bytes == 1 else 0
-    return AttentionSpec(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=kv_dtype_bytes, scale_bytes=scale)
+    return AttentionSpec(
+        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=kv_dtype_bytes, scale_bytes=scale
+    )
 
 
 class LayerState(abc.ABC):
@@ -201,8 +203,13 @@ class RecurrentState(LayerState):
         self.recurrent[slot].copy_(saved[1])
 
 
-def build_states(specs: Sequence[LayerSpec], num_slots: int, store: KVStores | KVStore | None,
-                 device: torch.device | str, dtype: torch.dtype) -> list[LayerState]:
+def build_states(
+    specs: Sequence[LayerSpec],
+    num_slots: int,
+    store: KVStores | KVStore | None,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> list[LayerState]:
     """One state per decoder layer, chosen by its spec: attention layers view `store` (the i-th
     attention layer its layer i), recurrent layers get num_slots fixed-size states."""
     states: list[LayerState] = []
@@ -216,14 +223,23 @@ def build_states(specs: Sequence[LayerSpec], num_slots: int, store: KVStores | K
             attn += 1
         elif isinstance(spec, RecurrentStateSpec):
             state_dtype = torch.float32 if spec.state_dtype_bytes == 4 else dtype
-            states.append(RecurrentState(num_slots, spec.conv_shape, spec.state_shape, dtype, device, state_dtype))
+            states.append(
+                RecurrentState(num_slots, spec.conv_shape, spec.state_shape, dtype, device, state_dtype)
+            )
         else:
             raise TypeError(f"no state kind for spec {spec!r}")
     return states
 
 
-def kv_store_for(specs: Sequence[LayerSpec], table_rows: int, max_len: int, device: torch.device | str,
-                 dtype: torch.dtype, quantized_kv: bool = False, segment_bytes: int = 0) -> KVStore | None:
+def kv_store_for(
+    specs: Sequence[LayerSpec],
+    table_rows: int,
+    max_len: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    quantized_kv: bool = False,
+    segment_bytes: int = 0,
+) -> KVStore | None:
     """An empty KV store shaped for the attention layers of `specs` (None if there are none).
     Every attention layer must have the same KV heads and head dim."""
     attn = [s for s in specs if isinstance(s, AttentionSpec)]
@@ -234,8 +250,9 @@ def kv_store_for(specs: Sequence[LayerSpec], table_rows: int, max_len: int, devi
         raise ValueError(f"attention layers of different KV shapes {sorted(shapes)} are not supported")
     heads, head_dim = shapes.pop()
     dev = torch.device(device)
-    layout = plan_layout(len(attn), heads, head_dim, dtype, quantized_kv, table_rows, max_len, dev,
-                         segment_bytes=segment_bytes)
+    layout = plan_layout(
+        len(attn), heads, head_dim, dtype, quantized_kv, table_rows, max_len, dev, segment_bytes=segment_bytes
+    )
     return KVStore(layout, dev)
 
 
@@ -248,8 +265,9 @@ def allocate_states(
     quantized_kv: bool = False,
 ) -> list[LayerState]:
     """States for num_slots sequences of up to max_len tokens with every slot's blocks assigned up
-    front (slot s owns blocks 1 + s * per_slot ..; block 0 is the sink): for tests, benchmarks and the profiling pass, which
-    run a model without the engine's allocator. quantized_kv stores attention KV as int8."""
+    front (slot s owns blocks 1 + s * per_slot ..; block 0 is the sink): for tests, benchmarks and
+    the profiling pass, which run a model without the engine's allocator. quantized_kv stores
+    attention KV as int8."""
     store = kv_store_for(specs, num_slots, max_len, device, dtype, quantized_kv)
     if store is not None:
         lay = store.layout

@@ -15,7 +15,9 @@ from ballast.engine.plan import CheckpointRestore, CheckpointSave
 
 
 class CheckpointOrders:
-    def __init__(self, interval: int, match_prefix: Callable[[Sequence[int]], int], shedding: Callable[[], bool]) -> None:
+    def __init__(
+        self, interval: int, match_prefix: Callable[[Sequence[int]], int], shedding: Callable[[], bool]
+    ) -> None:
         """interval: the engine's checkpoint interval (0: its prefix cache is off); match_prefix:
         prompt tokens a restore would cover now; shedding: the ladder's plan sheds the cache now."""
         self.interval = interval

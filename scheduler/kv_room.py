@@ -68,5 +68,8 @@ class KVRoom:
     @staticmethod
     def _promised(kv: KVFigures, int8: bool, running: Iterable[Charge], watermark: int) -> int:
         bs = kv.block_size
-        return sum(blocks_for(c.total_tokens, bs) - blocks_for(c.held_tokens, bs) + watermark
-                   for c in running if c.int8 == int8)
+        return sum(
+            blocks_for(c.total_tokens, bs) - blocks_for(c.held_tokens, bs) + watermark
+            for c in running
+            if c.int8 == int8
+        )

@@ -51,7 +51,9 @@ class SlotTable:
 
     def take_releases(self) -> tuple[int, ...]:
         """Draining slots not yet sent to the engine; they go into the plan being built."""
-        out = tuple(s for s, st in enumerate(self._state) if st is SlotState.DRAINING and s not in self._in_release)
+        out = tuple(
+            s for s, st in enumerate(self._state) if st is SlotState.DRAINING and s not in self._in_release
+        )
         self._in_release.update(out)
         return out
 

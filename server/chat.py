@@ -54,7 +54,11 @@ def _template_message(m: p.ChatMessage, index: int) -> dict[str, Any]:
         out["tool_call_id"] = m.tool_call_id
     if m.tool_calls:
         out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c, index)}}
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _arguments(c, index)},
+            }
             for c in m.tool_calls
         ]
     return out
@@ -66,8 +70,11 @@ def _text(m: p.ChatMessage, index: int) -> str:
     parts = []
     for part in m.content:
         if part.type != "text":
-            raise bad_request(f"{TEXT_ONLY}: content parts of type '{part.type}' are not accepted",
-                              param=f"messages[{index}].content", code="unsupported_content")
+            raise bad_request(
+                f"{TEXT_ONLY}: content parts of type '{part.type}' are not accepted",
+                param=f"messages[{index}].content",
+                code="unsupported_content",
+            )
         parts.append(part.text or "")
     return "".join(parts)
 
@@ -76,7 +83,9 @@ def _arguments(call: p.ToolCall, index: int) -> dict[str, Any]:
     try:
         args = json.loads(call.function.arguments or "{}")
     except json.JSONDecodeError as exc:
-        raise bad_request(f"tool call arguments must be a JSON object: {exc}", param=f"messages[{index}].tool_calls") from exc
+        raise bad_request(
+            f"tool call arguments must be a JSON object: {exc}", param=f"messages[{index}].tool_calls"
+        ) from exc
     if not isinstance(args, dict):
         raise bad_request("tool call arguments must be a JSON object", param=f"messages[{index}].tool_calls")
     return args
@@ -89,17 +98,23 @@ def check_tools(req: p.ChatCompletionRequest) -> None:
     if isinstance(req.tool_choice, p.NamedToolChoice):
         names = {t.function.name for t in req.tools or ()}
         if req.tool_choice.function.name not in names:
-            raise bad_request(f"tool_choice names `{req.tool_choice.function.name}`, which is not among the tools",
-                              param="tool_choice")
+            raise bad_request(
+                f"tool_choice names `{req.tool_choice.function.name}`, which is not among the tools",
+                param="tool_choice",
+            )
     if req.tools and _forced(req) and req.response_format is not None and req.response_format.type != "text":
-        raise bad_request("response_format cannot be combined with a forced tool call", param="response_format")
+        raise bad_request(
+            "response_format cannot be combined with a forced tool call", param="response_format"
+        )
 
 
 def tool_plan(req: p.ChatCompletionRequest) -> ToolPlan | None:
     if not req.tools or req.tool_choice == "none":
         return None
     schemas = {t.function.name: t.function.parameters or {} for t in req.tools}
-    return ToolPlan(schemas, None if req.parallel_tool_calls and not isinstance(req.tool_choice, p.NamedToolChoice) else 1)
+    return ToolPlan(
+        schemas, None if req.parallel_tool_calls and not isinstance(req.tool_choice, p.NamedToolChoice) else 1
+    )
 
 
 def template_tools(req: p.ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -112,10 +127,14 @@ def describe_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) 
     """For a template without a tool format: the tools and the Hermes call format in the system
     message (merged into the conversation's own system message when it has one)."""
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    text = ("You may call one or more functions to assist with the user query.\n\n"
-            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listing}\n</tools>\n\n"
-            "For each function call, return a json object with function name and arguments within "
-            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
+    text = (
+        "You may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML "
+        f"tags:\n<tools>\n{listing}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        "<args-json-object>}\n</tool_call>"
+    )
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
@@ -123,7 +142,9 @@ def describe_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) 
 
 def wants_grammar(req: p.ChatCompletionRequest) -> bool:
     """The answer will be constrained (a forced tool call or a JSON response_format)."""
-    return bool(req.tools and _forced(req)) or (req.response_format is not None and req.response_format.type != "text")
+    return bool(req.tools and _forced(req)) or (
+        req.response_format is not None and req.response_format.type != "text"
+    )
 
 
 def _forced(req: p.ChatCompletionRequest) -> bool:
@@ -136,7 +157,9 @@ def compiler(state: ServerState) -> GrammarCompiler:
     if not isinstance(engine, Engine):
         raise bad_request("structured outputs need a model with its own tokenizer", param="response_format")
     if state.grammars is None:  # two first requests at once may both build it: harmless, one is kept
-        state.grammars = GrammarCompiler(engine.tokenizer.hf, engine.vocab_size, engine.tokenizer.eos_token_ids)
+        state.grammars = GrammarCompiler(
+            engine.tokenizer.hf, engine.vocab_size, engine.tokenizer.eos_token_ids
+        )
     return state.grammars
 
 
@@ -172,6 +195,8 @@ def chat_prompt(state: ServerState, tokenizer: Any, req: p.ChatCompletionRequest
     if tools and not tokenizer.template_knows_tools:
         messages, tools = describe_tools(messages, tools), None
     try:
-        return tokenizer.apply_chat_template(messages, tools, special_tokens_in_content=state.config.special_tokens_in_chat)
+        return tokenizer.apply_chat_template(
+            messages, tools, special_tokens_in_content=state.config.special_tokens_in_chat
+        )
     except TokenizerError as exc:  # the template refused this conversation (its shape, its roles)
         raise bad_request(str(exc), param="messages") from exc

@@ -43,16 +43,26 @@ MEMORY_LAYERS: tuple[type, ...] = (MemoryConfig, EngineConfig, SchedulerConfig)
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser and its subcommand parsers (a config error is reported by the subcommand's)."""
-    parser = argparse.ArgumentParser(prog="ballast", description="OpenAI-compatible LLM server with memory governance.")
+    parser = argparse.ArgumentParser(
+        prog="ballast", description="OpenAI-compatible LLM server with memory governance."
+    )
     parser.add_argument("--version", action="version", version=f"ballast {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{serve,memory,generate}")
-    serve = sub.add_parser("serve", help="serve the OpenAI API over HTTP", description="Serve the OpenAI API over HTTP.")
+    serve = sub.add_parser(
+        "serve", help="serve the OpenAI API over HTTP", description="Serve the OpenAI API over HTTP."
+    )
     add_flags(serve, LAYERS)
-    memory = sub.add_parser("memory", help="print the memory snapshot and the ladder plan", description="Print what the memory layer sees.")
+    memory = sub.add_parser(
+        "memory",
+        help="print the memory snapshot and the ladder plan",
+        description="Print what the memory layer sees.",
+    )
     memory.add_argument("--watch", action="store_true", help="print again every second until interrupted")
     add_flags(memory, MEMORY_LAYERS)
     # `generate` owns its flags (engine/generate.py); listed here so --help shows it.
-    sub.add_parser("generate", help="generate text from one prompt (see `ballast generate --help`)", add_help=False)
+    sub.add_parser(
+        "generate", help="generate text from one prompt (see `ballast generate --help`)", add_help=False
+    )
     return parser, {"serve": serve, "memory": memory}
 
 
@@ -73,20 +83,32 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return serve(args, env)
         return memory(args, env)
     except ConfigError as exc:
-        subparsers[args.command].error(str(exc))  # exits 2 with the usage line, as argparse does for a bad flag
+        subparsers[args.command].error(
+            str(exc)
+        )  # exits 2 with the usage line, as argparse does for a bad flag
         return 2
 
 
-def build_configs(args: argparse.Namespace, env: Mapping[str, str], layers: Sequence[type]) -> dict[type, object]:
+def build_configs(
+    args: argparse.Namespace, env: Mapping[str, str], layers: Sequence[type]
+) -> dict[type, object]:
     """Each layer's config; the scheduler's takes its slot count from the engine's and its ladder
     and PSI settings from the memory layer's (each setting is declared once)."""
     warn_unknown(env, LAYERS, OTHER_VARIABLES)
-    cfg: dict[type, object] = {layer: build(layer, args, env) for layer in layers if layer is not SchedulerConfig}
+    cfg: dict[type, object] = {
+        layer: build(layer, args, env) for layer in layers if layer is not SchedulerConfig
+    }
     if SchedulerConfig in layers:
         engine, mem = cfg[EngineConfig], cfg[MemoryConfig]
         assert isinstance(engine, EngineConfig) and isinstance(mem, MemoryConfig)
-        cfg[SchedulerConfig] = build(SchedulerConfig, args, env, max_num_seqs=engine.max_num_seqs,
-                                     ladder_disable=mem.ladder_disable, psi_full_reject_pct=mem.psi_full_reject_pct)
+        cfg[SchedulerConfig] = build(
+            SchedulerConfig,
+            args,
+            env,
+            max_num_seqs=engine.max_num_seqs,
+            ladder_disable=mem.ladder_disable,
+            psi_full_reject_pct=mem.psi_full_reject_pct,
+        )
     return cfg
 
 
@@ -98,7 +120,11 @@ def _ladder_plan(state: MemState, engine: EngineConfig, sched: SchedulerConfig) 
 def memory(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     cfg = build_configs(args, env, MEMORY_LAYERS)
     memory_cfg, engine_cfg, sched_cfg = cfg[MemoryConfig], cfg[EngineConfig], cfg[SchedulerConfig]
-    assert isinstance(memory_cfg, MemoryConfig) and isinstance(engine_cfg, EngineConfig) and isinstance(sched_cfg, SchedulerConfig)
+    assert (
+        isinstance(memory_cfg, MemoryConfig)
+        and isinstance(engine_cfg, EngineConfig)
+        and isinstance(sched_cfg, SchedulerConfig)
+    )
     watch = MemWatch(memory_cfg)
     if not args.watch:
         state = watch.poll_now()
@@ -134,9 +160,18 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from ballast.models.base import ModelError
     from ballast.server.app import create_app
 
-    server_cfg, engine_cfg, sched_cfg, memory_cfg = cfg[ServerConfig], cfg[EngineConfig], cfg[SchedulerConfig], cfg[MemoryConfig]
+    server_cfg, engine_cfg, sched_cfg, memory_cfg = (
+        cfg[ServerConfig],
+        cfg[EngineConfig],
+        cfg[SchedulerConfig],
+        cfg[MemoryConfig],
+    )
     prefix_cfg = cfg[PrefixCacheConfig]
-    assert isinstance(server_cfg, ServerConfig) and isinstance(engine_cfg, EngineConfig) and isinstance(prefix_cfg, PrefixCacheConfig)
+    assert (
+        isinstance(server_cfg, ServerConfig)
+        and isinstance(engine_cfg, EngineConfig)
+        and isinstance(prefix_cfg, PrefixCacheConfig)
+    )
     assert isinstance(sched_cfg, SchedulerConfig) and isinstance(memory_cfg, MemoryConfig)
     try:
         check_spec(engine_cfg.model)
@@ -147,8 +182,12 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     watch.add_listener(events.level_changed)
     # The prefix cache's checkpoint buffers come from (and go back to) this pool; its cap follows
     # the live, cgroup-aware host total, and the scheduler trims it while idle.
-    pool = CheckpointPool(lambda: watch.read().host.effective_total_bytes, memory_cfg.pool_fraction,
-                          memory_cfg.pool_max_buffers, memory_cfg.pool_min_buffer_bytes)
+    pool = CheckpointPool(
+        lambda: watch.read().host.effective_total_bytes,
+        memory_cfg.pool_fraction,
+        memory_cfg.pool_max_buffers,
+        memory_cfg.pool_min_buffer_bytes,
+    )
     exit_code = 0
     server: uvicorn.Server | None = None
     json_logs = server_cfg.log_format == "json"
@@ -169,9 +208,16 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         plan = _ladder_plan(watch.poll_now(), engine_cfg, sched_cfg)
         return Engine.load(engine_cfg, watch, plan.force_quantized_kv, prefix_cache=prefix_cfg, pool=pool)
 
-    app = create_app(server_cfg, sched_cfg, load_engine, memwatch=watch,
-                     on_fatal=on_fatal, pool=pool, pool_max_idle_s=memory_cfg.pool_max_idle_s,
-                     model_aliases=() if server_cfg.served_model_name else (engine_cfg.model,))
+    app = create_app(
+        server_cfg,
+        sched_cfg,
+        load_engine,
+        memwatch=watch,
+        on_fatal=on_fatal,
+        pool=pool,
+        pool_max_idle_s=memory_cfg.pool_max_idle_s,
+        model_aliases=() if server_cfg.served_model_name else (engine_cfg.model,),
+    )
     try:
         sock = _bind(server_cfg.host, server_cfg.port)
     except OSError as exc:
@@ -182,13 +228,25 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     # In JSON mode uvicorn's loggers keep no handlers of their own: their records reach the root's
     # JSON handler like ours, so every line of the log is one object.
     logs: dict[str, Any] = {"log_config": None} if json_logs else {}
-    server = uvicorn.Server(uvicorn.Config(app, log_level=server_cfg.log_level, lifespan="on", timeout_graceful_shutdown=10, **logs))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, log_level=server_cfg.log_level, lifespan="on", timeout_graceful_shutdown=10, **logs
+        )
+    )
     url = f"http://{shown}:{port}"
     if json_logs:
-        log.info("listening on %s (model %s loading; /ready turns 200 when it is served)", url, engine_cfg.model,
-                 extra={"event": "listening", "url": url, "model": engine_cfg.model})
+        log.info(
+            "listening on %s (model %s loading; /ready turns 200 when it is served)",
+            url,
+            engine_cfg.model,
+            extra={"event": "listening", "url": url, "model": engine_cfg.model},
+        )
     else:
-        print(f"ballast: listening on {url} (model {engine_cfg.model} loading; /ready turns 200 when it is served)", flush=True)
+        print(
+            f"ballast: listening on {url} (model {engine_cfg.model} loading; /ready turns 200 when it is "
+            "served)",
+            flush=True,
+        )
     server.run(sockets=[sock])
     return exit_code
 

@@ -67,9 +67,20 @@ class Job:
 def check_model(state: ServerState, requested: str) -> str:
     name = state.model_name
     if name is None:
-        raise ApiError(503, "the model is still loading", "server_overloaded", code="model_loading", headers={"Retry-After": "1"})
+        raise ApiError(
+            503,
+            "the model is still loading",
+            "server_overloaded",
+            code="model_loading",
+            headers={"Retry-After": "1"},
+        )
     if requested != name and requested not in state.model_aliases:
-        raise ApiError(404, f"The model `{requested}` does not exist; this server serves `{name}`", param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"The model `{requested}` does not exist; this server serves `{name}`",
+            param="model",
+            code="model_not_found",
+        )
     return name
 
 
@@ -89,8 +100,13 @@ def sampling_defaults(state: ServerState) -> dict[str, float]:
     return state.engine.sampling_defaults if isinstance(state.engine, Engine) else {}
 
 
-def _sampling(req: p.GenerationFields, defaults: dict[str, float], logprobs: int | None,
-              bias: tuple[tuple[int, float], ...] = (), constraint: Constraint | None = None) -> SamplingParams:
+def _sampling(
+    req: p.GenerationFields,
+    defaults: dict[str, float],
+    logprobs: int | None,
+    bias: tuple[tuple[int, float], ...] = (),
+    constraint: Constraint | None = None,
+) -> SamplingParams:
     def pick(asked: float | None, name: str, plain: float) -> float:
         return asked if asked is not None else defaults.get(name, plain)
 
@@ -127,7 +143,13 @@ def _common_checks(req: p.GenerationFields) -> None:
 def ready_engine(state: ServerState) -> tuple[TokenizerLike, int]:
     """The tokenizer and the context window a request may fill (prompt + new tokens)."""
     if state.engine is None or state.scheduler is None:
-        raise ApiError(503, "the model is still loading", "server_overloaded", code="model_loading", headers={"Retry-After": "1"})
+        raise ApiError(
+            503,
+            "the model is still loading",
+            "server_overloaded",
+            code="model_loading",
+            headers={"Retry-After": "1"},
+        )
     return state.engine.tokenizer, state.context_window
 
 
@@ -142,7 +164,9 @@ def check_token_ids(tokenizer: TokenizerLike, ids: list[int], param: str = "prom
         raise bad_request(f"token id {bad[0]} is outside the vocabulary ({accepted})", param=param)
 
 
-def _prompts(tokenizer: TokenizerLike, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[str | None, list[int]]]:
+def _prompts(
+    tokenizer: TokenizerLike, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[tuple[str | None, list[int]]]:
     """(text, token ids) of each completion prompt: text, token ids, or a list of either (text is
     None for prompts given as ids)."""
     if isinstance(prompt, str):
@@ -179,11 +203,29 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
     params = _sampling(req, sampling_defaults(state), req.logprobs, _logit_bias(tokenizer, req))
     rid = p.new_id("cmpl")
     choices = [(i, ids) for _, ids in prompts for i in range(req.n)]  # (index among its prompt's, prompt)
-    gens = tuple(_generation(_choice_id(rid, k, len(choices)), ids, req, _choice_params(params, i), req.max_tokens, max_len)
-                 for k, (i, ids) in enumerate(choices))
-    echo = tuple((text if text is not None else tokenizer.decode(ids)) if req.echo else "" for text, ids in prompts
-                 for _ in range(req.n))
-    return Job("completion", rid, model, gens, req.stream, _usage(req), req.logprobs is not None, "prompt", n=req.n, echo=echo)
+    gens = tuple(
+        _generation(
+            _choice_id(rid, k, len(choices)), ids, req, _choice_params(params, i), req.max_tokens, max_len
+        )
+        for k, (i, ids) in enumerate(choices)
+    )
+    echo = tuple(
+        (text if text is not None else tokenizer.decode(ids)) if req.echo else ""
+        for text, ids in prompts
+        for _ in range(req.n)
+    )
+    return Job(
+        "completion",
+        rid,
+        model,
+        gens,
+        req.stream,
+        _usage(req),
+        req.logprobs is not None,
+        "prompt",
+        n=req.n,
+        echo=echo,
+    )
 
 
 def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
@@ -194,11 +236,26 @@ def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
     ids = chat.chat_prompt(state, tokenizer, req)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = _sampling(req, sampling_defaults(state), top, _logit_bias(tokenizer, req), chat.constraint(state, req, len(ids)))
+    params = _sampling(
+        req, sampling_defaults(state), top, _logit_bias(tokenizer, req), chat.constraint(state, req, len(ids))
+    )
     rid = p.new_id("chatcmpl")
-    gens = tuple(_generation(_choice_id(rid, i, req.n), ids, req, _choice_params(params, i), asked, max_len)
-                 for i in range(req.n))
-    return Job("chat", rid, model, gens, req.stream, _usage(req), req.logprobs, "messages", chat.tool_plan(req), n=req.n)
+    gens = tuple(
+        _generation(_choice_id(rid, i, req.n), ids, req, _choice_params(params, i), asked, max_len)
+        for i in range(req.n)
+    )
+    return Job(
+        "chat",
+        rid,
+        model,
+        gens,
+        req.stream,
+        _usage(req),
+        req.logprobs,
+        "messages",
+        chat.tool_plan(req),
+        n=req.n,
+    )
 
 
 def _choice_id(response_id: str, index: int, count: int) -> str:
@@ -207,15 +264,18 @@ def _choice_id(response_id: str, index: int, count: int) -> str:
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """Choice i of n draws with seed + i: a seeded request stays reproducible, its choices differ."""
-    return params if params.seed is None or index == 0 else dataclasses.replace(params, seed=params.seed + index)
+    return (
+        params if params.seed is None or index == 0 else dataclasses.replace(params, seed=params.seed + index)
+    )
 
 
 def _usage(req: p.GenerationFields) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
-def _generation(rid: str, ids: list[int], req: p.GenerationFields, params: SamplingParams, asked: int | None,
-                max_len: int) -> GenerationRequest:
+def _generation(
+    rid: str, ids: list[int], req: p.GenerationFields, params: SamplingParams, asked: int | None, max_len: int
+) -> GenerationRequest:
     return GenerationRequest(
         request_id=rid,
         prompt_ids=tuple(ids),
@@ -278,7 +338,9 @@ async def start(state: ServerState, job: Job) -> Started:
     followers = [i for i in range(len(job.gens)) if i % job.n]
     try:
         for wave in (leaders, followers):
-            started = await asyncio.gather(*(_submit(state, job, job.gens[i]) for i in wave), return_exceptions=True)
+            started = await asyncio.gather(
+                *(_submit(state, job, job.gens[i]) for i in wave), return_exceptions=True
+            )
             for i, result in zip(wave, started, strict=True):
                 if isinstance(result, Run):
                     runs[i] = result

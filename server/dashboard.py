@@ -50,9 +50,16 @@ def _memory(s: MemState) -> dict[str, Any]:
             "cgroup_max_bytes": h.cgroup_max_bytes,
         },
         "gpus": [
-            {"index": d.index, "name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes,
-             "budget_bytes": d.budget_bytes, "ledger_bytes": d.ledger_bytes, "ceiling_bytes": d.ceiling_bytes,
-             "level": d.level.name}
+            {
+                "index": d.index,
+                "name": d.name,
+                "total_bytes": d.total_bytes,
+                "free_bytes": d.free_bytes,
+                "budget_bytes": d.budget_bytes,
+                "ledger_bytes": d.ledger_bytes,
+                "ceiling_bytes": d.ceiling_bytes,
+                "level": d.level.name,
+            }
             for d in s.dies
         ],
     }
@@ -70,7 +77,10 @@ def _samples(collector: Collector) -> dict[str, list[tuple[dict[str, str], float
 def _histogram(collector: Collector, name: str) -> dict[str, Any]:
     """Cumulative count, sum and buckets ([upper bound, cumulative count], +Inf as null)."""
     samples = _samples(collector)
-    buckets = [[None if labels["le"] == "+Inf" else float(labels["le"]), value] for labels, value in samples.get(name + "_bucket", [])]
+    buckets = [
+        [None if labels["le"] == "+Inf" else float(labels["le"]), value]
+        for labels, value in samples.get(name + "_bucket", [])
+    ]
     return {"count": samples[name + "_count"][0][1], "sum": samples[name + "_sum"][0][1], "buckets": buckets}
 
 
@@ -93,7 +103,10 @@ def state_document(state: ServerState) -> dict[str, Any]:
         "counters": {
             "generation_tokens": _counter(m.generation_tokens, "ballast_generation_tokens"),
             "prompt_tokens": _counter(m.prompt_tokens, "ballast_prompt_tokens"),
-            "rejections": {labels["status"]: value for labels, value in _samples(m.rejections).get("ballast_http_rejections_total", [])},
+            "rejections": {
+                labels["status"]: value
+                for labels, value in _samples(m.rejections).get("ballast_http_rejections_total", [])
+            },
         },
         "latency": {
             "ttft": _histogram(m.ttft, "ballast_time_to_first_token_seconds"),
@@ -109,8 +122,10 @@ def state_document(state: ServerState) -> dict[str, Any]:
             "pressure_level": Level(figures.pressure_level).name,
             "preemptions": figures.preemptions,
             "reused_prompt_tokens": figures.reused_prompt_tokens,
-            "kv_pools": [{"pool": pool, "bytes": nbytes, "used_blocks": used, "spare_blocks": spare}
-                         for pool, nbytes, used, spare in figures.kv_pools],
+            "kv_pools": [
+                {"pool": pool, "bytes": nbytes, "used_blocks": used, "spare_blocks": spare}
+                for pool, nbytes, used, spare in figures.kv_pools
+            ],
         }
     if state.scheduler is not None:
         plan = asdict(state.scheduler.ladder)

@@ -33,7 +33,12 @@ REQUEST_LOG = logging.getLogger("ballast.events.request")
 
 # Attributes every LogRecord has; anything else on a record came from `extra=` and is an event field.
 # uvicorn's `color_message` is its message again with terminal colour codes: not for a log pipeline.
-_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName", "color_message"}
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",
+    "color_message",
+}
 
 
 class JsonFormatter(logging.Formatter):
@@ -41,7 +46,9 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": dt.datetime.fromtimestamp(record.created, dt.timezone.utc).isoformat(timespec="milliseconds"),
+            "ts": dt.datetime.fromtimestamp(record.created, dt.timezone.utc).isoformat(
+                timespec="milliseconds"
+            ),
             "level": record.levelname,
             "logger": record.name,
             "msg": record.getMessage(),
@@ -75,33 +82,89 @@ def level_changed(old: Level, new: Level, state: MemState) -> None:
     LEVEL_LOG.log(
         logging.WARNING if new > old and new >= Level.TIGHT else logging.INFO,
         "memory level %s -> %s (available %d B, reserve %d B, PSI full %.2f %%)",
-        old.name, new.name, h.effective_available_bytes, state.host_reserve_bytes, h.psi_full_avg10,
-        extra={"event": "level", "from": old.name, "to": new.name, "host_level": state.host_level.name,
-               "available_bytes": h.effective_available_bytes, "reserve_bytes": state.host_reserve_bytes,
-               "psi_some_avg10": h.psi_some_avg10, "psi_full_avg10": h.psi_full_avg10,
-               "gpu_levels": {str(d.index): d.level.name for d in state.dies}},
+        old.name,
+        new.name,
+        h.effective_available_bytes,
+        state.host_reserve_bytes,
+        h.psi_full_avg10,
+        extra={
+            "event": "level",
+            "from": old.name,
+            "to": new.name,
+            "host_level": state.host_level.name,
+            "available_bytes": h.effective_available_bytes,
+            "reserve_bytes": state.host_reserve_bytes,
+            "psi_some_avg10": h.psi_some_avg10,
+            "psi_full_avg10": h.psi_full_avg10,
+            "gpu_levels": {str(d.index): d.level.name for d in state.dies},
+        },
     )
 
 
-def request_accepted(endpoint: str, gen: GenerationRequest, tokenizer: TokenizerLike, with_prompt: bool) -> None:
-    fields: dict[str, Any] = {"event": "request", "request_id": gen.request_id, "endpoint": endpoint,
-                              "prompt_tokens": len(gen.prompt_ids), "max_tokens": gen.max_tokens}
+def request_accepted(
+    endpoint: str, gen: GenerationRequest, tokenizer: TokenizerLike, with_prompt: bool
+) -> None:
+    fields: dict[str, Any] = {
+        "event": "request",
+        "request_id": gen.request_id,
+        "endpoint": endpoint,
+        "prompt_tokens": len(gen.prompt_ids),
+        "max_tokens": gen.max_tokens,
+    }
     if with_prompt and REQUEST_LOG.isEnabledFor(logging.INFO):
         fields["prompt"] = tokenizer.decode(list(gen.prompt_ids))
-    REQUEST_LOG.info("request %s: %s, %d prompt tokens, max_tokens %d", gen.request_id, endpoint,
-                     len(gen.prompt_ids), gen.max_tokens, extra=fields)
+    REQUEST_LOG.info(
+        "request %s: %s, %d prompt tokens, max_tokens %d",
+        gen.request_id,
+        endpoint,
+        len(gen.prompt_ids),
+        gen.max_tokens,
+        extra=fields,
+    )
 
 
 def request_refused(request_id: str, endpoint: str, status: int, code: str | None, reason: str) -> None:
-    REQUEST_LOG.info("request %s refused: %d %s: %s", request_id, status, code, reason,
-                     extra={"event": "refused", "request_id": request_id, "endpoint": endpoint, "status": status,
-                            "code": code, "reason": reason})
+    REQUEST_LOG.info(
+        "request %s refused: %d %s: %s",
+        request_id,
+        status,
+        code,
+        reason,
+        extra={
+            "event": "refused",
+            "request_id": request_id,
+            "endpoint": endpoint,
+            "status": status,
+            "code": code,
+            "reason": reason,
+        },
+    )
 
 
-def request_finished(request_id: str, endpoint: str, outcome: str, prompt_tokens: int, completion_tokens: int,
-                     ttft_s: float | None, e2e_s: float) -> None:
-    REQUEST_LOG.info("request %s finished: %s, %d prompt + %d completion tokens in %.3f s", request_id, outcome,
-                     prompt_tokens, completion_tokens, e2e_s,
-                     extra={"event": "finished", "request_id": request_id, "endpoint": endpoint, "outcome": outcome,
-                            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                            "ttft_s": None if ttft_s is None else round(ttft_s, 6), "e2e_s": round(e2e_s, 6)})
+def request_finished(
+    request_id: str,
+    endpoint: str,
+    outcome: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    ttft_s: float | None,
+    e2e_s: float,
+) -> None:
+    REQUEST_LOG.info(
+        "request %s finished: %s, %d prompt + %d completion tokens in %.3f s",
+        request_id,
+        outcome,
+        prompt_tokens,
+        completion_tokens,
+        e2e_s,
+        extra={
+            "event": "finished",
+            "request_id": request_id,
+            "endpoint": endpoint,
+            "outcome": outcome,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "ttft_s": None if ttft_s is None else round(ttft_s, 6),
+            "e2e_s": round(e2e_s, 6),
+        },
+    )

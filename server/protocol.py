@@ -23,9 +23,11 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 REFUSED: dict[str, str] = {
     "functions": "the legacy `functions` parameter is not supported; use `tools`",
     "function_call": "the legacy `function_call` parameter is not supported; use `tool_choice`",
-    "guided_json": "`guided_json` is not supported; use response_format {\"type\": \"json_schema\"}",
+    "guided_json": '`guided_json` is not supported; use response_format {"type": "json_schema"}',
     "guided_regex": "`guided_regex` is not supported",
-    "guided_choice": "`guided_choice` is not supported; use response_format {\"type\": \"json_schema\"} with an enum",
+    "guided_choice": (
+        '`guided_choice` is not supported; use response_format {"type": "json_schema"} with an enum'
+    ),
     "guided_grammar": "`guided_grammar` is not supported",
     "structured_outputs": "`structured_outputs` is not supported; use response_format",
     "audio": "this model takes and gives text only",
@@ -219,9 +221,12 @@ class Usage(BaseModel):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
 
 
 class TopLogprob(BaseModel):

@@ -32,7 +32,9 @@ def token_text(tokenizer: TokenizerLike, token_id: int) -> str:
 
 def _top(tokenizer: TokenizerLike, token_id: int, logprob: float) -> p.TopLogprob:
     raw = tokenizer.token_bytes(token_id)
-    return p.TopLogprob(token=raw.decode("utf-8", errors="backslashreplace"), logprob=logprob, bytes=list(raw))
+    return p.TopLogprob(
+        token=raw.decode("utf-8", errors="backslashreplace"), logprob=logprob, bytes=list(raw)
+    )
 
 
 def chat_logprobs(tokenizer: TokenizerLike, entries: tuple[TokenLogprob, ...]) -> list[p.ChatTokenLogprob]:
@@ -40,11 +42,15 @@ def chat_logprobs(tokenizer: TokenizerLike, entries: tuple[TokenLogprob, ...]) -
     for e in entries:
         chosen = _top(tokenizer, e.token_id, e.logprob)
         top = [_top(tokenizer, tid, lp) for tid, lp in e.top]
-        out.append(p.ChatTokenLogprob(token=chosen.token, logprob=e.logprob, bytes=chosen.bytes, top_logprobs=top))
+        out.append(
+            p.ChatTokenLogprob(token=chosen.token, logprob=e.logprob, bytes=chosen.bytes, top_logprobs=top)
+        )
     return out
 
 
-def completion_logprobs(tokenizer: TokenizerLike, entries: tuple[TokenLogprob, ...], offset: int) -> p.CompletionLogprobs:
+def completion_logprobs(
+    tokenizer: TokenizerLike, entries: tuple[TokenLogprob, ...], offset: int
+) -> p.CompletionLogprobs:
     out = p.CompletionLogprobs()
     for e in entries:
         text = token_text(tokenizer, e.token_id)
@@ -96,10 +102,14 @@ async def respond(state: ServerState, job: Job, started: Started, request: Reque
     body: p.ChatCompletion | p.Completion
     if job.endpoint == "chat":
         choices = [_chat_choice(tokenizer, job, i, r) for i, r in enumerate(results)]
-        body = p.ChatCompletion(id=job.response_id, created=p.now(), model=job.model, choices=choices, usage=usage)
+        body = p.ChatCompletion(
+            id=job.response_id, created=p.now(), model=job.model, choices=choices, usage=usage
+        )
     else:
         cchoices = [_completion_choice(tokenizer, job, i, r) for i, r in enumerate(results)]
-        body = p.Completion(id=job.response_id, created=p.now(), model=job.model, choices=cchoices, usage=usage)
+        body = p.Completion(
+            id=job.response_id, created=p.now(), model=job.model, choices=cchoices, usage=usage
+        )
     headers = {CAPPED_HEADER: "1"} if any(f.capped for f in finishes) else {}
     return JSONResponse(body.model_dump(), headers=headers)
 
@@ -113,11 +123,17 @@ def _chat_choice(tokenizer: TokenizerLike, job: Job, index: int, result: Collect
     return p.ChatChoice(index=index, message=message, logprobs=lp, finish_reason=reason)
 
 
-def _completion_choice(tokenizer: TokenizerLike, job: Job, index: int, result: Collected) -> p.CompletionChoice:
+def _completion_choice(
+    tokenizer: TokenizerLike, job: Job, index: int, result: Collected
+) -> p.CompletionChoice:
     echo = job.echo[index] if job.echo else ""
     clp = completion_logprobs(tokenizer, result.entries, 0) if job.want_logprobs else None
-    return p.CompletionChoice(index=index, text=echo + result.text, logprobs=clp, finish_reason=result.finish.reason)
+    return p.CompletionChoice(
+        index=index, text=echo + result.text, logprobs=clp, finish_reason=result.finish.reason
+    )
 
 
 def response_call(call: Call) -> p.ResponseToolCall:
-    return p.ResponseToolCall(id=call.id, function=p.ResponseFunction(name=call.name, arguments=call.arguments))
+    return p.ResponseToolCall(
+        id=call.id, function=p.ResponseFunction(name=call.name, arguments=call.arguments)
+    )

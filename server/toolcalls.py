@@ -63,8 +63,10 @@ def parse_block(body: str, schemas: dict[str, dict[str, Any]]) -> Call | None:
         return None
     name = function.group(1).strip()
     properties = schemas.get(name, {}).get("properties", {})
-    arguments = {key.strip(): _xml_value(value, properties.get(key.strip(), {}))
-                 for key, value in _PARAMETER.findall(function.group(2))}
+    arguments = {
+        key.strip(): _xml_value(value, properties.get(key.strip(), {}))
+        for key, value in _PARAMETER.findall(function.group(2))
+    }
     return Call(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
 
 

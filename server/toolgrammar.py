@@ -47,8 +47,12 @@ def tool_call_lark(tools: list[p.Tool], style: Style, several: bool) -> str:
 
 
 def _hermes_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def _xml_expressible(parameters: dict[str, Any]) -> bool:
@@ -67,7 +71,9 @@ def _xml_expressible(parameters: dict[str, Any]) -> bool:
 
 def _is_string(schema: dict[str, Any]) -> bool:
     enum = schema.get("enum")
-    return schema.get("type") == "string" or (isinstance(enum, list) and bool(enum) and all(isinstance(v, str) for v in enum))
+    return schema.get("type") == "string" or (
+        isinstance(enum, list) and bool(enum) and all(isinstance(v, str) for v in enum)
+    )
 
 
 def _xml_rules(rule: str, name: str, parameters: dict[str, Any]) -> list[str]:

@@ -31,8 +31,18 @@ from websockets.sync.client import ClientConnection, connect
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # As root in a container: no sandbox; and no background connections (the network is closed here).
-_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-          "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--window-size=1280,900"]
+_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1280,900",
+]
 
 
 class Page:
@@ -75,8 +85,10 @@ class Page:
         """A PNG of the viewport, or of the element `selector` finds (small enough to decode)."""
         params: dict[str, Any] = {"format": "png"}
         if selector is not None:
-            box = self.evaluate(f"(() => {{ const r = document.querySelector({json.dumps(selector)}).getBoundingClientRect();"
-                                " return {x: r.x, y: r.y, width: r.width, height: r.height}; })()")
+            box = self.evaluate(
+                f"(() => {{ const r = document.querySelector({json.dumps(selector)}).getBoundingClientRect();"
+                " return {x: r.x, y: r.y, width: r.width, height: r.height}; })()"
+            )
             params["clip"] = {**box, "scale": 1}
         return base64.b64decode(self.call("Page.captureScreenshot", **params)["data"])
 
@@ -99,8 +111,11 @@ class Page:
 def chromium_page(url: str) -> Iterator[Page]:
     assert CHROMIUM is not None
     with tempfile.TemporaryDirectory(prefix="ballast-chromium-") as profile:
-        proc = subprocess.Popen([CHROMIUM, *_FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [CHROMIUM, *_FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             port = _devtools_port(Path(profile), proc)
             targets = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()

@@ -102,13 +102,22 @@ def write_tree(
         write_file(root, f"{V2_CGROUP}/memory.current", f"{cg_usage}\n")
         write_file(root, f"{V2_CGROUP}/memory.high", f"{cg_high or 'max'}\n")
         write_file(root, f"{V2_CGROUP}/memory.max", f"{cg_max or 'max'}\n")
-        write_file(root, f"{V2_CGROUP}/memory.stat", f"anon {cg_usage - inactive_file}\nfile {inactive_file}\ninactive_file {inactive_file}\nactive_file 0\n")
+        write_file(
+            root,
+            f"{V2_CGROUP}/memory.stat",
+            f"anon {cg_usage - inactive_file}\nfile {inactive_file}\ninactive_file "
+            f"{inactive_file}\nactive_file 0\n",
+        )
         write_file(root, f"{V2_CGROUP}/memory.pressure", _psi(cg_psi_some, cg_psi_full))
     elif cgroup == "v1":
         if cg_high:
             raise ValueError("cgroup v1 has no memory.high")
         write_file(root, "proc/self/mountinfo", _V1_MOUNTINFO)
-        write_file(root, "proc/self/cgroup", "2:cpu:/\n4:memory:/" + V1_CGROUP.removeprefix("sys/fs/cgroup/memory/") + "\n0::/\n")
+        write_file(
+            root,
+            "proc/self/cgroup",
+            "2:cpu:/\n4:memory:/" + V1_CGROUP.removeprefix("sys/fs/cgroup/memory/") + "\n0::/\n",
+        )
         write_file(root, f"{V1_CGROUP}/memory.usage_in_bytes", f"{cg_usage}\n")
         write_file(root, f"{V1_CGROUP}/memory.limit_in_bytes", f"{cg_max or V1_UNLIMITED}\n")
         write_file(
@@ -125,7 +134,9 @@ def write_tree(
 _SLACK = {Level.OK: 2.0, Level.WATCH: 0.5, Level.TIGHT: 0.125, Level.CRITICAL: -0.5}
 
 
-def level_tree(root: Path, level: Level, *, cgroup: CgroupMode = None, config: MemoryConfig | None = None) -> None:
+def level_tree(
+    root: Path, level: Level, *, cgroup: CgroupMode = None, config: MemoryConfig | None = None
+) -> None:
     """Write a tree whose host level is `level` under `config` (default MemoryConfig), from bytes
     alone (no PSI). Without a cgroup the host has 16 GiB; with one, a 64 GiB host holds an 8 GiB
     cgroup whose usage sets the level."""
@@ -136,7 +147,14 @@ def level_tree(root: Path, level: Level, *, cgroup: CgroupMode = None, config: M
     if cgroup is None:
         write_tree(root, mem_total=total, mem_available=available)
     else:
-        write_tree(root, mem_total=64 * GiB, mem_available=60 * GiB, cgroup=cgroup, cg_usage=total - available, cg_max=total)
+        write_tree(
+            root,
+            mem_total=64 * GiB,
+            mem_available=60 * GiB,
+            cgroup=cgroup,
+            cg_usage=total - available,
+            cg_max=total,
+        )
 
 
 def limited_grants(grants: int) -> Callable[[int], Callable[[], None] | None]:

@@ -14,14 +14,25 @@ from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepP
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-CASES = [("builtin:tiny-llama", "float32"), ("builtin:tiny-llama", "bfloat16"),
-         ("builtin:tiny-qwen3-next", "bfloat16"), ("builtin:tiny-qwen3.5-moe", "bfloat16")]
+CASES = [
+    ("builtin:tiny-llama", "float32"),
+    ("builtin:tiny-llama", "bfloat16"),
+    ("builtin:tiny-qwen3-next", "bfloat16"),
+    ("builtin:tiny-qwen3.5-moe", "bfloat16"),
+]
 PROMPTS = {0: list(range(5, 40)), 1: list(range(100, 103)), 3: list(range(200, 290))}
 
 
 def engine(model: str, dtype: str, graphs: bool) -> Engine:
-    cfg = EngineConfig(model=model, device="cuda", dtype=dtype, max_num_seqs=4, max_model_len=512,
-                       prefill_chunk_tokens=128, cuda_graphs=graphs)
+    cfg = EngineConfig(
+        model=model,
+        device="cuda",
+        dtype=dtype,
+        max_num_seqs=4,
+        max_model_len=512,
+        prefill_chunk_tokens=128,
+        cuda_graphs=graphs,
+    )
     return Engine.load(cfg)
 
 
@@ -72,7 +83,12 @@ def test_engine_tokens_equal_with_and_without_graphs(pair: tuple[Engine, Engine,
 
     def run(e: Engine) -> list[list[int]]:
         sampling = dict.fromkeys(PROMPTS, greedy)
-        res = e.step(StepPlan(prefills=tuple(PrefillChunk(s, tuple(p), 0, True) for s, p in PROMPTS.items()), sampling=sampling))
+        res = e.step(
+            StepPlan(
+                prefills=tuple(PrefillChunk(s, tuple(p), 0, True) for s, p in PROMPTS.items()),
+                sampling=sampling,
+            )
+        )
         out = {o.slot: [o.token_id] for o in res.outputs}
         for _ in range(16):
             decodes = tuple(DecodeToken(s, out[s][-1], len(PROMPTS[s]) + len(out[s]) - 1) for s in PROMPTS)

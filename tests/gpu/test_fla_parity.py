@@ -22,7 +22,9 @@ CUDA = torch.device("cuda")
 MODELS = ["builtin:tiny-qwen3-next", "builtin:tiny-qwen3.5-moe"]
 
 
-def _rule_inputs(lens: list[int], hk: int = 4, hv: int = 8, dk: int = 64, dv: int = 64) -> tuple[torch.Tensor, ...]:
+def _rule_inputs(
+    lens: list[int], hk: int = 4, hv: int = 8, dk: int = 64, dv: int = 64
+) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(0)
     t, b = sum(lens), len(lens)
     q = torch.randn(t, hk, dk, generator=gen)
@@ -31,8 +33,14 @@ def _rule_inputs(lens: list[int], hk: int = 4, hv: int = 8, dk: int = 64, dv: in
     g = -torch.rand(t, hv, generator=gen) * 0.5
     beta = torch.rand(t, hv, generator=gen)
     state = torch.randn(b, hv, dk, dv, generator=gen) * 0.1
-    return (q.bfloat16().to(CUDA), k.bfloat16().to(CUDA), v.bfloat16().to(CUDA), g.to(CUDA),
-            beta.bfloat16().to(CUDA), state.to(CUDA))
+    return (
+        q.bfloat16().to(CUDA),
+        k.bfloat16().to(CUDA),
+        v.bfloat16().to(CUDA),
+        g.to(CUDA),
+        beta.bfloat16().to(CUDA),
+        state.to(CUDA),
+    )
 
 
 @needs_fla
@@ -53,7 +61,9 @@ def _bf16_model(name: str, use_fla: bool | None) -> nn.Module:
     return model
 
 
-def _run(model: nn.Module, prompts: list[list[int]], steps: int) -> tuple[list[torch.Tensor], list[RecurrentState]]:
+def _run(
+    model: nn.Module, prompts: list[list[int]], steps: int
+) -> tuple[list[torch.Tensor], list[RecurrentState]]:
     """Prefill all prompts in one step, then decode them together on fixed tokens (not each run's
     own argmax: in bf16 a near-tie can flip one token and the runs would no longer be comparable);
     logits of every step."""

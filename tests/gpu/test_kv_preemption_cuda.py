@@ -27,8 +27,15 @@ NEW = 120
 
 def config(model: str) -> EngineConfig:
     # 64 KiB segments: a handful of blocks each, so growth is refused mid-generation.
-    return EngineConfig(model=model, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=512,
-                        prefill_chunk_tokens=128, kv_segment_bytes=64 << 10)
+    return EngineConfig(
+        model=model,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=4,
+        max_model_len=512,
+        prefill_chunk_tokens=128,
+        kv_segment_bytes=64 << 10,
+    )
 
 
 class NoText:
@@ -62,8 +69,12 @@ async def generate(engine: Engine) -> list[tuple[tuple[int, ...], str]]:
     sched = Scheduler(NoTextEngine(engine), SchedulerConfig(max_num_seqs=4))  # type: ignore[arg-type]
     await sched.start()
     try:
-        done = await asyncio.gather(*(sched.submit(GenerationRequest(f"r{i}", p, GREEDY, max_tokens=NEW)).collect()
-                                      for i, p in enumerate(PROMPTS)))
+        done = await asyncio.gather(
+            *(
+                sched.submit(GenerationRequest(f"r{i}", p, GREEDY, max_tokens=NEW)).collect()
+                for i, p in enumerate(PROMPTS)
+            )
+        )
     finally:
         await sched.stop()
     return [(tokens, fin.reason) for _, tokens, fin in done]

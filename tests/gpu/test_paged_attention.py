@@ -40,8 +40,14 @@ class Pool:
     kv_dtype: torch.dtype
 
     def kw(self, layer: int) -> dict[str, Any]:
-        return {"layer": layer, "num_layers": self.num_layers, "seg_blocks": self.seg_blocks,
-                "block_size": self.block_size, "num_kv_heads": self.hkv, "kv_dtype": self.kv_dtype}
+        return {
+            "layer": layer,
+            "num_layers": self.num_layers,
+            "seg_blocks": self.seg_blocks,
+            "block_size": self.block_size,
+            "num_kv_heads": self.hkv,
+            "kv_dtype": self.kv_dtype,
+        }
 
     def gather(self, slot: int, layer: int, length: int) -> tuple[Tensor, Tensor]:
         """float32 K and V [length, Hkv, D] of a slot, block by block, dequantized."""
@@ -55,11 +61,20 @@ class Pool:
                 block = block * scale[g % self.seg_blocks, layer][..., None]
             rows.append(block)
         kv = torch.cat(rows)[:length]
-        return kv[:, :self.hkv], kv[:, self.hkv:]
+        return kv[:, : self.hkv], kv[:, self.hkv :]
 
 
-def make_pool(ctx: list[int], *, hkv: int, head_dim: int, kv_dtype: torch.dtype, block_size: int = 32,
-              num_layers: int = 3, seg_blocks: int = 64, spare_slots: int = 2) -> Pool:
+def make_pool(
+    ctx: list[int],
+    *,
+    hkv: int,
+    head_dim: int,
+    kv_dtype: torch.dtype,
+    block_size: int = 32,
+    num_layers: int = 3,
+    seg_blocks: int = 64,
+    spare_slots: int = 2,
+) -> Pool:
     """Blocks of every slot scattered at random over several segments; segment 1 is absent (ptr 0)
     and the slots are a permuted subset of the table's rows."""
     needed = sum(math.ceil(n / block_size) for n in ctx)
@@ -86,15 +101,25 @@ def make_pool(ctx: list[int], *, hkv: int, head_dim: int, kv_dtype: torch.dtype,
     taken = 0
     for slot in range(len(ctx)):
         n = math.ceil(ctx[slot] / block_size)
-        table[slot, :n] = torch.tensor([ids[int(i)] for i in order[taken:taken + n]], dtype=torch.int32)
+        table[slot, :n] = torch.tensor([ids[int(i)] for i in order[taken : taken + n]], dtype=torch.int32)
         taken += n
 
     def ptrs(ts: list[Tensor | None]) -> Tensor:
         return torch.tensor([0 if t is None else t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)
 
     scale_ptrs = ptrs(scales) if kv_dtype == torch.int8 else torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    return Pool(segs, scales, ptrs(segs), scale_ptrs, table.to(DEVICE), seg_blocks, num_layers, block_size,
-                hkv, kv_dtype)
+    return Pool(
+        segs,
+        scales,
+        ptrs(segs),
+        scale_ptrs,
+        table.to(DEVICE),
+        seg_blocks,
+        num_layers,
+        block_size,
+        hkv,
+        kv_dtype,
+    )
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, sm_scale: float) -> Tensor:
@@ -109,18 +134,32 @@ def reference(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, sm_scale: float) -
 
 def run_decode(pool: Pool, q: Tensor, slots: list[int], ctx: list[int], layer: int, max_ctx: int) -> Tensor:
     out = torch.empty_like(q)
-    paged_decode(q, out, pool.kv_ptrs, pool.scale_ptrs, pool.block_table,
-                 torch.tensor(slots, device=DEVICE), torch.tensor(ctx, device=DEVICE),
-                 sm_scale=q.shape[-1] ** -0.5, max_ctx=max_ctx, **pool.kw(layer))
+    paged_decode(
+        q,
+        out,
+        pool.kv_ptrs,
+        pool.scale_ptrs,
+        pool.block_table,
+        torch.tensor(slots, device=DEVICE),
+        torch.tensor(ctx, device=DEVICE),
+        sm_scale=q.shape[-1] ** -0.5,
+        max_ctx=max_ctx,
+        **pool.kw(layer),
+    )
     return out
 
 
 def check_decode(pool: Pool, q: Tensor, out: Tensor, slots: list[int], ctx: list[int], layer: int) -> None:
     for b, (slot, n) in enumerate(zip(slots, ctx, strict=True)):
         k, v = pool.gather(slot, layer, n)
-        want = reference(q[b:b + 1], k, v, torch.tensor([n - 1], device=DEVICE), q.shape[-1] ** -0.5)[0]
-        torch.testing.assert_close(out[b].float(), want, atol=TOL[q.dtype], rtol=TOL[q.dtype],
-                                   msg=lambda m, b=b, n=n: f"sequence {b} (ctx {n}): {m}")
+        want = reference(q[b : b + 1], k, v, torch.tensor([n - 1], device=DEVICE), q.shape[-1] ** -0.5)[0]
+        torch.testing.assert_close(
+            out[b].float(),
+            want,
+            atol=TOL[q.dtype],
+            rtol=TOL[q.dtype],
+            msg=lambda m, b=b, n=n: f"sequence {b} (ctx {n}): {m}",
+        )
 
 
 def test_triton_is_available() -> None:
@@ -148,9 +187,16 @@ def test_decode_matches_reference(head_dim: int, hq: int, hkv: int) -> None:
     check_decode(pool, q, out, slots, ctx_by_b, layer=1)
 
 
-@pytest.mark.parametrize(("q_dtype", "kv_dtype"), [
-    (torch.float16, torch.float16), (torch.float32, torch.float32), (torch.bfloat16, torch.int8),
-    (torch.float16, torch.int8), (torch.float32, torch.int8)])
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_dtype"),
+    [
+        (torch.float16, torch.float16),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.int8),
+        (torch.float16, torch.int8),
+        (torch.float32, torch.int8),
+    ],
+)
 def test_decode_dtypes(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     torch.manual_seed(7)
     ctx = list(CTX_LENS)
@@ -166,33 +212,52 @@ def test_decode_dtypes(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
 def test_decode_block_sizes_and_splits(block_size: int, max_ctx: int) -> None:
     torch.manual_seed(block_size)
     ctx = [1, 15, 16, 17, 100, 200]
-    pool = make_pool(ctx, hkv=4, head_dim=64, kv_dtype=torch.bfloat16, block_size=block_size, num_layers=1,
-                     seg_blocks=8)
+    pool = make_pool(
+        ctx, hkv=4, head_dim=64, kv_dtype=torch.bfloat16, block_size=block_size, num_layers=1, seg_blocks=8
+    )
     q = torch.randn(len(ctx), 16, 64, device=DEVICE, dtype=torch.bfloat16)
     slots = list(range(len(ctx)))
     out = run_decode(pool, q, slots, ctx, layer=0, max_ctx=max_ctx)
     check_decode(pool, q, out, slots, ctx, layer=0)
 
 
-def run_prefill(pool: Pool, q: Tensor, slots: list[int], starts: list[int], lens: list[int],
-                layer: int) -> Tensor:
+def run_prefill(
+    pool: Pool, q: Tensor, slots: list[int], starts: list[int], lens: list[int], layer: int
+) -> Tensor:
     out = torch.empty_like(q)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE)
-    paged_prefill(q, out, pool.kv_ptrs, pool.scale_ptrs, pool.block_table, torch.tensor(slots, device=DEVICE),
-                  torch.tensor(starts, device=DEVICE), cu, sm_scale=q.shape[-1] ** -0.5, max_len=max(lens),
-                  max_ctx=max(s + n for s, n in zip(starts, lens, strict=True)), **pool.kw(layer))
+    paged_prefill(
+        q,
+        out,
+        pool.kv_ptrs,
+        pool.scale_ptrs,
+        pool.block_table,
+        torch.tensor(slots, device=DEVICE),
+        torch.tensor(starts, device=DEVICE),
+        cu,
+        sm_scale=q.shape[-1] ** -0.5,
+        max_len=max(lens),
+        max_ctx=max(s + n for s, n in zip(starts, lens, strict=True)),
+        **pool.kw(layer),
+    )
     return out
 
 
-def check_prefill(pool: Pool, q: Tensor, out: Tensor, slots: list[int], starts: list[int], lens: list[int],
-                  layer: int) -> None:
+def check_prefill(
+    pool: Pool, q: Tensor, out: Tensor, slots: list[int], starts: list[int], lens: list[int], layer: int
+) -> None:
     first = 0
     for slot, start, n in zip(slots, starts, lens, strict=True):
         k, v = pool.gather(slot, layer, start + n)
         pos = torch.arange(start, start + n, device=DEVICE)
-        want = reference(q[first:first + n], k, v, pos, q.shape[-1] ** -0.5)
-        torch.testing.assert_close(out[first:first + n].float(), want, atol=TOL[q.dtype], rtol=TOL[q.dtype],
-                                   msg=lambda m, s=start, n=n: f"chunk at {s} of {n} tokens: {m}")
+        want = reference(q[first : first + n], k, v, pos, q.shape[-1] ** -0.5)
+        torch.testing.assert_close(
+            out[first : first + n].float(),
+            want,
+            atol=TOL[q.dtype],
+            rtol=TOL[q.dtype],
+            msg=lambda m, s=start, n=n: f"chunk at {s} of {n} tokens: {m}",
+        )
         first += n
 
 
@@ -212,15 +277,22 @@ def test_prefill_matches_reference(head_dim: int, hq: int, hkv: int) -> None:
     check_prefill(pool, q, out, slots, starts, lens, layer=1)
 
 
-@pytest.mark.parametrize(("q_dtype", "kv_dtype"), [
-    (torch.float16, torch.float16), (torch.float32, torch.float32), (torch.bfloat16, torch.int8),
-    (torch.float32, torch.int8)])
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_dtype"),
+    [
+        (torch.float16, torch.float16),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.int8),
+        (torch.float32, torch.int8),
+    ],
+)
 def test_prefill_dtypes(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     torch.manual_seed(11)
     starts, lens = [s for s, _ in CHUNKS], [n for _, n in CHUNKS]
     slots = list(reversed(range(len(CHUNKS))))  # chunk i lives in slot len-1-i
-    pool = make_pool([s + n for s, n in reversed(CHUNKS)], hkv=8, head_dim=128, kv_dtype=kv_dtype,
-                     block_size=16)
+    pool = make_pool(
+        [s + n for s, n in reversed(CHUNKS)], hkv=8, head_dim=128, kv_dtype=kv_dtype, block_size=16
+    )
     q = torch.randn(sum(lens), 32, 128, device=DEVICE, dtype=q_dtype)
     out = run_prefill(pool, q, slots, starts, lens, layer=0)
     check_prefill(pool, q, out, slots, starts, lens, layer=0)
@@ -239,8 +311,18 @@ def test_decode_graph_replay_matches_eager() -> None:
     lens = torch.tensor(ctx, device=DEVICE)
 
     def step() -> None:
-        paged_decode(q, out, pool.kv_ptrs, pool.scale_ptrs, pool.block_table, slots, lens,
-                     sm_scale=128 ** -0.5, max_ctx=bucket, **pool.kw(1))
+        paged_decode(
+            q,
+            out,
+            pool.kv_ptrs,
+            pool.scale_ptrs,
+            pool.block_table,
+            slots,
+            lens,
+            sm_scale=128**-0.5,
+            max_ctx=bucket,
+            **pool.kw(1),
+        )
 
     step()  # compile outside the capture
     stream = torch.cuda.Stream()

@@ -40,7 +40,10 @@ def test_compiled_pieces_match_their_eager_code(dtype: torch.dtype, tokens: int)
         (pointwise.centered_rms_norm(x, w, 1e-6), pointwise._centered_rms_norm(x, w, 1e-6)),
         (pointwise.gated_rms_norm(x, gate, w, 1e-6), pointwise._gated_rms_norm(x, gate, w, 1e-6)),
         (pointwise.rope(heads, cos, sin), pointwise.apply_rope(heads, cos, sin)),
-        (pointwise.rope(heads, cos[:, :32], sin[:, :32]), pointwise.apply_rope(heads, cos[:, :32], sin[:, :32])),
+        (
+            pointwise.rope(heads, cos[:, :32], sin[:, :32]),
+            pointwise.apply_rope(heads, cos[:, :32], sin[:, :32]),
+        ),
         (pointwise.silu_mul(torch.cat((x, gate), 1), 256), pointwise._silu_mul(torch.cat((x, gate), 1), 256)),
     ]
     assert pointwise.enabled(), "compiling failed on this machine"
@@ -49,14 +52,27 @@ def test_compiled_pieces_match_their_eager_code(dtype: torch.dtype, tokens: int)
 
 
 def generate(model: str, compile: bool) -> list[int]:
-    engine = Engine.load(EngineConfig(model=model, device="cuda", dtype="float32", max_num_seqs=2, max_model_len=256,
-                                      prefill_chunk_tokens=64, compile=compile))
+    engine = Engine.load(
+        EngineConfig(
+            model=model,
+            device="cuda",
+            dtype="float32",
+            max_num_seqs=2,
+            max_model_len=256,
+            prefill_chunk_tokens=64,
+            compile=compile,
+        )
+    )
     try:
         prompt = tuple(range(5, 45))
-        out = engine.step(StepPlan(prefills=(PrefillChunk(0, prompt, 0, True),), sampling={0: GREEDY})).outputs
+        out = engine.step(
+            StepPlan(prefills=(PrefillChunk(0, prompt, 0, True),), sampling={0: GREEDY})
+        ).outputs
         tokens = [out[0].token_id]
         for pos in range(len(prompt), len(prompt) + 24):
-            out = engine.step(StepPlan(decodes=(DecodeToken(0, tokens[-1], pos),), sampling={0: GREEDY})).outputs
+            out = engine.step(
+                StepPlan(decodes=(DecodeToken(0, tokens[-1], pos),), sampling={0: GREEDY})
+            ).outputs
             tokens.append(out[0].token_id)
         return tokens
     finally:

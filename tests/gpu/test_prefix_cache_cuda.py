@@ -24,8 +24,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(params=["builtin:tiny-qwen3-next", "builtin:tiny-llama"])
 def cuda_engine(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, CheckpointPool]]:
-    cfg = EngineConfig(model=request.param, device="cuda", dtype="bfloat16", max_num_seqs=2,
-                       max_model_len=MAX_LEN, prefill_chunk_tokens=64)
+    cfg = EngineConfig(
+        model=request.param,
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=2,
+        max_model_len=MAX_LEN,
+        prefill_chunk_tokens=64,
+    )
     # Floor 0: the tiny models' checkpoints (tens of KiB) are below the default 1 MiB floor, under
     # which the pool (rightly) allocates fresh; this test wants them to go through the pool.
     pool = CheckpointPool(lambda: 64 * GiB, 0.25, 64, 0)

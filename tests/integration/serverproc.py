@@ -54,8 +54,12 @@ def running_server(app: FastAPI, *, wait_for_ready: bool = True, timeout_s: floa
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True)
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
+    )
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True
+    )
     thread.start()
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -79,7 +83,11 @@ def running_server(app: FastAPI, *, wait_for_ready: bool = True, timeout_s: floa
 
 @contextmanager
 def serve_subprocess(
-    args: list[str], env: Mapping[str, str] | None = None, *, timeout_s: float = 120.0, wait_for_ready: bool = True,
+    args: list[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    timeout_s: float = 120.0,
+    wait_for_ready: bool = True,
     output: list[str] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """Run `ballast serve --port 0 ARGS` in a child process; yields (base_url, process). `output`,

@@ -32,20 +32,42 @@ WEATHER = {
     "required": ["city", "days", "metric"],
     "additionalProperties": False,
 }
-TIME = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
-        "additionalProperties": False}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
 TOOLS: Any = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast for a city", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "description": "The time in a zone", "parameters": TIME}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather forecast for a city",
+            "parameters": WEATHER,
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "The time in a zone", "parameters": TIME},
+    },
 ]
 ASK: Any = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
 
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    config = EngineConfig(model="default", device="cpu", dtype="float32", max_num_seqs=4, max_model_len=1024,
-                          prefill_chunk_tokens=256)
-    app = create_app(ServerConfig(), SchedulerConfig(), lambda: Engine.load(config), model_aliases=("default",))
+    config = EngineConfig(
+        model="default",
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=4,
+        max_model_len=1024,
+        prefill_chunk_tokens=256,
+    )
+    app = create_app(
+        ServerConfig(), SchedulerConfig(), lambda: Engine.load(config), model_aliases=("default",)
+    )
     with running_server(app, timeout_s=180) as url:
         yield url
 
@@ -62,8 +84,15 @@ def _call_args(call: Any) -> dict[str, Any]:
 
 
 def test_required_tool_call_has_arguments_valid_for_its_schema(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="required",
-                                       parallel_tool_calls=False, temperature=0, max_tokens=80)
+    r = client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     calls = choice.message.tool_calls
@@ -75,8 +104,9 @@ def test_required_tool_call_has_arguments_valid_for_its_schema(client: openai.Op
 
 def test_named_tool_call_streams_to_the_same_call(client: openai.OpenAI) -> None:
     named: Any = {"type": "function", "function": {"name": "get_time"}}
-    whole = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice=named, temperature=0,
-                                           max_tokens=40)
+    whole = client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, tool_choice=named, temperature=0, max_tokens=40
+    )
     assert whole.choices[0].message.tool_calls is not None
     [call] = whole.choices[0].message.tool_calls
     assert call.function.name == "get_time"
@@ -84,8 +114,15 @@ def test_named_tool_call_streams_to_the_same_call(client: openai.OpenAI) -> None
 
     parts: dict[int, dict[str, str]] = {}
     finish = None
-    for chunk in client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice=named, temperature=0,
-                                                max_tokens=40, stream=True):
+    for chunk in client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=named,
+        temperature=0,
+        max_tokens=40,
+        stream=True,
+    ):
         for choice in chunk.choices:
             for delta in choice.delta.tool_calls or ():
                 part = parts.setdefault(delta.index, {"name": "", "arguments": ""})
@@ -98,26 +135,45 @@ def test_named_tool_call_streams_to_the_same_call(client: openai.OpenAI) -> None
 
 
 def test_json_schema_answer_validates(client: openai.OpenAI) -> None:
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-              "required": ["name", "age"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
-    r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Describe a person."}],
-                                       response_format=fmt, temperature=0, max_tokens=60)
+    r = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Describe a person."}],
+        response_format=fmt,
+        temperature=0,
+        max_tokens=60,
+    )
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
 
 
 def test_json_object_answer_is_an_object(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Reply in JSON: a color."}],
-                                       response_format={"type": "json_object"}, temperature=0, max_tokens=60)
+    r = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Reply in JSON: a color."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=60,
+    )
     if r.choices[0].finish_reason == "stop":  # a long string may run out of tokens; a finished one must parse
         assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
     assert (r.choices[0].message.content or "").startswith("{")
 
 
 def test_an_invalid_schema_is_400(client: openai.OpenAI) -> None:
-    fmt: Any = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "wat"}}}}}
+    fmt: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "wat"}}}},
+    }
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="default", messages=ASK, response_format=fmt, max_tokens=5)
     assert info.value.body is not None and info.value.body["param"] == "response_format"  # type: ignore[index]
@@ -125,12 +181,15 @@ def test_an_invalid_schema_is_400(client: openai.OpenAI) -> None:
 
 def test_logit_bias_removes_the_greedy_token(base_url: str, client: openai.OpenAI) -> None:
     def first_text(bias: dict[str, int]) -> str:
-        r = client.completions.create(model="default", prompt="The capital of France is", max_tokens=1, temperature=0,
-                                      logit_bias=bias)
+        r = client.completions.create(
+            model="default", prompt="The capital of France is", max_tokens=1, temperature=0, logit_bias=bias
+        )
         return r.choices[0].text
 
     greedy = first_text({})
-    [greedy_id] = httpx.post(base_url + "/tokenize", json={"prompt": greedy, "add_special_tokens": False}).json()["tokens"]
+    [greedy_id] = httpx.post(
+        base_url + "/tokenize", json={"prompt": greedy, "add_special_tokens": False}
+    ).json()["tokens"]
     assert first_text({str(greedy_id): -100}) != greedy
     forced = httpx.post(base_url + "/detokenize", json={"tokens": [1234]}).json()["prompt"]
     assert first_text({"1234": 100}) == forced
@@ -151,9 +210,18 @@ def test_special_token_strings_in_chat_content_are_text(base_url: str) -> None:
 
 
 def test_logprob_bytes_of_a_token_that_splits_a_character(base_url: str, client: openai.OpenAI) -> None:
-    [first] = httpx.post(base_url + "/tokenize", json={"prompt": "茶", "add_special_tokens": False}).json()["tokens"][:1]
-    stream = client.chat.completions.create(model="default", messages=ASK, max_tokens=1, temperature=0, logprobs=True,
-                                            logit_bias={str(first): 100}, stream=True)
+    [first] = httpx.post(base_url + "/tokenize", json={"prompt": "茶", "add_special_tokens": False}).json()[
+        "tokens"
+    ][:1]
+    stream = client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        max_tokens=1,
+        temperature=0,
+        logprobs=True,
+        logit_bias={str(first): 100},
+        stream=True,
+    )
     entries = [e for chunk in stream for c in chunk.choices if c.logprobs for e in c.logprobs.content or ()]
     assert [e.bytes for e in entries] == [list("茶".encode()[:1])]
     assert "\ufffd" not in entries[0].token
@@ -162,7 +230,9 @@ def test_logprob_bytes_of_a_token_that_splits_a_character(base_url: str, client:
 def test_tokenize_detokenize_and_model_routes(base_url: str, client: openai.OpenAI) -> None:
     r = httpx.post(base_url + "/tokenize", json={"model": "default", "prompt": "Hello world"}).json()
     assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 1024
-    assert httpx.post(base_url + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hello world"}
+    assert httpx.post(base_url + "/detokenize", json={"tokens": r["tokens"]}).json() == {
+        "prompt": "Hello world"
+    }
     assert client.models.retrieve("default").id == "default"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")

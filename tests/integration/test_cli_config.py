@@ -57,7 +57,9 @@ CASES = [(env, raw) for env, s in sorted(ALL_SETTINGS.items()) for raw in bad_va
 
 
 @pytest.mark.parametrize(("env", "raw"), CASES)
-def test_each_bad_variable_exits_2_naming_it_and_its_range(env: str, raw: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_each_bad_variable_exits_2_naming_it_and_its_range(
+    env: str, raw: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["serve"], {env: raw})
     assert exit_info.value.code == 2
@@ -89,10 +91,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_flags_beat_env_and_shared_variables_feed_every_layer() -> None:
-    env = {"BALLAST_MAX_NUM_SEQS": "4", "BALLAST_PORT": "9001", "BALLAST_LADDER_DISABLE": "true", "BALLAST_MODEL": "builtin:tiny-llama"}
+    env = {
+        "BALLAST_MAX_NUM_SEQS": "4",
+        "BALLAST_PORT": "9001",
+        "BALLAST_LADDER_DISABLE": "true",
+        "BALLAST_MODEL": "builtin:tiny-llama",
+    }
     args = parse(["--port", "9002", "--max-model-len", "512", "--api-key", "k"])
     cfg = build_configs(args, env, LAYERS)
-    server, engine, sched, memory = cfg[ServerConfig], cfg[EngineConfig], cfg[SchedulerConfig], cfg[MemoryConfig]
+    server, engine, sched, memory = (
+        cfg[ServerConfig],
+        cfg[EngineConfig],
+        cfg[SchedulerConfig],
+        cfg[MemoryConfig],
+    )
     assert isinstance(server, ServerConfig) and isinstance(engine, EngineConfig)
     assert isinstance(sched, SchedulerConfig) and isinstance(memory, MemoryConfig)
     assert (server.port, server.api_key) == (9002, "k")
@@ -103,7 +115,12 @@ def test_flags_beat_env_and_shared_variables_feed_every_layer() -> None:
 
 def test_bool_flag_alone_means_true_and_accepts_false() -> None:
     assert build(MemoryConfig, parse(["--ladder-disable"]), {}).ladder_disable is True
-    assert build(MemoryConfig, parse(["--ladder-disable", "false"]), {"BALLAST_LADDER_DISABLE": "1"}).ladder_disable is False
+    assert (
+        build(
+            MemoryConfig, parse(["--ladder-disable", "false"]), {"BALLAST_LADDER_DISABLE": "1"}
+        ).ladder_disable
+        is False
+    )
 
 
 def test_defaults_without_flags_or_env() -> None:
@@ -131,7 +148,16 @@ def test_every_setting_has_a_unique_flag_and_a_doc() -> None:
     for s in ALL_SETTINGS.values():
         assert s.doc, s.env
         assert flags.setdefault(s.flag, s.env) == s.env
-    for vllm_flag in ("--model", "--host", "--port", "--max-num-seqs", "--max-model-len", "--api-key", "--served-model-name", "--max-num-batched-tokens"):
+    for vllm_flag in (
+        "--model",
+        "--host",
+        "--port",
+        "--max-num-seqs",
+        "--max-model-len",
+        "--api-key",
+        "--served-model-name",
+        "--max-num-batched-tokens",
+    ):
         assert vllm_flag in flags
 
 
@@ -183,7 +209,9 @@ def test_serve_exits_2_at_once_for_an_unknown_builtin(capsys: pytest.CaptureFixt
 
 @pytest.mark.slow
 def test_memory_watch_prints_every_second_until_interrupted() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "ballast.server.cli", "memory", "--watch"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ballast.server.cli", "memory", "--watch"], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None
         headers = []
@@ -204,7 +232,12 @@ def test_the_old_window_names_still_work_with_a_warning(capsys: pytest.CaptureFi
     assert build(SchedulerConfig, parse(["--prefill-window", "512"]), {}).context_window == 512
     assert "--prefill-window is deprecated, use --context-window" in capsys.readouterr().err
     # The new name wins, silently.
-    assert build(SchedulerConfig, parse(["--context-window", "256"]), {"BALLAST_PREFILL_WINDOW": "1024"}).context_window == 256
+    assert (
+        build(
+            SchedulerConfig, parse(["--context-window", "256"]), {"BALLAST_PREFILL_WINDOW": "1024"}
+        ).context_window
+        == 256
+    )
     assert "deprecated" not in capsys.readouterr().err
     assert unknown_variables({"BALLAST_PREFILL_WINDOW": "1"}, LAYERS) == []
 
@@ -218,7 +251,10 @@ def test_version_help_and_a_missing_model(capsys: pytest.CaptureFixture[str], tm
     with pytest.raises(SystemExit):
         main(["serve", "--help"], {})
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "default 8; env BALLAST_MAX_NUM_SEQS" in help_text and "default unset; env BALLAST_API_KEY" in help_text
+    assert (
+        "default 8; env BALLAST_MAX_NUM_SEQS" in help_text
+        and "default unset; env BALLAST_API_KEY" in help_text
+    )
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--model", str(tmp_path / "absent.gguf")], {})
     assert exit_info.value.code == 2

@@ -45,7 +45,9 @@ def force(root: Path, level: Level) -> None:
     level_tree(root, level, config=MemoryConfig(root=str(root)))
 
 
-def wait_state(url: str, check: str, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 10.0) -> dict[str, Any]:
+def wait_state(
+    url: str, check: str, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 10.0
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     doc: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -109,13 +111,21 @@ def _badge_rgb(page_png: bytes) -> tuple[int, int, int]:
 def test_page_in_chromium_moves_with_load_and_turns_red_at_critical(tmp_path: Path) -> None:
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    with dashboard_server(tmp_path / "mem", step_delay_s=0.01) as url, chromium_page(url + "/dashboard?every=150") as page:
+    with (
+        dashboard_server(tmp_path / "mem", step_delay_s=0.01) as url,
+        chromium_page(url + "/dashboard?every=150") as page,
+    ):
         page.wait_for("window.ballastDashboard && window.ballastDashboard.polls >= 3")
         assert page.evaluate("document.getElementById('level').dataset.level") == "OK"
         ok_rgb = _badge_rgb(page.screenshot("#level"))
         assert ok_rgb[1] > ok_rgb[0] + 40, f"the OK badge is not green: {ok_rgb}"
         idle_path = page.evaluate("document.querySelector('#chart-throughput path').getAttribute('d')")
-        assert page.evaluate("Math.max(0, ...window.ballastDashboard.series.tokens_per_s.filter(v => v !== null))") == 0
+        assert (
+            page.evaluate(
+                "Math.max(0, ...window.ballastDashboard.series.tokens_per_s.filter(v => v !== null))"
+            )
+            == 0
+        )
 
         def client() -> None:
             body = {"model": "fake-model", "prompt": "the quick brown fox", "max_tokens": 60, "stream": True}

@@ -17,15 +17,28 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    eng = Engine.load(EngineConfig(model="default", device="cpu", dtype="float32", max_num_seqs=1, max_model_len=512, prefill_chunk_tokens=128))
+    eng = Engine.load(
+        EngineConfig(
+            model="default",
+            device="cpu",
+            dtype="float32",
+            max_num_seqs=1,
+            max_model_len=512,
+            prefill_chunk_tokens=128,
+        )
+    )
     yield eng
     eng.shutdown()
 
 
 def test_capital_of_france_is_paris(engine: Engine) -> None:
-    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ids = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
     result = Generation()
-    text = "".join(generate_stream(engine, ids, SamplingParams(temperature=0.0), max_tokens=48, result=result))
+    text = "".join(
+        generate_stream(engine, ids, SamplingParams(temperature=0.0), max_tokens=48, result=result)
+    )
     assert "Paris" in text
     assert result.finish_reason == "stop"  # it ended its turn with <|im_end|>, not by length
     assert result.token_ids[-1] in engine.tokenizer.eos_token_ids
@@ -42,7 +55,9 @@ def test_real_tokenizer_multibyte_stream(engine: Engine) -> None:
     text = "Tea 茶 is 🍵 — naïve café, 你好世界!"
     ids = tok.encode(text)
     assert any(REPLACEMENT in tok.decode([i]) for i in ids)  # some character spans several tokens
-    detok = engine.new_detokenizer(tok.apply_chat_template([{"role": "user", "content": "hi"}]), stop=("世界",))
+    detok = engine.new_detokenizer(
+        tok.apply_chat_template([{"role": "user", "content": "hi"}]), stop=("世界",)
+    )
     deltas = [detok.add(i) for i in ids]
     assert all(REPLACEMENT not in d for d in deltas)
     assert detok.stopped and "".join(deltas) == "Tea 茶 is 🍵 — naïve café, 你好"

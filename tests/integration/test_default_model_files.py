@@ -160,6 +160,10 @@ def test_default_model_config_and_tokenizer(default_gguf: Path) -> None:
     assert tok.convert_ids_to_tokens(tok.encode("2026")) == ["2", "0", "2", "6"]
     assert tok.encode("<|im_start|>") == [1]
     chat = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
     )
-    assert chat.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert chat.endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )

@@ -1,7 +1,7 @@
 """The files in deploy/ stay true to the server: the alert rules are well formed and every metric
-they (and docs/OPERATIONS.md) name is on a live server's /metrics (with a GPU in its snapshot), the scrape job is the one
-the rules select, and the systemd unit's command line and environment pass the CLI's strict
-configuration path."""
+they (and docs/OPERATIONS.md) name is on a live server's /metrics (with a GPU in its snapshot), the
+scrape job is the one the rules select, and the systemd unit's command line and environment pass
+the CLI's strict configuration path."""
 
 from __future__ import annotations
 
@@ -66,8 +66,16 @@ def test_every_metric_the_rules_and_the_guide_name_is_served(tmp_path: Path) -> 
     level_tree(tmp_path, Level.OK, config=cfg)
     watch = MemWatch(cfg, StaticDeviceReader([DieReading(0, "test-gpu", 80 * GiB, 70 * GiB)]))
     watch.ledger.register_die(0, 80 * GiB, 70 * GiB)  # as the engine's loader does before the weights
-    pool = CheckpointPool(lambda: watch.read().host.effective_total_bytes, 0.25, 8, 1, pin=False)  # as `ballast serve` has
-    app = create_app(ServerConfig(), SchedulerConfig(), lambda: FakeEngine(kv_blocks=64, gpu_die=0), memwatch=watch, pool=pool)
+    pool = CheckpointPool(
+        lambda: watch.read().host.effective_total_bytes, 0.25, 8, 1, pin=False
+    )  # as `ballast serve` has
+    app = create_app(
+        ServerConfig(),
+        SchedulerConfig(),
+        lambda: FakeEngine(kv_blocks=64, gpu_die=0),
+        memwatch=watch,
+        pool=pool,
+    )
     with running_server(app) as url:
         body = {"model": "fake-model", "prompt": "the cat", "max_tokens": 3, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
@@ -76,7 +84,9 @@ def test_every_metric_the_rules_and_the_guide_name_is_served(tmp_path: Path) -> 
     served = {f.name for f in families} | {s.name for f in families for s in f.samples}
     # A labelled counter with no sample yet still declares its family (name without _total).
     for source, named in (("the alert rules", in_rules), ("docs/OPERATIONS.md", in_guide)):
-        missing = {m for m in named if m not in served and re.sub(r"_(total|bucket|count|sum)$", "", m) not in served}
+        missing = {
+            m for m in named if m not in served and re.sub(r"_(total|bucket|count|sum)$", "", m) not in served
+        }
         assert not missing, f"{source} name metrics the server does not serve: {sorted(missing)}"
 
 
@@ -100,7 +110,11 @@ def test_systemd_unit_passes_the_configuration_path() -> None:
 
 def test_the_guide_names_every_setting() -> None:
     guide = (DEPLOY.parent / "docs" / "OPERATIONS.md").read_text()
-    missing = [f"{s.flag} ({s.env})" for layer in LAYERS for s in settings_of(layer)
-               if f"`{s.flag}`" not in guide or f"`{s.env}`" not in guide]
+    missing = [
+        f"{s.flag} ({s.env})"
+        for layer in LAYERS
+        for s in settings_of(layer)
+        if f"`{s.flag}`" not in guide or f"`{s.env}`" not in guide
+    ]
     assert not missing, f"docs/OPERATIONS.md does not list: {missing}"
     assert all(f"`{name}`" in guide for name in OTHER_VARIABLES)

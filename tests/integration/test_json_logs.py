@@ -28,8 +28,21 @@ def _wait_for(url: str, status: int) -> None:
 def _run(tmp_path: Path, extra: list[str]) -> list[dict[str, Any]]:
     level_tree(tmp_path, Level.OK, config=MemoryConfig(root=str(tmp_path)))
     out: list[str] = []
-    args = ["--model", "builtin:tiny-llama", "--max-model-len", "128", "--max-num-seqs", "2", "--log-format", "json",
-            "--memory-root", str(tmp_path), "--memwatch-poll-s", "0.05", *extra]
+    args = [
+        "--model",
+        "builtin:tiny-llama",
+        "--max-model-len",
+        "128",
+        "--max-num-seqs",
+        "2",
+        "--log-format",
+        "json",
+        "--memory-root",
+        str(tmp_path),
+        "--memwatch-poll-s",
+        "0.05",
+        *extra,
+    ]
     with serve_subprocess(args, output=out) as (url, _):
         body = {"model": "builtin:tiny-llama", "prompt": SECRET, "max_tokens": 4}
         ok = httpx.post(url + "/v1/completions", json=body, timeout=60)
@@ -59,7 +72,11 @@ def test_json_log_events_once_each_and_no_prompt_text(tmp_path: Path) -> None:
     first, second = (r["request_id"] for r in requests)
     assert [(v["request_id"], v["verdict"]) for v in events["verdict"]] == [(first, "admit")]
     [finished] = events["finished"]
-    assert finished["request_id"] == first and finished["outcome"] == "length" and finished["completion_tokens"] == 4
+    assert (
+        finished["request_id"] == first
+        and finished["outcome"] == "length"
+        and finished["completion_tokens"] == 4
+    )
     [refusal] = events["refused"]
     assert refusal["request_id"] == second and refusal["status"] == 503 and "CRITICAL" in refusal["reason"]
     assert [(e["from"], e["to"]) for e in events["level"]] == [("OK", "CRITICAL")]

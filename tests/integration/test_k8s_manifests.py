@@ -28,8 +28,13 @@ CRDS = {"ServiceMonitor", "PrometheusRule"}
 
 def render(overlay: str) -> list[dict[str, Any]]:
     if KUBECTL is None:
-        pytest.skip("kubectl (which has kustomize built in) is not installed; `kubectl kustomize` renders the overlays")
-    out = subprocess.run([KUBECTL, "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True, check=True)
+        pytest.skip(
+            "kubectl (which has kustomize built in) is not installed; `kubectl kustomize` renders the "
+            "overlays"
+        )
+    out = subprocess.run(
+        [KUBECTL, "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True, check=True
+    )
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
@@ -48,7 +53,13 @@ def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
 def test_overlay_resources_pass_the_kubernetes_schema(overlay: str) -> None:
     docs = render(overlay)
     version = kubernetes_validate.latest_version()
-    assert set(by_kind(docs)) == {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", *CRDS}
+    assert set(by_kind(docs)) == {
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        *CRDS,
+    }
     for doc in docs:
         if doc["kind"] in CRDS:
             with pytest.raises(kubernetes_validate.SchemaNotFoundError):
@@ -82,15 +93,20 @@ def test_the_container_passes_the_configuration_path_and_probes_the_right_endpoi
     gpus = res["limits"].get("nvidia.com/gpu")
     assert (gpus == "1") == (overlay == "gpu") and (env.get("BALLAST_DEVICE") == "cuda") == (overlay == "gpu")
     assert c["image"] == f"ballast:{'cuda' if overlay == 'gpu' else 'cpu'}"
-    assert c["securityContext"]["readOnlyRootFilesystem"] and not c["securityContext"]["allowPrivilegeEscalation"]
+    assert (
+        c["securityContext"]["readOnlyRootFilesystem"]
+        and not c["securityContext"]["allowPrivilegeEscalation"]
+    )
 
 
 def test_the_pieces_select_each_other() -> None:
     docs = by_kind(render("cpu"))
     pod_labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
-    for kind, selector in (("Deployment", docs["Deployment"]["spec"]["selector"]["matchLabels"]),
-                           ("Service", docs["Service"]["spec"]["selector"]),
-                           ("PodDisruptionBudget", docs["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"])):
+    for kind, selector in (
+        ("Deployment", docs["Deployment"]["spec"]["selector"]["matchLabels"]),
+        ("Service", docs["Service"]["spec"]["selector"]),
+        ("PodDisruptionBudget", docs["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"]),
+    ):
         assert selector and selector.items() <= pod_labels.items(), kind
     monitor = docs["ServiceMonitor"]["spec"]
     assert monitor["selector"]["matchLabels"].items() <= docs["Service"]["metadata"]["labels"].items()
@@ -109,7 +125,10 @@ def test_the_hpa_scales_on_metrics_the_adapter_serves() -> None:
     assert wanted == {"ballast_queue_depth", "ballast_memory_pressure_level"} and wanted <= served
     for rule in adapter["rules"]["custom"]:
         # the series the adapter looks for carry the pod labels the HPA asks by
-        assert rule["name"]["as"] in rule["seriesQuery"] and set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+        assert rule["name"]["as"] in rule["seriesQuery"] and set(rule["resources"]["overrides"]) == {
+            "namespace",
+            "pod",
+        }
     # ...and ballast serves them: docs/OPERATIONS.md's metric table is checked against a live
     # /metrics by test_deploy_files.py.
     guide = (K8S.parents[1] / "docs" / "OPERATIONS.md").read_text()
@@ -122,4 +141,9 @@ def test_prometheusrule_is_the_alert_rules_file() -> None:
     assert rule["spec"]["groups"] == plain["groups"]
     alerts = {r["alert"]: r for g in plain["groups"] for r in g["rules"]}
     assert alerts["BallastMemoryCritical"]["for"] == "1m"
-    assert {"BallastRefusingForMemory", "BallastQueueFull", "BallastQueueSaturated", "BallastGpuLedgerNearCeiling"} <= set(alerts)
+    assert {
+        "BallastRefusingForMemory",
+        "BallastQueueFull",
+        "BallastQueueSaturated",
+        "BallastGpuLedgerNearCeiling",
+    } <= set(alerts)

@@ -24,8 +24,14 @@ from memfixtures import level_tree
 GREEDY = SamplingParams(temperature=0.0)
 STREAMS, NEW_TOKENS = 8, 96
 # 64 KiB segments hold 4 blocks of this model's KV (16 KiB each): the pool grows and shrinks often.
-CFG = EngineConfig(model="builtin:tiny-llama", device="cpu", max_num_seqs=STREAMS, max_model_len=256,
-                   prefill_chunk_tokens=64, kv_segment_bytes=64 << 10)
+CFG = EngineConfig(
+    model="builtin:tiny-llama",
+    device="cpu",
+    max_num_seqs=STREAMS,
+    max_model_len=256,
+    prefill_chunk_tokens=64,
+    kv_segment_bytes=64 << 10,
+)
 
 
 def prompts() -> list[tuple[int, ...]]:
@@ -33,7 +39,10 @@ def prompts() -> list[tuple[int, ...]]:
 
 
 async def run_all(sched: Scheduler, on_progress=None) -> list[tuple[tuple[int, ...], str]]:  # type: ignore[no-untyped-def]
-    handles = [sched.submit(GenerationRequest(f"r{i}", p, GREEDY, max_tokens=NEW_TOKENS)) for i, p in enumerate(prompts())]
+    handles = [
+        sched.submit(GenerationRequest(f"r{i}", p, GREEDY, max_tokens=NEW_TOKENS))
+        for i, p in enumerate(prompts())
+    ]
     tokens: list[list[int]] = [[] for _ in handles]
 
     async def consume(i: int) -> str:
@@ -94,7 +103,9 @@ async def test_ladder_walk_gives_kv_memory_back_and_every_request_completes(tmp_
         assert [t for t, _ in got] == [t for t, _ in want]  # same tokens as the calm run, every one
         assert all(r == "length" for _, r in got)
         assert set(seen) == {Level.WATCH, Level.TIGHT, Level.CRITICAL, Level.OK}
-        assert seen[Level.WATCH]["cache"] > 0 and seen[Level.TIGHT]["cache"] == 0  # WATCH shed the prefix cache
+        assert (
+            seen[Level.WATCH]["cache"] > 0 and seen[Level.TIGHT]["cache"] == 0
+        )  # WATCH shed the prefix cache
         assert engine.preemptions > 0 and sched.preemptions == engine.preemptions  # CRITICAL: no new segment
         assert seen[Level.OK]["kv"] < peak["kv"]  # TIGHT and CRITICAL gave segments back
         assert kv.figures().used_blocks == 0 or cache.bytes_held > 0  # only the prefix cache may hold blocks

@@ -26,16 +26,26 @@ NEW = 120
 
 def config(model: str) -> EngineConfig:
     # 64 KiB segments of this model's 16 KiB blocks: growth is refused mid-generation.
-    return EngineConfig(model=model, device="cpu", max_num_seqs=4, max_model_len=512, prefill_chunk_tokens=128,
-                        kv_segment_bytes=64 << 10)
+    return EngineConfig(
+        model=model,
+        device="cpu",
+        max_num_seqs=4,
+        max_model_len=512,
+        prefill_chunk_tokens=128,
+        kv_segment_bytes=64 << 10,
+    )
 
 
 async def generate(engine: Engine) -> list[tuple[int, ...]]:
     sched = Scheduler(engine, SchedulerConfig(max_num_seqs=4))
     await sched.start()
     try:
-        done = await asyncio.gather(*(sched.submit(GenerationRequest(f"r{i}", p, GREEDY, max_tokens=NEW)).collect()
-                                      for i, p in enumerate(PROMPTS)))
+        done = await asyncio.gather(
+            *(
+                sched.submit(GenerationRequest(f"r{i}", p, GREEDY, max_tokens=NEW)).collect()
+                for i, p in enumerate(PROMPTS)
+            )
+        )
     finally:
         await sched.stop()
     assert all(fin.reason == "length" for _, _, fin in done)
@@ -52,9 +62,11 @@ def calm() -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("park", [False, True], ids=["recompute", "park"])
-async def test_preempted_sequences_resume_with_the_same_tokens(calm: list[tuple[int, ...]], park: bool,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_preempted_sequences_resume_with_the_same_tokens(
+    calm: list[tuple[int, ...]], park: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if park:
+
         def park_always(self: SlotKV, slot: int) -> None:  # the GPU's choice, without its device check
             fed, pool = self._fed.get(slot), self.pool_of(slot)
             if fed and self._cache.park(slot, fed, pool):

@@ -42,12 +42,16 @@ async def chat(s: Scheduler, turns: Sequence[Sequence[int]], max_tokens: int) ->
     answers: list[list[int]] = []
     for i, user in enumerate(turns):
         prompt = prompt + (tuple(answers[-1]) if answers else ()) + tuple(user)
-        _, ids, _ = await s.submit(GenerationRequest(f"t{i}", prompt, GREEDY, max_tokens=max_tokens)).collect()
+        _, ids, _ = await s.submit(
+            GenerationRequest(f"t{i}", prompt, GREEDY, max_tokens=max_tokens)
+        ).collect()
         answers.append(list(ids))
     return answers
 
 
-async def run_chat(engine: EngineLike, turns: Sequence[Sequence[int]], max_tokens: int, memwatch: MemWatch | None = None) -> tuple[list[list[int]], Scheduler]:
+async def run_chat(
+    engine: EngineLike, turns: Sequence[Sequence[int]], max_tokens: int, memwatch: MemWatch | None = None
+) -> tuple[list[list[int]], Scheduler]:
     s = Scheduler(engine, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), memwatch=memwatch)
     await s.start()
     try:
@@ -56,9 +60,11 @@ async def run_chat(engine: EngineLike, turns: Sequence[Sequence[int]], max_token
         await s.stop()
 
 
-USER = [TOK.encode("user: hello there, how are you today?\nassistant:"),
-        TOK.encode("user: and what is the weather like?\nassistant:"),
-        TOK.encode("user: thanks!\nassistant:")]
+USER = [
+    TOK.encode("user: hello there, how are you today?\nassistant:"),
+    TOK.encode("user: and what is the weather like?\nassistant:"),
+    TOK.encode("user: thanks!\nassistant:"),
+]
 
 
 async def test_fake_engine_turns_restore_and_chunks_end_at_checkpoints() -> None:
@@ -130,7 +136,9 @@ async def test_watch_sheds_once_and_stops_checkpoints(tmp_path: Path) -> None:
         eng.shutdown()
 
 
-HYBRID = EngineConfig(model="builtin:tiny-qwen3-next", device="cpu", max_num_seqs=2, max_model_len=256, prefill_chunk_tokens=64)
+HYBRID = EngineConfig(
+    model="builtin:tiny-qwen3-next", device="cpu", max_num_seqs=2, max_model_len=256, prefill_chunk_tokens=64
+)
 
 
 def tiny_hybrid(fraction: float) -> Engine:
@@ -177,10 +185,22 @@ def test_server_wiring_pools_evicted_checkpoints_trims_when_idle_and_sheds_at_wa
         engines.append(Engine.load(HYBRID, watch, prefix_cache=cache, pool=pool))
         return engines[0]
 
-    app = create_app(ServerConfig(), SchedulerConfig(idle_tick_s=0.02), factory, memwatch=watch, pool=pool, pool_max_idle_s=0.0)
+    app = create_app(
+        ServerConfig(),
+        SchedulerConfig(idle_tick_s=0.02),
+        factory,
+        memwatch=watch,
+        pool=pool,
+        pool_max_idle_s=0.0,
+    )
     with running_server(app) as url:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        body = {"model": model, "prompt": "tell me a long story about a cat " * 8, "max_tokens": 4, "temperature": 0}
+        body = {
+            "model": model,
+            "prompt": "tell me a long story about a cat " * 8,
+            "max_tokens": 4,
+            "temperature": 0,
+        }
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
         cache = engines[0].prefix_cache
         assert cache is not None
@@ -196,7 +216,11 @@ def test_server_wiring_pools_evicted_checkpoints_trims_when_idle_and_sheds_at_wa
             if pool.stats().trimmed_bytes > 0 and pool.stats().bytes_held == 0:
                 break
             time.sleep(0.01)
-        assert pool.stats().high_water_bytes > 0 and pool.stats().bytes_held == 0 and pool.stats().trimmed_bytes > 0
+        assert (
+            pool.stats().high_water_bytes > 0
+            and pool.stats().bytes_held == 0
+            and pool.stats().trimmed_bytes > 0
+        )
         assert metric(url, "ballast_checkpoint_pool_trimmed_bytes_total") == pool.stats().trimmed_bytes
         assert metric(url, "ballast_checkpoint_pool_high_water_bytes") == pool.stats().high_water_bytes
         level_tree(tmp_path, Level.WATCH, config=mem)
@@ -212,11 +236,20 @@ def test_reused_prompt_tokens_reach_metrics(tmp_path: Path) -> None:
     mem = MemoryConfig(root=str(tmp_path))
     level_tree(tmp_path, Level.OK, config=mem)
     watch = MemWatch(mem, StaticDeviceReader())
-    app = create_app(ServerConfig(), SchedulerConfig(), lambda: Engine.load(HYBRID, watch, prefix_cache=PrefixCacheConfig(checkpoint_interval=16)),
-                     memwatch=watch)
+    app = create_app(
+        ServerConfig(),
+        SchedulerConfig(),
+        lambda: Engine.load(HYBRID, watch, prefix_cache=PrefixCacheConfig(checkpoint_interval=16)),
+        memwatch=watch,
+    )
     with running_server(app) as url:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        body = {"model": model, "prompt": "tell me a long story about a cat " * 8, "max_tokens": 4, "temperature": 0}
+        body = {
+            "model": model,
+            "prompt": "tell me a long story about a cat " * 8,
+            "max_tokens": 4,
+            "temperature": 0,
+        }
         first = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         assert metric(url, "ballast_prompt_tokens_reused_total") == 0
         second = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
@@ -232,25 +265,42 @@ def test_usage_reports_cached_prompt_tokens_through_the_openai_client(tmp_path: 
 
     level_tree(tmp_path, Level.OK)
     watch = MemWatch(MemoryConfig(root=str(tmp_path)))
-    app = create_app(ServerConfig(), SchedulerConfig(), lambda: FakeEngine(max_model_len=512, checkpoint_interval=INTERVAL),
-                     memwatch=watch)
+    app = create_app(
+        ServerConfig(),
+        SchedulerConfig(),
+        lambda: FakeEngine(max_model_len=512, checkpoint_interval=INTERVAL),
+        memwatch=watch,
+    )
     with running_server(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": "hello there, how are you today?"}]
-        first = client.chat.completions.create(model="fake-model", messages=messages, temperature=0, max_tokens=12)  # type: ignore[arg-type]
+        first = client.chat.completions.create(
+            model="fake-model", messages=messages, temperature=0, max_tokens=12
+        )  # type: ignore[arg-type]
         assert first.usage is not None and first.usage.prompt_tokens_details is not None
         assert first.usage.prompt_tokens_details.cached_tokens == 0
-        messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
-                     {"role": "user", "content": "and what is the weather like?"}]
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": "and what is the weather like?"},
+        ]
         for stream in (False, True):
             before = metric(url, "ballast_prompt_tokens_reused_total")
             if stream:
-                chunks = list(client.chat.completions.create(
-                    model="fake-model", messages=messages, temperature=0, max_tokens=4, stream=True,  # type: ignore[arg-type]
-                    stream_options={"include_usage": True}))
+                chunks = list(
+                    client.chat.completions.create(
+                        model="fake-model",
+                        messages=messages,
+                        temperature=0,
+                        max_tokens=4,
+                        stream=True,  # type: ignore[arg-type]
+                        stream_options={"include_usage": True},
+                    )
+                )
                 usage = chunks[-1].usage
             else:
-                usage = client.chat.completions.create(model="fake-model", messages=messages, temperature=0, max_tokens=4).usage  # type: ignore[arg-type]
+                usage = client.chat.completions.create(
+                    model="fake-model", messages=messages, temperature=0, max_tokens=4
+                ).usage  # type: ignore[arg-type]
             assert usage is not None and usage.prompt_tokens_details is not None
             reused = metric(url, "ballast_prompt_tokens_reused_total") - before
             assert 0 < usage.prompt_tokens_details.cached_tokens == reused < usage.prompt_tokens

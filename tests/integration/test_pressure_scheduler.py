@@ -25,7 +25,9 @@ TOK = FakeTokenizer()
 
 
 def req(i: int, max_tokens: int, words: int = 3) -> GenerationRequest:
-    return GenerationRequest(f"r{i}", tuple(TOK.encode(f"pressure test {i} " + "word " * words)), max_tokens=max_tokens)
+    return GenerationRequest(
+        f"r{i}", tuple(TOK.encode(f"pressure test {i} " + "word " * words)), max_tokens=max_tokens
+    )
 
 
 def calm(r: GenerationRequest, n: int | None = None) -> str:
@@ -59,7 +61,9 @@ class Box:
 async def rig(tmp_path: Path) -> AsyncIterator[tuple[Scheduler, FakeEngine, Box]]:
     box = Box(tmp_path)
     eng = FakeEngine(num_slots=8, max_model_len=256, prefill_chunk_tokens=64, step_delay_s=0.002)
-    s = Scheduler(eng, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, retry_after_s=1.5), memwatch=box.watch)
+    s = Scheduler(
+        eng, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, retry_after_s=1.5), memwatch=box.watch
+    )
     await s.start()
     yield s, eng, box
     await s.stop()
@@ -80,7 +84,12 @@ async def test_ladder_walk_slots_window_and_refusals(rig: tuple[Scheduler, FakeE
     box.set(Level.WATCH)
     watch_wave = [s.submit(req(20 + i, 4)) for i in range(8)]
     await wait_until(lambda: s.ladder.level == Level.WATCH, "WATCH plan")
-    assert s.ladder.force_quantized_kv and s.ladder.shed_prefix_cache and s.slot_limit == 8 and s.ladder.context_window == 256
+    assert (
+        s.ladder.force_quantized_kv
+        and s.ladder.shed_prefix_cache
+        and s.slot_limit == 8
+        and s.ladder.context_window == 256
+    )
     assert s.pressure_level == Level.OK
 
     # TIGHT while they run: nobody is killed, but the ceiling is 4 and the window 128.
@@ -142,7 +151,9 @@ async def test_critical_refuses_the_waiting_queue(rig: tuple[Scheduler, FakeEngi
     assert s.outcomes["overloaded"] == 5 and s.outcomes["length"] == 4
 
 
-async def test_level_flapping_never_changes_an_admitted_request(rig: tuple[Scheduler, FakeEngine, Box]) -> None:
+async def test_level_flapping_never_changes_an_admitted_request(
+    rig: tuple[Scheduler, FakeEngine, Box],
+) -> None:
     s, eng, box = rig
     reqs = [req(i, 48, words=i % 5) for i in range(16)]
     stop = threading.Event()
@@ -226,11 +237,17 @@ async def test_admission_charges_the_engines_own_kv_format(tmp_path: Path, quant
     from memfixtures import write_tree
 
     cfg = MemoryConfig(root=str(tmp_path))
-    write_tree(tmp_path, mem_total=64 * GiB, mem_available=int(9.6 * GiB) + 12 * GiB)  # 12 GiB above the reserve
+    write_tree(
+        tmp_path, mem_total=64 * GiB, mem_available=int(9.6 * GiB) + 12 * GiB
+    )  # 12 GiB above the reserve
     watch = MemWatch(cfg, StaticDeviceReader())
     watch.poll_now()
-    cost = CostModel(kv_bytes_per_token=10 * MiB, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0,
-                     quantized_kv_bytes_per_token=10 * MiB // 4)
+    cost = CostModel(
+        kv_bytes_per_token=10 * MiB,
+        state_bytes_per_slot=0,
+        activation_bytes_per_prefill_token=0,
+        quantized_kv_bytes_per_token=10 * MiB // 4,
+    )
     eng = FakeEngine(max_model_len=4096, cost_model=cost, quantized_kv=quantized)
     s = Scheduler(eng, SchedulerConfig(max_num_seqs=2), memwatch=watch)
     await s.start()
@@ -244,7 +261,9 @@ async def test_admission_charges_the_engines_own_kv_format(tmp_path: Path, quant
         eng.shutdown()
 
 
-async def test_a_head_that_fits_once_running_requests_end_waits_instead_of_being_refused(tmp_path: Path) -> None:
+async def test_a_head_that_fits_once_running_requests_end_waits_instead_of_being_refused(
+    tmp_path: Path,
+) -> None:
     """Admission charges whole requests in KV blocks: with a pool of 40 blocks and requests of ~10
     blocks each, about three run at once; the others wait at the queue head (not refused, not cut
     short) and start as blocks come back. Every request completes whole with its calm text."""

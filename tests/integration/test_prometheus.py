@@ -36,7 +36,9 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
-NO_PROMETHEUS = "Debian's prometheus package is not installed (apt-get install prometheus; `make ci-tools` does it)"
+NO_PROMETHEUS = (
+    "Debian's prometheus package is not installed (apt-get install prometheus; `make ci-tools` does it)"
+)
 METRIC = r"\bballast_[a-z0-9_]+"
 
 
@@ -52,7 +54,11 @@ def grafana_queries() -> list[str]:
 
 def grafana_variables() -> list[str]:
     """Template variables' queries (Grafana's own `label_values(metric, label)`)."""
-    return [v["query"]["query"] for v in grafana_dashboard()["templating"]["list"] if isinstance(v.get("query"), dict)]
+    return [
+        v["query"]["query"]
+        for v in grafana_dashboard()["templating"]["list"]
+        if isinstance(v.get("query"), dict)
+    ]
 
 
 def as_promql(expr: str) -> str:
@@ -67,8 +73,16 @@ def ballast(root: Path) -> Iterator[str]:
     level_tree(root, Level.OK, config=cfg)
     watch = MemWatch(cfg, StaticDeviceReader([DieReading(0, "test-gpu", 80 * GiB, 70 * GiB)]))
     watch.ledger.register_die(0, 80 * GiB, 70 * GiB)
-    pool = CheckpointPool(lambda: watch.read().host.effective_total_bytes, 0.25, 8, 1, pin=False)  # as `ballast serve` has
-    app = create_app(ServerConfig(), SchedulerConfig(), lambda: FakeEngine(kv_blocks=64, gpu_die=0), memwatch=watch, pool=pool)
+    pool = CheckpointPool(
+        lambda: watch.read().host.effective_total_bytes, 0.25, 8, 1, pin=False
+    )  # as `ballast serve` has
+    app = create_app(
+        ServerConfig(),
+        SchedulerConfig(),
+        lambda: FakeEngine(kv_blocks=64, gpu_die=0),
+        memwatch=watch,
+        pool=pool,
+    )
     with running_server(app) as url:
         yield url
 
@@ -87,16 +101,32 @@ def prometheus(workdir: Path, target: str, rules: dict[str, Any]) -> Iterator[st
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": ["rules.yml"],
-        "scrape_configs": [{"job_name": "ballast", "scrape_interval": "1s", "static_configs": [{"targets": [target]}]}],
+        "scrape_configs": [
+            {"job_name": "ballast", "scrape_interval": "1s", "static_configs": [{"targets": [target]}]}
+        ],
     }
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     log = (workdir / "prometheus.log").open("w")
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
-        until(lambda: proc.poll() is None and _ready(url), "prometheus ready", 30, lambda: (workdir / "prometheus.log").read_text())
+        until(
+            lambda: proc.poll() is None and _ready(url),
+            "prometheus ready",
+            30,
+            lambda: (workdir / "prometheus.log").read_text(),
+        )
         yield url
     finally:
         proc.terminate()
@@ -115,7 +145,9 @@ def _ready(url: str) -> bool:
         return False
 
 
-def until(check: Callable[[], bool], what: str, timeout_s: float = 30.0, detail: Callable[[], str] = lambda: "") -> None:
+def until(
+    check: Callable[[], bool], what: str, timeout_s: float = 30.0, detail: Callable[[], str] = lambda: ""
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if check():
@@ -145,23 +177,39 @@ def test_grafana_dashboard_queries_only_served_metrics(tmp_path: Path) -> None:
         assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
         families = list(text_string_to_metric_families(httpx.get(url + "/metrics").text))
     served = {f.name for f in families} | {s.name for f in families for s in f.samples}
-    missing = {m for m in named if m not in served and re.sub(r"_(total|bucket|count|sum)$", "", m) not in served}
-    assert not missing, f"deploy/grafana/ballast.json queries metrics the server does not serve: {sorted(missing)}"
+    missing = {
+        m for m in named if m not in served and re.sub(r"_(total|bucket|count|sum)$", "", m) not in served
+    }
+    assert not missing, (
+        f"deploy/grafana/ballast.json queries metrics the server does not serve: {sorted(missing)}"
+    )
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMETHEUS)
 def test_promtool_accepts_the_rules_and_their_unit_tests(tmp_path: Path) -> None:
     assert PROMTOOL is not None
     rules = DEPLOY / "prometheus" / "ballast.rules.yml"
-    out = subprocess.run([PROMTOOL, "check", "rules", str(rules)], capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [PROMTOOL, "check", "rules", str(rules)], capture_output=True, text=True, check=False
+    )
     assert out.returncode == 0, out.stdout + out.stderr
-    out = subprocess.run([PROMTOOL, "test", "rules", "ballast.rules.test.yml"], capture_output=True, text=True, check=False,
-                         cwd=DEPLOY / "prometheus")
+    out = subprocess.run(
+        [PROMTOOL, "test", "rules", "ballast.rules.test.yml"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=DEPLOY / "prometheus",
+    )
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
     # The Kubernetes PrometheusRule carries the same kind of rules: promtool checks its groups too.
     rule = yaml.safe_load((DEPLOY / "k8s" / "base" / "prometheusrule.yaml").read_text())
     (tmp_path / "k8s-rules.yml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
-    out = subprocess.run([PROMTOOL, "check", "rules", str(tmp_path / "k8s-rules.yml")], capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [PROMTOOL, "check", "rules", str(tmp_path / "k8s-rules.yml")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -173,7 +221,10 @@ def test_prometheus_reads_the_level_and_fires_critical(tmp_path: Path) -> None:
         for rule in group["rules"]:
             rule["for"] = "1s"  # the expressions as shipped; only the waiting is shortened
     with ballast(tmp_path / "mem") as url, prometheus(tmp_path, url.removeprefix("http://"), rules) as prom:
-        until(lambda: [r["value"][1] for r in query(prom, "ballast_memory_pressure_level")] == ["0"], "level 0 scraped")
+        until(
+            lambda: [r["value"][1] for r in query(prom, "ballast_memory_pressure_level")] == ["0"],
+            "level 0 scraped",
+        )
         assert query(prom, 'up{job="ballast"}')[0]["value"][1] == "1"
         body = {"model": "fake-model", "prompt": "the cat", "max_tokens": 3}
         assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
@@ -182,11 +233,22 @@ def test_prometheus_reads_the_level_and_fires_critical(tmp_path: Path) -> None:
         for variable in grafana_variables():  # label_values(metric, label): the metric has that label
             metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", variable).groups()  # type: ignore[union-attr]
             assert all(label in r["metric"] for r in query(prom, metric)) and query(prom, metric)
-        until(lambda: bool(query(prom, "ballast_slots_limit")) and bool(query(prom, "ballast_kv_blocks")), "scheduler gauges scraped")
+        until(
+            lambda: bool(query(prom, "ballast_slots_limit")) and bool(query(prom, "ballast_kv_blocks")),
+            "scheduler gauges scraped",
+        )
         assert "BallastMemoryCritical" not in firing(prom)
 
         level_tree(tmp_path / "mem", Level.CRITICAL, config=MemoryConfig(root=str(tmp_path / "mem")))
-        until(lambda: [r["value"][1] for r in query(prom, "ballast_memory_pressure_level")] == ["3"], "level 3 scraped")
-        until(lambda: "BallastMemoryCritical" in firing(prom), "BallastMemoryCritical firing", 30, lambda: str(firing(prom)))
+        until(
+            lambda: [r["value"][1] for r in query(prom, "ballast_memory_pressure_level")] == ["3"],
+            "level 3 scraped",
+        )
+        until(
+            lambda: "BallastMemoryCritical" in firing(prom),
+            "BallastMemoryCritical firing",
+            30,
+            lambda: str(firing(prom)),
+        )
         assert {"BallastMemoryTight", "BallastMemoryCritical"} <= firing(prom)
         assert httpx.get(url + "/ready").status_code == 503

@@ -26,7 +26,12 @@ from fake_engine import FakeEngine, FakeTokenizer, expected_tokens
 from memfixtures import level_tree
 from serverproc import running_server
 
-CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+CHAT = {
+    "model": "fake-model",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 4,
+    "temperature": 0,
+}
 
 
 @contextmanager
@@ -47,7 +52,14 @@ def serve(
         yield url, app.state.ballast, fake
 
 
-def assert_openai_error(r: httpx.Response, status: int, *, type: str | None = None, code: str | None = None, param: str | None = None) -> dict[str, object]:
+def assert_openai_error(
+    r: httpx.Response,
+    status: int,
+    *,
+    type: str | None = None,
+    code: str | None = None,
+    param: str | None = None,
+) -> dict[str, object]:
     assert r.status_code == status, r.text
     body = r.json()
     assert set(body) == {"error"}
@@ -65,7 +77,11 @@ def assert_openai_error(r: httpx.Response, status: int, *, type: str | None = No
 
 @pytest.fixture(scope="module")
 def calm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with serve(tmp_path_factory.mktemp("calm"), server=ServerConfig(max_body_bytes=4096), engine=FakeEngine(max_model_len=64)) as (url, _, _):
+    with serve(
+        tmp_path_factory.mktemp("calm"),
+        server=ServerConfig(max_body_bytes=4096),
+        engine=FakeEngine(max_model_len=64),
+    ) as (url, _, _):
         yield url
 
 
@@ -83,10 +99,24 @@ def calm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         ({"function_call": "auto"}, "function_call"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
-         "tool_choice"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
-         "messages[0].content"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                    }
+                ]
+            },
+            "messages[0].content",
+        ),
         ({"logit_bias": {"-3": 5}}, "logit_bias"),
         ({"logit_bias": {"one": 5}}, "logit_bias"),
         ({"logit_bias": {"1": 101}}, "logit_bias.1"),
@@ -95,14 +125,22 @@ def calm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ],
 )
 def test_bad_parameters_are_400_openai_json(calm: str, change: dict[str, object], param: str | None) -> None:
-    err = assert_openai_error(httpx.post(calm + "/v1/chat/completions", json={**CHAT, **change}), 400, type="invalid_request_error")
+    err = assert_openai_error(
+        httpx.post(calm + "/v1/chat/completions", json={**CHAT, **change}), 400, type="invalid_request_error"
+    )
     if param is not None:
         assert err["param"] == param
 
 
 def test_missing_field_and_broken_json_are_400(calm: str) -> None:
-    assert_openai_error(httpx.post(calm + "/v1/completions", json={"model": "fake-model"}), 400, param="prompt")
-    r = httpx.post(calm + "/v1/chat/completions", content=b'{"model": "fake-model", "messages": [', headers={"content-type": "application/json"})
+    assert_openai_error(
+        httpx.post(calm + "/v1/completions", json={"model": "fake-model"}), 400, param="prompt"
+    )
+    r = httpx.post(
+        calm + "/v1/chat/completions",
+        content=b'{"model": "fake-model", "messages": [',
+        headers={"content-type": "application/json"},
+    )
     assert_openai_error(r, 400, code="invalid_json")
 
 
@@ -123,7 +161,9 @@ def test_bad_completion_prompts_are_400(calm: str, body: dict[str, object], para
 
 
 def test_context_length_exceeded(calm: str) -> None:
-    r = httpx.post(calm + "/v1/completions", json={"model": "fake-model", "prompt": "abcdefghij" * 5, "max_tokens": 30})
+    r = httpx.post(
+        calm + "/v1/completions", json={"model": "fake-model", "prompt": "abcdefghij" * 5, "max_tokens": 30}
+    )
     err = assert_openai_error(r, 400, code="context_length_exceeded", param="prompt")
     assert "64" in str(err["message"])
 
@@ -140,7 +180,12 @@ def test_unset_max_tokens_fills_the_configured_window(tmp_path: Path) -> None:
 
 
 def test_unknown_model_and_route_are_404(calm: str) -> None:
-    assert_openai_error(httpx.post(calm + "/v1/chat/completions", json={**CHAT, "model": "gpt-9"}), 404, code="model_not_found", param="model")
+    assert_openai_error(
+        httpx.post(calm + "/v1/chat/completions", json={**CHAT, "model": "gpt-9"}),
+        404,
+        code="model_not_found",
+        param="model",
+    )
     assert_openai_error(httpx.get(calm + "/v1/nothing-here"), 404, code="not_found")
     assert_openai_error(httpx.get(calm + "/v1/chat/completions"), 405, code="method_not_allowed")
 
@@ -154,7 +199,9 @@ def test_body_too_large_is_413_by_length_and_when_chunked(calm: str) -> None:
         for i in range(0, len(data), 1000):
             yield data[i : i + 1000]
 
-    r = httpx.post(calm + "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+    r = httpx.post(
+        calm + "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
     assert_openai_error(r, 413, code="request_too_large")
     # and a small body is still fine afterwards
     assert httpx.post(calm + "/v1/chat/completions", json=CHAT).status_code == 200
@@ -163,7 +210,9 @@ def test_body_too_large_is_413_by_length_and_when_chunked(calm: str) -> None:
 def test_openai_client_raises_typed_errors(calm: str) -> None:
     client = openai.OpenAI(base_url=calm + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], temperature=5)
+        client.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "hi"}], temperature=5
+        )
     assert bad.value.code is None and bad.value.param == "temperature"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
@@ -177,7 +226,10 @@ def test_critical_pressure_gives_503_with_retry_after_then_recovers(tmp_path: Pa
         assert httpx.get(url + "/health").status_code == 200  # the process is sound
         ready = httpx.get(url + "/ready")
         assert ready.status_code == 503 and "CRITICAL" in ready.json()["reason"]
-        for path, body in (("/v1/chat/completions", CHAT), ("/v1/chat/completions", {**CHAT, "stream": True})):
+        for path, body in (
+            ("/v1/chat/completions", CHAT),
+            ("/v1/chat/completions", {**CHAT, "stream": True}),
+        ):
             r = httpx.post(url + path, json=body)
             assert_openai_error(r, 503, type="server_overloaded")
             assert int(r.headers["retry-after"]) >= 1
@@ -194,13 +246,21 @@ def test_critical_pressure_gives_503_with_retry_after_then_recovers(tmp_path: Pa
 
 def test_queue_full_is_429_with_retry_after(tmp_path: Path) -> None:
     sched = SchedulerConfig(max_num_seqs=1, max_queue=1, max_num_batched_tokens=64)
-    with serve(tmp_path, scheduler=sched, engine=FakeEngine(num_slots=1, step_delay_s=0.05)) as (url, state, _):
+    with serve(tmp_path, scheduler=sched, engine=FakeEngine(num_slots=1, step_delay_s=0.05)) as (
+        url,
+        state,
+        _,
+    ):
         running = {**CHAT, "max_tokens": 40, "stream": True}
         with httpx.stream("POST", url + "/v1/chat/completions", json=running) as first:
             assert first.status_code == 200
             lines = first.iter_lines()  # keep it: a dropped iterator closes the connection
             next(lines)  # A holds the only slot
-            waiter = threading.Thread(target=lambda: httpx.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=60))
+            waiter = threading.Thread(
+                target=lambda: httpx.post(
+                    url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=60
+                )
+            )
             waiter.start()  # B waits in the queue
             _wait_until(lambda: state.scheduler is not None and state.scheduler.queue_depth == 1)
             r = httpx.post(url + "/v1/chat/completions", json=CHAT)  # C: no room
@@ -219,7 +279,9 @@ def test_api_key_guards_v1_only(tmp_path: Path) -> None:
         assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert httpx.get(url + "/health").status_code == 200
         client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
-        assert client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2).choices
+        assert client.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        ).choices
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
 
@@ -251,7 +313,12 @@ def test_client_disconnect_frees_the_slot(tmp_path: Path, stream: bool) -> None:
         _wait_until(lambda: state.scheduler is not None and state.scheduler.idle and fake.active_slots == 0)
         assert len(fake.recorded()) < 150  # it stopped long before 200 tokens
         # Counted once, as an abort, in the request counter and the end-to-end histogram.
-        _wait_until(lambda: 'ballast_requests_total{endpoint="chat",outcome="abort"} 1.0' in httpx.get(url + "/metrics").text)
+        _wait_until(
+            lambda: (
+                'ballast_requests_total{endpoint="chat",outcome="abort"} 1.0'
+                in httpx.get(url + "/metrics").text
+            )
+        )
         metrics = httpx.get(url + "/metrics").text
         assert "ballast_e2e_request_latency_seconds_count 1.0" in metrics
         assert 'ballast_requests_total{endpoint="chat",outcome="length"}' not in metrics
@@ -261,7 +328,9 @@ def test_cap_verdict_sets_finish_length_and_header(tmp_path: Path) -> None:
     level_tree(tmp_path, Level.OK)
     budget = MemWatch(MemoryConfig(root=str(tmp_path))).poll_now().host_budget_bytes
     per_token = budget // 40  # about 40 tokens of window fit in host memory
-    cost = CostModel(kv_bytes_per_token=per_token, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0)
+    cost = CostModel(
+        kv_bytes_per_token=per_token, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0
+    )
     with serve(tmp_path, engine=FakeEngine(cost_model=cost)) as (url, _, _):
         prompt = FakeTokenizer().apply_chat_template(CHAT["messages"])  # type: ignore[arg-type]
         r = httpx.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 100})
@@ -271,9 +340,13 @@ def test_cap_verdict_sets_finish_length_and_header(tmp_path: Path) -> None:
         assert len(prompt) + body["usage"]["completion_tokens"] <= 40
         small = httpx.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 3})
         assert small.status_code == 200 and "x-ballast-capped" not in small.headers
-        with httpx.stream("POST", url + "/v1/chat/completions", json={**CHAT, "max_tokens": 100, "stream": True}) as s:
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json={**CHAT, "max_tokens": 100, "stream": True}
+        ) as s:
             events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-        assert events[-1]["x_ballast_capped"] is True and events[-1]["choices"][0]["finish_reason"] == "length"
+        assert (
+            events[-1]["x_ballast_capped"] is True and events[-1]["choices"][0]["finish_reason"] == "length"
+        )
 
 
 def _wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
@@ -305,7 +378,11 @@ def test_pressure_walk_under_32_streaming_clients(tmp_path: Path) -> None:
     calm text, and the server serves again at OK with nothing left behind."""
     tok = FakeTokenizer()
     sched = SchedulerConfig(max_num_seqs=8, max_queue=64, max_num_batched_tokens=256)
-    with serve(tmp_path, scheduler=sched, engine=FakeEngine(num_slots=8, step_delay_s=0.005)) as (url, state, fake):
+    with serve(tmp_path, scheduler=sched, engine=FakeEngine(num_slots=8, step_delay_s=0.005)) as (
+        url,
+        state,
+        fake,
+    ):
         assert state.scheduler is not None
         stop = threading.Event()
         outcomes: list[str] = []
@@ -333,9 +410,17 @@ def test_pressure_walk_under_32_streaming_clients(tmp_path: Path) -> None:
         s = state.scheduler
         try:
             _wait_until(lambda: outcomes.count("ok") >= 32)
-            for level, slots, window in ((Level.WATCH, 8, 256), (Level.TIGHT, 4, 128), (Level.CRITICAL, 1, 64)):
+            for level, slots, window in (
+                (Level.WATCH, 8, 256),
+                (Level.TIGHT, 4, 128),
+                (Level.CRITICAL, 1, 64),
+            ):
                 level_tree(tmp_path, level)
-                _wait_until(lambda s=slots, w=window: s == state.scheduler.slot_limit and w == state.scheduler.ladder.context_window)  # type: ignore[union-attr]
+                _wait_until(
+                    lambda s=slots, w=window: (
+                        s == state.scheduler.slot_limit and w == state.scheduler.ladder.context_window
+                    )
+                )  # type: ignore[union-attr]
                 if level is Level.CRITICAL:
                     _wait_until(lambda: outcomes.count("refused") >= 8)
                     assert httpx.get(url + "/ready").status_code == 503
@@ -410,4 +495,6 @@ def test_n_choices_prefill_their_prompt_once(tmp_path: Path) -> None:
         restored = [len(x.prefix) for plan in fake.recorded() for x in plan.restores]
         assert restored == [len(prompt) // 8 * 8] * 2
         assert prefilled == len(prompt) + 2 * (len(prompt) - restored[0])
-        assert len({c["message"]["content"] for c in r.json()["choices"]}) == 1  # greedy: the same answer thrice
+        assert (
+            len({c["message"]["content"] for c in r.json()["choices"]}) == 1
+        )  # greedy: the same answer thrice

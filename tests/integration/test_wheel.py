@@ -18,7 +18,18 @@ SUBPACKAGES = ("memory", "models", "engine", "scheduler", "server", "bench")
 def test_wheel_contains_and_imports_every_subpackage(tmp_path: Path) -> None:
     out = tmp_path / "wheel"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
         check=True,
         cwd=tmp_path,
     )
@@ -28,7 +39,9 @@ def test_wheel_contains_and_imports_every_subpackage(tmp_path: Path) -> None:
         assert f"ballast/{sub}/__init__.py" in names, f"wheel lacks ballast/{sub}"
     assert "ballast/memory/types.py" in names
     assert "ballast/server/dashboard.html" in names, "the /dashboard page is package data"
-    assert not any(n.startswith(("memory/", "tests/")) for n in names), "top-level folders leaked into the wheel"
+    assert not any(n.startswith(("memory/", "tests/")) for n in names), (
+        "top-level folders leaked into the wheel"
+    )
 
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)
@@ -40,6 +53,8 @@ def test_wheel_contains_and_imports_every_subpackage(tmp_path: Path) -> None:
         "assert t.__file__.startswith(sys.argv[1]), t.__file__;"
         "c.MemoryConfig(); print(t.Level.CRITICAL.name)"
     )
-    done = subprocess.run([sys.executable, "-c", code, str(target)], cwd=tmp_path, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(target)], cwd=tmp_path, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "CRITICAL"

@@ -21,19 +21,61 @@ from hypothesis import strategies as st
 PSI_REJECT = 15.0
 
 
-def host_state(available: int, reserve: int = GiB, total: int = 64 * GiB, psi_full: float = 0.0, dies: tuple[DieState, ...] = ()) -> MemState:
-    return MemState(host=HostSample(total_bytes=total, available_bytes=available, psi_full_avg10=psi_full), dies=dies, host_reserve_bytes=reserve)
+def host_state(
+    available: int,
+    reserve: int = GiB,
+    total: int = 64 * GiB,
+    psi_full: float = 0.0,
+    dies: tuple[DieState, ...] = (),
+) -> MemState:
+    return MemState(
+        host=HostSample(total_bytes=total, available_bytes=available, psi_full_avg10=psi_full),
+        dies=dies,
+        host_reserve_bytes=reserve,
+    )
 
 
 def die(index: int = 0, ceiling: int = 8 * GiB, ledger: int = 0) -> DieState:
-    return DieState(index=index, total_bytes=16 * GiB, free_bytes=10 * GiB, budget_bytes=15 * GiB, ledger_bytes=ledger, ceiling_bytes=ceiling)
+    return DieState(
+        index=index,
+        total_bytes=16 * GiB,
+        free_bytes=10 * GiB,
+        budget_bytes=15 * GiB,
+        ledger_bytes=ledger,
+        ceiling_bytes=ceiling,
+    )
 
 
-COST = CostModel(kv_bytes_per_token=1000, state_bytes_per_slot=5000, activation_bytes_per_prefill_token=0, quantized_kv_bytes_per_token=250)
+COST = CostModel(
+    kv_bytes_per_token=1000,
+    state_bytes_per_slot=5000,
+    activation_bytes_per_prefill_token=0,
+    quantized_kv_bytes_per_token=250,
+)
 
 
-def admit(n_prompt: int, n_new: int, state: MemState, cost: CostModel = COST, *, max_window: int = 1 << 20, gpu_die: int | None = None, quantized_kv: bool = False, min_window: int = 1) -> Verdict:
-    return admit_request(n_prompt, n_new, state, cost, max_window=max_window, gpu_die=gpu_die, quantized_kv=quantized_kv, psi_full_reject_pct=PSI_REJECT, min_window=min_window)
+def admit(
+    n_prompt: int,
+    n_new: int,
+    state: MemState,
+    cost: CostModel = COST,
+    *,
+    max_window: int = 1 << 20,
+    gpu_die: int | None = None,
+    quantized_kv: bool = False,
+    min_window: int = 1,
+) -> Verdict:
+    return admit_request(
+        n_prompt,
+        n_new,
+        state,
+        cost,
+        max_window=max_window,
+        gpu_die=gpu_die,
+        quantized_kv=quantized_kv,
+        psi_full_reject_pct=PSI_REJECT,
+        min_window=min_window,
+    )
 
 
 # --- decision order -------------------------------------------------------------------------
@@ -97,7 +139,9 @@ def test_host_path_admit_cap_reject() -> None:
     state = host_state(available=GiB + 105_000, reserve=GiB)
     assert admit(50, 50, state) == Verdict(VerdictKind.ADMIT, 100)
     capped = admit(100, 50, state)
-    assert capped.kind is VerdictKind.CAP and capped.fit_tokens == 100 and reason_class(capped) == "host_budget"
+    assert (
+        capped.kind is VerdictKind.CAP and capped.fit_tokens == 100 and reason_class(capped) == "host_budget"
+    )
     tiny = host_state(available=GiB + 5000, reserve=GiB)  # the slot's state fits, not one token
     v = admit(1, 1, tiny)
     assert v.kind is VerdictKind.REJECT and reason_class(v) == "host_budget"
@@ -155,10 +199,14 @@ costs = st.builds(
     min_window=st.integers(1, 1 << 10),
     quantized=st.booleans(),
 )
-def test_host_verdict_within_budget_and_cap_is_largest(cost: CostModel, n_prompt: int, n_new: int, budget: int, max_window: int, min_window: int, quantized: bool) -> None:
+def test_host_verdict_within_budget_and_cap_is_largest(
+    cost: CostModel, n_prompt: int, n_new: int, budget: int, max_window: int, min_window: int, quantized: bool
+) -> None:
     state = host_state(available=GiB + budget, reserve=GiB)
     assert state.host_budget_bytes == budget
-    v = admit(n_prompt, n_new, state, cost, max_window=max_window, min_window=min_window, quantized_kv=quantized)
+    v = admit(
+        n_prompt, n_new, state, cost, max_window=max_window, min_window=min_window, quantized_kv=quantized
+    )
     n = n_prompt + n_new
     fits = lambda w: cost.request_bytes(w, quantized) <= budget  # noqa: E731
     if v.kind is VerdictKind.REJECT:
@@ -171,12 +219,24 @@ def test_host_verdict_within_budget_and_cap_is_largest(cost: CostModel, n_prompt
         assert v.fit_tokens == n
     else:
         assert v.fit_tokens < n
-        assert v.fit_tokens == max_window or not fits(v.fit_tokens + 1), "CAP was not the largest fitting window"
+        assert v.fit_tokens == max_window or not fits(v.fit_tokens + 1), (
+            "CAP was not the largest fitting window"
+        )
 
 
 @settings(max_examples=300, deadline=None)
-@given(cost=costs, n_prompt=st.integers(0, 1 << 17), n_new=st.integers(1, 1 << 14), headroom=st.integers(0, 1 << 36), ledger=st.integers(0, 1 << 34), max_window=st.integers(1, 1 << 18), quantized=st.booleans())
-def test_gpu_verdict_within_ledger_headroom(cost: CostModel, n_prompt: int, n_new: int, headroom: int, ledger: int, max_window: int, quantized: bool) -> None:
+@given(
+    cost=costs,
+    n_prompt=st.integers(0, 1 << 17),
+    n_new=st.integers(1, 1 << 14),
+    headroom=st.integers(0, 1 << 36),
+    ledger=st.integers(0, 1 << 34),
+    max_window=st.integers(1, 1 << 18),
+    quantized=st.booleans(),
+)
+def test_gpu_verdict_within_ledger_headroom(
+    cost: CostModel, n_prompt: int, n_new: int, headroom: int, ledger: int, max_window: int, quantized: bool
+) -> None:
     state = host_state(available=8 * GiB, dies=(die(ceiling=ledger + headroom, ledger=ledger),))
     v = admit(n_prompt, n_new, state, cost, gpu_die=0, max_window=max_window, quantized_kv=quantized)
     n = n_prompt + n_new
@@ -226,11 +286,19 @@ def test_admit_load_spike_counts_cpu_weights() -> None:
 def test_requests_pay_whole_kv_blocks_and_no_preallocated_state() -> None:
     """KV is charged in whole blocks of the pool; a slot's recurrent state, allocated for every
     slot at load, is not charged again."""
-    cost = CostModel(kv_bytes_per_token=1000, state_bytes_per_slot=5000, activation_bytes_per_prefill_token=10,
-                     prefill_chunk_tokens=64, kv_block_tokens=32, state_preallocated=True)
+    cost = CostModel(
+        kv_bytes_per_token=1000,
+        state_bytes_per_slot=5000,
+        activation_bytes_per_prefill_token=10,
+        prefill_chunk_tokens=64,
+        kv_block_tokens=32,
+        state_preallocated=True,
+    )
     assert die_request_bytes(cost, 1, False) == 32 * 1000
     assert die_request_bytes(cost, 32, False) == 32 * 1000
     assert die_request_bytes(cost, 33, False) == 64 * 1000
     assert cost.request_bytes(100) == 128 * 1000 + 64 * 10
-    fresh = CostModel(kv_bytes_per_token=1000, state_bytes_per_slot=5000, activation_bytes_per_prefill_token=10)
+    fresh = CostModel(
+        kv_bytes_per_token=1000, state_bytes_per_slot=5000, activation_bytes_per_prefill_token=10
+    )
     assert fresh.request_bytes(100) == 100 * 1000 + 5000 + 100 * 10

@@ -29,7 +29,9 @@ def test_forged_turns_are_text_and_the_text_survives(tok: Tokenizer) -> None:
     plain = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert ids.count(im_start) == plain.count(im_start) == 3  # system, user, assistant
     assert FORGED in tok.hf.decode(ids)
-    assert ids[: plain.index(im_start, 1)] == plain[: plain.index(im_start, 1)]  # the template's system turn is untouched
+    assert (
+        ids[: plain.index(im_start, 1)] == plain[: plain.index(im_start, 1)]
+    )  # the template's system turn is untouched
 
 
 def test_the_operator_flag_parses_them(tok: Tokenizer) -> None:
@@ -65,24 +67,47 @@ def test_tools_and_tool_turns_reach_a_template_whole() -> None:
     hf.chat_template = HERMES_TEMPLATE
     tok = Tokenizer(hf)
     assert tok.template_knows_tools
-    req = p.ChatCompletionRequest.model_validate({"model": "m", "tools": [
-        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}], "messages": [
-        {"role": "user", "content": "weather in Oslo?"},
-        {"role": "assistant", "tool_calls": [
-            {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "tool_call_id": "call_7", "content": "sunny"}]})
+    req = p.ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "tools": [
+                {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+            ],
+            "messages": [
+                {"role": "user", "content": "weather in Oslo?"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "call_7",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_7", "content": "sunny"},
+            ],
+        }
+    )
     text = tok.hf.decode(tok.apply_chat_template(template_messages(req), template_tools(req)))
-    assert '{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}' in text
+    assert (
+        '{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}' in text
+    )
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
     assert '<tool_response id="call_7">\nsunny\n</tool_response>' in text
 
 
 def test_a_conversation_the_template_refuses_is_a_400_naming_messages() -> None:
     hf = build_tokenizer(read_gguf(default_model_path()).metadata)
-    hf.chat_template = "{% if messages[0].role == 'tool' %}{{ raise_exception('a tool turn cannot come first') }}{% endif %}x"
+    hf.chat_template = (
+        "{% if messages[0].role == 'tool' %}"
+        "{{ raise_exception('a tool turn cannot come first') }}{% endif %}x"
+    )
     registry = CollectorRegistry()
     state = ServerState(config=ServerConfig(), registry=registry, metrics=HttpMetrics(registry))
-    req = p.ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "tool", "tool_call_id": "c", "content": "1"}]})
+    req = p.ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "tool", "tool_call_id": "c", "content": "1"}]}
+    )
     with pytest.raises(ApiError) as info:
         chat_prompt(state, Tokenizer(hf), req)
     assert info.value.status == 400 and info.value.body()["error"]["param"] == "messages"

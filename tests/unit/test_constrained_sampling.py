@@ -17,9 +17,15 @@ from ballast.models.default_model import default_model_path
 from ballast.models.gguf_loader import build_tokenizer, read_gguf
 
 CPU = torch.device("cpu")
-SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer", "minimum": 0,
-                                                                                             "maximum": 99}},
-          "required": ["color", "n"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["color", "n"],
+    "additionalProperties": False,
+}
 PROMPT = [1, 2, 3]
 
 
@@ -33,8 +39,14 @@ def compiler(tok: Tokenizer) -> GrammarCompiler:
     return GrammarCompiler(tok.hf, tok.vocab_size, tok.eos_token_ids)
 
 
-def run(sampler: Sampler, slots: Sequence[int], params: Sequence[SamplingParams], steps: int, seed: int,
-        stop: frozenset[int]) -> list[list[int]]:
+def run(
+    sampler: Sampler,
+    slots: Sequence[int],
+    params: Sequence[SamplingParams],
+    steps: int,
+    seed: int,
+    stop: frozenset[int],
+) -> list[list[int]]:
     """Sample `steps` tokens per slot from seeded random logits; a slot that drew a stop id stops."""
     gen = torch.Generator().manual_seed(seed)
     out: list[list[int]] = [[] for _ in slots]
@@ -49,7 +61,9 @@ def run(sampler: Sampler, slots: Sequence[int], params: Sequence[SamplingParams]
     return out
 
 
-def test_constrained_rows_follow_the_schema_and_free_rows_are_untouched(tok: Tokenizer, compiler: GrammarCompiler) -> None:
+def test_constrained_rows_follow_the_schema_and_free_rows_are_untouched(
+    tok: Tokenizer, compiler: GrammarCompiler
+) -> None:
     constraint = compiler.constraint(compiler.json_schema(SCHEMA), len(PROMPT))
     free = SamplingParams(temperature=1.0, seed=7)
     bound = SamplingParams(temperature=1.0, seed=11, constraint=constraint)
@@ -60,10 +74,14 @@ def test_constrained_rows_follow_the_schema_and_free_rows_are_untouched(tok: Tok
         jsonschema.validate(json.loads(tok.decode(tokens[:-1])), SCHEMA)
     unconstrained = Sampler(num_slots=4, vocab_size=tok.vocab_size, device=CPU)
     same_batch = run(unconstrained, [0, 1, 2], [free, free, free], len(mixed[1]), seed=3, stop=frozenset())
-    assert mixed[1] == same_batch[1][: len(mixed[1])]  # the free row drew what it draws with no grammar near it
+    assert (
+        mixed[1] == same_batch[1][: len(mixed[1])]
+    )  # the free row drew what it draws with no grammar near it
 
 
-def test_a_resumed_sequence_replays_its_output_into_a_new_matcher(tok: Tokenizer, compiler: GrammarCompiler) -> None:
+def test_a_resumed_sequence_replays_its_output_into_a_new_matcher(
+    tok: Tokenizer, compiler: GrammarCompiler
+) -> None:
     constraint = compiler.constraint(compiler.json_schema(SCHEMA), len(PROMPT))
     params = SamplingParams(temperature=0.0, constraint=constraint)
     whole = Sampler(num_slots=2, vocab_size=tok.vocab_size, device=CPU)
@@ -87,8 +105,12 @@ def test_logit_bias_moves_tokens_and_logprobs_stay_the_models() -> None:
     logits = torch.tensor([[1.0, 5.0, 2.0, 0.0]])
     sampler = Sampler(num_slots=2, vocab_size=4, device=CPU)
     [plain] = sampler.sample(logits, [0], [SamplingParams(temperature=0.0, logprobs=0)])
-    [banned] = sampler.sample(logits, [1], [SamplingParams(temperature=0.0, logprobs=0, logit_bias=((1, -100.0),))])
-    [pushed] = sampler.sample(logits, [1], [SamplingParams(temperature=0.0, logit_bias=((3, 10.0), (1, -1.0)))])
+    [banned] = sampler.sample(
+        logits, [1], [SamplingParams(temperature=0.0, logprobs=0, logit_bias=((1, -100.0),))]
+    )
+    [pushed] = sampler.sample(
+        logits, [1], [SamplingParams(temperature=0.0, logit_bias=((3, 10.0), (1, -1.0)))]
+    )
     assert (plain.token_id, banned.token_id, pushed.token_id) == (1, 2, 3)
     assert banned.logprob == pytest.approx(torch.log_softmax(logits, -1)[0, 2].item())
 

@@ -55,7 +55,9 @@ def test_padded_static_batch_gives_the_plain_batch_logits_and_states(name: str) 
     model = build_model(BUILTIN[name])
     init_random(model, seed=0)
     slots, scratch, ctx = 3, 3, 64
-    padded_states, states = (allocate_states(model.layer_specs(4), slots + 1, ctx, CPU, torch.float32) for _ in range(2))
+    padded_states, states = (
+        allocate_states(model.layer_specs(4), slots + 1, ctx, CPU, torch.float32) for _ in range(2)
+    )
     decode = [(2, [31], 4), (0, [17], 7)]
     with torch.inference_mode():
         for st in (padded_states, states):
@@ -84,8 +86,16 @@ def test_the_scratch_slot_is_allocated_and_planned_alike(scratch: bool) -> None:
     graphs pad into is memory like any other)."""
     model = build_model(BUILTIN["tiny-qwen3-next"])
     init_random(model, seed=0)
-    runner = ModelRunner(model, CPU, torch.float32, num_slots=3, max_model_len=32, quantized_kv=False, seed=0,
-                         scratch_slot=scratch)
+    runner = ModelRunner(
+        model,
+        CPU,
+        torch.float32,
+        num_slots=3,
+        max_model_len=32,
+        quantized_kv=False,
+        seed=0,
+        scratch_slot=scratch,
+    )
     assert all(t.shape[0] == 3 + scratch for s in runner.states for t in _tensors(s))
     assert runner.kv is not None and runner.kv.layout.table_rows == 3 + scratch
     assert runner.state_bytes == planned_state_bytes(model, torch.float32, 3, scratch_slot=scratch)

@@ -38,7 +38,9 @@ def tok() -> Tokenizer:
     return trained_tokenizer()
 
 
-def stream(tok: Tokenizer, ids: list[int], prompt: list[int] | None = None, stop: tuple[str, ...] = ()) -> tuple[list[str], Detokenizer]:
+def stream(
+    tok: Tokenizer, ids: list[int], prompt: list[int] | None = None, stop: tuple[str, ...] = ()
+) -> tuple[list[str], Detokenizer]:
     detok = tok.new_detokenizer(prompt or [], stop)
     deltas = [detok.add(i) for i in ids]
     deltas.append(detok.flush())

@@ -120,7 +120,11 @@ def test_delta_plan_groups_sequences() -> None:
     assert plan.prefill_cu_lens.tolist() == [0, 3, 7]
     assert not plan.all_decode
     decode = DeltaPlan.build([1, 1, 1], torch.device("cpu"))
-    assert decode.all_decode and decode.decode_seqs.tolist() == [0, 1, 2] and decode.decode_tokens.tolist() == [0, 1, 2]
+    assert (
+        decode.all_decode
+        and decode.decode_seqs.tolist() == [0, 1, 2]
+        and decode.decode_tokens.tolist() == [0, 1, 2]
+    )
     assert decode.prefill_seqs.numel() == 0 and decode.prefill_len == 0
 
 

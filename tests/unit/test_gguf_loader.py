@@ -55,7 +55,9 @@ def train_tokenizer(pre: str) -> Tokenizer:
     if pre == "smollm":
         # trained without it, so digit merges exist: a loader that ignored the digit split
         # would merge "20" where the reference keeps "2", "0"
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
     return tok
 
 
@@ -137,8 +139,18 @@ def write_tiny_llama(
         add(f"blk.{i}.attn_norm.weight", QT.F32, (HIDDEN,))
         add(f"blk.{i}.ffn_norm.weight", QT.F32, (HIDDEN,))
         permuted = arch == "llama"
-        add(f"blk.{i}.attn_q.weight", types["attn_q"], (HEADS * head_dim, HIDDEN), n_head=HEADS if permuted else None)
-        add(f"blk.{i}.attn_k.weight", types["attn_k"], (KV_HEADS * head_dim, HIDDEN), n_head=KV_HEADS if permuted else None)
+        add(
+            f"blk.{i}.attn_q.weight",
+            types["attn_q"],
+            (HEADS * head_dim, HIDDEN),
+            n_head=HEADS if permuted else None,
+        )
+        add(
+            f"blk.{i}.attn_k.weight",
+            types["attn_k"],
+            (KV_HEADS * head_dim, HIDDEN),
+            n_head=KV_HEADS if permuted else None,
+        )
         if arch == "qwen2":
             for proj, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
                 add(f"blk.{i}.attn_{proj}.bias", QT.F32, (rows * head_dim,))
@@ -197,7 +209,11 @@ def test_config_maps_the_metadata(tiny: TinyGGUF) -> None:
     cfg = load_gguf(tiny.path).config
     assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
     assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]) == (HIDDEN, FFN, LAYERS)
-    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (HEADS, KV_HEADS, HIDDEN // HEADS)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (
+        HEADS,
+        KV_HEADS,
+        HIDDEN // HEADS,
+    )
     assert cfg["vocab_size"] == tiny.vocab_size
     assert cfg["max_position_embeddings"] == 512
     assert cfg["rope_theta"] == 50000.0 and cfg["rope_scaling"] is None
@@ -211,7 +227,9 @@ def test_untied_output_is_loaded_as_lm_head(tmp_path: Path) -> None:
     tiny = write_tiny_llama(tmp_path / "untied.gguf", tied=False, seed=3)
     model = load_gguf(tiny.path)
     assert model.config["tie_word_embeddings"] is False
-    np.testing.assert_allclose(model.tensors["lm_head.weight"].numpy(), tiny.expected["lm_head.weight"], rtol=1e-6)
+    np.testing.assert_allclose(
+        model.tensors["lm_head.weight"].numpy(), tiny.expected["lm_head.weight"], rtol=1e-6
+    )
 
 
 def test_llama3_rope_freqs_become_llama3_rope_parameters(tmp_path: Path) -> None:
@@ -259,7 +277,9 @@ def test_matches_transformers_gguf_loading(tmp_path: Path, arch: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tiny = write_tiny_llama(tmp_path / f"{arch}.gguf", arch=arch, seed=7)
-    ref = AutoModelForCausalLM.from_pretrained(str(tiny.path.parent), gguf_file=tiny.path.name, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(tiny.path.parent), gguf_file=tiny.path.name, dtype=torch.float32
+    )
     ref_state = ref.state_dict()
     model = load_gguf(tiny.path)
     assert set(ref_state) - set(model.tensors) == {"lm_head.weight"}  # tied: transformers lists it too
@@ -314,7 +334,9 @@ def test_tokenizer_specials_and_chat_template(tiny: TinyGGUF) -> None:
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
     assert tok.eos_token_id == vocab["<|im_end|>"]
     assert tok.encode("Hi")[0] != tok.bos_token_id  # add_bos_token is false in the file
-    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert len(tok) == tiny.vocab_size
 

@@ -16,20 +16,32 @@ from ballast.scheduler.governor import Governor, GovernorSettings
 from memfixtures import level_tree, write_tree
 from prometheus_client import CollectorRegistry
 
-CHEAP = CostModel(kv_bytes_per_token=64 << 10, state_bytes_per_slot=MiB, activation_bytes_per_prefill_token=4 << 10)
+CHEAP = CostModel(
+    kv_bytes_per_token=64 << 10, state_bytes_per_slot=MiB, activation_bytes_per_prefill_token=4 << 10
+)
 
 
 def verdicts(registry: CollectorRegistry, result: str, reason: str) -> float:
-    return registry.get_sample_value("ballast_admission_verdicts_total", {"result": result, "reason": reason}) or 0.0
+    return (
+        registry.get_sample_value("ballast_admission_verdicts_total", {"result": result, "reason": reason})
+        or 0.0
+    )
 
 
-def make(tmp_path: Path, *, cost: CostModel = CHEAP, disable: bool = False) -> tuple[Governor, MemWatch, MemoryConfig, CollectorRegistry]:
+def make(
+    tmp_path: Path, *, cost: CostModel = CHEAP, disable: bool = False
+) -> tuple[Governor, MemWatch, MemoryConfig, CollectorRegistry]:
     cfg = MemoryConfig(root=str(tmp_path))
     level_tree(tmp_path, Level.OK, config=cfg)
     watch = MemWatch(cfg, StaticDeviceReader())
     watch.poll_now()
     registry = CollectorRegistry()
-    gov = Governor(GovernorSettings(LadderConfig(8, 1024), disable, 15.0, 3.0, None), cost, watch, AdmissionMetrics(registry))
+    gov = Governor(
+        GovernorSettings(LadderConfig(8, 1024), disable, 15.0, 3.0, None),
+        cost,
+        watch,
+        AdmissionMetrics(registry),
+    )
     gov.refresh()
     return gov, watch, cfg, registry
 
@@ -51,7 +63,9 @@ def test_plan_follows_the_snapshot_and_only_critical_refuses_submits(tmp_path: P
         except Overloaded as e:
             refused = True
             assert e.retry_after_s == 3.0
-        seen.append((gov.snapshot_level, gov.ladder.max_slots, gov.ladder.context_window, gov.pressure_level, refused))
+        seen.append(
+            (gov.snapshot_level, gov.ladder.max_slots, gov.ladder.context_window, gov.pressure_level, refused)
+        )
     assert seen == [
         (Level.OK, 8, 1024, Level.OK, False),
         (Level.WATCH, 8, 1024, Level.OK, False),
@@ -74,7 +88,12 @@ def test_admit_caps_max_tokens_to_the_ladder_window(tmp_path: Path) -> None:
 
 def test_admit_caps_to_the_host_budget(tmp_path: Path) -> None:
     # 256 MiB of KV per token: the 4.8 GiB budget above the reserve holds ~18 tokens of context.
-    gov, _, _, _ = make(tmp_path, cost=CostModel(kv_bytes_per_token=256 * MiB, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0))
+    gov, _, _, _ = make(
+        tmp_path,
+        cost=CostModel(
+            kv_bytes_per_token=256 * MiB, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0
+        ),
+    )
     budget = gov.snapshot.host_budget_bytes if gov.snapshot else 0
     fit = budget // (256 * MiB)
     a = gov.admit(10, 100)
@@ -82,7 +101,10 @@ def test_admit_caps_to_the_host_budget(tmp_path: Path) -> None:
 
 
 def test_reject_raises_pressure_until_a_fresh_snapshot(tmp_path: Path) -> None:
-    gov, watch, _, registry = make(tmp_path, cost=CostModel(kv_bytes_per_token=GiB, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0))
+    gov, watch, _, registry = make(
+        tmp_path,
+        cost=CostModel(kv_bytes_per_token=GiB, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0),
+    )
     with pytest.raises(Overloaded) as refused:
         gov.admit(50, 10)  # 50 GiB of prompt can never fit: refused, not cut
     assert "host memory budget" in refused.value.reason
@@ -139,9 +161,16 @@ def test_without_memwatch_only_the_window_applies() -> None:
 
 
 def test_quantized_caches_use_the_quantized_kv_cost(tmp_path: Path) -> None:
-    cost = CostModel(kv_bytes_per_token=256 * MiB, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0, quantized_kv_bytes_per_token=64 * MiB)
+    cost = CostModel(
+        kv_bytes_per_token=256 * MiB,
+        state_bytes_per_slot=0,
+        activation_bytes_per_prefill_token=0,
+        quantized_kv_bytes_per_token=64 * MiB,
+    )
     plain, watch, _, _ = make(tmp_path, cost=cost)
-    quant = Governor(GovernorSettings(LadderConfig(8, 1024), False, 15.0, 3.0, None, quantized_kv=True), cost, watch)
+    quant = Governor(
+        GovernorSettings(LadderConfig(8, 1024), False, 15.0, 3.0, None, quantized_kv=True), cost, watch
+    )
     quant.refresh()
     budget = plain.snapshot.host_budget_bytes if plain.snapshot else 0
     assert plain.admit(10, 500).max_tokens == budget // (256 * MiB) - 10

@@ -26,8 +26,15 @@ IDS = [5, 17, 2, 99, 64, 3, 8]
 def tiny_hf(tied: bool, model_type: str = "llama") -> nn.Module:
     torch.manual_seed(0)
     cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[model_type]
-    cfg = cls(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, tie_word_embeddings=tied)
+    cfg = cls(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
@@ -38,9 +45,15 @@ def last_logits(model: nn.Module, ids: list[int] = IDS) -> torch.Tensor:
     return model(ForwardBatch.build([(0, ids, 0)], "cpu"), states)[0]
 
 
-@pytest.mark.parametrize(("tied", "shard", "model_type"), [
-    (True, None, "llama"), (False, None, "llama"), (True, "40KB", "llama"), (False, "60KB", "qwen3"),
-])
+@pytest.mark.parametrize(
+    ("tied", "shard", "model_type"),
+    [
+        (True, None, "llama"),
+        (False, None, "llama"),
+        (True, "40KB", "llama"),
+        (False, "60KB", "qwen3"),
+    ],
+)
 def test_save_pretrained_round_trip(tmp_path: Path, tied: bool, shard: str | None, model_type: str) -> None:
     hf = tiny_hf(tied, model_type)
     kwargs = {"max_shard_size": shard} if shard else {}
@@ -67,7 +80,9 @@ def test_bf16_checkpoint_casts_to_requested_dtype(tmp_path: Path) -> None:
     hf.save_pretrained(tmp_path)
     model = load_hf_dir(tmp_path, dtype=torch.float32)
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, hf.model.layers[1].mlp.up_proj.weight.float())
+    assert torch.equal(
+        model.model.layers[1].mlp.up_proj.weight, hf.model.layers[1].mlp.up_proj.weight.float()
+    )
     as_bf16 = load_hf_dir(tmp_path, dtype=torch.bfloat16)
     assert as_bf16.lm_head.weight.dtype == torch.bfloat16
 
@@ -163,7 +178,9 @@ def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_checkpoint(path: Path, config: dict[str, object], tensors: dict[str, torch.Tensor], shards: int = 1) -> None:
+def write_checkpoint(
+    path: Path, config: dict[str, object], tensors: dict[str, torch.Tensor], shards: int = 1
+) -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     names = sorted(tensors)
@@ -219,7 +236,8 @@ def test_hybrid_checkpoint_layouts_with_unused_tensors(
                    for k, v in tensors.items()}  # fmt: skip
         unused.update(VISUAL)
         config = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-                  "text_config": config, "vision_config": {"depth": 1}, "tie_word_embeddings": False}  # fmt: skip
+                  "text_config": config, "vision_config": {"depth": 1},
+                  "tie_word_embeddings": False}  # fmt: skip
     tensors.update({name: torch.randn(shape) for name, shape in unused.items()})
     write_checkpoint(tmp_path, config, tensors, shards=2)
     ckpt = inspect_hf_dir(tmp_path)
@@ -244,7 +262,9 @@ def test_per_expert_mismatches_are_typed_errors(tmp_path: Path) -> None:
 
     with pytest.raises(WeightLoadError, match=r"missing \['model.layers.0.mlp.experts.gate_up_proj'\]"):
         load_with({k: v for k, v in good.items() if k != f"{expert}.3.up_proj.weight"})
-    with pytest.raises(WeightLoadError, match=r"unexpected \['model.layers.0.mlp.experts.8.down_proj.weight'\]"):
+    with pytest.raises(
+        WeightLoadError, match=r"unexpected \['model.layers.0.mlp.experts.8.down_proj.weight'\]"
+    ):
         load_with({**good, f"{expert}.8.down_proj.weight": good[f"{expert}.0.down_proj.weight"].clone()})
     with pytest.raises(WeightLoadError, match=f"{expert}.2.gate_proj.weight: checkpoint shape"):
         load_with({**good, f"{expert}.2.gate_proj.weight": torch.zeros(3, 64)})
@@ -252,7 +272,9 @@ def test_per_expert_mismatches_are_typed_errors(tmp_path: Path) -> None:
         load_with({**good, f"{expert}.down_proj": direct.state_dict()[f"{expert}.down_proj"].clone()})
 
 
-def test_engine_loads_a_hybrid_checkpoint_directory(tmp_path: Path, hybrid: tuple[str, nn.Module, Any]) -> None:
+def test_engine_loads_a_hybrid_checkpoint_directory(
+    tmp_path: Path, hybrid: tuple[str, nn.Module, Any]
+) -> None:
     """The engine's load path (admission figures from inspect_hf_dir, then load_hf_model) on a
     transformers-written directory."""
     _, direct, reference = hybrid

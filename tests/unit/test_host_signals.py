@@ -22,8 +22,14 @@ def test_meminfo_without_cgroup(tmp_path: Path) -> None:
 
 def test_cgroup_v2_limits_and_page_cache(tmp_path: Path) -> None:
     write_tree(
-        tmp_path, mem_total=64 * GiB, mem_available=60 * GiB, cgroup="v2",
-        cg_usage=7 * GiB, cg_high=6 * GiB, cg_max=8 * GiB, inactive_file=3 * GiB,
+        tmp_path,
+        mem_total=64 * GiB,
+        mem_available=60 * GiB,
+        cgroup="v2",
+        cg_usage=7 * GiB,
+        cg_high=6 * GiB,
+        cg_max=8 * GiB,
+        inactive_file=3 * GiB,
     )
     s = read_host(str(tmp_path))
     assert s.cgroup_version == 2
@@ -56,8 +62,14 @@ def test_cgroup_v2_parent_limit_binds(tmp_path: Path) -> None:
 
 def test_cgroup_psi_takes_the_worse_of_host_and_cgroup(tmp_path: Path) -> None:
     write_tree(
-        tmp_path, mem_total=16 * GiB, mem_available=8 * GiB, psi_some=4.0, psi_full=0.0,
-        cgroup="v2", cg_psi_some=2.0, cg_psi_full=3.0,
+        tmp_path,
+        mem_total=16 * GiB,
+        mem_available=8 * GiB,
+        psi_some=4.0,
+        psi_full=0.0,
+        cgroup="v2",
+        cg_psi_some=2.0,
+        cg_psi_full=3.0,
     )
     s = read_host(str(tmp_path))
     assert (s.psi_some_avg10, s.psi_full_avg10) == (4.0, 3.0)
@@ -65,8 +77,13 @@ def test_cgroup_psi_takes_the_worse_of_host_and_cgroup(tmp_path: Path) -> None:
 
 def test_cgroup_v1_limit_usage_and_unlimited(tmp_path: Path) -> None:
     write_tree(
-        tmp_path, mem_total=64 * GiB, mem_available=60 * GiB, cgroup="v1",
-        cg_usage=5 * GiB, cg_max=8 * GiB, inactive_file=2 * GiB,
+        tmp_path,
+        mem_total=64 * GiB,
+        mem_available=60 * GiB,
+        cgroup="v1",
+        cg_usage=5 * GiB,
+        cg_max=8 * GiB,
+        inactive_file=2 * GiB,
     )
     s = read_host(str(tmp_path))
     assert s.cgroup_version == 1  # hybrid host: v1 memory controller wins over the unified mount
@@ -80,7 +97,9 @@ def test_cgroup_v1_limit_usage_and_unlimited(tmp_path: Path) -> None:
 
 def test_cgroup_v1_hierarchical_limit_binds(tmp_path: Path) -> None:
     write_tree(tmp_path, mem_total=64 * GiB, mem_available=60 * GiB, cgroup="v1", cg_usage=GiB)
-    write_file(tmp_path, f"{V1_CGROUP}/memory.stat", f"total_inactive_file 0\nhierarchical_memory_limit {3 * GiB}\n")
+    write_file(
+        tmp_path, f"{V1_CGROUP}/memory.stat", f"total_inactive_file 0\nhierarchical_memory_limit {3 * GiB}\n"
+    )
     assert read_host(str(tmp_path)).cgroup_max_bytes == 3 * GiB
 
 
@@ -95,7 +114,9 @@ def test_cgroup_v1_hierarchical_limit_binds(tmp_path: Path) -> None:
     ],
 )
 def test_locate_cgroup_v2_paths(tmp_path: Path, mount_root: str, cg_path: str, expect: str) -> None:
-    write_file(tmp_path, "proc/self/mountinfo", f"31 22 0:26 {mount_root} /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n")
+    write_file(
+        tmp_path, "proc/self/mountinfo", f"31 22 0:26 {mount_root} /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
+    )
     write_file(tmp_path, "proc/self/cgroup", f"0::{cg_path}\n")
     (tmp_path / "sys/fs/cgroup/kubepods/pod1/ctr").mkdir(parents=True)
     loc = locate_cgroup(str(tmp_path))
@@ -113,9 +134,13 @@ def test_locate_cgroup_unescapes_mount_point(tmp_path: Path) -> None:
 
 def test_reader_follows_a_cgroup_change(tmp_path: Path) -> None:
     reader = HostReader(str(tmp_path))
-    write_tree(tmp_path, mem_total=64 * GiB, mem_available=60 * GiB, cgroup="v2", cg_usage=GiB, cg_max=4 * GiB)
+    write_tree(
+        tmp_path, mem_total=64 * GiB, mem_available=60 * GiB, cgroup="v2", cg_usage=GiB, cg_max=4 * GiB
+    )
     assert reader.read().cgroup_max_bytes == 4 * GiB
-    write_tree(tmp_path, mem_total=64 * GiB, mem_available=60 * GiB, cgroup="v1", cg_usage=GiB, cg_max=2 * GiB)
+    write_tree(
+        tmp_path, mem_total=64 * GiB, mem_available=60 * GiB, cgroup="v1", cg_usage=GiB, cg_max=2 * GiB
+    )
     s = reader.read()
     assert (s.cgroup_version, s.cgroup_max_bytes) == (1, 2 * GiB)
     write_tree(tmp_path, mem_total=64 * GiB, mem_available=60 * GiB)
@@ -177,7 +202,9 @@ def test_degraded_psi_is_no_pressure(tmp_path: Path, psi: str | None) -> None:
         (None, str(4 * GiB), 0, 4 * GiB),  # usage file missing
     ],
 )
-def test_degraded_cgroup_v2(tmp_path: Path, current: str | None, limit: str, usage: int, max_bytes: int) -> None:
+def test_degraded_cgroup_v2(
+    tmp_path: Path, current: str | None, limit: str, usage: int, max_bytes: int
+) -> None:
     write_tree(tmp_path, mem_total=16 * GiB, mem_available=8 * GiB, cgroup="v2")
     write_file(tmp_path, f"{V2_CGROUP}/memory.stat", "inactive_file banana\n")
     write_file(tmp_path, f"{V2_CGROUP}/memory.max", limit)
@@ -194,7 +221,9 @@ def test_degraded_cgroup_v1_garbage(tmp_path: Path) -> None:
     write_tree(tmp_path, mem_total=16 * GiB, mem_available=8 * GiB, cgroup="v1", cg_usage=GiB, cg_max=4 * GiB)
     write_file(tmp_path, f"{V1_CGROUP}/memory.limit_in_bytes", "unlimited?")
     write_file(tmp_path, f"{V1_CGROUP}/memory.usage_in_bytes", "-12")
-    write_file(tmp_path, f"{V1_CGROUP}/memory.stat", "total_inactive_file NaN\nhierarchical_memory_limit -1\n")
+    write_file(
+        tmp_path, f"{V1_CGROUP}/memory.stat", "total_inactive_file NaN\nhierarchical_memory_limit -1\n"
+    )
     s = read_host(str(tmp_path))
     assert (s.cgroup_version, s.cgroup_usage_bytes, s.cgroup_max_bytes) == (1, 0, 0)
     assert s.effective_total_bytes == 16 * GiB

@@ -50,8 +50,21 @@ def test_random_histories_never_hold_a_block_twice_and_end_idle() -> None:
     held_tokens: list[int] = []
     swapped: list[int] = []  # lengths of preempted sequences, to resume
     for _ in range(1000):
-        op = rng.choice(["admit", "grow", "grow", "share", "hold", "drop", "preempt", "resume", "release", "shrink",
-                         "compact"])
+        op = rng.choice(
+            [
+                "admit",
+                "grow",
+                "grow",
+                "share",
+                "hold",
+                "drop",
+                "preempt",
+                "resume",
+                "release",
+                "shrink",
+                "compact",
+            ]
+        )
         free_slots = [s for s in range(6) if s not in lengths]
         if op in ("admit", "resume") and free_slots:
             slot = free_slots[0]
@@ -219,9 +232,16 @@ def test_capacity_line_counts_tokens_sequences_and_slot_states() -> None:
     from ballast.engine.kv_budget import capacity_line
     from ballast.memory.types import CostModel, GiB, MiB
 
-    cost = CostModel(kv_bytes_per_token=128 * 1024, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0,
-                     quantized_kv_bytes_per_token=66 * 1024, kv_block_tokens=32)
+    cost = CostModel(
+        kv_bytes_per_token=128 * 1024,
+        state_bytes_per_slot=0,
+        activation_bytes_per_prefill_token=0,
+        quantized_kv_bytes_per_token=66 * 1024,
+        kv_block_tokens=32,
+    )
     line = capacity_line(cost, 3 * MiB, 16 * GiB, False, 64, 8192)
-    assert "131,072 tokens" in line and "16 of 64 sequences at max_model_len 8192" in line and "64 at 1k" in line
+    assert (
+        "131,072 tokens" in line and "16 of 64 sequences at max_model_len 8192" in line and "64 at 1k" in line
+    )
     assert "3.0 MiB" in line
     assert "254,200 tokens" in capacity_line(cost, 0, 16 * GiB, True, 64, 8192)  # int8: 66 KiB a token

@@ -46,7 +46,14 @@ def test_floors_at_one() -> None:
 @pytest.mark.parametrize("level", list(Level))
 def test_disabled_is_the_config_at_every_level(level: Level) -> None:
     p = plan_for(level, CFG, disabled=True)
-    assert (p.max_slots, p.context_window, p.force_quantized_kv, p.kv_evict, p.shed_prefix_cache, p.degraded) == (8, 4096, False, False, False, False)
+    assert (
+        p.max_slots,
+        p.context_window,
+        p.force_quantized_kv,
+        p.kv_evict,
+        p.shed_prefix_cache,
+        p.degraded,
+    ) == (8, 4096, False, False, False, False)
     assert p.level is level
 
 

@@ -25,7 +25,9 @@ from memfixtures import level_tree
         (GiB, GiB, 2 * GiB, 0.9, 0),  # all reserve: nothing may be leased
     ],
 )
-def test_ceiling_is_min_of_budget_and_usable_free(total: int, free: int, reserve: int, fraction: float, ceiling: int) -> None:
+def test_ceiling_is_min_of_budget_and_usable_free(
+    total: int, free: int, reserve: int, fraction: float, ceiling: int
+) -> None:
     ledger = VramLedger(die_reserve_bytes=reserve, usable_fraction=fraction)
     assert ledger.register_die(0, total_bytes=total, free_bytes=free) == ceiling
     assert ledger.ceiling(0) == ceiling
@@ -119,7 +121,9 @@ def test_threads_never_pass_the_ceiling_and_return_to_idle() -> None:
             if die.held_bytes > ceiling:
                 over.append(die.held_bytes)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)] + [threading.Thread(target=watcher)]
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)] + [
+        threading.Thread(target=watcher)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -153,12 +157,19 @@ def test_threads_fill_exactly_to_the_ceiling() -> None:
 
 def test_ledger_totals_flow_into_memwatch_snapshots(tmp_path: Path) -> None:
     level_tree(tmp_path, Level.OK)
-    reader = StaticDeviceReader([DieReading(index=0, name="H200", total_bytes=141 * GiB, free_bytes=140 * GiB)])
+    reader = StaticDeviceReader(
+        [DieReading(index=0, name="H200", total_bytes=141 * GiB, free_bytes=140 * GiB)]
+    )
     watch = MemWatch(MemoryConfig(root=str(tmp_path)), device_reader=reader)
     ceiling = watch.ledger.register_die(0, total_bytes=141 * GiB, free_bytes=140 * GiB)
     assert ceiling == 126 * GiB  # 140 x 0.90 < 141 - 1
     lease = watch.ledger.lease(0, 30 * GiB, "weights")
     die = watch.poll_now().dies[0]
-    assert (die.name, die.ledger_bytes, die.ceiling_bytes, die.budget_bytes) == ("H200", 30 * GiB, ceiling, 140 * GiB)
+    assert (die.name, die.ledger_bytes, die.ceiling_bytes, die.budget_bytes) == (
+        "H200",
+        30 * GiB,
+        ceiling,
+        140 * GiB,
+    )
     lease.release()
     assert watch.poll_now().dies[0].ledger_bytes == 0

@@ -21,7 +21,9 @@ TOTAL = 20 * GiB
 R = 3 * GiB
 
 
-def tree_with_available(root: Path, mode: CgroupMode, available: int, psi_some: float = 0.0, psi_full: float = 0.0) -> None:
+def tree_with_available(
+    root: Path, mode: CgroupMode, available: int, psi_some: float = 0.0, psi_full: float = 0.0
+) -> None:
     """A tree whose *effective* available bytes are `available` and effective total is TOTAL.
 
     Without a cgroup it is the host's MemAvailable; with one, a 64 GiB host holds a TOTAL-limited
@@ -33,10 +35,17 @@ def tree_with_available(root: Path, mode: CgroupMode, available: int, psi_some: 
         return
     on_v2 = mode == "v2"
     write_tree(
-        root, mem_total=64 * GiB, mem_available=60 * GiB, cgroup=mode, cg_max=TOTAL,
-        cg_usage=TOTAL - available + GiB, inactive_file=GiB,
-        psi_some=0.0 if on_v2 else psi_some, psi_full=0.0 if on_v2 else psi_full,
-        cg_psi_some=psi_some if on_v2 else 0.0, cg_psi_full=psi_full if on_v2 else 0.0,
+        root,
+        mem_total=64 * GiB,
+        mem_available=60 * GiB,
+        cgroup=mode,
+        cg_max=TOTAL,
+        cg_usage=TOTAL - available + GiB,
+        inactive_file=GiB,
+        psi_some=0.0 if on_v2 else psi_some,
+        psi_full=0.0 if on_v2 else psi_full,
+        cg_psi_some=psi_some if on_v2 else 0.0,
+        cg_psi_full=psi_full if on_v2 else 0.0,
     )
 
 
@@ -92,7 +101,9 @@ def test_psi_table(tmp_path: Path, mode: CgroupMode, some: float, full: float, e
         (2 * R, 0.0, 20.0, Level.CRITICAL),  # bytes OK, PSI stall
     ],
 )
-def test_host_is_worst_of_bytes_and_psi(tmp_path: Path, mode: CgroupMode, available: int, some: float, full: float, expect: Level) -> None:
+def test_host_is_worst_of_bytes_and_psi(
+    tmp_path: Path, mode: CgroupMode, available: int, some: float, full: float, expect: Level
+) -> None:
     tree_with_available(tmp_path, mode, available, psi_some=some, psi_full=full)
     assert host_level(read_host(str(tmp_path)), CFG) == expect
 
@@ -114,11 +125,23 @@ def test_host_reserve(config: MemoryConfig, effective_total: int, reserve: int) 
 def test_cgroup_full_of_page_cache_is_not_critical(tmp_path: Path, mode: CgroupMode) -> None:
     # After loading weights, a cgroup's usage is mostly reclaimable file cache.
     write_tree(
-        tmp_path, mem_total=64 * GiB, mem_available=60 * GiB, cgroup=mode,
-        cg_max=8 * GiB, cg_usage=8 * GiB - 64 * MiB, inactive_file=6 * GiB,
+        tmp_path,
+        mem_total=64 * GiB,
+        mem_available=60 * GiB,
+        cgroup=mode,
+        cg_max=8 * GiB,
+        cg_usage=8 * GiB - 64 * MiB,
+        inactive_file=6 * GiB,
     )
     assert host_level(read_host(str(tmp_path)), CFG) == Level.OK
-    write_tree(tmp_path, mem_total=64 * GiB, mem_available=60 * GiB, cgroup=mode, cg_max=8 * GiB, cg_usage=8 * GiB - 64 * MiB)
+    write_tree(
+        tmp_path,
+        mem_total=64 * GiB,
+        mem_available=60 * GiB,
+        cgroup=mode,
+        cg_max=8 * GiB,
+        cg_usage=8 * GiB - 64 * MiB,
+    )
     assert host_level(read_host(str(tmp_path)), CFG) == Level.CRITICAL  # the same usage without cache
 
 
@@ -170,7 +193,9 @@ def test_die_table_through_memwatch(tmp_path: Path, free: int, budget: int, expe
         (Level.OK, (BUDGET, BUDGET // 10, 0), Level.CRITICAL),  # worst die of three
     ],
 )
-def test_overall_is_worst_of_host_and_every_die(tmp_path: Path, mode: CgroupMode, host: Level, die_frees: tuple[int, ...], expect: Level) -> None:
+def test_overall_is_worst_of_host_and_every_die(
+    tmp_path: Path, mode: CgroupMode, host: Level, die_frees: tuple[int, ...], expect: Level
+) -> None:
     level_tree(tmp_path, host, cgroup=mode)
     watch = MemWatch(MemoryConfig(root=str(tmp_path)), device_reader=StaticDeviceReader())
     for index, free in enumerate(die_frees):
@@ -212,7 +237,11 @@ def test_pure_table_functions_agree() -> None:
     ("free", "ledger", "expect"),
     [
         (BUDGET // 10, 0, Level.WATCH),  # nothing of ours: 10% free of the whole budget is WATCH
-        (BUDGET // 10, BUDGET * 9 // 10, Level.OK),  # our pool leased to the ceiling: the cushion left is no pressure
+        (
+            BUDGET // 10,
+            BUDGET * 9 // 10,
+            Level.OK,
+        ),  # our pool leased to the ceiling: the cushion left is no pressure
         (BUDGET // 100, BUDGET * 9 // 10, Level.WATCH),  # others ate into the remainder
         (BUDGET // 200, BUDGET * 9 // 10, Level.TIGHT),
         (0, BUDGET * 9 // 10, Level.CRITICAL),

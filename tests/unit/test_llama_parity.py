@@ -42,8 +42,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(
             _BASE,
             rope_theta=500000.0,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
         ),
     ),
     "linear-rope": ("LlamaConfig", dict(_BASE, rope_scaling={"rope_type": "linear", "factor": 4.0})),
@@ -64,8 +69,12 @@ def make_pair(name: str, seed: int = 0) -> tuple[nn.Module, nn.Module]:
     return hf, ours
 
 
-def new_states(model: nn.Module, num_slots: int = 4, max_len: int = 64, quantized: bool = False) -> list[LayerState]:
-    return allocate_states(model.layer_specs(4), num_slots, max_len, "cpu", torch.float32, quantized_kv=quantized)
+def new_states(
+    model: nn.Module, num_slots: int = 4, max_len: int = 64, quantized: bool = False
+) -> list[LayerState]:
+    return allocate_states(
+        model.layer_specs(4), num_slots, max_len, "cpu", torch.float32, quantized_kv=quantized
+    )
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -112,17 +121,24 @@ def test_batched_greedy_decode_matches_each_prompt_alone(name: str) -> None:
     ours_tokens: list[list[int]] = [[t] for t in logits.argmax(-1).tolist()]
     ours_logits = [[row] for row in logits]
     for step in range(new_tokens - 1):
-        seqs = [(s, [toks[-1]], len(p) + step) for s, p, toks in zip(slots, prompts, ours_tokens, strict=True)]
+        seqs = [
+            (s, [toks[-1]], len(p) + step) for s, p, toks in zip(slots, prompts, ours_tokens, strict=True)
+        ]
         logits = ours(ForwardBatch.build(seqs, "cpu"), states)
         for i, (row, tok) in enumerate(zip(logits, logits.argmax(-1).tolist(), strict=True)):
             ours_tokens[i].append(tok)
             ours_logits[i].append(row)
     for i, p in enumerate(prompts):
         ref = hf.generate(
-            torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+            torch.tensor([p]),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
         )
-        assert ref.sequences[0, len(p):].tolist() == ours_tokens[i]
+        assert ref.sequences[0, len(p) :].tolist() == ours_tokens[i]
         diff = max((a - b[0]).abs().max().item() for a, b in zip(ours_logits[i], ref.logits, strict=True))
         assert diff < TOL
 
@@ -236,7 +252,9 @@ def test_partial_rotary_turns_only_the_leading_dims() -> None:
     full rope of that size would; the rest pass through."""
     x = torch.randn(5, 3, 16)
     positions = torch.tensor([0, 1, 7, 30, 2])
-    cos, sin = RotaryEmbedding(RopeParams(theta=1e4, partial_rotary_factor=0.25), 16)(positions, torch.float32)
+    cos, sin = RotaryEmbedding(RopeParams(theta=1e4, partial_rotary_factor=0.25), 16)(
+        positions, torch.float32
+    )
     assert cos.shape == (5, 4)
     out = apply_rope(x, cos, sin)
     assert torch.equal(out[..., 4:], x[..., 4:])

@@ -32,8 +32,25 @@ HOST = HostSample(
     cgroup_high_bytes=0,
     cgroup_max_bytes=32 * GiB,
 )
-DIE = DieState(index=0, name="H200", total_bytes=140 * GiB, free_bytes=100 * GiB, budget_bytes=139 * GiB, ledger_bytes=30 * GiB, ceiling_bytes=90 * GiB, level=Level.WATCH)
-STATE = MemState(host=HOST, dies=(DIE,), host_level=Level.TIGHT, level=Level.TIGHT, host_reserve_bytes=5 * GiB, seq=42, taken_at=1.0)
+DIE = DieState(
+    index=0,
+    name="H200",
+    total_bytes=140 * GiB,
+    free_bytes=100 * GiB,
+    budget_bytes=139 * GiB,
+    ledger_bytes=30 * GiB,
+    ceiling_bytes=90 * GiB,
+    level=Level.WATCH,
+)
+STATE = MemState(
+    host=HOST,
+    dies=(DIE,),
+    host_level=Level.TIGHT,
+    level=Level.TIGHT,
+    host_reserve_bytes=5 * GiB,
+    seq=42,
+    taken_at=1.0,
+)
 
 
 def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -98,9 +115,21 @@ def test_pool_ladder_and_admission_counters() -> None:
 
     cost = CostModel(kv_bytes_per_token=1000, state_bytes_per_slot=0, activation_bytes_per_prefill_token=0)
     stalled = MemState(host=HostSample(total_bytes=GiB, available_bytes=GiB, psi_full_avg10=50.0))
-    admission.record(admit_request(10, 10, STATE, cost, max_window=4096, gpu_die=None, quantized_kv=False, psi_full_reject_pct=15.0))
-    admission.record(admit_request(10, 10, stalled, cost, max_window=4096, gpu_die=None, quantized_kv=False, psi_full_reject_pct=15.0))
-    admission.record(admit_request(10, 10, STATE, cost, max_window=16, gpu_die=None, quantized_kv=False, psi_full_reject_pct=15.0))
+    admission.record(
+        admit_request(
+            10, 10, STATE, cost, max_window=4096, gpu_die=None, quantized_kv=False, psi_full_reject_pct=15.0
+        )
+    )
+    admission.record(
+        admit_request(
+            10, 10, stalled, cost, max_window=4096, gpu_die=None, quantized_kv=False, psi_full_reject_pct=15.0
+        )
+    )
+    admission.record(
+        admit_request(
+            10, 10, STATE, cost, max_window=16, gpu_die=None, quantized_kv=False, psi_full_reject_pct=15.0
+        )
+    )
     admission.record(Verdict(VerdictKind.REJECT, 0, "something the scheduler decided"))
 
     m = scrape(reg)

@@ -27,7 +27,9 @@ from memfixtures import level_tree, write_tree
 
 
 def make_watch(root: Path, *, poll_s: float = 0.25, reader: StaticDeviceReader | None = None) -> MemWatch:
-    return MemWatch(MemoryConfig(root=str(root), poll_interval_s=poll_s), device_reader=reader or StaticDeviceReader())
+    return MemWatch(
+        MemoryConfig(root=str(root), poll_interval_s=poll_s), device_reader=reader or StaticDeviceReader()
+    )
 
 
 def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
@@ -45,14 +47,26 @@ def watcher_threads() -> list[threading.Thread]:
 
 
 def test_first_read_is_real(tmp_path: Path) -> None:
-    write_tree(tmp_path, mem_total=32 * GiB, mem_available=7 * GiB, psi_some=2.5, cgroup="v2", cg_usage=GiB, cg_max=16 * GiB)
+    write_tree(
+        tmp_path,
+        mem_total=32 * GiB,
+        mem_available=7 * GiB,
+        psi_some=2.5,
+        cgroup="v2",
+        cg_usage=GiB,
+        cg_max=16 * GiB,
+    )
     watch = make_watch(tmp_path, poll_s=60.0)  # the thread will not poll during this test
     assert watch.read().seq == 0  # placeholder before start: no host figures
     watch.start()
     try:
         state = watch.read()
         assert state.seq == 1 and state.taken_at > 0
-        assert (state.host.total_bytes, state.host.available_bytes, state.host.cgroup_max_bytes) == (32 * GiB, 7 * GiB, 16 * GiB)
+        assert (state.host.total_bytes, state.host.available_bytes, state.host.cgroup_max_bytes) == (
+            32 * GiB,
+            7 * GiB,
+            16 * GiB,
+        )
         assert state.host.psi_some_avg10 == 2.5 and state.level == Level.WATCH
         assert state.host_reserve_bytes == int(0.15 * 16 * GiB)  # sized on the cgroup-limited total
     finally:
@@ -101,7 +115,14 @@ def test_listener_on_level_change(tmp_path: Path) -> None:
         state = watch.poll_now()
         assert state.level == Level.TIGHT
         assert heard == [(Level.OK, Level.TIGHT, Level.TIGHT)]
-        write_tree(tmp_path, mem_total=64 * GiB, mem_available=60 * GiB, cgroup="v2", cg_max=8 * GiB, cg_usage=8 * GiB - 1_342_177_280)
+        write_tree(
+            tmp_path,
+            mem_total=64 * GiB,
+            mem_available=60 * GiB,
+            cgroup="v2",
+            cg_max=8 * GiB,
+            cg_usage=8 * GiB - 1_342_177_280,
+        )
         watch.poll_now()  # different bytes, same level (TIGHT): no call
         assert len(heard) == 1
         level_tree(tmp_path, Level.OK, cgroup="v2")
@@ -185,13 +206,20 @@ def test_poll_thread_survives_a_failing_poll(tmp_path: Path, caplog: pytest.LogC
 
 def test_device_figures_and_engine_pushes_merge(tmp_path: Path) -> None:
     level_tree(tmp_path, Level.OK)
-    reader = StaticDeviceReader([DieReading(index=0, name="H200", total_bytes=141 * GiB, free_bytes=100 * GiB)])
+    reader = StaticDeviceReader(
+        [DieReading(index=0, name="H200", total_bytes=141 * GiB, free_bytes=100 * GiB)]
+    )
     watch = make_watch(tmp_path, reader=reader)
     die = watch.poll_now().dies[0]
     assert (die.name, die.free_bytes, die.budget_bytes, die.level) == ("H200", 100 * GiB, 0, Level.OK)
     die = watch.set_die(0, free=10 * GiB, budget=140 * GiB, ledger=90 * GiB).dies[0]
     # 10 GiB free of the 50 GiB our 90 GiB of leases leave: no pressure (>= 50/8).
-    assert (die.free_bytes, die.budget_bytes, die.ledger_bytes, die.level) == (10 * GiB, 140 * GiB, 90 * GiB, Level.OK)
+    assert (die.free_bytes, die.budget_bytes, die.ledger_bytes, die.level) == (
+        10 * GiB,
+        140 * GiB,
+        90 * GiB,
+        Level.OK,
+    )
     reader.set(DieReading(index=0, name="H200", total_bytes=141 * GiB, free_bytes=3 * GiB))
     die = watch.poll_now().dies[0]  # a newer driver figure wins; the pushed budget stays
     assert (die.free_bytes, die.budget_bytes, die.level) == (3 * GiB, 140 * GiB, Level.TIGHT)  # < 50/16
@@ -232,7 +260,11 @@ def test_readers_never_see_a_torn_snapshot(tmp_path: Path) -> None:
             return "host level does not match host figures"
         for d in state.dies:
             k = d.free_bytes // 1024
-            if (d.budget_bytes, d.ledger_bytes, d.level) != (2 * k * 1024 + 1, 3 * k * 1024, die_level(d.free_bytes, d.budget_bytes, d.ledger_bytes)):
+            if (d.budget_bytes, d.ledger_bytes, d.level) != (
+                2 * k * 1024 + 1,
+                3 * k * 1024,
+                die_level(d.free_bytes, d.budget_bytes, d.ledger_bytes),
+            ):
                 return f"die torn: {d}"
         if state.level != worst([state.host_level, *(d.level for d in state.dies)]):
             return "overall level does not match its parts"
@@ -277,19 +309,49 @@ def test_readers_never_see_a_torn_snapshot(tmp_path: Path) -> None:
 
 
 def test_render_shows_every_signal(tmp_path: Path) -> None:
-    write_tree(tmp_path, mem_total=64 * GiB, mem_available=60 * GiB, psi_some=3.25, cgroup="v2", cg_usage=5 * GiB, cg_max=8 * GiB)
-    reader = StaticDeviceReader([DieReading(index=0, name="NVIDIA H200", total_bytes=141 * GiB, free_bytes=100 * GiB)])
+    write_tree(
+        tmp_path,
+        mem_total=64 * GiB,
+        mem_available=60 * GiB,
+        psi_some=3.25,
+        cgroup="v2",
+        cg_usage=5 * GiB,
+        cg_max=8 * GiB,
+    )
+    reader = StaticDeviceReader(
+        [DieReading(index=0, name="NVIDIA H200", total_bytes=141 * GiB, free_bytes=100 * GiB)]
+    )
     watch = make_watch(tmp_path, reader=reader)
     assert "no snapshot yet" in render(watch.read(), None)
     watch.ledger.register_die(0, total_bytes=141 * GiB, free_bytes=100 * GiB)
     watch.ledger.lease(0, 20 * GiB, "weights")
-    plan = LadderPlan(level=Level.TIGHT, max_slots=4, context_window=1024, force_quantized_kv=True, kv_evict=True, degraded=True, note="halved")
+    plan = LadderPlan(
+        level=Level.TIGHT,
+        max_slots=4,
+        context_window=1024,
+        force_quantized_kv=True,
+        kv_evict=True,
+        degraded=True,
+        note="halved",
+    )
     text = render(watch.poll_now(), plan)
     for expected in (
         "level WATCH",  # 3 GiB free over a 1.2 GiB reserve in an 8 GiB cgroup (OK), PSI some 3.25%
-        "64.00 GiB", "60.00 GiB", "8.00 GiB", "cgroup v2", "some 3.25%",
-        "NVIDIA H200", "100.00 GiB", "140.00 GiB", "20.00 GiB", "90.00 GiB",
-        "max slots 4", "context window 1024", "quantized KV forced", "KV eviction on", "halved",
+        "64.00 GiB",
+        "60.00 GiB",
+        "8.00 GiB",
+        "cgroup v2",
+        "some 3.25%",
+        "NVIDIA H200",
+        "100.00 GiB",
+        "140.00 GiB",
+        "20.00 GiB",
+        "90.00 GiB",
+        "max slots 4",
+        "context window 1024",
+        "quantized KV forced",
+        "KV eviction on",
+        "halved",
     ):
         assert expected in text, expected
     assert "ladder" not in render(watch.read(), None)

@@ -21,7 +21,9 @@ class Clock:
         return self.now
 
 
-def make_pool(total: int = 100 * MiB, fraction: float = 0.5, max_buffers: int = 4, floor: int = 16 * KiB, **kw: object) -> CheckpointPool:
+def make_pool(
+    total: int = 100 * MiB, fraction: float = 0.5, max_buffers: int = 4, floor: int = 16 * KiB, **kw: object
+) -> CheckpointPool:
     return CheckpointPool(lambda: total, fraction, max_buffers, floor, pin=False, **kw)  # type: ignore[arg-type]
 
 
@@ -103,7 +105,11 @@ def test_byte_cap_displaces_several_smaller_or_declines_untouched() -> None:
     before = pool.stats()
     assert not pool.put(buf(500 * KiB))
     after = pool.stats()
-    assert (after.buffers, after.bytes_held, after.evictions) == (before.buffers, before.bytes_held, before.evictions)
+    assert (after.buffers, after.bytes_held, after.evictions) == (
+        before.buffers,
+        before.bytes_held,
+        before.evictions,
+    )
     assert not pool.put(buf(MiB + 1)), "a buffer over the whole cap is declined"
 
 
@@ -137,7 +143,13 @@ def test_trim_by_idle_age_and_high_water_survives() -> None:
     assert sizes_held(pool) == [2 * MiB]
     assert pool.trim(0) == 2 * MiB
     s = pool.stats()
-    assert (s.buffers, s.bytes_held, s.high_water_bytes, s.high_water_buffers, s.trimmed_bytes) == (0, 0, 3 * MiB, 2, 3 * MiB)
+    assert (s.buffers, s.bytes_held, s.high_water_bytes, s.high_water_buffers, s.trimmed_bytes) == (
+        0,
+        0,
+        3 * MiB,
+        2,
+        3 * MiB,
+    )
 
 
 def test_allocation_failure_trims_then_retries_once() -> None:
@@ -202,7 +214,7 @@ def test_misuse_is_a_typed_error() -> None:
     with pytest.raises(PoolMisuse):
         pool.put(b)
     with pytest.raises(PoolMisuse):
-        pool.put(buf(2 * MiB)[: MiB])
+        pool.put(buf(2 * MiB)[:MiB])
     with pytest.raises(PoolMisuse):
         pool.put(torch.empty(MiB, dtype=torch.float32))
 

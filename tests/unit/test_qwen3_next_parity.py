@@ -49,14 +49,25 @@ ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "qwen3_next": (
         Qwen3NextConfig,
         HFQwen3Next,
-        {"intermediate_size": 80, "mlp_only_layers": [2], "norm_topk_prob": True,
-         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}},
+        {
+            "intermediate_size": 80,
+            "mlp_only_layers": [2],
+            "norm_topk_prob": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        },
     ),
     "qwen3_5_moe_text": (
         Qwen3_5MoeTextConfig,
         HFQwen35Moe,
-        {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                             "mrope_section": [2, 1, 1], "mrope_interleaved": True}},
+        {
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            }
+        },
     ),
 }
 
@@ -65,8 +76,12 @@ ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 def reference_in_pure_torch() -> Iterator[None]:
     """With fla (or causal-conv1d) installed, transformers routes these layers to CUDA-only
     kernels even for CPU tensors; the reference here is its own pure-torch fallback."""
-    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-             "causal_conv1d_update")
+    names = (
+        "torch_chunk_gated_delta_rule",
+        "torch_recurrent_gated_delta_rule",
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+    )
     with pytest.MonkeyPatch.context() as mp:
         for module in (modeling_qwen3_next, modeling_qwen3_5_moe):
             for name in names:
@@ -124,10 +139,16 @@ def test_batched_greedy_decode_matches_each_prompt_alone(pair: tuple[nn.Module, 
     want_tokens, want_logits = [], []
     for p in prompts:
         out = reference.generate(
-            torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.int64), max_new_tokens=steps,
-            do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.int64),
+            max_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            eos_token_id=None,
         )
-        want_tokens.append(out.sequences[0, len(p):].tolist())
+        want_tokens.append(out.sequences[0, len(p) :].tolist())
         want_logits.append(torch.stack([lg[0] for lg in out.logits]))
     states = _states(ours)
     logits = ours(ForwardBatch.build([(s, p, 0) for s, p in zip(slots, prompts, strict=True)], "cpu"), states)
@@ -174,8 +195,19 @@ def test_mixed_step_equals_each_sequence_alone(pair: tuple[nn.Module, nn.Module]
     """One step of three decode tokens and two prefill chunks of different lengths (attended as two
     groups) gives every sequence the logits, and leaves the state, it gets when run alone."""
     ours, _ = pair
-    histories = {0: _prompt(20, seed=20), 1: _prompt(7, seed=21), 3: _prompt(33, seed=22), 4: _prompt(12, seed=23)}
-    work = [(0, [7], 20), (2, _prompt(45, seed=24), 0), (1, [9], 7), (4, _prompt(6, seed=25), 12), (3, [2], 33)]
+    histories = {
+        0: _prompt(20, seed=20),
+        1: _prompt(7, seed=21),
+        3: _prompt(33, seed=22),
+        4: _prompt(12, seed=23),
+    }
+    work = [
+        (0, [7], 20),
+        (2, _prompt(45, seed=24), 0),
+        (1, [9], 7),
+        (4, _prompt(6, seed=25), 12),
+        (3, [2], 33),
+    ]
     mixed, alone = _states(ours), _states(ours)
     for states in (mixed, alone):
         ours(ForwardBatch.build([(s, p, 0) for s, p in histories.items()], "cpu"), states)
@@ -185,12 +217,17 @@ def test_mixed_step_equals_each_sequence_alone(pair: tuple[nn.Module, nn.Module]
         torch.testing.assert_close(got[i], want, atol=ATOL, rtol=0)
     follow = [(s, [3], start + len(toks)) for s, toks, start in work]
     torch.testing.assert_close(
-        ours(ForwardBatch.build(follow, "cpu"), mixed), ours(ForwardBatch.build(follow, "cpu"), alone), atol=ATOL, rtol=0
+        ours(ForwardBatch.build(follow, "cpu"), mixed),
+        ours(ForwardBatch.build(follow, "cpu"), alone),
+        atol=ATOL,
+        rtol=0,
     )
 
 
 @torch.no_grad()
-def test_reused_slot_starts_clean_and_saved_state_moves_between_slots(pair: tuple[nn.Module, nn.Module]) -> None:
+def test_reused_slot_starts_clean_and_saved_state_moves_between_slots(
+    pair: tuple[nn.Module, nn.Module],
+) -> None:
     ours, _ = pair
     prompt, follow = _prompt(30, seed=5), _prompt(1, seed=6)
     fresh = _states(ours)
@@ -229,7 +266,9 @@ def test_layer_specs_follow_layer_types_and_size_the_states(pair: tuple[nn.Modul
 
 @torch.no_grad()
 def test_bf16_model_keeps_float32_recurrent_state() -> None:
-    ours = build_model({"model_type": "qwen3_5_moe_text", **COMMON, **ARCHS["qwen3_5_moe_text"][2]}, dtype=torch.bfloat16)
+    ours = build_model(
+        {"model_type": "qwen3_5_moe_text", **COMMON, **ARCHS["qwen3_5_moe_text"][2]}, dtype=torch.bfloat16
+    )
     ref32, _ = random_pair("qwen3_5_moe_text")
     ours.load_state_dict(ref32.state_dict())
     specs = ours.layer_specs(2)

@@ -100,7 +100,10 @@ def test_negative_logits_are_multiplied_by_repetition_penalty() -> None:
     sampler.observe_prompt(0, [0])
     logits = torch.tensor([[-1.0, -1.5]])
     # -1.0 * 2 = -2.0 < -1.5: the unseen token wins
-    assert sampler.sample(logits, [0], [SamplingParams(temperature=0.0, repetition_penalty=2.0)])[0].token_id == 1
+    assert (
+        sampler.sample(logits, [0], [SamplingParams(temperature=0.0, repetition_penalty=2.0)])[0].token_id
+        == 1
+    )
 
 
 def test_frequency_and_presence_penalties_count_outputs_only() -> None:
@@ -127,7 +130,9 @@ def test_reset_clears_history() -> None:
     assert sampler.sample(logits, [0], [params])[0].token_id == 0
 
 
-def draw_seeded(sampler: Sampler, logits: torch.Tensor, slot: int, companions: list[int], steps: int) -> list[int]:
+def draw_seeded(
+    sampler: Sampler, logits: torch.Tensor, slot: int, companions: list[int], steps: int
+) -> list[int]:
     seeded = SamplingParams(temperature=1.0, seed=1234)
     other = SamplingParams(temperature=0.9, top_p=0.9)
     tokens = []
@@ -159,7 +164,11 @@ def test_logprobs_are_normalised_and_consistent() -> None:
     torch.manual_seed(5)
     logits = torch.randn(3, 50)
     sampler = Sampler(3, 50, CPU)
-    params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=0)]
+    params = [
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=0),
+    ]
     out = sampler.sample(logits, [0, 1, 2], params)
     full = torch.log_softmax(logits, -1)
     assert math.isclose(float(full[0].exp().sum()), 1.0, rel_tol=1e-5)

@@ -10,8 +10,18 @@ from ballast.engine.sampling_defaults import GGUF_DEFAULTS, GenerationConfigErro
 
 
 def test_generation_config_values_become_defaults(tmp_path: Path) -> None:
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "eos_token_id": [1, 2], "max_new_tokens": 9}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "temperature": 0.6,
+                "top_p": 0.95,
+                "top_k": 20,
+                "do_sample": True,
+                "eos_token_id": [1, 2],
+                "max_new_tokens": 9,
+            }
+        )
+    )
     assert sampling_defaults("hf", tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20.0}
 
 

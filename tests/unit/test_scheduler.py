@@ -58,7 +58,9 @@ def slots_in(plan: StepPlan) -> set[int]:
 async def make() -> AsyncIterator:
     made: list[tuple[Scheduler, FakeEngine]] = []
 
-    async def build(config: SchedulerConfig | None = None, **engine_kw: object) -> tuple[Scheduler, FakeEngine]:
+    async def build(
+        config: SchedulerConfig | None = None, **engine_kw: object
+    ) -> tuple[Scheduler, FakeEngine]:
         eng = FakeEngine(**engine_kw)  # type: ignore[arg-type]
         s = Scheduler(eng, config or SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32))
         await s.start()
@@ -89,7 +91,9 @@ async def test_requests_share_steps_and_text_is_the_calm_run(make) -> None:
 
 async def test_chunked_prefill_respects_the_token_budget_and_mixes_with_decode(make) -> None:
     budget = 16
-    s, eng = await make(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget), prefill_chunk_tokens=12)
+    s, eng = await make(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget), prefill_chunk_tokens=12
+    )
     long_prompt = "the quick brown fox jumps over the lazy dog " * 2
     reqs = [req(i, long_prompt + str(i), max_tokens=6) for i in range(4)]
     handles = [s.submit(r) for r in reqs]
@@ -130,8 +134,17 @@ async def test_fcfs_admission_order_and_a_long_prompt_is_not_starved(make) -> No
     assert starts == [r.prompt_ids[: len(t)] for r, t in zip(order, starts, strict=True)]
     # While the long prompt was prefilling, every step carried a chunk of it: decodes never
     # crowd it out (the budget always leaves it at least one token).
-    first = next(i for i, p in enumerate(plans) for c in p.prefills if c.start_pos == 0 and c.token_ids == long_req.prompt_ids[: len(c.token_ids)])
-    slot = next(c.slot for c in plans[first].prefills if c.start_pos == 0 and c.token_ids == long_req.prompt_ids[: len(c.token_ids)])
+    first = next(
+        i
+        for i, p in enumerate(plans)
+        for c in p.prefills
+        if c.start_pos == 0 and c.token_ids == long_req.prompt_ids[: len(c.token_ids)]
+    )
+    slot = next(
+        c.slot
+        for c in plans[first].prefills
+        if c.start_pos == 0 and c.token_ids == long_req.prompt_ids[: len(c.token_ids)]
+    )
     last = next(i for i, p in enumerate(plans) for c in p.prefills if c.slot == slot and c.sample)
     assert all(any(c.slot == slot for c in p.prefills) for p in plans[first : last + 1])
     assert any(p.decodes for p in plans[first : last + 1])
@@ -146,7 +159,12 @@ async def test_abort_frees_the_slot_in_the_next_step(make) -> None:
     async for event in h:
         if isinstance(event, TokenEvent) and len(event.token_ids) > 0:
             break
-    slot = next(c.slot for p in eng.recorded() for c in p.prefills if c.token_ids == h.request.prompt_ids[: len(c.token_ids)] and c.start_pos == 0)
+    slot = next(
+        c.slot
+        for p in eng.recorded()
+        for c in p.prefills
+        if c.token_ids == h.request.prompt_ids[: len(c.token_ids)] and c.start_pos == 0
+    )
     recorded = len(eng.recorded())  # plans 0..recorded-1 ran or run; one more may be queued
     h.abort()
     events = [e async for e in h]
@@ -199,7 +217,9 @@ async def test_stop_string_eos_and_logprobs(make) -> None:
     assert lp[2].reason == "length"
     h = s.submit(req(4, max_tokens=3, params=SamplingParams(temperature=0, logprobs=2)))
     events = [e async for e in h if isinstance(e, TokenEvent) and e.token_ids]
-    assert all(e.logprobs is not None and len(e.logprobs) == 1 and len(e.logprobs[0].top) == 2 for e in events)
+    assert all(
+        e.logprobs is not None and len(e.logprobs) == 1 and len(e.logprobs[0].top) == 2 for e in events
+    )
     await assert_idle(s, eng)
 
     s2, eng2 = await make(eos_after=3)
@@ -212,7 +232,11 @@ async def test_stop_string_eos_and_logprobs(make) -> None:
 
 
 async def test_refusals_are_typed_and_synchronous(make) -> None:
-    s, eng = await make(SchedulerConfig(max_num_seqs=1, max_queue=2, max_num_batched_tokens=8), max_model_len=64, step_delay_s=0.005)
+    s, eng = await make(
+        SchedulerConfig(max_num_seqs=1, max_queue=2, max_num_batched_tokens=8),
+        max_model_len=64,
+        step_delay_s=0.005,
+    )
     with pytest.raises(ContextTooLong) as too_long:
         s.submit(req(0, "x" * 60, max_tokens=10))
     assert too_long.value.limit == 64 and too_long.value.prompt_tokens == 60
@@ -265,7 +289,9 @@ async def test_idle_hook_runs_when_idle_and_on_a_slow_tick_never_while_busy() ->
         assert s is not None
         seen.append((s.active_slots, eng.active_slots))
 
-    s = Scheduler(eng, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, idle_tick_s=0.02), on_idle=trim)
+    s = Scheduler(
+        eng, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, idle_tick_s=0.02), on_idle=trim
+    )
     await s.start()
     try:
         await wait_until(lambda: len(seen) >= 3)  # idle from the start: entry, then ticks
@@ -284,7 +310,11 @@ async def test_idle_hook_runs_when_idle_and_on_a_slow_tick_never_while_busy() ->
 
 
 async def test_no_leaks_after_200_mixed_requests(make) -> None:
-    s, eng = await make(SchedulerConfig(max_num_seqs=4, max_queue=12, max_num_batched_tokens=24), max_model_len=96, prefill_chunk_tokens=16)
+    s, eng = await make(
+        SchedulerConfig(max_num_seqs=4, max_queue=12, max_num_batched_tokens=24),
+        max_model_len=96,
+        prefill_chunk_tokens=16,
+    )
     rng = random.Random(7)
     handles = []
     refused = 0
@@ -307,7 +337,9 @@ async def test_no_leaks_after_200_mixed_requests(make) -> None:
         prompt = f"mixed load request {i} " + "pad " * rng.randrange(0, 12)
         kw: dict[str, object] = {}
         if kind == "timeout":
-            kw["deadline_s"] = time.monotonic() + rng.uniform(-0.01, 0.02)  # some already past: a timeout is sure
+            kw["deadline_s"] = time.monotonic() + rng.uniform(
+                -0.01, 0.02
+            )  # some already past: a timeout is sure
         if kind == "stop":
             kw["stop"] = ("e",)
         n = 200 if kind == "too_long" else rng.randrange(1, 20)
@@ -321,7 +353,9 @@ async def test_no_leaks_after_200_mixed_requests(make) -> None:
     reasons = await asyncio.gather(*tasks)
     assert refused > 0 and set(reasons) >= {"length", "abort", "error"}
     await assert_idle(s, eng)
-    assert min(s.outcomes[k] for k in ("stop", "length", "abort", "timeout", "queue_full", "context_length")) > 0
+    assert (
+        min(s.outcomes[k] for k in ("stop", "length", "abort", "timeout", "queue_full", "context_length")) > 0
+    )
     assert sum(s.outcomes.values()) == 200
     assert all(h.finished for h in handles)
 
@@ -364,14 +398,30 @@ def test_slot_table_reuses_a_slot_only_after_its_release_ran() -> None:
 @pytest.mark.parametrize(
     "plans",
     [
-        [StepPlan(prefills=(PrefillChunk(0, (5, 6), 0, True),), sampling={0: SamplingParams()}), StepPlan(prefills=(PrefillChunk(0, (7,), 0, True),), sampling={0: SamplingParams()})],
-        [StepPlan(prefills=(PrefillChunk(0, (5, 6), 0, True),), sampling={0: SamplingParams()}), StepPlan(decodes=(DecodeToken(0, EOS, 2),), sampling={0: SamplingParams()})],
+        [
+            StepPlan(prefills=(PrefillChunk(0, (5, 6), 0, True),), sampling={0: SamplingParams()}),
+            StepPlan(prefills=(PrefillChunk(0, (7,), 0, True),), sampling={0: SamplingParams()}),
+        ],
+        [
+            StepPlan(prefills=(PrefillChunk(0, (5, 6), 0, True),), sampling={0: SamplingParams()}),
+            StepPlan(decodes=(DecodeToken(0, EOS, 2),), sampling={0: SamplingParams()}),
+        ],
         [StepPlan(prefills=(PrefillChunk(0, (5, 6), 2, False),), sampling={0: SamplingParams()})],
-        [StepPlan(max_slots=2), StepPlan(prefills=(PrefillChunk(3, (5,), 0, True),), sampling={3: SamplingParams()})],
+        [
+            StepPlan(max_slots=2),
+            StepPlan(prefills=(PrefillChunk(3, (5,), 0, True),), sampling={3: SamplingParams()}),
+        ],
         [StepPlan(prefills=(PrefillChunk(0, tuple(range(1, 80)), 0, True),), sampling={0: SamplingParams()})],
         [StepPlan(release=(3,))],
     ],
-    ids=["reuse-without-release", "decode-of-unsampled-token", "prefill-at-wrong-position", "slot-above-limit", "over-profiled-chunk", "release-of-empty-slot"],
+    ids=[
+        "reuse-without-release",
+        "decode-of-unsampled-token",
+        "prefill-at-wrong-position",
+        "slot-above-limit",
+        "over-profiled-chunk",
+        "release-of-empty-slot",
+    ],
 )
 def test_fake_engine_refuses_plans_a_real_engine_could_not_run(plans: list[StepPlan]) -> None:
     eng = FakeEngine(prefill_chunk_tokens=64)

@@ -42,8 +42,14 @@ def test_mask_lets_each_token_see_its_cache_and_earlier_chunk_tokens() -> None:
 
 
 def _kv(num_slots: int, max_len: int, heads: int, dim: int, quantized: bool = False) -> PagedKV:
-    state = allocate_states([attention_spec(heads, dim, 1 if quantized else 4)], num_slots, max_len, "cpu",
-                            torch.float32, quantized_kv=quantized)[0]
+    state = allocate_states(
+        [attention_spec(heads, dim, 1 if quantized else 4)],
+        num_slots,
+        max_len,
+        "cpu",
+        torch.float32,
+        quantized_kv=quantized,
+    )[0]
     assert isinstance(state, PagedKV)
     return state
 
@@ -131,7 +137,9 @@ def test_allocate_states_follows_specs_and_bytes_match() -> None:
     assert q_specs[0] == AttentionSpec(2, 8, 1, scale_bytes=4)
     q_states = allocate_states(q_specs, 3, 10, "cpu", torch.float32, quantized_kv=True)
     q = q_states[0]
-    assert isinstance(q, PagedKV) and q.layout.block_bytes == kv_bytes_per_token(q_specs) * q.layout.block_size
+    assert (
+        isinstance(q, PagedKV) and q.layout.block_bytes == kv_bytes_per_token(q_specs) * q.layout.block_size
+    )
 
 
 def test_subset_and_mixed_step_groups() -> None:

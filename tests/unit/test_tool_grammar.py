@@ -23,17 +23,29 @@ from ballast.server.toolgrammar import style_of, tool_call_lark
 # (enums, bounded integers, booleans); strings are checked by acceptance below.
 TIGHT: dict[str, Any] = {
     "type": "object",
-    "properties": {"unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9},
-                   "alerts": {"type": "boolean"}},
+    "properties": {
+        "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "alerts": {"type": "boolean"},
+    },
     "required": ["unit", "days"],
     "additionalProperties": False,
 }
-WEATHER: dict[str, Any] = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                           "required": ["city"]}
-CODE: dict[str, Any] = {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-z]{3}$"}}, "required": ["id"]}
+WEATHER: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city"],
+}
+CODE: dict[str, Any] = {
+    "type": "object",
+    "properties": {"id": {"type": "string", "pattern": "^[a-z]{3}$"}},
+    "required": ["id"],
+}
 SCHEMAS = {"tight": TIGHT, "get_weather": WEATHER, "lookup": CODE}
-TOOLS = {name: p.Tool.model_validate({"type": "function", "function": {"name": name, "parameters": schema}})
-         for name, schema in SCHEMAS.items()}
+TOOLS = {
+    name: p.Tool.model_validate({"type": "function", "function": {"name": name, "parameters": schema}})
+    for name, schema in SCHEMAS.items()
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +59,9 @@ def compiler(tok: Tokenizer) -> GrammarCompiler:
 
 
 def draw(tok: Tokenizer, compiler: GrammarCompiler, lark: str, seed: int, steps: int = 80) -> str:
-    params = SamplingParams(temperature=1.0, seed=seed, constraint=compiler.constraint(compiler.lark(lark), 0))
+    params = SamplingParams(
+        temperature=1.0, seed=seed, constraint=compiler.constraint(compiler.lark(lark), 0)
+    )
     sampler = Sampler(num_slots=1, vocab_size=tok.vocab_size, device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
     out: list[int] = []
@@ -66,39 +80,72 @@ def accepts(tok: Tokenizer, compiler: GrammarCompiler, lark: str, text: str) -> 
 
 @pytest.mark.parametrize("style", ["xml", "hermes"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_a_sampled_forced_call_parses_and_fits_its_schema(tok: Tokenizer, compiler: GrammarCompiler, style: str,
-                                                           seed: int) -> None:
-    text = draw(tok, compiler, tool_call_lark([TOOLS["tight"]], "xml" if style == "xml" else "hermes", several=False), seed)
-    assert text.startswith("<tool_call>\n<function=tight>\n" if style == "xml" else '<tool_call>\n{"name": "tight"')
+def test_a_sampled_forced_call_parses_and_fits_its_schema(
+    tok: Tokenizer, compiler: GrammarCompiler, style: str, seed: int
+) -> None:
+    text = draw(
+        tok,
+        compiler,
+        tool_call_lark([TOOLS["tight"]], "xml" if style == "xml" else "hermes", several=False),
+        seed,
+    )
+    assert text.startswith(
+        "<tool_call>\n<function=tight>\n" if style == "xml" else '<tool_call>\n{"name": "tight"'
+    )
     content, [call] = parse(text, SCHEMAS)
     assert content is None and call.name == "tight"
     jsonschema.validate(json.loads(call.arguments), TIGHT)
 
 
-def test_xml_calls_take_raw_multiline_strings_in_schema_order(tok: Tokenizer, compiler: GrammarCompiler) -> None:
+def test_xml_calls_take_raw_multiline_strings_in_schema_order(
+    tok: Tokenizer, compiler: GrammarCompiler
+) -> None:
     lark = tool_call_lark([TOOLS["get_weather"]], "xml", several=False)
-    good = "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew\nYork\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    good = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew\nYork\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
     assert accepts(tok, compiler, lark, good)
     assert json.loads(parse(good, SCHEMAS)[1][0].arguments) == {"city": "New\nYork", "days": 3}
-    assert accepts(tok, compiler, lark, good.replace("<parameter=days>\n3\n</parameter>\n", ""))  # days is optional
-    assert not accepts(tok, compiler, lark, good.replace("<parameter=city>\nNew\nYork\n</parameter>\n", ""))  # city is not
+    assert accepts(
+        tok, compiler, lark, good.replace("<parameter=days>\n3\n</parameter>\n", "")
+    )  # days is optional
+    assert not accepts(
+        tok, compiler, lark, good.replace("<parameter=city>\nNew\nYork\n</parameter>\n", "")
+    )  # city is not
     assert not accepts(tok, compiler, lark, good.replace("\n3\n", "\nthree\n"))
     assert not accepts(tok, compiler, lark, good.replace("days", "weeks"))
-    swapped = "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    swapped = (
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n"
+        "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    )
     assert not accepts(tok, compiler, lark, swapped)
 
 
-def test_a_schema_the_xml_form_cannot_state_is_asked_for_as_json(tok: Tokenizer, compiler: GrammarCompiler) -> None:
+def test_a_schema_the_xml_form_cannot_state_is_asked_for_as_json(
+    tok: Tokenizer, compiler: GrammarCompiler
+) -> None:
     lark = tool_call_lark([TOOLS["lookup"]], "xml", several=False)
-    assert accepts(tok, compiler, lark, '<tool_call>\n{"name": "lookup", "arguments": {"id": "abc"}}\n</tool_call>')
-    assert not accepts(tok, compiler, lark, '<tool_call>\n{"name": "lookup", "arguments": {"id": "abcd"}}\n</tool_call>')
-    assert not accepts(tok, compiler, lark, "<tool_call>\n<function=lookup>\n<parameter=id>\nabc\n</parameter>\n</function>\n</tool_call>")
+    assert accepts(
+        tok, compiler, lark, '<tool_call>\n{"name": "lookup", "arguments": {"id": "abc"}}\n</tool_call>'
+    )
+    assert not accepts(
+        tok, compiler, lark, '<tool_call>\n{"name": "lookup", "arguments": {"id": "abcd"}}\n</tool_call>'
+    )
+    assert not accepts(
+        tok,
+        compiler,
+        lark,
+        "<tool_call>\n<function=lookup>\n<parameter=id>\nabc\n</parameter>\n</function>\n</tool_call>",
+    )
 
 
 def test_several_calls_only_when_asked(tok: Tokenizer, compiler: GrammarCompiler) -> None:
     one = '<tool_call>\n{"name": "tight", "arguments": {"unit": "c", "days": 2}}\n</tool_call>'
     assert accepts(tok, compiler, tool_call_lark([TOOLS["tight"]], "hermes", several=True), one + "\n" + one)
-    assert not accepts(tok, compiler, tool_call_lark([TOOLS["tight"]], "hermes", several=False), one + "\n" + one)
+    assert not accepts(
+        tok, compiler, tool_call_lark([TOOLS["tight"]], "hermes", several=False), one + "\n" + one
+    )
 
 
 def test_the_style_follows_the_template() -> None:

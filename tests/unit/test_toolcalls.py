@@ -9,16 +9,26 @@ from ballast.server import protocol as p
 from ballast.server.chat import template_messages
 from ballast.server.toolcalls import ToolCallStream, parse
 
-SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}
-HERMES = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
-XML = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n42 rue\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
-       "</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>")
+SCHEMAS = {
+    "get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+}
+HERMES = (
+    "Let me look.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+)
+XML = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\n42 "
+    "rue\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+    "</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>"
+)
 
 
 def test_hermes_call_and_the_content_before_it() -> None:
     content, calls = parse(HERMES, SCHEMAS)
     assert content == "Let me look."
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 3})]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 3})
+    ]
 
 
 def test_qwen35_xml_calls_take_string_values_raw_and_others_as_json() -> None:
@@ -54,15 +64,38 @@ def test_max_calls_keeps_the_first() -> None:
 
 
 def test_template_messages_keep_tool_turns_whole() -> None:
-    req = p.ChatCompletionRequest.model_validate({"model": "m", "messages": [
-        {"role": "developer", "content": "be brief"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
-    ]})
+    req = p.ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
+            ],
+        }
+    )
     assert template_messages(req) == [
         {"role": "system", "content": "be brief"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                }
+            ],
+        },
         {"role": "tool", "content": "sunny", "name": "get_weather", "tool_call_id": "call_1"},
     ]
