@@ -10,6 +10,13 @@ Checkpoint names need not be the model's parameter names: a model class may defi
 `checkpoint_key(name) -> str | None` (its name for a checkpoint tensor; None: a tensor it does not
 use, such as a vision tower or a multi-token-prediction head), and per-expert MoE tensors
 (`mlp.experts.{e}.gate_proj.weight` ...) are copied into the fused expert parameters.
+
+FP8 checkpoints in the Hugging Face fine-grained format (`quantization_config.quant_method: fp8`,
+as published for Qwen3-Next and Qwen3.5) hold each quantized weight as float8 (e4m3) plus a
+float32 `weight_scale_inv` per `weight_block_size` block (default 128 x 128): the real weight is
+the float8 value times its block's scale. Each such weight is dequantized while it is copied into
+the model's parameter (the model dtype), one tensor at a time, so no more than the read-ahead is
+ever held in float32; the scales are not kept.
 """
 
 from __future__ import annotations
@@ -18,13 +25,13 @@ import json
 import os
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from ballast.memory.types import MiB
-from ballast.models.base import ModelConfigError, WeightLoadError
+from ballast.models.base import ModelConfigError, UnsupportedModel, WeightLoadError
 from ballast.models.moe import per_expert_target, place_expert_tensor
 from ballast.models.registry import build_model, model_class
 from safetensors import safe_open
@@ -35,6 +42,9 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Non-persistent buffers some older checkpoints saved; our models compute them.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_FP8_SCALE_SUFFIX = ".weight_scale_inv"
+# Static activation scales of an FP8 checkpoint: unused once its weights are dequantized.
+_FP8_ACTIVATION_SUFFIXES = (".input_scale", ".activation_scale")
 _PROGRESS_MIN_BYTES = 256 * MiB
 _LOAD_THREADS = 8
 _READ_AHEAD = 2 * _LOAD_THREADS  # source tensors held at once, at most
@@ -75,6 +85,10 @@ class HFCheckpoint:
     path: Path
     config: dict[str, Any]
     tensors: dict[str, TensorInfo]  # by checkpoint name; only the tensors the model uses
+    # FP8 checkpoints: the block scale of each float8 weight (by the weight's checkpoint name), and
+    # the block shape [rows, cols] the scales cover.
+    scales: dict[str, TensorInfo] = field(default_factory=dict)
+    fp8_block: tuple[int, int] = (128, 128)
 
     def weights_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of every tensor once cast to dtype (what the model will hold)."""
@@ -83,9 +97,14 @@ class HFCheckpoint:
 
     def transient_bytes(self) -> int:
         """The extra a load holds at its peak besides the model: the source tensors read ahead
-        (copies cast straight into the model's parameters)."""
+        (copies cast straight into the model's parameters; a float8 weight also has its float32
+        dequantized copy while it is copied)."""
         sizes = sorted(
-            (t.numel * _ST_DTYPE_BYTES.get(t.dtype, 4) for t in self.tensors.values()), reverse=True
+            (
+                t.numel * (_ST_DTYPE_BYTES.get(t.dtype, 4) + (4 if name in self.scales else 0))
+                for name, t in self.tensors.items()
+            ),
+            reverse=True,
         )
         return sum(sizes[:_READ_AHEAD])
 
@@ -133,8 +152,10 @@ def inspect_hf_dir(path: str | Path) -> HFCheckpoint:
     if not root.is_dir():
         raise WeightLoadError(f"{root} is not a directory")
     config = read_config(root)
+    fp8_block = _fp8_block(config)
     model_key = getattr(model_class(config), "checkpoint_key", None)
     tensors: dict[str, TensorInfo] = {}
+    scales: dict[str, TensorInfo] = {}
     for file in _weight_files(root):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -147,16 +168,62 @@ def inspect_hf_dir(path: str | Path) -> HFCheckpoint:
                     if key is None or key.endswith(_IGNORED_SUFFIXES):
                         continue
                     sl = f.get_slice(name)
-                    tensors[name] = TensorInfo(
-                        file, str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape()), key
-                    )
+                    info = TensorInfo(file, str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape()), key)
+                    if fp8_block is not None and name.endswith(_FP8_SCALE_SUFFIX):
+                        scales[name.removesuffix("_scale_inv")] = info
+                    elif fp8_block is None or not name.endswith(_FP8_ACTIVATION_SUFFIXES):
+                        tensors[name] = info
         except (
             OSError,
             ValueError,
             RuntimeError,
         ) as e:  # safetensors raises SafetensorError(ValueError-like)
             raise WeightLoadError(f"cannot read {file}: {e}") from e
-    return HFCheckpoint(root, config, tensors)
+    if fp8_block is None:
+        return HFCheckpoint(root, config, tensors)
+    _check_fp8_scales(root, tensors, scales, fp8_block)
+    return HFCheckpoint(root, config, tensors, scales, fp8_block)
+
+
+def _fp8_block(config: dict[str, Any]) -> tuple[int, int] | None:
+    """The scale block of an FP8 checkpoint's config (None: not an FP8 checkpoint)."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict):
+        return None
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise UnsupportedModel(f"quantization method {method!r} is not supported (supported: fp8)")
+    block = quant.get("weight_block_size") or [128, 128]
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelConfigError(
+            f"quantization_config.weight_block_size must be two positive ints, got {block!r}"
+        )
+    return block[0], block[1]
+
+
+def _check_fp8_scales(
+    root: Path, tensors: dict[str, TensorInfo], scales: dict[str, TensorInfo], block: tuple[int, int]
+) -> None:
+    """Every float8 weight has a scale of the right block grid, and every scale a float8 weight."""
+    for name, info in tensors.items():
+        scale = scales.get(name)
+        if not info.dtype.startswith("F8_"):
+            if scale is not None:
+                raise WeightLoadError(f"{root}: {name} is {info.dtype} but has a weight_scale_inv")
+            continue
+        want = (
+            tuple(-(-d // b) for d, b in zip(info.shape, block, strict=True))
+            if len(info.shape) == 2
+            else None
+        )
+        if scale is None or want is None or scale.shape != want:
+            got = None if scale is None else scale.shape
+            raise WeightLoadError(
+                f"{root}: float8 {name} {info.shape} needs a {want} weight_scale_inv, found {got}"
+            )
+    orphans = sorted(scales.keys() - tensors.keys())
+    if orphans:
+        raise WeightLoadError(f"{root}: scales without a float8 weight: {_few(orphans)}")
 
 
 @dataclass(frozen=True)
@@ -262,7 +329,14 @@ def load_hf_model(
                     for c in file_copies:
                         if len(pending) >= min(_READ_AHEAD, 2 * workers):  # bound what is read ahead
                             bar.update(pending.popleft().result())
-                        pending.append(pool.submit(_copy_into, params[c.param], c, f.get_tensor(c.name)))
+                        src = f.get_tensor(c.name)
+                        if c.name in ckpt.scales:
+                            scale = _read_tensor(ckpt.scales[c.name], c.name + "_scale_inv")
+                            pending.append(
+                                pool.submit(_copy_fp8_into, params[c.param], c, src, scale, ckpt.fp8_block)
+                            )
+                        else:
+                            pending.append(pool.submit(_copy_into, params[c.param], c, src))
                     while pending:
                         bar.update(pending.popleft().result())
             except (OSError, ValueError, RuntimeError) as e:
@@ -278,6 +352,24 @@ def _copy_into(param: Tensor, copy: _Copy, src: Tensor) -> int:
         else:
             place_expert_tensor(param, copy.expert, copy.part, src)
     return src.numel() * param.element_size()
+
+
+def dequantize_fp8(weight: Tensor, scale_inv: Tensor, block: tuple[int, int]) -> Tensor:
+    """A float8 weight [rows, cols] times its block scales [ceil(rows/bn), ceil(cols/bk)], in float32."""
+    rows, cols = weight.shape
+    full = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * full
+
+
+def _copy_fp8_into(param: Tensor, copy: _Copy, src: Tensor, scale_inv: Tensor, block: tuple[int, int]) -> int:
+    _copy_into(param, copy, dequantize_fp8(src, scale_inv, block))
+    return src.numel() * param.element_size()
+
+
+def _read_tensor(info: TensorInfo, name: str) -> Tensor:
+    with safe_open(str(info.file), framework="pt", device="cpu") as f:
+        tensor: Tensor = f.get_tensor(name)
+        return tensor
 
 
 def load_hf_dir(
