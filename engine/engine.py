@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import psutil
 import torch
@@ -21,7 +22,15 @@ from ballast.engine.detok import Detokenizer
 from ballast.engine.graphs import GraphCaptureError
 from ballast.engine.kv_budget import capacity_line, segment_grant
 from ballast.engine.loading import LoadedModel, load
-from ballast.engine.plan import KVFigures, SamplingParams, SlotOutput, StepPlan, StepResult
+from ballast.engine.plan import (
+    KVFigures,
+    PrefillChunk,
+    PromptLogprobs,
+    SamplingParams,
+    SlotOutput,
+    StepPlan,
+    StepResult,
+)
 from ballast.engine.prefix_cache import CheckpointMissing, PrefixCache, PrefixCacheConfig, auto_interval
 from ballast.engine.runner import (
     ModelRunner,
@@ -287,14 +296,15 @@ class Engine:
         if preempted:
             keep = [i for i, (slot, _, _) in enumerate(seqs) if slot not in preempted]
             seqs, sampled = [seqs[i] for i in keep], [sampled[i] for i in keep]
-        outputs, forward_s = self._forward(seqs, sampled, plan.sampling)
+        asks = {p.slot: p for p in plan.prefills if p.logprob_targets and p.slot not in preempted}
+        outputs, prompt_logprobs, forward_s = self._forward(seqs, sampled, plan.sampling, asks)
         self._apply_saves(plan, frozenset(plan.release) | preempted)
         prefill_tokens = sum(len(p.token_ids) for p in plan.prefills if p.slot not in preempted)
         self.prefilled_tokens += prefill_tokens
         self.reused_tokens += reused
         kv, kv_int8 = self.kv_figures(), self.kv_figures(int8=True)
         return StepResult(outputs, prefill_tokens, len(plan.decodes), reused, forward_s, self._ledger_bytes(),
-                          tuple(sorted(preempted)), kv, kv_int8)
+                          tuple(sorted(preempted)), kv, kv_int8, prompt_logprobs)
 
     def kv_figures(self, int8: bool = False) -> KVFigures | None:
         """A KV pool's figures now: the main one, or the int8 one new sequences use under pressure
@@ -302,12 +312,26 @@ class Engine:
         pool = self.runner.kv_int8 if int8 else self.runner.kv
         return pool.figures() if pool is not None else None
 
-    def _forward(self, seqs: Rows, sampled: list[bool], sampling: dict[int, SamplingParams]) -> tuple[tuple[SlotOutput, ...], float]:
+    def _forward(
+        self, seqs: Rows, sampled: list[bool], sampling: dict[int, SamplingParams], asks: dict[int, PrefillChunk]
+    ) -> tuple[tuple[SlotOutput, ...], tuple[PromptLogprobs, ...], float]:
         if not seqs:
-            return (), 0.0
+            return (), (), 0.0
         t0 = time.perf_counter()
-        outputs = self._sample(seqs, sampled, self.runner.forward(seqs), sampling)
-        return outputs, time.perf_counter() - t0
+        every = [slot in asks for slot, _, _ in seqs]
+        logits = self.runner.forward(seqs, every)
+        prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+        if asks:  # rows: every token of the sequences that asked, the last token of the others
+            counts = [len(tokens) if e else 1 for (_, tokens, _), e in zip(seqs, every, strict=True)]
+            ends = list(accumulate(counts))
+            prompt_logprobs = tuple(
+                _prompt_logprobs(asks[slot], logits[end - count : end])
+                for (slot, _, _), count, end in zip(seqs, counts, ends, strict=True)
+                if slot in asks
+            )
+            logits = logits.index_select(0, torch.tensor([e - 1 for e in ends], device=logits.device))
+        outputs = self._sample(seqs, sampled, logits, sampling)
+        return outputs, prompt_logprobs, time.perf_counter() - t0
 
     def _apply_releases(self, plan: StepPlan) -> None:
         if plan.max_slots is not None:
@@ -443,3 +467,16 @@ class Engine:
 
     def _ledger_bytes(self) -> int:
         return sum(lease.nbytes for lease in self._leases if not lease.released)
+
+
+def _prompt_logprobs(chunk: PrefillChunk, logits: torch.Tensor) -> PromptLogprobs:
+    """The model's logprob of each prompt token the chunk's positions predict (the raw model: no
+    logit bias, penalty or temperature), with the most likely alternatives."""
+    targets = chunk.logprob_targets
+    logprobs = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+    picked = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])[:, 0].tolist()
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()
+    if chunk.top_logprobs:
+        values, ids = logprobs.topk(chunk.top_logprobs, dim=-1)
+        top = tuple(tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True))
+    return PromptLogprobs(chunk.slot, chunk.start_pos + 1, tuple(picked), top)

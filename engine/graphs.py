@@ -193,6 +193,7 @@ class DecodeGraphs:
             lens=self._ones[:b],
             cu_lens=ar[: b + 1],
             last_index=ar[:b],
+            logit_index=ar[:b],
             seq_of_token=ar[:b],
             slot_of_token=inp[2, :b],
             pad_index=ar[:b],

@@ -59,6 +59,11 @@ class PrefillChunk:
     start_pos: int
     sample: bool
     int8_kv: bool = False  # a new sequence (start_pos 0) keeps its KV in int8 (the ladder at WATCH+)
+    # Prompt logprobs (completions' echo with logprobs): the prompt token each position of the
+    # chunk predicts (tokens start_pos + 1 ..; one fewer than the chunk at the prompt's end), and
+    # how many most likely alternatives to report with each.
+    logprob_targets: tuple[int, ...] = ()
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,17 @@ class SlotOutput:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """What the model gave prompt tokens first_pos, first_pos + 1, ... of a slot: each one's
+    logprob and the most likely alternatives (token id, logprob) at its position."""
+
+    slot: int
+    first_pos: int
+    logprobs: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...]
+
+
+@dataclass(frozen=True)
 class KVFigures:
     """The KV block pool after a step: what admission counts blocks against."""
 
@@ -161,3 +177,4 @@ class StepResult:
     preempted: tuple[int, ...] = ()
     kv: KVFigures | None = None  # the main KV pool
     kv_int8: KVFigures | None = None  # the int8 pool new sequences use under pressure, if any
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # for chunks that asked (logprob_targets)

@@ -272,10 +272,10 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
 
-    def forward(self, seqs: Rows) -> Tensor:
-        """Logits [len(seqs), vocab] at each sequence's last token; writes the slots' states. A
-        decode step replays a graph where one was captured for its shape (the logits are then a
-        view valid until the next step)."""
+    def forward(self, seqs: Rows, all_logits: Sequence[bool] = ()) -> Tensor:
+        """Logits at each sequence's last token (at every token of the sequences all_logits marks),
+        in sequence order; writes the slots' states. A decode step replays a graph where one was
+        captured for its shape (the logits are then a view valid until the next step)."""
         if self.kv is not None:
             bs = self.kv.layout.block_size
             held = {slot: sum(p.alloc.count(slot) for p in self.pools) for slot, _, _ in seqs}
@@ -287,7 +287,7 @@ class ModelRunner:
         mixed = self.kv_stores is not None and self.kv_stores.mixed
         if self.graphs is not None and not mixed and self.graphs.can_use(seqs):
             return self.graphs.replay(seqs)
-        return self._run(ForwardBatch.build(seqs, self.device))
+        return self._run(ForwardBatch.build(seqs, self.device, all_logits=all_logits))
 
     def _run(self, batch: ForwardBatch) -> Tensor:
         with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):

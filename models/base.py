@@ -56,6 +56,9 @@ class ForwardBatch:
     lens: Tensor  # [B] int64, new tokens this step
     cu_lens: Tensor  # [B+1] int64
     last_index: Tensor  # [B] int64, index in T of each sequence's last token
+    # Rows of the flat layout whose logits the model returns: each sequence's last token, or all
+    # of its tokens where asked (prompt logprobs), in sequence order.
+    logit_index: Tensor
     seq_of_token: Tensor  # [T] int64, b of each token
     slot_of_token: Tensor  # [T] int64, slots[seq_of_token]
     pad_index: Tensor  # [T] int64, index of each token in a flattened [B, max_len] padded layout
@@ -88,10 +91,13 @@ class ForwardBatch:
         seqs: Rows,
         device: torch.device | str,
         max_ctx: int | None = None,
+        all_logits: Sequence[bool] = (),
     ) -> ForwardBatch:
         """seqs: (slot, token_ids, start) per sequence. A slot may appear at most once per step.
         max_ctx: read this many cache positions (>= every start + len; at most the cache length)
-        instead of the least that serves, so shapes stay fixed from step to step (CUDA graphs)."""
+        instead of the least that serves, so shapes stay fixed from step to step (CUDA graphs).
+        all_logits: per sequence, whether the model returns logits for every token of it (not only
+        the last)."""
         if not seqs:
             raise ValueError("a ForwardBatch needs at least one sequence")
         slots_list = [int(s) for s, _, _ in seqs]
@@ -111,6 +117,16 @@ class ForwardBatch:
             raise ValueError(f"max_ctx {max_ctx} is less than the {need_ctx} positions this step reads")
         host = _index_tensors(slots_list, starts_list, lens_list)
         host["token_ids"] = torch.tensor(flat, dtype=torch.int64)
+        if any(all_logits):
+            cu = host["cu_lens"].tolist()
+            host["logit_index"] = torch.tensor(
+                [
+                    i
+                    for b, every in enumerate(all_logits)
+                    for i in range(cu[b] if every else cu[b + 1] - 1, cu[b + 1])
+                ],
+                dtype=torch.int64,
+            )
         return cls(
             **to_device_packed(host, torch.device(device)),
             slots_list=slots_list,
@@ -166,6 +182,7 @@ def _index_tensors(slots_list: list[int], starts_list: list[int], lens_list: lis
         "lens": lens,
         "cu_lens": cu_lens,
         "last_index": cu_lens[1:] - 1,
+        "logit_index": cu_lens[1:] - 1,
         "seq_of_token": seq_of_token,
         "slot_of_token": slots[seq_of_token],
         "pad_index": seq_of_token * max_len + offset_in_seq,

@@ -192,7 +192,8 @@ class LlamaForCausalLM(nn.Module):
         rope = Rope(*self.model.rotary_emb(batch.positions, h.dtype))
         for layer, state in zip(self.model.layers, states, strict=True):
             h = layer(h, batch, rope, state)
-        # Only the last token of each sequence needs the final norm and the (large) head.
+        # Only the rows asked for (each sequence's last token, or every token where prompt logprobs
+        # are asked) need the final norm and the (large) head.
         if not batch.decode_only:
-            h = h.index_select(0, batch.last_index)
+            h = h.index_select(0, batch.logit_index)
         return self.lm_head(self.model.norm(h)).float()

@@ -350,7 +350,7 @@ class Qwen3NextForCausalLM(nn.Module):
         for layer, state in zip(self.model.layers, states, strict=True):
             h = layer(h, step, state)
         if not batch.decode_only:
-            h = h.index_select(0, batch.last_index)
+            h = h.index_select(0, batch.logit_index)
         return self.lm_head(self.model.norm(h)).float()
 
     def init_random_weights(self, gen: torch.Generator) -> None:

@@ -29,6 +29,10 @@ class GenerationRequest:
     # Absolute time.monotonic() after which the request is ended with RequestTimeout.
     # None: the scheduler applies SchedulerConfig.request_timeout_s from submission (if set).
     deadline_s: float | None = None
+    # The prompt's own logprobs (completions' echo with logprobs): None for none, else how many
+    # most likely alternatives to give with each prompt token. Its prompt is prefilled, never
+    # restored from the prefix cache (every position's logits are needed).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -64,6 +68,8 @@ class FinishEvent:
     capped: bool = False  # admission CAP shortened max_tokens to fit memory (reason is "length")
     error: Refused | None = None  # set when reason == "error" (Overloaded, RequestTimeout, ...)
     cached_tokens: int = 0  # prompt tokens restored from a prefix checkpoint, not prefilled
+    # Prompt tokens 1 .. n-1 as the model scored them, when the request asked (prompt_logprobs).
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 Event = TokenEvent | FinishEvent

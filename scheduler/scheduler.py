@@ -70,6 +70,11 @@ class Phase(enum.Enum):
     FINISHED = "finished"
 
 
+# Tokens per prefill chunk of a request that scores its prompt: the model returns a row of
+# logits (vocabulary-sized, float32) for every one of them.
+PROMPT_LOGPROBS_CHUNK = 256
+
+
 @dataclass(eq=False)
 class _Seq:
     req: GenerationRequest
@@ -92,6 +97,9 @@ class _Seq:
     # and kept when it resumes, so a level change never changes an admitted request's tokens.
     int8_kv: bool | None = None
     kv_held: int = 0  # positions the engine held for it after the last step (what its figures count)
+    # Prompt logprobs by position (1 .. len(prompt) - 1), when the request asked for them; a
+    # recompute after a preemption scores positions again, to the same values.
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
 
     @property
     def feed(self) -> tuple[int, ...]:
@@ -292,6 +300,12 @@ class Scheduler:
         self._kv.update(result)
         for slot in result.preempted:
             self._requeue(slot)
+        for scored in result.prompt_logprobs:
+            if (owner := self._by_slot.get(scored.slot)) is not None:
+                tops = scored.top or ((),) * len(scored.logprobs)
+                for i, (lp, top) in enumerate(zip(scored.logprobs, tops, strict=True)):
+                    pos = scored.first_pos + i
+                    owner.prompt_logprobs[pos] = TokenLogprob(owner.req.prompt_ids[pos], lp, top)
         outputs = {out.slot: out for out in result.outputs}
         expected = [d.slot for d in plan.decodes] + [p.slot for p in plan.prefills if p.sample]
         for slot in (s for s in expected if s not in result.preempted):
@@ -338,7 +352,12 @@ class Scheduler:
         """The seq's next prefill chunk (its first one restores the longest cached prefix)."""
         assert seq.slot is not None
         prompt = seq.feed
-        cached = not seq.int8_kv  # the prefix cache holds main-pool blocks: int8 sequences neither save nor restore
+        # The prefix cache holds main-pool blocks: int8 sequences neither save nor restore; nor do
+        # requests that score their prompt (every position's logits are needed).
+        scoring = seq.req.prompt_logprobs is not None
+        cached = not seq.int8_kv and not scoring
+        if scoring:  # the model returns logits for every token of the chunk: keep those rows few
+            budget = min(budget, PROMPT_LOGPROBS_CHUNK)
         if seq.preempted and seq.prefilled == 0 and (n := self._engine.match_parked(prompt)) > 0:
             self._checkpoints.queue_resume(seq.slot, prompt[:n])  # parked when preempted: no recompute
             seq.prefilled = n
@@ -349,8 +368,10 @@ class Scheduler:
         end = min(len(prompt), seq.prefilled + budget)
         if cached:
             end = self._checkpoints.end_chunk_at_checkpoint(seq.slot, prompt, seq.prefilled, end)
+        targets = seq.req.prompt_ids[seq.prefilled + 1 : end + 1] if scoring else ()
         out.append(PrefillChunk(seq.slot, prompt[seq.prefilled : end], seq.prefilled, sample=end == len(prompt),
-                                int8_kv=bool(seq.int8_kv)))
+                                int8_kv=bool(seq.int8_kv), logprob_targets=targets,
+                                top_logprobs=seq.req.prompt_logprobs or 0))
         sampling[seq.slot] = seq.req.params
         n, seq.prefilled = end - seq.prefilled, end
         return n
@@ -442,7 +463,12 @@ class Scheduler:
             if tail:
                 seq.mailbox.put(TokenEvent(tail, ()))
         capped = seq.capped and reason == "length"
-        seq.mailbox.put(FinishEvent(reason, len(seq.req.prompt_ids), len(seq.output), capped, error, seq.cached))
+        scored = None
+        if seq.req.prompt_logprobs is not None and len(seq.prompt_logprobs) == len(seq.req.prompt_ids) - 1:
+            scored = tuple(seq.prompt_logprobs[pos] for pos in range(1, len(seq.req.prompt_ids)))
+        seq.mailbox.put(
+            FinishEvent(reason, len(seq.req.prompt_ids), len(seq.output), capped, error, seq.cached, scored)
+        )
         self._outcomes[reason if error is None else outcome_of(error)] += 1
 
     def _fail(self, exc: Exception) -> None:

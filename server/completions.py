@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, cast
 
 from ballast.engine.engine import Engine
@@ -193,8 +193,10 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
     model = check_model(state, req.model)
     tokenizer, max_len = ready_engine(state)
     _common_checks(req)
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs (the prompt's logprobs) is not supported yet", param="echo")
+    if req.echo and req.logprobs is not None and req.stream:
+        raise bad_request(
+            "echo with logprobs is not supported when streaming (ask without stream)", param="echo"
+        )
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of not in (None, 1, req.n):
@@ -203,9 +205,13 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
     params = _sampling(req, sampling_defaults(state), req.logprobs, _logit_bias(tokenizer, req))
     rid = p.new_id("cmpl")
     choices = [(i, ids) for _, ids in prompts for i in range(req.n)]  # (index among its prompt's, prompt)
+    scoring = req.logprobs if req.echo else None  # echo with logprobs: the prompt's own logprobs too
     gens = tuple(
-        _generation(
-            _choice_id(rid, k, len(choices)), ids, req, _choice_params(params, i), req.max_tokens, max_len
+        replace(
+            _generation(
+                _choice_id(rid, k, len(choices)), ids, req, _choice_params(params, i), req.max_tokens, max_len
+            ),
+            prompt_logprobs=scoring,
         )
         for k, (i, ids) in enumerate(choices)
     )

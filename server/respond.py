@@ -62,6 +62,23 @@ def completion_logprobs(
     return out
 
 
+def prompt_logprobs(
+    tokenizer: TokenizerLike, prompt_ids: tuple[int, ...], scored: tuple[TokenLogprob, ...]
+) -> p.CompletionLogprobs:
+    """An echoed prompt's logprobs, as the legacy completions API gives them: its first token has
+    none (nothing predicts it), every later one the model's logprob given the tokens before it."""
+    out = p.CompletionLogprobs()
+    first = token_text(tokenizer, prompt_ids[0])
+    out.tokens.append(first)
+    out.token_logprobs.append(None)
+    out.top_logprobs.append(None)
+    out.text_offset.append(0)
+    rest = completion_logprobs(tokenizer, scored, len(first))
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        getattr(out, name).extend(getattr(rest, name))
+    return out
+
+
 @dataclass(frozen=True)
 class Collected:
     text: str
@@ -127,7 +144,16 @@ def _completion_choice(
     tokenizer: TokenizerLike, job: Job, index: int, result: Collected
 ) -> p.CompletionChoice:
     echo = job.echo[index] if job.echo else ""
-    clp = completion_logprobs(tokenizer, result.entries, 0) if job.want_logprobs else None
+    clp = None
+    if job.want_logprobs:
+        scored = result.finish.prompt_logprobs
+        if echo and scored is not None:  # the prompt's own tokens first, then the answer's
+            clp = prompt_logprobs(tokenizer, job.gens[index].prompt_ids, scored)
+            generated = completion_logprobs(tokenizer, result.entries, len(echo))
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(clp, name).extend(getattr(generated, name))
+        else:
+            clp = completion_logprobs(tokenizer, result.entries, 0)
     return p.CompletionChoice(
         index=index, text=echo + result.text, logprobs=clp, finish_reason=result.finish.reason
     )

@@ -236,3 +236,45 @@ def test_tokenize_detokenize_and_model_routes(base_url: str, client: openai.Open
     assert client.models.retrieve("default").id == "default"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
+
+
+def test_echo_gives_the_prompts_logprobs_of_a_forward_pass(client: openai.OpenAI) -> None:
+    import torch
+    from ballast.models.base import ForwardBatch
+    from ballast.models.state import allocate_states
+
+    engine = Engine.load(
+        EngineConfig(model="default", device="cpu", dtype="float32", max_num_seqs=1, max_model_len=1024)
+    )
+    try:
+        # Longer than one prefill chunk: scored over several steps.
+        ids = engine.tokenizer.encode("The history of memory in computing, told slowly and in detail. " * 30)
+        model = engine.runner.model
+        states = allocate_states(model.layer_specs(4), 1, len(ids) + 8, "cpu", torch.float32)
+        with torch.no_grad():
+            logits = model(ForwardBatch.build([(0, ids, 0)], "cpu", all_logits=[True]), states)
+        want = torch.log_softmax(logits.float(), -1)
+    finally:
+        engine.shutdown()
+    assert len(ids) > 300
+    out = client.completions.create(
+        model="default", prompt=ids, max_tokens=1, echo=True, logprobs=2, temperature=0
+    )
+    lp = out.choices[0].logprobs
+    assert (
+        lp is not None
+        and lp.token_logprobs is not None
+        and lp.top_logprobs is not None
+        and lp.tokens is not None
+    )
+    assert len(lp.tokens) == len(ids) + 1  # the prompt, then the one generated token
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    scored = torch.tensor(lp.token_logprobs[1 : len(ids)])
+    expected = want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    torch.testing.assert_close(scored, expected, atol=2e-4, rtol=0)
+    # Two alternatives at each position, the best of them the forward pass's argmax.
+    best = want[: len(ids) - 1].max(-1).values
+    top = torch.tensor([max(t.values()) for t in lp.top_logprobs[1 : len(ids)]])
+    assert all(len(t) <= 2 for t in lp.top_logprobs[1 : len(ids)])
+    torch.testing.assert_close(top, best, atol=2e-4, rtol=0)
+    assert out.choices[0].text.startswith(engine.tokenizer.decode(ids[:5]))

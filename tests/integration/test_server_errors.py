@@ -151,7 +151,7 @@ def test_missing_field_and_broken_json_are_400(calm: str) -> None:
         ({"prompt": ["one", ""]}, "prompt"),
         ({"prompt": [[1, 2], []]}, "prompt"),
         ({"prompt": ""}, "prompt"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ],
 )
