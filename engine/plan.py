@@ -153,3 +153,15 @@ class StepResult:
     preempted: tuple[int, ...] = ()
     kv: KVFigures | None = None  # the main KV pool
     kv_int8: KVFigures | None = None  # the int8 pool new sequences use under pressure, if any
+
+
+class StepFailed(Exception):
+    """A step raised, but the engine is still sound: it has dropped every sequence the plan
+    touched (their KV blocks, states and sampler history) and applied the plan's releases, so
+    only the requests in `slots` are lost; the scheduler fails them with a retryable error and goes
+    on. A fault that leaves the device unsound is raised as itself instead, never as this."""
+
+    def __init__(self, cause: Exception, slots: frozenset[int]) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.slots = slots

@@ -23,6 +23,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = field(default=512, metadata=_setting("BALLAST_MAX_NUM_BATCHED_TOKENS", 1, 1 << 20, "tokens per step (decodes + prefill chunks); must be >= max_num_seqs"))
     prefill_window: int = field(default=0, metadata=_setting("BALLAST_PREFILL_WINDOW", 0, 1 << 24, "context (prompt + new tokens) a request may use; 0 = the model's max_model_len. The ladder halves it at TIGHT, quarters it at CRITICAL"))
     request_timeout_s: float = field(default=600.0, metadata=_setting("BALLAST_REQUEST_TIMEOUT_S", 0.0, 86400.0, "deadline from submission for a request without its own; 0 = none"))
+    max_queue_wait_s: float = field(default=30.0, metadata=_setting("BALLAST_MAX_QUEUE_WAIT_S", 0.0, 86400.0, "longest a request may wait for a slot: one that would wait longer (estimated from the measured service rate) or did gets 429 + Retry-After; 0 = no bound"))
+    stale_snapshot_s: float = field(default=5.0, metadata=_setting("BALLAST_STALE_SNAPSHOT_S", 0.0, 3600.0, "a memory snapshot older than this (MemWatch polls failing) counts as unknown: new and queued requests get 503 at once; 0 = never stale"))
     retry_after_s: float = field(default=2.0, metadata=_setting("BALLAST_RETRY_AFTER_S", 0.0, 3600.0, "Retry-After advertised with 503 and 429 refusals"))
     ladder_disable: bool = field(default=False, metadata=_setting("BALLAST_LADDER_DISABLE", 0, 1, "1 turns the degradation ladder off (slots and window stay as configured)"))
     psi_full_reject_pct: float = field(default=15.0, metadata=_setting("BALLAST_PSI_FULL_REJECT", 0.01, 100.0, "PSI full avg10 (%) at which admission refuses new requests"))

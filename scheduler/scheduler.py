@@ -24,6 +24,7 @@ from ballast.engine.plan import (
     PrefillChunk,
     SamplingParams,
     SlotOutput,
+    StepFailed,
     StepPlan,
     StepResult,
 )
@@ -37,8 +38,11 @@ from ballast.scheduler.errors import (
     EngineFailed,
     Overloaded,
     QueueFull,
+    QueueWaitTooLong,
     Refused,
+    RequestFailed,
     RequestTimeout,
+    StepAborted,
     outcome_of,
 )
 from ballast.scheduler.governor import Governor, GovernorSettings, SnapshotSource, VerdictRecorder
@@ -53,6 +57,7 @@ from ballast.scheduler.request import (
     TokenEvent,
     TokenLogprob,
 )
+from ballast.scheduler.service_rate import ServiceRate
 from ballast.scheduler.slots import SlotTable
 
 log = logging.getLogger(__name__)
@@ -138,6 +143,7 @@ class Scheduler:
             config.retry_after_s,
             gpu_die,
             engine.quantized_kv,
+            config.stale_snapshot_s,
         )
         self._gov = Governor(settings, engine.cost_model, memwatch, admission_metrics)
         self._eos = engine.tokenizer.eos_token_ids
@@ -157,6 +163,9 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.failure: EngineFailed | None = None
+        self.service = ServiceRate()  # slots turning over under backlog: the queue-wait estimate
+        self.step_failures = 0  # steps the engine failed and recovered from (their requests lost)
+        self.last_step_failure: str | None = None
         self.steps = 0
         self.idle_ticks = 0
         self.idle_failures = 0
@@ -201,6 +210,7 @@ class Scheduler:
             self._gov.check_submit()
             if self._queue.full:
                 raise QueueFull(self._cfg.retry_after_s, self._queue.max_size)
+            self._check_queue_wait()
         except Refused as refusal:
             self._outcomes[outcome_of(refusal)] += 1
             raise
@@ -228,7 +238,11 @@ class Scheduler:
                 if plan.empty and plan.max_slots is None:  # a ladder change alone is still sent
                     await self._wait_for_work()
                     continue
-                result = await asyncio.wrap_future(self._engine.submit(plan))
+                try:
+                    result = await asyncio.wrap_future(self._engine.submit(plan))
+                except StepFailed as failed:
+                    self._step_failed(plan, failed)
+                    continue
                 self._apply(plan, result)
         except asyncio.CancelledError:
             # Cancelled without stop() (the event loop is going away): readers still get an end.
@@ -250,6 +264,11 @@ class Scheduler:
         for seq in [*self._queue, *self._running]:
             if seq.deadline is not None and now >= seq.deadline:
                 self._finish(seq, "error", RequestTimeout(seq.deadline - seq.submitted_at, len(seq.output)))
+        bound = self._cfg.max_queue_wait_s
+        for seq in list(self._queue):
+            if bound > 0 and not seq.preempted and now - seq.submitted_at >= bound:
+                waited = now - seq.submitted_at
+                self._finish(seq, "error", QueueWaitTooLong(self._cfg.retry_after_s, waited, bound, estimated=False))
         if self._gov.pressure_level >= Level.CRITICAL:
             for seq in list(self._queue):
                 if not seq.preempted:  # an admitted request waits for its blocks, never fails
@@ -301,9 +320,39 @@ class Scheduler:
                 continue
             if slot not in outputs:
                 raise RuntimeError(f"engine returned no token for slot {slot} of request {seq.req.request_id}")
-            self._on_token(seq, outputs[slot])
+            try:
+                self._on_token(seq, outputs[slot])
+            except Exception as exc:  # its detokenizer failed: this request's error, not the engine's
+                log.exception("request %s: output handling failed", seq.req.request_id)
+                self._finish(seq, "error", RequestFailed(exc))
         for seq in self._running:  # what the step's KV figures count for each running request
             seq.kv_held = seq.consumed_tokens
+
+    def _step_failed(self, plan: StepPlan, failed: StepFailed) -> None:
+        """The engine failed the step and recovered: it dropped the sequences of `failed.slots`
+        and applied the plan's releases. Those requests end with a retryable error (their slots
+        are released again in the next plan, which the engine takes as a no-op); everything else,
+        queued or running, goes on. A preemption in the failed step never reached us: the engine
+        dropped what it parked, and the preempted request is among the failed ones."""
+        self.step_failures += 1
+        self.last_step_failure = str(failed)
+        self._slots.released(plan.release)
+        for slot in sorted(failed.slots):
+            seq = self._by_slot.get(slot)
+            if seq is not None:
+                self._finish(seq, "error", StepAborted(self._cfg.retry_after_s, str(failed), len(seq.output)))
+
+    def _check_queue_wait(self) -> None:
+        """Refuse a request at once when it would not get a slot within max_queue_wait_s: every
+        slot busy and the queue ahead of it longer than the measured service rate clears in time."""
+        bound = self._cfg.max_queue_wait_s
+        if bound <= 0 or self._slots.has_free(self.slot_limit):
+            return
+        wait = self.service.wait_s(len(self._queue))
+        if wait is not None and wait > bound:
+            # Come back when the queue should have shrunk enough to fit the bound again.
+            retry = min(bound, max(self._cfg.retry_after_s, wait - bound))
+            raise QueueWaitTooLong(retry, wait, bound, estimated=True)
 
     # --- pieces ---------------------------------------------------------------------------
     def _admit_head(self) -> _Seq | None:
@@ -431,6 +480,7 @@ class Scheduler:
                 self._unpark.append(seq.feed)
         else:
             self._running.remove(seq)
+            self.service.left_slot(time.monotonic(), backlog=bool(self._queue))
             if seq.slot is not None:
                 if reason in ("stop", "length") and seq.phase is Phase.DECODING and not seq.int8_kv:
                     # Saved before the release: the slot has consumed prompt + output[:-1].
@@ -439,7 +489,11 @@ class Scheduler:
                 self._slots.retire(seq.slot)
         seq.phase = Phase.FINISHED
         if reason in ("stop", "length") and not seq.detok.stopped:
-            tail = seq.detok.flush()
+            try:
+                tail = seq.detok.flush()
+            except Exception as exc:  # the reader must still get its FinishEvent
+                log.exception("request %s: flushing its text failed", seq.req.request_id)
+                reason, error, tail = "error", RequestFailed(exc), ""
             if tail:
                 seq.mailbox.put(TokenEvent(tail, ()))
         capped = seq.capped and reason == "length"
@@ -512,6 +566,11 @@ class Scheduler:
     @property
     def plan(self) -> LadderPlan:
         return self._gov.plan
+
+    @property
+    def memory_stale(self) -> str | None:
+        """Why the memory snapshot counts as unknown now (MemWatch stopped publishing); else None."""
+        return self._gov.stale_reason()
 
     @property
     def idle(self) -> bool:

@@ -2,7 +2,9 @@
 
 Body shape everywhere: `{"error": {"message", "type", "param", "code"}}`. Bad input is a 400 (never
 FastAPI's default 422 shape, never a 500 with a traceback); memory pressure is a 503 with
-`Retry-After`; a full queue is a 429 with `Retry-After`; an engine failure is a 500 and makes
+`Retry-After`; a full queue, or a wait for a slot longer than the queue-wait bound, is a 429
+with `Retry-After`; a failed engine step the engine recovered from is a 503 with `Retry-After`
+(only that step's requests are lost); an engine failure is a 500 and makes
 `/health` fail (the engine reports itself unsound; see `routes.health`).
 """
 
@@ -19,8 +21,11 @@ from ballast.scheduler.errors import (
     EngineFailed,
     Overloaded,
     QueueFull,
+    QueueWaitTooLong,
     Refused,
+    RequestFailed,
     RequestTimeout,
+    StepAborted,
 )
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -76,6 +81,13 @@ def from_refusal(exc: Refused | MemoryRefused, prompt_param: str = "messages") -
         return ApiError(503, str(exc), "server_overloaded", code="server_overloaded", headers=retry_after_header(exc.retry_after_s))
     if isinstance(exc, QueueFull):
         return ApiError(429, str(exc), "rate_limit_exceeded", code="queue_full", headers=retry_after_header(exc.retry_after_s))
+    if isinstance(exc, QueueWaitTooLong):
+        return ApiError(429, str(exc), "rate_limit_exceeded", code="queue_wait_exceeded", headers=retry_after_header(exc.retry_after_s))
+    if isinstance(exc, StepAborted):
+        # The server is sound (only this step's requests were lost): 503, so clients retry.
+        return ApiError(503, str(exc), "server_error", code="engine_step_failed", headers=retry_after_header(exc.retry_after_s))
+    if isinstance(exc, RequestFailed):  # this request only: the server stays sound
+        return ApiError(500, str(exc), "server_error", code="request_failed")
     if isinstance(exc, ContextTooLong):
         return ApiError(400, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, RequestTimeout):

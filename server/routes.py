@@ -29,7 +29,12 @@ async def health(request: Request) -> JSONResponse:
     """200 while the process and the engine are sound (loading counts as sound)."""
     state = state_of(request)
     if state.sound():
-        return JSONResponse({"status": "ok", "phase": state.phase.value})
+        body: dict[str, object] = {"status": "ok", "phase": state.phase.value}
+        if state.scheduler is not None and state.scheduler.step_failures:
+            # Sound, but steps have failed (each cost only its own requests): say so.
+            body["step_failures"] = state.scheduler.step_failures
+            body["last_step_failure"] = state.scheduler.last_step_failure
+        return JSONResponse(body)
     return JSONResponse({"status": "unsound", "reason": state.failure}, status_code=503)
 
 

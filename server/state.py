@@ -105,6 +105,9 @@ class ServerState:
         level = self.level()
         if level >= Level.CRITICAL:
             return f"memory pressure {level.name}"
+        stale = self.scheduler.memory_stale if self.scheduler is not None else None
+        if stale is not None:  # the scheduler refuses new work until memory is seen again
+            return stale
         return None
 
     def scheduler_figures(self) -> SchedulerFigures | None:
