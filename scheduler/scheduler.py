@@ -264,11 +264,7 @@ class Scheduler:
         for seq in [*self._queue, *self._running]:
             if seq.deadline is not None and now >= seq.deadline:
                 self._finish(seq, "error", RequestTimeout(seq.deadline - seq.submitted_at, len(seq.output)))
-        bound = self._cfg.max_queue_wait_s
-        for seq in list(self._queue):
-            if bound > 0 and not seq.preempted and now - seq.submitted_at >= bound:
-                waited = now - seq.submitted_at
-                self._finish(seq, "error", QueueWaitTooLong(self._cfg.retry_after_s, waited, bound, estimated=False))
+        self._refuse_late(now)
         if self._gov.pressure_level >= Level.CRITICAL:
             for seq in list(self._queue):
                 if not seq.preempted:  # an admitted request waits for its blocks, never fails
@@ -341,6 +337,24 @@ class Scheduler:
             seq = self._by_slot.get(slot)
             if seq is not None:
                 self._finish(seq, "error", StepAborted(self._cfg.retry_after_s, str(failed), len(seq.output)))
+
+    def _refuse_late(self, now: float) -> None:
+        """The queue-wait bound for requests already queued: one that has waited max_queue_wait_s,
+        or that the measured service rate says cannot start before then (a burst that arrived
+        before the rate was known), is refused now rather than at its deadline. A preempted
+        request is running work and is never refused."""
+        bound = self._cfg.max_queue_wait_s
+        if bound <= 0 or not self._queue:
+            return
+        rate = None if self._slots.has_free(self.slot_limit) else self.service.per_s
+        for ahead, seq in enumerate(list(self._queue)):
+            if seq.preempted:
+                continue
+            waited = now - seq.submitted_at
+            still = (ahead + 1) / rate if rate else 0.0
+            if waited >= bound or waited + still > bound:
+                retry = min(bound, max(self._cfg.retry_after_s, waited + still - bound))
+                self._finish(seq, "error", QueueWaitTooLong(retry, waited + still, bound, estimated=waited < bound))
 
     def _check_queue_wait(self) -> None:
         """Refuse a request at once when it would not get a slot within max_queue_wait_s: every

@@ -122,6 +122,8 @@ async def _events(state: ServerState, job: Job, started: Started) -> AsyncIterat
         yield DONE
     finally:
         handle.abort()  # no-op after a finish; frees the slot when the client went away
+        # A client that went away mid-stream is counted as an abort (a no-op after a finish).
+        timer.finished("abort", len(job.gen.prompt_ids), timer.generated)
 
 
 def stream_response(state: ServerState, job: Job, started: Started) -> StreamingResponse:
