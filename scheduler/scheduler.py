@@ -66,6 +66,11 @@ log = logging.getLogger(__name__)
 verdict_log = logging.getLogger("ballast.events.request")
 
 OUTCOMES = ("stop", "length", "abort", *REFUSAL_OUTCOMES)
+# A request is refused on the service-rate estimate only when it overshoots the queue-wait bound by
+# this factor: the rate is measured, not known (requests ahead may leave, steps speed up once a
+# burst's connections are parsed), and a false refusal costs a client a retry elsewhere. The bound
+# itself is enforced exactly on the time a request has really waited.
+ESTIMATE_MARGIN = 1.25
 
 
 class Phase(enum.Enum):
@@ -352,7 +357,7 @@ class Scheduler:
                 continue
             waited = now - seq.submitted_at
             still = (ahead + 1) / rate if rate else 0.0
-            if waited >= bound or waited + still > bound:
+            if waited >= bound or waited + still > bound * ESTIMATE_MARGIN:
                 retry = min(bound, max(self._cfg.retry_after_s, waited + still - bound))
                 self._finish(seq, "error", QueueWaitTooLong(retry, waited + still, bound, estimated=waited < bound))
 
@@ -363,7 +368,7 @@ class Scheduler:
         if bound <= 0 or self._slots.has_free(self.slot_limit):
             return
         wait = self.service.wait_s(len(self._queue))
-        if wait is not None and wait > bound:
+        if wait is not None and wait > bound * ESTIMATE_MARGIN:
             # Come back when the queue should have shrunk enough to fit the bound again.
             retry = min(bound, max(self._cfg.retry_after_s, wait - bound))
             raise QueueWaitTooLong(retry, wait, bound, estimated=True)

@@ -12,7 +12,7 @@ from collections import deque
 
 
 class ServiceRate:
-    def __init__(self, window: int = 64, min_samples: int = 8) -> None:
+    def __init__(self, window: int = 64, min_samples: int = 16) -> None:
         """window: the intervals the rate averages over; min_samples: intervals needed before
         the rate is trusted (until then no request is refused on an estimate)."""
         if window < 1 or not 1 <= min_samples <= window:

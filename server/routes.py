@@ -5,9 +5,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 from ballast.server import protocol as p
 from ballast.server.auth import bearer_dependency
-from ballast.server.completions import Job, chat_job, completion_job, respond, start
+from ballast.server.completions import Job, Started, chat_job, completion_job, respond, start
 from ballast.server.errors import ApiError
 from ballast.server.state import ServerState
 from ballast.server.streaming import stream_response
@@ -53,8 +56,35 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(state_of(request).registry), media_type=CONTENT_TYPE_LATEST)
 
 
+async def _start_unless_gone(state: ServerState, job: Job, request: Request) -> Started | None:
+    """Submit and wait for the first event, as `start` does, but give up (aborting the request,
+    which frees its queue entry or slot) if the client disconnects first: a client that left while
+    queued must not cost a prefill. None when it left."""
+    starting = asyncio.ensure_future(start(state, job))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((starting, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if starting.done():
+        return starting.result()
+    starting.cancel()  # start() aborts the handle when cancelled
+    with contextlib.suppress(asyncio.CancelledError, ApiError):
+        await starting
+    state.metrics.requests.labels(endpoint=job.endpoint, outcome="abort").inc()
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so that is the next message)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _answer(state: ServerState, job: Job, request: Request) -> Response:
-    started = await start(state, job)
+    started = await _start_unless_gone(state, job, request)
+    if started is None:  # nobody is listening; the status is for the access log only
+        return Response(status_code=499)
     if job.stream:
         return stream_response(state, job, started)
     return await respond(state, job, started, request)

@@ -106,7 +106,7 @@ async def test_with_a_measured_service_rate_a_hopeless_request_is_refused_at_sub
     cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_queue_wait_s=1.0)
     s, eng = await make(cfg, step_delay_s=0.005)
     assert s.service.per_s is None
-    warm = [s.submit(req(i, max_tokens=6)) for i in range(14)]  # a short backlog: the rate is measured
+    warm = [s.submit(req(i, max_tokens=6)) for i in range(24)]  # a short backlog: the rate is measured
     await asyncio.gather(*(h.collect() for h in warm))
     rate = s.service.per_s
     assert rate is not None and rate > 0
