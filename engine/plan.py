@@ -31,6 +31,9 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if not 0 <= self.min_p <= 1:
             raise ValueError("min_p must be in [0, 1]")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            # A torch generator takes at most 64 bits: a larger seed would fail the engine step.
+            raise ValueError("seed must fit in 64 bits")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

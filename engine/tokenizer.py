@@ -27,6 +27,20 @@ class TokenizerError(Exception):
     """The tokenizer could not be loaded or used as asked."""
 
 
+class TokenizerInputError(ValueError):
+    """The text cannot be tokenized (it is not valid Unicode): the client's error, never the server's."""
+
+
+def _unicode(text: str) -> str:
+    """`text` itself if it is valid Unicode. JSON may carry lone UTF-16 surrogates ("\\ud800"),
+    which Python keeps in a str but no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TokenizerInputError(f"the text is not valid Unicode: {e.reason} at position {e.start}") from None
+    return text
+
+
 class Tokenizer:
     """Implements `ballast.engine.interface.TokenizerLike`."""
 
@@ -58,7 +72,7 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         # add_special_tokens adds a BOS where the tokenizer wants one (llama-style); split_special
         # keeps a user's literal "<|im_end|>" as plain text instead of a control token.
-        ids = self.hf(text, add_special_tokens=True, split_special_tokens=True)["input_ids"]
+        ids = self.hf(_unicode(text), add_special_tokens=True, split_special_tokens=True)["input_ids"]
         return [int(i) for i in ids]
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
@@ -66,7 +80,7 @@ class Tokenizer:
             raise TokenizerError("this model's tokenizer has no chat template; use a raw completion")
         text = self.render_chat(messages)
         # The template writes BOS and the turn markers itself: parse them, add nothing.
-        ids = self.hf(text, add_special_tokens=False)["input_ids"]
+        ids = self.hf(_unicode(text), add_special_tokens=False)["input_ids"]
         return [int(i) for i in ids]
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:

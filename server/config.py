@@ -51,6 +51,7 @@ class ServerConfig:
     port: int = field(default=8000, metadata=_setting("BALLAST_PORT", "TCP port to listen on (0 = any free port)", 0, 65535))
     api_key: str | None = field(default=None, metadata=_setting("BALLAST_API_KEY", "if set, /v1 requires 'Authorization: Bearer <key>'"))
     max_body_bytes: int = field(default=8 << 20, metadata=_setting("BALLAST_MAX_BODY_BYTES", "largest request body accepted (413 beyond)", 1024, 1 << 34))
+    body_timeout_s: float = field(default=30.0, metadata=_setting("BALLAST_BODY_TIMEOUT_S", "longest wait for the next piece of a request body (408 beyond: a slowloris client cannot hold a handler)", 0.1, 3600.0))
     served_model_name: str | None = field(default=None, metadata=_setting("BALLAST_SERVED_MODEL_NAME", "model name clients use; default: the engine's model name"))
     log_level: str = field(default="info", metadata=_setting("BALLAST_LOG_LEVEL", "uvicorn log level", choices=("critical", "error", "warning", "info", "debug")))
     log_format: str = field(default="text", metadata=_setting("BALLAST_LOG_FORMAT", "'json': one JSON object per log line, with request, verdict, refusal and level-change events", choices=("text", "json")))

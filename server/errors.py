@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ballast.engine.tokenizer import TokenizerInputError
 from ballast.memory.errors import MemoryRefused
 from ballast.scheduler.errors import (
     ContextTooLong,
@@ -124,7 +125,7 @@ def from_validation(exc: RequestValidationError) -> ApiError:
 
 
 # Codes for statuses Starlette raises itself (unknown route, wrong method, a chunked body too large).
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
 
 
 def install(app: FastAPI) -> None:
@@ -148,6 +149,9 @@ def install(app: FastAPI) -> None:
         assert isinstance(exc, Refused | MemoryRefused)
         return from_refusal(exc).response()
 
+    async def on_untokenizable(_: Request, exc: Exception) -> JSONResponse:
+        return bad_request(str(exc), code="invalid_text").response()
+
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         # A bug, not bad input: log the traceback here, never send it to the client.
         log.exception("unhandled error while serving a request", exc_info=exc)
@@ -158,4 +162,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(Refused, on_refusal)
     app.add_exception_handler(MemoryRefused, on_refusal)
+    app.add_exception_handler(TokenizerInputError, on_untokenizable)
     app.add_exception_handler(Exception, on_unexpected)
