@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import openai
 from harness import ballast_serve, pct, report, total, wait_idle
 
 PROMPT = "Write one sentence about the sea, number {i}."
+WAITED = re.compile(r"(?:waited|estimated wait) ([0-9.e+-]+) s")
 
 
 @dataclass
@@ -28,6 +30,7 @@ class Outcomes:
     refusal_s: list[float] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
     retry_after: list[int] = field(default_factory=list)
+    server_wait_s: list[float] = field(default_factory=list)  # what the server says a refused request waited
     other: list[str] = field(default_factory=list)
 
     def refused(self, exc: openai.APIStatusError, elapsed: float) -> None:
@@ -36,6 +39,8 @@ class Outcomes:
         if status in (429, 503):
             self.refusal_s.append(elapsed)
             self.retry_after.append(int(exc.response.headers.get("retry-after", "0")))
+            waited = WAITED.search(exc.message)
+            self.server_wait_s.append(float(waited.group(1)) if waited else 0.0)  # a full queue refuses at once
         else:
             self.other.append(f"{status}: {exc.message}")
 
@@ -63,20 +68,25 @@ async def one(client: openai.AsyncOpenAI, i: int, stream: bool, max_tokens: int,
         out.other.append(f"{type(exc).__name__}: {exc}")
 
 
-async def load(url: str, streams: int, burst: int, max_tokens: int, timeout_s: float) -> Outcomes:
-    """All streams and the whole burst at once, each request once, no retries."""
+async def load(url: str, streams: int, burst: int, max_tokens: int, timeout_s: float, burst_delay_s: float) -> Outcomes:
+    """The streams at once, then (after burst_delay_s) the whole burst at once; each request
+    once, no retries."""
     out = Outcomes()
-    limits = httpx.Limits(max_connections=streams + burst + 10, max_keepalive_connections=streams + burst + 10)
+    # No keep-alive: a pooled connection the server closes as the client reuses it would count as a
+    # failure of the server when it is a race in the load generator.
+    limits = httpx.Limits(max_connections=streams + burst + 10, max_keepalive_connections=0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as http:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, http_client=http)
-        tasks = [one(client, i, True, max_tokens, out) for i in range(streams)]
-        tasks += [one(client, streams + i, False, max_tokens, out) for i in range(burst)]
-        await asyncio.gather(*tasks)
+        async def later() -> None:
+            await asyncio.sleep(burst_delay_s)
+            await asyncio.gather(*(one(client, streams + i, False, max_tokens, out) for i in range(burst)))
+
+        await asyncio.gather(later(), *(one(client, i, True, max_tokens, out) for i in range(streams)))
     return out
 
 
 def run(slots: int = 8, streams: int = 200, burst: int = 1000, max_tokens: int = 32, extra: tuple[str, ...] = (),
-        timeout_s: float = 300.0) -> dict[str, object]:
+        timeout_s: float = 300.0, burst_delay_s: float = 1.0) -> dict[str, object]:
     args = ["--max-num-seqs", str(slots), "--max-model-len", "256", "--served-model-name", "x", *extra]
     with ballast_serve(args) as server:
         warm = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
@@ -84,7 +94,7 @@ def run(slots: int = 8, streams: int = 200, burst: int = 1000, max_tokens: int =
             warm.chat.completions.create(model="x", messages=[{"role": "user", "content": "hello"}], max_tokens=8)
         rss_before = server.rss_bytes
         t0 = time.monotonic()
-        out = asyncio.run(load(server.url, streams, burst, max_tokens, timeout_s))
+        out = asyncio.run(load(server.url, streams, burst, max_tokens, timeout_s, burst_delay_s))
         wall = time.monotonic() - t0
         idle = wait_idle(server)
         rss_after = server.rss_bytes
@@ -94,6 +104,7 @@ def run(slots: int = 8, streams: int = 200, burst: int = 1000, max_tokens: int =
         "requests": streams + burst, "completed": out.kinds["completed"], "refused_429": out.kinds["429"],
         "refused_503": out.kinds["503"], "other": out.kinds["other"],
         "refusal_p50_s": pct(out.refusal_s, 50), "refusal_p99_s": pct(out.refusal_s, 99),
+        "refusal_server_wait_p50_s": pct(out.server_wait_s, 50), "refusal_server_wait_p99_s": pct(out.server_wait_s, 99),
         "retry_after_min_s": min(out.retry_after, default=0), "retry_after_max_s": max(out.retry_after, default=0),
         "ttft_p50_admitted_stream_s": pct(out.ttft_s, 50), "ttft_p99_admitted_stream_s": pct(out.ttft_s, 99),
         "wall_s": wall, "rss_before_mib": rss_before / 2**20, "rss_after_mib": rss_after / 2**20,
