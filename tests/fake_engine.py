@@ -264,6 +264,8 @@ class FakeEngine:
             self._dropped.add(slot)  # its release may still come (a no-op, as in the engine)
             self._prompt_len.pop(slot, None)
             self._pending.pop(slot, None)
+        if plan.max_slots is not None:
+            self.slot_limit = plan.max_slots
         return slots
 
     def _execute(self, plan: StepPlan) -> StepResult:
