@@ -22,6 +22,7 @@ import openai
 from harness import Server, ballast_serve, total, wait_idle
 
 SYSTEMS = [f"You are assistant number {i}. Answer briefly and politely, in plain English, and never use lists." for i in range(4)]
+EXAMPLES: list[str] = []  # the first few messages of each failure kind
 TOPICS = ["rivers", "bread", "clocks", "owls", "glass", "maps", "salt", "bridges", "tea", "snow"]
 
 
@@ -55,10 +56,16 @@ def worker(url: str, seed: int, stop: threading.Event, outcomes: Counter[str], l
             kind = "completed"
         except openai.APIStatusError as exc:
             kind = str(exc.status_code)
+            message = exc.message
         except Exception as exc:  # noqa: BLE001 - counted and shown, never hidden
             kind = type(exc).__name__
+            message = str(exc)
+        else:
+            message = ""
         with lock:
             outcomes[kind] += 1
+            if message and outcomes[kind] <= 3:
+                EXAMPLES.append(f"{kind}: {message[:300]}")
 
 
 def sample(server: Server, t0: float) -> dict[str, float]:
@@ -100,7 +107,8 @@ def run(minutes: float, clients: int = 8, every_s: float = 5.0) -> dict[str, Any
         "rss_start_mib": samples[0]["rss_mib"], "rss_max_mib": max(s["rss_mib"] for s in samples),
         "rss_mid_third_max_mib": max(s["rss_mib"] for s in mid), "rss_last_third_max_mib": max(s["rss_mib"] for s in last),
         "rss_end_mib": samples[-1]["rss_mib"], "kv_pool_max_mib": max(s["kv_pool_mib"] for s in samples),
-        "checkpoint_pool_max_mib": max(s["checkpoint_pool_mib"] for s in samples), "idle": idle, "samples": samples,
+        "checkpoint_pool_max_mib": max(s["checkpoint_pool_mib"] for s in samples), "idle": idle,
+        "failure_examples": EXAMPLES[:12], "samples": samples,
     }
 
 
