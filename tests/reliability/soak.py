@@ -79,6 +79,9 @@ def sample(server: Server, t0: float) -> dict[str, float]:
         "checkpoint_pool_mib": total(m, "ballast_checkpoint_pool_bytes") / 2**20,
         "requests": total(m, "ballast_requests_total"),
         "slots_active": total(m, "ballast_slots_active"),
+        "preemptions": total(m, "ballast_kv_preemptions_total"),
+        "prompt_tokens_reused": total(m, "ballast_prompt_tokens_reused_total"),
+        "prompt_tokens": total(m, "ballast_prompt_tokens_total"),
     }
 
 

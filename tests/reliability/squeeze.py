@@ -100,7 +100,7 @@ class Cgroup:
 
 
 def load(url: str, stop: threading.Event, counts: Counter[str], lock: threading.Lock, seed: int) -> None:
-    words = " ".join(f"w{seed}x{i}" for i in range(700))  # ~1,400 tokens: a long prompt
+    words = " ".join(f"w{seed}x{i}" for i in range(300))  # ~1,300 tokens: a long prompt
     body = {"model": "x", "messages": [{"role": "user", "content": words}], "max_tokens": 96, "temperature": 0}
     while not stop.is_set():
         try:
