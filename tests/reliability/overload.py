@@ -30,7 +30,7 @@ class Outcomes:
     refusal_s: list[float] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
     retry_after: list[int] = field(default_factory=list)
-    server_wait_s: list[float] = field(default_factory=list)  # what the server says a refused request waited
+    server_wait_s: list[float] = field(default_factory=list)  # the wait a refusal states: waited, or estimated
     other: list[str] = field(default_factory=list)
 
     def refused(self, exc: openai.APIStatusError, elapsed: float) -> None:
@@ -104,7 +104,7 @@ def run(slots: int = 8, streams: int = 200, burst: int = 1000, max_tokens: int =
         "requests": streams + burst, "completed": out.kinds["completed"], "refused_429": out.kinds["429"],
         "refused_503": out.kinds["503"], "other": out.kinds["other"],
         "refusal_p50_s": pct(out.refusal_s, 50), "refusal_p99_s": pct(out.refusal_s, 99),
-        "refusal_server_wait_p50_s": pct(out.server_wait_s, 50), "refusal_server_wait_p99_s": pct(out.server_wait_s, 99),
+        "refusal_stated_wait_p50_s": pct(out.server_wait_s, 50), "refusal_stated_wait_p99_s": pct(out.server_wait_s, 99),
         "retry_after_min_s": min(out.retry_after, default=0), "retry_after_max_s": max(out.retry_after, default=0),
         "ttft_p50_admitted_stream_s": pct(out.ttft_s, 50), "ttft_p99_admitted_stream_s": pct(out.ttft_s, 99),
         "wall_s": wall, "rss_before_mib": rss_before / 2**20, "rss_after_mib": rss_after / 2**20,

@@ -6,8 +6,10 @@ little is left, holds, and leaves. Run once with the default config (governance 
 unconstrained host, so every admission says yes): the timeline shows what governance prevented
 (OOM kills of the server, stalls) and whether ballast serves again after the hog leaves.
 
-The hog's oom_score_adj is -500, so when the cgroup runs out the kernel kills the server, the
-process that overran, not the tenant beside it.
+The hog asks for oom_score_adj -1000 so that, when the cgroup runs out, the kernel would kill the
+process that overran rather than the tenant beside it; where the write is ignored (this box's VM
+reads back 0) the OOM killer takes the largest process, the hog. Either way an OOM kill in the
+cgroup is the failure governance exists to prevent.
 
 Needs permission to create a memory cgroup (root on cgroup v1, or a delegated v2 subtree); it says
 why and exits 0 otherwise ("skipped").
@@ -39,7 +41,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 HOG = r"""
 import os, sys, time
-open("/proc/self/oom_score_adj", "w").write("-500")
+open("/proc/self/oom_score_adj", "w").write("-1000")
 step, every, target, hold = (float(x) for x in sys.argv[1:5])
 chunks = []
 held = 0
@@ -100,9 +102,12 @@ class Cgroup:
 
 
 def load(url: str, stop: threading.Event, counts: Counter[str], lock: threading.Lock, seed: int) -> None:
-    words = " ".join(f"w{seed}x{i}" for i in range(300))  # ~1,300 tokens: a long prompt
-    body = {"model": "x", "messages": [{"role": "user", "content": words}], "max_tokens": 96, "temperature": 0}
+    n = 0
     while not stop.is_set():
+        # ~600 tokens, new every time: the prefix cache keeps each one, so the KV pool grows
+        n += 1
+        words = " ".join(f"w{seed}x{n}x{i}" for i in range(120))
+        body = {"model": "x", "messages": [{"role": "user", "content": words}], "max_tokens": 48, "temperature": 0}
         try:
             r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
             kind = "completed" if r.status_code == 200 else str(r.status_code)
@@ -115,7 +120,7 @@ def load(url: str, stop: threading.Event, counts: Counter[str], lock: threading.
             time.sleep(0.2)
 
 
-def run_mode(governed: bool, hog_s: float = 30.0, hold_s: float = 20.0, after_s: float = 20.0, clients: int = 6) -> dict[str, Any]:
+def run_mode(governed: bool, hog_s: float = 40.0, hold_s: float = 20.0, after_s: float = 20.0, clients: int = 4) -> dict[str, Any]:
     cg = Cgroup(16 * GiB)
     fake_root = tempfile.mkdtemp(prefix="ballast-squeeze-root-")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -145,7 +150,7 @@ def run_mode(governed: bool, hog_s: float = 30.0, hold_s: float = 20.0, after_s:
             w.start()
         t0 = time.monotonic()
         hog_bytes = [0]
-        hog_target = limit - working_set - 256 * MiB  # leaves the server its working set and a sliver
+        hog_target = limit - working_set - 192 * MiB  # leaves the server its working set and a sliver
         phase = "load"
         while True:
             t = time.monotonic() - t0
@@ -197,11 +202,46 @@ def run_mode(governed: bool, hog_s: float = 30.0, hold_s: float = 20.0, after_s:
         cg.remove()
 
 
+def plot(results: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(8, 3.6 * len(results)), sharex=True, squeeze=False)
+    for ax, r in zip(axes[:, 0], results, strict=True):
+        tl = r["timeline"]
+        t = [x["t_s"] for x in tl]
+        ax.plot(t, [x["usage_mib"] for x in tl], label="cgroup usage")
+        ax.plot(t, [x["hog_mib"] for x in tl], label="hog")
+        ax.plot(t, [x["kv_pool_mib"] for x in tl], label="ballast KV pool")
+        ax.axhline(r["limit_mib"], color="k", linestyle="--", linewidth=0.8, label="cgroup limit")
+        ax.set_ylabel("MiB")
+        lv = ax.twinx()
+        lv.step(t, [x["level"] for x in tl], where="post", color="tab:red", alpha=0.6, label="level (0 OK .. 3 CRITICAL)")
+        lv.set_ylim(-0.2, 3.5)
+        lv.set_yticks([0, 1, 2, 3])
+        title = "governance on (default config)" if r["governed"] else "governance off (--ladder-disable, admission blinded)"
+        ax.set_title(f"{title}: OOM kills {r['oom_kills']}, outcomes {r['outcomes']}", fontsize=9)
+        ax.legend(loc="upper left", fontsize=7)
+        lv.legend(loc="upper right", fontsize=7)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("seconds (hog starts at 10 s)")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="scenario 3: host squeeze, governance on and off")
     ap.add_argument("--mode", choices=("both", "on", "off"), default="both")
     ap.add_argument("--out")
+    ap.add_argument("--plot", help="write a timeline PNG here")
+    ap.add_argument("--from-json", help="only plot the results of an earlier --out")
     a = ap.parse_args()
+    if a.from_json:
+        plot(json.loads(Path(a.from_json).read_text()), a.plot)
+        return
     try:
         Cgroup(16 * GiB).remove()
     except OSError as e:
@@ -213,6 +253,8 @@ def main() -> None:
         print({k: v for k, v in r.items() if k != "timeline"})
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
+    if a.plot:
+        plot(results, a.plot)
 
 
 if __name__ == "__main__":
