@@ -38,7 +38,6 @@ from ballast.scheduler.errors import (
     EngineFailed,
     Overloaded,
     QueueFull,
-    QueueWaitTooLong,
     Refused,
     RequestFailed,
     RequestTimeout,
@@ -57,7 +56,7 @@ from ballast.scheduler.request import (
     TokenEvent,
     TokenLogprob,
 )
-from ballast.scheduler.service_rate import ServiceRate
+from ballast.scheduler.service_rate import QueueWaitBound, ServiceRate
 from ballast.scheduler.slots import SlotTable
 
 log = logging.getLogger(__name__)
@@ -66,11 +65,6 @@ log = logging.getLogger(__name__)
 verdict_log = logging.getLogger("ballast.events.request")
 
 OUTCOMES = ("stop", "length", "abort", *REFUSAL_OUTCOMES)
-# A request is refused on the service-rate estimate only when it overshoots the queue-wait bound by
-# this factor: the rate is measured, not known (requests ahead may leave, steps speed up once a
-# burst's connections are parsed), and a false refusal costs a client a retry elsewhere. The bound
-# itself is enforced exactly on the time a request has really waited.
-ESTIMATE_MARGIN = 1.25
 
 
 class Phase(enum.Enum):
@@ -169,6 +163,7 @@ class Scheduler:
         self._closing = False
         self.failure: EngineFailed | None = None
         self.service = ServiceRate()  # slots turning over under backlog: the queue-wait estimate
+        self._wait_bound = QueueWaitBound(config.max_queue_wait_s, config.retry_after_s, self.service)
         self.step_failures = 0  # steps the engine failed and recovered from (their requests lost)
         self.last_step_failure: str | None = None
         self.steps = 0
@@ -215,7 +210,8 @@ class Scheduler:
             self._gov.check_submit()
             if self._queue.full:
                 raise QueueFull(self._cfg.retry_after_s, self._queue.max_size)
-            self._check_queue_wait()
+            if (late := self._wait_bound.late(len(self._queue), 0.0, self._slots.has_free(self.slot_limit))) is not None:
+                raise late
         except Refused as refusal:
             self._outcomes[outcome_of(refusal)] += 1
             raise
@@ -348,30 +344,14 @@ class Scheduler:
         or that the measured service rate says cannot start before then (a burst that arrived
         before the rate was known), is refused now rather than at its deadline. A preempted
         request is running work and is never refused."""
-        bound = self._cfg.max_queue_wait_s
-        if bound <= 0 or not self._queue:
-            return
-        rate = None if self._slots.has_free(self.slot_limit) else self.service.per_s
-        for ahead, seq in enumerate(list(self._queue)):
-            if seq.preempted:
-                continue
-            waited = now - seq.submitted_at
-            still = (ahead + 1) / rate if rate else 0.0
-            if waited >= bound or waited + still > bound * ESTIMATE_MARGIN:
-                retry = min(bound, max(self._cfg.retry_after_s, waited + still - bound))
-                self._finish(seq, "error", QueueWaitTooLong(retry, waited + still, bound, estimated=waited < bound))
-
-    def _check_queue_wait(self) -> None:
-        """Refuse a request at once when it would not get a slot within max_queue_wait_s: every
-        slot busy and the queue ahead of it longer than the measured service rate clears in time."""
-        bound = self._cfg.max_queue_wait_s
-        if bound <= 0 or self._slots.has_free(self.slot_limit):
-            return
-        wait = self.service.wait_s(len(self._queue))
-        if wait is not None and wait > bound * ESTIMATE_MARGIN:
-            # Come back when the queue should have shrunk enough to fit the bound again.
-            retry = min(bound, max(self._cfg.retry_after_s, wait - bound))
-            raise QueueWaitTooLong(retry, wait, bound, estimated=True)
+        slot_free = self._slots.has_free(self.slot_limit)
+        ahead = 0
+        for seq in list(self._queue):
+            late = None if seq.preempted else self._wait_bound.late(ahead, now - seq.submitted_at, slot_free)
+            if late is None:
+                ahead += 1
+            else:
+                self._finish(seq, "error", late)
 
     # --- pieces ---------------------------------------------------------------------------
     def _admit_head(self) -> _Seq | None:

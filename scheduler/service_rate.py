@@ -10,6 +10,14 @@ from __future__ import annotations
 
 from collections import deque
 
+from ballast.scheduler.errors import QueueWaitTooLong
+
+# A request is refused on the estimate only when it overshoots the bound by this factor: the rate
+# is measured, not known (requests ahead may leave, steps speed up once a burst's connections are
+# parsed), and a false refusal costs a client a retry elsewhere. The bound itself is enforced
+# exactly on the time a request has really waited.
+ESTIMATE_MARGIN = 1.25
+
 
 class ServiceRate:
     def __init__(self, window: int = 64, min_samples: int = 16) -> None:
@@ -40,3 +48,26 @@ class ServiceRate:
         slot is busy now; None when the rate is not known yet."""
         rate = self.per_s
         return None if rate is None else (ahead + 1) / rate
+
+
+class QueueWaitBound:
+    """`max_queue_wait_s` applied: whether a request, with `ahead` requests queued before it and
+    `waited` seconds in the queue, should be refused now rather than wait."""
+
+    def __init__(self, bound_s: float, retry_after_s: float, rate: ServiceRate) -> None:
+        self.bound_s = bound_s
+        self.retry_after_s = retry_after_s
+        self.rate = rate
+
+    def late(self, ahead: int, waited: float, slot_free: bool) -> QueueWaitTooLong | None:
+        """The refusal, or None to let it wait. With a slot free the request starts next step; the
+        estimate needs a measured rate; the bound itself always holds."""
+        bound = self.bound_s
+        if bound <= 0:
+            return None
+        still = 0.0 if slot_free else self.rate.wait_s(ahead) or 0.0
+        if waited < bound and waited + still <= bound * ESTIMATE_MARGIN:
+            return None
+        # Come back when the queue should have shrunk enough to fit the bound again.
+        retry = min(bound, max(self.retry_after_s, waited + still - bound))
+        return QueueWaitTooLong(retry, waited + still, bound, estimated=waited < bound)

@@ -16,7 +16,7 @@ from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import EngineFailed, Overloaded, QueueWaitTooLong, StepAborted
 from ballast.scheduler.request import GenerationRequest
 from ballast.scheduler.scheduler import Scheduler
-from ballast.scheduler.service_rate import ServiceRate
+from ballast.scheduler.service_rate import QueueWaitBound, ServiceRate
 from fake_engine import FakeEngine, FakeTokenizer, expected_tokens
 
 TOK = FakeTokenizer()
@@ -190,3 +190,17 @@ async def test_a_detokenizer_error_ends_only_its_request(make) -> None:
     assert fin_good.reason == "length" and text == TOK.decode(expected_tokens(req(0).prompt_ids, 12))
     await settle(s, eng)
     assert s.healthy and s.outcomes["request_failed"] == 1
+
+
+def test_queue_wait_bound_decisions() -> None:
+    rate = ServiceRate(window=8, min_samples=2)
+    bound = QueueWaitBound(10.0, 2.0, rate)
+    assert bound.late(100, 0.0, slot_free=False) is None  # no rate measured yet: it may wait
+    assert bound.late(0, 10.0, slot_free=True) is not None  # but never past the bound
+    for t in (0.0, 1.0, 2.0):  # one request leaves a slot per second
+        rate.left_slot(t, backlog=True)
+    assert bound.late(5, 0.0, slot_free=False) is None  # starts in ~6 s
+    late = bound.late(20, 0.0, slot_free=False)  # ~21 s > 12.5 s
+    assert late is not None and late.retry_after_s == 10.0 and late.wait_s == pytest.approx(21.0)
+    assert bound.late(20, 0.0, slot_free=True) is None  # a free slot: it starts next step
+    assert QueueWaitBound(0.0, 2.0, rate).late(10**6, 10**6, slot_free=False) is None  # 0 = no bound
