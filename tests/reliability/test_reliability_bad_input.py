@@ -41,7 +41,7 @@ pytestmark = pytest.mark.slow
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 STATUSES: Counter[int] = Counter()
 # Examples per generation mode: small in `make test`; the figures in docs/RELIABILITY.md come from
-# RELIABILITY_EXAMPLES=300.
+# RELIABILITY_EXAMPLES=500.
 EXAMPLES = int(os.environ.get("RELIABILITY_EXAMPLES", "40"))
 
 
