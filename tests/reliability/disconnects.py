@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import time
 
@@ -22,12 +23,19 @@ async def client(http: httpx.AsyncClient, url: str, i: int, drop_after: int | No
     Returns "done", "dropped" or the HTTP status of a refusal."""
     body = {"model": "x", "messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": max_tokens,
             "stream": True, "temperature": 0}
-    if drop_after == -1:  # drops while still waiting for its response (queued)
+    if drop_after == -1:  # sends the whole request, then drops while still waiting (queued)
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        payload = json.dumps(body).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        await writer.drain()
         try:
-            await asyncio.wait_for(http.post(url + "/v1/chat/completions", json=body), timeout=0.2)
+            first = await asyncio.wait_for(reader.read(64), timeout=0.2)
         except asyncio.TimeoutError:
-            return "dropped"
-        return "done"
+            first = b""
+        writer.close()
+        return "refused" if first.startswith(b"HTTP/1.1 4") else "dropped"
     async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -62,7 +70,9 @@ def run(clients: int = 200, slots: int = 8, max_tokens: int = 48, seed: int = 13
         ends = asyncio.run(storm(server.url, clients, max_tokens, seed))
         wall = time.monotonic() - t0
         idle = wait_idle(server)
-        m = server.metrics()
+        deadline = time.monotonic() + 10  # the last disconnects may still be on their way through the handlers
+        while total(m := server.metrics(), "ballast_requests_total") < clients and time.monotonic() < deadline:
+            time.sleep(0.1)
         rss_after = server.rss_bytes
     counted = {o: total(m, "ballast_requests_total", outcome=o) for o in ("stop", "length", "abort")}
     return {
