@@ -17,6 +17,7 @@ from ballast.engine.plan import (
     DecodeToken,
     PrefillChunk,
     SamplingParams,
+    StepFailed,
     StepPlan,
 )
 from ballast.engine.prefix_cache import MIN_INTERVAL, PrefixCacheConfig, auto_interval
@@ -325,5 +326,41 @@ def test_a_restore_into_a_pool_full_of_cached_prefixes_evicts_older_ones() -> No
         target = next(p for p in prompts if eng.match_prefix(p + (7,)) == len(p))
         out = run_request(eng, 1, target + (7,), 3)  # restores `target`, copying its partial block
         assert eng.reused_tokens >= len(target) and len(out) == 3
+    finally:
+        eng.shutdown()
+
+
+def test_a_failed_step_that_restored_a_checkpoint_leaves_the_cache_whole() -> None:
+    """A hybrid engine (recurrent-state checkpoints in pool buffers): a step that restores a
+    checkpoint and then fails (a MemoryError in the forward) drops only that slot; the cache keeps
+    its entries and buffers, no block stays held by a sequence, and the same request afterwards
+    gives the calm run's tokens."""
+    eng = load("builtin:tiny-qwen3-next")
+    try:
+        base = ids(70, 2 * INTERVAL)
+        run_request(eng, 0, base, 2)  # checkpoints of `base` are cached
+        follow = base + ids(71, 5)
+        calm = run_request(eng, 0, follow, 4)
+        assert eng.prefix_cache is not None
+        entries = eng.prefix_cache.stats().entries
+        start = eng.match_prefix(follow)
+        assert start > 0
+        forward = eng.runner.forward
+
+        def oom(seqs):  # type: ignore[no-untyped-def]
+            raise MemoryError("injected")
+
+        eng.runner.forward = oom  # type: ignore[method-assign]
+        plan = StepPlan(prefills=(PrefillChunk(1, follow[start:], start, True),), sampling={1: GREEDY},
+                        restores=(CheckpointRestore(1, follow[:start]),))
+        with pytest.raises(StepFailed) as failed:
+            eng.submit(plan).result(timeout=60)
+        eng.runner.forward = forward  # type: ignore[method-assign]
+        assert failed.value.slots == {1} and eng.healthy
+        assert eng.prefix_cache.stats().entries == entries
+        kv = eng.kv_figures()
+        assert kv is not None and kv.used_blocks == kv.evictable_blocks  # only the cache holds blocks
+        eng.submit(StepPlan(release=(1,))).result(timeout=60)  # the scheduler's release: a no-op now
+        assert run_request(eng, 1, follow, 4) == calm
     finally:
         eng.shutdown()
