@@ -298,8 +298,10 @@ class Engine:
         applied so no buffer or block is left behind. Each of these is idempotent."""
         slots = frozenset(p.slot for p in plan.prefills) | {d.slot for d in plan.decodes} | {r.slot for r in plan.restores}
         touched = sorted(s for s in slots | set(plan.release) if 0 <= s < self.num_slots)
-        for tokens in (*plan.unpark, *self.slot_kv.take_parked_in_step()):
+        for tokens in plan.unpark:
             self._cache.unpark(tokens)
+        for fed in self.slot_kv.take_parked_in_step():  # parked under exactly what it was fed
+            self._cache.drop_parked(fed)
         if plan.shed_prefix_cache and self.prefix_cache is not None:
             self.prefix_cache.shed()
         if plan.max_slots is not None:

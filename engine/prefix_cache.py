@@ -248,6 +248,18 @@ class PrefixCache:
             self._pool.put(parked.buf)
         return True
 
+    def drop_parked(self, tokens: Sequence[int]) -> bool:
+        """Drop the sequence parked with exactly these tokens (a step that parked it failed, so
+        nobody will resume it); False if there is none."""
+        key = (len(tokens), _digest(tokens))
+        with self._lock:
+            if key not in self._parked:
+                return False
+        parked = self._take_parked(key)
+        if self._pool is not None:
+            self._pool.put(parked.buf)
+        return True
+
     def unpark_all(self) -> None:
         with self._lock:
             parked = list(self._parked.values())
