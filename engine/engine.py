@@ -19,6 +19,7 @@ import psutil
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
+from ballast.engine.faults import is_device_fault
 from ballast.engine.graphs import GraphCaptureError
 from ballast.engine.kv_budget import capacity_line, segment_grant
 from ballast.engine.loading import LoadedModel, load
@@ -28,6 +29,7 @@ from ballast.engine.plan import (
     PromptLogprobs,
     SamplingParams,
     SlotOutput,
+    StepFailed,
     StepPlan,
     StepResult,
 )
@@ -65,6 +67,11 @@ class EngineUnhealthy(EngineError):
     """A previous step failed; the engine's device state can no longer be trusted."""
 
 
+# A "recoverable" fault that recurs this many steps in a row is not recoverable: the engine calls
+# itself unsound so /health fails and a supervisor restarts the process.
+MAX_CONSECUTIVE_STEP_FAILURES = 8
+
+
 @dataclass(frozen=True)
 class LoadReport:
     """What loading found, for logs and the bench."""
@@ -92,6 +99,9 @@ class Engine:
         self.active_slot_limit = config.max_num_seqs  # the ladder's latest max_slots (informational)
         self._watch = watch
         self._healthy = True
+        self.step_failures = 0  # steps that failed and were recovered (their requests lost)
+        self.last_step_failure: str | None = None
+        self._failures_in_a_row = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ballast-engine")
         # Loading touches tensors, so it too runs on the engine thread.
         try:
@@ -278,16 +288,63 @@ class Engine:
 
     def _guarded_step(self, plan: StepPlan) -> StepResult:
         try:
-            return self.step(plan)
-        except BaseException:
-            # A step that died half way may have written some slots' states: nothing on the
-            # device can be trusted any more, so the engine is unsound until restarted.
-            self._healthy = False
-            log.exception("engine step failed; marking the engine unhealthy")
+            result = self.step(plan)
+        except BaseException as exc:
+            self._on_step_failure(plan, exc)  # raises StepFailed when the engine stays sound
             raise
+        self._failures_in_a_row = 0
+        return result
+
+    def _on_step_failure(self, plan: StepPlan, exc: BaseException) -> None:
+        """A step raised. A device fault (or anything that is not an Exception) makes the engine
+        unsound; otherwise the plan's sequences are dropped and StepFailed names them."""
+        if is_device_fault(exc) or not isinstance(exc, Exception):
+            self._mark_unhealthy(f"device fault: {type(exc).__name__}")
+            return
+        self._failures_in_a_row += 1
+        self.step_failures += 1
+        self.last_step_failure = f"{type(exc).__name__}: {exc}"
+        if self._failures_in_a_row >= MAX_CONSECUTIVE_STEP_FAILURES:
+            self._mark_unhealthy(f"{self._failures_in_a_row} steps in a row failed")
+            return
+        try:
+            slots = self._recover(plan)
+        except Exception:
+            self._mark_unhealthy("recovery from a failed step failed")
+            return
+        log.warning("engine step failed (%s); dropped the sequences of slots %s, serving on",
+                    self.last_step_failure, sorted(slots), exc_info=exc)
+        raise StepFailed(exc, slots) from exc
+
+    def _mark_unhealthy(self, why: str) -> None:
+        # Nothing on the device can be trusted any more: the engine is unsound until restarted.
+        self._healthy = False
+        log.exception("engine step failed (%s); marking the engine unhealthy", why)
+
+    def _recover(self, plan: StepPlan) -> frozenset[int]:
+        """Undo what a failed step may have half done: every slot the plan named loses its
+        sequence (blocks, states, sampler history; a sequence parked by a preemption in this step
+        is dropped with it), and the plan's housekeeping (releases, unparks, shed, slot limit) is
+        applied so no buffer or block is left behind. Each of these is idempotent."""
+        slots = frozenset(p.slot for p in plan.prefills) | {d.slot for d in plan.decodes} | {r.slot for r in plan.restores}
+        touched = sorted(s for s in slots | set(plan.release) if 0 <= s < self.num_slots)
+        for tokens in plan.unpark:
+            self._cache.unpark(tokens)
+        for fed in self.slot_kv.take_parked_in_step():  # parked under exactly what it was fed
+            self._cache.drop_parked(fed)
+        if plan.shed_prefix_cache and self.prefix_cache is not None:
+            self.prefix_cache.shed()
+        if plan.max_slots is not None:
+            self.active_slot_limit = max(1, min(self.num_slots, plan.max_slots))
+        self.slot_kv.drop(touched)
+        self.runner.reset(touched)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # an OOM left the allocator's cache fragmented
+        return slots
 
     def step(self, plan: StepPlan) -> StepResult:
         """Execute one plan. Call only on the engine thread (through `submit`), or in tests."""
+        self.slot_kv.begin_step()
         self._apply_shed(plan)
         self._apply_releases(plan)
         reused, unrestored = self._apply_restores(plan)

@@ -60,7 +60,9 @@ class EngineLike(Protocol):
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         """Queue a plan on the engine thread. Plans run one at a time, in submission order.
-        The future raises if the step failed; the engine is then unsound (see `healthy`)."""
+        The future raises `StepFailed` if the step failed but the engine recovered (the named
+        slots' sequences are gone, the plan's releases applied); any other exception means the
+        engine is unsound (see `healthy`)."""
         ...
 
     def match_prefix(self, prompt_ids: Sequence[int]) -> int:

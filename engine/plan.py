@@ -37,6 +37,9 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if not 0 <= self.min_p <= 1:
             raise ValueError("min_p must be in [0, 1]")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            # A torch generator takes at most 64 bits: a larger seed would fail the engine step.
+            raise ValueError("seed must fit in 64 bits")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
@@ -178,3 +181,15 @@ class StepResult:
     kv: KVFigures | None = None  # the main KV pool
     kv_int8: KVFigures | None = None  # the int8 pool new sequences use under pressure, if any
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # for chunks that asked (logprob_targets)
+
+
+class StepFailed(Exception):
+    """A step raised, but the engine is still sound: it has dropped every sequence the plan
+    touched (their KV blocks, states and sampler history) and applied the plan's releases, so
+    only the requests in `slots` are lost; the scheduler fails them with a retryable error and goes
+    on. A fault that leaves the device unsound is raised as itself instead, never as this."""
+
+    def __init__(self, cause: Exception, slots: frozenset[int]) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.slots = slots

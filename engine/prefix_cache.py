@@ -243,6 +243,18 @@ class PrefixCache:
             self._pool.put(parked.buf)
         return True
 
+    def drop_parked(self, tokens: Sequence[int]) -> bool:
+        """Drop the sequence parked with exactly these tokens (a step that parked it failed, so
+        nobody will resume it); False if there is none."""
+        key = (len(tokens), _digest(tokens))
+        with self._lock:
+            if key not in self._parked:
+                return False
+        parked = self._take_parked(key)
+        if self._pool is not None:
+            self._pool.put(parked.buf)
+        return True
+
     def unpark_all(self) -> None:
         with self._lock:
             parked = list(self._parked.values())
@@ -274,7 +286,11 @@ class PrefixCache:
             self._entries.move_to_end(key)
             self._restores += 1
         if self._kv is not None and not self._kv.attach(slot, entry.blocks, entry.n_tokens):
-            raise CheckpointMissing(f"no free KV block to copy the last block of a {entry.n_tokens}-token prefix")
+            # The copy of its partly filled last block found the pool full, typically of cached
+            # prefixes: older entries give way (this one is the most recent now), then try again.
+            self._evict_others_for_block(key)
+            if not self._kv.attach(slot, entry.blocks, entry.n_tokens):
+                raise CheckpointMissing(f"no free KV block to copy the last block of a {entry.n_tokens}-token prefix")
         if entry.buf is not None:
             for state, layer_layout in zip(self._states, entry.layout, strict=True):
                 state.load(slot, [_segment(entry.buf, off, dtype, shape) for off, dtype, shape in layer_layout])
@@ -342,6 +358,18 @@ class PrefixCache:
                 e = self._pop_lru()
             self._give_back(e)
         return kv.alloc.free_blocks >= n_blocks
+
+    def _evict_others_for_block(self, keep: tuple[int, bytes]) -> None:
+        """Evict least recently used entries, never `keep` (its blocks are about to be attached),
+        until the KV pool has a free block."""
+        kv = self._kv
+        assert kv is not None
+        while kv.alloc.free_blocks < 1:
+            with self._lock:
+                if not self._entries or next(iter(self._entries)) == keep:
+                    return
+                e = self._pop_lru()
+            self._give_back(e)
 
     @property
     def bytes_held(self) -> int:

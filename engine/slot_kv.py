@@ -35,6 +35,16 @@ class SlotKV:
         self._fed: dict[int, array[int]] = {}  # slot -> the tokens its sequence has been fed (to park it)
         self.preemptions = 0  # sequences moved out for want of blocks
         self.parked = 0  # of which parked in host buffers (the rest are recomputed)
+        self._parked_in_step: list[tuple[int, ...]] = []  # parked by the step running now
+
+    def begin_step(self) -> None:
+        self._parked_in_step = []
+
+    def take_parked_in_step(self) -> list[tuple[int, ...]]:
+        """What the current step parked: a step that fails drops these, as its scheduler never
+        learns of the preemption and will not resume them."""
+        out, self._parked_in_step = self._parked_in_step, []
+        return out
 
     def pool_of(self, slot: int) -> KVPool:
         pool = self._int8.get(slot, self._runner.kv)
@@ -122,6 +132,7 @@ class SlotKV:
             return
         if self._cache.park(slot, fed, pool):
             self.parked += 1
+            self._parked_in_step.append(tuple(fed))
 
     def _mark_int8(self, slots: Sequence[int], value: bool) -> None:
         stores = self._runner.kv_stores

@@ -40,6 +40,20 @@ class TokenizerError(Exception):
     """The tokenizer could not be loaded or used as asked."""
 
 
+class TokenizerInputError(ValueError):
+    """The text cannot be tokenized (it is not valid Unicode): the client's error, never the server's."""
+
+
+def _unicode(text: str) -> str:
+    """`text` itself if it is valid Unicode. JSON may carry lone UTF-16 surrogates ("\\ud800"),
+    which Python keeps in a str but no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TokenizerInputError(f"the text is not valid Unicode: {e.reason} at position {e.start}") from None
+    return text
+
+
 class Tokenizer:
     """Implements `ballast.engine.interface.TokenizerLike`."""
 
@@ -74,7 +88,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # add_special_tokens adds a BOS where the tokenizer wants one (llama-style); split_special
         # keeps a user's literal "<|im_end|>" as plain text instead of a control token.
-        ids = self.hf(text, add_special_tokens=add_special_tokens, split_special_tokens=True)["input_ids"]
+        ids = self.hf(_unicode(text), add_special_tokens=add_special_tokens, split_special_tokens=True)["input_ids"]
         return [int(i) for i in ids]
 
     @property
@@ -120,7 +134,7 @@ class Tokenizer:
     def _ids(self, text: str, *, special: bool) -> list[int]:
         if not text:
             return []
-        ids = self.hf(text, add_special_tokens=False, split_special_tokens=not special)["input_ids"]
+        ids = self.hf(_unicode(text), add_special_tokens=False, split_special_tokens=not special)["input_ids"]
         return [int(i) for i in ids]
 
     def token_bytes(self, token_id: int) -> bytes:

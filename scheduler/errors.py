@@ -2,8 +2,10 @@
 
 They are mapped to HTTP status codes and OpenAI error bodies in ONE place, `ballast.server.errors`:
 `Overloaded` -> 503 + Retry-After (type "server_overloaded"), `QueueFull` -> 429 + Retry-After,
-`ContextTooLong` -> 400 (code "context_length_exceeded"), `RequestTimeout` -> an error event
-(or 408/504 before the first byte), `EngineFailed` -> 500 (the engine is unsound).
+`QueueWaitTooLong` -> 429 + Retry-After (code "queue_wait_exceeded"), `ContextTooLong` -> 400
+(code "context_length_exceeded"), `RequestTimeout` -> an error event (or 504 before the first
+byte), `StepAborted` -> 503 + Retry-After (code "engine_step_failed": the server is sound),
+`EngineFailed` -> 500 (the engine is unsound).
 """
 
 from __future__ import annotations
@@ -61,6 +63,44 @@ class RequestTimeout(Refused):
         self.completion_tokens = completion_tokens
 
 
+class StepAborted(Refused):
+    """The engine step running this request failed and was recovered (an out-of-memory error, a
+    bug hit by this batch): the request is lost, the server is sound, and trying again may work."""
+
+    retryable = True
+
+    def __init__(self, retry_after_s: float, cause: str, completion_tokens: int = 0) -> None:
+        super().__init__(f"the engine step running this request failed ({cause}); "
+                         f"{completion_tokens} tokens had been generated; retry after {retry_after_s:g} s")
+        self.retry_after_s = retry_after_s
+        self.cause = cause
+        self.completion_tokens = completion_tokens
+
+
+class QueueWaitTooLong(Refused):
+    """The request would not (or did not) get a slot within the queue-wait bound: refused at
+    once instead of waiting, so a client or load balancer can go elsewhere."""
+
+    retryable = True
+
+    def __init__(self, retry_after_s: float, wait_s: float, bound_s: float, estimated: bool) -> None:
+        how = "estimated wait" if estimated else "waited"
+        super().__init__(f"no slot free in time: {how} {wait_s:.3g} s > max queue wait {bound_s:g} s; "
+                         f"retry after {retry_after_s:g} s")
+        self.retry_after_s = retry_after_s
+        self.wait_s = wait_s
+        self.bound_s = bound_s
+
+
+class RequestFailed(Refused):
+    """Handling this request's output failed (a detokenizer error): only this request ends; the
+    engine and every other request go on."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"request failed: {type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
 class EngineFailed(Refused):
     """A step failed on the engine thread: the engine is unsound, every in-flight request ends with
     this error and the scheduler stops taking work (`/health` should fail)."""
@@ -71,7 +111,7 @@ class EngineFailed(Refused):
 
 
 # Labels for the scheduler's `outcomes` counters (requests by outcome), one per refusal kind.
-REFUSAL_OUTCOMES = ("timeout", "overloaded", "queue_full", "context_length", "failed")
+REFUSAL_OUTCOMES = ("timeout", "overloaded", "queue_full", "queue_wait", "context_length", "step_failed", "request_failed", "failed")
 
 
 def outcome_of(error: Refused) -> str:
@@ -80,6 +120,12 @@ def outcome_of(error: Refused) -> str:
         return "timeout"
     if isinstance(error, QueueFull):
         return "queue_full"
+    if isinstance(error, QueueWaitTooLong):
+        return "queue_wait"
+    if isinstance(error, StepAborted):
+        return "step_failed"
+    if isinstance(error, RequestFailed):
+        return "request_failed"
     if isinstance(error, ContextTooLong):
         return "context_length"
     if isinstance(error, Overloaded):

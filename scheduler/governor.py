@@ -13,6 +13,7 @@ answering 503 before a request queues is what lets a client back off in microsec
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,6 +52,8 @@ class GovernorSettings:
     retry_after_s: float
     gpu_die: int | None  # the die a GPU-resident engine's caches live on; None = host path
     quantized_kv: bool = False  # the engine's slot caches hold quantized KV (fixed at load)
+    # A polled snapshot older than this counts as unknown (0 = never): see `stale_reason`.
+    stale_snapshot_s: float = 0.0
 
 
 class Governor:
@@ -70,12 +73,14 @@ class Governor:
         self._pin: Level = Level.OK  # raised by a reject; see the module doc
         self._pin_seq = -1  # snapshot seq the reject was decided on
         self._pin_snapshot_level = Level.OK
+        self._stale: str | None = None  # why the snapshot read last counts as unknown
         self.denials = 0
 
     # --- per step -------------------------------------------------------------------------
     def refresh(self) -> LadderPlan:
         """Read the latest snapshot, re-plan the ladder, let a reject's pin decay."""
         state = self._read()
+        self._stale = self._staleness(state)
         if state is not self._state:
             self._state = state
             self._plan = plan_for(self.snapshot_level, self._s.ladder, disabled=self._s.ladder_disable)
@@ -124,10 +129,14 @@ class Governor:
         """Raise Overloaded at CRITICAL pressure, from a fresh snapshot (microseconds)."""
         self.refresh()
         if self.pressure_level >= Level.CRITICAL:
-            raise Overloaded(self._s.retry_after_s, f"memory pressure {self.pressure_level.name}")
+            raise Overloaded(self._s.retry_after_s, self._stale or f"memory pressure {self.pressure_level.name}")
 
     def overloaded(self, what: str) -> Overloaded:
-        return Overloaded(self._s.retry_after_s, f"memory pressure {self.pressure_level.name}: {what}")
+        return Overloaded(self._s.retry_after_s, f"{self._stale or f'memory pressure {self.pressure_level.name}'}: {what}")
+
+    def stale_reason(self) -> str | None:
+        """Why the latest snapshot counts as unknown (read now, not at the last refresh)."""
+        return self._staleness(self._read())
 
     # --- figures --------------------------------------------------------------------------
     @property
@@ -145,6 +154,8 @@ class Governor:
 
     @property
     def pressure_level(self) -> Level:
+        if self._stale is not None:
+            return Level.CRITICAL  # unknown memory is treated as the worst: refuse new work fast
         direct = self.snapshot_level if self.snapshot_level >= Level.CRITICAL else Level.OK
         return max(direct, self._pin)
 
@@ -156,6 +167,18 @@ class Governor:
     # --- internals ------------------------------------------------------------------------
     def _read(self) -> MemState | None:
         return self._source.read() if self._source is not None else None
+
+    def _staleness(self, state: MemState | None) -> str | None:
+        """A snapshot MemWatch polled (taken_at > 0) that is older than stale_snapshot_s means its
+        polls keep failing or its thread is stuck: the figures may be long wrong, so memory counts
+        as unknown. Waiting for a fresh one would hold queued requests until their deadline;
+        refusing at once lets clients go elsewhere, and serving resumes with the next good poll.
+        Running requests are never ended for it."""
+        limit = self._s.stale_snapshot_s
+        if state is None or limit <= 0 or state.taken_at <= 0:
+            return None
+        age = time.monotonic() - state.taken_at
+        return f"memory signals unknown: the last snapshot is {age:.1f} s old" if age > limit else None
 
     def _deny(self, state: MemState | None) -> None:
         self.denials += 1

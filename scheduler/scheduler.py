@@ -24,6 +24,7 @@ from ballast.engine.plan import (
     PrefillChunk,
     SamplingParams,
     SlotOutput,
+    StepFailed,
     StepPlan,
     StepResult,
 )
@@ -38,7 +39,9 @@ from ballast.scheduler.errors import (
     Overloaded,
     QueueFull,
     Refused,
+    RequestFailed,
     RequestTimeout,
+    StepAborted,
     outcome_of,
 )
 from ballast.scheduler.governor import Governor, GovernorSettings, SnapshotSource, VerdictRecorder
@@ -53,6 +56,7 @@ from ballast.scheduler.request import (
     TokenEvent,
     TokenLogprob,
 )
+from ballast.scheduler.service_rate import QueueWaitBound, ServiceRate
 from ballast.scheduler.slots import SlotTable
 
 log = logging.getLogger(__name__)
@@ -145,6 +149,7 @@ class Scheduler:
             config.retry_after_s,
             engine.gpu_die,
             engine.quantized_kv,
+            config.stale_snapshot_s,
         )
         self._gov = Governor(settings, engine.cost_model, memwatch, admission_metrics)
         self._eos = engine.tokenizer.eos_token_ids
@@ -164,6 +169,10 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.failure: EngineFailed | None = None
+        self.service = ServiceRate()  # slots turning over under backlog: the queue-wait estimate
+        self._wait_bound = QueueWaitBound(config.max_queue_wait_s, config.retry_after_s, self.service)
+        self.step_failures = 0  # steps the engine failed and recovered from (their requests lost)
+        self.last_step_failure: str | None = None
         self.steps = 0
         self.idle_ticks = 0
         self.idle_failures = 0
@@ -208,6 +217,8 @@ class Scheduler:
             self._gov.check_submit()
             if self._queue.full:
                 raise QueueFull(self._cfg.retry_after_s, self._queue.max_size)
+            if (late := self._wait_bound.late(len(self._queue), 0.0, self._slots.has_free(self.slot_limit))) is not None:
+                raise late
         except Refused as refusal:
             self._outcomes[outcome_of(refusal)] += 1
             raise
@@ -235,7 +246,11 @@ class Scheduler:
                 if plan.empty and plan.max_slots is None:  # a ladder change alone is still sent
                     await self._wait_for_work()
                     continue
-                result = await asyncio.wrap_future(self._engine.submit(plan))
+                try:
+                    result = await asyncio.wrap_future(self._engine.submit(plan))
+                except StepFailed as failed:
+                    self._step_failed(plan, failed)
+                    continue
                 self._apply(plan, result)
         except asyncio.CancelledError:
             # Cancelled without stop() (the event loop is going away): readers still get an end.
@@ -257,6 +272,7 @@ class Scheduler:
         for seq in [*self._queue, *self._running]:
             if seq.deadline is not None and now >= seq.deadline:
                 self._finish(seq, "error", RequestTimeout(seq.deadline - seq.submitted_at, len(seq.output)))
+        self._refuse_late(now)
         if self._gov.pressure_level >= Level.CRITICAL:
             for seq in list(self._queue):
                 if not seq.preempted:  # an admitted request waits for its blocks, never fails
@@ -314,9 +330,41 @@ class Scheduler:
                 continue
             if slot not in outputs:
                 raise RuntimeError(f"engine returned no token for slot {slot} of request {seq.req.request_id}")
-            self._on_token(seq, outputs[slot])
+            try:
+                self._on_token(seq, outputs[slot])
+            except Exception as exc:  # its detokenizer failed: this request's error, not the engine's
+                log.exception("request %s: output handling failed", seq.req.request_id)
+                self._finish(seq, "error", RequestFailed(exc))
         for seq in self._running:  # what the step's KV figures count for each running request
             seq.kv_held = seq.consumed_tokens
+
+    def _step_failed(self, plan: StepPlan, failed: StepFailed) -> None:
+        """The engine failed the step and recovered: it dropped the sequences of `failed.slots`
+        and applied the plan's releases. Those requests end with a retryable error (their slots
+        are released again in the next plan, which the engine takes as a no-op); everything else,
+        queued or running, goes on. A preemption in the failed step never reached us: the engine
+        dropped what it parked, and the preempted request is among the failed ones."""
+        self.step_failures += 1
+        self.last_step_failure = str(failed)
+        self._slots.released(plan.release)
+        for slot in sorted(failed.slots):
+            seq = self._by_slot.get(slot)
+            if seq is not None:
+                self._finish(seq, "error", StepAborted(self._cfg.retry_after_s, str(failed), len(seq.output)))
+
+    def _refuse_late(self, now: float) -> None:
+        """The queue-wait bound for requests already queued: one that has waited max_queue_wait_s,
+        or that the measured service rate says cannot start before then (a burst that arrived
+        before the rate was known), is refused now rather than at its deadline. A preempted
+        request is running work and is never refused."""
+        slot_free = self._slots.has_free(self.slot_limit)
+        ahead = 0
+        for seq in list(self._queue):
+            late = None if seq.preempted else self._wait_bound.late(ahead, now - seq.submitted_at, slot_free)
+            if late is None:
+                ahead += 1
+            else:
+                self._finish(seq, "error", late)
 
     # --- pieces ---------------------------------------------------------------------------
     def _admit_head(self) -> _Seq | None:
@@ -451,6 +499,7 @@ class Scheduler:
                 self._unpark.append(seq.feed)
         else:
             self._running.remove(seq)
+            self.service.left_slot(time.monotonic(), backlog=bool(self._queue))
             if seq.slot is not None:
                 if reason in ("stop", "length") and seq.phase is Phase.DECODING and not seq.int8_kv:
                     # Saved before the release: the slot has consumed prompt + output[:-1].
@@ -459,7 +508,11 @@ class Scheduler:
                 self._slots.retire(seq.slot)
         seq.phase = Phase.FINISHED
         if reason in ("stop", "length") and not seq.detok.stopped:
-            tail = seq.detok.flush()
+            try:
+                tail = seq.detok.flush()
+            except Exception as exc:  # the reader must still get its FinishEvent
+                log.exception("request %s: flushing its text failed", seq.req.request_id)
+                reason, error, tail = "error", RequestFailed(exc), ""
             if tail:
                 seq.mailbox.put(TokenEvent(tail, ()))
         capped = seq.capped and reason == "length"
@@ -538,6 +591,11 @@ class Scheduler:
     def ladder(self) -> LadderPlan:
         """The degradation ladder's plan the scheduler applies now (not a step: see StepPlan)."""
         return self._gov.ladder
+
+    @property
+    def memory_stale(self) -> str | None:
+        """Why the memory snapshot counts as unknown now (MemWatch stopped publishing); else None."""
+        return self._gov.stale_reason()
 
     @property
     def idle(self) -> bool:

@@ -46,13 +46,21 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"request body is larger than the limit of {limit} bytes")
 
 
+class BodyTimeout(HTTPException):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, f"the request body did not arrive: nothing received for {timeout_s:g} s")
+
+
 class BodyLimit:
     """Refuse bodies over `max_bytes` before parsing: by Content-Length up front, and by counting
-    what arrives for chunked uploads (which have no length)."""
+    what arrives for chunked uploads (which have no length). A body that stalls (a slowloris
+    client sending a byte now and then, or nothing after its headers) gets 408 once no piece has
+    arrived for `timeout_s`, so it cannot hold a handler and its request state forever."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -66,14 +74,21 @@ class BodyLimit:
             await response(scope, receive, send)
             return
         seen = 0
+        body_done = False
 
         async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # after the body only a disconnect comes, maybe much later: no timeout
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise BodyTimeout(self.timeout_s) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     raise BodyTooLarge(self.max_bytes)
+                body_done = not message.get("more_body", False)
             return message
 
         await self.app(scope, counted, send)
@@ -199,5 +214,5 @@ def create_app(
     routes.install(app, config.api_key)
     if config.dashboard:
         dashboard.install(app)
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     return app

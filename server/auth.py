@@ -1,12 +1,18 @@
 """Optional Bearer API key on /v1 (`--api-key` / `BALLAST_API_KEY`).
 
-The compare is constant-time (`hmac.compare_digest` over bytes) so response timing does not leak
-how much of a guessed key was right. /health, /ready and /metrics stay open: probes and scrapers
-of a private network should not need the key.
+The compare is constant-time (`hmac.compare_digest` over SHA-256 digests) so response timing
+leaks neither how much of a guessed key was right nor its length. /health, /ready, /metrics and the
+/dashboard page stay open: liveness and readiness probes (kubelet, load balancers) and Prometheus
+scrapers rarely carry credentials, and what they show is figures about memory and load, never a
+prompt, a completion or the key; an operator who must hide them keeps the port on a private
+network. The key itself is never logged (the request log has no headers; the config is never
+printed); pass it as BALLAST_API_KEY rather than --api-key where other users can read the process
+list.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
 
@@ -19,9 +25,11 @@ def key_matches(expected: str, authorization: str | None) -> bool:
     if authorization is None:
         return False
     scheme, _, given = authorization.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(given.strip().encode(), expected.encode())
+    # Digests of equal length are compared, so not even the key's length shows in the timing
+    # (compare_digest on raw strings of different lengths returns at once).
+    given_digest = hashlib.sha256(given.strip().encode("utf-8", "surrogateescape")).digest()
+    match = hmac.compare_digest(given_digest, hashlib.sha256(expected.encode()).digest())
+    return match and scheme.lower() == "bearer"
 
 
 def bearer_dependency(api_key: str | None) -> Callable[[Request], Awaitable[None]]:

@@ -37,6 +37,7 @@ class ServerConfig:
     port: int = field(default=8000, metadata=setting("BALLAST_PORT", "TCP port to listen on (0 = any free port)", 0, 65535))
     api_key: str | None = field(default=None, metadata=setting("BALLAST_API_KEY", "if set, /v1 requires 'Authorization: Bearer <key>'"))
     max_body_bytes: int = field(default=8 << 20, metadata=setting("BALLAST_MAX_BODY_BYTES", "largest request body accepted (413 beyond)", 1024, 1 << 34))
+    body_timeout_s: float = field(default=30.0, metadata=setting("BALLAST_BODY_TIMEOUT_S", "longest wait for the next piece of a request body (408 beyond: a slowloris client cannot hold a handler)", 0.1, 3600.0))
     served_model_name: str | None = field(default=None, metadata=setting("BALLAST_SERVED_MODEL_NAME", "model name clients use; default: the engine's model name"))
     special_tokens_in_chat: bool = field(default=False, metadata=setting(
         "BALLAST_SPECIAL_TOKENS_IN_CHAT", "parse special-token strings in chat message content as control tokens "

@@ -2,7 +2,9 @@
 
 Body shape everywhere: `{"error": {"message", "type", "param", "code"}}`. Bad input is a 400 (never
 FastAPI's default 422 shape, never a 500 with a traceback); memory pressure is a 503 with
-`Retry-After`; a full queue is a 429 with `Retry-After`; an engine failure is a 500 and makes
+`Retry-After`; a full queue, or a wait for a slot longer than the queue-wait bound, is a 429
+with `Retry-After`; a failed engine step the engine recovered from is a 503 with `Retry-After`
+(only that step's requests are lost); an engine failure is a 500 and makes
 `/health` fail (the engine reports itself unsound; see `routes.health`).
 """
 
@@ -13,14 +15,18 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ballast.engine.tokenizer import TokenizerInputError
 from ballast.memory.errors import MemoryRefused
 from ballast.scheduler.errors import (
     ContextTooLong,
     EngineFailed,
     Overloaded,
     QueueFull,
+    QueueWaitTooLong,
     Refused,
+    RequestFailed,
     RequestTimeout,
+    StepAborted,
 )
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -76,6 +82,13 @@ def from_refusal(exc: Refused | MemoryRefused, prompt_param: str = "messages") -
         return ApiError(503, str(exc), "server_overloaded", code="server_overloaded", headers=retry_after_header(exc.retry_after_s))
     if isinstance(exc, QueueFull):
         return ApiError(429, str(exc), "rate_limit_exceeded", code="queue_full", headers=retry_after_header(exc.retry_after_s))
+    if isinstance(exc, QueueWaitTooLong):
+        return ApiError(429, str(exc), "rate_limit_exceeded", code="queue_wait_exceeded", headers=retry_after_header(exc.retry_after_s))
+    if isinstance(exc, StepAborted):
+        # The server is sound (only this step's requests were lost): 503, so clients retry.
+        return ApiError(503, str(exc), "server_error", code="engine_step_failed", headers=retry_after_header(exc.retry_after_s))
+    if isinstance(exc, RequestFailed):  # this request only: the server stays sound
+        return ApiError(500, str(exc), "server_error", code="request_failed")
     if isinstance(exc, ContextTooLong):
         return ApiError(400, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, RequestTimeout):
@@ -112,7 +125,7 @@ def from_validation(exc: RequestValidationError) -> ApiError:
 
 
 # Codes for statuses Starlette raises itself (unknown route, wrong method, a chunked body too large).
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
 
 
 def install(app: FastAPI) -> None:
@@ -136,6 +149,9 @@ def install(app: FastAPI) -> None:
         assert isinstance(exc, Refused | MemoryRefused)
         return from_refusal(exc).response()
 
+    async def on_untokenizable(_: Request, exc: Exception) -> JSONResponse:
+        return bad_request(str(exc), code="invalid_text").response()
+
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         # A bug, not bad input: log the traceback here, never send it to the client.
         log.exception("unhandled error while serving a request", exc_info=exc)
@@ -146,4 +162,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(Refused, on_refusal)
     app.add_exception_handler(MemoryRefused, on_refusal)
+    app.add_exception_handler(TokenizerInputError, on_untokenizable)
     app.add_exception_handler(Exception, on_unexpected)

@@ -34,6 +34,7 @@ class SchedulerFigures:
     # Per KV pool ("main", "int8"): (bytes of its live segments, blocks in use, spare blocks).
     kv_pools: tuple[tuple[str, int, int, int], ...] = ()
     preemptions: int = 0  # sequences moved out of the KV pool for want of blocks (all resumed)
+    kv_cached: tuple[tuple[str, int], ...] = ()  # per pool: of the used blocks, those only the prefix cache holds
 
 
 class _SchedulerCollector(Collector):
@@ -66,6 +67,11 @@ class _SchedulerCollector(Collector):
             blocks.add_metric([pool, "spare"], spare)
         yield held
         yield blocks
+        cached = GaugeMetricFamily("ballast_kv_blocks_cached", "Of the used KV blocks, those held only by the prefix cache "
+                                   "(used minus cached = blocks running sequences hold)", labels=["pool"])
+        for pool, n in figures.kv_cached:
+            cached.add_metric([pool], n)
+        yield cached
         yield CounterMetricFamily("ballast_kv_preemptions", "Sequences preempted for want of KV blocks (resumed later)",
                                   value=figures.preemptions)
 
@@ -106,11 +112,14 @@ class RequestTimer:
         self._start = time.monotonic()
         self._last: float | None = None
         self._ttft: float | None = None
+        self.generated = 0  # tokens seen so far
+        self.done = False  # finished() has counted the request
 
     def tokens(self, n: int) -> None:
         """n tokens arrived together (a slow reader's mailbox merges events): spread the gap."""
         if n <= 0:
             return
+        self.generated += n
         now = time.monotonic()
         if self._last is None:
             self._ttft = now - self._start
@@ -123,6 +132,9 @@ class RequestTimer:
         self._last = now
 
     def finished(self, outcome: str, prompt_tokens: int, completion_tokens: int) -> None:
+        if self.done:
+            return
+        self.done = True
         m = self._metrics
         e2e = time.monotonic() - self._start
         m.e2e.observe(e2e)

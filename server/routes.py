@@ -8,12 +8,14 @@ vLLM's do.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from ballast.server import chat
 from ballast.server import protocol as p
 from ballast.server.auth import bearer_dependency
 from ballast.server.completions import (
     Job,
+    Started,
     chat_job,
     check_model,
     check_token_ids,
@@ -45,7 +47,12 @@ async def health(request: Request) -> JSONResponse:
     """200 while the process and the engine are sound (loading counts as sound)."""
     state = state_of(request)
     if state.sound():
-        return JSONResponse({"status": "ok", "phase": state.phase.value})
+        body: dict[str, object] = {"status": "ok", "phase": state.phase.value}
+        if state.scheduler is not None and state.scheduler.step_failures:
+            # Sound, but steps have failed (each cost only its own requests): say so.
+            body["step_failures"] = state.scheduler.step_failures
+            body["last_step_failure"] = state.scheduler.last_step_failure
+        return JSONResponse(body)
     return JSONResponse({"status": "unsound", "reason": state.failure}, status_code=503)
 
 
@@ -69,8 +76,35 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(state_of(request).registry), media_type=CONTENT_TYPE_LATEST)
 
 
+async def _start_unless_gone(state: ServerState, job: Job, request: Request) -> Started | None:
+    """Submit and wait for the first event, as `start` does, but give up (aborting the request,
+    which frees its queue entry or slot) if the client disconnects first: a client that left while
+    queued must not cost a prefill. None when it left."""
+    starting = asyncio.ensure_future(start(state, job))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((starting, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if starting.done():
+        return starting.result()
+    starting.cancel()  # start() aborts the handle when cancelled
+    with contextlib.suppress(asyncio.CancelledError, ApiError):
+        await starting
+    state.metrics.requests.labels(endpoint=job.endpoint, outcome="abort").inc()
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so that is the next message)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _answer(state: ServerState, job: Job, request: Request) -> Response:
-    started = await start(state, job)
+    started = await _start_unless_gone(state, job, request)
+    if started is None:  # nobody is listening; the status is for the access log only
+        return Response(status_code=499)
     if job.stream:
         return stream_response(state, job, started)
     return await respond(state, job, started, request)

@@ -107,6 +107,9 @@ class ServerState:
         level = self.level()
         if level >= Level.CRITICAL:
             return f"memory pressure {level.name}"
+        stale = self.scheduler.memory_stale if self.scheduler is not None else None
+        if stale is not None:  # the scheduler refuses new work until memory is seen again
+            return stale
         return None
 
     def scheduler_figures(self) -> SchedulerFigures | None:
@@ -114,5 +117,6 @@ class ServerState:
         if s is None:
             return None
         pools = tuple((name, f.bytes_held, f.used_blocks, f.spare_blocks) for name, f in s.kv_pools)
+        cached = tuple((name, f.evictable_blocks) for name, f in s.kv_pools)
         return SchedulerFigures(s.queue_depth, s.active_slots, s.slot_limit, int(s.pressure_level), s.reused_tokens,
-                                pools, s.preemptions)
+                                pools, s.preemptions, cached)

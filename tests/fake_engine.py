@@ -21,11 +21,11 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ballast.engine.plan import KVFigures, SamplingParams, SlotOutput, StepPlan, StepResult
+from ballast.engine.plan import KVFigures, SamplingParams, SlotOutput, StepFailed, StepPlan, StepResult
 from ballast.memory.types import CostModel
 
 # A toy vocabulary: id 0 is end-of-sequence, a few ids are several characters long.
@@ -174,6 +174,10 @@ class FakeEngine:
         self._pending: dict[int, int] = {}  # slot -> last sampled token, not yet fed back
         self._failure: BaseException | None = None
         self._fail_next: BaseException | None = None
+        self._fail_recoverable = False
+        self._fail_when: Callable[[StepPlan], bool] | None = None
+        self._dropped: set[int] = set()  # slots a recovered step dropped: their release is a no-op
+        self.step_failures = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-engine")
 
     # --- EngineLike -----------------------------------------------------------------------
@@ -215,9 +219,14 @@ class FakeEngine:
         self._pool.shutdown(wait=True)
 
     # --- test controls and figures --------------------------------------------------------
-    def fail_next_step(self, exc: BaseException) -> None:
-        """The next plan raises `exc` on the engine thread (a failed forward)."""
-        self._fail_next = exc
+    def fail_next_step(self, exc: BaseException, *, recoverable: bool = False,
+                       when: Callable[[StepPlan], bool] | None = None) -> None:
+        """The next plan (the next one for which `when(plan)` holds, if given) raises `exc` on the
+        engine thread (a failed forward). recoverable: the engine survives it as the real one
+        survives an out-of-memory error or a Python exception (it drops the plan's sequences and
+        raises StepFailed); otherwise the engine is unsound from then on."""
+        with self._lock:
+            self._fail_next, self._fail_recoverable, self._fail_when = exc, recoverable, when
 
     @property
     def active_slots(self) -> int:
@@ -236,10 +245,15 @@ class FakeEngine:
             if self._failure is not None:
                 raise FakeEngineError(f"engine is unsound after {self._failure!r}")
             try:
-                if self._fail_next is not None:
+                if self._fail_next is not None and (self._fail_when is None or self._fail_when(plan)):
                     exc, self._fail_next = self._fail_next, None
+                    if self._fail_recoverable and isinstance(exc, Exception):
+                        self.step_failures += 1
+                        raise StepFailed(exc, self._recover(plan)) from exc
                     raise exc
                 result = self._execute(plan)
+            except StepFailed:
+                raise
             except BaseException as exc:
                 self._failure = exc
                 raise
@@ -247,8 +261,24 @@ class FakeEngine:
             time.sleep(self.step_delay_s)  # compute time, outside the lock so figures stay readable
         return result
 
+    def _recover(self, plan: StepPlan) -> frozenset[int]:
+        """What the real engine does after a recoverable failure: every slot the plan names loses
+        its sequence, and the plan's releases count as done."""
+        slots = frozenset(c.slot for c in plan.prefills) | {d.slot for d in plan.decodes} | {r.slot for r in plan.restores}
+        for slot in slots | set(plan.release):
+            self._seqs.pop(slot, None)
+            self._dropped.add(slot)  # its release may still come (a no-op, as in the engine)
+            self._prompt_len.pop(slot, None)
+            self._pending.pop(slot, None)
+        if plan.max_slots is not None:
+            self.slot_limit = plan.max_slots
+        return slots
+
     def _execute(self, plan: StepPlan) -> StepResult:
         for slot in plan.release:
+            if slot not in self._seqs and slot in self._dropped:
+                self._dropped.discard(slot)  # dropped by a recovered step: a no-op, as in the engine
+                continue
             if slot not in self._seqs:
                 raise FakeEngineError(f"release of slot {slot}, which holds nothing")
             self._consumed[slot] = self._seqs.pop(slot)
@@ -298,6 +328,7 @@ class FakeEngine:
         if start == 0:
             if slot in self._seqs:
                 raise FakeEngineError(f"slot {slot} reused without a release")
+            self._dropped.discard(slot)
             self._seqs[slot] = []
             self._consumed.pop(slot, None)
         seq = self._seqs.get(slot)

@@ -102,3 +102,39 @@ async def test_preempted_sequences_park_and_resume_with_the_same_tokens(model: s
         assert stats.parked == 0  # every parked sequence came back
     finally:
         engine.shutdown()
+
+
+async def test_a_step_that_fails_after_parking_a_sequence_leaves_nothing_parked() -> None:
+    """A step preempts (parks) a sequence, then its forward raises an out-of-memory error: the
+    engine recovers, the step's requests fail with a retryable error, and the parked copy (pinned
+    host memory nobody would resume) is dropped with them. Written without a GPU at hand: run it
+    on CUDA."""
+    engine = Engine.load(config("builtin:tiny-llama"))
+    try:
+        kv = engine.runner.kv
+        assert kv is not None
+        need = 4 * -(-(40 + NEW) // kv.layout.block_size)
+        kv._acquire = limited_grants(max(2, (2 * need) // (3 * (kv.layout.seg_blocks - 1))))
+        forward = engine.runner.forward
+        failed = []
+
+        def fail_once_after_a_park(seqs, all_logits=()):  # type: ignore[no-untyped-def]
+            if not failed and engine.slot_kv._parked_in_step:
+                failed.append(True)
+                raise torch.cuda.OutOfMemoryError("injected after a park")
+            return forward(seqs, all_logits)
+
+        engine.runner.forward = fail_once_after_a_park  # type: ignore[method-assign]
+        sched = Scheduler(NoTextEngine(engine), SchedulerConfig(max_num_seqs=4))  # type: ignore[arg-type]
+        await sched.start()
+        try:
+            done = await asyncio.gather(*(sched.submit(GenerationRequest(f"r{i}", p, GREEDY, max_tokens=NEW)).collect()
+                                          for i, p in enumerate(PROMPTS)))
+        finally:
+            await sched.stop()
+        assert failed and engine.healthy and sched.step_failures == 1
+        reasons = [fin.reason for _, _, fin in done]
+        assert "error" in reasons and all(r in ("length", "stop", "error") for r in reasons)
+        assert engine._cache.stats().parked == 0
+    finally:
+        engine.shutdown()

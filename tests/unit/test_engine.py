@@ -12,7 +12,7 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine, EngineUnhealthy, PlanError
 from ballast.engine.loading import ModelLoadRefused, ModelSpecError, resolve
-from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan, StepResult
+from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepFailed, StepPlan, StepResult
 from ballast.engine.runner import planned_state_bytes
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader
@@ -186,15 +186,54 @@ def test_quantized_kv_when_the_ladder_asks() -> None:
         eng.shutdown()
 
 
-def test_a_failed_step_makes_the_engine_unhealthy() -> None:
+def test_a_failed_step_costs_only_its_sequences_and_a_device_fault_makes_the_engine_unhealthy() -> None:
     eng = Engine.load(config(max_num_seqs=2))
     try:
-        assert eng.healthy
-        with pytest.raises(PlanError):
+        with pytest.raises(StepFailed) as failed:  # a Python error (here a plan it cannot run)
             run(eng, StepPlan(decodes=(DecodeToken(0, 5, MAX_LEN),), sampling={0: GREEDY}))
+        assert failed.value.slots == {0} and isinstance(failed.value.cause, PlanError) and eng.healthy
+        forward = eng.runner.forward
+
+        def poisoned(seqs, all_logits=()):  # type: ignore[no-untyped-def]
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        eng.runner.forward = poisoned  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            run(eng, StepPlan(prefills=(PrefillChunk(0, (5, 6), 0, True),), sampling={0: GREEDY}))
+        eng.runner.forward = forward  # type: ignore[method-assign]
         assert not eng.healthy
         with pytest.raises(EngineUnhealthy):
             run(eng, StepPlan(decodes=(DecodeToken(0, 5, 1),), sampling={0: GREEDY}))
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("fault", [MemoryError("host allocation failed"), torch.cuda.OutOfMemoryError("CUDA out of memory")])
+def test_an_out_of_memory_error_in_a_prefill_loses_only_that_steps_sequences(fault: Exception) -> None:
+    eng = Engine.load(config(max_num_seqs=3))
+    try:
+        steady, doomed = prompt(40, 9), prompt(41, 12)
+        calm = generate_alone(eng, 0, steady, steps=8)
+        run(eng, StepPlan(release=(0,)))
+        idle_used = eng.kv_figures().used_blocks  # type: ignore[union-attr]
+        # Slot 0 runs alone for a while; slot 1's prefill then fails in a step of its own.
+        got = generate_alone(eng, 0, steady, steps=4)
+        forward = eng.runner.forward
+        eng.runner.forward = lambda seqs, all_logits=(): (_ for _ in ()).throw(fault)  # type: ignore[method-assign]
+        with pytest.raises(StepFailed) as failed:
+            run(eng, StepPlan(prefills=(PrefillChunk(1, doomed, 0, True),), sampling={1: GREEDY}))
+        eng.runner.forward = forward  # type: ignore[method-assign]
+        assert failed.value.slots == {1} and failed.value.cause is fault and eng.healthy
+        assert eng.kv_figures().used_blocks == -(-(len(steady) + 3) // eng.kv_figures().block_size)  # type: ignore[union-attr]
+        pos = len(steady) + len(got) - 1  # slot 0 goes on exactly as in the calm run
+        for _ in range(4):
+            res = run(eng, StepPlan(decodes=(DecodeToken(0, got[-1], pos),), sampling={0: GREEDY}))
+            got.append(res.outputs[0].token_id)
+            pos += 1
+        assert got == calm
+        run(eng, StepPlan(release=(0, 1)))  # slot 1's release after the failure is a no-op
+        assert eng.kv_figures().used_blocks == idle_used  # type: ignore[union-attr]
+        assert generate_alone(eng, 1, steady, steps=8) == calm  # the failed slot serves again
     finally:
         eng.shutdown()
 
@@ -212,8 +251,9 @@ def test_a_failed_step_makes_the_engine_unhealthy() -> None:
 def test_impossible_plans_are_refused(plan: StepPlan) -> None:
     eng = Engine.load(config(max_num_seqs=2))
     try:
-        with pytest.raises(PlanError):
+        with pytest.raises(StepFailed) as failed:  # refused, and the engine serves on
             run(eng, plan)
+        assert isinstance(failed.value.cause, PlanError) and eng.healthy
     finally:
         eng.shutdown()
 

@@ -17,6 +17,7 @@ from ballast.engine.plan import (
     DecodeToken,
     PrefillChunk,
     SamplingParams,
+    StepFailed,
     StepPlan,
 )
 from ballast.engine.prefix_cache import MIN_INTERVAL, PrefixCacheConfig, auto_interval
@@ -295,5 +296,71 @@ def test_a_parked_sequence_resumes_exactly_where_it_stopped(model: str) -> None:
         assert eng._cache.park(0, p, kv) and eng._cache.stats().parked == 1
         eng.step(StepPlan(release=(0,), unpark=(p + (1,),)))
         assert eng._cache.stats().parked == 0 and eng.match_parked(p + (1,)) == 0
+    finally:
+        eng.shutdown()
+
+
+def test_a_restore_into_a_pool_full_of_cached_prefixes_evicts_older_ones() -> None:
+    """Found by the soak: once cached prefixes held every block of the KV pool, restoring a
+    checkpoint whose last block is partly filled (it must be copied) found no free block and
+    failed the step. Older entries now give way; the restored one is kept."""
+    probe = load("builtin:tiny-llama")
+    block_bytes = probe.kv_figures().block_bytes  # type: ignore[union-attr]
+    probe.shutdown()
+    cfg = EngineConfig(model="builtin:tiny-llama", device="cpu", max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk_tokens=64,
+                       kv_segment_bytes=8 * block_bytes)
+    eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=INTERVAL))
+    try:
+        prompts = [ids(90 + i, 2 * INTERVAL + 4) for i in range(12)]  # 3 blocks each, the last one partial
+        for p in prompts:  # fill the cache until the pool has no free block left
+            run_request(eng, 0, p, 2, reuse=False)
+            kv = eng.kv_figures()
+            assert kv is not None
+            if kv.free_blocks <= 1 and kv.addable_blocks == 0:
+                break
+        else:
+            pytest.fail(f"the cache never filled the pool: {eng.kv_figures()}")
+        # A running sequence takes what is left.
+        eng.step(StepPlan(prefills=(PrefillChunk(0, ids(200, 10), 0, True),), sampling={0: GREEDY}))
+        assert eng.kv_figures().free_blocks == 0  # type: ignore[union-attr]
+        target = next(p for p in prompts if eng.match_prefix(p + (7,)) == len(p))
+        out = run_request(eng, 1, target + (7,), 3)  # restores `target`, copying its partial block
+        assert eng.reused_tokens >= len(target) and len(out) == 3
+    finally:
+        eng.shutdown()
+
+
+def test_a_failed_step_that_restored_a_checkpoint_leaves_the_cache_whole() -> None:
+    """A hybrid engine (recurrent-state checkpoints in pool buffers): a step that restores a
+    checkpoint and then fails (a MemoryError in the forward) drops only that slot; the cache keeps
+    its entries and buffers, no block stays held by a sequence, and the same request afterwards
+    gives the calm run's tokens."""
+    eng = load("builtin:tiny-qwen3-next")
+    try:
+        base = ids(70, 2 * INTERVAL)
+        run_request(eng, 0, base, 2)  # checkpoints of `base` are cached
+        follow = base + ids(71, 5)
+        calm = run_request(eng, 0, follow, 4)
+        assert eng.prefix_cache is not None
+        entries = eng.prefix_cache.stats().entries
+        start = eng.match_prefix(follow)
+        assert start > 0
+        forward = eng.runner.forward
+
+        def oom(seqs, all_logits=()):  # type: ignore[no-untyped-def]
+            raise MemoryError("injected")
+
+        eng.runner.forward = oom  # type: ignore[method-assign]
+        plan = StepPlan(prefills=(PrefillChunk(1, follow[start:], start, True),), sampling={1: GREEDY},
+                        restores=(CheckpointRestore(1, follow[:start]),))
+        with pytest.raises(StepFailed) as failed:
+            eng.submit(plan).result(timeout=60)
+        eng.runner.forward = forward  # type: ignore[method-assign]
+        assert failed.value.slots == {1} and eng.healthy
+        assert eng.prefix_cache.stats().entries == entries
+        kv = eng.kv_figures()
+        assert kv is not None and kv.used_blocks == kv.evictable_blocks  # only the cache holds blocks
+        eng.submit(StepPlan(release=(1,))).result(timeout=60)  # the scheduler's release: a no-op now
+        assert run_request(eng, 1, follow, 4) == calm
     finally:
         eng.shutdown()

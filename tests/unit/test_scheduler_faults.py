@@ -1,0 +1,206 @@
+"""Recoverable step failures, the queue-wait bound and stale memory snapshots, against the fake
+engine on its real worker thread: a failed step costs only its own requests, a request that
+cannot get a slot in time is refused at once, unknown memory turns into fast refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from ballast.engine.plan import StepPlan
+from ballast.memory.types import HostSample, Level, MemState
+from ballast.scheduler.config import SchedulerConfig
+from ballast.scheduler.errors import EngineFailed, Overloaded, QueueWaitTooLong, StepAborted
+from ballast.scheduler.request import GenerationRequest
+from ballast.scheduler.scheduler import Scheduler
+from ballast.scheduler.service_rate import QueueWaitBound, ServiceRate
+from fake_engine import FakeEngine, FakeTokenizer, expected_tokens
+
+TOK = FakeTokenizer()
+GiB = 1 << 30
+
+
+def req(i: int, max_tokens: int = 8) -> GenerationRequest:
+    return GenerationRequest(f"r{i}", tuple(TOK.encode(f"request number {i}: tell me a thing")), max_tokens=max_tokens)
+
+
+async def settle(s: Scheduler, eng: FakeEngine) -> None:
+    for _ in range(5000):
+        if s.idle and eng.active_slots == 0:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"not idle: queue={s.queue_depth} active={s.active_slots} engine={eng.active_slots}")
+
+
+@pytest.fixture
+async def make() -> AsyncIterator:
+    made: list[tuple[Scheduler, FakeEngine]] = []
+
+    async def build(config: SchedulerConfig, memwatch: object = None, **engine_kw: object) -> tuple[Scheduler, FakeEngine]:
+        eng = FakeEngine(**engine_kw)  # type: ignore[arg-type]
+        s = Scheduler(eng, config, memwatch=memwatch)  # type: ignore[arg-type]
+        await s.start()
+        made.append((s, eng))
+        return s, eng
+
+    yield build
+    for s, eng in made:
+        await s.stop()
+        eng.shutdown()
+
+
+def has_prefill(plan: StepPlan) -> bool:
+    return bool(plan.prefills)
+
+
+async def test_a_recoverable_step_failure_costs_only_that_steps_requests(make) -> None:
+    s, eng = await make(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), step_delay_s=0.002)
+    running = s.submit(req(0, max_tokens=40))
+    first = await anext(aiter(running))  # its prefill is done: it decodes from now on
+    assert first
+    # The next plan with a prefill carries the newcomer's prefill and the runner's decode.
+    eng.fail_next_step(MemoryError("injected during prefill"), recoverable=True, when=has_prefill)
+    newcomer = s.submit(req(1, max_tokens=8))
+    waiting = [s.submit(req(i, max_tokens=8)) for i in range(2, 5)]  # queued behind the two slots
+    _, _, fin_new = await newcomer.collect()
+    _, _, fin_run = await running.collect()
+    assert fin_new.reason == "error" and isinstance(fin_new.error, StepAborted) and fin_new.error.retryable
+    assert "MemoryError" in str(fin_new.error)
+    assert fin_run.reason == "error" and isinstance(fin_run.error, StepAborted)  # it was in the step
+    for i, h in zip(range(2, 5), waiting, strict=True):  # nothing else is lost: the queue runs as calm
+        text, _, fin = await h.collect()
+        assert fin.reason == "length" and text == TOK.decode(expected_tokens(req(i).prompt_ids, 8))
+    await settle(s, eng)
+    assert s.healthy and eng.healthy and s.step_failures == 1
+    assert s.outcomes["step_failed"] == 2 and s.outcomes["failed"] == 0
+    after = s.submit(req(9))  # and it keeps serving
+    assert (await after.collect())[2].reason == "length"
+
+
+async def test_an_unrecoverable_failure_still_ends_everything(make) -> None:
+    s, eng = await make(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64))
+    eng.fail_next_step(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    h = s.submit(req(0))
+    _, _, fin = await h.collect()
+    assert isinstance(fin.error, EngineFailed) and not s.healthy
+
+
+async def test_a_request_that_waited_past_the_bound_is_refused(make) -> None:
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_queue_wait_s=0.3)
+    s, eng = await make(cfg, step_delay_s=0.01)
+    # Each request takes ~20 steps of >= 10 ms in one of 2 slots: the tail of 12 cannot start in 0.3 s.
+    handles = [s.submit(req(i, max_tokens=20)) for i in range(12)]
+    results = await asyncio.gather(*(h.collect() for h in handles))
+    waited = [fin.error for _, _, fin in results if isinstance(fin.error, QueueWaitTooLong)]
+    assert waited, "the queue tail waited past the bound instead of being refused"
+    assert all(e.wait_s >= 0.3 and e.retryable for e in waited)
+    assert [fin.reason for _, _, fin in results[:2]] == ["length", "length"]  # the first two ran
+    assert s.outcomes["queue_wait"] == len(waited)
+    await settle(s, eng)
+
+
+async def test_with_a_measured_service_rate_a_hopeless_request_is_refused_at_submit(make) -> None:
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_queue_wait_s=1.0)
+    s, eng = await make(cfg, step_delay_s=0.005)
+    assert s.service.per_s is None
+    warm = [s.submit(req(i, max_tokens=6)) for i in range(24)]  # a short backlog: the rate is measured
+    await asyncio.gather(*(h.collect() for h in warm))
+    rate = s.service.per_s
+    assert rate is not None and rate > 0
+    # Every slot busy and a queue that needs longer than the bound to clear: refused synchronously,
+    # told to come back within the bound.
+    busy: list = []
+    with pytest.raises(QueueWaitTooLong) as refused:
+        for i in range(int(rate * 2) + 10):
+            busy.append(s.submit(req(100 + i, max_tokens=40)))
+    assert len(busy) > 2 and 0 < refused.value.retry_after_s <= 1.0 and refused.value.wait_s > 1.0
+    assert s.outcomes["queue_wait"] >= 1
+    for h in busy:
+        h.abort()
+    await settle(s, eng)
+
+
+def test_service_rate_ignores_quiet_spells() -> None:
+    rate = ServiceRate(window=8, min_samples=3)
+    for t in (0.0, 1.0, 2.0, 3.0):
+        rate.left_slot(t, backlog=True)
+    assert rate.per_s == pytest.approx(1.0)
+    rate.left_slot(4.0, backlog=False)  # the queue ran dry: the next interval does not span it
+    rate.left_slot(1000.0, backlog=True)
+    rate.left_slot(1000.5, backlog=True)
+    assert rate.per_s == pytest.approx(4 / 3.5)
+    assert rate.wait_s(3) == pytest.approx(4 / rate.per_s)
+
+
+class FrozenWatch:
+    """A MemWatch whose polls stopped succeeding: read() keeps returning one old snapshot."""
+
+    def __init__(self, taken_at: float) -> None:
+        host = HostSample(total_bytes=64 * GiB, available_bytes=48 * GiB)
+        self.state = MemState(host=host, level=Level.OK, host_reserve_bytes=GiB, seq=7, taken_at=taken_at)
+
+    def read(self) -> MemState:
+        return self.state
+
+
+async def test_a_stale_snapshot_turns_into_fast_refusals_and_recovers(make) -> None:
+    watch = FrozenWatch(taken_at=time.monotonic())
+    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, stale_snapshot_s=0.2)
+    s, eng = await make(cfg, memwatch=watch, step_delay_s=0.005)
+    running = s.submit(req(0, max_tokens=200))
+    await anext(aiter(running))
+    queued = s.submit(req(1))
+    await asyncio.sleep(0.3)  # no poll for longer than the limit
+    _, _, fin = await queued.collect()  # refused while queued, long before its deadline
+    assert isinstance(fin.error, Overloaded) and "unknown" in str(fin.error)
+    with pytest.raises(Overloaded, match="unknown"):
+        s.submit(req(2))
+    assert s.memory_stale is not None
+    watch.state = dataclasses.replace(watch.state, seq=8, taken_at=time.monotonic())  # a good poll again
+    assert s.memory_stale is None
+    running.abort()  # the running request was never ended for it
+    assert (await running.collect())[2].reason == "abort"
+    assert (await s.submit(req(3)).collect())[2].reason == "length"
+    await settle(s, eng)
+
+
+class BrokenDetokenizer:
+    stopped = False
+
+    def add(self, token_id: int) -> str:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+    def flush(self) -> str:
+        return ""
+
+
+async def test_a_detokenizer_error_ends_only_its_request(make) -> None:
+    s, eng = await make(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64))
+    good = s.submit(req(0, max_tokens=12))
+    real = eng.new_detokenizer
+    eng.new_detokenizer = lambda prompt, stop=(): BrokenDetokenizer()  # type: ignore[method-assign]
+    bad = s.submit(req(1, max_tokens=12))
+    eng.new_detokenizer = real  # type: ignore[method-assign]
+    _, _, fin_bad = await bad.collect()
+    text, _, fin_good = await good.collect()
+    assert fin_bad.reason == "error" and "UnicodeDecodeError" in str(fin_bad.error)
+    assert fin_good.reason == "length" and text == TOK.decode(expected_tokens(req(0).prompt_ids, 12))
+    await settle(s, eng)
+    assert s.healthy and s.outcomes["request_failed"] == 1
+
+
+def test_queue_wait_bound_decisions() -> None:
+    rate = ServiceRate(window=8, min_samples=2)
+    bound = QueueWaitBound(10.0, 2.0, rate)
+    assert bound.late(100, 0.0, slot_free=False) is None  # no rate measured yet: it may wait
+    assert bound.late(0, 10.0, slot_free=True) is not None  # but never past the bound
+    for t in (0.0, 1.0, 2.0):  # one request leaves a slot per second
+        rate.left_slot(t, backlog=True)
+    assert bound.late(5, 0.0, slot_free=False) is None  # starts in ~6 s
+    late = bound.late(20, 0.0, slot_free=False)  # ~21 s > 12.5 s
+    assert late is not None and late.retry_after_s == 10.0 and late.wait_s == pytest.approx(21.0)
+    assert bound.late(20, 0.0, slot_free=True) is None  # a free slot: it starts next step
+    assert QueueWaitBound(0.0, 2.0, rate).late(10**6, 10**6, slot_free=False) is None  # 0 = no bound
