@@ -86,8 +86,15 @@ class LoadReport:
 class Engine:
     """Implements `ballast.engine.interface.EngineLike`. Build it with `Engine.load(config)`."""
 
-    def __init__(self, config: EngineConfig, watch: MemWatch | None = None, force_quantized_kv: bool = False, *,
-                 prefix_cache: PrefixCacheConfig | None = None, pool: CheckpointPool | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        watch: MemWatch | None = None,
+        force_quantized_kv: bool = False,
+        *,
+        prefix_cache: PrefixCacheConfig | None = None,
+        pool: CheckpointPool | None = None,
+    ) -> None:
         self.config = config
         self._prefix_cfg = prefix_cache or PrefixCacheConfig()
         self._pool = pool
@@ -112,8 +119,15 @@ class Engine:
         self._setup(parts)
 
     @classmethod
-    def load(cls, config: EngineConfig, watch: MemWatch | None = None, force_quantized_kv: bool = False, *,
-             prefix_cache: PrefixCacheConfig | None = None, pool: CheckpointPool | None = None) -> Engine:
+    def load(
+        cls,
+        config: EngineConfig,
+        watch: MemWatch | None = None,
+        force_quantized_kv: bool = False,
+        *,
+        prefix_cache: PrefixCacheConfig | None = None,
+        pool: CheckpointPool | None = None,
+    ) -> Engine:
         """Load the model, profile a prefill, allocate slot states. force_quantized_kv: the ladder's
         plan at load asks for int8 KV (also on when config.kv_quant is int8). prefix_cache: the
         checkpoint cache's settings (default: on); pool: where its buffers come from and go back to."""
@@ -125,7 +139,14 @@ class Engine:
         loaded = load(cfg, self.device, self.dtype, self._watch)
         leases = list(loaded.leases)
         try:
-            profile = profile_prefill(loaded.model, loaded.hf_config, cfg.prefill_chunk_tokens, cfg.max_model_len, self.device, self.dtype)
+            profile = profile_prefill(
+                loaded.model,
+                loaded.hf_config,
+                cfg.prefill_chunk_tokens,
+                cfg.max_model_len,
+                self.device,
+                self.dtype,
+            )
             quantized = force_quantized_kv or cfg.kv_quant == "int8"
             graphs = cfg.cuda_graphs and self.device.type == "cuda"
             die = self.gpu_die
@@ -135,8 +156,18 @@ class Engine:
                 leases.append(self._watch.ledger.lease(die, planned, f"slot-states:{loaded.source.name}"))
                 leases.append(self._watch.ledger.lease(die, profile.peak_activation_bytes, "activations"))
             acquire = segment_grant(self._watch, die) if self._watch is not None else None
-            runner = ModelRunner(loaded.model, self.device, self.dtype, cfg.max_num_seqs, cfg.max_model_len, quantized,
-                                 cfg.seed, scratch_slot=graphs, acquire=acquire, segment_bytes=cfg.kv_segment_bytes)
+            runner = ModelRunner(
+                loaded.model,
+                self.device,
+                self.dtype,
+                cfg.max_num_seqs,
+                cfg.max_model_len,
+                quantized,
+                cfg.seed,
+                scratch_slot=graphs,
+                acquire=acquire,
+                segment_bytes=cfg.kv_segment_bytes,
+            )
             if graphs:
                 self._capture_graphs(runner, leases)
         except BaseException:
@@ -178,9 +209,14 @@ class Engine:
                 return
         assert runner.graphs is not None
         g = runner.graphs
-        log.info("decode graphs: %d captured of %d buckets (batch <= %d, context <= %d), %.1f MiB", g.captured,
-                 len(g.batch_buckets) * len(g.context_buckets), max(b for b, _ in g.pairs), max(c for _, c in g.pairs),
-                 held / MiB)
+        log.info(
+            "decode graphs: %d captured of %d buckets (batch <= %d, context <= %d), %.1f MiB",
+            g.captured,
+            len(g.batch_buckets) * len(g.context_buckets),
+            max(b for b, _ in g.pairs),
+            max(c for _, c in g.pairs),
+            held / MiB,
+        )
 
     def _setup(self, parts: tuple[LoadedModel, ModelRunner, Profile, list[Lease]]) -> None:
         loaded, runner, profile, leases = parts
@@ -188,9 +224,16 @@ class Engine:
         self.runner = runner
         self.model_name = loaded.source.name
         self._leases = leases
-        self.cost_model: CostModel = build_cost_model(loaded.model, self.dtype, profile, loaded.weights_bytes,
-                                                      runner.kv.layout.block_size if runner.kv is not None else 1)
-        self.load_report = LoadReport(loaded.load_s, loaded.weights_bytes, runner.state_bytes, profile, runner.quantized_kv)
+        self.cost_model: CostModel = build_cost_model(
+            loaded.model,
+            self.dtype,
+            profile,
+            loaded.weights_bytes,
+            runner.kv.layout.block_size if runner.kv is not None else 1,
+        )
+        self.load_report = LoadReport(
+            loaded.load_s, loaded.weights_bytes, runner.state_bytes, profile, runner.quantized_kv
+        )
         # One cache object holds prefix checkpoints (when prefix caching is on) and the sequences
         # parked by preemption (always): both are slot states kept in pool buffers.
         self._cache = self._build_prefix_cache()
@@ -201,10 +244,26 @@ class Engine:
         # Cumulative figures: prompt tokens run through the model vs restored from checkpoints.
         self.prefilled_tokens = 0
         self.reused_tokens = 0
-        log.info("engine: %s on %s (%s), up to %d sequences x %d tokens, load %.2fs", self.model_name, self.device,
-                 self.dtype, self.num_slots, self.max_model_len, loaded.load_s)
-        log.info("%s", capacity_line(self.cost_model, runner.fixed_bytes, self._capacity_bytes(), runner.quantized_kv,
-                                     self.num_slots, self.max_model_len))
+        log.info(
+            "engine: %s on %s (%s), up to %d sequences x %d tokens, load %.2fs",
+            self.model_name,
+            self.device,
+            self.dtype,
+            self.num_slots,
+            self.max_model_len,
+            loaded.load_s,
+        )
+        log.info(
+            "%s",
+            capacity_line(
+                self.cost_model,
+                runner.fixed_bytes,
+                self._capacity_bytes(),
+                runner.quantized_kv,
+                self.num_slots,
+                self.max_model_len,
+            ),
+        )
 
     def _build_prefix_cache(self) -> PrefixCache:
         cfg = self._prefix_cfg
@@ -212,12 +271,18 @@ class Engine:
 
         def budget() -> int:
             # Live, like the pool's cap: a cgroup limit that shrinks shrinks the cache's next save.
-            total = watch.read().host.effective_total_bytes if watch is not None else psutil.virtual_memory().total
+            total = (
+                watch.read().host.effective_total_bytes
+                if watch is not None
+                else psutil.virtual_memory().total
+            )
             cap = int(total * cfg.fraction)
             return min(cap, cfg.max_bytes) if cfg.max_bytes else cap
 
         cost = self.cost_model
-        interval = cfg.checkpoint_interval or auto_interval(cost.state_bytes_per_slot, cost.kv_bytes_per_token)
+        interval = cfg.checkpoint_interval or auto_interval(
+            cost.state_bytes_per_slot, cost.kv_bytes_per_token
+        )
         return PrefixCache(self.runner.states, self.runner.kv, budget, interval, self._pool, self.device)
 
     # --- EngineLike ------------------------------------------------------------------------
@@ -312,8 +377,12 @@ class Engine:
         except Exception:
             self._mark_unhealthy("recovery from a failed step failed")
             return
-        log.warning("engine step failed (%s); dropped the sequences of slots %s, serving on",
-                    self.last_step_failure, sorted(slots), exc_info=exc)
+        log.warning(
+            "engine step failed (%s); dropped the sequences of slots %s, serving on",
+            self.last_step_failure,
+            sorted(slots),
+            exc_info=exc,
+        )
         raise StepFailed(exc, slots) from exc
 
     def _mark_unhealthy(self, why: str) -> None:
@@ -326,7 +395,11 @@ class Engine:
         sequence (blocks, states, sampler history; a sequence parked by a preemption in this step
         is dropped with it), and the plan's housekeeping (releases, unparks, shed, slot limit) is
         applied so no buffer or block is left behind. Each of these is idempotent."""
-        slots = frozenset(p.slot for p in plan.prefills) | {d.slot for d in plan.decodes} | {r.slot for r in plan.restores}
+        slots = (
+            frozenset(p.slot for p in plan.prefills)
+            | {d.slot for d in plan.decodes}
+            | {r.slot for r in plan.restores}
+        )
         touched = sorted(s for s in slots | set(plan.release) if 0 <= s < self.num_slots)
         for tokens in plan.unpark:
             self._cache.unpark(tokens)
@@ -360,8 +433,18 @@ class Engine:
         self.prefilled_tokens += prefill_tokens
         self.reused_tokens += reused
         kv, kv_int8 = self.kv_figures(), self.kv_figures(int8=True)
-        return StepResult(outputs, prefill_tokens, len(plan.decodes), reused, forward_s, self._ledger_bytes(),
-                          tuple(sorted(preempted)), kv, kv_int8, prompt_logprobs)
+        return StepResult(
+            outputs,
+            prefill_tokens,
+            len(plan.decodes),
+            reused,
+            forward_s,
+            self._ledger_bytes(),
+            tuple(sorted(preempted)),
+            kv,
+            kv_int8,
+            prompt_logprobs,
+        )
 
     def kv_figures(self, int8: bool = False) -> KVFigures | None:
         """A KV pool's figures now: the main one, or the int8 one new sequences use under pressure
@@ -370,7 +453,11 @@ class Engine:
         return pool.figures() if pool is not None else None
 
     def _forward(
-        self, seqs: Rows, sampled: list[bool], sampling: dict[int, SamplingParams], asks: dict[int, PrefillChunk]
+        self,
+        seqs: Rows,
+        sampled: list[bool],
+        sampling: dict[int, SamplingParams],
+        asks: dict[int, PrefillChunk],
     ) -> tuple[tuple[SlotOutput, ...], tuple[PromptLogprobs, ...], float]:
         if not seqs:
             return (), (), 0.0
@@ -397,7 +484,9 @@ class Engine:
         self._check_slots(plan.release)
         # A finished request's checkpoint travels with its slot's release: save it first, while
         # the slot still holds the blocks.
-        self._apply_saves(replace(plan, saves=tuple(s for s in plan.saves if s.slot in plan.release)), frozenset())
+        self._apply_saves(
+            replace(plan, saves=tuple(s for s in plan.saves if s.slot in plan.release)), frozenset()
+        )
         self.runner.sampler.reset(plan.release)
         self.slot_kv.drop(plan.release)
         if plan.shrink_kv:
@@ -433,7 +522,9 @@ class Engine:
         for r in plan.restores:
             self._check_slots([r.slot])
             if starts.get(r.slot) != len(r.prefix):
-                raise PlanError(f"slot {r.slot}: a restore of {len(r.prefix)} tokens needs a prefill chunk starting there")
+                raise PlanError(
+                    f"slot {r.slot}: a restore of {len(r.prefix)} tokens needs a prefill chunk starting there"
+                )
             home = cache.parked_pool(r.prefix)
             # A new sequence: what the slot held goes; it lives where its blocks are (a parked one
             # in the pool it was parked from, a checkpoint's in the main pool).
@@ -467,10 +558,15 @@ class Engine:
             if s.slot in skip:
                 continue
             if not 0 < len(s.prefix) <= self.max_model_len:
-                raise PlanError(f"slot {s.slot}: a checkpoint of {len(s.prefix)} tokens is outside 1..{self.max_model_len}")
+                raise PlanError(
+                    f"slot {s.slot}: a checkpoint of {len(s.prefix)} tokens is outside "
+                    f"1..{self.max_model_len}"
+                )
             self.prefix_cache.save(s.slot, s.prefix)
 
-    def _sequences(self, plan: StepPlan, skip: frozenset[int]) -> tuple[list[tuple[int, Sequence[int], int]], list[bool]]:
+    def _sequences(
+        self, plan: StepPlan, skip: frozenset[int]
+    ) -> tuple[list[tuple[int, Sequence[int], int]], list[bool]]:
         """(slot, tokens, start) per sequence in plan order (prefills, then decodes; slots in
         `skip` left out), and whether each one samples a token. Slots starting a new sequence are
         reset first."""
@@ -486,7 +582,10 @@ class Engine:
         vocab = self.runner.sampler.vocab_size
         for slot, tokens, start in seqs:
             if start + len(tokens) > self.max_model_len:
-                raise PlanError(f"slot {slot}: positions up to {start + len(tokens) - 1} exceed max_model_len {self.max_model_len}")
+                raise PlanError(
+                    f"slot {slot}: positions up to {start + len(tokens) - 1} exceed max_model_len "
+                    f"{self.max_model_len}"
+                )
             if min(tokens) < 0 or max(tokens) >= vocab:
                 raise PlanError(f"slot {slot}: token ids must be in 0..{vocab - 1}")
         fresh = [p for p in plan.prefills if p.start_pos == 0]
@@ -502,8 +601,9 @@ class Engine:
         if bad:
             raise PlanError(f"slots {bad} out of range 0..{self.num_slots - 1}")
 
-    def _sample(self, seqs: Rows, sampled: list[bool], logits: torch.Tensor,
-                sampling: dict[int, SamplingParams]) -> tuple[SlotOutput, ...]:
+    def _sample(
+        self, seqs: Rows, sampled: list[bool], logits: torch.Tensor, sampling: dict[int, SamplingParams]
+    ) -> tuple[SlotOutput, ...]:
         rows = [i for i, s in enumerate(sampled) if s]
         if not rows:
             return ()

@@ -115,8 +115,16 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.prefills or self.decodes or self.release or self.restores or self.saves or self.shed_prefix_cache
-                    or self.shrink_kv or self.unpark)
+        return not (
+            self.prefills
+            or self.decodes
+            or self.release
+            or self.restores
+            or self.saves
+            or self.shed_prefix_cache
+            or self.shrink_kv
+            or self.unpark
+        )
 
 
 @dataclass(frozen=True)

@@ -57,12 +57,33 @@ _INTERVAL_QUANTUM = 256
 class PrefixCacheConfig:
     """The prefix cache's settings (flags and BALLAST_* variables through `ballast.server.config`)."""
 
-    fraction: float = field(default=0.05, metadata=setting(
-        "BALLAST_PREFIX_CACHE_FRACTION", "prefix cache byte budget as a fraction of effective host memory; 0 turns prefix reuse off", 0.0, 0.5))
-    max_bytes: int = field(default=0, metadata=setting(
-        "BALLAST_PREFIX_CACHE_BYTES", "fixed cap on the prefix cache's bytes on top of the fraction; 0 = the fraction alone", 0, 1 << 50))
-    checkpoint_interval: int = field(default=0, metadata=setting(
-        "BALLAST_CHECKPOINT_INTERVAL", "prompt tokens between checkpoints; 0 = from the model's costs", 0, 1 << 20))
+    fraction: float = field(
+        default=0.05,
+        metadata=setting(
+            "BALLAST_PREFIX_CACHE_FRACTION",
+            "prefix cache byte budget as a fraction of effective host memory; 0 turns prefix reuse off",
+            0.0,
+            0.5,
+        ),
+    )
+    max_bytes: int = field(
+        default=0,
+        metadata=setting(
+            "BALLAST_PREFIX_CACHE_BYTES",
+            "fixed cap on the prefix cache's bytes on top of the fraction; 0 = the fraction alone",
+            0,
+            1 << 50,
+        ),
+    )
+    checkpoint_interval: int = field(
+        default=0,
+        metadata=setting(
+            "BALLAST_CHECKPOINT_INTERVAL",
+            "prompt tokens between checkpoints; 0 = from the model's costs",
+            0,
+            1 << 20,
+        ),
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -131,8 +152,15 @@ class _Entry:
 class PrefixCache:
     """Checkpoints of slot states keyed by the exact token prefix they consumed; LRU in bytes."""
 
-    def __init__(self, states: Sequence[LayerState], kv: KVPool | None, budget_bytes: Callable[[], int],
-                 interval: int, pool: CheckpointPool | None = None, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        states: Sequence[LayerState],
+        kv: KVPool | None,
+        budget_bytes: Callable[[], int],
+        interval: int,
+        pool: CheckpointPool | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if interval < 1:
             raise ValueError(f"checkpoint interval must be >= 1, got {interval}")
         self._states = list(states)
@@ -166,8 +194,18 @@ class PrefixCache:
     def stats(self) -> PrefixCacheStats:
         with self._lock:
             parked = sum(p.buf.numel() for p in self._parked.values())
-            return PrefixCacheStats(len(self._entries), self._held, self._saves, self._duplicates, self._declined,
-                                    self._restores, self._evictions, self._sheds, len(self._parked), parked)
+            return PrefixCacheStats(
+                len(self._entries),
+                self._held,
+                self._saves,
+                self._duplicates,
+                self._declined,
+                self._restores,
+                self._evictions,
+                self._sheds,
+                len(self._parked),
+                parked,
+            )
 
     # --- engine thread ---------------------------------------------------------------------
     def save(self, slot: int, prefix: Sequence[int]) -> bool:
@@ -290,10 +328,14 @@ class PrefixCache:
             # prefixes: older entries give way (this one is the most recent now), then try again.
             self._evict_others_for_block(key)
             if not self._kv.attach(slot, entry.blocks, entry.n_tokens):
-                raise CheckpointMissing(f"no free KV block to copy the last block of a {entry.n_tokens}-token prefix")
+                raise CheckpointMissing(
+                    f"no free KV block to copy the last block of a {entry.n_tokens}-token prefix"
+                )
         if entry.buf is not None:
             for state, layer_layout in zip(self._states, entry.layout, strict=True):
-                state.load(slot, [_segment(entry.buf, off, dtype, shape) for off, dtype, shape in layer_layout])
+                state.load(
+                    slot, [_segment(entry.buf, off, dtype, shape) for off, dtype, shape in layer_layout]
+                )
             self._sync()  # the buffer may go back to the pool (eviction) once the copies have run
         return entry.n_tokens
 
@@ -315,7 +357,9 @@ class PrefixCache:
         if not kv.ensure(slot, parked.n_tokens) and kv is self._kv:
             self.evict_for_blocks(parked.n_blocks)  # cached prefixes go first
         if not kv.ensure(slot, parked.n_tokens):
-            raise CheckpointMissing(f"no KV blocks to resume a parked {parked.n_tokens}-token sequence (slot {slot})")
+            raise CheckpointMissing(
+                f"no KV blocks to resume a parked {parked.n_tokens}-token sequence (slot {slot})"
+            )
         dests = [v for s in self._states for v in s.slot_views(slot)]
         dests += [v for b in parked.kv.table(slot)[: parked.n_blocks] for v in parked.kv.store.block_views(b)]
         for dst, (off, dtype, shape) in zip(dests, parked.views, strict=True):
@@ -409,7 +453,9 @@ class PrefixCache:
             released = self.shed() if shed_on_failure else 0
             with self._lock:
                 self._declined += 1
-            log.warning("checkpoint buffer of %d bytes failed (%s); prefix cache shed %d bytes", nbytes, e, released)
+            log.warning(
+                "checkpoint buffer of %d bytes failed (%s); prefix cache shed %d bytes", nbytes, e, released
+            )
             return None
 
     def _give_back(self, e: _Entry) -> None:
@@ -423,7 +469,9 @@ class PrefixCache:
             torch.cuda.current_stream(self._device).synchronize()
 
 
-def _longest(lengths: Counter[int], entries: Mapping[tuple[int, bytes], object], tokens: Sequence[int]) -> int:
+def _longest(
+    lengths: Counter[int], entries: Mapping[tuple[int, bytes], object], tokens: Sequence[int]
+) -> int:
     """The longest n < len(tokens) with an entry keyed by tokens[:n] (hashes of growing prefixes)."""
     candidates = sorted(n for n in lengths if n < len(tokens))
     h = hashlib.blake2b(digest_size=16)
@@ -436,7 +484,9 @@ def _longest(lengths: Counter[int], entries: Mapping[tuple[int, bytes], object],
     return best
 
 
-def _layout(views: Sequence[Sequence[Tensor]]) -> tuple[tuple[tuple[tuple[int, torch.dtype, torch.Size], ...], ...], int]:
+def _layout(
+    views: Sequence[Sequence[Tensor]],
+) -> tuple[tuple[tuple[tuple[int, torch.dtype, torch.Size], ...], ...], int]:
     off = 0
     layout = []
     for layer_views in views:

@@ -97,7 +97,9 @@ class SlotKV:
         need = {slot: start + len(tokens) for slot, tokens, start in seqs}
         short = [slot for slot, n in need.items() if not self.pool_of(slot).ensure(slot, n)]
         if short:
-            self._cache.evict_for_blocks(sum(_missing(kv, s, need[s]) for s in short if self.pool_of(s) is kv))
+            self._cache.evict_for_blocks(
+                sum(_missing(kv, s, need[s]) for s in short if self.pool_of(s) is kv)
+            )
         victims = [p.slot for p in reversed(plan.prefills)] + [d.slot for d in reversed(plan.decodes)]
         preempted: set[int] = set()
         while short := [s for s in short if s not in preempted and not self.pool_of(s).ensure(s, need[s])]:
@@ -115,7 +117,9 @@ class SlotKV:
                 self._fed.setdefault(slot, array("q")).extend(tokens)
         if preempted:
             self.preemptions += len(preempted)
-            log.warning("KV blocks short: preempted slots %s (they resume when blocks are free)", sorted(preempted))
+            log.warning(
+                "KV blocks short: preempted slots %s (they resume when blocks are free)", sorted(preempted)
+            )
         return frozenset(preempted)
 
     def _park(self, slot: int) -> None:

@@ -50,7 +50,9 @@ def _unicode(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise TokenizerInputError(f"the text is not valid Unicode: {e.reason} at position {e.start}") from None
+        raise TokenizerInputError(
+            f"the text is not valid Unicode: {e.reason} at position {e.start}"
+        ) from None
     return text
 
 
@@ -65,7 +67,9 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(ids)
         self._special_ids = frozenset(int(i) for i in hf.all_special_ids)
         added = getattr(hf, "added_tokens_decoder", {})
-        self._special_texts = tuple({str(t) for t in hf.all_special_tokens} | {t.content for t in added.values() if t.special})
+        self._special_texts = tuple(
+            {str(t) for t in hf.all_special_tokens} | {t.content for t in added.values() if t.special}
+        )
         self._byte_decoder = _byte_level_decoder()
 
     @classmethod
@@ -88,7 +92,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # add_special_tokens adds a BOS where the tokenizer wants one (llama-style); split_special
         # keeps a user's literal "<|im_end|>" as plain text instead of a control token.
-        ids = self.hf(_unicode(text), add_special_tokens=add_special_tokens, split_special_tokens=True)["input_ids"]
+        ids = self.hf(_unicode(text), add_special_tokens=add_special_tokens, split_special_tokens=True)[
+            "input_ids"
+        ]
         return [int(i) for i in ids]
 
     @property
@@ -96,20 +102,33 @@ class Tokenizer:
         """The chat template renders a `tools` list (else a caller must describe tools itself)."""
         return "tools" in str(getattr(self.hf, "chat_template", "") or "")
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                            *, special_tokens_in_content: bool = False) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        special_tokens_in_content: bool = False,
+    ) -> list[int]:
         if not self.has_chat_template:
             raise TokenizerError("this model's tokenizer has no chat template; use a raw completion")
-        forged = [] if special_tokens_in_content else [i for i, m in enumerate(messages) if self._spells_special(m.get("content"))]
+        forged = (
+            []
+            if special_tokens_in_content
+            else [i for i, m in enumerate(messages) if self._spells_special(m.get("content"))]
+        )
         if not forged:
             # The template writes BOS and the turn markers itself: parse them, add nothing.
             return self._ids(self.render_chat(messages, tools), special=True)
-        marked = [{**m, "content": f"{_OPEN}{i}{_CLOSE}"} if i in forged else m for i, m in enumerate(messages)]
+        marked = [
+            {**m, "content": f"{_OPEN}{i}{_CLOSE}"} if i in forged else m for i, m in enumerate(messages)
+        ]
         pieces = _PLACEHOLDER.split(self.render_chat(marked, tools))
         found = [int(x) for x in pieces[1::2]]
         if sorted(found) != forged:
-            raise TokenizerError("this chat template rewrites message content, so content that spells a special token "
-                                 "cannot be kept as text")
+            raise TokenizerError(
+                "this chat template rewrites message content, so content that spells a special token "
+                "cannot be kept as text"
+            )
         ids: list[int] = []
         for k, piece in enumerate(pieces):
             if k % 2 == 0:
@@ -118,10 +137,16 @@ class Tokenizer:
                 ids += self._ids(str(messages[int(piece)]["content"]), special=False)
         return ids
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> str:
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> str:
         try:
-            text = self.hf.apply_chat_template(list(messages), tools=list(tools) if tools else None,
-                                               add_generation_prompt=True, tokenize=False)
+            text = self.hf.apply_chat_template(
+                list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=True,
+                tokenize=False,
+            )
         except jinja2.TemplateError as e:
             raise TokenizerError(f"the chat template cannot render this conversation: {e}") from e
         if not isinstance(text, str):
@@ -161,7 +186,11 @@ class Tokenizer:
 def _byte_level_decoder() -> dict[str, int]:
     """Byte-level BPE writes each byte as one printable character: printable Latin-1 bytes as
     themselves, the other 68 bytes as the code points from 256 up, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), 256),
+    ]
     mapping = {chr(b): b for b in printable}
     others = [b for b in range(256) if b not in set(printable)]
     mapping.update({chr(256 + k): b for k, b in enumerate(others)})

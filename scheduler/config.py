@@ -19,25 +19,101 @@ class SchedulerConfig:
     max_num_seqs: int = 8  # most requests running at once (also capped by the engine's slots)
     ladder_disable: bool = False  # the degradation ladder off: slots and window stay as configured
     psi_full_reject_pct: float = 15.0  # PSI full avg10 (%) at which admission refuses new requests
-    max_queue: int = field(default=256, metadata=setting("BALLAST_MAX_QUEUE", "most requests waiting for a slot; beyond it new ones get 429", 0, 1 << 20))
-    max_num_batched_tokens: int = field(default=512, metadata=setting("BALLAST_MAX_NUM_BATCHED_TOKENS", "tokens per step (decodes + prefill chunks); must be >= max_num_seqs", 1, 1 << 20))
-    context_window: int = field(default=0, metadata=setting("BALLAST_CONTEXT_WINDOW", "context (prompt + new tokens) a request may use; 0 = the model's max_model_len. The ladder halves it at TIGHT, quarters it at CRITICAL", 0, 1 << 24,
-        deprecated=("BALLAST_PREFILL_WINDOW",)))
-    request_timeout_s: float = field(default=600.0, metadata=setting("BALLAST_REQUEST_TIMEOUT_S", "deadline from submission for a request without its own; 0 = none", 0.0, 86400.0))
-    max_queue_wait_s: float = field(default=30.0, metadata=setting("BALLAST_MAX_QUEUE_WAIT_S", "longest a request may wait for a slot: one that would wait longer (estimated from the measured service rate) or did gets 429 + Retry-After; 0 = no bound", 0.0, 86400.0))
-    stale_snapshot_s: float = field(default=5.0, metadata=setting("BALLAST_STALE_SNAPSHOT_S", "a memory snapshot older than this (MemWatch polls failing) counts as unknown: new and queued requests get 503 at once; 0 = never stale", 0.0, 3600.0))
-    retry_after_s: float = field(default=2.0, metadata=setting("BALLAST_RETRY_AFTER_S", "Retry-After advertised with 503 and 429 refusals", 0.0, 3600.0))
-    mailbox_events: int = field(default=64, metadata=setting("BALLAST_MAILBOX_EVENTS", "events buffered per request before token events coalesce (slow readers)", 2, 1 << 16))
-    idle_tick_s: float = field(default=5.0, metadata=setting("BALLAST_IDLE_TICK_S", "while idle, how often the idle hook (checkpoint-pool trim) runs again", 0.01, 3600.0))
-    hold_poll_s: float = field(default=0.02, metadata=setting("BALLAST_HOLD_POLL_S", "how often a held queue re-reads the memory snapshot", 0.001, 10.0))
+    max_queue: int = field(
+        default=256,
+        metadata=setting(
+            "BALLAST_MAX_QUEUE", "most requests waiting for a slot; beyond it new ones get 429", 0, 1 << 20
+        ),
+    )
+    max_num_batched_tokens: int = field(
+        default=512,
+        metadata=setting(
+            "BALLAST_MAX_NUM_BATCHED_TOKENS",
+            "tokens per step (decodes + prefill chunks); must be >= max_num_seqs",
+            1,
+            1 << 20,
+        ),
+    )
+    context_window: int = field(
+        default=0,
+        metadata=setting(
+            "BALLAST_CONTEXT_WINDOW",
+            "context (prompt + new tokens) a request may use; 0 = the model's max_model_len. The ladder "
+            "halves it at TIGHT, quarters it at CRITICAL",
+            0,
+            1 << 24,
+            deprecated=("BALLAST_PREFILL_WINDOW",),
+        ),
+    )
+    request_timeout_s: float = field(
+        default=600.0,
+        metadata=setting(
+            "BALLAST_REQUEST_TIMEOUT_S",
+            "deadline from submission for a request without its own; 0 = none",
+            0.0,
+            86400.0,
+        ),
+    )
+    max_queue_wait_s: float = field(
+        default=30.0,
+        metadata=setting(
+            "BALLAST_MAX_QUEUE_WAIT_S",
+            "longest a request may wait for a slot: one that would wait longer (estimated from the measured "
+            "service rate) or did gets 429 + Retry-After; 0 = no bound",
+            0.0,
+            86400.0,
+        ),
+    )
+    stale_snapshot_s: float = field(
+        default=5.0,
+        metadata=setting(
+            "BALLAST_STALE_SNAPSHOT_S",
+            "a memory snapshot older than this (MemWatch polls failing) counts as unknown: new and queued "
+            "requests get 503 at once; 0 = never stale",
+            0.0,
+            3600.0,
+        ),
+    )
+    retry_after_s: float = field(
+        default=2.0,
+        metadata=setting(
+            "BALLAST_RETRY_AFTER_S", "Retry-After advertised with 503 and 429 refusals", 0.0, 3600.0
+        ),
+    )
+    mailbox_events: int = field(
+        default=64,
+        metadata=setting(
+            "BALLAST_MAILBOX_EVENTS",
+            "events buffered per request before token events coalesce (slow readers)",
+            2,
+            1 << 16,
+        ),
+    )
+    idle_tick_s: float = field(
+        default=5.0,
+        metadata=setting(
+            "BALLAST_IDLE_TICK_S",
+            "while idle, how often the idle hook (checkpoint-pool trim) runs again",
+            0.01,
+            3600.0,
+        ),
+    )
+    hold_poll_s: float = field(
+        default=0.02,
+        metadata=setting(
+            "BALLAST_HOLD_POLL_S", "how often a held queue re-reads the memory snapshot", 0.001, 10.0
+        ),
+    )
 
     def __post_init__(self) -> None:
         check(self)
         # A step must fit every running request's decode token plus at least one prefill token,
         # or a long prompt could wait forever behind decodes (starvation).
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ConfigError(f"BALLAST_MAX_NUM_BATCHED_TOKENS={self.max_num_batched_tokens} must be >= "
-                              f"BALLAST_MAX_NUM_SEQS={self.max_num_seqs}")
+            raise ConfigError(
+                f"BALLAST_MAX_NUM_BATCHED_TOKENS={self.max_num_batched_tokens} must be >= "
+                f"BALLAST_MAX_NUM_SEQS={self.max_num_seqs}"
+            )
 
     def window_for(self, max_model_len: int) -> int:
         """The context (prompt + new tokens) a request may use with this model, before the ladder

@@ -70,8 +70,10 @@ class StepAborted(Refused):
     retryable = True
 
     def __init__(self, retry_after_s: float, cause: str, completion_tokens: int = 0) -> None:
-        super().__init__(f"the engine step running this request failed ({cause}); "
-                         f"{completion_tokens} tokens had been generated; retry after {retry_after_s:g} s")
+        super().__init__(
+            f"the engine step running this request failed ({cause}); "
+            f"{completion_tokens} tokens had been generated; retry after {retry_after_s:g} s"
+        )
         self.retry_after_s = retry_after_s
         self.cause = cause
         self.completion_tokens = completion_tokens
@@ -85,8 +87,10 @@ class QueueWaitTooLong(Refused):
 
     def __init__(self, retry_after_s: float, wait_s: float, bound_s: float, estimated: bool) -> None:
         how = "estimated wait" if estimated else "waited"
-        super().__init__(f"no slot free in time: {how} {wait_s:.3g} s > max queue wait {bound_s:g} s; "
-                         f"retry after {retry_after_s:g} s")
+        super().__init__(
+            f"no slot free in time: {how} {wait_s:.3g} s > max queue wait {bound_s:g} s; "
+            f"retry after {retry_after_s:g} s"
+        )
         self.retry_after_s = retry_after_s
         self.wait_s = wait_s
         self.bound_s = bound_s
@@ -111,7 +115,16 @@ class EngineFailed(Refused):
 
 
 # Labels for the scheduler's `outcomes` counters (requests by outcome), one per refusal kind.
-REFUSAL_OUTCOMES = ("timeout", "overloaded", "queue_full", "queue_wait", "context_length", "step_failed", "request_failed", "failed")
+REFUSAL_OUTCOMES = (
+    "timeout",
+    "overloaded",
+    "queue_full",
+    "queue_wait",
+    "context_length",
+    "step_failed",
+    "request_failed",
+    "failed",
+)
 
 
 def outcome_of(error: Refused) -> str:

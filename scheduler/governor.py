@@ -87,7 +87,9 @@ class Governor:
         self._decay(state)
         return self._plan
 
-    def admit(self, n_prompt: int, max_tokens: int, pool: PoolRoom | None = None, quantized: bool = False) -> Admission:
+    def admit(
+        self, n_prompt: int, max_tokens: int, pool: PoolRoom | None = None, quantized: bool = False
+    ) -> Admission:
         """Ask the memory layer whether a request may take a slot now. Raises Overloaded (and
         raises the pressure level) on REJECT. The window is the ladder's: a CAP shortens
         max_tokens so prompt + new tokens fit; a prompt that cannot fit is refused, not cut.
@@ -103,7 +105,9 @@ class Governor:
         capped = verdict.kind is VerdictKind.CAP
         return Admission(verdict.fit_tokens - n_prompt if capped else max_tokens, capped, verdict)
 
-    def verdict(self, n_prompt: int, max_tokens: int, pool: PoolRoom | None = None, quantized: bool = False) -> Verdict:
+    def verdict(
+        self, n_prompt: int, max_tokens: int, pool: PoolRoom | None = None, quantized: bool = False
+    ) -> Verdict:
         """What `admit` would decide now, without counting it or acting on it."""
         window = self._plan.context_window
         if self._state is None:  # no memory signals: only the window applies (fail open, as the seed does)
@@ -111,7 +115,9 @@ class Governor:
             kind = VerdictKind.ADMIT if fit == n_prompt + max_tokens else VerdictKind.CAP
             if fit > n_prompt:
                 return Verdict(kind, fit)
-            return Verdict(VerdictKind.REJECT, 0, f"context window limit: {n_prompt} prompt tokens, window {window}")
+            return Verdict(
+                VerdictKind.REJECT, 0, f"context window limit: {n_prompt} prompt tokens, window {window}"
+            )
         return admit_request(
             n_prompt,
             max_tokens,
@@ -129,10 +135,14 @@ class Governor:
         """Raise Overloaded at CRITICAL pressure, from a fresh snapshot (microseconds)."""
         self.refresh()
         if self.pressure_level >= Level.CRITICAL:
-            raise Overloaded(self._s.retry_after_s, self._stale or f"memory pressure {self.pressure_level.name}")
+            raise Overloaded(
+                self._s.retry_after_s, self._stale or f"memory pressure {self.pressure_level.name}"
+            )
 
     def overloaded(self, what: str) -> Overloaded:
-        return Overloaded(self._s.retry_after_s, f"{self._stale or f'memory pressure {self.pressure_level.name}'}: {what}")
+        return Overloaded(
+            self._s.retry_after_s, f"{self._stale or f'memory pressure {self.pressure_level.name}'}: {what}"
+        )
 
     def stale_reason(self) -> str | None:
         """Why the latest snapshot counts as unknown (read now, not at the last refresh)."""

@@ -158,8 +158,9 @@ class Scheduler:
         self._running: list[_Seq] = []  # admission order: the FCFS order of prefill chunks
         self._by_slot: dict[int, _Seq] = {}
         self._engine_slots = engine.num_slots  # the max_slots the engine applies now
-        self._checkpoints = CheckpointOrders(engine.checkpoint_interval, engine.match_prefix,
-                                             lambda: self._gov.ladder.shed_prefix_cache)
+        self._checkpoints = CheckpointOrders(
+            engine.checkpoint_interval, engine.match_prefix, lambda: self._gov.ladder.shed_prefix_cache
+        )
         self._kv = KVRoom(engine.kv_figures(), engine.kv_figures(int8=True))  # the pools after the last step
         self._shrink_sent = False  # the engine was told to give free KV segments back
         self._unpark: list[tuple[int, ...]] = []  # for the next plan
@@ -217,7 +218,9 @@ class Scheduler:
             self._gov.check_submit()
             if self._queue.full:
                 raise QueueFull(self._cfg.retry_after_s, self._queue.max_size)
-            if (late := self._wait_bound.late(len(self._queue), 0.0, self._slots.has_free(self.slot_limit))) is not None:
+            if (
+                late := self._wait_bound.late(len(self._queue), 0.0, self._slots.has_free(self.slot_limit))
+            ) is not None:
                 raise late
         except Refused as refusal:
             self._outcomes[outcome_of(refusal)] += 1
@@ -285,7 +288,9 @@ class Scheduler:
         decodes = []
         for seq in self._running:
             if seq.phase is Phase.DECODING and seq.slot is not None:
-                decodes.append(DecodeToken(seq.slot, seq.output[-1], len(seq.req.prompt_ids) + len(seq.output) - 1))
+                decodes.append(
+                    DecodeToken(seq.slot, seq.output[-1], len(seq.req.prompt_ids) + len(seq.output) - 1)
+                )
                 sampling[seq.slot] = seq.req.params
         budget = min(self._cfg.max_num_batched_tokens - len(decodes), self._engine.prefill_chunk_tokens)
         prefills: list[PrefillChunk] = []
@@ -329,7 +334,9 @@ class Scheduler:
             if seq is None:  # finished (aborted, timed out) while the step ran: drop its token
                 continue
             if slot not in outputs:
-                raise RuntimeError(f"engine returned no token for slot {slot} of request {seq.req.request_id}")
+                raise RuntimeError(
+                    f"engine returned no token for slot {slot} of request {seq.req.request_id}"
+                )
             try:
                 self._on_token(seq, outputs[slot])
             except Exception as exc:  # its detokenizer failed: this request's error, not the engine's
@@ -370,21 +377,35 @@ class Scheduler:
     def _admit_head(self) -> _Seq | None:
         """Give the queue head a slot if memory and the ladder allow; FCFS: never skip the head."""
         while (seq := self._queue.head()) is not None:
-            if self._gov.holding or not self._slots.has_free(self.slot_limit) or len(self._running) >= self.slot_limit:
+            if (
+                self._gov.holding
+                or not self._slots.has_free(self.slot_limit)
+                or len(self._running) >= self.slot_limit
+            ):
                 return None
             asked = seq.req.max_tokens - len(seq.resumed)
-            int8 = seq.int8_kv if seq.int8_kv is not None else self._gov.ladder.force_quantized_kv and self._kv.int8 is not None
-            if self._waits_for_blocks(len(seq.feed), asked, int8) or (seq.preempted and not self._resumable(seq, int8)):
+            int8 = (
+                seq.int8_kv
+                if seq.int8_kv is not None
+                else self._gov.ladder.force_quantized_kv and self._kv.int8 is not None
+            )
+            if self._waits_for_blocks(len(seq.feed), asked, int8) or (
+                seq.preempted and not self._resumable(seq, int8)
+            ):
                 return None
             try:
-                admission = self._gov.admit(len(seq.feed), asked, self._kv.room(int8, self._charges()), quantized=int8)
+                admission = self._gov.admit(
+                    len(seq.feed), asked, self._kv.room(int8, self._charges()), quantized=int8
+                )
             except Overloaded as refusal:  # the governor has raised the pressure level
                 if seq.preempted:  # a preempted request is never failed: it waits for blocks
                     return None
                 _log_verdict(seq, "reject", 0, refusal.reason)
                 self._finish(seq, "error", refusal)
                 continue
-            _log_verdict(seq, admission.verdict.kind.value, admission.verdict.fit_tokens, admission.verdict.reason)
+            _log_verdict(
+                seq, admission.verdict.kind.value, admission.verdict.fit_tokens, admission.verdict.reason
+            )
             slot = self._slots.acquire(self.slot_limit)
             assert slot is not None  # has_free said so, and nothing ran in between
             self._queue.pop_head()
@@ -396,7 +417,9 @@ class Scheduler:
             return seq
         return None
 
-    def _chunk(self, seq: _Seq, budget: int, out: list[PrefillChunk], sampling: dict[int, SamplingParams]) -> int:
+    def _chunk(
+        self, seq: _Seq, budget: int, out: list[PrefillChunk], sampling: dict[int, SamplingParams]
+    ) -> int:
         """The seq's next prefill chunk (its first one restores the longest cached prefix)."""
         assert seq.slot is not None
         prompt = seq.feed
@@ -417,9 +440,17 @@ class Scheduler:
         if cached:
             end = self._checkpoints.end_chunk_at_checkpoint(seq.slot, prompt, seq.prefilled, end)
         targets = seq.req.prompt_ids[seq.prefilled + 1 : end + 1] if scoring else ()
-        out.append(PrefillChunk(seq.slot, prompt[seq.prefilled : end], seq.prefilled, sample=end == len(prompt),
-                                int8_kv=bool(seq.int8_kv), logprob_targets=targets,
-                                top_logprobs=seq.req.prompt_logprobs or 0))
+        out.append(
+            PrefillChunk(
+                seq.slot,
+                prompt[seq.prefilled : end],
+                seq.prefilled,
+                sample=end == len(prompt),
+                int8_kv=bool(seq.int8_kv),
+                logprob_targets=targets,
+                top_logprobs=seq.req.prompt_logprobs or 0,
+            )
+        )
         sampling[seq.slot] = seq.req.params
         n, seq.prefilled = end - seq.prefilled, end
         return n
@@ -608,6 +639,17 @@ class Scheduler:
 
 def _log_verdict(seq: _Seq, verdict: str, fit_tokens: int, reason: str) -> None:
     rid = seq.req.request_id
-    verdict_log.info("request %s admission: %s%s", rid, verdict, f" ({reason})" if reason else "",
-                     extra={"event": "verdict", "request_id": rid, "verdict": verdict, "fit_tokens": fit_tokens,
-                            "reason": reason, "resumed": seq.preempted})
+    verdict_log.info(
+        "request %s admission: %s%s",
+        rid,
+        verdict,
+        f" ({reason})" if reason else "",
+        extra={
+            "event": "verdict",
+            "request_id": rid,
+            "verdict": verdict,
+            "fit_tokens": fit_tokens,
+            "reason": reason,
+            "resumed": seq.preempted,
+        },
+    )

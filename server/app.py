@@ -69,8 +69,12 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             status = 413 if length.isdigit() else 400
-            message = str(BodyTooLarge(self.max_bytes).detail) if status == 413 else "invalid Content-Length header"
-            response = errors.ApiError(status, message, code="request_too_large" if status == 413 else None).response()
+            message = (
+                str(BodyTooLarge(self.max_bytes).detail) if status == 413 else "invalid Content-Length header"
+            )
+            response = errors.ApiError(
+                status, message, code="request_too_large" if status == 413 else None
+            ).response()
             await response(scope, receive, send)
             return
         seen = 0
@@ -140,7 +144,11 @@ async def _load(state: ServerState, factory: EngineFactory, wiring: _Wiring) -> 
     state.context_window = wiring.scheduler_config.window_for(engine.max_model_len)
     try:
         scheduler = Scheduler(
-            engine, wiring.scheduler_config, memwatch=state.memwatch, admission_metrics=wiring.admission, on_idle=wiring.on_idle,
+            engine,
+            wiring.scheduler_config,
+            memwatch=state.memwatch,
+            admission_metrics=wiring.admission,
+            on_idle=wiring.on_idle,
         )
         await scheduler.start()
         state.scheduler = scheduler  # from here on, shut-down stops it
@@ -154,7 +162,9 @@ async def _load(state: ServerState, factory: EngineFactory, wiring: _Wiring) -> 
     log.info("ready: serving %s", state.model_name)
 
 
-def _lifespan(factory: EngineFactory, wiring: _Wiring) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+def _lifespan(
+    factory: EngineFactory, wiring: _Wiring
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state: ServerState = app.state.ballast
@@ -198,7 +208,9 @@ def create_app(
     names requests may give the model (responses always carry the served name)."""
     registry = CollectorRegistry(auto_describe=True)
     metrics = HttpMetrics(registry)
-    state = ServerState(config=config, registry=registry, metrics=metrics, memwatch=memwatch, model_aliases=model_aliases)
+    state = ServerState(
+        config=config, registry=registry, metrics=metrics, memwatch=memwatch, model_aliases=model_aliases
+    )
     if on_fatal is not None:
         state.on_fatal = on_fatal
     metrics.watch_scheduler(state.scheduler_figures)
@@ -207,8 +219,13 @@ def create_app(
         registry.register(PoolCollector(pool))
     on_idle = None if pool is None else lambda: _trim(pool, pool_max_idle_s)
     wiring = _Wiring(scheduler_config, admission, on_idle)
-    app = FastAPI(title="ballast", version=__version__, lifespan=_lifespan(engine_factory, wiring), docs_url="/docs",
-                  redoc_url=None)
+    app = FastAPI(
+        title="ballast",
+        version=__version__,
+        lifespan=_lifespan(engine_factory, wiring),
+        docs_url="/docs",
+        redoc_url=None,
+    )
     app.state.ballast = state
     errors.install(app)
     routes.install(app, config.api_key)

@@ -34,18 +34,67 @@ class ServerConfig:
     """The HTTP layer's settings."""
 
     host: str = field(default="127.0.0.1", metadata=setting("BALLAST_HOST", "address to listen on"))
-    port: int = field(default=8000, metadata=setting("BALLAST_PORT", "TCP port to listen on (0 = any free port)", 0, 65535))
-    api_key: str | None = field(default=None, metadata=setting("BALLAST_API_KEY", "if set, /v1 requires 'Authorization: Bearer <key>'"))
-    max_body_bytes: int = field(default=8 << 20, metadata=setting("BALLAST_MAX_BODY_BYTES", "largest request body accepted (413 beyond)", 1024, 1 << 34))
-    body_timeout_s: float = field(default=30.0, metadata=setting("BALLAST_BODY_TIMEOUT_S", "longest wait for the next piece of a request body (408 beyond: a slowloris client cannot hold a handler)", 0.1, 3600.0))
-    served_model_name: str | None = field(default=None, metadata=setting("BALLAST_SERVED_MODEL_NAME", "model name clients use; default: the engine's model name"))
-    special_tokens_in_chat: bool = field(default=False, metadata=setting(
-        "BALLAST_SPECIAL_TOKENS_IN_CHAT", "parse special-token strings in chat message content as control tokens "
-        "(off: they are text, so a user cannot forge a turn)"))
-    log_level: str = field(default="info", metadata=setting("BALLAST_LOG_LEVEL", "uvicorn log level", choices=("critical", "error", "warning", "info", "debug")))
-    log_format: str = field(default="text", metadata=setting("BALLAST_LOG_FORMAT", "'json': one JSON object per log line, with request, verdict, refusal and level-change events", choices=("text", "json")))
-    log_prompts: bool = field(default=False, metadata=setting("BALLAST_LOG_PROMPTS", "put the prompt text in request events (off: never logged)"))
-    dashboard: bool = field(default=True, metadata=setting("BALLAST_DASHBOARD", "serve the live page /dashboard and its JSON /dashboard/state"))
+    port: int = field(
+        default=8000, metadata=setting("BALLAST_PORT", "TCP port to listen on (0 = any free port)", 0, 65535)
+    )
+    api_key: str | None = field(
+        default=None,
+        metadata=setting("BALLAST_API_KEY", "if set, /v1 requires 'Authorization: Bearer <key>'"),
+    )
+    max_body_bytes: int = field(
+        default=8 << 20,
+        metadata=setting(
+            "BALLAST_MAX_BODY_BYTES", "largest request body accepted (413 beyond)", 1024, 1 << 34
+        ),
+    )
+    body_timeout_s: float = field(
+        default=30.0,
+        metadata=setting(
+            "BALLAST_BODY_TIMEOUT_S",
+            "longest wait for the next piece of a request body (408 beyond: a slowloris client cannot hold "
+            "a handler)",
+            0.1,
+            3600.0,
+        ),
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata=setting(
+            "BALLAST_SERVED_MODEL_NAME", "model name clients use; default: the engine's model name"
+        ),
+    )
+    special_tokens_in_chat: bool = field(
+        default=False,
+        metadata=setting(
+            "BALLAST_SPECIAL_TOKENS_IN_CHAT",
+            "parse special-token strings in chat message content as control tokens "
+            "(off: they are text, so a user cannot forge a turn)",
+        ),
+    )
+    log_level: str = field(
+        default="info",
+        metadata=setting(
+            "BALLAST_LOG_LEVEL",
+            "uvicorn log level",
+            choices=("critical", "error", "warning", "info", "debug"),
+        ),
+    )
+    log_format: str = field(
+        default="text",
+        metadata=setting(
+            "BALLAST_LOG_FORMAT",
+            "'json': one JSON object per log line, with request, verdict, refusal and level-change events",
+            choices=("text", "json"),
+        ),
+    )
+    log_prompts: bool = field(
+        default=False,
+        metadata=setting("BALLAST_LOG_PROMPTS", "put the prompt text in request events (off: never logged)"),
+    )
+    dashboard: bool = field(
+        default=True,
+        metadata=setting("BALLAST_DASHBOARD", "serve the live page /dashboard and its JSON /dashboard/state"),
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -54,7 +103,9 @@ class ServerConfig:
 def parse_value(setting: Setting, raw: str, source: str) -> int | float | bool | str:
     """Parse one raw string strictly; `source` (the flag or the variable) names it in errors."""
     where = f"{source}={raw!r}"
-    bad = ConfigError(f"{where} is not valid for {setting.label}: accepted {setting.accepted()} ({setting.doc})")
+    bad = ConfigError(
+        f"{where} is not valid for {setting.label}: accepted {setting.accepted()} ({setting.doc})"
+    )
     value: int | float | bool | str
     if setting.kind is bool:
         if raw not in _BOOLS:
@@ -93,15 +144,23 @@ def add_flags(parser: argparse.ArgumentParser, layers: Sequence[type]) -> None:
                 continue
             seen[s.flag] = s.env
             for old in s.deprecated:  # still accepted, not shown
-                group.add_argument(flag_for(old), dest="cfg_" + old.lower(), default=None, help=argparse.SUPPRESS)
-            default = "unset" if s.default is None else str(s.default).lower() if s.kind is bool else s.default
+                group.add_argument(
+                    flag_for(old), dest="cfg_" + old.lower(), default=None, help=argparse.SUPPRESS
+                )
+            default = (
+                "unset" if s.default is None else str(s.default).lower() if s.kind is bool else s.default
+            )
             help_text = f"{s.doc}; {s.accepted()}; default {default}; env {s.env}".replace("%", "%%")
             dest = "cfg_" + s.env.lower()
             if s.kind is bool:
                 # `--flag` alone means true; `--flag false` is also accepted, for scripts.
-                group.add_argument(s.flag, dest=dest, nargs="?", const="1", default=None, metavar="BOOL", help=help_text)
+                group.add_argument(
+                    s.flag, dest=dest, nargs="?", const="1", default=None, metavar="BOOL", help=help_text
+                )
             else:
-                group.add_argument(s.flag, dest=dest, default=None, metavar=s.kind.__name__.upper(), help=help_text)
+                group.add_argument(
+                    s.flag, dest=dest, default=None, metavar=s.kind.__name__.upper(), help=help_text
+                )
 
 
 def build(layer: type[C], args: argparse.Namespace | None, environ: Mapping[str, str], **fixed: Any) -> C:
@@ -119,8 +178,11 @@ def build(layer: type[C], args: argparse.Namespace | None, environ: Mapping[str,
                 raw_old = getattr(args, "cfg_" + old.lower(), None) if args is not None else None
                 source, raw = (flag_for(old), raw_old) if raw_old is not None else (old, environ.get(old))
                 if raw is not None:
-                    print(f"ballast: warning: {source} is deprecated, use {s.flag if source.startswith('--') else s.env}",
-                          file=sys.stderr)
+                    print(
+                        f"ballast: warning: {source} is deprecated, use "
+                        f"{s.flag if source.startswith('--') else s.env}",
+                        file=sys.stderr,
+                    )
                     values[s.name] = parse_value(s, raw, source)
                     break
     try:
@@ -131,9 +193,13 @@ def build(layer: type[C], args: argparse.Namespace | None, environ: Mapping[str,
         raise ConfigError(f"{layer.__name__}: {exc}") from exc
 
 
-def unknown_variables(environ: Mapping[str, str], layers: Sequence[type], also_known: Sequence[str] = ()) -> list[str]:
+def unknown_variables(
+    environ: Mapping[str, str], layers: Sequence[type], also_known: Sequence[str] = ()
+) -> list[str]:
     """`BALLAST_*` variables no layer declares: most likely typos, which the CLI warns about."""
-    known = {e for layer in layers for s in settings_of(layer) for e in (s.env, *s.deprecated)} | set(also_known)
+    known = {e for layer in layers for s in settings_of(layer) for e in (s.env, *s.deprecated)} | set(
+        also_known
+    )
     return sorted(k for k in environ if k.startswith("BALLAST_") and k not in known)
 
 

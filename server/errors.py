@@ -79,14 +79,38 @@ def retry_after_header(seconds: float) -> dict[str, str]:
 def from_refusal(exc: Refused | MemoryRefused, prompt_param: str = "messages") -> ApiError:
     """Map a scheduler or memory refusal to what the client sees."""
     if isinstance(exc, Overloaded):
-        return ApiError(503, str(exc), "server_overloaded", code="server_overloaded", headers=retry_after_header(exc.retry_after_s))
+        return ApiError(
+            503,
+            str(exc),
+            "server_overloaded",
+            code="server_overloaded",
+            headers=retry_after_header(exc.retry_after_s),
+        )
     if isinstance(exc, QueueFull):
-        return ApiError(429, str(exc), "rate_limit_exceeded", code="queue_full", headers=retry_after_header(exc.retry_after_s))
+        return ApiError(
+            429,
+            str(exc),
+            "rate_limit_exceeded",
+            code="queue_full",
+            headers=retry_after_header(exc.retry_after_s),
+        )
     if isinstance(exc, QueueWaitTooLong):
-        return ApiError(429, str(exc), "rate_limit_exceeded", code="queue_wait_exceeded", headers=retry_after_header(exc.retry_after_s))
+        return ApiError(
+            429,
+            str(exc),
+            "rate_limit_exceeded",
+            code="queue_wait_exceeded",
+            headers=retry_after_header(exc.retry_after_s),
+        )
     if isinstance(exc, StepAborted):
         # The server is sound (only this step's requests were lost): 503, so clients retry.
-        return ApiError(503, str(exc), "server_error", code="engine_step_failed", headers=retry_after_header(exc.retry_after_s))
+        return ApiError(
+            503,
+            str(exc),
+            "server_error",
+            code="engine_step_failed",
+            headers=retry_after_header(exc.retry_after_s),
+        )
     if isinstance(exc, RequestFailed):  # this request only: the server stays sound
         return ApiError(500, str(exc), "server_error", code="request_failed")
     if isinstance(exc, ContextTooLong):
@@ -96,9 +120,21 @@ def from_refusal(exc: Refused | MemoryRefused, prompt_param: str = "messages") -
     if isinstance(exc, EngineFailed):
         return ApiError(500, str(exc), "server_error", code="engine_failed")
     if isinstance(exc, MemoryRefused):
-        return ApiError(503, str(exc), "server_overloaded", code="server_overloaded", headers=retry_after_header(DEFAULT_RETRY_AFTER_S))
+        return ApiError(
+            503,
+            str(exc),
+            "server_overloaded",
+            code="server_overloaded",
+            headers=retry_after_header(DEFAULT_RETRY_AFTER_S),
+        )
     if exc.retryable:
-        return ApiError(503, str(exc), "server_overloaded", code="server_overloaded", headers=retry_after_header(DEFAULT_RETRY_AFTER_S))
+        return ApiError(
+            503,
+            str(exc),
+            "server_overloaded",
+            code="server_overloaded",
+            headers=retry_after_header(DEFAULT_RETRY_AFTER_S),
+        )
     return ApiError(500, str(exc), "server_error")
 
 
@@ -143,7 +179,9 @@ def install(app: FastAPI) -> None:
         assert isinstance(exc, StarletteHTTPException)
         kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
         code = _HTTP_CODES.get(exc.status_code)
-        return ApiError(exc.status_code, str(exc.detail), kind, code=code, headers=dict(exc.headers or {})).response()
+        return ApiError(
+            exc.status_code, str(exc.detail), kind, code=code, headers=dict(exc.headers or {})
+        ).response()
 
     async def on_refusal(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, Refused | MemoryRefused)

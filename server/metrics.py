@@ -34,7 +34,9 @@ class SchedulerFigures:
     # Per KV pool ("main", "int8"): (bytes of its live segments, blocks in use, spare blocks).
     kv_pools: tuple[tuple[str, int, int, int], ...] = ()
     preemptions: int = 0  # sequences moved out of the KV pool for want of blocks (all resumed)
-    kv_cached: tuple[tuple[str, int], ...] = ()  # per pool: of the used blocks, those only the prefix cache holds
+    kv_cached: tuple[
+        tuple[str, int], ...
+    ] = ()  # per pool: of the used blocks, those only the prefix cache holds
 
 
 class _SchedulerCollector(Collector):
@@ -47,48 +49,89 @@ class _SchedulerCollector(Collector):
         figures = self._read()
         if figures is None:
             return
-        yield GaugeMetricFamily("ballast_queue_depth", "Requests waiting for a slot", value=figures.queue_depth)
-        yield GaugeMetricFamily("ballast_slots_active", "Slots running a request", value=figures.active_slots)
-        yield GaugeMetricFamily("ballast_slots_limit", "Slots the scheduler may use now (ladder-capped)", value=figures.slot_limit)
         yield GaugeMetricFamily(
-            "ballast_scheduler_pressure_level", "Scheduler's pressure level (0 OK .. 3 CRITICAL)", value=figures.pressure_level
+            "ballast_queue_depth", "Requests waiting for a slot", value=figures.queue_depth
+        )
+        yield GaugeMetricFamily("ballast_slots_active", "Slots running a request", value=figures.active_slots)
+        yield GaugeMetricFamily(
+            "ballast_slots_limit", "Slots the scheduler may use now (ladder-capped)", value=figures.slot_limit
+        )
+        yield GaugeMetricFamily(
+            "ballast_scheduler_pressure_level",
+            "Scheduler's pressure level (0 OK .. 3 CRITICAL)",
+            value=figures.pressure_level,
         )
         yield CounterMetricFamily(
-            "ballast_prompt_tokens_reused", "Prompt tokens restored from prefix checkpoints instead of prefilled",
+            "ballast_prompt_tokens_reused",
+            "Prompt tokens restored from prefix checkpoints instead of prefilled",
             value=figures.reused_prompt_tokens,
         )
         if not figures.kv_pools:
             return
-        held = GaugeMetricFamily("ballast_kv_pool_bytes", "Bytes of the KV pool's live segments", labels=["pool"])
-        blocks = GaugeMetricFamily("ballast_kv_blocks", "KV blocks in use and spare (free or cache-only)", labels=["pool", "state"])
+        held = GaugeMetricFamily(
+            "ballast_kv_pool_bytes", "Bytes of the KV pool's live segments", labels=["pool"]
+        )
+        blocks = GaugeMetricFamily(
+            "ballast_kv_blocks", "KV blocks in use and spare (free or cache-only)", labels=["pool", "state"]
+        )
         for pool, nbytes, used, spare in figures.kv_pools:
             held.add_metric([pool], nbytes)
             blocks.add_metric([pool, "used"], used)
             blocks.add_metric([pool, "spare"], spare)
         yield held
         yield blocks
-        cached = GaugeMetricFamily("ballast_kv_blocks_cached", "Of the used KV blocks, those held only by the prefix cache "
-                                   "(used minus cached = blocks running sequences hold)", labels=["pool"])
+        cached = GaugeMetricFamily(
+            "ballast_kv_blocks_cached",
+            "Of the used KV blocks, those held only by the prefix cache "
+            "(used minus cached = blocks running sequences hold)",
+            labels=["pool"],
+        )
         for pool, n in figures.kv_cached:
             cached.add_metric([pool], n)
         yield cached
-        yield CounterMetricFamily("ballast_kv_preemptions", "Sequences preempted for want of KV blocks (resumed later)",
-                                  value=figures.preemptions)
+        yield CounterMetricFamily(
+            "ballast_kv_preemptions",
+            "Sequences preempted for want of KV blocks (resumed later)",
+            value=figures.preemptions,
+        )
 
 
 class HttpMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.requests = Counter(
-            "ballast_requests", "Generation requests by endpoint and outcome", ["endpoint", "outcome"], registry=registry
+            "ballast_requests",
+            "Generation requests by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=registry,
         )
         self.rejections = Counter(
-            "ballast_http_rejections", "Requests refused for load (503 pressure, 429 queue full)", ["status"], registry=registry
+            "ballast_http_rejections",
+            "Requests refused for load (503 pressure, 429 queue full)",
+            ["status"],
+            registry=registry,
         )
-        self.ttft = Histogram("ballast_time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=registry)
-        self.itl = Histogram("ballast_inter_token_latency_seconds", "Time between tokens", buckets=_ITL_BUCKETS, registry=registry)
-        self.e2e = Histogram("ballast_e2e_request_latency_seconds", "Request latency, arrival to last byte", buckets=_E2E_BUCKETS, registry=registry)
-        self.prompt_tokens = Counter("ballast_prompt_tokens", "Prompt tokens of finished requests", registry=registry)
+        self.ttft = Histogram(
+            "ballast_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "ballast_inter_token_latency_seconds",
+            "Time between tokens",
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "ballast_e2e_request_latency_seconds",
+            "Request latency, arrival to last byte",
+            buckets=_E2E_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "ballast_prompt_tokens", "Prompt tokens of finished requests", registry=registry
+        )
         self.generation_tokens = Counter("ballast_generation_tokens", "Generated tokens", registry=registry)
         for status in ("503", "429"):  # present from the start so rate() works before the first one
             self.rejections.labels(status=status)
@@ -138,7 +181,9 @@ class RequestTimer:
         m = self._metrics
         e2e = time.monotonic() - self._start
         m.e2e.observe(e2e)
-        events.request_finished(self._request_id, self._endpoint, outcome, prompt_tokens, completion_tokens, self._ttft, e2e)
+        events.request_finished(
+            self._request_id, self._endpoint, outcome, prompt_tokens, completion_tokens, self._ttft, e2e
+        )
         m.requests.labels(endpoint=self._endpoint, outcome=outcome).inc()
         m.prompt_tokens.inc(prompt_tokens)
         m.generation_tokens.inc(completion_tokens)

@@ -63,7 +63,9 @@ async def ready(request: Request) -> JSONResponse:
     reason = state.not_ready_reason()
     if reason is None:
         return JSONResponse({"status": "ready", "level": state.level().name})
-    return JSONResponse({"status": "not ready", "reason": reason}, status_code=503, headers={"Retry-After": "1"})
+    return JSONResponse(
+        {"status": "not ready", "reason": reason}, status_code=503, headers={"Retry-After": "1"}
+    )
 
 
 @ops.get("/version")
@@ -111,7 +113,9 @@ async def _answer(state: ServerState, job: Job, request: Request) -> Response:
 
 
 def _invalid(state: ServerState, endpoint: str, exc: ApiError) -> ApiError:
-    state.metrics.requests.labels(endpoint=endpoint, outcome="invalid" if exc.status < 500 else "unavailable").inc()
+    state.metrics.requests.labels(
+        endpoint=endpoint, outcome="invalid" if exc.status < 500 else "unavailable"
+    ).inc()
     return exc
 
 
@@ -148,7 +152,11 @@ def v1_router(api_key: str | None) -> APIRouter:
         try:
             # Building a grammar (and, once, the tokenizer's grammar view) takes milliseconds to a
             # second: off the event loop, so other requests' tokens keep flowing meanwhile.
-            job = await asyncio.to_thread(chat_job, state, body) if chat.wants_grammar(body) else chat_job(state, body)
+            job = (
+                await asyncio.to_thread(chat_job, state, body)
+                if chat.wants_grammar(body)
+                else chat_job(state, body)
+            )
         except ApiError as exc:
             raise _invalid(state, "chat", exc) from exc
         return await _answer(state, job, request)
@@ -168,7 +176,9 @@ def tokens_router(api_key: str | None) -> APIRouter:
         if body.prompt is not None:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            req = p.ChatCompletionRequest(model=state.model_name or "", messages=body.messages or [], tools=body.tools)
+            req = p.ChatCompletionRequest(
+                model=state.model_name or "", messages=body.messages or [], tools=body.tools
+            )
             ids = chat.chat_prompt(state, tokenizer, req)
         return p.TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids)
 

@@ -118,5 +118,13 @@ class ServerState:
             return None
         pools = tuple((name, f.bytes_held, f.used_blocks, f.spare_blocks) for name, f in s.kv_pools)
         cached = tuple((name, f.evictable_blocks) for name, f in s.kv_pools)
-        return SchedulerFigures(s.queue_depth, s.active_slots, s.slot_limit, int(s.pressure_level), s.reused_tokens,
-                                pools, s.preemptions, cached)
+        return SchedulerFigures(
+            s.queue_depth,
+            s.active_slots,
+            s.slot_limit,
+            int(s.pressure_level),
+            s.reused_tokens,
+            pools,
+            s.preemptions,
+            cached,
+        )

@@ -58,7 +58,11 @@ class _ChunkWriter:
         head, tail = self._modelled_tokens(TokenEvent(marker, ())).split(_json(marker))
         self._text_head, self._text_tail = head, tail
         tools = job.tools
-        self.calls = ToolCallStream(tools.schemas, tools.max_calls) if tools is not None and job.endpoint == "chat" else None
+        self.calls = (
+            ToolCallStream(tools.schemas, tools.max_calls)
+            if tools is not None and job.endpoint == "chat"
+            else None
+        )
 
     def _usage(self) -> dict[str, Any]:
         return {"usage": None} if self.job.include_usage else {}
@@ -68,12 +72,16 @@ class _ChunkWriter:
         return self._chat(p.ChatChunkChoice(index=self.index, delta=delta))
 
     def _chat(self, choice: p.ChatChunkChoice, **extra: Any) -> str:
-        chunk = p.ChatCompletionChunk(id=self.job.response_id, created=self.created, model=self.job.model, choices=[choice])
+        chunk = p.ChatCompletionChunk(
+            id=self.job.response_id, created=self.created, model=self.job.model, choices=[choice]
+        )
         data = chunk.model_dump(exclude={"usage"})
         return sse({**data, **self._usage(), **extra})
 
     def _completion(self, choice: p.CompletionChoice, **extra: Any) -> str:
-        chunk = p.Completion(id=self.job.response_id, created=self.created, model=self.job.model, choices=[choice])
+        chunk = p.Completion(
+            id=self.job.response_id, created=self.created, model=self.job.model, choices=[choice]
+        )
         data = chunk.model_dump(exclude={"usage"})
         return sse({**data, **self._usage(), **extra})
 
@@ -91,18 +99,30 @@ class _ChunkWriter:
             out += self._modelled_tokens(event)
         first = len(self.calls.calls) - len(calls) if self.calls is not None else 0
         for k, call in enumerate(calls):
-            delta = p.DeltaToolCall(index=first + k, id=call.id, function=p.ResponseFunction(name=call.name, arguments=call.arguments))
+            delta = p.DeltaToolCall(
+                index=first + k,
+                id=call.id,
+                function=p.ResponseFunction(name=call.name, arguments=call.arguments),
+            )
             out += self._chat(p.ChatChunkChoice(index=self.index, delta=p.ChatDelta(tool_calls=[delta])))
         return out
 
     def _modelled_tokens(self, event: TokenEvent) -> str:
         entries = event.logprobs or ()
         if self.job.endpoint == "chat":
-            lp = p.ChatLogprobs(content=chat_logprobs(self.tokenizer, entries)) if self.job.want_logprobs else None
-            return self._chat(p.ChatChunkChoice(index=self.index, delta=p.ChatDelta(content=event.text), logprobs=lp))
+            lp = (
+                p.ChatLogprobs(content=chat_logprobs(self.tokenizer, entries))
+                if self.job.want_logprobs
+                else None
+            )
+            return self._chat(
+                p.ChatChunkChoice(index=self.index, delta=p.ChatDelta(content=event.text), logprobs=lp)
+            )
         clp = completion_logprobs(self.tokenizer, entries, self.offset) if self.job.want_logprobs else None
         self.offset += len(event.text)
-        return self._completion(p.CompletionChoice(index=self.index, text=event.text, logprobs=clp, finish_reason=None))
+        return self._completion(
+            p.CompletionChoice(index=self.index, text=event.text, logprobs=clp, finish_reason=None)
+        )
 
     def finish(self, event: FinishEvent) -> str:
         extra = {"x_ballast_capped": True} if event.capped else {}
@@ -111,9 +131,13 @@ class _ChunkWriter:
             if self.calls is not None:
                 held = self.calls.flush()
                 reason = "tool_calls" if self.calls.calls and reason == "stop" else reason
-            last = self._chat(p.ChatChunkChoice(index=self.index, delta=p.ChatDelta(), finish_reason=reason), **extra)
+            last = self._chat(
+                p.ChatChunkChoice(index=self.index, delta=p.ChatDelta(), finish_reason=reason), **extra
+            )
             return (self._modelled_tokens(TokenEvent(held, ())) if held else "") + last
-        return self._completion(p.CompletionChoice(index=self.index, text="", finish_reason=event.reason), **extra)
+        return self._completion(
+            p.CompletionChoice(index=self.index, text="", finish_reason=event.reason), **extra
+        )
 
     def echo(self) -> str:
         """Completions' echo: the prompt's text, before the first generated text."""
@@ -128,7 +152,16 @@ class _ChunkWriter:
         cached = sum(f.cached_tokens for f in finishes[:: self.job.n])
         usage = p.Usage.of(self.job.prompt_tokens, completion, cached).model_dump()
         obj = "chat.completion.chunk" if self.job.endpoint == "chat" else "text_completion"
-        return sse({"id": self.job.response_id, "object": obj, "created": self.created, "model": self.job.model, "choices": [], "usage": usage})
+        return sse(
+            {
+                "id": self.job.response_id,
+                "object": obj,
+                "created": self.created,
+                "model": self.job.model,
+                "choices": [],
+                "usage": usage,
+            }
+        )
 
 
 async def _merged(runs: tuple[Run, ...]) -> AsyncIterator[tuple[int, Event]]:
@@ -142,7 +175,11 @@ async def _merged(runs: tuple[Run, ...]) -> AsyncIterator[tuple[int, Event]]:
             event = await anext(runs[0].events)
             yield 0, event
         return
-    pending = {asyncio.ensure_future(anext(run.events)): i for i, run in enumerate(runs) if isinstance(run.first, TokenEvent)}
+    pending = {
+        asyncio.ensure_future(anext(run.events)): i
+        for i, run in enumerate(runs)
+        if isinstance(run.first, TokenEvent)
+    }
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -187,7 +224,9 @@ async def _events(state: ServerState, job: Job, started: Started) -> AsyncIterat
             yield writers[i].finish(event)
         ordered = [finishes[i] for i in range(len(writers))]
         counted = True
-        timer.finished(finish_outcome(ordered[0]), job.prompt_tokens, sum(f.completion_tokens for f in ordered))
+        timer.finished(
+            finish_outcome(ordered[0]), job.prompt_tokens, sum(f.completion_tokens for f in ordered)
+        )
         if job.include_usage:
             yield writers[0].usage(ordered)
         yield DONE

@@ -29,7 +29,21 @@ from ballast.engine.plan import KVFigures, SamplingParams, SlotOutput, StepFaile
 from ballast.memory.types import CostModel
 
 # A toy vocabulary: id 0 is end-of-sequence, a few ids are several characters long.
-VOCAB: tuple[str, ...] = ("<eos>", *"abcdefghijklmnopqrstuvwxyz", " ", ".", ",", "\n", "?", "!", ":", *"0123456789", "th", "ing", " the")
+VOCAB: tuple[str, ...] = (
+    "<eos>",
+    *"abcdefghijklmnopqrstuvwxyz",
+    " ",
+    ".",
+    ",",
+    "\n",
+    "?",
+    "!",
+    ":",
+    *"0123456789",
+    "th",
+    "ing",
+    " the",
+)
 EOS = 0
 _IDS = {piece: i for i, piece in enumerate(VOCAB) if i != EOS}
 _UNKNOWN = _IDS["?"]
@@ -111,11 +125,17 @@ class FakeDetokenizer:
         return out
 
 
-def token_for(prompt: Sequence[int], pos: int, params: SamplingParams | None = None, eos_after: int | None = None) -> int:
+def token_for(
+    prompt: Sequence[int], pos: int, params: SamplingParams | None = None, eos_after: int | None = None
+) -> int:
     """The token sampled at position `pos` after `prompt`: the fake model's whole definition."""
     if eos_after is not None and pos - len(prompt) >= eos_after:
         return EOS
-    seed = b"" if params is None or params.greedy or params.seed is None else params.seed.to_bytes(8, "little", signed=True)
+    seed = (
+        b""
+        if params is None or params.greedy or params.seed is None
+        else params.seed.to_bytes(8, "little", signed=True)
+    )
     h = hashlib.blake2b(seed + b"%d:" % pos + b",".join(b"%d" % t for t in prompt), digest_size=8)
     return _GEN[int.from_bytes(h.digest(), "little") % len(_GEN)]
 
@@ -156,7 +176,11 @@ class FakeEngine:
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.cost_model = cost_model or CostModel(kv_bytes_per_token=1 << 16, state_bytes_per_slot=1 << 20, activation_bytes_per_prefill_token=1 << 12)
+        self.cost_model = cost_model or CostModel(
+            kv_bytes_per_token=1 << 16,
+            state_bytes_per_slot=1 << 20,
+            activation_bytes_per_prefill_token=1 << 12,
+        )
         self.tokenizer = FakeTokenizer()
         self.step_delay_s = step_delay_s
         self.eos_after = eos_after
@@ -198,14 +222,20 @@ class FakeEngine:
         if used > self.kv_blocks:
             raise FakeEngineError(f"{used} KV blocks held, the pool has {self.kv_blocks}")
         block_bytes = KV_BLOCK * self.cost_model.kv_bytes_per_token
-        return KVFigures(KV_BLOCK, block_bytes, self.kv_blocks - used, used, 1, 0, self.kv_blocks * block_bytes)
+        return KVFigures(
+            KV_BLOCK, block_bytes, self.kv_blocks - used, used, 1, 0, self.kv_blocks * block_bytes
+        )
 
     def match_parked(self, tokens: Sequence[int]) -> int:
         return 0  # the fake never preempts
 
     def match_prefix(self, prompt_ids: Sequence[int]) -> int:
         with self._lock:
-            lengths = [len(c) for c in self.checkpoints if len(c) < len(prompt_ids) and tuple(prompt_ids[: len(c)]) == c]
+            lengths = [
+                len(c)
+                for c in self.checkpoints
+                if len(c) < len(prompt_ids) and tuple(prompt_ids[: len(c)]) == c
+            ]
         return max(lengths, default=0)
 
     def new_detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> FakeDetokenizer:
@@ -219,8 +249,9 @@ class FakeEngine:
         self._pool.shutdown(wait=True)
 
     # --- test controls and figures --------------------------------------------------------
-    def fail_next_step(self, exc: BaseException, *, recoverable: bool = False,
-                       when: Callable[[StepPlan], bool] | None = None) -> None:
+    def fail_next_step(
+        self, exc: BaseException, *, recoverable: bool = False, when: Callable[[StepPlan], bool] | None = None
+    ) -> None:
         """The next plan (the next one for which `when(plan)` holds, if given) raises `exc` on the
         engine thread (a failed forward). recoverable: the engine survives it as the real one
         survives an out-of-memory error or a Python exception (it drops the plan's sequences and
@@ -264,7 +295,11 @@ class FakeEngine:
     def _recover(self, plan: StepPlan) -> frozenset[int]:
         """What the real engine does after a recoverable failure: every slot the plan names loses
         its sequence, and the plan's releases count as done."""
-        slots = frozenset(c.slot for c in plan.prefills) | {d.slot for d in plan.decodes} | {r.slot for r in plan.restores}
+        slots = (
+            frozenset(c.slot for c in plan.prefills)
+            | {d.slot for d in plan.decodes}
+            | {r.slot for r in plan.restores}
+        )
         for slot in slots | set(plan.release):
             self._seqs.pop(slot, None)
             self._dropped.add(slot)  # its release may still come (a no-op, as in the engine)
@@ -287,7 +322,9 @@ class FakeEngine:
         if plan.max_slots is not None:
             held = [s for s in self._seqs if s >= plan.max_slots]
             if plan.max_slots < 1 or plan.max_slots > self.num_slots or held:
-                raise FakeEngineError(f"max_slots={plan.max_slots} with slots {held} held ({self.num_slots} allocated)")
+                raise FakeEngineError(
+                    f"max_slots={plan.max_slots} with slots {held} held ({self.num_slots} allocated)"
+                )
             self.slot_limit = plan.max_slots
         used = [c.slot for c in plan.prefills] + [d.slot for d in plan.decodes]
         if len(used) != len(set(used)):
@@ -296,17 +333,28 @@ class FakeEngine:
         if prefill_tokens > self.prefill_chunk_tokens:
             raise FakeEngineError(f"{prefill_tokens} prefill tokens > profiled {self.prefill_chunk_tokens}")
         reused = self._restore(plan)
-        outputs = [out for c in plan.prefills if (out := self._prefill(c.slot, c.token_ids, c.start_pos, c.sample, plan)) is not None]
+        outputs = [
+            out
+            for c in plan.prefills
+            if (out := self._prefill(c.slot, c.token_ids, c.start_pos, c.sample, plan)) is not None
+        ]
         outputs += [self._decode(d.slot, d.token_id, d.pos, plan) for d in plan.decodes]
         for save in plan.saves:
             consumed = self._seqs.get(save.slot, self._consumed.get(save.slot))
             if consumed is None or tuple(consumed) != save.prefix:
-                raise FakeEngineError(f"save of {len(save.prefix)} tokens from slot {save.slot}, which consumed other tokens")
+                raise FakeEngineError(
+                    f"save of {len(save.prefix)} tokens from slot {save.slot}, which consumed other tokens"
+                )
             self.checkpoints.add(save.prefix)
         self.prefilled_tokens += prefill_tokens
         self.reused_tokens += reused
-        return StepResult(outputs=tuple(outputs), prefill_tokens=prefill_tokens, decode_tokens=len(plan.decodes),
-                          reused_tokens=reused, kv=self._figures())
+        return StepResult(
+            outputs=tuple(outputs),
+            prefill_tokens=prefill_tokens,
+            decode_tokens=len(plan.decodes),
+            reused_tokens=reused,
+            kv=self._figures(),
+        )
 
     def _restore(self, plan: StepPlan) -> int:
         if (plan.saves or plan.restores) and (self.checkpoint_interval == 0 or plan.shed_prefix_cache):
@@ -316,14 +364,22 @@ class FakeEngine:
             self.sheds += 1
         starts = {c.slot: c.start_pos for c in plan.prefills}
         for r in plan.restores:
-            if r.prefix not in self.checkpoints or starts.get(r.slot) != len(r.prefix) or r.slot in self._seqs:
-                raise FakeEngineError(f"restore of {len(r.prefix)} tokens into slot {r.slot} breaks the contract")
+            if (
+                r.prefix not in self.checkpoints
+                or starts.get(r.slot) != len(r.prefix)
+                or r.slot in self._seqs
+            ):
+                raise FakeEngineError(
+                    f"restore of {len(r.prefix)} tokens into slot {r.slot} breaks the contract"
+                )
             self._check_slot(r.slot)
             self._seqs[r.slot] = list(r.prefix)
             self._consumed.pop(r.slot, None)
         return sum(len(r.prefix) for r in plan.restores)
 
-    def _prefill(self, slot: int, tokens: tuple[int, ...], start: int, sample: bool, plan: StepPlan) -> SlotOutput | None:
+    def _prefill(
+        self, slot: int, tokens: tuple[int, ...], start: int, sample: bool, plan: StepPlan
+    ) -> SlotOutput | None:
         self._check_slot(slot)
         if start == 0:
             if slot in self._seqs:
@@ -333,7 +389,9 @@ class FakeEngine:
             self._consumed.pop(slot, None)
         seq = self._seqs.get(slot)
         if seq is None or len(seq) != start or slot in self._prompt_len:
-            raise FakeEngineError(f"prefill of slot {slot} at {start}, slot holds {None if seq is None else len(seq)}")
+            raise FakeEngineError(
+                f"prefill of slot {slot} at {start}, slot holds {None if seq is None else len(seq)}"
+            )
         if not tokens:
             raise FakeEngineError(f"empty prefill chunk for slot {slot}")
         seq.extend(tokens)
@@ -346,7 +404,9 @@ class FakeEngine:
         self._check_slot(slot)
         seq = self._seqs.get(slot)
         if seq is None or slot not in self._pending or self._pending[slot] != token or len(seq) != pos:
-            raise FakeEngineError(f"decode of slot {slot} token {token} at {pos} does not continue its sequence")
+            raise FakeEngineError(
+                f"decode of slot {slot} token {token} at {pos} does not continue its sequence"
+            )
         seq.append(token)
         return self._sample(slot, plan)
 

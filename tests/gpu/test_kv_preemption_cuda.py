@@ -128,8 +128,12 @@ async def test_a_step_that_fails_after_parking_a_sequence_leaves_nothing_parked(
         sched = Scheduler(NoTextEngine(engine), SchedulerConfig(max_num_seqs=4))  # type: ignore[arg-type]
         await sched.start()
         try:
-            done = await asyncio.gather(*(sched.submit(GenerationRequest(f"r{i}", p, GREEDY, max_tokens=NEW)).collect()
-                                          for i, p in enumerate(PROMPTS)))
+            done = await asyncio.gather(
+                *(
+                    sched.submit(GenerationRequest(f"r{i}", p, GREEDY, max_tokens=NEW)).collect()
+                    for i, p in enumerate(PROMPTS)
+                )
+            )
         finally:
             await sched.stop()
         assert failed and engine.healthy and sched.step_failures == 1

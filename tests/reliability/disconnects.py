@@ -21,14 +21,21 @@ from harness import ballast_serve, report, total, wait_idle
 async def client(http: httpx.AsyncClient, url: str, i: int, drop_after: int | None, max_tokens: int) -> str:
     """Stream one chat; close the connection after `drop_after` data lines (None: read all).
     Returns "done", "dropped" or the HTTP status of a refusal."""
-    body = {"model": "x", "messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": max_tokens,
-            "stream": True, "temperature": 0}
+    body = {
+        "model": "x",
+        "messages": [{"role": "user", "content": f"Count to {i}."}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+    }
     if drop_after == -1:  # sends the whole request, then drops while still waiting (queued)
         host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         payload = json.dumps(body).encode()
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(payload) + payload
+        )
         await writer.drain()
         try:
             first = await asyncio.wait_for(reader.read(64), timeout=0.2)
@@ -63,26 +70,46 @@ async def storm(url: str, clients: int, max_tokens: int, seed: int) -> list[str]
 
 
 def run(clients: int = 200, slots: int = 8, max_tokens: int = 48, seed: int = 13) -> dict[str, object]:
-    args = ["--max-num-seqs", str(slots), "--max-model-len", "256", "--served-model-name", "x", "--max-queue", str(clients)]
+    args = [
+        "--max-num-seqs",
+        str(slots),
+        "--max-model-len",
+        "256",
+        "--served-model-name",
+        "x",
+        "--max-queue",
+        str(clients),
+    ]
     with ballast_serve(args) as server:
         rss_before = server.rss_bytes
         t0 = time.monotonic()
         ends = asyncio.run(storm(server.url, clients, max_tokens, seed))
         wall = time.monotonic() - t0
         idle = wait_idle(server)
-        deadline = time.monotonic() + 10  # the last disconnects may still be on their way through the handlers
-        while total(m := server.metrics(), "ballast_requests_total") < clients and time.monotonic() < deadline:
+        deadline = (
+            time.monotonic() + 10
+        )  # the last disconnects may still be on their way through the handlers
+        while (
+            total(m := server.metrics(), "ballast_requests_total") < clients and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
         rss_after = server.rss_bytes
     counted = {o: total(m, "ballast_requests_total", outcome=o) for o in ("stop", "length", "abort")}
     return {
-        "clients": clients, "slots": slots, "max_tokens": max_tokens, "read_to_end": ends.count("done"),
-        "dropped": ends.count("dropped"), "refused": len(ends) - ends.count("done") - ends.count("dropped"),
+        "clients": clients,
+        "slots": slots,
+        "max_tokens": max_tokens,
+        "read_to_end": ends.count("done"),
+        "dropped": ends.count("dropped"),
+        "refused": len(ends) - ends.count("done") - ends.count("dropped"),
         "refusal_statuses": sorted(set(ends) - {"done", "dropped"}),
         "metrics_refused": total(m, "ballast_requests_total") - sum(counted.values()),
-        "metrics_finished": counted["stop"] + counted["length"], "metrics_aborted": counted["abort"],
-        "metrics_total": total(m, "ballast_requests_total"), "wall_s": wall,
-        "rss_before_mib": rss_before / 2**20, "rss_after_mib": rss_after / 2**20,
+        "metrics_finished": counted["stop"] + counted["length"],
+        "metrics_aborted": counted["abort"],
+        "metrics_total": total(m, "ballast_requests_total"),
+        "wall_s": wall,
+        "rss_before_mib": rss_before / 2**20,
+        "rss_after_mib": rss_after / 2**20,
         **{f"idle_{k}": v for k, v in idle.items()},
     }
 

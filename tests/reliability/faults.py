@@ -75,9 +75,16 @@ def prefilling(seqs: Rows) -> bool:
 def real_server(stale_s: float = 1.0) -> Iterator[tuple[str, ServerState, MemWatch, list[str]]]:
     watch = MemWatch(MemoryConfig(poll_interval_s=0.1))
     fatal: list[str] = []
-    cfg = EngineConfig(model=harness.MODEL, device="cpu", max_num_seqs=4, max_model_len=256, prefill_chunk_tokens=64)
-    app = create_app(ServerConfig(served_model_name="tiny"), SchedulerConfig(max_num_seqs=4, stale_snapshot_s=stale_s),
-                     lambda: Engine.load(cfg, watch), memwatch=watch, on_fatal=fatal.append)
+    cfg = EngineConfig(
+        model=harness.MODEL, device="cpu", max_num_seqs=4, max_model_len=256, prefill_chunk_tokens=64
+    )
+    app = create_app(
+        ServerConfig(served_model_name="tiny"),
+        SchedulerConfig(max_num_seqs=4, stale_snapshot_s=stale_s),
+        lambda: Engine.load(cfg, watch),
+        memwatch=watch,
+        on_fatal=fatal.append,
+    )
     with running_server(app) as url:
         yield url, app.state.ballast, watch, fatal
 
@@ -87,7 +94,9 @@ def chat(client: openai.OpenAI, max_tokens: int = 24, stream: bool = False) -> t
     t0 = time.monotonic()
     try:
         if stream:
-            for _ in client.chat.completions.create(model="tiny", messages=MSG, max_tokens=max_tokens, stream=True):  # type: ignore[arg-type]
+            for _ in client.chat.completions.create(
+                model="tiny", messages=MSG, max_tokens=max_tokens, stream=True
+            ):  # type: ignore[arg-type]
                 pass
         else:
             client.chat.completions.create(model="tiny", messages=MSG, max_tokens=max_tokens)  # type: ignore[arg-type]
@@ -110,7 +119,9 @@ def wait_idle(state: ServerState, engine: Engine, timeout_s: float = 30.0) -> No
     assert s is not None
     while not (s.idle and used_blocks(engine) == 0):
         if time.monotonic() > deadline:
-            raise AssertionError(f"not idle: queue {s.queue_depth}, slots {s.active_slots}, blocks {used_blocks(engine)}")
+            raise AssertionError(
+                f"not idle: queue {s.queue_depth}, slots {s.active_slots}, blocks {used_blocks(engine)}"
+            )
         time.sleep(0.05)
 
 
@@ -137,9 +148,16 @@ def step_fault(url: str, state: ServerState, inject: FaultInjector, exc: BaseExc
     wait_idle(state, engine)
     health = httpx.get(url + "/health").json()
     outcomes = [results[i][0] for i in sorted(results)]
-    return {"fault": type(exc).__name__, "outcomes": outcomes, "failed_in_step": outcomes.count("engine_step_failed"),
-            "completed": outcomes.count("ok"), "other": len(outcomes) - outcomes.count("ok") - outcomes.count("engine_step_failed"),
-            "health": health["status"], "step_failures": health.get("step_failures", 0), "blocks_after": used_blocks(engine)}
+    return {
+        "fault": type(exc).__name__,
+        "outcomes": outcomes,
+        "failed_in_step": outcomes.count("engine_step_failed"),
+        "completed": outcomes.count("ok"),
+        "other": len(outcomes) - outcomes.count("ok") - outcomes.count("engine_step_failed"),
+        "health": health["status"],
+        "step_failures": health.get("step_failures", 0),
+        "blocks_after": used_blocks(engine),
+    }
 
 
 def tokenizer_fault(url: str, state: ServerState) -> dict[str, Any]:
@@ -154,23 +172,37 @@ def tokenizer_fault(url: str, state: ServerState) -> dict[str, Any]:
 
     tok.apply_chat_template = broken  # type: ignore[method-assign]
     try:
-        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "\u2603"}], "max_tokens": 4})
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "\u2603"}], "max_tokens": 4},
+        )
         ok = chat(openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0))
     finally:
         tok.apply_chat_template = real  # type: ignore[method-assign]
     err = r.json().get("error", {})
-    return {"status": r.status_code, "error_type": err.get("type"), "has_openai_body": set(err) == {"message", "type", "param", "code"},
-            "traceback_leaked": "Traceback" in r.text, "next_request": ok[0], "health": httpx.get(url + "/health").json()["status"]}
+    return {
+        "status": r.status_code,
+        "error_type": err.get("type"),
+        "has_openai_body": set(err) == {"message", "type", "param", "code"},
+        "traceback_leaked": "Traceback" in r.text,
+        "next_request": ok[0],
+        "health": httpx.get(url + "/health").json()["status"],
+    }
 
 
 def slow_consumer(url: str, state: ServerState) -> dict[str, Any]:
     """A raw client asks for a stream and never reads a byte; meanwhile others are served."""
     host, port = url.removeprefix("http://").split(":")
-    body = b'{"model":"tiny","messages":[{"role":"user","content":"Tell a long story."}],"max_tokens":200,"stream":true}'
+    body = (
+        b'{"model":"tiny","messages":[{"role":"user","content":"Tell a long story."}],'
+        b'"max_tokens":200,"stream":true}'
+    )
     sock = socket.create_connection((host, int(port)))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )
     t0 = time.monotonic()
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     others = [chat(client, max_tokens=16)[0] for _ in range(3)]
@@ -199,16 +231,27 @@ def stale_memwatch(url: str, state: ServerState, watch: MemWatch, stale_s: float
         reader.read = real  # type: ignore[method-assign]
     time.sleep(0.5)  # the next good poll
     after = chat(client)
-    return {"polls_failed": watch.poll_failures, "refused": refused[0], "status": refused[1], "refusal_s": round(refused[2], 3),
-            "ready_status": ready.status_code, "ready_reason": ready.json().get("reason"), "health_status": health,
-            "after_recovery": after[0]}
+    return {
+        "polls_failed": watch.poll_failures,
+        "refused": refused[0],
+        "status": refused[1],
+        "refusal_s": round(refused[2], 3),
+        "ready_status": ready.status_code,
+        "ready_reason": ready.json().get("reason"),
+        "health_status": health,
+        "after_recovery": after[0],
+    }
 
 
 def device_fault(url: str, state: ServerState, inject: FaultInjector, fatal: list[str]) -> dict[str, Any]:
     inject.next(RuntimeError("CUDA error: an illegal memory access was encountered"))
     outcome = chat(openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0))
-    return {"outcome": outcome[0], "status": outcome[1], "health_status": httpx.get(url + "/health").status_code,
-            "on_fatal_called": bool(fatal)}
+    return {
+        "outcome": outcome[0],
+        "status": outcome[1],
+        "health_status": httpx.get(url + "/health").status_code,
+        "on_fatal_called": bool(fatal),
+    }
 
 
 def run(stale_s: float = 1.0) -> dict[str, Any]:
@@ -218,7 +261,9 @@ def run(stale_s: float = 1.0) -> dict[str, Any]:
         inject = FaultInjector(engine)
         figures["python_exception"] = step_fault(url, state, inject, ValueError("injected bug in a step"))
         figures["memory_error_in_prefill"] = step_fault(url, state, inject, MemoryError("injected host OOM"))
-        figures["cuda_oom_in_prefill"] = step_fault(url, state, inject, torch.cuda.OutOfMemoryError("injected CUDA out of memory"))
+        figures["cuda_oom_in_prefill"] = step_fault(
+            url, state, inject, torch.cuda.OutOfMemoryError("injected CUDA out of memory")
+        )
         figures["tokenizer_error"] = tokenizer_fault(url, state)
         figures["slow_consumer"] = slow_consumer(url, state)
         figures["stale_memwatch"] = stale_memwatch(url, state, watch, stale_s)
@@ -235,6 +280,7 @@ def main() -> None:
     if a.out:
         import json
         from pathlib import Path
+
         Path(a.out).write_text(json.dumps(figures, indent=2) + "\n")
 
 

@@ -48,7 +48,9 @@ class Server:
 
 
 @contextmanager
-def ballast_serve(args: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = 180.0) -> Iterator[Server]:
+def ballast_serve(
+    args: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = 180.0
+) -> Iterator[Server]:
     """`ballast serve --model builtin:tiny-llama ARGS` on a free port of 127.0.0.1."""
     lines: list[str] = []
     full = ["--model", MODEL, *args] if "--model" not in args else list(args)
@@ -77,7 +79,8 @@ def idle_figures(metrics: dict[str, float]) -> dict[str, float]:
         "slots_active": total(metrics, "ballast_slots_active"),
         "queue_depth": total(metrics, "ballast_queue_depth"),
         # blocks running sequences hold (the prefix cache's entries are kept on purpose)
-        "kv_blocks_used": total(metrics, "ballast_kv_blocks", state="used") - total(metrics, "ballast_kv_blocks_cached"),
+        "kv_blocks_used": total(metrics, "ballast_kv_blocks", state="used")
+        - total(metrics, "ballast_kv_blocks_cached"),
         "kv_blocks_cached": total(metrics, "ballast_kv_blocks_cached"),
         "checkpoint_pool_bytes": total(metrics, "ballast_checkpoint_pool_bytes"),
     }

@@ -21,7 +21,10 @@ from typing import Any
 import openai
 from harness import Server, ballast_serve, total, wait_idle
 
-SYSTEMS = [f"You are assistant number {i}. Answer briefly and politely, in plain English, and never use lists." for i in range(4)]
+SYSTEMS = [
+    f"You are assistant number {i}. Answer briefly and politely, in plain English, and never use lists."
+    for i in range(4)
+]
 EXAMPLES: list[str] = []  # the first few messages of each failure kind
 TOPICS = ["rivers", "bread", "clocks", "owls", "glass", "maps", "salt", "bridges", "tea", "snow"]
 
@@ -38,18 +41,36 @@ def worker(url: str, seed: int, stop: threading.Event, outcomes: Counter[str], l
             if rnd.random() < 0.7:  # chat, sharing one of four system prompts; half continue the last turn
                 if not history or rnd.random() < 0.5 or len(history) > 6:
                     history = [{"role": "system", "content": rnd.choice(SYSTEMS)}]
-                history.append({"role": "user", "content": f"Tell me about {rnd.choice(TOPICS)}." + (" Say more." * 30 if long else "")})
+                history.append(
+                    {
+                        "role": "user",
+                        "content": f"Tell me about {rnd.choice(TOPICS)}."
+                        + (" Say more." * 30 if long else ""),
+                    }
+                )
                 if stream:
-                    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-                        model="x", messages=history, max_tokens=max_tokens, stream=True) if c.choices]  # type: ignore[arg-type]
+                    parts = [
+                        c.choices[0].delta.content or ""
+                        for c in client.chat.completions.create(
+                            model="x", messages=history, max_tokens=max_tokens, stream=True
+                        )
+                        if c.choices
+                    ]  # type: ignore[arg-type]
                     text = "".join(parts)
                 else:
-                    text = client.chat.completions.create(model="x", messages=history, max_tokens=max_tokens).choices[0].message.content or ""  # type: ignore[arg-type]
+                    text = (
+                        client.chat.completions.create(model="x", messages=history, max_tokens=max_tokens)
+                        .choices[0]
+                        .message.content
+                        or ""
+                    )  # type: ignore[arg-type]
                 history.append({"role": "assistant", "content": text})
             else:
                 prompt = f"{rnd.choice(SYSTEMS)} The word of the day is {rnd.choice(TOPICS)}."
                 if stream:
-                    for _ in client.completions.create(model="x", prompt=prompt, max_tokens=max_tokens, stream=True):
+                    for _ in client.completions.create(
+                        model="x", prompt=prompt, max_tokens=max_tokens, stream=True
+                    ):
                         pass
                 else:
                     client.completions.create(model="x", prompt=prompt, max_tokens=max_tokens)
@@ -89,10 +110,15 @@ def run(minutes: float, clients: int = 8, every_s: float = 5.0) -> dict[str, Any
     outcomes: Counter[str] = Counter()
     lock = threading.Lock()
     stop = threading.Event()
-    with ballast_serve(["--max-num-seqs", "8", "--max-model-len", "1024", "--served-model-name", "x"]) as server:
+    with ballast_serve(
+        ["--max-num-seqs", "8", "--max-model-len", "1024", "--served-model-name", "x"]
+    ) as server:
         t0 = time.monotonic()
         samples = [sample(server, t0)]
-        threads = [threading.Thread(target=worker, args=(server.url, i, stop, outcomes, lock), daemon=True) for i in range(clients)]
+        threads = [
+            threading.Thread(target=worker, args=(server.url, i, stop, outcomes, lock), daemon=True)
+            for i in range(clients)
+        ]
         for t in threads:
             t.start()
         while time.monotonic() - t0 < minutes * 60:
@@ -106,12 +132,19 @@ def run(minutes: float, clients: int = 8, every_s: float = 5.0) -> dict[str, Any
     third = max(1, len(samples) // 3)
     mid, last = samples[third : 2 * third], samples[2 * third :]
     return {
-        "minutes": minutes, "clients": clients, "outcomes": dict(outcomes),
-        "rss_start_mib": samples[0]["rss_mib"], "rss_max_mib": max(s["rss_mib"] for s in samples),
-        "rss_mid_third_max_mib": max(s["rss_mib"] for s in mid), "rss_last_third_max_mib": max(s["rss_mib"] for s in last),
-        "rss_end_mib": samples[-1]["rss_mib"], "kv_pool_max_mib": max(s["kv_pool_mib"] for s in samples),
-        "checkpoint_pool_max_mib": max(s["checkpoint_pool_mib"] for s in samples), "idle": idle,
-        "failure_examples": EXAMPLES[:12], "samples": samples,
+        "minutes": minutes,
+        "clients": clients,
+        "outcomes": dict(outcomes),
+        "rss_start_mib": samples[0]["rss_mib"],
+        "rss_max_mib": max(s["rss_mib"] for s in samples),
+        "rss_mid_third_max_mib": max(s["rss_mib"] for s in mid),
+        "rss_last_third_max_mib": max(s["rss_mib"] for s in last),
+        "rss_end_mib": samples[-1]["rss_mib"],
+        "kv_pool_max_mib": max(s["kv_pool_mib"] for s in samples),
+        "checkpoint_pool_max_mib": max(s["checkpoint_pool_mib"] for s in samples),
+        "idle": idle,
+        "failure_examples": EXAMPLES[:12],
+        "samples": samples,
     }
 
 

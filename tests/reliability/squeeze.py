@@ -107,12 +107,21 @@ def load(url: str, stop: threading.Event, counts: Counter[str], lock: threading.
         # ~600 tokens, new every time: the prefix cache keeps each one, so the KV pool grows
         n += 1
         words = " ".join(f"w{seed}x{n}x{i}" for i in range(120))
-        body = {"model": "x", "messages": [{"role": "user", "content": words}], "max_tokens": 48, "temperature": 0}
+        body = {
+            "model": "x",
+            "messages": [{"role": "user", "content": words}],
+            "max_tokens": 48,
+            "temperature": 0,
+        }
         try:
             r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
             kind = "completed" if r.status_code == 200 else str(r.status_code)
         except httpx.HTTPError as exc:
-            kind = "connection_error" if "Connect" in type(exc).__name__ or "Protocol" in type(exc).__name__ else type(exc).__name__
+            kind = (
+                "connection_error"
+                if "Connect" in type(exc).__name__ or "Protocol" in type(exc).__name__
+                else type(exc).__name__
+            )
             time.sleep(0.5)
         with lock:
             counts[kind] += 1
@@ -120,18 +129,40 @@ def load(url: str, stop: threading.Event, counts: Counter[str], lock: threading.
             time.sleep(0.2)
 
 
-def run_mode(governed: bool, hog_s: float = 40.0, hold_s: float = 20.0, after_s: float = 20.0, clients: int = 4) -> dict[str, Any]:
+def run_mode(
+    governed: bool, hog_s: float = 40.0, hold_s: float = 20.0, after_s: float = 20.0, clients: int = 4
+) -> dict[str, Any]:
     cg = Cgroup(16 * GiB)
     fake_root = tempfile.mkdtemp(prefix="ballast-squeeze-root-")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    args = ["--model", "default", "--max-num-seqs", "8", "--max-model-len", "2048", "--served-model-name", "x",
-            "--host", "127.0.0.1", "--port", "0"]
+    args = [
+        "--model",
+        "default",
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "2048",
+        "--served-model-name",
+        "x",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+    ]
     if not governed:
-        write_tree(Path(fake_root), mem_total=256 * GiB, mem_available=240 * GiB)  # admission sees plenty, always
+        write_tree(
+            Path(fake_root), mem_total=256 * GiB, mem_available=240 * GiB
+        )  # admission sees plenty, always
         env["BALLAST_MEMORY_ROOT"] = fake_root
         args += ["--ladder-disable", "1"]
-    proc = subprocess.Popen([sys.executable, "-m", "ballast.server.cli", "serve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=cg.enter)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ballast.server.cli", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        preexec_fn=cg.enter,
+    )
     lines: list[str] = []
     timeline: list[dict[str, float]] = []
     counts: Counter[str] = Counter()
@@ -141,11 +172,18 @@ def run_mode(governed: bool, hog_s: float = 40.0, hold_s: float = 20.0, after_s:
         url = _read_listen_line(proc, lines, 300)
         wait_ready(url, 300)
         threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
-        httpx.post(url + "/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=120)
+        httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            timeout=120,
+        )
         working_set = cg.usage()
         limit = working_set + 3 * GiB  # the default host reserve is 1 GiB: room for it and for the KV to grow
         cg.limit(limit)
-        workers = [threading.Thread(target=load, args=(url, stop, counts, lock, i), daemon=True) for i in range(clients)]
+        workers = [
+            threading.Thread(target=load, args=(url, stop, counts, lock, i), daemon=True)
+            for i in range(clients)
+        ]
         for w in workers:
             w.start()
         t0 = time.monotonic()
@@ -156,10 +194,29 @@ def run_mode(governed: bool, hog_s: float = 40.0, hold_s: float = 20.0, after_s:
             t = time.monotonic() - t0
             if hog is None and t >= 10:
                 step = 64 * MiB
-                hog = subprocess.Popen([sys.executable, "-c", HOG, str(step), str(hog_s * step / hog_target), str(hog_target), str(hold_s)],
-                                       stdout=subprocess.PIPE, text=True, preexec_fn=cg.enter)
-                threading.Thread(target=lambda h=hog: [hog_bytes.__setitem__(0, int(x)) if x.strip().isdigit() else hog_bytes.__setitem__(0, 0)
-                                                       for x in h.stdout or ()], daemon=True).start()
+                hog = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-c",
+                        HOG,
+                        str(step),
+                        str(hog_s * step / hog_target),
+                        str(hog_target),
+                        str(hold_s),
+                    ],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    preexec_fn=cg.enter,
+                )
+                threading.Thread(
+                    target=lambda h=hog: [
+                        hog_bytes.__setitem__(0, int(x))
+                        if x.strip().isdigit()
+                        else hog_bytes.__setitem__(0, 0)
+                        for x in h.stdout or ()
+                    ],
+                    daemon=True,
+                ).start()
                 phase = "hog grows"
             if hog is not None and hog.poll() is not None and phase != "hog gone":
                 phase, gone_at = "hog gone", t
@@ -175,9 +232,22 @@ def run_mode(governed: bool, hog_s: float = 40.0, hold_s: float = 20.0, after_s:
                     level = -2.0  # no answer to a scrape within 10 s: a stall
             with lock:
                 done = dict(counts)
-            timeline.append({"t_s": round(t, 2), "usage_mib": cg.usage() / MiB, "hog_mib": hog_bytes[0] / MiB, "server_alive": float(alive),
-                             "level": level, "kv_pool_mib": kv / MiB, **{f"n_{k}": float(v) for k, v in done.items()}})
-            if phase == "hog gone" and t - gone_at >= after_s or (not alive and t > 10 and phase != "load" and hog is not None and hog.poll() is not None):
+            timeline.append(
+                {
+                    "t_s": round(t, 2),
+                    "usage_mib": cg.usage() / MiB,
+                    "hog_mib": hog_bytes[0] / MiB,
+                    "server_alive": float(alive),
+                    "level": level,
+                    "kv_pool_mib": kv / MiB,
+                    **{f"n_{k}": float(v) for k, v in done.items()},
+                }
+            )
+            if (
+                phase == "hog gone"
+                and t - gone_at >= after_s
+                or (not alive and t > 10 and phase != "load" and hog is not None and hog.poll() is not None)
+            ):
                 break
             if t > 10 + hog_s + hold_s + after_s + 60:
                 break
@@ -186,13 +256,27 @@ def run_mode(governed: bool, hog_s: float = 40.0, hold_s: float = 20.0, after_s:
         alive = proc.poll() is None
         served_after = False
         if alive:
-            r = httpx.post(url + "/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=120)
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                json={"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                timeout=120,
+            )
             served_after = r.status_code == 200
-        return {"governed": governed, "working_set_mib": working_set / MiB, "limit_mib": limit / MiB, "hog_target_mib": hog_target / MiB,
-                "oom_kills": cg.oom_kills(), "server_alive_at_end": alive, "server_exit_code": proc.poll(),
-                "served_after_hog_left": served_after, "outcomes": dict(counts),
-                "max_level": max((x["level"] for x in timeline), default=-1), "stalled_scrapes": sum(x["level"] == -2.0 for x in timeline),
-                "timeline": timeline, "log_tail": [ln.rstrip() for ln in lines[-5:]]}
+        return {
+            "governed": governed,
+            "working_set_mib": working_set / MiB,
+            "limit_mib": limit / MiB,
+            "hog_target_mib": hog_target / MiB,
+            "oom_kills": cg.oom_kills(),
+            "server_alive_at_end": alive,
+            "server_exit_code": proc.poll(),
+            "served_after_hog_left": served_after,
+            "outcomes": dict(counts),
+            "max_level": max((x["level"] for x in timeline), default=-1),
+            "stalled_scrapes": sum(x["level"] == -2.0 for x in timeline),
+            "timeline": timeline,
+            "log_tail": [ln.rstrip() for ln in lines[-5:]],
+        }
     finally:
         stop.set()
         for p in (hog, proc):
@@ -218,10 +302,21 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
         ax.axhline(r["limit_mib"], color="k", linestyle="--", linewidth=0.8, label="cgroup limit")
         ax.set_ylabel("MiB")
         lv = ax.twinx()
-        lv.step(t, [x["level"] for x in tl], where="post", color="tab:red", alpha=0.6, label="level (0 OK .. 3 CRITICAL)")
+        lv.step(
+            t,
+            [x["level"] for x in tl],
+            where="post",
+            color="tab:red",
+            alpha=0.6,
+            label="level (0 OK .. 3 CRITICAL)",
+        )
         lv.set_ylim(-0.2, 3.5)
         lv.set_yticks([0, 1, 2, 3])
-        title = "governance on (default config)" if r["governed"] else "governance off (--ladder-disable, admission blinded)"
+        title = (
+            "governance on (default config)"
+            if r["governed"]
+            else "governance off (--ladder-disable, admission blinded)"
+        )
         ax.set_title(f"{title}: OOM kills {r['oom_kills']}, outcomes {r['outcomes']}", fontsize=9)
         ax.legend(loc="upper left", fontsize=7)
         lv.legend(loc="upper right", fontsize=7)
@@ -245,7 +340,10 @@ def main() -> None:
     try:
         Cgroup(16 * GiB).remove()
     except OSError as e:
-        print(f"skipped: cannot make a child memory cgroup here ({e}); needs root on cgroup v1 or a delegated v2 subtree")
+        print(
+            f"skipped: cannot make a child memory cgroup here ({e}); needs root on cgroup v1 or a delegated "
+            "v2 subtree"
+        )
         return
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[a.mode]
     results = [run_mode(g) for g in modes]

@@ -13,27 +13,46 @@ from harness import ballast_serve
 pytestmark = pytest.mark.slow
 
 KEY = "sk-ballast-7f3a9c1e5d"
-WRONG = ("", "Bearer", "Bearer sk-ballast-7f3a9c1e5e", "Bearer sk-ballast", "Bearer " + KEY + "x", "Basic " + KEY, KEY,
-         "bearer  sk-wrong-key-of-another-length-entirely")
+WRONG = (
+    "",
+    "Bearer",
+    "Bearer sk-ballast-7f3a9c1e5e",
+    "Bearer sk-ballast",
+    "Bearer " + KEY + "x",
+    "Basic " + KEY,
+    KEY,
+    "bearer  sk-wrong-key-of-another-length-entirely",
+)
 
 
 def test_every_v1_route_needs_the_key_probes_stay_open_and_no_key_is_logged() -> None:
-    with ballast_serve(["--api-key", KEY, "--served-model-name", "tiny", "--log-level", "debug", "--log-format", "json"]) as server:
+    with ballast_serve(
+        ["--api-key", KEY, "--served-model-name", "tiny", "--log-level", "debug", "--log-format", "json"]
+    ) as server:
         url = server.url
         paths = httpx.get(url + "/openapi.json").json()["paths"]
         routes = [(path, method) for path, ops in paths.items() if path.startswith("/v1") for method in ops]
-        assert {("/v1/models", "get"), ("/v1/chat/completions", "post"), ("/v1/completions", "post")} <= set(routes)
+        assert {("/v1/models", "get"), ("/v1/chat/completions", "post"), ("/v1/completions", "post")} <= set(
+            routes
+        )
         for path, method in routes:
             for header in WRONG:
                 headers = {"Authorization": header} if header else {}
-                r = httpx.request(method.upper(), url + path, headers=headers, json={"model": "tiny", "prompt": "x"})
+                r = httpx.request(
+                    method.upper(), url + path, headers=headers, json={"model": "tiny", "prompt": "x"}
+                )
                 assert r.status_code == 401, (path, header, r.status_code)
-                assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+                assert (
+                    r.json()["error"]["code"] == "invalid_api_key"
+                    and r.headers["www-authenticate"] == "Bearer"
+                )
         for open_path in ("/health", "/ready", "/metrics"):
             assert httpx.get(url + open_path).status_code == 200, open_path
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         assert client.models.list().data[0].id == "tiny"
-        answer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        answer = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
         assert answer.choices[0].finish_reason in ("length", "stop")
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0).models.list()

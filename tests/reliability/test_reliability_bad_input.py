@@ -48,7 +48,9 @@ EXAMPLES = int(os.environ.get("RELIABILITY_EXAMPLES", "40"))
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[str, ServerState]]:
     watch = MemWatch(MemoryConfig(poll_interval_s=0.1))
-    cfg = EngineConfig(model=harness.MODEL, device="cpu", max_num_seqs=4, max_model_len=64, prefill_chunk_tokens=64)
+    cfg = EngineConfig(
+        model=harness.MODEL, device="cpu", max_num_seqs=4, max_model_len=64, prefill_chunk_tokens=64
+    )
     server = ServerConfig(served_model_name="tiny", max_body_bytes=1 << 20, body_timeout_s=1.0)
     app = create_app(server, SchedulerConfig(max_num_seqs=4), lambda: Engine.load(cfg, watch), memwatch=watch)
     with running_server(app) as url:
@@ -57,13 +59,20 @@ def served() -> Iterator[tuple[str, ServerState]]:
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["valid", "invalid"])
-def test_generated_requests_never_get_a_server_error(served: tuple[str, ServerState], mode: GenerationMode) -> None:
+def test_generated_requests_never_get_a_server_error(
+    served: tuple[str, ServerState], mode: GenerationMode
+) -> None:
     """Every operation of the server's own /openapi.json, with data schemathesis generates from it
     (conforming to the schema, or violating it): never a 5xx, the server stays sound."""
     url, state = served
     api = schemathesis.openapi.from_url(url + "/openapi.json")
     operations = [result.ok() for result in api.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}
+    assert {op.path for op in operations} >= {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/health",
+    }
     strategy = st.one_of([op.as_strategy(generation_mode=mode) for op in operations])
     if mode is GenerationMode.POSITIVE:  # name the served model, or nearly every case is a 404
         strategy = strategy.map(our_model)
@@ -98,22 +107,63 @@ JSON = {"content-type": "application/json"}
 @pytest.mark.parametrize(
     ("name", "kw", "status", "code"),
     [
-        ("invalid JSON", {"content": b'{"model": "tiny", "messages": [', "headers": JSON}, 400, "invalid_json"),
+        (
+            "invalid JSON",
+            {"content": b'{"model": "tiny", "messages": [', "headers": JSON},
+            400,
+            "invalid_json",
+        ),
         ("empty body", {"content": b"", "headers": JSON}, 400, None),
         ("wrong types", {"json": {**CHAT, "messages": "hi", "max_tokens": "four"}}, 400, None),
         ("a JSON array", {"json": [CHAT]}, 400, None),
         ("huge max_tokens", {"json": {**CHAT, "max_tokens": 10**30}}, 400, "context_length_exceeded"),
-        ("over-long prompt", {"json": {**CHAT, "messages": [{"role": "user", "content": "word " * 2000}]}}, 400, "context_length_exceeded"),
-        ("invalid UTF-8", {"content": b'{"model":"tiny","messages":[{"role":"user","content":"\xff\xfe\xfd"}]}', "headers": JSON}, 400, None),
+        (
+            "over-long prompt",
+            {"json": {**CHAT, "messages": [{"role": "user", "content": "word " * 2000}]}},
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            "invalid UTF-8",
+            {
+                "content": b'{"model":"tiny","messages":[{"role":"user","content":"\xff\xfe\xfd"}]}',
+                "headers": JSON,
+            },
+            400,
+            None,
+        ),
         ("10 MB of whitespace", {"content": b" " * (10 << 20), "headers": JSON}, 413, "request_too_large"),
-        ("deeply nested JSON", {"content": b'{"model":"tiny","messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "headers": JSON}, 400, None),
-        ("NaN temperature", {"content": b'{"model":"tiny","messages":[{"role":"user","content":"x"}],"temperature":NaN}', "headers": JSON}, 400, None),
+        (
+            "deeply nested JSON",
+            {
+                "content": b'{"model":"tiny","messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                "headers": JSON,
+            },
+            400,
+            None,
+        ),
+        (
+            "NaN temperature",
+            {
+                "content": b'{"model":"tiny","messages":[{"role":"user","content":"x"}],"temperature":NaN}',
+                "headers": JSON,
+            },
+            400,
+            None,
+        ),
         ("a seed past 64 bits", {"json": {**CHAT, "seed": 2**80}}, 400, None),
-        ("a token id past the vocabulary", {"json": {"model": "tiny", "prompt": [2**70], "max_tokens": 2}, "path": "/v1/completions"}, 400, None),
+        (
+            "a token id past the vocabulary",
+            {"json": {"model": "tiny", "prompt": [2**70], "max_tokens": 2}, "path": "/v1/completions"},
+            400,
+            None,
+        ),
         ("unknown model", {"json": {**CHAT, "model": "gpt-5"}}, 404, "model_not_found"),
     ],
 )
-def test_malformed_inputs_get_their_documented_4xx(served: tuple[str, ServerState], name: str, kw: dict, status: int, code: str | None) -> None:
+def test_malformed_inputs_get_their_documented_4xx(
+    served: tuple[str, ServerState], name: str, kw: dict, status: int, code: str | None
+) -> None:
     url, state = served
     path = kw.pop("path", "/v1/chat/completions")
     err = openai_error(httpx.post(url + path, timeout=60, **kw), status)
@@ -141,8 +191,10 @@ def test_slowloris_gets_408_and_others_are_served(served: tuple[str, ServerState
     slow = []
     for _ in range(20):  # headers promise a body; a few bytes come, then nothing
         sock = socket.create_connection((host, int(port)))
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 500\r\n\r\n{\"model\": ")
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 500\r\n\r\n{"model": '
+        )
         slow.append(sock)
     t0 = time.monotonic()
     r = httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=60)  # served meanwhile

@@ -25,8 +25,12 @@ def test_faults_cost_only_their_own_requests() -> None:
     slow = f["slow_consumer"]
     assert slow["others"] == ["ok"] * 3 and slow["blocks_after"] == 0
     stale = f["stale_memwatch"]
-    assert stale["polls_failed"] > 0 and stale["status"] == 503 and stale["refused"] == "server_overloaded", stale
-    assert stale["ready_status"] == 503 and "unknown" in stale["ready_reason"] and stale["health_status"] == 200
+    assert stale["polls_failed"] > 0 and stale["status"] == 503 and stale["refused"] == "server_overloaded", (
+        stale
+    )
+    assert (
+        stale["ready_status"] == 503 and "unknown" in stale["ready_reason"] and stale["health_status"] == 200
+    )
     assert stale["after_recovery"] == "ok"
     dev = f["device_fault"]
     assert dev["status"] == 500 and dev["health_status"] == 503 and dev["on_fatal_called"], dev

@@ -41,25 +41,62 @@ time.sleep(hold)
 """
 
 
-def streams(url: str, stop: threading.Event, counts: Counter[str], lock: threading.Lock, i: int, max_tokens: int) -> None:
-    body = {"model": "x", "messages": [{"role": "user", "content": f"Write a long story number {i}."}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
+def streams(
+    url: str, stop: threading.Event, counts: Counter[str], lock: threading.Lock, i: int, max_tokens: int
+) -> None:
+    body = {
+        "model": "x",
+        "messages": [{"role": "user", "content": f"Write a long story number {i}."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
     while not stop.is_set():
         try:
             with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
                 text = "".join(r.iter_text())
-            kind = "completed" if r.status_code == 200 and "[DONE]" in text else str(r.status_code) if r.status_code != 200 else "error_event"
+            kind = (
+                "completed"
+                if r.status_code == 200 and "[DONE]" in text
+                else str(r.status_code)
+                if r.status_code != 200
+                else "error_event"
+            )
         except httpx.HTTPError as exc:
             kind = type(exc).__name__
         with lock:
             counts[kind] += 1
 
 
-def run_mode(model: str, governed: bool, streams_n: int = 32, max_tokens: int = 2000, hog_s: float = 30, hold_s: float = 30) -> dict[str, Any]:
-    args = ["--model", model, "--device", "cuda", "--max-num-seqs", str(streams_n), "--served-model-name", "x",
-            "--host", "127.0.0.1", "--port", "0", *([] if governed else ["--ladder-disable", "1"])]
-    proc = subprocess.Popen([sys.executable, "-m", "ballast.server.cli", "serve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+def run_mode(
+    model: str,
+    governed: bool,
+    streams_n: int = 32,
+    max_tokens: int = 2000,
+    hog_s: float = 30,
+    hold_s: float = 30,
+) -> dict[str, Any]:
+    args = [
+        "--model",
+        model,
+        "--device",
+        "cuda",
+        "--max-num-seqs",
+        str(streams_n),
+        "--served-model-name",
+        "x",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        *([] if governed else ["--ladder-disable", "1"]),
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ballast.server.cli", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     counts: Counter[str] = Counter()
     lock, stop = threading.Lock(), threading.Event()
@@ -70,29 +107,55 @@ def run_mode(model: str, governed: bool, streams_n: int = 32, max_tokens: int = 
         wait_ready(url, 600)
         threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
         for i in range(streams_n + 8):  # more than the slots: new ones keep arriving
-            threading.Thread(target=streams, args=(url, stop, counts, lock, i, max_tokens), daemon=True).start()
+            threading.Thread(
+                target=streams, args=(url, stop, counts, lock, i, max_tokens), daemon=True
+            ).start()
         t0 = time.monotonic()
         while time.monotonic() - t0 < 10 + hog_s + hold_s + 30:
             t = time.monotonic() - t0
             if hog is None and t > 10:
-                hog = subprocess.Popen([sys.executable, "-c", HOG, str(200 * MiB), str(256 * MiB), "0.5", str(hold_s)], text=True,
-                                       stdout=subprocess.DEVNULL)
+                hog = subprocess.Popen(
+                    [sys.executable, "-c", HOG, str(200 * MiB), str(256 * MiB), "0.5", str(hold_s)],
+                    text=True,
+                    stdout=subprocess.DEVNULL,
+                )
             alive = proc.poll() is None
             m = scrape(url) if alive else {}
             with lock:
                 done = dict(counts)
-            timeline.append({"t_s": round(t, 1), "alive": float(alive), "level": total(m, "ballast_memory_pressure_level"),
-                             "gpu_free_mib": total(m, "ballast_gpu_memory_free_bytes") / MiB, **{f"n_{k}": float(v) for k, v in done.items()}})
+            timeline.append(
+                {
+                    "t_s": round(t, 1),
+                    "alive": float(alive),
+                    "level": total(m, "ballast_memory_pressure_level"),
+                    "gpu_free_mib": total(m, "ballast_gpu_memory_free_bytes") / MiB,
+                    **{f"n_{k}": float(v) for k, v in done.items()},
+                }
+            )
             if not alive:
                 break
             time.sleep(1.0)
         stop.set()
         alive = proc.poll() is None
-        served = alive and httpx.post(url + "/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "hi"}],
-                                                                          "max_tokens": 4}, timeout=120).status_code == 200
+        served = (
+            alive
+            and httpx.post(
+                url + "/v1/chat/completions",
+                json={"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                timeout=120,
+            ).status_code
+            == 200
+        )
         cuda_oom = any("CUDA out of memory" in ln or "OutOfMemoryError" in ln for ln in lines)
-        return {"governed": governed, "outcomes": dict(counts), "server_alive": alive, "served_after": served, "cuda_oom_in_log": cuda_oom,
-                "max_level": max((x["level"] for x in timeline), default=-1), "timeline": timeline}
+        return {
+            "governed": governed,
+            "outcomes": dict(counts),
+            "server_alive": alive,
+            "served_after": served,
+            "cuda_oom_in_log": cuda_oom,
+            "max_level": max((x["level"] for x in timeline), default=-1),
+            "timeline": timeline,
+        }
     finally:
         stop.set()
         for p in (hog, proc):

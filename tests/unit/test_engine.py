@@ -28,8 +28,13 @@ MAX_LEN = 48
 
 
 def config(**kw: object) -> EngineConfig:
-    base: dict[str, object] = {"model": "builtin:tiny-llama", "device": "cpu", "max_num_seqs": 4,
-                               "max_model_len": MAX_LEN, "prefill_chunk_tokens": 16}
+    base: dict[str, object] = {
+        "model": "builtin:tiny-llama",
+        "device": "cpu",
+        "max_num_seqs": 4,
+        "max_model_len": MAX_LEN,
+        "prefill_chunk_tokens": 16,
+    }
     base.update(kw)
     return EngineConfig(**base)  # type: ignore[arg-type]
 
@@ -49,14 +54,18 @@ def prompt(seed: int, n: int) -> tuple[int, ...]:
     return tuple(torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
 
 
-def generate_alone(engine: Engine, slot: int, ids: tuple[int, ...], steps: int, chunk: int | None = None) -> list[int]:
+def generate_alone(
+    engine: Engine, slot: int, ids: tuple[int, ...], steps: int, chunk: int | None = None
+) -> list[int]:
     """Greedy tokens of one sequence run by itself (optionally prefilled in chunks)."""
     chunk = chunk or len(ids)
     out: list[int] = []
     for start in range(0, len(ids), chunk):
         part = ids[start : start + chunk]
         last = start + len(part) == len(ids)
-        res = run(engine, StepPlan(prefills=(PrefillChunk(slot, part, start, last),), sampling={slot: GREEDY}))
+        res = run(
+            engine, StepPlan(prefills=(PrefillChunk(slot, part, start, last),), sampling={slot: GREEDY})
+        )
         out += [o.token_id for o in res.outputs]
     pos = len(ids)
     for _ in range(steps - 1):
@@ -70,13 +79,21 @@ def test_batched_slots_match_each_alone(engine: Engine) -> None:
     prompts = {0: prompt(1, 5), 1: prompt(2, 11), 2: prompt(3, 2), 3: prompt(4, 17)}
     alone = {s: generate_alone(engine, s, p, steps=6) for s, p in prompts.items()}
     # All four prefill in one step, then decode together, each at its own position.
-    res = run(engine, StepPlan(prefills=tuple(PrefillChunk(s, p, 0, True) for s, p in prompts.items()),
-                               sampling=dict.fromkeys(prompts, GREEDY)))
+    res = run(
+        engine,
+        StepPlan(
+            prefills=tuple(PrefillChunk(s, p, 0, True) for s, p in prompts.items()),
+            sampling=dict.fromkeys(prompts, GREEDY),
+        ),
+    )
     assert res.prefill_tokens == sum(len(p) for p in prompts.values())
     got = {o.slot: [o.token_id] for o in res.outputs}
     pos = {s: len(p) for s, p in prompts.items()}
     for _ in range(5):
-        plan = StepPlan(decodes=tuple(DecodeToken(s, got[s][-1], pos[s]) for s in prompts), sampling=dict.fromkeys(prompts, GREEDY))
+        plan = StepPlan(
+            decodes=tuple(DecodeToken(s, got[s][-1], pos[s]) for s in prompts),
+            sampling=dict.fromkeys(prompts, GREEDY),
+        )
         res = run(engine, plan)
         assert res.decode_tokens == 4
         for o in res.outputs:
@@ -92,16 +109,33 @@ def test_mixed_prefill_and_decode_in_one_step(engine: Engine) -> None:
     # slot 0 starts; slot 1 joins later in two prefill chunks while slot 0 decodes.
     first = run(engine, StepPlan(prefills=(PrefillChunk(0, a, 0, True),), sampling={0: GREEDY}))
     ga = [first.outputs[0].token_id]
-    step = run(engine, StepPlan(prefills=(PrefillChunk(1, b[:6], 0, False),), decodes=(DecodeToken(0, ga[-1], 9),),
-                                sampling={0: GREEDY, 1: GREEDY}))
+    step = run(
+        engine,
+        StepPlan(
+            prefills=(PrefillChunk(1, b[:6], 0, False),),
+            decodes=(DecodeToken(0, ga[-1], 9),),
+            sampling={0: GREEDY, 1: GREEDY},
+        ),
+    )
     assert [o.slot for o in step.outputs] == [0]  # a non-final chunk samples nothing
     ga.append(step.outputs[0].token_id)
-    step = run(engine, StepPlan(prefills=(PrefillChunk(1, b[6:], 6, True),), decodes=(DecodeToken(0, ga[-1], 10),),
-                                sampling={0: GREEDY, 1: GREEDY}))
+    step = run(
+        engine,
+        StepPlan(
+            prefills=(PrefillChunk(1, b[6:], 6, True),),
+            decodes=(DecodeToken(0, ga[-1], 10),),
+            sampling={0: GREEDY, 1: GREEDY},
+        ),
+    )
     by_slot = {o.slot: o.token_id for o in step.outputs}
     ga.append(by_slot[0])
     gb = [by_slot[1]]
-    step = run(engine, StepPlan(decodes=(DecodeToken(0, ga[-1], 11), DecodeToken(1, gb[-1], 13)), sampling={0: GREEDY, 1: GREEDY}))
+    step = run(
+        engine,
+        StepPlan(
+            decodes=(DecodeToken(0, ga[-1], 11), DecodeToken(1, gb[-1], 13)), sampling={0: GREEDY, 1: GREEDY}
+        ),
+    )
     by_slot = {o.slot: o.token_id for o in step.outputs}
     ga.append(by_slot[0])
     gb.append(by_slot[1])
@@ -128,9 +162,15 @@ def test_at_capacity_when_the_next_position_reaches_max_len(engine: Engine) -> N
     ids = prompt(40, MAX_LEN - 2)
     res = run(engine, StepPlan(prefills=(PrefillChunk(0, ids, 0, True),), sampling={0: GREEDY}))
     assert not res.outputs[0].at_capacity  # its token goes to position MAX_LEN - 2
-    res = run(engine, StepPlan(decodes=(DecodeToken(0, res.outputs[0].token_id, MAX_LEN - 2),), sampling={0: GREEDY}))
+    res = run(
+        engine,
+        StepPlan(decodes=(DecodeToken(0, res.outputs[0].token_id, MAX_LEN - 2),), sampling={0: GREEDY}),
+    )
     assert not res.outputs[0].at_capacity
-    res = run(engine, StepPlan(decodes=(DecodeToken(0, res.outputs[0].token_id, MAX_LEN - 1),), sampling={0: GREEDY}))
+    res = run(
+        engine,
+        StepPlan(decodes=(DecodeToken(0, res.outputs[0].token_id, MAX_LEN - 1),), sampling={0: GREEDY}),
+    )
     assert res.outputs[0].at_capacity  # the next token would sit at MAX_LEN
 
 
@@ -140,13 +180,24 @@ def test_seeded_request_is_independent_of_its_batch(engine: Engine) -> None:
     ids = prompt(50, 6)
 
     def draw(slot: int, companions: dict[int, tuple[int, ...]]) -> list[int]:
-        res = run(engine, StepPlan(prefills=(PrefillChunk(slot, ids, 0, True), *(PrefillChunk(s, p, 0, True) for s, p in companions.items())),
-                                   sampling={slot: seeded, **dict.fromkeys(companions, other)}))
+        res = run(
+            engine,
+            StepPlan(
+                prefills=(
+                    PrefillChunk(slot, ids, 0, True),
+                    *(PrefillChunk(s, p, 0, True) for s, p in companions.items()),
+                ),
+                sampling={slot: seeded, **dict.fromkeys(companions, other)},
+            ),
+        )
         out = {o.slot: o.token_id for o in res.outputs}
         toks = [out[slot]]
         pos = {slot: len(ids), **{s: len(p) for s, p in companions.items()}}
         for _ in range(7):
-            plan = StepPlan(decodes=tuple(DecodeToken(s, out[s], pos[s]) for s in out), sampling={slot: seeded, **dict.fromkeys(companions, other)})
+            plan = StepPlan(
+                decodes=tuple(DecodeToken(s, out[s], pos[s]) for s in out),
+                sampling={slot: seeded, **dict.fromkeys(companions, other)},
+            )
             out = {o.slot: o.token_id for o in run(engine, plan).outputs}
             pos = {s: p + 1 for s, p in pos.items()}
             toks.append(out[slot])
@@ -156,7 +207,13 @@ def test_seeded_request_is_independent_of_its_batch(engine: Engine) -> None:
 
 
 def test_logprobs_through_the_engine(engine: Engine) -> None:
-    res = run(engine, StepPlan(prefills=(PrefillChunk(1, prompt(60, 5), 0, True),), sampling={1: SamplingParams(temperature=0.0, logprobs=3)}))
+    res = run(
+        engine,
+        StepPlan(
+            prefills=(PrefillChunk(1, prompt(60, 5), 0, True),),
+            sampling={1: SamplingParams(temperature=0.0, logprobs=3)},
+        ),
+    )
     out = res.outputs[0]
     assert out.logprob is not None and out.logprob <= 0
     assert len(out.top_logprobs) == 3 and out.top_logprobs[0] == (out.token_id, pytest.approx(out.logprob))
@@ -208,7 +265,9 @@ def test_a_failed_step_costs_only_its_sequences_and_a_device_fault_makes_the_eng
         eng.shutdown()
 
 
-@pytest.mark.parametrize("fault", [MemoryError("host allocation failed"), torch.cuda.OutOfMemoryError("CUDA out of memory")])
+@pytest.mark.parametrize(
+    "fault", [MemoryError("host allocation failed"), torch.cuda.OutOfMemoryError("CUDA out of memory")]
+)
 def test_an_out_of_memory_error_in_a_prefill_loses_only_that_steps_sequences(fault: Exception) -> None:
     eng = Engine.load(config(max_num_seqs=3))
     try:
@@ -244,7 +303,9 @@ def test_an_out_of_memory_error_in_a_prefill_loses_only_that_steps_sequences(fau
         StepPlan(decodes=(DecodeToken(9, 5, 1),), sampling={9: GREEDY}),  # slot out of range
         StepPlan(decodes=(DecodeToken(0, 5, 1),)),  # no sampling params for a sampled slot
         StepPlan(prefills=(PrefillChunk(0, tuple(range(MAX_LEN + 1)), 0, True),), sampling={0: GREEDY}),
-        StepPlan(prefills=(PrefillChunk(0, (5, 49152), 0, True),), sampling={0: GREEDY}),  # token id past the vocabulary
+        StepPlan(
+            prefills=(PrefillChunk(0, (5, 49152), 0, True),), sampling={0: GREEDY}
+        ),  # token id past the vocabulary
         StepPlan(decodes=(DecodeToken(0, -1, 3),), sampling={0: GREEDY}),
     ],
 )
@@ -276,12 +337,19 @@ def test_hybrid_models_run_through_the_same_engine(model: str) -> None:
         alone = {s: generate_alone(eng, s, p, steps=4) for s, p in prompts.items()}
         chunked = {s: generate_alone(eng, s, p, steps=4, chunk=4) for s, p in prompts.items()}
         assert chunked == alone
-        res = run(eng, StepPlan(prefills=tuple(PrefillChunk(s, p, 0, True) for s, p in prompts.items()),
-                                sampling=dict.fromkeys(prompts, GREEDY)))
+        res = run(
+            eng,
+            StepPlan(
+                prefills=tuple(PrefillChunk(s, p, 0, True) for s, p in prompts.items()),
+                sampling=dict.fromkeys(prompts, GREEDY),
+            ),
+        )
         got = {o.slot: [o.token_id] for o in res.outputs}
         for step in range(3):
-            plan = StepPlan(decodes=tuple(DecodeToken(s, got[s][-1], len(p) + step) for s, p in prompts.items()),
-                            sampling=dict.fromkeys(prompts, GREEDY))
+            plan = StepPlan(
+                decodes=tuple(DecodeToken(s, got[s][-1], len(p) + step) for s, p in prompts.items()),
+                sampling=dict.fromkeys(prompts, GREEDY),
+            )
             for o in run(eng, plan).outputs:
                 got[o.slot].append(o.token_id)
         assert got == alone
@@ -344,6 +412,7 @@ def test_int8_and_main_pool_sequences_run_side_by_side(model: str) -> None:
     """A sequence started with int8_kv (the ladder's WATCH rung) lives in the int8 pool while one
     started before it keeps the model dtype; in mixed steps each gets exactly the tokens it gets
     alone in an engine of its own format."""
+
     def alone(kv_quant: str, ids: tuple[int, ...]) -> list[int]:
         eng = Engine.load(config(model=model, kv_quant=kv_quant))
         try:
@@ -354,8 +423,13 @@ def test_int8_and_main_pool_sequences_run_side_by_side(model: str) -> None:
     a, b = prompt(11, 20), prompt(12, 37)
     eng = Engine.load(config(model=model))
     try:
-        res = run(eng, StepPlan(prefills=(PrefillChunk(0, a, 0, True), PrefillChunk(1, b, 0, True, int8_kv=True)),
-                                sampling={0: GREEDY, 1: GREEDY}))
+        res = run(
+            eng,
+            StepPlan(
+                prefills=(PrefillChunk(0, a, 0, True), PrefillChunk(1, b, 0, True, int8_kv=True)),
+                sampling={0: GREEDY, 1: GREEDY},
+            ),
+        )
         out = {o.slot: [o.token_id] for o in res.outputs}
         assert res.kv is not None and res.kv_int8 is not None
         assert res.kv.used_blocks == 1 and res.kv_int8.used_blocks == 2  # 20 tokens in main, 37 in int8

@@ -30,7 +30,14 @@ MAX_LEN = 160
 
 
 def load(model: str, kv_quant: str = "none", **cache: object) -> Engine:
-    cfg = EngineConfig(model=model, device="cpu", max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk_tokens=64, kv_quant=kv_quant)
+    cfg = EngineConfig(
+        model=model,
+        device="cpu",
+        max_num_seqs=2,
+        max_model_len=MAX_LEN,
+        prefill_chunk_tokens=64,
+        kv_quant=kv_quant,
+    )
     return Engine.load(cfg, prefix_cache=PrefixCacheConfig(**{"checkpoint_interval": INTERVAL, **cache}))  # type: ignore[arg-type]
 
 
@@ -45,7 +52,9 @@ def ids(seed: int, n: int) -> tuple[int, ...]:
     return tuple(torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
 
 
-def run_request(eng: Engine, slot: int, prompt: tuple[int, ...], new_tokens: int, *, reuse: bool = True) -> list[int]:
+def run_request(
+    eng: Engine, slot: int, prompt: tuple[int, ...], new_tokens: int, *, reuse: bool = True
+) -> list[int]:
     """One greedy request the way the scheduler runs it: restore the longest checkpoint, prefill
     the rest in chunks ending at checkpoint positions (saving there and at the prompt's end),
     decode, then save prompt + output[:-1] in the plan that releases the slot."""
@@ -56,13 +65,23 @@ def run_request(eng: Engine, slot: int, prompt: tuple[int, ...], new_tokens: int
         end = min(len(prompt), (start // INTERVAL + 1) * INTERVAL)
         last = end == len(prompt)
         chunk = PrefillChunk(slot, prompt[start:end], start, last)
-        res = eng.step(StepPlan(prefills=(chunk,), sampling={slot: GREEDY}, restores=restores,
-                                saves=(CheckpointSave(slot, prompt[:end]),)))
+        res = eng.step(
+            StepPlan(
+                prefills=(chunk,),
+                sampling={slot: GREEDY},
+                restores=restores,
+                saves=(CheckpointSave(slot, prompt[:end]),),
+            )
+        )
         restores = ()
         out += [o.token_id for o in res.outputs]
         start = end
     for _ in range(new_tokens - 1):
-        res = eng.step(StepPlan(decodes=(DecodeToken(slot, out[-1], len(prompt) + len(out) - 1),), sampling={slot: GREEDY}))
+        res = eng.step(
+            StepPlan(
+                decodes=(DecodeToken(slot, out[-1], len(prompt) + len(out) - 1),), sampling={slot: GREEDY}
+            )
+        )
         out.append(res.outputs[0].token_id)
     eng.step(StepPlan(release=(slot,), saves=(CheckpointSave(slot, prompt + tuple(out[:-1])),)))
     return out
@@ -194,7 +213,13 @@ def test_save_larger_than_budget_is_declined() -> None:
 
 def test_shed_returns_buffers_to_the_pool_and_the_ladder_shed_trims_it() -> None:
     pool = CheckpointPool(lambda: 1 << 34, 0.5, 64, 1, pin=False)
-    cfg = EngineConfig(model="builtin:tiny-qwen3-next", device="cpu", max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk_tokens=64)
+    cfg = EngineConfig(
+        model="builtin:tiny-qwen3-next",
+        device="cpu",
+        max_num_seqs=2,
+        max_model_len=MAX_LEN,
+        prefill_chunk_tokens=64,
+    )
     eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=INTERVAL), pool=pool)
     try:
         run_request(eng, 0, ids(21, 40), 3)
@@ -229,8 +254,13 @@ def test_bad_checkpoint_orders_are_plan_errors(hybrid: Engine) -> None:
     hybrid.prefix_cache.shed()
     p = ids(31, 20)
     with pytest.raises(PlanError, match="no checkpoint"):
-        hybrid.step(StepPlan(prefills=(PrefillChunk(0, p[16:], 16, True),), sampling={0: GREEDY},
-                             restores=(CheckpointRestore(0, p[:16]),)))
+        hybrid.step(
+            StepPlan(
+                prefills=(PrefillChunk(0, p[16:], 16, True),),
+                sampling={0: GREEDY},
+                restores=(CheckpointRestore(0, p[:16]),),
+            )
+        )
     with pytest.raises(PlanError, match="prefill chunk starting there"):
         hybrid.step(StepPlan(restores=(CheckpointRestore(0, p[:16]),)))
     with pytest.raises(PlanError, match="cannot also"):
@@ -258,7 +288,11 @@ def greedy(eng: Engine, slot: int, prompt: tuple[int, ...], new_tokens: int) -> 
     res = eng.step(StepPlan(prefills=(PrefillChunk(slot, prompt, 0, True),), sampling={slot: GREEDY}))
     out = [res.outputs[0].token_id]
     for _ in range(new_tokens - 1):
-        res = eng.step(StepPlan(decodes=(DecodeToken(slot, out[-1], len(prompt) + len(out) - 1),), sampling={slot: GREEDY}))
+        res = eng.step(
+            StepPlan(
+                decodes=(DecodeToken(slot, out[-1], len(prompt) + len(out) - 1),), sampling={slot: GREEDY}
+            )
+        )
         out.append(res.outputs[0].token_id)
     return out
 
@@ -269,8 +303,12 @@ def test_a_parked_sequence_resumes_exactly_where_it_stopped(model: str) -> None:
     does on CUDA when it preempts); its slot is released; a restore of the same tokens into another
     slot brings it back and decoding goes on with the tokens of an uninterrupted run. Unpark drops
     a parked sequence whose request ended."""
-    cfg = EngineConfig(model=model, device="cpu", max_num_seqs=3, max_model_len=MAX_LEN, prefill_chunk_tokens=64)
-    eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(fraction=0.0))  # prefix caching off: parking still works
+    cfg = EngineConfig(
+        model=model, device="cpu", max_num_seqs=3, max_model_len=MAX_LEN, prefill_chunk_tokens=64
+    )
+    eng = Engine.load(
+        cfg, prefix_cache=PrefixCacheConfig(fraction=0.0)
+    )  # prefix caching off: parking still works
     try:
         p = ids(41, 45)
         calm = greedy(eng, 0, p, 8)
@@ -282,12 +320,19 @@ def test_a_parked_sequence_resumes_exactly_where_it_stopped(model: str) -> None:
         assert eng._cache.park(0, fed, kv) and eng.match_parked(fed + (first[-1],)) == len(fed)
         eng.step(StepPlan(release=(0,)))
         assert kv.figures().used_blocks == 0
-        res = eng.step(StepPlan(prefills=(PrefillChunk(2, (first[-1],), len(fed), True),),
-                                restores=(CheckpointRestore(2, fed),), sampling={2: GREEDY}))
+        res = eng.step(
+            StepPlan(
+                prefills=(PrefillChunk(2, (first[-1],), len(fed), True),),
+                restores=(CheckpointRestore(2, fed),),
+                sampling={2: GREEDY},
+            )
+        )
         assert res.reused_tokens == 0  # a resume, not prefix reuse
         out = first + [res.outputs[0].token_id]
         for _ in range(3):
-            step = eng.step(StepPlan(decodes=(DecodeToken(2, out[-1], len(p) + len(out) - 1),), sampling={2: GREEDY}))
+            step = eng.step(
+                StepPlan(decodes=(DecodeToken(2, out[-1], len(p) + len(out) - 1),), sampling={2: GREEDY})
+            )
             out.append(step.outputs[0].token_id)
         assert out == calm
         assert eng._cache.stats().parked == 0
@@ -307,8 +352,14 @@ def test_a_restore_into_a_pool_full_of_cached_prefixes_evicts_older_ones() -> No
     probe = load("builtin:tiny-llama")
     block_bytes = probe.kv_figures().block_bytes  # type: ignore[union-attr]
     probe.shutdown()
-    cfg = EngineConfig(model="builtin:tiny-llama", device="cpu", max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk_tokens=64,
-                       kv_segment_bytes=8 * block_bytes)
+    cfg = EngineConfig(
+        model="builtin:tiny-llama",
+        device="cpu",
+        max_num_seqs=2,
+        max_model_len=MAX_LEN,
+        prefill_chunk_tokens=64,
+        kv_segment_bytes=8 * block_bytes,
+    )
     eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=INTERVAL))
     try:
         prompts = [ids(90 + i, 2 * INTERVAL + 4) for i in range(12)]  # 3 blocks each, the last one partial
@@ -351,8 +402,11 @@ def test_a_failed_step_that_restored_a_checkpoint_leaves_the_cache_whole() -> No
             raise MemoryError("injected")
 
         eng.runner.forward = oom  # type: ignore[method-assign]
-        plan = StepPlan(prefills=(PrefillChunk(1, follow[start:], start, True),), sampling={1: GREEDY},
-                        restores=(CheckpointRestore(1, follow[:start]),))
+        plan = StepPlan(
+            prefills=(PrefillChunk(1, follow[start:], start, True),),
+            sampling={1: GREEDY},
+            restores=(CheckpointRestore(1, follow[:start]),),
+        )
         with pytest.raises(StepFailed) as failed:
             eng.submit(plan).result(timeout=60)
         eng.runner.forward = forward  # type: ignore[method-assign]

@@ -24,7 +24,9 @@ GiB = 1 << 30
 
 
 def req(i: int, max_tokens: int = 8) -> GenerationRequest:
-    return GenerationRequest(f"r{i}", tuple(TOK.encode(f"request number {i}: tell me a thing")), max_tokens=max_tokens)
+    return GenerationRequest(
+        f"r{i}", tuple(TOK.encode(f"request number {i}: tell me a thing")), max_tokens=max_tokens
+    )
 
 
 async def settle(s: Scheduler, eng: FakeEngine) -> None:
@@ -39,7 +41,9 @@ async def settle(s: Scheduler, eng: FakeEngine) -> None:
 async def make() -> AsyncIterator:
     made: list[tuple[Scheduler, FakeEngine]] = []
 
-    async def build(config: SchedulerConfig, memwatch: object = None, **engine_kw: object) -> tuple[Scheduler, FakeEngine]:
+    async def build(
+        config: SchedulerConfig, memwatch: object = None, **engine_kw: object
+    ) -> tuple[Scheduler, FakeEngine]:
         eng = FakeEngine(**engine_kw)  # type: ignore[arg-type]
         s = Scheduler(eng, config, memwatch=memwatch)  # type: ignore[arg-type]
         await s.start()
