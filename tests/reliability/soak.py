@@ -106,12 +106,14 @@ def sample(server: Server, t0: float) -> dict[str, float]:
     }
 
 
-def run(minutes: float, clients: int = 8, every_s: float = 5.0) -> dict[str, Any]:
+def run(
+    minutes: float, clients: int = 8, every_s: float = 5.0, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     outcomes: Counter[str] = Counter()
     lock = threading.Lock()
     stop = threading.Event()
     with ballast_serve(
-        ["--max-num-seqs", "8", "--max-model-len", "1024", "--served-model-name", "x"]
+        ["--max-num-seqs", "8", "--max-model-len", "1024", "--served-model-name", "x", *extra]
     ) as server:
         t0 = time.monotonic()
         samples = [sample(server, t0)]
@@ -182,8 +184,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--out")
     ap.add_argument("--plot")
+    ap.add_argument("serve_args", nargs="*", help="more `ballast serve` flags (after --)")
     a = ap.parse_args()
-    figures = run(a.minutes, a.clients)
+    figures = run(a.minutes, a.clients, extra=tuple(a.serve_args))
     for k, v in figures.items():
         if k != "samples":
             print(f"  {k:<24} {v}")
