@@ -13,8 +13,11 @@ websocket client comes with uvicorn[standard]); Debian's `chromium` is the brows
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import os
 import shutil
+import signal
 import struct
 import subprocess
 import tempfile
@@ -110,11 +113,15 @@ class Page:
 @contextmanager
 def chromium_page(url: str) -> Iterator[Page]:
     assert CHROMIUM is not None
-    with tempfile.TemporaryDirectory(prefix="ballast-chromium-") as profile:
+    # Chromium's helper processes may still write into the profile for a moment after the
+    # browser exits: they are stopped with it (their own process group), and a file one of them
+    # left behind in the throwaway profile is not a test failure.
+    with tempfile.TemporaryDirectory(prefix="ballast-chromium-", ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen(
             [CHROMIUM, *_FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         try:
             port = _devtools_port(Path(profile), proc)
@@ -127,12 +134,18 @@ def chromium_page(url: str) -> Iterator[Page]:
                 page.call("Page.navigate", url=url)
                 yield page
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the browser and its helpers, then SIGKILL to whatever of them is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _devtools_port(profile: Path, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
