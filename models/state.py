@@ -135,22 +135,27 @@ class PagedKV(LayerState):
         """K and V of each sequence, positions [0, max_ctx): [B, max_ctx, n_kv, head_dim] in the
         model dtype, gathered from the blocks (CPU only). Positions past a sequence's own end hold
         stale data."""
+        kv = self._gather(batch)
+        h = self.layout.num_kv_heads
+        return kv[:, :, :h], kv[:, :, h:]
+
+    def _gather(self, batch: ForwardBatch) -> Tensor:
+        """[B, max_ctx, 2 * n_kv, head_dim]: each sequence's K and V from the store it lives in."""
         kv = gather(self.store, self.layer, batch)
         if self.stores.mixed and self.stores.int8 is not None:
             in_int8 = self.stores.int8_slots[batch.slots].view(-1, 1, 1, 1)
             kv = torch.where(in_int8, gather(self.stores.int8, self.layer, batch), kv)
-        h = self.layout.num_kv_heads
-        return kv[:, :, :h], kv[:, :, h:]
+        return kv
 
     def _attend_reference(self, q: Tensor, batch: ForwardBatch) -> Tensor:
         groups = self.stores.padded_groups(batch)
         if len(groups) == 1:
-            return attend_gathered(q, torch.cat(self.read(batch), dim=2), groups[0])
+            return attend_gathered(q, self._gather(batch), groups[0])
         out = torch.empty_like(q)
         for g in groups:  # two: the decode tokens, and the prefill chunks
             assert g.token_index is not None
-            kv = torch.cat(self.read(g.batch), dim=2)
-            out.index_copy_(0, g.token_index, attend_gathered(q.index_select(0, g.token_index), kv, g))
+            picked = q.index_select(0, g.token_index)
+            out.index_copy_(0, g.token_index, attend_gathered(picked, self._gather(g.batch), g))
         return out
 
     def _attend_kernels(self, q: Tensor, batch: ForwardBatch) -> Tensor:

@@ -76,41 +76,23 @@ def retry_after_header(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
+# Refusals a client should retry later: (status, OpenAI error type, code). Each carries the wait
+# it advertises (Retry-After).
+_RETRYABLE: tuple[tuple[type[Refused], int, str, str], ...] = (
+    (Overloaded, 503, "server_overloaded", "server_overloaded"),
+    (QueueFull, 429, "rate_limit_exceeded", "queue_full"),
+    (QueueWaitTooLong, 429, "rate_limit_exceeded", "queue_wait_exceeded"),
+    # The server is sound (only this step's requests were lost): 503, so clients retry.
+    (StepAborted, 503, "server_error", "engine_step_failed"),
+)
+
+
 def from_refusal(exc: Refused | MemoryRefused, prompt_param: str = "messages") -> ApiError:
     """Map a scheduler or memory refusal to what the client sees."""
-    if isinstance(exc, Overloaded):
-        return ApiError(
-            503,
-            str(exc),
-            "server_overloaded",
-            code="server_overloaded",
-            headers=retry_after_header(exc.retry_after_s),
-        )
-    if isinstance(exc, QueueFull):
-        return ApiError(
-            429,
-            str(exc),
-            "rate_limit_exceeded",
-            code="queue_full",
-            headers=retry_after_header(exc.retry_after_s),
-        )
-    if isinstance(exc, QueueWaitTooLong):
-        return ApiError(
-            429,
-            str(exc),
-            "rate_limit_exceeded",
-            code="queue_wait_exceeded",
-            headers=retry_after_header(exc.retry_after_s),
-        )
-    if isinstance(exc, StepAborted):
-        # The server is sound (only this step's requests were lost): 503, so clients retry.
-        return ApiError(
-            503,
-            str(exc),
-            "server_error",
-            code="engine_step_failed",
-            headers=retry_after_header(exc.retry_after_s),
-        )
+    for kind, status, type_, code in _RETRYABLE:
+        if isinstance(exc, kind):
+            wait = retry_after_header(exc.retry_after_s)  # type: ignore[attr-defined]
+            return ApiError(status, str(exc), type_, code=code, headers=wait)
     if isinstance(exc, RequestFailed):  # this request only: the server stays sound
         return ApiError(500, str(exc), "server_error", code="request_failed")
     if isinstance(exc, ContextTooLong):
@@ -119,22 +101,9 @@ def from_refusal(exc: Refused | MemoryRefused, prompt_param: str = "messages") -
         return ApiError(504, str(exc), "timeout", code="request_timeout")
     if isinstance(exc, EngineFailed):
         return ApiError(500, str(exc), "server_error", code="engine_failed")
-    if isinstance(exc, MemoryRefused):
-        return ApiError(
-            503,
-            str(exc),
-            "server_overloaded",
-            code="server_overloaded",
-            headers=retry_after_header(DEFAULT_RETRY_AFTER_S),
-        )
-    if exc.retryable:
-        return ApiError(
-            503,
-            str(exc),
-            "server_overloaded",
-            code="server_overloaded",
-            headers=retry_after_header(DEFAULT_RETRY_AFTER_S),
-        )
+    if isinstance(exc, MemoryRefused) or exc.retryable:
+        wait = retry_after_header(DEFAULT_RETRY_AFTER_S)
+        return ApiError(503, str(exc), "server_overloaded", code="server_overloaded", headers=wait)
     return ApiError(500, str(exc), "server_error")
 
 
