@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from ballast.models import fp8
 
 from ballast.settings import ConfigError, check, setting
 
@@ -26,6 +27,14 @@ class EngineConfig:
         default="default",
         metadata=setting(
             "BALLAST_MODEL", "model to serve: default, builtin:NAME, a .gguf file or a Hugging Face directory"
+        ),
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata=setting(
+            "BALLAST_TOKENIZER",
+            "a Hugging Face directory (tokenizer.json, tokenizer_config.json) whose tokenizer to use "
+            "instead of the model's",
         ),
     )
     dtype: str = field(
@@ -57,6 +66,16 @@ class EngineConfig:
             "BALLAST_KV_QUANT",
             "KV cache format: none keeps the model dtype, int8 adds per token-head scales",
             choices=KV_QUANT_MODES,
+        ),
+    )
+    fp8_weights: str = field(
+        default="auto",
+        metadata=setting(
+            "BALLAST_FP8_WEIGHTS",
+            "FP8 checkpoints: keep holds float8 weights and runs FP8 GEMMs (half of bf16's bytes), "
+            "dequantize converts them to --dtype at load; auto keeps them where the FP8 kernels run "
+            "(CUDA 8.9+, Triton)",
+            choices=("auto", "keep", "dequantize"),
         ),
     )
     kv_segment_bytes: int = field(
@@ -99,6 +118,12 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def keeps_fp8(self, device: torch.device) -> bool:
+        """Whether an FP8 checkpoint's weights stay float8 on device."""
+        if self.fp8_weights == "auto":
+            return fp8.kernels_available(device)
+        return self.fp8_weights == "keep"
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

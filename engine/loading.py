@@ -36,6 +36,7 @@ from ballast.memory.watch import MemWatch
 from ballast.models import builtin
 from ballast.models.base import ModelError
 from ballast.models.default_model import DefaultModelError, default_model_path
+from ballast.models.fp8 import convert_model
 from ballast.models.gguf_loader import GGUFError, build_tokenizer, gguf_config, gguf_tensors, read_gguf
 from ballast.models.hf_loader import inspect_hf_dir, load_hf_model
 from ballast.models.registry import model_class
@@ -130,12 +131,16 @@ class LazyTokenizer:
             return self._value
 
 
-def planned_weights_bytes(hf_config: Mapping[str, Any], dtype: torch.dtype) -> int:
-    """Bytes the model will hold, from its config alone (built on the meta device: no memory)."""
+def planned_weights_bytes(hf_config: dict[str, Any], dtype: torch.dtype) -> int:
+    """Bytes a built-in model will hold, from its config alone (built on the meta device: no
+    memory), float8 weights and their scales included."""
     with torch.device("meta"):
-        model = model_class(hf_config).from_hf_config(hf_config)
+        model = model_class(hf_config).from_hf_config(hf_config).to(dtype)
+    fp8_weights = builtin.fp8_weights(hf_config)
+    if fp8_weights is not None:
+        convert_model(model, *fp8_weights)
     # parameters() yields a tied parameter once, so tied embeddings are not counted twice.
-    return sum(p.numel() for p in model.parameters()) * dtype_bytes(dtype)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def slot_bytes_at_load(
@@ -204,6 +209,9 @@ def load(
     """Load the model config.model names onto device in dtype, after the memory layer agrees."""
     mem_config = watch.config if watch is not None else MemoryConfig()
     source = resolve(config.model)
+    tok_dir = None if config.tokenizer is None else Path(config.tokenizer)
+    if tok_dir is not None and not tok_dir.is_dir():
+        raise ModelSpecError(f"--tokenizer {tok_dir} is not a directory")
     t0 = time.perf_counter()
     if source.kind == "builtin":
         hf_config = builtin.builtin_config(source.name)
@@ -236,13 +244,16 @@ def load(
         assert source.path is not None
         ckpt = inspect_hf_dir(source.path)
         hf_config = ckpt.config
-        weights = ckpt.weights_bytes(dtype)
+        keep_fp8 = config.keeps_fp8(device)
+        weights = ckpt.weights_bytes(dtype, keep_fp8)
         admit_load(
             hf_config, config, device, dtype, weights, watch, mem_config, host_staging=ckpt.transient_bytes()
         )
-        model = load_hf_model(ckpt, dtype=dtype, device=device)
+        model = load_hf_model(ckpt, dtype=dtype, device=device, keep_fp8=keep_fp8)
         path = source.path
         tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(path))
+    if tok_dir is not None:
+        tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(tok_dir))
     leases: list[Lease] = []
     held = weights_bytes(model)
     if watch is not None and device.type == "cuda":

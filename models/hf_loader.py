@@ -14,9 +14,11 @@ use, such as a vision tower or a multi-token-prediction head), and per-expert Mo
 FP8 checkpoints in the Hugging Face fine-grained format (`quantization_config.quant_method: fp8`,
 as published for Qwen3-Next and Qwen3.5) hold each quantized weight as float8 (e4m3) plus a
 float32 `weight_scale_inv` per `weight_block_size` block (default 128 x 128): the real weight is
-the float8 value times its block's scale. Each such weight is dequantized while it is copied into
-the model's parameter (the model dtype), one tensor at a time, so no more than the read-ahead is
-ever held in float32; the scales are not kept.
+the float8 value times its block's scale. `keep_fp8` keeps them so (models/fp8.py: the linears
+and experts hold float8 weights and their scales, half the bytes of bf16; the engine's choice where
+FP8 kernels run); otherwise each weight is dequantized while it is copied into the model's
+parameter (the model dtype), one tensor at a time, so no more than the read-ahead is ever held in
+float32, and the scales are not kept.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 from ballast.memory.types import MiB
 from ballast.models.base import ModelConfigError, UnsupportedModel, WeightLoadError
+from ballast.models.fp8 import FP8, dequantize_blocks
 from ballast.models.moe import per_expert_target, place_expert_tensor
 from ballast.models.registry import build_model, model_class
 from safetensors import safe_open
@@ -90,10 +93,40 @@ class HFCheckpoint:
     scales: dict[str, TensorInfo] = field(default_factory=dict)
     fp8_block: tuple[int, int] = (128, 128)
 
-    def weights_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of every tensor once cast to dtype (what the model will hold)."""
+    def weights_bytes(self, dtype: torch.dtype, keep_fp8: bool = False) -> int:
+        """Bytes the model will hold: every tensor cast to dtype, or with keep_fp8 the float8 weights
+        kept (1 byte each) with their float32 scales."""
         size = torch.tensor([], dtype=dtype).element_size()
-        return sum(t.numel for t in self.tensors.values()) * size
+        kept = self.kept_fp8() if keep_fp8 else set()
+        return sum(
+            t.numel + self.scales[name].numel * 4 if name in kept else t.numel * size
+            for name, t in self.tensors.items()
+        )
+
+    def info(self, name: str) -> TensorInfo:
+        """A weight's or (`..._scale_inv`) an FP8 scale's entry."""
+        return self.tensors.get(name) or self.scales[name.removesuffix("_scale_inv")]
+
+    def kept_fp8(self) -> set[str]:
+        """The float8 weights (checkpoint names) a keep_fp8 load keeps in float8: all but experts
+        whose gate and up halves would split a scale block (`fp8.convert_model`'s rule)."""
+        kept = set()
+        for name in self.scales:
+            info = self.tensors[name]
+            target = per_expert_target(info.key)
+            rows = 0 if target is None else info.shape[1 if target[2] == "down_proj" else 0]
+            if rows % self.fp8_block[0] == 0:
+                kept.add(name)
+        return kept
+
+    def fp8_params(self) -> set[str]:
+        """The model parameters (fused expert names included) that hold float8 checkpoint weights."""
+        names = set()
+        for name in self.scales:
+            key = self.tensors[name].key
+            target = per_expert_target(key)
+            names.add(key if target is None else target[0])
+        return names
 
     def transient_bytes(self) -> int:
         """The extra a load holds at its peak besides the model: the source tensors read ahead
@@ -248,8 +281,8 @@ def _expert_shape(fused: Tensor, expert: int, part: str) -> tuple[int, ...] | No
 
 def _pieces_in(param: str, fused: Tensor) -> int:
     """How many per-expert tensors fill a fused expert parameter: gate and up for each expert of
-    `gate_up_proj`, down for each of `down_proj`."""
-    return fused.shape[0] * (1 if param.endswith(".down_proj") else 2)
+    `gate_up_proj`, down for each of `down_proj` (and alike for their FP8 scales)."""
+    return fused.shape[0] * (1 if param.endswith((".down_proj", ".down_proj_scale_inv")) else 2)
 
 
 def _plan_copies(ckpt: HFCheckpoint, model: nn.Module) -> list[_Copy]:
@@ -262,7 +295,13 @@ def _plan_copies(ckpt: HFCheckpoint, model: nn.Module) -> list[_Copy]:
     )
     copies: list[_Copy] = []
     unexpected: list[str] = []
-    for name, info in sorted(ckpt.tensors.items()):
+    # A float8 weight kept in float8 (its parameter is float8) brings its scale along.
+    kept_scales = {
+        name + "_scale_inv": scale
+        for name, scale in ckpt.scales.items()
+        if _is_fp8(ckpt.tensors[name].key, params)
+    }
+    for name, info in sorted({**ckpt.tensors, **kept_scales}.items()):
         if info.key in tied:
             continue
         target = per_expert_target(info.key)
@@ -293,6 +332,13 @@ def _plan_copies(ckpt: HFCheckpoint, model: nn.Module) -> list[_Copy]:
     return copies
 
 
+def _is_fp8(key: str, params: dict[str, Tensor]) -> bool:
+    """Whether the parameter a checkpoint tensor fills holds float8."""
+    target = per_expert_target(key)
+    param = params.get(key if target is None else target[0])
+    return param is not None and param.dtype == FP8
+
+
 def _few(names: list[str]) -> str:
     return f"{names[:8]}{'...' if len(names) > 8 else ''}"
 
@@ -302,17 +348,20 @@ def load_hf_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     progress: bool | None = None,
+    keep_fp8: bool = False,
 ) -> nn.Module:
     """Build the model for ckpt.config and fill it from the safetensors files. The caller has
-    already admitted `ckpt.weights_bytes(dtype)` (+ `ckpt.transient_bytes()`) with the memory layer.
-    progress: a tqdm bar (None: only for loads over 256 MiB)."""
-    model = build_model(ckpt.config, dtype=dtype, device=device)
+    already admitted `ckpt.weights_bytes(dtype, keep_fp8)` (+ `ckpt.transient_bytes()`) with the
+    memory layer. progress: a tqdm bar (None: only for loads over 256 MiB). keep_fp8: float8
+    weights stay float8 (with their scales) instead of being dequantized to dtype."""
+    fp8_params = (ckpt.fp8_params().__contains__, ckpt.fp8_block) if keep_fp8 and ckpt.scales else None
+    model = build_model(ckpt.config, dtype=dtype, device=device, fp8=fp8_params)
     copies = _plan_copies(ckpt, model)
     params = dict(model.state_dict(keep_vars=True))
     by_file: dict[Path, list[_Copy]] = {}
     for c in copies:
-        by_file.setdefault(ckpt.tensors[c.name].file, []).append(c)
-    total = ckpt.weights_bytes(dtype)
+        by_file.setdefault(ckpt.info(c.name).file, []).append(c)
+    total = ckpt.weights_bytes(dtype, keep_fp8)
     show = progress if progress is not None else total >= _PROGRESS_MIN_BYTES
     # Copies run on a few threads (copy_ releases the GIL): a load is mostly page faults on fresh
     # memory and dtype casts, which parallelise. At most 2 x workers source tensors are read
@@ -330,7 +379,7 @@ def load_hf_model(
                         if len(pending) >= min(_READ_AHEAD, 2 * workers):  # bound what is read ahead
                             bar.update(pending.popleft().result())
                         src = f.get_tensor(c.name)
-                        if c.name in ckpt.scales:
+                        if c.name in ckpt.scales and params[c.param].dtype != FP8:
                             scale = _read_tensor(ckpt.scales[c.name], c.name + "_scale_inv")
                             pending.append(
                                 pool.submit(_copy_fp8_into, params[c.param], c, src, scale, ckpt.fp8_block)
@@ -354,15 +403,8 @@ def _copy_into(param: Tensor, copy: _Copy, src: Tensor) -> int:
     return src.numel() * param.element_size()
 
 
-def dequantize_fp8(weight: Tensor, scale_inv: Tensor, block: tuple[int, int]) -> Tensor:
-    """A float8 weight [rows, cols] times its block scales [ceil(rows/bn), ceil(cols/bk)], in float32."""
-    rows, cols = weight.shape
-    full = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return weight.float() * full
-
-
 def _copy_fp8_into(param: Tensor, copy: _Copy, src: Tensor, scale_inv: Tensor, block: tuple[int, int]) -> int:
-    _copy_into(param, copy, dequantize_fp8(src, scale_inv, block))
+    _copy_into(param, copy, dequantize_blocks(src, scale_inv, block, torch.float32))
     return src.numel() * param.element_size()
 
 
@@ -373,7 +415,10 @@ def _read_tensor(info: TensorInfo, name: str) -> Tensor:
 
 
 def load_hf_dir(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    keep_fp8: bool = False,
 ) -> nn.Module:
     """inspect + load in one call, for callers with nothing to admit (tests, tools)."""
-    return load_hf_model(inspect_hf_dir(path), dtype=dtype, device=device)
+    return load_hf_model(inspect_hf_dir(path), dtype=dtype, device=device, keep_fp8=keep_fp8)

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from ballast.models import pointwise
+from ballast.models import fp8, pointwise
 from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
 from ballast.models.state import PagedKV
 from torch import Tensor, nn
@@ -183,12 +183,16 @@ class FusedLinears:
     into one weight, so loading into them with copy_ fills the fused weight as well. Anything that
     re-creates them (`.to()`, `load_state_dict(assign=True)`) breaks the views; the next call
     notices (data pointers) and fuses again from the current parameters, so a stale weight is
-    never used. Deliberately not a Module: it owns no parameters of its own."""
+    never used. FP8 linears fuse their block scales alike, where every part is whole blocks;
+    otherwise they run one by one. Deliberately not a Module: it owns no parameters of its own."""
 
     def __init__(self, *linears: nn.Linear) -> None:
         self.linears = linears
         self.weight: Tensor | None = None
         self.bias: Tensor | None = None
+        self.scale_inv: Tensor | None = None
+        self.block: tuple[int, int] | None = None
+        self.separate = False
         self._ptrs: list[int] = []
 
     def fuse(self, keep_values: bool = True) -> None:
@@ -196,19 +200,27 @@ class FusedLinears:
         biases = [lin.bias for lin in self.linears]
         if any(b is None for b in biases) and any(b is not None for b in biases):
             raise ValueError("cannot fuse linears where only some have a bias")
+        kinds = {isinstance(lin, fp8.Fp8Linear) for lin in self.linears}
+        block = self.block = getattr(self.linears[0], "block", None)
+        if len(kinds) > 1 or (block and any(lin.out_features % block[0] for lin in self.linears)):
+            self.separate = True
+            return
         join = torch.cat if keep_values else _empty_cat
+        names = [
+            "weight",
+            *(["bias"] if biases[0] is not None else []),
+            *(["weight_scale_inv"] if block else []),
+        ]
         # Outside inference mode: parameters made of inference tensors could not be loaded into later.
         with torch.inference_mode(False), torch.no_grad():
-            weight = join([lin.weight for lin in self.linears])
-            bias = join([b for b in biases if b is not None]) if biases[0] is not None else None
-            offset = 0
-            for lin in self.linears:
-                n = lin.out_features
-                lin.weight = nn.Parameter(weight[offset : offset + n], requires_grad=False)
-                if bias is not None:
-                    lin.bias = nn.Parameter(bias[offset : offset + n], requires_grad=False)
-                offset += n
-        self.weight, self.bias = weight, bias
+            for name in names:
+                whole = join([getattr(lin, name) for lin in self.linears])
+                offset = 0
+                for lin in self.linears:
+                    n = lin.out_features // (block[0] if name == "weight_scale_inv" and block else 1)
+                    setattr(lin, name, nn.Parameter(whole[offset : offset + n], requires_grad=False))
+                    offset += n
+                setattr(self, "scale_inv" if name == "weight_scale_inv" else name, whole)
         self._ptrs = self._current_ptrs()
 
     @property
@@ -216,13 +228,19 @@ class FusedLinears:
         return self.weight is not None and self._current_ptrs() == self._ptrs
 
     def _current_ptrs(self) -> list[int]:
-        ptrs = [lin.weight.data_ptr() for lin in self.linears]
-        return ptrs + [lin.bias.data_ptr() for lin in self.linears if lin.bias is not None]
+        names = ("weight", "bias", "weight_scale_inv")
+        return [
+            t.data_ptr() for lin in self.linears for n in names if (t := getattr(lin, n, None)) is not None
+        ]
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.separate:
+            return torch.cat([lin(x) for lin in self.linears], dim=-1)
         if not self.fused:
             self.fuse()
         assert self.weight is not None  # fuse() set it
+        if self.scale_inv is not None and self.block is not None:
+            return fp8.fp8_linear(x, self.weight, self.scale_inv, self.block, self.bias)
         return linear(x, self.weight, self.bias)
 
 

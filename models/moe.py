@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from ballast.models import fp8
 from torch import Tensor, nn
 
 
@@ -54,6 +56,32 @@ def _grouped_ok(x: Tensor, gate_up: Tensor) -> bool:
     return (aligned or not x.is_cuda) and grouped_mm_supported(x.device.type, x.dtype)
 
 
+class Routing(NamedTuple):
+    """The (token, expert) pairs sorted by expert: pair i of the sorted order is `order[i]` of the
+    flat [T * k] pairs, reading token `token[i]`; `counts[e]` pairs go to expert e."""
+
+    order: Tensor
+    token: Tensor
+    counts: Tensor
+
+    @classmethod
+    def sort(cls, experts: Tensor, num_experts: int) -> Routing:
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)
+        # Not bincount: on CUDA it reads the largest index back to the host, which a graph cannot hold.
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device).index_add_(
+            0, flat, torch.ones_like(flat)
+        )
+        return cls(order, order // experts.shape[1], counts)
+
+    def combine(self, y: Tensor, weights: Tensor, num_tokens: int) -> Tensor:
+        """Per-pair expert outputs y [T * k, H] (sorted order) -> the weighted sum per token, in
+        float32 then y's dtype."""
+        y = y.float() * weights.reshape(-1)[self.order].float().unsqueeze(-1)
+        out = torch.zeros((num_tokens, y.shape[1]), dtype=torch.float32, device=y.device)
+        return out.index_add_(0, self.token, y).to(weights.dtype)
+
+
 def experts_forward(
     x: Tensor,
     experts: Tensor,
@@ -66,26 +94,16 @@ def experts_forward(
 
     x [T, H]; experts, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I]. Returns [T, H] in x's
     dtype, accumulated in float32. use_grouped_mm None picks grouped GEMM when it runs here."""
-    num_tokens, top_k = experts.shape
-    num_experts = gate_up.shape[0]
-    flat = experts.reshape(-1)
-    order = flat.argsort(stable=True)
-    token = order // top_k
-    # Not bincount: on CUDA it reads the largest index back to the host, which a graph cannot hold.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).index_add_(
-        0, flat, torch.ones_like(flat)
-    )
-    rows = x.index_select(0, token)
+    routing = Routing.sort(experts, gate_up.shape[0])
+    rows = x.index_select(0, routing.token)
     grouped = _grouped_ok(x, gate_up) if use_grouped_mm is None else use_grouped_mm
     if grouped:
-        offs = counts.cumsum(0).to(torch.int32)
+        offs = routing.counts.cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
     else:
-        y = _padded_bmm(rows, flat[order], counts, gate_up, down)
-    y = y.float() * weights.reshape(-1)[order].float().unsqueeze(-1)
-    out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
-    return out.index_add_(0, token, y).to(x.dtype)
+        y = _padded_bmm(rows, experts.reshape(-1)[routing.order], routing.counts, gate_up, down)
+    return routing.combine(y, weights.to(x.dtype), x.shape[0])
 
 
 def _padded_bmm(rows: Tensor, row_expert: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
@@ -108,18 +126,19 @@ def _padded_bmm(rows: Tensor, row_expert: Tensor, counts: Tensor, gate_up: Tenso
 
 # Many published checkpoints store each expert separately; our parameters are the fused tensors.
 _PER_EXPERT = re.compile(
-    r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$"
+    r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight"
+    r"(?P<scale>_scale_inv)?$"
 )
 
 
 def per_expert_target(name: str) -> tuple[str, int, str] | None:
-    """For an unfused checkpoint tensor `....mlp.experts.{e}.{gate,up,down}_proj.weight`: (our
-    fused parameter's name, e, part). None for any other name."""
+    """For an unfused checkpoint tensor `....mlp.experts.{e}.{gate,up,down}_proj.weight` (or its FP8
+    `weight_scale_inv`): (our fused parameter's name, e, part). None for any other name."""
     m = _PER_EXPERT.match(name)
     if m is None:
         return None
     fused = "gate_up_proj" if m["part"] in ("gate_proj", "up_proj") else "down_proj"
-    return f"{m['prefix']}.{fused}", int(m["expert"]), m["part"]
+    return f"{m['prefix']}.{fused}{m['scale'] or ''}", int(m["expert"]), m["part"]
 
 
 def place_expert_tensor(fused: Tensor, expert: int, part: str, tensor: Tensor) -> None:
@@ -161,12 +180,17 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    # float8 weights' scale block (rows, cols), once `fp8.convert_experts` made them float8
+    block: tuple[int, int] = (128, 128)
+
     def __init__(self, hidden: int, intermediate: int, num_experts: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, intermediate))
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        if self.gate_up_proj.dtype == fp8.FP8:
+            return fp8.experts_forward(self, x, experts, weights)
         return experts_forward(x, experts, weights, self.gate_up_proj, self.down_proj)
 
 

@@ -362,6 +362,6 @@ class Qwen3NextForCausalLM(nn.Module):
                 if isinstance(module, CenteredRMSNorm):
                     module.weight.zero_()
                 elif isinstance(module, GatedDeltaNet):
-                    a = torch.empty(module.v_heads).uniform_(0.01, 16.0, generator=gen)
+                    a = torch.empty(module.v_heads, device=gen.device).uniform_(0.01, 16.0, generator=gen)
                     module.A_log.copy_(a.log())
                     module.dt_bias.fill_(1.0)

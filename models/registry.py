@@ -3,11 +3,12 @@ architecture adds one import and one entry."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from ballast.models.base import UnsupportedModel
+from ballast.models.fp8 import Block, convert_model
 from ballast.models.llama import LlamaForCausalLM
 from ballast.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from ballast.models.qwen3_next import Qwen3NextForCausalLM
@@ -45,14 +46,18 @@ def build_model(
     hf_config: Mapping[str, Any],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    fp8: tuple[Callable[[str], bool], Block] | None = None,
 ) -> nn.Module:
     """The model for an HF config dict, with uninitialised parameters in dtype on device (fill them
-    with `load_state_dict`, or `builtin.init_random`).
+    with `load_state_dict`, or `builtin.init_random`). fp8: (which parameter names, block) of
+    weights held in float8 with block scales instead (models/fp8.py).
 
     Built on the meta device first, so no time goes into an initialisation the weights overwrite."""
     cls = model_class(hf_config)
     with torch.device("meta"):
         model: nn.Module = cls.from_hf_config(hf_config).to(dtype)
+    if fp8 is not None:
+        convert_model(model, *fp8)
     model = model.to_empty(device=device)
     tie = getattr(model, "tie_weights", None)
     if tie is not None:

@@ -14,7 +14,8 @@ from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.models.base import UnsupportedModel, WeightLoadError
-from ballast.models.hf_loader import dequantize_fp8, inspect_hf_dir, load_hf_dir
+from ballast.models.fp8 import dequantize_blocks
+from ballast.models.hf_loader import inspect_hf_dir, load_hf_dir
 from safetensors.torch import save_file
 from test_hf_loader import IDS, last_logits, tiny_hf
 
@@ -48,7 +49,7 @@ def write_fp8_checkpoint(path: Path, block: tuple[int, int] = BLOCK) -> dict[str
         if ".layers." in name and name.endswith("proj.weight"):
             q, scale = quantize(w, block)
             tensors[name], tensors[name + "_scale_inv"] = q, scale
-            dequantized[name] = dequantize_fp8(q, scale, block)
+            dequantized[name] = dequantize_blocks(q, scale, block, torch.float32)
         else:
             tensors[name] = dequantized[name] = w.contiguous()
     for f in path.glob("*.safetensors"):

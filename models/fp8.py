@@ -1,0 +1,182 @@
+"""FP8 weights kept as FP8: linears and MoE experts that hold float8 e4m3 weights with float32 block
+scales (the Hugging Face fine-grained FP8 layout: `weight` [out, in] and `weight_scale_inv`
+[ceil(out / bn), ceil(in / bk)]; the real weight is the float8 value times its block's scale).
+
+On a GPU that converts FP8 in hardware (compute capability 8.9+) with Triton, the GEMMs read the
+float8 weights directly (models/fp8_triton.py: half the bytes of bf16, which is what decode is
+bound by). Elsewhere the same modules compute through `dequantize_blocks` - exact, but a
+dequantized copy per call: the loader's default there is to dequantize once at load instead
+(engine `--fp8-weights`).
+
+Conversion happens in place on a model still on the meta device: an `nn.Linear` becomes an
+`Fp8Linear` (same object, so whatever holds it - `FusedLinears`, its parent - sees the change) and
+`Experts` gets float8 fused tensors plus their scales.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import lru_cache
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from ballast.models.moe import Experts
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+Block = tuple[int, int]
+
+
+def dequantize_blocks(weight: Tensor, scale_inv: Tensor, block: Block, dtype: torch.dtype) -> Tensor:
+    """float8 weight [..., rows, cols] times its block scales [..., ceil(rows/bn), ceil(cols/bk)]."""
+    rows, cols = weight.shape[-2:]
+    full = scale_inv.float().repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)
+    return (weight.float() * full[..., :cols]).to(dtype)
+
+
+def quantize_blocks(weight: Tensor, block: Block) -> tuple[Tensor, Tensor]:
+    """The inverse, for tests and random models: float8 values and float32 block scales of the last
+    two dimensions (each block's largest magnitude maps to the float8 maximum)."""
+    rows, cols = weight.shape[-2:]
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = weight.new_zeros((*weight.shape[:-2], grid[0] * block[0], grid[1] * block[1]))
+    padded[..., :rows, :cols] = weight
+    tiles = padded.unflatten(-1, (grid[1], block[1])).unflatten(-3, (grid[0], block[0]))
+    scale = tiles.abs().amax(dim=(-3, -1)).float().clamp(min=1e-12) / FP8_MAX
+    full = scale.repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)[..., :cols]
+    return (weight.float() / full).to(FP8), scale
+
+
+@lru_cache(maxsize=8)
+def kernels_available(device: torch.device) -> bool:
+    """Whether the Triton FP8 kernels run on this device (CUDA, compute capability 8.9+)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fp8_linear(
+    x: Tensor, weight: Tensor, scale_inv: Tensor, block: Block, bias: Tensor | None = None
+) -> Tensor:
+    """x @ dequantized(weight).T (+ bias), x [..., in] in its own dtype."""
+    if kernels_available(x.device):
+        from ballast.models.fp8_triton import block_fp8_matmul
+
+        y = block_fp8_matmul(x.reshape(-1, x.shape[-1]), weight, scale_inv, block).view(*x.shape[:-1], -1)
+    else:
+        y = x @ dequantize_blocks(weight, scale_inv, block, x.dtype).T
+    return y if bias is None else y + bias
+
+
+class Fp8Linear(nn.Linear):
+    """An nn.Linear whose weight is float8 with block scales (`weight_scale_inv`, the checkpoint's
+    name). Made by `convert_linear` from an existing Linear on the meta device."""
+
+    block: Block
+    weight_scale_inv: nn.Parameter
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+
+
+def _scale_param(shape: tuple[int, ...], block: Block, device: torch.device) -> nn.Parameter:
+    grid = (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+    return nn.Parameter(torch.empty(grid, dtype=torch.float32, device=device), requires_grad=False)
+
+
+def convert_linear(linear: nn.Linear, block: Block) -> None:
+    """Turn linear (in place) into an Fp8Linear with uninitialised float8 weight and scales."""
+    w = linear.weight
+    linear.weight = nn.Parameter(torch.empty(w.shape, dtype=FP8, device=w.device), requires_grad=False)
+    linear.weight_scale_inv = _scale_param(tuple(w.shape), block, w.device)
+    linear.__class__ = Fp8Linear
+    cast(Fp8Linear, linear).block = block
+
+
+def convert_experts(experts: Experts, block: Block) -> None:
+    """Give an `Experts` module float8 `gate_up_proj` / `down_proj` and their `*_scale_inv`.
+    Per-expert checkpoint tensors are placed gate rows then up rows, so a gate_up scale grid is
+    whole only when the expert intermediate size is a multiple of the block's rows."""
+    for name in ("gate_up_proj", "down_proj"):
+        w: Tensor = getattr(experts, name)
+        setattr(
+            experts, name, nn.Parameter(torch.empty(w.shape, dtype=FP8, device=w.device), requires_grad=False)
+        )
+        setattr(experts, name + "_scale_inv", _scale_param(tuple(w.shape), block, w.device))
+    experts.block = block
+
+
+def convert_model(model: nn.Module, quantized: Callable[[str], bool], block: Block) -> None:
+    """Convert the modules whose weights `quantized` accepts (model parameter names of float8
+    checkpoint tensors: `...q_proj.weight`, `...mlp.experts.gate_up_proj`). Experts whose gate and
+    up halves would split a scale block stay in the model's dtype (the loader dequantizes them)."""
+    from ballast.models.moe import Experts
+
+    for name, module in model.named_modules():
+        prefix = name + "." if name else ""
+        if isinstance(module, nn.Linear) and quantized(prefix + "weight"):
+            convert_linear(module, block)
+        elif (
+            isinstance(module, Experts)
+            and quantized(prefix + "gate_up_proj")
+            and (module.gate_up_proj.shape[1] // 2) % block[0] == 0
+        ):
+            convert_experts(module, block)
+
+
+def expert_weights(experts: Experts, name: str, index: Tensor, dtype: torch.dtype) -> Tensor:
+    """The experts `index` of fused parameter `name`, dequantized when float8 (the reference path)."""
+    w: Tensor = getattr(experts, name)
+    if w.dtype != FP8:
+        return w[index]
+    return dequantize_blocks(w[index], getattr(experts, name + "_scale_inv")[index], experts.block, dtype)
+
+
+def decoder_projection(name: str) -> bool:
+    """The weights published FP8 checkpoints quantize: every projection of the decoder layers and
+    the experts (not embeddings, norms, routers, gates or the head)."""
+    return ".layers." in name and name.endswith(("proj.weight", "experts.gate_up_proj"))
+
+
+def init_random_fp8(model: nn.Module, generator: torch.Generator, std: float = 0.02) -> None:
+    """Random float8 weights ~N(0, 1) with every block scale `std`: values ~N(0, std)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dtype == FP8:
+                p.copy_(
+                    torch.randn(p.shape, device=generator.device, generator=generator, dtype=torch.bfloat16)
+                )
+            elif name.endswith("_scale_inv"):
+                p.fill_(std)
+
+
+def experts_forward(module: Experts, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+    """`moe.experts_forward` for an `Experts` module holding float8 weights: one grouped FP8 GEMM per
+    projection where the kernels run; elsewhere only the experts that received tokens are
+    dequantized, then the dense path runs on them."""
+    from ballast.models.moe import Routing, experts_forward
+
+    num_experts = module.gate_up_proj.shape[0]
+    if not kernels_available(x.device):
+        active, local = experts.unique(return_inverse=True)
+        gate_up = expert_weights(module, "gate_up_proj", active, x.dtype)
+        down = expert_weights(module, "down_proj", active, x.dtype)
+        return experts_forward(x, local, weights, gate_up, down)
+    from ballast.models.fp8_triton import grouped_fp8_matmul
+    from ballast.models.pointwise import silu_mul
+
+    routing = Routing.sort(experts, num_experts)
+    rows = x.index_select(0, routing.token)
+    block = module.block
+    h = grouped_fp8_matmul(rows, routing.counts, module.gate_up_proj, module.gate_up_proj_scale_inv, block)
+    act = silu_mul(h, h.shape[1] // 2)
+    y = grouped_fp8_matmul(act, routing.counts, module.down_proj, module.down_proj_scale_inv, block)
+    return routing.combine(y, weights.to(x.dtype), x.shape[0])

@@ -1,0 +1,159 @@
+"""Triton GEMMs over block-scaled float8 weights (CUDA, compute capability 8.9+).
+
+Weight-only FP8: activations stay in the model's dtype, each weight tile is read as float8 (half
+the bytes of bf16), converted in registers and multiplied in the activations' dtype; the block
+scale of a (column block, K block) pair multiplies that K step's partial product, so the result is
+x @ dequantized(W).T accumulated in float32. Decode is bound by reading weights, which is where
+the saving is.
+
+One kernel serves a dense linear (one weight) and MoE experts (a weight per expert, rows sorted by
+expert): a program takes one tile of BLOCK_M rows that all belong to one expert. The tile table is
+built on the device from the per-expert row counts, sized by an upper bound known on the host, so
+nothing syncs and the call can be captured in a CUDA graph. Tile shapes come from a fixed rule,
+not autotuning: autotuning would benchmark inside a graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _block_fp8_gemm(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    c_ptr,
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_cm,
+    GROUPED: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if GROUPED:
+        expert = tl.load(tile_expert_ptr + pid_m)
+        if expert < 0:
+            return
+        row0 = tl.load(tile_start_ptr + pid_m)
+        row_end = tl.load(tile_end_ptr + pid_m)
+        w_ptr += expert.to(tl.int64) * stride_we
+        s_ptr += expert.to(tl.int64) * stride_se
+    else:
+        row0 = pid_m * BLOCK_M
+        row_end = M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < row_end
+    col_ok = cols < N
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
+    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    s_ptrs = s_ptr + (cols // SCALE_N) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        s = tl.load(s_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
+        acc += tl.dot(a, w.to(a.dtype)) * s[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _tile_shape(rows_per_group: float, block: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps). Few rows: narrow column tiles, so that a decode step
+    spreads the weight read over every SM; many rows: square tiles for reuse."""
+    block_k = 128 if block[1] % 128 == 0 else 64 if block[1] % 64 == 0 else 32
+    if rows_per_group <= 16:
+        return 16, 32, block_k, 4
+    if rows_per_group <= 64:
+        return 64, 64, block_k, 4
+    return 128, 128, min(block_k, 64), 8
+
+
+def _check(a: Tensor, w: Tensor, block: tuple[int, int]) -> None:
+    if block[1] % 32 or block[0] % 16:
+        raise ValueError(f"FP8 block {block} is not a multiple of (16, 32)")
+    if a.shape[-1] != w.shape[-1]:
+        raise ValueError(f"activations have {a.shape[-1]} columns, the weight {w.shape[-1]}")
+
+
+def block_fp8_matmul(a: Tensor, w: Tensor, scale_inv: Tensor, block: tuple[int, int]) -> Tensor:
+    """a [M, K] (bf16/fp16/fp32) @ dequantized(w [N, K] float8, scale_inv [N/bn, K/bk]).T -> [M, N]."""
+    _check(a, w, block)
+    a = a.contiguous()
+    m, k = a.shape
+    n = w.shape[0]
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    if m == 0:
+        return out
+    bm, bn, bk, warps = _tile_shape(m, block)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _block_fp8_gemm[grid](
+        a, w, scale_inv, out, a, a, a, m, n, k,
+        a.stride(0), 0, w.stride(0), 0, scale_inv.stride(0), out.stride(0),
+        GROUPED=False, SCALE_N=block[0], SCALE_K=block[1],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+def _tile_table(counts: Tensor, block_m: int, max_tiles: int) -> tuple[Tensor, Tensor, Tensor]:
+    """For each of max_tiles tiles: its expert (-1: unused), first row and end row, from the rows
+    per expert (rows sorted by expert). No host sync."""
+    tiles = (counts + block_m - 1) // block_m
+    last_tile = tiles.cumsum(0)
+    first_row = counts.cumsum(0) - counts
+    t = torch.arange(max_tiles, device=counts.device)
+    expert = torch.searchsorted(last_tile, t, right=True)
+    used = expert < counts.numel()
+    expert = expert.clamp(max=counts.numel() - 1)
+    start = first_row[expert] + (t - (last_tile[expert] - tiles[expert])) * block_m
+    end = first_row[expert] + counts[expert]
+    return torch.where(used, expert, -1).to(torch.int32), start.to(torch.int32), end.to(torch.int32)
+
+
+def grouped_fp8_matmul(
+    rows: Tensor, counts: Tensor, w: Tensor, scale_inv: Tensor, block: tuple[int, int]
+) -> Tensor:
+    """rows [R, K] sorted by expert, counts [E] rows per expert; w [E, N, K] float8, scale_inv
+    [E, N/bn, K/bk]. Row r of expert e -> rows[r] @ dequantized(w[e]).T; returns [R, N]."""
+    _check(rows, w, block)
+    rows = rows.contiguous()
+    r, k = rows.shape
+    experts, n = w.shape[0], w.shape[1]
+    out = torch.empty((r, n), dtype=rows.dtype, device=rows.device)
+    if r == 0:
+        return out
+    bm, bn, bk, warps = _tile_shape(r / min(experts, r), block)
+    # Each used expert has at most one partial tile: sum(ceil(c_e / bm)) <= R / bm + min(E, R).
+    max_tiles = triton.cdiv(r, bm) + min(experts, r)
+    tile_expert, tile_start, tile_end = _tile_table(counts, bm, max_tiles)
+    grid = (max_tiles, triton.cdiv(n, bn))
+    _block_fp8_gemm[grid](
+        rows, w, scale_inv, out, tile_expert, tile_start, tile_end, r, n, k,
+        rows.stride(0), w.stride(0), w.stride(1), scale_inv.stride(0), scale_inv.stride(1), out.stride(0),
+        GROUPED=True, SCALE_N=block[0], SCALE_K=block[1],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    return out
