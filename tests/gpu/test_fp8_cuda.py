@@ -4,12 +4,14 @@ reference's tokens, in eager steps and CUDA graphs."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from ballast.models.fp8 import dequantize_blocks, kernels_available, quantize_blocks
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the CPU tests' helpers
 cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or not kernels_available(torch.device("cuda")),
     reason="needs CUDA with compute capability 8.9+ and Triton",

@@ -6,6 +6,7 @@ stay: they cannot be blinded from outside the process). The timeline records fre
 the outcomes and whether the server survived (no CUDA OOM) and serves again afterwards.
 
     python tests/reliability/vram_squeeze.py --model /path/to/hf-dir [--mode both|on|off] [--out vram.json]
+        [--serve-arg=--tokenizer --serve-arg=DIR ...]
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def streams(
 def run_mode(
     model: str,
     governed: bool,
+    serve_args: list[str],
     streams_n: int = 32,
     max_tokens: int = 2000,
     hog_s: float = 30,
@@ -90,6 +92,7 @@ def run_mode(
         "--port",
         "0",
         *([] if governed else ["--ladder-disable", "1"]),
+        *serve_args,
     ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "ballast.server.cli", "serve", *args],
@@ -169,13 +172,19 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--mode", choices=("both", "on", "off"), default="both")
     ap.add_argument("--out")
+    ap.add_argument(
+        "--serve-arg", action="append", default=[], help="passed on to ballast serve (repeatable)"
+    )
     a = ap.parse_args()
     import torch
 
     if not torch.cuda.is_available():
         print("skipped: no CUDA device")
         return
-    results = [run_mode(a.model, g) for g in {"both": (True, False), "on": (True,), "off": (False,)}[a.mode]]
+    results = [
+        run_mode(a.model, g, a.serve_arg)
+        for g in {"both": (True, False), "on": (True,), "off": (False,)}[a.mode]
+    ]
     for r in results:
         print({k: v for k, v in r.items() if k != "timeline"})
     if a.out:
