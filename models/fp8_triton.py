@@ -15,6 +15,8 @@ not autotuning: autotuning would benchmark inside a graph capture.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -45,9 +47,12 @@ def _block_fp8_gemm(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    W_NK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     if GROUPED:
         expert = tl.load(tile_expert_ptr + pid_m)
         if expert < 0:
@@ -61,34 +66,57 @@ def _block_fp8_gemm(
         row_end = M
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
+    # SPLIT_K programs share a tile's K range, whole BLOCK_Ks each, and add into a float32 output.
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_first = pid_k * k_per
+    ks = k_first + tl.arange(0, BLOCK_K)
     row_ok = rows < row_end
     col_ok = cols < N
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
-    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    if W_NK:  # the tile read as [BLOCK_N, BLOCK_K]: K contiguous, as the weight is stored
+        w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    else:
+        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
     s_ptrs = s_ptr + (cols // SCALE_N) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + ks) < K
+    for k0 in range(k_first, tl.minimum(k_first + k_per, K), BLOCK_K):
+        k_ok = (k0 - k_first + ks) < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         s = tl.load(s_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
-        acc += tl.dot(a, w.to(a.dtype)) * s[None, :]
+        if W_NK:
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.dot(a, tl.trans(w.to(a.dtype))) * s[None, :]
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += tl.dot(a, w.to(a.dtype)) * s[None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        tl.atomic_add(c_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _tile_shape(rows_per_group: float, block: tuple[int, int]) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps). Few rows: narrow column tiles, so that a decode step
-    spreads the weight read over every SM; many rows: square tiles for reuse."""
+class Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int = 3
+    split_k: int = 1
+    w_nk: bool = False
+
+
+def tiles_for(rows_per_group: float, block: tuple[int, int]) -> Tiles:
+    """Few rows: narrow column tiles, so that a decode step spreads the weight read over every SM;
+    many rows: square tiles for reuse."""
     block_k = 128 if block[1] % 128 == 0 else 64 if block[1] % 64 == 0 else 32
     if rows_per_group <= 16:
-        return 16, 32, block_k, 4
+        return Tiles(16, 32, block_k, 4)
     if rows_per_group <= 64:
-        return 64, 64, block_k, 4
-    return 128, 128, min(block_k, 64), 8
+        return Tiles(64, 64, block_k, 4)
+    return Tiles(128, 128, min(block_k, 64), 8)
 
 
 def _check(a: Tensor, w: Tensor, block: tuple[int, int]) -> None:
@@ -98,24 +126,31 @@ def _check(a: Tensor, w: Tensor, block: tuple[int, int]) -> None:
         raise ValueError(f"activations have {a.shape[-1]} columns, the weight {w.shape[-1]}")
 
 
-def block_fp8_matmul(a: Tensor, w: Tensor, scale_inv: Tensor, block: tuple[int, int]) -> Tensor:
+def block_fp8_matmul(
+    a: Tensor, w: Tensor, scale_inv: Tensor, block: tuple[int, int], tiles: Tiles | None = None
+) -> Tensor:
     """a [M, K] (bf16/fp16/fp32) @ dequantized(w [N, K] float8, scale_inv [N/bn, K/bk]).T -> [M, N]."""
     _check(a, w, block)
     a = a.contiguous()
     m, k = a.shape
     n = w.shape[0]
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    t = tiles or tiles_for(m, block)
+    out = (
+        torch.empty((m, n), dtype=a.dtype, device=a.device)
+        if t.split_k == 1
+        else a.new_zeros((m, n), dtype=torch.float32)
+    )
     if m == 0:
         return out
-    bm, bn, bk, warps = _tile_shape(m, block)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
     _block_fp8_gemm[grid](
         a, w, scale_inv, out, a, a, a, m, n, k,
         a.stride(0), 0, w.stride(0), 0, scale_inv.stride(0), out.stride(0),
         GROUPED=False, SCALE_N=block[0], SCALE_K=block[1],
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, W_NK=t.w_nk,
+        num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
-    return out
+    return out if t.split_k == 1 else out.to(a.dtype)
 
 
 def _tile_table(counts: Tensor, block_m: int, max_tiles: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -134,7 +169,12 @@ def _tile_table(counts: Tensor, block_m: int, max_tiles: int) -> tuple[Tensor, T
 
 
 def grouped_fp8_matmul(
-    rows: Tensor, counts: Tensor, w: Tensor, scale_inv: Tensor, block: tuple[int, int]
+    rows: Tensor,
+    counts: Tensor,
+    w: Tensor,
+    scale_inv: Tensor,
+    block: tuple[int, int],
+    tiles: Tiles | None = None,
 ) -> Tensor:
     """rows [R, K] sorted by expert, counts [E] rows per expert; w [E, N, K] float8, scale_inv
     [E, N/bn, K/bk]. Row r of expert e -> rows[r] @ dequantized(w[e]).T; returns [R, N]."""
@@ -145,15 +185,18 @@ def grouped_fp8_matmul(
     out = torch.empty((r, n), dtype=rows.dtype, device=rows.device)
     if r == 0:
         return out
-    bm, bn, bk, warps = _tile_shape(r / min(experts, r), block)
+    t = tiles or tiles_for(r / min(experts, r), block)
+    if t.split_k != 1:
+        out = out.float().zero_()
     # Each used expert has at most one partial tile: sum(ceil(c_e / bm)) <= R / bm + min(E, R).
-    max_tiles = triton.cdiv(r, bm) + min(experts, r)
-    tile_expert, tile_start, tile_end = _tile_table(counts, bm, max_tiles)
-    grid = (max_tiles, triton.cdiv(n, bn))
+    max_tiles = triton.cdiv(r, t.block_m) + min(experts, r)
+    tile_expert, tile_start, tile_end = _tile_table(counts, t.block_m, max_tiles)
+    grid = (max_tiles, triton.cdiv(n, t.block_n), t.split_k)
     _block_fp8_gemm[grid](
         rows, w, scale_inv, out, tile_expert, tile_start, tile_end, r, n, k,
         rows.stride(0), w.stride(0), w.stride(1), scale_inv.stride(0), scale_inv.stride(1), out.stride(0),
         GROUPED=True, SCALE_N=block[0], SCALE_K=block[1],
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, W_NK=t.w_nk,
+        num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
-    return out
+    return out if t.split_k == 1 else out.to(rows.dtype)
