@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from functools import partial
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
