@@ -35,7 +35,9 @@ while True:
     free, _ = torch.cuda.mem_get_info(0)
     if free - step < leave:
         break
-    held.append(torch.empty(step, dtype=torch.uint8, device="cuda:0"))
+    # a third of what is left above the target each step (at least `step`): a few dozen steps
+    take = max(step, (free - leave) // 3)
+    held.append(torch.empty(take, dtype=torch.uint8, device="cuda:0"))
     print(free // 2**20, flush=True)
     time.sleep(every)
 time.sleep(hold)
