@@ -384,11 +384,7 @@ class Scheduler:
             ):
                 return None
             asked = seq.req.max_tokens - len(seq.resumed)
-            int8 = (
-                seq.int8_kv
-                if seq.int8_kv is not None
-                else self._gov.ladder.force_quantized_kv and self._kv.int8 is not None
-            )
+            int8 = seq.int8_kv if seq.int8_kv is not None else self._starts_in_int8(len(seq.feed) + asked)
             if self._waits_for_blocks(len(seq.feed), asked, int8) or (
                 seq.preempted and not self._resumable(seq, int8)
             ):
@@ -471,6 +467,16 @@ class Scheduler:
 
     def _charges(self) -> list[Charge]:
         return [Charge(s.total_tokens, s.kv_held, bool(s.int8_kv)) for s in self._running]
+
+    def _starts_in_int8(self, n_tokens: int) -> bool:
+        """The quantized-KV rung (WATCH) puts a new sequence in int8 blocks so that the KV memory it
+        adds costs fewer bytes. Free blocks the main pool already holds cost no new memory at all,
+        so a sequence they hold whole starts there: the int8 pool would otherwise have to grow just
+        when memory is short (measured on an H200: another process taking the die's free VRAM held
+        every new request for the whole squeeze, beside a main pool with blocks to spare)."""
+        if not self._gov.ladder.force_quantized_kv or self._kv.int8 is None:
+            return False
+        return not self._kv.holds(False, n_tokens, self._charges())
 
     def _waits_for_blocks(self, n_prompt: int, max_tokens: int, int8: bool) -> bool:
         """The head would be admitted whole once running requests give their blocks back, but not

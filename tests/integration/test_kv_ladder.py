@@ -151,3 +151,35 @@ async def test_watch_starts_new_sequences_in_int8_blocks(tmp_path: Path) -> None
         engine.shutdown()
     assert peak["int8"] > 0 and peak["main"] == 0  # every sequence started at WATCH is int8
     assert got == want
+
+
+async def test_watch_fills_free_main_blocks_before_growing_the_int8_pool(tmp_path: Path) -> None:
+    """At WATCH a new sequence that the main pool's free blocks hold whole starts there: no new
+    memory (the main pool does not grow, the int8 pool takes nothing), the tokens of the calm run.
+    The int8 pool is for growth; growing it under a squeeze stalled every new request."""
+    mem = MemoryConfig(root=str(tmp_path))
+    level_tree(tmp_path, Level.OK, config=mem)
+    watch = MemWatch(mem, StaticDeviceReader())
+    watch.poll_now()
+    engine = Engine.load(CFG, watch)
+    main, int8 = engine.runner.kv, engine.runner.kv_int8
+    assert main is not None and int8 is not None
+    sched = Scheduler(engine, SchedulerConfig(max_num_seqs=STREAMS), memwatch=watch)
+    peak = {"main": 0, "int8": 0}
+
+    async def on_progress(done: int) -> None:
+        peak["main"] = max(peak["main"], main.bytes_held)
+        peak["int8"] = max(peak["int8"], int8.figures().used_blocks)
+
+    await sched.start()
+    try:
+        calm = await run_all(sched)  # grows the main pool for 8 streams at OK
+        grown = main.bytes_held
+        level_tree(tmp_path, Level.WATCH, config=mem)
+        watch.poll_now()
+        got = await run_all(sched, on_progress)
+    finally:
+        await sched.stop()
+        engine.shutdown()
+    assert grown > 0 and got == calm
+    assert peak["int8"] == 0 and peak["main"] <= grown

@@ -151,13 +151,19 @@ def run_mode(
             ).status_code
             == 200
         )
-        cuda_oom = any("CUDA out of memory" in ln or "OutOfMemoryError" in ln for ln in lines)
+        oom = [ln for ln in lines if "CUDA out of memory" in ln or "OutOfMemoryError" in ln]
+        # A KV segment the allocator could not deliver is logged and refused like a ledger "no":
+        # handled. Any other OOM line, or an outcome other than done / 429 / 503, reached a client.
+        handled = [ln for ln in oom if "could not be allocated" in ln]
+        client_errors = {k: v for k, v in counts.items() if k not in ("completed", "429", "503")}
         return {
             "governed": governed,
             "outcomes": dict(counts),
             "server_alive": alive,
             "served_after": served,
-            "cuda_oom_in_log": cuda_oom,
+            "oom_handled_in_log": len(handled),
+            "oom_unhandled_in_log": len(oom) - len(handled),
+            "client_errors": client_errors,
             "max_level": max((x["level"] for x in timeline), default=-1),
             "timeline": timeline,
         }
