@@ -63,7 +63,7 @@ def time_us(fn: Callable[[], Any]) -> float:
 
 
 def bench_shape(name: str, n: int, k: int, m: int) -> list[dict[str, Any]]:
-    from ballast.models.fp8_triton import block_fp8_matmul
+    from ballast.models.fp8_triton import block_fp8_matmul, dequantize
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -105,6 +105,7 @@ def bench_shape(name: str, n: int, k: int, m: int) -> list[dict[str, Any]]:
 
     record("_scaled_mm w8a8", scaled, n * k)
     record("_scaled_mm w8a8 outer", scaled_outer, n * k)
+    record("dequantize + cuBLAS", lambda: F.linear(x, dequantize(w, scale, BLOCK, torch.bfloat16)), n * k)
     for variant, tiles in variants(m).items():
         record("triton " + variant, partial(block_fp8_matmul, x, w, scale, BLOCK, tiles), n * k)
     return rows
