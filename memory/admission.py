@@ -165,8 +165,13 @@ def admit_request(
             )
         # A die with no ceiling yet (model not loaded there) has no headroom: refusing is the safe
         # reading of "unknown", as a failed host total is never read as "huge".
+        # New memory is bounded by the ledger's ceiling (fixed at load) and by what the driver has
+        # free now above the die's reserve: another process may have taken the rest since the load,
+        # and a grant the allocator cannot deliver stalls the request instead of refusing it.
         room = pool or PoolRoom()
-        headroom = min(max(0, die.ceiling_bytes - die.ledger_bytes), room.addable_bytes) + room.spare_bytes
+        free_now = max(0, die.free_bytes - (die.total_bytes - die.budget_bytes))
+        new = min(max(0, die.ceiling_bytes - die.ledger_bytes), free_now, room.addable_bytes)
+        headroom = new + room.spare_bytes
         return _decide(
             n_tokens,
             max_window,

@@ -14,7 +14,17 @@ from ballast.memory.admission import (
     reason_class,
 )
 from ballast.memory.errors import UnknownDie
-from ballast.memory.types import CostModel, DieState, GiB, HostSample, MemState, MiB, Verdict, VerdictKind
+from ballast.memory.types import (
+    CostModel,
+    DieState,
+    GiB,
+    HostSample,
+    MemState,
+    MiB,
+    PoolRoom,
+    Verdict,
+    VerdictKind,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,11 +45,11 @@ def host_state(
     )
 
 
-def die(index: int = 0, ceiling: int = 8 * GiB, ledger: int = 0) -> DieState:
+def die(index: int = 0, ceiling: int = 8 * GiB, ledger: int = 0, free: int = 10 * GiB) -> DieState:
     return DieState(
         index=index,
         total_bytes=16 * GiB,
-        free_bytes=10 * GiB,
+        free_bytes=free,
         budget_bytes=15 * GiB,
         ledger_bytes=ledger,
         ceiling_bytes=ceiling,
@@ -64,6 +74,7 @@ def admit(
     gpu_die: int | None = None,
     quantized_kv: bool = False,
     min_window: int = 1,
+    pool: PoolRoom | None = None,
 ) -> Verdict:
     return admit_request(
         n_prompt,
@@ -75,6 +86,7 @@ def admit(
         quantized_kv=quantized_kv,
         psi_full_reject_pct=PSI_REJECT,
         min_window=min_window,
+        pool=pool,
     )
 
 
@@ -122,6 +134,19 @@ def test_gpu_path_caps_at_ledger_headroom() -> None:
     v = admit(120, 30, state, gpu_die=0)
     assert v.kind is VerdictKind.CAP and v.fit_tokens == 100 and reason_class(v) == "die_budget"
     assert admit(60, 40, state, gpu_die=0) == Verdict(VerdictKind.ADMIT, 100)
+
+
+def test_gpu_path_counts_only_what_the_driver_has_free_now() -> None:
+    """Another process took the die's VRAM after the load: the ledger's ceiling still has room,
+    but new memory is what the driver has free above the die's reserve (1 GiB here); blocks the
+    pool already holds still count."""
+    squeezed = host_state(available=8 * GiB, dies=(die(free=GiB + 105_000),))
+    v = admit(120, 30, squeezed, gpu_die=0)  # 105_000 bytes above the reserve: 100 tokens
+    assert v.kind is VerdictKind.CAP and v.fit_tokens == 100 and reason_class(v) == "die_budget"
+    gone = host_state(available=8 * GiB, dies=(die(free=GiB // 2),))
+    assert admit(10, 10, gone, gpu_die=0).kind is VerdictKind.REJECT
+    pool = PoolRoom(free_bytes=200_000, promised_bytes=0, addable_bytes=GiB)
+    assert admit(10, 10, gone, gpu_die=0, pool=pool).kind is VerdictKind.ADMIT
 
 
 def test_gpu_path_die_without_ceiling_rejects() -> None:
