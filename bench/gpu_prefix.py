@@ -44,7 +44,47 @@ from ballast.scheduler.request import GenerationRequest, TokenEvent
 from ballast.scheduler.scheduler import Scheduler
 
 RESULTS = Path(__file__).parent / "results" / "gpu_prefix.json"
-WORDS = ["memory", "server", "request", "token", "cache", "layer", "state", "block", "model", "prompt", "answer", "queue", "level", "limit", "stream", "batch", "device", "kernel", "graph", "chunk", "window", "budget", "pool", "buffer", "pressure", "ladder", "slot", "reply", "engine", "latency", "throughput", "figure", "measure", "table", "context", "weight", "expert", "router", "attention"]
+WORDS = [
+    "memory",
+    "server",
+    "request",
+    "token",
+    "cache",
+    "layer",
+    "state",
+    "block",
+    "model",
+    "prompt",
+    "answer",
+    "queue",
+    "level",
+    "limit",
+    "stream",
+    "batch",
+    "device",
+    "kernel",
+    "graph",
+    "chunk",
+    "window",
+    "budget",
+    "pool",
+    "buffer",
+    "pressure",
+    "ladder",
+    "slot",
+    "reply",
+    "engine",
+    "latency",
+    "throughput",
+    "figure",
+    "measure",
+    "table",
+    "context",
+    "weight",
+    "expert",
+    "router",
+    "attention",
+]
 
 
 def user_message(conversation: int, turn: int, tokens: int) -> str:
