@@ -56,9 +56,11 @@ def test_save_and_restore_return_before_the_device_is_done(engine: Engine) -> No
     # The next step writes slot 0 (a fresh sequence): it must wait for the copy on the device.
     cache.before_writes([0])
     engine.runner.reset([0])
+    engine.slot_kv.start([1], [False])  # as the engine does before a restore
     assert cache.restore(1, prompt) == len(prompt)  # restore into slot 1 returns without a sync too
     assert not entry.done.query()
     torch.cuda.synchronize()
     for got, want in zip(states(engine, 1), saved, strict=True):
         assert torch.equal(got, want)  # the checkpoint holds the state before slot 0 was reset
     assert all(not v.any() for v in states(engine, 0))
+    engine.step(StepPlan(release=(0, 1)))
