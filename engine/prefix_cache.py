@@ -244,7 +244,7 @@ class PrefixCache:
                 for layer_views, layer_layout in zip(views, layout, strict=True)
                 for src, (off, dtype, shape) in zip(layer_views, layer_layout, strict=True)
             ]
-            done = self._copies.copy_out(slot, pairs)
+            done = self._copies.copy_out(slot, pairs, buf, buf_bytes)
         blocks = self._kv.hold(slot, n) if self._kv is not None else ()
         nbytes = (buf.numel() if buf is not None else 0) + block_bytes
         with self._lock:

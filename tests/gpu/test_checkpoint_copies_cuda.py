@@ -13,6 +13,7 @@ from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import PrefillChunk, SamplingParams, StepPlan
 from ballast.engine.prefix_cache import PrefixCacheConfig
+from ballast.engine.state_copies import StateCopies
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import GiB
 
@@ -42,9 +43,12 @@ def states(eng: Engine, slot: int) -> list[torch.Tensor]:
     return [v.clone() for s in eng.runner.states for v in s.slot_views(slot)]
 
 
-def test_save_and_restore_return_before_the_device_is_done(engine: Engine) -> None:
+@pytest.mark.parametrize("staged", [True, False])
+def test_save_and_restore_return_before_the_device_is_done(engine: Engine, staged: bool) -> None:
     cache = engine.prefix_cache
     assert cache is not None
+    if not staged:  # no staging room: the side stream reads the slot itself
+        cache._copies = StateCopies(engine.device, staging_bytes=0)
     prompt = tuple(range(10, 50))
     engine.step(StepPlan(prefills=(PrefillChunk(0, prompt, 0, True),), sampling={0: GREEDY}))
     torch.cuda.synchronize()
@@ -53,6 +57,7 @@ def test_save_and_restore_return_before_the_device_is_done(engine: Engine) -> No
     assert cache.save(0, prompt)
     entry = next(iter(cache._entries.values()))
     assert entry.done is not None and not entry.done.query()  # returned; the copy is still queued
+    assert cache._copies.pending_slots() == (frozenset() if staged else frozenset({0}))
     # The next step writes slot 0 (a fresh sequence): it must wait for the copy on the device.
     cache.before_writes([0])
     engine.runner.reset([0])
