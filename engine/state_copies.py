@@ -62,6 +62,7 @@ class StateCopies:
             else:
                 for src, dst in pairs:
                     dst.copy_(src, non_blocking=True)
+                    src.record_stream(self._stream)  # freed states are not reused under the copy
             done = torch.cuda.Event()
             done.record(self._stream)
         if staging is not None:
