@@ -285,7 +285,9 @@ class Engine:
         )
         cache = PrefixCache(self.runner.states, self.runner.kv, budget, interval, self._pool, self.device)
         if cfg.enabled:
-            cache.prewarm(self.num_slots)  # every slot may save at once (each prompt's end)
+            # Every running sequence may save at its prompt's end and its answer's end before
+            # the cache is full and evictions hand buffers back: that many ready from load on.
+            cache.prewarm(2 * self.num_slots)
         return cache
 
     # --- EngineLike ------------------------------------------------------------------------

@@ -11,10 +11,10 @@ copies only a partly filled last block), and a copy of every recurrent layer's c
 state.
 
 Recurrent copies live in buffers from the memory layer's `CheckpointPool` (pinned on CUDA, so the
-copies run at full speed, and recycled, so a new checkpoint does not page-fault a fresh mmap; one
-buffer per slot is put there at load, so a burst of saves allocates nothing inside a step). On CUDA
-neither a save nor a restore waits on the host: the copies run on a side stream and are ordered
-against later users on the device (`state_copies`). The
+copies run at full speed, and recycled, so a new checkpoint does not page-fault a fresh mmap; the
+saves of a full batch of requests find their buffers there from load on, so a burst of saves
+allocates nothing inside a step). On CUDA neither a save nor a restore waits on the host: the
+copies run on a side stream and are ordered against later users on the device (`state_copies`). The
 cache is bounded by a live byte budget (a fraction of the effective, cgroup-aware host memory)
 that counts the buffers it holds and the KV blocks it keeps alive; it evicts least recently used
 entries to fit (and when the KV pool runs short of blocks), and is emptied by `shed()` when the
