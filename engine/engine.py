@@ -283,7 +283,12 @@ class Engine:
         interval = cfg.checkpoint_interval or auto_interval(
             cost.state_bytes_per_slot, cost.kv_bytes_per_token
         )
-        return PrefixCache(self.runner.states, self.runner.kv, budget, interval, self._pool, self.device)
+        cache = PrefixCache(self.runner.states, self.runner.kv, budget, interval, self._pool, self.device)
+        if cfg.enabled:
+            # Every running sequence may save at its prompt's end and its answer's end before
+            # the cache is full and evictions hand buffers back: that many ready from load on.
+            cache.prewarm(2 * self.num_slots)
+        return cache
 
     # --- EngineLike ------------------------------------------------------------------------
 
@@ -410,6 +415,7 @@ class Engine:
         if plan.max_slots is not None:
             self.active_slot_limit = max(1, min(self.num_slots, plan.max_slots))
         self.slot_kv.drop(touched)
+        self._cache.before_writes(touched)
         self.runner.reset(touched)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # an OOM left the allocator's cache fragmented
@@ -420,6 +426,7 @@ class Engine:
         self.slot_kv.begin_step()
         self._apply_shed(plan)
         self._apply_releases(plan)
+        self._cache.before_writes(_written_slots(plan))  # checkpoint copies still reading them
         reused, unrestored = self._apply_restores(plan)
         seqs, sampled = self._sequences(plan, unrestored)
         preempted = self.slot_kv.take_blocks(plan, seqs) | unrestored
@@ -624,6 +631,11 @@ class Engine:
 
     def _ledger_bytes(self) -> int:
         return sum(lease.nbytes for lease in self._leases if not lease.released)
+
+
+def _written_slots(plan: StepPlan) -> set[int]:
+    """Slots whose states the step writes: every sequence it runs, every slot it restores into."""
+    return {p.slot for p in plan.prefills} | {d.slot for d in plan.decodes} | {r.slot for r in plan.restores}
 
 
 def _prompt_logprobs(chunk: PrefillChunk, logits: torch.Tensor) -> PromptLogprobs:

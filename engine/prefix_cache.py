@@ -11,7 +11,10 @@ copies only a partly filled last block), and a copy of every recurrent layer's c
 state.
 
 Recurrent copies live in buffers from the memory layer's `CheckpointPool` (pinned on CUDA, so the
-copies run at full speed, and recycled, so a new checkpoint does not page-fault a fresh mmap). The
+copies run at full speed, and recycled, so a new checkpoint does not page-fault a fresh mmap; the
+saves of a full batch of requests find their buffers there from load on, so a burst of saves
+allocates nothing inside a step). On CUDA neither a save nor a restore waits on the host: the
+copies run on a side stream and are ordered against later users on the device (`state_copies`). The
 cache is bounded by a live byte budget (a fraction of the effective, cgroup-aware host memory)
 that counts the buffers it holds and the KV blocks it keeps alive; it evicts least recently used
 entries to fit (and when the KV pool runs short of blocks), and is emptied by `shed()` when the
@@ -32,11 +35,12 @@ import math
 import threading
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from ballast.engine.kv_pool import KVPool
+from ballast.engine.state_copies import StateCopies
 from ballast.memory.pool import CheckpointPool
 from ballast.models.state import LayerState
 from torch import Tensor
@@ -147,6 +151,7 @@ class _Entry:
     nbytes: int  # what the entry costs the budget: the buffer as handed out, plus its blocks
     # Per layer, per tensor: (offset, dtype, shape) of the segment holding it.
     layout: tuple[tuple[tuple[int, torch.dtype, torch.Size], ...], ...]
+    done: torch.cuda.Event | None = None  # the copies into buf have run (CUDA; None: done already)
 
 
 class PrefixCache:
@@ -177,6 +182,7 @@ class PrefixCache:
         self._cuda = self._device.type == "cuda"
         self._parked: dict[tuple[int, bytes], _Parked] = {}
         self._parked_lengths: Counter[int] = Counter()
+        self._copies = StateCopies(self._device)
 
     # --- any thread ------------------------------------------------------------------------
     def match(self, prompt: Sequence[int]) -> int:
@@ -227,19 +233,22 @@ class PrefixCache:
             with self._lock:
                 self._declined += 1
             return False
-        buf = None
+        buf, done = None, None
         if buf_bytes:
             buf = self._buffer(buf_bytes)
             if buf is None:
                 return False
-            for layer_views, layer_layout in zip(views, layout, strict=True):
-                for src, (off, dtype, shape) in zip(layer_views, layer_layout, strict=True):
-                    _segment(buf, off, dtype, shape).copy_(src, non_blocking=self._cuda)
-            self._sync()  # the buffer must hold the state before anyone can restore from it
+            # On CUDA the copies run on a side stream and the step goes on (see state_copies).
+            pairs = [
+                (src, _segment(buf, off, dtype, shape))
+                for layer_views, layer_layout in zip(views, layout, strict=True)
+                for src, (off, dtype, shape) in zip(layer_views, layer_layout, strict=True)
+            ]
+            done = self._copies.copy_out(slot, pairs, buf, buf_bytes)
         blocks = self._kv.hold(slot, n) if self._kv is not None else ()
         nbytes = (buf.numel() if buf is not None else 0) + block_bytes
         with self._lock:
-            self._entries[key] = _Entry(n, blocks, buf, nbytes, layout)
+            self._entries[key] = _Entry(n, blocks, buf, nbytes, layout, done)
             self._lengths[n] += 1
             self._held += nbytes
             self._saves += 1
@@ -332,12 +341,31 @@ class PrefixCache:
                     f"no free KV block to copy the last block of a {entry.n_tokens}-token prefix"
                 )
         if entry.buf is not None:
+            # No host sync: the step's stream reads the buffer after its save's copies are done,
+            # and whoever writes the buffer next is ordered after this read (see state_copies).
+            self._copies.after(entry.done)
             for state, layer_layout in zip(self._states, entry.layout, strict=True):
                 state.load(
                     slot, [_segment(entry.buf, off, dtype, shape) for off, dtype, shape in layer_layout]
                 )
-            self._sync()  # the buffer may go back to the pool (eviction) once the copies have run
         return entry.n_tokens
+
+    def before_writes(self, slots: Iterable[int]) -> None:
+        """The step is about to write these slots' states (forward, reset, restore): it waits, on
+        the device, for the checkpoint copies still reading them."""
+        self._copies.settle(slots)
+
+    def prewarm(self, count: int) -> int:
+        """Put up to `count` buffers of one checkpoint's size into the pool now (at load), so a
+        burst of saves finds them there instead of allocating, and on CUDA pinning, a fresh one
+        each inside a step; the pool keeps them through idle trims. Returns the buffers added."""
+        if self._pool is None or count < 1 or not self._states:
+            return 0
+        _, nbytes = _layout([s.slot_views(0) for s in self._states])
+        if nbytes == 0:
+            return 0
+        count = min(count, self._budget() // nbytes)
+        return self._pool.reserve(nbytes, count) if count > 0 else 0
 
     def shed(self) -> int:
         """Drop every entry, blocks and buffers back to their pools; returns the bytes released."""
@@ -461,6 +489,7 @@ class PrefixCache:
     def _give_back(self, e: _Entry) -> None:
         if self._kv is not None and e.blocks:
             self._kv.drop(e.blocks)
+        self._copies.after(e.done)  # the next owner of the buffer comes after its copies
         if self._pool is not None and e.buf is not None:
             self._pool.put(e.buf)  # a declined buffer is freed when its last reference goes
 

@@ -89,7 +89,7 @@ class MemoryConfig:
         ),
     )
     pool_max_buffers: int = field(
-        default=16, metadata=setting("BALLAST_POOL_MAX_BUFFERS", "checkpoint pool count cap", 0, 4096)
+        default=64, metadata=setting("BALLAST_POOL_MAX_BUFFERS", "checkpoint pool count cap", 0, 4096)
     )
     pool_min_buffer_bytes: int = field(
         default=MiB,

@@ -20,6 +20,9 @@ Policy, where every cap degrades to "no pool" (today's behaviour), never to some
   owns that is large enough is a hit (the cheapest kind), not a miss.
 - trim(max_idle_s) on idle, and trim(0) then exactly one retry when an allocation fails, so pooled
   bytes are always reclaimable under allocation pressure. The high-water marks survive trim.
+- reserve(nbytes, count) fills the pool ahead of need (at load: a fresh pinned buffer costs far more
+  than the copy into it, and a burst of checkpoints would pay that inside steps) and keeps that many
+  warm: an idle trim leaves them, trim(0) (pressure, a failed allocation) and the byte cap do not.
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ class CheckpointPool:
         self._hw_bytes = self._hw_buffers = 0
         self._cap = 0
         self._pinned_ever = False
+        self._warm = (0, 0)  # (bytes, count): buffers at least this large an idle trim leaves
 
     @property
     def pinned(self) -> bool:
@@ -208,9 +212,33 @@ class CheckpointPool:
             self._hw_buffers = max(self._hw_buffers, len(self._entries))
         return True
 
+    def reserve(self, nbytes: int, count: int) -> int:
+        """Allocate buffers of nbytes into the pool until it holds `count` of at least that size
+        (as far as its caps allow), and keep that many warm through idle trims. Returns the
+        buffers added. An allocation failure ends the filling early; it is not an error."""
+        if nbytes < 1 or count < 0:
+            raise ValueError(f"reserve needs nbytes >= 1 and count >= 0, got {nbytes}, {count}")
+        with self._lock:
+            self._warm = (nbytes, count)
+        added = 0
+        while self._held_of_size(nbytes) < count:
+            try:
+                buf = self._allocate_once(nbytes)
+            except (RuntimeError, MemoryError) as e:
+                log.warning("reserving checkpoint buffers stopped after %d: %s", added, e)
+                break
+            if not self.put(buf):
+                break
+            added += 1
+        return added
+
+    def _held_of_size(self, nbytes: int) -> int:
+        with self._lock:
+            return sum(1 for e in self._entries if e.size >= nbytes)
+
     def trim(self, max_idle_s: float) -> int:
-        """Release buffers pooled at least max_idle_s ago (trim(0): all of them), then the oldest
-        until the pool fits the live byte cap. Returns the bytes released."""
+        """Release buffers pooled at least max_idle_s ago (trim(0): all of them) except the warm
+        reserve, then the oldest until the pool fits the live byte cap. Returns the bytes released."""
         if max_idle_s < 0:
             raise ValueError(f"max_idle_s must be >= 0, got {max_idle_s}")
         cap = self.cap_bytes()
@@ -219,6 +247,16 @@ class CheckpointPool:
             self._cap = cap
             keep = [e for e in self._entries if now - e.since < max_idle_s]
             dropped = [e for e in self._entries if now - e.since >= max_idle_s]
+            if max_idle_s > 0:  # the warm reserve outlives idleness, never trim(0)
+                warm_bytes, warm_count = self._warm
+                room = warm_count - sum(1 for e in keep if e.size >= warm_bytes)
+                for e in sorted(dropped, key=lambda e: -e.since):
+                    if room <= 0:
+                        break
+                    if e.size >= warm_bytes:
+                        dropped.remove(e)
+                        keep.append(e)
+                        room -= 1
             keep.sort(key=lambda e: e.since)
             while keep and sum(e.size for e in keep) > cap:
                 dropped.append(keep.pop(0))

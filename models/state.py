@@ -204,8 +204,10 @@ class RecurrentState(LayerState):
     def load(self, slot: int, saved: Sequence[Tensor]) -> None:
         if len(saved) != 2:
             raise ValueError(f"expected (conv, recurrent), got {len(saved)} tensors")
-        self.conv[slot].copy_(saved[0])
-        self.recurrent[slot].copy_(saved[1])
+        # Asynchronous from pinned host memory on CUDA: the caller orders the buffer's later
+        # users after this copy on the device (no host sync in a step).
+        self.conv[slot].copy_(saved[0], non_blocking=True)
+        self.recurrent[slot].copy_(saved[1], non_blocking=True)
 
 
 def build_states(

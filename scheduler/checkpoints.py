@@ -1,9 +1,15 @@
 """The scheduler's side of prefix reuse: which checkpoints the next plan saves and restores.
 
-A recurrent state exists only where a prefill chunk ends and cannot be cut back, so chunks end at
-multiples of the engine's checkpoint interval (and at each prompt's end), where a save is
-ordered; a finished request saves prompt + output[:-1] (the last token was sampled, never fed),
-which is what the next turn of a chat starts with. While the ladder sheds the prefix cache
+A recurrent state exists only where a prefill chunk ends and cannot be cut back, and each save
+copies a whole state, so saves go only where a later request can start:
+- a finished request saves prompt + output[:-1] (the last token was sampled, never fed): what the
+  next turn of a chat starts with;
+- each prompt's end: a regenerated answer starts there, and so does the next turn when the
+  client's re-rendered answer does not tokenize back to the same ids;
+- multiples of the engine's checkpoint interval, where chunks of a cold prompt end (a long system
+  prompt or document that other conversations share). A prompt that continues a restored
+  checkpoint (a chat's next turn) is this conversation's own, whose next turn starts at its end or
+  its answer's: it is neither split nor saved inside. While the ladder sheds the prefix cache
 (WATCH and above) nothing is saved or restored, and the engine is told to shed once.
 """
 
@@ -44,13 +50,17 @@ class CheckpointOrders:
         (it is running work, not cache)."""
         self._resumes.append(CheckpointRestore(slot, prefix))
 
-    def end_chunk_at_checkpoint(self, slot: int, prompt: tuple[int, ...], start: int, end: int) -> int:
-        """Where a chunk [start, end) of prompt may end: at the next checkpoint at the latest,
-        ordering a save there (or at the prompt's end)."""
+    def end_chunk_at_checkpoint(
+        self, slot: int, prompt: tuple[int, ...], start: int, end: int, restored: int = 0
+    ) -> int:
+        """Where a chunk [start, end) of prompt may end: at the prompt's end, and for a cold prompt
+        (`restored`: the tokens its first chunk restored, 0 if none) at the next interval multiple
+        at the latest; a save is ordered there."""
         if not self.active:
             return end
-        end = min(end, (start // self.interval + 1) * self.interval)
-        if end % self.interval == 0 or end == len(prompt):
+        if not restored:
+            end = min(end, (start // self.interval + 1) * self.interval)
+        if end == len(prompt) or (not restored and end % self.interval == 0):
             self._saves.append(CheckpointSave(slot, prompt[:end]))
         return end
 

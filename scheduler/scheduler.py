@@ -434,7 +434,7 @@ class Scheduler:
                 seq.cached = n
         end = min(len(prompt), seq.prefilled + budget)
         if cached:
-            end = self._checkpoints.end_chunk_at_checkpoint(seq.slot, prompt, seq.prefilled, end)
+            end = self._checkpoints.end_chunk_at_checkpoint(seq.slot, prompt, seq.prefilled, end, seq.cached)
         targets = seq.req.prompt_ids[seq.prefilled + 1 : end + 1] if scoring else ()
         out.append(
             PrefillChunk(

@@ -87,9 +87,20 @@ async def test_fake_engine_turns_restore_and_chunks_end_at_checkpoints() -> None
     assert len(restores) == 2 and s.reused_tokens == eng.reused_tokens == sum(len(r.prefix) for r in restores)
     assert len(restores[0].prefix) == len(USER[0]) + 10 - 1
     assert eng.prefilled_tokens + eng.reused_tokens == prompt_tokens
-    for p in plans:
-        for c in p.prefills:  # no chunk crosses a checkpoint position
+    first_restore = next(i for i, p in enumerate(plans) if p.restores)
+    for p in plans[:first_restore]:
+        for c in p.prefills:  # the cold first prompt: no chunk crosses a checkpoint position
             assert (c.start_pos + len(c.token_ids) - 1) // INTERVAL == c.start_pos // INTERVAL
+    # Saves only where a later request can start: interval multiples of the cold prompt, each
+    # prompt's end and each answer's end; the turns that continue a restored checkpoint save
+    # nothing inside their new part.
+    ends, prompt = [], ()
+    for user, answer in zip(USER, answers, strict=True):
+        prompt = prompt + tuple(user)
+        ends += [len(prompt), len(prompt) + len(answer) - 1]
+        prompt = prompt + tuple(answer)
+    cold = range(INTERVAL, len(USER[0]), INTERVAL)
+    assert sorted(len(sv.prefix) for p in plans for sv in p.saves) == sorted([*cold, *ends])
 
 
 async def test_no_checkpoint_orders_when_the_engine_has_no_cache() -> None:

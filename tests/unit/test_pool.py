@@ -277,3 +277,21 @@ def test_caps_hold_and_no_buffer_has_two_owners_under_threads() -> None:
     s = pool.stats()
     assert s.high_water_bytes <= MiB and s.high_water_buffers <= max_buffers
     assert s.hits + s.misses > 0
+
+
+def test_reserve_fills_ahead_within_the_caps_and_idle_trims_keep_it_warm() -> None:
+    clock = Clock()
+    pool = make_pool(total=100 * MiB, fraction=0.1, max_buffers=3, clock=clock)  # cap 10 MiB
+    pool.put(buf(64 * KiB))  # a small buffer the third reserved one displaces (count cap)
+    assert pool.reserve(3 * MiB, 5) == 3  # the caps stop it at three (9 MiB)
+    assert sizes_held(pool) == [3 * MiB] * 3
+    before = pool.stats()
+    got = pool.get(3 * MiB)
+    s = pool.stats()
+    assert (s.hits - before.hits, s.misses - before.misses) == (1, 0)  # a save finds its buffer there
+    pool.put(buf(MiB))  # an ordinary buffer, not part of the reserve
+    clock.now += 100
+    assert pool.trim(30.0) == MiB  # idle: the ordinary one goes, the two reserved stay
+    assert sizes_held(pool) == [3 * MiB] * 2
+    assert pool.put(got) and pool.trim(0) == 9 * MiB  # pressure takes the reserve too
+    assert pool.reserve(3 * MiB, 2) == 2 and pool.reserve(3 * MiB, 2) == 0  # refills only what lacks

@@ -418,3 +418,40 @@ def test_a_failed_step_that_restored_a_checkpoint_leaves_the_cache_whole() -> No
         assert run_request(eng, 1, follow, 4) == calm
     finally:
         eng.shutdown()
+
+
+def test_checkpoint_buffers_are_in_the_pool_before_the_first_save() -> None:
+    # Floor 0: the tiny model's checkpoints (KiB) are below the default 1 MiB pooling floor.
+    pool = CheckpointPool(lambda: 64 * MiB * 1024, 0.25, 8, 0, pin=False)
+    cfg = EngineConfig(
+        model="builtin:tiny-qwen3-next",
+        device="cpu",
+        max_num_seqs=2,
+        max_model_len=MAX_LEN,
+        prefill_chunk_tokens=64,
+    )
+    eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=INTERVAL), pool=pool)
+    try:
+        cache = eng.prefix_cache
+        assert cache is not None
+        need = sum(v.numel() * v.element_size() for s in eng.runner.states for v in s.slot_views(0))
+        s = pool.stats()
+        assert need > 0 and (s.buffers, s.misses) == (4, 0)  # two per slot, warmed at load
+        assert s.bytes_held >= 4 * need
+        prompt = ids(7, 20)
+        eng.step(
+            StepPlan(
+                prefills=(PrefillChunk(0, prompt, 0, True), PrefillChunk(1, prompt[:16], 0, False)),
+                sampling={0: GREEDY, 1: GREEDY},
+                saves=(CheckpointSave(0, prompt), CheckpointSave(1, prompt[:16])),
+            )
+        )
+        s = pool.stats()
+        assert (s.hits, s.misses, cache.stats().saves) == (2, 0, 2)  # both saves of the step hit
+    finally:
+        eng.shutdown()
+    # A cache that is off warms nothing.
+    off_pool = CheckpointPool(lambda: 64 * MiB * 1024, 0.25, 8, 0, pin=False)
+    off = Engine.load(cfg, prefix_cache=PrefixCacheConfig(fraction=0.0), pool=off_pool)
+    off.shutdown()
+    assert off_pool.stats().high_water_buffers == 0

@@ -1,0 +1,219 @@
+"""HTTP streaming chat against `ballast serve` and `transformers serve --continuous-batching` on the
+same random-weight Hugging Face directory: throughput, TTFT and ITL p50/p99 per stream count.
+
+    python -m ballast.bench.gpu_serve [--model DIR | --shape llama-3b] [--quick]
+    python -m ballast.bench.gpu_serve --shape tiny-llama --device cpu --streams 1 4 --prompt-tokens 200 \\
+        --new-tokens 16 --reference none                         # a check of the plumbing on the CPU
+
+Each stream is one streaming chat completion through the official `openai` client: a user
+message of ~--prompt-tokens tokens (different words per request, so no two prompts share more than
+the chat template's system prompt) and --new-tokens new tokens, greedy. At each stream count N the
+bench keeps N requests in flight until --requests-per-stream x N have run (at least --min-requests)
+after one warm-up request. Throughput is completion tokens over the wall time of that load; TTFT
+is from sending the request to the first content chunk; ITL is the gap between content chunks.
+Defaults: 1/8/32/128/256 streams, ~1,000-token prompts, 256 new tokens, the Llama-3B shape
+written by bench/checkpoint_dir. `--quick`: 1/32/128 streams, one request per stream (two at 1),
+and the reference at most at 128. Both servers are started here on free ports and stopped after;
+`transformers` must be on PATH next to this Python. Table on stdout, JSON to
+bench/results/gpu_serve.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from ballast.bench.gpu_prefix import WORDS, ensure_dir
+from ballast.bench.http_load import Outcome, free_port, pct, server
+from openai import AsyncOpenAI
+
+RESULTS = Path(__file__).parent / "results" / "gpu_serve.json"
+
+
+def prompt_text(i: int, tokens: int) -> str:
+    rng = random.Random(i)
+    words = " ".join(rng.choice(WORDS) for _ in range(max(1, int(tokens * 0.9))))
+    return f"Request {i}. Summarise these notes in one long paragraph: {words}"
+
+
+async def one_stream(client: AsyncOpenAI, model: str, text: str, new_tokens: int) -> Outcome:
+    out = Outcome()
+    start = last = time.perf_counter()
+    try:
+        stream = await client.chat.completions.create(
+            model=model,
+            stream=True,
+            max_tokens=new_tokens,
+            temperature=0.0,
+            stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": text}],
+        )
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].delta.content:
+                if out.ttft_s == 0.0:
+                    out.ttft_s = now - start
+                else:
+                    out.itl_s.append(now - last)
+                last = now
+            if chunk.usage is not None:
+                out.tokens = chunk.usage.completion_tokens
+    except Exception as exc:  # a dropped stream is a result here, not a crash of the bench
+        out.error = f"{type(exc).__name__}: {exc}"[:200]
+    return out
+
+
+async def load(
+    base: str, model: str, streams: int, requests: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    client = AsyncOpenAI(base_url=base + "/v1", api_key="bench", timeout=1800, max_retries=0)
+    gate = asyncio.Semaphore(streams)
+    offset = random.Random(streams).randrange(1 << 20)  # fresh prompts at every level
+
+    async def gated(i: int) -> Outcome:
+        async with gate:
+            return await one_stream(
+                client, model, prompt_text(offset + i, args.prompt_tokens), args.new_tokens
+            )
+
+    await one_stream(client, model, prompt_text(-1, args.prompt_tokens), 4)  # warm-up
+    start = time.perf_counter()
+    outs = await asyncio.gather(*(gated(i) for i in range(requests)))
+    wall = time.perf_counter() - start
+    await client.close()
+    ok = [o for o in outs if not o.error]
+    itl = [x for o in ok for x in o.itl_s]
+    tokens = sum(o.tokens for o in ok)
+    return {
+        "streams": streams,
+        "requests": requests,
+        "completed": len(ok),
+        "dropped": len(outs) - len(ok),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tok_s": tokens / wall,
+        "ttft_p50_s": pct([o.ttft_s for o in ok], 50),
+        "ttft_p99_s": pct([o.ttft_s for o in ok], 99),
+        "itl_p50_ms": 1e3 * pct(itl, 50),
+        "itl_p99_ms": 1e3 * pct(itl, 99),
+        "errors": sorted({o.error for o in outs if o.error})[:3],
+    }
+
+
+def run_levels(base: str, model: str, levels: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for n in levels:
+        requests = max(args.min_requests, args.requests_per_stream * n)
+        row = asyncio.run(load(base, model, n, requests, args))
+        print(
+            f"  {n:>3} streams: {row['tok_s']:8.1f} tok/s  TTFT p50/p99 {row['ttft_p50_s']:.3f}/"
+            f"{row['ttft_p99_s']:.3f} s  ITL p50/p99 {row['itl_p50_ms']:.1f}/{row['itl_p99_ms']:.1f} ms  "
+            f"dropped {row['dropped']} {row['errors']}",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
+def run_ballast(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "ballast.server.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+    ]
+    cmd += ["--max-num-seqs", str(max(args.streams)), "--max-queue", "4096", "--log-level", "warning"]
+    cmd += ["--device", args.device, *args.ballast_args.split()]
+    with server(cmd, {}, "/ready", port, timeout_s=900) as base:
+        served = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        print(f"ballast serve ({' '.join(cmd[4:])})", flush=True)
+        return run_levels(base, served, args.streams, args)
+
+
+def run_transformers(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    port = free_port()
+    exe = str(Path(sys.executable).parent / "transformers")
+    cmd = [exe, "serve", "--continuous-batching", "--port", str(port), *args.reference_args.split()]
+    cmd.append(str(model_dir))
+    levels = [n for n in args.streams if n <= args.reference_max_streams]
+    with server(cmd, {"HF_HUB_OFFLINE": "1"}, "/health", port, timeout_s=900) as base:
+        print(f"transformers serve ({' '.join(cmd[1:])})", flush=True)
+        return run_levels(base, str(model_dir), levels, args)
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [
+        f"\n{result['model']}: ~{result['prompt_tokens']}-token prompts, {result['new_tokens']} new tokens",
+        "| server | streams | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | completed | dropped |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in ("ballast", "transformers"):
+        for r in result.get(name, []):
+            lines.append(
+                f"| {name} | {r['streams']} | {r['tok_s']:.1f} | {1e3 * r['ttft_p50_s']:.0f} / "
+                f"{1e3 * r['ttft_p99_s']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | "
+                f"{r['completed']} | {r['dropped']} |"
+            )
+    ours = {r["streams"]: r["tok_s"] for r in result.get("ballast", [])}
+    for r in result.get("transformers", []):
+        if r["streams"] in ours and r["tok_s"] > 0:
+            lines.append(
+                f"{r['streams']} streams: ballast {ours[r['streams']] / r['tok_s']:.2f}x transformers serve"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--model", type=Path, help="a Hugging Face directory (default: write --shape's)")
+    ap.add_argument("--shape", default="llama-3b", help="bench/checkpoint_dir shape to write")
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/ballast-bench-models"))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--streams", type=int, nargs="+", default=None, help="default 1 8 32 128 256")
+    ap.add_argument("--prompt-tokens", type=int, default=1000)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--requests-per-stream", type=int, default=None, help="default 2 (--quick 1)")
+    ap.add_argument("--min-requests", type=int, default=None, help="default 4 (--quick 2)")
+    ap.add_argument("--reference", choices=["transformers", "none"], default="transformers")
+    ap.add_argument("--reference-max-streams", type=int, default=None, help="default all (--quick 128)")
+    ap.add_argument("--ballast-args", default="", help="more `ballast serve` flags, one string")
+    ap.add_argument("--reference-args", default="", help="more `transformers serve` flags, one string")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    args.streams = args.streams or ([1, 32, 128] if args.quick else [1, 8, 32, 128, 256])
+    args.requests_per_stream = args.requests_per_stream or (1 if args.quick else 2)
+    args.min_requests = args.min_requests or (2 if args.quick else 4)
+    args.reference_max_streams = args.reference_max_streams or (128 if args.quick else max(args.streams))
+    model_dir = args.model or ensure_dir(args.shape, args.work_dir, args.device)
+    result: dict[str, Any] = {
+        "bench": "gpu_serve",
+        "model": str(args.model) if args.model else args.shape,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "ballast": run_ballast(model_dir, args),
+    }
+    if args.reference == "transformers":
+        result["transformers"] = run_transformers(model_dir, args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

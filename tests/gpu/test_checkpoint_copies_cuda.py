@@ -1,0 +1,71 @@
+"""On CUDA a checkpoint save and restore never wait on the host: the save's copies run on a side
+stream behind the forward that produced the state, a later write to the slot waits for them on
+the device, and a restore reads the buffer after them. A long kernel queued first keeps the device
+busy, so a call that returns while that kernel still runs did not synchronise. Skips without CUDA."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
+from ballast.engine.plan import PrefillChunk, SamplingParams, StepPlan
+from ballast.engine.prefix_cache import PrefixCacheConfig
+from ballast.engine.state_copies import StateCopies
+from ballast.memory.pool import CheckpointPool
+from ballast.memory.types import GiB
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+GREEDY = SamplingParams(temperature=0.0)
+BUSY_CYCLES = 2_000_000_000  # ~1 s of one SM spinning: far longer than any copy here
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    cfg = EngineConfig(
+        model="builtin:tiny-qwen3-next",
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=2,
+        max_model_len=256,
+        prefill_chunk_tokens=64,
+    )
+    pool = CheckpointPool(lambda: 64 * GiB, 0.25, 64, 0)
+    eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=512), pool=pool)
+    yield eng
+    eng.shutdown()
+
+
+def states(eng: Engine, slot: int) -> list[torch.Tensor]:
+    return [v.clone() for s in eng.runner.states for v in s.slot_views(slot)]
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_save_and_restore_return_before_the_device_is_done(engine: Engine, staged: bool) -> None:
+    cache = engine.prefix_cache
+    assert cache is not None
+    if not staged:  # no staging room: the side stream reads the slot itself
+        cache._copies = StateCopies(engine.device, staging_bytes=0)
+    prompt = tuple(range(10, 50))
+    engine.step(StepPlan(prefills=(PrefillChunk(0, prompt, 0, True),), sampling={0: GREEDY}))
+    torch.cuda.synchronize()
+    saved = states(engine, 0)
+    torch.cuda._sleep(BUSY_CYCLES)  # the step's stream is busy for about a second
+    assert cache.save(0, prompt)
+    entry = next(iter(cache._entries.values()))
+    assert entry.done is not None and not entry.done.query()  # returned; the copy is still queued
+    assert cache._copies.pending_slots() == (frozenset() if staged else frozenset({0}))
+    # The next step writes slot 0 (a fresh sequence): it must wait for the copy on the device.
+    cache.before_writes([0])
+    engine.runner.reset([0])
+    engine.slot_kv.start([1], [False])  # as the engine does before a restore
+    assert cache.restore(1, prompt) == len(prompt)  # restore into slot 1 returns without a sync too
+    assert not entry.done.query()
+    torch.cuda.synchronize()
+    for got, want in zip(states(engine, 1), saved, strict=True):
+        assert torch.equal(got, want)  # the checkpoint holds the state before slot 0 was reset
+    assert all(not v.any() for v in states(engine, 0))
+    engine.step(StepPlan(release=(0, 1)))
