@@ -76,6 +76,9 @@ class Sampler:
         self._counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
         self._seen = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
         self._draws = torch.zeros(num_slots, dtype=torch.int64, device=device)  # tokens drawn per slot
+        # Each slot's latest token, on the device: a step planned before it reached the host feeds it.
+        self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self._drawn: set[int] = set()  # slots that drew a token since their reset
         self._lanes = torch.arange(vocab_size, dtype=torch.int64, device=device) * _signed(_GOLDEN)
         self._unseeded = random.Random(seed)
         self._uncollected_grammar = False
@@ -83,15 +86,14 @@ class Sampler:
 
     @property
     def state_bytes(self) -> int:
-        return (
-            self._counts.numel() * 4 + self._seen.numel() + self._draws.numel() * 8 + self._lanes.numel() * 8
-        )
+        per_slot = self._draws.numel() * 8 + self.last_tokens.numel() * 8
+        return self._counts.numel() * 4 + self._seen.numel() + per_slot + self._lanes.numel() * 8
 
     @staticmethod
     def planned_bytes(num_slots: int, vocab_size: int) -> int:
         """What `state_bytes` will be: int32 counts and bool marks per slot and token, an int64
-        draw counter per slot and the int64 hash lanes per token."""
-        return num_slots * vocab_size * (4 + 1) + num_slots * 8 + vocab_size * 8
+        draw counter and last token per slot, and the int64 hash lanes per token."""
+        return num_slots * vocab_size * (4 + 1) + num_slots * 16 + vocab_size * 8
 
     def reset(self, slots: Sequence[int]) -> None:
         """A new sequence starts in these slots: forget their history and restart their seeds."""
@@ -101,7 +103,12 @@ class Sampler:
         self._counts.index_fill_(0, index, 0)
         self._seen.index_fill_(0, index, False)
         self._draws.index_fill_(0, index, 0)
+        self._drawn.difference_update(slots)
         self.matchers.reset(slots)
+
+    def has_drawn(self, slot: int) -> bool:
+        """The slot's sequence has drawn a token: `last_tokens` holds it."""
+        return slot in self._drawn
 
     def observe_prompt(self, slot: int, token_ids: Sequence[int]) -> None:
         """Prompt tokens count for the repetition penalty (not for frequency/presence)."""
@@ -146,6 +153,7 @@ class Sampler:
             )
         tokens = self._choose(processed, slot_index, params)
         self._record(slot_index, tokens)
+        self._drawn.update(slots)
         self._uncollected_grammar = bool(constrained)
         packed = tokens if raw_logprobs is None else _packed(tokens, raw_logprobs, top_n)
         host, ready = _to_host(packed)
@@ -233,6 +241,14 @@ class Sampler:
         self._counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=self._counts.dtype))
         self._seen.view(-1).index_fill_(0, flat, True)
         self._draws.index_add_(0, slot_index, torch.ones_like(slot_index))
+        self.last_tokens.index_copy_(0, slot_index, tokens)
+
+    def feed_last_tokens(self, token_ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Replace, in place, each LAST_SAMPLED (negative) entry of `token_ids` by the last token
+        its slot drew; `slots` gives each entry's slot (a slot past the table, such as the graphs'
+        scratch slot, only ever feeds real tokens)."""
+        drawn = self.last_tokens[slots.clamp(max=self.num_slots - 1)]
+        token_ids.copy_(torch.where(token_ids < 0, drawn, token_ids))
 
 
 def filter_logits(
