@@ -36,7 +36,6 @@ from ballast.engine.plan import (
     StepResult,
 )
 from ballast.engine.prefix_cache import CheckpointMissing, PrefixCache, PrefixCacheConfig, auto_interval
-from ballast.engine.sampler import Draw
 from ballast.engine.runner import (
     ModelRunner,
     Profile,
@@ -44,6 +43,7 @@ from ballast.engine.runner import (
     planned_state_bytes,
     profile_prefill,
 )
+from ballast.engine.sampler import Draw
 from ballast.engine.sampling_defaults import sampling_defaults as defaults_for
 from ballast.engine.slot_kv import SlotKV
 from ballast.engine.staging import to_device
@@ -120,6 +120,9 @@ class Engine:
         # Slots whose sequence the last launched step preempted or dropped: a next plan built
         # before that step's result came back may still decode them from LAST_SAMPLED; skipped.
         self._gone: frozenset[int] = frozenset()
+        # slot -> (position, token) of the last finished step's draws: a plan launched after that
+        # finish names them LAST_SAMPLED, and the slot's fed record takes the token at once.
+        self._settled: dict[int, tuple[int, int]] = {}
         # Loading touches tensors, so it too runs on the engine thread.
         try:
             parts = self._executor.submit(self._load, force_quantized_kv).result()
@@ -450,6 +453,10 @@ class Engine:
             keep = [i for i, (slot, _, _) in enumerate(seqs) if slot not in preempted]
             seqs, sampled = [seqs[i] for i in keep], [sampled[i] for i in keep]
         self._gone = preempted | gone
+        for d in plan.decodes:
+            if d.token_id == LAST_SAMPLED and self._settled.get(d.slot, (-1, 0))[0] == d.pos:
+                self.slot_kv.fed_at(d.slot, d.pos, self._settled[d.slot][1])
+        self._settled = {}
         asks = {p.slot: p for p in plan.prefills if p.logprob_targets and p.slot not in preempted}
         started = time.perf_counter()
         draw, rows, prompt_logprobs = self._forward(seqs, sampled, plan.sampling, asks)
@@ -479,8 +486,10 @@ class Engine:
             return launched.result
         tokens = self.runner.sampler.collect(launched.draw)
         outputs = []
+        self._settled = {}
         for (slot, pos, at_capacity), tok in zip(launched.rows, tokens, strict=True):
             self.slot_kv.fed_at(slot, pos, tok.token_id)  # a next step that fed it as LAST_SAMPLED
+            self._settled[slot] = (pos, tok.token_id)  # or one launched later
             outputs.append(SlotOutput(slot, tok.token_id, tok.logprob, tok.top_logprobs, at_capacity))
         return replace(
             launched.result, outputs=tuple(outputs), forward_s=time.perf_counter() - launched.started
@@ -659,7 +668,9 @@ class Engine:
             logits = logits.index_select(0, to_device(rows, torch.long, logits.device))
         draw = self.runner.sampler.draw(logits, slots, [sampling[s] for s in slots])
         ends = [seqs[i][2] + len(seqs[i][1]) for i in rows]
-        return draw, tuple((slot, end, end >= self.max_model_len) for slot, end in zip(slots, ends, strict=True))
+        return draw, tuple(
+            (slot, end, end >= self.max_model_len) for slot, end in zip(slots, ends, strict=True)
+        )
 
     def _ledger_bytes(self) -> int:
         return sum(lease.nbytes for lease in self._leases if not lease.released)
