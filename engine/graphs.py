@@ -15,6 +15,13 @@ sequence reads. Inputs enter through one static [3, batch] buffer (token, positi
 with one host-to-device copy per step; logits come out in one static [batch, vocab] buffer that
 every graph writes, valid until the next replay.
 
+Batch buckets run up to the engine's slot count (`--max-num-seqs`) whatever it is: 1, 2, 4, ...
+and the count itself, so a server of 128 or 100 slots replays a graph at every batch it can run.
+Steps that carry a prefill chunk run eagerly: their shape changes with every chunk (tokens per
+sequence, the prefill attention path), so a padded graph would need buckets over decodes, chunk
+tokens and context, and such a step is bound by its matrix products rather than by kernel
+launches, which is all a graph removes.
+
 Capture runs on the engine thread at load, after the slot states exist. The memory the graphs
 keep (their shared private pool) is measured and handed to the caller to lease from the VRAM
 ledger. A capture that fails (an op that waits on the host, such as the MoE fallback used where

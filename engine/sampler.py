@@ -267,7 +267,7 @@ def filter_logits(
     dtype, device = logits.dtype, logits.device
     logits = logits / column(temperature, dtype, device).clamp_min(1e-5)
     vocab = logits.shape[-1]
-    neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=device)
+    neg_inf = logits.new_full((), float("-inf"))  # a fill, not a host-to-device copy
     ks = [k if 0 < k < vocab else vocab for k in top_k]
     if any(k < vocab for k in ks):
         kth = logits.topk(max(ks), dim=-1).values.gather(
