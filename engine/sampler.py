@@ -154,7 +154,7 @@ class Sampler:
         tokens = self._choose(processed, slot_index, params)
         self._record(slot_index, tokens)
         self._drawn.update(slots)
-        self._uncollected_grammar = bool(constrained)
+        self._uncollected_grammar = self._uncollected_grammar or bool(constrained)
         packed = tokens if raw_logprobs is None else _packed(tokens, raw_logprobs, top_n)
         host, ready = _to_host(packed)
         return Draw(tuple(slots), tuple(params), tokens, host, ready, top_n)
