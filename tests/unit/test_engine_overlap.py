@@ -11,6 +11,7 @@ import pytest
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
+from ballast.engine.grammar import GrammarCompiler
 from ballast.engine.plan import (
     LAST_SAMPLED,
     DecodeToken,
@@ -24,6 +25,12 @@ from ballast.engine.plan import (
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=77)
 STEPS = 8
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer"}},
+    "required": ["color", "n"],
+    "additionalProperties": False,
+}
 
 
 def prompt(seed: int, n: int) -> tuple[int, ...]:
@@ -123,3 +130,35 @@ def test_last_sampled_needs_a_token_drawn_in_the_slot(engine: Engine) -> None:
             timeout=60
         )
     assert engine.healthy
+
+
+def test_grammar_rows_wait_for_the_previous_token_and_follow_the_grammar(engine: Engine) -> None:
+    """A constrained decode planned ahead still has its matcher consume the previous token before
+    its mask is built (the engine finishes the step in flight first): the tokens equal those of
+    steps run one at a time, and the text stays inside the grammar."""
+    tok = engine.tokenizer
+    compiler = GrammarCompiler(tok.hf, engine.vocab_size, tok.eos_token_ids)
+    ids = PROMPTS[0]
+    json_only = SamplingParams(
+        temperature=0.0, constraint=compiler.constraint(compiler.json_schema(SCHEMA), len(ids))
+    )
+    sampling = {0: json_only}
+    start = StepPlan(prefills=(PrefillChunk(0, ids, 0, True),), sampling=sampling)
+
+    calm = [engine.submit(start).result(timeout=60).outputs[0].token_id]
+    for step in range(1, STEPS):
+        plan = StepPlan(decodes=(DecodeToken(0, calm[-1], len(ids) + step - 1),), sampling=sampling)
+        calm.append(engine.submit(plan).result(timeout=60).outputs[0].token_id)
+    engine.submit(StepPlan(release=(0,))).result(timeout=60)
+
+    before = engine.overlapped_steps
+    plans = [start] + [
+        StepPlan(decodes=(DecodeToken(0, LAST_SAMPLED, len(ids) + step - 1),), sampling=sampling)
+        for step in range(1, STEPS)
+    ]
+    ahead = [f.result(timeout=60).outputs[0].token_id for f in all_submitted_at_once(engine, plans)]
+    engine.submit(StepPlan(release=(0,))).result(timeout=60)
+    assert ahead == calm
+    assert engine.overlapped_steps == before  # each grammar step waited for the one before
+    text = tok.hf.decode([t for t in calm if t not in tok.eos_token_ids])
+    assert text.startswith('{"color": "')
