@@ -21,12 +21,12 @@ Reproducibility: a draw is an exponential race, argmax(p / E) with E ~ Exp(1) pe
 comes from a counter-based hash of (row key, token index) rather than a stateful generator. A
 seeded request's row key is its seed and the number of tokens its slot has drawn so far (a device
 counter), so the same seed and prompt give the same tokens whatever else shares the batch, with no
-per-row generator call. Unseeded rows take a fresh 64-bit key from the engine's seeded host RNG.
+per-row generator call. Unseeded rows draw from one shared generator in one kernel (the hash costs
+about a dozen elementwise passes over [rows, vocab], paid only by seeded rows).
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,7 +80,8 @@ class Sampler:
         self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self._drawn: set[int] = set()  # slots that drew a token since their reset
         self._lanes = torch.arange(vocab_size, dtype=torch.int64, device=device) * _signed(_GOLDEN)
-        self._unseeded = random.Random(seed)
+        self._shared = torch.Generator(device=device)
+        self._shared.manual_seed(seed)
         self._uncollected_grammar = False
         self.matchers = SlotMatchers(vocab_size)
 
@@ -218,14 +219,26 @@ class Sampler:
             min_p=[p.min_p for p in chosen],
         )
         probs = torch.softmax(filtered, dim=-1)
-        seeds = [_signed(p.seed & _MASK64) if p.seed is not None else self._fresh_key() for p in chosen]
-        draws = self._draws.index_select(0, slot_index if rows is None else slot_index.index_select(0, rows))
-        noise = self._exponential_noise(to_device(seeds, torch.int64, logits.device), draws)
+        noise = self._noise(probs, chosen, slot_index if rows is None else slot_index.index_select(0, rows))
         drawn = (probs / noise).argmax(dim=-1)
         return drawn if rows is None else tokens.index_copy(0, rows, drawn)
 
-    def _fresh_key(self) -> int:
-        return _signed(self._unseeded.getrandbits(64))
+    def _noise(
+        self, probs: torch.Tensor, params: Sequence[SamplingParams], slots: torch.Tensor
+    ) -> torch.Tensor:
+        """Exp(1) values [B, vocab] for the race: unseeded rows from the shared generator (one
+        kernel), seeded rows from the hash of their seed and draw count (about a dozen elementwise
+        kernels, paid only for the rows that asked for reproducibility)."""
+        seeded = [k for k, p in enumerate(params) if p.seed is not None]
+        if not seeded:
+            return torch.empty_like(probs).exponential_(generator=self._shared)
+        index = None if len(seeded) == len(params) else to_device(seeded, torch.long, probs.device)
+        seeds = [_signed(p.seed & _MASK64) for p in (params[k] for k in seeded) if p.seed is not None]
+        counters = self._draws.index_select(0, slots if index is None else slots.index_select(0, index))
+        hashed = self._exponential_noise(to_device(seeds, torch.int64, probs.device), counters)
+        if index is None:
+            return hashed
+        return torch.empty_like(probs).exponential_(generator=self._shared).index_copy_(0, index, hashed)
 
     def _exponential_noise(self, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
         """Exp(1) values [B, vocab], a pure function of (seed, counter, token index) per row."""
