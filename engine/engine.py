@@ -23,7 +23,9 @@ from ballast.engine.faults import is_device_fault
 from ballast.engine.graphs import GraphCaptureError
 from ballast.engine.kv_budget import capacity_line, segment_grant
 from ballast.engine.loading import LoadedModel, load
+from ballast.engine.pipeline import LaunchedStep, StepPipeline
 from ballast.engine.plan import (
+    LAST_SAMPLED,
     KVFigures,
     PrefillChunk,
     PromptLogprobs,
@@ -41,8 +43,10 @@ from ballast.engine.runner import (
     planned_state_bytes,
     profile_prefill,
 )
+from ballast.engine.sampler import Draw
 from ballast.engine.sampling_defaults import sampling_defaults as defaults_for
 from ballast.engine.slot_kv import SlotKV
+from ballast.engine.staging import to_device
 from ballast.engine.tokenizer import Tokenizer
 from ballast.memory.errors import LedgerFull
 from ballast.memory.ledger import Lease
@@ -110,6 +114,15 @@ class Engine:
         self.last_step_failure: str | None = None
         self._failures_in_a_row = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ballast-engine")
+        self._pipeline = StepPipeline(
+            self._executor, self.launch, self._finish_step, self._on_step_failure, _needs_host_tokens
+        )
+        # Slots whose sequence the last launched step preempted or dropped: a next plan built
+        # before that step's result came back may still decode them from LAST_SAMPLED; skipped.
+        self._gone: frozenset[int] = frozenset()
+        # slot -> (position, token) of the last finished step's draws: a plan launched after that
+        # finish names them LAST_SAMPLED, and the slot's fed record takes the token at once.
+        self._settled: dict[int, tuple[int, int]] = {}
         # Loading touches tensors, so it too runs on the engine thread.
         try:
             parts = self._executor.submit(self._load, force_quantized_kv).result()
@@ -331,7 +344,12 @@ class Engine:
             failed: Future[StepResult] = Future()
             failed.set_exception(EngineUnhealthy("an earlier step failed; restart the engine"))
             return failed
-        return self._executor.submit(self._guarded_step, plan)
+        return self._pipeline.submit(plan)
+
+    @property
+    def overlapped_steps(self) -> int:
+        """Steps launched while the previous step's tokens were still on their way."""
+        return self._pipeline.overlapped
 
     def match_parked(self, tokens: Sequence[int]) -> int:
         """Tokens of `tokens` a parked (preempted) sequence holds: restore them to resume it."""
@@ -356,18 +374,16 @@ class Engine:
 
     # --- the step, on the engine thread ---------------------------------------------------------
 
-    def _guarded_step(self, plan: StepPlan) -> StepResult:
-        try:
-            result = self.step(plan)
-        except BaseException as exc:
-            self._on_step_failure(plan, exc)  # raises StepFailed when the engine stays sound
-            raise
+    def _finish_step(self, launched: LaunchedStep) -> StepResult:
+        result = self.finish(launched)
         self._failures_in_a_row = 0
         return result
 
     def _on_step_failure(self, plan: StepPlan, exc: BaseException) -> None:
         """A step raised. A device fault (or anything that is not an Exception) makes the engine
         unsound; otherwise the plan's sequences are dropped and StepFailed names them."""
+        if isinstance(exc, EngineUnhealthy):
+            return  # a plan queued behind the step that made the engine unsound
         if is_device_fault(exc) or not isinstance(exc, Exception):
             self._mark_unhealthy(f"device fault: {type(exc).__name__}")
             return
@@ -406,6 +422,7 @@ class Engine:
             | {r.slot for r in plan.restores}
         )
         touched = sorted(s for s in slots | set(plan.release) if 0 <= s < self.num_slots)
+        self._gone = frozenset(touched)
         for tokens in plan.unpark:
             self._cache.unpark(tokens)
         for fed in self.slot_kv.take_parked_in_step():  # parked under exactly what it was fed
@@ -422,35 +439,67 @@ class Engine:
         return slots
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Execute one plan. Call only on the engine thread (through `submit`), or in tests."""
+        """Execute one plan and wait for its tokens. Call only on the engine thread, or in tests
+        and benches (the server's plans go through `submit`, which overlaps steps)."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Everything of a step up to its sampled tokens' copy to the host, without waiting for the
+        device: housekeeping, restores, blocks, the forward, the draw."""
+        if not self._healthy:
+            raise EngineUnhealthy("an earlier step failed; restart the engine")
         self.slot_kv.begin_step()
         self._apply_shed(plan)
         self._apply_releases(plan)
         self._cache.before_writes(_written_slots(plan))  # checkpoint copies still reading them
         reused, unrestored = self._apply_restores(plan)
-        seqs, sampled = self._sequences(plan, unrestored)
+        gone = frozenset(d.slot for d in plan.decodes if d.token_id == LAST_SAMPLED and d.slot in self._gone)
+        seqs, sampled = self._sequences(plan, unrestored | gone)
         preempted = self.slot_kv.take_blocks(plan, seqs) | unrestored
         if preempted:
             keep = [i for i, (slot, _, _) in enumerate(seqs) if slot not in preempted]
             seqs, sampled = [seqs[i] for i in keep], [sampled[i] for i in keep]
+        self._gone = preempted | gone
+        for d in plan.decodes:
+            if d.token_id == LAST_SAMPLED and self._settled.get(d.slot, (-1, 0))[0] == d.pos:
+                self.slot_kv.fed_at(d.slot, d.pos, self._settled[d.slot][1])
+        self._settled = {}
         asks = {p.slot: p for p in plan.prefills if p.logprob_targets and p.slot not in preempted}
-        outputs, prompt_logprobs, forward_s = self._forward(seqs, sampled, plan.sampling, asks)
+        started = time.perf_counter()
+        draw, rows, prompt_logprobs = self._forward(seqs, sampled, plan.sampling, asks)
         self._apply_saves(plan, frozenset(plan.release) | preempted)
         prefill_tokens = sum(len(p.token_ids) for p in plan.prefills if p.slot not in preempted)
         self.prefilled_tokens += prefill_tokens
         self.reused_tokens += reused
         kv, kv_int8 = self.kv_figures(), self.kv_figures(int8=True)
-        return StepResult(
-            outputs,
+        result = StepResult(
+            (),
             prefill_tokens,
-            len(plan.decodes),
+            len(plan.decodes) - len(gone),
             reused,
-            forward_s,
+            time.perf_counter() - started if seqs else 0.0,
             self._ledger_bytes(),
             tuple(sorted(preempted)),
             kv,
             kv_int8,
             prompt_logprobs,
+        )
+        return LaunchedStep(plan, result, draw, rows, started)
+
+    def finish(self, launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step's tokens (its one device-to-host copy) and complete its result.
+        forward_s then runs from the forward's launch to the tokens' arrival."""
+        if launched.draw is None:
+            return launched.result
+        tokens = self.runner.sampler.collect(launched.draw)
+        outputs = []
+        self._settled = {}
+        for (slot, pos, at_capacity), tok in zip(launched.rows, tokens, strict=True):
+            self.slot_kv.fed_at(slot, pos, tok.token_id)  # a next step that fed it as LAST_SAMPLED
+            self._settled[slot] = (pos, tok.token_id)  # or one launched later
+            outputs.append(SlotOutput(slot, tok.token_id, tok.logprob, tok.top_logprobs, at_capacity))
+        return replace(
+            launched.result, outputs=tuple(outputs), forward_s=time.perf_counter() - launched.started
         )
 
     def kv_figures(self, int8: bool = False) -> KVFigures | None:
@@ -465,10 +514,9 @@ class Engine:
         sampled: list[bool],
         sampling: dict[int, SamplingParams],
         asks: dict[int, PrefillChunk],
-    ) -> tuple[tuple[SlotOutput, ...], tuple[PromptLogprobs, ...], float]:
+    ) -> tuple[Draw | None, tuple[tuple[int, int, bool], ...], tuple[PromptLogprobs, ...]]:
         if not seqs:
-            return (), (), 0.0
-        t0 = time.perf_counter()
+            return None, (), ()
         every = [slot in asks for slot, _, _ in seqs]
         logits = self.runner.forward(seqs, every)
         prompt_logprobs: tuple[PromptLogprobs, ...] = ()
@@ -481,8 +529,8 @@ class Engine:
                 if slot in asks
             )
             logits = logits.index_select(0, torch.tensor([e - 1 for e in ends], device=logits.device))
-        outputs = self._sample(seqs, sampled, logits, sampling)
-        return outputs, prompt_logprobs, time.perf_counter() - t0
+        draw, rows = self._draw(seqs, sampled, logits, sampling)
+        return draw, rows, prompt_logprobs
 
     def _apply_releases(self, plan: StepPlan) -> None:
         if plan.max_slots is not None:
@@ -582,18 +630,21 @@ class Engine:
         for p in (p for p in plan.prefills if p.slot not in skip):
             seqs.append((p.slot, p.token_ids, p.start_pos))
             sampled.append(p.sample)
-        for d in plan.decodes:
+        for d in (d for d in plan.decodes if d.slot not in skip):
             seqs.append((d.slot, (d.token_id,), d.pos))
             sampled.append(True)
         self._check_slots([s for s, _, _ in seqs])
         vocab = self.runner.sampler.vocab_size
+        from_device = {d.slot for d in plan.decodes if d.token_id == LAST_SAMPLED}
         for slot, tokens, start in seqs:
             if start + len(tokens) > self.max_model_len:
                 raise PlanError(
                     f"slot {slot}: positions up to {start + len(tokens) - 1} exceed max_model_len "
                     f"{self.max_model_len}"
                 )
-            if min(tokens) < 0 or max(tokens) >= vocab:
+            if slot in from_device and not self.runner.sampler.has_drawn(slot):
+                raise PlanError(f"slot {slot}: a LAST_SAMPLED decode, but the slot has drawn no token")
+            if (min(tokens) < 0 and slot not in from_device) or max(tokens) >= vocab:
                 raise PlanError(f"slot {slot}: token ids must be in 0..{vocab - 1}")
         fresh = [p for p in plan.prefills if p.start_pos == 0]
         self.slot_kv.start([p.slot for p in fresh], [p.int8_kv for p in fresh])
@@ -608,26 +659,25 @@ class Engine:
         if bad:
             raise PlanError(f"slots {bad} out of range 0..{self.num_slots - 1}")
 
-    def _sample(
+    def _draw(
         self, seqs: Rows, sampled: list[bool], logits: torch.Tensor, sampling: dict[int, SamplingParams]
-    ) -> tuple[SlotOutput, ...]:
+    ) -> tuple[Draw | None, tuple[tuple[int, int, bool], ...]]:
+        """Queue the draw of the rows that sample; per drawn row: slot, the position its token will
+        be fed at, and whether that is past the cache (the request then finishes by length)."""
         rows = [i for i, s in enumerate(sampled) if s]
         if not rows:
-            return ()
+            return None, ()
         slots = [seqs[i][0] for i in rows]
         missing = [s for s in slots if s not in sampling]
         if missing:
             raise PlanError(f"no sampling params for slots {missing}")
         if len(rows) != len(seqs):
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        tokens = self.runner.sampler.sample(logits, slots, [sampling[s] for s in slots])
-        outputs = []
-        for i, tok in zip(rows, tokens, strict=True):
-            slot, fed, start = seqs[i]
-            # The sampled token would be fed at position start + len(fed); past the cache: finish.
-            at_capacity = start + len(fed) >= self.max_model_len
-            outputs.append(SlotOutput(slot, tok.token_id, tok.logprob, tok.top_logprobs, at_capacity))
-        return tuple(outputs)
+            logits = logits.index_select(0, to_device(rows, torch.long, logits.device))
+        draw = self.runner.sampler.draw(logits, slots, [sampling[s] for s in slots])
+        ends = [seqs[i][2] + len(seqs[i][1]) for i in rows]
+        return draw, tuple(
+            (slot, end, end >= self.max_model_len) for slot, end in zip(slots, ends, strict=True)
+        )
 
     def _ledger_bytes(self) -> int:
         return sum(lease.nbytes for lease in self._leases if not lease.released)
@@ -649,3 +699,8 @@ def _prompt_logprobs(chunk: PrefillChunk, logits: torch.Tensor) -> PromptLogprob
         values, ids = logprobs.topk(chunk.top_logprobs, dim=-1)
         top = tuple(tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True))
     return PromptLogprobs(chunk.slot, chunk.start_pos + 1, tuple(picked), top)
+
+
+def _needs_host_tokens(plan: StepPlan) -> bool:
+    """A grammar row's matcher must consume the slot's previous token before its mask is built."""
+    return any(p.constraint is not None for p in plan.sampling.values())

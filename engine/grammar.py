@@ -24,6 +24,7 @@ from typing import Any
 import llguidance
 import llguidance.hf
 import torch
+from ballast.engine.staging import to_device
 
 # Compact JSON: flexible whitespace lets a small model pad an answer with newlines until it runs
 # out of tokens, and no client needs the whitespace.
@@ -148,7 +149,7 @@ class SlotMatchers:
         )
         if len(rows) < logits.shape[0]:
             every = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
-            every[torch.tensor(list(rows), dtype=torch.long, device=logits.device)] = allowed
+            every[to_device(list(rows), torch.long, logits.device)] = allowed
             allowed = every
         return torch.where(allowed, logits, float("-inf"))
 

@@ -15,6 +15,13 @@ sequence reads. Inputs enter through one static [3, batch] buffer (token, positi
 with one host-to-device copy per step; logits come out in one static [batch, vocab] buffer that
 every graph writes, valid until the next replay.
 
+Batch buckets run up to the engine's slot count (`--max-num-seqs`) whatever it is: 1, 2, 4, ...
+and the count itself, so a server of 128 or 100 slots replays a graph at every batch it can run.
+Steps that carry a prefill chunk run eagerly: their shape changes with every chunk (tokens per
+sequence, the prefill attention path), so a padded graph would need buckets over decodes, chunk
+tokens and context, and such a step is bound by its matrix products rather than by kernel
+launches, which is all a graph removes.
+
 Capture runs on the engine thread at load, after the slot states exist. The memory the graphs
 keep (their shared private pool) is measured and handed to the caller to lease from the VRAM
 ledger. A capture that fails (an op that waits on the host, such as the MoE fallback used where
@@ -30,6 +37,8 @@ from ballast.models.base import ForwardBatch, Rows
 from torch import Tensor
 
 Forward = Callable[[ForwardBatch], Tensor]
+# Fills LAST_SAMPLED token entries in place from the device: (token ids, their slots).
+FeedLastTokens = Callable[[Tensor, Tensor], None]
 
 SMALLEST_CONTEXT_BUCKET = 256
 PAD_TOKEN = 0
@@ -155,12 +164,15 @@ class DecodeGraphs:
             return False
         return self._key(seqs) in self._graphs
 
-    def replay(self, seqs: Rows) -> Tensor:
+    def replay(self, seqs: Rows, feed_last: FeedLastTokens | None = None) -> Tensor:
         """Logits [len(seqs), vocab] of this decode step; a view of the graph's output, valid until
-        the next replay. Call only where `can_use(seqs)`."""
+        the next replay. Call only where `can_use(seqs)`. feed_last: fills the tokens the plan
+        left to the device (LAST_SAMPLED) before the replay, in stream order."""
         key = self._key(seqs)
         assert key in self._graphs and self._logits is not None, "replay needs can_use(seqs)"
         self._stage(seqs, key[0])
+        if feed_last is not None:
+            feed_last(self._inputs[0, : len(seqs)], self._inputs[2, : len(seqs)])
         self._graphs[key].replay()
         self.replays += 1
         return self._logits[: len(seqs)]
@@ -177,8 +189,10 @@ class DecodeGraphs:
         tokens = [int(t[0]) for _, t, _ in seqs] + [PAD_TOKEN] * pad
         positions = [int(start) for _, _, start in seqs] + [PAD_POSITION] * pad
         slots = [int(slot) for slot, _, _ in seqs] + [self.scratch_slot] * pad
+        # Pinned and non-blocking: a pageable copy would wait for the step still on the GPU.
         host = torch.tensor([tokens, positions, slots], dtype=torch.int64)
-        self._inputs[:, :width].copy_(host)
+        on_gpu = self._inputs.is_cuda
+        self._inputs[:, :width].copy_(host.pin_memory() if on_gpu else host, non_blocking=on_gpu)
 
     def _static_batch(self, b: int, c: int) -> ForwardBatch:
         """The batch a graph is captured with: views of the static inputs. For a decode token the

@@ -69,9 +69,15 @@ class PrefillChunk:
     top_logprobs: int = 0
 
 
+# A decode's token_id when the plan was built before the slot's previous step returned its token:
+# the engine feeds the token that step sampled straight from the device (the overlapped step).
+LAST_SAMPLED = -1
+
+
 @dataclass(frozen=True)
 class DecodeToken:
-    """Feed one token (the last sampled) at position pos of a slot and sample the next."""
+    """Feed one token (the last sampled, or LAST_SAMPLED) at position pos of a slot and sample
+    the next."""
 
     slot: int
     token_id: int

@@ -16,6 +16,7 @@ import torch
 from ballast.engine.graphs import PAD_POSITION, DecodeGraphs, GraphCaptureError
 from ballast.engine.kv_pool import Acquire, KVPool
 from ballast.engine.sampler import Sampler
+from ballast.engine.staging import to_device
 from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import CostModel
 from ballast.models.base import CausalLM, ForwardBatch, Rows
@@ -247,7 +248,7 @@ class ModelRunner:
         """New sequences start in these slots (their KV blocks were released before)."""
         if not slots:
             return
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        index = to_device(list(slots), torch.long, self.device)
         for state in self.states:
             state.reset(index)
         self.sampler.reset(slots)
@@ -285,9 +286,14 @@ class ModelRunner:
                     f"slots {bare} have no KV blocks for this step's positions (KVPool.ensure first)"
                 )
         mixed = self.kv_stores is not None and self.kv_stores.mixed
+        # Decodes planned before their token reached the host take it from the device.
+        last = self.sampler.feed_last_tokens if any(t[0] < 0 for _, t, _ in seqs) else None
         if self.graphs is not None and not mixed and self.graphs.can_use(seqs):
-            return self.graphs.replay(seqs)
-        return self._run(ForwardBatch.build(seqs, self.device, all_logits=all_logits))
+            return self.graphs.replay(seqs, last)
+        batch = ForwardBatch.build(seqs, self.device, all_logits=all_logits)
+        if last is not None:
+            last(batch.token_ids, batch.slot_of_token)
+        return self._run(batch)
 
     def _run(self, batch: ForwardBatch) -> Tensor:
         with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):

@@ -10,10 +10,19 @@ said, the rest of sampling works on the shifted values). A request with a `const
 every token its grammar forbids set to -inf (`ballast.engine.grammar.SlotMatchers`), so neither
 greedy nor random choice can leave the grammar.
 
-Reproducibility: a request with a seed draws from its own per-slot generator, seeded at the
-request's first sample, and each draw consumes exactly `vocab` exponentials from it. So the same
-seed and prompt give the same tokens whatever else shares the batch. Unseeded rows share one
-engine generator and draw in a single batched call.
+Everything runs on the device, batched over rows, and the host waits for nothing: which filters
+run is decided from the requests' knobs (host values), the knobs reach the device through pinned
+non-blocking copies (`ballast.engine.staging`), and the step's one device-to-host transfer carries
+the sampled tokens, with their logprobs packed beside them when a row asked. `draw` queues all of
+it and returns at once; `collect` waits for that one copy. The engine launches the next step's
+forward between the two.
+
+Reproducibility: a draw is an exponential race, argmax(p / E) with E ~ Exp(1) per token, and E
+comes from a counter-based hash of (row key, token index) rather than a stateful generator. A
+seeded request's row key is its seed and the number of tokens its slot has drawn so far (a device
+counter), so the same seed and prompt give the same tokens whatever else shares the batch, with no
+per-row generator call. Unseeded rows draw from one shared generator in one kernel (the hash costs
+about a dozen elementwise passes over [rows, vocab], paid only by seeded rows).
 """
 
 from __future__ import annotations
@@ -24,6 +33,9 @@ from dataclasses import dataclass
 import torch
 from ballast.engine.grammar import SlotMatchers
 from ballast.engine.plan import SamplingParams
+from ballast.engine.staging import column, to_device
+
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -33,8 +45,27 @@ class SampledToken:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One step's tokens on their way to the host: `Sampler.collect` turns it into SampledTokens.
+
+    `tokens` stays on the device (the next step may feed it without a round trip); `host` is the
+    pinned copy in flight, ready once `ready` (a CUDA event; None on the host) has completed."""
+
+    slots: tuple[int, ...]
+    params: tuple[SamplingParams, ...]
+    tokens: torch.Tensor  # [B] int64, on the device
+    host: torch.Tensor  # [B] int64 tokens, or [B, 2 + 2 top_n] float64 packed with logprobs
+    ready: torch.cuda.Event | None
+    top_n: int
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
 class Sampler:
-    """Owns the per-slot sampling state: token counts for penalties and seeded generators."""
+    """Owns the per-slot sampling state: token counts for penalties, seeded draw counters."""
 
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device, seed: int = 0) -> None:
         self.num_slots = num_slots
@@ -44,53 +75,76 @@ class Sampler:
         # tokens for the repetition penalty (HF and vLLM apply it to both).
         self._counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
         self._seen = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
-        self._generators: dict[int, torch.Generator] = {}
+        self._draws = torch.zeros(num_slots, dtype=torch.int64, device=device)  # tokens drawn per slot
+        # Each slot's latest token, on the device: a step planned before it reached the host feeds it.
+        self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self._drawn: set[int] = set()  # slots that drew a token since their reset
+        self._lanes = torch.arange(vocab_size, dtype=torch.int64, device=device) * _signed(_GOLDEN)
         self._shared = torch.Generator(device=device)
         self._shared.manual_seed(seed)
+        self._uncollected_grammar = False
         self.matchers = SlotMatchers(vocab_size)
 
     @property
     def state_bytes(self) -> int:
-        return self._counts.numel() * self._counts.element_size() + self._seen.numel()
+        per_slot = self._draws.numel() * 8 + self.last_tokens.numel() * 8
+        return self._counts.numel() * 4 + self._seen.numel() + per_slot + self._lanes.numel() * 8
 
     @staticmethod
     def planned_bytes(num_slots: int, vocab_size: int) -> int:
-        """What `state_bytes` will be: int32 counts and bool marks per slot and token."""
-        return num_slots * vocab_size * (4 + 1)
+        """What `state_bytes` will be: int32 counts and bool marks per slot and token, an int64
+        draw counter and last token per slot, and the int64 hash lanes per token."""
+        return num_slots * vocab_size * (4 + 1) + num_slots * 16 + vocab_size * 8
 
     def reset(self, slots: Sequence[int]) -> None:
-        """A new sequence starts in these slots: forget their history and generators."""
+        """A new sequence starts in these slots: forget their history and restart their seeds."""
         if not slots:
             return
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        index = to_device(list(slots), torch.long, self.device)
         self._counts.index_fill_(0, index, 0)
         self._seen.index_fill_(0, index, False)
-        for slot in slots:
-            self._generators.pop(slot, None)
+        self._draws.index_fill_(0, index, 0)
+        self._drawn.difference_update(slots)
         self.matchers.reset(slots)
+
+    def has_drawn(self, slot: int) -> bool:
+        """The slot's sequence has drawn a token: `last_tokens` holds it."""
+        return slot in self._drawn
 
     def observe_prompt(self, slot: int, token_ids: Sequence[int]) -> None:
         """Prompt tokens count for the repetition penalty (not for frequency/presence)."""
         self.matchers.observe(slot, token_ids)
         if token_ids:
-            index = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
-            self._seen[slot].index_fill_(0, index.clamp_(0, self.vocab_size - 1), True)
+            index = to_device(
+                [min(max(t, 0), self.vocab_size - 1) for t in token_ids], torch.long, self.device
+            )
+            self._seen[slot].index_fill_(0, index, True)
 
     def sample(
         self, logits: torch.Tensor, slots: Sequence[int], params: Sequence[SamplingParams]
     ) -> list[SampledToken]:
-        """Draw one token per row of `logits` [B, vocab]; row i belongs to slots[i]."""
+        """Draw one token per row of `logits` [B, vocab] (row i belongs to slots[i]) and wait for it."""
+        return self.collect(self.draw(logits, slots, params))
+
+    def draw(self, logits: torch.Tensor, slots: Sequence[int], params: Sequence[SamplingParams]) -> Draw:
+        """Queue the sampling of one token per row of `logits` [B, vocab] and its copy to the host;
+        returns without waiting for the device. Rows under a grammar need the previous draw
+        collected first (its tokens advance their matchers)."""
         if logits.dim() != 2 or logits.shape[0] != len(slots) or len(slots) != len(params):
             raise ValueError(
                 f"logits {tuple(logits.shape)} do not match {len(slots)} slots / {len(params)} params"
             )
+        constrained = [i for i, p in enumerate(params) if p.constraint is not None]
+        if constrained and self._uncollected_grammar:
+            raise RuntimeError("a grammar row is drawn before the previous draw was collected")
         logits = logits[:, : self.vocab_size].float()
-        slot_index = torch.tensor(list(slots), dtype=torch.long, device=logits.device)
-        want_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        slot_index = to_device(list(slots), torch.long, logits.device)
+        top_n = max((p.logprobs or 0 for p in params), default=0)
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        )
 
         processed = self._apply_penalties(_biased(logits, params), slot_index, params)
-        constrained = [i for i, p in enumerate(params) if p.constraint is not None]
         if constrained:
             processed = self.matchers.mask(
                 processed,
@@ -98,12 +152,37 @@ class Sampler:
                 [slots[i] for i in constrained],
                 [c for c in (params[i].constraint for i in constrained) if c is not None],
             )
-        tokens = self._choose(processed, slots, params)
+        tokens = self._choose(processed, slot_index, params)
         self._record(slot_index, tokens)
-        token_list = tokens.tolist()  # the step's one device-to-host sync
+        self._drawn.update(slots)
+        self._uncollected_grammar = self._uncollected_grammar or bool(constrained)
+        packed = tokens if raw_logprobs is None else _packed(tokens, raw_logprobs, top_n)
+        host, ready = _to_host(packed)
+        return Draw(tuple(slots), tuple(params), tokens, host, ready, top_n)
+
+    def collect(self, draw: Draw) -> list[SampledToken]:
+        """Wait for a draw's copy (the step's one device-to-host sync) and read it; grammar rows'
+        matchers consume their tokens."""
+        draw.wait()
+        rows = draw.host.tolist()
+        token_list = [int(row) for row in rows] if draw.host.dim() == 1 else [int(row[0]) for row in rows]
+        constrained = [i for i, p in enumerate(draw.params) if p.constraint is not None]
         if constrained:
-            self.matchers.accept([slots[i] for i in constrained], [token_list[i] for i in constrained])
-        return _outputs(token_list, tokens, raw_logprobs, params)
+            self.matchers.accept([draw.slots[i] for i in constrained], [token_list[i] for i in constrained])
+            self._uncollected_grammar = False
+        if draw.host.dim() == 1:
+            return [SampledToken(t) for t in token_list]
+        out = []
+        for token, row, p in zip(token_list, rows, draw.params, strict=True):
+            if p.logprobs is None:
+                out.append(SampledToken(token))
+                continue
+            n = p.logprobs
+            top = tuple(
+                (int(i), float(v)) for i, v in zip(row[2 : 2 + n], row[2 + draw.top_n :][:n], strict=True)
+            )
+            out.append(SampledToken(token, float(row[1]), top))
+        return out
 
     def _apply_penalties(
         self, logits: torch.Tensor, slot_index: torch.Tensor, params: Sequence[SamplingParams]
@@ -113,9 +192,9 @@ class Sampler:
             for p in params
         ):
             return logits
-        rep = _column(params, "repetition_penalty", logits)
-        freq = _column(params, "frequency_penalty", logits)
-        pres = _column(params, "presence_penalty", logits)
+        rep = column([p.repetition_penalty for p in params], logits.dtype, logits.device)
+        freq = column([p.frequency_penalty for p in params], logits.dtype, logits.device)
+        pres = column([p.presence_penalty for p in params], logits.dtype, logits.device)
         counts = self._counts.index_select(0, slot_index).to(logits.dtype)
         seen = self._seen.index_select(0, slot_index)
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
@@ -123,44 +202,50 @@ class Sampler:
         return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
 
     def _choose(
-        self, logits: torch.Tensor, slots: Sequence[int], params: Sequence[SamplingParams]
+        self, logits: torch.Tensor, slot_index: torch.Tensor, params: Sequence[SamplingParams]
     ) -> torch.Tensor:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
             return tokens
-        rows = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
         chosen = [params[i] for i in random_rows]
+        every = len(random_rows) == len(params)
+        rows = None if every else to_device(random_rows, torch.long, logits.device)
         filtered = filter_logits(
-            logits.index_select(0, rows),
-            temperature=_column(chosen, "temperature", logits),
+            logits if rows is None else logits.index_select(0, rows),
+            temperature=[p.temperature for p in chosen],
             top_k=[p.top_k for p in chosen],
-            top_p=_column(chosen, "top_p", logits),
-            min_p=_column(chosen, "min_p", logits),
+            top_p=[p.top_p for p in chosen],
+            min_p=[p.min_p for p in chosen],
         )
         probs = torch.softmax(filtered, dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) picks index i with probability p_i. It
-        # lets each seeded row draw from its own generator with a fixed number of values per step.
-        noise = torch.empty_like(probs)
-        unseeded = [k for k, row in enumerate(random_rows) if params[row].seed is None]
-        if len(unseeded) == len(random_rows):
-            noise.exponential_(generator=self._shared)
-        elif unseeded:
-            noise[unseeded] = torch.empty_like(noise[unseeded]).exponential_(generator=self._shared)
-        for k, row in enumerate(random_rows):
-            seed = params[row].seed
-            if seed is not None:
-                noise[k].exponential_(generator=self._generator_for(slots[row], seed))
-        tokens[rows] = (probs / noise).argmax(dim=-1)
-        return tokens
+        noise = self._noise(probs, chosen, slot_index if rows is None else slot_index.index_select(0, rows))
+        drawn = (probs / noise).argmax(dim=-1)
+        return drawn if rows is None else tokens.index_copy(0, rows, drawn)
 
-    def _generator_for(self, slot: int, seed: int) -> torch.Generator:
-        gen = self._generators.get(slot)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-            self._generators[slot] = gen
-        return gen
+    def _noise(
+        self, probs: torch.Tensor, params: Sequence[SamplingParams], slots: torch.Tensor
+    ) -> torch.Tensor:
+        """Exp(1) values [B, vocab] for the race: unseeded rows from the shared generator (one
+        kernel), seeded rows from the hash of their seed and draw count (about a dozen elementwise
+        kernels, paid only for the rows that asked for reproducibility)."""
+        seeded = [k for k, p in enumerate(params) if p.seed is not None]
+        if not seeded:
+            return torch.empty_like(probs).exponential_(generator=self._shared)
+        index = None if len(seeded) == len(params) else to_device(seeded, torch.long, probs.device)
+        seeds = [_signed(p.seed & _MASK64) for p in (params[k] for k in seeded) if p.seed is not None]
+        counters = self._draws.index_select(0, slots if index is None else slots.index_select(0, index))
+        hashed = self._exponential_noise(to_device(seeds, torch.int64, probs.device), counters)
+        if index is None:
+            return hashed
+        return torch.empty_like(probs).exponential_(generator=self._shared).index_copy_(0, index, hashed)
+
+    def _exponential_noise(self, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+        """Exp(1) values [B, vocab], a pure function of (seed, counter, token index) per row."""
+        row_key = _mix(seeds ^ _mix(counters + 1))
+        bits = _mix(row_key.unsqueeze(-1) + self._lanes)
+        uniform = (_shift_right(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+        return -torch.log(uniform)
 
     def _record(self, slot_index: torch.Tensor, tokens: torch.Tensor) -> None:
         # One kernel each on the flattened tables (an accumulating index_put_ sorts its indices
@@ -168,39 +253,53 @@ class Sampler:
         flat = slot_index * self.vocab_size + tokens
         self._counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=self._counts.dtype))
         self._seen.view(-1).index_fill_(0, flat, True)
+        self._draws.index_add_(0, slot_index, torch.ones_like(slot_index))
+        self.last_tokens.index_copy_(0, slot_index, tokens)
+
+    def feed_last_tokens(self, token_ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Replace, in place, each LAST_SAMPLED (negative) entry of `token_ids` by the last token
+        its slot drew; `slots` gives each entry's slot (a slot past the table, such as the graphs'
+        scratch slot, only ever feeds real tokens)."""
+        drawn = self.last_tokens[slots.clamp(max=self.num_slots - 1)]
+        token_ids.copy_(torch.where(token_ids < 0, drawn, token_ids))
 
 
 def filter_logits(
     logits: torch.Tensor,
-    temperature: torch.Tensor,
+    temperature: Sequence[float],
     top_k: Sequence[int],
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
+    top_p: Sequence[float],
+    min_p: Sequence[float],
 ) -> torch.Tensor:
     """Temperature-scaled logits [B, V] with the tokens top-k / top-p / min-p exclude set to -inf.
 
-    temperature, top_p and min_p are [B, 1] columns; top_k 0 means off. Ties at the top-k boundary
-    keep every token whose logit equals the k-th largest, as a threshold filter does.
+    One knob value per row; top_k 0 means off. Which filters run is decided from these host values,
+    so the device is never asked. Ties at the top-k boundary keep every token whose logit equals
+    the k-th largest, as a threshold filter does.
     """
-    logits = logits / temperature.clamp_min(1e-5)
+    dtype, device = logits.dtype, logits.device
+    logits = logits / column(temperature, dtype, device).clamp_min(1e-5)
     vocab = logits.shape[-1]
-    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
-    if any(0 < k < vocab for k in top_k):
-        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1).unsqueeze(-1))
+    neg_inf = logits.new_full((), float("-inf"))  # a fill, not a host-to-device copy
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    if any(k < vocab for k in ks):
+        kth = logits.topk(max(ks), dim=-1).values.gather(
+            -1, to_device([k - 1 for k in ks], torch.long, device)[:, None]
+        )
         logits = torch.where(logits < kth, neg_inf, logits)
-    if bool((top_p < 1).any()):
+    if any(p < 1 for p in top_p):
+        p_col = column(top_p, dtype, device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
         # Keep the smallest prefix whose mass reaches top_p; rows at 1.0 keep everything even
         # where float rounding pushes the running sum past 1.
-        drop_sorted = (before >= top_p) & (top_p < 1)
+        drop_sorted = (before >= p_col) & (p_col < 1)
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         logits = torch.where(drop, neg_inf, logits)
-    if bool((min_p > 0).any()):
+    if any(m > 0 for m in min_p):
         probs = torch.softmax(logits, dim=-1)
-        floor = min_p * probs.max(dim=-1, keepdim=True).values
+        floor = column(min_p, dtype, device) * probs.max(dim=-1, keepdim=True).values
         logits = torch.where(probs < floor, neg_inf, logits)
     return logits
 
@@ -211,38 +310,50 @@ def _biased(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
     if not entries:
         return logits
     rows, tokens, biases = zip(*entries, strict=True)
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-    return logits.index_put(
-        index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True
-    )
+    device = logits.device
+    index = (to_device(rows, torch.long, device), to_device(tokens, torch.long, device))
+    return logits.index_put(index, to_device(biases, logits.dtype, device), accumulate=True)
 
 
-def _column(params: Sequence[SamplingParams], name: str, like: torch.Tensor) -> torch.Tensor:
-    values = [float(getattr(p, name)) for p in params]
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(-1)
-
-
-def _outputs(
-    token_list: list[int],
-    tokens: torch.Tensor,
-    raw_logprobs: torch.Tensor | None,
-    params: Sequence[SamplingParams],
-) -> list[SampledToken]:
-    if raw_logprobs is None:
-        return [SampledToken(t) for t in token_list]
-    top_n = max(p.logprobs or 0 for p in params)
-    chosen = raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
-    top_values: list[list[float]] = []
-    top_ids: list[list[int]] = []
+def _packed(tokens: torch.Tensor, raw_logprobs: torch.Tensor, top_n: int) -> torch.Tensor:
+    """[B, 2 + 2 top_n] float64: token, its logprob, top_n ids, top_n logprobs (exact in float64)."""
+    chosen = raw_logprobs.gather(-1, tokens.unsqueeze(-1))
+    parts = [tokens.unsqueeze(-1).double(), chosen.double()]
     if top_n:
         top = raw_logprobs.topk(top_n, dim=-1)
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    out = []
-    for i, (token, p) in enumerate(zip(token_list, params, strict=True)):
-        if p.logprobs is None:
-            out.append(SampledToken(token))
-            continue
-        n = p.logprobs
-        top_pairs = tuple(zip(top_ids[i][:n], top_values[i][:n], strict=True)) if n else ()
-        out.append(SampledToken(token, chosen[i], top_pairs))
-    return out
+        parts += [top.indices.double(), top.values.double()]
+    return torch.cat(parts, dim=-1)
+
+
+def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start the copy of `values` to the host: (its host tensor, the event that marks it done)."""
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+# splitmix64's constants (Steele, Lea, Flood 2014): a bijective 64-bit mix with full avalanche.
+_GOLDEN = 0x9E3779B97F4A7C15
+_MUL1 = 0xBF58476D1CE4E5B9
+_MUL2 = 0x94D049BB133111EB
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 value torch stores (multiplication then wraps as uint64 does)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 patterns (torch's >> on int64 is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    z = z + _signed(_GOLDEN)
+    z = (z ^ _shift_right(z, 30)) * _signed(_MUL1)
+    z = (z ^ _shift_right(z, 27)) * _signed(_MUL2)
+    return z ^ _shift_right(z, 31)

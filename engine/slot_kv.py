@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 from ballast.engine.kv_pool import KVPool
-from ballast.engine.plan import StepPlan
+from ballast.engine.plan import LAST_SAMPLED, StepPlan
 from ballast.engine.prefix_cache import PrefixCache
 from ballast.engine.runner import ModelRunner
 from ballast.memory.watch import MemWatch
@@ -70,6 +70,13 @@ class SlotKV:
     def restored(self, slot: int, prefix: Sequence[int]) -> None:
         """The slot's sequence was restored with these tokens fed."""
         self._fed[slot] = array("q", prefix)
+
+    def fed_at(self, slot: int, pos: int, token: int) -> None:
+        """The token at `pos` of the slot's sequence is now known on the host: a step launched
+        before it was (LAST_SAMPLED) recorded a placeholder there."""
+        fed = self._fed.get(slot)
+        if fed is not None and pos < len(fed) and fed[pos] == LAST_SAMPLED:
+            fed[pos] = token
 
     def drop(self, slots: Sequence[int]) -> None:
         """The slots' sequences are gone: blocks back to their pools, slots back to the main pool."""

@@ -194,7 +194,9 @@ def to_device_packed(host: dict[str, Tensor], dev: torch.device) -> dict[str, An
     if dev.type == "cpu":
         return dict(host)
     # One host-to-device copy instead of ten: each small copy costs a launch and a sync.
-    packed = torch.cat(list(host.values())).to(dev)
+    # Pinned and non-blocking: a pageable copy would first wait for every kernel queued before it
+    # (the previous step), and the host could not prepare a step while the GPU runs one.
+    packed = torch.cat(list(host.values())).pin_memory().to(dev, non_blocking=True)
     return dict(zip(host, packed.split([v.shape[0] for v in host.values()]), strict=True))
 
 

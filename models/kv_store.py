@@ -277,7 +277,12 @@ class KVStore:
     def set_table(self, slot: int, start: int, blocks: Sequence[int]) -> None:
         """Table entries start.. of the slot's row become `blocks` (one small host-to-device copy)."""
         if blocks:
-            self.block_table[slot, start : start + len(blocks)].copy_(torch.tensor(blocks, dtype=torch.int32))
+            host = torch.tensor(blocks, dtype=torch.int32)
+            # Pinned and non-blocking on CUDA: a pageable copy would wait for the step on the GPU.
+            on_gpu = self.block_table.is_cuda
+            self.block_table[slot, start : start + len(blocks)].copy_(
+                host.pin_memory() if on_gpu else host, non_blocking=on_gpu
+            )
 
     def block_views(self, block: int) -> list[Tensor]:
         """Views of one block across every layer, one per tensor (K/V, and scales when int8),

@@ -19,6 +19,14 @@ class SchedulerConfig:
     max_num_seqs: int = 8  # most requests running at once (also capped by the engine's slots)
     ladder_disable: bool = False  # the degradation ladder off: slots and window stay as configured
     psi_full_reject_pct: float = 15.0  # PSI full avg10 (%) at which admission refuses new requests
+    overlap: bool = field(
+        default=True,
+        metadata=setting(
+            "BALLAST_OVERLAP",
+            "while steadily decoding, plan step N+1 before step N's tokens are back, so the GPU never "
+            "waits for the host between steps",
+        ),
+    )
     max_queue: int = field(
         default=256,
         metadata=setting(

@@ -3,8 +3,13 @@
 Everything here runs on the event loop thread; the engine runs plans on its own thread and the
 only things crossing are a frozen `StepPlan` and a `StepResult`. Per-request state (`_Seq`) is
 private to this module and changed only here (the field-tested failure mode is a request object
-mutated by scheduler, allocator and runner at once). One plan is in flight at a time, so a slot
-freed by a finished or aborted request is released in the next plan and reused only after that.
+mutated by scheduler, allocator and runner at once). A slot freed by a finished or aborted request
+is released in the next plan and reused only after that plan has run.
+
+While every running request decodes, the plan of step N+1 is submitted before step N's tokens are
+back (`ballast.scheduler.lookahead`): the engine queues N+1 behind N and the GPU does not wait for
+the host between steps. Two plans are then in flight; anything else (a new request, a release, a
+ladder change) waits for the step in flight and is planned from its result, as without overlap.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ballast.engine.interface import DetokenizerLike, EngineLike
@@ -46,6 +52,7 @@ from ballast.scheduler.errors import (
 )
 from ballast.scheduler.governor import Governor, GovernorSettings, SnapshotSource, VerdictRecorder
 from ballast.scheduler.kv_room import Charge, KVRoom
+from ballast.scheduler.lookahead import Decoding, next_decodes
 from ballast.scheduler.queue import WaitingQueue
 from ballast.scheduler.request import (
     FinishEvent,
@@ -123,6 +130,12 @@ class _Seq:
         return self.prefilled
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    plan: StepPlan
+    result: Future[StepResult]
+
+
 class Scheduler:
     def __init__(
         self,
@@ -164,6 +177,10 @@ class Scheduler:
         self._kv = KVRoom(engine.kv_figures(), engine.kv_figures(int8=True))  # the pools after the last step
         self._shrink_sent = False  # the engine was told to give free KV segments back
         self._unpark: list[tuple[int, ...]] = []  # for the next plan
+        # Slots the plan submitted ahead feeds the token of the step being applied (LAST_SAMPLED),
+        # and final checkpoints that wait for that plan: its slot will have consumed one more token.
+        self._fed_ahead: frozenset[int] = frozenset()
+        self._saves_after_ahead: dict[int, tuple[int, ...]] = {}
         self.preemptions = 0
         self.reused_tokens = 0
         self._wake = asyncio.Event()
@@ -243,18 +260,16 @@ class Scheduler:
     # --- the loop -------------------------------------------------------------------------
     async def _run(self) -> None:
         try:
-            while not self._closing or self._slots.draining:
+            ahead: _InFlight | None = None
+            while not self._closing or self._slots.draining or ahead is not None:
                 self._govern()
-                plan = self._schedule()
-                if plan.empty and plan.max_slots is None:  # a ladder change alone is still sent
+                step = ahead or self._submit(self._schedule())
+                if step is None:
                     await self._wait_for_work()
                     continue
-                try:
-                    result = await asyncio.wrap_future(self._engine.submit(plan))
-                except StepFailed as failed:
-                    self._step_failed(plan, failed)
-                    continue
-                self._apply(plan, result)
+                ahead = self._submit(self._lookahead(step.plan))
+                self._fed_ahead = frozenset(d.slot for d in ahead.plan.decodes) if ahead else frozenset()
+                await self._complete(step)
         except asyncio.CancelledError:
             # Cancelled without stop() (the event loop is going away): readers still get an end.
             self._closing = True
@@ -266,6 +281,35 @@ class Scheduler:
             # `healthy` turns false, and the cause is logged and kept in `failure`.
             log.exception("scheduler loop stopped: engine step failed")
             self._fail(exc)
+
+    def _submit(self, plan: StepPlan | None) -> _InFlight | None:
+        if plan is None or (plan.empty and plan.max_slots is None):  # a ladder change alone is sent
+            return None
+        return _InFlight(plan, self._engine.submit(plan))
+
+    async def _complete(self, step: _InFlight) -> None:
+        try:
+            result = await asyncio.wrap_future(step.result)
+        except StepFailed as failed:
+            self._step_failed(step.plan, failed)
+            return
+        self._apply(step.plan, result)
+
+    def _lookahead(self, plan: StepPlan) -> StepPlan | None:
+        """The plan after `plan`, built before its tokens are back, where nothing but decoding is
+        going on: no queue, no release or checkpoint to send, the ladder at rest."""
+        if not self._cfg.overlap or self._closing or self._queue or self._unpark:
+            return None
+        if self._slots.releases_pending or self._gov.ladder.level is not Level.OK:
+            return None
+        if max(self.slot_limit, self._slots.highest_held) != self._engine_slots:
+            return None
+        running = {
+            seq.slot: Decoding(len(seq.output), seq.max_tokens, seq.req.params)
+            for seq in self._running
+            if seq.slot is not None
+        }
+        return next_decodes(plan, running, self._engine.max_model_len)
 
     def _govern(self) -> None:
         """Memory first: refresh the ladder plan and pressure; end requests past their deadline;
@@ -318,6 +362,10 @@ class Scheduler:
         self.steps += 1
         self.reused_tokens += result.reused_tokens
         self._slots.released(plan.release)
+        for slot in [s for s in self._saves_after_ahead if s in {d.slot for d in plan.decodes}]:
+            consumed = self._saves_after_ahead.pop(slot)
+            if slot not in result.preempted:
+                self._checkpoints.queue_final_save(slot, consumed)
         self._kv.update(result)
         for slot in result.preempted:
             self._requeue(slot)
@@ -354,6 +402,8 @@ class Scheduler:
         self.step_failures += 1
         self.last_step_failure = str(failed)
         self._slots.released(plan.release)
+        for d in plan.decodes:  # the step that would have fed their last token did not run
+            self._saves_after_ahead.pop(d.slot, None)
         for slot in sorted(failed.slots):
             seq = self._by_slot.get(slot)
             if seq is not None:
@@ -539,8 +589,13 @@ class Scheduler:
             self.service.left_slot(time.monotonic(), backlog=bool(self._queue))
             if seq.slot is not None:
                 if reason in ("stop", "length") and seq.phase is Phase.DECODING and not seq.int8_kv:
-                    # Saved before the release: the slot has consumed prompt + output[:-1].
-                    self._checkpoints.queue_final_save(seq.slot, seq.req.prompt_ids + tuple(seq.output[:-1]))
+                    if seq.slot in self._fed_ahead:
+                        # The plan in flight feeds it output[-1]: saved once that plan has run.
+                        self._saves_after_ahead[seq.slot] = seq.req.prompt_ids + tuple(seq.output)
+                    else:  # saved before the release: the slot has consumed prompt + output[:-1]
+                        self._checkpoints.queue_final_save(
+                            seq.slot, seq.req.prompt_ids + tuple(seq.output[:-1])
+                        )
                 del self._by_slot[seq.slot]
                 self._slots.retire(seq.slot)
         seq.phase = Phase.FINISHED

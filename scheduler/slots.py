@@ -79,6 +79,11 @@ class SlotTable:
         return sum(st is SlotState.DRAINING for st in self._state)
 
     @property
+    def releases_pending(self) -> bool:
+        """Draining slots whose release is in no plan yet."""
+        return any(st is SlotState.DRAINING and s not in self._in_release for s, st in enumerate(self._state))
+
+    @property
     def free(self) -> int:
         return sum(st is SlotState.FREE for st in self._state)
 

@@ -25,7 +25,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ballast.engine.plan import KVFigures, SamplingParams, SlotOutput, StepFailed, StepPlan, StepResult
+from ballast.engine.plan import (
+    LAST_SAMPLED,
+    KVFigures,
+    SamplingParams,
+    SlotOutput,
+    StepFailed,
+    StepPlan,
+    StepResult,
+)
 from ballast.memory.types import CostModel
 
 # A toy vocabulary: id 0 is end-of-sequence, a few ids are several characters long.
@@ -338,7 +346,10 @@ class FakeEngine:
             for c in plan.prefills
             if (out := self._prefill(c.slot, c.token_ids, c.start_pos, c.sample, plan)) is not None
         ]
-        outputs += [self._decode(d.slot, d.token_id, d.pos, plan) for d in plan.decodes]
+        # A plan built ahead (LAST_SAMPLED) may still decode a slot the previous step dropped:
+        # skipped, as the real engine skips it.
+        decodes = [d for d in plan.decodes if not (d.token_id == LAST_SAMPLED and d.slot in self._dropped)]
+        outputs += [self._decode(d.slot, d.token_id, d.pos, plan) for d in decodes]
         for save in plan.saves:
             consumed = self._seqs.get(save.slot, self._consumed.get(save.slot))
             if consumed is None or tuple(consumed) != save.prefix:
@@ -403,6 +414,8 @@ class FakeEngine:
     def _decode(self, slot: int, token: int, pos: int, plan: StepPlan) -> SlotOutput:
         self._check_slot(slot)
         seq = self._seqs.get(slot)
+        if token == LAST_SAMPLED:  # the token the slot's previous step sampled
+            token = self._pending.get(slot, LAST_SAMPLED)
         if seq is None or slot not in self._pending or self._pending[slot] != token or len(seq) != pos:
             raise FakeEngineError(
                 f"decode of slot {slot} token {token} at {pos} does not continue its sequence"

@@ -12,8 +12,8 @@ from ballast.engine.sampler import Sampler, filter_logits
 CPU = torch.device("cpu")
 
 
-def col(*values: float) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32).unsqueeze(-1)
+def col(*values: float) -> tuple[float, ...]:
+    return values
 
 
 def kept(filtered: torch.Tensor) -> list[list[int]]:
