@@ -357,6 +357,8 @@ class TokenizeRequest(_Request):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must hold at least one message")
         return self
 
 

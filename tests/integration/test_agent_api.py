@@ -233,6 +233,8 @@ def test_tokenize_detokenize_and_model_routes(base_url: str, client: openai.Open
     assert httpx.post(base_url + "/detokenize", json={"tokens": r["tokens"]}).json() == {
         "prompt": "Hello world"
     }
+    empty = httpx.post(base_url + "/tokenize", json={"messages": []})  # schemathesis found a 500 here
+    assert empty.status_code == 400 and "at least one message" in empty.json()["error"]["message"]
     assert client.models.retrieve("default").id == "default"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")

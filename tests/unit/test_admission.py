@@ -262,7 +262,8 @@ def test_host_verdict_within_budget_and_cap_is_largest(
 def test_gpu_verdict_within_ledger_headroom(
     cost: CostModel, n_prompt: int, n_new: int, headroom: int, ledger: int, max_window: int, quantized: bool
 ) -> None:
-    state = host_state(available=8 * GiB, dies=(die(ceiling=ledger + headroom, ledger=ledger),))
+    # the driver has more free than the ledger allows: the ledger's headroom binds
+    state = host_state(available=8 * GiB, dies=(die(ceiling=ledger + headroom, ledger=ledger, free=1 << 40),))
     v = admit(n_prompt, n_new, state, cost, gpu_die=0, max_window=max_window, quantized_kv=quantized)
     n = n_prompt + n_new
     fits = lambda w: die_request_bytes(cost, w, quantized) <= headroom  # noqa: E731
