@@ -1,0 +1,72 @@
+"""Tensor parallel on the CPU (gloo): two ranks, each with its shard, give the logits of one
+device, for a tiny model of every architecture, over prefills and decodes of several slots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from ballast.models.base import UnsupportedModel
+from ballast.models.builtin import builtin_config
+from ballast.models.parallel import ShardPlan, apply_cut, shard_hf_config
+from ballast.models.registry import MODEL_CLASSES
+from tp_harness import reference_logits, sharded_logits, steps_for
+
+VOCAB = 1001  # odd: the vocabulary's last shard is padded
+
+
+def _tiny(name: str, **over: Any) -> dict[str, Any]:
+    return {**builtin_config(name), "vocab_size": VOCAB, **over}
+
+
+MODELS = {
+    "llama": _tiny("tiny-llama"),
+    "qwen3 (q/k norms, untied head)": _tiny("tiny-qwen3", tie_word_embeddings=False),
+    "llama, 1 KV head replicated on both ranks": _tiny("tiny-llama", num_key_value_heads=1, seed=3),
+    "qwen3_next": _tiny("tiny-qwen3-next"),
+    "qwen3_5_moe": _tiny("tiny-qwen3.5-moe"),
+}
+
+
+def test_every_registered_architecture_is_covered() -> None:
+    types = {m["model_type"] for m in MODELS.values()}
+    families = {MODEL_CLASSES[t] for t in types}
+    assert families == set(MODEL_CLASSES.values())
+
+
+def test_two_ranks_give_the_logits_of_one_device() -> None:
+    steps = steps_for(VOCAB)
+    sharded = sharded_logits(list(MODELS.values()), steps, 2, torch.float32, "cpu")
+    for (name, hf), got in zip(MODELS.items(), sharded, strict=True):
+        want = reference_logits(hf, steps, torch.float32, "cpu")
+        assert len(got) == len(want) == len(steps)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g.shape == w.shape == (len(steps[i]), VOCAB), name
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4, msg=f"{name}, step {i}")
+
+
+def test_shards_tile_each_tensor_exactly() -> None:
+    """The two ranks' cuts of every sharded tensor are disjoint and cover it (replicated ones are
+    whole on both), so no weight is lost or counted twice."""
+    hf = _tiny("tiny-qwen3-next")
+    shape = (2 * 32, 64)  # in_proj_qkv-like rows of the conv: q, k, v segments
+    full = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
+    conv = "model.layers.0.linear_attn.conv1d.weight"
+    rows = []
+    for rank in range(2):
+        cut = ShardPlan(hf, rank, 2).cut(conv, (2 * 2 * 16 + 4 * 16, 1, 4))
+        rows.append(cut.ranges)
+    flat = sorted(r for ranges in rows for r in ranges)
+    assert flat == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 96), (96, 128)]
+    # rank 0 keeps the first half of q, of k and of v
+    assert rows[0] == ((0, 16), (32, 48), (64, 96))
+    part = apply_cut(
+        ShardPlan(hf, 1, 2).cut("model.layers.0.self_attn.o_proj.weight", shape), lambda i: full[i], shape
+    )
+    assert torch.equal(part, full[:, 32:])
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused() -> None:
+    with pytest.raises(UnsupportedModel, match="num_attention_heads"):
+        shard_hf_config(_tiny("tiny-llama"), 3)
