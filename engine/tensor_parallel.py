@@ -291,7 +291,9 @@ class ShardedRunner(ModelRunner):
         except Exception as e:
             # The ranks are out of step now (a collective failed, or this rank failed where the
             # others did not): nothing can run on the group any more.
-            raise WorkerLost(f"tensor-parallel step failed: {type(e).__name__}: {e}") from e
+            time.sleep(0.1)  # a peer that dropped the connection is exiting: name it if we can
+            why = self.workers.lost() or "tensor-parallel step failed"
+            raise WorkerLost(f"{why}: {type(e).__name__}: {e}") from e
 
     def _message(self, rows: list[tuple[int, tuple[int, ...], int]], every: list[bool]) -> StepMessage:
         ops: list[list[Any]] = []
