@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -98,6 +100,27 @@ class TPWorkers:
             self._conns.append(ours)
         self.ready: list[WorkerReady] = []
         self._closed = False
+        self._watchdog: threading.Thread | None = None
+
+    def watch(self, nccl: bool) -> None:
+        """Once the group runs: on NCCL a collective waiting for a dead peer would wait out the
+        timeout (a GPU kernel spinning), so a watchdog aborts the group as soon as a worker exits
+        and the waiting step fails at once. (gloo fails it by itself: the peer's socket closes.)"""
+        if not nccl or self._watchdog is not None:
+            return
+
+        def run() -> None:
+            while not self._closed:
+                if self.lost() is not None:
+                    log.error("%s; aborting the tensor-parallel group", self.lost())
+                    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+                    if abort is not None and dist.is_initialized():
+                        abort()
+                    return
+                time.sleep(0.25)
+
+        self._watchdog = threading.Thread(target=run, name="ballast-tp-watchdog", daemon=True)
+        self._watchdog.start()
 
     @property
     def pids(self) -> list[int]:
@@ -176,12 +199,16 @@ def load_sharded(
         watch,
         mem_config,
     )
+    # A timed-out NCCL collective aborts its communicators and raises, rather than the default
+    # of taking the whole process (the server) down.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     workers = TPWorkers(config, quantized_kv)
     leases: list[Lease] = []
     try:
         tp = init_group(0, workers.world, workers.address, device)
         model, hf = load_shard(config, tp, device, dtype)
         ready = workers.wait_loaded()
+        workers.watch(nccl=device.type == "cuda")
         if device.type == "cuda" and watch is not None:
             leases.append(
                 watch.ledger.lease(_die(device), weights_bytes(model), f"weights:{source.name}:tp0")
