@@ -101,6 +101,8 @@ class TPWorkers:
         self.ready: list[WorkerReady] = []
         self._closed = False
         self._watchdog: threading.Thread | None = None
+        self._abort_lock = threading.Lock()
+        self._aborted = False
 
     def watch(self, nccl: bool) -> None:
         """Once the group runs: on NCCL a collective waiting for a dead peer would wait out the
@@ -113,9 +115,7 @@ class TPWorkers:
             while not self._closed:
                 if self.lost() is not None:
                     log.error("%s; aborting the tensor-parallel group", self.lost())
-                    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-                    if abort is not None and dist.is_initialized():
-                        abort()
+                    self._abort()
                     return
                 time.sleep(0.25)
 
@@ -171,8 +171,19 @@ class TPWorkers:
                 proc.join(timeout_s)
         for conn in self._conns:
             conn.close()
+        if self.lost() is not None and self._watchdog is not None:
+            self._abort()  # NCCL: destroying communicators with a dead peer may wait for it
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _abort(self) -> None:
+        with self._abort_lock:
+            if self._aborted or not dist.is_initialized():
+                return
+            self._aborted = True
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is not None:
+                abort()
 
 
 def load_sharded(

@@ -1,0 +1,110 @@
+"""Tensor parallel on two GPUs (NCCL): TP=2 logits against TP=1 on a Qwen3-Next-shaped model in
+bf16; the engine's TP=2 greedy tokens against TP=1 (float32); a worker killed mid-run fails the
+next step at once (the watchdog aborts the group) and the engine reports itself unhealthy.
+
+Run with NVLink SHARP off: NCCL_NVLS_ENABLE=0 pytest tests/gpu/test_tensor_parallel_cuda.py"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+from ballast.bench.kv_capacity import qwen3_next_80b
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
+from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from tp_harness import reference_logits, sharded_logits, steps_for
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def qwen3_next_shaped() -> dict[str, Any]:
+    """Qwen3-Next-80B-A3B's shapes (hidden 2048, 16 heads of 256 / 2 KV heads, DeltaNet 16/32 heads,
+    top-10 experts of 512 intermediate, shared expert, vocab 151936), 8 layers and 16 experts."""
+    return {
+        **qwen3_next_80b(),
+        "num_hidden_layers": 8,
+        "num_experts": 16,
+        "tie_word_embeddings": False,
+        "seed": 0,
+    }
+
+
+def test_tp2_logits_match_tp1_in_bf16() -> None:
+    hf = qwen3_next_shaped()
+    steps = steps_for(hf["vocab_size"])
+    want = reference_logits(hf, steps, torch.bfloat16, "cuda")
+    [got] = sharded_logits([hf], steps, 2, torch.bfloat16, "cuda")
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape
+        rel = float((g - w).abs().max() / w.abs().max())
+        cos = torch.nn.functional.cosine_similarity(g, w, dim=-1)
+        assert rel < 0.05, f"step {i}: max |TP2 - TP1| is {rel:.3f} of max |logit|"
+        assert float(cos.min()) > 0.995, f"step {i}: cosine {cos.tolist()}"
+
+
+def greedy_tokens(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Prefill every prompt in one step, then decode all of them together n - 1 times."""
+    sampling = {s: GREEDY for s in range(len(prompts))}
+    prefills = tuple(PrefillChunk(s, tuple(p), 0, True) for s, p in enumerate(prompts))
+    result = engine.submit(StepPlan(prefills=prefills, sampling=sampling)).result()
+    out = {o.slot: [o.token_id] for o in result.outputs}
+    for step in range(n - 1):
+        decodes = tuple(DecodeToken(s, out[s][-1], len(p) + step) for s, p in enumerate(prompts))
+        result = engine.submit(StepPlan(decodes=decodes, sampling=sampling)).result()
+        for o in result.outputs:
+            out[o.slot].append(o.token_id)
+    engine.submit(StepPlan(release=tuple(sampling))).result()
+    return [out[s] for s in range(len(prompts))]
+
+
+def engine(tp: int) -> Engine:
+    cfg = EngineConfig(
+        model="builtin:tiny-qwen3-next",
+        device="cuda",
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=4,
+        tensor_parallel_size=tp,
+    )
+    return Engine.load(cfg)
+
+
+def test_the_engine_on_two_gpus_decodes_the_tokens_of_one() -> None:
+    prompts = [[1, 400, 5000, 17, 23], [9, 8, 7], list(range(100, 300))]
+    one = engine(1)
+    try:
+        want = greedy_tokens(one, prompts, 16)
+    finally:
+        one.shutdown()
+    two = engine(2)
+    try:
+        assert greedy_tokens(two, prompts, 16) == want
+        assert two.healthy
+    finally:
+        two.shutdown()
+
+
+def test_a_killed_worker_fails_the_next_step_at_once() -> None:
+    two = engine(2)
+    try:
+        greedy_tokens(two, [[1, 2, 3]], 2)
+        [pid] = two.runner.workers.pids  # type: ignore[attr-defined]
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="ballast-tp1|tensor-parallel"):
+            for _ in range(100):
+                greedy_tokens(two, [[1, 2, 3]], 4)
+        assert time.monotonic() - t0 < 30
+        assert not two.healthy
+    finally:
+        two.shutdown()
