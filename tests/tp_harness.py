@@ -7,8 +7,10 @@ states, over the same steps. Both return the logits of every step.
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,9 +19,11 @@ import torch.multiprocessing as mp
 from ballast.engine.tp_worker import init_group
 from ballast.models.base import ForwardBatch
 from ballast.models.builtin import init_random
-from ballast.models.parallel import ShardPlan, build_shard, load_full_into_shard
+from ballast.models.hf_loader import inspect_hf_dir
+from ballast.models.parallel import ShardPlan, build_shard, load_full_into_shard, load_hf_shard
 from ballast.models.registry import build_model
 from ballast.models.state import allocate_states, dtype_bytes
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 Step = list[tuple[int, list[int], int]]
@@ -47,6 +51,30 @@ def steps_for(vocab: int, seed: int = 0) -> list[Step]:
             pos[s] += 1
         steps.append(step)
     return steps
+
+
+def write_checkpoint(hf: dict[str, Any], path: Path, per_expert: bool) -> dict[str, Any]:
+    """The full random model of hf as an HF directory (config.json + safetensors); per_expert
+    stores each expert's projections separately, as many published checkpoints do. Returns hf
+    with `checkpoint_dir` set, for `sharded_logits`."""
+    state = {k: v.contiguous() for k, v in full_model(hf, torch.float32, "cpu").state_dict().items()}
+    if hf.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    if per_expert:
+        for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
+            prefix = name.removesuffix("gate_up_proj")
+            gate_up, down = state.pop(name), state.pop(prefix + "down_proj")
+            half = gate_up.shape[1] // 2
+            for e in range(gate_up.shape[0]):
+                state[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :half].contiguous()
+                state[f"{prefix}{e}.up_proj.weight"] = gate_up[e, half:].contiguous()
+                state[f"{prefix}{e}.down_proj.weight"] = down[e].contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    names = sorted(state)
+    save_file({n: state[n] for n in names[: len(names) // 2]}, str(path / "model-00001.safetensors"))
+    save_file({n: state[n] for n in names[len(names) // 2 :]}, str(path / "model-00002.safetensors"))
+    (path / "config.json").write_text(json.dumps(hf))
+    return {**hf, "checkpoint_dir": str(path)}
 
 
 def full_model(hf: dict[str, Any], dtype: torch.dtype, device: str) -> nn.Module:
@@ -88,10 +116,13 @@ def _rank(
     try:
         for hf in models:  # one process group for all of them: spawning is the slow part
             shard = build_shard(hf, tp, dtype, dev)
-            full = build_model(hf, dtype=torch.float32, device="cpu")
-            init_random(full, int(hf.get("seed", 0)))
-            load_full_into_shard(shard, full.state_dict(), ShardPlan(hf, rank, world))
-            del full
+            if "checkpoint_dir" in hf:  # read this rank's slices of the safetensors files
+                load_hf_shard(shard, inspect_hf_dir(hf["checkpoint_dir"]), ShardPlan(hf, rank, world))
+            else:
+                full = build_model(hf, dtype=torch.float32, device="cpu")
+                init_random(full, int(hf.get("seed", 0)))
+                load_full_into_shard(shard, full.state_dict(), ShardPlan(hf, rank, world))
+                del full
             out.append(run_steps(shard, steps, dtype, dev))
             del shard
         return out

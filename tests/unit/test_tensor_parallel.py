@@ -3,6 +3,7 @@ device, for a tiny model of every architecture, over prefills and decodes of sev
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ from ballast.models.base import UnsupportedModel
 from ballast.models.builtin import builtin_config
 from ballast.models.parallel import ShardPlan, apply_cut, shard_hf_config
 from ballast.models.registry import MODEL_CLASSES
-from tp_harness import reference_logits, sharded_logits, steps_for
+from tp_harness import reference_logits, sharded_logits, steps_for, write_checkpoint
 
 VOCAB = 1001  # odd: the vocabulary's last shard is padded
 
@@ -43,6 +44,22 @@ def test_two_ranks_give_the_logits_of_one_device() -> None:
         assert len(got) == len(want) == len(steps)
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert g.shape == w.shape == (len(steps[i]), VOCAB), name
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4, msg=f"{name}, step {i}")
+
+
+def test_ranks_read_their_slices_of_a_safetensors_checkpoint(tmp_path: Path) -> None:
+    """From an HF directory each rank reads only its slices (per-expert tensors and fused ones),
+    and the logits are still those of the whole model."""
+    models = {
+        "qwen3_next, one tensor per expert": write_checkpoint(MODELS["qwen3_next"], tmp_path / "next", True),
+        "qwen3_5_moe, fused experts": write_checkpoint(MODELS["qwen3_5_moe"], tmp_path / "q35", False),
+        "llama, tied head": write_checkpoint(MODELS["llama"], tmp_path / "llama", False),
+    }
+    steps = steps_for(VOCAB)[:3]
+    sharded = sharded_logits(list(models.values()), steps, 2, torch.float32, "cpu")
+    for (name, hf), got in zip(models.items(), sharded, strict=True):
+        want = reference_logits(hf, steps, torch.float32, "cpu")
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
             torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4, msg=f"{name}, step {i}")
 
 
