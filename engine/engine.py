@@ -196,24 +196,30 @@ class Engine:
 
     @property
     def dies(self) -> list[int]:
-        """Every GPU this engine's ranks hold memory on (empty: it runs on the host)."""
-        die = self.gpu_die
-        if die is None:
+        """Every GPU this engine's ranks hold memory on, rank by rank (empty: it runs on the host)."""
+        if self.device.type != "cuda":
             return []
-        return [die + r for r in range(self.config.tensor_parallel_size)]
+        return [self._die() + r for r in range(self.config.tensor_parallel_size)]
 
     def _capacity_bytes(self) -> int:
         """What the KV pool could still be granted now (ledger headroom, or the host budget)."""
         if self._watch is None:
             return psutil.virtual_memory().available
         if self.device.type == "cuda":
-            return self._watch.ledger.headroom(self._die())
+            die = self.gpu_die
+            assert die is not None
+            return self._watch.ledger.headroom(die)
         return self._watch.read().host_budget_bytes
 
     @property
     def gpu_die(self) -> int | None:
-        """The GPU whose ledger holds this engine's memory (None: it runs on the host)."""
-        return self._die() if self.device.type == "cuda" else None
+        """The GPU whose ledger admission checks (None: it runs on the host). Under tensor
+        parallel every die gets the same leases, so the die with the lowest ledger ceiling is the
+        one that fills first: checking it checks every die."""
+        dies = self.dies
+        if len(dies) > 1 and self._watch is not None:
+            return min(dies, key=self._watch.ledger.ceiling)
+        return dies[0] if dies else None
 
     def _die(self) -> int:
         return self.device.index if self.device.index is not None else torch.cuda.current_device()

@@ -17,6 +17,8 @@ from ballast.bench.kv_capacity import qwen3_next_80b
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from ballast.memory.config import MemoryConfig
+from ballast.memory.watch import MemWatch
 from tp_harness import reference_logits, sharded_logits, steps_for
 
 pytestmark = [
@@ -67,7 +69,7 @@ def greedy_tokens(engine: Engine, prompts: list[list[int]], n: int) -> list[list
     return [out[s] for s in range(len(prompts))]
 
 
-def engine(tp: int) -> Engine:
+def engine(tp: int, watch: MemWatch | None = None) -> Engine:
     cfg = EngineConfig(
         model="builtin:tiny-qwen3-next",
         device="cuda",
@@ -76,7 +78,7 @@ def engine(tp: int) -> Engine:
         max_num_seqs=4,
         tensor_parallel_size=tp,
     )
-    return Engine.load(cfg)
+    return Engine.load(cfg, watch)
 
 
 def test_the_engine_on_two_gpus_decodes_the_tokens_of_one() -> None:
@@ -108,3 +110,20 @@ def test_a_killed_worker_fails_the_next_step_at_once() -> None:
         assert not two.healthy
     finally:
         two.shutdown()
+
+
+def test_every_die_is_leased_on_its_own_ledger() -> None:
+    """Rank 0 leases each worker's shard, slot states, activations and KV segments on the
+    worker's GPU; admission watches the die whose ceiling binds first."""
+    with MemWatch(MemoryConfig()) as watch:
+        two = engine(2, watch)
+        try:
+            greedy_tokens(two, [list(range(1, 300))], 4)
+            held = [watch.ledger.held(d) for d in (0, 1)]
+            assert min(held) > 0 and abs(held[0] - held[1]) < 0.05 * max(held), held
+            assert two.gpu_die in (0, 1) and two.dies == [0, 1]
+            dies = {d.index: d for d in watch.poll_now().dies}
+            assert dies[0].ledger_bytes > 0 and dies[1].ledger_bytes > 0
+        finally:
+            two.shutdown()
+        assert watch.ledger.held(0) == watch.ledger.held(1) == 0
