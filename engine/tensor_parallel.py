@@ -211,8 +211,11 @@ def load_sharded(
         mem_config,
     )
     # A timed-out NCCL collective aborts its communicators and raises, rather than the default
-    # of taking the whole process (the server) down.
+    # of taking the whole process (the server) down. NVLink SHARP (multicast) stays off unless
+    # the operator turns it on: the hosts we run on do not lend it. Set before the workers are
+    # spawned, so they inherit both.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     workers = TPWorkers(config, quantized_kv)
     leases: list[Lease] = []
     try:
