@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from ballast.engine.kv_pool import KVPool
 from ballast.models.base import UnsupportedModel
 from ballast.models.builtin import builtin_config
+from ballast.models.kv_store import KVStore, plan_layout
 from ballast.models.parallel import ShardPlan, apply_cut, shard_hf_config
 from ballast.models.registry import MODEL_CLASSES
 from tp_harness import reference_logits, sharded_logits, steps_for, write_checkpoint
@@ -87,3 +89,39 @@ def test_shards_tile_each_tensor_exactly() -> None:
 def test_a_size_that_does_not_divide_the_heads_is_refused() -> None:
     with pytest.raises(UnsupportedModel, match="num_attention_heads"):
         shard_hf_config(_tiny("tiny-llama"), 3)
+
+
+def test_a_store_replaying_the_journal_ends_identical() -> None:
+    """What a worker does with rank 0's KV changes: segments, tables and block copies (attach's
+    copy of a partial block, compaction) replayed on a store of the same layout leave it equal to
+    the original, so every rank reads its heads' KV through the same block tables."""
+    layout = plan_layout(2, 2, 8, torch.float32, False, 4, 256, torch.device("cpu"), segment_bytes=4 * 4096)
+    ours, theirs = KVStore(layout, "cpu"), KVStore(layout, "cpu")
+    ours.journal = []
+    pool = KVPool(ours)
+    gen = torch.Generator().manual_seed(0)
+    for slot, n in ((0, 100), (1, 40), (2, 200)):
+        assert pool.ensure(slot, n)
+    for op in ours.journal:
+        theirs.replay(op)
+    ours.journal.clear()
+    # the same forward writes the same KV on every rank (here: the same random rows)
+    for t_ours, t_theirs in zip(ours.host.tensors(), theirs.host.tensors(), strict=True):  # type: ignore[union-attr]
+        fill = torch.randn(t_ours.shape, generator=gen)
+        t_ours.copy_(fill)
+        t_theirs.copy_(fill)
+    held = pool.hold(0, 70)  # a prefix-cache hold, then a new slot starting on it (partial block copied)
+    assert pool.attach(3, held, 70)
+    pool.release(0)
+    pool.release(2)
+    pool.compact()
+    pool.shrink()
+    assert {op.kind for op in ours.journal} >= {"copy_block", "set_table", "clear_table", "release_segments"}
+    for op in ours.journal:
+        theirs.replay(op)
+    assert theirs.live_segments == ours.live_segments
+    assert torch.equal(theirs.block_table, ours.block_table)
+    for slot in (1, 3):
+        for block in pool.table(slot):
+            for a, b in zip(ours.block_views(block), theirs.block_views(block), strict=True):
+                assert torch.equal(a, b)
