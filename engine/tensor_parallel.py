@@ -328,13 +328,21 @@ class ShardedRunner(ModelRunner):
         self._pending = None
         self.workers.send(self._message(rows, every))
         try:
-            return super()._run(batch)
+            logits = super()._run(batch)
+            if logits.is_cuda:
+                # A collective aborted under the step (a worker died) leaves partial logits behind
+                # without an error: wait for the step, then look at the workers before trusting it.
+                torch.cuda.current_stream(logits.device).synchronize()
         except Exception as e:
             # The ranks are out of step now (a collective failed, or this rank failed where the
             # others did not): nothing can run on the group any more.
             time.sleep(0.1)  # a peer that dropped the connection is exiting: name it if we can
-            why = self.workers.lost() or "tensor-parallel step failed"
-            raise WorkerLost(f"{why}: {type(e).__name__}: {e}") from e
+            cause = self.workers.lost() or "tensor-parallel step failed"
+            raise WorkerLost(f"{cause}: {type(e).__name__}: {e}") from e
+        lost = self.workers.lost()
+        if lost is not None:
+            raise WorkerLost(f"{lost} during the step")
+        return logits
 
     def _message(self, rows: list[tuple[int, tuple[int, ...], int]], every: list[bool]) -> StepMessage:
         ops: list[list[Any]] = []
