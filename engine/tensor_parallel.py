@@ -60,7 +60,7 @@ from ballast.memory.errors import LedgerFull
 from ballast.memory.ledger import Lease
 from ballast.memory.watch import MemWatch
 from ballast.models import builtin
-from ballast.models.base import ForwardBatch, Rows
+from ballast.models.base import ForwardBatch, Rows, UnsupportedModel
 from ballast.models.default_model import default_model_path
 from ballast.models.gguf_loader import build_tokenizer, read_gguf
 from ballast.models.hf_loader import read_config
@@ -197,6 +197,8 @@ def load_sharded(
     t0 = time.perf_counter()
     hf = builtin.builtin_config(source.name) if source.kind == "builtin" else read_config(_path(source))
     check_tensor_parallel(hf, config.tensor_parallel_size)
+    if hf.get("quantization_config"):
+        raise UnsupportedModel("tensor parallel with a quantized (FP8) checkpoint is not supported")
     shard_weights = shard_weights_bytes(hf, config.tensor_parallel_size, dtype)
     mem_config = watch.config if watch is not None else MemoryConfig()
     # Rank 0's die (or, on the CPU, the host that holds every rank) must fit its share.

@@ -88,6 +88,9 @@ def init_group(rank: int, world: int, address: str, device: torch.device) -> TPG
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
+        device = torch.device(
+            "cuda", device.index if device.index is not None else torch.cuda.current_device()
+        )
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     dist.init_process_group(
