@@ -155,3 +155,37 @@ def sharded_logits(
             p.join(60)
             if p.is_alive():
                 p.terminate()
+
+
+def engine_greedy(
+    engine: Any, prompts: Sequence[Sequence[int]], n: int, release_after: int = 0
+) -> tuple[list[list[int]], list[float]]:
+    """Greedy tokens of every prompt through engine StepPlans: one prefill step, then decodes of
+    all of them together. release_after > 0: after that many decodes the second prompt's slot is
+    released with `shrink_kv` (the pool compacts and gives segments back), the others go on.
+    Returns the tokens per prompt and the logprob of every token sampled, in order."""
+    from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+
+    greedy = SamplingParams(temperature=0.0, logprobs=0)
+    live = list(range(len(prompts)))
+    sampling = {s: greedy for s in live}
+    prefills = tuple(PrefillChunk(s, tuple(p), 0, True) for s, p in enumerate(prompts))
+    result = engine.submit(StepPlan(prefills=prefills, sampling=sampling)).result()
+    out = {o.slot: [o.token_id] for o in result.outputs}
+    logprobs = [float(o.logprob or 0.0) for o in result.outputs]
+    for step in range(n - 1):
+        release: tuple[int, ...] = ()
+        if release_after and step == release_after and len(live) > 1:
+            release, live = (live[1],), [s for s in live if s != live[1]]
+        decodes = tuple(DecodeToken(s, out[s][-1], len(prompts[s]) + step) for s in live)
+        plan = StepPlan(
+            decodes=decodes,
+            sampling={s: greedy for s in live},
+            release=release,
+            shrink_kv=bool(release),
+        )
+        for o in engine.submit(plan).result().outputs:
+            out[o.slot].append(o.token_id)
+            logprobs.append(float(o.logprob or 0.0))
+    engine.submit(StepPlan(release=tuple(live))).result()
+    return [out[s] for s in range(len(prompts))], logprobs

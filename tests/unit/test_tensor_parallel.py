@@ -8,13 +8,15 @@ from typing import Any
 
 import pytest
 import torch
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
 from ballast.engine.kv_pool import KVPool
 from ballast.models.base import UnsupportedModel
 from ballast.models.builtin import builtin_config
 from ballast.models.kv_store import KVStore, plan_layout
 from ballast.models.parallel import ShardPlan, apply_cut, shard_hf_config
 from ballast.models.registry import MODEL_CLASSES
-from tp_harness import reference_logits, sharded_logits, steps_for, write_checkpoint
+from tp_harness import engine_greedy, reference_logits, sharded_logits, steps_for, write_checkpoint
 
 VOCAB = 1001  # odd: the vocabulary's last shard is padded
 
@@ -125,3 +127,34 @@ def test_a_store_replaying_the_journal_ends_identical() -> None:
         for block in pool.table(slot):
             for a, b in zip(ours.block_views(block), theirs.block_views(block), strict=True):
                 assert torch.equal(a, b)
+
+
+def test_the_engine_keeps_every_rank_on_the_same_blocks() -> None:
+    """Through the engine: int8 KV in small segments (the pool grows segment by segment), then a
+    release with shrink_kv (blocks compacted, segments given back) while the others decode on:
+    two ranks decode the tokens one device decodes, so the workers followed every table change."""
+    # 6, 8 and 5 blocks of 32: two segments of 16 blocks; releasing the middle one lets compaction
+    # move the last prompt's blocks down (block copies the workers must make too)
+    prompts = [list(range(3, 183)), list(range(1000, 1250)), list(range(500, 650))]
+
+    def run(tp: int) -> tuple[list[list[int]], list[float]]:
+        cfg = EngineConfig(
+            model="builtin:tiny-qwen3-next",
+            device="cpu",
+            max_model_len=320,
+            max_num_seqs=3,
+            kv_quant="int8",
+            kv_segment_bytes=1,  # one block per segment
+            tensor_parallel_size=tp,
+        )
+        engine = Engine.load(cfg)
+        try:
+            out = engine_greedy(engine, prompts, 12, release_after=4)
+            assert engine.healthy
+            return out
+        finally:
+            engine.shutdown()
+
+    (want, want_lp), (got, got_lp) = run(1), run(2)
+    assert got == want
+    torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-4, rtol=1e-4)
