@@ -16,17 +16,14 @@ import torch
 from ballast.bench.kv_capacity import qwen3_next_80b
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.memory.config import MemoryConfig
 from ballast.memory.watch import MemWatch
-from tp_harness import reference_logits, sharded_logits, steps_for
+from tp_harness import engine_greedy, reference_logits, sharded_logits, steps_for
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
 ]
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 def qwen3_next_shaped() -> dict[str, Any]:
@@ -55,18 +52,7 @@ def test_tp2_logits_match_tp1_in_bf16() -> None:
 
 
 def greedy_tokens(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Prefill every prompt in one step, then decode all of them together n - 1 times."""
-    sampling = {s: GREEDY for s in range(len(prompts))}
-    prefills = tuple(PrefillChunk(s, tuple(p), 0, True) for s, p in enumerate(prompts))
-    result = engine.submit(StepPlan(prefills=prefills, sampling=sampling)).result()
-    out = {o.slot: [o.token_id] for o in result.outputs}
-    for step in range(n - 1):
-        decodes = tuple(DecodeToken(s, out[s][-1], len(p) + step) for s, p in enumerate(prompts))
-        result = engine.submit(StepPlan(decodes=decodes, sampling=sampling)).result()
-        for o in result.outputs:
-            out[o.slot].append(o.token_id)
-    engine.submit(StepPlan(release=tuple(sampling))).result()
-    return [out[s] for s in range(len(prompts))]
+    return engine_greedy(engine, prompts, n)[0]
 
 
 def engine(tp: int, watch: MemWatch | None = None) -> Engine:
