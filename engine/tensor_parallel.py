@@ -199,6 +199,13 @@ def load_sharded(
     check_tensor_parallel(hf, config.tensor_parallel_size)
     if hf.get("quantization_config"):
         raise UnsupportedModel("tensor parallel with a quantized (FP8) checkpoint is not supported")
+    if device.type == "cuda":
+        first, have = _die(device), torch.cuda.device_count()
+        if first + config.tensor_parallel_size > have:
+            raise ModelSpecError(
+                f"tensor-parallel size {config.tensor_parallel_size} needs GPUs {first}.."
+                f"{first + config.tensor_parallel_size - 1}; this host has {have}"
+            )
     shard_weights = shard_weights_bytes(hf, config.tensor_parallel_size, dtype)
     mem_config = watch.config if watch is not None else MemoryConfig()
     # Rank 0's die (or, on the CPU, the host that holds every rank) must fit its share.
