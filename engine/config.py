@@ -100,6 +100,16 @@ class EngineConfig:
             "replay decode steps as CUDA graphs (CUDA only; falls back to eager if capture fails)",
         ),
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=setting(
+            "BALLAST_TENSOR_PARALLEL_SIZE",
+            "split the model over this many devices (one worker process each; torch.distributed: NCCL on "
+            "CUDA, gloo on the CPU); 1 runs it on one device",
+            1,
+            8,
+        ),
+    )
     compile: bool = field(
         default=True,
         metadata=setting(

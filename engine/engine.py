@@ -17,6 +17,7 @@ from itertools import accumulate
 
 import psutil
 import torch
+from ballast.engine import tensor_parallel
 from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
 from ballast.engine.faults import is_device_fault
@@ -101,6 +102,9 @@ class Engine:
     ) -> None:
         self.config = config
         self._prefix_cfg = prefix_cache or PrefixCacheConfig()
+        if config.tensor_parallel_size > 1:
+            # Checkpoints copy slot state out of rank 0's memory only: off under tensor parallel.
+            self._prefix_cfg = replace(self._prefix_cfg, fraction=0.0)
         self._pool = pool
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
@@ -149,7 +153,14 @@ class Engine:
     def _load(self, force_quantized_kv: bool) -> tuple[LoadedModel, ModelRunner, Profile, list[Lease]]:
         cfg = self.config
         pointwise.set_enabled(cfg.compile)  # before the first forward: the profile compiles them
-        loaded = load(cfg, self.device, self.dtype, self._watch)
+        quantized = force_quantized_kv or cfg.kv_quant == "int8"
+        workers = None
+        if cfg.tensor_parallel_size > 1:
+            loaded, workers = tensor_parallel.load_sharded(
+                cfg, self.device, self.dtype, quantized, self._watch
+            )
+        else:
+            loaded = load(cfg, self.device, self.dtype, self._watch)
         leases = list(loaded.leases)
         try:
             profile = profile_prefill(
@@ -160,47 +171,68 @@ class Engine:
                 self.device,
                 self.dtype,
             )
-            quantized = force_quantized_kv or cfg.kv_quant == "int8"
-            graphs = cfg.cuda_graphs and self.device.type == "cuda"
+            # Tensor parallel runs decode eagerly: collectives inside captured graphs are not wired.
+            graphs = cfg.cuda_graphs and self.device.type == "cuda" and workers is None
             die = self.gpu_die
             if self._watch is not None and die is not None:
-                # Lease before allocating: the ledger refuses before the driver would OOM.
+                # Lease before allocating: the ledger refuses before the driver would OOM. Every
+                # rank allocates the same slot states and activations on its own die.
                 planned = planned_state_bytes(loaded.model, self.dtype, cfg.max_num_seqs, graphs)
-                leases.append(self._watch.ledger.lease(die, planned, f"slot-states:{loaded.source.name}"))
-                leases.append(self._watch.ledger.lease(die, profile.peak_activation_bytes, "activations"))
-            acquire = segment_grant(self._watch, die) if self._watch is not None else None
-            runner = ModelRunner(
-                loaded.model,
-                self.device,
-                self.dtype,
-                cfg.max_num_seqs,
-                cfg.max_model_len,
-                quantized,
-                cfg.seed,
-                scratch_slot=graphs,
-                acquire=acquire,
-                segment_bytes=cfg.kv_segment_bytes,
+                for tag, nbytes in (
+                    (f"slot-states:{loaded.source.name}", planned),
+                    ("activations", profile.peak_activation_bytes),
+                ):
+                    leases.extend(tensor_parallel.lease_everywhere(self._watch, self.dies, nbytes, tag))
+            acquire = None
+            if self._watch is not None:
+                acquire = (
+                    tensor_parallel.segment_grant_all(self._watch, self.dies, cfg.tensor_parallel_size)
+                    if workers is not None
+                    else segment_grant(self._watch, die)
+                )
+            args = (loaded.model, self.device, self.dtype, cfg.max_num_seqs, cfg.max_model_len, quantized)
+            kwargs = {"scratch_slot": graphs, "acquire": acquire, "segment_bytes": cfg.kv_segment_bytes}
+            runner = (
+                tensor_parallel.ShardedRunner(*args, cfg.seed, workers=workers, **kwargs)
+                if workers is not None
+                else ModelRunner(*args, cfg.seed, **kwargs)
             )
             if graphs:
                 self._capture_graphs(runner, leases)
         except BaseException:
             for lease in leases:
                 lease.release()
+            if workers is not None:
+                workers.close(timeout_s=2.0)
             raise
         return loaded, runner, profile, leases
+
+    @property
+    def dies(self) -> list[int]:
+        """Every GPU this engine's ranks hold memory on, rank by rank (empty: it runs on the host)."""
+        if self.device.type != "cuda":
+            return []
+        return [self._die() + r for r in range(self.config.tensor_parallel_size)]
 
     def _capacity_bytes(self) -> int:
         """What the KV pool could still be granted now (ledger headroom, or the host budget)."""
         if self._watch is None:
             return psutil.virtual_memory().available
         if self.device.type == "cuda":
-            return self._watch.ledger.headroom(self._die())
+            die = self.gpu_die
+            assert die is not None
+            return self._watch.ledger.headroom(die)
         return self._watch.read().host_budget_bytes
 
     @property
     def gpu_die(self) -> int | None:
-        """The GPU whose ledger holds this engine's memory (None: it runs on the host)."""
-        return self._die() if self.device.type == "cuda" else None
+        """The GPU whose ledger admission checks (None: it runs on the host). Under tensor
+        parallel every die gets the same leases, so the die with the lowest ledger ceiling is the
+        one that fills first: checking it checks every die."""
+        dies = self.dies
+        if len(dies) > 1 and self._watch is not None:
+            return min(dies, key=self._watch.ledger.ceiling)
+        return dies[0] if dies else None
 
     def _die(self) -> int:
         return self.device.index if self.device.index is not None else torch.cuda.current_device()
@@ -253,7 +285,9 @@ class Engine:
         self.prefix_cache = self._cache if self._prefix_cfg.enabled else None
         self.checkpoint_interval = self._cache.interval if self.prefix_cache is not None else 0
         self.quantized_kv = runner.quantized_kv
-        self.slot_kv = SlotKV(self.runner, self._cache, self._watch)
+        self.slot_kv = SlotKV(
+            self.runner, self._cache, self._watch, park=self.config.tensor_parallel_size == 1
+        )
         # Cumulative figures: prompt tokens run through the model vs restored from checkpoints.
         self.prefilled_tokens = 0
         self.reused_tokens = 0
@@ -337,7 +371,7 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
-        return self._healthy
+        return self._healthy and self.runner.sound
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         if not self._healthy:
@@ -371,6 +405,7 @@ class Engine:
             pool.close()  # segments' grants (ledger leases) released
         for lease in self._leases:
             lease.release()
+        self.runner.close()
 
     # --- the step, on the engine thread ---------------------------------------------------------
 

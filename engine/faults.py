@@ -27,10 +27,17 @@ _DEVICE_ERROR_MARKS = (
 )
 
 
+class WorkerLost(RuntimeError):
+    """A tensor-parallel worker is gone or a collective failed: the ranks can no longer run a
+    step together, so the engine is unsound (like a poisoned CUDA context)."""
+
+
 def is_device_fault(exc: BaseException) -> bool:
     """True when `exc` means the device can no longer be trusted (the process must restart)."""
     if not isinstance(exc, Exception):
         return True  # KeyboardInterrupt, SystemExit: never swallowed
+    if isinstance(exc, WorkerLost):
+        return True
     if isinstance(exc, torch.cuda.OutOfMemoryError | MemoryError):
         return False
     accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8

@@ -236,6 +236,15 @@ class ModelRunner:
         return sum(s.nbytes for s in self.states if s.slot_views(0)) + self.sampler.state_bytes
 
     @property
+    def sound(self) -> bool:
+        """Whether this runner can still run a step (a tensor-parallel one needs its workers)."""
+        return True
+
+    def close(self) -> None:
+        """Let go of what outlives the engine thread (a tensor-parallel runner's workers)."""
+        return None
+
+    @property
     def pools(self) -> list[KVPool]:
         return [p for p in (self.kv, self.kv_int8) if p is not None]
 

@@ -27,8 +27,13 @@ log = logging.getLogger(__name__)
 
 
 class SlotKV:
-    def __init__(self, runner: ModelRunner, cache: PrefixCache, watch: MemWatch | None) -> None:
+    def __init__(
+        self, runner: ModelRunner, cache: PrefixCache, watch: MemWatch | None, park: bool = True
+    ) -> None:
+        """park False: a preempted sequence is always recomputed (tensor parallel: its state is
+        spread over every rank's memory, which one host buffer here cannot hold)."""
         self._runner = runner
+        self._park_enabled = park
         self._cache = cache
         self._watch = watch
         self._int8: dict[int, KVPool] = {}  # slots whose sequence lives in the int8 pool
@@ -135,7 +140,7 @@ class SlotKV:
         is when the host is short too."""
         fed = self._fed.get(slot)
         pool = self.pool_of(slot)
-        if not fed or pool.store.device.type != "cuda":
+        if not self._park_enabled or not fed or pool.store.device.type != "cuda":
             return
         slots = max(1, self._runner.num_slots)
         need = len(pool.table(slot)) * pool.layout.block_bytes + self._runner.fixed_bytes // slots

@@ -46,6 +46,15 @@ SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
+class StoreOp:
+    """One change a `KVStore` made to its segments, tables or blocks, recorded so that another
+    store of the same layout (a tensor-parallel rank's) can make the same change: `replay`."""
+
+    kind: str  # add_segment | release_segments | clear_table | set_table | copy_block
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """The shape of a model's KV store; fixed at load."""
 
@@ -250,17 +259,40 @@ class KVStore:
         # The CPU path's row and block indices of this step's batch and its attention groups,
         # shared by every layer (see attention.py).
         self.step_index: list[tuple[Any, tuple[Tensor, Tensor], Tensor]] = []
+        # Set (to []) where other ranks mirror this store: every change is appended as a StoreOp.
+        self.journal: list[StoreOp] | None = None
+
+    def _record(self, kind: str, *args: Any) -> None:
+        if self.journal is not None:
+            self.journal.append(StoreOp(kind, args))
+
+    def replay(self, op: StoreOp) -> None:
+        """Make the change another store recorded (same layout, same block ids)."""
+        if op.kind == "add_segment":
+            self.add_segment(op.args[0])
+        elif op.kind == "release_segments":
+            self.release_segments(op.args[0])
+        elif op.kind == "clear_table":
+            self.clear_table(op.args[0])
+        elif op.kind == "set_table":
+            self.set_table(op.args[0], op.args[1], op.args[2])
+        elif op.kind == "copy_block":
+            self.copy_block(op.args[0], op.args[1])
+        else:
+            raise ValueError(f"unknown KV store change {op.kind!r}")
 
     @property
     def bytes_held(self) -> int:
         return len(self.live_segments) * self.layout.segment_bytes
 
     def add_segment(self, seg: int) -> None:
+        self._record("add_segment", seg)
         if self.cuda is not None:
             self.cuda.add_segment(seg)
         self.live_segments.add(seg)
 
     def release_segments(self, segs: Sequence[int]) -> None:
+        self._record("release_segments", tuple(segs))
         for seg in segs:
             self.live_segments.discard(seg)
             if self.cuda is not None:
@@ -272,10 +304,12 @@ class KVStore:
 
     def clear_table(self, slot: int) -> None:
         """The slot holds no block here: its row points at the sink block (see `SINK_BLOCK`)."""
+        self._record("clear_table", slot)
         self.block_table[slot].zero_()
 
     def set_table(self, slot: int, start: int, blocks: Sequence[int]) -> None:
         """Table entries start.. of the slot's row become `blocks` (one small host-to-device copy)."""
+        self._record("set_table", slot, start, tuple(blocks))
         if blocks:
             host = torch.tensor(blocks, dtype=torch.int32)
             # Pinned and non-blocking on CUDA: a pageable copy would wait for the step on the GPU.
@@ -294,6 +328,7 @@ class KVStore:
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy a whole block (every layer), e.g. copy on write of a shared partial block."""
+        self._record("copy_block", src, dst)
         if self.cuda is not None:
             for d, s in zip(self.cuda.block(dst), self.cuda.block(src), strict=True):
                 d.copy_(s)

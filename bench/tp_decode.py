@@ -1,0 +1,206 @@
+"""Decode throughput with tensor parallel: the same Qwen3-Next-shaped model (random weights) served
+by one GPU and split over two (`--tensor-parallel-size 2`), batch 1/32/128, side by side.
+
+The model is written once as a Hugging Face directory (safetensors, under --work-dir), so both
+sides load it the way a real checkpoint loads (each TP rank reads only its slices). Each side is
+an `Engine` (`EngineConfig(model=dir, tensor_parallel_size=..)`): every slot is prefilled to
+--context tokens through StepPlans, then --steps greedy decode steps of all slots are timed after
+two warm-up steps. Rows: TP=1 as served (CUDA graphs on), TP=1 eager (graphs off: what TP=2 runs,
+since collectives are not captured in graphs yet) and TP=2; tok/s = batch x steps / seconds.
+
+Qwen3-Next-shaped = Qwen3-Next-80B-A3B's shapes (48 layers, hidden 2048, 16 heads of 256, gated
+DeltaNet 16/32 heads, top-10 of --experts experts + a shared expert; default 26 experts: ~6.2B
+parameters, 12.5 GB in bf16).
+
+    NCCL_NVLS_ENABLE=0 python -m ballast.bench.tp_decode --device cuda   # 2 GPUs
+    python -m ballast.bench.tp_decode --device cpu --tiny --batches 1 4 --context 32 --steps 4
+                                                                         # plumbing check, gloo
+
+Table on stdout, JSON to bench/results/tp_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from ballast.bench.hybrid_decode import SMALL_HYBRID_MOE
+from ballast.bench.kv_capacity import qwen3_next_80b
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
+from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from ballast.models.gated_delta import GatedDeltaNet, GatedRMSNorm
+from ballast.models.qwen3_next import CenteredRMSNorm
+from ballast.models.registry import build_model
+from safetensors.torch import save_file
+
+RESULTS = Path(__file__).parent / "results" / "tp_decode.json"
+GREEDY = SamplingParams(temperature=0.0)
+WARMUP_STEPS = 2
+FILE_BYTES = 2 << 30  # safetensors file size, as published checkpoints shard theirs
+
+
+def model_config(tiny: bool, experts: int) -> dict[str, Any]:
+    if tiny:
+        return {**SMALL_HYBRID_MOE, "vocab_size": 8192}
+    return {**qwen3_next_80b(), "num_experts": experts, "tie_word_embeddings": False}
+
+
+@torch.no_grad()
+def write_random_checkpoint(cfg: dict[str, Any], out: Path, device: torch.device, dtype: torch.dtype) -> int:
+    """A random-weights HF directory for cfg (built on `device`, one parameter at a time into files
+    of ~2 GiB); returns the parameter count."""
+    model = build_model(cfg, dtype=dtype, device=device)
+    for module in model.modules():
+        if isinstance(module, GatedRMSNorm):
+            module.weight.fill_(1.0)  # the DeltaNet output's norm is not centred
+        elif isinstance(module, CenteredRMSNorm):
+            module.weight.zero_()  # scale 1
+        elif isinstance(module, GatedDeltaNet):
+            module.A_log.copy_(torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
+            module.dt_bias.fill_(1.0)
+    count, size, files = 0, 0, 0
+    part: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if "norm" not in name and not name.endswith(("A_log", "dt_bias")):
+            p.normal_(0.0, 0.02)  # norms, decays and dt biases keep the values set above
+        count += p.numel()
+        part[name] = p.detach().to("cpu").contiguous()
+        size += p.numel() * p.element_size()
+        if size >= FILE_BYTES:
+            save_file(part, str(out / f"model-{files:05d}.safetensors"))
+            part, size, files = {}, 0, files + 1
+    if part:
+        save_file(part, str(out / f"model-{files:05d}.safetensors"))
+    (out / "config.json").write_text(json.dumps({**cfg, "torch_dtype": str(dtype).removeprefix("torch.")}))
+    del model
+    return count
+
+
+def decode_rate(engine: Engine, batch: int, context: int, steps: int, vocab: int) -> float:
+    """Tokens per second of `steps` decode steps of `batch` slots at `context` positions."""
+    gen = torch.Generator().manual_seed(batch)
+    last: dict[int, int] = {}
+    chunk = engine.prefill_chunk_tokens
+    for slot in range(batch):
+        prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
+        for start in range(0, context, chunk):
+            part = tuple(prompt[start : start + chunk])
+            final = start + len(part) == context
+            plan = StepPlan(prefills=(PrefillChunk(slot, part, start, final),), sampling={slot: GREEDY})
+            result = engine.submit(plan).result()
+        last[slot] = result.outputs[0].token_id
+    sampling = {s: GREEDY for s in range(batch)}
+    t0 = 0.0
+    for step in range(WARMUP_STEPS + steps):
+        if step == WARMUP_STEPS:
+            t0 = time.perf_counter()
+        decodes = tuple(DecodeToken(s, last[s], context + step) for s in range(batch))
+        result = engine.submit(StepPlan(decodes=decodes, sampling=sampling)).result()
+        last = {o.slot: o.token_id for o in result.outputs}
+    seconds = time.perf_counter() - t0
+    engine.submit(StepPlan(release=tuple(range(batch)))).result()
+    return batch * steps / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument("--context", type=int, default=1024, help="prefilled tokens per slot")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    parser.add_argument("--experts", type=int, default=26)
+    parser.add_argument("--tp", type=int, default=2, help="the split side's tensor-parallel size")
+    parser.add_argument("--tiny", action="store_true", help="a small model of the same kind")
+    parser.add_argument("--device", default="cuda", help="cuda (GPUs 0..tp-1) or cpu (gloo)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--work-dir", type=Path, default=None, help="where the checkpoint is written")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    cfg = model_config(args.tiny, args.experts)
+    work = Path(tempfile.mkdtemp(prefix="ballast-tp-", dir=args.work_dir))
+    device = torch.device("cuda:0" if args.device == "cuda" else args.device)
+    try:
+        params = write_random_checkpoint(cfg, work, device, dtype)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        sides = [("TP=1", 1, True), ("TP=1 eager", 1, False), (f"TP={args.tp}", args.tp, False)]
+        if device.type != "cuda":
+            sides = [("TP=1", 1, False), (f"TP={args.tp}", args.tp, False)]
+        rates: dict[str, dict[int, float]] = {}
+        for label, tp, graphs in sides:
+            engine = Engine.load(
+                EngineConfig(
+                    model=str(work),
+                    device=args.device,
+                    dtype=args.dtype,
+                    max_num_seqs=max(args.batches),
+                    max_model_len=args.context + WARMUP_STEPS + args.steps + 8,
+                    cuda_graphs=graphs,
+                    tensor_parallel_size=tp,
+                )
+            )
+            try:
+                rates[label] = {
+                    b: decode_rate(engine, b, args.context, args.steps, cfg["vocab_size"])
+                    for b in args.batches
+                }
+            finally:
+                engine.shutdown()
+                del engine
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    labels = [label for label, _, _ in sides]
+    split = labels[-1]
+    rows = [
+        {
+            "batch": b,
+            **{label: rates[label][b] for label in labels},
+            "speedup": rates[split][b] / rates[labels[0]][b],
+        }
+        for b in args.batches
+    ]
+    print(
+        f"decode tok/s, Qwen3-Next-shaped {params / 1e9:.2f}B params, {args.dtype}, context {args.context}, "
+        f"{args.steps} steps, {args.device}"
+    )
+    print(f"{'batch':>5} " + " ".join(f"{label:>12}" for label in labels) + f" {split + ' / TP=1':>14}")
+    for r in rows:
+        print(
+            f"{r['batch']:>5} "
+            + " ".join(f"{r[label]:>12.1f}" for label in labels)
+            + f" {r['speedup']:>13.2f}x"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "bench": "tp_decode",
+        "config": cfg,
+        "params": params,
+        "context": args.context,
+        "steps": args.steps,
+        "dtype": args.dtype,
+        "device": args.device,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if device.type == "cuda"
+        else [],
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""Rank 0 of a tensor-parallel engine: the workers it spawns, its shard, and its runner.
+
+`TPWorkers` spawns ranks 1..N-1 (engine/tp_worker.py), joins the process group with them and
+watches that they live. `ShardedRunner` is the `ModelRunner` of rank 0: before each forward it
+sends the step (rows, and the KV stores' changes since the last one) to every worker, so all
+ranks run the same forward on the same block tables. Prefix checkpoints and parking are off
+under tensor parallel (they copy slot state out of one rank's memory only): a preempted sequence
+is recomputed. CUDA graphs are off too (decode runs eagerly).
+
+Every die is governed from rank 0: what a worker's die holds (its shard's weights, the same slot
+states, activation reserve and KV segments as rank 0's) is leased on that die's ledger by rank 0,
+and a KV segment is granted only when every die's ledger has room for it.
+
+A worker that dies (or a collective that fails) makes the engine unsound: the forward raises
+`WorkerLost` (a device fault: the step's requests fail with a 5xx and /health turns red), and
+`sound` is False as soon as the watchdog sees a worker gone, even while idle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from ballast.engine.config import EngineConfig
+from ballast.engine.faults import WorkerLost
+from ballast.engine.kv_budget import segment_grant
+from ballast.engine.kv_pool import Acquire
+from ballast.engine.loading import (
+    LazyTokenizer,
+    LoadedModel,
+    ModelSource,
+    ModelSpecError,
+    admit_load,
+    resolve,
+)
+from ballast.engine.runner import ModelRunner, weights_bytes
+from ballast.engine.tokenizer import Tokenizer
+from ballast.engine.tp_worker import (
+    StepMessage,
+    Stop,
+    WorkerFailed,
+    WorkerReady,
+    init_group,
+    load_shard,
+    worker_main,
+)
+from ballast.memory.config import MemoryConfig
+from ballast.memory.errors import LedgerFull
+from ballast.memory.ledger import Lease
+from ballast.memory.watch import MemWatch
+from ballast.models import builtin
+from ballast.models.base import ForwardBatch, Rows, UnsupportedModel
+from ballast.models.default_model import default_model_path
+from ballast.models.gguf_loader import build_tokenizer, read_gguf
+from ballast.models.hf_loader import read_config
+from ballast.models.parallel import check_tensor_parallel, shard_hf_config, shard_weights_bytes
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 1800.0  # a worker that has not loaded its shard by then has failed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TPWorkers:
+    """Ranks 1..N-1: their processes and the pipes their steps go through."""
+
+    def __init__(self, config: EngineConfig, quantized_kv: bool) -> None:
+        self.world = config.tensor_parallel_size
+        self.address = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        for rank in range(1, self.world):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main,
+                args=(rank, self.world, self.address, config, quantized_kv, theirs),
+                name=f"ballast-tp{rank}",
+            )
+            proc.start()
+            theirs.close()
+            self._procs.append(proc)
+            self._conns.append(ours)
+        self.ready: list[WorkerReady] = []
+        self._closed = False
+        self._watchdog: threading.Thread | None = None
+        self._abort_lock = threading.Lock()
+        self._aborted = False
+
+    def watch(self, nccl: bool) -> None:
+        """Once the group runs: on NCCL a collective waiting for a dead peer would wait out the
+        timeout (a GPU kernel spinning), so a watchdog aborts the group as soon as a worker exits
+        and the waiting step fails at once. (gloo fails it by itself: the peer's socket closes.)"""
+        if not nccl or self._watchdog is not None:
+            return
+
+        def run() -> None:
+            while not self._closed:
+                if self.lost() is not None:
+                    log.error("%s; aborting the tensor-parallel group", self.lost())
+                    self._abort()
+                    return
+                time.sleep(0.25)
+
+        self._watchdog = threading.Thread(target=run, name="ballast-tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self._procs]
+
+    def lost(self) -> str | None:
+        """Why the group is unusable (a worker exited), or None."""
+        for proc in self._procs:
+            if not proc.is_alive():
+                return f"tensor-parallel worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
+
+    def wait_loaded(self, timeout_s: float = LOAD_TIMEOUT_S) -> list[WorkerReady]:
+        """Each worker's report once its shard is loaded; raises WorkerLost if one failed."""
+        deadline = time.monotonic() + timeout_s
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            while not conn.poll(0.2):
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    raise WorkerLost(self.lost() or f"{proc.name} did not load its shard in {timeout_s:.0f}s")
+            msg = conn.recv()
+            if isinstance(msg, WorkerFailed):
+                raise WorkerLost(f"tensor-parallel rank {msg.rank} failed to load: {msg.error}")
+            self.ready.append(msg)
+        return self.ready
+
+    def send(self, msg: StepMessage | Stop) -> None:
+        why = self.lost()
+        if why is not None:
+            raise WorkerLost(why)
+        try:
+            for conn in self._conns:
+                conn.send(msg)
+        except OSError as e:  # a pipe whose reader is gone
+            raise WorkerLost(f"a tensor-parallel worker is gone: {e}") from e
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the workers (Stop, then terminate any that linger) and leave the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.lost() is None:
+            with contextlib.suppress(WorkerLost):
+                self.send(Stop())
+        for proc in self._procs:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout_s)
+        for conn in self._conns:
+            conn.close()
+        if self.lost() is not None and self._watchdog is not None:
+            self._abort()  # NCCL: destroying communicators with a dead peer may wait for it
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _abort(self) -> None:
+        with self._abort_lock:
+            if self._aborted or not dist.is_initialized():
+                return
+            self._aborted = True
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is not None:
+                abort()
+
+
+def load_sharded(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, quantized_kv: bool, watch: MemWatch | None
+) -> tuple[LoadedModel, TPWorkers]:
+    """Spawn the workers, join the group, admit and load rank 0's shard while they load theirs,
+    and lease every die's weights on its ledger."""
+    source = resolve(config.model)
+    if source.kind not in ("builtin", "hf"):
+        raise ModelSpecError(f"tensor parallel serves built-in and Hugging Face models, not {source.kind}")
+    t0 = time.perf_counter()
+    hf = builtin.builtin_config(source.name) if source.kind == "builtin" else read_config(_path(source))
+    check_tensor_parallel(hf, config.tensor_parallel_size)
+    if hf.get("quantization_config"):
+        raise UnsupportedModel("tensor parallel with a quantized (FP8) checkpoint is not supported")
+    if device.type == "cuda":
+        first, have = _die(device), torch.cuda.device_count()
+        if first + config.tensor_parallel_size > have:
+            raise ModelSpecError(
+                f"tensor-parallel size {config.tensor_parallel_size} needs GPUs {first}.."
+                f"{first + config.tensor_parallel_size - 1}; this host has {have}"
+            )
+    shard_weights = shard_weights_bytes(hf, config.tensor_parallel_size, dtype)
+    mem_config = watch.config if watch is not None else MemoryConfig()
+    # Rank 0's die (or, on the CPU, the host that holds every rank) must fit its share.
+    ranks_here = 1 if device.type == "cuda" else config.tensor_parallel_size
+    admit_load(
+        shard_hf_config(hf, config.tensor_parallel_size),
+        config,
+        device,
+        dtype,
+        shard_weights * ranks_here,
+        watch,
+        mem_config,
+    )
+    # A timed-out NCCL collective aborts its communicators and raises, rather than the default
+    # of taking the whole process (the server) down. NVLink SHARP (multicast) stays off unless
+    # the operator turns it on: the hosts we run on do not lend it. Set before the workers are
+    # spawned, so they inherit both.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    workers = TPWorkers(config, quantized_kv)
+    leases: list[Lease] = []
+    try:
+        tp = init_group(0, workers.world, workers.address, device)
+        model, hf = load_shard(config, tp, device, dtype)
+        ready = workers.wait_loaded()
+        workers.watch(nccl=device.type == "cuda")
+        if device.type == "cuda" and watch is not None:
+            leases.append(
+                watch.ledger.lease(_die(device), weights_bytes(model), f"weights:{source.name}:tp0")
+            )
+            for r in ready:
+                assert r.die is not None
+                watch.ledger.register_die(r.die, r.die_total_bytes, r.die_free_bytes_before)
+                leases.append(watch.ledger.lease(r.die, r.weights_bytes, f"weights:{source.name}:tp{r.rank}"))
+    except BaseException:
+        for lease in leases:
+            lease.release()
+        workers.close(timeout_s=2.0)
+        raise
+    if source.kind == "builtin":
+        tokenizer = LazyTokenizer(
+            lambda: Tokenizer(build_tokenizer(read_gguf(default_model_path()).metadata))
+        )
+    else:
+        path = _path(source)
+        tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(path))
+    held = weights_bytes(model) * ranks_here
+    loaded = LoadedModel(source, model, hf, tokenizer, held, time.perf_counter() - t0, leases)
+    log.info("tensor parallel %d: rank 0 on %s, workers pids %s", workers.world, device, workers.pids)
+    return loaded, workers
+
+
+def _path(source: ModelSource) -> Path:
+    assert source.path is not None
+    return source.path
+
+
+def _die(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def dies_of(config: EngineConfig) -> list[int]:
+    """The GPUs of every rank (rank r on the r-th after rank 0's)."""
+    base = config.resolved_device()
+    first = base.index or 0
+    return [first + r for r in range(config.tensor_parallel_size)]
+
+
+def lease_everywhere(watch: MemWatch, dies: Sequence[int], nbytes: int, tag: str) -> list[Lease]:
+    """One lease of nbytes on each die, all or none (LedgerFull names the die that said no)."""
+    leases: list[Lease] = []
+    try:
+        for die in dies:
+            leases.append(watch.ledger.lease(die, nbytes, tag))
+    except LedgerFull:
+        for lease in leases:
+            lease.release()
+        raise
+    return leases
+
+
+def segment_grant_all(watch: MemWatch, dies: Sequence[int], world: int) -> Acquire:
+    """A KV segment lives on every rank: granted only when every die's ledger has room (on the
+    CPU, where every rank's segment is host memory, when the host budget holds all of them)."""
+    if not dies:
+        host = segment_grant(watch, None)
+        return lambda nbytes: host(nbytes * world)
+
+    def grant(nbytes: int) -> Callable[[], None] | None:
+        try:
+            leases = lease_everywhere(watch, dies, nbytes, "kv-segment")
+        except LedgerFull:
+            return None
+
+        def release() -> None:
+            for lease in leases:
+                lease.release()
+
+        return release
+
+    return grant
+
+
+class ShardedRunner(ModelRunner):
+    """Rank 0's runner: each forward goes to every worker first (see the module doc)."""
+
+    def __init__(self, *args: Any, workers: TPWorkers, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.workers = workers
+        self._pending: tuple[list[tuple[int, tuple[int, ...], int]], list[bool]] | None = None
+        if self.kv_stores is not None:
+            for store in self.kv_stores.all():
+                store.journal = []
+
+    @property
+    def sound(self) -> bool:
+        return self.workers.lost() is None
+
+    def forward(self, seqs: Rows, all_logits: Sequence[bool] = ()) -> Tensor:
+        self._pending = (
+            [(int(s), tuple(int(t) for t in toks), int(st)) for s, toks, st in seqs],
+            list(all_logits),
+        )
+        return super().forward(seqs, all_logits)
+
+    def _run(self, batch: ForwardBatch) -> Tensor:
+        assert self._pending is not None, "a tensor-parallel forward goes through forward()"
+        rows, every = self._pending
+        self._pending = None
+        self.workers.send(self._message(rows, every))
+        try:
+            logits = super()._run(batch)
+            if logits.is_cuda:
+                # A collective aborted under the step (a worker died) leaves partial logits behind
+                # without an error: wait for the step, then look at the workers before trusting it.
+                torch.cuda.current_stream(logits.device).synchronize()
+        except Exception as e:
+            # The ranks are out of step now (a collective failed, or this rank failed where the
+            # others did not): nothing can run on the group any more.
+            time.sleep(0.1)  # a peer that dropped the connection is exiting: name it if we can
+            cause = self.workers.lost() or "tensor-parallel step failed"
+            raise WorkerLost(f"{cause}: {type(e).__name__}: {e}") from e
+        lost = self.workers.lost()
+        if lost is not None:
+            raise WorkerLost(f"{lost} during the step")
+        return logits
+
+    def _message(self, rows: list[tuple[int, tuple[int, ...], int]], every: list[bool]) -> StepMessage:
+        ops: list[list[Any]] = []
+        int8_slots: list[int] = []
+        mixed = False
+        if self.kv_stores is not None:
+            for store in self.kv_stores.all():
+                assert store.journal is not None
+                ops.append(store.journal)
+                store.journal = []
+            int8_slots = self.kv_stores.int8_slots.nonzero().flatten().tolist()
+            mixed = self.kv_stores.mixed
+        return StepMessage(rows, every, ops, int8_slots, mixed)
+
+    def close(self) -> None:
+        self.workers.close()

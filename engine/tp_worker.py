@@ -1,0 +1,200 @@
+"""A tensor-parallel worker: ranks 1..N-1 of an engine whose rank 0 is the server's `Engine`.
+
+A worker loads its shard of the model, profiles the same prefill and allocates the same slot
+states as rank 0 (same settings, so the same KV layout), then loops: receive a `StepMessage` from
+rank 0 over its pipe, make its KV stores' changes (segments, block tables, block copies: rank 0's
+allocator decided them, so block ids agree on every rank), and run the same forward on its shard;
+the all-reduces inside the forward pair it with every other rank. It samples nothing: the logits
+are gathered on every rank and rank 0 samples.
+
+Rank 0 and the workers take their steps in lockstep: a message is sent only for a forward rank 0
+runs too. Steps come over a pipe (not a collective) so an idle worker can wait for the next one
+without a timeout, and leaves when rank 0 goes (the pipe reads end of file).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from ballast.engine.config import EngineConfig
+from ballast.engine.runner import ModelRunner, profile_prefill, weights_bytes
+from ballast.models import builtin, pointwise
+from ballast.models.base import ForwardBatch
+from ballast.models.hf_loader import inspect_hf_dir
+from ballast.models.kv_store import StoreOp
+from ballast.models.parallel import ShardPlan, TPGroup, build_shard, load_full_into_shard, load_hf_shard
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# A collective that waits longer than this for a peer fails (the engine then calls itself
+# unsound). Generous: the first forward on CUDA compiles kernels on every rank at once.
+COLLECTIVE_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """One forward, as rank 0 runs it: rows (slot, token ids, start) and which rows want every
+    token's logits; before it, the KV stores' changes since the previous forward (per store, in
+    `KVStores.all()` order), and which slots live in the int8 store."""
+
+    rows: list[tuple[int, tuple[int, ...], int]]
+    all_logits: list[bool]
+    store_ops: list[list[StoreOp]]
+    int8_slots: list[int] = field(default_factory=list)
+    mixed: bool = False
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Rank 0 is shutting down: leave the loop and the process group."""
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """A worker's report once its shard is loaded: what its die holds (CUDA), for rank 0's ledger."""
+
+    rank: int
+    weights_bytes: int
+    die: int | None = None
+    die_total_bytes: int = 0
+    die_free_bytes_before: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    rank: int
+    error: str
+
+
+def device_of_rank(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r runs on the r-th GPU after rank 0's (cuda:k -> cuda:k+r), or on the CPU."""
+    base = config.resolved_device()
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
+def init_group(rank: int, world: int, address: str, device: torch.device) -> TPGroup:
+    """Join the process group: NCCL between GPUs (device i = rank i), gloo on the CPU."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        device = torch.device(
+            "cuda", device.index if device.index is not None else torch.cuda.current_device()
+        )
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    dist.init_process_group(
+        backend,
+        init_method=address,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        **kwargs,
+    )
+    return TPGroup(rank, world)
+
+
+def load_shard(
+    config: EngineConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype
+) -> tuple[nn.Module, dict[str, Any]]:
+    """This rank's shard of config.model, filled with only its part of each tensor. A built-in
+    model is generated whole on the CPU and cut (they are small by design); an HF directory is read
+    through safetensors slices, so a rank never holds the whole model."""
+    from ballast.engine.loading import resolve
+
+    source = resolve(config.model)
+    if source.kind == "builtin":
+        hf = builtin.builtin_config(source.name)
+        model = build_shard(hf, tp, dtype, device)
+        full = builtin.build_builtin(source.name, dtype=torch.float32, device="cpu")
+        load_full_into_shard(model, full.state_dict(), ShardPlan(hf, tp.rank, tp.world))
+        del full
+    elif source.kind == "hf":
+        assert source.path is not None
+        ckpt = inspect_hf_dir(source.path)
+        hf = ckpt.config
+        model = build_shard(hf, tp, dtype, device)
+        load_hf_shard(model, ckpt, ShardPlan(hf, tp.rank, tp.world))
+    else:
+        raise ValueError(f"tensor parallel serves built-in and Hugging Face models, not {source.kind}")
+    return model.eval(), dict(hf)
+
+
+def apply_changes(runner: ModelRunner, msg: StepMessage) -> None:
+    """Make rank 0's KV store changes here, in order, store by store."""
+    stores = runner.kv_stores
+    if stores is None:
+        return
+    for store, ops in zip(stores.all(), msg.store_ops, strict=True):
+        for op in ops:
+            store.replay(op)
+    stores.int8_slots.zero_()
+    if msg.int8_slots:
+        stores.int8_slots[torch.tensor(msg.int8_slots, device=stores.int8_slots.device)] = True
+    stores.mixed = msg.mixed
+
+
+def worker_main(
+    rank: int, world: int, address: str, config: EngineConfig, quantized_kv: bool, conn: Connection
+) -> None:
+    """The process body of rank `rank` (spawned by `TPWorkers`)."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
+    device = device_of_rank(config, rank)
+    dtype = config.resolved_dtype(device)
+    try:
+        tp = init_group(rank, world, address, device)
+        pointwise.set_enabled(config.compile)
+        free_before, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (0, 0)
+        model, hf = load_shard(config, tp, device, dtype)
+        conn.send(
+            WorkerReady(
+                rank,
+                weights_bytes(model),
+                device.index if device.type == "cuda" else None,
+                int(total),
+                int(free_before),
+            )
+        )
+    except Exception as e:  # reported to rank 0, which fails the load with it
+        log.exception("loading the shard failed")
+        conn.send(WorkerFailed(rank, f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    profile_prefill(model, hf, config.prefill_chunk_tokens, config.max_model_len, device, dtype)
+    runner = ModelRunner(
+        model,
+        device,
+        dtype,
+        config.max_num_seqs,
+        config.max_model_len,
+        quantized_kv,
+        config.seed,
+        segment_bytes=config.kv_segment_bytes,
+    )
+    serve(runner, conn)
+    dist.destroy_process_group()
+
+
+def serve(runner: ModelRunner, conn: Connection) -> None:
+    """Run rank 0's forwards until it says Stop or goes away. A failure here ends the process:
+    rank 0 sees its peer gone in the next collective and calls the engine unsound."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # rank 0 is gone
+            os._exit(0)
+        if isinstance(msg, Stop):
+            return
+        apply_changes(runner, msg)
+        # Not runner.forward: its check that each slot holds blocks asks this rank's allocator,
+        # which never allocates (rank 0's does; its tables came with the message).
+        runner._run(ForwardBatch.build(msg.rows, runner.device, all_logits=msg.all_logits))

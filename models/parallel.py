@@ -1,0 +1,364 @@
+"""Tensor parallelism: one model split across N ranks (one process per device), Megatron style.
+
+Each rank holds a shard and runs the same forward on the same batch:
+- attention: q/k/v column-parallel by heads, o_proj row-parallel. KV heads are split across
+  ranks; with fewer KV heads than ranks each KV head is replicated on N / num_kv_heads ranks
+  (the query heads of a rank always fall inside one KV group then);
+- gated DeltaNet: split by key heads (and the value heads they serve): in-projections, conv
+  channels, decay parameters column-parallel, out_proj row-parallel; each rank keeps the conv
+  and recurrent state of its own heads;
+- dense MLP and shared expert: gate/up column-parallel, down row-parallel;
+- routed experts: every expert's intermediate dim is split (inside the fused `gate_up_proj`
+  [E, 2I, H] and `down_proj` [E, H, I]); the router is replicated, so every rank routes alike;
+- embedding and lm_head: vocabulary-parallel (rows padded to a multiple of N), logits gathered.
+
+A decoder layer's mixer and MLP each end in a row-parallel projection whose output is a partial
+sum: one all-reduce per mixer and per MLP (a forward hook on the module), and a row-parallel bias
+is kept on rank 0 only so it is added once. The shard is built from the per-rank config
+(`shard_hf_config`: heads and intermediate sizes divided by N), so the architectures' own code
+runs unchanged, and its `layer_specs` describe the per-rank caches.
+
+Weights arrive as shards: `ShardPlan.cut` says which rows / columns of a full checkpoint tensor a
+rank keeps, and `load_hf_shard` reads only those through safetensors slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from ballast.models.base import ModelConfigError, UnsupportedModel, WeightLoadError
+from ballast.models.hf_loader import HFCheckpoint
+from ballast.models.layers import linear
+from ballast.models.moe import per_expert_target, place_expert_tensor
+from ballast.models.registry import model_class
+from safetensors import safe_open
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in the tensor-parallel group: rank r of world ranks."""
+
+    rank: int
+    world: int
+    group: Any = None  # the torch.distributed process group (None: the default group)
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: Tensor) -> Tensor:
+        """Every rank's x, concatenated along the last dim."""
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def _text(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+    inner = hf.get("text_config")
+    return inner if isinstance(inner, Mapping) else hf
+
+
+def _parsed(hf: Mapping[str, Any]) -> Any:
+    """The architecture's own (frozen) config of the whole model."""
+    with torch.device("meta"):
+        return model_class(hf).from_hf_config(hf).config
+
+
+def _divide(what: str, value: int, world: int) -> int:
+    if value % world:
+        raise UnsupportedModel(
+            f"tensor parallel {world}: {what} ({value}) is not a multiple of the tensor-parallel size"
+        )
+    return value // world
+
+
+def shard_hf_config(hf: Mapping[str, Any], world: int) -> dict[str, Any]:
+    """The config of one rank's shard: heads and intermediate sizes divided by world (a clear
+    UnsupportedModel when one does not divide). The vocabulary stays whole (the embedding and the
+    head are swapped for vocabulary-parallel ones after the build)."""
+    cfg = _parsed(hf)
+    text = dict(_text(hf))
+    text["num_attention_heads"] = _divide("num_attention_heads", cfg.num_attention_heads, world)
+    kv = cfg.num_key_value_heads
+    if kv >= world:
+        text["num_key_value_heads"] = _divide("num_key_value_heads", kv, world)
+    else:
+        if world % kv:
+            raise UnsupportedModel(
+                f"tensor parallel {world}: num_key_value_heads ({kv}) must divide it to be replicated"
+            )
+        text["num_key_value_heads"] = 1
+    text["head_dim"] = cfg.head_dim
+    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if int(getattr(cfg, name, 0) or 0) > 0:
+            text[name] = _divide(name, int(getattr(cfg, name)), world)
+    if hasattr(cfg, "linear_num_key_heads"):
+        text["linear_num_key_heads"] = _divide("linear_num_key_heads", cfg.linear_num_key_heads, world)
+        text["linear_num_value_heads"] = _divide("linear_num_value_heads", cfg.linear_num_value_heads, world)
+    if "text_config" in hf and isinstance(hf["text_config"], Mapping):
+        return {**hf, "text_config": text}
+    return text
+
+
+# --- vocabulary-parallel embedding and head ------------------------------------------------------
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [rank * per_rank, (rank + 1) * per_rank) of the embedding; a token outside them gives
+    zeros here and its row on the rank that holds it, summed by one all-reduce."""
+
+    def __init__(self, vocab: int, hidden: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.per_rank = -(-vocab // tp.world)
+        self.first = tp.rank * self.per_rank
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.per_rank)
+        h = F.embedding(local.clamp(0, self.per_rank - 1), self.weight)
+        return self.tp.all_reduce(h.masked_fill(outside[:, None], 0))
+
+
+class VocabParallelHead(nn.Module):
+    """The head's rows for this rank's slice of the vocabulary; the logits of every rank are
+    gathered and the padding rows cut off, so every rank returns [T, vocab]."""
+
+    def __init__(self, hidden: int, vocab: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(-(-vocab // tp.world), hidden))
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.tp.all_gather_last(linear(h, self.weight))[..., : self.vocab]
+
+
+# --- which part of each tensor a rank keeps ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Keep `ranges` (start, stop) of dim `dim`, concatenated; pad_rows: zero rows appended up to
+    this many (the vocabulary's last shard); rank0_only: other ranks hold zeros (row-parallel bias)."""
+
+    dim: int = 0
+    ranges: tuple[tuple[int, int], ...] = ()
+    pad_rows: int = 0
+    rank0_only: bool = False
+
+
+REPLICATE = Cut()
+
+
+class ShardPlan:
+    """Per parameter name, which part of the full tensor rank `rank` of `world` holds."""
+
+    def __init__(self, hf: Mapping[str, Any], rank: int, world: int) -> None:
+        self.cfg = _parsed(hf)
+        self.rank, self.world = rank, world
+
+    def _even(self, size: int, dim: int) -> Cut:
+        n = size // self.world
+        return Cut(dim, ((self.rank * n, (self.rank + 1) * n),))
+
+    def _segments(self, sizes: tuple[int, ...], dim: int) -> Cut:
+        ranges, offset = [], 0
+        for size in sizes:
+            n = size // self.world
+            ranges.append((offset + self.rank * n, offset + (self.rank + 1) * n))
+            offset += size
+        return Cut(dim, tuple(ranges))
+
+    def _kv_heads(self, size: int) -> Cut:
+        kv, hd = self.cfg.num_key_value_heads, self.cfg.head_dim
+        if kv >= self.world:
+            return self._even(size, 0)
+        head = self.rank * kv // self.world  # replicated: N / kv ranks share each KV head
+        return Cut(0, ((head * hd, (head + 1) * hd),))
+
+    def cut(self, name: str, shape: tuple[int, ...]) -> Cut:
+        """The cut of the full tensor `name` (our parameter name, or an unfused per-expert name)."""
+        c = self.cfg
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            per = -(-shape[0] // self.world)
+            lo = min(shape[0], self.rank * per)
+            return Cut(0, ((lo, min(shape[0], lo + per)),), pad_rows=per)
+        parts = name.split(".")
+        leaf, owner = parts[-1], parts[-2] if len(parts) > 1 else ""
+        if leaf == "bias" and owner in ("o_proj", "down_proj", "out_proj"):
+            return Cut(rank0_only=True)
+        if owner == "q_proj":
+            return self._even(shape[0], 0)
+        if owner in ("k_proj", "v_proj"):
+            return self._kv_heads(shape[0])
+        if owner in ("o_proj", "out_proj", "down_proj") and len(shape) == 2:
+            return self._even(shape[1], 1)
+        if owner in ("gate_proj", "up_proj", "in_proj_qkvz", "in_proj_ba", "in_proj_z", "in_proj_b"):
+            return self._even(shape[0], 0)
+        if owner == "in_proj_a" or leaf in ("dt_bias", "A_log"):
+            return self._even(shape[0], 0)
+        if owner == "experts" and leaf == "gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+            half = shape[1] // 2
+            return self._segments((half, half), 1)
+        if owner == "experts" and leaf == "down_proj":  # [E, H, I]
+            return self._even(shape[2], 2)
+        if owner in ("in_proj_qkv", "conv1d"):
+            key = c.linear_num_key_heads * c.linear_key_head_dim
+            return self._segments((key, key, c.linear_num_value_heads * c.linear_value_head_dim), 0)
+        return REPLICATE
+
+
+def apply_cut(cut: Cut, read: Callable[[tuple[slice, ...]], Tensor], shape: tuple[int, ...]) -> Tensor:
+    """The rank's part of a tensor of `shape`, reading only its ranges through read(index)."""
+    if cut.rank0_only or not cut.ranges:
+        return read(tuple(slice(None) for _ in shape))
+    pieces = []
+    for lo, hi in cut.ranges:
+        index = tuple(slice(lo, hi) if d == cut.dim else slice(None) for d in range(len(shape)))
+        pieces.append(read(index))
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=cut.dim)
+    if cut.pad_rows > out.shape[0]:
+        out = torch.cat([out, out.new_zeros((cut.pad_rows - out.shape[0], *out.shape[1:]))])
+    return out
+
+
+# --- building and filling a shard --------------------------------------------------------------
+
+
+def build_shard(hf: Mapping[str, Any], tp: TPGroup, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Rank tp.rank's shard of the model, parameters uninitialised (fill with `load_*_shard`)."""
+    cls = model_class(hf)
+    with torch.device("meta"):
+        model: nn.Module = cls.from_hf_config(shard_hf_config(hf, tp.world))
+        cfg: Any = model.config
+        vocab, hidden = int(cfg.vocab_size), int(cfg.hidden_size)
+        inner: Any = model.model
+        inner.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp)
+        model.lm_head = VocabParallelHead(hidden, vocab, tp)
+        model = model.to(dtype)
+    model = model.to_empty(device=device)
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
+    fuse = getattr(model, "fuse_projections", None)
+    if fuse is not None:
+        fuse(keep_values=False)
+    _reduce_partial_sums(model, tp)
+    return model.eval()
+
+
+def _reduce_partial_sums(model: nn.Module, tp: TPGroup) -> None:
+    """Each layer's mixer (attention / linear attention) and MLP end in a row-parallel projection:
+    their outputs are partial sums, completed by one all-reduce each."""
+
+    def reduce(module: nn.Module, args: Any, out: Tensor) -> Tensor:
+        return tp.all_reduce(out)
+
+    inner: Any = model.model
+    for layer in inner.layers:
+        for name in ("self_attn", "linear_attn", "mlp"):
+            part = getattr(layer, name, None)
+            if isinstance(part, nn.Module):
+                part.register_forward_hook(reduce)
+
+
+def _indexer(source: Any) -> Callable[[tuple[slice, ...]], Tensor]:
+    """Reads source[index]: a tensor, or a safetensors slice (which reads only those bytes)."""
+
+    def read(index: tuple[slice, ...]) -> Tensor:
+        out: Tensor = source[index]
+        return out
+
+    return read
+
+
+def _tied(model: nn.Module) -> set[str]:
+    return {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+
+
+def load_full_into_shard(model: nn.Module, full: Mapping[str, Tensor], plan: ShardPlan) -> None:
+    """Fill a shard from a whole model's state dict (built-in random models: small by design)."""
+    params = dict(model.state_dict(keep_vars=True))
+    with torch.no_grad():
+        for name, param in params.items():
+            if name in _tied(model):
+                continue
+            src = full[name]
+            cut = plan.cut(name, tuple(src.shape))
+            part = apply_cut(cut, _indexer(src), tuple(src.shape))
+            if cut.rank0_only and plan.rank != 0:
+                part = torch.zeros_like(part)
+            param.copy_(part)
+
+
+def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None:
+    """Fill a shard from an HF safetensors directory, reading only this rank's slices."""
+    if ckpt.scales:
+        raise UnsupportedModel("tensor parallel with an FP8 checkpoint is not supported")
+    params = dict(model.state_dict(keep_vars=True))
+    tied = _tied(model)
+    filled: set[str] = set()
+    by_file: dict[Any, list[str]] = {}
+    for name, info in ckpt.tensors.items():
+        by_file.setdefault(info.file, []).append(name)
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in names:
+                    info = ckpt.tensors[name]
+                    if info.key in tied:
+                        continue
+                    sl = f.get_slice(name)
+                    cut = plan.cut(info.key, info.shape)
+                    part = apply_cut(cut, _indexer(sl), info.shape)
+                    if cut.rank0_only and plan.rank != 0:
+                        part = torch.zeros_like(part)
+                    target = per_expert_target(info.key)
+                    if info.key in params:
+                        _fill(params[info.key], part, name)
+                        filled.add(info.key)
+                    elif target is not None and target[0] in params:
+                        place_expert_tensor(params[target[0]], target[1], target[2], part)
+                        filled.add(target[0])
+                    else:
+                        raise WeightLoadError(f"{ckpt.path}: tensor {name} has no place in the model")
+    missing = sorted(params.keys() - tied - filled)
+    if missing:
+        raise WeightLoadError(f"{ckpt.path}: checkpoint lacks {missing[:8]}")
+
+
+def _fill(param: Tensor, part: Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(part.shape):
+        raise WeightLoadError(f"{name}: shard shape {tuple(part.shape)}, model expects {tuple(param.shape)}")
+    param.copy_(part)
+
+
+def shard_weights_bytes(hf: Mapping[str, Any], world: int, dtype: torch.dtype) -> int:
+    """Bytes one rank's shard holds (from the configs alone), for admission per die."""
+    with torch.device("meta"):
+        model = model_class(hf).from_hf_config(shard_hf_config(hf, world))
+    cfg = model.config
+    vocab_rows = -(-int(cfg.vocab_size) // world)
+    heads = 1 if cfg.tie_word_embeddings else 2
+    dense = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if n not in ("model.embed_tokens.weight", "lm_head.weight")
+    )
+    return (dense + heads * vocab_rows * int(cfg.hidden_size)) * torch.empty((), dtype=dtype).element_size()
+
+
+def check_tensor_parallel(hf: Mapping[str, Any], world: int) -> None:
+    """Raise UnsupportedModel / ModelConfigError unless this model splits over world ranks."""
+    if world < 1:
+        raise ModelConfigError(f"tensor-parallel size must be >= 1, got {world}")
+    if world > 1:
+        shard_hf_config(hf, world)

@@ -1,0 +1,115 @@
+"""Tensor parallel on two GPUs (NCCL): TP=2 logits against TP=1 on a Qwen3-Next-shaped model in
+bf16; the engine's TP=2 greedy tokens against TP=1 (float32); a worker killed mid-run fails the
+next step at once (the watchdog aborts the group) and the engine reports itself unhealthy.
+
+Run with NVLink SHARP off: NCCL_NVLS_ENABLE=0 pytest tests/gpu/test_tensor_parallel_cuda.py"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+from ballast.bench.kv_capacity import qwen3_next_80b
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
+from ballast.memory.config import MemoryConfig
+from ballast.memory.watch import MemWatch
+from tp_harness import engine_greedy, reference_logits, sharded_logits, steps_for
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+
+
+def qwen3_next_shaped() -> dict[str, Any]:
+    """Qwen3-Next-80B-A3B's shapes (hidden 2048, 16 heads of 256 / 2 KV heads, DeltaNet 16/32 heads,
+    top-10 experts of 512 intermediate, shared expert, vocab 151936), 8 layers and 16 experts."""
+    return {
+        **qwen3_next_80b(),
+        "num_hidden_layers": 8,
+        "num_experts": 16,
+        "tie_word_embeddings": False,
+        "seed": 0,
+    }
+
+
+def test_tp2_logits_match_tp1_in_bf16() -> None:
+    hf = qwen3_next_shaped()
+    steps = steps_for(hf["vocab_size"])
+    want = reference_logits(hf, steps, torch.bfloat16, "cuda")
+    [got] = sharded_logits([hf], steps, 2, torch.bfloat16, "cuda")
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape
+        rel = float((g - w).abs().max() / w.abs().max())
+        cos = torch.nn.functional.cosine_similarity(g, w, dim=-1)
+        assert rel < 0.05, f"step {i}: max |TP2 - TP1| is {rel:.3f} of max |logit|"
+        assert float(cos.min()) > 0.995, f"step {i}: cosine {cos.tolist()}"
+
+
+def greedy_tokens(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    return engine_greedy(engine, prompts, n)[0]
+
+
+def engine(tp: int, watch: MemWatch | None = None) -> Engine:
+    cfg = EngineConfig(
+        model="builtin:tiny-qwen3-next",
+        device="cuda",
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=4,
+        tensor_parallel_size=tp,
+    )
+    return Engine.load(cfg, watch)
+
+
+def test_the_engine_on_two_gpus_decodes_the_tokens_of_one() -> None:
+    prompts = [[1, 400, 5000, 17, 23], [9, 8, 7], list(range(100, 300))]
+    one = engine(1)
+    try:
+        want = greedy_tokens(one, prompts, 16)
+    finally:
+        one.shutdown()
+    two = engine(2)
+    try:
+        assert greedy_tokens(two, prompts, 16) == want
+        assert two.healthy
+    finally:
+        two.shutdown()
+
+
+def test_a_killed_worker_fails_the_next_step_at_once() -> None:
+    two = engine(2)
+    try:
+        greedy_tokens(two, [[1, 2, 3]], 2)
+        [pid] = two.runner.workers.pids  # type: ignore[attr-defined]
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="ballast-tp1|tensor-parallel"):
+            for _ in range(100):
+                greedy_tokens(two, [[1, 2, 3]], 4)
+        assert time.monotonic() - t0 < 30
+        assert not two.healthy
+    finally:
+        two.shutdown()
+
+
+def test_every_die_is_leased_on_its_own_ledger() -> None:
+    """Rank 0 leases each worker's shard, slot states, activations and KV segments on the
+    worker's GPU; admission watches the die whose ceiling binds first."""
+    with MemWatch(MemoryConfig()) as watch:
+        two = engine(2, watch)
+        try:
+            greedy_tokens(two, [list(range(1, 300))], 4)
+            held = [watch.ledger.held(d) for d in (0, 1)]
+            assert min(held) > 0 and abs(held[0] - held[1]) < 0.05 * max(held), held
+            assert two.gpu_die in (0, 1) and two.dies == [0, 1]
+            dies = {d.index: d for d in watch.poll_now().dies}
+            assert dies[0].ledger_bytes > 0 and dies[1].ledger_bytes > 0
+        finally:
+            two.shutdown()
+        assert watch.ledger.held(0) == watch.ledger.held(1) == 0
