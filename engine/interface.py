@@ -57,6 +57,9 @@ class EngineLike(Protocol):
     tokenizer: TokenizerLike
     quantized_kv: bool  # the main KV pool holds int8 (configured, or the ladder's plan at load)
     gpu_die: int | None  # the GPU whose ledger admission checks (None: the engine runs on the host)
+    # It runs a decode plan submitted before the last step's tokens are back (LAST_SAMPLED): not
+    # under tensor parallel, where the other ranks would need the sampled tokens first.
+    decodes_ahead: bool
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         """Queue a plan on the engine thread. Plans run one at a time, in submission order.

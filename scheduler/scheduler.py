@@ -298,7 +298,12 @@ class Scheduler:
     def _lookahead(self, plan: StepPlan) -> StepPlan | None:
         """The plan after `plan`, built before its tokens are back, where nothing but decoding is
         going on: no queue, no release or checkpoint to send, the ladder at rest."""
-        if not self._cfg.overlap or self._closing or self._queue or self._unpark:
+        if (
+            not (self._cfg.overlap and self._engine.decodes_ahead)
+            or self._closing
+            or self._queue
+            or self._unpark
+        ):
             return None
         if self._slots.releases_pending or self._gov.ladder.level is not Level.OK:
             return None

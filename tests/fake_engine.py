@@ -179,6 +179,7 @@ class FakeEngine:
         self.model_name = model_name
         self.quantized_kv = quantized_kv
         self.gpu_die = gpu_die
+        self.decodes_ahead = True
         self.kv_blocks = kv_blocks
         self.peak_blocks = 0
         self.num_slots = num_slots
