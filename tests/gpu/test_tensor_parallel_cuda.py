@@ -29,9 +29,11 @@ pytestmark = [
 def qwen3_next_shaped() -> dict[str, Any]:
     """Qwen3-Next-80B-A3B's shapes (hidden 2048, 16 heads of 256 / 2 KV heads, DeltaNet 16/32 heads,
     top-10 experts of 512 intermediate, shared expert, vocab 151936), 8 layers and 16 experts."""
+    full = qwen3_next_80b()
     return {
-        **qwen3_next_80b(),
+        **full,
         "num_hidden_layers": 8,
+        "layer_types": full["layer_types"][:8],  # the 80B's 3:1 pattern, cut to 8 layers
         "num_experts": 16,
         "tie_word_embeddings": False,
         "seed": 0,
