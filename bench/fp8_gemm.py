@@ -1,7 +1,8 @@
 """FP8 weight GEMMs at decode and prefill sizes, one kernel at a time (CUDA): our Triton weight-only
 FP8 kernel in several tilings against cuBLAS bf16 on the dequantized weight and
-`torch._scaled_mm` with 1x128 activation / 128x128 weight block scales (FP8 activations, quantized
-per call; timed with the quantization), on Llama-3.1-8B's projections. Each timing replays a CUDA
+`torch._scaled_mm` with 1x128 activation / 128x128 weight block scales and our FP8 x FP8 Triton
+kernel (FP8 activations, quantized per call; timed with the quantization), on Llama-3.1-8B's
+projections. Each timing replays a CUDA
 graph (triton.testing.do_bench_cudagraph), as the engine's decode does; GB/s counts the weight
 bytes each variant reads. Max error is relative to the output's scale, against float32.
 
@@ -63,7 +64,7 @@ def time_us(fn: Callable[[], Any]) -> float:
 
 
 def bench_shape(name: str, n: int, k: int, m: int) -> list[dict[str, Any]]:
-    from ballast.models.fp8_triton import block_fp8_matmul, dequantize
+    from ballast.models.fp8_triton import Tiles, block_fp8_matmul, dequantize, w8a8_matmul
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -106,6 +107,12 @@ def bench_shape(name: str, n: int, k: int, m: int) -> list[dict[str, Any]]:
     record("_scaled_mm w8a8", scaled, n * k)
     record("_scaled_mm w8a8 outer", scaled_outer, n * k)
     record("dequantize + cuBLAS", lambda: F.linear(x, dequantize(w, scale, BLOCK, torch.bfloat16)), n * k)
+    for tiles in (
+        [Tiles(64, 128, 128, 4, 4), Tiles(128, 128, 128, 8, 3), Tiles(128, 256, 128, 8, 3)] if m >= 16 else []
+    ):
+        record(
+            f"w8a8 m{tiles.block_m} n{tiles.block_n}", partial(w8a8_matmul, x, w, scale, BLOCK, tiles), n * k
+        )
     for variant, tiles in variants(m).items():
         record("triton " + variant, partial(block_fp8_matmul, x, w, scale, BLOCK, tiles), n * k)
     return rows
