@@ -170,13 +170,14 @@ def experts_forward(module: Experts, x: Tensor, experts: Tensor, weights: Tensor
         gate_up = expert_weights(module, "gate_up_proj", active, x.dtype)
         down = expert_weights(module, "down_proj", active, x.dtype)
         return experts_forward(x, local, weights, gate_up, down)
-    from ballast.models.fp8_triton import grouped_fp8_matmul
+    from ballast.models.fp8_triton import Groups, grouped_fp8_matmul
     from ballast.models.pointwise import silu_mul
 
     routing = Routing.sort(experts, num_experts)
     rows = x.index_select(0, routing.token)
     block = module.block
-    h = grouped_fp8_matmul(rows, routing.counts, module.gate_up_proj, module.gate_up_proj_scale_inv, block)
+    groups = Groups.plan(routing.counts, rows.shape[0], block)
+    h = grouped_fp8_matmul(rows, groups, module.gate_up_proj, module.gate_up_proj_scale_inv, block)
     act = silu_mul(h, h.shape[1] // 2)
-    y = grouped_fp8_matmul(act, routing.counts, module.down_proj, module.down_proj_scale_inv, block)
+    y = grouped_fp8_matmul(act, groups, module.down_proj, module.down_proj_scale_inv, block)
     return routing.combine(y, weights.to(x.dtype), x.shape[0])

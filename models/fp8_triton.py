@@ -203,32 +203,44 @@ def _tile_table(counts: Tensor, block_m: int, max_tiles: int) -> tuple[Tensor, T
     return torch.where(used, expert, -1).to(torch.int32), start.to(torch.int32), end.to(torch.int32)
 
 
+class Groups(NamedTuple):
+    """How rows sorted by expert split into tiles: the tiling and the device tile table. Both of an
+    expert layer's GEMMs share one (same rows, same experts), so it is built once per layer."""
+
+    tiles: Tiles
+    expert: Tensor  # [max_tiles] the tile's expert, -1 for an unused tile
+    start: Tensor  # first row
+    end: Tensor  # end row (exclusive) of the tile's expert
+
+    @classmethod
+    def plan(cls, counts: Tensor, rows: int, block: tuple[int, int], tiles: Tiles | None = None) -> Groups:
+        """counts [E]: rows per expert, `rows` of them in all."""
+        experts = counts.numel()
+        t = tiles or tiles_for(rows / max(1, min(experts, rows)), block)
+        # Each used expert has at most one partial tile: sum(ceil(c_e / bm)) <= R / bm + min(E, R).
+        max_tiles = triton.cdiv(rows, t.block_m) + min(experts, rows)
+        return cls(t, *_tile_table(counts, t.block_m, max_tiles))
+
+
 def grouped_fp8_matmul(
-    rows: Tensor,
-    counts: Tensor,
-    w: Tensor,
-    scale_inv: Tensor,
-    block: tuple[int, int],
-    tiles: Tiles | None = None,
+    rows: Tensor, groups: Groups, w: Tensor, scale_inv: Tensor, block: tuple[int, int]
 ) -> Tensor:
-    """rows [R, K] sorted by expert, counts [E] rows per expert; w [E, N, K] float8, scale_inv
+    """rows [R, K] sorted by expert as `groups` tiles them; w [E, N, K] float8, scale_inv
     [E, N/bn, K/bk]. Row r of expert e -> rows[r] @ dequantized(w[e]).T; returns [R, N]."""
     _check(rows, w, block)
     rows = rows.contiguous()
     r, k = rows.shape
-    experts, n = w.shape[0], w.shape[1]
-    out = torch.empty((r, n), dtype=rows.dtype, device=rows.device)
+    n, t = w.shape[1], groups.tiles
     if r == 0:
-        return out
-    t = tiles or tiles_for(r / min(experts, r), block)
-    if t.split_k != 1:
-        out = out.float().zero_()
-    # Each used expert has at most one partial tile: sum(ceil(c_e / bm)) <= R / bm + min(E, R).
-    max_tiles = triton.cdiv(r, t.block_m) + min(experts, r)
-    tile_expert, tile_start, tile_end = _tile_table(counts, t.block_m, max_tiles)
-    grid = (max_tiles, triton.cdiv(n, t.block_n), t.split_k)
+        return torch.empty((r, n), dtype=rows.dtype, device=rows.device)
+    out = (
+        torch.empty((r, n), dtype=rows.dtype, device=rows.device)
+        if t.split_k == 1
+        else rows.new_zeros((r, n), dtype=torch.float32)
+    )
+    grid = (groups.expert.numel(), triton.cdiv(n, t.block_n), t.split_k)
     _block_fp8_gemm[grid](
-        rows, w, scale_inv, out, tile_expert, tile_start, tile_end, r, n, k,
+        rows, w, scale_inv, out, groups.expert, groups.start, groups.end, r, n, k,
         rows.stride(0), w.stride(0), w.stride(1), scale_inv.stride(0), scale_inv.stride(1), out.stride(0),
         GROUPED=True, SCALE_N=block[0], SCALE_K=block[1],
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, W_NK=t.w_nk,
@@ -249,7 +261,8 @@ def _quantize_rows(x_ptr, q_ptr, s_ptr, K, stride_xm, GROUPS, GROUP: tl.constexp
     ok = cols < K
     x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x)), 1e-12) / 448.0  # float8 e4m3's largest value
-    tl.store(q_ptr + row.to(tl.int64) * K + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=ok)
+    q = (x / scale).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # not the default truncation
+    tl.store(q_ptr + row.to(tl.int64) * K + cols, q, mask=ok)
     tl.store(s_ptr + row.to(tl.int64) * GROUPS + group, scale)
 
 
