@@ -3,9 +3,9 @@
 `TPWorkers` spawns ranks 1..N-1 (engine/tp_worker.py), joins the process group with them and
 watches that they live. `ShardedRunner` is the `ModelRunner` of rank 0: before each forward it
 sends the step (rows, and the KV stores' changes since the last one) to every worker, so all
-ranks run the same forward on the same block tables. Prefix checkpoints and parking are off
-under tensor parallel (they copy slot state out of one rank's memory only): a preempted sequence
-is recomputed. CUDA graphs are off too (decode runs eagerly).
+ranks run the same forward on the same block tables. The prefix cache's copies of slot state
+(checkpoints, parked sequences) travel in the same ordered journal, and each worker makes them on
+its own shard (`shard_checkpoints`). CUDA graphs are off (decode runs eagerly).
 
 Every die is governed from rank 0: what a worker's die holds (its shard's weights, the same slot
 states, activation reserve and KV segments as rank 0's) is leased on that die's ledger by rank 0,
@@ -316,9 +316,13 @@ class ShardedRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.workers = workers
         self._pending: tuple[list[tuple[int, tuple[int, ...], int]], list[bool]] | None = None
+        # Every change the workers must make before the next forward, in the order made here: the
+        # KV stores' and (once the engine hands it to its prefix cache) slot-state copies.
+        self.journal: list[Any] = []
         if self.kv_stores is not None:
-            for store in self.kv_stores.all():
-                store.journal = []
+            for i, store in enumerate(self.kv_stores.all()):
+                store.journal = self.journal
+                store.journal_index = i
 
     @property
     def sound(self) -> bool:
@@ -354,14 +358,11 @@ class ShardedRunner(ModelRunner):
         return logits
 
     def _message(self, rows: list[tuple[int, tuple[int, ...], int]], every: list[bool]) -> StepMessage:
-        ops: list[list[Any]] = []
+        ops = list(self.journal)
+        self.journal.clear()  # the same list object: the stores and the cache append to it
         int8_slots: list[int] = []
         mixed = False
         if self.kv_stores is not None:
-            for store in self.kv_stores.all():
-                assert store.journal is not None
-                ops.append(store.journal)
-                store.journal = []
             int8_slots = self.kv_stores.int8_slots.nonzero().flatten().tolist()
             mixed = self.kv_stores.mixed
         return StepMessage(rows, every, ops, int8_slots, mixed)
