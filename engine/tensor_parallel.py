@@ -52,6 +52,7 @@ from ballast.engine.tp_worker import (
     WorkerFailed,
     WorkerReady,
     init_group,
+    kept_fp8,
     load_shard,
     worker_main,
 )
@@ -63,7 +64,7 @@ from ballast.models import builtin
 from ballast.models.base import ForwardBatch, Rows, UnsupportedModel
 from ballast.models.default_model import default_model_path
 from ballast.models.gguf_loader import build_tokenizer, read_gguf
-from ballast.models.hf_loader import read_config
+from ballast.models.hf_loader import inspect_hf_dir
 from ballast.models.parallel import check_tensor_parallel, shard_hf_config, shard_weights_bytes
 from torch import Tensor
 
@@ -195,10 +196,17 @@ def load_sharded(
     if source.kind not in ("builtin", "hf"):
         raise ModelSpecError(f"tensor parallel serves built-in and Hugging Face models, not {source.kind}")
     t0 = time.perf_counter()
-    hf = builtin.builtin_config(source.name) if source.kind == "builtin" else read_config(_path(source))
+    fp8 = None
+    if source.kind == "builtin":
+        hf = builtin.builtin_config(source.name)
+        if hf.get("quantization_config"):
+            raise UnsupportedModel(
+                "tensor parallel serves FP8 checkpoints from a Hugging Face directory, not FP8 built-ins"
+            )
+    else:
+        ckpt = inspect_hf_dir(_path(source))  # headers only
+        hf, fp8 = ckpt.config, kept_fp8(ckpt, config, device)
     check_tensor_parallel(hf, config.tensor_parallel_size)
-    if hf.get("quantization_config"):
-        raise UnsupportedModel("tensor parallel with a quantized (FP8) checkpoint is not supported")
     if device.type == "cuda":
         first, have = _die(device), torch.cuda.device_count()
         if first + config.tensor_parallel_size > have:
@@ -206,7 +214,7 @@ def load_sharded(
                 f"tensor-parallel size {config.tensor_parallel_size} needs GPUs {first}.."
                 f"{first + config.tensor_parallel_size - 1}; this host has {have}"
             )
-    shard_weights = shard_weights_bytes(hf, config.tensor_parallel_size, dtype)
+    shard_weights = shard_weights_bytes(hf, config.tensor_parallel_size, dtype, fp8)
     mem_config = watch.config if watch is not None else MemoryConfig()
     # Rank 0's die (or, on the CPU, the host that holds every rank) must fit its share.
     ranks_here = 1 if device.type == "cuda" else config.tensor_parallel_size

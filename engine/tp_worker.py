@@ -31,9 +31,16 @@ from ballast.engine.runner import ModelRunner, profile_prefill, weights_bytes
 from ballast.engine.shard_checkpoints import CheckpointOp, ShardCheckpoints
 from ballast.models import builtin, pointwise
 from ballast.models.base import ForwardBatch
-from ballast.models.hf_loader import inspect_hf_dir
+from ballast.models.hf_loader import HFCheckpoint, inspect_hf_dir
 from ballast.models.kv_store import StoreOp
-from ballast.models.parallel import ShardPlan, TPGroup, build_shard, load_full_into_shard, load_hf_shard
+from ballast.models.parallel import (
+    Fp8Spec,
+    ShardPlan,
+    TPGroup,
+    build_shard,
+    load_full_into_shard,
+    load_hf_shard,
+)
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -127,11 +134,18 @@ def load_shard(
         assert source.path is not None
         ckpt = inspect_hf_dir(source.path)
         hf = ckpt.config
-        model = build_shard(hf, tp, dtype, device)
+        model = build_shard(hf, tp, dtype, device, kept_fp8(ckpt, config, device))
         load_hf_shard(model, ckpt, ShardPlan(hf, tp.rank, tp.world))
     else:
         raise ValueError(f"tensor parallel serves built-in and Hugging Face models, not {source.kind}")
     return model.eval(), dict(hf)
+
+
+def kept_fp8(ckpt: HFCheckpoint, config: EngineConfig, device: torch.device) -> Fp8Spec | None:
+    """Which parameters keep an FP8 checkpoint's float8 weights (None: none, they are dequantized)."""
+    if not ckpt.scales or not config.keeps_fp8(device):
+        return None
+    return ckpt.fp8_params().__contains__, ckpt.fp8_block
 
 
 def apply_changes(runner: ModelRunner, checkpoints: ShardCheckpoints, msg: StepMessage) -> None:
