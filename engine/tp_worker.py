@@ -41,6 +41,7 @@ from ballast.models.parallel import (
     load_full_into_shard,
     load_hf_shard,
 )
+from ballast.models.registry import model_class
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -118,18 +119,23 @@ def init_group(rank: int, world: int, address: str, device: torch.device) -> TPG
 def load_shard(
     config: EngineConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """This rank's shard of config.model, filled with only its part of each tensor. A built-in
-    model is generated whole on the CPU and cut (they are small by design); an HF directory is read
-    through safetensors slices, so a rank never holds the whole model."""
+    """This rank's shard of config.model, filled with only its part of each tensor. A small
+    built-in model is generated whole on the CPU and cut, so it is the model one device serves; a
+    large one (the flagship shapes) cannot be generated whole, and each rank draws its shard's
+    random weights on its own device, all from the same seed (so the replicated ones agree). An
+    HF directory is read through safetensors slices, so a rank never holds the whole model."""
     from ballast.engine.loading import resolve
 
     source = resolve(config.model)
     if source.kind == "builtin":
         hf = builtin.builtin_config(source.name)
         model = build_shard(hf, tp, dtype, device)
-        full = builtin.build_builtin(source.name, dtype=torch.float32, device="cpu")
-        load_full_into_shard(model, full.state_dict(), ShardPlan(hf, tp.rank, tp.world))
-        del full
+        if _parameters(hf) > builtin.DEVICE_INIT_PARAMS:
+            builtin.init_random(model, int(hf.get("seed", 0)))
+        else:
+            full = builtin.build_builtin(source.name, dtype=torch.float32, device="cpu")
+            load_full_into_shard(model, full.state_dict(), ShardPlan(hf, tp.rank, tp.world))
+            del full
     elif source.kind == "hf":
         assert source.path is not None
         ckpt = inspect_hf_dir(source.path)
@@ -139,6 +145,12 @@ def load_shard(
     else:
         raise ValueError(f"tensor parallel serves built-in and Hugging Face models, not {source.kind}")
     return model.eval(), dict(hf)
+
+
+def _parameters(hf: dict[str, Any]) -> int:
+    """Parameters of the whole model (counted on the meta device)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in model_class(hf).from_hf_config(hf).parameters())
 
 
 def kept_fp8(ckpt: HFCheckpoint, config: EngineConfig, device: torch.device) -> Fp8Spec | None:
