@@ -195,6 +195,9 @@ def load_sharded(
     source = resolve(config.model)
     if source.kind not in ("builtin", "hf"):
         raise ModelSpecError(f"tensor parallel serves built-in and Hugging Face models, not {source.kind}")
+    tok_dir = None if config.tokenizer is None else Path(config.tokenizer)
+    if tok_dir is not None and not tok_dir.is_dir():
+        raise ModelSpecError(f"--tokenizer {tok_dir} is not a directory")
     t0 = time.perf_counter()
     fp8 = None
     if source.kind == "builtin":
@@ -253,7 +256,9 @@ def load_sharded(
             lease.release()
         workers.close(timeout_s=2.0)
         raise
-    if source.kind == "builtin":
+    if tok_dir is not None:
+        tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(tok_dir))
+    elif source.kind == "builtin":
         tokenizer = LazyTokenizer(
             lambda: Tokenizer(build_tokenizer(read_gguf(default_model_path()).metadata))
         )
