@@ -83,8 +83,7 @@ def streams(
 
 
 def _error_code(text: str) -> str:
-    """The code (else type) of the error event that ended a stream: `server_overloaded` is the
-    clear, retryable end a running request may get; anything else is not."""
+    """The code (else type) of the error event that ended a stream."""
     for line in text.splitlines():
         if line.startswith("data: {") and '"error"' in line:
             try:
@@ -202,7 +201,9 @@ def run_mode(
         # A KV segment the allocator could not deliver is logged and refused like a ledger "no":
         # handled. Any other OOM line, or an outcome other than done / 429 / 503, reached a client.
         handled = [ln for ln in oom if "could not be allocated" in ln]
-        clean = ("completed", "429", "503", "error_event:server_overloaded")
+        # A retryable end (the server's _RETRYABLE codes) is clean; anything else reached a client.
+        retryable = ("server_overloaded", "queue_full", "queue_wait_exceeded", "engine_step_failed")
+        clean = ("completed", "429", "503", *(f"error_event:{c}" for c in retryable))
         client_errors = {k: v for k, v in counts.items() if k not in clean}
         gpu_levels = sorted({k.removesuffix("_level") for x in timeline for k in x if k.endswith("_level")})
         return {
