@@ -4,6 +4,11 @@ same random-weight Hugging Face directory: throughput, TTFT and ITL p50/p99 per 
     python -m ballast.bench.gpu_serve [--model DIR | --shape llama-3b] [--quick]
     python -m ballast.bench.gpu_serve --shape tiny-llama --device cpu --streams 1 4 --prompt-tokens 200 \\
         --new-tokens 16 --reference none                         # a check of the plumbing on the CPU
+    python -m ballast.bench.gpu_serve --model builtin:qwen3-next-80b-a3b --reference none \\
+        --streams 1 32 --ballast-args "--tensor-parallel-size 2"  # a built-in shape (random weights)
+
+A built-in model is served with the committed SmolLM2 tokenizer (bench/tokenizer, written under
+--work-dir) unless --tokenizer names another directory: the GPU host has no network.
 
 Each stream is one streaming chat completion through the official `openai` client: a user
 message of ~--prompt-tokens tokens (different words per request, so no two prompts share more than
@@ -31,6 +36,7 @@ from typing import Any
 
 import httpx
 import torch
+from ballast.bench.checkpoint_dir import write_tokenizer
 from ballast.bench.gpu_prefix import WORDS, ensure_dir
 from ballast.bench.http_load import Outcome, free_port, pct, server
 from openai import AsyncOpenAI
@@ -123,7 +129,7 @@ def run_levels(base: str, model: str, levels: list[int], args: argparse.Namespac
     return rows
 
 
-def run_ballast(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_ballast(model_dir: Path | str, args: argparse.Namespace) -> list[dict[str, Any]]:
     port = free_port()
     cmd = [
         sys.executable,
@@ -137,13 +143,15 @@ def run_ballast(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any
     ]
     cmd += ["--max-num-seqs", str(max(args.streams)), "--max-queue", "4096", "--log-level", "warning"]
     cmd += ["--device", args.device, *args.ballast_args.split()]
+    if args.tokenizer is not None:
+        cmd += ["--tokenizer", str(args.tokenizer)]
     with server(cmd, {}, "/ready", port, timeout_s=900) as base:
         served = httpx.get(base + "/v1/models").json()["data"][0]["id"]
         print(f"ballast serve ({' '.join(cmd[4:])})", flush=True)
         return run_levels(base, served, args.streams, args)
 
 
-def run_transformers(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_transformers(model_dir: Path | str, args: argparse.Namespace) -> list[dict[str, Any]]:
     port = free_port()
     exe = str(Path(sys.executable).parent / "transformers")
     cmd = [exe, "serve", "--continuous-batching", "--port", str(port), *args.reference_args.split()]
@@ -178,7 +186,10 @@ def table(result: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--model", type=Path, help="a Hugging Face directory (default: write --shape's)")
+    ap.add_argument(
+        "--model", help="a Hugging Face directory or builtin:NAME (default: write --shape's directory)"
+    )
+    ap.add_argument("--tokenizer", type=Path, help="a Hugging Face tokenizer directory for ballast serve")
     ap.add_argument("--shape", default="llama-3b", help="bench/checkpoint_dir shape to write")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/ballast-bench-models"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -198,10 +209,21 @@ def main() -> None:
     args.requests_per_stream = args.requests_per_stream or (1 if args.quick else 2)
     args.min_requests = args.min_requests or (2 if args.quick else 4)
     args.reference_max_streams = args.reference_max_streams or (128 if args.quick else max(args.streams))
-    model_dir = args.model or ensure_dir(args.shape, args.work_dir, args.device)
+    if args.model and args.model.startswith("builtin:") and args.reference != "none":
+        ap.error("transformers serve cannot serve a built-in model: pass --reference none")
+    if args.model and args.model.startswith("builtin:") and args.tokenizer is None:
+        args.tokenizer = args.work_dir / "smollm2-tokenizer"
+        args.tokenizer.mkdir(parents=True, exist_ok=True)
+        write_tokenizer(args.tokenizer)
+    model_dir: Path | str = (
+        (args.model if args.model.startswith("builtin:") else Path(args.model))
+        if args.model
+        else ensure_dir(args.shape, args.work_dir, args.device)
+    )
     result: dict[str, Any] = {
         "bench": "gpu_serve",
-        "model": str(args.model) if args.model else args.shape,
+        "model": args.model or args.shape,
+        "ballast_args": args.ballast_args,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,

@@ -102,9 +102,6 @@ class Engine:
     ) -> None:
         self.config = config
         self._prefix_cfg = prefix_cache or PrefixCacheConfig()
-        if config.tensor_parallel_size > 1:
-            # Checkpoints copy slot state out of rank 0's memory only: off under tensor parallel.
-            self._prefix_cfg = replace(self._prefix_cfg, fraction=0.0)
         self._pool = pool
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
@@ -286,9 +283,7 @@ class Engine:
         self.checkpoint_interval = self._cache.interval if self.prefix_cache is not None else 0
         self.quantized_kv = runner.quantized_kv
         self.decodes_ahead = self.config.tensor_parallel_size == 1
-        self.slot_kv = SlotKV(
-            self.runner, self._cache, self._watch, park=self.config.tensor_parallel_size == 1
-        )
+        self.slot_kv = SlotKV(self.runner, self._cache, self._watch, ranks=self.config.tensor_parallel_size)
         # Cumulative figures: prompt tokens run through the model vs restored from checkpoints.
         self.prefilled_tokens = 0
         self.reused_tokens = 0
@@ -325,13 +320,18 @@ class Engine:
                 else psutil.virtual_memory().total
             )
             cap = int(total * cfg.fraction)
-            return min(cap, cfg.max_bytes) if cfg.max_bytes else cap
+            cap = min(cap, cfg.max_bytes) if cfg.max_bytes else cap
+            # Under tensor parallel every rank keeps its shard of each checkpoint in host memory
+            # too: the cache counts rank 0's, so its share of the budget is 1 / ranks.
+            return cap // self.config.tensor_parallel_size
 
         cost = self.cost_model
         interval = cfg.checkpoint_interval or auto_interval(
             cost.state_bytes_per_slot, cost.kv_bytes_per_token
         )
         cache = PrefixCache(self.runner.states, self.runner.kv, budget, interval, self._pool, self.device)
+        if isinstance(self.runner, tensor_parallel.ShardedRunner):
+            cache.journal = self.runner.journal  # the workers copy their shards of each checkpoint
         if cfg.enabled:
             # Every running sequence may save at its prompt's end and its answer's end before
             # the cache is full and evictions hand buffers back: that many ready from load on.

@@ -25,6 +25,10 @@ Threads: `match` runs on the event loop (the scheduler asks it while building a 
 method runs on the engine thread. The index is guarded by a lock. Entries change only inside a step
 (saves insert and evict, a plan's shed empties), and the scheduler has one plan in flight, so an
 entry it matched while building plan P is still there when P's restores run (restores run first).
+
+Under tensor parallel each rank holds its own shard of every slot state: each copy made here is
+also recorded in `journal` (a `CheckpointOp`), and the other ranks make the same copy of theirs
+(`shard_checkpoints`). Every decision (what is kept, evicted, restored) stays here, on rank 0.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 from ballast.engine.kv_pool import KVPool
+from ballast.engine.shard_checkpoints import CheckpointOp
 from ballast.engine.state_copies import StateCopies
 from ballast.memory.pool import CheckpointPool
 from ballast.models.state import LayerState
@@ -123,6 +128,7 @@ class _Parked:
     kv: KVPool  # the pool its blocks came from, and go back to
     n_blocks: int
     views: tuple[tuple[int, torch.dtype, torch.Size], ...]  # recurrent layers' tensors, then block tensors
+    key: int = 0  # the other ranks' name for it (see `journal`)
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,7 @@ class _Entry:
     # Per layer, per tensor: (offset, dtype, shape) of the segment holding it.
     layout: tuple[tuple[tuple[int, torch.dtype, torch.Size], ...], ...]
     done: torch.cuda.Event | None = None  # the copies into buf have run (CUDA; None: done already)
+    key: int = 0  # the other ranks' name for it (see `journal`)
 
 
 class PrefixCache:
@@ -183,6 +190,9 @@ class PrefixCache:
         self._parked: dict[tuple[int, bytes], _Parked] = {}
         self._parked_lengths: Counter[int] = Counter()
         self._copies = StateCopies(self._device)
+        # Tensor parallel: where the copies are recorded for the other ranks (None: one rank).
+        self.journal: list[object] | None = None
+        self._next_key = 0
 
     # --- any thread ------------------------------------------------------------------------
     def match(self, prompt: Sequence[int]) -> int:
@@ -247,8 +257,9 @@ class PrefixCache:
             done = self._copies.copy_out(slot, pairs, buf, buf_bytes)
         blocks = self._kv.hold(slot, n) if self._kv is not None else ()
         nbytes = (buf.numel() if buf is not None else 0) + block_bytes
+        name = self._record("save", slot)
         with self._lock:
-            self._entries[key] = _Entry(n, blocks, buf, nbytes, layout, done)
+            self._entries[key] = _Entry(n, blocks, buf, nbytes, layout, done, name)
             self._lengths[n] += 1
             self._held += nbytes
             self._saves += 1
@@ -271,13 +282,14 @@ class PrefixCache:
             _segment(buf, off, dtype, shape).copy_(src, non_blocking=self._cuda)
         self._sync()
         key = (n, _digest(tokens))
+        name = self._record("park", slot, kv, blocks)
         with self._lock:
             old = self._parked.pop(key, None)
-            self._parked[key] = _Parked(n, buf, kv, len(blocks), layout[0])
+            self._parked[key] = _Parked(n, buf, kv, len(blocks), layout[0], name)
             if old is None:
                 self._parked_lengths[n] += 1
-        if old is not None and self._pool is not None:
-            self._pool.put(old.buf)
+        if old is not None:
+            self._release_parked(old)
         return True
 
     def unpark(self, tokens: Sequence[int]) -> bool:
@@ -285,9 +297,7 @@ class PrefixCache:
         n = self.match_parked(tokens)
         if n == 0:
             return False
-        parked = self._take_parked((n, _digest(tokens[:n])))
-        if self._pool is not None:
-            self._pool.put(parked.buf)
+        self._release_parked(self._take_parked((n, _digest(tokens[:n]))))
         return True
 
     def drop_parked(self, tokens: Sequence[int]) -> bool:
@@ -297,9 +307,7 @@ class PrefixCache:
         with self._lock:
             if key not in self._parked:
                 return False
-        parked = self._take_parked(key)
-        if self._pool is not None:
-            self._pool.put(parked.buf)
+        self._release_parked(self._take_parked(key))
         return True
 
     def unpark_all(self) -> None:
@@ -308,8 +316,7 @@ class PrefixCache:
             self._parked.clear()
             self._parked_lengths.clear()
         for p in parked:
-            if self._pool is not None:
-                self._pool.put(p.buf)
+            self._release_parked(p)
 
     def parked_pool(self, prefix: Sequence[int]) -> KVPool | None:
         """The pool a parked sequence of exactly `prefix` goes back to; None if it is not parked."""
@@ -340,6 +347,7 @@ class PrefixCache:
                 raise CheckpointMissing(
                     f"no free KV block to copy the last block of a {entry.n_tokens}-token prefix"
                 )
+        self._record("restore", slot, key=entry.key)
         if entry.buf is not None:
             # No host sync: the step's stream reads the buffer after its save's copies are done,
             # and whoever writes the buffer next is ordered after this read (see state_copies).
@@ -388,8 +396,10 @@ class PrefixCache:
             raise CheckpointMissing(
                 f"no KV blocks to resume a parked {parked.n_tokens}-token sequence (slot {slot})"
             )
+        blocks = parked.kv.table(slot)[: parked.n_blocks]
+        self._record("unpark", slot, kv, blocks, key=parked.key)
         dests = [v for s in self._states for v in s.slot_views(slot)]
-        dests += [v for b in parked.kv.table(slot)[: parked.n_blocks] for v in parked.kv.store.block_views(b)]
+        dests += [v for b in blocks for v in parked.kv.store.block_views(b)]
         for dst, (off, dtype, shape) in zip(dests, parked.views, strict=True):
             dst.copy_(_segment(parked.buf, off, dtype, shape), non_blocking=self._cuda)
         self._sync()  # the buffer goes back to the pool next
@@ -486,7 +496,33 @@ class PrefixCache:
             )
             return None
 
+    def _record(
+        self,
+        kind: str,
+        slot: int,
+        kv: KVPool | None = None,
+        blocks: Sequence[int] = (),
+        key: int | None = None,
+    ) -> int:
+        """Journal one copy for the other ranks; returns the key naming what it saves or parks."""
+        if key is None:
+            self._next_key += 1
+            key = self._next_key
+        if self.journal is not None:
+            store = 0 if kv is None or kv is self._kv else 1  # the main store, or the int8 one
+            self.journal.append(CheckpointOp(kind, key, slot, store, tuple(blocks)))
+        return key
+
+    def _release_parked(self, p: _Parked) -> None:
+        """A parked sequence that will not resume: its buffer goes back (here and on the other ranks)."""
+        if self.journal is not None:
+            self.journal.append(CheckpointOp("drop", p.key))
+        if self._pool is not None:
+            self._pool.put(p.buf)
+
     def _give_back(self, e: _Entry) -> None:
+        if self.journal is not None:
+            self.journal.append(CheckpointOp("drop", e.key))
         if self._kv is not None and e.blocks:
             self._kv.drop(e.blocks)
         self._copies.after(e.done)  # the next owner of the buffer comes after its copies

@@ -28,12 +28,12 @@ log = logging.getLogger(__name__)
 
 class SlotKV:
     def __init__(
-        self, runner: ModelRunner, cache: PrefixCache, watch: MemWatch | None, park: bool = True
+        self, runner: ModelRunner, cache: PrefixCache, watch: MemWatch | None, ranks: int = 1
     ) -> None:
-        """park False: a preempted sequence is always recomputed (tensor parallel: its state is
-        spread over every rank's memory, which one host buffer here cannot hold)."""
+        """ranks: tensor-parallel ranks; each parks its own shard of a sequence in host memory
+        (the cache's journal tells the others), so parking needs that many shares of the host."""
         self._runner = runner
-        self._park_enabled = park
+        self._ranks = ranks
         self._cache = cache
         self._watch = watch
         self._int8: dict[int, KVPool] = {}  # slots whose sequence lives in the int8 pool
@@ -140,10 +140,11 @@ class SlotKV:
         is when the host is short too."""
         fed = self._fed.get(slot)
         pool = self.pool_of(slot)
-        if not self._park_enabled or not fed or pool.store.device.type != "cuda":
+        if not fed or pool.store.device.type != "cuda":
             return
         slots = max(1, self._runner.num_slots)
         need = len(pool.table(slot)) * pool.layout.block_bytes + self._runner.fixed_bytes // slots
+        need *= self._ranks
         if self._watch is not None and self._watch.read().host_budget_bytes < need:
             return
         if self._cache.park(slot, fed, pool):

@@ -3,9 +3,9 @@
 `TPWorkers` spawns ranks 1..N-1 (engine/tp_worker.py), joins the process group with them and
 watches that they live. `ShardedRunner` is the `ModelRunner` of rank 0: before each forward it
 sends the step (rows, and the KV stores' changes since the last one) to every worker, so all
-ranks run the same forward on the same block tables. Prefix checkpoints and parking are off
-under tensor parallel (they copy slot state out of one rank's memory only): a preempted sequence
-is recomputed. CUDA graphs are off too (decode runs eagerly).
+ranks run the same forward on the same block tables. The prefix cache's copies of slot state
+(checkpoints, parked sequences) travel in the same ordered journal, and each worker makes them on
+its own shard (`shard_checkpoints`). CUDA graphs are off (decode runs eagerly).
 
 Every die is governed from rank 0: what a worker's die holds (its shard's weights, the same slot
 states, activation reserve and KV segments as rank 0's) is leased on that die's ledger by rank 0,
@@ -52,6 +52,7 @@ from ballast.engine.tp_worker import (
     WorkerFailed,
     WorkerReady,
     init_group,
+    kept_fp8,
     load_shard,
     worker_main,
 )
@@ -63,7 +64,7 @@ from ballast.models import builtin
 from ballast.models.base import ForwardBatch, Rows, UnsupportedModel
 from ballast.models.default_model import default_model_path
 from ballast.models.gguf_loader import build_tokenizer, read_gguf
-from ballast.models.hf_loader import read_config
+from ballast.models.hf_loader import inspect_hf_dir
 from ballast.models.parallel import check_tensor_parallel, shard_hf_config, shard_weights_bytes
 from torch import Tensor
 
@@ -194,11 +195,21 @@ def load_sharded(
     source = resolve(config.model)
     if source.kind not in ("builtin", "hf"):
         raise ModelSpecError(f"tensor parallel serves built-in and Hugging Face models, not {source.kind}")
+    tok_dir = None if config.tokenizer is None else Path(config.tokenizer)
+    if tok_dir is not None and not tok_dir.is_dir():
+        raise ModelSpecError(f"--tokenizer {tok_dir} is not a directory")
     t0 = time.perf_counter()
-    hf = builtin.builtin_config(source.name) if source.kind == "builtin" else read_config(_path(source))
+    fp8 = None
+    if source.kind == "builtin":
+        hf = builtin.builtin_config(source.name)
+        if hf.get("quantization_config"):
+            raise UnsupportedModel(
+                "tensor parallel serves FP8 checkpoints from a Hugging Face directory, not FP8 built-ins"
+            )
+    else:
+        ckpt = inspect_hf_dir(_path(source))  # headers only
+        hf, fp8 = ckpt.config, kept_fp8(ckpt, config, device)
     check_tensor_parallel(hf, config.tensor_parallel_size)
-    if hf.get("quantization_config"):
-        raise UnsupportedModel("tensor parallel with a quantized (FP8) checkpoint is not supported")
     if device.type == "cuda":
         first, have = _die(device), torch.cuda.device_count()
         if first + config.tensor_parallel_size > have:
@@ -206,7 +217,7 @@ def load_sharded(
                 f"tensor-parallel size {config.tensor_parallel_size} needs GPUs {first}.."
                 f"{first + config.tensor_parallel_size - 1}; this host has {have}"
             )
-    shard_weights = shard_weights_bytes(hf, config.tensor_parallel_size, dtype)
+    shard_weights = shard_weights_bytes(hf, config.tensor_parallel_size, dtype, fp8)
     mem_config = watch.config if watch is not None else MemoryConfig()
     # Rank 0's die (or, on the CPU, the host that holds every rank) must fit its share.
     ranks_here = 1 if device.type == "cuda" else config.tensor_parallel_size
@@ -245,7 +256,9 @@ def load_sharded(
             lease.release()
         workers.close(timeout_s=2.0)
         raise
-    if source.kind == "builtin":
+    if tok_dir is not None:
+        tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(tok_dir))
+    elif source.kind == "builtin":
         tokenizer = LazyTokenizer(
             lambda: Tokenizer(build_tokenizer(read_gguf(default_model_path()).metadata))
         )
@@ -316,9 +329,13 @@ class ShardedRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.workers = workers
         self._pending: tuple[list[tuple[int, tuple[int, ...], int]], list[bool]] | None = None
+        # Every change the workers must make before the next forward, in the order made here: the
+        # KV stores' and (once the engine hands it to its prefix cache) slot-state copies.
+        self.journal: list[Any] = []
         if self.kv_stores is not None:
-            for store in self.kv_stores.all():
-                store.journal = []
+            for i, store in enumerate(self.kv_stores.all()):
+                store.journal = self.journal
+                store.journal_index = i
 
     @property
     def sound(self) -> bool:
@@ -354,14 +371,11 @@ class ShardedRunner(ModelRunner):
         return logits
 
     def _message(self, rows: list[tuple[int, tuple[int, ...], int]], every: list[bool]) -> StepMessage:
-        ops: list[list[Any]] = []
+        ops = list(self.journal)
+        self.journal.clear()  # the same list object: the stores and the cache append to it
         int8_slots: list[int] = []
         mixed = False
         if self.kv_stores is not None:
-            for store in self.kv_stores.all():
-                assert store.journal is not None
-                ops.append(store.journal)
-                store.journal = []
             int8_slots = self.kv_stores.int8_slots.nonzero().flatten().tolist()
             mixed = self.kv_stores.mixed
         return StepMessage(rows, every, ops, int8_slots, mixed)

@@ -3,7 +3,9 @@
 A worker loads its shard of the model, profiles the same prefill and allocates the same slot
 states as rank 0 (same settings, so the same KV layout), then loops: receive a `StepMessage` from
 rank 0 over its pipe, make its KV stores' changes (segments, block tables, block copies: rank 0's
-allocator decided them, so block ids agree on every rank), and run the same forward on its shard;
+allocator decided them, so block ids agree on every rank) and its prefix cache's copies of slot
+states (checkpoints saved and restored, sequences parked and resumed: `shard_checkpoints`), in the
+order rank 0 made them, and run the same forward on its shard;
 the all-reduces inside the forward pair it with every other rank. It samples nothing: the logits
 are gathered on every rank and rank 0 samples.
 
@@ -26,11 +28,20 @@ import torch
 import torch.distributed as dist
 from ballast.engine.config import EngineConfig
 from ballast.engine.runner import ModelRunner, profile_prefill, weights_bytes
+from ballast.engine.shard_checkpoints import CheckpointOp, ShardCheckpoints
 from ballast.models import builtin, pointwise
 from ballast.models.base import ForwardBatch
-from ballast.models.hf_loader import inspect_hf_dir
+from ballast.models.hf_loader import HFCheckpoint, inspect_hf_dir
 from ballast.models.kv_store import StoreOp
-from ballast.models.parallel import ShardPlan, TPGroup, build_shard, load_full_into_shard, load_hf_shard
+from ballast.models.parallel import (
+    Fp8Spec,
+    ShardPlan,
+    TPGroup,
+    build_shard,
+    load_full_into_shard,
+    load_hf_shard,
+)
+from ballast.models.registry import model_class
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -43,12 +54,13 @@ COLLECTIVE_TIMEOUT_S = 120
 @dataclass(frozen=True)
 class StepMessage:
     """One forward, as rank 0 runs it: rows (slot, token ids, start) and which rows want every
-    token's logits; before it, the KV stores' changes since the previous forward (per store, in
-    `KVStores.all()` order), and which slots live in the int8 store."""
+    token's logits; before it, the changes rank 0 made since the previous forward, in order (its
+    KV stores', each naming its store by `KVStores.all()` index, and its prefix cache's slot-state
+    copies), and which slots live in the int8 store."""
 
     rows: list[tuple[int, tuple[int, ...], int]]
     all_logits: list[bool]
-    store_ops: list[list[StoreOp]]
+    ops: list[StoreOp | CheckpointOp]
     int8_slots: list[int] = field(default_factory=list)
     mixed: bool = False
 
@@ -107,37 +119,58 @@ def init_group(rank: int, world: int, address: str, device: torch.device) -> TPG
 def load_shard(
     config: EngineConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """This rank's shard of config.model, filled with only its part of each tensor. A built-in
-    model is generated whole on the CPU and cut (they are small by design); an HF directory is read
-    through safetensors slices, so a rank never holds the whole model."""
+    """This rank's shard of config.model, filled with only its part of each tensor. A small
+    built-in model is generated whole on the CPU and cut, so it is the model one device serves; a
+    large one (the flagship shapes) cannot be generated whole, and each rank draws its shard's
+    random weights on its own device, all from the same seed (so the replicated ones agree). An
+    HF directory is read through safetensors slices, so a rank never holds the whole model."""
     from ballast.engine.loading import resolve
 
     source = resolve(config.model)
     if source.kind == "builtin":
         hf = builtin.builtin_config(source.name)
         model = build_shard(hf, tp, dtype, device)
-        full = builtin.build_builtin(source.name, dtype=torch.float32, device="cpu")
-        load_full_into_shard(model, full.state_dict(), ShardPlan(hf, tp.rank, tp.world))
-        del full
+        if _parameters(hf) > builtin.DEVICE_INIT_PARAMS:
+            builtin.init_random(model, int(hf.get("seed", 0)))
+        else:
+            full = builtin.build_builtin(source.name, dtype=torch.float32, device="cpu")
+            load_full_into_shard(model, full.state_dict(), ShardPlan(hf, tp.rank, tp.world))
+            del full
     elif source.kind == "hf":
         assert source.path is not None
         ckpt = inspect_hf_dir(source.path)
         hf = ckpt.config
-        model = build_shard(hf, tp, dtype, device)
+        model = build_shard(hf, tp, dtype, device, kept_fp8(ckpt, config, device))
         load_hf_shard(model, ckpt, ShardPlan(hf, tp.rank, tp.world))
     else:
         raise ValueError(f"tensor parallel serves built-in and Hugging Face models, not {source.kind}")
     return model.eval(), dict(hf)
 
 
-def apply_changes(runner: ModelRunner, msg: StepMessage) -> None:
-    """Make rank 0's KV store changes here, in order, store by store."""
+def _parameters(hf: dict[str, Any]) -> int:
+    """Parameters of the whole model (counted on the meta device)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in model_class(hf).from_hf_config(hf).parameters())
+
+
+def kept_fp8(ckpt: HFCheckpoint, config: EngineConfig, device: torch.device) -> Fp8Spec | None:
+    """Which parameters keep an FP8 checkpoint's float8 weights (None: none, they are dequantized)."""
+    if not ckpt.scales or not config.keeps_fp8(device):
+        return None
+    return ckpt.fp8_params().__contains__, ckpt.fp8_block
+
+
+def apply_changes(runner: ModelRunner, checkpoints: ShardCheckpoints, msg: StepMessage) -> None:
+    """Make rank 0's KV store changes and slot-state copies here, in its order."""
     stores = runner.kv_stores
+    for op in msg.ops:
+        if isinstance(op, CheckpointOp):
+            checkpoints.apply(op)
+        else:
+            assert stores is not None, "KV store changes sent to a model without attention"
+            stores.all()[op.store].replay(op)
     if stores is None:
         return
-    for store, ops in zip(stores.all(), msg.store_ops, strict=True):
-        for op in ops:
-            store.replay(op)
     stores.int8_slots.zero_()
     if msg.int8_slots:
         stores.int8_slots[torch.tensor(msg.int8_slots, device=stores.int8_slots.device)] = True
@@ -184,9 +217,16 @@ def worker_main(
     dist.destroy_process_group()
 
 
+def shard_checkpoints(runner: ModelRunner) -> ShardCheckpoints:
+    """Where this rank keeps its shard of rank 0's checkpoints and parked sequences."""
+    stores = runner.kv_stores.all() if runner.kv_stores is not None else []
+    return ShardCheckpoints(runner.states, stores, runner.device)
+
+
 def serve(runner: ModelRunner, conn: Connection) -> None:
     """Run rank 0's forwards until it says Stop or goes away. A failure here ends the process:
     rank 0 sees its peer gone in the next collective and calls the engine unsound."""
+    checkpoints = shard_checkpoints(runner)
     while True:
         try:
             msg = conn.recv()
@@ -194,7 +234,7 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
             os._exit(0)
         if isinstance(msg, Stop):
             return
-        apply_changes(runner, msg)
+        apply_changes(runner, checkpoints, msg)
         # Not runner.forward: its check that each slot holds blocks asks this rank's allocator,
         # which never allocates (rank 0's does; its tables came with the message).
         runner._run(ForwardBatch.build(msg.rows, runner.device, all_logits=msg.all_logits))

@@ -52,6 +52,7 @@ class StoreOp:
 
     kind: str  # add_segment | release_segments | clear_table | set_table | copy_block
     args: tuple[Any, ...]
+    store: int = 0  # which of the model's stores made it (its `journal_index`)
 
 
 @dataclass(frozen=True)
@@ -259,12 +260,15 @@ class KVStore:
         # The CPU path's row and block indices of this step's batch and its attention groups,
         # shared by every layer (see attention.py).
         self.step_index: list[tuple[Any, tuple[Tensor, Tensor], Tensor]] = []
-        # Set (to []) where other ranks mirror this store: every change is appended as a StoreOp.
-        self.journal: list[StoreOp] | None = None
+        # Set (to a list) where other ranks mirror this store: every change is appended as a
+        # StoreOp tagged with journal_index. Stores may share one journal (with other changes the
+        # ranks must make in the same order).
+        self.journal: list[Any] | None = None
+        self.journal_index = 0
 
     def _record(self, kind: str, *args: Any) -> None:
         if self.journal is not None:
-            self.journal.append(StoreOp(kind, args))
+            self.journal.append(StoreOp(kind, args, self.journal_index))
 
     def replay(self, op: StoreOp) -> None:
         """Make the change another store recorded (same layout, same block ids)."""

@@ -19,7 +19,8 @@ is kept on rank 0 only so it is added once. The shard is built from the per-rank
 runs unchanged, and its `layer_specs` describe the per-rank caches.
 
 Weights arrive as shards: `ShardPlan.cut` says which rows / columns of a full checkpoint tensor a
-rank keeps, and `load_hf_shard` reads only those through safetensors slices.
+rank keeps, and `load_hf_shard` reads only those through safetensors slices. An FP8 checkpoint's
+float8 weights come with the block scales of their part (`fp8_shards`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ballast.models.base import ModelConfigError, UnsupportedModel, WeightLoadError
+from ballast.models.fp8 import FP8, Block, convert_model
 from ballast.models.hf_loader import HFCheckpoint
 from ballast.models.layers import linear
 from ballast.models.moe import per_expert_target, place_expert_tensor
@@ -233,8 +235,14 @@ def apply_cut(cut: Cut, read: Callable[[tuple[slice, ...]], Tensor], shape: tupl
 # --- building and filling a shard --------------------------------------------------------------
 
 
-def build_shard(hf: Mapping[str, Any], tp: TPGroup, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Rank tp.rank's shard of the model, parameters uninitialised (fill with `load_*_shard`)."""
+Fp8Spec = tuple[Callable[[str], bool], Block]  # which parameters hold float8, and their scale block
+
+
+def shard_on_meta(
+    hf: Mapping[str, Any], tp: TPGroup, dtype: torch.dtype, fp8: Fp8Spec | None = None
+) -> nn.Module:
+    """Rank tp.rank's shard on the meta device (no memory): vocabulary-parallel embedding and
+    head, parameters in dtype, those fp8 names in float8 with their scales."""
     cls = model_class(hf)
     with torch.device("meta"):
         model: nn.Module = cls.from_hf_config(shard_hf_config(hf, tp.world))
@@ -244,7 +252,20 @@ def build_shard(hf: Mapping[str, Any], tp: TPGroup, dtype: torch.dtype, device: 
         inner.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp)
         model.lm_head = VocabParallelHead(hidden, vocab, tp)
         model = model.to(dtype)
-    model = model.to_empty(device=device)
+        if fp8 is not None:
+            convert_model(model, *fp8)
+        tie = getattr(model, "tie_weights", None)
+        if tie is not None:
+            tie()
+    return model
+
+
+def build_shard(
+    hf: Mapping[str, Any], tp: TPGroup, dtype: torch.dtype, device: torch.device, fp8: Fp8Spec | None = None
+) -> nn.Module:
+    """Rank tp.rank's shard of the model, parameters uninitialised (fill with `load_*_shard`);
+    fp8: the parameters an FP8 checkpoint's float8 weights stay float8 in."""
+    model = shard_on_meta(hf, tp, dtype, fp8).to_empty(device=device)
     tie = getattr(model, "tie_weights", None)
     if tie is not None:
         tie()
@@ -300,9 +321,11 @@ def load_full_into_shard(model: nn.Module, full: Mapping[str, Tensor], plan: Sha
 
 
 def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None:
-    """Fill a shard from an HF safetensors directory, reading only this rank's slices."""
-    if ckpt.scales:
-        raise UnsupportedModel("tensor parallel with an FP8 checkpoint is not supported")
+    """Fill a shard from an HF safetensors directory, reading only this rank's slices. A float8
+    weight fills a float8 parameter with its scales (the shard was built with `fp8`), or is
+    dequantized into the model's dtype."""
+    from ballast.models.fp8_shards import fp8_part
+
     params = dict(model.state_dict(keep_vars=True))
     tied = _tied(model)
     filled: set[str] = set()
@@ -318,21 +341,48 @@ def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None
                         continue
                     sl = f.get_slice(name)
                     cut = plan.cut(info.key, info.shape)
-                    part = apply_cut(cut, _indexer(sl), info.shape)
-                    if cut.rank0_only and plan.rank != 0:
-                        part = torch.zeros_like(part)
-                    target = per_expert_target(info.key)
-                    if info.key in params:
-                        _fill(params[info.key], part, name)
-                        filled.add(info.key)
-                    elif target is not None and target[0] in params:
-                        place_expert_tensor(params[target[0]], target[1], target[2], part)
-                        filled.add(target[0])
-                    else:
-                        raise WeightLoadError(f"{ckpt.path}: tensor {name} has no place in the model")
+                    scale = ckpt.scales.get(name)
+                    if scale is None:
+                        part = apply_cut(cut, _indexer(sl), info.shape)
+                        if cut.rank0_only and plan.rank != 0:
+                            part = torch.zeros_like(part)
+                        _place(params, info.key, part, name, filled, ckpt)
+                        continue
+                    keep = _param_of(params, info.key).dtype == FP8
+                    scale_name = name + "_scale_inv"
+                    part, scales = fp8_part(
+                        cut, (info, name, _indexer(sl)), (scale, scale_name), ckpt.fp8_block, keep
+                    )
+                    _place(params, info.key, part, name, filled, ckpt)
+                    if scales is not None:
+                        _place(params, scale.key, scales, scale_name, filled, ckpt)
     missing = sorted(params.keys() - tied - filled)
     if missing:
         raise WeightLoadError(f"{ckpt.path}: checkpoint lacks {missing[:8]}")
+
+
+def _param_of(params: Mapping[str, Tensor], key: str) -> Tensor:
+    target = per_expert_target(key)
+    name = key if target is None else target[0]
+    if name not in params:
+        raise WeightLoadError(f"tensor {key} has no place in the model")
+    return params[name]
+
+
+def _place(
+    params: Mapping[str, Tensor], key: str, part: Tensor, name: str, filled: set[str], ckpt: HFCheckpoint
+) -> None:
+    """Copy a rank's part of checkpoint tensor `name` (model name `key`) into its parameter, or
+    into its expert's place in a fused expert parameter."""
+    target = per_expert_target(key)
+    if key in params:
+        _fill(params[key], part, name)
+        filled.add(key)
+    elif target is not None and target[0] in params:
+        place_expert_tensor(params[target[0]], target[1], target[2], part)
+        filled.add(target[0])
+    else:
+        raise WeightLoadError(f"{ckpt.path}: tensor {name} has no place in the model")
 
 
 def _fill(param: Tensor, part: Tensor, name: str) -> None:
@@ -341,19 +391,14 @@ def _fill(param: Tensor, part: Tensor, name: str) -> None:
     param.copy_(part)
 
 
-def shard_weights_bytes(hf: Mapping[str, Any], world: int, dtype: torch.dtype) -> int:
-    """Bytes one rank's shard holds (from the configs alone), for admission per die."""
-    with torch.device("meta"):
-        model = model_class(hf).from_hf_config(shard_hf_config(hf, world))
-    cfg = model.config
-    vocab_rows = -(-int(cfg.vocab_size) // world)
-    heads = 1 if cfg.tie_word_embeddings else 2
-    dense = sum(
-        p.numel()
-        for n, p in model.named_parameters()
-        if n not in ("model.embed_tokens.weight", "lm_head.weight")
-    )
-    return (dense + heads * vocab_rows * int(cfg.hidden_size)) * torch.empty((), dtype=dtype).element_size()
+def shard_weights_bytes(
+    hf: Mapping[str, Any], world: int, dtype: torch.dtype, fp8: Fp8Spec | None = None
+) -> int:
+    """Bytes one rank's shard holds (from the configs alone, on the meta device), for admission
+    per die; fp8: float8 weights (1 byte) and their float32 scales where they stay so."""
+    model = shard_on_meta(hf, TPGroup(0, world), dtype, fp8)
+    # parameters() yields a tied parameter once
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def check_tensor_parallel(hf: Mapping[str, Any], world: int) -> None:

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from ballast.engine.tp_worker import init_group
 from ballast.models.base import ForwardBatch
 from ballast.models.builtin import init_random
+from ballast.models.fp8 import quantize_blocks
 from ballast.models.hf_loader import inspect_hf_dir
 from ballast.models.parallel import ShardPlan, build_shard, load_full_into_shard, load_hf_shard
 from ballast.models.registry import build_model
@@ -53,10 +54,13 @@ def steps_for(vocab: int, seed: int = 0) -> list[Step]:
     return steps
 
 
-def write_checkpoint(hf: dict[str, Any], path: Path, per_expert: bool) -> dict[str, Any]:
+def write_checkpoint(
+    hf: dict[str, Any], path: Path, per_expert: bool, fp8_block: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """The full random model of hf as an HF directory (config.json + safetensors); per_expert
-    stores each expert's projections separately, as many published checkpoints do. Returns hf
-    with `checkpoint_dir` set, for `sharded_logits`."""
+    stores each expert's projections separately, as many published checkpoints do; fp8_block:
+    an FP8 checkpoint (every decoder projection float8 with block scales, as the releases are).
+    Returns hf with `checkpoint_dir` set, for `sharded_logits`."""
     state = {k: v.contiguous() for k, v in full_model(hf, torch.float32, "cpu").state_dict().items()}
     if hf.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
@@ -69,6 +73,10 @@ def write_checkpoint(hf: dict[str, Any], path: Path, per_expert: bool) -> dict[s
                 state[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :half].contiguous()
                 state[f"{prefix}{e}.up_proj.weight"] = gate_up[e, half:].contiguous()
                 state[f"{prefix}{e}.down_proj.weight"] = down[e].contiguous()
+    if fp8_block is not None:
+        hf = {**hf, "quantization_config": {"quant_method": "fp8", "weight_block_size": list(fp8_block)}}
+        for name in [n for n in state if ".layers." in n and n.endswith("proj.weight")]:
+            state[name], state[name + "_scale_inv"] = quantize_blocks(state[name], fp8_block)
     path.mkdir(parents=True, exist_ok=True)
     names = sorted(state)
     save_file({n: state[n] for n in names[: len(names) // 2]}, str(path / "model-00001.safetensors"))
@@ -115,10 +123,13 @@ def _rank(
     out = []
     try:
         for hf in models:  # one process group for all of them: spawning is the slow part
-            shard = build_shard(hf, tp, dtype, dev)
             if "checkpoint_dir" in hf:  # read this rank's slices of the safetensors files
-                load_hf_shard(shard, inspect_hf_dir(hf["checkpoint_dir"]), ShardPlan(hf, rank, world))
+                ckpt = inspect_hf_dir(hf["checkpoint_dir"])
+                keep = (ckpt.fp8_params().__contains__, ckpt.fp8_block) if hf.get("keep_fp8") else None
+                shard = build_shard(hf, tp, dtype, dev, keep)
+                load_hf_shard(shard, ckpt, ShardPlan(hf, rank, world))
             else:
+                shard = build_shard(hf, tp, dtype, dev)
                 full = build_model(hf, dtype=torch.float32, device="cpu")
                 init_random(full, int(hf.get("seed", 0)))
                 load_full_into_shard(shard, full.state_dict(), ShardPlan(hf, rank, world))

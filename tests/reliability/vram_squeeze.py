@@ -5,8 +5,18 @@ config. Governance off: `--ladder-disable` (the ledger's ceiling and the die's a
 stay: they cannot be blinded from outside the process). The timeline records free VRAM, the level,
 the outcomes and whether the server survived (no CUDA OOM) and serves again afterwards.
 
+One die of a tensor-parallel group: `--hog-gpu 1` fills GPU 1 while GPU 0 stays calm, with
+`--serve-arg=--tensor-parallel-size --serve-arg=2`. The level is the worst die's, so it turns on
+GPU 1 alone; the timeline records every GPU's free VRAM and level, and the result says how high
+each GPU's level went. Outcomes name the error code of a stream that ended in an error event.
+
     python tests/reliability/vram_squeeze.py --model /path/to/hf-dir [--mode both|on|off] [--out vram.json]
-        [--serve-arg=--tokenizer --serve-arg=DIR ...]
+        [--hog-gpu N] [--serve-arg=--tokenizer --serve-arg=DIR ...]
+
+`--device cpu` runs the same flow on the CPU at a tiny size without the second process (no VRAM
+to take): a check of the script itself before GPU time, e.g.
+    python tests/reliability/vram_squeeze.py --device cpu --model builtin:tiny-qwen3-next --mode on \
+        --streams 4 --max-tokens 16 --hog-s 2 --hold-s 2 --serve-arg=--tensor-parallel-size --serve-arg=2
 """
 
 from __future__ import annotations
@@ -30,14 +40,15 @@ MiB = 1 << 20
 HOG = r"""
 import sys, time, torch
 leave, step, every, hold = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+gpu = int(sys.argv[5])
 held = []
 while True:
-    free, _ = torch.cuda.mem_get_info(0)
+    free, _ = torch.cuda.mem_get_info(gpu)
     if free - step < leave:
         break
     # a third of what is left above the target each step (at least `step`): a few dozen steps
     take = max(step, (free - leave) // 3)
-    held.append(torch.empty(take, dtype=torch.uint8, device="cuda:0"))
+    held.append(torch.empty(take, dtype=torch.uint8, device=f"cuda:{gpu}"))
     print(free // 2**20, flush=True)
     time.sleep(every)
 time.sleep(hold)
@@ -63,12 +74,34 @@ def streams(
                 if r.status_code == 200 and "[DONE]" in text
                 else str(r.status_code)
                 if r.status_code != 200
-                else "error_event"
+                else f"error_event:{_error_code(text)}"
             )
         except httpx.HTTPError as exc:
             kind = type(exc).__name__
         with lock:
             counts[kind] += 1
+
+
+def _error_code(text: str) -> str:
+    """The code (else type) of the error event that ended a stream."""
+    for line in text.splitlines():
+        if line.startswith("data: {") and '"error"' in line:
+            try:
+                err = json.loads(line[len("data: ") :]).get("error", {})
+            except json.JSONDecodeError:
+                continue
+            return str(err.get("code") or err.get("type") or "unknown")
+    return "unknown"
+
+
+def _per_gpu(m: dict[str, float]) -> dict[str, float]:
+    """Every GPU's free VRAM (MiB) and level on this scrape."""
+    gpus = sorted({k.split('gpu="')[1].split('"')[0] for k in m if 'gpu="' in k})
+    out: dict[str, float] = {}
+    for g in gpus:
+        out[f"gpu{g}_free_mib"] = total(m, "ballast_gpu_memory_free_bytes", gpu=g) / MiB
+        out[f"gpu{g}_level"] = total(m, "ballast_gpu_memory_level", gpu=g)
+    return out
 
 
 def run_mode(
@@ -79,12 +112,15 @@ def run_mode(
     max_tokens: int = 2000,
     hog_s: float = 30,
     hold_s: float = 30,
+    hog_gpu: int | None = 0,
+    device: str = "cuda",
 ) -> dict[str, Any]:
+    """hog_gpu None: no second process (the CPU check of the script)."""
     args = [
         "--model",
         model,
         "--device",
-        "cuda",
+        device,
         "--max-num-seqs",
         str(streams_n),
         "--served-model-name",
@@ -118,9 +154,18 @@ def run_mode(
         t0 = time.monotonic()
         while time.monotonic() - t0 < 10 + hog_s + hold_s + 30:
             t = time.monotonic() - t0
-            if hog is None and t > 10:
+            if hog is None and hog_gpu is not None and t > 10:
                 hog = subprocess.Popen(
-                    [sys.executable, "-c", HOG, str(200 * MiB), str(256 * MiB), "0.5", str(hold_s)],
+                    [
+                        sys.executable,
+                        "-c",
+                        HOG,
+                        str(200 * MiB),
+                        str(256 * MiB),
+                        "0.5",
+                        str(hold_s),
+                        str(hog_gpu),
+                    ],
                     text=True,
                     stdout=subprocess.DEVNULL,
                 )
@@ -134,6 +179,7 @@ def run_mode(
                     "alive": float(alive),
                     "level": total(m, "ballast_memory_pressure_level"),
                     "gpu_free_mib": total(m, "ballast_gpu_memory_free_bytes") / MiB,
+                    **_per_gpu(m),
                     **{f"n_{k}": float(v) for k, v in done.items()},
                 }
             )
@@ -155,9 +201,15 @@ def run_mode(
         # A KV segment the allocator could not deliver is logged and refused like a ledger "no":
         # handled. Any other OOM line, or an outcome other than done / 429 / 503, reached a client.
         handled = [ln for ln in oom if "could not be allocated" in ln]
-        client_errors = {k: v for k, v in counts.items() if k not in ("completed", "429", "503")}
+        # A retryable end (the server's _RETRYABLE codes) is clean; anything else reached a client.
+        retryable = ("server_overloaded", "queue_full", "queue_wait_exceeded", "engine_step_failed")
+        clean = ("completed", "429", "503", *(f"error_event:{c}" for c in retryable))
+        client_errors = {k: v for k, v in counts.items() if k not in clean}
+        gpu_levels = sorted({k.removesuffix("_level") for x in timeline for k in x if k.endswith("_level")})
         return {
             "governed": governed,
+            "hog_gpu": hog_gpu,
+            "max_level_by_gpu": {g: max(x.get(f"{g}_level", -1) for x in timeline) for g in gpu_levels},
             "outcomes": dict(counts),
             "server_alive": alive,
             "served_after": served,
@@ -183,14 +235,30 @@ def main() -> None:
     ap.add_argument(
         "--serve-arg", action="append", default=[], help="passed on to ballast serve (repeatable)"
     )
+    ap.add_argument("--hog-gpu", type=int, default=0, help="the GPU the second process fills")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: no hog, a check")
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=2000)
+    ap.add_argument("--hog-s", type=float, default=30, help="seconds the hog takes to fill")
+    ap.add_argument("--hold-s", type=float, default=30, help="seconds the hog holds what it took")
     a = ap.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
+    if a.device == "cuda" and not torch.cuda.is_available():
         print("skipped: no CUDA device")
         return
     results = [
-        run_mode(a.model, g, a.serve_arg)
+        run_mode(
+            a.model,
+            g,
+            a.serve_arg,
+            a.streams,
+            a.max_tokens,
+            a.hog_s,
+            a.hold_s,
+            a.hog_gpu if a.device == "cuda" else None,
+            a.device,
+        )
         for g in {"both": (True, False), "on": (True,), "off": (False,)}[a.mode]
     ]
     for r in results:

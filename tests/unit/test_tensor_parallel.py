@@ -11,6 +11,7 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.kv_pool import KVPool
+from ballast.engine.loading import ModelSpecError
 from ballast.models.base import UnsupportedModel
 from ballast.models.builtin import builtin_config
 from ballast.models.kv_store import KVStore, plan_layout
@@ -158,3 +159,30 @@ def test_the_engine_keeps_every_rank_on_the_same_blocks() -> None:
     (want, want_lp), (got, got_lp) = run(1), run(2)
     assert got == want
     torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-4, rtol=1e-4)
+
+
+def test_tensor_parallel_serves_with_the_tokenizer_it_is_given(tmp_path: Path) -> None:
+    """`--tokenizer DIR` under tensor parallel (a built-in model on a host without network): the
+    engine renders chats with that directory's template; a path that is no directory is refused
+    before any worker starts."""
+    from ballast.bench.checkpoint_dir import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<<{{ m['role'] }}: {{ m['content'] }}>>{% endfor %}"
+    )
+    cfg = EngineConfig(
+        model="builtin:tiny-llama",
+        device="cpu",
+        max_model_len=64,
+        max_num_seqs=1,
+        tensor_parallel_size=2,
+        tokenizer=str(tmp_path),
+    )
+    engine = Engine.load(cfg)
+    try:
+        assert engine.tokenizer.render_chat([{"role": "user", "content": "hi"}]) == "<<user: hi>>"
+    finally:
+        engine.shutdown()
+    with pytest.raises(ModelSpecError, match="not a directory"):
+        Engine.load(EngineConfig(**{**cfg.__dict__, "tokenizer": str(tmp_path / "absent")}))
