@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 from ballast.engine.kv_pool import KVPool
-from ballast.engine.plan import LAST_SAMPLED, StepPlan
+from ballast.engine.plan import LAST_SAMPLED, KVKeep, StepPlan
 from ballast.engine.prefix_cache import PrefixCache
 from ballast.engine.runner import ModelRunner
 from ballast.memory.watch import MemWatch
@@ -91,14 +91,18 @@ class SlotKV:
                 pool.release(slot)
         self._mark_int8([s for s in slots if self._int8.pop(s, None) is not None], False)
 
-    def shrink(self) -> None:
+    def shrink(self, keep: KVKeep = KVKeep()) -> None:
         """Give memory back (the ladder at TIGHT and worse): blocks in use are packed into the
-        lowest segments, then every segment left empty goes back to the device / host."""
+        lowest segments, then the segments left empty go back to the device / host, all but those
+        holding `keep`'s free blocks. A pool with no whole segment beyond them is not compacted."""
         for pool in self._runner.pools:
+            keep_free = keep.int8 if pool is self._runner.kv_int8 else keep.main
+            if not pool.has_surplus(keep_free):
+                continue
             moves = pool.compact()
             if pool is self._runner.kv:
                 self._cache.follow_moves(moves)  # the cache holds main-pool blocks by id
-            pool.shrink(keep_segments=0)
+            pool.shrink(keep_free_blocks=keep_free)
 
     def take_blocks(self, plan: StepPlan, seqs: Rows) -> frozenset[int]:
         """Grow every sequence's table to cover this step's positions, evicting cache and then
