@@ -112,9 +112,9 @@ class SlotKV:
             return frozenset()
         need = {slot: start + len(tokens) for slot, tokens, start in seqs}
         short = [slot for slot, n in need.items() if not self.pool_of(slot).ensure(slot, n)]
-        if short:
+        if short:  # cached prefixes go before any running sequence: free blocks for all of them
             self._cache.evict_for_blocks(
-                sum(_missing(kv, s, need[s]) for s in short if self.pool_of(s) is kv)
+                sum(_lacking(kv, s, need[s]) for s in short if self.pool_of(s) is kv)
             )
         victims = [p.slot for p in reversed(plan.prefills)] + [d.slot for d in reversed(plan.decodes)]
         preempted: set[int] = set()
@@ -160,6 +160,9 @@ class SlotKV:
             stores.int8_slots[torch.tensor(list(slots), device=stores.int8_slots.device)] = value
 
 
-def _missing(kv: KVPool, slot: int, n_tokens: int) -> int:
-    """Blocks the pool lacks for the slot to hold n_tokens."""
-    return max(0, -(-n_tokens // kv.layout.block_size) - len(kv.table(slot)) - kv.alloc.free_blocks)
+def _lacking(kv: KVPool, slot: int, n_tokens: int) -> int:
+    """Blocks the slot's table lacks to hold n_tokens: the free blocks it needs. (Counting only
+    what the free blocks lack, as this once did, asked the cache to evict until that many were
+    free: with some blocks free but too few, it evicted nothing and a sequence was preempted
+    beside thousands of evictable cached blocks; the soak saw it.)"""
+    return max(0, -(-n_tokens // kv.layout.block_size) - len(kv.table(slot)))
