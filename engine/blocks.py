@@ -97,12 +97,19 @@ class BlockAllocator:
             heapq.heappush(self._free, b)
         return seg
 
-    def remove_free_segments(self, keep: int = 0) -> list[int]:
+    def remove_free_segments(self, keep: int = 0, keep_free: int = 0) -> list[int]:
         """Remove segments none of whose blocks is in use, highest first, keeping `keep` segments
-        live at least. Returns the removed indices (their memory can go)."""
+        live and `keep_free` blocks free at least. Returns the removed indices (their memory can go)."""
         empty = sorted((s for s in self._segments if self._used_in[s] == 0), reverse=True)
         removable = max(0, len(self._segments) - keep)
-        gone = empty[:removable]
+        gone: list[int] = []
+        free = len(self._free)
+        for seg in empty[:removable]:
+            blocks = self.seg_blocks - (self.reserved if seg == 0 else 0)
+            if free - blocks < keep_free:
+                break
+            gone.append(seg)
+            free -= blocks
         if gone:
             for s in gone:
                 self._segments.remove(s)

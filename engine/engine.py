@@ -581,9 +581,10 @@ class Engine:
         self.runner.sampler.reset(plan.release)
         self.slot_kv.drop(plan.release)
         if plan.shrink_kv:
-            # TIGHT and worse: free segments go back to the device / host at once instead of
-            # waiting to be reused; CRITICAL thereby shrinks the pools to what running sequences hold.
-            self.slot_kv.shrink()
+            # TIGHT and worse: free segments beyond what the scheduler's requests are about to take
+            # go back to the device / host at once; CRITICAL keeps nothing free, so the pools shrink
+            # to what running sequences hold.
+            self.slot_kv.shrink(plan.kv_keep)
 
     def _apply_shed(self, plan: StepPlan) -> None:
         """The ladder's first rung (WATCH): cached state goes back before anything else shrinks.

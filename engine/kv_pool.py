@@ -133,10 +133,15 @@ class KVPool:
     def _slots(self) -> list[int]:
         return [slot for slot in range(self.layout.table_rows) if self.alloc.count(slot)]
 
-    def shrink(self, keep_segments: int = 0) -> int:
-        """Give back every segment with no block in use (keeping `keep_segments` live at least);
-        returns the bytes released."""
-        gone = self.alloc.remove_free_segments(keep_segments)
+    def has_surplus(self, keep_free_blocks: int) -> bool:
+        """The free blocks beyond `keep_free_blocks` fill a whole segment: shrinking could give
+        one back (after `compact`)."""
+        return self.alloc.free_blocks - keep_free_blocks >= self.layout.seg_blocks
+
+    def shrink(self, keep_segments: int = 0, keep_free_blocks: int = 0) -> int:
+        """Give back every segment with no block in use, keeping `keep_segments` live at least and
+        `keep_free_blocks` free blocks at least; returns the bytes released."""
+        gone = self.alloc.remove_free_segments(keep_segments, keep_free_blocks)
         if not gone:
             return 0
         self.store.release_segments(gone)

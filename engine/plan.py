@@ -106,6 +106,15 @@ class CheckpointRestore:
 
 
 @dataclass(frozen=True)
+class KVKeep:
+    """Free blocks each KV pool keeps when it shrinks (`StepPlan.shrink_kv`): the blocks that running
+    and queued requests are about to take. Only segments beyond these go back."""
+
+    main: int = 0
+    int8: int = 0
+
+
+@dataclass(frozen=True)
 class StepPlan:
     prefills: tuple[PrefillChunk, ...] = ()
     decodes: tuple[DecodeToken, ...] = ()
@@ -116,6 +125,7 @@ class StepPlan:
     max_slots: int | None = None  # resize the active slot limit before the step (ladder)
     shed_prefix_cache: bool = False  # empty the prefix cache before the step (ladder, WATCH+)
     shrink_kv: bool = False  # give free KV segments back before the step (ladder, TIGHT+)
+    kv_keep: KVKeep = KVKeep()  # ... all but these free blocks (0 at CRITICAL: everything free)
     # Parked (preempted) sequences whose request ended while it waited: drop what would resume them.
     unpark: tuple[tuple[int, ...], ...] = ()
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 from ballast.engine.kv_pool import KVPool
-from ballast.engine.plan import LAST_SAMPLED, StepPlan
+from ballast.engine.plan import LAST_SAMPLED, KVKeep, StepPlan
 from ballast.engine.prefix_cache import PrefixCache
 from ballast.engine.runner import ModelRunner
 from ballast.memory.watch import MemWatch
@@ -91,14 +91,18 @@ class SlotKV:
                 pool.release(slot)
         self._mark_int8([s for s in slots if self._int8.pop(s, None) is not None], False)
 
-    def shrink(self) -> None:
+    def shrink(self, keep: KVKeep = KVKeep()) -> None:
         """Give memory back (the ladder at TIGHT and worse): blocks in use are packed into the
-        lowest segments, then every segment left empty goes back to the device / host."""
+        lowest segments, then the segments left empty go back to the device / host, all but those
+        holding `keep`'s free blocks. A pool with no whole segment beyond them is not compacted."""
         for pool in self._runner.pools:
+            keep_free = keep.int8 if pool is self._runner.kv_int8 else keep.main
+            if not pool.has_surplus(keep_free):
+                continue
             moves = pool.compact()
             if pool is self._runner.kv:
                 self._cache.follow_moves(moves)  # the cache holds main-pool blocks by id
-            pool.shrink(keep_segments=0)
+            pool.shrink(keep_free_blocks=keep_free)
 
     def take_blocks(self, plan: StepPlan, seqs: Rows) -> frozenset[int]:
         """Grow every sequence's table to cover this step's positions, evicting cache and then
@@ -108,9 +112,9 @@ class SlotKV:
             return frozenset()
         need = {slot: start + len(tokens) for slot, tokens, start in seqs}
         short = [slot for slot, n in need.items() if not self.pool_of(slot).ensure(slot, n)]
-        if short:
+        if short:  # cached prefixes go before any running sequence: free blocks for all of them
             self._cache.evict_for_blocks(
-                sum(_missing(kv, s, need[s]) for s in short if self.pool_of(s) is kv)
+                sum(_lacking(kv, s, need[s]) for s in short if self.pool_of(s) is kv)
             )
         victims = [p.slot for p in reversed(plan.prefills)] + [d.slot for d in reversed(plan.decodes)]
         preempted: set[int] = set()
@@ -157,6 +161,9 @@ class SlotKV:
             stores.int8_slots[torch.tensor(list(slots), device=stores.int8_slots.device)] = value
 
 
-def _missing(kv: KVPool, slot: int, n_tokens: int) -> int:
-    """Blocks the pool lacks for the slot to hold n_tokens."""
-    return max(0, -(-n_tokens // kv.layout.block_size) - len(kv.table(slot)) - kv.alloc.free_blocks)
+def _lacking(kv: KVPool, slot: int, n_tokens: int) -> int:
+    """Blocks the slot's table lacks to hold n_tokens: the free blocks it needs. (Counting only
+    what the free blocks lack, as this once did, asked the cache to evict until that many were
+    free: with some blocks free but too few, it evicted nothing and a sequence was preempted
+    beside thousands of evictable cached blocks; the soak saw it.)"""
+    return max(0, -(-n_tokens // kv.layout.block_size) - len(kv.table(slot)))

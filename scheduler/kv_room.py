@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ballast.engine.blocks import blocks_for
-from ballast.engine.plan import KVFigures, StepResult
+from ballast.engine.plan import KVFigures, KVKeep, StepResult
 from ballast.memory.types import PoolRoom
 
 
@@ -64,6 +64,17 @@ class KVRoom:
             return True
         spare = kv.spare_blocks - self._promised(kv, int8, running, watermark=0)
         return spare >= blocks_for(n_tokens, kv.block_size)
+
+    def keep(self, charges: Iterable[Charge]) -> KVKeep:
+        """The free blocks each pool keeps when the ladder shrinks it: what the charged requests
+        (running, and queued ones charged as if they started now) will still take, with the
+        watermark of `room`."""
+        charges = list(charges)
+        main, int8 = self.main, self.int8
+        return KVKeep(
+            self._promised(main, False, charges, watermark=1) if main is not None else 0,
+            self._promised(int8, True, charges, watermark=1) if int8 is not None else 0,
+        )
 
     @staticmethod
     def _promised(kv: KVFigures, int8: bool, running: Iterable[Charge], watermark: int) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from ballast.engine.interface import DetokenizerLike, EngineLike
 from ballast.engine.plan import (
     DecodeToken,
     KVFigures,
+    KVKeep,
     PrefillChunk,
     SamplingParams,
     SlotOutput,
@@ -176,6 +178,7 @@ class Scheduler:
         )
         self._kv = KVRoom(engine.kv_figures(), engine.kv_figures(int8=True))  # the pools after the last step
         self._shrink_sent = False  # the engine was told to give free KV segments back
+        self._kv_keep = KVKeep()  # the free blocks the last plan's shrink would keep
         self._unpark: list[tuple[int, ...]] = []  # for the next plan
         # Slots the plan submitted ahead feeds the token of the step being applied (LAST_SAMPLED),
         # and final checkpoints that wait for that plan: its slot will have consumed one more token.
@@ -350,6 +353,7 @@ class Scheduler:
             budget -= self._chunk(new, budget, prefills, sampling)
         shed, saves, restores = self._checkpoints.take_orders()
         release = self._slots.take_releases()
+        shrink, keep = self._shrink_kv(bool(release))
         return StepPlan(
             prefills=tuple(prefills),
             decodes=tuple(decodes),
@@ -359,7 +363,8 @@ class Scheduler:
             saves=saves,
             max_slots=self._engine_slot_change(),
             shed_prefix_cache=shed,
-            shrink_kv=self._shrink_kv(bool(release)),
+            shrink_kv=shrink,
+            kv_keep=keep,
             unpark=self._take_unpark(),
         )
 
@@ -523,7 +528,7 @@ class Scheduler:
     def _charges(self) -> list[Charge]:
         return [Charge(s.total_tokens, s.kv_held, bool(s.int8_kv)) for s in self._running]
 
-    def _starts_in_int8(self, n_tokens: int) -> bool:
+    def _starts_in_int8(self, n_tokens: int, charges: list[Charge] | None = None) -> bool:
         """The quantized-KV rung (WATCH) puts a new sequence in int8 blocks so that the KV memory it
         adds costs fewer bytes. Free blocks the main pool already holds cost no new memory at all,
         so a sequence they hold whole starts there: the int8 pool would otherwise have to grow just
@@ -531,7 +536,7 @@ class Scheduler:
         every new request for the whole squeeze, beside a main pool with blocks to spare)."""
         if not self._gov.ladder.force_quantized_kv or self._kv.int8 is None:
             return False
-        return not self._kv.holds(False, n_tokens, self._charges())
+        return not self._kv.holds(False, n_tokens, self._charges() if charges is None else charges)
 
     def _waits_for_blocks(self, n_prompt: int, max_tokens: int, int8: bool) -> bool:
         """The head would be admitted whole once running requests give their blocks back, but not
@@ -557,13 +562,33 @@ class Scheduler:
         shows there); without one the free blocks decide alone."""
         return self._gov.snapshot is not None or self._kv.holds(int8, len(seq.feed) + 1, self._charges())
 
-    def _shrink_kv(self, releasing: bool) -> bool:
+    def _shrink_kv(self, releasing: bool) -> tuple[bool, KVKeep]:
         """Ask the engine to give free KV segments back while the ladder evicts KV (TIGHT and
-        worse): once when the rung engages, then with every plan that frees blocks."""
+        worse): once when the rung engages, then with every plan that frees blocks or that needs
+        fewer kept (a queued request left). With it, the free blocks to keep (`_kv_keep_now`)."""
         evict = self._gov.ladder.kv_evict
-        send = evict and (releasing or not self._shrink_sent)
-        self._shrink_sent = evict
-        return send
+        keep = self._kv_keep_now() if evict else KVKeep()
+        fewer = keep.main < self._kv_keep.main or keep.int8 < self._kv_keep.int8
+        send = evict and (releasing or not self._shrink_sent or fewer)
+        self._shrink_sent, self._kv_keep = evict, keep
+        return send, keep
+
+    def _kv_keep_now(self) -> KVKeep:
+        """At TIGHT the pools keep the free blocks that running requests will still take and that
+        the queue's next `slot_limit` requests would take if they started now; only the surplus
+        goes back. Giving back more helps only if the pressure is ours: measured on an H200, when
+        another process held the die's free VRAM, segments given back at TIGHT were not taken by
+        anyone (free VRAM rose 1 GiB and stayed unused), the pool could not grow again, and every new
+        request stalled until the queue bound refused it. At CRITICAL everything free goes back."""
+        if self._gov.ladder.level >= Level.CRITICAL:
+            return KVKeep()
+        charges = self._charges()
+        window = self._gov.ladder.context_window
+        for seq in itertools.islice(self._queue, self.slot_limit):
+            n = seq.total_tokens if seq.preempted else min(seq.total_tokens, window)
+            int8 = seq.int8_kv if seq.int8_kv is not None else self._starts_in_int8(n, charges)
+            charges.append(Charge(n, 0, int8))
+        return self._kv.keep(charges)
 
     def _on_token(self, seq: _Seq, out: SlotOutput) -> None:
         seq.phase = Phase.DECODING

@@ -29,6 +29,7 @@ from ballast.models.default_model import CACHE_ENV
 from ballast.scheduler.config import SchedulerConfig
 from ballast.server import events
 from ballast.server.config import ConfigError, ServerConfig, add_flags, build, warn_unknown
+from ballast.server.header_timeout import protocol_with_header_timeout
 
 from ballast import __version__
 
@@ -230,7 +231,12 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     logs: dict[str, Any] = {"log_config": None} if json_logs else {}
     server = uvicorn.Server(
         uvicorn.Config(
-            app, log_level=server_cfg.log_level, lifespan="on", timeout_graceful_shutdown=10, **logs
+            app,
+            http=protocol_with_header_timeout(server_cfg.header_timeout_s),
+            log_level=server_cfg.log_level,
+            lifespan="on",
+            timeout_graceful_shutdown=10,
+            **logs,
         )
     )
     url = f"http://{shown}:{port}"

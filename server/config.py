@@ -57,6 +57,16 @@ class ServerConfig:
             3600.0,
         ),
     )
+    header_timeout_s: float = field(
+        default=30.0,
+        metadata=setting(
+            "BALLAST_HEADER_TIMEOUT_S",
+            "longest wait for a request's headers, from the connection's opening or the request's first "
+            "byte (408 and close beyond: a client trickling its headers cannot hold a connection)",
+            0.1,
+            3600.0,
+        ),
+    )
     served_model_name: str | None = field(
         default=None,
         metadata=setting(

@@ -7,6 +7,7 @@ run, and the pool ends idle."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 
 from ballast.engine.config import EngineConfig
@@ -183,3 +184,56 @@ async def test_watch_fills_free_main_blocks_before_growing_the_int8_pool(tmp_pat
         engine.shutdown()
     assert grown > 0 and got == calm
     assert peak["int8"] == 0 and peak["main"] <= grown
+
+
+async def test_tight_keeps_the_free_blocks_that_queued_requests_need(tmp_path: Path) -> None:
+    """At TIGHT the pool gives back only its surplus: the free blocks that running requests will
+    still take and that queued ones would take stay, so the queue starts without new memory (the
+    pool never grows again at TIGHT, nothing is preempted, nothing goes to int8) and with the tokens
+    of the calm run. Giving every free segment back made each new request wait for memory that a
+    co-tenant squeezing the die did not give back (measured on an H200)."""
+    mem = MemoryConfig(root=str(tmp_path))
+    level_tree(tmp_path, Level.OK, config=mem)
+    watch = MemWatch(mem, StaticDeviceReader())
+    watch.poll_now()
+    engine = Engine.load(CFG, watch)
+    main, int8 = engine.runner.kv, engine.runner.kv_int8
+    assert main is not None and int8 is not None
+    sched = Scheduler(engine, SchedulerConfig(max_num_seqs=4), memwatch=watch)  # TIGHT: 2 slots
+    asked = prompts()[:4]
+    held: list[int] = []
+    int8_used = [0]
+
+    async def collect(n_tokens: int) -> list[tuple[tuple[int, ...], str]]:
+        handles = [
+            sched.submit(GenerationRequest(f"t{i}-{n_tokens}", p, GREEDY, max_tokens=n_tokens))
+            for i, p in enumerate(asked)
+        ]
+        out = []
+        for h in handles:
+            toks: list[int] = []
+            async for ev in h:
+                held.append(main.bytes_held)
+                int8_used[0] = max(int8_used[0], int8.figures().used_blocks)
+                if isinstance(ev, TokenEvent):
+                    toks.extend(ev.token_ids)
+                elif isinstance(ev, FinishEvent):
+                    out.append((tuple(toks), ev.reason))
+        return out
+
+    await sched.start()
+    try:
+        calm = await collect(160)  # at OK the pool grows for 4 long sequences
+        grown = main.bytes_held
+        level_tree(tmp_path, Level.TIGHT, config=mem)
+        watch.poll_now()
+        held.clear()
+        tight = await asyncio.wait_for(collect(48), 60)  # 2 start, 2 wait in the queue for a slot
+    finally:
+        await sched.stop()
+        engine.shutdown()
+    assert [r for _, r in calm] == ["length"] * 4 and [r for _, r in tight] == ["length"] * 4
+    assert [t for t, _ in tight] == [t[:48] for t, _ in calm]
+    assert engine.preemptions == 0 and int8_used[0] == 0
+    assert min(held) < grown  # the surplus went back
+    assert all(b <= a for a, b in itertools.pairwise(held)), held  # and the pool never grew again

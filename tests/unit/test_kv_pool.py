@@ -245,3 +245,20 @@ def test_capacity_line_counts_tokens_sequences_and_slot_states() -> None:
     )
     assert "3.0 MiB" in line
     assert "254,200 tokens" in capacity_line(cost, 0, 16 * GiB, True, 64, 8192)  # int8: 66 KiB a token
+
+
+def test_shrink_keeps_the_free_blocks_asked_for_and_gives_back_the_rest() -> None:
+    """The ladder at TIGHT keeps the free blocks queued requests are about to take: only whole
+    segments beyond them go back, and a pool with no such segment is left alone."""
+    pool = small_pool(slots=2, max_len=4096, segment_bytes=64 << 10)
+    seg, bs = pool.layout.seg_blocks, pool.layout.block_size
+    assert pool.ensure(0, 5 * seg * bs)  # five segments' worth of blocks (the sink takes one more)
+    pool.release(0)
+    free = pool.alloc.free_blocks
+    assert len(pool.alloc.segments) == 6 and free == 6 * seg - 1
+    keep = 2 * seg + 1  # one block more than two segments: three stay
+    assert pool.has_surplus(keep) and not pool.has_surplus(free - seg + 1)
+    assert pool.shrink(keep_free_blocks=keep) == 3 * pool.layout.segment_bytes
+    assert len(pool.alloc.segments) == 3 and pool.alloc.free_blocks >= keep
+    assert not pool.has_surplus(keep) and pool.shrink(keep_free_blocks=keep) == 0
+    assert pool.shrink() == 3 * pool.layout.segment_bytes and pool.alloc.segments == frozenset()

@@ -455,3 +455,40 @@ def test_checkpoint_buffers_are_in_the_pool_before_the_first_save() -> None:
     off = Engine.load(cfg, prefix_cache=PrefixCacheConfig(fraction=0.0), pool=off_pool)
     off.shutdown()
     assert off_pool.stats().high_water_buffers == 0
+
+
+def test_a_sequence_short_of_blocks_evicts_cached_prefixes_before_anyone_is_preempted() -> None:
+    """Found by the soak (a few preemptions beside thousands of evictable cached blocks): with some
+    free blocks in a pool otherwise full of cached prefixes, a sequence needing more than were free
+    asked the cache to evict until only its shortfall was free, which it already was, and was
+    preempted. The cache now evicts until the blocks it needs are free."""
+    probe = load("builtin:tiny-llama")
+    block_bytes = probe.kv_figures().block_bytes  # type: ignore[union-attr]
+    probe.shutdown()
+    cfg = EngineConfig(
+        model="builtin:tiny-llama",
+        device="cpu",
+        max_num_seqs=2,
+        max_model_len=MAX_LEN,
+        prefill_chunk_tokens=MAX_LEN,
+        kv_segment_bytes=8 * block_bytes,
+    )
+    eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=INTERVAL))
+    try:
+        for i in range(40):  # fill the cache until the pool is at its limit, (nearly) every block cached
+            run_request(eng, 0, ids(90 + i, 2 * INTERVAL + 4), 2, reuse=False)
+            full = eng.kv_figures()
+            if full is not None and full.addable_blocks == 0 and full.free_blocks <= 1:
+                break
+        else:
+            pytest.fail(f"the cache never filled the pool: {eng.kv_figures()}")
+        cache = eng.prefix_cache
+        assert cache is not None and cache.evict_for_blocks(2)  # a few blocks free, the rest cached
+        kv = eng.kv_figures()
+        assert kv is not None and kv.addable_blocks == 0 and kv.evictable_blocks > kv.free_blocks >= 2
+        prompt = ids(500, (kv.free_blocks + 1) * kv.block_size)  # one block more than is free
+        res = eng.step(StepPlan(prefills=(PrefillChunk(0, prompt, 0, True),), sampling={0: GREEDY}))
+        assert not res.preempted and [o.slot for o in res.outputs] == [0]
+        assert eng.preemptions == 0
+    finally:
+        eng.shutdown()
