@@ -21,9 +21,7 @@ from ballast.engine import tensor_parallel
 from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
 from ballast.engine.faults import is_device_fault
-from ballast.engine.graphs import GraphCaptureError
-from ballast.engine.kv_budget import capacity_line, segment_grant
-from ballast.engine.loading import LoadedModel, load
+from ballast.engine.kv_budget import capacity_line
 from ballast.engine.pipeline import LaunchedStep, StepPipeline
 from ballast.engine.plan import (
     LAST_SAMPLED,
@@ -38,23 +36,18 @@ from ballast.engine.plan import (
 )
 from ballast.engine.prefix_cache import CheckpointMissing, PrefixCache, PrefixCacheConfig, auto_interval
 from ballast.engine.runner import (
-    ModelRunner,
     Profile,
     build_cost_model,
-    planned_state_bytes,
-    profile_prefill,
 )
 from ballast.engine.sampler import Draw
 from ballast.engine.sampling_defaults import sampling_defaults as defaults_for
 from ballast.engine.slot_kv import SlotKV
 from ballast.engine.staging import to_device
+from ballast.engine.startup import Parts, bring_up
 from ballast.engine.tokenizer import Tokenizer
-from ballast.memory.errors import LedgerFull
-from ballast.memory.ledger import Lease
 from ballast.memory.pool import CheckpointPool
-from ballast.memory.types import CostModel, MiB
+from ballast.memory.types import CostModel
 from ballast.memory.watch import MemWatch
-from ballast.models import pointwise
 from ballast.models.base import Rows
 
 log = logging.getLogger(__name__)
@@ -147,62 +140,16 @@ class Engine:
         checkpoint cache's settings (default: on); pool: where its buffers come from and go back to."""
         return cls(config, watch, force_quantized_kv, prefix_cache=prefix_cache, pool=pool)
 
-    def _load(self, force_quantized_kv: bool) -> tuple[LoadedModel, ModelRunner, Profile, list[Lease]]:
-        cfg = self.config
-        pointwise.set_enabled(cfg.compile)  # before the first forward: the profile compiles them
-        quantized = force_quantized_kv or cfg.kv_quant == "int8"
-        workers = None
-        if cfg.tensor_parallel_size > 1:
-            loaded, workers = tensor_parallel.load_sharded(
-                cfg, self.device, self.dtype, quantized, self._watch
-            )
-        else:
-            loaded = load(cfg, self.device, self.dtype, self._watch)
-        leases = list(loaded.leases)
-        try:
-            profile = profile_prefill(
-                loaded.model,
-                loaded.hf_config,
-                cfg.prefill_chunk_tokens,
-                cfg.max_model_len,
-                self.device,
-                self.dtype,
-            )
-            # Tensor parallel runs decode eagerly: collectives inside captured graphs are not wired.
-            graphs = cfg.cuda_graphs and self.device.type == "cuda" and workers is None
-            die = self.gpu_die
-            if self._watch is not None and die is not None:
-                # Lease before allocating: the ledger refuses before the driver would OOM. Every
-                # rank allocates the same slot states and activations on its own die.
-                planned = planned_state_bytes(loaded.model, self.dtype, cfg.max_num_seqs, graphs)
-                for tag, nbytes in (
-                    (f"slot-states:{loaded.source.name}", planned),
-                    ("activations", profile.peak_activation_bytes),
-                ):
-                    leases.extend(tensor_parallel.lease_everywhere(self._watch, self.dies, nbytes, tag))
-            acquire = None
-            if self._watch is not None:
-                acquire = (
-                    tensor_parallel.segment_grant_all(self._watch, self.dies, cfg.tensor_parallel_size)
-                    if workers is not None
-                    else segment_grant(self._watch, die)
-                )
-            args = (loaded.model, self.device, self.dtype, cfg.max_num_seqs, cfg.max_model_len, quantized)
-            kwargs = {"scratch_slot": graphs, "acquire": acquire, "segment_bytes": cfg.kv_segment_bytes}
-            runner = (
-                tensor_parallel.ShardedRunner(*args, cfg.seed, workers=workers, **kwargs)
-                if workers is not None
-                else ModelRunner(*args, cfg.seed, **kwargs)
-            )
-            if graphs:
-                self._capture_graphs(runner, leases)
-        except BaseException:
-            for lease in leases:
-                lease.release()
-            if workers is not None:
-                workers.close(timeout_s=2.0)
-            raise
-        return loaded, runner, profile, leases
+    def _load(self, force_quantized_kv: bool) -> Parts:
+        return bring_up(
+            self.config,
+            self.device,
+            self.dtype,
+            self._watch,
+            self.dies,
+            lambda: self.gpu_die,
+            force_quantized_kv,
+        )
 
     @property
     def dies(self) -> list[int]:
@@ -234,33 +181,7 @@ class Engine:
     def _die(self) -> int:
         return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
-    def _capture_graphs(self, runner: ModelRunner, leases: list[Lease]) -> None:
-        """Decode graphs are a speed-up, never a reason to fail: a model that cannot be captured,
-        or a ledger without room for the graphs' memory, runs eagerly (logged)."""
-        try:
-            held = runner.capture_graphs()
-        except GraphCaptureError as e:
-            log.warning("%s; decode runs eagerly", e)
-            return
-        if self._watch is not None:
-            try:
-                leases.append(self._watch.ledger.lease(self._die(), held, "cuda-graphs"))
-            except LedgerFull as e:
-                runner.release_graphs()
-                log.warning("no VRAM for decode graphs (%s); decode runs eagerly", e)
-                return
-        assert runner.graphs is not None
-        g = runner.graphs
-        log.info(
-            "decode graphs: %d captured of %d buckets (batch <= %d, context <= %d), %.1f MiB",
-            g.captured,
-            len(g.batch_buckets) * len(g.context_buckets),
-            max(b for b, _ in g.pairs),
-            max(c for _, c in g.pairs),
-            held / MiB,
-        )
-
-    def _setup(self, parts: tuple[LoadedModel, ModelRunner, Profile, list[Lease]]) -> None:
+    def _setup(self, parts: Parts) -> None:
         loaded, runner, profile, leases = parts
         self._loaded = loaded
         self.runner = runner

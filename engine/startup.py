@@ -1,0 +1,117 @@
+"""Bringing an engine up, on the engine thread: load the model (on one device, or sharded over the
+GPUs of a tensor-parallel group), profile a prefill, lease the slot states and activations on
+every die before allocating them, build the runner and capture its decode graphs. Whatever was
+leased is given back if any step fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from ballast.engine import tensor_parallel
+from ballast.engine.config import EngineConfig
+from ballast.engine.graphs import GraphCaptureError
+from ballast.engine.kv_budget import segment_grant
+from ballast.engine.loading import LoadedModel, load
+from ballast.engine.runner import ModelRunner, Profile, planned_state_bytes, profile_prefill
+from ballast.memory.errors import LedgerFull
+from ballast.memory.ledger import Lease
+from ballast.memory.types import MiB
+from ballast.memory.watch import MemWatch
+from ballast.models import pointwise
+
+log = logging.getLogger(__name__)
+
+Parts = tuple[LoadedModel, ModelRunner, Profile, list[Lease]]
+
+
+def bring_up(
+    cfg: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    watch: MemWatch | None,
+    dies: list[int],
+    gpu_die: Callable[[], int | None],
+    force_quantized_kv: bool,
+) -> Parts:
+    """dies: every GPU the engine's ranks use (empty on the host); gpu_die: the one admission
+    checks, asked once the model is loaded (under tensor parallel, the die with the lowest
+    ceiling)."""
+    pointwise.set_enabled(cfg.compile)  # before the first forward: the profile compiles them
+    quantized = force_quantized_kv or cfg.kv_quant == "int8"
+    workers = None
+    if cfg.tensor_parallel_size > 1:
+        loaded, workers = tensor_parallel.load_sharded(cfg, device, dtype, quantized, watch)
+    else:
+        loaded = load(cfg, device, dtype, watch)
+    leases = list(loaded.leases)
+    try:
+        profile = profile_prefill(
+            loaded.model, loaded.hf_config, cfg.prefill_chunk_tokens, cfg.max_model_len, device, dtype
+        )
+        # Tensor parallel runs decode eagerly: collectives inside captured graphs are not wired.
+        graphs = cfg.cuda_graphs and device.type == "cuda" and workers is None
+        die = gpu_die()
+        if watch is not None and die is not None:
+            # Lease before allocating: the ledger refuses before the driver would OOM. Every
+            # rank allocates the same slot states and activations on its own die.
+            planned = planned_state_bytes(loaded.model, dtype, cfg.max_num_seqs, graphs)
+            for tag, nbytes in (
+                (f"slot-states:{loaded.source.name}", planned),
+                ("activations", profile.peak_activation_bytes),
+            ):
+                leases.extend(tensor_parallel.lease_everywhere(watch, dies, nbytes, tag))
+        acquire = None
+        if watch is not None:
+            acquire = (
+                tensor_parallel.segment_grant_all(watch, dies, cfg.tensor_parallel_size)
+                if workers is not None
+                else segment_grant(watch, die)
+            )
+        args = (loaded.model, device, dtype, cfg.max_num_seqs, cfg.max_model_len, quantized)
+        kwargs = {"scratch_slot": graphs, "acquire": acquire, "segment_bytes": cfg.kv_segment_bytes}
+        runner = (
+            tensor_parallel.ShardedRunner(*args, cfg.seed, workers=workers, **kwargs)
+            if workers is not None
+            else ModelRunner(*args, cfg.seed, **kwargs)
+        )
+        if graphs:
+            leases.extend(capture_graphs(runner, watch, dies[0]))
+    except BaseException:
+        for lease in leases:
+            lease.release()
+        if workers is not None:
+            workers.close(timeout_s=2.0)
+        raise
+    return loaded, runner, profile, leases
+
+
+def capture_graphs(runner: ModelRunner, watch: MemWatch | None, die: int) -> list[Lease]:
+    """Decode graphs are a speed-up, never a reason to fail: a model that cannot be captured, or
+    a ledger without room for the graphs' memory, runs eagerly (logged). Returns their lease."""
+    try:
+        held = runner.capture_graphs()
+    except GraphCaptureError as e:
+        log.warning("%s; decode runs eagerly", e)
+        return []
+    leases = []
+    if watch is not None:
+        try:
+            leases.append(watch.ledger.lease(die, held, "cuda-graphs"))
+        except LedgerFull as e:
+            runner.release_graphs()
+            log.warning("no VRAM for decode graphs (%s); decode runs eagerly", e)
+            return []
+    assert runner.graphs is not None
+    g = runner.graphs
+    log.info(
+        "decode graphs: %d captured of %d buckets (batch <= %d, context <= %d), %.1f MiB",
+        g.captured,
+        len(g.batch_buckets) * len(g.context_buckets),
+        max(b for b, _ in g.pairs),
+        max(c for _, c in g.pairs),
+        held / MiB,
+    )
+    return leases
