@@ -1,7 +1,7 @@
 """The asyncio continuous-batching loop: govern, schedule, execute, apply.
 
 Everything here runs on the event loop thread; the engine runs plans on its own thread and the
-only things crossing are a frozen `StepPlan` and a `StepResult`. Per-request state (`_Seq`) is
+only things crossing are a frozen `StepPlan` and a `StepResult`. Per-request state (`Seq`) is
 private to this module and changed only here (the field-tested failure mode is a request object
 mutated by scheduler, allocator and runner at once). A slot freed by a finished or aborted request
 is released in the next plan and reused only after that plan has run.
@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import itertools
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ballast.engine.interface import DetokenizerLike, EngineLike
+from ballast.engine.interface import EngineLike
 from ballast.engine.plan import (
     DecodeToken,
     KVFigures,
@@ -65,6 +64,7 @@ from ballast.scheduler.request import (
     TokenEvent,
     TokenLogprob,
 )
+from ballast.scheduler.sequence import Phase, Seq
 from ballast.scheduler.service_rate import QueueWaitBound, ServiceRate
 from ballast.scheduler.slots import SlotTable
 
@@ -76,60 +76,9 @@ verdict_log = logging.getLogger("ballast.events.request")
 OUTCOMES = ("stop", "length", "abort", *REFUSAL_OUTCOMES)
 
 
-class Phase(enum.Enum):
-    WAITING = "waiting"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    FINISHED = "finished"
-
-
 # Tokens per prefill chunk of a request that scores its prompt: the model returns a row of
 # logits (vocabulary-sized, float32) for every one of them.
 PROMPT_LOGPROBS_CHUNK = 256
-
-
-@dataclass(eq=False)
-class _Seq:
-    req: GenerationRequest
-    mailbox: Mailbox
-    submitted_at: float
-    deadline: float | None
-    detok: DetokenizerLike
-    phase: Phase = Phase.WAITING
-    slot: int | None = None
-    prefilled: int = 0  # prompt tokens already in the slot (sent to the engine or restored)
-    cached: int = 0  # of which restored from a prefix checkpoint
-    max_tokens: int = 0  # after admission (a CAP lowers it)
-    capped: bool = False
-    output: list[int] = field(default_factory=list)
-    # Output tokens generated before the engine preempted the sequence: prefilled again after the
-    # prompt when it resumes, so generation continues where it stopped.
-    resumed: tuple[int, ...] = ()
-    preempted: bool = False
-    # Its KV lives in int8 blocks: decided at its first admission (the ladder at WATCH or worse)
-    # and kept when it resumes, so a level change never changes an admitted request's tokens.
-    int8_kv: bool | None = None
-    kv_held: int = 0  # positions the engine held for it after the last step (what its figures count)
-    # Prompt logprobs by position (1 .. len(prompt) - 1), when the request asked for them; a
-    # recompute after a preemption scores positions again, to the same values.
-    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
-
-    @property
-    def feed(self) -> tuple[int, ...]:
-        """The tokens prefill runs over: the prompt, and after a preemption what was generated."""
-        return self.req.prompt_ids + self.resumed if self.resumed else self.req.prompt_ids
-
-    @property
-    def total_tokens(self) -> int:
-        """Positions the sequence may reach: what admission charged."""
-        return len(self.req.prompt_ids) + self.max_tokens
-
-    @property
-    def consumed_tokens(self) -> int:
-        """Positions it has been fed, in plans sent so far."""
-        if self.phase is Phase.DECODING:
-            return len(self.req.prompt_ids) + len(self.output) - 1
-        return self.prefilled
 
 
 @dataclass(frozen=True)
@@ -169,9 +118,9 @@ class Scheduler:
         self._gov = Governor(settings, engine.cost_model, memwatch, admission_metrics)
         self._eos = engine.tokenizer.eos_token_ids
         self._slots = SlotTable(engine.num_slots)
-        self._queue: WaitingQueue[_Seq] = WaitingQueue(config.max_queue)
-        self._running: list[_Seq] = []  # admission order: the FCFS order of prefill chunks
-        self._by_slot: dict[int, _Seq] = {}
+        self._queue: WaitingQueue[Seq] = WaitingQueue(config.max_queue)
+        self._running: list[Seq] = []  # admission order: the FCFS order of prefill chunks
+        self._by_slot: dict[int, Seq] = {}
         self._engine_slots = engine.num_slots  # the max_slots the engine applies now
         self._checkpoints = CheckpointOrders(
             engine.checkpoint_interval, engine.match_prefix, lambda: self._gov.ladder.shed_prefix_cache
@@ -250,12 +199,12 @@ class Scheduler:
         if deadline is None and self._cfg.request_timeout_s > 0:
             deadline = now + self._cfg.request_timeout_s
         detok = self._engine.new_detokenizer(req.prompt_ids, req.stop)
-        seq = _Seq(req, Mailbox(self._cfg.mailbox_events), now, deadline, detok, max_tokens=req.max_tokens)
+        seq = Seq(req, Mailbox(self._cfg.mailbox_events), now, deadline, detok, max_tokens=req.max_tokens)
         self._queue.push(seq)
         self._wake.set()
         return RequestHandle(req, seq.mailbox, lambda: self._abort(seq))
 
-    def _abort(self, seq: _Seq) -> None:
+    def _abort(self, seq: Seq) -> None:
         if seq.phase is not Phase.FINISHED:
             self._finish(seq, "abort")
             self._wake.set()  # an idle loop must still send the slot's release
@@ -434,7 +383,7 @@ class Scheduler:
                 self._finish(seq, "error", late)
 
     # --- pieces ---------------------------------------------------------------------------
-    def _admit_head(self) -> _Seq | None:
+    def _admit_head(self) -> Seq | None:
         """Give the queue head a slot if memory and the ladder allow; FCFS: never skip the head."""
         while (seq := self._queue.head()) is not None:
             if (
@@ -474,7 +423,7 @@ class Scheduler:
         return None
 
     def _chunk(
-        self, seq: _Seq, budget: int, out: list[PrefillChunk], sampling: dict[int, SamplingParams]
+        self, seq: Seq, budget: int, out: list[PrefillChunk], sampling: dict[int, SamplingParams]
     ) -> int:
         """The seq's next prefill chunk (its first one restores the longest cached prefix)."""
         assert seq.slot is not None
@@ -554,7 +503,7 @@ class Scheduler:
         out, self._unpark = tuple(self._unpark), []
         return out
 
-    def _resumable(self, seq: _Seq, int8: bool) -> bool:
+    def _resumable(self, seq: Seq, int8: bool) -> bool:
         """A preempted request comes back only when its pool holds free blocks for what it had and
         its next token, beyond what running requests will still take: it was preempted because
         blocks could not be had, so counting on new memory would preempt it again at once. With a
@@ -590,7 +539,7 @@ class Scheduler:
             charges.append(Charge(n, 0, int8))
         return self._kv.keep(charges)
 
-    def _on_token(self, seq: _Seq, out: SlotOutput) -> None:
+    def _on_token(self, seq: Seq, out: SlotOutput) -> None:
         seq.phase = Phase.DECODING
         seq.output.append(out.token_id)
         if out.token_id in self._eos:
@@ -606,7 +555,7 @@ class Scheduler:
         elif len(seq.output) >= seq.max_tokens or out.at_capacity:
             self._finish(seq, "length")
 
-    def _finish(self, seq: _Seq, reason: FinishReason, error: Refused | None = None) -> None:
+    def _finish(self, seq: Seq, reason: FinishReason, error: Refused | None = None) -> None:
         """End a request wherever it is: out of the queue or its slot, final text, FinishEvent."""
         if seq.phase is Phase.FINISHED:
             return
@@ -728,7 +677,7 @@ class Scheduler:
         return dict(self._outcomes)
 
 
-def _log_verdict(seq: _Seq, verdict: str, fit_tokens: int, reason: str) -> None:
+def _log_verdict(seq: Seq, verdict: str, fit_tokens: int, reason: str) -> None:
     rid = seq.req.request_id
     verdict_log.info(
         "request %s admission: %s%s",

@@ -1,0 +1,61 @@
+"""A request as the scheduler tracks it, from the queue to its finish: its phase, slot, what its
+slot holds and what it has produced."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ballast.engine.interface import DetokenizerLike
+from ballast.scheduler.request import GenerationRequest, Mailbox, TokenLogprob
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Seq:
+    req: GenerationRequest
+    mailbox: Mailbox
+    submitted_at: float
+    deadline: float | None
+    detok: DetokenizerLike
+    phase: Phase = Phase.WAITING
+    slot: int | None = None
+    prefilled: int = 0  # prompt tokens already in the slot (sent to the engine or restored)
+    cached: int = 0  # of which restored from a prefix checkpoint
+    max_tokens: int = 0  # after admission (a CAP lowers it)
+    capped: bool = False
+    output: list[int] = field(default_factory=list)
+    # Output tokens generated before the engine preempted the sequence: prefilled again after the
+    # prompt when it resumes, so generation continues where it stopped.
+    resumed: tuple[int, ...] = ()
+    preempted: bool = False
+    # Its KV lives in int8 blocks: decided at its first admission (the ladder at WATCH or worse)
+    # and kept when it resumes, so a level change never changes an admitted request's tokens.
+    int8_kv: bool | None = None
+    kv_held: int = 0  # positions the engine held for it after the last step (what its figures count)
+    # Prompt logprobs by position (1 .. len(prompt) - 1), when the request asked for them; a
+    # recompute after a preemption scores positions again, to the same values.
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+
+    @property
+    def feed(self) -> tuple[int, ...]:
+        """The tokens prefill runs over: the prompt, and after a preemption what was generated."""
+        return self.req.prompt_ids + self.resumed if self.resumed else self.req.prompt_ids
+
+    @property
+    def total_tokens(self) -> int:
+        """Positions the sequence may reach: what admission charged."""
+        return len(self.req.prompt_ids) + self.max_tokens
+
+    @property
+    def consumed_tokens(self) -> int:
+        """Positions it has been fed, in plans sent so far."""
+        if self.phase is Phase.DECODING:
+            return len(self.req.prompt_ids) + len(self.output) - 1
+        return self.prefilled
