@@ -26,42 +26,19 @@ from typing import Any
 import torch
 from ballast.bench.paged_decode import (
     FIT_MARGIN,
-    ReadModel,
     copy_bandwidth,
     free_bytes,
     kv_need,
     ours,
     random_prompts,
+    read_model,
 )
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.memory.types import GiB
 from ballast.models.builtin import builtin_config
-from ballast.models.moe import Experts
 
 RESULTS = Path(__file__).parent / "results" / "fp8_decode.json"
-
-
-def read_model(engine: Engine, cfg: dict[str, Any]) -> ReadModel:
-    """paged_decode's read model, with the bytes of one expert taken from the loaded module
-    (float8 values plus scales where kept)."""
-    model = engine.runner.model
-    experts = [m for m in model.modules() if isinstance(m, Experts)]
-    expert_bytes = 0
-    if experts:
-        e = experts[0]
-        expert_bytes = sum(p.numel() * p.element_size() for p in e.parameters()) // e.gate_up_proj.shape[0]
-    emb = model.model.embed_tokens.weight
-    return ReadModel(
-        weights_bytes=engine.load_report.weights_bytes,
-        embed_bytes=0 if cfg.get("tie_word_embeddings") else emb.numel() * emb.element_size(),
-        expert_bytes=expert_bytes,
-        moe_layers=len(experts),
-        experts=int(cfg.get("num_experts", 0) or 0),
-        top_k=int(cfg.get("num_experts_per_tok", 0) or 0),
-        kv_bytes_per_token=engine.cost_model.kv_bytes_per_token,
-        state_bytes_per_slot=engine.cost_model.state_bytes_per_slot,
-    )
 
 
 def bench(name: str, args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any]]:

@@ -22,20 +22,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from ballast.models.fp8 import FP8, FP8_MAX, dequantize_blocks, quantize_blocks
+from ballast.models.fp8 import dequantize_blocks, quantize_blocks
 from torch import Tensor
 
 RESULTS = Path(__file__).parent / "results" / "fp8_gemm.json"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 BLOCK = (128, 128)
-
-
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Activations to float8 with one scale per row and 128 columns (what _scaled_mm's 1x128 takes)."""
-    m, k = x.shape
-    tiles = x.float().view(m, k // 128, 128)
-    scale = tiles.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
-    return (tiles / scale.unsqueeze(-1)).view(m, k).to(FP8), scale
 
 
 def variants(m: int) -> dict[str, Any]:
@@ -64,7 +56,7 @@ def time_us(fn: Callable[[], Any]) -> float:
 
 
 def bench_shape(name: str, n: int, k: int, m: int) -> list[dict[str, Any]]:
-    from ballast.models.fp8_triton import Tiles, block_fp8_matmul, dequantize, w8a8_matmul
+    from ballast.models.fp8_triton import Tiles, block_fp8_matmul, dequantize, quantize_rows, w8a8_matmul
 
     dev = torch.device("cuda")
     torch.manual_seed(0)

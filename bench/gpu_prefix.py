@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from ballast.bench.checkpoint_dir import write_dir
+from ballast.bench.http_load import pct
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import SamplingParams
@@ -91,11 +92,6 @@ def user_message(conversation: int, turn: int, tokens: int) -> str:
     rng = random.Random(conversation * 1000 + turn)
     words = " ".join(rng.choice(WORDS) for _ in range(max(1, int(tokens * 0.9))))
     return f"Conversation {conversation}, question {turn + 1}: {words}?"
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 async def conversation(

@@ -38,7 +38,7 @@ import httpx
 import torch
 from ballast.bench.checkpoint_dir import write_tokenizer
 from ballast.bench.gpu_prefix import WORDS, ensure_dir
-from ballast.bench.http_load import Outcome, free_port, pct, server
+from ballast.bench.http_load import Outcome, free_port, one_stream, pct, server
 from openai import AsyncOpenAI
 
 RESULTS = Path(__file__).parent / "results" / "gpu_serve.json"
@@ -48,33 +48,6 @@ def prompt_text(i: int, tokens: int) -> str:
     rng = random.Random(i)
     words = " ".join(rng.choice(WORDS) for _ in range(max(1, int(tokens * 0.9))))
     return f"Request {i}. Summarise these notes in one long paragraph: {words}"
-
-
-async def one_stream(client: AsyncOpenAI, model: str, text: str, new_tokens: int) -> Outcome:
-    out = Outcome()
-    start = last = time.perf_counter()
-    try:
-        stream = await client.chat.completions.create(
-            model=model,
-            stream=True,
-            max_tokens=new_tokens,
-            temperature=0.0,
-            stream_options={"include_usage": True},
-            messages=[{"role": "user", "content": text}],
-        )
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.choices and chunk.choices[0].delta.content:
-                if out.ttft_s == 0.0:
-                    out.ttft_s = now - start
-                else:
-                    out.itl_s.append(now - last)
-                last = now
-            if chunk.usage is not None:
-                out.tokens = chunk.usage.completion_tokens
-    except Exception as exc:  # a dropped stream is a result here, not a crash of the bench
-        out.error = f"{type(exc).__name__}: {exc}"[:200]
-    return out
 
 
 async def load(

@@ -111,7 +111,8 @@ class Outcome:
     error: str = ""
 
 
-async def one_stream(client: AsyncOpenAI, model: str, topic: str, new_tokens: int) -> Outcome:
+async def one_stream(client: AsyncOpenAI, model: str, text: str, new_tokens: int) -> Outcome:
+    """One streaming chat of `text` as the user message: TTFT, ITL, completion tokens."""
     out = Outcome()
     start = time.perf_counter()
     last = start
@@ -122,7 +123,7 @@ async def one_stream(client: AsyncOpenAI, model: str, topic: str, new_tokens: in
             max_tokens=new_tokens,
             temperature=0.0,
             stream_options={"include_usage": True},
-            messages=[{"role": "user", "content": f"Write a long story about {topic}."}],
+            messages=[{"role": "user", "content": text}],
         )
         async for chunk in stream:
             now = time.perf_counter()
@@ -139,6 +140,10 @@ async def one_stream(client: AsyncOpenAI, model: str, topic: str, new_tokens: in
     return out
 
 
+def story(topic: str) -> str:
+    return f"Write a long story about {topic}."
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -152,9 +157,9 @@ async def load(base: str, model: str, concurrency: int, requests: int, new_token
 
     async def gated(i: int) -> Outcome:
         async with gate:
-            return await one_stream(client, model, TOPICS[i % len(TOPICS)], new_tokens)
+            return await one_stream(client, model, story(TOPICS[i % len(TOPICS)]), new_tokens)
 
-    await one_stream(client, model, "warm-up", 4)
+    await one_stream(client, model, story("warm-up"), 4)
     start = time.perf_counter()
     outs = await asyncio.gather(*(gated(i) for i in range(requests)))
     wall = time.perf_counter() - start

@@ -58,6 +58,7 @@ from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.memory.types import GiB
 from ballast.models.builtin import builtin_config
 from ballast.models.gated_delta import fla_installed
+from ballast.models.moe import Experts
 from torch import nn
 
 RESULTS = Path(__file__).parent / "results" / "paged_decode.json"
@@ -113,24 +114,22 @@ class ReadModel:
 
 
 def read_model(engine: Engine, cfg: dict[str, Any]) -> ReadModel:
-    size = torch.empty((), dtype=engine.dtype).element_size()
-    hidden, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
-    tied = bool(cfg.get("tie_word_embeddings", False))
-    experts = int(cfg.get("num_experts", 0) or 0)
-    moe_layers = 0
+    """Bytes from the loaded model as held (float8 experts count their values and scales)."""
+    model = engine.runner.model
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    expert_bytes = 0
     if experts:
-        dense_only = set(cfg.get("mlp_only_layers") or ())
-        step = int(cfg.get("decoder_sparse_step", 1) or 1)
-        moe_layers = sum(
-            1 for i in range(int(cfg["num_hidden_layers"])) if i not in dense_only and (i + 1) % step == 0
-        )
+        e = experts[0]
+        expert_bytes = sum(p.numel() * p.element_size() for p in e.parameters()) // e.gate_up_proj.shape[0]
+    emb = model.model.embed_tokens.weight
     cost = engine.cost_model
     return ReadModel(
         weights_bytes=engine.load_report.weights_bytes,
-        embed_bytes=0 if tied else vocab * hidden * size,  # tied: the table is read whole as lm_head
-        expert_bytes=3 * hidden * int(cfg.get("moe_intermediate_size", 0) or 0) * size,
-        moe_layers=moe_layers,
-        experts=experts,
+        # tied: the table is read whole as lm_head
+        embed_bytes=0 if cfg.get("tie_word_embeddings") else emb.numel() * emb.element_size(),
+        expert_bytes=expert_bytes,
+        moe_layers=len(experts),
+        experts=int(cfg.get("num_experts", 0) or 0),
         top_k=int(cfg.get("num_experts_per_tok", 0) or 0),
         kv_bytes_per_token=cost.kv_bytes_per_token,
         state_bytes_per_slot=cost.state_bytes_per_slot,

@@ -193,6 +193,7 @@ class FusedLinears:
         self.scale_inv: Tensor | None = None
         self.block: tuple[int, int] | None = None
         self.separate = False
+        self._names: list[str] = []  # the tensors fused, of each linear
         self._ptrs: list[int] = []
 
     def fuse(self, keep_values: bool = True) -> None:
@@ -206,7 +207,7 @@ class FusedLinears:
             self.separate = True
             return
         join = torch.cat if keep_values else _empty_cat
-        names = [
+        names = self._names = [
             "weight",
             *(["bias"] if biases[0] is not None else []),
             *(["weight_scale_inv"] if block else []),
@@ -228,10 +229,7 @@ class FusedLinears:
         return self.weight is not None and self._current_ptrs() == self._ptrs
 
     def _current_ptrs(self) -> list[int]:
-        names = ("weight", "bias", "weight_scale_inv")
-        return [
-            t.data_ptr() for lin in self.linears for n in names if (t := getattr(lin, n, None)) is not None
-        ]
+        return [getattr(lin, n).data_ptr() for lin in self.linears for n in self._names]
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.separate:

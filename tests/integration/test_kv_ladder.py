@@ -35,6 +35,20 @@ CFG = EngineConfig(
 )
 
 
+class Signals:
+    """The memory files MemWatch reads, in a temp tree, set to a level on demand."""
+
+    def __init__(self, root: Path, level: Level) -> None:
+        self.root, self.mem = root, MemoryConfig(root=str(root))
+        level_tree(root, level, config=self.mem)
+        self.watch = MemWatch(self.mem, StaticDeviceReader())
+        self.watch.poll_now()
+
+    def set(self, level: Level) -> None:
+        level_tree(self.root, level, config=self.mem)
+        self.watch.poll_now()
+
+
 def prompts() -> list[tuple[int, ...]]:
     return [tuple(range(100 + 7 * i, 100 + 7 * i + 20 + 3 * i)) for i in range(STREAMS)]
 
@@ -74,10 +88,8 @@ async def test_ladder_walk_gives_kv_memory_back_and_every_request_completes(tmp_
         calm_engine.shutdown()
     assert all(r == "length" and len(t) == NEW_TOKENS for t, r in want)
 
-    mem = MemoryConfig(root=str(tmp_path))
-    level_tree(tmp_path, Level.OK, config=mem)
-    watch = MemWatch(mem, StaticDeviceReader())
-    watch.poll_now()
+    signals = Signals(tmp_path, Level.OK)
+    watch = signals.watch
     engine = Engine.load(CFG, watch)
     sched = Scheduler(engine, SchedulerConfig(max_num_seqs=STREAMS), memwatch=watch)
     kv, cache = engine.runner.kv, engine.prefix_cache
@@ -92,8 +104,7 @@ async def test_ladder_walk_gives_kv_memory_back_and_every_request_completes(tmp_
         if walk and done >= walk[0][0] * total:
             _, level = walk.pop(0)
             seen[level] = {"kv": kv.bytes_held, "cache": cache.bytes_held, "at": done}
-            level_tree(tmp_path, level, config=mem)
-            watch.poll_now()
+            signals.set(level)
 
     await sched.start()
     try:
@@ -129,10 +140,8 @@ async def test_watch_starts_new_sequences_in_int8_blocks(tmp_path: Path) -> None
         await ref.stop()
         int8_engine.shutdown()
 
-    mem = MemoryConfig(root=str(tmp_path))
-    level_tree(tmp_path, Level.WATCH, config=mem)
-    watch = MemWatch(mem, StaticDeviceReader())
-    watch.poll_now()
+    signals = Signals(tmp_path, Level.WATCH)
+    watch = signals.watch
     engine = Engine.load(CFG, watch)
     main, int8 = engine.runner.kv, engine.runner.kv_int8
     assert main is not None and int8 is not None
@@ -158,10 +167,8 @@ async def test_watch_fills_free_main_blocks_before_growing_the_int8_pool(tmp_pat
     """At WATCH a new sequence that the main pool's free blocks hold whole starts there: no new
     memory (the main pool does not grow, the int8 pool takes nothing), the tokens of the calm run.
     The int8 pool is for growth; growing it under a squeeze stalled every new request."""
-    mem = MemoryConfig(root=str(tmp_path))
-    level_tree(tmp_path, Level.OK, config=mem)
-    watch = MemWatch(mem, StaticDeviceReader())
-    watch.poll_now()
+    signals = Signals(tmp_path, Level.OK)
+    watch = signals.watch
     engine = Engine.load(CFG, watch)
     main, int8 = engine.runner.kv, engine.runner.kv_int8
     assert main is not None and int8 is not None
@@ -176,8 +183,7 @@ async def test_watch_fills_free_main_blocks_before_growing_the_int8_pool(tmp_pat
     try:
         calm = await run_all(sched)  # grows the main pool for 8 streams at OK
         grown = main.bytes_held
-        level_tree(tmp_path, Level.WATCH, config=mem)
-        watch.poll_now()
+        signals.set(Level.WATCH)
         got = await run_all(sched, on_progress)
     finally:
         await sched.stop()
@@ -192,10 +198,8 @@ async def test_tight_keeps_the_free_blocks_that_queued_requests_need(tmp_path: P
     pool never grows again at TIGHT, nothing is preempted, nothing goes to int8) and with the tokens
     of the calm run. Giving every free segment back made each new request wait for memory that a
     co-tenant squeezing the die did not give back (measured on an H200)."""
-    mem = MemoryConfig(root=str(tmp_path))
-    level_tree(tmp_path, Level.OK, config=mem)
-    watch = MemWatch(mem, StaticDeviceReader())
-    watch.poll_now()
+    signals = Signals(tmp_path, Level.OK)
+    watch = signals.watch
     engine = Engine.load(CFG, watch)
     main, int8 = engine.runner.kv, engine.runner.kv_int8
     assert main is not None and int8 is not None
@@ -225,8 +229,7 @@ async def test_tight_keeps_the_free_blocks_that_queued_requests_need(tmp_path: P
     try:
         calm = await collect(160)  # at OK the pool grows for 4 long sequences
         grown = main.bytes_held
-        level_tree(tmp_path, Level.TIGHT, config=mem)
-        watch.poll_now()
+        signals.set(Level.TIGHT)
         held.clear()
         tight = await asyncio.wait_for(collect(48), 60)  # 2 start, 2 wait in the queue for a slot
     finally:

@@ -14,27 +14,12 @@ from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.models.base import UnsupportedModel, WeightLoadError
-from ballast.models.fp8 import dequantize_blocks
+from ballast.models.fp8 import dequantize_blocks, quantize_blocks
 from ballast.models.hf_loader import inspect_hf_dir, load_hf_dir
 from safetensors.torch import save_file
 from test_hf_loader import IDS, last_logits, tiny_hf
 
 BLOCK = (32, 32)  # hidden 64, intermediate 96: several blocks per weight, and partial ones
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-
-
-def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8 e4m3 values and float32 block scales (the real weight ~ value * scale), as the
-    published FP8 checkpoints hold them."""
-    rows, cols = weight.shape
-    grid = (-(-rows // block[0]), -(-cols // block[1]))
-    scale = torch.empty(grid)
-    for i in range(grid[0]):
-        for j in range(grid[1]):
-            tile = weight[i * block[0] : (i + 1) * block[0], j * block[1] : (j + 1) * block[1]]
-            scale[i, j] = tile.abs().max().clamp(min=1e-12) / FP8_MAX
-    full = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return (weight / full).to(torch.float8_e4m3fn), scale
 
 
 def write_fp8_checkpoint(path: Path, block: tuple[int, int] = BLOCK) -> dict[str, torch.Tensor]:
@@ -47,7 +32,7 @@ def write_fp8_checkpoint(path: Path, block: tuple[int, int] = BLOCK) -> dict[str
     dequantized: dict[str, torch.Tensor] = {}
     for name, w in state.items():
         if ".layers." in name and name.endswith("proj.weight"):
-            q, scale = quantize(w, block)
+            q, scale = quantize_blocks(w, block)
             tensors[name], tensors[name + "_scale_inv"] = q, scale
             dequantized[name] = dequantize_blocks(q, scale, block, torch.float32)
         else:
