@@ -200,3 +200,14 @@ def engine_greedy(
             logprobs.append(float(o.logprob or 0.0))
     engine.submit(StepPlan(release=tuple(live))).result()
     return [out[s] for s in range(len(prompts))], logprobs
+
+
+def assert_close_in_bf16(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """TP=2 logits against TP=1, step by step, within bf16 tolerance (the all-reduce sums the
+    shards' partial products in another order)."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape
+        rel = float((g - w).abs().max() / w.abs().max())
+        cos = torch.nn.functional.cosine_similarity(g, w, dim=-1)
+        assert rel < 0.05, f"step {i}: max |TP2 - TP1| is {rel:.3f} of max |logit|"
+        assert float(cos.min()) > 0.995, f"step {i}: cosine {cos.tolist()}"
