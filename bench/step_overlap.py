@@ -1,7 +1,7 @@
 """Batch-1 decode through the engine vs one stream over HTTP, with step overlap on and off.
 
     python -m ballast.bench.step_overlap [--model builtin:tiny-llama] [--device cpu|cuda]
-                                         [--new-tokens 128] [--repeats 3]
+                                         [--new-tokens 128] [--repeats 3] [--tokenizer DIR]
 
 Engine side, in this process: one sequence decoded `new_tokens` steps,
   - "engine step()": each plan names the token the previous step returned (one step at a time);
@@ -100,6 +100,7 @@ def http_rates(args: argparse.Namespace, eos: list[int], overlap: bool, root: Pa
         args.device,
     ]
     cmd += ["--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
+    cmd += ["--tokenizer", args.tokenizer] if args.tokenizer else []
     env = {"BALLAST_MEMORY_ROOT": str(root), "BALLAST_OVERLAP": "1" if overlap else "0"}
     with server(cmd, env, "/ready", port) as base:
         model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
@@ -150,11 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per side (median); one more warms up")
     ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--tokenizer", help="a Hugging Face tokenizer directory (for a builtin:<shape> model)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
     cfg = EngineConfig(
-        model=args.model, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=2048
+        model=args.model,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=2048,
+        tokenizer=args.tokenizer,
     )
     engine, eos = engine_rates(cfg, args.new_tokens, args.repeats)
     result: dict[str, object] = {

@@ -17,6 +17,12 @@ every graph writes, valid until the next replay.
 
 Batch buckets run up to the engine's slot count (`--max-num-seqs`) whatever it is: 1, 2, 4, ...
 and the count itself, so a server of 128 or 100 slots replays a graph at every batch it can run.
+While a sequence lives in the int8 KV store (the ladder's quantized-KV rung) every layer reads and
+writes both stores: a different kernel sequence, so those steps replay a second set of graphs, the
+"mixed" variant, captured per bucket the first time such a step needs it (at load the int8 store
+has no memory to capture against). Without it a squeezed GPU decoded eagerly: measured on an H200
+(Llama-1B shape, 16 streams at TIGHT), no request finished for a minute, ~7x slower than the
+graphs. A late capture that fails leaves that bucket eager.
 Steps that carry a prefill chunk run eagerly: their shape changes with every chunk (tokens per
 sequence, the prefill attention path), so a padded graph would need buckets over decodes, chunk
 tokens and context, and such a step is bound by its matrix products rather than by kernel
@@ -30,11 +36,15 @@ grouped GEMM does not run) raises `GraphCaptureError`; the engine then runs eage
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from ballast.models.base import ForwardBatch, Rows
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 Forward = Callable[[ForwardBatch], Tensor]
 # Fills LAST_SAMPLED token entries in place from the device: (token ids, their slots).
@@ -110,7 +120,10 @@ class DecodeGraphs:
         self._inputs = torch.zeros((3, width), dtype=torch.int64, device=device)  # token, position, slot
         self._arange = torch.arange(width + 1, dtype=torch.int64, device=device)
         self._ones = torch.ones(width, dtype=torch.int64, device=device)
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (batch, context, mixed)
+        self._failed: set[tuple[int, int, bool]] = set()  # late captures that failed: eager
+        self._forward: Forward | None = None
+        self._pool: Any = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle)
         self._logits: Tensor | None = None  # [batch, vocab]: every graph writes its rows here
         self.held_bytes = 0
         self.replays = 0
@@ -126,49 +139,73 @@ class DecodeGraphs:
             raise GraphCaptureError("no decode graph fits the memory budget")
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        width = max(b for b, _ in self.pairs)
+        self._pool = torch.cuda.graph_pool_handle()
+        self._forward = forward
         try:
             for b, c in self.pairs:
-                batch = self._static_batch(b, c)
-                self._stage([])
-                eager = forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
-                if self._logits is None:
-                    self._logits = eager.new_empty((width, *eager.shape[1:]))
-                out = self._logits[:b]
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    # One shared output: a graph's own logits are freed at the end of its capture,
-                    # so the graphs together keep one [batch, vocab] buffer, not one per graph.
-                    out.copy_(forward(batch))
-                self._graphs[(b, c)] = graph
-            torch.cuda.synchronize(self.device)
+                self._capture_one((b, c, False))
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self.release()
             raise GraphCaptureError(f"decode graph capture failed: {e}") from e
         self.held_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
         return self.held_bytes
 
+    def _capture_one(self, key: tuple[int, int, bool]) -> None:
+        assert self._forward is not None
+        b, c, _ = key
+        batch = self._static_batch(b, c)
+        self._stage([])
+        eager = self._forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
+        if self._logits is None:
+            width = max(w for w, _ in self.pairs)
+            self._logits = eager.new_empty((width, *eager.shape[1:]))
+        out = self._logits[:b]
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            # One shared output: a graph's own logits are freed at the end of its capture, so the
+            # graphs together keep one [batch, vocab] buffer, not one per graph.
+            out.copy_(self._forward(batch))
+        torch.cuda.synchronize(self.device)
+        self._graphs[key] = graph
+
+    def _capture_late(self, key: tuple[int, int, bool]) -> bool:
+        """Capture the mixed variant of a bucket whose plain graph exists, at its first use; a
+        failure (no memory for the pool to grow, under the very pressure that made it mixed) is
+        logged once and leaves the bucket eager."""
+        if key in self._failed or (key[0], key[1], False) not in self._graphs or self._forward is None:
+            return False
+        try:
+            self._capture_one(key)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            self._failed.add(key)
+            log.warning("decode graph (batch %d, context %d, int8 KV in use) not captured: %s", *key[:2], e)
+            return False
+        return True
+
     def release(self) -> None:
         """Drop every graph and its output; the pool's memory goes back to the allocator's cache."""
         self._graphs.clear()
+        self._failed.clear()
+        self._forward = None
         self._logits = None
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 
-    def can_use(self, seqs: Rows) -> bool:
+    def can_use(self, seqs: Rows, mixed: bool = False) -> bool:
         """A graph serves this step: every sequence feeds one token, and the batch and the cache
-        positions read fit a captured bucket."""
+        positions read fit a captured bucket. `mixed`: the int8 KV store is in use (its variant
+        is captured here at its first use)."""
         if not self._graphs or not seqs or any(len(tokens) != 1 for _, tokens, _ in seqs):
             return False
-        return self._key(seqs) in self._graphs
+        key = self._key(seqs, mixed)
+        return key is not None and (key in self._graphs or (mixed and self._capture_late(key)))
 
-    def replay(self, seqs: Rows, feed_last: FeedLastTokens | None = None) -> Tensor:
+    def replay(self, seqs: Rows, feed_last: FeedLastTokens | None = None, mixed: bool = False) -> Tensor:
         """Logits [len(seqs), vocab] of this decode step; a view of the graph's output, valid until
         the next replay. Call only where `can_use(seqs)`. feed_last: fills the tokens the plan
         left to the device (LAST_SAMPLED) before the replay, in stream order."""
-        key = self._key(seqs)
+        key = self._key(seqs, mixed)
         assert key in self._graphs and self._logits is not None, "replay needs can_use(seqs)"
         self._stage(seqs, key[0])
         if feed_last is not None:
@@ -177,10 +214,10 @@ class DecodeGraphs:
         self.replays += 1
         return self._logits[: len(seqs)]
 
-    def _key(self, seqs: Rows) -> tuple[int, int] | None:
+    def _key(self, seqs: Rows, mixed: bool = False) -> tuple[int, int, bool] | None:
         b = bucket_for(self.batch_buckets, len(seqs))
         c = bucket_for(self.context_buckets, max(start for _, _, start in seqs) + 1)
-        return None if b is None or c is None else (b, c)
+        return None if b is None or c is None else (b, c, mixed)
 
     def _stage(self, seqs: Rows, width: int | None = None) -> None:
         """Write the step's rows into the static inputs (padding the rest), one copy."""

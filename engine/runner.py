@@ -297,8 +297,8 @@ class ModelRunner:
         mixed = self.kv_stores is not None and self.kv_stores.mixed
         # Decodes planned before their token reached the host take it from the device.
         last = self.sampler.feed_last_tokens if any(t[0] < 0 for _, t, _ in seqs) else None
-        if self.graphs is not None and not mixed and self.graphs.can_use(seqs):
-            return self.graphs.replay(seqs, last)
+        if self.graphs is not None and self.graphs.can_use(seqs, mixed):
+            return self.graphs.replay(seqs, last, mixed)
         batch = ForwardBatch.build(seqs, self.device, all_logits=all_logits)
         if last is not None:
             last(batch.token_ids, batch.slot_of_token)

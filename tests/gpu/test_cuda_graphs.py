@@ -98,3 +98,31 @@ def test_engine_tokens_equal_with_and_without_graphs(pair: tuple[Engine, Engine,
 
     assert run(with_graphs) == run(eager)
     assert with_graphs.runner.graphs is not None and with_graphs.runner.graphs.replays >= 16
+
+
+def test_steps_with_int8_sequences_replay_their_own_graphs(pair: tuple[Engine, Engine, str]) -> None:
+    """Under the ladder's int8 rung a new sequence keeps its KV in the int8 store beside running
+    ones in the main store; every layer then visits both stores. Those decode steps replay the
+    mixed variant of the graphs (captured at first use), not an eager forward (measured on an
+    H200 under a VRAM squeeze: eager steps stalled every stream for a minute), with the tokens of
+    the engine without graphs."""
+    with_graphs, eager, _ = pair
+    greedy = SamplingParams(temperature=0.0)
+
+    def run(e: Engine) -> list[list[int]]:
+        sampling = dict.fromkeys(PROMPTS, greedy)
+        prefills = tuple(PrefillChunk(s, tuple(p), 0, True, int8_kv=s == 1) for s, p in PROMPTS.items())
+        out = {o.slot: [o.token_id] for o in e.step(StepPlan(prefills=prefills, sampling=sampling)).outputs}
+        for _ in range(12):
+            decodes = tuple(DecodeToken(s, out[s][-1], len(PROMPTS[s]) + len(out[s]) - 1) for s in PROMPTS)
+            for o in e.step(StepPlan(decodes=decodes, sampling=sampling)).outputs:
+                out[o.slot].append(o.token_id)
+        e.step(StepPlan(release=tuple(PROMPTS)))
+        return [out[s] for s in sorted(out)]
+
+    graphs = with_graphs.runner.graphs
+    assert graphs is not None and with_graphs.runner.kv_int8 is not None
+    before = graphs.replays
+    assert run(with_graphs) == run(eager)
+    assert graphs.replays >= before + 12
+    assert any(mixed for _, _, mixed in graphs._graphs)  # the int8 store was in use: its variant

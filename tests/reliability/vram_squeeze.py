@@ -114,8 +114,11 @@ def run_mode(
     hold_s: float = 30,
     hog_gpu: int | None = 0,
     device: str = "cuda",
+    progress: bool = True,
+    log: Path | None = None,
 ) -> dict[str, Any]:
-    """hog_gpu None: no second process (the CPU check of the script)."""
+    """hog_gpu None: no second process (the CPU check of the script). `progress` prints the
+    timeline every 10 s; `log` gets the server's output when the mode ends."""
     args = [
         "--model",
         model,
@@ -144,8 +147,11 @@ def run_mode(
     timeline: list[dict[str, float]] = []
     hog = None
     try:
+        started = time.monotonic()
         url = _read_listen_line(proc, lines, 600)
         wait_ready(url, 600)
+        if progress:
+            print(f"  server ready in {time.monotonic() - started:.0f} s", flush=True)
         threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
         for i in range(streams_n + 8):  # more than the slots: new ones keep arriving
             threading.Thread(
@@ -179,10 +185,26 @@ def run_mode(
                     "alive": float(alive),
                     "level": total(m, "ballast_memory_pressure_level"),
                     "gpu_free_mib": total(m, "ballast_gpu_memory_free_bytes") / MiB,
+                    "scheduler_level": total(m, "ballast_scheduler_pressure_level"),
+                    "slots_active": total(m, "ballast_slots_active"),
+                    "slots_limit": total(m, "ballast_slots_limit"),
+                    "queued": total(m, "ballast_queue_depth"),
+                    "kv_pool_mib": total(m, "ballast_kv_pool_bytes") / MiB,
+                    "preemptions": total(m, "ballast_kv_preemptions_total"),
+                    "generated": total(m, "ballast_generation_tokens_total"),
                     **_per_gpu(m),
                     **{f"n_{k}": float(v) for k, v in done.items()},
                 }
             )
+            if progress and len(timeline) % 5 == 1:
+                x = timeline[-1]
+                print(
+                    f"  t={x['t_s']:5.0f}s level={x['level']:.0f}/{x['scheduler_level']:.0f} "
+                    f"free={x['gpu_free_mib']:,.0f} MiB slots {x['slots_active']:.0f}/{x['slots_limit']:.0f} "
+                    f"queued {x['queued']:.0f} kv {x['kv_pool_mib']:,.0f} MiB "
+                    f"preempted {x['preemptions']:.0f} generated {x['generated']:,.0f} {done}",
+                    flush=True,
+                )
             if not alive:
                 break
             time.sleep(1.0)
@@ -193,7 +215,7 @@ def run_mode(
             and httpx.post(
                 url + "/v1/chat/completions",
                 json={"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-                timeout=120,
+                timeout=60,
             ).status_code
             == 200
         )
@@ -221,6 +243,9 @@ def run_mode(
         }
     finally:
         stop.set()
+        if log is not None:  # the server's own lines (not the access log), repeats counted
+            own = [ln.rstrip() for ln in lines if ln.strip() and '" 200' not in ln and "HTTP/1.1" not in ln]
+            log.write_text("\n".join(own[-400:]) + "\n")
         for p in (hog, proc):
             if p is not None and p.poll() is None:
                 p.kill()
@@ -247,10 +272,13 @@ def main() -> None:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("skipped: no CUDA device")
         return
-    results = [
-        run_mode(
+    results = []
+    for governed in {"both": (True, False), "on": (True,), "off": (False,)}[a.mode]:
+        print(f"governance {'on' if governed else 'off'}:", flush=True)
+        log = Path(a.out).with_suffix(f".{'on' if governed else 'off'}.log") if a.out else None
+        r = run_mode(
             a.model,
-            g,
+            governed,
             a.serve_arg,
             a.streams,
             a.max_tokens,
@@ -258,13 +286,12 @@ def main() -> None:
             a.hold_s,
             a.hog_gpu if a.device == "cuda" else None,
             a.device,
+            log=log,
         )
-        for g in {"both": (True, False), "on": (True,), "off": (False,)}[a.mode]
-    ]
-    for r in results:
-        print({k: v for k, v in r.items() if k != "timeline"})
-    if a.out:
-        Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
+        print({k: v for k, v in r.items() if k != "timeline"}, flush=True)
+        results.append(r)
+        if a.out:  # after each mode: a run cut short keeps what it measured
+            Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def test_a_graph_serves_only_decode_steps_of_a_captured_bucket() -> None:
     assert len(graphs.pairs) == 6
     decode = [(0, [5], 10), (2, [7], 300)]  # 2 sequences, 301 positions: the (2, 512) bucket
     assert not graphs.can_use(decode)  # nothing captured yet
-    graphs._graphs[(2, 512)] = None  # type: ignore[assignment]  # stands for a capture
+    graphs._graphs[(2, 512, False)] = None  # type: ignore[assignment]  # stands for a capture
     assert graphs.can_use(decode)
     assert not graphs.can_use([(0, [5], 10)])  # (1, 256): not captured
     assert not graphs.can_use([(0, [5, 6], 10), (1, [6], 10)])  # a prefill chunk

@@ -249,18 +249,29 @@ def test_shed_returns_buffers_to_the_pool_and_the_ladder_shed_trims_it() -> None
         eng.shutdown()
 
 
-def test_bad_checkpoint_orders_are_plan_errors(hybrid: Engine) -> None:
+def test_a_checkpoint_gone_since_the_plan_skips_its_slot_not_the_step(hybrid: Engine) -> None:
+    """The scheduler plans a step while the one before runs, whose saves can evict the entry the
+    plan restores: that slot is skipped like a preempted one (the scheduler queues it again); the
+    step's other sequences run, and the slot prefills from scratch next time."""
     assert hybrid.prefix_cache is not None
     hybrid.prefix_cache.shed()
-    p = ids(31, 20)
-    with pytest.raises(PlanError, match="no checkpoint"):
-        hybrid.step(
-            StepPlan(
-                prefills=(PrefillChunk(0, p[16:], 16, True),),
-                sampling={0: GREEDY},
-                restores=(CheckpointRestore(0, p[:16]),),
-            )
+    p, other = ids(31, 20), ids(32, 12)
+    res = hybrid.step(
+        StepPlan(
+            prefills=(PrefillChunk(0, p[16:], 16, True), PrefillChunk(1, other, 0, True)),
+            sampling={0: GREEDY, 1: GREEDY},
+            restores=(CheckpointRestore(0, p[:16]),),
         )
+    )
+    assert res.preempted == (0,) and [o.slot for o in res.outputs] == [1]
+    assert res.reused_tokens == 0 and res.prefill_tokens == len(other)
+    res = hybrid.step(StepPlan(prefills=(PrefillChunk(0, p, 0, True),), sampling={0: GREEDY}))
+    assert [o.slot for o in res.outputs] == [0]
+    hybrid.step(StepPlan(release=(0, 1)))
+
+
+def test_bad_checkpoint_orders_are_plan_errors(hybrid: Engine) -> None:
+    p = ids(31, 20)
     with pytest.raises(PlanError, match="prefill chunk starting there"):
         hybrid.step(StepPlan(restores=(CheckpointRestore(0, p[:16]),)))
     with pytest.raises(PlanError, match="cannot also"):

@@ -1,0 +1,156 @@
+"""Where a decode step's time goes: the torch profiler over a few decode steps of every slot, per
+built-in model, with the step's wall time beside the GPU time of its kernels.
+
+    python -m ballast.bench.decode_profile [--models llama-8b qwen3-next-80b-a3b-fp8]
+        [--batch 32] [--context 2048] [--steps 4] [--device cuda]
+
+Each model is loaded through `Engine.load`, every slot is prefilled to --context, warmed up, then
+--steps decode steps run under `torch.profiler` twice: with the engine's CUDA graphs (what the
+server runs: the kernel list as the graph replays it) and eagerly (cuda_graphs off: the same
+kernels, each launched from Python, so the gap between wall and GPU time is the host's share).
+Per mode: wall ms a step, GPU-busy ms a step (kernel time summed), kernels a step, and the top
+kernels by time. Table on stdout, JSON to bench/results/decode_profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from ballast.bench.paged_decode import prefill, random_prompts, sync
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
+from ballast.engine.plan import DecodeToken, SamplingParams, StepPlan
+from ballast.models.builtin import builtin_config
+from torch.profiler import ProfilerActivity, profile
+
+RESULTS = Path(__file__).parent / "results" / "decode_profile.json"
+GREEDY = SamplingParams(temperature=0.0)
+WARMUP = 3
+
+
+def profile_steps(engine: Engine, batch: int, context: int, steps: int, vocab: int) -> dict[str, Any]:
+    """Prefill `batch` slots to `context`, warm up, profile `steps` decode steps; release."""
+    device = torch.device(engine.device)
+    last = prefill(engine, random_prompts(batch, context, vocab, seed=batch), 4096)
+    sampling = dict.fromkeys(range(batch), GREEDY)
+    pos = context
+
+    def step() -> None:
+        nonlocal pos
+        plan = StepPlan(decodes=tuple(DecodeToken(s, last[s], pos) for s in range(batch)), sampling=sampling)
+        for out in engine.submit(plan).result().outputs:
+            last[out.slot] = out.token_id
+        pos += 1
+
+    for _ in range(WARMUP):
+        step()
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(device)
+        wall = (time.perf_counter() - t) / steps
+    engine.submit(StepPlan(release=tuple(range(batch)))).result()
+    kernels: dict[str, list[float]] = {}  # name -> [count, microseconds]
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(evt.name, [0, 0.0])
+            k[0] += 1
+            k[1] += evt.device_time
+    busy_us = sum(v[1] for v in kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    return {
+        "wall_ms": wall * 1e3,
+        "gpu_busy_ms": busy_us / steps / 1e3,
+        "kernels_per_step": sum(v[0] for v in kernels.values()) / steps,
+        "top": [
+            {
+                "kernel": name[:90],
+                "per_step": n / steps,
+                "ms_per_step": us / steps / 1e3,
+                "pct": 100 * us / busy_us,
+            }
+            for name, (n, us) in top[:15]
+        ]
+        if busy_us
+        else [],
+    }
+
+
+def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    vocab = int(builtin_config(name)["vocab_size"])
+    out: dict[str, Any] = {"model": name, "batch": args.batch, "context": args.context}
+    for graphs in (True, False):
+        engine = Engine.load(
+            EngineConfig(
+                model="builtin:" + name,
+                device=args.device,
+                max_num_seqs=args.batch,
+                max_model_len=args.context + WARMUP + args.steps + 16,
+                prefill_chunk_tokens=4096,
+                cuda_graphs=graphs and args.device == "cuda",
+            )
+        )
+        try:
+            mode = "graphs" if graphs else "eager"
+            out[mode] = profile_steps(engine, args.batch, args.context, args.steps, vocab)
+            r = out[mode]
+            print(
+                f"{name} {mode}: step {r['wall_ms']:.2f} ms wall, {r['gpu_busy_ms']:.2f} ms GPU busy, "
+                f"{r['kernels_per_step']:.0f} kernels",
+                flush=True,
+            )
+        finally:
+            engine.shutdown()
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return out
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        for mode in ("graphs", "eager"):
+            m = r[mode]
+            print(
+                f"\n{r['model']}, batch {r['batch']}, context {r['context']}, {mode}: "
+                f"{m['wall_ms']:.2f} ms a step wall, {m['gpu_busy_ms']:.2f} ms GPU busy "
+                f"({100 * m['gpu_busy_ms'] / m['wall_ms']:.0f}%), {m['kernels_per_step']:.0f} kernels a step"
+            )
+            print("| kernel | per step | ms a step | % of GPU time |\n|---|---|---|---|")
+            for k in m["top"]:
+                print(f"| `{k['kernel']}` | {k['per_step']:.0f} | {k['ms_per_step']:.3f} | {k['pct']:.1f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["llama-8b", "qwen3-next-80b-a3b-fp8"])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    results = []
+    for name in args.models:
+        results.append(bench(name, args))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"gpu": _gpu(args.device), "results": results}, indent=2) + "\n")
+    print_table(results)
+
+
+def _gpu(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else "cpu"
+
+
+if __name__ == "__main__":
+    main()
