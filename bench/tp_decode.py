@@ -13,6 +13,7 @@ DeltaNet 16/32 heads, top-10 of --experts experts + a shared expert; default 26 
 parameters, 12.5 GB in bf16).
 
     NCCL_NVLS_ENABLE=0 python -m ballast.bench.tp_decode --device cuda   # 2 GPUs
+    NCCL_NVLS_ENABLE=0 python -m ballast.bench.tp_decode --model builtin:qwen3-next-6b   # no checkpoint
     python -m ballast.bench.tp_decode --device cpu --tiny --batches 1 4 --context 32 --steps 4
                                                                          # plumbing check, gloo
 
@@ -37,6 +38,7 @@ from ballast.bench.kv_capacity import qwen3_next_80b
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from ballast.models.builtin import builtin_config
 from ballast.models.gated_delta import GatedDeltaNet, GatedRMSNorm
 from ballast.models.qwen3_next import CenteredRMSNorm
 from ballast.models.registry import build_model
@@ -122,14 +124,23 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda (GPUs 0..tp-1) or cpu (gloo)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--work-dir", type=Path, default=None, help="where the checkpoint is written")
+    parser.add_argument(
+        "--model",
+        help="serve this instead of writing a checkpoint, e.g. builtin:qwen3-next-6b (each rank draws "
+        "its own shard's random weights: no 12.5 GB written and read back)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    cfg = model_config(args.tiny, args.experts)
+    cfg = builtin_config(args.model) if args.model else model_config(args.tiny, args.experts)
     work = Path(tempfile.mkdtemp(prefix="ballast-tp-", dir=args.work_dir))
     device = torch.device("cuda:0" if args.device == "cuda" else args.device)
     try:
-        params = write_random_checkpoint(cfg, work, device, dtype)
+        if args.model:
+            with torch.device("meta"):
+                params = sum(p.numel() for p in build_model(cfg).parameters())
+        else:
+            params = write_random_checkpoint(cfg, work, device, dtype)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         sides = [("TP=1", 1, True), ("TP=1 eager", 1, False), (f"TP={args.tp}", args.tp, False)]
@@ -139,7 +150,7 @@ def main() -> None:
         for label, tp, graphs in sides:
             engine = Engine.load(
                 EngineConfig(
-                    model=str(work),
+                    model=args.model or str(work),
                     device=args.device,
                     dtype=args.dtype,
                     max_num_seqs=max(args.batches),
@@ -149,10 +160,10 @@ def main() -> None:
                 )
             )
             try:
-                rates[label] = {
-                    b: decode_rate(engine, b, args.context, args.steps, cfg["vocab_size"])
-                    for b in args.batches
-                }
+                rates[label] = {}
+                for b in args.batches:
+                    rates[label][b] = decode_rate(engine, b, args.context, args.steps, cfg["vocab_size"])
+                    print(f"  {label} batch {b}: {rates[label][b]:.1f} tok/s", flush=True)
             finally:
                 engine.shutdown()
                 del engine
