@@ -167,7 +167,7 @@ BUILTIN: dict[str, dict[str, Any]] = {
     # H200s with tensor parallel, or the -fp8 entry (its decoder projections and experts in float8
     # with 128 x 128 block scales, as the FP8 release) on one.
     "qwen3-next-80b-a3b": _QWEN3_NEXT_80B,
-    # The same shapes with 26 of the 512 experts (6.2B parameters, 12.5 GB in bf16): fits one GPU,
+    # The same shapes with 26 of the 512 experts (5.8B parameters, 11.6 GB in bf16): fits one GPU,
     # so one GPU and a tensor-parallel pair can serve the same shape side by side.
     "qwen3-next-6b": {**_QWEN3_NEXT_80B, "num_experts": 26},
     "qwen3-next-80b-a3b-fp8": {
