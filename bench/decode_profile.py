@@ -85,9 +85,12 @@ def profile_steps(engine: Engine, batch: int, context: int, steps: int, vocab: i
     }
 
 
-def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    """Profile `name` with graphs, then eagerly; its entry is in `results` (and the JSON) after
+    each mode, so a run cut short keeps what it measured."""
     vocab = int(builtin_config(name)["vocab_size"])
     out: dict[str, Any] = {"model": name, "batch": args.batch, "context": args.context}
+    results.append(out)
     for graphs in (True, False):
         engine = Engine.load(
             EngineConfig(
@@ -103,6 +106,7 @@ def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
             mode = "graphs" if graphs else "eager"
             out[mode] = profile_steps(engine, args.batch, args.context, args.steps, vocab)
             r = out[mode]
+            write(args, results)
             print(
                 f"{name} {mode}: step {r['wall_ms']:.2f} ms wall, {r['gpu_busy_ms']:.2f} ms GPU busy, "
                 f"{r['kernels_per_step']:.0f} kernels",
@@ -114,12 +118,16 @@ def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    return out
+
+
+def write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"gpu": _gpu(args.device), "results": results}, indent=2) + "\n")
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
     for r in results:
-        for mode in ("graphs", "eager"):
+        for mode in (name for name in ("graphs", "eager") if name in r):
             m = r[mode]
             print(
                 f"\n{r['model']}, batch {r['batch']}, context {r['context']}, {mode}: "
@@ -140,11 +148,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
-    results = []
+    results: list[dict[str, Any]] = []
     for name in args.models:
-        results.append(bench(name, args))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"gpu": _gpu(args.device), "results": results}, indent=2) + "\n")
+        bench(name, args, results)
     print_table(results)
 
 
