@@ -10,6 +10,7 @@ step: the forward raises `WorkerLost` (a device fault: the step's requests fail 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -143,8 +144,9 @@ class ShardedRunner(ModelRunner):
         had = self.graphs is not None
         super().release_graphs()
         self._worker_graph_bytes = []
-        if had and self.workers.lost() is None:
-            self.workers.send(tp_graphs.ReleaseGraphs())
+        if had:
+            with contextlib.suppress(WorkerLost):  # the loss itself is reported by `sound`
+                self.workers.send(tp_graphs.ReleaseGraphs())
 
     def worker_graphs(self) -> list[tp_graphs.GraphsReport]:
         """Each worker's graphs: how many it holds and how many steps it replayed (engine thread,

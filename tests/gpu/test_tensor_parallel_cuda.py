@@ -1,6 +1,8 @@
 """Tensor parallel on two GPUs (NCCL): TP=2 logits against TP=1 on a Qwen3-Next-shaped model in
-bf16; the engine's TP=2 greedy tokens against TP=1 (float32); a worker killed mid-run fails the
-next step at once (the watchdog aborts the group) and the engine reports itself unhealthy.
+bf16; the engine's TP=2 greedy tokens against TP=1 (float32); with decode graphs on every rank
+(`tp_cuda_graphs`) the tokens of TP=2 eager and of TP=1, every rank replaying and each die leasing
+its graphs; a worker killed mid-run fails the next step at once (the watchdog aborts the group)
+and the engine reports itself unhealthy.
 
 Run with NVLink SHARP off: NCCL_NVLS_ENABLE=0 pytest tests/gpu/test_tensor_parallel_cuda.py"""
 
@@ -16,6 +18,8 @@ import torch
 from ballast.bench.kv_capacity import qwen3_next_80b
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
+from ballast.engine.sharded_runner import ShardedRunner
+from ballast.engine.tp_graphs import GraphsReport
 from ballast.memory.config import MemoryConfig
 from ballast.memory.watch import MemWatch
 from tp_harness import assert_close_in_bf16, engine_greedy, reference_logits, sharded_logits, steps_for
@@ -52,7 +56,7 @@ def greedy_tokens(engine: Engine, prompts: list[list[int]], n: int) -> list[list
     return engine_greedy(engine, prompts, n)[0]
 
 
-def engine(tp: int, watch: MemWatch | None = None) -> Engine:
+def engine(tp: int, watch: MemWatch | None = None, tp_graphs: bool = False) -> Engine:
     cfg = EngineConfig(
         model="builtin:tiny-qwen3-next",
         device="cuda",
@@ -60,6 +64,7 @@ def engine(tp: int, watch: MemWatch | None = None) -> Engine:
         max_model_len=512,
         max_num_seqs=4,
         tensor_parallel_size=tp,
+        tp_cuda_graphs=tp_graphs,
     )
     return Engine.load(cfg, watch)
 
@@ -77,6 +82,42 @@ def test_the_engine_on_two_gpus_decodes_the_tokens_of_one() -> None:
         assert two.healthy
     finally:
         two.shutdown()
+
+
+def test_graphs_on_every_rank_decode_the_tokens_of_eager_and_of_one_gpu() -> None:
+    """TP=2 with decode graphs: every rank captured the same graphs, every decode step was
+    replayed on both ranks (rank 0's counter and the worker's), the greedy tokens are those of
+    TP=2 eager and of TP=1 (graphs), and each die's ledger holds its graphs' lease until shutdown."""
+    prompts = [[1, 400, 5000, 17, 23], [9, 8, 7], list(range(100, 300))]
+    want = []
+    for tp in (1, 2):  # TP=1 with graphs, TP=2 eager
+        e = engine(tp)
+        try:
+            assert (e.runner.graphs is not None) == (tp == 1)
+            want.append(greedy_tokens(e, prompts, 16))
+        finally:
+            e.shutdown()
+    assert want[0] == want[1]
+    with MemWatch(MemoryConfig()) as watch:
+        two = engine(2, watch, tp_graphs=True)
+        try:
+            runner = two.runner
+            assert isinstance(runner, ShardedRunner)
+            graphs = runner.graphs
+            assert graphs is not None and graphs.captured == len(graphs.pairs) > 0
+            [worker] = runner.worker_graphs()
+            assert worker == GraphsReport(captured=graphs.captured, replays=0)
+            got = greedy_tokens(two, prompts, 16)
+            assert got == want[0]
+            [worker] = runner.worker_graphs()
+            assert graphs.replays == worker.replays == 15  # every decode step, on both ranks
+            for die in (0, 1):
+                held = dict(watch.ledger.leases(die))
+                assert held.get("cuda-graphs", 0) > 0, (die, held)
+            assert two.healthy
+        finally:
+            two.shutdown()
+        assert watch.ledger.held(0) == watch.ledger.held(1) == 0
 
 
 def test_a_killed_worker_fails_the_next_step_at_once() -> None:

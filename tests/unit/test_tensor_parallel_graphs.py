@@ -1,7 +1,8 @@
 """Decode graphs under tensor parallel, the parts the CPU can run for real: the per-bucket
 agreement between ranks over real pipes, a worker's serve loop taking a capture message (rank 0's
 KV changes applied before anything is captured; a failed capture anywhere leaves every rank
-eager), a worker refusing to run eagerly a step rank 0 replays, and the config that turns it on.
+eager), a worker refusing to run eagerly a step rank 0 replays, no rank capturing the int8 variant alone,
+and the config that turns it on.
 (Capture and replay with NCCL inside: tests/gpu/test_tensor_parallel_cuda.py.)"""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.faults import WorkerLost
+from ballast.engine.graphs import DecodeGraphs
 from ballast.engine.runner import ModelRunner
 from ballast.engine.sharded_runner import ShardedRunner
 from ballast.engine.tp_graphs import (
@@ -28,6 +30,7 @@ from ballast.engine.tp_graphs import (
     worker_agreement,
 )
 from ballast.engine.tp_worker import StepMessage, Stop, serve
+from ballast.models.base import ForwardBatch
 from ballast.models.builtin import BUILTIN, init_random
 from ballast.models.registry import build_model
 
@@ -173,3 +176,22 @@ def test_rank_0_asks_live_workers_for_their_graphs_and_a_dead_one_fails_at_once(
                 runner.worker_graphs()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("late_mixed", [True, False])
+def test_under_tensor_parallel_no_rank_captures_the_int8_variant_alone(late_mixed: bool) -> None:
+    """One GPU captures a bucket's int8-KV variant at its first use; under tensor parallel
+    (late_mixed=False) that step runs eagerly instead, since one rank capturing alone would wait
+    in its warm-up's collectives for ranks that are not capturing."""
+    graphs = DecodeGraphs(CPU, scratch_slot=4, max_batch=4, max_context=512, late_mixed=late_mixed)
+    graphs._graphs[(2, 256, False)] = None  # type: ignore[assignment]  # stands for a capture
+    warmups: list[int] = []
+
+    def forward(batch: ForwardBatch) -> torch.Tensor:
+        warmups.append(len(batch.slots_list))
+        raise RuntimeError("no capture on the CPU")
+
+    graphs._forward = forward
+    decode = [(0, [5], 10), (2, [7], 30)]
+    assert graphs.can_use(decode) and not graphs.can_use(decode, mixed=True)
+    assert warmups == ([2] if late_mixed else [])  # one GPU tried the late capture; TP never does
