@@ -115,7 +115,8 @@ def auto_interval(state_bytes_per_slot: int, kv_bytes_per_token: int) -> int:
 
 
 class CheckpointMissing(LookupError):
-    """A restore names a prefix the cache does not hold (a scheduler/engine contract violation)."""
+    """A restore names a prefix the cache does not hold: evicted after the scheduler planned the
+    restore (it plans a step while the one before runs); the engine skips that slot's step."""
 
 
 @dataclass(eq=False)

@@ -27,7 +27,6 @@ from ballast.engine.interface import EngineLike
 from ballast.engine.plan import (
     DecodeToken,
     KVFigures,
-    KVKeep,
     PrefillChunk,
     SamplingParams,
     SlotOutput,
@@ -36,7 +35,7 @@ from ballast.engine.plan import (
     StepResult,
 )
 from ballast.memory.ladder import LadderConfig
-from ballast.memory.types import LadderPlan, Level, VerdictKind
+from ballast.memory.types import LadderPlan, Level
 from ballast.scheduler.checkpoints import CheckpointOrders
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import (
@@ -52,6 +51,7 @@ from ballast.scheduler.errors import (
     outcome_of,
 )
 from ballast.scheduler.governor import Governor, GovernorSettings, SnapshotSource, VerdictRecorder
+from ballast.scheduler.kv_policy import KVPolicy
 from ballast.scheduler.kv_room import Charge, KVRoom
 from ballast.scheduler.lookahead import Decoding, next_decodes
 from ballast.scheduler.queue import WaitingQueue
@@ -125,9 +125,8 @@ class Scheduler:
         self._checkpoints = CheckpointOrders(
             engine.checkpoint_interval, engine.match_prefix, lambda: self._gov.ladder.shed_prefix_cache
         )
-        self._kv = KVRoom(engine.kv_figures(), engine.kv_figures(int8=True))  # the pools after the last step
-        self._shrink_sent = False  # the engine was told to give free KV segments back
-        self._kv_keep = KVKeep()  # the free blocks the last plan's shrink would keep
+        # The pools after the last step, and the decisions made from them under the ladder.
+        self._kv = KVPolicy(self._gov, KVRoom(engine.kv_figures(), engine.kv_figures(int8=True)))
         self._unpark: list[tuple[int, ...]] = []  # for the next plan
         # Slots the plan submitted ahead feeds the token of the step being applied (LAST_SAMPLED),
         # and final checkpoints that wait for that plan: its slot will have consumed one more token.
@@ -302,7 +301,8 @@ class Scheduler:
             budget -= self._chunk(new, budget, prefills, sampling)
         shed, saves, restores = self._checkpoints.take_orders()
         release = self._slots.take_releases()
-        shrink, keep = self._shrink_kv(bool(release))
+        upcoming = itertools.islice(self._queue, self.slot_limit)
+        shrink, keep = self._kv.shrink(bool(release), self._charges(), upcoming)
         return StepPlan(
             prefills=tuple(prefills),
             decodes=tuple(decodes),
@@ -325,7 +325,7 @@ class Scheduler:
             consumed = self._saves_after_ahead.pop(slot)
             if slot not in result.preempted:
                 self._checkpoints.queue_final_save(slot, consumed)
-        self._kv.update(result)
+        self._kv.room.update(result)
         for slot in result.preempted:
             self._requeue(slot)
         for scored in result.prompt_logprobs:
@@ -393,14 +393,18 @@ class Scheduler:
             ):
                 return None
             asked = seq.req.max_tokens - len(seq.resumed)
-            int8 = seq.int8_kv if seq.int8_kv is not None else self._starts_in_int8(len(seq.feed) + asked)
-            if self._waits_for_blocks(len(seq.feed), asked, int8) or (
-                seq.preempted and not self._resumable(seq, int8)
+            running = self._charges()
+            int8 = seq.int8_kv
+            if int8 is None:
+                int8 = self._kv.starts_in_int8(len(seq.feed) + asked, running)
+            busy = bool(self._running) or self._slots.draining
+            if self._kv.waits_for_blocks(len(seq.feed), asked, int8, running, busy) or (
+                seq.preempted and not self._kv.resumable(len(seq.feed) + 1, int8, running)
             ):
                 return None
             try:
                 admission = self._gov.admit(
-                    len(seq.feed), asked, self._kv.room(int8, self._charges()), quantized=int8
+                    len(seq.feed), asked, self._kv.room.room(int8, running), quantized=int8
                 )
             except Overloaded as refusal:  # the governor has raised the pressure level
                 if seq.preempted:  # a preempted request is never failed: it waits for blocks
@@ -477,67 +481,9 @@ class Scheduler:
     def _charges(self) -> list[Charge]:
         return [Charge(s.total_tokens, s.kv_held, bool(s.int8_kv)) for s in self._running]
 
-    def _starts_in_int8(self, n_tokens: int, charges: list[Charge] | None = None) -> bool:
-        """The quantized-KV rung (WATCH) puts a new sequence in int8 blocks so that the KV memory it
-        adds costs fewer bytes. Free blocks the main pool already holds cost no new memory at all,
-        so a sequence they hold whole starts there: the int8 pool would otherwise have to grow just
-        when memory is short (measured on an H200: another process taking the die's free VRAM held
-        every new request for the whole squeeze, beside a main pool with blocks to spare)."""
-        if not self._gov.ladder.force_quantized_kv or self._kv.int8 is None:
-            return False
-        return not self._kv.holds(False, n_tokens, self._charges() if charges is None else charges)
-
-    def _waits_for_blocks(self, n_prompt: int, max_tokens: int, int8: bool) -> bool:
-        """The head would be admitted whole once running requests give their blocks back, but not
-        now: it waits at the head of the queue (as a peer server queues it) instead of being refused
-        or cut short because of work that is about to end. Memory pressure is not involved, so
-        nothing is counted and the pressure level does not move."""
-        room, idle = self._kv.room(int8, self._charges()), self._kv.room_when_idle(int8)
-        if not (self._running or self._slots.draining) or room is None or idle is None:
-            return False  # nothing will come back: decide now
-        if self._gov.verdict(n_prompt, max_tokens, room, int8).kind is VerdictKind.ADMIT:
-            return False
-        return self._gov.verdict(n_prompt, max_tokens, idle, int8).kind is VerdictKind.ADMIT
-
     def _take_unpark(self) -> tuple[tuple[int, ...], ...]:
         out, self._unpark = tuple(self._unpark), []
         return out
-
-    def _resumable(self, seq: Seq, int8: bool) -> bool:
-        """A preempted request comes back only when its pool holds free blocks for what it had and
-        its next token, beyond what running requests will still take: it was preempted because
-        blocks could not be had, so counting on new memory would preempt it again at once. With a
-        memory snapshot, admission also weighs new memory (the pressure that caused the preemption
-        shows there); without one the free blocks decide alone."""
-        return self._gov.snapshot is not None or self._kv.holds(int8, len(seq.feed) + 1, self._charges())
-
-    def _shrink_kv(self, releasing: bool) -> tuple[bool, KVKeep]:
-        """Ask the engine to give free KV segments back while the ladder evicts KV (TIGHT and
-        worse): once when the rung engages, then with every plan that frees blocks or that needs
-        fewer kept (a queued request left). With it, the free blocks to keep (`_kv_keep_now`)."""
-        evict = self._gov.ladder.kv_evict
-        keep = self._kv_keep_now() if evict else KVKeep()
-        fewer = keep.main < self._kv_keep.main or keep.int8 < self._kv_keep.int8
-        send = evict and (releasing or not self._shrink_sent or fewer)
-        self._shrink_sent, self._kv_keep = evict, keep
-        return send, keep
-
-    def _kv_keep_now(self) -> KVKeep:
-        """At TIGHT the pools keep the free blocks that running requests will still take and that
-        the queue's next `slot_limit` requests would take if they started now; only the surplus
-        goes back. Giving back more helps only if the pressure is ours: measured on an H200, when
-        another process held the die's free VRAM, segments given back at TIGHT were not taken by
-        anyone (free VRAM rose 1 GiB and stayed unused), the pool could not grow again, and every new
-        request stalled until the queue bound refused it. At CRITICAL everything free goes back."""
-        if self._gov.ladder.level >= Level.CRITICAL:
-            return KVKeep()
-        charges = self._charges()
-        window = self._gov.ladder.context_window
-        for seq in itertools.islice(self._queue, self.slot_limit):
-            n = seq.total_tokens if seq.preempted else min(seq.total_tokens, window)
-            int8 = seq.int8_kv if seq.int8_kv is not None else self._starts_in_int8(n, charges)
-            charges.append(Charge(n, 0, int8))
-        return self._kv.keep(charges)
 
     def _on_token(self, seq: Seq, out: SlotOutput) -> None:
         seq.phase = Phase.DECODING
@@ -640,7 +586,7 @@ class Scheduler:
     @property
     def kv_pools(self) -> list[tuple[str, KVFigures]]:
         """The KV pools' figures after the last step, by name."""
-        return self._kv.pools()
+        return self._kv.room.pools()
 
     @property
     def queue_depth(self) -> int:

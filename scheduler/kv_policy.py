@@ -1,0 +1,86 @@
+"""The scheduler's KV decisions under the degradation ladder, from the pools' figures after the
+last step (`KVRoom`) and the governor's plan: which pool a new sequence starts in, whether the
+queue head waits for blocks that running requests are about to free, whether a preempted request
+can come back, and what the pools keep when the ladder evicts KV. Decisions only: the scheduler
+owns the requests and passes what running ones hold (`Charge`s) and who is next in the queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ballast.engine.plan import KVKeep
+from ballast.memory.types import Level, VerdictKind
+from ballast.scheduler.governor import Governor
+from ballast.scheduler.kv_room import Charge, KVRoom
+from ballast.scheduler.sequence import Seq
+
+
+class KVPolicy:
+    def __init__(self, gov: Governor, room: KVRoom) -> None:
+        self._gov = gov
+        self.room = room
+        self._shrink_sent = False  # the engine was told to give free KV segments back
+        self._keep = KVKeep()  # the free blocks the last plan's shrink would keep
+
+    def starts_in_int8(self, n_tokens: int, running: list[Charge]) -> bool:
+        """The quantized-KV rung (WATCH) puts a new sequence in int8 blocks so that the KV memory it
+        adds costs fewer bytes. Free blocks the main pool already holds cost no new memory at all,
+        so a sequence they hold whole starts there: the int8 pool would otherwise have to grow just
+        when memory is short (measured on an H200: another process taking the die's free VRAM held
+        every new request for the whole squeeze, beside a main pool with blocks to spare)."""
+        if not self._gov.ladder.force_quantized_kv or self.room.int8 is None:
+            return False
+        return not self.room.holds(False, n_tokens, running)
+
+    def waits_for_blocks(
+        self, n_prompt: int, max_tokens: int, int8: bool, running: list[Charge], busy: bool
+    ) -> bool:
+        """The head would be admitted whole once running requests give their blocks back, but not
+        now: it waits at the head of the queue (as a peer server queues it) instead of being refused
+        or cut short because of work that is about to end. Memory pressure is not involved, so
+        nothing is counted and the pressure level does not move. busy: requests are running or
+        slots are draining (something will come back)."""
+        room, idle = self.room.room(int8, running), self.room.room_when_idle(int8)
+        if not busy or room is None or idle is None:
+            return False  # nothing will come back: decide now
+        if self._gov.verdict(n_prompt, max_tokens, room, int8).kind is VerdictKind.ADMIT:
+            return False
+        return self._gov.verdict(n_prompt, max_tokens, idle, int8).kind is VerdictKind.ADMIT
+
+    def resumable(self, n_tokens: int, int8: bool, running: list[Charge]) -> bool:
+        """A preempted request (n_tokens: what it had and its next token) comes back only when its
+        pool holds free blocks for them beyond what running requests will still take: it was
+        preempted because blocks could not be had, so counting on new memory would preempt it
+        again at once. With a memory snapshot, admission also weighs new memory (the pressure that
+        caused the preemption shows there); without one the free blocks decide alone."""
+        return self._gov.snapshot is not None or self.room.holds(int8, n_tokens, running)
+
+    def shrink(self, releasing: bool, running: list[Charge], upcoming: Iterable[Seq]) -> tuple[bool, KVKeep]:
+        """Whether the next plan asks the engine to give free KV segments back, and the free blocks
+        to keep: while the ladder evicts KV (TIGHT and worse), once when the rung engages, then with
+        every plan that frees blocks (`releasing`) or that needs fewer kept (a queued request
+        left). upcoming: the queue's next `slot_limit` requests."""
+        evict = self._gov.ladder.kv_evict
+        keep = self._keep_now(running, upcoming) if evict else KVKeep()
+        fewer = keep.main < self._keep.main or keep.int8 < self._keep.int8
+        send = evict and (releasing or not self._shrink_sent or fewer)
+        self._shrink_sent, self._keep = evict, keep
+        return send, keep
+
+    def _keep_now(self, running: list[Charge], upcoming: Iterable[Seq]) -> KVKeep:
+        """At TIGHT the pools keep the free blocks that running requests will still take and that
+        the queue's next requests would take if they started now; only the surplus goes back.
+        Giving back more helps only if the pressure is ours: measured on an H200, when another
+        process held the die's free VRAM, segments given back at TIGHT were not taken by anyone
+        (free VRAM rose 1 GiB and stayed unused), the pool could not grow again, and every new
+        request stalled until the queue bound refused it. At CRITICAL everything free goes back."""
+        if self._gov.ladder.level >= Level.CRITICAL:
+            return KVKeep()
+        charges = list(running)
+        window = self._gov.ladder.context_window
+        for seq in upcoming:
+            n = seq.total_tokens if seq.preempted else min(seq.total_tokens, window)
+            int8 = seq.int8_kv if seq.int8_kv is not None else self.starts_in_int8(n, charges)
+            charges.append(Charge(n, 0, int8))
+        return self.room.keep(charges)
