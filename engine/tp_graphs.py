@@ -119,8 +119,11 @@ def worker_agreement(conn: Connection) -> Callable[[str | None], bool]:
     """A worker's side: report this bucket, wait for rank 0's verdict."""
 
     def agree(error: str | None) -> bool:
-        conn.send(BucketCaptured(error))
-        verdict = conn.recv()
+        try:
+            conn.send(BucketCaptured(error))
+            verdict = conn.recv()
+        except (EOFError, OSError):  # rank 0 is gone
+            raise SystemExit(0) from None
         if not isinstance(verdict, CaptureVerdict):
             # rank 0 gave the load up mid-capture (it sends Stop): leave; it reaps this process
             raise SystemExit(0)
