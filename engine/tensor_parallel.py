@@ -1,11 +1,11 @@
 """Rank 0 of a tensor-parallel engine: the workers it spawns, its shard, and its runner.
 
 `TPWorkers` spawns ranks 1..N-1 (engine/tp_worker.py), joins the process group with them and
-watches that they live. `ShardedRunner` is the `ModelRunner` of rank 0: before each forward it
-sends the step (rows, and the KV stores' changes since the last one) to every worker, so all
-ranks run the same forward on the same block tables. The prefix cache's copies of slot state
-(checkpoints, parked sequences) travel in the same ordered journal, and each worker makes them on
-its own shard (`shard_checkpoints`). With `--tp-cuda-graphs` every rank captures the same decode
+watches that they live. `ShardedRunner` (engine/sharded_runner.py) is the `ModelRunner` of rank
+0: before each forward it sends the step (rows, and the KV stores' changes since the last one) to
+every worker, so all ranks run the same forward on the same block tables. The prefix cache's
+copies of slot state (checkpoints, parked sequences) travel in the same ordered journal, and each
+worker makes them on its own shard (`shard_checkpoints`). With `--tp-cuda-graphs` every rank captures the same decode
 graphs at load and a step rank 0 replays is replayed by every worker (`tp_graphs`); otherwise, and
 for every step no graph serves, all ranks run eagerly.
 
