@@ -5,9 +5,9 @@ watches that they live. `ShardedRunner` (engine/sharded_runner.py) is the `Model
 0: before each forward it sends the step (rows, and the KV stores' changes since the last one) to
 every worker, so all ranks run the same forward on the same block tables. The prefix cache's
 copies of slot state (checkpoints, parked sequences) travel in the same ordered journal, and each
-worker makes them on its own shard (`shard_checkpoints`). With `--tp-cuda-graphs` every rank captures the same decode
-graphs at load and a step rank 0 replays is replayed by every worker (`tp_graphs`); otherwise, and
-for every step no graph serves, all ranks run eagerly.
+worker makes them on its own shard (`shard_checkpoints`). With `--tp-cuda-graphs` every rank
+captures the same decode graphs at load and a step rank 0 replays is replayed by every worker
+(`tp_graphs`); otherwise, and for every step no graph serves, all ranks run eagerly.
 
 Every die is governed from rank 0: what a worker's die holds (its shard's weights, the same slot
 states, activation reserve and KV segments as rank 0's) is leased on that die's ledger by rank 0,
