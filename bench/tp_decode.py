@@ -5,8 +5,10 @@ The model is written once as a Hugging Face directory (safetensors, under --work
 sides load it the way a real checkpoint loads (each TP rank reads only its slices). Each side is
 an `Engine` (`EngineConfig(model=dir, tensor_parallel_size=..)`): every slot is prefilled to
 --context tokens through StepPlans, then --steps greedy decode steps of all slots are timed after
-two warm-up steps. Rows: TP=1 as served (CUDA graphs on), TP=1 eager (graphs off: what TP=2 runs,
-since collectives are not captured in graphs yet) and TP=2; tok/s = batch x steps / seconds.
+two warm-up steps. Sides: TP=1 as served (CUDA graphs on), TP=1 eager (graphs off), TP=N eager
+(the default under tensor parallel) and TP=N with decode graphs on every rank (`tp_cuda_graphs`);
+tok/s = batch x steps / seconds. Whether each side really replayed graphs is printed and written
+(a side whose capture failed decodes eagerly: its figures would be eager ones).
 
 Qwen3-Next-shaped = Qwen3-Next-80B-A3B's shapes (48 layers, hidden 2048, 16 heads of 256, gated
 DeltaNet 16/32 heads, top-10 of --experts experts + a shared expert; default 26 experts: ~6.2B
@@ -143,10 +145,16 @@ def main() -> None:
             params = write_random_checkpoint(cfg, work, device, dtype)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        sides = [("TP=1", 1, True), ("TP=1 eager", 1, False), (f"TP={args.tp}", args.tp, False)]
+        sides = [
+            ("TP=1", 1, True),
+            ("TP=1 eager", 1, False),
+            (f"TP={args.tp} eager", args.tp, False),
+            (f"TP={args.tp} graphs", args.tp, True),
+        ]
         if device.type != "cuda":
             sides = [("TP=1", 1, False), (f"TP={args.tp}", args.tp, False)]
         rates: dict[str, dict[int, float]] = {}
+        replayed: dict[str, int] = {}  # decode steps each side replayed from graphs (rank 0)
         for label, tp, graphs in sides:
             engine = Engine.load(
                 EngineConfig(
@@ -156,6 +164,7 @@ def main() -> None:
                     max_num_seqs=max(args.batches),
                     max_model_len=args.context + WARMUP_STEPS + args.steps + 8,
                     cuda_graphs=graphs,
+                    tp_cuda_graphs=graphs,
                     tensor_parallel_size=tp,
                 )
             )
@@ -164,6 +173,10 @@ def main() -> None:
                 for b in args.batches:
                     rates[label][b] = decode_rate(engine, b, args.context, args.steps, cfg["vocab_size"])
                     print(f"  {label} batch {b}: {rates[label][b]:.1f} tok/s", flush=True)
+                g = engine.runner.graphs
+                replayed[label] = 0 if g is None else g.replays
+                if graphs and g is None:
+                    print(f"  {label}: no decode graphs captured (see the log): eager figures", flush=True)
             finally:
                 engine.shutdown()
                 del engine
@@ -186,13 +199,14 @@ def main() -> None:
         f"decode tok/s, Qwen3-Next-shaped {params / 1e9:.2f}B params, {args.dtype}, context {args.context}, "
         f"{args.steps} steps, {args.device}"
     )
-    print(f"{'batch':>5} " + " ".join(f"{label:>12}" for label in labels) + f" {split + ' / TP=1':>14}")
+    print(f"{'batch':>5} " + " ".join(f"{label:>13}" for label in labels) + f" {split + ' / TP=1':>18}")
     for r in rows:
         print(
             f"{r['batch']:>5} "
-            + " ".join(f"{r[label]:>12.1f}" for label in labels)
-            + f" {r['speedup']:>13.2f}x"
+            + " ".join(f"{r[label]:>13.1f}" for label in labels)
+            + f" {r['speedup']:>17.2f}x"
         )
+    print("decode steps replayed from graphs: " + ", ".join(f"{k} {v}" for k, v in replayed.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "bench": "tp_decode",
@@ -208,6 +222,7 @@ def main() -> None:
         "torch": torch.__version__,
         "machine": platform.machine(),
         "rows": rows,
+        "graph_replays": replayed,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

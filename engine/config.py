@@ -110,6 +110,16 @@ class EngineConfig:
             8,
         ),
     )
+    tp_cuda_graphs: bool = field(
+        default=False,
+        metadata=setting(
+            "BALLAST_TP_CUDA_GRAPHS",
+            "with --tensor-parallel-size > 1 and --cuda-graphs: every rank captures the same decode "
+            "graphs (NCCL collectives inside) and replays them in step with rank 0; off: tensor-parallel "
+            "decode runs eagerly. Off by default until measured on two GPUs; a rank failing its capture "
+            "turns it off for all",
+        ),
+    )
     compile: bool = field(
         default=True,
         metadata=setting(
@@ -128,6 +138,14 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def decode_graphs(self, device: torch.device) -> bool:
+        """Whether decode steps on `device` are captured as CUDA graphs: on one GPU with
+        --cuda-graphs, under tensor parallel only with --tp-cuda-graphs too. Every rank asks this,
+        so all of them allocate the graphs' scratch slot or none does."""
+        if not self.cuda_graphs or device.type != "cuda":
+            return False
+        return self.tensor_parallel_size == 1 or self.tp_cuda_graphs
 
     def keeps_fp8(self, device: torch.device) -> bool:
         """Whether an FP8 checkpoint's weights stay float8 on device."""

@@ -28,6 +28,12 @@ sequence, the prefill attention path), so a padded graph would need buckets over
 tokens and context, and such a step is bound by its matrix products rather than by kernel
 launches, which is all a graph removes.
 
+Under tensor parallel every rank captures the same graphs (same buckets, same order) in lockstep,
+the collectives of each capture recorded on every rank, and after each bucket the ranks agree
+(`Agree`: over the pipes, not a collective) whether every one of them captured it; one failure
+and all release. The mixed variant is not captured late there (`late_mixed=False`: one rank
+capturing alone would wait in its warm-up's collectives), so such steps run eagerly on every rank.
+
 Capture runs on the engine thread at load, after the slot states exist. The memory the graphs
 keep (their shared private pool) is measured and handed to the caller to lease from the VRAM
 ledger. A capture that fails (an op that waits on the host, such as the MoE fallback used where
@@ -49,6 +55,9 @@ log = logging.getLogger(__name__)
 Forward = Callable[[ForwardBatch], Tensor]
 # Fills LAST_SAMPLED token entries in place from the device: (token ids, their slots).
 FeedLastTokens = Callable[[Tensor, Tensor], None]
+# Under tensor parallel, after each bucket: this rank's capture error (None: captured); returns
+# whether every rank captured it.
+Agree = Callable[[str | None], bool]
 
 SMALLEST_CONTEXT_BUCKET = 256
 PAD_TOKEN = 0
@@ -57,6 +66,12 @@ PAD_POSITION = 1
 
 class GraphCaptureError(RuntimeError):
     """Capturing the decode graphs failed; the engine runs eagerly instead."""
+
+
+class WarmupFailed(RuntimeError):
+    """The eager forward before a capture failed on this rank. Under tensor parallel its
+    collectives ran for real, so the ranks may now be out of step: not a capture failure to agree
+    on and go eager, but a fault of the group."""
 
 
 def doubling_buckets(first: int, limit: int) -> tuple[int, ...]:
@@ -107,9 +122,12 @@ class DecodeGraphs:
         max_context: int,
         read_bytes_per_position: int = 0,
         budget_bytes: int = 0,
+        late_mixed: bool = True,
     ) -> None:
-        """read_bytes_per_position / budget_bytes: see `bucket_pairs` (0 bytes: capture them all)."""
+        """read_bytes_per_position / budget_bytes: see `bucket_pairs` (0 bytes: capture them all).
+        late_mixed: capture the int8-KV variant of a bucket at its first use (one GPU only)."""
         self.device = device
+        self.late_mixed = late_mixed
         self.scratch_slot = scratch_slot
         self.batch_buckets = doubling_buckets(1, max_batch)
         self.context_buckets = doubling_buckets(SMALLEST_CONTEXT_BUCKET, max_context)
@@ -132,9 +150,10 @@ class DecodeGraphs:
     def captured(self) -> int:
         return len(self._graphs)
 
-    def capture(self, forward: Forward) -> int:
+    def capture(self, forward: Forward, agree: Agree | None = None) -> int:
         """Capture a graph for each of `pairs`, largest first so later graphs fit in the pool the
-        first one sized. Returns the bytes the device allocator holds more than before."""
+        first one sized. Returns the bytes the device allocator holds more than before.
+        agree (tensor parallel): asked after every bucket, so all ranks stop at the same one."""
         if not self.pairs:
             raise GraphCaptureError("no decode graph fits the memory budget")
         torch.cuda.synchronize(self.device)
@@ -143,19 +162,42 @@ class DecodeGraphs:
         self._forward = forward
         try:
             for b, c in self.pairs:
-                self._capture_one((b, c, False))
-        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+                error = self._try_capture((b, c, False), lockstep=agree is not None)
+                if agree is not None and not agree(error):
+                    raise GraphCaptureError(
+                        f"decode graph (batch {b}, context {c}) not captured on every rank: "
+                        f"{error or 'another rank failed'}"
+                    )
+                if error is not None:
+                    raise GraphCaptureError(f"decode graph capture failed: {error}")
+        except BaseException:
             self.release()
-            raise GraphCaptureError(f"decode graph capture failed: {e}") from e
+            raise
         self.held_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
         return self.held_bytes
+
+    def _try_capture(self, key: tuple[int, int, bool], lockstep: bool) -> str | None:
+        """Capture one bucket; its error as text, or None. A failed warm-up is returned too on
+        one GPU, but raised under tensor parallel (see `WarmupFailed`)."""
+        try:
+            self._capture_one(key)
+        except WarmupFailed as e:
+            if lockstep:
+                raise
+            return f"{e.__cause__ or e}"
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            return f"{type(e).__name__}: {e}"
+        return None
 
     def _capture_one(self, key: tuple[int, int, bool]) -> None:
         assert self._forward is not None
         b, c, _ = key
         batch = self._static_batch(b, c)
         self._stage([])
-        eager = self._forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
+        try:
+            eager = self._forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            raise WarmupFailed(f"warm-up forward of batch {b}, context {c} failed: {e}") from e
         if self._logits is None:
             width = max(w for w, _ in self.pairs)
             self._logits = eager.new_empty((width, *eager.shape[1:]))
@@ -198,14 +240,16 @@ class DecodeGraphs:
         is captured here at its first use)."""
         if not self._graphs or not seqs or any(len(tokens) != 1 for _, tokens, _ in seqs):
             return False
-        key = self._key(seqs, mixed)
-        return key is not None and (key in self._graphs or (mixed and self._capture_late(key)))
+        key = self.key_of(seqs, mixed)
+        if key is None:
+            return False
+        return key in self._graphs or (mixed and self.late_mixed and self._capture_late(key))
 
     def replay(self, seqs: Rows, feed_last: FeedLastTokens | None = None, mixed: bool = False) -> Tensor:
         """Logits [len(seqs), vocab] of this decode step; a view of the graph's output, valid until
         the next replay. Call only where `can_use(seqs)`. feed_last: fills the tokens the plan
         left to the device (LAST_SAMPLED) before the replay, in stream order."""
-        key = self._key(seqs, mixed)
+        key = self.key_of(seqs, mixed)
         assert key in self._graphs and self._logits is not None, "replay needs can_use(seqs)"
         self._stage(seqs, key[0])
         if feed_last is not None:
@@ -214,7 +258,8 @@ class DecodeGraphs:
         self.replays += 1
         return self._logits[: len(seqs)]
 
-    def _key(self, seqs: Rows, mixed: bool = False) -> tuple[int, int, bool] | None:
+    def key_of(self, seqs: Rows, mixed: bool = False) -> tuple[int, int, bool] | None:
+        """(batch bucket, context bucket, mixed) of this decode step, captured or not."""
         b = bucket_for(self.batch_buckets, len(seqs))
         c = bucket_for(self.context_buckets, max(start for _, _, start in seqs) + 1)
         return None if b is None or c is None else (b, c, mixed)

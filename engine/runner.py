@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from ballast.engine.graphs import PAD_POSITION, DecodeGraphs, GraphCaptureError
+from ballast.engine.graphs import PAD_POSITION, Agree, DecodeGraphs, FeedLastTokens, GraphCaptureError
 from ballast.engine.kv_pool import Acquire, KVPool
 from ballast.engine.sampler import Sampler
 from ballast.engine.staging import to_device
@@ -267,15 +267,30 @@ class ModelRunner:
         context bucket (attention reads the blocks in place, so a graph's memory does not grow with
         its context). Returns the bytes they hold; raises GraphCaptureError (the engine then runs
         eagerly) if the model cannot be captured."""
+        self.check_capturable()
+        if self.kv is not None and not self.kv.ensure(self.num_slots, PAD_POSITION + 1):
+            raise GraphCaptureError("no KV block for the graphs' scratch slot")
+        return self.capture_in_lockstep(None)
+
+    def check_capturable(self) -> None:
         if self.device.type != "cuda" or self._state_slots == self.num_slots:
             raise GraphCaptureError("decode graphs need CUDA and a scratch slot")
-        scratch = self.num_slots
-        if self.kv is not None and not self.kv.ensure(scratch, PAD_POSITION + 1):
-            raise GraphCaptureError("no KV block for the graphs' scratch slot")
-        graphs = DecodeGraphs(self.device, scratch, self.num_slots, self.max_model_len)
-        held = graphs.capture(self._run)
+
+    def capture_in_lockstep(self, agree: Agree | None) -> int:
+        """Capture the decode graphs over blocks the scratch slot already holds (under tensor
+        parallel rank 0's allocator gave them and every rank's tables say so), agreeing with the
+        other ranks after each bucket. Returns the bytes they hold on this device."""
+        graphs = DecodeGraphs(
+            self.device, self.num_slots, self.num_slots, self.max_model_len, late_mixed=agree is None
+        )
+        held = graphs.capture(self._run, agree)
         self.graphs = graphs
         return held
+
+    @property
+    def graph_bytes_per_rank(self) -> list[int]:
+        """What the decode graphs hold on each rank's device (one entry here; none without graphs)."""
+        return [] if self.graphs is None else [self.graphs.held_bytes]
 
     def release_graphs(self) -> None:
         if self.graphs is not None:
@@ -298,10 +313,17 @@ class ModelRunner:
         # Decodes planned before their token reached the host take it from the device.
         last = self.sampler.feed_last_tokens if any(t[0] < 0 for _, t, _ in seqs) else None
         if self.graphs is not None and self.graphs.can_use(seqs, mixed):
-            return self.graphs.replay(seqs, last, mixed)
+            return self._replay(seqs, last, mixed)
         batch = ForwardBatch.build(seqs, self.device, all_logits=all_logits)
         if last is not None:
             last(batch.token_ids, batch.slot_of_token)
+        return self._eager(batch)
+
+    def _replay(self, seqs: Rows, last: FeedLastTokens | None, mixed: bool) -> Tensor:
+        assert self.graphs is not None
+        return self.graphs.replay(seqs, last, mixed)
+
+    def _eager(self, batch: ForwardBatch) -> Tensor:
         return self._run(batch)
 
     def _run(self, batch: ForwardBatch) -> Tensor:

@@ -51,8 +51,8 @@ def bring_up(
         profile = profile_prefill(
             loaded.model, loaded.hf_config, cfg.prefill_chunk_tokens, cfg.max_model_len, device, dtype
         )
-        # Tensor parallel runs decode eagerly: collectives inside captured graphs are not wired.
-        graphs = cfg.cuda_graphs and device.type == "cuda" and workers is None
+        # Under tensor parallel only with --tp-cuda-graphs: every rank captures (tp_graphs).
+        graphs = cfg.decode_graphs(device)
         die = gpu_die()
         if watch is not None and die is not None:
             # Lease before allocating: the ledger refuses before the driver would OOM. Every
@@ -78,7 +78,7 @@ def bring_up(
             else ModelRunner(*args, cfg.seed, **kwargs)
         )
         if graphs:
-            leases.extend(capture_graphs(runner, watch, dies[0]))
+            leases.extend(capture_graphs(runner, watch, dies))
     except BaseException:
         for lease in leases:
             lease.release()
@@ -88,30 +88,35 @@ def bring_up(
     return loaded, runner, profile, leases
 
 
-def capture_graphs(runner: ModelRunner, watch: MemWatch | None, die: int) -> list[Lease]:
-    """Decode graphs are a speed-up, never a reason to fail: a model that cannot be captured, or
-    a ledger without room for the graphs' memory, runs eagerly (logged). Returns their lease."""
+def capture_graphs(runner: ModelRunner, watch: MemWatch | None, dies: list[int]) -> list[Lease]:
+    """Decode graphs are a speed-up, never a reason to fail: a model that cannot be captured (on
+    any rank), or a ledger without room for the graphs' memory (on any die), runs eagerly
+    (logged). Returns their leases, one per die (rank r's graphs on dies[r])."""
     try:
         held = runner.capture_graphs()
     except GraphCaptureError as e:
         log.warning("%s; decode runs eagerly", e)
         return []
-    leases = []
+    leases: list[Lease] = []
     if watch is not None:
         try:
-            leases.append(watch.ledger.lease(die, held, "cuda-graphs"))
+            for die, nbytes in zip(dies, runner.graph_bytes_per_rank, strict=True):
+                leases.append(watch.ledger.lease(die, nbytes, "cuda-graphs"))
         except LedgerFull as e:
+            for lease in leases:
+                lease.release()
             runner.release_graphs()
             log.warning("no VRAM for decode graphs (%s); decode runs eagerly", e)
             return []
     assert runner.graphs is not None
     g = runner.graphs
     log.info(
-        "decode graphs: %d captured of %d buckets (batch <= %d, context <= %d), %.1f MiB",
+        "decode graphs: %d captured of %d buckets (batch <= %d, context <= %d), %.1f MiB on rank 0 of %d",
         g.captured,
         len(g.batch_buckets) * len(g.context_buckets),
         max(b for b, _ in g.pairs),
         max(c for _, c in g.pairs),
         held / MiB,
+        len(runner.graph_bytes_per_rank),
     )
     return leases

@@ -1,11 +1,13 @@
 """Rank 0 of a tensor-parallel engine: the workers it spawns, its shard, and its runner.
 
 `TPWorkers` spawns ranks 1..N-1 (engine/tp_worker.py), joins the process group with them and
-watches that they live. `ShardedRunner` is the `ModelRunner` of rank 0: before each forward it
-sends the step (rows, and the KV stores' changes since the last one) to every worker, so all
-ranks run the same forward on the same block tables. The prefix cache's copies of slot state
-(checkpoints, parked sequences) travel in the same ordered journal, and each worker makes them on
-its own shard (`shard_checkpoints`). CUDA graphs are off (decode runs eagerly).
+watches that they live. `ShardedRunner` (engine/sharded_runner.py) is the `ModelRunner` of rank
+0: before each forward it sends the step (rows, and the KV stores' changes since the last one) to
+every worker, so all ranks run the same forward on the same block tables. The prefix cache's
+copies of slot state (checkpoints, parked sequences) travel in the same ordered journal, and each
+worker makes them on its own shard (`shard_checkpoints`). With `--tp-cuda-graphs` every rank
+captures the same decode graphs at load and a step rank 0 replays is replayed by every worker
+(`tp_graphs`); otherwise, and for every step no graph serves, all ranks run eagerly.
 
 Every die is governed from rank 0: what a worker's die holds (its shard's weights, the same slot
 states, activation reserve and KV segments as rank 0's) is leased on that die's ledger by rank 0,
@@ -44,10 +46,10 @@ from ballast.engine.loading import (
     admit_load,
     resolve,
 )
-from ballast.engine.runner import ModelRunner, weights_bytes
+from ballast.engine.runner import weights_bytes
+from ballast.engine.sharded_runner import ShardedRunner as ShardedRunner  # rank 0's runner
 from ballast.engine.tokenizer import Tokenizer
 from ballast.engine.tp_worker import (
-    StepMessage,
     Stop,
     WorkerFailed,
     WorkerReady,
@@ -61,12 +63,11 @@ from ballast.memory.errors import LedgerFull
 from ballast.memory.ledger import Lease
 from ballast.memory.watch import MemWatch
 from ballast.models import builtin
-from ballast.models.base import ForwardBatch, Rows, UnsupportedModel
+from ballast.models.base import UnsupportedModel
 from ballast.models.default_model import default_model_path
 from ballast.models.gguf_loader import build_tokenizer, read_gguf
 from ballast.models.hf_loader import inspect_hf_dir
 from ballast.models.parallel import check_tensor_parallel, shard_hf_config, shard_weights_bytes
-from torch import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,21 @@ class TPWorkers:
             self.ready.append(msg)
         return self.ready
 
-    def send(self, msg: StepMessage | Stop) -> None:
+    def recv_each(self, timeout_s: float = LOAD_TIMEOUT_S) -> list[Any]:
+        """One message from every worker, in rank order; WorkerLost if one exits or stays silent."""
+        deadline = time.monotonic() + timeout_s
+        out = []
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            while not conn.poll(0.2):
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    raise WorkerLost(self.lost() or f"{proc.name} did not answer in {timeout_s:.0f}s")
+            try:
+                out.append(conn.recv())
+            except (EOFError, OSError) as e:
+                raise WorkerLost(self.lost() or f"{proc.name} is gone: {e}") from e
+        return out
+
+    def send(self, msg: object) -> None:
         why = self.lost()
         if why is not None:
             raise WorkerLost(why)
@@ -320,65 +335,3 @@ def segment_grant_all(watch: MemWatch, dies: Sequence[int], world: int) -> Acqui
         return release
 
     return grant
-
-
-class ShardedRunner(ModelRunner):
-    """Rank 0's runner: each forward goes to every worker first (see the module doc)."""
-
-    def __init__(self, *args: Any, workers: TPWorkers, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.workers = workers
-        self._pending: tuple[list[tuple[int, tuple[int, ...], int]], list[bool]] | None = None
-        # Every change the workers must make before the next forward, in the order made here: the
-        # KV stores' and (once the engine hands it to its prefix cache) slot-state copies.
-        self.journal: list[Any] = []
-        if self.kv_stores is not None:
-            for i, store in enumerate(self.kv_stores.all()):
-                store.journal = self.journal
-                store.journal_index = i
-
-    @property
-    def sound(self) -> bool:
-        return self.workers.lost() is None
-
-    def forward(self, seqs: Rows, all_logits: Sequence[bool] = ()) -> Tensor:
-        self._pending = (
-            [(int(s), tuple(int(t) for t in toks), int(st)) for s, toks, st in seqs],
-            list(all_logits),
-        )
-        return super().forward(seqs, all_logits)
-
-    def _run(self, batch: ForwardBatch) -> Tensor:
-        assert self._pending is not None, "a tensor-parallel forward goes through forward()"
-        rows, every = self._pending
-        self._pending = None
-        self.workers.send(self._message(rows, every))
-        try:
-            logits = super()._run(batch)
-            if logits.is_cuda:
-                # A collective aborted under the step (a worker died) leaves partial logits behind
-                # without an error: wait for the step, then look at the workers before trusting it.
-                torch.cuda.current_stream(logits.device).synchronize()
-        except Exception as e:
-            # The ranks are out of step now (a collective failed, or this rank failed where the
-            # others did not): nothing can run on the group any more.
-            time.sleep(0.1)  # a peer that dropped the connection is exiting: name it if we can
-            cause = self.workers.lost() or "tensor-parallel step failed"
-            raise WorkerLost(f"{cause}: {type(e).__name__}: {e}") from e
-        lost = self.workers.lost()
-        if lost is not None:
-            raise WorkerLost(f"{lost} during the step")
-        return logits
-
-    def _message(self, rows: list[tuple[int, tuple[int, ...], int]], every: list[bool]) -> StepMessage:
-        ops = list(self.journal)
-        self.journal.clear()  # the same list object: the stores and the cache append to it
-        int8_slots: list[int] = []
-        mixed = False
-        if self.kv_stores is not None:
-            int8_slots = self.kv_stores.int8_slots.nonzero().flatten().tolist()
-            mixed = self.kv_stores.mixed
-        return StepMessage(rows, every, ops, int8_slots, mixed)
-
-    def close(self) -> None:
-        self.workers.close()

@@ -7,7 +7,9 @@ allocator decided them, so block ids agree on every rank) and its prefix cache's
 states (checkpoints saved and restored, sequences parked and resumed: `shard_checkpoints`), in the
 order rank 0 made them, and run the same forward on its shard;
 the all-reduces inside the forward pair it with every other rank. It samples nothing: the logits
-are gathered on every rank and rank 0 samples.
+are gathered on every rank and rank 0 samples. With decode graphs (`--tp-cuda-graphs`) it captures
+them in lockstep with rank 0 when told (`tp_graphs.CaptureGraphs`) and replays the bucket a step
+message names.
 
 Rank 0 and the workers take their steps in lockstep: a message is sent only for a forward rank 0
 runs too. Steps come over a pipe (not a collective) so an idle worker can wait for the next one
@@ -29,6 +31,14 @@ import torch.distributed as dist
 from ballast.engine.config import EngineConfig
 from ballast.engine.runner import ModelRunner, profile_prefill, weights_bytes
 from ballast.engine.shard_checkpoints import CheckpointOp, ShardCheckpoints
+from ballast.engine.tp_graphs import (
+    CaptureGraphs,
+    ReleaseGraphs,
+    ReportGraphs,
+    capture_as_worker,
+    replay_as_rank0,
+    report,
+)
 from ballast.models import builtin, pointwise
 from ballast.models.base import ForwardBatch
 from ballast.models.hf_loader import HFCheckpoint, inspect_hf_dir
@@ -56,13 +66,15 @@ class StepMessage:
     """One forward, as rank 0 runs it: rows (slot, token ids, start) and which rows want every
     token's logits; before it, the changes rank 0 made since the previous forward, in order (its
     KV stores', each naming its store by `KVStores.all()` index, and its prefix cache's slot-state
-    copies), and which slots live in the int8 store."""
+    copies), and which slots live in the int8 store. graph: the (batch, context) decode graph rank
+    0 replays for this step (None: it runs eagerly)."""
 
     rows: list[tuple[int, tuple[int, ...], int]]
     all_logits: list[bool]
     ops: list[StoreOp | CheckpointOp]
     int8_slots: list[int] = field(default_factory=list)
     mixed: bool = False
+    graph: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -160,15 +172,21 @@ def kept_fp8(ckpt: HFCheckpoint, config: EngineConfig, device: torch.device) -> 
     return ckpt.fp8_params().__contains__, ckpt.fp8_block
 
 
-def apply_changes(runner: ModelRunner, checkpoints: ShardCheckpoints, msg: StepMessage) -> None:
+def apply_ops(runner: ModelRunner, checkpoints: ShardCheckpoints, ops: list[StoreOp | CheckpointOp]) -> None:
     """Make rank 0's KV store changes and slot-state copies here, in its order."""
     stores = runner.kv_stores
-    for op in msg.ops:
+    for op in ops:
         if isinstance(op, CheckpointOp):
             checkpoints.apply(op)
         else:
             assert stores is not None, "KV store changes sent to a model without attention"
             stores.all()[op.store].replay(op)
+
+
+def apply_changes(runner: ModelRunner, checkpoints: ShardCheckpoints, msg: StepMessage) -> None:
+    """A step's changes: rank 0's ops, then which slots live in the int8 store."""
+    apply_ops(runner, checkpoints, msg.ops)
+    stores = runner.kv_stores
     if stores is None:
         return
     stores.int8_slots.zero_()
@@ -211,6 +229,7 @@ def worker_main(
         config.max_model_len,
         quantized_kv,
         config.seed,
+        scratch_slot=config.decode_graphs(device),  # as rank 0's runner: the same slot states
         segment_bytes=config.kv_segment_bytes,
     )
     serve(runner, conn)
@@ -234,7 +253,23 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
             os._exit(0)
         if isinstance(msg, Stop):
             return
-        apply_changes(runner, checkpoints, msg)
-        # Not runner.forward: its check that each slot holds blocks asks this rank's allocator,
-        # which never allocates (rank 0's does; its tables came with the message).
-        runner._run(ForwardBatch.build(msg.rows, runner.device, all_logits=msg.all_logits))
+        if isinstance(msg, CaptureGraphs):
+            apply_ops(runner, checkpoints, msg.ops)  # the scratch slot's blocks first
+            capture_as_worker(runner, conn)
+        elif isinstance(msg, ReleaseGraphs):
+            runner.release_graphs()
+        elif isinstance(msg, ReportGraphs):
+            conn.send(report(runner))
+        else:
+            step(runner, checkpoints, msg)
+
+
+def step(runner: ModelRunner, checkpoints: ShardCheckpoints, msg: StepMessage) -> None:
+    """Rank 0's forward on this shard: the graph it replays, or eagerly."""
+    apply_changes(runner, checkpoints, msg)
+    if msg.graph is not None:
+        replay_as_rank0(runner, msg.rows, msg.graph)
+        return
+    # Not runner.forward: its check that each slot holds blocks asks this rank's allocator,
+    # which never allocates (rank 0's does; its tables came with the message).
+    runner._run(ForwardBatch.build(msg.rows, runner.device, all_logits=msg.all_logits))

@@ -1,6 +1,8 @@
 """Tensor parallel on two GPUs (NCCL): TP=2 logits against TP=1 on a Qwen3-Next-shaped model in
-bf16; the engine's TP=2 greedy tokens against TP=1 (float32); a worker killed mid-run fails the
-next step at once (the watchdog aborts the group) and the engine reports itself unhealthy.
+bf16; the engine's TP=2 greedy tokens against TP=1 (float32); with decode graphs on every rank
+(`tp_cuda_graphs`) the tokens of TP=2 eager and of TP=1, every rank replaying and each die leasing
+its graphs; a worker killed mid-run fails the next step at once (the watchdog aborts the group)
+and the engine reports itself unhealthy.
 
 Run with NVLink SHARP off: NCCL_NVLS_ENABLE=0 pytest tests/gpu/test_tensor_parallel_cuda.py"""
 
@@ -16,8 +18,11 @@ import torch
 from ballast.bench.kv_capacity import qwen3_next_80b
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
+from ballast.engine.sharded_runner import ShardedRunner
+from ballast.engine.tp_graphs import GraphsReport
 from ballast.memory.config import MemoryConfig
 from ballast.memory.watch import MemWatch
+from ballast.models.moe import grouped_mm_supported
 from tp_harness import assert_close_in_bf16, engine_greedy, reference_logits, sharded_logits, steps_for
 
 pytestmark = [
@@ -52,14 +57,21 @@ def greedy_tokens(engine: Engine, prompts: list[list[int]], n: int) -> list[list
     return engine_greedy(engine, prompts, n)[0]
 
 
-def engine(tp: int, watch: MemWatch | None = None) -> Engine:
+def engine(
+    tp: int,
+    watch: MemWatch | None = None,
+    tp_graphs: bool = False,
+    model: str = "builtin:tiny-qwen3-next",
+    dtype: str = "float32",
+) -> Engine:
     cfg = EngineConfig(
-        model="builtin:tiny-qwen3-next",
+        model=model,
         device="cuda",
-        dtype="float32",
+        dtype=dtype,
         max_model_len=512,
         max_num_seqs=4,
         tensor_parallel_size=tp,
+        tp_cuda_graphs=tp_graphs,
     )
     return Engine.load(cfg, watch)
 
@@ -77,6 +89,83 @@ def test_the_engine_on_two_gpus_decodes_the_tokens_of_one() -> None:
         assert two.healthy
     finally:
         two.shutdown()
+
+
+PROMPTS = [[1, 400, 5000, 17, 23], [9, 8, 7], list(range(100, 300))]
+GRAPH_CASES = [
+    ("builtin:tiny-llama", "float32"),  # float32: TP=2's tokens are TP=1's too
+    ("builtin:tiny-qwen3-next", "bfloat16"),  # DeltaNet states and grouped-GEMM MoE in the graphs
+]
+
+
+@pytest.mark.parametrize(("model", "dtype"), GRAPH_CASES, ids=[f"{m[8:]}-{d}" for m, d in GRAPH_CASES])
+def test_graphs_on_every_rank_decode_the_tokens_of_eager(model: str, dtype: str) -> None:
+    """TP=2 with decode graphs: every rank captured the same graphs, every decode step was
+    replayed on both ranks (rank 0's counter and the worker's), the greedy tokens are those of
+    TP=2 eager (and, in float32, of TP=1 with graphs: in bf16 the all-reduce's other summation
+    order may flip a near tie), and each die's ledger holds its graphs' lease until shutdown."""
+    eager = engine(2, model=model, dtype=dtype)
+    try:
+        assert eager.runner.graphs is None  # tensor parallel without --tp-cuda-graphs
+        want = greedy_tokens(eager, PROMPTS, 16)
+    finally:
+        eager.shutdown()
+    if dtype == "float32":
+        one = engine(1, model=model, dtype=dtype)
+        try:
+            assert one.runner.graphs is not None
+            assert greedy_tokens(one, PROMPTS, 16) == want
+        finally:
+            one.shutdown()
+    with MemWatch(MemoryConfig()) as watch:
+        two = engine(2, watch, tp_graphs=True, model=model, dtype=dtype)
+        try:
+            runner = two.runner
+            assert isinstance(runner, ShardedRunner)
+            graphs = runner.graphs
+            assert graphs is not None and graphs.captured == len(graphs.pairs) > 0
+            [worker] = runner.worker_graphs()
+            assert worker == GraphsReport(captured=graphs.captured, replays=0)
+            assert greedy_tokens(two, PROMPTS, 16) == want
+            [worker] = runner.worker_graphs()
+            assert graphs.replays == worker.replays == 15  # every decode step, on both ranks
+            for die in (0, 1):
+                held = dict(watch.ledger.leases(die))
+                assert held.get("cuda-graphs", 0) > 0, (die, held)
+            assert two.healthy
+        finally:
+            two.shutdown()
+        assert watch.ledger.held(0) == watch.ledger.held(1) == 0
+
+
+def test_a_capture_failing_on_every_rank_leaves_every_rank_eager() -> None:
+    """tiny-qwen3-next in float32: where grouped GEMM does not run in float32, the MoE fallback
+    reads expert counts back to the host, which no capture can hold, so every rank fails its first
+    bucket at the same op (collectives already recorded): all release their graphs, agree, and
+    decode eagerly with the tokens of eager, no hang. Where it runs, the graphs are everywhere."""
+    want = greedy_tokens_of(engine(2), PROMPTS)
+    two = engine(2, tp_graphs=True)
+    try:
+        runner = two.runner
+        assert isinstance(runner, ShardedRunner)
+        [worker] = runner.worker_graphs()
+        captured = 0 if runner.graphs is None else runner.graphs.captured
+        assert worker.captured == captured
+        if not grouped_mm_supported("cuda", torch.float32):
+            assert captured == 0
+        assert greedy_tokens(two, PROMPTS, 16) == want
+        [worker] = runner.worker_graphs()
+        assert worker.replays == (0 if runner.graphs is None else runner.graphs.replays)
+        assert two.healthy
+    finally:
+        two.shutdown()
+
+
+def greedy_tokens_of(e: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    try:
+        return greedy_tokens(e, prompts, 16)
+    finally:
+        e.shutdown()
 
 
 def test_a_killed_worker_fails_the_next_step_at_once() -> None:
