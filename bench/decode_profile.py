@@ -27,6 +27,7 @@ from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, SamplingParams, StepPlan
 from ballast.models.builtin import builtin_config
+from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 RESULTS = Path(__file__).parent / "results" / "decode_profile.json"
@@ -52,7 +53,7 @@ def profile_steps(engine: Engine, batch: int, context: int, steps: int, vocab: i
         step()
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, experimental_config=_all_threads()) as prof:
         t = time.perf_counter()
         for _ in range(steps):
             step()
@@ -67,6 +68,11 @@ def profile_steps(engine: Engine, batch: int, context: int, steps: int, vocab: i
             k[1] += evt.device_time
     busy_us = sum(v[1] for v in kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    # The host's side: where a step's CPU time goes (self time of each op, every thread, the
+    # engine's included), which is what an eager step waits on.
+    host = sorted(
+        (e for e in prof.key_averages() if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total
+    )
     return {
         "wall_ms": wall * 1e3,
         "gpu_busy_ms": busy_us / steps / 1e3,
@@ -82,7 +88,23 @@ def profile_steps(engine: Engine, batch: int, context: int, steps: int, vocab: i
         ]
         if busy_us
         else [],
+        "host_top": [
+            {
+                "op": e.key[:90],
+                "per_step": e.count / steps,
+                "self_cpu_ms_per_step": e.self_cpu_time_total / steps / 1e3,
+            }
+            for e in host[:15]
+        ],
     }
+
+
+def _all_threads() -> Any:
+    """Profile CPU ops on every thread (the engine runs steps on its own), where this torch can."""
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # an older torch: the calling thread only (the host table then stays empty)
+        return None
 
 
 def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
@@ -137,6 +159,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
             print("| kernel | per step | ms a step | % of GPU time |\n|---|---|---|---|")
             for k in m["top"]:
                 print(f"| `{k['kernel']}` | {k['per_step']:.0f} | {k['ms_per_step']:.3f} | {k['pct']:.1f} |")
+            print("| host op (self CPU time) | per step | ms a step |\n|---|---|---|")
+            for h in m["host_top"]:
+                print(f"| `{h['op']}` | {h['per_step']:.0f} | {h['self_cpu_ms_per_step']:.3f} |")
 
 
 def main() -> None:
