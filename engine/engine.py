@@ -17,9 +17,10 @@ from itertools import accumulate
 
 import psutil
 import torch
-from ballast.engine import tensor_parallel
+from ballast.engine.checkpoint_orders import CheckpointOrders, build_cache
 from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
+from ballast.engine.errors import EngineUnhealthy, PlanError
 from ballast.engine.faults import is_device_fault
 from ballast.engine.kv_budget import capacity_line
 from ballast.engine.pipeline import LaunchedStep, StepPipeline
@@ -34,7 +35,7 @@ from ballast.engine.plan import (
     StepPlan,
     StepResult,
 )
-from ballast.engine.prefix_cache import CheckpointMissing, PrefixCache, PrefixCacheConfig, auto_interval
+from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.engine.runner import (
     Profile,
     build_cost_model,
@@ -51,18 +52,6 @@ from ballast.memory.watch import MemWatch
 from ballast.models.base import Rows
 
 log = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """Base of the engine's errors."""
-
-
-class PlanError(EngineError):
-    """A StepPlan asks for something impossible (a slot out of range, a position past capacity)."""
-
-
-class EngineUnhealthy(EngineError):
-    """A previous step failed; the engine's device state can no longer be trusted."""
 
 
 # A "recoverable" fault that recurs this many steps in a row is not recoverable: the engine calls
@@ -199,12 +188,17 @@ class Engine:
         )
         # One cache object holds prefix checkpoints (when prefix caching is on) and the sequences
         # parked by preemption (always): both are slot states kept in pool buffers.
-        self._cache = self._build_prefix_cache()
+        self._cache = build_cache(
+            self._prefix_cfg, self.runner, self.cost_model, self._watch, self._pool, self.config
+        )
         self.prefix_cache = self._cache if self._prefix_cfg.enabled else None
         self.checkpoint_interval = self._cache.interval if self.prefix_cache is not None else 0
         self.quantized_kv = runner.quantized_kv
         self.decodes_ahead = self.config.tensor_parallel_size == 1
         self.slot_kv = SlotKV(self.runner, self._cache, self._watch, ranks=self.config.tensor_parallel_size)
+        self._orders = CheckpointOrders(
+            self._cache, self.prefix_cache, self._pool, self.slot_kv, self.runner, self._check_slots
+        )
         # Cumulative figures: prompt tokens run through the model vs restored from checkpoints.
         self.prefilled_tokens = 0
         self.reused_tokens = 0
@@ -228,36 +222,6 @@ class Engine:
                 self.max_model_len,
             ),
         )
-
-    def _build_prefix_cache(self) -> PrefixCache:
-        cfg = self._prefix_cfg
-        watch = self._watch
-
-        def budget() -> int:
-            # Live, like the pool's cap: a cgroup limit that shrinks shrinks the cache's next save.
-            total = (
-                watch.read().host.effective_total_bytes
-                if watch is not None
-                else psutil.virtual_memory().total
-            )
-            cap = int(total * cfg.fraction)
-            cap = min(cap, cfg.max_bytes) if cfg.max_bytes else cap
-            # Under tensor parallel every rank keeps its shard of each checkpoint in host memory
-            # too: the cache counts rank 0's, so its share of the budget is 1 / ranks.
-            return cap // self.config.tensor_parallel_size
-
-        cost = self.cost_model
-        interval = cfg.checkpoint_interval or auto_interval(
-            cost.state_bytes_per_slot, cost.kv_bytes_per_token
-        )
-        cache = PrefixCache(self.runner.states, self.runner.kv, budget, interval, self._pool, self.device)
-        if isinstance(self.runner, tensor_parallel.ShardedRunner):
-            cache.journal = self.runner.journal  # the workers copy their shards of each checkpoint
-        if cfg.enabled:
-            # Every running sequence may save at its prompt's end and its answer's end before
-            # the cache is full and evictions hand buffers back: that many ready from load on.
-            cache.prewarm(2 * self.num_slots)
-        return cache
 
     # --- EngineLike ------------------------------------------------------------------------
 
@@ -406,10 +370,10 @@ class Engine:
         if not self._healthy:
             raise EngineUnhealthy("an earlier step failed; restart the engine")
         self.slot_kv.begin_step()
-        self._apply_shed(plan)
+        self._orders.shed(plan)
         self._apply_releases(plan)
         self._cache.before_writes(_written_slots(plan))  # checkpoint copies still reading them
-        reused, unrestored = self._apply_restores(plan)
+        reused, unrestored = self._orders.restore(plan)
         gone = frozenset(d.slot for d in plan.decodes if d.token_id == LAST_SAMPLED and d.slot in self._gone)
         seqs, sampled = self._sequences(plan, unrestored | gone)
         preempted = self.slot_kv.take_blocks(plan, seqs) | unrestored
@@ -424,7 +388,7 @@ class Engine:
         asks = {p.slot: p for p in plan.prefills if p.logprob_targets and p.slot not in preempted}
         started = time.perf_counter()
         draw, rows, prompt_logprobs = self._forward(seqs, sampled, plan.sampling, asks)
-        self._apply_saves(plan, frozenset(plan.release) | preempted)
+        self._orders.save(plan, frozenset(plan.release) | preempted, self.max_model_len)
         prefill_tokens = sum(len(p.token_ids) for p in plan.prefills if p.slot not in preempted)
         self.prefilled_tokens += prefill_tokens
         self.reused_tokens += reused
@@ -496,9 +460,8 @@ class Engine:
         self._check_slots(plan.release)
         # A finished request's checkpoint travels with its slot's release: save it first, while
         # the slot still holds the blocks.
-        self._apply_saves(
-            replace(plan, saves=tuple(s for s in plan.saves if s.slot in plan.release)), frozenset()
-        )
+        released = replace(plan, saves=tuple(s for s in plan.saves if s.slot in plan.release))
+        self._orders.save(released, frozenset(), self.max_model_len)
         self.runner.sampler.reset(plan.release)
         self.slot_kv.drop(plan.release)
         if plan.shrink_kv:
@@ -506,79 +469,6 @@ class Engine:
             # go back to the device / host at once; CRITICAL keeps nothing free, so the pools shrink
             # to what running sequences hold.
             self.slot_kv.shrink(plan.kv_keep)
-
-    def _apply_shed(self, plan: StepPlan) -> None:
-        """The ladder's first rung (WATCH): cached state goes back before anything else shrinks.
-        Parked sequences stay: they are running work, not cache."""
-        for tokens in plan.unpark:
-            self._cache.unpark(tokens)
-        if self.prefix_cache is None:
-            if plan.saves:
-                raise PlanError("checkpoint saves sent to an engine whose prefix cache is off")
-        elif plan.shed_prefix_cache:
-            if plan.saves:
-                raise PlanError("a plan that sheds the prefix cache cannot also save checkpoints")
-            self.prefix_cache.shed()
-            if self._pool is not None:
-                # Under pressure no checkpoint is saved, so pooled buffers would only wait for the
-                # idle trim: give them back to the OS now (on CUDA this also frees pinned pages).
-                self._pool.trim(0)
-
-    def _apply_restores(self, plan: StepPlan) -> tuple[int, frozenset[int]]:
-        """Start each restore's slot from its parked sequence or checkpoint, before any forward.
-        Returns the prompt tokens restored from checkpoints, and the slots the step skips like
-        preempted ones (the scheduler queues them again): a parked sequence that found no blocks to
-        come back to (it stays parked), and a checkpoint that is gone. The scheduler plans step N+1
-        while step N runs, so N's saves or block needs can evict the entry N+1 restores (measured on
-        an H200, 32 chats: one such step failed and took 29 sequences with it); the request then
-        prefills again, restoring what is still cached."""
-        cache = self._cache
-        starts = {p.slot: p.start_pos for p in plan.prefills}
-        reused = 0
-        failed: set[int] = set()
-        for r in plan.restores:
-            self._check_slots([r.slot])
-            if starts.get(r.slot) != len(r.prefix):
-                raise PlanError(
-                    f"slot {r.slot}: a restore of {len(r.prefix)} tokens needs a prefill chunk starting there"
-                )
-            home = cache.parked_pool(r.prefix)
-            # A new sequence: what the slot held goes; it lives where its blocks are (a parked one
-            # in the pool it was parked from, a checkpoint's in the main pool).
-            self.slot_kv.start([r.slot], [home is not None and home is self.runner.kv_int8])
-            try:
-                n = cache.restore(r.slot, r.prefix)
-            except CheckpointMissing as e:
-                log.info("%s: evicted since the plan was made; the request prefills again", e)
-                self.slot_kv.drop([r.slot])
-                failed.add(r.slot)
-                continue
-            if home is None:
-                reused += n
-            self.slot_kv.restored(r.slot, r.prefix)
-            # The restored prefix counts for the repetition penalty as if it had been prefilled.
-            self.runner.sampler.reset([r.slot])
-            self.runner.sampler.observe_prompt(r.slot, r.prefix)
-        return reused, frozenset(failed)
-
-    def _apply_saves(self, plan: StepPlan, skip: frozenset[int]) -> None:
-        """After the forward: each save's slot has consumed exactly its prefix (saves of slots in
-        `skip` are not made here: released slots saved before their release, preempted ones not)."""
-        if self.prefix_cache is None:
-            return
-        self._check_slots([s.slot for s in plan.saves])
-        int8 = [s.slot for s in plan.saves if self.slot_kv.in_int8(s.slot)]
-        if int8:
-            raise PlanError(f"slots {int8} hold int8 KV outside the prefix cache's pool: no checkpoint there")
-        for s in plan.saves:
-            if s.slot in skip:
-                continue
-            if not 0 < len(s.prefix) <= self.max_model_len:
-                raise PlanError(
-                    f"slot {s.slot}: a checkpoint of {len(s.prefix)} tokens is outside "
-                    f"1..{self.max_model_len}"
-                )
-            self.prefix_cache.save(s.slot, s.prefix)
 
     def _sequences(
         self, plan: StepPlan, skip: frozenset[int]

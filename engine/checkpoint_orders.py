@@ -1,0 +1,151 @@
+"""The engine's side of a plan's checkpoint orders, and the cache they go to.
+
+One `PrefixCache` holds the prefix checkpoints (when prefix caching is on) and the sequences parked
+by preemption (always): both are slot states kept in pool buffers. Per step, on the engine thread:
+`shed` (the ladder's first rung, and parked sequences the scheduler gave up on), `restore` before
+the forward (a slot starts from a checkpoint or its parked sequence), `save` after it (a slot that
+has consumed exactly a prefix keeps a copy of its state).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import psutil
+from ballast.engine import tensor_parallel
+from ballast.engine.config import EngineConfig
+from ballast.engine.errors import PlanError
+from ballast.engine.plan import StepPlan
+from ballast.engine.prefix_cache import CheckpointMissing, PrefixCache, PrefixCacheConfig, auto_interval
+from ballast.engine.runner import ModelRunner
+from ballast.engine.slot_kv import SlotKV
+from ballast.memory.pool import CheckpointPool
+from ballast.memory.types import CostModel
+from ballast.memory.watch import MemWatch
+
+log = logging.getLogger(__name__)
+
+
+def build_cache(
+    cfg: PrefixCacheConfig,
+    runner: ModelRunner,
+    cost: CostModel,
+    watch: MemWatch | None,
+    pool: CheckpointPool | None,
+    config: EngineConfig,
+) -> PrefixCache:
+    ranks = config.tensor_parallel_size
+
+    def budget() -> int:
+        # Live, like the pool's cap: a cgroup limit that shrinks shrinks the cache's next save.
+        total = (
+            watch.read().host.effective_total_bytes if watch is not None else psutil.virtual_memory().total
+        )
+        cap = int(total * cfg.fraction)
+        cap = min(cap, cfg.max_bytes) if cfg.max_bytes else cap
+        # Under tensor parallel every rank keeps its shard of each checkpoint in host memory too:
+        # the cache counts rank 0's, so its share of the budget is 1 / ranks.
+        return cap // ranks
+
+    interval = cfg.checkpoint_interval or auto_interval(cost.state_bytes_per_slot, cost.kv_bytes_per_token)
+    cache = PrefixCache(runner.states, runner.kv, budget, interval, pool, runner.device)
+    if isinstance(runner, tensor_parallel.ShardedRunner):
+        cache.journal = runner.journal  # the workers copy their shards of each checkpoint
+    if cfg.enabled:
+        # Every running sequence may save at its prompt's end and its answer's end before the
+        # cache is full and evictions hand buffers back: that many ready from load on.
+        cache.prewarm(2 * config.max_num_seqs)
+    return cache
+
+
+class CheckpointOrders:
+    def __init__(
+        self,
+        cache: PrefixCache,
+        prefix_cache: PrefixCache | None,
+        pool: CheckpointPool | None,
+        slot_kv: SlotKV,
+        runner: ModelRunner,
+        check_slots: Callable[[Sequence[int]], None],
+    ) -> None:
+        """cache: checkpoints and parked sequences; prefix_cache: the same object when prefix
+        caching is on, else None (parking only); check_slots raises PlanError for slots out of range."""
+        self._cache = cache
+        self._prefix = prefix_cache
+        self._pool = pool
+        self._slot_kv = slot_kv
+        self._runner = runner
+        self._check_slots = check_slots
+
+    def shed(self, plan: StepPlan) -> None:
+        """The ladder's first rung (WATCH): cached state goes back before anything else shrinks.
+        Parked sequences stay: they are running work, not cache (only those the plan unparks go)."""
+        for tokens in plan.unpark:
+            self._cache.unpark(tokens)
+        if self._prefix is None:
+            if plan.saves:
+                raise PlanError("checkpoint saves sent to an engine whose prefix cache is off")
+        elif plan.shed_prefix_cache:
+            if plan.saves:
+                raise PlanError("a plan that sheds the prefix cache cannot also save checkpoints")
+            self._prefix.shed()
+            if self._pool is not None:
+                # Under pressure no checkpoint is saved, so pooled buffers would only wait for the
+                # idle trim: give them back to the OS now (on CUDA this also frees pinned pages).
+                self._pool.trim(0)
+
+    def restore(self, plan: StepPlan) -> tuple[int, frozenset[int]]:
+        """Start each restore's slot from its parked sequence or checkpoint, before any forward.
+        Returns the prompt tokens restored from checkpoints, and the slots the step skips like
+        preempted ones (the scheduler queues them again): a parked sequence that found no blocks to
+        come back to (it stays parked), and a checkpoint that is gone. The scheduler plans step N+1
+        while step N runs, so N's saves or block needs can evict the entry N+1 restores (measured on
+        an H200, 32 chats: one such step failed and took 29 sequences with it); the request then
+        prefills again, restoring what is still cached."""
+        cache, slot_kv, sampler = self._cache, self._slot_kv, self._runner.sampler
+        starts = {p.slot: p.start_pos for p in plan.prefills}
+        reused = 0
+        failed: set[int] = set()
+        for r in plan.restores:
+            self._check_slots([r.slot])
+            if starts.get(r.slot) != len(r.prefix):
+                raise PlanError(
+                    f"slot {r.slot}: a restore of {len(r.prefix)} tokens needs a prefill chunk starting there"
+                )
+            home = cache.parked_pool(r.prefix)
+            # A new sequence: what the slot held goes; it lives where its blocks are (a parked one
+            # in the pool it was parked from, a checkpoint's in the main pool).
+            slot_kv.start([r.slot], [home is not None and home is self._runner.kv_int8])
+            try:
+                n = cache.restore(r.slot, r.prefix)
+            except CheckpointMissing as e:
+                log.info("%s: evicted since the plan was made; the request prefills again", e)
+                slot_kv.drop([r.slot])
+                failed.add(r.slot)
+                continue
+            if home is None:
+                reused += n
+            slot_kv.restored(r.slot, r.prefix)
+            # The restored prefix counts for the repetition penalty as if it had been prefilled.
+            sampler.reset([r.slot])
+            sampler.observe_prompt(r.slot, r.prefix)
+        return reused, frozenset(failed)
+
+    def save(self, plan: StepPlan, skip: frozenset[int], max_model_len: int) -> None:
+        """After the forward: each save's slot has consumed exactly its prefix (saves of slots in
+        `skip` are not made here: released slots saved before their release, preempted ones not)."""
+        if self._prefix is None:
+            return
+        self._check_slots([s.slot for s in plan.saves])
+        int8 = [s.slot for s in plan.saves if self._slot_kv.in_int8(s.slot)]
+        if int8:
+            raise PlanError(f"slots {int8} hold int8 KV outside the prefix cache's pool: no checkpoint there")
+        for s in plan.saves:
+            if s.slot in skip:
+                continue
+            if not 0 < len(s.prefix) <= max_model_len:
+                raise PlanError(
+                    f"slot {s.slot}: a checkpoint of {len(s.prefix)} tokens is outside 1..{max_model_len}"
+                )
+            self._prefix.save(s.slot, s.prefix)
