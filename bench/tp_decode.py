@@ -6,7 +6,9 @@ sides load it the way a real checkpoint loads (each TP rank reads only its slice
 an `Engine` (`EngineConfig(model=dir, tensor_parallel_size=..)`): every slot is prefilled to
 --context tokens through StepPlans, then --steps greedy decode steps of all slots are timed after
 two warm-up steps. Rows: TP=1 as served (CUDA graphs on), TP=1 eager (graphs off: what TP=2 runs,
-since collectives are not captured in graphs yet) and TP=2; tok/s = batch x steps / seconds.
+since collectives are not captured in graphs yet), TP=2 and TP=2 EP (`--expert-parallel`: each
+rank holds half the experts whole instead of half of every expert); tok/s = batch x steps /
+seconds.
 
 Qwen3-Next-shaped = Qwen3-Next-80B-A3B's shapes (48 layers, hidden 2048, 16 heads of 256, gated
 DeltaNet 16/32 heads, top-10 of --experts experts + a shared expert; default 26 experts: ~6.2B
@@ -146,6 +148,9 @@ def main() -> None:
         sides = [("TP=1", 1, True), ("TP=1 eager", 1, False), (f"TP={args.tp}", args.tp, False)]
         if device.type != "cuda":
             sides = [("TP=1", 1, False), (f"TP={args.tp}", args.tp, False)]
+        ep_side = f"TP={args.tp} EP"  # expert parallel: each rank holds whole experts
+        if cfg["num_experts"] % args.tp == 0:
+            sides.append((ep_side, args.tp, False))
         rates: dict[str, dict[int, float]] = {}
         for label, tp, graphs in sides:
             engine = Engine.load(
@@ -157,6 +162,7 @@ def main() -> None:
                     max_model_len=args.context + WARMUP_STEPS + args.steps + 8,
                     cuda_graphs=graphs,
                     tensor_parallel_size=tp,
+                    expert_parallel=label == ep_side,
                 )
             )
             try:
@@ -173,12 +179,13 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     labels = [label for label, _, _ in sides]
-    split = labels[-1]
+    split = f"TP={args.tp}"
     rows = [
         {
             "batch": b,
             **{label: rates[label][b] for label in labels},
             "speedup": rates[split][b] / rates[labels[0]][b],
+            **({"ep_over_tp": rates[ep_side][b] / rates[split][b]} if ep_side in rates else {}),
         }
         for b in args.batches
     ]
@@ -186,12 +193,16 @@ def main() -> None:
         f"decode tok/s, Qwen3-Next-shaped {params / 1e9:.2f}B params, {args.dtype}, context {args.context}, "
         f"{args.steps} steps, {args.device}"
     )
-    print(f"{'batch':>5} " + " ".join(f"{label:>12}" for label in labels) + f" {split + ' / TP=1':>14}")
+    ep_head = f" {'EP / ' + split:>12}" if ep_side in rates else ""
+    print(
+        f"{'batch':>5} " + " ".join(f"{label:>12}" for label in labels) + f" {split + ' / TP=1':>14}{ep_head}"
+    )
     for r in rows:
+        ep = f" {r['ep_over_tp']:>11.2f}x" if "ep_over_tp" in r else ""
         print(
             f"{r['batch']:>5} "
             + " ".join(f"{r[label]:>12.1f}" for label in labels)
-            + f" {r['speedup']:>13.2f}x"
+            + f" {r['speedup']:>13.2f}x{ep}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {

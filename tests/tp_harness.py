@@ -123,16 +123,18 @@ def _rank(
     out = []
     try:
         for hf in models:  # one process group for all of them: spawning is the slow part
+            ep = bool(hf.get("expert_parallel"))  # whole experts per rank
+            plan = ShardPlan(hf, rank, world, expert_parallel=ep)
             if "checkpoint_dir" in hf:  # read this rank's slices of the safetensors files
                 ckpt = inspect_hf_dir(hf["checkpoint_dir"])
                 keep = (ckpt.fp8_params().__contains__, ckpt.fp8_block) if hf.get("keep_fp8") else None
-                shard = build_shard(hf, tp, dtype, dev, keep)
-                load_hf_shard(shard, ckpt, ShardPlan(hf, rank, world))
+                shard = build_shard(hf, tp, dtype, dev, keep, expert_parallel=ep)
+                load_hf_shard(shard, ckpt, plan)
             else:
-                shard = build_shard(hf, tp, dtype, dev)
+                shard = build_shard(hf, tp, dtype, dev, expert_parallel=ep)
                 full = build_model(hf, dtype=torch.float32, device="cpu")
                 init_random(full, int(hf.get("seed", 0)))
-                load_full_into_shard(shard, full.state_dict(), ShardPlan(hf, rank, world))
+                load_full_into_shard(shard, full.state_dict(), plan)
                 del full
             out.append(run_steps(shard, steps, dtype, dev))
             del shard
