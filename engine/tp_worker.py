@@ -33,15 +33,9 @@ from ballast.models import builtin, pointwise
 from ballast.models.base import ForwardBatch
 from ballast.models.hf_loader import HFCheckpoint, inspect_hf_dir
 from ballast.models.kv_store import StoreOp
-from ballast.models.parallel import (
-    Fp8Spec,
-    ShardPlan,
-    TPGroup,
-    build_shard,
-    load_full_into_shard,
-    load_hf_shard,
-)
+from ballast.models.parallel import Fp8Spec, ShardPlan, TPGroup, build_shard
 from ballast.models.registry import model_class
+from ballast.models.shard_loading import load_full_into_shard, load_hf_shard
 from torch import nn
 
 log = logging.getLogger(__name__)

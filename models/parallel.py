@@ -20,8 +20,8 @@ is kept on rank 0 only so it is added once. The shard is built from the per-rank
 runs unchanged, and its `layer_specs` describe the per-rank caches.
 
 Weights arrive as shards: `ShardPlan.cut` says which rows / columns of a full checkpoint tensor a
-rank keeps, and `load_hf_shard` reads only those through safetensors slices. An FP8 checkpoint's
-float8 weights come with the block scales of their part (`fp8_shards`).
+rank keeps, and `shard_loading.load_hf_shard` reads only those through safetensors slices. An FP8
+checkpoint's float8 weights come with the block scales of their part (`fp8_shards`).
 """
 
 from __future__ import annotations
@@ -33,14 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ballast.models.base import ModelConfigError, UnsupportedModel, WeightLoadError
+from ballast.models.base import ModelConfigError, UnsupportedModel
 from ballast.models.expert_parallel import LocalExperts, check_expert_parallel, hold_local_experts
-from ballast.models.fp8 import FP8, Block, convert_model
-from ballast.models.hf_loader import HFCheckpoint
+from ballast.models.fp8 import Block, convert_model
 from ballast.models.layers import linear
-from ballast.models.moe import per_expert_target, place_expert_tensor
 from ballast.models.registry import model_class
-from safetensors import safe_open
 from torch import Tensor, nn
 
 
@@ -322,109 +319,6 @@ def _reduce_partial_sums(model: nn.Module, tp: TPGroup) -> None:
             part = getattr(layer, name, None)
             if isinstance(part, nn.Module):
                 part.register_forward_hook(reduce)
-
-
-def _indexer(source: Any) -> Callable[[tuple[slice, ...]], Tensor]:
-    """Reads source[index]: a tensor, or a safetensors slice (which reads only those bytes)."""
-
-    def read(index: tuple[slice, ...]) -> Tensor:
-        out: Tensor = source[index]
-        return out
-
-    return read
-
-
-def _tied(model: nn.Module) -> set[str]:
-    return {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-
-
-def load_full_into_shard(model: nn.Module, full: Mapping[str, Tensor], plan: ShardPlan) -> None:
-    """Fill a shard from a whole model's state dict (built-in random models: small by design)."""
-    params = dict(model.state_dict(keep_vars=True))
-    with torch.no_grad():
-        for name, param in params.items():
-            if name in _tied(model):
-                continue
-            src = full[name]
-            cut = plan.cut(name, tuple(src.shape))
-            part = apply_cut(cut, _indexer(src), tuple(src.shape))
-            if cut.rank0_only and plan.rank != 0:
-                part = torch.zeros_like(part)
-            param.copy_(part)
-
-
-def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None:
-    """Fill a shard from an HF safetensors directory, reading only this rank's slices. A float8
-    weight fills a float8 parameter with its scales (the shard was built with `fp8`), or is
-    dequantized into the model's dtype."""
-    from ballast.models.fp8_shards import fp8_part
-
-    params = dict(model.state_dict(keep_vars=True))
-    tied = _tied(model)
-    filled: set[str] = set()
-    by_file: dict[Any, list[str]] = {}
-    for name, info in ckpt.tensors.items():
-        by_file.setdefault(info.file, []).append(name)
-    with torch.no_grad():
-        for file, names in by_file.items():
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in names:
-                    info = ckpt.tensors[name]
-                    key = plan.local_name(info.key)
-                    if key is None or key in tied:  # another rank's expert, or the tied head
-                        continue
-                    sl = f.get_slice(name)
-                    cut = plan.cut(key, info.shape)
-                    scale = ckpt.scales.get(name)
-                    if scale is None:
-                        part = apply_cut(cut, _indexer(sl), info.shape)
-                        if cut.rank0_only and plan.rank != 0:
-                            part = torch.zeros_like(part)
-                        _place(params, key, part, name, filled, ckpt)
-                        continue
-                    keep = _param_of(params, key).dtype == FP8
-                    scale_name = name + "_scale_inv"
-                    part, scales = fp8_part(
-                        cut, (info, name, _indexer(sl)), (scale, scale_name), ckpt.fp8_block, keep
-                    )
-                    _place(params, key, part, name, filled, ckpt)
-                    if scales is not None:
-                        scale_key = plan.local_name(scale.key)
-                        assert scale_key is not None  # the same expert as its weight
-                        _place(params, scale_key, scales, scale_name, filled, ckpt)
-    missing = sorted(params.keys() - tied - filled)
-    if missing:
-        raise WeightLoadError(f"{ckpt.path}: checkpoint lacks {missing[:8]}")
-
-
-def _param_of(params: Mapping[str, Tensor], key: str) -> Tensor:
-    target = per_expert_target(key)
-    name = key if target is None else target[0]
-    if name not in params:
-        raise WeightLoadError(f"tensor {key} has no place in the model")
-    return params[name]
-
-
-def _place(
-    params: Mapping[str, Tensor], key: str, part: Tensor, name: str, filled: set[str], ckpt: HFCheckpoint
-) -> None:
-    """Copy a rank's part of checkpoint tensor `name` (model name `key`) into its parameter, or
-    into its expert's place in a fused expert parameter."""
-    target = per_expert_target(key)
-    if key in params:
-        _fill(params[key], part, name)
-        filled.add(key)
-    elif target is not None and target[0] in params:
-        place_expert_tensor(params[target[0]], target[1], target[2], part)
-        filled.add(target[0])
-    else:
-        raise WeightLoadError(f"{ckpt.path}: tensor {name} has no place in the model")
-
-
-def _fill(param: Tensor, part: Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(part.shape):
-        raise WeightLoadError(f"{name}: shard shape {tuple(part.shape)}, model expects {tuple(param.shape)}")
-    param.copy_(part)
 
 
 def shard_weights_bytes(

@@ -21,8 +21,9 @@ from ballast.models.base import ForwardBatch
 from ballast.models.builtin import init_random
 from ballast.models.fp8 import quantize_blocks
 from ballast.models.hf_loader import inspect_hf_dir
-from ballast.models.parallel import ShardPlan, build_shard, load_full_into_shard, load_hf_shard
+from ballast.models.parallel import ShardPlan, build_shard
 from ballast.models.registry import build_model
+from ballast.models.shard_loading import load_full_into_shard, load_hf_shard
 from ballast.models.state import allocate_states, dtype_bytes
 from safetensors.torch import save_file
 from torch import Tensor, nn
