@@ -6,9 +6,10 @@ sides load it the way a real checkpoint loads (each TP rank reads only its slice
 an `Engine` (`EngineConfig(model=dir, tensor_parallel_size=..)`): every slot is prefilled to
 --context tokens through StepPlans, then --steps greedy decode steps of all slots are timed after
 two warm-up steps. Sides: TP=1 as served (CUDA graphs on), TP=1 eager (graphs off), TP=N eager
-(the default under tensor parallel) and TP=N with decode graphs on every rank (`tp_cuda_graphs`);
-tok/s = batch x steps / seconds. Whether each side really replayed graphs is printed and written
-(a side whose capture failed decodes eagerly: its figures would be eager ones).
+(the default under tensor parallel), TP=N with decode graphs on every rank (`tp_cuda_graphs`)
+and TP=N EP (`--expert-parallel`: each rank holds 1/N of the experts whole instead of 1/N of
+every expert); tok/s = batch x steps / seconds. Whether each side really replayed graphs is
+printed and written (a side whose capture failed decodes eagerly: its figures would be eager ones).
 
 Qwen3-Next-shaped = Qwen3-Next-80B-A3B's shapes (48 layers, hidden 2048, 16 heads of 256, gated
 DeltaNet 16/32 heads, top-10 of --experts experts + a shared expert; default 26 experts: ~6.2B
@@ -153,6 +154,9 @@ def main() -> None:
         ]
         if device.type != "cuda":
             sides = [("TP=1", 1, False), (f"TP={args.tp}", args.tp, False)]
+        ep_side = f"TP={args.tp} EP"  # expert parallel: each rank holds whole experts
+        if cfg["num_experts"] % args.tp == 0:
+            sides.append((ep_side, args.tp, False))
         rates: dict[str, dict[int, float]] = {}
         replayed: dict[str, int] = {}  # decode steps each side replayed from graphs (rank 0)
         for label, tp, graphs in sides:
@@ -166,6 +170,7 @@ def main() -> None:
                     cuda_graphs=graphs,
                     tp_cuda_graphs=graphs,
                     tensor_parallel_size=tp,
+                    expert_parallel=label == ep_side,
                 )
             )
             try:
@@ -186,12 +191,16 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     labels = [label for label, _, _ in sides]
-    split = labels[-1]
+    # The split side against TP=1: with graphs where they were captured (as TP=1 runs); EP (eager)
+    # against the split side run the same way.
+    eager = next(label for label in labels if label in (f"TP={args.tp} eager", f"TP={args.tp}"))
+    split = f"TP={args.tp} graphs" if replayed.get(f"TP={args.tp} graphs") else eager
     rows = [
         {
             "batch": b,
             **{label: rates[label][b] for label in labels},
             "speedup": rates[split][b] / rates[labels[0]][b],
+            **({"ep_over_tp": rates[ep_side][b] / rates[eager][b]} if ep_side in rates else {}),
         }
         for b in args.batches
     ]
@@ -199,12 +208,16 @@ def main() -> None:
         f"decode tok/s, Qwen3-Next-shaped {params / 1e9:.2f}B params, {args.dtype}, context {args.context}, "
         f"{args.steps} steps, {args.device}"
     )
-    print(f"{'batch':>5} " + " ".join(f"{label:>13}" for label in labels) + f" {split + ' / TP=1':>18}")
+    ep_head = f" {'EP / ' + eager:>18}" if ep_side in rates else ""
+    print(
+        f"{'batch':>5} " + " ".join(f"{label:>13}" for label in labels) + f" {split + ' / TP=1':>18}{ep_head}"
+    )
     for r in rows:
+        ep = f" {r['ep_over_tp']:>11.2f}x" if "ep_over_tp" in r else ""
         print(
             f"{r['batch']:>5} "
             + " ".join(f"{r[label]:>13.1f}" for label in labels)
-            + f" {r['speedup']:>17.2f}x"
+            + f" {r['speedup']:>17.2f}x{ep}"
         )
     print("decode steps replayed from graphs: " + ", ".join(f"{k} {v}" for k, v in replayed.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)

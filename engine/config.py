@@ -120,6 +120,14 @@ class EngineConfig:
             "turns it off for all",
         ),
     )
+    expert_parallel: bool = field(
+        default=False,
+        metadata=setting(
+            "BALLAST_EXPERT_PARALLEL",
+            "under tensor parallel, give each device whole MoE experts (E / N of them) instead of a 1/N "
+            "slice of every expert; needs --tensor-parallel-size > 1 dividing the experts",
+        ),
+    )
     compile: bool = field(
         default=True,
         metadata=setting(
@@ -133,6 +141,11 @@ class EngineConfig:
         check(self)
         if not _valid_device(self.device):
             raise ConfigError(f"--device (BALLAST_DEVICE)={self.device!r}: accepted auto, cpu, cuda, cuda:N")
+        if self.expert_parallel and self.tensor_parallel_size < 2:
+            raise ConfigError(
+                "--expert-parallel (BALLAST_EXPERT_PARALLEL) splits the experts over the ranks of "
+                "--tensor-parallel-size, which is 1: set it to 2 or more, or leave expert parallel off"
+            )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -224,7 +224,7 @@ def load_sharded(
     else:
         ckpt = inspect_hf_dir(_path(source))  # headers only
         hf, fp8 = ckpt.config, kept_fp8(ckpt, config, device)
-    check_tensor_parallel(hf, config.tensor_parallel_size)
+    check_tensor_parallel(hf, config.tensor_parallel_size, config.expert_parallel)
     if device.type == "cuda":
         first, have = _die(device), torch.cuda.device_count()
         if first + config.tensor_parallel_size > have:
@@ -232,12 +232,12 @@ def load_sharded(
                 f"tensor-parallel size {config.tensor_parallel_size} needs GPUs {first}.."
                 f"{first + config.tensor_parallel_size - 1}; this host has {have}"
             )
-    shard_weights = shard_weights_bytes(hf, config.tensor_parallel_size, dtype, fp8)
+    shard_weights = shard_weights_bytes(hf, config.tensor_parallel_size, dtype, fp8, config.expert_parallel)
     mem_config = watch.config if watch is not None else MemoryConfig()
     # Rank 0's die (or, on the CPU, the host that holds every rank) must fit its share.
     ranks_here = 1 if device.type == "cuda" else config.tensor_parallel_size
     admit_load(
-        shard_hf_config(hf, config.tensor_parallel_size),
+        shard_hf_config(hf, config.tensor_parallel_size, config.expert_parallel),
         config,
         device,
         dtype,

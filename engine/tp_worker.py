@@ -43,15 +43,9 @@ from ballast.models import builtin, pointwise
 from ballast.models.base import ForwardBatch
 from ballast.models.hf_loader import HFCheckpoint, inspect_hf_dir
 from ballast.models.kv_store import StoreOp
-from ballast.models.parallel import (
-    Fp8Spec,
-    ShardPlan,
-    TPGroup,
-    build_shard,
-    load_full_into_shard,
-    load_hf_shard,
-)
+from ballast.models.parallel import Fp8Spec, ShardPlan, TPGroup, build_shard
 from ballast.models.registry import model_class
+from ballast.models.shard_loading import load_full_into_shard, load_hf_shard
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -139,21 +133,22 @@ def load_shard(
     from ballast.engine.loading import resolve
 
     source = resolve(config.model)
+    ep = config.expert_parallel
     if source.kind == "builtin":
         hf = builtin.builtin_config(source.name)
-        model = build_shard(hf, tp, dtype, device)
+        model = build_shard(hf, tp, dtype, device, expert_parallel=ep)
         if _parameters(hf) > builtin.DEVICE_INIT_PARAMS:
             builtin.init_random(model, int(hf.get("seed", 0)))
         else:
             full = builtin.build_builtin(source.name, dtype=torch.float32, device="cpu")
-            load_full_into_shard(model, full.state_dict(), ShardPlan(hf, tp.rank, tp.world))
+            load_full_into_shard(model, full.state_dict(), ShardPlan(hf, tp.rank, tp.world, ep))
             del full
     elif source.kind == "hf":
         assert source.path is not None
         ckpt = inspect_hf_dir(source.path)
         hf = ckpt.config
-        model = build_shard(hf, tp, dtype, device, kept_fp8(ckpt, config, device))
-        load_hf_shard(model, ckpt, ShardPlan(hf, tp.rank, tp.world))
+        model = build_shard(hf, tp, dtype, device, kept_fp8(ckpt, config, device), ep)
+        load_hf_shard(model, ckpt, ShardPlan(hf, tp.rank, tp.world, ep))
     else:
         raise ValueError(f"tensor parallel serves built-in and Hugging Face models, not {source.kind}")
     return model.eval(), dict(hf)

@@ -158,22 +158,26 @@ def init_random_fp8(model: nn.Module, generator: torch.Generator, std: float = 0
                 p.fill_(std)
 
 
-def experts_forward(module: Experts, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+def experts_forward(
+    module: Experts, x: Tensor, experts: Tensor, weights: Tensor, outside: bool = False
+) -> Tensor:
     """`moe.experts_forward` for an `Experts` module holding float8 weights: one grouped FP8 GEMM per
     projection where the kernels run; elsewhere only the experts that received tokens are
-    dequantized, then the dense path runs on them."""
+    dequantized, then the dense path runs on them. outside: as in `moe.experts_forward`."""
     from ballast.models.moe import Routing, experts_forward
 
     num_experts = module.gate_up_proj.shape[0]
     if not kernels_available(x.device):
         active, local = experts.unique(return_inverse=True)
-        gate_up = expert_weights(module, "gate_up_proj", active, x.dtype)
-        down = expert_weights(module, "down_proj", active, x.dtype)
-        return experts_forward(x, local, weights, gate_up, down)
+        # id num_experts (held elsewhere), if present, is the largest: its local id is len(held)
+        held = active[active < num_experts]
+        gate_up = expert_weights(module, "gate_up_proj", held, x.dtype)
+        down = expert_weights(module, "down_proj", held, x.dtype)
+        return experts_forward(x, local, weights, gate_up, down, outside=outside)
     from ballast.models.fp8_triton import Groups, grouped_fp8_matmul
     from ballast.models.pointwise import silu_mul
 
-    routing = Routing.sort(experts, num_experts)
+    routing = Routing.sort(experts, num_experts, outside)
     rows = x.index_select(0, routing.token)
     block = module.block
     groups = Groups.plan(routing.counts, rows.shape[0], block)

@@ -56,28 +56,44 @@ def _grouped_ok(x: Tensor, gate_up: Tensor) -> bool:
     return (aligned or not x.is_cuda) and grouped_mm_supported(x.device.type, x.dtype)
 
 
+def local_expert_ids(experts: Tensor, first: int, count: int) -> Tensor:
+    """Expert parallel: the router's expert ids [T, k] -> ids among this rank's experts [first,
+    first + count), and `count` for a pair whose expert lives on another rank (a group that is
+    sorted last and never computed). Same shape, no host sync."""
+    local = experts - first
+    return local.masked_fill((local < 0) | (local >= count), count)
+
+
 class Routing(NamedTuple):
     """The (token, expert) pairs sorted by expert: pair i of the sorted order is `order[i]` of the
-    flat [T * k] pairs, reading token `token[i]`; `counts[e]` pairs go to expert e."""
+    flat [T * k] pairs, reading token `token[i]`; `counts[e]` pairs go to expert e. kept: with
+    pairs outside the experts (id num_experts, sorted last), how many pairs come before them."""
 
     order: Tensor
     token: Tensor
     counts: Tensor
+    kept: Tensor | None = None
 
     @classmethod
-    def sort(cls, experts: Tensor, num_experts: int) -> Routing:
+    def sort(cls, experts: Tensor, num_experts: int, outside: bool = False) -> Routing:
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
         # Not bincount: on CUDA it reads the largest index back to the host, which a graph cannot hold.
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device).index_add_(
+        counts = torch.zeros(num_experts + int(outside), dtype=torch.int64, device=experts.device).index_add_(
             0, flat, torch.ones_like(flat)
         )
-        return cls(order, order // experts.shape[1], counts)
+        if not outside:
+            return cls(order, order // experts.shape[1], counts)
+        counts = counts[:num_experts]
+        return cls(order, order // experts.shape[1], counts, counts.sum())
 
     def combine(self, y: Tensor, weights: Tensor, num_tokens: int) -> Tensor:
         """Per-pair expert outputs y [T * k, H] (sorted order) -> the weighted sum per token, in
-        float32 then y's dtype."""
+        float32 then y's dtype. Rows past `kept` count zero: no GEMM wrote them."""
         y = y.float() * weights.reshape(-1)[self.order].float().unsqueeze(-1)
+        if self.kept is not None:
+            rows = torch.arange(y.shape[0], device=y.device).unsqueeze(-1)
+            y = torch.where(rows < self.kept, y, 0.0)
         out = torch.zeros((num_tokens, y.shape[1]), dtype=torch.float32, device=y.device)
         return out.index_add_(0, self.token, y).to(weights.dtype)
 
@@ -89,20 +105,30 @@ def experts_forward(
     gate_up: Tensor,
     down: Tensor,
     use_grouped_mm: bool | None = None,
+    outside: bool = False,
 ) -> Tensor:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) for every token t.
 
     x [T, H]; experts, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I]. Returns [T, H] in x's
-    dtype, accumulated in float32. use_grouped_mm None picks grouped GEMM when it runs here."""
-    routing = Routing.sort(experts, gate_up.shape[0])
+    dtype, accumulated in float32. use_grouped_mm None picks grouped GEMM when it runs here.
+    outside: a pair may name expert E (one held elsewhere, see `local_expert_ids`): it adds 0."""
+    if gate_up.shape[0] == 0:  # no expert here received a pair (the dequantizing FP8 path)
+        return torch.zeros_like(x)
+    routing = Routing.sort(experts, gate_up.shape[0], outside)
     rows = x.index_select(0, routing.token)
     grouped = _grouped_ok(x, gate_up) if use_grouped_mm is None else use_grouped_mm
     if grouped:
+        # the offsets end at the last local pair: the grouped GEMM leaves the outside rows alone
         offs = routing.counts.cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
     else:
-        y = _padded_bmm(rows, experts.reshape(-1)[routing.order], routing.counts, gate_up, down)
+        # this path reads the counts on the host anyway, so it computes only the local pairs
+        kept = rows.shape[0] if routing.kept is None else int(routing.kept)
+        y = rows.new_zeros((rows.shape[0], down.shape[1]))
+        if kept:
+            row_expert = experts.reshape(-1)[routing.order[:kept]]
+            y[:kept] = _padded_bmm(rows[:kept], row_expert, routing.counts, gate_up, down)
     return routing.combine(y, weights.to(x.dtype), x.shape[0])
 
 
@@ -182,6 +208,9 @@ class Router(nn.Module):
 class Experts(nn.Module):
     # float8 weights' scale block (rows, cols), once `fp8.convert_experts` made them float8
     block: tuple[int, int] = (128, 128)
+    # Expert parallel: this module holds only experts [first, first + its count) of the router's
+    # (`expert_parallel.hold_local_experts` sets it); the others' pairs add 0 here.
+    first: int | None = None
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int) -> None:
         super().__init__()
@@ -189,9 +218,12 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, intermediate))
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        outside = self.first is not None
+        if self.first is not None:
+            experts = local_expert_ids(experts, self.first, self.gate_up_proj.shape[0])
         if self.gate_up_proj.dtype == fp8.FP8:
-            return fp8.experts_forward(self, x, experts, weights)
-        return experts_forward(x, experts, weights, self.gate_up_proj, self.down_proj)
+            return fp8.experts_forward(self, x, experts, weights, outside)
+        return experts_forward(x, experts, weights, self.gate_up_proj, self.down_proj, outside=outside)
 
 
 class SparseMoeBlock(nn.Module):

@@ -9,7 +9,8 @@ Each rank holds a shard and runs the same forward on the same batch:
   and recurrent state of its own heads;
 - dense MLP and shared expert: gate/up column-parallel, down row-parallel;
 - routed experts: every expert's intermediate dim is split (inside the fused `gate_up_proj`
-  [E, 2I, H] and `down_proj` [E, H, I]); the router is replicated, so every rank routes alike;
+  [E, 2I, H] and `down_proj` [E, H, I]), or with `expert_parallel` each rank holds E / N whole
+  experts (models/expert_parallel.py); the router is replicated, so every rank routes alike;
 - embedding and lm_head: vocabulary-parallel (rows padded to a multiple of N), logits gathered.
 
 A decoder layer's mixer and MLP each end in a row-parallel projection whose output is a partial
@@ -19,8 +20,8 @@ is kept on rank 0 only so it is added once. The shard is built from the per-rank
 runs unchanged, and its `layer_specs` describe the per-rank caches.
 
 Weights arrive as shards: `ShardPlan.cut` says which rows / columns of a full checkpoint tensor a
-rank keeps, and `load_hf_shard` reads only those through safetensors slices. An FP8 checkpoint's
-float8 weights come with the block scales of their part (`fp8_shards`).
+rank keeps, and `shard_loading.load_hf_shard` reads only those through safetensors slices. An FP8
+checkpoint's float8 weights come with the block scales of their part (`fp8_shards`).
 """
 
 from __future__ import annotations
@@ -32,13 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ballast.models.base import ModelConfigError, UnsupportedModel, WeightLoadError
-from ballast.models.fp8 import FP8, Block, convert_model
-from ballast.models.hf_loader import HFCheckpoint
+from ballast.models.base import ModelConfigError, UnsupportedModel
+from ballast.models.expert_parallel import LocalExperts, check_expert_parallel, hold_local_experts
+from ballast.models.fp8 import Block, convert_model
 from ballast.models.layers import linear
-from ballast.models.moe import per_expert_target, place_expert_tensor
 from ballast.models.registry import model_class
-from safetensors import safe_open
 from torch import Tensor, nn
 
 
@@ -80,10 +79,11 @@ def _divide(what: str, value: int, world: int) -> int:
     return value // world
 
 
-def shard_hf_config(hf: Mapping[str, Any], world: int) -> dict[str, Any]:
+def shard_hf_config(hf: Mapping[str, Any], world: int, expert_parallel: bool = False) -> dict[str, Any]:
     """The config of one rank's shard: heads and intermediate sizes divided by world (a clear
     UnsupportedModel when one does not divide). The vocabulary stays whole (the embedding and the
-    head are swapped for vocabulary-parallel ones after the build)."""
+    head are swapped for vocabulary-parallel ones after the build); so do the routed experts under
+    expert_parallel (`hold_local_experts` cuts them to the rank's after the build)."""
     cfg = _parsed(hf)
     text = dict(_text(hf))
     text["num_attention_heads"] = _divide("num_attention_heads", cfg.num_attention_heads, world)
@@ -97,7 +97,12 @@ def shard_hf_config(hf: Mapping[str, Any], world: int) -> dict[str, Any]:
             )
         text["num_key_value_heads"] = 1
     text["head_dim"] = cfg.head_dim
-    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+    split = ["intermediate_size", "shared_expert_intermediate_size"]
+    if expert_parallel:
+        check_expert_parallel(int(getattr(cfg, "num_experts", 0) or 0), world)
+    else:
+        split.append("moe_intermediate_size")
+    for name in split:
         if int(getattr(cfg, name, 0) or 0) > 0:
             text[name] = _divide(name, int(getattr(cfg, name)), world)
     if hasattr(cfg, "linear_num_key_heads"):
@@ -161,11 +166,19 @@ REPLICATE = Cut()
 
 
 class ShardPlan:
-    """Per parameter name, which part of the full tensor rank `rank` of `world` holds."""
+    """Per parameter name, which part of the full tensor rank `rank` of `world` holds;
+    expert_parallel: whole routed experts, E / world of them (see `local_name`)."""
 
-    def __init__(self, hf: Mapping[str, Any], rank: int, world: int) -> None:
+    def __init__(self, hf: Mapping[str, Any], rank: int, world: int, expert_parallel: bool = False) -> None:
         self.cfg = _parsed(hf)
         self.rank, self.world = rank, world
+        num_experts = int(getattr(self.cfg, "num_experts", 0) or 0)
+        self.experts = LocalExperts(num_experts, rank, world) if expert_parallel else None
+
+    def local_name(self, name: str) -> str | None:
+        """The name a checkpoint tensor has in this rank's shard: under expert parallel a
+        per-expert tensor's expert index becomes the local one, None for another rank's expert."""
+        return name if self.experts is None else self.experts.local_name(name)
 
     def _even(self, size: int, dim: int) -> Cut:
         n = size // self.world
@@ -195,6 +208,8 @@ class ShardPlan:
             return Cut(0, ((lo, min(shape[0], lo + per)),), pad_rows=per)
         parts = name.split(".")
         leaf, owner = parts[-1], parts[-2] if len(parts) > 1 else ""
+        if self.experts is not None and owner != "experts" and ".mlp.experts." in name:
+            return REPLICATE  # one of this rank's experts' tensors (see local_name): whole
         if leaf == "bias" and owner in ("o_proj", "down_proj", "out_proj"):
             return Cut(rank0_only=True)
         if owner == "q_proj":
@@ -207,6 +222,8 @@ class ShardPlan:
             return self._even(shape[0], 0)
         if owner == "in_proj_a" or leaf in ("dt_bias", "A_log"):
             return self._even(shape[0], 0)
+        if owner == "experts" and self.experts is not None:  # [E, ...]: this rank's experts, whole
+            return Cut(0, self.experts.fused_rows())
         if owner == "experts" and leaf == "gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
             half = shape[1] // 2
             return self._segments((half, half), 1)
@@ -239,13 +256,20 @@ Fp8Spec = tuple[Callable[[str], bool], Block]  # which parameters hold float8, a
 
 
 def shard_on_meta(
-    hf: Mapping[str, Any], tp: TPGroup, dtype: torch.dtype, fp8: Fp8Spec | None = None
+    hf: Mapping[str, Any],
+    tp: TPGroup,
+    dtype: torch.dtype,
+    fp8: Fp8Spec | None = None,
+    expert_parallel: bool = False,
 ) -> nn.Module:
     """Rank tp.rank's shard on the meta device (no memory): vocabulary-parallel embedding and
-    head, parameters in dtype, those fp8 names in float8 with their scales."""
+    head, parameters in dtype, those fp8 names in float8 with their scales; expert_parallel:
+    the rank's whole routed experts."""
     cls = model_class(hf)
     with torch.device("meta"):
-        model: nn.Module = cls.from_hf_config(shard_hf_config(hf, tp.world))
+        model: nn.Module = cls.from_hf_config(shard_hf_config(hf, tp.world, expert_parallel))
+        if expert_parallel:
+            hold_local_experts(model, tp.rank, tp.world)
         cfg: Any = model.config
         vocab, hidden = int(cfg.vocab_size), int(cfg.hidden_size)
         inner: Any = model.model
@@ -261,11 +285,17 @@ def shard_on_meta(
 
 
 def build_shard(
-    hf: Mapping[str, Any], tp: TPGroup, dtype: torch.dtype, device: torch.device, fp8: Fp8Spec | None = None
+    hf: Mapping[str, Any],
+    tp: TPGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+    fp8: Fp8Spec | None = None,
+    expert_parallel: bool = False,
 ) -> nn.Module:
     """Rank tp.rank's shard of the model, parameters uninitialised (fill with `load_*_shard`);
-    fp8: the parameters an FP8 checkpoint's float8 weights stay float8 in."""
-    model = shard_on_meta(hf, tp, dtype, fp8).to_empty(device=device)
+    fp8: the parameters an FP8 checkpoint's float8 weights stay float8 in; expert_parallel:
+    whole routed experts, E / world of them."""
+    model = shard_on_meta(hf, tp, dtype, fp8, expert_parallel).to_empty(device=device)
     tie = getattr(model, "tie_weights", None)
     if tie is not None:
         tie()
@@ -291,119 +321,23 @@ def _reduce_partial_sums(model: nn.Module, tp: TPGroup) -> None:
                 part.register_forward_hook(reduce)
 
 
-def _indexer(source: Any) -> Callable[[tuple[slice, ...]], Tensor]:
-    """Reads source[index]: a tensor, or a safetensors slice (which reads only those bytes)."""
-
-    def read(index: tuple[slice, ...]) -> Tensor:
-        out: Tensor = source[index]
-        return out
-
-    return read
-
-
-def _tied(model: nn.Module) -> set[str]:
-    return {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-
-
-def load_full_into_shard(model: nn.Module, full: Mapping[str, Tensor], plan: ShardPlan) -> None:
-    """Fill a shard from a whole model's state dict (built-in random models: small by design)."""
-    params = dict(model.state_dict(keep_vars=True))
-    with torch.no_grad():
-        for name, param in params.items():
-            if name in _tied(model):
-                continue
-            src = full[name]
-            cut = plan.cut(name, tuple(src.shape))
-            part = apply_cut(cut, _indexer(src), tuple(src.shape))
-            if cut.rank0_only and plan.rank != 0:
-                part = torch.zeros_like(part)
-            param.copy_(part)
-
-
-def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None:
-    """Fill a shard from an HF safetensors directory, reading only this rank's slices. A float8
-    weight fills a float8 parameter with its scales (the shard was built with `fp8`), or is
-    dequantized into the model's dtype."""
-    from ballast.models.fp8_shards import fp8_part
-
-    params = dict(model.state_dict(keep_vars=True))
-    tied = _tied(model)
-    filled: set[str] = set()
-    by_file: dict[Any, list[str]] = {}
-    for name, info in ckpt.tensors.items():
-        by_file.setdefault(info.file, []).append(name)
-    with torch.no_grad():
-        for file, names in by_file.items():
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in names:
-                    info = ckpt.tensors[name]
-                    if info.key in tied:
-                        continue
-                    sl = f.get_slice(name)
-                    cut = plan.cut(info.key, info.shape)
-                    scale = ckpt.scales.get(name)
-                    if scale is None:
-                        part = apply_cut(cut, _indexer(sl), info.shape)
-                        if cut.rank0_only and plan.rank != 0:
-                            part = torch.zeros_like(part)
-                        _place(params, info.key, part, name, filled, ckpt)
-                        continue
-                    keep = _param_of(params, info.key).dtype == FP8
-                    scale_name = name + "_scale_inv"
-                    part, scales = fp8_part(
-                        cut, (info, name, _indexer(sl)), (scale, scale_name), ckpt.fp8_block, keep
-                    )
-                    _place(params, info.key, part, name, filled, ckpt)
-                    if scales is not None:
-                        _place(params, scale.key, scales, scale_name, filled, ckpt)
-    missing = sorted(params.keys() - tied - filled)
-    if missing:
-        raise WeightLoadError(f"{ckpt.path}: checkpoint lacks {missing[:8]}")
-
-
-def _param_of(params: Mapping[str, Tensor], key: str) -> Tensor:
-    target = per_expert_target(key)
-    name = key if target is None else target[0]
-    if name not in params:
-        raise WeightLoadError(f"tensor {key} has no place in the model")
-    return params[name]
-
-
-def _place(
-    params: Mapping[str, Tensor], key: str, part: Tensor, name: str, filled: set[str], ckpt: HFCheckpoint
-) -> None:
-    """Copy a rank's part of checkpoint tensor `name` (model name `key`) into its parameter, or
-    into its expert's place in a fused expert parameter."""
-    target = per_expert_target(key)
-    if key in params:
-        _fill(params[key], part, name)
-        filled.add(key)
-    elif target is not None and target[0] in params:
-        place_expert_tensor(params[target[0]], target[1], target[2], part)
-        filled.add(target[0])
-    else:
-        raise WeightLoadError(f"{ckpt.path}: tensor {name} has no place in the model")
-
-
-def _fill(param: Tensor, part: Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(part.shape):
-        raise WeightLoadError(f"{name}: shard shape {tuple(part.shape)}, model expects {tuple(param.shape)}")
-    param.copy_(part)
-
-
 def shard_weights_bytes(
-    hf: Mapping[str, Any], world: int, dtype: torch.dtype, fp8: Fp8Spec | None = None
+    hf: Mapping[str, Any],
+    world: int,
+    dtype: torch.dtype,
+    fp8: Fp8Spec | None = None,
+    expert_parallel: bool = False,
 ) -> int:
     """Bytes one rank's shard holds (from the configs alone, on the meta device), for admission
     per die; fp8: float8 weights (1 byte) and their float32 scales where they stay so."""
-    model = shard_on_meta(hf, TPGroup(0, world), dtype, fp8)
+    model = shard_on_meta(hf, TPGroup(0, world), dtype, fp8, expert_parallel)
     # parameters() yields a tied parameter once
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def check_tensor_parallel(hf: Mapping[str, Any], world: int) -> None:
+def check_tensor_parallel(hf: Mapping[str, Any], world: int, expert_parallel: bool = False) -> None:
     """Raise UnsupportedModel / ModelConfigError unless this model splits over world ranks."""
     if world < 1:
         raise ModelConfigError(f"tensor-parallel size must be >= 1, got {world}")
     if world > 1:
-        shard_hf_config(hf, world)
+        shard_hf_config(hf, world, expert_parallel)

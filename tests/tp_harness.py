@@ -21,8 +21,9 @@ from ballast.models.base import ForwardBatch
 from ballast.models.builtin import init_random
 from ballast.models.fp8 import quantize_blocks
 from ballast.models.hf_loader import inspect_hf_dir
-from ballast.models.parallel import ShardPlan, build_shard, load_full_into_shard, load_hf_shard
+from ballast.models.parallel import ShardPlan, build_shard
 from ballast.models.registry import build_model
+from ballast.models.shard_loading import load_full_into_shard, load_hf_shard
 from ballast.models.state import allocate_states, dtype_bytes
 from safetensors.torch import save_file
 from torch import Tensor, nn
@@ -123,16 +124,18 @@ def _rank(
     out = []
     try:
         for hf in models:  # one process group for all of them: spawning is the slow part
+            ep = bool(hf.get("expert_parallel"))  # whole experts per rank
+            plan = ShardPlan(hf, rank, world, expert_parallel=ep)
             if "checkpoint_dir" in hf:  # read this rank's slices of the safetensors files
                 ckpt = inspect_hf_dir(hf["checkpoint_dir"])
                 keep = (ckpt.fp8_params().__contains__, ckpt.fp8_block) if hf.get("keep_fp8") else None
-                shard = build_shard(hf, tp, dtype, dev, keep)
-                load_hf_shard(shard, ckpt, ShardPlan(hf, rank, world))
+                shard = build_shard(hf, tp, dtype, dev, keep, expert_parallel=ep)
+                load_hf_shard(shard, ckpt, plan)
             else:
-                shard = build_shard(hf, tp, dtype, dev)
+                shard = build_shard(hf, tp, dtype, dev, expert_parallel=ep)
                 full = build_model(hf, dtype=torch.float32, device="cpu")
                 init_random(full, int(hf.get("seed", 0)))
-                load_full_into_shard(shard, full.state_dict(), ShardPlan(hf, rank, world))
+                load_full_into_shard(shard, full.state_dict(), plan)
                 del full
             out.append(run_steps(shard, steps, dtype, dev))
             del shard
