@@ -22,7 +22,8 @@ writes both stores: a different kernel sequence, so those steps replay a second 
 "mixed" variant, captured per bucket the first time such a step needs it (at load the int8 store
 has no memory to capture against). Without it a squeezed GPU decoded eagerly: measured on an H200
 (Llama-1B shape, 16 streams at TIGHT), no request finished for a minute, ~7x slower than the
-graphs. A late capture that fails leaves that bucket eager.
+graphs. A late capture asks the memory layer first and then holds what the graphs' pool grew by
+under its grant (tag cuda-graphs-int8); one that is refused or fails leaves that bucket eager.
 Steps that carry a prefill chunk run eagerly: their shape changes with every chunk (tokens per
 sequence, the prefill attention path), so a padded graph would need buckets over decodes, chunk
 tokens and context, and such a step is bound by its matrix products rather than by kernel
@@ -47,6 +48,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from ballast.engine.kv_pool import Acquire
+from ballast.memory.types import MiB
 from ballast.models.base import ForwardBatch, Rows
 from torch import Tensor
 
@@ -60,6 +63,10 @@ FeedLastTokens = Callable[[Tensor, Tensor], None]
 Agree = Callable[[str | None], bool]
 
 SMALLEST_CONTEXT_BUCKET = 256
+# Asked of the memory layer before a late capture: a graph's own buffers reuse the pool that the
+# largest plain graph sized, so the growth is small (often nothing); what it really grew by is
+# held instead once measured.
+LATE_CAPTURE_GRANT = 64 * MiB
 PAD_TOKEN = 0
 PAD_POSITION = 1
 
@@ -140,6 +147,9 @@ class DecodeGraphs:
         self._ones = torch.ones(width, dtype=torch.int64, device=device)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (batch, context, mixed)
         self._failed: set[tuple[int, int, bool]] = set()  # late captures that failed: eager
+        # The memory layer's grants for late captures (the mixed variant), set by the engine.
+        self.acquire: Acquire | None = None
+        self._late_grants: list[Callable[[], None]] = []
         self._forward: Forward | None = None
         self._pool: Any = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle)
         self._logits: Tensor | None = None  # [batch, vocab]: every graph writes its rows here
@@ -212,18 +222,39 @@ class DecodeGraphs:
         self._graphs[key] = graph
 
     def _capture_late(self, key: tuple[int, int, bool]) -> bool:
-        """Capture the mixed variant of a bucket whose plain graph exists, at its first use; a
-        failure (no memory for the pool to grow, under the very pressure that made it mixed) is
-        logged once and leaves the bucket eager."""
+        """Capture the mixed variant of a bucket whose plain graph exists, at its first use. The
+        memory layer is asked first (`acquire`, for LATE_CAPTURE_GRANT: a refusal leaves the
+        bucket eager), and what the graphs' pool grew by is then held under the memory layer's
+        grant instead. A failure (no memory for the pool to grow, under the very pressure that
+        made it mixed) is logged once and leaves the bucket eager."""
         if key in self._failed or (key[0], key[1], False) not in self._graphs or self._forward is None:
             return False
+        provisional = self.acquire(LATE_CAPTURE_GRANT) if self.acquire is not None else None
+        if self.acquire is not None and provisional is None:
+            return self._give_up(key, "the memory layer has no room for it")
+        before = torch.cuda.memory_reserved(self.device)
         try:
             self._capture_one(key)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
-            self._failed.add(key)
-            log.warning("decode graph (batch %d, context %d, int8 KV in use) not captured: %s", *key[:2], e)
-            return False
+            return self._give_up(key, str(e), provisional)
+        grew = max(0, torch.cuda.memory_reserved(self.device) - before)
+        self.held_bytes += grew
+        if provisional is not None:
+            provisional()
+        if grew and self.acquire is not None:
+            held = self.acquire(grew)
+            if held is None:  # allocated already: keep the graph, say the ledger is short of it
+                log.warning("decode graphs grew %.1f MiB beyond the memory layer's grant", grew / MiB)
+            else:
+                self._late_grants.append(held)
         return True
+
+    def _give_up(self, key: tuple[int, int, bool], why: str, grant: Callable[[], None] | None = None) -> bool:
+        if grant is not None:
+            grant()
+        self._failed.add(key)
+        log.warning("decode graph (batch %d, context %d, int8 KV in use) not captured: %s", *key[:2], why)
+        return False
 
     def release(self) -> None:
         """Drop every graph and its output; the pool's memory goes back to the allocator's cache."""
@@ -231,6 +262,9 @@ class DecodeGraphs:
         self._failed.clear()
         self._forward = None
         self._logits = None
+        for give_back in self._late_grants:
+            give_back()
+        self._late_grants.clear()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 

@@ -19,13 +19,14 @@ from ballast.memory.watch import MemWatch
 log = logging.getLogger(__name__)
 
 
-def segment_grant(watch: MemWatch, die: int | None) -> Acquire:
-    """Grants for KV segments on `die` (None: the host)."""
+def segment_grant(watch: MemWatch, die: int | None, tag: str = "kv-segment") -> Acquire:
+    """Grants for KV segments (or other memory taken while serving, under `tag`) on `die` (None:
+    the host)."""
     if die is not None:
 
         def lease(nbytes: int) -> Callable[[], None] | None:
             try:
-                return watch.ledger.lease(die, nbytes, "kv-segment").release
+                return watch.ledger.lease(die, nbytes, tag).release
             except LedgerFull:
                 return None
 

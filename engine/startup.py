@@ -110,6 +110,8 @@ def capture_graphs(runner: ModelRunner, watch: MemWatch | None, dies: list[int])
             return []
     assert runner.graphs is not None
     g = runner.graphs
+    if watch is not None and g.late_mixed:  # the int8-KV variant, captured while serving
+        g.acquire = segment_grant(watch, dies[0], "cuda-graphs-int8")
     log.info(
         "decode graphs: %d captured of %d buckets (batch <= %d, context <= %d), %.1f MiB on rank 0 of %d",
         g.captured,

@@ -11,6 +11,8 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from ballast.memory.config import MemoryConfig
+from ballast.memory.watch import MemWatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -126,3 +128,30 @@ def test_steps_with_int8_sequences_replay_their_own_graphs(pair: tuple[Engine, E
     assert run(with_graphs) == run(eager)
     assert graphs.replays >= before + 12
     assert any(mixed for _, _, mixed in graphs._graphs)  # the int8 store was in use: its variant
+
+
+def test_the_int8_variant_is_captured_under_the_ledger() -> None:
+    """A late capture asks the memory layer first and then holds what the graphs' pool grew by
+    (tag cuda-graphs-int8); shutdown gives it back with the rest."""
+    cfg = EngineConfig(
+        model="builtin:tiny-llama", device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=512
+    )
+    with MemWatch(MemoryConfig()) as watch:
+        e = Engine.load(cfg, watch)
+        die = torch.cuda.current_device()
+        try:
+            graphs = e.runner.graphs
+            assert graphs is not None and graphs.acquire is not None
+            plain = graphs.held_bytes
+            greedy = SamplingParams(temperature=0.0)
+            prefills = tuple(PrefillChunk(s, tuple(p), 0, True, int8_kv=s == 1) for s, p in PROMPTS.items())
+            res = e.step(StepPlan(prefills=prefills, sampling=dict.fromkeys(PROMPTS, greedy)))
+            out = {o.slot: o.token_id for o in res.outputs}
+            decodes = tuple(DecodeToken(s, out[s], len(PROMPTS[s])) for s in PROMPTS)
+            e.step(StepPlan(decodes=decodes, sampling=dict.fromkeys(PROMPTS, greedy)))
+            assert any(mixed for _, _, mixed in graphs._graphs)
+            late = sum(n for tag, n in watch.ledger.leases(die) if tag == "cuda-graphs-int8")
+            assert late == graphs.held_bytes - plain  # what the pool grew by, no more, no less
+        finally:
+            e.shutdown()
+        assert not any(tag.startswith("cuda-graphs") for tag, _ in watch.ledger.leases(die))
