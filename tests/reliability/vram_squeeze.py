@@ -69,13 +69,10 @@ def streams(
         try:
             with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
                 text = "".join(r.iter_text())
-            kind = (
-                "completed"
-                if r.status_code == 200 and "[DONE]" in text
-                else str(r.status_code)
-                if r.status_code != 200
-                else f"error_event:{_error_code(text)}"
-            )
+            if r.status_code == 200:
+                kind = "completed" if "[DONE]" in text else f"error_event:{_error_code(text)}"
+            else:  # a refusal: its status and code (e.g. 503:server_overloaded, 429:queue_wait_exceeded)
+                kind = f"{r.status_code}:{_refusal_code(text)}"
         except httpx.HTTPError as exc:
             kind = type(exc).__name__
         with lock:
@@ -92,6 +89,15 @@ def _error_code(text: str) -> str:
                 continue
             return str(err.get("code") or err.get("type") or "unknown")
     return "unknown"
+
+
+def _refusal_code(text: str) -> str:
+    """The OpenAI error body's code (else type) of a refused request."""
+    try:
+        err = json.loads(text).get("error", {})
+    except (json.JSONDecodeError, AttributeError):
+        return "unknown"
+    return str(err.get("code") or err.get("type") or "unknown")
 
 
 def _per_gpu(m: dict[str, float]) -> dict[str, float]:
@@ -185,7 +191,7 @@ def run_mode(
                     "alive": float(alive),
                     "level": total(m, "ballast_memory_pressure_level"),
                     "gpu_free_mib": total(m, "ballast_gpu_memory_free_bytes") / MiB,
-                    "scheduler_level": total(m, "ballast_scheduler_pressure_level"),
+                    "scheduler_pressure": total(m, "ballast_scheduler_pressure_level"),
                     "slots_active": total(m, "ballast_slots_active"),
                     "slots_limit": total(m, "ballast_slots_limit"),
                     "queued": total(m, "ballast_queue_depth"),
@@ -199,7 +205,7 @@ def run_mode(
             if progress and len(timeline) % 5 == 1:
                 x = timeline[-1]
                 print(
-                    f"  t={x['t_s']:5.0f}s level={x['level']:.0f}/{x['scheduler_level']:.0f} "
+                    f"  t={x['t_s']:5.0f}s level={x['level']:.0f}/{x['scheduler_pressure']:.0f} "
                     f"free={x['gpu_free_mib']:,.0f} MiB slots {x['slots_active']:.0f}/{x['slots_limit']:.0f} "
                     f"queued {x['queued']:.0f} kv {x['kv_pool_mib']:,.0f} MiB "
                     f"preempted {x['preemptions']:.0f} generated {x['generated']:,.0f} {done}",
@@ -225,8 +231,15 @@ def run_mode(
         handled = [ln for ln in oom if "could not be allocated" in ln]
         # A retryable end (the server's _RETRYABLE codes) is clean; anything else reached a client.
         retryable = ("server_overloaded", "queue_full", "queue_wait_exceeded", "engine_step_failed")
-        clean = ("completed", "429", "503", *(f"error_event:{c}" for c in retryable))
-        client_errors = {k: v for k, v in counts.items() if k not in clean}
+        client_errors = {
+            k: v
+            for k, v in counts.items()
+            if not (
+                k == "completed"
+                or k.startswith(("429:", "503:"))
+                or k.removeprefix("error_event:") in retryable
+            )
+        }
         gpu_levels = sorted({k.removesuffix("_level") for x in timeline for k in x if k.endswith("_level")})
         return {
             "governed": governed,
