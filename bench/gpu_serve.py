@@ -38,7 +38,7 @@ import httpx
 import torch
 from ballast.bench.checkpoint_dir import write_tokenizer
 from ballast.bench.gpu_prefix import WORDS, ensure_dir
-from ballast.bench.http_load import Outcome, free_port, one_stream, pct, server
+from ballast.bench.http_load import Outcome, free_port, one_stream, pct, serve_command, server
 from openai import AsyncOpenAI
 
 RESULTS = Path(__file__).parent / "results" / "gpu_serve.json"
@@ -104,17 +104,7 @@ def run_levels(base: str, model: str, levels: list[int], args: argparse.Namespac
 
 def run_ballast(model_dir: Path | str, args: argparse.Namespace) -> list[dict[str, Any]]:
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "ballast.server.cli",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--port",
-        str(port),
-    ]
-    cmd += ["--max-num-seqs", str(max(args.streams)), "--max-queue", "4096", "--log-level", "warning"]
+    cmd = serve_command(str(model_dir), port, "--max-num-seqs", str(max(args.streams)), "--max-queue", "4096")
     cmd += ["--device", args.device, *args.ballast_args.split()]
     if args.tokenizer is not None:
         cmd += ["--tokenizer", str(args.tokenizer)]

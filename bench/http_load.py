@@ -63,6 +63,13 @@ def write_meminfo(root: Path, total: int, available: int) -> None:
         os.replace(tmp, proc / rel)
 
 
+def serve_command(model: str, port: int, *args: str) -> list[str]:
+    """`ballast serve --model MODEL` on localhost:PORT in a child of this Python, with more CLI
+    arguments and its access log off."""
+    head = [sys.executable, "-m", "ballast.server.cli", "serve", "--model", model, "--port", str(port)]
+    return [*head, "--log-level", "warning", *args]
+
+
 @contextmanager
 def server(
     cmd: list[str], env: dict[str, str], ready_path: str, port: int, timeout_s: float = 300.0
@@ -245,22 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         write_meminfo(root, 16 * GiB, 12 * GiB)  # OK
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "ballast.server.cli",
-            "serve",
-            "--model",
-            args.model,
-            "--port",
-            str(port),
-            "--max-num-seqs",
-            str(args.max_num_seqs),
-            "--max-queue",
-            "1024",
-            "--log-level",
-            "warning",
-        ]
+        cmd = serve_command(args.model, port, "--max-num-seqs", str(args.max_num_seqs), "--max-queue", "1024")
         with server(cmd, {"BALLAST_MEMORY_ROOT": str(root)}, "/ready", port) as base:
             served = httpx.get(base + "/v1/models").json()["data"][0]["id"]
             print(f"ballast ({served}, --max-num-seqs {args.max_num_seqs})", flush=True)

@@ -23,14 +23,13 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import torch
-from ballast.bench.http_load import GiB, free_port, server, write_meminfo
+from ballast.bench.http_load import GiB, free_port, serve_command, server, write_meminfo
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import LAST_SAMPLED, DecodeToken, PrefillChunk, SamplingParams, StepPlan
@@ -89,17 +88,7 @@ def _decode_once(
 
 def http_rates(args: argparse.Namespace, eos: list[int], overlap: bool, root: Path) -> dict[str, float]:
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "ballast.server.cli",
-        "serve",
-        "--model",
-        args.model,
-        "--device",
-        args.device,
-    ]
-    cmd += ["--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
+    cmd = serve_command(args.model, port, "--device", args.device, "--max-num-seqs", str(args.max_num_seqs))
     cmd += ["--tokenizer", args.tokenizer] if args.tokenizer else []
     env = {"BALLAST_MEMORY_ROOT": str(root), "BALLAST_OVERLAP": "1" if overlap else "0"}
     with server(cmd, env, "/ready", port) as base:
