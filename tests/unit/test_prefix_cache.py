@@ -29,7 +29,7 @@ INTERVAL = 16
 MAX_LEN = 160
 
 
-def load(model: str, kv_quant: str = "none", **cache: object) -> Engine:
+def load(model: str, kv_quant: str = "none", pool: CheckpointPool | None = None, **cache: object) -> Engine:
     cfg = EngineConfig(
         model=model,
         device="cpu",
@@ -38,7 +38,8 @@ def load(model: str, kv_quant: str = "none", **cache: object) -> Engine:
         prefill_chunk_tokens=64,
         kv_quant=kv_quant,
     )
-    return Engine.load(cfg, prefix_cache=PrefixCacheConfig(**{"checkpoint_interval": INTERVAL, **cache}))  # type: ignore[arg-type]
+    prefix = PrefixCacheConfig(**{"checkpoint_interval": INTERVAL, **cache})  # type: ignore[arg-type]
+    return Engine.load(cfg, prefix_cache=prefix, pool=pool)
 
 
 @pytest.fixture(scope="module")
@@ -213,14 +214,7 @@ def test_save_larger_than_budget_is_declined() -> None:
 
 def test_shed_returns_buffers_to_the_pool_and_the_ladder_shed_trims_it() -> None:
     pool = CheckpointPool(lambda: 1 << 34, 0.5, 64, 1, pin=False)
-    cfg = EngineConfig(
-        model="builtin:tiny-qwen3-next",
-        device="cpu",
-        max_num_seqs=2,
-        max_model_len=MAX_LEN,
-        prefill_chunk_tokens=64,
-    )
-    eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=INTERVAL), pool=pool)
+    eng = load("builtin:tiny-qwen3-next", pool=pool)
     try:
         run_request(eng, 0, ids(21, 40), 3)
         cache = eng.prefix_cache
@@ -434,14 +428,7 @@ def test_a_failed_step_that_restored_a_checkpoint_leaves_the_cache_whole() -> No
 def test_checkpoint_buffers_are_in_the_pool_before_the_first_save() -> None:
     # Floor 0: the tiny model's checkpoints (KiB) are below the default 1 MiB pooling floor.
     pool = CheckpointPool(lambda: 64 * MiB * 1024, 0.25, 8, 0, pin=False)
-    cfg = EngineConfig(
-        model="builtin:tiny-qwen3-next",
-        device="cpu",
-        max_num_seqs=2,
-        max_model_len=MAX_LEN,
-        prefill_chunk_tokens=64,
-    )
-    eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=INTERVAL), pool=pool)
+    eng = load("builtin:tiny-qwen3-next", pool=pool)
     try:
         cache = eng.prefix_cache
         assert cache is not None
@@ -463,7 +450,7 @@ def test_checkpoint_buffers_are_in_the_pool_before_the_first_save() -> None:
         eng.shutdown()
     # A cache that is off warms nothing.
     off_pool = CheckpointPool(lambda: 64 * MiB * 1024, 0.25, 8, 0, pin=False)
-    off = Engine.load(cfg, prefix_cache=PrefixCacheConfig(fraction=0.0), pool=off_pool)
+    off = load("builtin:tiny-qwen3-next", pool=off_pool, fraction=0.0)
     off.shutdown()
     assert off_pool.stats().high_water_buffers == 0
 
