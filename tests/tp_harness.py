@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +214,38 @@ def assert_close_in_bf16(got: list[torch.Tensor], want: list[torch.Tensor]) -> N
         cos = torch.nn.functional.cosine_similarity(g, w, dim=-1)
         assert rel < 0.05, f"step {i}: max |TP2 - TP1| is {rel:.3f} of max |logit|"
         assert float(cos.min()) > 0.995, f"step {i}: cosine {cos.tolist()}"
+
+
+def assert_tp_serves_like_one_device(
+    checkpoint_dir: str, check: Callable[[Any, int], None], tp: int = 2, **config: Any
+) -> None:
+    """An FP8 checkpoint served with its float8 weights kept, on one device and on `tp` ranks
+    (more EngineConfig fields in `config`, applied to the split side): the same greedy tokens and
+    logprobs. check(engine, tp) runs on each loaded engine before it serves."""
+    import torch
+    from ballast.engine.config import EngineConfig
+    from ballast.engine.engine import Engine
+
+    prompts = [list(range(3, 40)), list(range(500, 520))]
+
+    def run(ranks: int) -> tuple[list[list[int]], list[float]]:
+        extra = config if ranks > 1 else {}
+        cfg = EngineConfig(
+            model=checkpoint_dir,
+            device="cpu",
+            max_model_len=128,
+            max_num_seqs=2,
+            fp8_weights="keep",
+            tensor_parallel_size=ranks,
+            **extra,
+        )
+        engine = Engine.load(cfg)
+        try:
+            check(engine, ranks)
+            return engine_greedy(engine, prompts, 8)
+        finally:
+            engine.shutdown()
+
+    (want, want_lp), (got, got_lp) = run(1), run(tp)
+    assert got == want
+    torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-4, rtol=1e-4)

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 from ballast.engine.config import EngineConfig
-from ballast.engine.engine import Engine
 from ballast.engine.runner import weights_bytes
 from ballast.models.base import UnsupportedModel
 from ballast.models.builtin import builtin_config
@@ -27,7 +26,7 @@ from ballast.models.parallel import (
 )
 from ballast.models.shard_loading import load_hf_shard
 from tp_harness import (
-    engine_greedy,
+    assert_tp_serves_like_one_device,
     full_model,
     reference_logits,
     run_steps,
@@ -144,27 +143,10 @@ def test_the_engine_with_expert_parallel_serves_the_greedy_tokens_of_one_device(
     """Through the engine (its worker loads its own experts from an FP8 checkpoint, float8 kept):
     the greedy tokens and logprobs of one device."""
     hf = write_checkpoint(_tiny("tiny-qwen3-next"), tmp_path / "next", True, BLOCK)
-    prompts = [list(range(3, 40)), list(range(500, 520))]
 
-    def run(tp: int) -> tuple[list[list[int]], list[float]]:
-        cfg = EngineConfig(
-            model=hf["checkpoint_dir"],
-            device="cpu",
-            max_model_len=128,
-            max_num_seqs=2,
-            fp8_weights="keep",
-            tensor_parallel_size=tp,
-            expert_parallel=tp > 1,
-        )
-        engine = Engine.load(cfg)
-        try:
-            if tp > 1:
-                held = _experts(engine._loaded.model)
-                assert all(e.first == 0 and e.gate_up_proj.shape[0] == 4 for e in held)
-            return engine_greedy(engine, prompts, 8)
-        finally:
-            engine.shutdown()
+    def check(engine: Any, tp: int) -> None:
+        if tp > 1:
+            held = _experts(engine._loaded.model)
+            assert all(e.first == 0 and e.gate_up_proj.shape[0] == 4 for e in held)
 
-    (want, want_lp), (got, got_lp) = run(1), run(2)
-    assert got == want
-    torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-4, rtol=1e-4)
+    assert_tp_serves_like_one_device(hf["checkpoint_dir"], check, expert_parallel=True)

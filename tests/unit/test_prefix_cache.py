@@ -42,6 +42,22 @@ def load(model: str, kv_quant: str = "none", pool: CheckpointPool | None = None,
     return Engine.load(cfg, prefix_cache=prefix, pool=pool)
 
 
+def llama_in_small_segments(prefill_chunk_tokens: int) -> Engine:
+    """tiny-llama with the prefix cache on and KV segments of 8 blocks: the pool fills quickly."""
+    probe = load("builtin:tiny-llama")
+    block_bytes = probe.kv_figures().block_bytes  # type: ignore[union-attr]
+    probe.shutdown()
+    cfg = EngineConfig(
+        model="builtin:tiny-llama",
+        device="cpu",
+        max_num_seqs=2,
+        max_model_len=MAX_LEN,
+        prefill_chunk_tokens=prefill_chunk_tokens,
+        kv_segment_bytes=8 * block_bytes,
+    )
+    return Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=INTERVAL))
+
+
 @pytest.fixture(scope="module")
 def hybrid() -> Iterator[Engine]:
     eng = load("builtin:tiny-qwen3-next")
@@ -354,18 +370,7 @@ def test_a_restore_into_a_pool_full_of_cached_prefixes_evicts_older_ones() -> No
     """Found by the soak: once cached prefixes held every block of the KV pool, restoring a
     checkpoint whose last block is partly filled (it must be copied) found no free block and
     failed the step. Older entries now give way; the restored one is kept."""
-    probe = load("builtin:tiny-llama")
-    block_bytes = probe.kv_figures().block_bytes  # type: ignore[union-attr]
-    probe.shutdown()
-    cfg = EngineConfig(
-        model="builtin:tiny-llama",
-        device="cpu",
-        max_num_seqs=2,
-        max_model_len=MAX_LEN,
-        prefill_chunk_tokens=64,
-        kv_segment_bytes=8 * block_bytes,
-    )
-    eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=INTERVAL))
+    eng = llama_in_small_segments(prefill_chunk_tokens=64)
     try:
         prompts = [ids(90 + i, 2 * INTERVAL + 4) for i in range(12)]  # 3 blocks each, the last one partial
         for p in prompts:  # fill the cache until the pool has no free block left
@@ -460,18 +465,7 @@ def test_a_sequence_short_of_blocks_evicts_cached_prefixes_before_anyone_is_pree
     free blocks in a pool otherwise full of cached prefixes, a sequence needing more than were free
     asked the cache to evict until only its shortfall was free, which it already was, and was
     preempted. The cache now evicts until the blocks it needs are free."""
-    probe = load("builtin:tiny-llama")
-    block_bytes = probe.kv_figures().block_bytes  # type: ignore[union-attr]
-    probe.shutdown()
-    cfg = EngineConfig(
-        model="builtin:tiny-llama",
-        device="cpu",
-        max_num_seqs=2,
-        max_model_len=MAX_LEN,
-        prefill_chunk_tokens=MAX_LEN,
-        kv_segment_bytes=8 * block_bytes,
-    )
-    eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=INTERVAL))
+    eng = llama_in_small_segments(prefill_chunk_tokens=MAX_LEN)
     try:
         for i in range(40):  # fill the cache until the pool is at its limit, (nearly) every block cached
             run_request(eng, 0, ids(90 + i, 2 * INTERVAL + 4), 2, reuse=False)

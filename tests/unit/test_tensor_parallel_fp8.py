@@ -19,7 +19,13 @@ from ballast.models.builtin import builtin_config
 from ballast.models.fp8 import FP8
 from ballast.models.hf_loader import inspect_hf_dir, load_hf_dir
 from ballast.models.parallel import shard_weights_bytes
-from tp_harness import engine_greedy, run_steps, sharded_logits, steps_for, write_checkpoint
+from tp_harness import (
+    assert_tp_serves_like_one_device,
+    run_steps,
+    sharded_logits,
+    steps_for,
+    write_checkpoint,
+)
 
 VOCAB = 1001
 # Whole blocks on both ranks of every split of these tiny models' float8 weights (the smallest:
@@ -73,30 +79,14 @@ def test_the_engine_serves_an_fp8_checkpoint_on_two_ranks_in_float8(tmp_path: Pa
     """Through the engine (its workers load their own shards): float8 weights held and counted
     as such, and the greedy tokens and logprobs of one device."""
     hf = write_checkpoint(_tiny("tiny-qwen3-next"), tmp_path / "next", True, BLOCK)
-    prompts = [list(range(3, 40)), list(range(500, 520))]
 
-    def run(tp: int) -> tuple[list[list[int]], list[float]]:
-        cfg = EngineConfig(
-            model=hf["checkpoint_dir"],
-            device="cpu",
-            max_model_len=128,
-            max_num_seqs=2,
-            fp8_weights="keep",
-            tensor_parallel_size=tp,
-        )
-        engine = Engine.load(cfg)
-        try:
-            model = engine._loaded.model
-            experts = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
-            assert experts.gate_up_proj.dtype == FP8
-            if tp == 2:
-                ckpt = inspect_hf_dir(hf["checkpoint_dir"])
-                spec = (ckpt.fp8_params().__contains__, ckpt.fp8_block)
-                assert weights_bytes(model) == shard_weights_bytes(ckpt.config, 2, torch.float32, spec)
-            return engine_greedy(engine, prompts, 8)
-        finally:
-            engine.shutdown()
+    def check(engine: Any, tp: int) -> None:
+        model = engine._loaded.model
+        experts = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+        assert experts.gate_up_proj.dtype == FP8
+        if tp == 2:
+            ckpt = inspect_hf_dir(hf["checkpoint_dir"])
+            spec = (ckpt.fp8_params().__contains__, ckpt.fp8_block)
+            assert weights_bytes(model) == shard_weights_bytes(ckpt.config, 2, torch.float32, spec)
 
-    (want, want_lp), (got, got_lp) = run(1), run(2)
-    assert got == want
-    torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-4, rtol=1e-4)
+    assert_tp_serves_like_one_device(hf["checkpoint_dir"], check)
