@@ -3,6 +3,7 @@ built-in model, with the step's wall time beside the GPU time of its kernels.
 
     python -m ballast.bench.decode_profile [--models llama-8b qwen3-next-80b-a3b-fp8]
         [--batch 32] [--context 2048] [--steps 4] [--device cuda]
+    python -m ballast.bench.decode_profile --prefill 1024 --batch 1 --models llama-8b   # a TTFT's prefill
 
 Each model is loaded through `Engine.load`, every slot is prefilled to --context, warmed up, then
 --steps decode steps run under `torch.profiler` twice: with the engine's CUDA graphs (what the
@@ -10,6 +11,12 @@ server runs: the kernel list as the graph replays it) and eagerly (cuda_graphs o
 kernels, each launched from Python, so the gap between wall and GPU time is the host's share).
 Per mode: wall ms a step, GPU-busy ms a step (kernel time summed), kernels a step, and the top
 kernels by time. Table on stdout, JSON to bench/results/decode_profile.json.
+
+`--prefill N` profiles prefill instead: --steps times, --batch fresh prompts of N tokens each go
+through the engine in steps of at most --chunk tokens (the server's default chunk, 512), as the
+scheduler feeds a new request, and are released; wall is the time to every first token (an idle
+server's TTFT less tokenizing and HTTP). Prefill steps run eagerly either way, so one mode runs,
+with the model's FLOPs beside the dense bf16 peak (--peak-tflops, the H200's 989).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from ballast.bench.paged_decode import prefill, random_prompts, sync
+from ballast.bench.paged_decode import prefill, random_prompts, read_model, sync
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, SamplingParams, StepPlan
@@ -52,14 +59,18 @@ def profile_steps(engine: Engine, batch: int, context: int, steps: int, vocab: i
     for _ in range(WARMUP):
         step()
     sync(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, experimental_config=_all_threads()) as prof:
+    with profile(activities=_activities(device), experimental_config=_all_threads()) as prof:
         t = time.perf_counter()
         for _ in range(steps):
             step()
         sync(device)
         wall = (time.perf_counter() - t) / steps
     engine.submit(StepPlan(release=tuple(range(batch)))).result()
+    return _tables(prof, wall, steps)
+
+
+def _tables(prof: profile, wall: float, steps: int) -> dict[str, Any]:
+    """Wall, GPU-busy time and kernel count per step, the top kernels and the top host ops."""
     kernels: dict[str, list[float]] = {}  # name -> [count, microseconds]
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
@@ -99,6 +110,33 @@ def profile_steps(engine: Engine, batch: int, context: int, steps: int, vocab: i
     }
 
 
+def profile_prefills(
+    engine: Engine, batch: int, tokens: int, chunk: int, steps: int, vocab: int
+) -> dict[str, Any]:
+    """Prefill `batch` fresh prompts of `tokens` tokens `steps` times (after one warm-up) under the
+    profiler, releasing the slots after each; the same figures as `profile_steps`, per prefill."""
+    device = torch.device(engine.device)
+    release = StepPlan(release=tuple(range(batch)))
+
+    def once(seed: int) -> None:
+        prefill(engine, random_prompts(batch, tokens, vocab, seed=seed), chunk)
+        engine.submit(release).result()
+
+    once(0)
+    sync(device)
+    with profile(activities=_activities(device), experimental_config=_all_threads()) as prof:
+        t = time.perf_counter()
+        for i in range(steps):
+            once(1 + i)
+        sync(device)
+        wall = (time.perf_counter() - t) / steps
+    return _tables(prof, wall, steps)
+
+
+def _activities(device: torch.device) -> list[ProfilerActivity]:
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
 def _all_threads() -> Any:
     """Profile CPU ops on every thread (the engine runs steps on its own), where this torch can."""
     try:
@@ -110,23 +148,34 @@ def _all_threads() -> Any:
 def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     """Profile `name` with graphs, then eagerly; its entry is in `results` (and the JSON) after
     each mode, so a run cut short keeps what it measured."""
-    vocab = int(builtin_config(name)["vocab_size"])
+    cfg = builtin_config(name)
+    vocab = int(cfg["vocab_size"])
     out: dict[str, Any] = {"model": name, "batch": args.batch, "context": args.context}
+    if args.prefill:
+        out = {"model": name, "batch": args.batch, "prefill_tokens": args.prefill, "chunk": args.chunk}
     results.append(out)
-    for graphs in (True, False):
+    for graphs in (False,) if args.prefill else (True, False):
         engine = Engine.load(
             EngineConfig(
                 model="builtin:" + name,
                 device=args.device,
                 max_num_seqs=args.batch,
-                max_model_len=args.context + WARMUP + args.steps + 16,
-                prefill_chunk_tokens=4096,
+                max_model_len=max(args.prefill, args.context + WARMUP + args.steps) + 16,
+                prefill_chunk_tokens=args.chunk if args.prefill else 4096,
                 cuda_graphs=graphs and args.device == "cuda",
             )
         )
         try:
-            mode = "graphs" if graphs else "eager"
-            out[mode] = profile_steps(engine, args.batch, args.context, args.steps, vocab)
+            if args.prefill:
+                mode = "prefill"
+                out[mode] = profile_prefills(engine, args.batch, args.prefill, args.chunk, args.steps, vocab)
+                flops = 2 * active_parameters(engine, cfg) * args.batch * args.prefill
+                out[mode]["pct_of_peak"] = (
+                    100 * flops / (out[mode]["wall_ms"] * 1e-3) / (args.peak_tflops * 1e12)
+                )
+            else:
+                mode = "graphs" if graphs else "eager"
+                out[mode] = profile_steps(engine, args.batch, args.context, args.steps, vocab)
             r = out[mode]
             write(args, results)
             print(
@@ -142,6 +191,15 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
                 torch.cuda.empty_cache()
 
 
+def active_parameters(engine: Engine, cfg: dict[str, Any]) -> float:
+    """Parameters one token multiplies through (the embedding table is a lookup; an MoE layer
+    counts its top-k experts), from the bytes held over the model's element size."""
+    rm = read_model(engine, cfg)
+    dense = rm.weights_bytes - rm.embed_bytes - rm.moe_layers * rm.experts * rm.expert_bytes
+    active = dense + rm.moe_layers * rm.top_k * rm.expert_bytes
+    return active / engine.runner.model.model.embed_tokens.weight.element_size()
+
+
 def write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"gpu": _gpu(args.device), "results": results}, indent=2) + "\n")
@@ -149,11 +207,17 @@ def write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
 
 def print_table(results: list[dict[str, Any]]) -> None:
     for r in results:
-        for mode in (name for name in ("graphs", "eager") if name in r):
+        for mode in (name for name in ("graphs", "eager", "prefill") if name in r):
             m = r[mode]
+            if mode != "prefill":
+                what = f"context {r['context']}, {mode}: {m['wall_ms']:.2f} ms a step wall"
+            else:
+                what = (
+                    f"prefill of {r['prefill_tokens']} tokens in chunks of {r['chunk']}: "
+                    f"{m['wall_ms']:.2f} ms to the first tokens ({m['pct_of_peak']:.0f}% of bf16 peak)"
+                )
             print(
-                f"\n{r['model']}, batch {r['batch']}, context {r['context']}, {mode}: "
-                f"{m['wall_ms']:.2f} ms a step wall, {m['gpu_busy_ms']:.2f} ms GPU busy "
+                f"\n{r['model']}, batch {r['batch']}, {what}, {m['gpu_busy_ms']:.2f} ms GPU busy "
                 f"({100 * m['gpu_busy_ms'] / m['wall_ms']:.0f}%), {m['kernels_per_step']:.0f} kernels a step"
             )
             print("| kernel | per step | ms a step | % of GPU time |\n|---|---|---|---|")
@@ -170,6 +234,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prefill", type=int, default=0, help="profile prefills of this many tokens instead")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill tokens a step (--prefill)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (--prefill)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
