@@ -25,6 +25,7 @@ import argparse
 import gc
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,19 +59,13 @@ def profile_steps(engine: Engine, batch: int, context: int, steps: int, vocab: i
 
     for _ in range(WARMUP):
         step()
-    sync(device)
-    with profile(activities=_activities(device), experimental_config=_all_threads()) as prof:
-        t = time.perf_counter()
-        for _ in range(steps):
-            step()
-        sync(device)
-        wall = (time.perf_counter() - t) / steps
+    result = _timed(step, steps, device)
     engine.submit(StepPlan(release=tuple(range(batch)))).result()
-    return _tables(prof, wall, steps)
+    return result
 
 
 def _tables(prof: profile, wall: float, steps: int) -> dict[str, Any]:
-    """Wall, GPU-busy time and kernel count per step, the top kernels and the top host ops."""
+    """Wall (as profiled), GPU-busy time and kernel count per step, the top kernels and the top host ops."""
     kernels: dict[str, list[float]] = {}  # name -> [count, microseconds]
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
@@ -122,15 +117,27 @@ def profile_prefills(
         prefill(engine, random_prompts(batch, tokens, vocab, seed=seed), chunk)
         engine.submit(release).result()
 
-    once(0)
+    seeds = iter(range(1 << 30))
+    once(next(seeds))
+    return _timed(lambda: once(next(seeds)), steps, device)
+
+
+def _timed(fn: Callable[[], None], steps: int, device: torch.device) -> dict[str, Any]:
+    """`fn` run `steps` times unprofiled (wall_ms: the profiler's own cost per op is not small),
+    then `steps` times under the profiler (the tables, profiled_wall_ms); per run."""
     sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync(device)
+    wall = (time.perf_counter() - t) / steps
     with profile(activities=_activities(device), experimental_config=_all_threads()) as prof:
         t = time.perf_counter()
-        for i in range(steps):
-            once(1 + i)
+        for _ in range(steps):
+            fn()
         sync(device)
-        wall = (time.perf_counter() - t) / steps
-    return _tables(prof, wall, steps)
+        profiled = (time.perf_counter() - t) / steps
+    return {**_tables(prof, profiled, steps), "profiled_wall_ms": profiled * 1e3, "wall_ms": wall * 1e3}
 
 
 def _activities(device: torch.device) -> list[ProfilerActivity]:
@@ -146,13 +153,13 @@ def _all_threads() -> Any:
 
 
 def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
-    """Profile `name` with graphs, then eagerly; its entry is in `results` (and the JSON) after
-    each mode, so a run cut short keeps what it measured."""
+    """Profile `name`: decode with graphs, then eagerly (one engine each), or prefill in each
+    --chunk size (one engine); its entry is in `results` (and the JSON) after each mode, so a run
+    cut short keeps what it measured."""
     cfg = builtin_config(name)
     vocab = int(cfg["vocab_size"])
-    out: dict[str, Any] = {"model": name, "batch": args.batch, "context": args.context}
-    if args.prefill:
-        out = {"model": name, "batch": args.batch, "prefill_tokens": args.prefill, "chunk": args.chunk}
+    out: dict[str, Any] = {"model": name, "batch": args.batch, "compile": args.compile}
+    out.update({"prefill_tokens": args.prefill} if args.prefill else {"context": args.context})
     results.append(out)
     for graphs in (False,) if args.prefill else (True, False):
         engine = Engine.load(
@@ -160,35 +167,42 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
                 model="builtin:" + name,
                 device=args.device,
                 max_num_seqs=args.batch,
-                max_model_len=max(args.prefill, args.context + WARMUP + args.steps) + 16,
-                prefill_chunk_tokens=args.chunk if args.prefill else 4096,
+                max_model_len=max(args.prefill, args.context + WARMUP + 2 * args.steps) + 16,
+                prefill_chunk_tokens=max(args.chunk) if args.prefill else 4096,
                 cuda_graphs=graphs and args.device == "cuda",
+                compile=args.compile,
             )
         )
         try:
             if args.prefill:
-                mode = "prefill"
-                out[mode] = profile_prefills(engine, args.batch, args.prefill, args.chunk, args.steps, vocab)
                 flops = 2 * active_parameters(engine, cfg) * args.batch * args.prefill
-                out[mode]["pct_of_peak"] = (
-                    100 * flops / (out[mode]["wall_ms"] * 1e-3) / (args.peak_tflops * 1e12)
-                )
+                for chunk in args.chunk:
+                    mode = f"prefill in chunks of {chunk}"
+                    r = out[mode] = profile_prefills(
+                        engine, args.batch, args.prefill, chunk, args.steps, vocab
+                    )
+                    r["pct_of_peak"] = 100 * flops / (r["wall_ms"] * 1e-3) / (args.peak_tflops * 1e12)
+                    report(args, results, name, mode)
             else:
                 mode = "graphs" if graphs else "eager"
                 out[mode] = profile_steps(engine, args.batch, args.context, args.steps, vocab)
-            r = out[mode]
-            write(args, results)
-            print(
-                f"{name} {mode}: step {r['wall_ms']:.2f} ms wall, {r['gpu_busy_ms']:.2f} ms GPU busy, "
-                f"{r['kernels_per_step']:.0f} kernels",
-                flush=True,
-            )
+                report(args, results, name, mode)
         finally:
             engine.shutdown()
             del engine
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+def report(args: argparse.Namespace, results: list[dict[str, Any]], name: str, mode: str) -> None:
+    r = results[-1][mode]
+    write(args, results)
+    print(
+        f"{name} {mode}: {r['wall_ms']:.2f} ms wall ({r['profiled_wall_ms']:.2f} profiled), "
+        f"{r['gpu_busy_ms']:.2f} ms GPU busy, {r['kernels_per_step']:.0f} kernels",
+        flush=True,
+    )
 
 
 def active_parameters(engine: Engine, cfg: dict[str, Any]) -> float:
@@ -207,18 +221,19 @@ def write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
 
 def print_table(results: list[dict[str, Any]]) -> None:
     for r in results:
-        for mode in (name for name in ("graphs", "eager", "prefill") if name in r):
-            m = r[mode]
-            if mode != "prefill":
-                what = f"context {r['context']}, {mode}: {m['wall_ms']:.2f} ms a step wall"
-            else:
+        for mode, m in ((k, v) for k, v in r.items() if isinstance(v, dict)):
+            if "prefill_tokens" in r:
                 what = (
-                    f"prefill of {r['prefill_tokens']} tokens in chunks of {r['chunk']}: "
-                    f"{m['wall_ms']:.2f} ms to the first tokens ({m['pct_of_peak']:.0f}% of bf16 peak)"
+                    f"{mode}, {r['prefill_tokens']} tokens: {m['wall_ms']:.2f} ms to the first tokens "
+                    f"({m['pct_of_peak']:.0f}% of the bf16 peak)"
                 )
+            else:
+                what = f"context {r['context']}, {mode}: {m['wall_ms']:.2f} ms a step"
             print(
-                f"\n{r['model']}, batch {r['batch']}, {what}, {m['gpu_busy_ms']:.2f} ms GPU busy "
-                f"({100 * m['gpu_busy_ms'] / m['wall_ms']:.0f}%), {m['kernels_per_step']:.0f} kernels a step"
+                f"\n{r['model']} (compile {r['compile']}), batch {r['batch']}, {what}; profiled "
+                f"{m['profiled_wall_ms']:.2f} ms wall, {m['gpu_busy_ms']:.2f} ms GPU busy "
+                f"({100 * m['gpu_busy_ms'] / m['profiled_wall_ms']:.0f}%), "
+                f"{m['kernels_per_step']:.0f} kernels"
             )
             print("| kernel | per step | ms a step | % of GPU time |\n|---|---|---|---|")
             for k in m["top"]:
@@ -235,7 +250,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prefill", type=int, default=0, help="profile prefills of this many tokens instead")
-    ap.add_argument("--chunk", type=int, default=512, help="prefill tokens a step (--prefill)")
+    ap.add_argument(
+        "--chunk", type=int, nargs="+", default=[512], help="prefill tokens a step, each in turn (--prefill)"
+    )
+    ap.add_argument("--compile", type=lambda v: v.lower() in ("1", "true", "yes"), default=True)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (--prefill)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=RESULTS)
