@@ -132,8 +132,8 @@ class EngineConfig:
         default=True,
         metadata=setting(
             "BALLAST_COMPILE",
-            "fuse each norm, rope and gated activation into one kernel with torch.compile (CUDA only; eager "
-            "if compiling fails)",
+            "fuse each norm, rope and gated activation into one kernel with torch.compile inside the decode "
+            "CUDA graphs (eager steps and the CPU run the eager code; so does all if compiling fails)",
         ),
     )
 

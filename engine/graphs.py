@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from ballast.engine.kv_pool import Acquire
 from ballast.memory.types import MiB
+from ballast.models import pointwise
 from ballast.models.base import ForwardBatch, Rows
 from torch import Tensor
 
@@ -204,21 +205,22 @@ class DecodeGraphs:
         b, c, _ = key
         batch = self._static_batch(b, c)
         self._stage([])
-        try:
-            eager = self._forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
-        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
-            raise WarmupFailed(f"warm-up forward of batch {b}, context {c} failed: {e}") from e
-        if self._logits is None:
-            width = max(w for w, _ in self.pairs)
-            self._logits = eager.new_empty((width, *eager.shape[1:]))
-        out = self._logits[:b]
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            # One shared output: a graph's own logits are freed at the end of its capture, so the
-            # graphs together keep one [batch, vocab] buffer, not one per graph.
-            out.copy_(self._forward(batch))
-        torch.cuda.synchronize(self.device)
+        with pointwise.fused():  # a graph's fused kernels cost the host nothing when replayed
+            try:
+                eager = self._forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+                raise WarmupFailed(f"warm-up forward of batch {b}, context {c} failed: {e}") from e
+            if self._logits is None:
+                width = max(w for w, _ in self.pairs)
+                self._logits = eager.new_empty((width, *eager.shape[1:]))
+            out = self._logits[:b]
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                # One shared output: a graph's own logits are freed at the end of its capture, so the
+                # graphs together keep one [batch, vocab] buffer, not one per graph.
+                out.copy_(self._forward(batch))
+            torch.cuda.synchronize(self.device)
         self._graphs[key] = graph
 
     def _capture_late(self, key: tuple[int, int, bool]) -> bool:

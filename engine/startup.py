@@ -39,7 +39,7 @@ def bring_up(
     """dies: every GPU the engine's ranks use (empty on the host); gpu_die: the one admission
     checks, asked once the model is loaded (under tensor parallel, the die with the lowest
     ceiling)."""
-    pointwise.set_enabled(cfg.compile)  # before the first forward: the profile compiles them
+    pointwise.set_enabled(cfg.compile)  # the decode graphs' capture compiles them
     quantized = force_quantized_kv or cfg.kv_quant == "int8"
     workers = None
     if cfg.tensor_parallel_size > 1:

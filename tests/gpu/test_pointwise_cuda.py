@@ -1,6 +1,7 @@
 """On CUDA the pointwise pieces of a layer (norms, rope, gated activations) run compiled by
-torch.compile, one kernel each: the same values as their eager code, and an engine with them
-compiled generates the same greedy tokens as one without. Skips cleanly without CUDA."""
+torch.compile inside the decode graphs, one kernel each: the same values as their eager code, the
+eager code outside the graphs, and an engine with them compiled generates the same greedy tokens
+as one without. Skips cleanly without CUDA."""
 
 from __future__ import annotations
 
@@ -35,20 +36,45 @@ def test_compiled_pieces_match_their_eager_code(dtype: torch.dtype, tokens: int)
     angle = torch.randn(tokens, 64, device=dev, generator=gen)
     cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    pairs = [
-        (pointwise.rms_norm(x, w, 1e-6), pointwise._rms_norm(x, w, 1e-6)),
-        (pointwise.centered_rms_norm(x, w, 1e-6), pointwise._centered_rms_norm(x, w, 1e-6)),
-        (pointwise.gated_rms_norm(x, gate, w, 1e-6), pointwise._gated_rms_norm(x, gate, w, 1e-6)),
-        (pointwise.rope(heads, cos, sin), pointwise.apply_rope(heads, cos, sin)),
-        (
-            pointwise.rope(heads, cos[:, :32], sin[:, :32]),
-            pointwise.apply_rope(heads, cos[:, :32], sin[:, :32]),
-        ),
-        (pointwise.silu_mul(torch.cat((x, gate), 1), 256), pointwise._silu_mul(torch.cat((x, gate), 1), 256)),
-    ]
+    with pointwise.fused():
+        pairs = [
+            (pointwise.rms_norm(x, w, 1e-6), pointwise._rms_norm(x, w, 1e-6)),
+            (pointwise.centered_rms_norm(x, w, 1e-6), pointwise._centered_rms_norm(x, w, 1e-6)),
+            (pointwise.gated_rms_norm(x, gate, w, 1e-6), pointwise._gated_rms_norm(x, gate, w, 1e-6)),
+            (pointwise.rope(heads, cos, sin), pointwise.apply_rope(heads, cos, sin)),
+            (
+                pointwise.rope(heads, cos[:, :32], sin[:, :32]),
+                pointwise.apply_rope(heads, cos[:, :32], sin[:, :32]),
+            ),
+            (
+                pointwise.silu_mul(torch.cat((x, gate), 1), 256),
+                pointwise._silu_mul(torch.cat((x, gate), 1), 256),
+            ),
+        ]
     assert pointwise.enabled(), "compiling failed on this machine"
     for got, want in pairs:
         torch.testing.assert_close(got, want, **tol)
+
+
+def test_the_compiled_kernels_run_only_inside_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside a graph's capture a call takes the eager code (dynamo's guards cost the host more
+    than the launches they save); inside `fused()` the compiled one."""
+    calls: list[str] = []
+
+    def compiled(*args: object) -> torch.Tensor:
+        calls.append("compiled")
+        return pointwise._rms_norm(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setitem(pointwise._compiled, "rms_norm", compiled)
+    x = torch.randn(3, 64, device="cuda")
+    w = torch.ones(64, device="cuda")
+    pointwise.rms_norm(x, w, 1e-6)
+    assert calls == []
+    with pointwise.fused():
+        pointwise.rms_norm(x, w, 1e-6)
+    assert calls == ["compiled"]
+    pointwise.rms_norm(x, w, 1e-6)
+    assert calls == ["compiled"]
 
 
 def generate(model: str, compile: bool) -> list[int]:
