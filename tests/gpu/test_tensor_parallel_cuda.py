@@ -72,6 +72,7 @@ def engine(
         max_num_seqs=4,
         tensor_parallel_size=tp,
         tp_cuda_graphs=tp_graphs,
+        compile=False,  # a replay runs an eager step's very kernels (compiled ones run in graphs only)
     )
     return Engine.load(cfg, watch)
 
