@@ -55,9 +55,12 @@ class EngineConfig:
         metadata=setting("BALLAST_MAX_MODEL_LEN", "prompt + generated tokens per sequence", 2, 1 << 20),
     )
     prefill_chunk_tokens: int = field(
-        default=512,
+        default=0,
         metadata=setting(
-            "BALLAST_PREFILL_CHUNK_TOKENS", "largest prefill one step carries (profiled at load)", 1, 1 << 16
+            "BALLAST_PREFILL_CHUNK_TOKENS",
+            "largest prefill one step carries (profiled at load); 0 = 2048 on CUDA, 512 on the CPU",
+            0,
+            1 << 16,
         ),
     )
     kv_quant: str = field(
@@ -165,6 +168,16 @@ class EngineConfig:
         if self.fp8_weights == "auto":
             return fp8.kernels_available(device)
         return self.fp8_weights == "keep"
+
+    def resolved_prefill_chunk(self, device: torch.device) -> int:
+        """--prefill-chunk-tokens, or where 0 the device's default (never past max_model_len). A
+        GPU runs a bigger chunk at the same cost a token or better, so a burst of prompts is
+        through sooner (on an H200, 32 prompts of 1k tokens to a 3B model waited up to 6.2 s at
+        512 tokens a step); on the CPU a step is compute-bound and a big chunk only stalls the
+        running streams longer."""
+        if self.prefill_chunk_tokens:
+            return self.prefill_chunk_tokens
+        return min(2048 if device.type == "cuda" else 512, self.max_model_len)
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

@@ -7,6 +7,7 @@ catalogued). The scheduler talks to it only through frozen `StepPlan` / `StepRes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -82,10 +83,11 @@ class Engine:
         prefix_cache: PrefixCacheConfig | None = None,
         pool: CheckpointPool | None = None,
     ) -> None:
+        self.device = config.resolved_device()
+        config = dataclasses.replace(config, prefill_chunk_tokens=config.resolved_prefill_chunk(self.device))
         self.config = config
         self._prefix_cfg = prefix_cache or PrefixCacheConfig()
         self._pool = pool
-        self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
         self.num_slots = config.max_num_seqs
         self.max_model_len = config.max_model_len

@@ -34,11 +34,12 @@ class SchedulerConfig:
         ),
     )
     max_num_batched_tokens: int = field(
-        default=512,
+        default=0,
         metadata=setting(
             "BALLAST_MAX_NUM_BATCHED_TOKENS",
-            "tokens per step (decodes + prefill chunks); must be >= max_num_seqs",
-            1,
+            "tokens per step (decodes + prefill chunks); must be >= max_num_seqs; 0 = the engine's "
+            "prefill chunk (at least max_num_seqs)",
+            0,
             1 << 20,
         ),
     )
@@ -117,7 +118,7 @@ class SchedulerConfig:
         check(self)
         # A step must fit every running request's decode token plus at least one prefill token,
         # or a long prompt could wait forever behind decodes (starvation).
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if 0 < self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"BALLAST_MAX_NUM_BATCHED_TOKENS={self.max_num_batched_tokens} must be >= "
                 f"BALLAST_MAX_NUM_SEQS={self.max_num_seqs}"

@@ -292,7 +292,10 @@ class Scheduler:
                     DecodeToken(seq.slot, seq.output[-1], len(seq.req.prompt_ids) + len(seq.output) - 1)
                 )
                 sampling[seq.slot] = seq.req.params
-        budget = min(self._cfg.max_num_batched_tokens - len(decodes), self._engine.prefill_chunk_tokens)
+        per_step = self._cfg.max_num_batched_tokens or max(
+            self._engine.prefill_chunk_tokens, self._cfg.max_num_seqs
+        )
+        budget = min(per_step - len(decodes), self._engine.prefill_chunk_tokens)
         prefills: list[PrefillChunk] = []
         for seq in self._running:
             if budget > 0 and seq.phase is Phase.PREFILLING and seq.prefilled < len(seq.feed):

@@ -444,3 +444,13 @@ def test_int8_and_main_pool_sequences_run_side_by_side(model: str) -> None:
         eng.shutdown()
     assert out[0] == alone("none", a)
     assert out[1] == alone("int8", b)
+
+
+def test_the_default_prefill_chunk_follows_the_device() -> None:
+    """0 (the default) is 2048 tokens a step on CUDA, 512 on the CPU, never past max_model_len;
+    a chunk that is set is kept."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert EngineConfig().resolved_prefill_chunk(cuda) == 2048
+    assert EngineConfig().resolved_prefill_chunk(cpu) == 512
+    assert EngineConfig(max_model_len=300).resolved_prefill_chunk(cuda) == 300
+    assert EngineConfig(prefill_chunk_tokens=700).resolved_prefill_chunk(cpu) == 700

@@ -122,6 +122,20 @@ async def test_chunked_prefill_respects_the_token_budget_and_mixes_with_decode(m
     await assert_idle(s, eng)
 
 
+async def test_the_default_token_budget_is_the_engines_prefill_chunk(make) -> None:
+    """max_num_batched_tokens 0 (the default): a step carries the engine's profiled chunk (at
+    least one token per slot), decodes included, so a GPU engine's bigger chunk is used whole."""
+    s, eng = await make(SchedulerConfig(max_num_seqs=4), prefill_chunk_tokens=12)
+    long_prompt = "the quick brown fox jumps over the lazy dog " * 2
+    reqs = [req(i, long_prompt + str(i), max_tokens=6) for i in range(4)]
+    results = await asyncio.gather(*(s.submit(r).collect() for r in reqs))
+    assert [t for t, _, _ in results] == [calm_text(r) for r in reqs]
+    plans = eng.recorded()
+    assert all(sum(len(c.token_ids) for c in p.prefills) + len(p.decodes) <= 12 for p in plans)
+    assert max(sum(len(c.token_ids) for c in p.prefills) for p in plans) == 12
+    await assert_idle(s, eng)
+
+
 async def test_fcfs_admission_order_and_a_long_prompt_is_not_starved(make) -> None:
     s, eng = await make(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8), prefill_chunk_tokens=8)
     long_req = req("long", "a long prompt that needs many chunks to prefill " * 3, max_tokens=4)
