@@ -159,3 +159,18 @@ def test_subset_and_mixed_step_groups() -> None:
     # A step of only chunks, or only decodes, is one padded call.
     (whole,) = padded_groups(ForwardBatch.build([(0, [1, 2], 0), (1, [3, 4, 5], 0)], "cpu"))
     assert whole.token_index is None and whole.mask is not None and whole.mask.shape == (2, 1, 3, 3)
+
+
+def test_packed_index_tensors_each_start_on_16_bytes() -> None:
+    """A batch's index tensors go to the GPU as views of one packed tensor; each must start on a
+    16-byte boundary whatever its neighbours' lengths (odd token and sequence counts here), or
+    Triton compiles its kernels again for every new alignment while serving."""
+    from ballast.models.base import pack_aligned
+
+    parts = [torch.arange(n, dtype=torch.int64) + 100 * n for n in (3, 1, 4, 5, 2)]
+    packed, starts = pack_aligned(parts)
+    assert [packed[at : at + p.shape[0]].tolist() for p, at in zip(parts, starts, strict=True)] == [
+        p.tolist() for p in parts
+    ]
+    assert all(at * packed.element_size() % 16 == 0 for at in starts)
+    assert packed.shape[0] == 4 + 2 + 4 + 6 + 2
