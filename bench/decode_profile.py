@@ -4,6 +4,7 @@ built-in model, with the step's wall time beside the GPU time of its kernels.
     python -m ballast.bench.decode_profile [--models llama-8b qwen3-next-80b-a3b-fp8]
         [--batch 32] [--context 2048] [--steps 4] [--device cuda]
     python -m ballast.bench.decode_profile --prefill 1024 --batch 1 --models llama-8b   # a TTFT's prefill
+    python -m ballast.bench.decode_profile --mixed 128 --models llama-8b   # decodes beside a new prompt
 
 Each model is loaded through `Engine.load`, every slot is prefilled to --context, warmed up, then
 --steps decode steps run under `torch.profiler` twice: with the engine's CUDA graphs (what the
@@ -33,7 +34,7 @@ import torch
 from ballast.bench.paged_decode import prefill, random_prompts, read_model, sync
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.plan import DecodeToken, SamplingParams, StepPlan
+from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.models.builtin import builtin_config
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
@@ -43,18 +44,28 @@ GREEDY = SamplingParams(temperature=0.0)
 WARMUP = 3
 
 
-def profile_steps(engine: Engine, batch: int, context: int, steps: int, vocab: int) -> dict[str, Any]:
-    """Prefill `batch` slots to `context`, warm up, profile `steps` decode steps; release."""
+def profile_steps(
+    engine: Engine, batch: int, context: int, steps: int, vocab: int, mixed: int = 0
+) -> dict[str, Any]:
+    """Prefill `batch` slots to `context`, warm up, profile `steps` decode steps; release.
+    mixed > 0: every step also carries a new prompt of that many tokens in slot `batch` (released
+    after it), as a step does when a request arrives while others decode: it runs eagerly."""
     device = torch.device(engine.device)
     last = prefill(engine, random_prompts(batch, context, vocab, seed=batch), 4096)
-    sampling = dict.fromkeys(range(batch), GREEDY)
+    sampling = dict.fromkeys(range(batch + (mixed > 0)), GREEDY)
+    prompts = iter(random_prompts(WARMUP + 2 * steps, max(mixed, 1), vocab, seed=-1).tolist())
     pos = context
 
     def step() -> None:
         nonlocal pos
-        plan = StepPlan(decodes=tuple(DecodeToken(s, last[s], pos) for s in range(batch)), sampling=sampling)
-        for out in engine.submit(plan).result().outputs:
-            last[out.slot] = out.token_id
+        chunk = (PrefillChunk(batch, tuple(next(prompts)), 0, True),) if mixed else ()
+        decodes = tuple(DecodeToken(s, last[s], pos) for s in range(batch))
+        result = engine.submit(StepPlan(prefills=chunk, decodes=decodes, sampling=sampling)).result()
+        for out in result.outputs:
+            if out.slot < batch:
+                last[out.slot] = out.token_id
+        if mixed:
+            engine.submit(StepPlan(release=(batch,))).result()
         pos += 1
 
     for _ in range(WARMUP):
@@ -161,12 +172,12 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
     out: dict[str, Any] = {"model": name, "batch": args.batch, "compile": args.compile}
     out.update({"prefill_tokens": args.prefill} if args.prefill else {"context": args.context})
     results.append(out)
-    for graphs in (False,) if args.prefill else (True, False):
+    for graphs in (False,) if args.prefill else (True,) if args.mixed else (True, False):
         engine = Engine.load(
             EngineConfig(
                 model="builtin:" + name,
                 device=args.device,
-                max_num_seqs=args.batch,
+                max_num_seqs=args.batch + (args.mixed > 0),
                 max_model_len=max(args.prefill, args.context + WARMUP + 2 * args.steps) + 16,
                 prefill_chunk_tokens=max(args.chunk) if args.prefill else 4096,
                 cuda_graphs=graphs and args.device == "cuda",
@@ -184,8 +195,10 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
                     r["pct_of_peak"] = 100 * flops / (r["wall_ms"] * 1e-3) / (args.peak_tflops * 1e12)
                     report(args, results, name, mode)
             else:
-                mode = "graphs" if graphs else "eager"
-                out[mode] = profile_steps(engine, args.batch, args.context, args.steps, vocab)
+                mode = (
+                    f"decode + {args.mixed}-token prefill" if args.mixed else "graphs" if graphs else "eager"
+                )
+                out[mode] = profile_steps(engine, args.batch, args.context, args.steps, vocab, args.mixed)
                 report(args, results, name, mode)
         finally:
             engine.shutdown()
@@ -252,6 +265,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="profile prefills of this many tokens instead")
     ap.add_argument(
         "--chunk", type=int, nargs="+", default=[512], help="prefill tokens a step, each in turn (--prefill)"
+    )
+    ap.add_argument(
+        "--mixed", type=int, default=0, help="each decode step also prefills a new prompt of N tokens"
     )
     ap.add_argument("--compile", type=lambda v: v.lower() in ("1", "true", "yes"), default=True)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (--prefill)")
