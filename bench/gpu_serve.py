@@ -108,7 +108,8 @@ def run_ballast(model_dir: Path | str, args: argparse.Namespace) -> list[dict[st
     cmd += ["--device", args.device, *args.ballast_args.split()]
     if args.tokenizer is not None:
         cmd += ["--tokenizer", str(args.tokenizer)]
-    with server(cmd, {}, "/ready", port, timeout_s=900) as base:
+    log = args.server_logs / "ballast.log" if args.server_logs else None
+    with server(cmd, {}, "/ready", port, timeout_s=900, log_path=log) as base:
         served = httpx.get(base + "/v1/models").json()["data"][0]["id"]
         print(f"ballast serve ({' '.join(cmd[4:])})", flush=True)
         return run_levels(base, served, args.streams, args)
@@ -120,7 +121,8 @@ def run_transformers(model_dir: Path | str, args: argparse.Namespace) -> list[di
     cmd = [exe, "serve", "--continuous-batching", "--port", str(port), *args.reference_args.split()]
     cmd.append(str(model_dir))
     levels = [n for n in args.streams if n <= args.reference_max_streams]
-    with server(cmd, {"HF_HUB_OFFLINE": "1"}, "/health", port, timeout_s=900) as base:
+    log = args.server_logs / "transformers.log" if args.server_logs else None
+    with server(cmd, {"HF_HUB_OFFLINE": "1"}, "/health", port, timeout_s=900, log_path=log) as base:
         print(f"transformers serve ({' '.join(cmd[1:])})", flush=True)
         return run_levels(base, str(model_dir), levels, args)
 
@@ -166,12 +168,17 @@ def main() -> None:
     ap.add_argument("--ballast-args", default="", help="more `ballast serve` flags, one string")
     ap.add_argument("--reference-args", default="", help="more `transformers serve` flags, one string")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--server-logs", type=Path, help="a directory for both servers' output (ballast.log, ...)"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     args.streams = args.streams or ([1, 32, 128] if args.quick else [1, 8, 32, 128, 256])
     args.requests_per_stream = args.requests_per_stream or (1 if args.quick else 2)
     args.min_requests = args.min_requests or (2 if args.quick else 4)
     args.reference_max_streams = args.reference_max_streams or (128 if args.quick else max(args.streams))
+    if args.server_logs:
+        args.server_logs.mkdir(parents=True, exist_ok=True)
     if args.model and args.model.startswith("builtin:") and args.reference != "none":
         ap.error("transformers serve cannot serve a built-in model: pass --reference none")
     if args.model and args.model.startswith("builtin:") and args.tokenizer is None:

@@ -72,9 +72,16 @@ def serve_command(model: str, port: int, *args: str) -> list[str]:
 
 @contextmanager
 def server(
-    cmd: list[str], env: dict[str, str], ready_path: str, port: int, timeout_s: float = 300.0
+    cmd: list[str],
+    env: dict[str, str],
+    ready_path: str,
+    port: int,
+    timeout_s: float = 300.0,
+    log_path: Path | None = None,
 ) -> Iterator[str]:
-    with tempfile.TemporaryFile(mode="w+") as log:
+    """The server `cmd` started, waited for (`ready_path` answering 200) and stopped after; its
+    output goes to log_path where given (a temporary file otherwise, shown if it fails to start)."""
+    with open(log_path, "w+") if log_path is not None else tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}
         )
