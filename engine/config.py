@@ -170,11 +170,11 @@ class EngineConfig:
         return self.fp8_weights == "keep"
 
     def resolved_prefill_chunk(self, device: torch.device) -> int:
-        """--prefill-chunk-tokens, or where 0 the device's default (never past max_model_len). A
-        GPU runs a bigger chunk at the same cost a token or better, so a burst of prompts is
-        through sooner (on an H200, 32 prompts of 1k tokens to a 3B model waited up to 6.2 s at
-        512 tokens a step); on the CPU a step is compute-bound and a big chunk only stalls the
-        running streams longer."""
+        """--prefill-chunk-tokens, or where 0 the device's default (never past max_model_len). On
+        a GPU fewer, bigger steps carry a burst of prompts sooner (an H200 serving a 3B model 128
+        streams of 1k-token prompts: TTFT p99 4.1 s at 2,048 tokens a step, 10.4 s at 512; an 8B
+        1k-token prefill: 35.9 ms in one step, 37.6 in two); on the CPU a step is compute-bound
+        and a big chunk only stalls the running streams longer."""
         if self.prefill_chunk_tokens:
             return self.prefill_chunk_tokens
         return min(2048 if device.type == "cuda" else 512, self.max_model_len)
