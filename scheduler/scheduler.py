@@ -157,9 +157,7 @@ class Scheduler:
         """Abort everything queued or running, send the engine the last releases, end the loop."""
         if self._task is None or self._closing:
             return
-        self._closing = True
-        for seq in [*self._queue, *self._running]:
-            self._finish(seq, "abort")
+        self._end_all("abort")
         self._wake.set()
         await self._task
 
@@ -223,9 +221,7 @@ class Scheduler:
                 await self._complete(step)
         except asyncio.CancelledError:
             # Cancelled without stop() (the event loop is going away): readers still get an end.
-            self._closing = True
-            for seq in [*self._queue, *self._running]:
-                self._finish(seq, "abort")
+            self._end_all("abort")
             raise
         except Exception as exc:
             # The engine (or a step's bookkeeping) is unsound: every request gets an error event,
@@ -546,9 +542,13 @@ class Scheduler:
 
     def _fail(self, exc: Exception) -> None:
         self.failure = EngineFailed(exc)
+        self._end_all("error", self.failure)
+
+    def _end_all(self, reason: FinishReason, error: Refused | None = None) -> None:
+        """Close to new work and end every request, queued or running."""
         self._closing = True
         for seq in [*self._queue, *self._running]:
-            self._finish(seq, "error", self.failure)
+            self._finish(seq, reason, error)
 
     async def _wait_for_work(self) -> None:
         """Sleep on the wake event. While idle, run the idle hook (trim the checkpoint pool) on
