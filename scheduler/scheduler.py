@@ -320,24 +320,32 @@ class Scheduler:
         self.steps += 1
         self.reused_tokens += result.reused_tokens
         self._slots.released(plan.release)
-        for slot in [s for s in self._saves_after_ahead if s in {d.slot for d in plan.decodes}]:
-            consumed = self._saves_after_ahead.pop(slot)
-            if slot not in result.preempted:
-                self._checkpoints.queue_final_save(slot, consumed)
+        for d in plan.decodes:  # this plan fed their last token: the slot holds what they consumed
+            consumed = self._saves_after_ahead.pop(d.slot, None)
+            if consumed is not None and d.slot not in result.preempted:
+                self._checkpoints.queue_final_save(d.slot, consumed)
         self._kv.room.update(result)
         for slot in result.preempted:
             self._requeue(slot)
+        self._record_prompt_logprobs(result)
+        self._deliver_tokens(plan, result)
+        for seq in self._running:  # what the step's KV figures count for each running request
+            seq.kv_held = seq.consumed_tokens
+
+    def _record_prompt_logprobs(self, result: StepResult) -> None:
+        """Keep the prompt positions the step scored on their request, for its FinishEvent."""
         for scored in result.prompt_logprobs:
             if (owner := self._by_slot.get(scored.slot)) is not None:
                 tops = scored.top or ((),) * len(scored.logprobs)
-                for i, (lp, top) in enumerate(zip(scored.logprobs, tops, strict=True)):
-                    pos = scored.first_pos + i
+                for pos, (lp, top) in enumerate(zip(scored.logprobs, tops, strict=True), scored.first_pos):
                     owner.prompt_logprobs[pos] = TokenLogprob(owner.req.prompt_ids[pos], lp, top)
+
+    def _deliver_tokens(self, plan: StepPlan, result: StepResult) -> None:
+        """Hand each request the token the step sampled for it."""
         outputs = {out.slot: out for out in result.outputs}
-        expected = [d.slot for d in plan.decodes] + [p.slot for p in plan.prefills if p.sample]
-        for slot in (s for s in expected if s not in result.preempted):
+        for slot in [d.slot for d in plan.decodes] + [p.slot for p in plan.prefills if p.sample]:
             seq = self._by_slot.get(slot)
-            if seq is None:  # finished (aborted, timed out) while the step ran: drop its token
+            if seq is None:  # ended while the step ran (aborted, timed out) or preempted by it
                 continue
             if slot not in outputs:
                 raise RuntimeError(
@@ -348,8 +356,6 @@ class Scheduler:
             except Exception as exc:  # its detokenizer failed: this request's error, not the engine's
                 log.exception("request %s: output handling failed", seq.req.request_id)
                 self._finish(seq, "error", RequestFailed(exc))
-        for seq in self._running:  # what the step's KV figures count for each running request
-            seq.kv_held = seq.consumed_tokens
 
     def _step_failed(self, plan: StepPlan, failed: StepFailed) -> None:
         """The engine failed the step and recovered: it dropped the sequences of `failed.slots`
