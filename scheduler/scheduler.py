@@ -28,7 +28,6 @@ from ballast.engine.plan import (
     DecodeToken,
     KVFigures,
     PrefillChunk,
-    SamplingParams,
     SlotOutput,
     StepFailed,
     StepPlan,
@@ -280,31 +279,30 @@ class Scheduler:
     def _schedule(self) -> StepPlan:
         """Decodes first (one token each), then prefill chunks of the oldest admitted requests,
         then new admissions from the queue head while token budget and slots remain."""
-        sampling: dict[int, SamplingParams] = {}
-        decodes = []
-        for seq in self._running:
-            if seq.phase is Phase.DECODING and seq.slot is not None:
-                decodes.append(
-                    DecodeToken(seq.slot, seq.output[-1], len(seq.req.prompt_ids) + len(seq.output) - 1)
-                )
-                sampling[seq.slot] = seq.req.params
+        decodes = tuple(  # each feeds its last sampled token, at the position after what it consumed
+            DecodeToken(seq.slot, seq.output[-1], seq.consumed_tokens)
+            for seq in self._running
+            if seq.phase is Phase.DECODING and seq.slot is not None
+        )
         per_step = self._cfg.max_num_batched_tokens or max(
             self._engine.prefill_chunk_tokens, self._cfg.max_num_seqs
         )
         budget = min(per_step - len(decodes), self._engine.prefill_chunk_tokens)
+        unfinished = [s for s in self._running if s.phase is Phase.PREFILLING and s.prefilled < len(s.feed)]
+        admitted = () if self._closing else iter(self._admit_head, None)
+        to_prefill = itertools.chain(unfinished, admitted)
         prefills: list[PrefillChunk] = []
-        for seq in self._running:
-            if budget > 0 and seq.phase is Phase.PREFILLING and seq.prefilled < len(seq.feed):
-                budget -= self._chunk(seq, budget, prefills, sampling)
-        while budget > 0 and not self._closing and (new := self._admit_head()) is not None:
-            budget -= self._chunk(new, budget, prefills, sampling)
+        while budget > 0 and (seq := next(to_prefill, None)) is not None:  # admits a head only here
+            prefills.append(self._next_chunk(seq, budget))
+            budget -= len(prefills[-1].token_ids)
+        sampling = {row.slot: self._by_slot[row.slot].req.params for row in (*decodes, *prefills)}
         shed, saves, restores = self._checkpoints.take_orders()
         release = self._slots.take_releases()
         upcoming = itertools.islice(self._queue, self.slot_limit)
         shrink, keep = self._kv.shrink(bool(release), self._charges(), upcoming)
         return StepPlan(
             prefills=tuple(prefills),
-            decodes=tuple(decodes),
+            decodes=decodes,
             sampling=sampling,
             release=release,
             restores=restores,
@@ -431,10 +429,9 @@ class Scheduler:
             return seq
         return None
 
-    def _chunk(
-        self, seq: Seq, budget: int, out: list[PrefillChunk], sampling: dict[int, SamplingParams]
-    ) -> int:
-        """The seq's next prefill chunk (its first one restores the longest cached prefix)."""
+    def _next_chunk(self, seq: Seq, budget: int) -> PrefillChunk:
+        """The seq's next prefill chunk, at most `budget` tokens (its first one restores the longest
+        cached prefix)."""
         assert seq.slot is not None
         prompt = seq.feed
         # The prefix cache holds main-pool blocks: int8 sequences neither save nor restore; nor do
@@ -453,21 +450,17 @@ class Scheduler:
         end = min(len(prompt), seq.prefilled + budget)
         if cached:
             end = self._checkpoints.end_chunk_at_checkpoint(seq.slot, prompt, seq.prefilled, end, seq.cached)
-        targets = seq.req.prompt_ids[seq.prefilled + 1 : end + 1] if scoring else ()
-        out.append(
-            PrefillChunk(
-                seq.slot,
-                prompt[seq.prefilled : end],
-                seq.prefilled,
-                sample=end == len(prompt),
-                int8_kv=bool(seq.int8_kv),
-                logprob_targets=targets,
-                top_logprobs=seq.req.prompt_logprobs or 0,
-            )
+        chunk = PrefillChunk(
+            seq.slot,
+            prompt[seq.prefilled : end],
+            seq.prefilled,
+            sample=end == len(prompt),
+            int8_kv=bool(seq.int8_kv),
+            logprob_targets=seq.req.prompt_ids[seq.prefilled + 1 : end + 1] if scoring else (),
+            top_logprobs=seq.req.prompt_logprobs or 0,
         )
-        sampling[seq.slot] = seq.req.params
-        n, seq.prefilled = end - seq.prefilled, end
-        return n
+        seq.prefilled = end
+        return chunk
 
     def _requeue(self, slot: int) -> None:
         """The engine preempted the sequence in slot (its blocks are gone): the request goes back
