@@ -249,11 +249,10 @@ class Scheduler:
             or self._closing
             or self._queue
             or self._unpark
+            or self._slots.releases_pending
+            or self._gov.ladder.level is not Level.OK
+            or self._engine_slots_wanted != self._engine_slots
         ):
-            return None
-        if self._slots.releases_pending or self._gov.ladder.level is not Level.OK:
-            return None
-        if max(self.slot_limit, self._slots.highest_held) != self._engine_slots:
             return None
         running = {
             seq.slot: Decoding(len(seq.output), seq.max_tokens, seq.req.params)
@@ -576,9 +575,14 @@ class Scheduler:
             self.idle_failures += 1
             log.exception("on_idle callback failed")
 
+    @property
+    def _engine_slots_wanted(self) -> int:
+        """The slot limit the engine should apply now: the ladder's, never below a held slot."""
+        return max(self.slot_limit, self._slots.highest_held)
+
     def _engine_slot_change(self) -> int | None:
-        """The slot limit the engine should apply, when it changes; never below a held slot."""
-        want = max(self.slot_limit, self._slots.highest_held)
+        """The slot limit the next plan carries, when it changes."""
+        want = self._engine_slots_wanted
         if want == self._engine_slots:
             return None
         self._engine_slots = want
