@@ -114,33 +114,20 @@ class EngineFailed(Refused):
         self.cause = cause
 
 
-# Labels for the scheduler's `outcomes` counters (requests by outcome), one per refusal kind.
-REFUSAL_OUTCOMES = (
-    "timeout",
-    "overloaded",
-    "queue_full",
-    "queue_wait",
-    "context_length",
-    "step_failed",
-    "request_failed",
-    "failed",
+# The label each refusal kind is counted under in the scheduler's `outcomes` counters (requests by
+# outcome); any other refusal (EngineFailed) counts as "failed".
+_OUTCOME_LABELS: tuple[tuple[type[Refused], str], ...] = (
+    (RequestTimeout, "timeout"),
+    (Overloaded, "overloaded"),
+    (QueueFull, "queue_full"),
+    (QueueWaitTooLong, "queue_wait"),
+    (ContextTooLong, "context_length"),
+    (StepAborted, "step_failed"),
+    (RequestFailed, "request_failed"),
 )
+REFUSAL_OUTCOMES = (*(label for _, label in _OUTCOME_LABELS), "failed")
 
 
 def outcome_of(error: Refused) -> str:
     """The `outcomes` label a refusal is counted under."""
-    if isinstance(error, RequestTimeout):
-        return "timeout"
-    if isinstance(error, QueueFull):
-        return "queue_full"
-    if isinstance(error, QueueWaitTooLong):
-        return "queue_wait"
-    if isinstance(error, StepAborted):
-        return "step_failed"
-    if isinstance(error, RequestFailed):
-        return "request_failed"
-    if isinstance(error, ContextTooLong):
-        return "context_length"
-    if isinstance(error, Overloaded):
-        return "overloaded"
-    return "failed"
+    return next((label for kind, label in _OUTCOME_LABELS if isinstance(error, kind)), "failed")
