@@ -95,12 +95,11 @@ class Governor:
         max_tokens so prompt + new tokens fit; a prompt that cannot fit is refused, not cut.
         pool: the KV pool's room (its spare blocks count before new memory); quantized: the
         request's KV will be int8 (the engine's format, or the ladder's int8 rung)."""
-        state = self._state
         verdict = self.verdict(n_prompt, max_tokens, pool, quantized)
         if self._recorder is not None:
             self._recorder.record(verdict)
         if verdict.kind is VerdictKind.REJECT:
-            self._deny(state)
+            self._deny()
             raise Overloaded(self._s.retry_after_s, verdict.reason or "admission refused")
         capped = verdict.kind is VerdictKind.CAP
         return Admission(verdict.fit_tokens - n_prompt if capped else max_tokens, capped, verdict)
@@ -135,14 +134,10 @@ class Governor:
         """Raise Overloaded at CRITICAL pressure, from a fresh snapshot (microseconds)."""
         self.refresh()
         if self.pressure_level >= Level.CRITICAL:
-            raise Overloaded(
-                self._s.retry_after_s, self._stale or f"memory pressure {self.pressure_level.name}"
-            )
+            raise Overloaded(self._s.retry_after_s, self._pressure_reason)
 
     def overloaded(self, what: str) -> Overloaded:
-        return Overloaded(
-            self._s.retry_after_s, f"{self._stale or f'memory pressure {self.pressure_level.name}'}: {what}"
-        )
+        return Overloaded(self._s.retry_after_s, f"{self._pressure_reason}: {what}")
 
     def stale_reason(self) -> str | None:
         """Why the latest snapshot counts as unknown (read now, not at the last refresh)."""
@@ -190,12 +185,16 @@ class Governor:
         age = time.monotonic() - state.taken_at
         return f"memory signals unknown: the last snapshot is {age:.1f} s old" if age > limit else None
 
-    def _deny(self, state: MemState | None) -> None:
+    @property
+    def _pressure_reason(self) -> str:
+        return self._stale or f"memory pressure {self.pressure_level.name}"
+
+    def _deny(self) -> None:
+        """A REJECT on the current snapshot: pin the level (see the module doc)."""
         self.denials += 1
-        level = state.level if state is not None else Level.OK
-        self._pin = max(self._pin, Level.TIGHT, level)
-        self._pin_seq = state.seq if state is not None else -1
-        self._pin_snapshot_level = level
+        self._pin = max(self._pin, Level.TIGHT, self.snapshot_level)
+        self._pin_seq = self._state.seq if self._state is not None else -1
+        self._pin_snapshot_level = self.snapshot_level
 
     def _decay(self, state: MemState | None) -> None:
         if self._pin is Level.OK:
