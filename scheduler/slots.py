@@ -51,9 +51,7 @@ class SlotTable:
 
     def take_releases(self) -> tuple[int, ...]:
         """Draining slots not yet sent to the engine; they go into the plan being built."""
-        out = tuple(
-            s for s, st in enumerate(self._state) if st is SlotState.DRAINING and s not in self._in_release
-        )
+        out = self._unsent_releases()
         self._in_release.update(out)
         return out
 
@@ -64,28 +62,34 @@ class SlotTable:
             self._in_release.discard(slot)
             self._state[slot] = SlotState.FREE
 
+    def _unsent_releases(self) -> tuple[int, ...]:
+        return tuple(
+            s for s, st in enumerate(self._state) if st is SlotState.DRAINING and s not in self._in_release
+        )
+
     def _expect(self, slot: int, state: SlotState) -> None:
-        if not 0 <= slot < self.capacity or self._state[slot] is not state:
-            actual = self._state[slot].value if 0 <= slot < self.capacity else "out of range"
-            raise SlotError(f"slot {slot} is {actual}, expected {state.value}")
+        actual = self._state[slot] if 0 <= slot < self.capacity else None
+        if actual is not state:
+            found = "out of range" if actual is None else actual.value
+            raise SlotError(f"slot {slot} is {found}, expected {state.value}")
 
     # Figures (read-only).
     @property
     def busy(self) -> int:
-        return sum(st is SlotState.BUSY for st in self._state)
+        return self._state.count(SlotState.BUSY)
 
     @property
     def draining(self) -> int:
-        return sum(st is SlotState.DRAINING for st in self._state)
+        return self._state.count(SlotState.DRAINING)
 
     @property
     def releases_pending(self) -> bool:
         """Draining slots whose release is in no plan yet."""
-        return any(st is SlotState.DRAINING and s not in self._in_release for s, st in enumerate(self._state))
+        return bool(self._unsent_releases())
 
     @property
     def free(self) -> int:
-        return sum(st is SlotState.FREE for st in self._state)
+        return self._state.count(SlotState.FREE)
 
     @property
     def highest_held(self) -> int:
