@@ -507,19 +507,7 @@ class Scheduler:
             if seq.preempted:  # whatever the engine parked for it would never be resumed
                 self._unpark.append(seq.feed)
         else:
-            self._running.remove(seq)
-            self.service.left_slot(time.monotonic(), backlog=bool(self._queue))
-            if seq.slot is not None:
-                if reason in ("stop", "length") and seq.phase is Phase.DECODING and not seq.int8_kv:
-                    if seq.slot in self._fed_ahead:
-                        # The plan in flight feeds it output[-1]: saved once that plan has run.
-                        self._saves_after_ahead[seq.slot] = seq.req.prompt_ids + tuple(seq.output)
-                    else:  # saved before the release: the slot has consumed prompt + output[:-1]
-                        self._checkpoints.queue_final_save(
-                            seq.slot, seq.req.prompt_ids + tuple(seq.output[:-1])
-                        )
-                del self._by_slot[seq.slot]
-                self._slots.retire(seq.slot)
+            self._leave_slot(seq, completed=reason in ("stop", "length"))
         seq.phase = Phase.FINISHED
         if reason in ("stop", "length") and not seq.detok.stopped:
             try:
@@ -537,6 +525,23 @@ class Scheduler:
             FinishEvent(reason, len(seq.req.prompt_ids), len(seq.output), capped, error, seq.cached, scored)
         )
         self._outcomes[reason if error is None else outcome_of(error)] += 1
+
+    def _leave_slot(self, seq: Seq, completed: bool) -> None:
+        """Take a running request out of its slot, released in the next plan. One that completed
+        while decoding first orders a checkpoint of what its slot consumed (int8 sequences do not:
+        the prefix cache holds main-pool blocks)."""
+        self._running.remove(seq)
+        self.service.left_slot(time.monotonic(), backlog=bool(self._queue))
+        if seq.slot is None:
+            return
+        if completed and seq.phase is Phase.DECODING and not seq.int8_kv:
+            if seq.slot in self._fed_ahead:
+                # The plan in flight feeds it output[-1]: saved once that plan has run.
+                self._saves_after_ahead[seq.slot] = seq.req.prompt_ids + tuple(seq.output)
+            else:  # saved before the release: the slot has consumed prompt + output[:-1]
+                self._checkpoints.queue_final_save(seq.slot, seq.req.prompt_ids + tuple(seq.output[:-1]))
+        del self._by_slot[seq.slot]
+        self._slots.retire(seq.slot)
 
     def _fail(self, exc: Exception) -> None:
         self.failure = EngineFailed(exc)
