@@ -211,11 +211,11 @@ class Scheduler:
             ahead: _InFlight | None = None
             while not self._closing or self._slots.draining or ahead is not None:
                 self._govern()
-                step = ahead or self._submit(self._schedule())
+                step = ahead or self._send(self._schedule())
                 if step is None:
                     await self._wait_for_work()
                     continue
-                ahead = self._submit(self._lookahead(step.plan))
+                ahead = self._send(self._lookahead(step.plan))
                 self._fed_ahead = frozenset(d.slot for d in ahead.plan.decodes) if ahead else frozenset()
                 await self._complete(step)
         except asyncio.CancelledError:
@@ -228,7 +228,8 @@ class Scheduler:
             log.exception("scheduler loop stopped: engine step failed")
             self._fail(exc)
 
-    def _submit(self, plan: StepPlan | None) -> _InFlight | None:
+    def _send(self, plan: StepPlan | None) -> _InFlight | None:
+        """Hand a plan to the engine (`submit` takes requests, this sends steps); None: nothing to run."""
         if plan is None or (plan.empty and plan.max_slots is None):  # a ladder change alone is sent
             return None
         return _InFlight(plan, self._engine.submit(plan))
