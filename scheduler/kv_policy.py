@@ -33,6 +33,11 @@ class KVPolicy:
             return False
         return not self.room.holds(False, n_tokens, running)
 
+    def in_int8(self, seq: Seq, n_tokens: int, running: list[Charge]) -> bool:
+        """Whether `seq` (n_tokens: what it would be charged) lives in int8 blocks: as decided at its
+        first admission, else as it would start now."""
+        return seq.int8_kv if seq.int8_kv is not None else self.starts_in_int8(n_tokens, running)
+
     def waits_for_blocks(
         self, n_prompt: int, max_tokens: int, int8: bool, running: list[Charge], busy: bool
     ) -> bool:
@@ -81,6 +86,5 @@ class KVPolicy:
         window = self._gov.ladder.context_window
         for seq in upcoming:
             n = seq.total_tokens if seq.preempted else min(seq.total_tokens, window)
-            int8 = seq.int8_kv if seq.int8_kv is not None else self.starts_in_int8(n, charges)
-            charges.append(Charge(n, 0, int8))
+            charges.append(Charge(n, 0, self.in_int8(seq, n, charges)))
         return self.room.keep(charges)

@@ -397,9 +397,7 @@ class Scheduler:
                 return None
             asked = seq.req.max_tokens - len(seq.resumed)
             running = self._charges()
-            int8 = seq.int8_kv
-            if int8 is None:
-                int8 = self._kv.starts_in_int8(len(seq.feed) + asked, running)
+            int8 = self._kv.in_int8(seq, len(seq.feed) + asked, running)
             busy = bool(self._running) or self._slots.draining
             if self._kv.waits_for_blocks(len(seq.feed), asked, int8, running, busy) or (
                 seq.preempted and not self._kv.resumable(len(seq.feed) + 1, int8, running)
