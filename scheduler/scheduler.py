@@ -142,8 +142,6 @@ class Scheduler:
         self.step_failures = 0  # steps the engine failed and recovered from (their requests lost)
         self.last_step_failure: str | None = None
         self.steps = 0
-        self.idle_ticks = 0
-        self.idle_failures = 0
         self._outcomes = dict.fromkeys(OUTCOMES, 0)
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -570,13 +568,11 @@ class Scheduler:
     def _run_idle_hook(self) -> None:
         if self._on_idle is None:
             return
-        self.idle_ticks += 1
         try:
             self._on_idle()
         except Exception:
             # Trimming a cache is housekeeping: its failure must not stop serving, but it is
-            # logged and counted, never dropped.
-            self.idle_failures += 1
+            # logged, never dropped.
             log.exception("on_idle callback failed")
 
     @property

@@ -325,6 +325,28 @@ async def test_idle_hook_runs_when_idle_and_on_a_slow_tick_never_while_busy() ->
         eng.shutdown()
 
 
+async def test_a_failing_idle_hook_is_logged_and_serving_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    eng = FakeEngine()
+    calls = 0
+
+    def trim() -> None:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("trim broke")
+
+    s = Scheduler(eng, SchedulerConfig(max_num_seqs=2, idle_tick_s=0.01), on_idle=trim)
+    await s.start()
+    try:
+        await wait_until(lambda: calls >= 2)  # called again on the tick after it failed
+        r = req(1)
+        text, _, finish = await s.submit(r).collect()
+        assert finish.reason == "length" and text == calm_text(r)
+        assert s.healthy and "on_idle callback failed" in caplog.text
+    finally:
+        await s.stop()
+        eng.shutdown()
+
+
 async def test_no_leaks_after_200_mixed_requests(make) -> None:
     s, eng = await make(
         SchedulerConfig(max_num_seqs=4, max_queue=12, max_num_batched_tokens=24),
