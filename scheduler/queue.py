@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -12,7 +12,7 @@ T = TypeVar("T")
 class WaitingQueue(Generic[T]):
     """First come, first served. Only the head is ever admitted, so a request can never be
     overtaken by a later one (no starvation); removal from the middle (abort, deadline, refusal
-    at CRITICAL) goes through `drop_if`."""
+    at CRITICAL) goes through `remove`."""
 
     def __init__(self, max_size: int) -> None:
         if max_size < 0:
@@ -41,14 +41,9 @@ class WaitingQueue(Generic[T]):
     def pop_head(self) -> T:
         return self._items.popleft()
 
-    def drop_if(self, pred: Callable[[T], bool]) -> list[T]:
-        """Remove and return (in queue order) every item for which pred is true."""
-        kept: deque[T] = deque()
-        dropped: list[T] = []
-        for x in self._items:
-            (dropped if pred(x) else kept).append(x)
-        self._items = kept
-        return dropped
+    def remove(self, item: T) -> None:
+        """Take a waiting item out of the queue, wherever it stands."""
+        self._items.remove(item)
 
     def __len__(self) -> int:
         return len(self._items)

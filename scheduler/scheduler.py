@@ -500,7 +500,7 @@ class Scheduler:
         if seq.phase is Phase.FINISHED:
             return
         if seq.phase is Phase.WAITING:
-            self._queue.drop_if(lambda s: s is seq)
+            self._queue.remove(seq)
             if seq.preempted:  # whatever the engine parked for it would never be resumed
                 self._unpark.append(seq.feed)
         else:
