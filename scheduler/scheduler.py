@@ -55,7 +55,6 @@ from ballast.scheduler.kv_room import Charge, KVRoom
 from ballast.scheduler.lookahead import Decoding, next_decodes
 from ballast.scheduler.queue import WaitingQueue
 from ballast.scheduler.request import (
-    FinishEvent,
     FinishReason,
     GenerationRequest,
     Mailbox,
@@ -514,13 +513,7 @@ class Scheduler:
                 reason, error, tail = "error", RequestFailed(exc), ""
             if tail:
                 seq.mailbox.put(TokenEvent(tail, ()))
-        capped = seq.capped and reason == "length"
-        scored = None
-        if seq.req.prompt_logprobs is not None and len(seq.prompt_logprobs) == len(seq.req.prompt_ids) - 1:
-            scored = tuple(seq.prompt_logprobs[pos] for pos in range(1, len(seq.req.prompt_ids)))
-        seq.mailbox.put(
-            FinishEvent(reason, len(seq.req.prompt_ids), len(seq.output), capped, error, seq.cached, scored)
-        )
+        seq.mailbox.put(seq.finish_event(reason, error))
         self._outcomes[reason if error is None else outcome_of(error)] += 1
 
     def _leave_slot(self, seq: Seq, completed: bool) -> None:

@@ -7,7 +7,8 @@ import enum
 from dataclasses import dataclass, field
 
 from ballast.engine.interface import DetokenizerLike
-from ballast.scheduler.request import GenerationRequest, Mailbox, TokenLogprob
+from ballast.scheduler.errors import Refused
+from ballast.scheduler.request import FinishEvent, FinishReason, GenerationRequest, Mailbox, TokenLogprob
 
 
 class Phase(enum.Enum):
@@ -59,3 +60,12 @@ class Seq:
         if self.phase is Phase.DECODING:
             return len(self.req.prompt_ids) + len(self.output) - 1
         return self.prefilled
+
+    def finish_event(self, reason: FinishReason, error: Refused | None) -> FinishEvent:
+        """Its last event: the counts, and its prompt's logprobs once every position was scored."""
+        n_prompt = len(self.req.prompt_ids)
+        scored = None
+        if self.req.prompt_logprobs is not None and len(self.prompt_logprobs) == n_prompt - 1:
+            scored = tuple(self.prompt_logprobs[pos] for pos in range(1, n_prompt))
+        capped = self.capped and reason == "length"
+        return FinishEvent(reason, n_prompt, len(self.output), capped, error, self.cached, scored)
