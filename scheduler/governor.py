@@ -77,7 +77,7 @@ class Governor:
         self.denials = 0
 
     # --- per step -------------------------------------------------------------------------
-    def refresh(self) -> LadderPlan:
+    def refresh(self) -> None:
         """Read the latest snapshot, re-plan the ladder, let a reject's pin decay."""
         state = self._read()
         self._stale = self._staleness(state)
@@ -85,7 +85,6 @@ class Governor:
             self._state = state
             self._plan = plan_for(self.snapshot_level, self._s.ladder, disabled=self._s.ladder_disable)
         self._decay(state)
-        return self._plan
 
     def admit(
         self, n_prompt: int, max_tokens: int, pool: PoolRoom | None = None, quantized: bool = False
