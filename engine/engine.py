@@ -392,13 +392,14 @@ class Engine:
         draw, rows, prompt_logprobs = self._forward(seqs, sampled, plan.sampling, asks)
         self._orders.save(plan, frozenset(plan.release) | preempted, self.max_model_len)
         prefill_tokens = sum(len(p.token_ids) for p in plan.prefills if p.slot not in preempted)
+        decode_tokens = sum(d.slot not in preempted and d.slot not in gone for d in plan.decodes)
         self.prefilled_tokens += prefill_tokens
         self.reused_tokens += reused
         kv, kv_int8 = self.kv_figures(), self.kv_figures(int8=True)
         result = StepResult(
             (),
             prefill_tokens,
-            len(plan.decodes) - len(gone),
+            decode_tokens,
             reused,
             time.perf_counter() - started if seqs else 0.0,
             self._ledger_bytes(),
