@@ -339,11 +339,7 @@ class Engine:
         sequence (blocks, states, sampler history; a sequence parked by a preemption in this step
         is dropped with it), and the plan's housekeeping (releases, unparks, shed, slot limit) is
         applied so no buffer or block is left behind. Each of these is idempotent."""
-        slots = (
-            frozenset(p.slot for p in plan.prefills)
-            | {d.slot for d in plan.decodes}
-            | {r.slot for r in plan.restores}
-        )
+        slots = _written_slots(plan)
         touched = sorted(s for s in slots | set(plan.release) if 0 <= s < self.num_slots)
         self._gone = frozenset(touched)
         for tokens in plan.unpark:
@@ -352,8 +348,7 @@ class Engine:
             self._cache.drop_parked(fed)
         if plan.shed_prefix_cache and self.prefix_cache is not None:
             self.prefix_cache.shed()
-        if plan.max_slots is not None:
-            self.active_slot_limit = max(1, min(self.num_slots, plan.max_slots))
+        self._apply_slot_limit(plan)
         self.slot_kv.drop(touched)
         self._cache.before_writes(touched)
         self.runner.reset(touched)
@@ -456,10 +451,13 @@ class Engine:
         draw, rows = self._draw(seqs, sampled, logits, sampling)
         return draw, rows, prompt_logprobs
 
-    def _apply_releases(self, plan: StepPlan) -> None:
+    def _apply_slot_limit(self, plan: StepPlan) -> None:
         if plan.max_slots is not None:
             # The limit bounds what the scheduler admits next; running sequences keep their slots.
             self.active_slot_limit = max(1, min(self.num_slots, plan.max_slots))
+
+    def _apply_releases(self, plan: StepPlan) -> None:
+        self._apply_slot_limit(plan)
         self._check_slots(plan.release)
         # A finished request's checkpoint travels with its slot's release: save it first, while
         # the slot still holds the blocks.
@@ -537,9 +535,10 @@ class Engine:
         return sum(lease.nbytes for lease in self._leases if not lease.released)
 
 
-def _written_slots(plan: StepPlan) -> set[int]:
+def _written_slots(plan: StepPlan) -> frozenset[int]:
     """Slots whose states the step writes: every sequence it runs, every slot it restores into."""
-    return {p.slot for p in plan.prefills} | {d.slot for d in plan.decodes} | {r.slot for r in plan.restores}
+    slots = [p.slot for p in plan.prefills] + [d.slot for d in plan.decodes] + [r.slot for r in plan.restores]
+    return frozenset(slots)
 
 
 def _prompt_logprobs(chunk: PrefillChunk, logits: torch.Tensor) -> PromptLogprobs:
