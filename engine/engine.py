@@ -378,10 +378,7 @@ class Engine:
             keep = [i for i, (slot, _, _) in enumerate(seqs) if slot not in preempted]
             seqs, sampled = [seqs[i] for i in keep], [sampled[i] for i in keep]
         self._gone = preempted | gone
-        for d in plan.decodes:
-            if d.token_id == LAST_SAMPLED and self._settled.get(d.slot, (-1, 0))[0] == d.pos:
-                self.slot_kv.fed_at(d.slot, d.pos, self._settled[d.slot][1])
-        self._settled = {}
+        self._feed_settled(plan)
         asks = {p.slot: p for p in plan.prefills if p.logprob_targets and p.slot not in preempted}
         started = time.perf_counter()
         draw, rows, prompt_logprobs = self._forward(seqs, sampled, plan.sampling, asks)
@@ -420,6 +417,15 @@ class Engine:
         return replace(
             launched.result, outputs=tuple(outputs), forward_s=time.perf_counter() - launched.started
         )
+
+    def _feed_settled(self, plan: StepPlan) -> None:
+        """A LAST_SAMPLED decode at the position of a token the last finished step drew: the
+        slot's fed record takes that token now (finish recorded it before this plan named it)."""
+        settled, self._settled = self._settled, {}
+        for d in plan.decodes:
+            drawn = settled.get(d.slot)
+            if d.token_id == LAST_SAMPLED and drawn is not None and drawn[0] == d.pos:
+                self.slot_kv.fed_at(d.slot, d.pos, drawn[1])
 
     def kv_figures(self, int8: bool = False) -> KVFigures | None:
         """A KV pool's figures now: the main one, or the int8 one new sequences use under pressure
