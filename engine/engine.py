@@ -199,7 +199,13 @@ class Engine:
         self.decodes_ahead = self.config.tensor_parallel_size == 1
         self.slot_kv = SlotKV(self.runner, self._cache, self._watch, ranks=self.config.tensor_parallel_size)
         self._orders = CheckpointOrders(
-            self._cache, self.prefix_cache, self._pool, self.slot_kv, self.runner, self._check_slots
+            self._cache,
+            self.prefix_cache,
+            self._pool,
+            self.slot_kv,
+            self.runner,
+            self._check_slots,
+            self.max_model_len,
         )
         # Cumulative figures: prompt tokens run through the model vs restored from checkpoints.
         self.prefilled_tokens = 0
@@ -382,7 +388,7 @@ class Engine:
         asks = {p.slot: p for p in plan.prefills if p.logprob_targets and p.slot not in preempted}
         started = time.perf_counter()
         draw, rows, prompt_logprobs = self._forward(seqs, sampled, plan.sampling, asks)
-        self._orders.save(plan, frozenset(plan.release) | preempted, self.max_model_len)
+        self._orders.save(plan, frozenset(plan.release) | preempted)
         prefill_tokens = sum(len(p.token_ids) for p in plan.prefills if p.slot not in preempted)
         decode_tokens = sum(d.slot not in preempted and d.slot not in gone for d in plan.decodes)
         self.prefilled_tokens += prefill_tokens
@@ -468,7 +474,7 @@ class Engine:
         # A finished request's checkpoint travels with its slot's release: save it first, while
         # the slot still holds the blocks.
         released = replace(plan, saves=tuple(s for s in plan.saves if s.slot in plan.release))
-        self._orders.save(released, frozenset(), self.max_model_len)
+        self._orders.save(released, frozenset())
         self.runner.sampler.reset(plan.release)
         self.slot_kv.drop(plan.release)
         if plan.shrink_kv:
