@@ -24,7 +24,7 @@ from ballast.engine.detok import Detokenizer
 from ballast.engine.errors import EngineUnhealthy, PlanError
 from ballast.engine.faults import is_device_fault
 from ballast.engine.kv_budget import capacity_line
-from ballast.engine.pipeline import LaunchedStep, StepPipeline
+from ballast.engine.pipeline import DrawnRow, LaunchedStep, StepPipeline
 from ballast.engine.plan import (
     LAST_SAMPLED,
     KVFigures,
@@ -445,7 +445,7 @@ class Engine:
         sampled: list[bool],
         sampling: dict[int, SamplingParams],
         asks: dict[int, PrefillChunk],
-    ) -> tuple[Draw | None, tuple[tuple[int, int, bool], ...], tuple[PromptLogprobs, ...]]:
+    ) -> tuple[Draw | None, tuple[DrawnRow, ...], tuple[PromptLogprobs, ...]]:
         if not seqs:
             return None, (), ()
         every = [slot in asks for slot, _, _ in seqs]
@@ -525,9 +525,8 @@ class Engine:
 
     def _draw(
         self, seqs: Rows, sampled: list[bool], logits: torch.Tensor, sampling: dict[int, SamplingParams]
-    ) -> tuple[Draw | None, tuple[tuple[int, int, bool], ...]]:
-        """Queue the draw of the rows that sample; per drawn row: slot, the position its token will
-        be fed at, and whether that is past the cache (the request then finishes by length)."""
+    ) -> tuple[Draw | None, tuple[DrawnRow, ...]]:
+        """Queue the draw of the rows that sample, and name each drawn row (`DrawnRow`)."""
         rows = [i for i, s in enumerate(sampled) if s]
         if not rows:
             return None, ()
