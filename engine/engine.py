@@ -501,6 +501,8 @@ class Engine:
         vocab = self.runner.sampler.vocab_size
         from_device = {d.slot for d in plan.decodes if d.token_id == LAST_SAMPLED}
         for slot, tokens, start in seqs:
+            if not tokens:
+                raise PlanError(f"slot {slot}: a prefill chunk of no tokens")
             if start + len(tokens) > self.max_model_len:
                 raise PlanError(
                     f"slot {slot}: positions up to {start + len(tokens) - 1} exceed max_model_len "

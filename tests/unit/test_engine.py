@@ -307,6 +307,7 @@ def test_an_out_of_memory_error_in_a_prefill_loses_only_that_steps_sequences(fau
             prefills=(PrefillChunk(0, (5, 49152), 0, True),), sampling={0: GREEDY}
         ),  # token id past the vocabulary
         StepPlan(decodes=(DecodeToken(0, -1, 3),), sampling={0: GREEDY}),
+        StepPlan(prefills=(PrefillChunk(0, (), 0, True),), sampling={0: GREEDY}),  # a chunk of no tokens
     ],
 )
 def test_impossible_plans_are_refused(plan: StepPlan) -> None:
