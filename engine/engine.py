@@ -92,7 +92,6 @@ class Engine:
         self.num_slots = config.max_num_seqs
         self.max_model_len = config.max_model_len
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
-        self.active_slot_limit = config.max_num_seqs  # the ladder's latest max_slots (informational)
         self._watch = watch
         self._healthy = True
         self.step_failures = 0  # steps that failed and were recovered (their requests lost)
@@ -343,8 +342,8 @@ class Engine:
     def _recover(self, plan: StepPlan) -> frozenset[int]:
         """Undo what a failed step may have half done: every slot the plan named loses its
         sequence (blocks, states, sampler history; a sequence parked by a preemption in this step
-        is dropped with it), and the plan's housekeeping (releases, unparks, shed, slot limit) is
-        applied so no buffer or block is left behind. Each of these is idempotent."""
+        is dropped with it), and the plan's housekeeping (releases, unparks, shed) is applied so
+        no buffer or block is left behind. Each of these is idempotent."""
         slots = _written_slots(plan)
         touched = sorted(s for s in slots | set(plan.release) if 0 <= s < self.num_slots)
         self._gone = frozenset(touched)
@@ -354,7 +353,6 @@ class Engine:
             self._cache.drop_parked(fed)
         if plan.shed_prefix_cache and self.prefix_cache is not None:
             self.prefix_cache.shed()
-        self._apply_slot_limit(plan)
         self.slot_kv.drop(touched)
         self._cache.before_writes(touched)
         self.runner.reset(touched)
@@ -463,13 +461,7 @@ class Engine:
         draw, rows = self._draw(seqs, sampled, logits, sampling)
         return draw, rows, prompt_logprobs
 
-    def _apply_slot_limit(self, plan: StepPlan) -> None:
-        if plan.max_slots is not None:
-            # The limit bounds what the scheduler admits next; running sequences keep their slots.
-            self.active_slot_limit = max(1, min(self.num_slots, plan.max_slots))
-
     def _apply_releases(self, plan: StepPlan) -> None:
-        self._apply_slot_limit(plan)
         self._check_slots(plan.release)
         # A finished request's checkpoint travels with its slot's release: save it first, while
         # the slot still holds the blocks.
