@@ -7,7 +7,6 @@ catalogued). The scheduler talks to it only through frozen `StepPlan` / `StepRes
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -84,7 +83,7 @@ class Engine:
         pool: CheckpointPool | None = None,
     ) -> None:
         self.device = config.resolved_device()
-        config = dataclasses.replace(config, prefill_chunk_tokens=config.resolved_prefill_chunk(self.device))
+        config = replace(config, prefill_chunk_tokens=config.resolved_prefill_chunk(self.device))
         self.config = config
         self._prefix_cfg = prefix_cache or PrefixCacheConfig()
         self._pool = pool
