@@ -239,8 +239,8 @@ class PrefixCache:
                 return True
         views = [s.slot_views(slot) for s in self._states]
         layout, buf_bytes = _layout(views)
-        n_blocks = -(-n // self._kv.layout.block_size) if self._kv is not None else 0
-        block_bytes = n_blocks * self._kv.layout.block_bytes if self._kv is not None else 0
+        kv = self._kv
+        block_bytes = -(-n // kv.layout.block_size) * kv.layout.block_bytes if kv is not None else 0
         if buf_bytes + block_bytes > self._budget() or not self._make_room(buf_bytes + block_bytes):
             with self._lock:
                 self._declined += 1
@@ -257,7 +257,7 @@ class PrefixCache:
                 for src, (off, dtype, shape) in zip(layer_views, layer_layout, strict=True)
             ]
             done = self._copies.copy_out(slot, pairs, buf, buf_bytes)
-        blocks = self._kv.hold(slot, n) if self._kv is not None else ()
+        blocks = kv.hold(slot, n) if kv is not None else ()
         nbytes = (buf.numel() if buf is not None else 0) + block_bytes
         name = self._record("save", slot)
         with self._lock:
