@@ -387,21 +387,18 @@ class Engine:
         draw, rows, prompt_logprobs = self._forward(seqs, sampled, plan.sampling, asks)
         self._orders.save(plan, frozenset(plan.release) | preempted)
         prefill_tokens = sum(len(p.token_ids) for p in plan.prefills if p.slot not in preempted)
-        decode_tokens = sum(d.slot not in preempted and d.slot not in gone for d in plan.decodes)
         self.prefilled_tokens += prefill_tokens
         self.reused_tokens += reused
-        kv, kv_int8 = self.kv_figures(), self.kv_figures(int8=True)
         result = StepResult(
-            (),
-            prefill_tokens,
-            decode_tokens,
-            reused,
-            time.perf_counter() - started if seqs else 0.0,
-            self._ledger_bytes(),
-            tuple(sorted(preempted)),
-            kv,
-            kv_int8,
-            prompt_logprobs,
+            prefill_tokens=prefill_tokens,
+            decode_tokens=sum(d.slot not in preempted and d.slot not in gone for d in plan.decodes),
+            reused_tokens=reused,
+            forward_s=time.perf_counter() - started if seqs else 0.0,
+            ledger_bytes=self._ledger_bytes(),
+            preempted=tuple(sorted(preempted)),
+            kv=self.kv_figures(),
+            kv_int8=self.kv_figures(int8=True),
+            prompt_logprobs=prompt_logprobs,
         )
         return LaunchedStep(plan, result, draw, rows, started)
 
