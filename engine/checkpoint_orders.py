@@ -68,15 +68,18 @@ class CheckpointOrders:
         slot_kv: SlotKV,
         runner: ModelRunner,
         check_slots: Callable[[Sequence[int]], None],
+        max_model_len: int,
     ) -> None:
         """cache: checkpoints and parked sequences; prefix_cache: the same object when prefix
-        caching is on, else None (parking only); check_slots raises PlanError for slots out of range."""
+        caching is on, else None (parking only); check_slots raises PlanError for slots out of range;
+        max_model_len bounds a checkpoint's length."""
         self._cache = cache
         self._prefix = prefix_cache
         self._pool = pool
         self._slot_kv = slot_kv
         self._runner = runner
         self._check_slots = check_slots
+        self._max_model_len = max_model_len
 
     def shed(self, plan: StepPlan) -> None:
         """The ladder's first rung (WATCH): cached state goes back before anything else shrinks.
@@ -132,7 +135,7 @@ class CheckpointOrders:
             sampler.observe_prompt(r.slot, r.prefix)
         return reused, frozenset(failed)
 
-    def save(self, plan: StepPlan, skip: frozenset[int], max_model_len: int) -> None:
+    def save(self, plan: StepPlan, skip: frozenset[int]) -> None:
         """After the forward: each save's slot has consumed exactly its prefix (saves of slots in
         `skip` are not made here: released slots saved before their release, preempted ones not)."""
         if self._prefix is None:
@@ -141,11 +144,12 @@ class CheckpointOrders:
         int8 = [s.slot for s in plan.saves if self._slot_kv.in_int8(s.slot)]
         if int8:
             raise PlanError(f"slots {int8} hold int8 KV outside the prefix cache's pool: no checkpoint there")
+        longest = self._max_model_len
         for s in plan.saves:
             if s.slot in skip:
                 continue
-            if not 0 < len(s.prefix) <= max_model_len:
+            if not 0 < len(s.prefix) <= longest:
                 raise PlanError(
-                    f"slot {s.slot}: a checkpoint of {len(s.prefix)} tokens is outside 1..{max_model_len}"
+                    f"slot {s.slot}: a checkpoint of {len(s.prefix)} tokens is outside 1..{longest}"
                 )
             self._prefix.save(s.slot, s.prefix)

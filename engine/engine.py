@@ -7,7 +7,6 @@ catalogued). The scheduler talks to it only through frozen `StepPlan` / `StepRes
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -24,7 +23,7 @@ from ballast.engine.detok import Detokenizer
 from ballast.engine.errors import EngineUnhealthy, PlanError
 from ballast.engine.faults import is_device_fault
 from ballast.engine.kv_budget import capacity_line
-from ballast.engine.pipeline import LaunchedStep, StepPipeline
+from ballast.engine.pipeline import DrawnRow, LaunchedStep, StepPipeline
 from ballast.engine.plan import (
     LAST_SAMPLED,
     KVFigures,
@@ -84,7 +83,7 @@ class Engine:
         pool: CheckpointPool | None = None,
     ) -> None:
         self.device = config.resolved_device()
-        config = dataclasses.replace(config, prefill_chunk_tokens=config.resolved_prefill_chunk(self.device))
+        config = replace(config, prefill_chunk_tokens=config.resolved_prefill_chunk(self.device))
         self.config = config
         self._prefix_cfg = prefix_cache or PrefixCacheConfig()
         self._pool = pool
@@ -92,7 +91,6 @@ class Engine:
         self.num_slots = config.max_num_seqs
         self.max_model_len = config.max_model_len
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
-        self.active_slot_limit = config.max_num_seqs  # the ladder's latest max_slots (informational)
         self._watch = watch
         self._healthy = True
         self.step_failures = 0  # steps that failed and were recovered (their requests lost)
@@ -199,7 +197,13 @@ class Engine:
         self.decodes_ahead = self.config.tensor_parallel_size == 1
         self.slot_kv = SlotKV(self.runner, self._cache, self._watch, ranks=self.config.tensor_parallel_size)
         self._orders = CheckpointOrders(
-            self._cache, self.prefix_cache, self._pool, self.slot_kv, self.runner, self._check_slots
+            self._cache,
+            self.prefix_cache,
+            self._pool,
+            self.slot_kv,
+            self.runner,
+            self._check_slots,
+            self.max_model_len,
         )
         # Cumulative figures: prompt tokens run through the model vs restored from checkpoints.
         self.prefilled_tokens = 0
@@ -337,13 +341,9 @@ class Engine:
     def _recover(self, plan: StepPlan) -> frozenset[int]:
         """Undo what a failed step may have half done: every slot the plan named loses its
         sequence (blocks, states, sampler history; a sequence parked by a preemption in this step
-        is dropped with it), and the plan's housekeeping (releases, unparks, shed, slot limit) is
-        applied so no buffer or block is left behind. Each of these is idempotent."""
-        slots = (
-            frozenset(p.slot for p in plan.prefills)
-            | {d.slot for d in plan.decodes}
-            | {r.slot for r in plan.restores}
-        )
+        is dropped with it), and the plan's housekeeping (releases, unparks, shed) is applied so
+        no buffer or block is left behind. Each of these is idempotent."""
+        slots = _written_slots(plan)
         touched = sorted(s for s in slots | set(plan.release) if 0 <= s < self.num_slots)
         self._gone = frozenset(touched)
         for tokens in plan.unpark:
@@ -352,8 +352,6 @@ class Engine:
             self._cache.drop_parked(fed)
         if plan.shed_prefix_cache and self.prefix_cache is not None:
             self.prefix_cache.shed()
-        if plan.max_slots is not None:
-            self.active_slot_limit = max(1, min(self.num_slots, plan.max_slots))
         self.slot_kv.drop(touched)
         self._cache.before_writes(touched)
         self.runner.reset(touched)
@@ -383,29 +381,24 @@ class Engine:
             keep = [i for i, (slot, _, _) in enumerate(seqs) if slot not in preempted]
             seqs, sampled = [seqs[i] for i in keep], [sampled[i] for i in keep]
         self._gone = preempted | gone
-        for d in plan.decodes:
-            if d.token_id == LAST_SAMPLED and self._settled.get(d.slot, (-1, 0))[0] == d.pos:
-                self.slot_kv.fed_at(d.slot, d.pos, self._settled[d.slot][1])
-        self._settled = {}
+        self._feed_settled(plan)
         asks = {p.slot: p for p in plan.prefills if p.logprob_targets and p.slot not in preempted}
         started = time.perf_counter()
         draw, rows, prompt_logprobs = self._forward(seqs, sampled, plan.sampling, asks)
-        self._orders.save(plan, frozenset(plan.release) | preempted, self.max_model_len)
+        self._orders.save(plan, frozenset(plan.release) | preempted)
         prefill_tokens = sum(len(p.token_ids) for p in plan.prefills if p.slot not in preempted)
         self.prefilled_tokens += prefill_tokens
         self.reused_tokens += reused
-        kv, kv_int8 = self.kv_figures(), self.kv_figures(int8=True)
         result = StepResult(
-            (),
-            prefill_tokens,
-            len(plan.decodes) - len(gone),
-            reused,
-            time.perf_counter() - started if seqs else 0.0,
-            self._ledger_bytes(),
-            tuple(sorted(preempted)),
-            kv,
-            kv_int8,
-            prompt_logprobs,
+            prefill_tokens=prefill_tokens,
+            decode_tokens=sum(d.slot not in preempted and d.slot not in gone for d in plan.decodes),
+            reused_tokens=reused,
+            forward_s=time.perf_counter() - started if seqs else 0.0,
+            ledger_bytes=self._ledger_bytes(),
+            preempted=tuple(sorted(preempted)),
+            kv=self.kv_figures(),
+            kv_int8=self.kv_figures(int8=True),
+            prompt_logprobs=prompt_logprobs,
         )
         return LaunchedStep(plan, result, draw, rows, started)
 
@@ -425,6 +418,15 @@ class Engine:
             launched.result, outputs=tuple(outputs), forward_s=time.perf_counter() - launched.started
         )
 
+    def _feed_settled(self, plan: StepPlan) -> None:
+        """A LAST_SAMPLED decode at the position of a token the last finished step drew: the
+        slot's fed record takes that token now (finish recorded it before this plan named it)."""
+        settled, self._settled = self._settled, {}
+        for d in plan.decodes:
+            drawn = settled.get(d.slot)
+            if d.token_id == LAST_SAMPLED and drawn is not None and drawn[0] == d.pos:
+                self.slot_kv.fed_at(d.slot, d.pos, drawn[1])
+
     def kv_figures(self, int8: bool = False) -> KVFigures | None:
         """A KV pool's figures now: the main one, or the int8 one new sequences use under pressure
         (None where there is none: no attention layers, or the main pool is int8 already)."""
@@ -437,7 +439,7 @@ class Engine:
         sampled: list[bool],
         sampling: dict[int, SamplingParams],
         asks: dict[int, PrefillChunk],
-    ) -> tuple[Draw | None, tuple[tuple[int, int, bool], ...], tuple[PromptLogprobs, ...]]:
+    ) -> tuple[Draw | None, tuple[DrawnRow, ...], tuple[PromptLogprobs, ...]]:
         if not seqs:
             return None, (), ()
         every = [slot in asks for slot, _, _ in seqs]
@@ -456,14 +458,11 @@ class Engine:
         return draw, rows, prompt_logprobs
 
     def _apply_releases(self, plan: StepPlan) -> None:
-        if plan.max_slots is not None:
-            # The limit bounds what the scheduler admits next; running sequences keep their slots.
-            self.active_slot_limit = max(1, min(self.num_slots, plan.max_slots))
         self._check_slots(plan.release)
         # A finished request's checkpoint travels with its slot's release: save it first, while
         # the slot still holds the blocks.
         released = replace(plan, saves=tuple(s for s in plan.saves if s.slot in plan.release))
-        self._orders.save(released, frozenset(), self.max_model_len)
+        self._orders.save(released, frozenset())
         self.runner.sampler.reset(plan.release)
         self.slot_kv.drop(plan.release)
         if plan.shrink_kv:
@@ -490,6 +489,8 @@ class Engine:
         vocab = self.runner.sampler.vocab_size
         from_device = {d.slot for d in plan.decodes if d.token_id == LAST_SAMPLED}
         for slot, tokens, start in seqs:
+            if not tokens:
+                raise PlanError(f"slot {slot}: a prefill chunk of no tokens")
             if start + len(tokens) > self.max_model_len:
                 raise PlanError(
                     f"slot {slot}: positions up to {start + len(tokens) - 1} exceed max_model_len "
@@ -514,9 +515,8 @@ class Engine:
 
     def _draw(
         self, seqs: Rows, sampled: list[bool], logits: torch.Tensor, sampling: dict[int, SamplingParams]
-    ) -> tuple[Draw | None, tuple[tuple[int, int, bool], ...]]:
-        """Queue the draw of the rows that sample; per drawn row: slot, the position its token will
-        be fed at, and whether that is past the cache (the request then finishes by length)."""
+    ) -> tuple[Draw | None, tuple[DrawnRow, ...]]:
+        """Queue the draw of the rows that sample, and name each drawn row (`DrawnRow`)."""
         rows = [i for i, s in enumerate(sampled) if s]
         if not rows:
             return None, ()
@@ -536,9 +536,10 @@ class Engine:
         return sum(lease.nbytes for lease in self._leases if not lease.released)
 
 
-def _written_slots(plan: StepPlan) -> set[int]:
+def _written_slots(plan: StepPlan) -> frozenset[int]:
     """Slots whose states the step writes: every sequence it runs, every slot it restores into."""
-    return {p.slot for p in plan.prefills} | {d.slot for d in plan.decodes} | {r.slot for r in plan.restores}
+    slots = [p.slot for p in plan.prefills] + [d.slot for d in plan.decodes] + [r.slot for r in plan.restores]
+    return frozenset(slots)
 
 
 def _prompt_logprobs(chunk: PrefillChunk, logits: torch.Tensor) -> PromptLogprobs:

@@ -36,16 +36,20 @@ from ballast.engine.sampler import Draw
 POLL_S = 50e-6
 
 
+# Per drawn row: the slot, the position its token will be fed at, and whether that position is
+# past the slot's capacity (the request then finishes by length).
+DrawnRow = tuple[int, int, bool]
+
+
 @dataclass(frozen=True)
 class LaunchedStep:
     """A step whose kernels are queued: its result but for the sampled tokens, which `draw` is
-    bringing to the host. rows: per drawn row, the slot, the position its token will be fed at,
-    and whether that position is past the slot's capacity (the request finishes by length)."""
+    bringing to the host, one per row of `rows`."""
 
     plan: StepPlan
     result: StepResult
     draw: Draw | None
-    rows: tuple[tuple[int, int, bool], ...]
+    rows: tuple[DrawnRow, ...]
     started: float  # perf_counter at the forward's launch
 
     @property

@@ -146,8 +146,9 @@ class PrefixCacheStats:
     parked_bytes: int = 0
 
 
-def _digest(tokens: Sequence[int]) -> bytes:
-    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
+def _key(tokens: Sequence[int]) -> tuple[int, bytes]:
+    """How entries and parked sequences are named: the token count and a digest of the tokens."""
+    return len(tokens), hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 @dataclass(eq=False)
@@ -230,7 +231,7 @@ class PrefixCache:
         its recurrent states copied. False if the checkpoint does not fit the budget at all
         (nothing is evicted for it then)."""
         n = len(prefix)
-        key = (n, _digest(prefix))
+        key = _key(prefix)
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
@@ -238,8 +239,8 @@ class PrefixCache:
                 return True
         views = [s.slot_views(slot) for s in self._states]
         layout, buf_bytes = _layout(views)
-        n_blocks = -(-n // self._kv.layout.block_size) if self._kv is not None else 0
-        block_bytes = n_blocks * self._kv.layout.block_bytes if self._kv is not None else 0
+        kv = self._kv
+        block_bytes = -(-n // kv.layout.block_size) * kv.layout.block_bytes if kv is not None else 0
         if buf_bytes + block_bytes > self._budget() or not self._make_room(buf_bytes + block_bytes):
             with self._lock:
                 self._declined += 1
@@ -256,7 +257,7 @@ class PrefixCache:
                 for src, (off, dtype, shape) in zip(layer_views, layer_layout, strict=True)
             ]
             done = self._copies.copy_out(slot, pairs, buf, buf_bytes)
-        blocks = self._kv.hold(slot, n) if self._kv is not None else ()
+        blocks = kv.hold(slot, n) if kv is not None else ()
         nbytes = (buf.numel() if buf is not None else 0) + block_bytes
         name = self._record("save", slot)
         with self._lock:
@@ -273,8 +274,7 @@ class PrefixCache:
         recompute. False (nothing held) when no host buffer can be had: it is recomputed then."""
         n = len(tokens)
         blocks = kv.table(slot)[: -(-n // kv.layout.block_size)]
-        views = [v for s in self._states for v in s.slot_views(slot)]
-        views += [v for b in blocks for v in kv.store.block_views(b)]
+        views = self._sequence_views(slot, kv, blocks)
         layout, nbytes = _layout([views])
         buf = self._buffer(nbytes, shed_on_failure=False) if nbytes else None
         if buf is None:
@@ -282,7 +282,7 @@ class PrefixCache:
         for src, (off, dtype, shape) in zip(views, layout[0], strict=True):
             _segment(buf, off, dtype, shape).copy_(src, non_blocking=self._cuda)
         self._sync()
-        key = (n, _digest(tokens))
+        key = _key(tokens)
         name = self._record("park", slot, kv, blocks)
         with self._lock:
             old = self._parked.pop(key, None)
@@ -298,13 +298,13 @@ class PrefixCache:
         n = self.match_parked(tokens)
         if n == 0:
             return False
-        self._release_parked(self._take_parked((n, _digest(tokens[:n]))))
+        self._release_parked(self._take_parked(_key(tokens[:n])))
         return True
 
     def drop_parked(self, tokens: Sequence[int]) -> bool:
         """Drop the sequence parked with exactly these tokens (a step that parked it failed, so
         nobody will resume it); False if there is none."""
-        key = (len(tokens), _digest(tokens))
+        key = _key(tokens)
         with self._lock:
             if key not in self._parked:
                 return False
@@ -322,14 +322,14 @@ class PrefixCache:
     def parked_pool(self, prefix: Sequence[int]) -> KVPool | None:
         """The pool a parked sequence of exactly `prefix` goes back to; None if it is not parked."""
         with self._lock:
-            parked = self._parked.get((len(prefix), _digest(prefix)))
+            parked = self._parked.get(_key(prefix))
             return parked.kv if parked is not None else None
 
     def restore(self, slot: int, prefix: Sequence[int]) -> int:
         """Start the (empty) slot from the parked sequence or the checkpoint of exactly `prefix`;
         returns its token count. A parked sequence needs fresh blocks in its pool: CheckpointMissing
         when they cannot be had (it stays parked)."""
-        key = (len(prefix), _digest(prefix))
+        key = _key(prefix)
         with self._lock:
             parked = self._parked.get(key)
         if parked is not None:
@@ -343,7 +343,7 @@ class PrefixCache:
         if self._kv is not None and not self._kv.attach(slot, entry.blocks, entry.n_tokens):
             # The copy of its partly filled last block found the pool full, typically of cached
             # prefixes: older entries give way (this one is the most recent now), then try again.
-            self._evict_others_for_block(key)
+            self.evict_for_blocks(1, keep=key)
             if not self._kv.attach(slot, entry.blocks, entry.n_tokens):
                 raise CheckpointMissing(
                     f"no free KV block to copy the last block of a {entry.n_tokens}-token prefix"
@@ -397,10 +397,9 @@ class PrefixCache:
             raise CheckpointMissing(
                 f"no KV blocks to resume a parked {parked.n_tokens}-token sequence (slot {slot})"
             )
-        blocks = parked.kv.table(slot)[: parked.n_blocks]
+        blocks = kv.table(slot)[: parked.n_blocks]
         self._record("unpark", slot, kv, blocks, key=parked.key)
-        dests = [v for s in self._states for v in s.slot_views(slot)]
-        dests += [v for b in blocks for v in parked.kv.store.block_views(b)]
+        dests = self._sequence_views(slot, kv, blocks)
         for dst, (off, dtype, shape) in zip(dests, parked.views, strict=True):
             dst.copy_(_segment(parked.buf, off, dtype, shape), non_blocking=self._cuda)
         self._sync()  # the buffer goes back to the pool next
@@ -414,10 +413,14 @@ class PrefixCache:
     def _take_parked(self, key: tuple[int, bytes]) -> _Parked:
         with self._lock:
             parked = self._parked.pop(key)
-            self._parked_lengths[parked.n_tokens] -= 1
-            if not self._parked_lengths[parked.n_tokens]:
-                del self._parked_lengths[parked.n_tokens]
+            _forget_length(self._parked_lengths, parked.n_tokens)
         return parked
+
+    def _sequence_views(self, slot: int, kv: KVPool, blocks: Sequence[int]) -> list[Tensor]:
+        """What a parked sequence's buffer holds, in order: the slot's recurrent layers' tensors,
+        then the tensors of its KV blocks."""
+        views = [v for s in self._states for v in s.slot_views(slot)]
+        return views + [v for b in blocks for v in kv.store.block_views(b)]
 
     def follow_moves(self, moves: dict[int, int]) -> None:
         """The KV pool moved blocks (compaction): entries name them by their new ids."""
@@ -427,32 +430,20 @@ class PrefixCache:
             for e in self._entries.values():
                 e.blocks = tuple(moves.get(b, b) for b in e.blocks)
 
-    def evict_for_blocks(self, n_blocks: int) -> bool:
+    def evict_for_blocks(self, n_blocks: int, keep: tuple[int, bytes] | None = None) -> bool:
         """Evict least recently used entries until the KV pool has n_blocks free (blocks are worth
         more to a running sequence than to a prompt that may come back); False if even an empty
-        cache leaves too few."""
+        cache leaves too few. `keep`: an entry never evicted (its blocks are about to be attached)."""
         kv = self._kv
         if kv is None:
             return False
         while kv.alloc.free_blocks < n_blocks:
             with self._lock:
-                if not self._entries:
+                if not self._entries or next(iter(self._entries)) == keep:
                     break
                 e = self._pop_lru()
             self._give_back(e)
         return kv.alloc.free_blocks >= n_blocks
-
-    def _evict_others_for_block(self, keep: tuple[int, bytes]) -> None:
-        """Evict least recently used entries, never `keep` (its blocks are about to be attached),
-        until the KV pool has a free block."""
-        kv = self._kv
-        assert kv is not None
-        while kv.alloc.free_blocks < 1:
-            with self._lock:
-                if not self._entries or next(iter(self._entries)) == keep:
-                    return
-                e = self._pop_lru()
-            self._give_back(e)
 
     @property
     def bytes_held(self) -> int:
@@ -474,9 +465,7 @@ class PrefixCache:
     def _pop_lru(self) -> _Entry:
         """Unlink the least recently used entry (call under the lock; the caller gives it back)."""
         _, e = self._entries.popitem(last=False)
-        self._lengths[e.n_tokens] -= 1
-        if not self._lengths[e.n_tokens]:
-            del self._lengths[e.n_tokens]
+        _forget_length(self._lengths, e.n_tokens)
         self._held -= e.nbytes
         self._evictions += 1
         return e
@@ -533,6 +522,13 @@ class PrefixCache:
     def _sync(self) -> None:
         if self._cuda:
             torch.cuda.current_stream(self._device).synchronize()
+
+
+def _forget_length(lengths: Counter[int], n: int) -> None:
+    """One entry of n tokens is gone: count it out (a length with no entry left is not kept)."""
+    lengths[n] -= 1
+    if not lengths[n]:
+        del lengths[n]
 
 
 def _longest(

@@ -19,7 +19,7 @@ from ballast.memory.device import StaticDeviceReader
 from ballast.memory.types import GiB, MiB
 from ballast.memory.watch import MemWatch
 from ballast.models.base import UnsupportedModel
-from memfixtures import write_tree
+from memfixtures import limited_grants, write_tree
 
 from ballast.settings import ConfigError
 
@@ -307,6 +307,7 @@ def test_an_out_of_memory_error_in_a_prefill_loses_only_that_steps_sequences(fau
             prefills=(PrefillChunk(0, (5, 49152), 0, True),), sampling={0: GREEDY}
         ),  # token id past the vocabulary
         StepPlan(decodes=(DecodeToken(0, -1, 3),), sampling={0: GREEDY}),
+        StepPlan(prefills=(PrefillChunk(0, (), 0, True),), sampling={0: GREEDY}),  # a chunk of no tokens
     ],
 )
 def test_impossible_plans_are_refused(plan: StepPlan) -> None:
@@ -454,3 +455,36 @@ def test_the_default_prefill_chunk_follows_the_device() -> None:
     assert EngineConfig().resolved_prefill_chunk(cpu) == 512
     assert EngineConfig(max_model_len=300).resolved_prefill_chunk(cuda) == 300
     assert EngineConfig(prefill_chunk_tokens=700).resolved_prefill_chunk(cpu) == 700
+
+
+def test_a_preempted_decode_counts_no_token() -> None:
+    """Two sequences of one full block each, a pool of three blocks that may not grow: at the
+    next decode both need a block, the younger is preempted, and the step reports the one token it
+    ran (its figures match its outputs)."""
+    eng = Engine.load(
+        config(max_num_seqs=2, max_model_len=128, prefill_chunk_tokens=64, kv_segment_bytes=64 << 10)
+    )
+    try:
+        kv = eng.runner.kv
+        assert kv is not None
+        kv._acquire = limited_grants(1)
+        n = kv.layout.block_size
+        prompts = {0: prompt(40, n), 1: prompt(41, n)}
+        res = eng.step(
+            StepPlan(
+                prefills=tuple(PrefillChunk(s, p, 0, True) for s, p in prompts.items()),
+                sampling=dict.fromkeys(prompts, GREEDY),
+            )
+        )
+        assert not res.preempted and kv.figures().free_blocks == 1
+        last = {o.slot: o.token_id for o in res.outputs}
+        res = eng.step(
+            StepPlan(
+                decodes=tuple(DecodeToken(s, last[s], n) for s in prompts),
+                sampling=dict.fromkeys(prompts, GREEDY),
+            )
+        )
+        assert res.preempted == (1,) and [o.slot for o in res.outputs] == [0]
+        assert res.decode_tokens == 1 and res.prefill_tokens == 0
+    finally:
+        eng.shutdown()
