@@ -91,6 +91,7 @@ class Engine:
         self.num_slots = config.max_num_seqs
         self.max_model_len = config.max_model_len
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
+        self.slot_limit = config.max_num_seqs  # the ladder's max_slots: no sequence starts at or past it
         self._watch = watch
         self._healthy = True
         self.step_failures = 0  # steps that failed and were recovered (their requests lost)
@@ -352,6 +353,7 @@ class Engine:
             self._cache.drop_parked(fed)
         if plan.shed_prefix_cache and self.prefix_cache is not None:
             self.prefix_cache.shed()
+        self._apply_slot_limit(plan)
         self.slot_kv.drop(touched)
         self._cache.before_writes(touched)
         self.runner.reset(touched)
@@ -457,7 +459,17 @@ class Engine:
         draw, rows = self._draw(seqs, sampled, logits, sampling)
         return draw, rows, prompt_logprobs
 
+    def _apply_slot_limit(self, plan: StepPlan) -> None:
+        """The ladder's slot limit, as the plan resizes it (running sequences keep their slots)."""
+        if plan.max_slots is not None:
+            self.slot_limit = max(1, min(self.num_slots, plan.max_slots))
+
     def _apply_releases(self, plan: StepPlan) -> None:
+        self._apply_slot_limit(plan)
+        starting = {p.slot for p in plan.prefills if p.start_pos == 0} | {r.slot for r in plan.restores}
+        beyond = sorted(s for s in starting if s >= self.slot_limit)
+        if beyond:  # the scheduler admits under the ladder's limit: a plan past it is a bug there
+            raise PlanError(f"slots {beyond} start sequences past the ladder's slot limit {self.slot_limit}")
         self._check_slots(plan.release)
         # A finished request's checkpoint travels with its slot's release: save it first, while
         # the slot still holds the blocks.

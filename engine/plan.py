@@ -122,7 +122,7 @@ class StepPlan:
     release: tuple[int, ...] = ()  # slots whose request ended: free their per-slot state
     restores: tuple[CheckpointRestore, ...] = ()
     saves: tuple[CheckpointSave, ...] = ()
-    max_slots: int | None = None  # resize the active slot limit before the step (ladder)
+    max_slots: int | None = None  # the ladder's slot limit from this step on: no sequence starts past it
     shed_prefix_cache: bool = False  # empty the prefix cache before the step (ladder, WATCH+)
     shrink_kv: bool = False  # give free KV segments back before the step (ladder, TIGHT+)
     kv_keep: KVKeep = KVKeep()  # ... all but these free blocks (0 at CRITICAL: everything free)

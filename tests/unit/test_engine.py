@@ -488,3 +488,27 @@ def test_a_preempted_decode_counts_no_token() -> None:
         assert res.decode_tokens == 1 and res.prefill_tokens == 0
     finally:
         eng.shutdown()
+
+
+def test_the_ladders_slot_limit_bounds_where_sequences_start() -> None:
+    """A plan's max_slots (the ladder's rung) is applied before the step: a sequence running past
+    it keeps decoding, a new one may not start there (the plan is refused, the engine serves on),
+    and raising the limit again lets it."""
+    eng = Engine.load(config(max_num_seqs=4))
+    try:
+        run(eng, StepPlan(prefills=(PrefillChunk(3, prompt(90, 5), 0, True),), sampling={3: GREEDY}))
+        run(eng, StepPlan(max_slots=2))
+        assert eng.slot_limit == 2
+        out = run(eng, StepPlan(decodes=(DecodeToken(3, 7, 5),), sampling={3: GREEDY}))
+        assert [o.slot for o in out.outputs] == [3]
+        with pytest.raises(StepFailed) as failed:
+            run(eng, StepPlan(prefills=(PrefillChunk(2, prompt(91, 4), 0, True),), sampling={2: GREEDY}))
+        assert isinstance(failed.value.cause, PlanError) and "slot limit 2" in str(failed.value.cause)
+        assert eng.healthy
+        out = run(
+            eng,
+            StepPlan(prefills=(PrefillChunk(2, prompt(91, 4), 0, True),), sampling={2: GREEDY}, max_slots=4),
+        )
+        assert [o.slot for o in out.outputs] == [2] and eng.slot_limit == 4
+    finally:
+        eng.shutdown()
