@@ -119,7 +119,9 @@ class Scheduler:
         self._queue: WaitingQueue[Seq] = WaitingQueue(config.max_queue)
         self._running: list[Seq] = []  # admission order: the FCFS order of prefill chunks
         self._by_slot: dict[int, Seq] = {}
-        self._engine_slots = engine.num_slots  # the max_slots the engine applies now
+        # The max_slots the engine applies now; unknown until the first plan states it (another
+        # scheduler may have driven this engine, with another limit).
+        self._engine_slots = 0
         self._checkpoints = CheckpointOrders(
             engine.checkpoint_interval, engine.match_prefix, lambda: self._gov.ladder.shed_prefix_cache
         )

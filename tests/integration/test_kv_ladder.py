@@ -240,3 +240,30 @@ async def test_tight_keeps_the_free_blocks_that_queued_requests_need(tmp_path: P
     assert engine.preemptions == 0 and int8_used[0] == 0
     assert min(held) < grown  # the surplus went back
     assert all(b <= a for a, b in itertools.pairwise(held)), held  # and the pool never grew again
+
+
+async def test_a_scheduler_states_its_slot_limit_to_an_engine_another_one_narrowed() -> None:
+    """The engine refuses sequences started past its slot limit, which the last plan set: a
+    scheduler taking over an engine that an earlier one (with one slot) left at limit 1 states
+    its own limit in its first plan, and two requests then run side by side."""
+    engine = Engine.load(EngineConfig(model="builtin:tiny-llama", max_num_seqs=2, max_model_len=128))
+    greedy = SamplingParams(temperature=0.0)
+    try:
+        first = Scheduler(engine, SchedulerConfig(max_num_seqs=1))
+        await first.start()
+        await first.submit(GenerationRequest("a", (5, 6, 7), greedy, max_tokens=3)).collect()
+        await first.stop()
+        assert engine.slot_limit == 1
+        second = Scheduler(engine, SchedulerConfig(max_num_seqs=2))
+        await second.start()
+        try:
+            handles = [
+                second.submit(GenerationRequest(f"b{i}", (9, 8, 7 + i), greedy, max_tokens=4)) for i in (0, 1)
+            ]
+            finishes = [f for _, _, f in await asyncio.gather(*(h.collect() for h in handles))]
+            assert [f.reason for f in finishes] == ["length", "length"]
+            assert engine.slot_limit == 2 and engine.healthy and engine.step_failures == 0
+        finally:
+            await second.stop()
+    finally:
+        engine.shutdown()
