@@ -23,7 +23,6 @@ with the model's FLOPs beside the dense bf16 peak (--peak-tflops, the H200's 989
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from ballast.bench.paged_decode import prefill, random_prompts, read_model, sync
+from ballast.bench.paged_decode import free_device_memory, prefill, random_prompts, read_model, sync
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
@@ -203,9 +202,7 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
         finally:
             engine.shutdown()
             del engine
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_device_memory()
 
 
 def report(args: argparse.Namespace, results: list[dict[str, Any]], name: str, mode: str) -> None:

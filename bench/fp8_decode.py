@@ -18,7 +18,6 @@ Table on stdout, JSON to bench/results/fp8_decode.json.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from ballast.bench.paged_decode import (
     copy_bandwidth,
     decode_positions,
     free_bytes,
+    free_device_memory,
     kv_need,
     ours,
     random_prompts,
@@ -84,8 +84,7 @@ def bench(name: str, args: argparse.Namespace, bandwidth: float) -> list[dict[st
     finally:
         engine.shutdown()
         del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_device_memory()
     return rows
 
 

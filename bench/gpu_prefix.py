@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import platform
 import random
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 from ballast.bench.checkpoint_dir import write_dir
 from ballast.bench.http_load import pct
+from ballast.bench.paged_decode import free_device_memory
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import SamplingParams
@@ -172,9 +172,7 @@ def run_arm(model: str, on: bool, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.shutdown()
         del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_device_memory()
     return arm
 
 

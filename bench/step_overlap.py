@@ -22,7 +22,6 @@ table and writes bench/results/step_overlap.json.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 import httpx
 import torch
 from ballast.bench.http_load import GiB, free_port, serve_command, server, write_meminfo
+from ballast.bench.paged_decode import free_device_memory
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import LAST_SAMPLED, DecodeToken, PrefillChunk, SamplingParams, StepPlan
@@ -59,9 +59,7 @@ def engine_rates(cfg: EngineConfig, new_tokens: int, repeats: int) -> tuple[dict
     finally:
         engine.shutdown()
         del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_device_memory()
 
 
 def _decode_once(

@@ -26,7 +26,6 @@ Table on stdout, JSON to bench/results/tp_decode.json.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 import shutil
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 from ballast.bench.hybrid_decode import SMALL_HYBRID_MOE
 from ballast.bench.kv_capacity import qwen3_next_80b
+from ballast.bench.paged_decode import free_device_memory
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
@@ -185,9 +185,7 @@ def main() -> None:
             finally:
                 engine.shutdown()
                 del engine
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                free_device_memory()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     labels = [label for label, _, _ in sides]
