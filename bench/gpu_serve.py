@@ -187,6 +187,11 @@ def main() -> None:
     ap.add_argument("--reference-args", default="", help="more `transformers serve` flags, one string")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument(
+        "--no-engine-rate",
+        action="store_true",
+        help="skip the engine's own batch-1 rate (it loads the model a second time, on one device)",
+    )
+    ap.add_argument(
         "--server-logs", type=Path, help="a directory for both servers' output (ballast.log, ...)"
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -216,7 +221,7 @@ def main() -> None:
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
     }
-    if 1 in args.streams:  # the engine's own batch-1 rate on the same model, for the 1-stream aim
+    if 1 in args.streams and not args.no_engine_rate:  # the engine's own batch-1 rate on the same model, for the 1-stream aim
         cfg = EngineConfig(
             model=str(model_dir),
             device=args.device,
