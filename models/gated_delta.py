@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
-from ballast.models import pointwise
+from ballast.models import gated_delta_triton, pointwise
 from ballast.models.base import ForwardBatch, to_device_packed
 from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
 from ballast.models.layers import Rope
@@ -298,17 +298,22 @@ class HybridStep:
     has_history: Tensor  # [B] bool: the slot already holds this sequence's earlier tokens
     any_fresh: bool  # some sequence starts at position 0 this step (host-side mirror)
     use_fla: bool | None  # None: fla kernels where they apply (CUDA, half precision, installed)
+    # A decode step on CUDA (unless use_fla is False: the torch reference everywhere): the rule
+    # runs in place in the state pool, one Triton kernel a layer (`gated_delta_triton`).
+    in_place: bool
 
     @classmethod
     def build(cls, batch: ForwardBatch, rope: Rope, conv_kernel: int, use_fla: bool | None) -> HybridStep:
+        plan = DeltaPlan.build(batch.lens_list, batch.device)
         return cls(
             batch=batch,
             rope=rope,
             windows=ConvWindows.build(batch.cu_lens, batch.lens, batch.seq_of_token, conv_kernel),
-            plan=DeltaPlan.build(batch.lens_list, batch.device),
+            plan=plan,
             has_history=batch.starts > 0,
             any_fresh=min(batch.starts_list) == 0,
             use_fla=use_fla,
+            in_place=plan.all_decode and use_fla is not False and gated_delta_triton.available(batch.starts),
         )
 
 
@@ -351,24 +356,23 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.project(x)
         # A sequence at position 0 starts from zero state whatever its slot held before.
         conv0 = state.conv.index_select(0, slots)
-        rec0 = state.recurrent.index_select(0, slots)
         if step.any_fresh:
             conv0 = torch.where(keep[:, None, None], conv0, 0)
-            rec0 = torch.where(keep[:, None, None, None], rec0, 0)
         mixed, new_conv = causal_conv1d_varlen(qkv, conv0, self.conv1d.weight.squeeze(1), step.windows)
-        q, k, v = mixed.split([self.key_width, self.key_width, self.value_width], dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out, new_rec = gated_delta_varlen(
-            q.reshape(t, self.k_heads, self.k_dim),
-            k.reshape(t, self.k_heads, self.k_dim),
-            v.reshape(t, self.v_heads, self.v_dim),
-            g,
-            beta,
-            rec0,
-            step.plan,
-            step.use_fla,
-        )
         state.conv.index_copy_(0, slots, new_conv)
-        state.recurrent.index_copy_(0, slots, new_rec.to(state.recurrent.dtype))
+        q, k, v = mixed.split([self.key_width, self.key_width, self.value_width], dim=-1)
+        q = q.reshape(t, self.k_heads, self.k_dim)
+        k = k.reshape(t, self.k_heads, self.k_dim)
+        v = v.reshape(t, self.v_heads, self.v_dim)
+        if step.in_place and state.recurrent.dtype == torch.float32:
+            out = gated_delta_triton.decode_in_place(
+                q, k, v, a, b, self.A_log, self.dt_bias, state.recurrent, slots, keep
+            )
+        else:
+            rec0 = state.recurrent.index_select(0, slots)
+            if step.any_fresh:
+                rec0 = torch.where(keep[:, None, None, None], rec0, 0)
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+            out, new_rec = gated_delta_varlen(q, k, v, g, b.sigmoid(), rec0, step.plan, step.use_fla)
+            state.recurrent.index_copy_(0, slots, new_rec.to(state.recurrent.dtype))
         return self.out_proj(self.norm(out, z).reshape(t, self.value_width))

@@ -1,0 +1,95 @@
+"""The in-place decode kernel of the gated delta rule (`models/gated_delta_triton.py`) against the
+torch rule on the same inputs: outputs, the pool rows it wrote, and the rows it must leave alone.
+On CUDA; also under Triton's CPU interpreter (TRITON_INTERPRET=1 with triton installed), where it
+runs on the CPU. Skips cleanly otherwise."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ballast.models import gated_delta_triton
+from ballast.models.gated_delta import recurrent_gated_delta_step
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and gated_delta_triton.triton is not None
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        gated_delta_triton.triton is None or not (torch.cuda.is_available() or INTERPRETED),
+        reason="needs CUDA and Triton (or Triton's interpreter)",
+    ),
+]
+
+
+def _case(batch: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, slots: list[int]) -> dict:
+    """Inputs laid out as the layer has them: q, k, v views into one conv output row, a and b
+    views into one projection; a pool with more rows than the batch."""
+    gen = torch.Generator().manual_seed(batch * 31 + hv)
+    mixed = torch.randn(batch, 2 * hk * dk + hv * dv, generator=gen).to(dtype).to(DEVICE)
+    ab = torch.randn(batch, 2 * hv, generator=gen).to(dtype).to(DEVICE)
+    return {
+        "q": mixed[:, : hk * dk].reshape(batch, hk, dk),
+        "k": mixed[:, hk * dk : 2 * hk * dk].reshape(batch, hk, dk),
+        "v": mixed[:, 2 * hk * dk :].reshape(batch, hv, dv),
+        "a": ab[:, :hv],
+        "b": ab[:, hv:],
+        "a_log": torch.randn(hv, generator=gen).to(DEVICE),
+        "dt_bias": torch.randn(hv, generator=gen).to(DEVICE),
+        "pool": (torch.randn(max(slots) + 3, hv, dk, dv, generator=gen) * 0.3).to(DEVICE),
+        "slots": torch.tensor(slots, device=DEVICE),
+        "keep": torch.tensor([i % 3 != 1 for i in range(batch)], device=DEVICE),
+    }
+
+
+def _reference(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch rule on gathered rows (zero for a fresh one): (o, the pool it should leave)."""
+    g = -c["a_log"].float().exp() * F.softplus(c["a"].float() + c["dt_bias"].float())
+    beta = c["b"].float().sigmoid()
+    rows = torch.where(c["keep"][:, None, None, None], c["pool"][c["slots"]], 0.0)
+    o, s = recurrent_gated_delta_step(c["q"], c["k"], c["v"], g, beta, rows)
+    pool = c["pool"].clone()
+    pool[c["slots"]] = s
+    return o, pool
+
+
+SHAPES = [
+    # batch, k heads, v heads, k dim, v dim: Qwen3-Next's per-rank heads (16/32 of 128, and
+    # halved under tensor parallel), a batch past one program row, odd dims (masking)
+    (1, 16, 32, 128, 128),
+    (5, 8, 16, 128, 128),
+    (33, 2, 4, 64, 96),
+    (3, 3, 3, 40, 40),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"b{s[0]}-hk{s[1]}-hv{s[2]}-d{s[3]}x{s[4]}" for s in SHAPES])
+def test_decode_in_place_matches_the_torch_rule(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    batch, hk, hv, dk, dv = shape
+    # scattered rows of a pool larger than the batch, no repeats
+    slots = torch.randperm(batch + 4, generator=torch.Generator().manual_seed(batch))[:batch].tolist()
+    c = _case(batch, hk, hv, dk, dv, dtype, slots)
+    want_o, want_pool = _reference(c)
+    untouched = [r for r in range(c["pool"].shape[0]) if r not in slots]
+    before = c["pool"][untouched].clone()
+    o = gated_delta_triton.decode_in_place(**c)
+    assert o.dtype == dtype and o.shape == (batch, hv, dv)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(o.float(), want_o.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(c["pool"], want_pool, atol=1e-4, rtol=1e-4)
+    assert torch.equal(c["pool"][untouched], before)  # rows of other slots are not written
+
+
+def test_a_fresh_row_ignores_what_its_slot_held() -> None:
+    """keep False: the row starts from zero state, so garbage (even NaN) left in the slot by an
+    earlier sequence does not leak into the new one."""
+    c = _case(3, 2, 4, 64, 64, torch.float32, [0, 1, 2])
+    c["pool"][1] = float("nan")  # row 1 is fresh (keep[1] is False)
+    want_o, want_pool = _reference({**c, "pool": torch.nan_to_num(c["pool"])})
+    o = gated_delta_triton.decode_in_place(**c)
+    assert torch.isfinite(o).all() and torch.isfinite(c["pool"][1]).all()
+    torch.testing.assert_close(o, want_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(c["pool"], want_pool, atol=1e-4, rtol=1e-4)
