@@ -354,17 +354,22 @@ class GatedDeltaNet(nn.Module):
         slots = step.batch.slots
         keep = step.has_history
         qkv, z, b, a = self.project(x)
-        # A sequence at position 0 starts from zero state whatever its slot held before.
-        conv0 = state.conv.index_select(0, slots)
-        if step.any_fresh:
-            conv0 = torch.where(keep[:, None, None], conv0, 0)
-        mixed, new_conv = causal_conv1d_varlen(qkv, conv0, self.conv1d.weight.squeeze(1), step.windows)
-        state.conv.index_copy_(0, slots, new_conv)
+        weight = self.conv1d.weight.squeeze(1)
+        in_place = step.in_place and state.recurrent.dtype == torch.float32
+        if in_place:
+            mixed = gated_delta_triton.conv_decode_in_place(qkv, state.conv, weight, slots, keep)
+        else:
+            # A sequence at position 0 starts from zero state whatever its slot held before.
+            conv0 = state.conv.index_select(0, slots)
+            if step.any_fresh:
+                conv0 = torch.where(keep[:, None, None], conv0, 0)
+            mixed, new_conv = causal_conv1d_varlen(qkv, conv0, weight, step.windows)
+            state.conv.index_copy_(0, slots, new_conv)
         q, k, v = mixed.split([self.key_width, self.key_width, self.value_width], dim=-1)
         q = q.reshape(t, self.k_heads, self.k_dim)
         k = k.reshape(t, self.k_heads, self.k_dim)
         v = v.reshape(t, self.v_heads, self.v_dim)
-        if step.in_place and state.recurrent.dtype == torch.float32:
+        if in_place:
             out = gated_delta_triton.decode_in_place(
                 q, k, v, a, b, self.A_log, self.dt_bias, state.recurrent, slots, keep
             )

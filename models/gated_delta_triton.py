@@ -1,4 +1,4 @@
-"""A decode step of the gated delta rule in one Triton kernel, in place in the slot-state pool.
+"""A decode step of a gated DeltaNet layer in two Triton kernels, in place in the slot-state pools.
 
 The general path of a decode step (`GatedDeltaNet.forward`) gathers each slot's float32 state out
 of the pool, runs the recurrence (fla's kernel or the torch one) into a new state and scatters it
@@ -9,6 +9,10 @@ Qwen3-Next-shaped 6B model. Here one program per (token, value head, block of va
 reads its state tile from the pool row its slot names, applies the step and writes it back: the
 state crosses the memory bus once each way, and the gates (g = -exp(A_log) softplus(a + dt_bias),
 beta = sigmoid(b)) and the L2 norms are computed inside.
+
+The causal conv before it gets the same treatment (`conv_decode_in_place`: the window is the
+slot's saved K-1 inputs and the token; the new window is written back in place), replacing the
+gather, a dozen small kernels and the scatter of `causal_conv._conv_decode`.
 
 Same arithmetic as `gated_delta.recurrent_gated_delta_step`, float32 throughout: state,
 recurrence and gates (the layer's torch path rounds beta to the model dtype first; here it is
@@ -27,12 +31,50 @@ except ImportError:  # CPU-only installs: the torch path serves
     triton = None
 
 BLOCK_V = 32  # value columns a program holds: a 128 x 32 float32 tile is 32 registers a thread
+BLOCK_C = 256  # conv channels a program holds
 L2_EPS = 1e-6  # as `gated_delta.l2norm` and fla's in-kernel normalisation
 
 
 def available(x: Tensor) -> bool:
     """Whether the in-place kernel runs for tensors like x: CUDA and Triton here."""
     return triton is not None and x.is_cuda
+
+
+def conv_decode_in_place(x: Tensor, pool: Tensor, weight: Tensor, slots: Tensor, keep: Tensor) -> Tensor:
+    """silu(depthwise causal conv) of one token per sequence. x [B, C] (unit last stride); pool
+    [S, C, K-1] the slots' last K-1 inputs (oldest first) in x's dtype, rows `slots` [B] read and
+    shifted by the token in place; weight [C, K]; keep [B] bool: False starts from zeros.
+    Returns [B, C] in x's dtype, accumulated in float32."""
+    assert triton is not None
+    batch, channels = x.shape
+    kernel = weight.shape[-1]
+    assert (
+        kernel >= 2
+        and pool.is_contiguous()
+        and pool.shape[1:] == (channels, kernel - 1)
+        and x.stride(-1) == 1
+    )
+    out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return out
+    grid = (triton.cdiv(channels, BLOCK_C), batch)
+    _conv_kernel[grid](
+        x,
+        pool,
+        weight,
+        slots,
+        keep,
+        out,
+        x.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        C=channels,
+        K=kernel,
+        BLOCK_C=BLOCK_C,
+        BLOCK_K=triton.next_power_of_2(kernel),
+        num_warps=4,
+    )
+    return out
 
 
 def decode_in_place(
@@ -97,6 +139,47 @@ def decode_in_place(
 
 
 if triton is not None:
+
+    @triton.jit
+    def _conv_kernel(
+        x,
+        pool,
+        weight,
+        slots,
+        keep,
+        out,
+        x_tok,
+        w_chan,
+        w_tap,
+        C: tl.constexpr,
+        K: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        chan = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        t = tl.program_id(1)
+        taps = tl.arange(0, BLOCK_K)
+        in_c = chan < C
+        saved = in_c[:, None] & (taps[None, :] < K - 1)
+        rows = pool + tl.load(slots + t).to(tl.int64) * (C * (K - 1)) + chan[:, None] * (K - 1)
+        window = tl.load(rows + taps[None, :], mask=saved, other=0.0).to(tl.float32)
+        window = tl.where(tl.load(keep + t) != 0, window, 0.0)
+        token = tl.load(x + t * x_tok + chan, mask=in_c, other=0.0)
+        window = tl.where(taps[None, :] == K - 1, token.to(tl.float32)[:, None], window)  # [C, K]
+        w = tl.load(
+            weight + chan[:, None] * w_chan + taps[None, :] * w_tap,
+            mask=in_c[:, None] & (taps[None, :] < K),
+            other=0.0,
+        )
+        acc = tl.sum(window * w.to(tl.float32), 1)
+        acc = acc * tl.sigmoid(acc)
+        tl.store(out + t * C + chan, acc.to(out.dtype.element_ty), mask=in_c)
+        # the new saved inputs: window columns 1..K-1, written back as columns 0..K-2
+        older = in_c[:, None] & (taps[None, :] < K - 2)
+        shifted = tl.load(rows + taps[None, :] + 1, mask=older, other=0.0)
+        shifted = tl.where(tl.load(keep + t) != 0, shifted, 0.0)
+        shifted = tl.where(taps[None, :] == K - 2, token[:, None], shifted)
+        tl.store(rows + taps[None, :], shifted.to(pool.dtype.element_ty), mask=saved)
 
     @triton.jit
     def _decode_kernel(

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ballast.models import gated_delta_triton
+from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
 from ballast.models.gated_delta import recurrent_gated_delta_step
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and gated_delta_triton.triton is not None
@@ -93,3 +94,29 @@ def test_a_fresh_row_ignores_what_its_slot_held() -> None:
     assert torch.isfinite(o).all() and torch.isfinite(c["pool"][1]).all()
     torch.testing.assert_close(o, want_o, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(c["pool"], want_pool, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(("batch", "channels", "kernel"), [(1, 8192, 4), (6, 300, 4), (4, 64, 2), (3, 33, 3)])
+def test_conv_decode_in_place_matches_the_torch_conv(
+    batch: int, channels: int, kernel: int, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(channels + kernel)
+    x = torch.randn(batch, channels + 5, generator=gen).to(dtype).to(DEVICE)[:, 5:]  # a strided view
+    slots = torch.randperm(batch + 3, generator=gen)[:batch].to(DEVICE)
+    pool = torch.randn(batch + 3, channels, kernel - 1, generator=gen).to(dtype).to(DEVICE)
+    weight = torch.randn(channels, kernel, generator=gen).to(dtype).to(DEVICE)
+    keep = torch.tensor([i % 3 != 1 for i in range(batch)], device=DEVICE)
+    before = pool[slots].clone()
+    decode = ConvWindows(kernel=kernel, token_taps=None, state_taps=None, decode_only=True)
+    want_out, want_state = causal_conv1d_varlen(
+        x, torch.where(keep[:, None, None], before, 0), weight, decode
+    )
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    others = pool[untouched].clone()
+    out = gated_delta_triton.conv_decode_in_place(x, pool, weight, slots, keep)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), want_out.float(), atol=tol, rtol=tol)
+    assert torch.equal(pool[slots], want_state)  # the window shifted by the token, bit for bit
+    assert torch.equal(pool[untouched], others)
