@@ -171,7 +171,7 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
     out: dict[str, Any] = {"model": name, "batch": args.batch, "compile": args.compile}
     out.update({"prefill_tokens": args.prefill} if args.prefill else {"context": args.context})
     results.append(out)
-    for graphs in (False,) if args.prefill else (True,) if args.mixed else (True, False):
+    for graphs in (False,) if args.prefill else (True,) if args.mixed or args.no_eager else (True, False):
         engine = Engine.load(
             EngineConfig(
                 model="builtin:" + name,
@@ -266,6 +266,7 @@ def main() -> None:
     ap.add_argument(
         "--mixed", type=int, default=0, help="each decode step also prefills a new prompt of N tokens"
     )
+    ap.add_argument("--no-eager", action="store_true", help="decode with the engine's graphs only")
     ap.add_argument("--compile", type=lambda v: v.lower() in ("1", "true", "yes"), default=True)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (--prefill)")
     ap.add_argument("--device", default="cuda")
