@@ -18,13 +18,15 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from ballast.models import fp8
+from ballast.models import fp8, moe_triton
 from torch import Tensor, nn
 
 
 def route(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
     """Softmax over all experts in float32, keep the top k, optionally renormalise them to sum 1.
     Returns (weights [T, k] in logits' dtype, expert indices [T, k])."""
+    if moe_triton.available(logits) and logits.shape[-1] <= moe_triton.MAX_EXPERTS:
+        return moe_triton.route_topk(logits, top_k, normalize)  # one kernel
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if normalize:
@@ -65,9 +67,11 @@ def local_expert_ids(experts: Tensor, first: int, count: int) -> Tensor:
 
 
 class Routing(NamedTuple):
-    """The (token, expert) pairs sorted by expert: pair i of the sorted order is `order[i]` of the
-    flat [T * k] pairs, reading token `token[i]`; `counts[e]` pairs go to expert e. kept: with
-    pairs outside the experts (id num_experts, sorted last), how many pairs come before them."""
+    """The (token, expert) pairs grouped by expert, groups in expert order (within a group, pair
+    order on the torch path, no set order from CUDA's `moe_triton.align`): pair i of the grouped
+    order is `order[i]` of the flat [T * k] pairs, reading token `token[i]`; `counts[e]` pairs go
+    to expert e. kept: with pairs outside the experts (id num_experts, grouped last), how many
+    pairs come before them."""
 
     order: Tensor
     token: Tensor
@@ -77,15 +81,21 @@ class Routing(NamedTuple):
     @classmethod
     def sort(cls, experts: Tensor, num_experts: int, outside: bool = False) -> Routing:
         flat = experts.reshape(-1)
-        order = flat.argsort(stable=True)
-        # Not bincount: on CUDA it reads the largest index back to the host, which a graph cannot hold.
-        counts = torch.zeros(num_experts + int(outside), dtype=torch.int64, device=experts.device).index_add_(
-            0, flat, torch.ones_like(flat)
-        )
+        bins = num_experts + int(outside)
+        if moe_triton.available(flat) and flat.shape[0] <= moe_triton.MAX_PAIRS:
+            order, token, counts = moe_triton.align(flat, bins, experts.shape[1])  # one kernel
+        else:
+            order = flat.argsort(stable=True)
+            token = order // experts.shape[1]
+            # Not bincount: on CUDA it reads the largest index back to the host, which a graph
+            # cannot hold.
+            counts = torch.zeros(bins, dtype=torch.int64, device=flat.device).index_add_(
+                0, flat, torch.ones_like(flat)
+            )
         if not outside:
-            return cls(order, order // experts.shape[1], counts)
+            return cls(order, token, counts)
         counts = counts[:num_experts]
-        return cls(order, order // experts.shape[1], counts, counts.sum())
+        return cls(order, token, counts, counts.sum())
 
     def combine(self, y: Tensor, weights: Tensor, num_tokens: int) -> Tensor:
         """Per-pair expert outputs y [T * k, H] (sorted order) -> the weighted sum per token, in

@@ -1,0 +1,91 @@
+"""The Triton routing of a decode-sized batch (`models/moe_triton.py`) against the torch path:
+the same top-k experts and weights, groups that hold the same pairs, and the same expert output.
+On CUDA; also under Triton's CPU interpreter (TRITON_INTERPRET=1 with triton installed)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from ballast.models import moe, moe_triton
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and moe_triton.triton is not None
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        moe_triton.triton is None or not (torch.cuda.is_available() or INTERPRETED),
+        reason="needs CUDA and Triton (or Triton's interpreter)",
+    ),
+]
+
+
+@pytest.fixture(autouse=True)
+def triton_routing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """moe.route and Routing.sort take the Triton path (as on CUDA) under the interpreter too."""
+    monkeypatch.setattr(moe_triton, "available", lambda x: True)
+
+
+def torch_route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 26, 10), (32, 512, 10), (7, 60, 4), (3, 5, 5)])
+def test_route_topk_picks_the_experts_and_weights_of_torch(
+    tokens: int, experts: int, top_k: int, normalize: bool
+) -> None:
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(experts)).to(DEVICE)
+    weights, ids = moe_triton.route_topk(logits, top_k, normalize)
+    want_w, want_ids = torch_route(logits, top_k, normalize)
+    assert ids.dtype == torch.int64 and weights.dtype == logits.dtype
+    assert torch.equal(ids, want_ids)  # random logits: no ties, the same order (largest first)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("outside", [False, True])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k"), [(1, 26, 10), (32, 26, 10), (409, 512, 10), (5, 3, 2)]
+)
+def test_align_groups_every_pair_under_its_expert(
+    tokens: int, experts: int, top_k: int, outside: bool
+) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts + int(outside), generator=gen)[:top_k] for _ in range(tokens)])
+    ids = ids.to(DEVICE)
+    got = moe.Routing.sort(ids, experts, outside)  # the Triton path on CUDA / under the interpreter
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    want_counts = torch.bincount(flat, minlength=experts + int(outside))[:experts]
+    assert torch.equal(got.counts, want_counts)
+    if outside:
+        assert int(got.kept) == int(want_counts.sum())
+    assert torch.equal(got.token, got.order // top_k)
+    # every group holds the same pairs as the stable sort's (in any order within it)
+    assert torch.equal(flat[got.order], flat[order])
+    assert torch.equal(
+        torch.sort(got.order * 1024 + flat[got.order])[0], torch.sort(order * 1024 + flat[order])[0]
+    )
+
+
+def test_the_expert_output_is_the_torch_routings() -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(24, 64, generator=gen).to(DEVICE)
+    gate_up = (torch.randn(12, 2 * 32, 64, generator=gen) * 0.1).to(DEVICE)
+    down = (torch.randn(12, 64, 32, generator=gen) * 0.1).to(DEVICE)
+    logits = torch.randn(24, 12, generator=gen).to(DEVICE)
+    weights, ids = moe.route(logits, 4, True)
+    got = moe.experts_forward(x, ids, weights, gate_up, down, use_grouped_mm=False)
+    want_w, want_ids = torch_route(logits, 4, True)
+    flat = want_ids.reshape(-1)
+    want = torch.zeros_like(x)
+    for pair in range(flat.shape[0]):  # one (token, expert) pair at a time: the definition
+        t, e = pair // 4, int(flat[pair])
+        gate, up = (gate_up[e] @ x[t]).chunk(2)
+        want[t] += want_w[t, pair % 4] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
