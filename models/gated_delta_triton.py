@@ -58,7 +58,7 @@ def conv_decode_in_place(x: Tensor, pool: Tensor, weight: Tensor, slots: Tensor,
     if batch == 0:
         return out
     grid = (triton.cdiv(channels, BLOCK_C), batch)
-    _conv_kernel[grid](
+    _conv_decode_kernel[grid](
         x,
         pool,
         weight,
@@ -103,7 +103,7 @@ def decode_in_place(
     if batch == 0:
         return out
     grid = (triton.cdiv(dv, BLOCK_V), batch * hv)
-    _decode_kernel[grid](
+    _gated_delta_decode_kernel[grid](
         q,
         k,
         v,
@@ -141,7 +141,7 @@ def decode_in_place(
 if triton is not None:
 
     @triton.jit
-    def _conv_kernel(
+    def _conv_decode_kernel(
         x,
         pool,
         weight,
@@ -182,7 +182,7 @@ if triton is not None:
         tl.store(rows + taps[None, :], shifted.to(pool.dtype.element_ty), mask=saved)
 
     @triton.jit
-    def _decode_kernel(
+    def _gated_delta_decode_kernel(
         q,
         k,
         v,

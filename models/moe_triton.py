@@ -44,7 +44,7 @@ def route_topk(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Ten
     weights = torch.empty((tokens, top_k), dtype=logits.dtype, device=logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
     if tokens:
-        _route_kernel[(tokens,)](
+        _route_topk_kernel[(tokens,)](
             logits,
             weights,
             ids,
@@ -70,7 +70,7 @@ def align(flat: Tensor, bins: int, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
     block_bins = triton.next_power_of_2(bins + 1)  # one spare bin for the padding lanes
     scratch = torch.empty(block_bins, dtype=torch.int32, device=flat.device)
     block_p = max(16, triton.next_power_of_2(pairs))
-    _align_kernel[(1,)](
+    _align_pairs_kernel[(1,)](
         flat,
         order,
         token,
@@ -89,7 +89,7 @@ def align(flat: Tensor, bins: int, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
 if triton is not None:
 
     @triton.jit
-    def _route_kernel(
+    def _route_topk_kernel(
         logits,
         weights,
         ids,
@@ -120,7 +120,7 @@ if triton is not None:
         tl.store(ids + t * K + j, which, mask=j < K)
 
     @triton.jit
-    def _align_kernel(
+    def _align_pairs_kernel(
         flat,
         order,
         token,
