@@ -45,6 +45,7 @@ from ballast.bench.http_load import Outcome, free_port, one_stream, pct, serve_c
 from ballast.bench.step_overlap import engine_rates
 from ballast.engine.config import EngineConfig
 from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 RESULTS = Path(__file__).parent / "results" / "gpu_serve.json"
 
@@ -53,6 +54,18 @@ def prompt_text(i: int, tokens: int) -> str:
     rng = random.Random(i)
     words = " ".join(rng.choice(WORDS) for _ in range(max(1, int(tokens * 0.9))))
     return f"Request {i}. Summarise these notes in one long paragraph: {words}"
+
+
+def server_ttft(base: str) -> tuple[float, float] | None:
+    """(sum, count) of ballast's time-to-first-token histogram (first token at the HTTP handler,
+    before detokenizing), or None where the server has no such metric (transformers serve)."""
+    text = httpx.get(base + "/metrics", timeout=30).text
+    found = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "ballast_time_to_first_token_seconds":
+            for sample in family.samples:
+                found[sample.name.rsplit("_", 1)[-1]] = sample.value
+    return (found["sum"], found["count"]) if {"sum", "count"} <= found.keys() else None
 
 
 async def load(
@@ -69,10 +82,15 @@ async def load(
             )
 
     await one_stream(client, model, prompt_text(-1, args.prompt_tokens), 4)  # warm-up
+    before = server_ttft(base)
     start = time.perf_counter()
     outs = await asyncio.gather(*(gated(i) for i in range(requests)))
     wall = time.perf_counter() - start
     await client.close()
+    after = server_ttft(base)
+    server_mean = None
+    if before is not None and after is not None and after[1] > before[1]:
+        server_mean = (after[0] - before[0]) / (after[1] - before[1])
     ok = [o for o in outs if not o.error]
     itl = [x for o in ok for x in o.itl_s]
     # A stream's decode rate: tokens after the first over the time from the first content chunk
@@ -92,6 +110,7 @@ async def load(
         "itl_p50_ms": 1e3 * pct(itl, 50),
         "itl_p99_ms": 1e3 * pct(itl, 99),
         "stream_decode_tok_s": pct(decode, 50) if decode else 0.0,
+        "server_ttft_mean_s": server_mean,
         "errors": sorted({o.error for o in outs if o.error})[:3],
     }
 
@@ -155,9 +174,18 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"1 stream decodes {one['stream_decode_tok_s']:.1f} tok/s over HTTP = "
             + ", ".join(
-                f"{one['stream_decode_tok_s'] / v:.2f} of the {k} rate ({v:.1f})" for k, v in rates.items()
+                f"{one['stream_decode_tok_s'] / v:.2f} of the {k} rate ({v:.1f})"
+                for k, v in rates.items()
+                if k != "engine first token ms"
             )
         )
+        if one.get("server_ttft_mean_s") is not None:
+            lines.append(
+                f"time to first token of a ~{result['prompt_tokens']}-token prompt, idle: engine "
+                f"{rates['engine first token ms']:.1f} ms, server (first token at the HTTP handler, "
+                f"mean) {1e3 * one['server_ttft_mean_s']:.1f} ms, client (first content chunk, p50) "
+                f"{1e3 * one['ttft_p50_s']:.1f} ms"
+            )
     ours = {r["streams"]: r["tok_s"] for r in result.get("ballast", [])}
     for r in result.get("transformers", []):
         if r["streams"] in ours and r["tok_s"] > 0:
@@ -221,14 +249,17 @@ def main() -> None:
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
     }
-    if 1 in args.streams and not args.no_engine_rate:  # the engine's own batch-1 rate on the same model, for the 1-stream aim
+    if (
+        1 in args.streams and not args.no_engine_rate
+    ):  # the engine's own batch-1 rate on the same model, for the 1-stream aim
         cfg = EngineConfig(
             model=str(model_dir),
             device=args.device,
             max_num_seqs=8,
             tokenizer=None if args.tokenizer is None else str(args.tokenizer),
         )
-        result["engine"], _ = engine_rates(cfg, args.new_tokens, repeats=2)
+        question = prompt_text(0, args.prompt_tokens)  # the size the streams send
+        result["engine"], _ = engine_rates(cfg, args.new_tokens, repeats=2, question=question)
         print(f"engine, batch 1: {result['engine']}", flush=True)
     result["ballast"] = run_ballast(model_dir, args)
     if args.reference == "transformers":

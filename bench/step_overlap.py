@@ -41,21 +41,30 @@ RESULTS = Path(__file__).resolve().parent / "results"
 QUESTION = "Write a long story about a lighthouse keeper and the ships she guided home."
 
 
-def engine_rates(cfg: EngineConfig, new_tokens: int, repeats: int) -> tuple[dict[str, float], list[int]]:
-    """Median decode tok/s of one sequence, one step at a time and pipelined; and the EOS ids."""
+def engine_rates(
+    cfg: EngineConfig, new_tokens: int, repeats: int, question: str = QUESTION
+) -> tuple[dict[str, float], list[int]]:
+    """Median decode tok/s of one sequence, one step at a time and pipelined, and the median
+    milliseconds from submitting the chat of `question` (a fresh prefill) to its first token on
+    the host ("engine first token ms"); and the EOS ids."""
     engine = Engine.load(cfg)
     try:
         tok = engine.tokenizer
         eos = sorted(tok.eos_token_ids)
-        prompt = tuple(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
+        prompt = tuple(tok.apply_chat_template([{"role": "user", "content": question}]))
         params = SamplingParams(temperature=0.0, logit_bias=tuple((e, -100.0) for e in eos))
         rates: dict[str, list[float]] = {"engine step()": [], "engine pipelined": []}
+        first_ms: list[float] = []
         for run in range(repeats + 1):  # the first run of each warms up (kernels, graphs, allocator)
             for mode, timed in rates.items():
-                rate = _decode_once(engine, prompt, params, new_tokens, pipelined=mode == "engine pipelined")
+                rate, first_s = _decode_once(
+                    engine, prompt, params, new_tokens, pipelined=mode == "engine pipelined"
+                )
                 if run:
                     timed.append(rate)
-        return {mode: statistics.median(v) for mode, v in rates.items()}, eos
+                    first_ms.append(1e3 * first_s)
+        medians = {mode: statistics.median(v) for mode, v in rates.items()}
+        return {**medians, "engine first token ms": statistics.median(first_ms)}, eos
     finally:
         engine.shutdown()
         del engine
@@ -64,9 +73,12 @@ def engine_rates(cfg: EngineConfig, new_tokens: int, repeats: int) -> tuple[dict
 
 def _decode_once(
     engine: Engine, prompt: tuple[int, ...], params: SamplingParams, new_tokens: int, pipelined: bool
-) -> float:
+) -> tuple[float, float]:
+    """(decode tok/s after the first token, seconds from submitting the prefill to its token)."""
     sampling = {0: params}
+    start = time.perf_counter()
     first = engine.submit(StepPlan(prefills=(PrefillChunk(0, prompt, 0, True),), sampling=sampling)).result()
+    first_s = time.perf_counter() - start
     token, pos = first.outputs[0].token_id, len(prompt)
     start = time.perf_counter()
     if pipelined:
@@ -84,7 +96,7 @@ def _decode_once(
             token = res.outputs[0].token_id
     elapsed = time.perf_counter() - start
     engine.submit(StepPlan(release=(0,))).result()
-    return (new_tokens - 1) / elapsed
+    return (new_tokens - 1) / elapsed, first_s
 
 
 def http_rates(args: argparse.Namespace, eos: list[int], overlap: bool, root: Path) -> dict[str, float]:
@@ -194,8 +206,11 @@ def table(result: dict[str, object]) -> str:
         "| path | decode tok/s | vs engine step() | TTFT ms |",
         "|---|---|---|---|",
     ]
+    first = engine.get("engine first token ms")
     for mode, rate in engine.items():
-        lines.append(f"| {mode} | {rate:.1f} | {rate / base:.2f} | |")
+        if mode != "engine first token ms":
+            ttft = f"{first:.1f}" if first is not None and mode == "engine step()" else ""
+            lines.append(f"| {mode} | {rate:.1f} | {rate / base:.2f} | {ttft} |")
     for mode, figures in http.items():
         rate = figures["decode_tok_s"]
         lines.append(f"| HTTP, {mode} | {rate:.1f} | {rate / base:.2f} | {figures['ttft_ms']:.1f} |")
