@@ -104,8 +104,11 @@ if triton is not None:
         e = tl.arange(0, BLOCK_E)
         x = tl.load(logits + t * row_stride + e, mask=e < E, other=-float("inf")).to(tl.float32)
         p = tl.exp(x - tl.max(x, 0))
-        p = p / tl.sum(p, 0)  # padding lanes: exp(-inf) = 0
-        p = tl.where(e < E, p, -1.0)  # never chosen
+        p = p / tl.sum(p, 0)
+        # Padding lanes sit below every real one (a picked one is -1, a NaN row's are too: NaN
+        # compares false), so an arg-max never lands past the experts: a graph's padding rows
+        # carry garbage, and an id out of range would make `align` write out of bounds.
+        p = tl.where(e < E, tl.where(p == p, p, -1.0), -2.0)
         j = tl.arange(0, BLOCK_K)
         picked = tl.zeros([BLOCK_K], dtype=tl.float32)
         which = tl.zeros([BLOCK_K], dtype=tl.int64)
@@ -135,6 +138,7 @@ if triton is not None:
         i = tl.arange(0, BLOCK_P)
         real = i < pairs
         e = tl.load(flat + i, mask=real, other=BINS).to(tl.int32)  # padding: the spare bin
+        e = tl.where(real, tl.minimum(tl.maximum(e, 0), BINS - 1), BINS)  # never out of bounds
         hist = tl.histogram(e, BLOCK_BINS)
         b = tl.arange(0, BLOCK_BINS)
         tl.store(counts + b, hist.to(tl.int64), mask=b < BINS)

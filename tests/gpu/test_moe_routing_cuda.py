@@ -89,3 +89,16 @@ def test_the_expert_output_is_the_torch_routings() -> None:
         gate, up = (gate_up[e] @ x[t]).chunk(2)
         want[t] += want_w[t, pair % 4] * (down[e] @ (torch.nn.functional.silu(gate) * up))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_garbage_row_still_routes_to_real_experts() -> None:
+    """A decode graph's padding rows carry whatever the scratch slot holds (NaN included): their
+    expert ids must stay in range, or grouping them would write out of bounds."""
+    logits = torch.randn(4, 26, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    logits[1] = float("nan")
+    logits[2, 3] = float("inf")
+    weights, ids = moe.route(logits, 10, True)
+    assert ((ids >= 0) & (ids < 26)).all()
+    routing = moe.Routing.sort(ids, 26)
+    assert int(routing.counts.sum()) == ids.numel()
+    assert torch.equal(torch.sort(routing.order)[0], torch.arange(ids.numel(), device=DEVICE))
