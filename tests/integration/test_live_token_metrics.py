@@ -4,7 +4,8 @@ usage.completion_tokens (chat and completions, streamed and not, n > 1, several 
 string, tools), with a client that went away counted for what was generated before it left.
 
 The engine is the deterministic FakeEngine; its step gate (`allow_steps`) holds a stream mid-way,
-so what a scrape sees mid-stream does not depend on timing.
+so what a scrape sees mid-stream does not depend on timing. One slow test runs the real default
+model (its own end-of-sequence tokens, detokenizer stop strings, a grammar-forced tool call).
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
 import pytest
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
 from ballast.scheduler.config import SchedulerConfig
 from ballast.server.app import create_app
 from ballast.server.config import ServerConfig
@@ -168,3 +172,67 @@ def test_a_client_that_goes_away_is_counted_for_what_was_generated(served: Serve
     served.engine.allow_steps(None)
     r = served.client.completions.create(model=MODEL, prompt="a dog", max_tokens=11, temperature=0)
     assert r.usage is not None and generated(served.url) == left + r.usage.completion_tokens
+
+
+@pytest.mark.slow
+def test_the_real_model_counts_exactly_its_usage() -> None:
+    config = EngineConfig(model="default", device="cpu", dtype="float32", max_num_seqs=4, max_model_len=1024)
+    app = create_app(
+        ServerConfig(), SchedulerConfig(), lambda: Engine.load(config), model_aliases=("default",)
+    )
+    with running_server(app, timeout_s=180) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        ask = [{"role": "user", "content": "What is the weather in Paris? Say it in one line."}]
+        usages = []
+        reasons = []
+        # A free answer, streamed: the model's own end-of-sequence token ends it (or max_tokens).
+        for chunk in client.chat.completions.create(
+            model="default",
+            messages=ask,  # type: ignore[arg-type]
+            temperature=0,
+            max_tokens=48,
+            stream=True,
+            stream_options={"include_usage": True},
+        ):
+            reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+            usages += [chunk.usage] if chunk.usage is not None else []
+        # A tool call the grammar forces, two choices.
+        weather: Any = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                        "required": ["city"],
+                    },
+                },
+            }
+        ]
+        forced = client.chat.completions.create(
+            model="default",
+            messages=ask,  # type: ignore[arg-type]
+            tools=weather,
+            tool_choice="required",
+            n=2,
+            temperature=0,
+            max_tokens=80,
+        )
+        usages.append(forced.usage)
+        reasons += [c.finish_reason for c in forced.choices]
+        # A stop string inside the greedy text: the text is cut, the token completing it counts.
+        whole = client.completions.create(
+            model="default", prompt="The capital of France", max_tokens=24, temperature=0
+        )
+        text = whole.choices[0].text
+        usages.append(whole.usage)
+        cut = client.completions.create(
+            model="default", prompt="The capital of France", max_tokens=24, temperature=0, stop=[text[8:12]]
+        )
+        usages.append(cut.usage)
+        reasons += [cut.choices[0].finish_reason]
+        assert "tool_calls" in reasons and reasons[-1] == "stop" and all(u is not None for u in usages)
+        assert cut.usage is not None and whole.usage is not None
+        assert cut.usage.completion_tokens < whole.usage.completion_tokens
+        assert generated(url) == sum(u.completion_tokens for u in usages if u is not None)
