@@ -60,6 +60,15 @@ async def finish_of(handle: RequestHandle) -> FinishEvent:
     return handle.finish
 
 
+async def settle(s: Scheduler, eng: FakeEngine) -> None:
+    """Wait (bounded, no timing asserted) until every release has reached the engine."""
+    for _ in range(5000):
+        if s.idle and eng.active_slots == 0:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("the scheduler never went idle")
+
+
 async def test_tokens_are_counted_while_a_request_runs(started) -> None:
     s, eng = await scheduler(started)
     eng.allow_steps(6)  # the prefill and five decodes: at most six tokens, far from 200
@@ -83,6 +92,7 @@ async def test_each_request_adds_its_completion_tokens_however_it_ends(started) 
     aborted.abort()
     eng.allow_steps(None)
     finishes.append(await finish_of(aborted))
+    await settle(s, eng)  # no plan of the aborted request left in flight for the failure to hit
     # A failed forward after its first token ends the request with an error.
     eng.fail_next_step(
         RuntimeError("a failed forward"), recoverable=True, when=lambda plan: bool(plan.decodes)
