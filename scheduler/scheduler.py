@@ -134,6 +134,10 @@ class Scheduler:
         self._saves_after_ahead: dict[int, tuple[int, ...]] = {}
         self.preemptions = 0
         self.reused_tokens = 0
+        # Every token a request was handed, counted as it is handed: a live counter (/metrics
+        # reads it while long answers stream) whose share for each request is that request's
+        # completion_tokens, however it ended.
+        self.generated_tokens = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -483,6 +487,7 @@ class Scheduler:
     def _on_token(self, seq: Seq, out: SlotOutput) -> None:
         seq.phase = Phase.DECODING
         seq.output.append(out.token_id)
+        self.generated_tokens += 1
         if out.token_id in self._eos:
             self._finish(seq, "stop")
             return

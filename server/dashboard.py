@@ -4,8 +4,11 @@ and GET /dashboard/state (the small JSON document the page polls).
 The state endpoint returns raw figures only: the live memory snapshot, the ladder plan, slots,
 queue, KV pools, and the cumulative counters and latency histograms. The page turns counters into
 rates and histograms into recent TTFT/ITL itself, from the difference between two polls, so the
-server keeps no per-viewer state and any number of pages can watch at once. Nothing here holds a
-lock or touches the engine: every figure is a read of an immutable snapshot or a scheduler gauge.
+server keeps no per-viewer state and any number of pages can watch at once. Generated tokens are
+the scheduler's live count (each token as it is sampled, so tokens/s moves while long answers
+stream, and a request adds exactly its usage.completion_tokens); prompt tokens are counted when a
+request ends. Nothing here holds a lock or touches the engine: every figure is a read of an
+immutable snapshot or a scheduler gauge.
 Like /metrics, both routes are open (no API key): they carry no prompt or output text.
 """
 
@@ -91,6 +94,7 @@ def _counter(collector: Collector, name: str) -> float:
 def state_document(state: ServerState) -> dict[str, Any]:
     """Everything the page shows, as plain JSON."""
     m = state.metrics
+    figures = state.scheduler_figures()
     doc: dict[str, Any] = {
         "version": STATE_VERSION,
         "time": time.time(),
@@ -101,7 +105,7 @@ def state_document(state: ServerState) -> dict[str, Any]:
         "scheduler": None,
         "ladder": None,
         "counters": {
-            "generation_tokens": _counter(m.generation_tokens, "ballast_generation_tokens"),
+            "generation_tokens": figures.generated_tokens if figures is not None else 0,
             "prompt_tokens": _counter(m.prompt_tokens, "ballast_prompt_tokens"),
             "rejections": {
                 labels["status"]: value
@@ -113,7 +117,6 @@ def state_document(state: ServerState) -> dict[str, Any]:
             "itl": _histogram(m.itl, "ballast_inter_token_latency_seconds"),
         },
     }
-    figures = state.scheduler_figures()
     if figures is not None:
         doc["scheduler"] = {
             "queue_depth": figures.queue_depth,

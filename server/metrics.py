@@ -2,7 +2,8 @@
 
 One registry per app (not the process-global one) so several apps in one test process do not
 collide, and so /metrics shows exactly what this server registered: these HTTP figures, the
-scheduler's live gauges (read at scrape time, never pushed) and the memory layer's collectors.
+scheduler's live gauges and counters (read at scrape time, never pushed) and the memory layer's
+collectors.
 """
 
 from __future__ import annotations
@@ -21,6 +22,21 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
+# Generated tokens are counted live, as the scheduler hands each sampled token to its request
+# (a step at a time), not when the request ends: a long stream shows in rate() while it runs
+# instead of as one jump at its end.
+GENERATION_TOKENS_HELP = (
+    "Tokens the engine generated for requests, counted live as each sampled token reaches its "
+    "request (every step), however the request ends (finished, aborted, disconnected, failed). Each "
+    "request adds exactly its completion tokens (usage.completion_tokens when it completes), which "
+    "include the token that completed a stop string (its text is cut from the answer; the engine "
+    "generated it) and an end-of-sequence token"
+)
+PROMPT_TOKENS_HELP = (
+    "Prompt tokens of requests, counted when a request ends (however it ends; not one refused "
+    "before its first token), each prompt once however many choices (n) it has: usage.prompt_tokens"
+)
+
 
 @dataclass(frozen=True)
 class SchedulerFigures:
@@ -37,16 +53,24 @@ class SchedulerFigures:
     kv_cached: tuple[
         tuple[str, int], ...
     ] = ()  # per pool: of the used blocks, those only the prefix cache holds
+    generated_tokens: int = 0  # tokens the scheduler has handed requests so far (every one)
 
 
 class _SchedulerCollector(Collector):
-    """Reads the scheduler's figures when scraped; shows nothing while the engine is loading."""
+    """Reads the scheduler's figures when scraped; while the engine is loading only the generated
+    tokens counter (at 0) shows."""
 
     def __init__(self, read: Callable[[], SchedulerFigures | None]) -> None:
         self._read = read
 
     def collect(self) -> Iterator[Metric]:
         figures = self._read()
+        # Present from the start (0 while loading) so rate() has a series before the first token.
+        yield CounterMetricFamily(
+            "ballast_generation_tokens",
+            GENERATION_TOKENS_HELP,
+            value=figures.generated_tokens if figures is not None else 0,
+        )
         if figures is None:
             return
         yield GaugeMetricFamily(
@@ -129,10 +153,7 @@ class HttpMetrics:
             buckets=_E2E_BUCKETS,
             registry=registry,
         )
-        self.prompt_tokens = Counter(
-            "ballast_prompt_tokens", "Prompt tokens of finished requests", registry=registry
-        )
-        self.generation_tokens = Counter("ballast_generation_tokens", "Generated tokens", registry=registry)
+        self.prompt_tokens = Counter("ballast_prompt_tokens", PROMPT_TOKENS_HELP, registry=registry)
         for status in ("503", "429"):  # present from the start so rate() works before the first one
             self.rejections.labels(status=status)
 
@@ -185,5 +206,4 @@ class RequestTimer:
             self._request_id, self._endpoint, outcome, prompt_tokens, completion_tokens, self._ttft, e2e
         )
         m.requests.labels(endpoint=self._endpoint, outcome=outcome).inc()
-        m.prompt_tokens.inc(prompt_tokens)
-        m.generation_tokens.inc(completion_tokens)
+        m.prompt_tokens.inc(prompt_tokens)  # generated tokens were counted as they came (the scheduler)

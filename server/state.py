@@ -127,4 +127,5 @@ class ServerState:
             pools,
             s.preemptions,
             cached,
+            s.generated_tokens,
         )

@@ -212,6 +212,9 @@ class FakeEngine:
         self._dropped: set[int] = set()  # slots a recovered step dropped: their release is a no-op
         self.step_failures = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-engine")
+        # Steps the engine thread may still run (None: no limit); a step past it waits for more.
+        self._steps_allowed: int | None = None
+        self._gate = threading.Condition()
 
     # --- EngineLike -----------------------------------------------------------------------
     def submit(self, plan: StepPlan) -> Future[StepResult]:
@@ -255,9 +258,17 @@ class FakeEngine:
         return self._failure is None
 
     def shutdown(self) -> None:
+        self.allow_steps(None)  # a step waiting at the gate runs, so the thread can end
         self._pool.shutdown(wait=True)
 
     # --- test controls and figures --------------------------------------------------------
+    def allow_steps(self, n: int | None) -> None:
+        """Let the engine thread run n more steps, then hold the next one until more are allowed
+        (None: run freely again). A test sees a request mid-way without relying on timing."""
+        with self._gate:
+            self._steps_allowed = n
+            self._gate.notify_all()
+
     def fail_next_step(
         self, exc: BaseException, *, recoverable: bool = False, when: Callable[[StepPlan], bool] | None = None
     ) -> None:
@@ -280,6 +291,10 @@ class FakeEngine:
 
     # --- the engine thread ----------------------------------------------------------------
     def _step(self, plan: StepPlan) -> StepResult:
+        with self._gate:
+            self._gate.wait_for(lambda: self._steps_allowed is None or self._steps_allowed > 0)
+            if self._steps_allowed is not None:
+                self._steps_allowed -= 1
         with self._lock:
             self.plans.append(plan)
             if self._failure is not None:
