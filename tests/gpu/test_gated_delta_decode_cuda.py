@@ -5,24 +5,15 @@ runs on the CPU. Skips cleanly otherwise."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 from ballast.models import gated_delta_triton
 from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
 from ballast.models.gated_delta import recurrent_gated_delta_step
+from triton_kernels import DEVICE, marks
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and gated_delta_triton.triton is not None
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        gated_delta_triton.triton is None or not (torch.cuda.is_available() or INTERPRETED),
-        reason="needs CUDA and Triton (or Triton's interpreter)",
-    ),
-]
+pytestmark = marks(gated_delta_triton)
 
 
 def _case(batch: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, slots: list[int]) -> dict:

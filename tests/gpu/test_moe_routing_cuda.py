@@ -4,21 +4,12 @@ On CUDA; also under Triton's CPU interpreter (TRITON_INTERPRET=1 with triton ins
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from ballast.models import moe, moe_triton
+from triton_kernels import DEVICE, marks
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and moe_triton.triton is not None
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        moe_triton.triton is None or not (torch.cuda.is_available() or INTERPRETED),
-        reason="needs CUDA and Triton (or Triton's interpreter)",
-    ),
-]
+pytestmark = marks(moe_triton)
 
 
 @pytest.fixture(autouse=True)
