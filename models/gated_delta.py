@@ -355,8 +355,7 @@ class GatedDeltaNet(nn.Module):
         keep = step.has_history
         qkv, z, b, a = self.project(x)
         weight = self.conv1d.weight.squeeze(1)
-        in_place = step.in_place and state.recurrent.dtype == torch.float32
-        if in_place:
+        if step.in_place:  # the recurrent state is float32 by construction (the module doc)
             mixed = gated_delta_triton.conv_decode_in_place(qkv, state.conv, weight, slots, keep)
         else:
             # A sequence at position 0 starts from zero state whatever its slot held before.
@@ -369,7 +368,7 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(t, self.k_heads, self.k_dim)
         k = k.reshape(t, self.k_heads, self.k_dim)
         v = v.reshape(t, self.v_heads, self.v_dim)
-        if in_place:
+        if step.in_place:
             out = gated_delta_triton.decode_in_place(
                 q, k, v, a, b, self.A_log, self.dt_bias, state.recurrent, slots, keep
             )
