@@ -99,13 +99,17 @@ class Routing(NamedTuple):
 
     def combine(self, y: Tensor, weights: Tensor, num_tokens: int) -> Tensor:
         """Per-pair expert outputs y [T * k, H] (sorted order) -> the weighted sum per token, in
-        float32 then y's dtype. Rows past `kept` count zero: no GEMM wrote them."""
-        y = y.float() * weights.reshape(-1)[self.order].float().unsqueeze(-1)
+        float32 then y's dtype. Rows past `kept` count zero: no GEMM wrote them. Deterministic:
+        each token's k rows are gathered back to pair order and summed in k order (no atomic
+        adds, whose order varies run to run and can flip a bf16 rounding, then a greedy token)."""
         if self.kept is not None:
             rows = torch.arange(y.shape[0], device=y.device).unsqueeze(-1)
-            y = torch.where(rows < self.kept, y, 0.0)
-        out = torch.zeros((num_tokens, y.shape[1]), dtype=torch.float32, device=y.device)
-        return out.index_add_(0, self.token, y).to(weights.dtype)
+            y = torch.where(rows < self.kept, y, 0)
+        back = torch.empty_like(self.order).scatter_(
+            0, self.order, torch.arange(self.order.shape[0], device=y.device)
+        )
+        per_token = y[back].float().view(num_tokens, -1, y.shape[1])
+        return (per_token * weights.float().reshape(num_tokens, -1, 1)).sum(1).to(weights.dtype)
 
 
 def experts_forward(

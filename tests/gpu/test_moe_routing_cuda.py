@@ -93,3 +93,17 @@ def test_a_garbage_row_still_routes_to_real_experts() -> None:
     routing = moe.Routing.sort(ids, 26)
     assert int(routing.counts.sum()) == ids.numel()
     assert torch.equal(torch.sort(routing.order)[0], torch.arange(ids.numel(), device=DEVICE))
+
+
+def test_the_expert_output_is_the_same_bits_on_every_run() -> None:
+    """The grouping kernel's atomics put a group's pairs in a different order on each run; the
+    combine must not carry that into the sum (an atomic add would, and in bf16 a flipped rounding
+    can change a greedy token between two runs of one prompt)."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 256, generator=gen).to(DEVICE, torch.bfloat16)
+    gate_up = (torch.randn(26, 2 * 64, 256, generator=gen) * 0.1).to(DEVICE, torch.bfloat16)
+    down = (torch.randn(26, 256, 64, generator=gen) * 0.1).to(DEVICE, torch.bfloat16)
+    weights, ids = moe.route(torch.randn(64, 26, generator=gen).to(DEVICE), 10, True)
+    runs = [moe.experts_forward(x, ids, weights.to(x.dtype), gate_up, down) for _ in range(8)]
+    orders = {tuple(moe.Routing.sort(ids, 26).order.tolist()) for _ in range(8)}
+    assert all(torch.equal(run, runs[0]) for run in runs), f"{len(orders)} orders of the pairs"
