@@ -110,6 +110,17 @@ def reference_logits(
     return run_steps(full_model(hf, dtype, device), steps, dtype, torch.device(device))
 
 
+def dequantized_logits(checkpoint_dir: str, steps: Sequence[Step], device: str = "cuda:0") -> list[Tensor]:
+    """The float32 logits of an FP8 checkpoint dequantized at load (the truth its bf16 runs round)."""
+    from ballast.models.hf_loader import load_hf_dir
+
+    model = load_hf_dir(checkpoint_dir, torch.float32, device)
+    try:
+        return run_steps(model, steps, torch.float32, torch.device(device))
+    finally:
+        del model
+
+
 def _rank(
     rank: int,
     world: int,
@@ -205,15 +216,21 @@ def engine_greedy(
     return [out[s] for s in range(len(prompts))], logprobs
 
 
-def assert_close_in_bf16(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    """TP=2 logits against TP=1, step by step, within bf16 tolerance (the all-reduce sums the
-    shards' partial products in another order)."""
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.shape == w.shape
-        rel = float((g - w).abs().max() / w.abs().max())
-        cos = torch.nn.functional.cosine_similarity(g, w, dim=-1)
-        assert rel < 0.05, f"step {i}: max |TP2 - TP1| is {rel:.3f} of max |logit|"
-        assert float(cos.min()) > 0.995, f"step {i}: cosine {cos.tolist()}"
+def assert_close_in_bf16(got: list[Tensor], want: list[Tensor], exact: list[Tensor]) -> None:
+    """TP=2 logits in bf16 (`got`) against TP=1 in bf16 (`want`), step by step: TP=2 is no further
+    from the float32 logits (`exact`) than TP=1's own bf16 rounding puts TP=1, within 1.5x.
+
+    Why not |TP2 - TP1| against a fixed bound: with random weights bf16 alone moves the logits by
+    4-12% of their norm (measured on the CPU, 4 layers of the Qwen3-Next shape), so a fixed 5% of
+    the largest logit fails on rounding; the ratio sat at 0.97-1.09. A sharding bug (a missing
+    all-reduce, a slice from the wrong rank) moves the logits by their own size: a ratio of ~10."""
+    for i, (g, w, e) in enumerate(zip(got, want, exact, strict=True)):
+        assert g.shape == w.shape == e.shape
+        g, w, e = g.float(), w.float(), e.float()
+        ours, theirs = float((g - e).norm()), float((w - e).norm())
+        assert ours <= 1.5 * theirs + 1e-6 * float(e.norm()), (
+            f"step {i}: |TP2 - float32| {ours:.4g} against |TP1 - float32| {theirs:.4g} (bf16 alone)"
+        )
 
 
 def assert_tp_serves_like_one_device(

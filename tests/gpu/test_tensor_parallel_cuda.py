@@ -23,7 +23,14 @@ from ballast.engine.tp_graphs import GraphsReport
 from ballast.memory.config import MemoryConfig
 from ballast.memory.watch import MemWatch
 from ballast.models.moe import grouped_mm_supported
-from tp_harness import assert_close_in_bf16, engine_greedy, reference_logits, sharded_logits, steps_for
+from tp_harness import (
+    assert_close_in_bf16,
+    dequantized_logits,
+    engine_greedy,
+    reference_logits,
+    sharded_logits,
+    steps_for,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,8 +56,9 @@ def test_tp2_logits_match_tp1_in_bf16() -> None:
     hf = qwen3_next_shaped()
     steps = steps_for(hf["vocab_size"])
     want = reference_logits(hf, steps, torch.bfloat16, "cuda")
+    exact = reference_logits(hf, steps, torch.float32, "cuda")
     [got] = sharded_logits([hf], steps, 2, torch.bfloat16, "cuda")
-    assert_close_in_bf16(got, want)
+    assert_close_in_bf16(got, want, exact)
 
 
 def greedy_tokens(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -222,12 +230,14 @@ def test_tp2_with_expert_parallel_matches_tp1() -> None:
             models.append({**fp8, "keep_fp8": True, "expert_parallel": True})
         got = sharded_logits(models, steps, 2, torch.bfloat16, "cuda")
         wants = [reference_logits(hf, steps, torch.bfloat16, "cuda")]
+        exacts = [reference_logits(hf, steps, torch.float32, "cuda")]
         if len(models) == 2:
             one = load_hf_dir(fp8["checkpoint_dir"], torch.bfloat16, "cuda:0", keep_fp8=True)
             wants.append(run_steps(one, steps, torch.bfloat16, torch.device("cuda", 0)))
             del one
-    for g, w in zip(got, wants, strict=True):
-        assert_close_in_bf16(g, w)
+            exacts.append(dequantized_logits(fp8["checkpoint_dir"], steps))
+    for g, w, e in zip(got, wants, exacts, strict=True):
+        assert_close_in_bf16(g, w, e)
     prompts = [[1, 400, 5000, 17, 23], [9, 8, 7], list(range(100, 300))]
     base = EngineConfig(
         model="builtin:tiny-qwen3-next", device="cuda", dtype="float32", max_model_len=512, max_num_seqs=4

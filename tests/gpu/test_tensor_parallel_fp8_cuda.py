@@ -13,7 +13,14 @@ import torch
 from ballast.models.fp8 import FP8, kernels_available
 from ballast.models.hf_loader import load_hf_dir
 from test_tensor_parallel_cuda import qwen3_next_shaped
-from tp_harness import assert_close_in_bf16, run_steps, sharded_logits, steps_for, write_checkpoint
+from tp_harness import (
+    assert_close_in_bf16,
+    dequantized_logits,
+    run_steps,
+    sharded_logits,
+    steps_for,
+    write_checkpoint,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,4 +38,4 @@ def test_tp2_fp8_logits_match_tp1(tmp_path: Path) -> None:
     want = run_steps(one, steps, torch.bfloat16, torch.device("cuda", 0))
     del one
     [got] = sharded_logits([{**hf, "keep_fp8": True}], steps, 2, torch.bfloat16, "cuda")
-    assert_close_in_bf16(got, want)
+    assert_close_in_bf16(got, want, dequantized_logits(hf["checkpoint_dir"], steps))
