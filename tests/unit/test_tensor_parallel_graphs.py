@@ -155,9 +155,10 @@ def test_tp_graphs_are_asked_for_on_their_own() -> None:
     cuda = torch.device("cuda")
     assert EngineConfig(device="cpu").decode_graphs(cuda)
     assert not EngineConfig(device="cpu", cuda_graphs=False).decode_graphs(cuda)
-    assert not EngineConfig(device="cpu", tensor_parallel_size=2).decode_graphs(cuda)
-    assert EngineConfig(device="cpu", tensor_parallel_size=2, tp_cuda_graphs=True).decode_graphs(cuda)
-    assert not EngineConfig(device="cpu", tensor_parallel_size=2, tp_cuda_graphs=True).decode_graphs(CPU)
+    assert EngineConfig(device="cpu", tensor_parallel_size=2).decode_graphs(cuda)  # on by default
+    assert not EngineConfig(device="cpu", tensor_parallel_size=2, tp_cuda_graphs=False).decode_graphs(cuda)
+    assert not EngineConfig(device="cpu", tensor_parallel_size=2, cuda_graphs=False).decode_graphs(cuda)
+    assert not EngineConfig(device="cpu", tensor_parallel_size=2).decode_graphs(CPU)
 
 
 def test_rank_0_asks_live_workers_for_their_graphs_and_a_dead_one_fails_at_once() -> None:
