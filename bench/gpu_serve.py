@@ -59,9 +59,11 @@ def prompt_text(i: int, tokens: int) -> str:
 def server_ttft(base: str) -> tuple[float, float] | None:
     """(sum, count) of ballast's time-to-first-token histogram (first token at the HTTP handler,
     before detokenizing), or None where the server has no such metric (transformers serve)."""
-    text = httpx.get(base + "/metrics", timeout=30).text
+    response = httpx.get(base + "/metrics", timeout=30)
+    if response.status_code != 200:
+        return None
     found = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(response.text):
         if family.name == "ballast_time_to_first_token_seconds":
             for sample in family.samples:
                 found[sample.name.rsplit("_", 1)[-1]] = sample.value

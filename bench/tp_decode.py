@@ -50,6 +50,7 @@ from safetensors.torch import save_file
 RESULTS = Path(__file__).parent / "results" / "tp_decode.json"
 GREEDY = SamplingParams(temperature=0.0)
 WARMUP_STEPS = 2
+SIDES = ("tp1", "tp1-eager", "eager", "ep", "graphs")
 FILE_BYTES = 2 << 30  # safetensors file size, as published checkpoints shard theirs
 
 
@@ -132,6 +133,13 @@ def main() -> None:
         help="serve this instead of writing a checkpoint, e.g. builtin:qwen3-next-6b (each rank draws "
         "its own shard's random weights: no 12.5 GB written and read back)",
     )
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        choices=SIDES,
+        default=list(SIDES),
+        help="which sides to run (default all): tp1 (graphs), tp1-eager, eager (TP=N), ep, graphs (TP=N)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -147,13 +155,17 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         ep_side = f"TP={args.tp} EP"  # expert parallel: each rank holds whole experts
-        sides = [("TP=1", 1, True), ("TP=1 eager", 1, False), (f"TP={args.tp} eager", args.tp, False)]
+        sides = [("tp1", "TP=1", 1, True), ("tp1-eager", "TP=1 eager", 1, False)]
+        sides.append(("eager", f"TP={args.tp} eager", args.tp, False))
         if device.type != "cuda":
-            sides = [("TP=1", 1, False), (f"TP={args.tp}", args.tp, False)]
+            sides = [("tp1", "TP=1", 1, False), ("eager", f"TP={args.tp}", args.tp, False)]
         if cfg["num_experts"] % args.tp == 0:
-            sides.append((ep_side, args.tp, False))
+            sides.append(("ep", ep_side, args.tp, False))
         if device.type == "cuda":  # last: its capture takes longest
-            sides.append((f"TP={args.tp} graphs", args.tp, True))
+            sides.append(("graphs", f"TP={args.tp} graphs", args.tp, True))
+        sides = [(label, tp, graphs) for key, label, tp, graphs in sides if key in args.sides]
+        if not {"tp1", "eager"} <= set(args.sides):
+            parser.error("--sides must include tp1 and eager (the table compares the split side to TP=1)")
         rates: dict[str, dict[int, float]] = {}
         replayed: dict[str, int] = {}  # decode steps each side replayed from graphs (rank 0)
         for label, tp, graphs in sides:
