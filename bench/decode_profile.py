@@ -5,6 +5,7 @@ built-in model, with the step's wall time beside the GPU time of its kernels.
         [--batch 32] [--context 2048] [--steps 4] [--device cuda]
     python -m ballast.bench.decode_profile --prefill 1024 --batch 1 --models llama-8b   # a TTFT's prefill
     python -m ballast.bench.decode_profile --mixed 128 --models llama-8b   # decodes beside a new prompt
+    python -m ballast.bench.decode_profile --models qwen3-next-6b --no-eager --moe-kernel grouped fused
 
 Each model is loaded through `Engine.load`, every slot is prefilled to --context, warmed up, then
 --steps decode steps run under `torch.profiler` twice: with the engine's CUDA graphs (what the
@@ -34,6 +35,7 @@ from ballast.bench.paged_decode import free_device_memory, prefill, random_promp
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from ballast.models import moe_triton
 from ballast.models.builtin import builtin_config
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
@@ -171,7 +173,10 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
     out: dict[str, Any] = {"model": name, "batch": args.batch, "compile": args.compile}
     out.update({"prefill_tokens": args.prefill} if args.prefill else {"context": args.context})
     results.append(out)
-    for graphs in (False,) if args.prefill else (True,) if args.mixed or args.no_eager else (True, False):
+    graph_modes = (False,) if args.prefill else (True,) if args.mixed or args.no_eager else (True, False)
+    for graphs, kernel in ((g, k) for g in graph_modes for k in args.moe_kernel):
+        moe_triton.FUSED_EXPERTS = kernel == "fused"
+        suffix = f", {kernel} experts" if args.moe_kernel != ["grouped"] else ""
         engine = Engine.load(
             EngineConfig(
                 model="builtin:" + name,
@@ -187,7 +192,7 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
             if args.prefill:
                 flops = 2 * active_parameters(engine, cfg) * args.batch * args.prefill
                 for chunk in args.chunk:
-                    mode = f"prefill in chunks of {chunk}"
+                    mode = f"prefill in chunks of {chunk}{suffix}"
                     r = out[mode] = profile_prefills(
                         engine, args.batch, args.prefill, chunk, args.steps, vocab
                     )
@@ -196,7 +201,7 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
             else:
                 mode = (
                     f"decode + {args.mixed}-token prefill" if args.mixed else "graphs" if graphs else "eager"
-                )
+                ) + suffix
                 out[mode] = profile_steps(engine, args.batch, args.context, args.steps, vocab, args.mixed)
                 report(args, results, name, mode)
         finally:
@@ -267,6 +272,13 @@ def main() -> None:
         "--mixed", type=int, default=0, help="each decode step also prefills a new prompt of N tokens"
     )
     ap.add_argument("--no-eager", action="store_true", help="decode with the engine's graphs only")
+    ap.add_argument(
+        "--moe-kernel",
+        nargs="+",
+        choices=["grouped", "fused"],
+        default=["grouped"],
+        help="MoE expert kernels, each in turn: torch's grouped GEMM, or moe_triton.experts_mlp",
+    )
     ap.add_argument("--compile", type=lambda v: v.lower() in ("1", "true", "yes"), default=True)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (--prefill)")
     ap.add_argument("--device", default="cuda")

@@ -14,6 +14,15 @@ microseconds of a launch-bound step. Here:
   output does not depend on it); experts' groups are in id order, as the grouped GEMM wants.
 
 Larger batches (prefill) take the torch path: their sort is a small part of a long step.
+
+`experts_mlp` (off until measured on a GPU: `FUSED_EXPERTS`) runs the experts of a decode-sized
+batch in two kernels over the grouped pairs: gate/up GEMMs of each expert's gathered token rows
+with SwiGLU in the epilogue, then the down GEMM with the routing weight applied and each row
+written back at its pair's place, so the per-token sum over k is one ordered reduction. One
+program per (expert, column block): an expert's weights stream from memory once however many of
+its rows there are, an expert without pairs costs an early exit, and nothing reads the counts on
+the host (graph-safe). It replaces the token gather, two grouped GEMMs, SwiGLU and the combine's
+gather, weighting and sum.
 """
 
 from __future__ import annotations
@@ -29,6 +38,13 @@ except ImportError:  # CPU-only installs: the torch path serves
 
 MAX_PAIRS = 4096  # (token, expert) pairs one `align` program holds: 409 tokens of top-10
 MAX_EXPERTS = 1024  # router width one `route_topk` program holds
+# `experts_mlp` serves at most this many pairs (102 tokens of top-10); more take the grouped GEMM.
+MAX_FUSED_PAIRS = 1024
+# Whether `moe.experts_forward` takes `experts_mlp` on CUDA. Off until it is measured against the
+# grouped GEMM on a GPU (`decode_profile --moe-kernel fused`); its correctness is tested against
+# the torch path, on CUDA and under Triton's interpreter.
+FUSED_EXPERTS = False
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def available(x: Tensor) -> bool:
@@ -86,7 +102,189 @@ def align(flat: Tensor, bins: int, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
     return order, token, counts
 
 
+def fused_ok(x: Tensor, gate_up: Tensor, pairs: int) -> bool:
+    """Whether `experts_mlp` serves this batch: CUDA with Triton, the switch on, a decode-sized
+    batch, weights of x's dtype (FP8 experts have their own kernel)."""
+    return (
+        FUSED_EXPERTS
+        and available(x)
+        and 0 < pairs <= MAX_FUSED_PAIRS
+        and x.dtype in _FUSED_DTYPES
+        and gate_up.dtype == x.dtype
+    )
+
+
+def experts_mlp(
+    x: Tensor,
+    token: Tensor,
+    order: Tensor,
+    counts: Tensor,
+    weights: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    outside: bool,
+) -> Tensor:
+    """sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) for every token t, e the
+    pair's expert; x [T, H], weights [T, k]; (token, order, counts) the expert-grouped pairs of
+    `moe.Routing` (counts of the local experts only; with `outside`, the pairs past them, held on
+    another rank, add 0). gate_up [E, 2I, H], down [E, H, I] in x's dtype. Returns [T, H]."""
+    assert triton is not None
+    tokens, hidden = x.shape
+    experts, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    pairs = order.shape[0]
+    assert x.stride(1) == gate_up.stride(2) == down.stride(2) == 1 and down.shape[1] == hidden
+    h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    # A row per pair in pair order; rows of pairs no local expert computes stay 0.
+    y = (torch.zeros if outside else torch.empty)((pairs, hidden), dtype=torch.float32, device=x.device)
+    block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(pairs, experts))))
+    common = {
+        "E": experts,
+        "BLOCK_E": triton.next_power_of_2(experts),
+        "BLOCK_M": block_m,
+        "COMPUTE": _TL[x.dtype],
+        "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
+    }
+    _gate_up_kernel[(experts, triton.cdiv(inter, 32))](
+        x,
+        gate_up,
+        h,
+        token,
+        counts,
+        x.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        inter,
+        hidden,
+        BLOCK_N=32,
+        BLOCK_K=128,
+        **common,
+    )
+    _down_kernel[(experts, triton.cdiv(hidden, 64))](
+        h,
+        down,
+        y,
+        order,
+        counts,
+        weights.reshape(-1),
+        down.stride(0),
+        down.stride(1),
+        inter,
+        hidden,
+        BLOCK_N=64,
+        BLOCK_K=64,
+        **common,
+    )
+    return y.view(tokens, -1, hidden).sum(1).to(x.dtype)
+
+
 if triton is not None:
+    _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+    @triton.jit
+    def _expert_rows(counts, E: tl.constexpr, BLOCK_E: tl.constexpr):
+        """(first grouped row, row count) of this program's expert: a running sum of the counts."""
+        e = tl.program_id(0)
+        b = tl.arange(0, BLOCK_E)
+        c = tl.load(counts + b, mask=b < E, other=0)
+        return tl.sum(tl.where(b < e, c, 0)), tl.sum(tl.where(b == e, c, 0))
+
+    @triton.jit
+    def _gate_up_kernel(
+        x,
+        w,
+        h,
+        token,
+        counts,
+        sx,
+        swe,
+        swn,
+        inter,
+        hidden,
+        E: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        COMPUTE: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """h[r, n] = silu(x[token[r]] . gate[n]) * (x[token[r]] . up[n]) for the rows r of one
+        expert, columns n of one block; gate = w[e, :I], up = w[e, I:]."""
+        first, count = _expert_rows(counts, E, BLOCK_E)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, BLOCK_K)
+        n_ok = n < inter
+        w_gate = w + tl.program_id(0).to(tl.int64) * swe + n[:, None] * swn + k[None, :]
+        w_up = w_gate + inter * swn
+        for m0 in range(0, count, BLOCK_M):
+            m = m0 + tl.arange(0, BLOCK_M)
+            m_ok = m < count
+            tok = tl.load(token + first + m, mask=m_ok, other=0)
+            x_rows = x + tok[:, None] * sx + k[None, :]
+            gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                k_ok = k[None, :] < hidden - k0
+                xt = tl.load(x_rows + k0, mask=m_ok[:, None] & k_ok, other=0.0).to(COMPUTE)
+                wg = tl.load(w_gate + k0, mask=n_ok[:, None] & k_ok, other=0.0).to(COMPUTE)
+                wu = tl.load(w_up + k0, mask=n_ok[:, None] & k_ok, other=0.0).to(COMPUTE)
+                gate = tl.dot(xt, tl.trans(wg), gate, input_precision=PRECISION)
+                up = tl.dot(xt, tl.trans(wu), up, input_precision=PRECISION)
+            out = gate * tl.sigmoid(gate) * up
+            rows = (first + m).to(tl.int64)
+            tl.store(
+                h + rows[:, None] * inter + n[None, :],
+                out.to(h.dtype.element_ty),
+                mask=m_ok[:, None] & n_ok[None, :],
+            )
+
+    @triton.jit
+    def _down_kernel(
+        h,
+        w,
+        y,
+        order,
+        counts,
+        weights,
+        swe,
+        swn,
+        inter,
+        hidden,
+        E: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        COMPUTE: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """y[order[r], n] = weights[order[r]] * (h[r] . down[e, n]) for the rows r of one expert,
+        columns n of one block: each row lands at its pair's place in float32."""
+        first, count = _expert_rows(counts, E, BLOCK_E)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, BLOCK_K)
+        n_ok = n < hidden
+        w_rows = w + tl.program_id(0).to(tl.int64) * swe + n[:, None] * swn + k[None, :]
+        for m0 in range(0, count, BLOCK_M):
+            m = m0 + tl.arange(0, BLOCK_M)
+            m_ok = m < count
+            rows = (first + m).to(tl.int64)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                k_ok = k[None, :] < inter - k0
+                ht = tl.load(
+                    h + rows[:, None] * inter + k0 + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0
+                )
+                wt = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok, other=0.0)
+                acc = tl.dot(ht.to(COMPUTE), tl.trans(wt.to(COMPUTE)), acc, input_precision=PRECISION)
+            pair = tl.load(order + first + m, mask=m_ok, other=0)
+            scale = tl.load(weights + pair, mask=m_ok, other=0.0).to(tl.float32)
+            tl.store(
+                y + pair[:, None] * hidden + n[None, :],
+                acc * scale[:, None],
+                mask=m_ok[:, None] & n_ok[None, :],
+            )
 
     @triton.jit
     def _route_topk_kernel(
