@@ -57,6 +57,24 @@ class DecodeTiling:
     num_stages: int
 
 
+@dataclass(frozen=True)
+class PrefillTiling:
+    """How one prefill launch is cut: query tokens and KV tokens per tile, and the launch knobs."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_prefill_tiling(head_dim: int, dtype: torch.dtype) -> PrefillTiling:
+    """Wide rows (head dim 256, or float32) in smaller tiles, to stay within shared memory.
+    `bench/paged_prefill.py --sweep` times the others against torch's flash attention."""
+    wide = head_dim > 128 or dtype == torch.float32
+    block = 32 if wide else 64
+    return PrefillTiling(block_m=block, block_n=block, num_warps=4, num_stages=2)
+
+
 @functools.lru_cache(maxsize=8)
 def _sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
@@ -268,18 +286,18 @@ def paged_prefill(
     sm_scale: float,
     max_len: int,
     max_ctx: int,
+    tiling: PrefillTiling | None = None,
 ) -> None:
     """q, out: [T, Hq, D], tokens of B sequences flattened; sequence b owns tokens
     cu_lens[b]..cu_lens[b+1]-1 at positions starts[b] + i; token i attends causally to positions
     0..starts[b]+i of its slot (cached prefix plus this chunk, all already written into the blocks).
-    max_len: longest chunk; max_ctx: longest starts+len (host ints)."""
+    max_len: longest chunk; max_ctx: longest starts+len (host ints). tiling: the chosen one if None."""
     group, head_dim = _check(q, out, kv_ptrs, block_size, num_kv_heads)
     batch, heads = slots.shape[0], q.shape[1]
     if batch == 0 or q.shape[0] == 0 or max_len == 0:
         return
-    wide = head_dim > 128 or q.dtype == torch.float32
-    block_m, block_n = (32, 32) if wide else (64, 64)
-    grid = (triton.cdiv(max_len, block_m), heads, batch)
+    tiling = tiling or choose_prefill_tiling(head_dim, q.dtype)
+    grid = (triton.cdiv(max_len, tiling.block_m), heads, batch)
     _prefill_kernel[grid](
         q,
         out,
@@ -299,10 +317,10 @@ def paged_prefill(
         seg_blocks,
         sm_scale * math.log2(math.e),
         **_layout_constexprs(q, kv_dtype, num_kv_heads, group, head_dim, block_size),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=4,
-        num_stages=2,
+        BLOCK_M=tiling.block_m,
+        BLOCK_N=tiling.block_n,
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
     )
 
 
