@@ -130,8 +130,8 @@ def experts_forward(
         return torch.zeros_like(x)
     routing = Routing.sort(experts, gate_up.shape[0], outside)
     if moe_triton.fused_ok(x, gate_up, routing.order.shape[0]):
-        order, token, counts = routing.order, routing.token, routing.counts
-        return moe_triton.experts_mlp(x, token, order, counts, weights.to(x.dtype), gate_up, down, outside)
+        r, w = routing, weights.to(x.dtype)
+        return moe_triton.experts_mlp(x, r.token, r.order, r.counts, w, gate_up, down, outside)
     rows = x.index_select(0, routing.token)
     grouped = _grouped_ok(x, gate_up) if use_grouped_mm is None else use_grouped_mm
     if grouped:
