@@ -155,15 +155,15 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         ep_side = f"TP={args.tp} EP"  # expert parallel: each rank holds whole experts
-        sides = [("tp1", "TP=1", 1, True), ("tp1-eager", "TP=1 eager", 1, False)]
-        sides.append(("eager", f"TP={args.tp} eager", args.tp, False))
+        every = [("tp1", "TP=1", 1, True), ("tp1-eager", "TP=1 eager", 1, False)]
+        every.append(("eager", f"TP={args.tp} eager", args.tp, False))
         if device.type != "cuda":
-            sides = [("tp1", "TP=1", 1, False), ("eager", f"TP={args.tp}", args.tp, False)]
+            every = [("tp1", "TP=1", 1, False), ("eager", f"TP={args.tp}", args.tp, False)]
         if cfg["num_experts"] % args.tp == 0:
-            sides.append(("ep", ep_side, args.tp, False))
+            every.append(("ep", ep_side, args.tp, False))
         if device.type == "cuda":  # last: its capture takes longest
-            sides.append(("graphs", f"TP={args.tp} graphs", args.tp, True))
-        sides = [(label, tp, graphs) for key, label, tp, graphs in sides if key in args.sides]
+            every.append(("graphs", f"TP={args.tp} graphs", args.tp, True))
+        sides = [(label, tp, graphs) for key, label, tp, graphs in every if key in args.sides]
         if not {"tp1", "eager"} <= set(args.sides):
             parser.error("--sides must include tp1 and eager (the table compares the split side to TP=1)")
         rates: dict[str, dict[int, float]] = {}
