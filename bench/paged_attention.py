@@ -22,9 +22,9 @@ import json
 import math
 import platform
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ from ballast.models.paged_triton import (
 )
 
 RESULTS = Path(__file__).parent / "results" / "paged_attention.json"
+T = TypeVar("T")
 HQ, HKV, HEAD_DIM, BLOCK = 32, 8, 128, 32
 SEGMENTS = 4
 # Each replay reads at least this much KV, several times the H200's 60 MB L2.
@@ -164,21 +165,29 @@ def gather_sdpa(case: Case, out: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def sweep(case: Case, chosen: DecodeTiling) -> tuple[DecodeTiling, float]:
-    """Fastest tiling near the chosen one, and its time."""
-    splits = sorted({max(1, chosen.num_splits // 2), chosen.num_splits, chosen.num_splits * 2})
-    best: tuple[DecodeTiling, float] | None = None
-    for s, n, w, st in itertools.product(splits, (32, 64, 128), (4, 8), (2, 3)):
-        tiling = DecodeTiling(num_splits=s, block_n=n, num_warps=w, num_stages=st)
+def fastest(tilings: Iterable[T], time_of: Callable[[T], float]) -> tuple[T, float]:
+    """The tiling of least time and its time; one that does not fit (shared memory) is skipped."""
+    best: tuple[T, float] | None = None
+    for tiling in tilings:
         try:
-            t = graph_time(ours(case, tiling), case.layers, repeats=5)
-        except Exception as e:  # a tiling that does not fit (shared memory) is only skipped
+            t = time_of(tiling)
+        except Exception as e:
             print(f"  tiling {tiling} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             continue
         if best is None or t < best[1]:
             best = (tiling, t)
     assert best is not None
     return best
+
+
+def sweep(case: Case, chosen: DecodeTiling) -> tuple[DecodeTiling, float]:
+    """Fastest tiling near the chosen one, and its time."""
+    splits = sorted({max(1, chosen.num_splits // 2), chosen.num_splits, chosen.num_splits * 2})
+    tilings = (
+        DecodeTiling(num_splits=s, block_n=n, num_warps=w, num_stages=st)
+        for s, n, w, st in itertools.product(splits, (32, 64, 128), (4, 8), (2, 3))
+    )
+    return fastest(tilings, lambda tiling: graph_time(ours(case, tiling), case.layers, repeats=5))
 
 
 def main() -> None:

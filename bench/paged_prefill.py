@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from ballast.bench.paged_attention import fastest
 from ballast.models.paged_triton import PrefillTiling, choose_prefill_tiling, paged_prefill, triton_available
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -128,18 +129,11 @@ def flash(p: dict[str, Any], out: list[torch.Tensor]) -> Callable[[], None]:
 
 
 def sweep(p: dict[str, Any], hkv: int, out: torch.Tensor, repeats: int) -> tuple[PrefillTiling, float]:
-    best: tuple[PrefillTiling, float] | None = None
-    for m, n, w, st in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
-        tiling = PrefillTiling(block_m=m, block_n=n, num_warps=w, num_stages=st)
-        try:
-            t = event_time(ours(p, hkv, tiling, out), repeats)
-        except Exception as e:  # a tiling that does not fit (shared memory) is only skipped
-            print(f"  {tiling} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-            continue
-        if best is None or t < best[1]:
-            best = (tiling, t)
-    assert best is not None
-    return best
+    tilings = (
+        PrefillTiling(block_m=m, block_n=n, num_warps=w, num_stages=st)
+        for m, n, w, st in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+    )
+    return fastest(tilings, lambda tiling: event_time(ours(p, hkv, tiling, out), repeats))
 
 
 def main() -> None:
