@@ -142,6 +142,8 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if not {"tp1", "eager"} <= set(args.sides):
+        parser.error("--sides must include tp1 and eager (the table compares the split side to TP=1)")
     dtype = getattr(torch, args.dtype)
     cfg = builtin_config(args.model) if args.model else model_config(args.tiny, args.experts)
     work = Path(tempfile.mkdtemp(prefix="ballast-tp-", dir=args.work_dir))
@@ -164,8 +166,6 @@ def main() -> None:
         if device.type == "cuda":  # last: its capture takes longest
             every.append(("graphs", f"TP={args.tp} graphs", args.tp, True))
         sides = [(label, tp, graphs) for key, label, tp, graphs in every if key in args.sides]
-        if not {"tp1", "eager"} <= set(args.sides):
-            parser.error("--sides must include tp1 and eager (the table compares the split side to TP=1)")
         rates: dict[str, dict[int, float]] = {}
         replayed: dict[str, int] = {}  # decode steps each side replayed from graphs (rank 0)
         for label, tp, graphs in sides:
