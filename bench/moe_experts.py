@@ -1,0 +1,163 @@
+"""One MoE layer's experts on CUDA at decode batch sizes: torch's grouped GEMM path against our fused
+Triton kernels (`moe_triton.experts_mlp`), both through `moe.experts_forward` as the engine calls
+it (routing sort, expert MLPs, weighted sum over top-k), bf16.
+
+Shapes: Qwen3-Next-80B-A3B's MoE layer (512 experts, top-10, hidden 2048, expert width 512) and
+the 26-expert cut of it that `builtin:qwen3-next-6b` uses. Timed as CUDA-graph replays, the way the
+engine runs decode, each replay walking --layers layers of distinct weights (several times the L2
+cache), so no expert's weights are still cached when they are read again. The bound is the bytes
+of the experts the batch routes to (gate, up and down of every expert that received a pair: the
+dense-equivalent of what the step must read) over the bandwidth of a device copy measured here;
+"% bw" is that floor over the time. --sweep also times other tilings of the fused kernels (the
+gate/up kernel first, then the down kernel with the best gate/up) and reports the fastest: how
+`ExpertTiling`'s defaults are chosen. Table on stdout, JSON to bench/results/moe_experts.json.
+
+    python -m ballast.bench.moe_experts [--tokens 1 8 32 128 256] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from ballast.bench.paged_attention import copy_bandwidth, fastest, graph_time
+from ballast.models import moe, moe_triton
+from ballast.models.moe_triton import ExpertTiling, KernelTiling
+
+RESULTS = Path(__file__).parent / "results" / "moe_experts.json"
+# name: (experts, top-k, hidden, expert width), from builtin.py's Qwen3-Next configs
+SHAPES = {"qwen3-next-80b": (512, 10, 2048, 512), "qwen3-next-6b": (26, 10, 2048, 512)}
+L2_BYTES = 50 * 2**20
+
+
+@dataclasses.dataclass
+class Layers:
+    """--layers MoE layers of one shape and one batch's routing for each."""
+
+    x: torch.Tensor  # [T, H]
+    gate_up: list[torch.Tensor]  # [E, 2I, H] per layer
+    down: list[torch.Tensor]  # [E, H, I] per layer
+    ids: list[torch.Tensor]  # [T, k] per layer
+    weights: list[torch.Tensor]  # [T, k] per layer
+    expert_bytes: float  # mean bytes of the routed experts a layer reads
+
+
+def make_layers(shape: str, tokens: int, count: int) -> Layers:
+    experts, top_k, hidden, inter = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    dev, bf16 = "cuda", torch.bfloat16
+
+    def rand(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, device=dev, generator=gen) * 0.02).to(bf16)
+
+    x = rand(tokens, hidden) * 50
+    gate_up = [rand(experts, 2 * inter, hidden) for _ in range(count)]
+    down = [rand(experts, hidden, inter) for _ in range(count)]
+    ids, weights, touched = [], [], 0
+    for _ in range(count):
+        logits = torch.randn(tokens, experts, device=dev, generator=gen).to(bf16)
+        w, e = moe.route(logits, top_k, normalize=True)
+        ids.append(e)
+        weights.append(w)
+        touched += int(e.unique().numel())
+    per_expert = 3 * hidden * inter * 2
+    return Layers(x, gate_up, down, ids, weights, touched / count * per_expert)
+
+
+def run_layers(layers: Layers, fused: bool, tiling: ExpertTiling | None = None) -> Callable[[], None]:
+    def run() -> None:
+        for gu, dn, e, w in zip(layers.gate_up, layers.down, layers.ids, layers.weights, strict=True):
+            if fused:
+                r = moe.Routing.sort(e, gu.shape[0])
+                moe_triton.experts_mlp(layers.x, r.token, r.order, r.counts, w, gu, dn, False, tiling)
+            else:
+                moe.experts_forward(layers.x, e, w, gu, dn, use_grouped_mm=True)
+
+    return run
+
+
+def sweep(layers: Layers, repeats: int) -> tuple[ExpertTiling, float]:
+    def time_of(tiling: ExpertTiling) -> float:
+        return graph_time(run_layers(layers, True, tiling), len(layers.ids), repeats)
+
+    kernels = [
+        KernelTiling(n, k, w, s)
+        for n, k, w, s in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
+        if w == 4 or (n == 128 and k > 64)
+    ]
+    best_gu, _ = fastest((ExpertTiling(gate_up=t) for t in kernels), time_of)
+    return fastest((dataclasses.replace(best_gu, down=t) for t in kernels), time_of)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--sweep", action="store_true", help="also time other tilings of the fused kernels")
+    ap.add_argument("--sweep-tokens", type=int, nargs="+", default=[1, 32], help="the batches --sweep tries")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    if not (torch.cuda.is_available() and moe_triton.triton is not None):
+        raise SystemExit("moe_experts needs CUDA and Triton")
+    bandwidth = copy_bandwidth()
+    print(f"device copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
+    rows: list[dict[str, Any]] = []
+    for shape in args.shapes:
+        _, top_k, hidden, inter = SHAPES[shape]
+        count = max(2, -(-4 * L2_BYTES // (top_k * 3 * hidden * inter * 2)))  # >= 4 L2s routed a replay
+        for tokens in args.tokens:
+            layers = make_layers(shape, tokens, count)
+            floor = layers.expert_bytes / bandwidth
+            row: dict[str, Any] = {"shape": shape, "tokens": tokens, "layers": count}
+            row["routed_expert_mb"] = layers.expert_bytes / 1e6
+            row["grouped_us"] = 1e6 * graph_time(run_layers(layers, False), count, args.repeats)
+            row["fused_us"] = 1e6 * graph_time(run_layers(layers, True), count, args.repeats)
+            if args.sweep and tokens in args.sweep_tokens:
+                best, t_best = sweep(layers, max(3, args.repeats // 2))
+                row["best_tiling"], row["best_us"] = dataclasses.asdict(best), 1e6 * t_best
+            for side in ("grouped", "fused", "best"):
+                if f"{side}_us" in row:
+                    row[f"{side}_bw_pct"] = 100 * floor / (row[f"{side}_us"] / 1e6)
+            print(
+                f"{shape} {tokens:>4} tokens: grouped {row['grouped_us']:8.1f} us "
+                f"({row['grouped_bw_pct']:4.1f}% bw)  fused {row['fused_us']:8.1f} us "
+                f"({row['fused_bw_pct']:4.1f}% bw)"
+                + (f"  best {row['best_us']:8.1f} us {row['best_tiling']}" if "best_us" in row else ""),
+                flush=True,
+            )
+            rows.append(row)
+            del layers
+            torch.cuda.empty_cache()
+    print(
+        "\n| shape | tokens | routed experts MB | grouped us | fused us | fused / grouped | fused % of bw |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['shape']} | {r['tokens']} | {r['routed_expert_mb']:.0f} | {r['grouped_us']:.1f} | "
+            f"{r['fused_us']:.1f} | {r['fused_us'] / r['grouped_us']:.2f} | {r['fused_bw_pct']:.0f}% |"
+        )
+    result = {
+        "bench": "moe_experts",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "machine": platform.node(),
+        "copy_bandwidth_tb_s": bandwidth / 1e12,
+        "default_tiling": dataclasses.asdict(ExpertTiling()),
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
