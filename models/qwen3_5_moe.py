@@ -17,6 +17,7 @@ under `model.language_model.*` (see `checkpoint_key`).
 from __future__ import annotations
 
 from ballast.models.gated_delta import GatedDeltaNet
+from ballast.models.layers import FusedLinears
 from ballast.models.qwen3_next import HybridConfig, Qwen3NextForCausalLM, delta_net_dims
 from torch import Tensor, nn
 
@@ -28,10 +29,15 @@ class SplitGatedDeltaNet(GatedDeltaNet):
         self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_width, bias=False)
         self.in_proj_b = nn.Linear(cfg.hidden_size, self.v_heads, bias=False)
         self.in_proj_a = nn.Linear(cfg.hidden_size, self.v_heads, bias=False)
+        self.parts = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        self.in_proj = FusedLinears(*self.parts)
+
+    def fuse(self, keep_values: bool = True) -> None:
+        self.in_proj.fuse(keep_values)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        z = self.in_proj_z(x).view(x.shape[0], self.v_heads, self.v_dim)
-        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        qkv, z, b, a = self.in_proj(x).split([p.out_features for p in self.parts], dim=-1)
+        return qkv, z.view(x.shape[0], self.v_heads, self.v_dim), b, a
 
 
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):

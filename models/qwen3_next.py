@@ -21,6 +21,7 @@ from ballast.models import pointwise
 from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
 from ballast.models.gated_delta import GatedDeltaNet, HybridStep
 from ballast.models.layers import (
+    FusedLinears,
     Rope,
     RopeParams,
     RotaryEmbedding,
@@ -208,16 +209,19 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = CenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = CenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: Tensor, step: HybridStep, state: LayerState) -> Tensor:
         if not isinstance(state, PagedKV):
             raise TypeError(f"a full-attention layer needs a PagedKV, got {type(state).__name__}")
         t = x.shape[0]
+        kv_width = self.k_proj.out_features
+        qg, k, v = self.qkv(x).split([self.q_proj.out_features, kv_width, kv_width], dim=-1)
         # Per head, q_proj's output is [query (head_dim), gate (head_dim)].
-        q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, gate = qg.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = step.rope(self.q_norm(q))
-        k = step.rope(self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim)))
-        state.write(step.batch, k, self.v_proj(x).view(t, self.kv_heads, self.head_dim))
+        k = step.rope(self.k_norm(k.view(t, self.kv_heads, self.head_dim)))
+        state.write(step.batch, k, v.view(t, self.kv_heads, self.head_dim))
         out = state.attend(q, step.batch) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
 
@@ -243,12 +247,20 @@ class FusedGatedDeltaNet(GatedDeltaNet):
         super().__init__(*delta_net_dims(cfg))
         self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.key_width + 2 * self.value_width, bias=False)
         self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.v_heads, bias=False)
+        self.in_proj = FusedLinears(self.in_proj_qkvz, self.in_proj_ba)
+
+    def fuse(self, keep_values: bool = True) -> None:
+        self.in_proj.fuse(keep_values)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         t, r = x.shape[0], self.v_heads // self.k_heads
-        qkvz = self.in_proj_qkvz(x).view(t, self.k_heads, -1)
-        q, k, v, z = qkvz.split([self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim], dim=-1)
-        b, a = self.in_proj_ba(x).view(t, self.k_heads, 2 * r).split([r, r], dim=-1)
+        qkvz, ba = self.in_proj(x).split(
+            [self.in_proj_qkvz.out_features, self.in_proj_ba.out_features], dim=-1
+        )
+        q, k, v, z = qkvz.view(t, self.k_heads, -1).split(
+            [self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim], dim=-1
+        )
+        b, a = ba.view(t, self.k_heads, 2 * r).split([r, r], dim=-1)
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return qkv, z.reshape(t, self.v_heads, self.v_dim), b.reshape(t, -1), a.reshape(t, -1)
 
@@ -323,6 +335,16 @@ class Qwen3NextForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self, keep_values: bool = True) -> None:
+        """Run each attention layer's q/k/v and each linear-attention layer's input projections as
+        one matmul (see `FusedLinears`; 60 fewer GEMMs a decode step of the 48-layer Qwen3-Next)."""
+        for layer in self.model.layers:
+            assert isinstance(layer, HybridDecoderLayer)
+            if layer.self_attn is not None:
+                layer.self_attn.qkv.fuse(keep_values)
+            if layer.linear_attn is not None:
+                layer.linear_attn.fuse(keep_values)
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
         c = self.config
