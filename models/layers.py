@@ -231,6 +231,12 @@ class FusedLinears:
     def _current_ptrs(self) -> list[int]:
         return [getattr(lin, n).data_ptr() for lin in self.linears for n in self._names]
 
+    def outputs(self, x: Tensor) -> list[Tensor]:
+        """Each linear's output: views of the one matmul's, or (separate) their own."""
+        if self.separate:
+            return [lin(x) for lin in self.linears]
+        return list(self(x).split([lin.out_features for lin in self.linears], dim=-1))
+
     def __call__(self, x: Tensor) -> Tensor:
         if self.separate:
             return torch.cat([lin(x) for lin in self.linears], dim=-1)

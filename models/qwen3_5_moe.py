@@ -29,14 +29,13 @@ class SplitGatedDeltaNet(GatedDeltaNet):
         self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_width, bias=False)
         self.in_proj_b = nn.Linear(cfg.hidden_size, self.v_heads, bias=False)
         self.in_proj_a = nn.Linear(cfg.hidden_size, self.v_heads, bias=False)
-        self.parts = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        self.in_proj = FusedLinears(*self.parts)
+        self.in_proj = FusedLinears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def fuse(self, keep_values: bool = True) -> None:
         self.in_proj.fuse(keep_values)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        qkv, z, b, a = self.in_proj(x).split([p.out_features for p in self.parts], dim=-1)
+        qkv, z, b, a = self.in_proj.outputs(x)
         return qkv, z.view(x.shape[0], self.v_heads, self.v_dim), b, a
 
 

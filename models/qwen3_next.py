@@ -215,8 +215,7 @@ class GatedAttention(nn.Module):
         if not isinstance(state, PagedKV):
             raise TypeError(f"a full-attention layer needs a PagedKV, got {type(state).__name__}")
         t = x.shape[0]
-        kv_width = self.k_proj.out_features
-        qg, k, v = self.qkv(x).split([self.q_proj.out_features, kv_width, kv_width], dim=-1)
+        qg, k, v = self.qkv.outputs(x)
         # Per head, q_proj's output is [query (head_dim), gate (head_dim)].
         q, gate = qg.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = step.rope(self.q_norm(q))
@@ -254,9 +253,7 @@ class FusedGatedDeltaNet(GatedDeltaNet):
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         t, r = x.shape[0], self.v_heads // self.k_heads
-        qkvz, ba = self.in_proj(x).split(
-            [self.in_proj_qkvz.out_features, self.in_proj_ba.out_features], dim=-1
-        )
+        qkvz, ba = self.in_proj.outputs(x)
         q, k, v, z = qkvz.view(t, self.k_heads, -1).split(
             [self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim], dim=-1
         )
