@@ -112,6 +112,17 @@ class Routing(NamedTuple):
         return (per_token * weights.float().reshape(num_tokens, -1, 1)).sum(1).to(weights.dtype)
 
 
+class Shared(NamedTuple):
+    """A shared expert's output [T, H] and its gate's logit [T, 1]: sigmoid(gate) * out is added to
+    the routed experts' sum."""
+
+    out: Tensor
+    gate: Tensor
+
+    def add_to(self, routed: Tensor) -> Tensor:
+        return routed + torch.sigmoid(self.gate) * self.out
+
+
 def experts_forward(
     x: Tensor,
     experts: Tensor,
@@ -120,18 +131,21 @@ def experts_forward(
     down: Tensor,
     use_grouped_mm: bool | None = None,
     outside: bool = False,
+    shared: Shared | None = None,
 ) -> Tensor:
-    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) for every token t.
+    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) for every token t, plus the gated
+    shared expert where given.
 
     x [T, H]; experts, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I]. Returns [T, H] in x's
     dtype, accumulated in float32. use_grouped_mm None picks grouped GEMM when it runs here.
     outside: a pair may name expert E (one held elsewhere, see `local_expert_ids`): it adds 0."""
     if gate_up.shape[0] == 0:  # no expert here received a pair (the dequantizing FP8 path)
-        return torch.zeros_like(x)
+        routed = torch.zeros_like(x)
+        return routed if shared is None else shared.add_to(routed)
     routing = Routing.sort(experts, gate_up.shape[0], outside)
     if moe_triton.fused_ok(x, gate_up, routing.order.shape[0]):
         r, w = routing, weights.to(x.dtype)
-        return moe_triton.experts_mlp(x, r.token, r.order, r.counts, w, gate_up, down, outside)
+        return moe_triton.experts_mlp(x, r.token, r.order, r.counts, w, gate_up, down, outside, shared=shared)
     rows = x.index_select(0, routing.token)
     grouped = _grouped_ok(x, gate_up) if use_grouped_mm is None else use_grouped_mm
     if grouped:
@@ -146,7 +160,8 @@ def experts_forward(
         if kept:
             row_expert = experts.reshape(-1)[routing.order[:kept]]
             y[:kept] = _padded_bmm(rows[:kept], row_expert, routing.counts, gate_up, down)
-    return routing.combine(y, weights.to(x.dtype), x.shape[0])
+    routed = routing.combine(y, weights.to(x.dtype), x.shape[0])
+    return routed if shared is None else shared.add_to(routed)
 
 
 def _padded_bmm(rows: Tensor, row_expert: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
@@ -234,13 +249,16 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, intermediate))
 
-    def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+    def forward(self, x: Tensor, experts: Tensor, weights: Tensor, shared: Shared | None = None) -> Tensor:
         outside = self.first is not None
         if self.first is not None:
             experts = local_expert_ids(experts, self.first, self.gate_up_proj.shape[0])
         if self.gate_up_proj.dtype == fp8.FP8:
-            return fp8.experts_forward(self, x, experts, weights, outside)
-        return experts_forward(x, experts, weights, self.gate_up_proj, self.down_proj, outside=outside)
+            routed = fp8.experts_forward(self, x, experts, weights, outside)
+            return routed if shared is None else shared.add_to(routed)
+        return experts_forward(
+            x, experts, weights, self.gate_up_proj, self.down_proj, outside=outside, shared=shared
+        )
 
 
 class SparseMoeBlock(nn.Module):
@@ -265,6 +283,6 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weights, experts = self.gate(x)
-        routed = self.experts(x, experts, weights)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        # the fused expert kernels add the shared part in their final sum (`Shared`)
+        shared = Shared(self.shared_expert(x), self.shared_expert_gate(x))
+        return self.experts(x, experts, weights, shared)

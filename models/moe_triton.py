@@ -15,22 +15,27 @@ microseconds of a launch-bound step. Here:
 
 Larger batches (prefill) take the torch path: their sort is a small part of a long step.
 
-`experts_mlp` (`FUSED_EXPERTS`, on: see there) runs the experts of a decode-sized
-batch in two kernels over the grouped pairs: gate/up GEMMs of each expert's gathered token rows
-with SwiGLU in the epilogue, then the down GEMM with the routing weight applied and each row
-written back at its pair's place, so the per-token sum over k is one ordered reduction. One
-program per (expert, column block): an expert's weights stream from memory once however many of
-its rows there are, an expert without pairs costs an early exit, and nothing reads the counts on
-the host (graph-safe). It replaces the token gather, two grouped GEMMs, SwiGLU and the combine's
-gather, weighting and sum.
+`experts_mlp` (`FUSED_EXPERTS`, on: see there) runs the experts of a decode-sized batch in three
+kernels over the grouped pairs: gate/up GEMMs of each expert's gathered token rows with SwiGLU in
+the epilogue; the down GEMM with the routing weight applied and each row written back at its
+pair's place; then one ordered sum per token over its k rows, with the shared expert's gated
+output added in the same float32 sum. One GEMM program per (expert, column block): an expert's
+weights stream from memory once however many of its rows there are, an expert without pairs
+costs an early exit, and nothing reads the counts on the host (graph-safe). It replaces the
+token gather, two grouped GEMMs, SwiGLU, the combine's gather, weighting and sum, and the
+shared expert's sigmoid, product and add: about a dozen kernels of every MoE layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ballast.models.moe import Shared
 
 try:
     import triton
@@ -148,11 +153,13 @@ def experts_mlp(
     down: Tensor,
     outside: bool,
     tiling: ExpertTiling | None = None,
+    shared: Shared | None = None,
 ) -> Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) for every token t, e the
     pair's expert; x [T, H], weights [T, k]; (token, order, counts) the expert-grouped pairs of
     `moe.Routing` (counts of the local experts only; with `outside`, the pairs past them, held on
-    another rank, add 0). gate_up [E, 2I, H], down [E, H, I] in x's dtype. Returns [T, H]."""
+    another rank, add 0). gate_up [E, 2I, H], down [E, H, I] in x's dtype. shared: a shared
+    expert's output and gate logit, added in the same final sum. Returns [T, H] in x's dtype."""
     assert triton is not None
     tiling = tiling or ExpertTiling()
     gu, dn = tiling.gate_up, tiling.down
@@ -206,7 +213,33 @@ def experts_mlp(
         num_stages=dn.num_stages,
         **common,
     )
-    return y.view(tokens, -1, hidden).sum(1).to(x.dtype)
+    return _combine(y, tokens, shared, x.dtype)
+
+
+def _combine(y: Tensor, tokens: int, shared: Shared | None, dtype: torch.dtype) -> Tensor:
+    """out[t] = sum_j y[t * k + j] (in j order) [+ sigmoid(gate[t]) * shared[t]], float32 until
+    the one rounding to dtype: one kernel where the torch form is five."""
+    assert triton is not None
+    hidden = y.shape[1]
+    out = torch.empty((tokens, hidden), dtype=dtype, device=y.device)
+    if tokens == 0:
+        return out
+    s_out, s_gate = (shared.out, shared.gate) if shared is not None else (out, out)
+    assert s_out.stride(-1) == 1
+    block = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(tokens, triton.cdiv(hidden, block))](
+        y,
+        s_out,
+        s_gate,
+        out,
+        hidden,
+        s_out.stride(0),
+        s_gate.stride(0),
+        K=y.shape[0] // tokens,
+        SHARED=shared is not None,
+        BLOCK_H=block,
+    )
+    return out
 
 
 if triton is not None:
@@ -316,6 +349,30 @@ if triton is not None:
                 acc * scale[:, None],
                 mask=m_ok[:, None] & n_ok[None, :],
             )
+
+    @triton.jit
+    def _combine_kernel(
+        y,
+        shared,
+        gate,
+        out,
+        hidden,
+        s_shared,
+        s_gate,
+        K: tl.constexpr,
+        SHARED: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = cols < hidden
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(K):
+            acc += tl.load(y + (t * K + j) * hidden + cols, mask=ok, other=0.0)
+        if SHARED:
+            g = tl.load(gate + t * s_gate).to(tl.float32)
+            acc += tl.sigmoid(g) * tl.load(shared + t * s_shared + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out + t * hidden + cols, acc.to(out.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _route_topk_kernel(

@@ -158,6 +158,13 @@ def test_the_fused_expert_kernels_compute_the_definition(
     assert got.dtype == dtype
     tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got.float(), want, **tol)
+    # a shared expert's gated output joins the same final sum (the gate logit a column view, as
+    # a fused projection's output gives it)
+    shared = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    logits = torch.randn(tokens, 3, generator=gen).to(DEVICE, dtype)[:, 1:2]
+    got = moe.experts_forward(x, ids, weights, gate_up, down, shared=moe.Shared(shared, logits))
+    want = want + torch.sigmoid(logits.float()) * shared.float()
+    torch.testing.assert_close(got.float(), want, **tol)
 
 
 def test_the_fused_kernels_add_nothing_for_pairs_held_on_another_rank(
