@@ -247,19 +247,44 @@ class FusedGatedDeltaNet(GatedDeltaNet):
         self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.key_width + 2 * self.value_width, bias=False)
         self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.v_heads, bias=False)
         self.in_proj = FusedLinears(self.in_proj_qkvz, self.in_proj_ba)
+        self._order: Tensor | None = None
 
     def fuse(self, keep_values: bool = True) -> None:
         self.in_proj.fuse(keep_values)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        t, r = x.shape[0], self.v_heads // self.k_heads
-        qkvz, ba = self.in_proj.outputs(x)
-        q, k, v, z = qkvz.view(t, self.k_heads, -1).split(
-            [self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim], dim=-1
+        """One gather puts the per-key-head columns in q|k|v|z|b|a order, so every part is a view
+        (the split, reshape and cat of the per-head layout were seven kernels a layer)."""
+        mixed = self.in_proj(x)
+        if self._order is None or self._order.device != mixed.device:
+            self._order = self.column_order(mixed.device)
+        parts = mixed.index_select(1, self._order).split(
+            [self.conv_channels, self.value_width, self.v_heads, self.v_heads], dim=-1
         )
-        b, a = ba.view(t, self.k_heads, 2 * r).split([r, r], dim=-1)
-        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
-        return qkv, z.reshape(t, self.v_heads, self.v_dim), b.reshape(t, -1), a.reshape(t, -1)
+        qkv, z, b, a = parts
+        return qkv, z.view(x.shape[0], self.v_heads, self.v_dim), b, a
+
+    def column_order(self, device: torch.device) -> Tensor:
+        """Columns of [qkvz | ba] (the fused output) in q|k|v|z|b|a order, heads in order."""
+        r = self.v_heads // self.k_heads
+        head = torch.arange(self.k_heads, device=device)[:, None]
+        per_head = 2 * self.k_dim + 2 * r * self.v_dim  # one key head's qkvz columns
+
+        def cols(offset: Tensor, width: int) -> Tensor:
+            return (offset + torch.arange(width, device=device)[None, :]).reshape(-1)
+
+        qkvz = head * per_head
+        ba = self.k_heads * per_head + head * 2 * r
+        return torch.cat(
+            [
+                cols(qkvz, self.k_dim),  # q
+                cols(qkvz + self.k_dim, self.k_dim),  # k
+                cols(qkvz + 2 * self.k_dim, r * self.v_dim),  # v
+                cols(qkvz + 2 * self.k_dim + r * self.v_dim, r * self.v_dim),  # z
+                cols(ba, r),  # b
+                cols(ba + r, r),  # a
+            ]
+        )
 
 
 class HybridDecoderLayer(nn.Module):
