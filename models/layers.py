@@ -76,6 +76,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def add_norm(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + delta, the norm of it): a residual add with the norm after it."""
+        if x.is_cuda:
+            return pointwise.add_rms_norm(x, delta, self.weight, self.eps)  # one kernel
+        s = x + delta
+        return s, self(s)
+
     def forward(self, x: Tensor) -> Tensor:
         if x.is_cuda:
             return pointwise.rms_norm(x, self.weight, self.eps)  # one kernel

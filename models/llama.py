@@ -133,11 +133,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: Tensor, batch: ForwardBatch, rope: Rope, state: LayerState) -> Tensor:
+    def forward(
+        self, h: Tensor, pending: Tensor | None, batch: ForwardBatch, rope: Rope, state: LayerState
+    ) -> tuple[Tensor, Tensor]:
+        """(residual stream, this layer's MLP output still to add): each residual add runs with
+        the norm after it (`add_norm`); pending is the last layer's MLP output (None first)."""
         if not isinstance(state, PagedKV):
             raise TypeError(f"a Llama layer needs a PagedKV, got {type(state).__name__}")
-        h = h + self.self_attn(self.input_layernorm(h), batch, rope, state)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if pending is None:
+            x = self.input_layernorm(h)
+        else:
+            h, x = self.input_layernorm.add_norm(h, pending)
+        h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, batch, rope, state))
+        return h, self.mlp(x)
 
 
 class LlamaModel(nn.Module):
@@ -190,8 +198,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"{len(states)} layer states for {len(self.model.layers)} layers")
         h = self.model.embed_tokens(batch.token_ids)
         rope = Rope(*self.model.rotary_emb(batch.positions, h.dtype))
+        pending: Tensor | None = None
         for layer, state in zip(self.model.layers, states, strict=True):
-            h = layer(h, batch, rope, state)
+            h, pending = layer(h, pending, batch, rope, state)
+        if pending is not None:
+            h = h + pending
         # Only the rows asked for (each sequence's last token, or every token where prompt logprobs
         # are asked) need the final norm and the (large) head.
         if not batch.decode_only:

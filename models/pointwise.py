@@ -73,6 +73,17 @@ def _centered_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
 
 
+def _add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + delta, its RMSNorm): a residual add and the next norm, one kernel when compiled."""
+    s = x + delta
+    return s, _rms_norm(s, weight, eps)
+
+
+def _centered_add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    s = x + delta
+    return s, _centered_rms_norm(s, weight, eps)
+
+
 def _gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm of x, scaled, times silu(gate)."""
     dtype = x.dtype
@@ -135,6 +146,8 @@ def _on_cuda(name: str, eager: F_) -> F_:
 
 rms_norm = _on_cuda("rms_norm", _rms_norm)
 centered_rms_norm = _on_cuda("centered_rms_norm", _centered_rms_norm)
+add_rms_norm = _on_cuda("add_rms_norm", _add_rms_norm)
+centered_add_rms_norm = _on_cuda("centered_add_rms_norm", _centered_add_rms_norm)
 gated_rms_norm = _on_cuda("gated_rms_norm", _gated_rms_norm)
 rope = _on_cuda("rope", apply_rope)
 silu_mul = _on_cuda("silu_mul", _silu_mul)

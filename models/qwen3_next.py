@@ -184,6 +184,13 @@ class CenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
+    def add_norm(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + delta, the norm of it): a residual add with the norm after it."""
+        if x.is_cuda:
+            return pointwise.centered_add_rms_norm(x, delta, self.weight, self.eps)  # one kernel
+        s = x + delta
+        return s, self(s)
+
     def forward(self, x: Tensor) -> Tensor:
         if x.is_cuda:
             return pointwise.centered_rms_norm(x, self.weight, self.eps)  # one kernel
@@ -311,11 +318,19 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: Tensor, step: HybridStep, state: LayerState) -> Tensor:
+    def forward(
+        self, h: Tensor, pending: Tensor | None, step: HybridStep, state: LayerState
+    ) -> tuple[Tensor, Tensor]:
+        """(residual stream, this layer's MLP output still to add): each residual add runs with
+        the norm after it (`add_norm`); pending is the last layer's MLP output (None first)."""
         mixer = self.linear_attn if self.linear_attn is not None else self.self_attn
         assert mixer is not None
-        h = h + mixer(self.input_layernorm(h), step, state)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if pending is None:
+            x = self.input_layernorm(h)
+        else:
+            h, x = self.input_layernorm.add_norm(h, pending)
+        h, x = self.post_attention_layernorm.add_norm(h, mixer(x, step, state))
+        return h, self.mlp(x)
 
 
 class HybridModel(nn.Module):
@@ -391,8 +406,11 @@ class Qwen3NextForCausalLM(nn.Module):
         h = self.model.embed_tokens(batch.token_ids)
         rope = Rope(*self.model.rotary_emb(batch.positions, h.dtype))
         step = HybridStep.build(batch, rope, self.config.linear_conv_kernel_dim, self.use_fla)
+        pending: Tensor | None = None
         for layer, state in zip(self.model.layers, states, strict=True):
-            h = layer(h, step, state)
+            h, pending = layer(h, pending, step, state)
+        if pending is not None:
+            h = h + pending
         if not batch.decode_only:
             h = h.index_select(0, batch.logit_index)
         return self.lm_head(self.model.norm(h)).float()

@@ -50,6 +50,16 @@ def test_compiled_pieces_match_their_eager_code(dtype: torch.dtype, tokens: int)
                 pointwise.silu_mul(torch.cat((x, gate), 1), 256),
                 pointwise._silu_mul(torch.cat((x, gate), 1), 256),
             ),
+            *zip(
+                pointwise.add_rms_norm(x, gate, w, 1e-6),
+                pointwise._add_rms_norm(x, gate, w, 1e-6),
+                strict=True,
+            ),
+            *zip(
+                pointwise.centered_add_rms_norm(x, gate, w, 1e-6),
+                pointwise._centered_add_rms_norm(x, gate, w, 1e-6),
+                strict=True,
+            ),
         ]
     assert pointwise.enabled(), "compiling failed on this machine"
     for got, want in pairs:
