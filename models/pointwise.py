@@ -103,6 +103,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((xr * c + torch.cat((-x2, x1), dim=-1) * s, xp), dim=-1)
 
 
+def _sigmoid_mul(x: Tensor, gate: Tensor) -> Tensor:
+    """x * sigmoid(gate), gate any view of x's shape (an output gate read from its projection)."""
+    return x * torch.sigmoid(gate.reshape(x.shape))
+
+
 def _silu_mul(gate_up: Tensor, n: int) -> Tensor:
     """silu(gate) * up of a fused [T, 2n] gate|up projection."""
     return F.silu(gate_up[:, :n]) * gate_up[:, n:]
@@ -151,3 +156,4 @@ centered_add_rms_norm = _on_cuda("centered_add_rms_norm", _centered_add_rms_norm
 gated_rms_norm = _on_cuda("gated_rms_norm", _gated_rms_norm)
 rope = _on_cuda("rope", apply_rope)
 silu_mul = _on_cuda("silu_mul", _silu_mul)
+sigmoid_mul = _on_cuda("sigmoid_mul", _sigmoid_mul)

@@ -228,7 +228,7 @@ class GatedAttention(nn.Module):
         q = step.rope(self.q_norm(q))
         k = step.rope(self.k_norm(k.view(t, self.kv_heads, self.head_dim)))
         state.write(step.batch, k, v.view(t, self.kv_heads, self.head_dim))
-        out = state.attend(q, step.batch) * torch.sigmoid(gate.reshape(t, -1))
+        out = pointwise.sigmoid_mul(state.attend(q, step.batch), gate)
         return self.o_proj(out)
 
 
