@@ -202,19 +202,23 @@ async def _events(state: ServerState, job: Job, started: Started) -> AsyncIterat
     counted = False
     finishes: dict[int, FinishEvent] = {}
     try:
-        for writer in writers:
-            opening = writer.role() if job.endpoint == "chat" else writer.echo()
-            if opening:
-                yield opening
+        # The openings (chat's role chunks, completions' echo) go out in one write with the first
+        # token's chunk: every first event is already here, so nothing waits for them, and the
+        # client reads the answer's start in one piece.
+        pending = "".join(writer.role() if job.endpoint == "chat" else writer.echo() for writer in writers)
         async for i, event in _merged(started.runs):
             if isinstance(event, TokenEvent):
                 timer.tokens(len(event.token_ids))
                 generated += len(event.token_ids)
                 if event.text or event.logprobs:  # "" while a stop-string prefix is held back
-                    chunk = writers[i].tokens(event)
-                    if chunk:
-                        yield chunk
+                    pending += writers[i].tokens(event)
+                if pending:
+                    yield pending
+                    pending = ""
                 continue
+            if pending:
+                yield pending
+                pending = ""
             if event.error is not None:
                 counted = True
                 timer.finished(finish_outcome(event), job.prompt_tokens, generated)
