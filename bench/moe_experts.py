@@ -73,12 +73,17 @@ def make_layers(shape: str, tokens: int, count: int) -> Layers:
 
 def run_layers(layers: Layers, fused: bool, tiling: ExpertTiling | None = None) -> Callable[[], None]:
     def run() -> None:
-        for gu, dn, e, w in zip(layers.gate_up, layers.down, layers.ids, layers.weights, strict=True):
-            if fused:
-                r = moe.Routing.sort(e, gu.shape[0])
-                moe_triton.experts_mlp(layers.x, r.token, r.order, r.counts, w, gu, dn, False, tiling)
-            else:
-                moe.experts_forward(layers.x, e, w, gu, dn, use_grouped_mm=True)
+        switch = moe_triton.FUSED_EXPERTS
+        moe_triton.FUSED_EXPERTS = False  # the grouped side must not take the fused path
+        try:
+            for gu, dn, e, w in zip(layers.gate_up, layers.down, layers.ids, layers.weights, strict=True):
+                if fused:
+                    r = moe.Routing.sort(e, gu.shape[0])
+                    moe_triton.experts_mlp(layers.x, r.token, r.order, r.counts, w, gu, dn, False, tiling)
+                else:
+                    moe.experts_forward(layers.x, e, w, gu, dn, use_grouped_mm=True)
+        finally:
+            moe_triton.FUSED_EXPERTS = switch
 
     return run
 

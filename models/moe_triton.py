@@ -47,7 +47,7 @@ MAX_PAIRS = 4096  # (token, expert) pairs one `align` program holds: 409 tokens 
 MAX_EXPERTS = 1024  # router width one `route_topk` program holds
 # `experts_mlp` serves at most this many pairs (409 tokens of top-10, the `align` limit); more (a
 # prefill) take the grouped GEMM. `bench/moe_experts.py` on an H200: fused / grouped time of one
-# layer 0.99-1.03 at 1-32 tokens, 0.53-0.67 at 128, 0.69-0.78 at 256.
+# layer 0.53-0.67 at 128 tokens, 0.69-0.78 at 256 (at 1-32 tokens see FUSED_EXPERTS).
 MAX_FUSED_PAIRS = MAX_PAIRS
 # Whether `moe.experts_forward` takes `experts_mlp` on CUDA. Measured on an H200 (session 10,
 # `decode_profile --models qwen3-next-6b --batch 32 --no-eager --moe-kernel grouped fused`): a
