@@ -119,8 +119,10 @@ class Shared(NamedTuple):
     out: Tensor
     gate: Tensor
 
-    def add_to(self, routed: Tensor) -> Tensor:
-        return routed + torch.sigmoid(self.gate) * self.out
+
+def plus_shared(routed: Tensor, shared: Shared | None) -> Tensor:
+    """The routed experts' sum with the gated shared expert added (the torch paths)."""
+    return routed if shared is None else routed + torch.sigmoid(shared.gate) * shared.out
 
 
 def experts_forward(
@@ -140,8 +142,7 @@ def experts_forward(
     dtype, accumulated in float32. use_grouped_mm None picks grouped GEMM when it runs here.
     outside: a pair may name expert E (one held elsewhere, see `local_expert_ids`): it adds 0."""
     if gate_up.shape[0] == 0:  # no expert here received a pair (the dequantizing FP8 path)
-        routed = torch.zeros_like(x)
-        return routed if shared is None else shared.add_to(routed)
+        return plus_shared(torch.zeros_like(x), shared)
     routing = Routing.sort(experts, gate_up.shape[0], outside)
     if moe_triton.fused_ok(x, gate_up, routing.order.shape[0]):
         r, w = routing, weights.to(x.dtype)
@@ -160,8 +161,7 @@ def experts_forward(
         if kept:
             row_expert = experts.reshape(-1)[routing.order[:kept]]
             y[:kept] = _padded_bmm(rows[:kept], row_expert, routing.counts, gate_up, down)
-    routed = routing.combine(y, weights.to(x.dtype), x.shape[0])
-    return routed if shared is None else shared.add_to(routed)
+    return plus_shared(routing.combine(y, weights.to(x.dtype), x.shape[0]), shared)
 
 
 def _padded_bmm(rows: Tensor, row_expert: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
@@ -254,8 +254,7 @@ class Experts(nn.Module):
         if self.first is not None:
             experts = local_expert_ids(experts, self.first, self.gate_up_proj.shape[0])
         if self.gate_up_proj.dtype == fp8.FP8:
-            routed = fp8.experts_forward(self, x, experts, weights, outside)
-            return routed if shared is None else shared.add_to(routed)
+            return plus_shared(fp8.experts_forward(self, x, experts, weights, outside), shared)
         return experts_forward(
             x, experts, weights, self.gate_up_proj, self.down_proj, outside=outside, shared=shared
         )
