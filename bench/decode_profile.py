@@ -76,6 +76,9 @@ def profile_steps(
     return result
 
 
+TOP_KERNELS = 40  # kernels kept per mode: the hybrid step's tail of small kernels is the target
+
+
 def _tables(prof: profile, wall: float, steps: int) -> dict[str, Any]:
     """Wall (as profiled), GPU-busy time and kernel count per step, the top kernels and the top host ops."""
     kernels: dict[str, list[float]] = {}  # name -> [count, microseconds]
@@ -102,7 +105,7 @@ def _tables(prof: profile, wall: float, steps: int) -> dict[str, Any]:
                 "ms_per_step": us / steps / 1e3,
                 "pct": 100 * us / busy_us,
             }
-            for name, (n, us) in top[:15]
+            for name, (n, us) in top[:TOP_KERNELS]
         ]
         if busy_us
         else [],

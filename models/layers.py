@@ -266,6 +266,9 @@ class SwiGLU(nn.Module):
         self.intermediate = intermediate
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
+    def fuse(self, keep_values: bool = True) -> None:
+        self.gate_up.fuse(keep_values)
+
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(pointwise.silu_mul(self.gate_up(x), self.intermediate))
 

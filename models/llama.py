@@ -183,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             if isinstance(layer, LlamaDecoderLayer):
                 layer.self_attn.fuse(keep_values)
-                layer.mlp.gate_up.fuse(keep_values)
+                layer.mlp.fuse(keep_values)
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
         c = self.config

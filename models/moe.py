@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from ballast.models import fp8, moe_triton
+from ballast.models.layers import FusedLinears, SwiGLU
 from torch import Tensor, nn
 
 
@@ -113,16 +114,35 @@ class Routing(NamedTuple):
 
 
 class Shared(NamedTuple):
-    """A shared expert's output [T, H] and its gate's logit [T, 1]: sigmoid(gate) * out is added to
-    the routed experts' sum."""
+    """A shared expert and its gate's logits [T, 1]: sigmoid(gate) * expert(x) joins the routed
+    experts' sum (in the fused kernels' own sum where `kernel_form` gives them its weights)."""
 
-    out: Tensor
+    expert: SwiGLU
     gate: Tensor
 
+    def output(self, x: Tensor) -> Tensor:
+        return torch.sigmoid(self.gate) * self.expert(x)
 
-def plus_shared(routed: Tensor, shared: Shared | None) -> Tensor:
+    def kernel_form(self, x: Tensor, gate_up: Tensor) -> moe_triton.SharedExpert | None:
+        """The shared expert as one more expert of `moe_triton.experts_mlp`: plain weights of x's
+        dtype shaped as one of the routed experts (`gate_up` [E, 2I, H]). None otherwise (FP8,
+        another intermediate size, a bias): the torch form adds it then."""
+        mlp = self.expert
+        fused = mlp.gate_up
+        if fused.separate or fused.bias is not None or mlp.down_proj.bias is not None:
+            return None
+        if not fused.fused:
+            fused.fuse()
+        assert fused.weight is not None
+        down = mlp.down_proj.weight
+        if fused.weight.shape != gate_up.shape[1:] or fused.weight.dtype != x.dtype or down.dtype != x.dtype:
+            return None
+        return moe_triton.SharedExpert(fused.weight, down, self.gate)
+
+
+def plus_shared(routed: Tensor, x: Tensor, shared: Shared | None) -> Tensor:
     """The routed experts' sum with the gated shared expert added (the torch paths)."""
-    return routed if shared is None else routed + torch.sigmoid(shared.gate) * shared.out
+    return routed if shared is None else routed + shared.output(x)
 
 
 def experts_forward(
@@ -142,11 +162,15 @@ def experts_forward(
     dtype, accumulated in float32. use_grouped_mm None picks grouped GEMM when it runs here.
     outside: a pair may name expert E (one held elsewhere, see `local_expert_ids`): it adds 0."""
     if gate_up.shape[0] == 0:  # no expert here received a pair (the dequantizing FP8 path)
-        return plus_shared(torch.zeros_like(x), shared)
+        return plus_shared(torch.zeros_like(x), x, shared)
     routing = Routing.sort(experts, gate_up.shape[0], outside)
     if moe_triton.fused_ok(x, gate_up, routing.order.shape[0]):
         r, w = routing, weights.to(x.dtype)
-        return moe_triton.experts_mlp(x, r.token, r.order, r.counts, w, gate_up, down, outside, shared=shared)
+        in_kernel = shared.kernel_form(x, gate_up) if shared is not None else None
+        out = moe_triton.experts_mlp(
+            x, r.token, r.order, r.counts, w, gate_up, down, outside, shared=in_kernel
+        )
+        return out if in_kernel is not None else plus_shared(out, x, shared)
     rows = x.index_select(0, routing.token)
     grouped = _grouped_ok(x, gate_up) if use_grouped_mm is None else use_grouped_mm
     if grouped:
@@ -161,7 +185,7 @@ def experts_forward(
         if kept:
             row_expert = experts.reshape(-1)[routing.order[:kept]]
             y[:kept] = _padded_bmm(rows[:kept], row_expert, routing.counts, gate_up, down)
-    return plus_shared(routing.combine(y, weights.to(x.dtype), x.shape[0]), shared)
+    return plus_shared(routing.combine(y, weights.to(x.dtype), x.shape[0]), x, shared)
 
 
 def _padded_bmm(rows: Tensor, row_expert: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
@@ -213,28 +237,19 @@ def place_expert_tensor(fused: Tensor, expert: int, part: str, tensor: Tensor) -
     dst.copy_(tensor)
 
 
-class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); the dense MLP and the shared expert."""
+class Router(nn.Linear):
+    """The router: logits over the experts (HF's `gate.weight` [E, H]), then `route`."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Router(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        super().__init__(hidden, num_experts, bias=False)
         self.top_k = top_k
         self.normalize = normalize
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        return route(F.linear(x, self.weight), self.top_k, self.normalize)
+    def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        return route(logits, self.top_k, self.normalize)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        return self.route(F.linear(x, self.weight))
 
 
 class Experts(nn.Module):
@@ -254,7 +269,7 @@ class Experts(nn.Module):
         if self.first is not None:
             experts = local_expert_ids(experts, self.first, self.gate_up_proj.shape[0])
         if self.gate_up_proj.dtype == fp8.FP8:
-            return plus_shared(fp8.experts_forward(self, x, experts, weights, outside), shared)
+            return plus_shared(fp8.experts_forward(self, x, experts, weights, outside), x, shared)
         return experts_forward(
             x, experts, weights, self.gate_up_proj, self.down_proj, outside=outside, shared=shared
         )
@@ -277,11 +292,16 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
         self.gate = Router(hidden, num_experts, top_k, normalize)
         self.experts = Experts(hidden, expert_intermediate, num_experts)
-        self.shared_expert = GatedMLP(hidden, shared_intermediate)
+        self.shared_expert = SwiGLU(hidden, shared_intermediate)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        # the router's and the shared expert's gate read the same x: one GEMM
+        self.gates = FusedLinears(self.gate, self.shared_expert_gate)
+
+    def fuse(self, keep_values: bool = True) -> None:
+        self.gates.fuse(keep_values)
+        self.shared_expert.fuse(keep_values)
 
     def forward(self, x: Tensor) -> Tensor:
-        weights, experts = self.gate(x)
-        # the fused expert kernels add the shared part in their final sum (`Shared`)
-        shared = Shared(self.shared_expert(x), self.shared_expert_gate(x))
-        return self.experts(x, experts, weights, shared)
+        logits, shared_gate = self.gates.outputs(x)
+        weights, experts = self.gate.route(logits)
+        return self.experts(x, experts, weights, Shared(self.shared_expert, shared_gate))

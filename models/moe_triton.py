@@ -18,24 +18,24 @@ Larger batches (prefill) take the torch path: their sort is a small part of a lo
 `experts_mlp` (`FUSED_EXPERTS`, on: see there) runs the experts of a decode-sized batch in three
 kernels over the grouped pairs: gate/up GEMMs of each expert's gathered token rows with SwiGLU in
 the epilogue; the down GEMM with the routing weight applied and each row written back at its
-pair's place; then one ordered sum per token over its k rows, with the shared expert's gated
-output added in the same float32 sum. One GEMM program per (expert, column block): an expert's
-weights stream from memory once however many of its rows there are, an expert without pairs
-costs an early exit, and nothing reads the counts on the host (graph-safe). It replaces the
-token gather, two grouped GEMMs, SwiGLU, the combine's gather, weighting and sum, and the
-shared expert's sigmoid, product and add: about a dozen kernels of every MoE layer.
+pair's place; then one ordered sum per token over its k rows. One GEMM program per (expert,
+column block): an expert's weights stream from memory once however many of its rows there are,
+an expert without pairs costs an early exit, and nothing reads the counts on the host
+(graph-safe). A shared expert of the routed experts' shape is one more program of each GEMM
+launch (every token is one of its rows, weighted by the sigmoid of its gate) and one more row of
+each token's sum; the router and the shared expert's gate are one GEMM before (`SparseMoeBlock`).
+It replaces the token gather, two grouped GEMMs, SwiGLU, the combine's gather, weighting and
+sum, and the shared expert's two GEMMs, SwiGLU, gate GEMM, sigmoid, product and add: about
+eighteen kernels of every MoE layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from ballast.models.moe import Shared
 
 try:
     import triton
@@ -74,6 +74,15 @@ class ExpertTiling:
     # the sweep's best for the 80B's layer at 1 and 32 tokens (5-9% over 32 x 128 tiles)
     gate_up: KernelTiling = KernelTiling(block_n=64, block_k=128, num_warps=4, num_stages=3)
     down: KernelTiling = KernelTiling(block_n=64, block_k=64, num_warps=4, num_stages=3)
+
+
+class SharedExpert(NamedTuple):
+    """A shared expert run as one more program of the expert kernels: every token is its row,
+    weighted by sigmoid(gate). gate_up [2I, H] and down [H, I] as a routed expert's; gate [T, 1]."""
+
+    gate_up: Tensor
+    down: Tensor
+    gate: Tensor
 
 
 def available(x: Tensor) -> bool:
@@ -153,13 +162,14 @@ def experts_mlp(
     down: Tensor,
     outside: bool,
     tiling: ExpertTiling | None = None,
-    shared: Shared | None = None,
+    shared: SharedExpert | None = None,
 ) -> Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) for every token t, e the
     pair's expert; x [T, H], weights [T, k]; (token, order, counts) the expert-grouped pairs of
     `moe.Routing` (counts of the local experts only; with `outside`, the pairs past them, held on
     another rank, add 0). gate_up [E, 2I, H], down [E, H, I] in x's dtype. shared: a shared
-    expert's output and gate logit, added in the same final sum. Returns [T, H] in x's dtype."""
+    expert, one more program of each launch (its rows: every token, after the P routed pairs),
+    its gated output in the same final sum. Returns [T, H] in x's dtype."""
     assert triton is not None
     tiling = tiling or ExpertTiling()
     gu, dn = tiling.gate_up, tiling.down
@@ -168,9 +178,17 @@ def experts_mlp(
     inter = two_i // 2
     pairs = order.shape[0]
     assert x.stride(1) == gate_up.stride(2) == down.stride(2) == 1 and down.shape[1] == hidden
-    h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    # A row per pair in pair order; rows of pairs no local expert computes stay 0.
-    y = (torch.zeros if outside else torch.empty)((pairs, hidden), dtype=torch.float32, device=x.device)
+    if shared is not None:
+        assert shared.gate_up.shape == gate_up.shape[1:] and shared.down.shape == down.shape[1:]
+        assert shared.gate_up.stride() == gate_up.stride()[1:] and shared.down.stride() == down.stride()[1:]
+    rows = pairs + (tokens if shared is not None else 0)
+    h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    # A row per pair in pair order, then the shared expert's row per token; rows of pairs no
+    # local expert computes stay 0.
+    y = (torch.zeros if outside else torch.empty)((rows, hidden), dtype=torch.float32, device=x.device)
+    # without a shared expert its pointers are the routed ones' (no program reads them)
+    s_gate_up, s_down, s_gate = shared if shared is not None else (gate_up, down, weights)
+    programs = experts + (shared is not None)
     block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(pairs, experts))))
     common = {
         "E": experts,
@@ -179,9 +197,10 @@ def experts_mlp(
         "COMPUTE": _TL[x.dtype],
         "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
     }
-    _gate_up_kernel[(experts, triton.cdiv(inter, gu.block_n))](
+    _gate_up_kernel[(programs, triton.cdiv(inter, gu.block_n))](
         x,
         gate_up,
+        s_gate_up,
         h,
         token,
         counts,
@@ -190,53 +209,55 @@ def experts_mlp(
         gate_up.stride(1),
         inter,
         hidden,
+        pairs,
+        tokens,
         BLOCK_N=gu.block_n,
         BLOCK_K=gu.block_k,
         num_warps=gu.num_warps,
         num_stages=gu.num_stages,
         **common,
     )
-    _down_kernel[(experts, triton.cdiv(hidden, dn.block_n))](
+    _down_kernel[(programs, triton.cdiv(hidden, dn.block_n))](
         h,
         down,
+        s_down,
         y,
         order,
         counts,
         weights.reshape(-1),
+        s_gate,
+        s_gate.stride(0),
         down.stride(0),
         down.stride(1),
         inter,
         hidden,
+        pairs,
+        tokens,
         BLOCK_N=dn.block_n,
         BLOCK_K=dn.block_k,
         num_warps=dn.num_warps,
         num_stages=dn.num_stages,
         **common,
     )
-    return _combine(y, tokens, shared, x.dtype)
+    return _combine(y, tokens, pairs, shared is not None, x.dtype)
 
 
-def _combine(y: Tensor, tokens: int, shared: Shared | None, dtype: torch.dtype) -> Tensor:
-    """out[t] = sum_j y[t * k + j] (in j order) [+ sigmoid(gate[t]) * shared[t]], float32 until
-    the one rounding to dtype: one kernel where the torch form is five."""
+def _combine(y: Tensor, tokens: int, pairs: int, shared: bool, dtype: torch.dtype) -> Tensor:
+    """out[t] = sum_j y[t * k + j] (in j order) [+ y[pairs + t], the shared expert's], float32
+    until the one rounding to dtype: one kernel where the torch form is five."""
     assert triton is not None
     hidden = y.shape[1]
     out = torch.empty((tokens, hidden), dtype=dtype, device=y.device)
     if tokens == 0:
         return out
-    s_out, s_gate = (shared.out, shared.gate) if shared is not None else (out, out)
-    assert s_out.stride(-1) == 1
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(tokens, triton.cdiv(hidden, block))](
         y,
-        s_out,
-        s_gate,
         out,
         hidden,
-        s_out.stride(0),
-        s_gate.stride(0),
-        K=y.shape[0] // tokens,
-        SHARED=shared is not None,
+        pairs,
+        K=pairs // tokens,
+        SHARED=shared,
         BLOCK_H=block,
     )
     return out
@@ -254,9 +275,18 @@ if triton is not None:
         return tl.sum(tl.where(b < e, c, 0)), tl.sum(tl.where(b == e, c, 0))
 
     @triton.jit
+    def _program_rows(counts, pairs, tokens, E: tl.constexpr, BLOCK_E: tl.constexpr):
+        """(is the shared expert's, first grouped row, row count) of this program: program E (only
+        launched with a shared expert) owns rows [pairs, pairs + tokens), one per token."""
+        first, count = _expert_rows(counts, E, BLOCK_E)
+        shared = tl.program_id(0) == E
+        return shared, tl.where(shared, pairs, first), tl.where(shared, tokens, count)
+
+    @triton.jit
     def _gate_up_kernel(
         x,
         w,
+        w_shared,
         h,
         token,
         counts,
@@ -265,6 +295,8 @@ if triton is not None:
         swn,
         inter,
         hidden,
+        pairs,
+        tokens,
         E: tl.constexpr,
         BLOCK_E: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -274,17 +306,19 @@ if triton is not None:
         PRECISION: tl.constexpr,
     ):
         """h[r, n] = silu(x[token[r]] . gate[n]) * (x[token[r]] . up[n]) for the rows r of one
-        expert, columns n of one block; gate = w[e, :I], up = w[e, I:]."""
-        first, count = _expert_rows(counts, E, BLOCK_E)
+        expert, columns n of one block; gate = w[e, :I], up = w[e, I:] (the shared expert's
+        program: w_shared, token r - pairs)."""
+        shared, first, count = _program_rows(counts, pairs, tokens, E, BLOCK_E)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
         n_ok = n < inter
-        w_gate = w + tl.program_id(0).to(tl.int64) * swe + n[:, None] * swn + k[None, :]
+        base = tl.where(shared, w_shared, w + tl.program_id(0).to(tl.int64) * swe)
+        w_gate = base + n[:, None] * swn + k[None, :]
         w_up = w_gate + inter * swn
         for m0 in range(0, count, BLOCK_M):
             m = m0 + tl.arange(0, BLOCK_M)
             m_ok = m < count
-            tok = tl.load(token + first + m, mask=m_ok, other=0)
+            tok = tl.where(shared, m, tl.load(token + first + m, mask=m_ok & (first + m < pairs), other=0))
             x_rows = x + tok[:, None] * sx + k[None, :]
             gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -307,14 +341,19 @@ if triton is not None:
     def _down_kernel(
         h,
         w,
+        w_shared,
         y,
         order,
         counts,
         weights,
+        shared_gate,
+        s_gate,
         swe,
         swn,
         inter,
         hidden,
+        pairs,
+        tokens,
         E: tl.constexpr,
         BLOCK_E: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -324,12 +363,14 @@ if triton is not None:
         PRECISION: tl.constexpr,
     ):
         """y[order[r], n] = weights[order[r]] * (h[r] . down[e, n]) for the rows r of one expert,
-        columns n of one block: each row lands at its pair's place in float32."""
-        first, count = _expert_rows(counts, E, BLOCK_E)
+        columns n of one block: each row lands at its pair's place in float32 (the shared
+        expert's program: y[r] = sigmoid(shared_gate[r - pairs]) * (h[r] . w_shared[n]))."""
+        shared, first, count = _program_rows(counts, pairs, tokens, E, BLOCK_E)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
         n_ok = n < hidden
-        w_rows = w + tl.program_id(0).to(tl.int64) * swe + n[:, None] * swn + k[None, :]
+        base = tl.where(shared, w_shared, w + tl.program_id(0).to(tl.int64) * swe)
+        w_rows = base + n[:, None] * swn + k[None, :]
         for m0 in range(0, count, BLOCK_M):
             m = m0 + tl.arange(0, BLOCK_M)
             m_ok = m < count
@@ -342,8 +383,12 @@ if triton is not None:
                 )
                 wt = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok, other=0.0)
                 acc = tl.dot(ht.to(COMPUTE), tl.trans(wt.to(COMPUTE)), acc, input_precision=PRECISION)
-            pair = tl.load(order + first + m, mask=m_ok, other=0)
-            scale = tl.load(weights + pair, mask=m_ok, other=0.0).to(tl.float32)
+            routed_ok = m_ok & (first + m < pairs)  # the shared program's rows start at pairs
+            pair = tl.where(shared, rows, tl.load(order + first + m, mask=routed_ok, other=0))
+            g = tl.load(shared_gate + m * s_gate, mask=m_ok & (first + m >= pairs), other=0.0).to(tl.float32)
+            scale = tl.where(
+                shared, tl.sigmoid(g), tl.load(weights + pair, mask=routed_ok, other=0.0).to(tl.float32)
+            )
             tl.store(
                 y + pair[:, None] * hidden + n[None, :],
                 acc * scale[:, None],
@@ -353,12 +398,9 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(
         y,
-        shared,
-        gate,
         out,
         hidden,
-        s_shared,
-        s_gate,
+        pairs,
         K: tl.constexpr,
         SHARED: tl.constexpr,
         BLOCK_H: tl.constexpr,
@@ -370,8 +412,7 @@ if triton is not None:
         for j in tl.static_range(K):
             acc += tl.load(y + (t * K + j) * hidden + cols, mask=ok, other=0.0)
         if SHARED:
-            g = tl.load(gate + t * s_gate).to(tl.float32)
-            acc += tl.sigmoid(g) * tl.load(shared + t * s_shared + cols, mask=ok, other=0.0).to(tl.float32)
+            acc += tl.load(y + (pairs + t) * hidden + cols, mask=ok, other=0.0)
         tl.store(out + t * hidden + cols, acc.to(out.dtype.element_ty), mask=ok)
 
     @triton.jit

@@ -25,9 +25,10 @@ from ballast.models.layers import (
     Rope,
     RopeParams,
     RotaryEmbedding,
+    SwiGLU,
     token_embedding,
 )
-from ballast.models.moe import GatedMLP, SparseMoeBlock
+from ballast.models.moe import SparseMoeBlock
 from ballast.models.state import LayerState, PagedKV, attention_spec, dtype_bytes
 from torch import Tensor, nn
 
@@ -303,7 +304,7 @@ class HybridDecoderLayer(nn.Module):
             self.linear_attn = linear_cls(cfg)
         else:
             self.self_attn = GatedAttention(cfg)
-        self.mlp: nn.Module
+        self.mlp: SparseMoeBlock | SwiGLU
         if cfg.is_sparse(index):
             self.mlp = SparseMoeBlock(
                 cfg.hidden_size,
@@ -314,7 +315,7 @@ class HybridDecoderLayer(nn.Module):
                 cfg.norm_topk_prob,
             )
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -382,6 +383,7 @@ class Qwen3NextForCausalLM(nn.Module):
                 layer.self_attn.qkv.fuse(keep_values)
             if layer.linear_attn is not None:
                 layer.linear_attn.fuse(keep_values)
+            layer.mlp.fuse(keep_values)
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
         c = self.config

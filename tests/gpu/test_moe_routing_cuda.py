@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ballast.models import moe, moe_triton
+from ballast.models.layers import SwiGLU
 from triton_kernels import DEVICE, marks
 
 pytestmark = marks(moe_triton)
@@ -158,13 +159,22 @@ def test_the_fused_expert_kernels_compute_the_definition(
     assert got.dtype == dtype
     tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got.float(), want, **tol)
-    # a shared expert's gated output joins the same final sum (the gate logit a column view, as
-    # a fused projection's output gives it)
-    shared = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    # A shared expert's gated output joins the sum: as one more program of the kernels where it
+    # has the routed experts' shape, else added by the torch form. The gate logit is a column view,
+    # as the fused router + gate projection gives it.
     logits = torch.randn(tokens, 3, generator=gen).to(DEVICE, dtype)[:, 1:2]
-    got = moe.experts_forward(x, ids, weights, gate_up, down, shared=moe.Shared(shared, logits))
-    want = want + torch.sigmoid(logits.float()) * shared.float()
-    torch.testing.assert_close(got.float(), want, **tol)
+    for shared_inter, in_kernel in ((inter, True), (inter + 16, False)):
+        mlp = SwiGLU(hidden, shared_inter)
+        for p in mlp.parameters():
+            p.data = torch.randn(p.shape, generator=gen) * 0.1
+        mlp = mlp.to(DEVICE, dtype)
+        shared = moe.Shared(mlp, logits)
+        assert (shared.kernel_form(x, gate_up) is not None) == in_kernel
+        got = moe.experts_forward(x, ids, weights, gate_up, down, shared=shared)
+        gate_up_s = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).float()
+        g, u = (x.float() @ gate_up_s.T).chunk(2, dim=-1)
+        shared_out = (torch.nn.functional.silu(g) * u) @ mlp.down_proj.weight.float().T
+        torch.testing.assert_close(got.float(), want + torch.sigmoid(logits.float()) * shared_out, **tol)
 
 
 def test_the_fused_kernels_add_nothing_for_pairs_held_on_another_rank(
