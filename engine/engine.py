@@ -194,6 +194,7 @@ class Engine:
         )
         self.prefix_cache = self._cache if self._prefix_cfg.enabled else None
         self.checkpoint_interval = self._cache.interval if self.prefix_cache is not None else 0
+        self.recurrent_state = self.cost_model.state_bytes_per_slot > 0
         self.quantized_kv = runner.quantized_kv
         self.decodes_ahead = self.config.tensor_parallel_size == 1
         self.slot_kv = SlotKV(self.runner, self._cache, self._watch, ranks=self.config.tensor_parallel_size)

@@ -53,6 +53,9 @@ class EngineLike(Protocol):
     # Prefill chunks end at multiples of this, where the scheduler orders checkpoint saves (a
     # recurrent state exists only at the position a chunk ended); 0 = prefix caching is off.
     checkpoint_interval: int
+    # Whether the model has recurrent layers. Without them a checkpoint is only the KV blocks of a
+    # prefix, which any step that wrote them can save: a cold prompt is not split at the interval.
+    recurrent_state: bool
     cost_model: CostModel
     tokenizer: TokenizerLike
     quantized_kv: bool  # the main KV pool holds int8 (configured, or the ladder's plan at load)

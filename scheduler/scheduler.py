@@ -123,7 +123,10 @@ class Scheduler:
         # scheduler may have driven this engine, with another limit).
         self._engine_slots = 0
         self._checkpoints = CheckpointOrders(
-            engine.checkpoint_interval, engine.match_prefix, lambda: self._gov.ladder.shed_prefix_cache
+            engine.checkpoint_interval,
+            engine.match_prefix,
+            lambda: self._gov.ladder.shed_prefix_cache,
+            engine.recurrent_state,
         )
         # The pools after the last step, and the decisions made from them under the ladder.
         self._kv = KVPolicy(self._gov, KVRoom(engine.kv_figures(), engine.kv_figures(int8=True)))

@@ -9,9 +9,10 @@ sampling is not greedy), so a test can know a request's text without running it 
 Every plan is recorded for tests that assert batching.
 
 With `checkpoint_interval` > 0 it keeps a real prefix cache of token sequences: a save must name
-exactly the tokens its slot has consumed (after the step's forward; a released slot keeps what it
-consumed until it is reused), a restore must name a saved prefix and come with the slot's chunk at
-that position, and a shed empties the cache, as the real engine's contract says.
+exactly the tokens its slot has consumed (with `recurrent_state=False`, a prefix of them; after
+the step's forward; a released slot keeps what it consumed until it is reused), a restore must
+name a saved prefix and come with the slot's chunk at that position, and a shed empties the
+cache, as the real engine's contract says.
 
 Import it as `from fake_engine import FakeEngine` (tests/ is on sys.path via conftest.py).
 """
@@ -170,6 +171,7 @@ class FakeEngine:
         cost_model: CostModel | None = None,
         model_name: str = "fake-model",
         checkpoint_interval: int = 0,
+        recurrent_state: bool = True,
         quantized_kv: bool = False,
         kv_blocks: int = 0,
         gpu_die: int | None = None,
@@ -195,6 +197,7 @@ class FakeEngine:
         self.eos_after = eos_after
         self.slot_limit = num_slots  # the ladder's max_slots as last applied between steps
         self.checkpoint_interval = checkpoint_interval
+        self.recurrent_state = recurrent_state
         self.checkpoints: set[tuple[int, ...]] = set()
         self.sheds = 0
         self.prefilled_tokens = 0
@@ -368,7 +371,9 @@ class FakeEngine:
         outputs += [self._decode(d.slot, d.token_id, d.pos, plan) for d in decodes]
         for save in plan.saves:
             consumed = self._seqs.get(save.slot, self._consumed.get(save.slot))
-            if consumed is None or tuple(consumed) != save.prefix:
+            # recurrent state exists only at the end of what the slot consumed; KV of any prefix
+            held = tuple(consumed or ())[: None if self.recurrent_state else len(save.prefix)]
+            if consumed is None or held != save.prefix:
                 raise FakeEngineError(
                     f"save of {len(save.prefix)} tokens from slot {save.slot}, which consumed other tokens"
                 )

@@ -9,12 +9,13 @@ import asyncio
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.interface import EngineLike
-from ballast.engine.plan import SamplingParams
+from ballast.engine.plan import SamplingParams, StepPlan
 from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader
@@ -170,6 +171,53 @@ async def test_real_engine_chat_through_the_scheduler_matches_cold_and_prefills_
     finally:
         cold_engine.shutdown()
         warm_engine.shutdown()
+
+
+async def test_an_attention_only_prompt_is_one_step_and_its_inner_checkpoints_serve_the_next() -> None:
+    """tiny-llama has no recurrent state: a cold 40-token prompt prefills in one step (no split at
+    the interval, 16), and a later prompt sharing its first 32 tokens restores the checkpoint saved
+    inside that step (the KV blocks of the prefix), with the tokens of a cold engine."""
+    llama = EngineConfig(
+        model="builtin:tiny-llama", device="cpu", max_num_seqs=2, max_model_len=256, prefill_chunk_tokens=64
+    )
+    shared = [7 + i for i in range(32)]
+    prompts = [shared + [500 + i for i in range(8)], shared + [900 + i for i in range(5)]]
+    engines = [
+        Engine.load(llama, prefix_cache=PrefixCacheConfig(fraction=f, checkpoint_interval=16))
+        for f in (0.0, 0.05)
+    ]
+    try:
+        assert not engines[1].recurrent_state
+        results = []
+        for eng in engines:
+            plans: list[StepPlan] = []
+            submit = eng.submit
+
+            def recording(plan: StepPlan, submit: Any = submit, plans: list[StepPlan] = plans) -> Any:
+                plans.append(plan)
+                return submit(plan)
+
+            eng.submit = recording  # type: ignore[method-assign]
+            s = Scheduler(eng, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64))
+            await s.start()
+            try:
+                _, first, _ = await s.submit(
+                    GenerationRequest("a", tuple(prompts[0]), GREEDY, max_tokens=1)
+                ).collect()
+                chunks = sum(len(p.prefills) for p in plans)
+                _, second, _ = await s.submit(
+                    GenerationRequest("b", tuple(prompts[1]), GREEDY, max_tokens=4)
+                ).collect()
+            finally:
+                await s.stop()
+            results.append((first, second, chunks))
+        (cold_first, cold_second, cold_chunks), (first, second, chunks) = results
+        assert (first, second) == (cold_first, cold_second)
+        assert chunks == cold_chunks == 1  # with the cache on too, the 40 tokens are one chunk
+        assert engines[1].reused_tokens == 32 and engines[0].reused_tokens == 0
+    finally:
+        for eng in engines:
+            eng.shutdown()
 
 
 def metric(url: str, name: str) -> float:

@@ -9,8 +9,8 @@ from ballast.scheduler.checkpoints import CheckpointOrders
 PROMPT = tuple(range(100, 150))  # 50 tokens
 
 
-def orders(shedding: bool = False) -> CheckpointOrders:
-    return CheckpointOrders(16, lambda prompt: 0, lambda: shedding)
+def orders(shedding: bool = False, recurrent: bool = True) -> CheckpointOrders:
+    return CheckpointOrders(16, lambda prompt: 0, lambda: shedding, recurrent)
 
 
 def chunk_ends(o: CheckpointOrders, start: int, budget: int, restored: int) -> list[int]:
@@ -27,6 +27,19 @@ def test_a_cold_prompt_is_split_and_saved_at_interval_multiples_and_its_end() ->
     _, saves, _ = o.take_orders()
     assert [len(s.prefix) for s in saves] == [16, 32, 48, 50]
     assert all(s.prefix == PROMPT[: len(s.prefix)] for s in saves)
+
+
+def test_an_attention_only_models_cold_prompt_is_one_chunk_saved_at_every_multiple() -> None:
+    """No recurrent state: the KV blocks of each multiple's prefix are written by the one step."""
+    o = orders(recurrent=False)
+    assert chunk_ends(o, 0, 64, restored=0) == [50]
+    _, saves, _ = o.take_orders()
+    assert [len(s.prefix) for s in saves] == [16, 32, 48, 50]
+    assert all(s.prefix == PROMPT[: len(s.prefix)] for s in saves)
+    # a chunk the token budget cuts short: the multiples it passes, then the ones of the next
+    assert chunk_ends(o, 0, 20, restored=0) == [20, 40, 50]
+    _, saves, _ = o.take_orders()
+    assert [len(s.prefix) for s in saves] == [16, 32, 48, 50]
 
 
 def test_a_prompt_continuing_a_restored_checkpoint_saves_only_at_its_end() -> None:
