@@ -1,7 +1,9 @@
 """Paged decode attention on CUDA for one Llama-8B-shaped layer (32 query heads, 8 KV heads, head
-dim 128, bf16, 32-token blocks scattered at random over 4 segments): our Triton kernel reading the
-blocks in place, against the old path (gather each sequence's K and V into contiguous
-[B, ctx, Hkv, D] tensors, then torch SDPA with enable_gqa).
+dim 128; `--shape qwen3-next`: 16, 2 and 256), bf16, 32-token blocks scattered at random over 4
+segments: our Triton kernel reading the blocks in place, against the old path (gather each
+sequence's K and V into contiguous [B, ctx, Hkv, D] tensors, then torch SDPA with enable_gqa).
+`--graph-bucket` passes the kernel the context bucket a decode graph is captured for (the next
+power of two above the context) as its host-side longest context, as the engine's graphs do.
 
 Both sides are timed as CUDA-graph replays, the way the engine runs decode, and each replay walks
 every layer of a pool sized to several times the L2 cache, so no layer's KV is still cached when it
@@ -11,6 +13,7 @@ and reports the fastest, which is how the defaults in models/paged_triton.py wer
 stdout, JSON to bench/results/paged_attention.json.
 
     python -m ballast.bench.paged_attention [--batches 1 32 128] [--contexts 2048 8192] [--sweep]
+        [--shape llama-8b|qwen3-next] [--graph-bucket]
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from ballast.models.paged_triton import (
 
 RESULTS = Path(__file__).parent / "results" / "paged_attention.json"
 T = TypeVar("T")
-HQ, HKV, HEAD_DIM, BLOCK = 32, 8, 128, 32
+BLOCK = 32
+# name: (query heads, KV heads, head dim) of one attention layer
+SHAPES = {"llama-8b": (32, 8, 128), "qwen3-next": (16, 2, 256)}
 SEGMENTS = 4
 # Each replay reads at least this much KV, several times the H200's 60 MB L2.
 MIN_WORKING_SET = 512 * 2**20
@@ -97,15 +102,22 @@ class Case:
     seg_blocks: int
     q: torch.Tensor
     out: torch.Tensor
+    hkv: int
+    max_ctx: int  # what the host tells the kernel: ctx, or a graph's context bucket
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1]
 
     @property
     def kv_bytes(self) -> int:
         """KV bytes one layer's decode reads."""
-        return self.batch * self.ctx * 2 * HKV * HEAD_DIM * self.pool.element_size()
+        return self.batch * self.ctx * 2 * self.hkv * self.head_dim * self.pool.element_size()
 
 
-def make_case(batch: int, ctx: int) -> Case:
-    layer_bytes = batch * ctx * 2 * HKV * HEAD_DIM * 2
+def make_case(batch: int, ctx: int, shape: str = "llama-8b", graph_bucket: bool = False) -> Case:
+    hq, hkv, head_dim = SHAPES[shape]
+    layer_bytes = batch * ctx * 2 * hkv * head_dim * 2
     layers = max(2, math.ceil(MIN_WORKING_SET / layer_bytes))
     per_seq = ctx // BLOCK
     blocks = batch * per_seq
@@ -113,13 +125,14 @@ def make_case(batch: int, ctx: int) -> Case:
     # Segments are views into one allocation so the gather baseline can index all blocks at once;
     # the kernel reads them through kv_ptrs exactly as it reads separate segments.
     pool = torch.empty(
-        seg_blocks * SEGMENTS, layers, BLOCK, 2 * HKV, HEAD_DIM, dtype=torch.bfloat16, device="cuda"
+        seg_blocks * SEGMENTS, layers, BLOCK, 2 * hkv, head_dim, dtype=torch.bfloat16, device="cuda"
     )
     pool.normal_()
     kv_ptrs = torch.tensor([pool[s * seg_blocks].data_ptr() for s in range(SEGMENTS)], device="cuda")
     table = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, per_seq)
-    q = torch.randn(batch, HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    return Case(batch, ctx, layers, pool, kv_ptrs, table, seg_blocks, q, torch.empty_like(q))
+    q = torch.randn(batch, hq, head_dim, dtype=torch.bfloat16, device="cuda")
+    max_ctx = 1 << ctx.bit_length() if graph_bucket else ctx  # the smallest power of two above ctx
+    return Case(batch, ctx, layers, pool, kv_ptrs, table, seg_blocks, q, torch.empty_like(q), hkv, max_ctx)
 
 
 def ours(case: Case, tiling: DecodeTiling | None = None) -> Callable[[], None]:
@@ -133,10 +146,10 @@ def ours(case: Case, tiling: DecodeTiling | None = None) -> Callable[[], None]:
                 "num_layers": case.layers,
                 "seg_blocks": case.seg_blocks,
                 "block_size": BLOCK,
-                "num_kv_heads": HKV,
+                "num_kv_heads": case.hkv,
                 "kv_dtype": torch.bfloat16,
-                "sm_scale": HEAD_DIM**-0.5,
-                "max_ctx": case.ctx,
+                "sm_scale": case.head_dim**-0.5,
+                "max_ctx": case.max_ctx,
             }
             # Not quantized: the scale table is never read, so kv_ptrs stands in for it.
             tables = (case.kv_ptrs, case.kv_ptrs, case.block_table, slots, lens)
@@ -151,12 +164,13 @@ def ours(case: Case, tiling: DecodeTiling | None = None) -> Callable[[], None]:
 def gather_sdpa(case: Case, out: torch.Tensor) -> Callable[[], None]:
     """The old path: contiguous per-sequence K and V copies, then SDPA over them."""
     ids = case.block_table.long()
+    hkv, d = case.hkv, case.head_dim
 
     def run() -> None:
         for layer in range(case.layers):
             rows = case.pool[:, layer]  # [blocks, BLOCK, 2Hkv, D]
-            k = rows[:, :, :HKV][ids].reshape(case.batch, case.ctx, HKV, HEAD_DIM)
-            v = rows[:, :, HKV:][ids].reshape(case.batch, case.ctx, HKV, HEAD_DIM)
+            k = rows[:, :, :hkv][ids].reshape(case.batch, case.ctx, hkv, d)
+            v = rows[:, :, hkv:][ids].reshape(case.batch, case.ctx, hkv, d)
             o = F.scaled_dot_product_attention(
                 case.q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
             )
@@ -195,8 +209,11 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--sweep", action="store_true", help="also time tilings around the chosen one")
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama-8b")
+    parser.add_argument("--graph-bucket", action="store_true", help="max_ctx as a decode graph passes it")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    hq, hkv, head_dim = SHAPES[args.shape]
     if not torch.cuda.is_available() or not triton_available():
         parser.error("needs CUDA and Triton")
     if min(args.batches) < 1 or min(args.contexts) < BLOCK or any(c % BLOCK for c in args.contexts):
@@ -206,12 +223,12 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for batch, ctx in itertools.product(args.batches, args.contexts):
-        case = make_case(batch, ctx)
+        case = make_case(batch, ctx, args.shape, args.graph_bucket)
         base_out = torch.empty_like(case.q)
         t_ours = graph_time(ours(case), case.layers)
         t_base = graph_time(gather_sdpa(case, base_out), case.layers)
         err = (case.out.float() - base_out.float()).abs().max().item()
-        chosen = choose_decode_tiling(batch, HKV, ctx, HEAD_DIM, torch.bfloat16, sms)
+        chosen = choose_decode_tiling(batch, hkv, case.max_ctx, head_dim, torch.bfloat16, sms)
         row: dict[str, Any] = {
             "batch": batch,
             "ctx": ctx,
@@ -238,7 +255,8 @@ def main() -> None:
 
     name = torch.cuda.get_device_name(0)
     print(
-        f"paged decode, Hq={HQ} Hkv={HKV} D={HEAD_DIM} bf16, block {BLOCK}, {SEGMENTS} segments, on {name} "
+        f"paged decode, Hq={hq} Hkv={hkv} D={head_dim} bf16, max_ctx "
+        f"{'bucket' if args.graph_bucket else 'ctx'}, block {BLOCK}, {SEGMENTS} segments, on {name} "
         f"({sms} SMs); copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write); times per layer, "
         "CUDA-graph replay"
     )
@@ -268,9 +286,11 @@ def main() -> None:
         "torch": torch.__version__,
         "machine": platform.machine(),
         "shape": {
-            "hq": HQ,
-            "hkv": HKV,
-            "head_dim": HEAD_DIM,
+            "name": args.shape,
+            "hq": hq,
+            "hkv": hkv,
+            "head_dim": head_dim,
+            "graph_bucket": args.graph_bucket,
             "dtype": "bfloat16",
             "block_size": BLOCK,
             "segments": SEGMENTS,

@@ -235,8 +235,6 @@ def decode_with(
     if batch == 0:
         return
     splits = tiling.num_splits
-    # Each split covers a whole number of loop steps so only the last step of a split is ragged.
-    split_tokens = math.ceil(max(max_ctx, 1) / splits / tiling.block_n) * tiling.block_n
     if splits > 1:
         part_out = torch.empty(batch, heads, splits, head_dim, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
@@ -260,7 +258,6 @@ def decode_with(
         layer,
         num_layers,
         seg_blocks,
-        split_tokens,
         sm_scale * math.log2(math.e),
         **_layout_constexprs(q, kv_dtype, num_kv_heads, group, head_dim, block_size),
         BLOCK_H=max(16, triton.next_power_of_2(group)),
@@ -315,7 +312,7 @@ def paged_prefill(
     if tiling is None:
         smem = _shared_memory(q.device.index or 0) if q.is_cuda else 228 * 1024  # (the interpreter)
         tiling = choose_prefill_tiling(head_dim, q.dtype, smem)
-    grid = (triton.cdiv(max_len, tiling.block_m), heads, batch)
+    grid = (heads, batch, triton.cdiv(max_len, tiling.block_m))
     _prefill_kernel[grid](
         q,
         out,
@@ -409,7 +406,6 @@ if triton is not None:
         layer,
         num_layers,
         seg_blocks,
-        split_tokens,
         qk_scale,
         KV_DTYPE: tl.constexpr,
         KV_BYTES: tl.constexpr,
@@ -432,6 +428,10 @@ if triton is not None:
         split = tl.program_id(2)
         ctx = tl.load(ctx_ptr + b).to(tl.int32)
         bt_row = bt_ptr + tl.load(slots_ptr + b) * sbt
+        # The splits share this sequence's own context, in whole loop steps (only a split's last
+        # step is ragged), not the host's max_ctx: a graph passes its context bucket, up to twice
+        # the context, which left half the splits idle and the others twice as long.
+        split_tokens = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         lo = split * split_tokens
         hi = tl.minimum(lo + split_tokens, ctx)
 
@@ -520,6 +520,60 @@ if triton is not None:
         tl.store(out_ptr + b * sob + h * soh + offs_d, o.to(out_ptr.dtype.element_ty))
 
     @triton.jit
+    def _prefill_tile(
+        q,
+        q_pos,
+        k_start,
+        hi,
+        m_i,
+        l_i,
+        acc,
+        kv_ptrs,
+        scale_ptrs,
+        bt_row,
+        layer,
+        num_layers,
+        seg_blocks,
+        kvh,
+        qk_scale,
+        KV_DTYPE: tl.constexpr,
+        KV_BYTES: tl.constexpr,
+        QUANT: tl.constexpr,
+        COMPUTE: tl.constexpr,
+        PRECISION: tl.constexpr,
+        HKV: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+    ):
+        """One KV tile of the online softmax: the running max, sum and output after keys
+        k_start..k_start+BLOCK_N-1 (those below hi; CAUSAL: each row only up to its position)."""
+        pos = k_start + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        k, v, k_scale, v_scale = _kv_rows(
+            kv_ptrs, scale_ptrs, bt_row, pos, valid, layer, num_layers, seg_blocks, kvh,
+            KV_DTYPE, KV_BYTES, QUANT, HKV, HEAD_DIM, BLOCK_SIZE,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=PRECISION)
+        if QUANT:
+            s = s * (k_scale * qk_scale)[None, :]
+        else:
+            s = s * qk_scale
+        # The first tile holds position 0, which every row may see, so m_i is finite after it
+        # and a later fully-masked row never computes -inf - -inf.
+        if CAUSAL:
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if QUANT:
+            p = p * v_scale[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v.to(COMPUTE), input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _prefill_kernel(
         q_ptr,
         out_ptr,
@@ -551,10 +605,12 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
     ):
         """One program: BLOCK_M query tokens of one sequence and one query head, over every KV tile
-        up to the causal limit of its last token (tiles past it are never loaded)."""
-        m_tile = tl.program_id(0)
-        h = tl.program_id(1)
-        b = tl.program_id(2)
+        up to the causal limit of its last token (tiles past it are never loaded). The query tiles
+        are the grid's last axis, latest first: the programs with the most keys start first, so
+        a causal prompt's short programs fill in behind them instead of trailing alone."""
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        m_tile = tl.num_programs(2) - 1 - tl.program_id(2)
         first = tl.load(cu_ptr + b)
         n = (tl.load(cu_ptr + b + 1) - first).to(tl.int32)
         start = tl.load(starts_ptr + b).to(tl.int32)
@@ -569,45 +625,28 @@ if triton is not None:
             q_ptr + (first + offs_m)[:, None] * sqt + h * sqh + offs_d[None, :],
             mask=row_ok[:, None],
             other=0.0,
-        )
+        ).to(COMPUTE)
         # Keys below `hi` are the causal window of this tile's last token; 0 for a tile past the chunk.
         hi = tl.where(m_tile * BLOCK_M < n, start + tl.minimum(n, (m_tile + 1) * BLOCK_M), 0)
+        # Keys below `full` are seen by every row of the tile: no mask there, only on the tiles
+        # that cross the diagonal.
+        full = tl.minimum((start + m_tile * BLOCK_M) // BLOCK_N * BLOCK_N, hi)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for k_start in range(0, hi, BLOCK_N):
-            pos = k_start + tl.arange(0, BLOCK_N)
-            valid = pos < hi
-            k, v, k_scale, v_scale = _kv_rows(
-                kv_ptrs,
-                scale_ptrs,
-                bt_row,
-                pos,
-                valid,
-                layer,
-                num_layers,
-                seg_blocks,
-                kvh,
-                KV_DTYPE,
-                KV_BYTES,
-                QUANT,
-                HKV,
-                HEAD_DIM,
-                BLOCK_SIZE,
-            )
-            s = tl.dot(q.to(COMPUTE), tl.trans(k.to(COMPUTE)), input_precision=PRECISION)
-            s = s * (k_scale * qk_scale)[None, :]
-            # The first tile holds position 0, which every row may see, so m_i is finite after it
-            # and a later fully-masked row never computes -inf - -inf.
-            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pv = (p * v_scale[None, :]).to(COMPUTE)
-            acc = acc * alpha[:, None] + tl.dot(pv, v.to(COMPUTE), input_precision=PRECISION)
-            m_i = m_new
+        for k_start in range(0, full, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q, q_pos, k_start, hi, m_i, l_i, acc, kv_ptrs, scale_ptrs, bt_row, layer, num_layers,
+                seg_blocks, kvh, qk_scale, KV_DTYPE, KV_BYTES, QUANT, COMPUTE, PRECISION, HKV,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
+            )  # fmt: skip
+        for k_start in range(full, hi, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q, q_pos, k_start, hi, m_i, l_i, acc, kv_ptrs, scale_ptrs, bt_row, layer, num_layers,
+                seg_blocks, kvh, qk_scale, KV_DTYPE, KV_BYTES, QUANT, COMPUTE, PRECISION, HKV,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
+            )  # fmt: skip
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
