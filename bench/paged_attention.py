@@ -228,7 +228,7 @@ def main() -> None:
         t_ours = graph_time(ours(case), case.layers)
         t_base = graph_time(gather_sdpa(case, base_out), case.layers)
         err = (case.out.float() - base_out.float()).abs().max().item()
-        chosen = choose_decode_tiling(batch, hkv, case.max_ctx, head_dim, torch.bfloat16, sms)
+        chosen = choose_decode_tiling(batch, hkv, case.max_ctx, torch.bfloat16, sms)
         row: dict[str, Any] = {
             "batch": batch,
             "ctx": ctx,

@@ -34,10 +34,12 @@ except ImportError:  # CPU-only installs: the entry points raise, the rest of ba
 # partial results costs more than the parallelism the split buys.
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
-# Programs per SM the split count aims for. Measured on an H200 (bench/paged_attention.py --sweep,
-# Llama-8B-shaped layer): one program per SM with 128-token steps reads KV at 90-100% of the copy
-# bandwidth from batch 32 up; more splits only added reduce work.
-PROGRAMS_PER_SM = 1
+# Programs per SM the split count aims for. Measured on an H200 (bench/paged_attention.py --sweep):
+# the Llama-8B layer with 128-token steps reads KV at 90-100% of the copy bandwidth from batch 32 up
+# with one program per SM; Qwen3-Next's (2 KV heads, head dim 256: 64 programs at batch 32 before
+# any split) wanted 6 splits at batch 32 and a 2,080-token context (72 -> 51 us a layer, 44% -> 63%
+# of the copy bandwidth), which two per SM gives (5).
+PROGRAMS_PER_SM = 2
 # Segment bases (and the kv_ptrs table itself) must sit on this many bytes: 16 elements of fp32.
 SEGMENT_ALIGN = 64
 
@@ -97,10 +99,11 @@ def _sm_count(device_index: int) -> int:
 
 
 def choose_decode_tiling(
-    batch: int, num_kv_heads: int, max_ctx: int, head_dim: int, kv_dtype: torch.dtype, sm_count: int
+    batch: int, num_kv_heads: int, max_ctx: int, kv_dtype: torch.dtype, sm_count: int
 ) -> DecodeTiling:
-    wide = head_dim > 128 or kv_dtype == torch.float32
-    block_n = 64 if wide else 128  # wide rows: keep two stages of K and V within shared memory
+    # 128-token steps, head dim 256 too (the sweep above: 64 was slower for it); float32 rows at 64
+    # keep two stages of K and V within shared memory
+    block_n = 64 if kv_dtype == torch.float32 else 128
     programs = batch * num_kv_heads
     want = math.ceil(PROGRAMS_PER_SM * sm_count / programs)
     most = max(1, math.ceil(max_ctx / MIN_SPLIT_TOKENS))
@@ -187,9 +190,7 @@ def paged_decode(
     0..ctx_lens[b]-1 of slot slots[b] (this step's K/V already written). max_ctx: a host-side upper
     bound on ctx_lens (the engine passes the CUDA-graph context bucket), used to choose the number of
     context splits. No host sync and no data-dependent host logic: capturable in a CUDA graph."""
-    tiling = choose_decode_tiling(
-        q.shape[0], num_kv_heads, max_ctx, q.shape[-1], kv_dtype, _sm_count(q.device.index or 0)
-    )
+    tiling = choose_decode_tiling(q.shape[0], num_kv_heads, max_ctx, kv_dtype, _sm_count(q.device.index or 0))
     decode_with(
         tiling,
         q,
