@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import platform
 import random
@@ -103,7 +104,11 @@ async def conversation(
         messages.append({"role": "user", "content": user_message(c, turn, args.user_tokens)})
         prompt = tuple(tok.apply_chat_template(messages))
         req = GenerationRequest(
-            f"c{c}t{turn}", prompt, SamplingParams(temperature=0.0), max_tokens=args.reply_tokens
+            f"c{c}t{turn}",
+            prompt,
+            SamplingParams(temperature=0.0),
+            max_tokens=args.reply_tokens,
+            resent_as_text=True,  # the next turn renders this answer's text, as a chat client sends it
         )
         t0 = time.perf_counter()
         ttft, ids = 0.0, []
@@ -167,6 +172,8 @@ def run_arm(model: str, on: bool, args: argparse.Namespace) -> dict[str, Any]:
             "load_s": load_s,
             "checkpoint_interval": engine.checkpoint_interval,
             "pool": {"hits": stats.hits, "misses": stats.misses, "high_water_bytes": stats.high_water_bytes},
+            # saves, restores, evictions, declined saves: why reuse is what it is
+            "cache_stats": dataclasses.asdict(engine.prefix_cache.stats()) if engine.prefix_cache else None,
             "passes": passes,
         }
     finally:
@@ -213,6 +220,13 @@ def print_table(report: dict[str, Any]) -> None:
     )
     pool = report["arms"]["on"]["pool"]
     print(f"checkpoint pool (cache on): {pool['hits']} hits, {pool['misses']} misses")
+    cache = report["arms"]["on"].get("cache_stats")
+    if cache:
+        print(
+            f"prefix cache: {cache['saves']} saves ({cache['declined']} declined, {cache['duplicates']} "
+            f"duplicates), {cache['restores']} restores, {cache['evictions']} evictions, "
+            f"{cache['bytes_held'] / 2**30:.2f} GiB held in {cache['entries']} entries"
+        )
 
 
 def main() -> None:

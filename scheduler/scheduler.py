@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -534,14 +534,31 @@ class Scheduler:
         self.service.left_slot(time.monotonic(), backlog=bool(self._queue))
         if seq.slot is None:
             return
-        if completed and seq.phase is Phase.DECODING and not seq.int8_kv:
-            if seq.slot in self._fed_ahead:
-                # The plan in flight feeds it output[-1]: saved once that plan has run.
-                self._saves_after_ahead[seq.slot] = seq.req.prompt_ids + tuple(seq.output)
-            else:  # saved before the release: the slot has consumed prompt + output[:-1]
-                self._checkpoints.queue_final_save(seq.slot, seq.req.prompt_ids + tuple(seq.output[:-1]))
+        if completed and seq.phase is Phase.DECODING and not seq.int8_kv and self._checkpoints.active:
+            ahead = seq.slot in self._fed_ahead
+            answer = tuple(seq.output) if ahead else tuple(seq.output[:-1])
+            if not seq.req.resent_as_text or self._comes_back(seq.output, answer):
+                if ahead:  # the plan in flight feeds it output[-1]: saved once that plan has run
+                    self._saves_after_ahead[seq.slot] = seq.req.prompt_ids + answer
+                else:  # saved before the release: the slot has consumed prompt + output[:-1]
+                    self._checkpoints.queue_final_save(seq.slot, seq.req.prompt_ids + answer)
         del self._by_slot[seq.slot]
         self._slots.retire(seq.slot)
+
+    def _comes_back(self, output: Sequence[int], saved: tuple[int, ...]) -> bool:
+        """Whether a next turn that resends this answer as text starts with the `saved` part of it:
+        the tokens of its text begin with them (end-of-sequence tokens aside, which the chat
+        template writes back). Measured on an H200 (`bench/gpu_prefix.py`, random weights, whose
+        answers seldom tokenize back): every finished turn saved a 150 MB checkpoint no later
+        turn could use, and the budget's LRU evicted the prompt-end ones that next turns do use
+        (4 restores of 258 saves)."""
+        tok = self._engine.tokenizer
+        eos = tok.eos_token_ids
+        answer = [t for t in output if t not in eos]
+        part = list(saved)
+        while part and part[-1] in eos:
+            part.pop()
+        return tok.encode(tok.decode(answer), add_special_tokens=False)[: len(part)] == part
 
     def _fail(self, exc: Exception) -> None:
         self.failure = EngineFailed(exc)

@@ -204,16 +204,23 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
     prompts = _prompts(tokenizer, req.prompt)
     params = _sampling(req, sampling_defaults(state), req.logprobs, _logit_bias(tokenizer, req))
     rid = p.new_id("cmpl")
-    choices = [(i, ids) for _, ids in prompts for i in range(req.n)]  # (index among its prompt's, prompt)
+    # (index among its prompt's, prompt, given as text)
+    choices = [(i, ids, text is not None) for text, ids in prompts for i in range(req.n)]
     scoring = req.logprobs if req.echo else None  # echo with logprobs: the prompt's own logprobs too
     gens = tuple(
         replace(
             _generation(
-                _choice_id(rid, k, len(choices)), ids, req, _choice_params(params, i), req.max_tokens, max_len
+                _choice_id(rid, k, len(choices)),
+                ids,
+                req,
+                _choice_params(params, i),
+                req.max_tokens,
+                max_len,
+                text,
             ),
             prompt_logprobs=scoring,
         )
-        for k, (i, ids) in enumerate(choices)
+        for k, (i, ids, text) in enumerate(choices)
     )
     echo = tuple(
         (text if text is not None else tokenizer.decode(ids)) if req.echo else ""
@@ -247,7 +254,7 @@ def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
     )
     rid = p.new_id("chatcmpl")
     gens = tuple(
-        _generation(_choice_id(rid, i, req.n), ids, req, _choice_params(params, i), asked, max_len)
+        _generation(_choice_id(rid, i, req.n), ids, req, _choice_params(params, i), asked, max_len, True)
         for i in range(req.n)
     )
     return Job(
@@ -280,14 +287,22 @@ def _usage(req: p.GenerationFields) -> bool:
 
 
 def _generation(
-    rid: str, ids: list[int], req: p.GenerationFields, params: SamplingParams, asked: int | None, max_len: int
+    rid: str,
+    ids: list[int],
+    req: p.GenerationFields,
+    params: SamplingParams,
+    asked: int | None,
+    max_len: int,
+    text: bool,
 ) -> GenerationRequest:
+    """text: the prompt came as text (chat messages, a text completion), and so will a next turn."""
     return GenerationRequest(
         request_id=rid,
         prompt_ids=tuple(ids),
         params=params,
         max_tokens=_max_tokens(asked, len(ids), max_len),
         stop=req.stop_strings(),
+        resent_as_text=text,
     )
 
 

@@ -104,6 +104,38 @@ async def test_fake_engine_turns_restore_and_chunks_end_at_checkpoints() -> None
     assert sorted(len(sv.prefix) for p in plans for sv in p.saves) == sorted([*cold, *ends])
 
 
+async def test_an_answer_resent_as_text_is_saved_only_where_its_text_gives_back_its_tokens() -> None:
+    """A chat client resends the answer as text: a checkpoint at the answer's end is kept only when
+    the tokens of that text are the answer's (the fake vocabulary merges "t" "h" into "th", so some
+    answers do not come back); a client that resends token ids gets it either way."""
+
+    def comes_back(prompt: tuple[int, ...]) -> bool:
+        out = expected_tokens(prompt, 6)
+        return TOK.encode(TOK.decode(out)) == out
+
+    prompts = [tuple(TOK.encode(f"user: question {i}?\nassistant:")) for i in range(200)]
+    back = next(p for p in prompts if comes_back(p))
+    lost = [p for p in prompts if not comes_back(p)][:2]
+    eng = FakeEngine(checkpoint_interval=INTERVAL)
+    s = Scheduler(eng, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64))
+    await s.start()
+    try:
+        for rid, prompt, as_text in (("back", back, True), ("lost", lost[0], True), ("ids", lost[1], False)):
+            await s.submit(
+                GenerationRequest(rid, prompt, GREEDY, max_tokens=6, resent_as_text=as_text)
+            ).collect()
+    finally:
+        await s.stop()
+        eng.shutdown()
+    saves = [sv.prefix for plan in eng.recorded() for sv in plan.saves]
+
+    def answer_saved(prompt: tuple[int, ...]) -> bool:
+        return any(len(sv) > len(prompt) and sv[: len(prompt)] == prompt for sv in saves)
+
+    assert answer_saved(back) and answer_saved(lost[1]) and not answer_saved(lost[0])
+    assert lost[0] in saves  # its prompt's end is saved all the same
+
+
 async def test_no_checkpoint_orders_when_the_engine_has_no_cache() -> None:
     eng = FakeEngine()
     try:
