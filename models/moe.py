@@ -238,7 +238,8 @@ def place_expert_tensor(fused: Tensor, expert: int, part: str, tensor: Tensor) -
 
 
 class Router(nn.Linear):
-    """The router: logits over the experts (HF's `gate.weight` [E, H]), then `route`."""
+    """The router: a linear layer giving logits over the experts (HF's `gate.weight` [E, H]; it
+    runs fused with the shared expert's gate) and `route` over them."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool) -> None:
         super().__init__(hidden, num_experts, bias=False)
@@ -247,9 +248,6 @@ class Router(nn.Linear):
 
     def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         return route(logits, self.top_k, self.normalize)
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        return self.route(F.linear(x, self.weight))
 
 
 class Experts(nn.Module):
