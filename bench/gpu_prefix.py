@@ -156,7 +156,11 @@ def run_arm(model: str, on: bool, args: argparse.Namespace) -> dict[str, Any]:
     )
     t0 = time.perf_counter()
     engine = Engine.load(
-        cfg, prefix_cache=PrefixCacheConfig() if on else PrefixCacheConfig(fraction=0.0), pool=pool
+        cfg,
+        prefix_cache=PrefixCacheConfig(max_bytes=args.prefix_cache_bytes)
+        if on
+        else PrefixCacheConfig(fraction=0.0),
+        pool=pool,
     )
     load_s = time.perf_counter() - t0
     passes = []
@@ -240,6 +244,12 @@ def main() -> None:
     parser.add_argument("--user-tokens", type=int, default=220)
     parser.add_argument("--reply-tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=0,
+        help="cap the cache's bytes (0: the server's default budget)",
+    )
     parser.add_argument("--passes", type=int, default=2, help="passes per arm (--quick: 1)")
     parser.add_argument("--quick", action="store_true", help="one pass per arm")
     parser.add_argument("--out", type=Path, default=RESULTS)
