@@ -13,7 +13,8 @@ The compiled kernels run only inside `fused()`, where the decode graphs warm up 
 replayed graph costs the host nothing, but an eager step pays dynamo's guards and wrappers on
 every call, more than the launches saved. Measured on an H200 (Llama-8B shape, a 1,024-token
 prefill, `bench/decode_profile.py --prefill 1024`): 47.6 ms compiled, 35.1 ms eager, on 26 and 31
-ms of GPU work.
+ms of GPU work. An eager CUDA step of many tokens runs rope and SwiGLU's gate as hand-written
+Triton kernels instead (`pointwise_triton`: one launch each, no guards).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
+from ballast.models import pointwise_triton
 from torch import Tensor
 
 log = logging.getLogger(__name__)
@@ -124,9 +126,14 @@ def _allow_variants() -> None:
             setattr(config, limit, max(getattr(config, limit), 64))
 
 
-def _on_cuda(name: str, eager: F_) -> F_:
+def _on_cuda(name: str, eager: F_, large: Callable[..., Any] | None = None) -> F_:
+    """`eager` compiled inside `fused()` on CUDA; outside it, `large` (a Triton kernel of the same
+    maths, `pointwise_triton`) for CUDA steps of many tokens where given, else `eager`."""
+
     def run(*args: Any) -> Any:
         if not (_state["enabled"] and getattr(_capturing, "on", False) and args[0].is_cuda):
+            if large is not None and pointwise_triton.available(args[0]):
+                return large(*args)
             return eager(*args)
         fn = _compiled.get(name)
         if fn is None:
@@ -154,6 +161,6 @@ centered_rms_norm = _on_cuda("centered_rms_norm", _centered_rms_norm)
 add_rms_norm = _on_cuda("add_rms_norm", _add_rms_norm)
 centered_add_rms_norm = _on_cuda("centered_add_rms_norm", _centered_add_rms_norm)
 gated_rms_norm = _on_cuda("gated_rms_norm", _gated_rms_norm)
-rope = _on_cuda("rope", apply_rope)
-silu_mul = _on_cuda("silu_mul", _silu_mul)
+rope = _on_cuda("rope", apply_rope, pointwise_triton.rope)
+silu_mul = _on_cuda("silu_mul", _silu_mul, pointwise_triton.silu_mul)
 sigmoid_mul = _on_cuda("sigmoid_mul", _sigmoid_mul)
