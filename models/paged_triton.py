@@ -341,6 +341,10 @@ def paged_prefill(
 
 
 if triton is not None:
+    # `_attend_tile`'s masks
+    MASK_NONE: tl.constexpr = tl.constexpr(0)
+    MASK_VALID: tl.constexpr = tl.constexpr(1)
+    MASK_CAUSAL: tl.constexpr = tl.constexpr(2)
 
     @triton.jit
     def _kv_rows(
@@ -447,38 +451,13 @@ if triton is not None:
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        q = q.to(COMPUTE)
         for start in range(lo, hi, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            valid = pos < hi
-            k, v, k_scale, v_scale = _kv_rows(
-                kv_ptrs,
-                scale_ptrs,
-                bt_row,
-                pos,
-                valid,
-                layer,
-                num_layers,
-                seg_blocks,
-                kvh,
-                KV_DTYPE,
-                KV_BYTES,
-                QUANT,
-                HKV,
-                HEAD_DIM,
-                BLOCK_SIZE,
-            )
-            # int8 values are exact in bf16/fp16, so the scale is applied to the scores and to the
-            # probabilities rather than to K and V: one multiply per token instead of per element.
-            s = tl.dot(q.to(COMPUTE), tl.trans(k.to(COMPUTE)), input_precision=PRECISION)
-            s = s * (k_scale * qk_scale)[None, :]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pv = (p * v_scale[None, :]).to(COMPUTE)
-            acc = acc * alpha[:, None] + tl.dot(pv, v.to(COMPUTE), input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(
+                q, 0, start, hi, m_i, l_i, acc, kv_ptrs, scale_ptrs, bt_row, layer, num_layers,
+                seg_blocks, kvh, qk_scale, KV_DTYPE, KV_BYTES, QUANT, COMPUTE, PRECISION, HKV,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_VALID,
+            )  # fmt: skip
 
         has = l_i > 0
         o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
@@ -521,7 +500,7 @@ if triton is not None:
         tl.store(out_ptr + b * sob + h * soh + offs_d, o.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _prefill_tile(
+    def _attend_tile(
         q,
         q_pos,
         k_start,
@@ -546,10 +525,14 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr,
+        MASK: tl.constexpr,
     ):
-        """One KV tile of the online softmax: the running max, sum and output after keys
-        k_start..k_start+BLOCK_N-1 (those below hi; CAUSAL: each row only up to its position)."""
+        """One KV tile of the online softmax, for both kernels: the running max, sum and output
+        after keys k_start..k_start+BLOCK_N-1. MASK: MASK_NONE (every key is below hi), MASK_VALID
+        (keys from hi on count nothing: a split's ragged last tile), MASK_CAUSAL (also each query
+        row only up to its position q_pos). int8 values are exact in bf16/fp16, so their scales
+        are applied to the scores and to the probabilities rather than to K and V: one multiply
+        per token instead of per element."""
         pos = k_start + tl.arange(0, BLOCK_N)
         valid = pos < hi
         k, v, k_scale, v_scale = _kv_rows(
@@ -563,8 +546,10 @@ if triton is not None:
             s = s * qk_scale
         # The first tile holds position 0, which every row may see, so m_i is finite after it
         # and a later fully-masked row never computes -inf - -inf.
-        if CAUSAL:
+        if MASK == MASK_CAUSAL:
             s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        elif MASK == MASK_VALID:
+            s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -637,16 +622,16 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for k_start in range(0, full, BLOCK_N):
-            m_i, l_i, acc = _prefill_tile(
+            m_i, l_i, acc = _attend_tile(
                 q, q_pos, k_start, hi, m_i, l_i, acc, kv_ptrs, scale_ptrs, bt_row, layer, num_layers,
                 seg_blocks, kvh, qk_scale, KV_DTYPE, KV_BYTES, QUANT, COMPUTE, PRECISION, HKV,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_NONE,
             )  # fmt: skip
         for k_start in range(full, hi, BLOCK_N):
-            m_i, l_i, acc = _prefill_tile(
+            m_i, l_i, acc = _attend_tile(
                 q, q_pos, k_start, hi, m_i, l_i, acc, kv_ptrs, scale_ptrs, bt_row, layer, num_layers,
                 seg_blocks, kvh, qk_scale, KV_DTYPE, KV_BYTES, QUANT, COMPUTE, PRECISION, HKV,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_CAUSAL,
             )  # fmt: skip
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
