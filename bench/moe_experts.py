@@ -1,16 +1,18 @@
 """One MoE layer's experts on CUDA at decode batch sizes: torch's grouped GEMM path against our fused
 Triton kernels (`moe_triton.experts_mlp`), both through `moe.experts_forward` as the engine calls
-it (routing sort, expert MLPs, weighted sum over top-k), bf16.
+it (routing sort, expert MLPs, weighted sum over top-k), with the shared expert both models have
+(the torch side runs it as its own GEMMs, as the engine does off the fused path), bf16.
 
 Shapes: Qwen3-Next-80B-A3B's MoE layer (512 experts, top-10, hidden 2048, expert width 512) and
 the 26-expert cut of it that `builtin:qwen3-next-6b` uses. Timed as CUDA-graph replays, the way the
 engine runs decode, each replay walking --layers layers of distinct weights (several times the L2
 cache), so no expert's weights are still cached when they are read again. The bound is the bytes
-of the experts the batch routes to (gate, up and down of every expert that received a pair: the
-dense-equivalent of what the step must read) over the bandwidth of a device copy measured here;
-"% bw" is that floor over the time. --sweep also times other tilings of the fused kernels (the
-gate/up kernel first, then the down kernel with the best gate/up) and reports the fastest: how
-`ExpertTiling`'s defaults are chosen. Table on stdout, JSON to bench/results/moe_experts.json.
+of the experts the batch reads (gate, up and down of the shared expert and of every expert that
+received a pair: the dense-equivalent of what the step must read) over the bandwidth of a device
+copy measured here; "% bw" is that floor over the time. --sweep also times other tilings of the
+fused kernels (rows a pass, then the gate/up kernel, then the down kernel, each with the best
+before) and reports the fastest: how `ExpertTiling`'s defaults are chosen. Table on stdout, JSON
+to bench/results/moe_experts.json.
 
     python -m ballast.bench.moe_experts [--tokens 1 8 32 128 256] [--sweep]
 """
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 from ballast.bench.paged_attention import copy_bandwidth, fastest, graph_time
 from ballast.models import moe, moe_triton
-from ballast.models.moe_triton import ExpertTiling, KernelTiling
+from ballast.models.moe_triton import ExpertTiling, KernelTiling, SharedExpert
 
 RESULTS = Path(__file__).parent / "results" / "moe_experts.json"
 # name: (experts, top-k, hidden, expert width), from builtin.py's Qwen3-Next configs
@@ -46,7 +48,8 @@ class Layers:
     down: list[torch.Tensor]  # [E, H, I] per layer
     ids: list[torch.Tensor]  # [T, k] per layer
     weights: list[torch.Tensor]  # [T, k] per layer
-    expert_bytes: float  # mean bytes of the routed experts a layer reads
+    shared: list[SharedExpert]  # the shared expert of each layer (both real models have one)
+    expert_bytes: float  # mean bytes of the experts a layer reads: the routed ones and the shared
 
 
 def make_layers(shape: str, tokens: int, count: int) -> Layers:
@@ -60,15 +63,16 @@ def make_layers(shape: str, tokens: int, count: int) -> Layers:
     x = rand(tokens, hidden) * 50
     gate_up = [rand(experts, 2 * inter, hidden) for _ in range(count)]
     down = [rand(experts, hidden, inter) for _ in range(count)]
-    ids, weights, touched = [], [], 0
+    ids, weights, shared, touched = [], [], [], 0
     for _ in range(count):
         logits = torch.randn(tokens, experts, device=dev, generator=gen).to(bf16)
         w, e = moe.route(logits, top_k, normalize=True)
         ids.append(e)
         weights.append(w)
-        touched += int(e.unique().numel())
+        shared.append(SharedExpert(rand(2 * inter, hidden), rand(hidden, inter), rand(tokens, 1) * 50))
+        touched += int(e.unique().numel()) + 1
     per_expert = 3 * hidden * inter * 2
-    return Layers(x, gate_up, down, ids, weights, touched / count * per_expert)
+    return Layers(x, gate_up, down, ids, weights, shared, touched / count * per_expert)
 
 
 def run_layers(layers: Layers, fused: bool, tiling: ExpertTiling | None = None) -> Callable[[], None]:
@@ -76,12 +80,17 @@ def run_layers(layers: Layers, fused: bool, tiling: ExpertTiling | None = None) 
         switch = moe_triton.FUSED_EXPERTS
         moe_triton.FUSED_EXPERTS = False  # the grouped side must not take the fused path
         try:
-            for gu, dn, e, w in zip(layers.gate_up, layers.down, layers.ids, layers.weights, strict=True):
+            for gu, dn, e, w, s in zip(
+                layers.gate_up, layers.down, layers.ids, layers.weights, layers.shared, strict=True
+            ):
                 if fused:
                     r = moe.Routing.sort(e, gu.shape[0])
-                    moe_triton.experts_mlp(layers.x, r.token, r.order, r.counts, w, gu, dn, False, tiling)
-                else:
-                    moe.experts_forward(layers.x, e, w, gu, dn, use_grouped_mm=True)
+                    moe_triton.experts_mlp(layers.x, r.token, r.order, r.counts, w, gu, dn, False, tiling, s)
+                else:  # the torch path: the grouped GEMM, then the shared expert's own GEMMs
+                    routed = moe.experts_forward(layers.x, e, w, gu, dn, use_grouped_mm=True)
+                    h = torch.nn.functional.linear(layers.x, s.gate_up).view(-1, 2, s.down.shape[1])
+                    out = torch.nn.functional.linear(torch.nn.functional.silu(h[:, 0]) * h[:, 1], s.down)
+                    routed.add_(torch.sigmoid(s.gate) * out)
         finally:
             moe_triton.FUSED_EXPERTS = switch
 
@@ -90,14 +99,17 @@ def run_layers(layers: Layers, fused: bool, tiling: ExpertTiling | None = None) 
 
 def sweep(layers: Layers, repeats: int) -> tuple[ExpertTiling, float]:
     def time_of(tiling: ExpertTiling) -> float:
-        return graph_time(run_layers(layers, True, tiling), len(layers.ids), repeats)
+        t = graph_time(run_layers(layers, True, tiling), len(layers.ids), repeats)
+        print(f"  {1e6 * t:8.1f} us {tiling}", flush=True)
+        return t
 
     kernels = [
         KernelTiling(n, k, w, s)
         for n, k, w, s in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
         if w == 4 or (n == 128 and k > 64)
     ]
-    best_gu, _ = fastest((ExpertTiling(gate_up=t) for t in kernels), time_of)
+    rows, _ = fastest((ExpertTiling(block_m=m) for m in (16, 32, 64)), time_of)
+    best_gu, _ = fastest((dataclasses.replace(rows, gate_up=t) for t in kernels), time_of)
     return fastest((dataclasses.replace(best_gu, down=t) for t in kernels), time_of)
 
 
@@ -122,7 +134,7 @@ def main() -> None:
             layers = make_layers(shape, tokens, count)
             floor = layers.expert_bytes / bandwidth
             row: dict[str, Any] = {"shape": shape, "tokens": tokens, "layers": count}
-            row["routed_expert_mb"] = layers.expert_bytes / 1e6
+            row["expert_mb"] = layers.expert_bytes / 1e6
             row["grouped_us"] = 1e6 * graph_time(run_layers(layers, False), count, args.repeats)
             row["fused_us"] = 1e6 * graph_time(run_layers(layers, True), count, args.repeats)
             if args.sweep and tokens in args.sweep_tokens:
@@ -141,13 +153,11 @@ def main() -> None:
             rows.append(row)
             del layers
             torch.cuda.empty_cache()
-    print(
-        "\n| shape | tokens | routed experts MB | grouped us | fused us | fused / grouped | fused % of bw |"
-    )
+    print("\n| shape | tokens | experts read MB | grouped us | fused us | fused / grouped | fused % of bw |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['shape']} | {r['tokens']} | {r['routed_expert_mb']:.0f} | {r['grouped_us']:.1f} | "
+            f"| {r['shape']} | {r['tokens']} | {r['expert_mb']:.0f} | {r['grouped_us']:.1f} | "
             f"{r['fused_us']:.1f} | {r['fused_us'] / r['grouped_us']:.2f} | {r['fused_bw_pct']:.0f}% |"
         )
     result = {

@@ -74,6 +74,19 @@ class ExpertTiling:
     # the sweep's best for the 80B's layer at 1 and 32 tokens (5-9% over 32 x 128 tiles)
     gate_up: KernelTiling = KernelTiling(block_n=64, block_k=128, num_warps=4, num_stages=3)
     down: KernelTiling = KernelTiling(block_n=64, block_k=64, num_warps=4, num_stages=3)
+    # rows a program multiplies at once; 0: `rows_per_pass`'s pick for the batch
+    block_m: int = 0
+
+
+def rows_per_pass(pairs: int, experts: int, shared_rows: int) -> int:
+    """Rows of a GEMM program's pass over its expert's weights: enough that the fullest program
+    (the shared expert's, one row per token, or a routed expert with twice the mean of its
+    pairs) streams its weights once, not once per 16 rows, since a launch lasts as long as its
+    slowest program. 16 to 64: the accumulators of more rows would spill. On an H200 (session 12,
+    `bench/moe_experts.py --sweep`, the 6B cut's layer with its shared expert at 32 tokens): 16 rows
+    70.3 us, 32 rows 59.3 us, 64 rows 67.1 us; the decode step at batch 32 9.52 -> 8.76 ms."""
+    fullest = max(shared_rows, -(-2 * pairs // experts))
+    return min(64, max(16, 1 << (fullest - 1).bit_length()))
 
 
 class SharedExpert(NamedTuple):
@@ -189,7 +202,7 @@ def experts_mlp(
     # without a shared expert its pointers are the routed ones' (no program reads them)
     s_gate_up, s_down, s_gate = shared if shared is not None else (gate_up, down, weights)
     programs = experts + (shared is not None)
-    block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(pairs, experts))))
+    block_m = tiling.block_m or rows_per_pass(pairs, experts, tokens if shared is not None else 0)
     common = {
         "E": experts,
         "BLOCK_E": triton.next_power_of_2(experts),

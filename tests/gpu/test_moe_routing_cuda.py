@@ -131,6 +131,7 @@ FUSED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("rows_per_pass", [None, 16])
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "dtype"), FUSED_CASES)
 def test_the_fused_expert_kernels_compute_the_definition(
     monkeypatch: pytest.MonkeyPatch,
@@ -140,12 +141,16 @@ def test_the_fused_expert_kernels_compute_the_definition(
     hidden: int,
     inter: int,
     dtype: torch.dtype,
+    rows_per_pass: int | None,
 ) -> None:
     """Every token also picks expert 0, so that expert holds more rows than one block (its program
-    loops), and some experts get no pair at all (their programs exit)."""
+    loops), and some experts get no pair at all (their programs exit). With 16 rows a pass, the
+    shared expert's program (a row per token) loops too."""
     if dtype != torch.float32 and DEVICE.type == "cpu":
         pytest.skip("Triton's CPU interpreter (3.9) computes tl.dot of bf16 operands wrongly; on CUDA only")
     monkeypatch.setattr(moe_triton, "FUSED_EXPERTS", True)
+    if rows_per_pass is not None:
+        monkeypatch.setattr(moe_triton, "rows_per_pass", lambda pairs, experts, shared_rows: rows_per_pass)
     gen = torch.Generator().manual_seed(tokens + experts)
     x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.1).to(DEVICE, dtype)
