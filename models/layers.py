@@ -193,8 +193,13 @@ class FusedLinears:
     never used. FP8 linears fuse their block scales alike, where every part is whole blocks;
     otherwise they run one by one. Deliberately not a Module: it owns no parameters of its own."""
 
-    def __init__(self, *linears: nn.Linear) -> None:
+    def __init__(self, *linears: nn.Linear, transposed: bool = False) -> None:
         self.linears = linears
+        # Compute the output as the transpose of W . x^T (each output a column-major [T, n] view).
+        # For a narrow output whose width is not a multiple of 8 (a router's experts + 1 gate):
+        # cuBLAS writes rows of such a width with unvectorised kernels, and W . x^T's rows are
+        # the token count wide instead.
+        self.transposed = transposed
         self.weight: Tensor | None = None
         self.bias: Tensor | None = None
         self.scale_inv: Tensor | None = None
@@ -252,6 +257,8 @@ class FusedLinears:
         assert self.weight is not None  # fuse() set it
         if self.scale_inv is not None and self.block is not None:
             return fp8.fp8_linear(x, self.weight, self.scale_inv, self.block, self.bias)
+        if self.transposed and self.bias is None and x.dim() == 2:
+            return torch.mm(self.weight, x.t()).t()
         return linear(x, self.weight, self.bias)
 
 

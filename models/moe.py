@@ -292,8 +292,9 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(hidden, expert_intermediate, num_experts)
         self.shared_expert = SwiGLU(hidden, shared_intermediate)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
-        # the router's and the shared expert's gate read the same x: one GEMM
-        self.gates = FusedLinears(self.gate, self.shared_expert_gate)
+        # the router's and the shared expert's gate read the same x: one GEMM, its E + 1 wide
+        # output computed transposed
+        self.gates = FusedLinears(self.gate, self.shared_expert_gate, transposed=True)
 
     def fuse(self, keep_values: bool = True) -> None:
         self.gates.fuse(keep_values)

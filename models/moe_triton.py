@@ -107,7 +107,7 @@ def route_topk(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Ten
     softmax(logits) in float32, renormalised to sum 1 when `normalize`."""
     assert triton is not None
     tokens, experts = logits.shape
-    assert experts <= MAX_EXPERTS and logits.stride(-1) == 1
+    assert experts <= MAX_EXPERTS
     weights = torch.empty((tokens, top_k), dtype=logits.dtype, device=logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
     if tokens:
@@ -116,6 +116,7 @@ def route_topk(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Ten
             weights,
             ids,
             logits.stride(0),
+            logits.stride(1),
             E=experts,
             K=top_k,
             BLOCK_E=triton.next_power_of_2(experts),
@@ -434,6 +435,7 @@ if triton is not None:
         weights,
         ids,
         row_stride,
+        col_stride,
         E: tl.constexpr,
         K: tl.constexpr,
         BLOCK_E: tl.constexpr,
@@ -442,7 +444,7 @@ if triton is not None:
     ):
         t = tl.program_id(0)
         e = tl.arange(0, BLOCK_E)
-        x = tl.load(logits + t * row_stride + e, mask=e < E, other=-float("inf")).to(tl.float32)
+        x = tl.load(logits + t * row_stride + e * col_stride, mask=e < E, other=-float("inf")).to(tl.float32)
         p = tl.exp(x - tl.max(x, 0))
         p = p / tl.sum(p, 0)
         # Padding lanes sit below every real one (a picked one is -1, a NaN row's are too: NaN

@@ -27,12 +27,19 @@ def torch_route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torc
     return weights.to(logits.dtype), experts
 
 
+@pytest.mark.parametrize("column_major", [False, True])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 26, 10), (32, 512, 10), (7, 60, 4), (3, 5, 5)])
 def test_route_topk_picks_the_experts_and_weights_of_torch(
-    tokens: int, experts: int, top_k: int, normalize: bool
+    tokens: int, experts: int, top_k: int, normalize: bool, column_major: bool
 ) -> None:
-    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(experts)).to(DEVICE)
+    """column_major: the logits as the router + shared gate GEMM gives them (computed transposed,
+    the gate's column after the experts')."""
+    gen = torch.Generator().manual_seed(experts)
+    if column_major:
+        logits = torch.randn(experts + 1, tokens, generator=gen).to(DEVICE).t()[:, :experts]
+    else:
+        logits = torch.randn(tokens, experts, generator=gen).to(DEVICE)
     weights, ids = moe_triton.route_topk(logits, top_k, normalize)
     want_w, want_ids = torch_route(logits, top_k, normalize)
     assert ids.dtype == torch.int64 and weights.dtype == logits.dtype
