@@ -13,18 +13,31 @@ import logging
 from collections.abc import Callable, Sequence
 
 import psutil
+import torch
 from ballast.engine import tensor_parallel
 from ballast.engine.config import EngineConfig
 from ballast.engine.errors import PlanError
 from ballast.engine.plan import StepPlan
-from ballast.engine.prefix_cache import CheckpointMissing, PrefixCache, PrefixCacheConfig, auto_interval
+from ballast.engine.prefix_cache import (
+    CheckpointMissing,
+    PrefixCache,
+    PrefixCacheConfig,
+    auto_interval,
+    checkpoint_bytes,
+)
 from ballast.engine.runner import ModelRunner
 from ballast.engine.slot_kv import SlotKV
+from ballast.memory.errors import LedgerFull
+from ballast.memory.ledger import Lease, VramLedger
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import CostModel
 from ballast.memory.watch import MemWatch
+from ballast.models.state import LayerState
 
 log = logging.getLogger(__name__)
+
+# checkpoint copies a save burst may stage on the device at once (see staging_bytes)
+STAGED_CHECKPOINTS = 8
 
 
 def build_cache(
@@ -34,7 +47,9 @@ def build_cache(
     watch: MemWatch | None,
     pool: CheckpointPool | None,
     config: EngineConfig,
+    leases: list[Lease],
 ) -> PrefixCache:
+    """leases: the engine's; the device staging of the checkpoint copies joins them."""
     ranks = config.tensor_parallel_size
 
     def budget() -> int:
@@ -49,7 +64,13 @@ def build_cache(
         return cap // ranks
 
     interval = cfg.checkpoint_interval or auto_interval(cost.state_bytes_per_slot, cost.kv_bytes_per_token)
-    cache = PrefixCache(runner.states, runner.kv, budget, interval, pool, runner.device)
+    staging = 0
+    if cfg.enabled:  # saves are the only copies staged
+        ledger = watch.ledger if watch is not None else None
+        staging = staging_bytes(
+            runner.device, runner.states, ledger, leases, min(STAGED_CHECKPOINTS, config.max_num_seqs)
+        )
+    cache = PrefixCache(runner.states, runner.kv, budget, interval, pool, runner.device, staging)
     if isinstance(runner, tensor_parallel.ShardedRunner):
         cache.journal = runner.journal  # the workers copy their shards of each checkpoint
     if cfg.enabled:
@@ -57,6 +78,40 @@ def build_cache(
         # cache is full and evictions hand buffers back: that many ready from load on.
         cache.prewarm(2 * config.max_num_seqs)
     return cache
+
+
+def staging_bytes(
+    device: torch.device,
+    states: Sequence[LayerState],
+    ledger: VramLedger | None,
+    leases: list[Lease],
+    checkpoints: int,
+) -> int:
+    """Device memory for checkpoint copies in flight (`StateCopies`), leased from the ledger
+    (appended to `leases`).
+
+    A save stages the slot's recurrent states on the device and moves them to the host on a side
+    stream; a save that finds no staging room copies from the slot itself, and the slot's next
+    forward (so the whole next step) waits for that transfer over PCIe. A batch of new
+    conversations ends its prompts together: on an H200, 32 first turns of the 6.2B hybrid (73.7
+    MiB of state each) with room for three took 1.44x as long as with the cache off (TTFT p50,
+    `bench/gpu_prefix.py`, session 11). So room for `checkpoints` of them (a step saves at most
+    one per sequence); where the ledger cannot spare that, room for one; where not even that,
+    none (direct copies)."""
+    one = checkpoint_bytes(states)
+    if device.type != "cuda" or one == 0:
+        return 0  # CPU copies are synchronous; attention-only checkpoints copy no state
+    if ledger is None:
+        return checkpoints * one
+    die = device.index if device.index is not None else torch.cuda.current_device()
+    for count in (checkpoints, 1):
+        try:
+            leases.append(ledger.lease(die, count * one, "checkpoint-staging"))
+        except LedgerFull:
+            continue
+        return count * one
+    log.warning("no VRAM to stage checkpoint copies: a save's slot waits for its transfer to the host")
+    return 0
 
 
 class CheckpointOrders:

@@ -190,7 +190,7 @@ class Engine:
         # One cache object holds prefix checkpoints (when prefix caching is on) and the sequences
         # parked by preemption (always): both are slot states kept in pool buffers.
         self._cache = build_cache(
-            self._prefix_cfg, self.runner, self.cost_model, self._watch, self._pool, self.config
+            self._prefix_cfg, self.runner, self.cost_model, self._watch, self._pool, self.config, self._leases
         )
         self.prefix_cache = self._cache if self._prefix_cfg.enabled else None
         self.checkpoint_interval = self._cache.interval if self.prefix_cache is not None else 0

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from ballast.engine.kv_pool import KVPool
 from ballast.engine.shard_checkpoints import CheckpointOp
-from ballast.engine.state_copies import StateCopies
+from ballast.engine.state_copies import STAGING_BYTES, StateCopies
 from ballast.memory.pool import CheckpointPool
 from ballast.models.state import LayerState
 from torch import Tensor
@@ -174,7 +174,9 @@ class PrefixCache:
         interval: int,
         pool: CheckpointPool | None = None,
         device: torch.device | str = "cpu",
+        staging_bytes: int = STAGING_BYTES,
     ) -> None:
+        """staging_bytes: device memory the CUDA saves may stage in at once (`StateCopies`)."""
         if interval < 1:
             raise ValueError(f"checkpoint interval must be >= 1, got {interval}")
         self._states = list(states)
@@ -191,7 +193,7 @@ class PrefixCache:
         self._cuda = self._device.type == "cuda"
         self._parked: dict[tuple[int, bytes], _Parked] = {}
         self._parked_lengths: Counter[int] = Counter()
-        self._copies = StateCopies(self._device)
+        self._copies = StateCopies(self._device, staging_bytes)
         # Tensor parallel: where the copies are recorded for the other ranks (None: one rank).
         self.journal: list[object] | None = None
         self._next_key = 0
@@ -370,7 +372,7 @@ class PrefixCache:
         each inside a step; the pool keeps them through idle trims. Returns the buffers added."""
         if self._pool is None or count < 1 or not self._states:
             return 0
-        _, nbytes = _layout([s.slot_views(0) for s in self._states])
+        nbytes = checkpoint_bytes(self._states)
         if nbytes == 0:
             return 0
         count = min(count, self._budget() // nbytes)
@@ -544,6 +546,11 @@ def _longest(
         if (n, h.copy().digest()) in entries:
             best = n
     return best
+
+
+def checkpoint_bytes(states: Sequence[LayerState]) -> int:
+    """Bytes of one checkpoint's copy of a slot's recurrent states (0: attention only)."""
+    return _layout([s.slot_views(0) for s in states])[1] if states else 0
 
 
 def _layout(

@@ -5,8 +5,9 @@ On CUDA a checkpoint's device-to-host copy runs on a side stream and the host ne
   buffer laid out like the host buffer (tens of microseconds on HBM), and the side stream, after
   an event recorded behind that copy, moves it to the pinned buffer in one transfer and records
   `done`. The slot is free for the next step at once. Staging buffers in flight are bounded
-  (`staging_bytes`, a few checkpoints' worth; the caching allocator reuses their memory once the
-  side stream is past them), so a burst of saves cannot take much device memory.
+  (`staging_bytes`: the engine leases a step's worth of checkpoints from the memory ledger at
+  load, `checkpoint_orders.staging_bytes`; the caching allocator reuses their memory once the
+  side stream is past them), so a burst of saves takes no device memory the ledger did not grant.
 - Direct (staging full): the side stream waits for an event behind the forward that produced the
   state and copies it tensor by tensor; a later write to that slot (the next forward, a reset, a
   restore into it) must wait for `done`: `settle(slots)` makes the step's stream wait for those
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor
 
 MiB = 1 << 20
-STAGING_BYTES = 256 * MiB  # device staging in flight at once (always room for one checkpoint; 0: off)
+STAGING_BYTES = 256 * MiB  # default staging in flight at once (always room for one checkpoint; 0: off)
 
 
 class StateCopies:

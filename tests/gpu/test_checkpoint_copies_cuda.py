@@ -12,10 +12,12 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import PrefillChunk, SamplingParams, StepPlan
-from ballast.engine.prefix_cache import PrefixCacheConfig
+from ballast.engine.prefix_cache import PrefixCacheConfig, checkpoint_bytes
 from ballast.engine.state_copies import StateCopies
+from ballast.memory.config import MemoryConfig
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import GiB
+from ballast.memory.watch import MemWatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -69,3 +71,40 @@ def test_save_and_restore_return_before_the_device_is_done(engine: Engine, stage
         assert torch.equal(got, want)  # the checkpoint holds the state before slot 0 was reset
     assert all(not v.any() for v in states(engine, 0))
     engine.step(StepPlan(release=(0, 1)))
+
+
+def test_a_burst_of_saves_is_staged_in_memory_leased_from_the_ledger() -> None:
+    """A step that ends several prompts saves each. The engine leased staging for that many
+    checkpoints at load (tag checkpoint-staging, one per sequence up to 8), so no saved slot is
+    left for the side stream to read from (the next step waits on no transfer to the host), and
+    shutdown gives the lease back."""
+    cfg = EngineConfig(
+        model="builtin:tiny-qwen3-next",
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=4,
+        max_model_len=256,
+        prefill_chunk_tokens=256,
+    )
+    pool = CheckpointPool(lambda: 64 * GiB, 0.25, 64, 0)
+    with MemWatch(MemoryConfig()) as watch:
+        eng = Engine.load(cfg, watch, prefix_cache=PrefixCacheConfig(checkpoint_interval=512), pool=pool)
+        die = torch.cuda.current_device()
+        try:
+            cache = eng.prefix_cache
+            assert cache is not None
+            one = checkpoint_bytes(eng.runner.states)
+            assert one > 0
+            assert [n for tag, n in watch.ledger.leases(die) if tag == "checkpoint-staging"] == [4 * one]
+            prompts = {s: tuple(range(10 + s, 50 + s)) for s in range(4)}
+            prefills = tuple(PrefillChunk(s, p, 0, True) for s, p in prompts.items())
+            eng.step(StepPlan(prefills=prefills, sampling=dict.fromkeys(prompts, GREEDY)))
+            torch.cuda._sleep(BUSY_CYCLES)  # the copies stay queued while the test looks
+            for slot, prompt in prompts.items():
+                assert cache.save(slot, prompt)
+            assert cache._copies.pending_slots() == frozenset()  # all four staged
+            torch.cuda.synchronize()
+            eng.step(StepPlan(release=tuple(prompts)))
+        finally:
+            eng.shutdown()
+        assert not any(tag == "checkpoint-staging" for tag, _ in watch.ledger.leases(die))
