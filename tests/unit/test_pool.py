@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 
 import pytest
 import torch
-from ballast.memory.pool import CheckpointPool, PoolMisuse
+from ballast.memory.pool import CheckpointPool, HostRegistration, PoolMisuse, pinned
 from ballast.memory.types import KiB, MiB
 
 
@@ -191,7 +192,7 @@ def test_pin_failure_degrades_to_pageable() -> None:
     assert (s.pin_failures, s.pinned) == (1, False)
 
 
-def test_pinned_sizes_round_to_powers_of_two_and_later_pin_failure_is_per_buffer() -> None:
+def test_pinned_buffers_are_the_size_asked_and_later_pin_failure_is_per_buffer() -> None:
     calls: list[tuple[int, bool]] = []
 
     def allocate(n: int, pin: bool) -> torch.Tensor:
@@ -201,10 +202,83 @@ def test_pinned_sizes_round_to_powers_of_two_and_later_pin_failure_is_per_buffer
         return torch.empty(n, dtype=torch.uint8)
 
     pool = CheckpointPool(lambda: 100 * MiB, 0.5, 4, KiB, pin=True, allocate=allocate)
-    assert pool.get(3 * MiB).numel() == 4 * MiB
     assert pool.get(3 * MiB).numel() == 3 * MiB
-    assert calls == [(4 * MiB, True), (4 * MiB, True), (3 * MiB, False)]
+    assert pool.get(3 * MiB).numel() == 3 * MiB
+    assert calls == [(3 * MiB, True), (3 * MiB, True), (3 * MiB, False)]
     assert pool.pinned, "pinning worked once, so one failure must not turn it off"
+
+
+class Driver:
+    """Records what a CUDA driver would be asked to page-lock (this box has none)."""
+
+    def __init__(self, error: int = 0) -> None:
+        self.error = error
+        self.registered: dict[int, int] = {}
+        self.log: list[str] = []
+
+    def registration(self) -> HostRegistration:
+        return HostRegistration(self.register, self.unregister)
+
+    def register(self, address: int, nbytes: int) -> int:
+        self.log.append("register")
+        if self.error == 0:
+            self.registered[address] = nbytes
+        return self.error
+
+    def unregister(self, address: int) -> None:
+        assert mapped(address), "unregistered after its pages were unmapped"
+        self.log.append("unregister")
+        del self.registered[address]
+
+
+def mapped(address: int) -> bool:
+    """Whether the page at `address` is mapped in this process."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
+def test_a_pinned_buffer_is_exactly_its_size_and_unpinned_then_unmapped_when_its_last_view_goes() -> None:
+    """torch's pinned allocator would round 73.7 MiB up to 128 MiB; this maps and registers the
+    bytes asked for, and the registration ends before the mapping when nothing views it."""
+    driver = Driver()
+    nbytes = 3 * MiB + 123
+    buf = pinned(nbytes, driver.registration())
+    address = buf.data_ptr()
+    assert buf.dtype == torch.uint8 and buf.numel() == nbytes and buf.is_contiguous()
+    assert driver.registered == {address: nbytes} and mapped(address)
+    buf.fill_(7)
+    view = buf[100:200]
+    del buf
+    gc.collect()
+    assert driver.registered == {address: nbytes}  # a view still holds it
+    assert int(view.sum()) == 700
+    del view
+    gc.collect()
+    assert driver.registered == {} and driver.log == ["register", "unregister"]
+    assert not mapped(address)
+
+
+def test_a_failed_registration_unmaps_and_the_pool_falls_back_to_pageable() -> None:
+    driver = Driver(error=2)
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        pinned(MiB, driver.registration())
+    assert driver.registered == {}
+    pool = CheckpointPool(
+        lambda: 100 * MiB,
+        0.5,
+        4,
+        KiB,
+        pin=True,
+        allocate=lambda n, pin: (
+            pinned(n, driver.registration()) if pin else torch.empty(n, dtype=torch.uint8)
+        ),
+    )
+    got = pool.get(2 * MiB)
+    assert got.numel() == 2 * MiB and (pool.stats().pin_failures, pool.pinned) == (1, False)
 
 
 def test_misuse_is_a_typed_error() -> None:
