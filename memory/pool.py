@@ -98,7 +98,7 @@ def pinned(nbytes: int, registration: HostRegistration | None = None) -> torch.T
 
     Not `torch.empty(pin_memory=True)`: torch's caching host allocator rounds every pinned block
     up to a power of two, so a 73.7 MiB checkpoint of the Qwen3-Next shape took 128 MiB, and the
-    prefix cache's byte budget held 43 checkpoints where 64 fit (H200, `bench/gpu_prefix.py`,
+    prefix cache's byte budget held 43 checkpoints where ~64 fit (H200, `bench/gpu_prefix.py`,
     session 12). RuntimeError if the memory cannot be mapped or pinned (the pool then falls back
     to pageable memory)."""
     reg = registration or _cuda_registration()
