@@ -229,10 +229,10 @@ def ours(engine: Engine, prompts: torch.Tensor, steps: int, chunk: int) -> dict[
 
     # As the server decodes (overlap on): each step is submitted before the one ahead of it has
     # brought its tokens to the host, taking them from the device (LAST_SAMPLED), so the host's
-    # work for a step runs while the GPU runs the step before. Warmed up like the steps above:
-    # the first steps of that path pay first-use costs (its token gather), which a 16-step timing
-    # of the first context measured would count (8B, batch 1, 128-token context on an H200:
-    # 151 tok/s pipelined against 189 one step at a time, while the next context gave 199).
+    # work for a step runs while the GPU runs the step before. Warmed up like the steps above, so
+    # a 16-step timing counts no first-use cost of that path (its token gather). Suspected, not
+    # yet confirmed, in the 8B's figures: batch 1 at a 128-token context, the first measured in
+    # its process, 151 tok/s pipelined against 189 one step at a time; 199 at the next context.
     def pipelined(first: int, count: int) -> float:
         t = time.perf_counter()
         futures = [
