@@ -25,18 +25,22 @@ GREEDY = SamplingParams(temperature=0.0)
 BUSY_CYCLES = 2_000_000_000  # ~1 s of one SM spinning: far longer than any copy here
 
 
-@pytest.fixture
-def engine() -> Iterator[Engine]:
+def load(max_num_seqs: int, prefill_chunk_tokens: int, watch: MemWatch | None = None) -> Engine:
     cfg = EngineConfig(
         model="builtin:tiny-qwen3-next",
         device="cuda",
         dtype="bfloat16",
-        max_num_seqs=2,
+        max_num_seqs=max_num_seqs,
         max_model_len=256,
-        prefill_chunk_tokens=64,
+        prefill_chunk_tokens=prefill_chunk_tokens,
     )
     pool = CheckpointPool(lambda: 64 * GiB, 0.25, 64, 0)
-    eng = Engine.load(cfg, prefix_cache=PrefixCacheConfig(checkpoint_interval=512), pool=pool)
+    return Engine.load(cfg, watch, prefix_cache=PrefixCacheConfig(checkpoint_interval=512), pool=pool)
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    eng = load(max_num_seqs=2, prefill_chunk_tokens=64)
     yield eng
     eng.shutdown()
 
@@ -78,17 +82,8 @@ def test_a_burst_of_saves_is_staged_in_memory_leased_from_the_ledger() -> None:
     checkpoints at load (tag checkpoint-staging, one per sequence up to 8), so no saved slot is
     left for the side stream to read from (the next step waits on no transfer to the host), and
     shutdown gives the lease back."""
-    cfg = EngineConfig(
-        model="builtin:tiny-qwen3-next",
-        device="cuda",
-        dtype="bfloat16",
-        max_num_seqs=4,
-        max_model_len=256,
-        prefill_chunk_tokens=256,
-    )
-    pool = CheckpointPool(lambda: 64 * GiB, 0.25, 64, 0)
     with MemWatch(MemoryConfig()) as watch:
-        eng = Engine.load(cfg, watch, prefix_cache=PrefixCacheConfig(checkpoint_interval=512), pool=pool)
+        eng = load(max_num_seqs=4, prefill_chunk_tokens=256, watch=watch)
         die = torch.cuda.current_device()
         try:
             cache = eng.prefix_cache
