@@ -8,7 +8,8 @@ import gc
 
 import pytest
 import torch
-from ballast.memory.pool import CheckpointPool, pinned
+from ballast.memory.pinned import pinned
+from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import GiB, MiB
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

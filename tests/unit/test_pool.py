@@ -8,7 +8,8 @@ import threading
 
 import pytest
 import torch
-from ballast.memory.pool import CheckpointPool, HostRegistration, PoolMisuse, pinned
+from ballast.memory.pinned import HostRegistration, pinned
+from ballast.memory.pool import CheckpointPool, PoolMisuse
 from ballast.memory.types import KiB, MiB
 
 
