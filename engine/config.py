@@ -19,6 +19,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 KV_QUANT_MODES = ("none", "int8")
+# The largest prefill CUDA graph (`engine/prefill_graphs`): longer chunks are bound by their matrix
+# products, not their launches.
+PREFILL_GRAPH_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,15 @@ class EngineConfig:
             "replay decode steps as CUDA graphs (CUDA only; falls back to eager if capture fails)",
         ),
     )
+    prefill_graphs: bool = field(
+        default=True,
+        metadata=setting(
+            "BALLAST_PREFILL_GRAPHS",
+            "with --cuda-graphs on one GPU: replay the prefill of a lone prompt (up to 2,048 tokens, or "
+            "the prefill chunk if smaller) as a CUDA graph padded to a multiple of 128 tokens, for models "
+            "whose rows meet only in attention (dense attention-only models); off: prefill runs eagerly",
+        ),
+    )
     tensor_parallel_size: int = field(
         default=1,
         metadata=setting(
@@ -161,6 +173,13 @@ class EngineConfig:
         if not self.cuda_graphs or device.type != "cuda":
             return False
         return self.tensor_parallel_size == 1 or self.tp_cuda_graphs
+
+    def prefill_graph_tokens(self, device: torch.device) -> int:
+        """The largest prefill graph to capture (0: none): one GPU with --cuda-graphs and
+        --prefill-graphs, up to the prefill chunk."""
+        if not (self.prefill_graphs and self.decode_graphs(device)) or self.tensor_parallel_size > 1:
+            return 0
+        return min(PREFILL_GRAPH_TOKENS, self.resolved_prefill_chunk(device))
 
     def keeps_fp8(self, device: torch.device) -> bool:
         """Whether an FP8 checkpoint's weights stay float8 on device."""

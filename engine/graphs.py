@@ -24,10 +24,9 @@ has no memory to capture against). Without it a squeezed GPU decoded eagerly: me
 (Llama-1B shape, 16 streams at TIGHT), no request finished for a minute, ~7x slower than the
 graphs. A late capture asks the memory layer first and then holds what the graphs' pool grew by
 under its grant (tag cuda-graphs-int8); one that is refused or fails leaves that bucket eager.
-Steps that carry a prefill chunk run eagerly: their shape changes with every chunk (tokens per
-sequence, the prefill attention path), so a padded graph would need buckets over decodes, chunk
-tokens and context, and such a step is bound by its matrix products rather than by kernel
-launches, which is all a graph removes.
+Steps that carry a prefill chunk are not these graphs': a lone prompt's chunk replays a padded
+prefill graph (`prefill_graphs`), and the rest (several prompts, prompts beside decodes) run
+eagerly: their shapes vary over decodes, chunk tokens and sequences at once.
 
 Under tensor parallel every rank captures the same graphs (same buckets, same order) in lockstep,
 the collectives of each capture recorded on every rank, and after each bucket the ranks agree

@@ -8,6 +8,7 @@ which starts empty and grows and shrinks in segments while serving.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -15,6 +16,7 @@ from typing import Any, cast
 import torch
 from ballast.engine.graphs import PAD_POSITION, Agree, DecodeGraphs, FeedLastTokens, GraphCaptureError
 from ballast.engine.kv_pool import Acquire, KVPool
+from ballast.engine.prefill_graphs import PrefillGraphs
 from ballast.engine.sampler import Sampler
 from ballast.engine.staging import to_device
 from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
@@ -30,6 +32,8 @@ from ballast.models.state import (
 )
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+log = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 8
 # cuDNN attention (torch's first choice for bf16 with a mask on Hopper) builds a new plan for
@@ -237,6 +241,7 @@ class ModelRunner:
             self.kv_int8 = KVPool(int8, acquire) if acquire is not None else KVPool(int8)
         self.states: list[LayerState] = build_states(specs, self._state_slots, self.kv_stores, device, dtype)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         vocab = int(lm.config.vocab_size)
         self.sampler = Sampler(num_slots, vocab, device, seed)
 
@@ -272,15 +277,25 @@ class ModelRunner:
             state.reset(index)
         self.sampler.reset(slots)
 
-    def capture_graphs(self) -> int:
+    def capture_graphs(self, prefill_tokens: int = 0) -> int:
         """Capture decode graphs for batches up to num_slots (CUDA, with a scratch slot) and every
         context bucket (attention reads the blocks in place, so a graph's memory does not grow with
-        its context). Returns the bytes they hold; raises GraphCaptureError (the engine then runs
-        eagerly) if the model cannot be captured."""
+        its context), and where prefill_tokens > 0 and the model allows, prefill graphs of one
+        prompt up to that many tokens (`PrefillGraphs`). Returns the bytes they hold; raises
+        GraphCaptureError (the engine then runs eagerly) if the decode graphs cannot be captured.
+        Prefill graphs that fail leave prefill eager (logged), the decode graphs kept."""
         self.check_capturable()
         if self.kv is not None and not self.kv.ensure(self.num_slots, PAD_POSITION + 1):
             raise GraphCaptureError("no KV block for the graphs' scratch slot")
-        return self.capture_in_lockstep(None)
+        held = self.capture_in_lockstep(None)
+        if prefill_tokens > 0 and self.kv is not None and getattr(self.model, "prefill_graphs_safe", False):
+            graphs = PrefillGraphs(self.device, self.num_slots, prefill_tokens)
+            try:
+                held += graphs.capture(self._run)
+                self.prefill_graphs = graphs
+            except GraphCaptureError as e:
+                log.warning("%s; prefill runs eagerly", e)
+        return held
 
     def check_capturable(self) -> None:
         if self.device.type != "cuda" or self._state_slots == self.num_slots:
@@ -300,9 +315,14 @@ class ModelRunner:
     @property
     def graph_bytes_per_rank(self) -> list[int]:
         """What the decode graphs hold on each rank's device (one entry here; none without graphs)."""
-        return [] if self.graphs is None else [self.graphs.held_bytes]
+        if self.graphs is None:
+            return []
+        return [self.graphs.held_bytes + (self.prefill_graphs.held_bytes if self.prefill_graphs else 0)]
 
     def release_graphs(self) -> None:
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.release()
+            self.prefill_graphs = None
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
@@ -324,6 +344,8 @@ class ModelRunner:
         last = self.sampler.feed_last_tokens if any(t[0] < 0 for _, t, _ in seqs) else None
         if self.graphs is not None and self.graphs.can_use(seqs, mixed):
             return self._replay(seqs, last, mixed)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_use(seqs, all_logits, mixed):
+            return self.prefill_graphs.replay(seqs)
         batch = ForwardBatch.build(seqs, self.device, all_logits=all_logits)
         if last is not None:
             last(batch.token_ids, batch.slot_of_token)

@@ -116,10 +116,11 @@ class ShardedRunner(ModelRunner):
 
     # --- decode graphs on every rank ---------------------------------------------------------
 
-    def capture_graphs(self) -> int:
+    def capture_graphs(self, prefill_tokens: int = 0) -> int:
         """Every rank captures the same decode graphs in lockstep (`tp_graphs`); the scratch slot's
         blocks come from this rank's allocator and reach the workers before they capture. Raises
-        GraphCaptureError (every rank then runs eagerly) if any rank failed a bucket."""
+        GraphCaptureError (every rank then runs eagerly) if any rank failed a bucket. No prefill
+        graphs under tensor parallel (prefill_tokens is not used): a prompt's step runs eagerly."""
         self.check_capturable()
         if self.kv is not None and not self.kv.ensure(self.num_slots, PAD_POSITION + 1):
             raise GraphCaptureError("no KV block for the graphs' scratch slot")

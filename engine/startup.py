@@ -78,7 +78,7 @@ def bring_up(
             else ModelRunner(*args, cfg.seed, **kwargs)
         )
         if graphs:
-            leases.extend(capture_graphs(runner, watch, dies))
+            leases.extend(capture_graphs(runner, watch, dies, cfg.prefill_graph_tokens(device)))
     except BaseException:
         for lease in leases:
             lease.release()
@@ -88,12 +88,15 @@ def bring_up(
     return loaded, runner, profile, leases
 
 
-def capture_graphs(runner: ModelRunner, watch: MemWatch | None, dies: list[int]) -> list[Lease]:
+def capture_graphs(
+    runner: ModelRunner, watch: MemWatch | None, dies: list[int], prefill_tokens: int = 0
+) -> list[Lease]:
     """Decode graphs are a speed-up, never a reason to fail: a model that cannot be captured (on
     any rank), or a ledger without room for the graphs' memory (on any die), runs eagerly
-    (logged). Returns their leases, one per die (rank r's graphs on dies[r])."""
+    (logged). prefill_tokens: the largest prefill graph (0: none). Returns their leases, one per
+    die (rank r's graphs on dies[r])."""
     try:
-        held = runner.capture_graphs()
+        held = runner.capture_graphs(prefill_tokens)
     except GraphCaptureError as e:
         log.warning("%s; decode runs eagerly", e)
         return []
@@ -118,7 +121,16 @@ def capture_graphs(runner: ModelRunner, watch: MemWatch | None, dies: list[int])
         len(g.batch_buckets) * len(g.context_buckets),
         max(b for b, _ in g.pairs),
         max(c for _, c in g.pairs),
-        held / MiB,
+        g.held_bytes / MiB,
         len(runner.graph_bytes_per_rank),
     )
+    if runner.prefill_graphs is not None:
+        p = runner.prefill_graphs
+        log.info(
+            "prefill graphs: %d captured (one prompt of up to %d tokens, in steps of %d), %.1f MiB",
+            p.captured,
+            p.buckets[-1],
+            p.buckets[0],
+            p.held_bytes / MiB,
+        )
     return leases

@@ -158,6 +158,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # A step's rows meet only in attention, which reads real tokens only: padding rows of a prefill
+    # graph cannot change a real row (`engine/prefill_graphs`).
+    prefill_graphs_safe = True
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config

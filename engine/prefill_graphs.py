@@ -1,0 +1,186 @@
+"""CUDA graphs of a lone prompt's prefill, padded to a multiple of `GRANULE` tokens.
+
+Why: an eager prefill step is bound by the host, not by the GPU. Measured on an H200 (session 13,
+Llama-3B shape, bf16, a 945-token prompt): the engine thread took 18-26 ms to launch the step's
+~450 kernels inside `ballast serve`, for 11 ms of GPU work, and the idle server's time to first
+token (31-41 ms at the client) was mostly that launch. A graph replays the whole forward with one
+launch; the cost is up to GRANULE - 1 padding tokens of GPU work.
+
+What is captured: one sequence of up to `max_tokens` new tokens (a prompt, or a chunk of one after
+a restored prefix) and nothing else in the step, for models whose rows of a step meet only in
+attention (`prefill_graphs_safe`: dense attention-only models). A graph of T tokens serves any
+chunk of n <= T tokens at any start: the sequence's length, start, slot and last row come from a
+static device buffer, and the attention kernel reads them there (its grid covers T query rows;
+tiles past n load nothing and store nothing). The T - n padding rows feed token 0 at position 1 of
+the decode graphs' scratch slot (`PAD_POSITION`), so their K/V rows land in its one block and no
+real sequence reads them; their other outputs stay in their own rows, which nothing reads.
+
+Buckets: every multiple of GRANULE up to max_tokens (a 945-token prompt replays the 1,024-token
+graph: 8% more GPU work, no host work). Longer chunks, batches of prompts, steps with decode tokens
+beside a prompt, prompt logprobs and steps that read the int8 KV store run eagerly: their shapes
+vary more, and a chunk of thousands of tokens is bound by its matrix products, not its launches.
+
+The graphs share one memory pool, sized by the largest (captured first); the engine leases what the
+pool holds from the memory layer with the decode graphs' (tag cuda-graphs).
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from ballast.engine.graphs import PAD_POSITION, PAD_TOKEN, GraphCaptureError
+from ballast.models.base import ForwardBatch, Rows
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+Forward = Callable[[ForwardBatch], Tensor]
+
+GRANULE = 128  # tokens between two captured sizes
+# Where each sequence field sits in the static buffer after its three token rows; every field
+# starts on 16 bytes (Triton compiles a kernel once per alignment of a pointer argument).
+_SLOT, _START, _LEN, _CU, _LAST = 0, 2, 4, 6, 8  # _CU: two entries, 0 and the length
+_SEQ_FIELDS = 10
+
+
+def token_buckets(max_tokens: int, granule: int = GRANULE) -> tuple[int, ...]:
+    """granule, 2 * granule, ... up to max_tokens rounded down to a granule (none below one)."""
+    if granule < 1:
+        raise ValueError(f"granule must be >= 1, got {granule}")
+    return tuple(range(granule, max_tokens + 1, granule))
+
+
+class PrefillGraphs:
+    """Prefill graphs of one sequence, per token bucket."""
+
+    def __init__(
+        self, device: torch.device, scratch_slot: int, max_tokens: int, granule: int = GRANULE
+    ) -> None:
+        """scratch_slot: the decode graphs' padding slot (it must hold a KV block for PAD_POSITION)."""
+        self.device = device
+        self.scratch_slot = scratch_slot
+        self.buckets = token_buckets(max_tokens, granule)
+        if not self.buckets:
+            raise GraphCaptureError(f"no prefill graph size fits {max_tokens} tokens (granule {granule})")
+        self._width = self.buckets[-1]
+        # [tokens | positions | slot of each token], each `width` long, then the sequence's fields
+        self._inputs = torch.zeros(3 * self._width + _SEQ_FIELDS, dtype=torch.int64, device=device)
+        self._zeros = torch.zeros(self._width, dtype=torch.int64, device=device)
+        self._arange = torch.arange(self._width, dtype=torch.int64, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: Tensor | None = None  # [1, vocab]: every graph writes its row here
+        self.held_bytes = 0
+        self.replays = 0
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
+    def capture(self, forward: Forward) -> int:
+        """Capture every bucket, largest first so the others fit in the pool it sized. Returns the
+        bytes the device allocator holds more than before; raises GraphCaptureError (nothing kept)."""
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            for tokens in reversed(self.buckets):
+                self._capture_one(forward, tokens, pool)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            self.release()
+            raise GraphCaptureError(f"prefill graph capture failed: {type(e).__name__}: {e}") from e
+        self.held_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
+        return self.held_bytes
+
+    def _capture_one(self, forward: Forward, tokens: int, pool: Any) -> None:
+        # Captured over a one-token "prompt" in the scratch slot at PAD_POSITION: the kernels see
+        # a real length on the device and read only that slot's block.
+        self._stage(self.scratch_slot, [PAD_TOKEN], PAD_POSITION, tokens)
+        batch = self._static_batch(tokens)
+        eager = forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
+        if self._logits is None:
+            self._logits = eager.new_empty((1, *eager.shape[1:]))
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._logits.copy_(forward(batch))
+        torch.cuda.synchronize(self.device)
+        self._graphs[tokens] = graph
+
+    def release(self) -> None:
+        """Drop every graph and its output; the pool's memory goes back to the device."""
+        self._graphs.clear()
+        self._logits = None
+        self.held_bytes = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def bucket_of(self, n: int) -> int | None:
+        """The smallest captured size >= n tokens, or None."""
+        return next((b for b in self.buckets if b >= n and b in self._graphs), None)
+
+    def can_use(self, seqs: Rows, all_logits: Sequence[bool] = (), mixed: bool = False) -> bool:
+        """A graph serves this step: one sequence of more than one new token (a decode token is
+        the decode graphs'), no more than the largest bucket, last-token logits only, main KV
+        store only."""
+        if len(seqs) != 1 or mixed or any(all_logits):
+            return False
+        n = len(seqs[0][1])
+        return n > 1 and self.bucket_of(n) is not None
+
+    def replay(self, seqs: Rows) -> Tensor:
+        """Logits [1, vocab] at the sequence's last token; a view of the graphs' output, valid
+        until the next replay. Call only where `can_use(seqs)`."""
+        slot, tokens, start = seqs[0]
+        bucket = self.bucket_of(len(tokens))
+        assert bucket is not None and self._logits is not None, "replay needs can_use(seqs)"
+        self._stage(int(slot), tokens, int(start), bucket)
+        self._graphs[bucket].replay()
+        self.replays += 1
+        return self._logits
+
+    def _stage(self, slot: int, tokens: Sequence[int], start: int, bucket: int) -> None:
+        """The step's tokens, positions and slots (padding to `bucket`) and its sequence fields
+        into the static inputs, in one copy."""
+        n, w = len(tokens), self._width
+        host = torch.empty(3 * w + _SEQ_FIELDS, dtype=torch.int64)
+        host[:n] = torch.frombuffer(array("q", tokens), dtype=torch.int64)
+        host[n:w] = PAD_TOKEN
+        torch.arange(start, start + n, out=host[w : w + n])
+        host[w + n : 2 * w] = PAD_POSITION
+        host[2 * w : 2 * w + n] = slot
+        host[2 * w + n : 3 * w] = self.scratch_slot
+        seq = host[3 * w :]
+        seq.zero_()
+        seq[_SLOT], seq[_START], seq[_LEN], seq[_CU + 1], seq[_LAST] = slot, start, n, n, n - 1
+        # Pinned and non-blocking: a pageable copy would wait for the step still on the GPU.
+        on_gpu = self._inputs.is_cuda
+        self._inputs.copy_(host.pin_memory() if on_gpu else host, non_blocking=on_gpu)
+
+    def _static_batch(self, tokens: int) -> ForwardBatch:
+        """The batch a graph of `tokens` rows is captured with: views of the static inputs. The
+        host-side lists fix shapes and branches only (one sequence, more than one token)."""
+        w, inp = self._width, self._inputs
+        seq = inp[3 * w :]
+        return ForwardBatch(
+            token_ids=inp[:tokens],
+            positions=inp[w : w + tokens],
+            slots=seq[_SLOT : _SLOT + 1],
+            starts=seq[_START : _START + 1],
+            lens=seq[_LEN : _LEN + 1],
+            cu_lens=seq[_CU : _CU + 2],
+            last_index=seq[_LAST : _LAST + 1],
+            logit_index=seq[_LAST : _LAST + 1],
+            seq_of_token=self._zeros[:tokens],
+            slot_of_token=inp[2 * w : 2 * w + tokens],
+            pad_index=self._arange[:tokens],
+            slots_list=[self.scratch_slot],
+            starts_list=[PAD_POSITION],
+            lens_list=[tokens],
+            max_len=tokens,
+            max_ctx=PAD_POSITION + tokens,
+        )

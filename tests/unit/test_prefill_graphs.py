@@ -1,0 +1,71 @@
+"""Prefill graphs' host side (the capture and replay themselves are in tests/gpu): which sizes are
+captured, when the engine asks for them, and how a prompt is laid into the static inputs a graph
+reads: its real rows exactly as an eager step's batch has them, padding rows at the scratch
+slot's padding position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ballast.engine.config import PREFILL_GRAPH_TOKENS, EngineConfig
+from ballast.engine.graphs import PAD_POSITION, PAD_TOKEN, GraphCaptureError
+from ballast.engine.prefill_graphs import GRANULE, PrefillGraphs, token_buckets
+from ballast.models.base import ForwardBatch
+
+SCRATCH = 4
+
+
+def test_token_buckets() -> None:
+    assert token_buckets(512) == (128, 256, 384, 512)
+    assert token_buckets(600) == (128, 256, 384, 512)  # rounded down to a granule
+    assert token_buckets(100) == ()
+    assert token_buckets(64, granule=32) == (32, 64)
+    with pytest.raises(ValueError):
+        token_buckets(64, granule=0)
+    with pytest.raises(GraphCaptureError):
+        PrefillGraphs(torch.device("cpu"), SCRATCH, GRANULE - 1)
+
+
+def test_engine_asks_for_prefill_graphs_on_one_gpu_up_to_the_chunk() -> None:
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    base = EngineConfig(model="builtin:tiny-llama", max_model_len=8192)
+    assert base.prefill_graph_tokens(cuda) == PREFILL_GRAPH_TOKENS == 2048
+    assert base.prefill_graph_tokens(cpu) == 0
+    cfg = EngineConfig(model="builtin:tiny-llama", max_model_len=8192, prefill_chunk_tokens=512)
+    assert cfg.prefill_graph_tokens(cuda) == 512
+    for off in (
+        EngineConfig(model="builtin:tiny-llama", prefill_graphs=False),
+        EngineConfig(model="builtin:tiny-llama", cuda_graphs=False),
+        EngineConfig(model="builtin:tiny-llama", tensor_parallel_size=2),
+    ):
+        assert off.prefill_graph_tokens(cuda) == 0
+
+
+@pytest.mark.parametrize(("n", "start"), [(2, 0), (127, 0), (128, 0), (129, 40), (300, 1000)])
+def test_a_prompt_is_staged_as_its_eager_batch_plus_padding(n: int, start: int) -> None:
+    graphs = PrefillGraphs(torch.device("cpu"), SCRATCH, 512)
+    tokens = torch.randint(0, 1000, (n,)).tolist()
+    bucket = next(b for b in graphs.buckets if b >= n)
+    graphs._stage(2, tokens, start, bucket)
+    staged = graphs._static_batch(bucket)
+    eager = ForwardBatch.build([(2, tokens, start)], "cpu")
+    assert staged.num_tokens == bucket and staged.max_len == bucket and not staged.decode_only
+    for field in ("token_ids", "positions", "slot_of_token"):
+        real, pad = getattr(staged, field)[:n], getattr(staged, field)[n:]
+        assert torch.equal(real, getattr(eager, field)), field
+        assert torch.equal(
+            pad, torch.full_like(pad, {"token_ids": PAD_TOKEN, "positions": PAD_POSITION}.get(field, SCRATCH))
+        )
+    for field in ("slots", "starts", "lens", "cu_lens", "last_index", "logit_index"):
+        assert torch.equal(getattr(staged, field), getattr(eager, field)), field
+    # a shorter prompt staged next leaves nothing of this one in its rows
+    graphs._stage(3, [9, 9], 0, bucket)
+    again = graphs._static_batch(bucket)
+    assert again.token_ids[2:].eq(PAD_TOKEN).all() and again.slot_of_token[2:].eq(SCRATCH).all()
+    assert again.lens.tolist() == [2] and again.logit_index.tolist() == [1] and again.slots.tolist() == [3]
+
+
+def test_nothing_is_served_before_a_capture() -> None:
+    graphs = PrefillGraphs(torch.device("cpu"), SCRATCH, 512)
+    assert graphs.captured == 0 and graphs.bucket_of(100) is None
+    assert not graphs.can_use([(0, list(range(100)), 0)])
