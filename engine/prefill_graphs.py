@@ -21,7 +21,8 @@ beside a prompt, prompt logprobs and steps that read the int8 KV store run eager
 vary more, and a chunk of thousands of tokens is bound by its matrix products, not its launches.
 
 The graphs share one memory pool, sized by the largest (captured first); the engine leases what the
-pool holds from the memory layer with the decode graphs' (tag cuda-graphs).
+pool holds from the memory layer (tag cuda-graphs-prefill), and where the ledger has no room for
+it drops them: prefill then runs eagerly, the decode graphs untouched.
 """
 
 from __future__ import annotations

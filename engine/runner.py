@@ -277,24 +277,26 @@ class ModelRunner:
             state.reset(index)
         self.sampler.reset(slots)
 
-    def capture_graphs(self, prefill_tokens: int = 0) -> int:
+    def capture_graphs(self) -> int:
         """Capture decode graphs for batches up to num_slots (CUDA, with a scratch slot) and every
         context bucket (attention reads the blocks in place, so a graph's memory does not grow with
-        its context), and where prefill_tokens > 0 and the model allows, prefill graphs of one
-        prompt up to that many tokens (`PrefillGraphs`). Returns the bytes they hold; raises
-        GraphCaptureError (the engine then runs eagerly) if the decode graphs cannot be captured.
-        Prefill graphs that fail leave prefill eager (logged), the decode graphs kept."""
+        its context). Returns the bytes they hold; raises GraphCaptureError (the engine then runs
+        eagerly) if the model cannot be captured."""
         self.check_capturable()
         if self.kv is not None and not self.kv.ensure(self.num_slots, PAD_POSITION + 1):
             raise GraphCaptureError("no KV block for the graphs' scratch slot")
-        held = self.capture_in_lockstep(None)
-        if prefill_tokens > 0 and self.kv is not None and getattr(self.model, "prefill_graphs_safe", False):
-            graphs = PrefillGraphs(self.device, self.num_slots, prefill_tokens)
-            try:
-                held += graphs.capture(self._run)
-                self.prefill_graphs = graphs
-            except GraphCaptureError as e:
-                log.warning("%s; prefill runs eagerly", e)
+        return self.capture_in_lockstep(None)
+
+    def capture_prefill_graphs(self, max_tokens: int) -> int | None:
+        """After the decode graphs (their scratch slot's block takes the padding rows): prefill
+        graphs of one prompt of up to max_tokens (`PrefillGraphs`). None where the model's rows
+        meet outside attention (recurrent state, expert routing): its prefill stays eager. Returns
+        the bytes they hold; raises GraphCaptureError if the capture fails (nothing kept)."""
+        if self.graphs is None or self.kv is None or not getattr(self.model, "prefill_graphs_safe", False):
+            return None
+        graphs = PrefillGraphs(self.device, self.num_slots, max_tokens)
+        held = graphs.capture(self._run)
+        self.prefill_graphs = graphs
         return held
 
     def check_capturable(self) -> None:
@@ -315,14 +317,15 @@ class ModelRunner:
     @property
     def graph_bytes_per_rank(self) -> list[int]:
         """What the decode graphs hold on each rank's device (one entry here; none without graphs)."""
-        if self.graphs is None:
-            return []
-        return [self.graphs.held_bytes + (self.prefill_graphs.held_bytes if self.prefill_graphs else 0)]
+        return [] if self.graphs is None else [self.graphs.held_bytes]
 
-    def release_graphs(self) -> None:
+    def release_prefill_graphs(self) -> None:
         if self.prefill_graphs is not None:
             self.prefill_graphs.release()
             self.prefill_graphs = None
+
+    def release_graphs(self) -> None:
+        self.release_prefill_graphs()
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None

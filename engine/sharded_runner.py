@@ -116,11 +116,10 @@ class ShardedRunner(ModelRunner):
 
     # --- decode graphs on every rank ---------------------------------------------------------
 
-    def capture_graphs(self, prefill_tokens: int = 0) -> int:
+    def capture_graphs(self) -> int:
         """Every rank captures the same decode graphs in lockstep (`tp_graphs`); the scratch slot's
         blocks come from this rank's allocator and reach the workers before they capture. Raises
-        GraphCaptureError (every rank then runs eagerly) if any rank failed a bucket. No prefill
-        graphs under tensor parallel (prefill_tokens is not used): a prompt's step runs eagerly."""
+        GraphCaptureError (every rank then runs eagerly) if any rank failed a bucket."""
         self.check_capturable()
         if self.kv is not None and not self.kv.ensure(self.num_slots, PAD_POSITION + 1):
             raise GraphCaptureError("no KV block for the graphs' scratch slot")
@@ -139,6 +138,10 @@ class ShardedRunner(ModelRunner):
     @property
     def graph_bytes_per_rank(self) -> list[int]:
         return [] if self.graphs is None else [self.graphs.held_bytes, *self._worker_graph_bytes]
+
+    def capture_prefill_graphs(self, max_tokens: int) -> int | None:
+        """None: under tensor parallel a prompt's step runs eagerly on every rank."""
+        return None
 
     def release_graphs(self) -> None:
         """Every rank drops its graphs (a worker that is gone has nothing left to drop)."""

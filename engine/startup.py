@@ -78,7 +78,8 @@ def bring_up(
             else ModelRunner(*args, cfg.seed, **kwargs)
         )
         if graphs:
-            leases.extend(capture_graphs(runner, watch, dies, cfg.prefill_graph_tokens(device)))
+            leases.extend(capture_graphs(runner, watch, dies))
+            leases.extend(capture_prefill_graphs(runner, watch, dies, cfg.prefill_graph_tokens(device)))
     except BaseException:
         for lease in leases:
             lease.release()
@@ -88,15 +89,12 @@ def bring_up(
     return loaded, runner, profile, leases
 
 
-def capture_graphs(
-    runner: ModelRunner, watch: MemWatch | None, dies: list[int], prefill_tokens: int = 0
-) -> list[Lease]:
+def capture_graphs(runner: ModelRunner, watch: MemWatch | None, dies: list[int]) -> list[Lease]:
     """Decode graphs are a speed-up, never a reason to fail: a model that cannot be captured (on
     any rank), or a ledger without room for the graphs' memory (on any die), runs eagerly
-    (logged). prefill_tokens: the largest prefill graph (0: none). Returns their leases, one per
-    die (rank r's graphs on dies[r])."""
+    (logged). Returns their leases, one per die (rank r's graphs on dies[r])."""
     try:
-        held = runner.capture_graphs(prefill_tokens)
+        held = runner.capture_graphs()
     except GraphCaptureError as e:
         log.warning("%s; decode runs eagerly", e)
         return []
@@ -121,16 +119,42 @@ def capture_graphs(
         len(g.batch_buckets) * len(g.context_buckets),
         max(b for b, _ in g.pairs),
         max(c for _, c in g.pairs),
-        g.held_bytes / MiB,
+        held / MiB,
         len(runner.graph_bytes_per_rank),
     )
-    if runner.prefill_graphs is not None:
-        p = runner.prefill_graphs
-        log.info(
-            "prefill graphs: %d captured (one prompt of up to %d tokens, in steps of %d), %.1f MiB",
-            p.captured,
-            p.buckets[-1],
-            p.buckets[0],
-            p.held_bytes / MiB,
-        )
+    return leases
+
+
+def capture_prefill_graphs(
+    runner: ModelRunner, watch: MemWatch | None, dies: list[int], max_tokens: int
+) -> list[Lease]:
+    """Prefill graphs (one GPU, after the decode graphs) are a speed-up too: a capture that fails,
+    or a ledger without room for them, leaves prefill eager (logged) and the decode graphs as they
+    are. Returns their lease (tag cuda-graphs-prefill), if any."""
+    if max_tokens <= 0 or runner.graphs is None:
+        return []
+    try:
+        held = runner.capture_prefill_graphs(max_tokens)
+    except GraphCaptureError as e:
+        log.warning("%s; prefill runs eagerly", e)
+        return []
+    if held is None:
+        return []  # the model's rows meet outside attention: eager prefill
+    leases: list[Lease] = []
+    if watch is not None:
+        try:
+            leases.append(watch.ledger.lease(dies[0], held, "cuda-graphs-prefill"))
+        except LedgerFull as e:
+            runner.release_prefill_graphs()
+            log.warning("no VRAM for prefill graphs (%s); prefill runs eagerly", e)
+            return []
+    p = runner.prefill_graphs
+    assert p is not None
+    log.info(
+        "prefill graphs: %d captured (one prompt of up to %d tokens, in steps of %d), %.1f MiB",
+        p.captured,
+        p.buckets[-1],
+        p.buckets[0],
+        held / MiB,
+    )
     return leases

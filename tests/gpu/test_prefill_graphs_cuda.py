@@ -12,6 +12,8 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from ballast.memory.config import MemoryConfig
+from ballast.memory.watch import MemWatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -48,14 +50,36 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 250, (n,), generator=g).tolist()
 
 
-def test_buckets_are_captured_and_leased(pair: tuple[Engine, Engine, str]) -> None:
+def test_buckets_are_captured_and_leased_under_the_ledger() -> None:
+    """Captured at load after the decode graphs, their memory held under its own lease (tag
+    cuda-graphs-prefill), given back at shutdown; the decode graphs' lease is theirs alone."""
+    cfg = EngineConfig(
+        compile=False,
+        model="builtin:tiny-llama",
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=4,
+        max_model_len=2048,
+        prefill_chunk_tokens=CHUNK,
+    )
+    die = torch.cuda.current_device()
+    with MemWatch(MemoryConfig()) as watch:
+        e = Engine.load(cfg, watch)
+        try:
+            graphs, decode = e.runner.prefill_graphs, e.runner.graphs
+            assert graphs is not None and decode is not None
+            assert graphs.buckets == (128, 256, 384, 512) and graphs.captured == 4
+            held = dict(watch.ledger.leases(die))
+            assert graphs.held_bytes > 0 and held["cuda-graphs-prefill"] == graphs.held_bytes
+            assert e.runner.graph_bytes_per_rank == [decode.held_bytes]
+        finally:
+            e.shutdown()
+        assert not any(tag.startswith("cuda-graphs") for tag, _ in watch.ledger.leases(die))
+
+
+def test_an_engine_without_them_has_none(pair: tuple[Engine, Engine, str]) -> None:
     with_graphs, eager, _ = pair
-    graphs = with_graphs.runner.prefill_graphs
-    assert graphs is not None and graphs.buckets == (128, 256, 384, 512) and graphs.captured == 4
-    assert graphs.held_bytes > 0
-    decode = with_graphs.runner.graphs
-    assert decode is not None
-    assert with_graphs.runner.graph_bytes_per_rank == [decode.held_bytes + graphs.held_bytes]
+    assert with_graphs.runner.prefill_graphs is not None
     assert eager.runner.prefill_graphs is None and eager.runner.graphs is not None
 
 
