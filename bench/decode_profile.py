@@ -15,10 +15,11 @@ Per mode: wall ms a step, GPU-busy ms a step (kernel time summed), kernels a ste
 kernels by time. Table on stdout, JSON to bench/results/decode_profile.json.
 
 `--prefill N` profiles prefill instead: --steps times, --batch fresh prompts of N tokens each go
-through the engine in steps of at most --chunk tokens (the server's default chunk, 512), as the
-scheduler feeds a new request, and are released; wall is the time to every first token (an idle
-server's TTFT less tokenizing and HTTP). Prefill steps run eagerly either way, so one mode runs,
-with the model's FLOPs beside the dense bf16 peak (--peak-tflops, the H200's 989).
+through the engine in steps of at most --chunk tokens, as the scheduler feeds a new request, and
+are released; wall is the time to every first token (an idle server's TTFT less tokenizing and
+HTTP), with the model's FLOPs beside the dense bf16 peak (--peak-tflops, the H200's 989). Two
+modes as for decode: an engine with graphs (a lone prompt's chunk then replays a prefill graph
+where the model allows, `engine/prefill_graphs`) and one without (--no-eager: the first only).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
     out: dict[str, Any] = {"model": name, "batch": args.batch, "compile": args.compile}
     out.update({"prefill_tokens": args.prefill} if args.prefill else {"context": args.context})
     results.append(out)
-    graph_modes = (False,) if args.prefill else (True,) if args.mixed or args.no_eager else (True, False)
+    graph_modes = (True,) if args.mixed or args.no_eager else (True, False)
     for graphs, kernel in ((g, k) for g in graph_modes for k in args.moe_kernel):
         moe_triton.FUSED_EXPERTS = kernel == "fused"
         suffix = f", {kernel} experts" if args.moe_kernel != ["grouped"] else ""
@@ -195,7 +196,12 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
             if args.prefill:
                 flops = 2 * active_parameters(engine, cfg) * args.batch * args.prefill
                 for chunk in args.chunk:
-                    mode = f"prefill in chunks of {chunk}{suffix}"
+                    with_graph = graphs and engine.runner.prefill_graphs is not None
+                    mode = (
+                        f"prefill in chunks of {chunk}, {'prefill graphs' if with_graph else 'eager'}{suffix}"
+                    )
+                    if mode in out:  # no prefill graph on either engine (the CPU, a hybrid model)
+                        continue
                     r = out[mode] = profile_prefills(
                         engine, args.batch, args.prefill, chunk, args.steps, vocab
                     )
