@@ -1,15 +1,20 @@
 """Prefill graphs' host side (the capture and replay themselves are in tests/gpu): which sizes are
-captured, when the engine asks for them, and how a prompt is laid into the static inputs a graph
-reads: its real rows exactly as an eager step's batch has them, padding rows at the scratch
-slot's padding position."""
+captured, when the engine asks for them, how a prompt is laid into the static inputs a graph
+reads (its real rows exactly as an eager step's batch has them, padding rows at the scratch
+slot's padding position), and how their memory is leased from a real VRAM ledger."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from ballast.engine.config import PREFILL_GRAPH_TOKENS, EngineConfig
 from ballast.engine.graphs import PAD_POSITION, PAD_TOKEN, GraphCaptureError
 from ballast.engine.prefill_graphs import GRANULE, PrefillGraphs, token_buckets
+from ballast.engine.startup import capture_prefill_graphs
+from ballast.memory.ledger import VramLedger
+from ballast.memory.types import GiB, MiB
 from ballast.models.base import ForwardBatch
 
 SCRATCH = 4
@@ -69,3 +74,55 @@ def test_nothing_is_served_before_a_capture() -> None:
     graphs = PrefillGraphs(torch.device("cpu"), SCRATCH, 512)
     assert graphs.captured == 0 and graphs.bucket_of(100) is None
     assert not graphs.can_use([(0, list(range(100)), 0)])
+
+
+class _Runner:
+    """What `startup.capture_prefill_graphs` uses of a runner; the capture itself needs CUDA
+    (tests/gpu/test_prefill_graphs_cuda.py), so it is given: a held byte count or an error."""
+
+    def __init__(self, held: int | None, error: str | None = None, decode_graphs: bool = True) -> None:
+        self.graphs = object() if decode_graphs else None
+        self.prefill_graphs: PrefillGraphs | None = None
+        self.held, self.error, self.asked = held, error, 0
+
+    def capture_prefill_graphs(self, max_tokens: int) -> int | None:
+        self.asked += 1
+        if self.error:
+            raise GraphCaptureError(self.error)
+        if self.held is not None:
+            self.prefill_graphs = PrefillGraphs(torch.device("cpu"), SCRATCH, max_tokens)
+        return self.held
+
+    def release_prefill_graphs(self) -> None:
+        self.prefill_graphs = None
+
+
+def _watch(room: int) -> SimpleNamespace:
+    ledger = VramLedger(die_reserve_bytes=0, usable_fraction=1.0)
+    ledger.register_die(0, total_bytes=room, free_bytes=room)
+    return SimpleNamespace(ledger=ledger)
+
+
+def test_prefill_graphs_are_leased_apart_and_dropped_where_the_ledger_has_no_room() -> None:
+    held = 200 * MiB
+    watch, runner = _watch(1024 * MiB), _Runner(held)
+    leases = capture_prefill_graphs(runner, watch, [0], 2048)  # type: ignore[arg-type]
+    assert [(lease.tag, lease.nbytes) for lease in leases] == [("cuda-graphs-prefill", held)]
+    assert runner.prefill_graphs is not None and watch.ledger.held(0) == held
+    # no room: the graphs go (prefill runs eagerly), nothing stays leased
+    watch, runner = _watch(100 * MiB), _Runner(held)
+    assert capture_prefill_graphs(runner, watch, [0], 2048) == []  # type: ignore[arg-type]
+    assert runner.prefill_graphs is None and watch.ledger.held(0) == 0
+
+
+def test_no_prefill_graphs_where_they_are_not_asked_for_or_cannot_be_had() -> None:
+    for runner, max_tokens in (
+        (_Runner(MiB), 0),  # --prefill-graphs false, the CPU, tensor parallel
+        (_Runner(MiB, decode_graphs=False), 2048),  # the decode graphs failed: no scratch slot block
+    ):
+        assert capture_prefill_graphs(runner, _watch(GiB), [0], max_tokens) == []  # type: ignore[arg-type]
+        assert runner.asked == 0 and runner.prefill_graphs is None
+    for runner in (_Runner(None), _Runner(MiB, error="capture failed")):  # a hybrid model; a failure
+        watch = _watch(GiB)
+        assert capture_prefill_graphs(runner, watch, [0], 2048) == []  # type: ignore[arg-type]
+        assert runner.asked == 1 and runner.prefill_graphs is None and watch.ledger.held(0) == 0
