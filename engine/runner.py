@@ -8,7 +8,6 @@ which starts empty and grows and shrinks in segments while serving.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -32,8 +31,6 @@ from ballast.models.state import (
 )
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-log = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 8
 # cuDNN attention (torch's first choice for bf16 with a mask on Hopper) builds a new plan for
