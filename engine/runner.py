@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 from ballast.engine.graphs import PAD_POSITION, Agree, DecodeGraphs, FeedLastTokens, GraphCaptureError
 from ballast.engine.kv_pool import Acquire, KVPool
-from ballast.engine.prefill_graphs import PrefillGraphs
+from ballast.engine.prefill_graphs import GRANULE, PrefillGraphs
 from ballast.engine.sampler import Sampler
 from ballast.engine.staging import to_device
 from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
@@ -287,9 +287,12 @@ class ModelRunner:
     def capture_prefill_graphs(self, max_tokens: int) -> int | None:
         """After the decode graphs (their scratch slot's block takes the padding rows): prefill
         graphs of one prompt of up to max_tokens (`PrefillGraphs`). None where the model's rows
-        meet outside attention (recurrent state, expert routing): its prefill stays eager. Returns
-        the bytes they hold; raises GraphCaptureError if the capture fails (nothing kept)."""
+        meet outside attention (recurrent state, expert routing), or where max_tokens is under the
+        smallest graph: prefill stays eager. Returns the bytes they hold; raises GraphCaptureError
+        if the capture fails (nothing kept)."""
         if self.graphs is None or self.kv is None or not getattr(self.model, "prefill_graphs_safe", False):
+            return None
+        if max_tokens < GRANULE:  # a context too short for the smallest graph: eager prefill
             return None
         graphs = PrefillGraphs(self.device, self.num_slots, max_tokens)
         held = graphs.capture(self._run)
