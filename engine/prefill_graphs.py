@@ -27,7 +27,6 @@ it drops them: prefill then runs eagerly, the decode graphs untouched.
 
 from __future__ import annotations
 
-import logging
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,8 +35,6 @@ import torch
 from ballast.engine.graphs import PAD_POSITION, PAD_TOKEN, GraphCaptureError
 from ballast.models.base import ForwardBatch, Rows
 from torch import Tensor
-
-log = logging.getLogger(__name__)
 
 Forward = Callable[[ForwardBatch], Tensor]
 
