@@ -21,9 +21,9 @@ DTYPES = ["float32", "bfloat16"]
 CHUNK = 512  # the prefill chunk, so the largest graph: buckets 128, 256, 384, 512
 
 
-def engine(dtype: str, prefill_graphs: bool) -> Engine:
+def config(dtype: str, prefill_graphs: bool = True) -> EngineConfig:
     """compile off: the decode graphs then run the eager kernels too (see test_cuda_graphs)."""
-    cfg = EngineConfig(
+    return EngineConfig(
         compile=False,
         model="builtin:tiny-llama",
         device="cuda",
@@ -34,12 +34,11 @@ def engine(dtype: str, prefill_graphs: bool) -> Engine:
         cuda_graphs=True,
         prefill_graphs=prefill_graphs,
     )
-    return Engine.load(cfg)
 
 
 @pytest.fixture(params=DTYPES)
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, Engine, str]]:
-    with_graphs, eager = engine(request.param, True), engine(request.param, False)
+    with_graphs, eager = Engine.load(config(request.param)), Engine.load(config(request.param, False))
     yield with_graphs, eager, request.param
     with_graphs.shutdown()
     eager.shutdown()
@@ -53,18 +52,9 @@ def prompt(n: int, seed: int) -> list[int]:
 def test_buckets_are_captured_and_leased_under_the_ledger() -> None:
     """Captured at load after the decode graphs, their memory held under its own lease (tag
     cuda-graphs-prefill), given back at shutdown; the decode graphs' lease is theirs alone."""
-    cfg = EngineConfig(
-        compile=False,
-        model="builtin:tiny-llama",
-        device="cuda",
-        dtype="bfloat16",
-        max_num_seqs=4,
-        max_model_len=2048,
-        prefill_chunk_tokens=CHUNK,
-    )
     die = torch.cuda.current_device()
     with MemWatch(MemoryConfig()) as watch:
-        e = Engine.load(cfg, watch)
+        e = Engine.load(config("bfloat16"), watch)
         try:
             graphs, decode = e.runner.prefill_graphs, e.runner.graphs
             assert graphs is not None and decode is not None
