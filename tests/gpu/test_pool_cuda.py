@@ -15,8 +15,9 @@ def test_pins_on_cuda_and_trim_releases_pinned_buffers() -> None:
     pool = CheckpointPool(lambda: 64 << 30, 0.5, 4, KiB)
     assert pool.pinned
     b = pool.get(3 * MiB)
-    assert b.is_pinned() and b.numel() == 4 * MiB
+    # exactly the bytes asked for: torch's own pinned allocator would have rounded up to 4 MiB
+    assert b.is_pinned() and b.numel() == 3 * MiB
     assert pool.put(b)
     del b
-    assert pool.trim(0) == 4 * MiB
+    assert pool.trim(0) == 3 * MiB
     assert pool.stats().pin_failures == 0
