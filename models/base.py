@@ -68,6 +68,13 @@ class ForwardBatch:
     lens_list: list[int]
     max_len: int  # longest new-token run of any sequence
     max_ctx: int  # longest start + len: the cache positions any sequence may read
+    # A step of prompt chunks and then single tokens (the engine lays out prefills first): from
+    # sequence `tail_from` on, every sequence feeds one token, and on CUDA those are attended by the
+    # decode kernel rather than each padded to a prefill tile of query rows. 0: no such tail.
+    tail_from: int = 0
+    tail_slots: Tensor | None = None  # [B - tail_from] int64, slots[tail_from:]
+    tail_ctx: Tensor | None = None  # [B - tail_from] int64, starts[tail_from:] + 1
+    tail_max_ctx: int = 0  # the longest of tail_ctx
 
     @property
     def num_seqs(self) -> int:
@@ -117,6 +124,12 @@ class ForwardBatch:
             raise ValueError(f"max_ctx {max_ctx} is less than the {need_ctx} positions this step reads")
         host = _index_tensors(slots_list, starts_list, lens_list)
         host["token_ids"] = torch.frombuffer(flat, dtype=torch.int64)
+        tail_from = decode_tail(lens_list)
+        if tail_from:
+            # Their own tensors, not views at an odd offset of slots and starts: Triton compiles a
+            # kernel again for each 16-byte alignment of its pointers (`pack_aligned`).
+            host["tail_slots"] = host["slots"][tail_from:].clone()
+            host["tail_ctx"] = host["starts"][tail_from:] + 1
         if any(all_logits):
             cu = host["cu_lens"].tolist()
             host["logit_index"] = torch.tensor(
@@ -134,6 +147,8 @@ class ForwardBatch:
             lens_list=lens_list,
             max_len=max(lens_list),
             max_ctx=max_ctx if max_ctx is not None else need_ctx,
+            tail_from=tail_from,
+            tail_max_ctx=max(starts_list[tail_from:]) + 1 if tail_from else 0,
         )
 
     def subset(self, seq_index: Sequence[int]) -> tuple[ForwardBatch, Tensor]:
@@ -163,6 +178,13 @@ class ForwardBatch:
             max_ctx=max(st + n for st, n in zip(starts_list, lens_list, strict=True)),
         )
         return sub, token_index
+
+
+def decode_tail(lens_list: Sequence[int]) -> int:
+    """Where a batch's tail of one-token sequences starts, after its last longer one; 0 where it
+    has no such tail (no sequence longer than one token, or the last one is)."""
+    last_chunk = max((b for b, n in enumerate(lens_list) if n > 1), default=-1)
+    return last_chunk + 1 if 0 <= last_chunk < len(lens_list) - 1 else 0
 
 
 def _index_tensors(slots_list: list[int], starts_list: list[int], lens_list: list[int]) -> dict[str, Tensor]:

@@ -25,6 +25,20 @@ def test_forward_batch_flattens_mixed_sequences() -> None:
     assert ForwardBatch.build([(0, [1], 4), (1, [2], 9)], "cpu").decode_only
 
 
+def test_forward_batch_marks_its_tail_of_one_token_sequences() -> None:
+    """Prompt chunks then single tokens: the tail (a one-token prompt chunk among them) is what
+    CUDA attends with the decode kernel, with its own slots and context lengths."""
+    b = ForwardBatch.build([(3, [10, 11, 12], 0), (6, [13], 0), (0, [20], 7), (5, [30], 4)], "cpu")
+    assert b.tail_from == 1
+    assert b.tail_slots is not None and b.tail_ctx is not None
+    assert b.tail_slots.tolist() == [6, 0, 5] and b.tail_ctx.tolist() == [1, 8, 5]
+    assert b.tail_max_ctx == 8
+    # no tail: decodes only, a chunk last, a lone chunk
+    for seqs in ([(0, [1], 4), (1, [2], 9)], [(0, [1], 4), (1, [2, 3], 9)], [(0, [1, 2], 0)]):
+        b = ForwardBatch.build(seqs, "cpu")
+        assert (b.tail_from, b.tail_slots, b.tail_ctx, b.tail_max_ctx) == (0, None, None, 0)
+
+
 @pytest.mark.parametrize("seqs", [[], [(0, [1], 0), (0, [2], 3)], [(0, [], 0)], [(0, [1], -1)]])
 def test_forward_batch_rejects_bad_input(seqs: list[tuple[int, list[int], int]]) -> None:
     with pytest.raises(ValueError):
