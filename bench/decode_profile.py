@@ -20,6 +20,11 @@ are released; wall is the time to every first token (an idle server's TTFT less 
 HTTP), with the model's FLOPs beside the dense bf16 peak (--peak-tflops, the H200's 989). Two
 modes as for decode: an engine with graphs (a lone prompt's chunk then replays a prefill graph
 where the model allows, `engine/prefill_graphs`) and one without (--no-eager: the first only).
+
+`--mixed N` profiles decode steps that each carry a new N-token prompt beside the --batch decodes
+(a request arriving at a busy server), on an engine with decode and prefill graphs (such a step may
+replay a prefill graph and a decode graph; the line says how many did) and on one with decode
+graphs only (the step runs eagerly).
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ def profile_steps(
 ) -> dict[str, Any]:
     """Prefill `batch` slots to `context`, warm up, profile `steps` decode steps; release.
     mixed > 0: every step also carries a new prompt of that many tokens in slot `batch` (released
-    after it), as a step does when a request arrives while others decode: it runs eagerly."""
+    after it), as a step does when a request arrives while others decode: eagerly, or as a prefill
+    graph's replay and a decode graph's where the engine judges that pays (`split_replays`)."""
     device = torch.device(engine.device)
     last = prefill(engine, random_prompts(batch, context, vocab, seed=batch), 4096)
     sampling = dict.fromkeys(range(batch + (mixed > 0)), GREEDY)
@@ -72,7 +78,10 @@ def profile_steps(
 
     for _ in range(WARMUP):
         step()
+    split_before = engine.runner.split_replays
     result = _timed(step, steps, device)
+    result["split_replays"] = engine.runner.split_replays - split_before
+    result["mixed_steps"] = 2 * steps  # _timed runs them twice: unprofiled, then profiled
     engine.submit(StepPlan(release=tuple(range(batch)))).result()
     return result
 
@@ -177,8 +186,10 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
     out: dict[str, Any] = {"model": name, "batch": args.batch, "compile": args.compile}
     out.update({"prefill_tokens": args.prefill} if args.prefill else {"context": args.context})
     results.append(out)
-    graph_modes = (True,) if args.mixed or args.no_eager else (True, False)
-    for graphs, kernel in ((g, k) for g in graph_modes for k in args.moe_kernel):
+    # (decode graphs, prefill graphs) per engine: both, and neither (eager); for --mixed both, and
+    # decode graphs alone (its mixed steps run eagerly; the first's may replay the two graphs).
+    arms = [(True, True), (True, False) if args.mixed else (False, False)][: 1 if args.no_eager else 2]
+    for (graphs, prefill_graphs), kernel in ((a, k) for a in arms for k in args.moe_kernel):
         moe_triton.FUSED_EXPERTS = kernel == "fused"
         suffix = f", {kernel} experts" if args.moe_kernel != ["grouped"] else ""
         engine = Engine.load(
@@ -189,6 +200,7 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
                 max_model_len=max(args.prefill, args.context + WARMUP + 2 * args.steps) + 16,
                 prefill_chunk_tokens=max(args.chunk) if args.prefill else 4096,
                 cuda_graphs=graphs and args.device == "cuda",
+                prefill_graphs=prefill_graphs,
                 compile=args.compile,
             )
         )
@@ -208,9 +220,14 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
                     r["pct_of_peak"] = 100 * flops / (r["wall_ms"] * 1e-3) / (args.peak_tflops * 1e12)
                     report(args, results, name, mode)
             else:
-                mode = (
-                    f"decode + {args.mixed}-token prefill" if args.mixed else "graphs" if graphs else "eager"
-                ) + suffix
+                if args.mixed:
+                    split = engine.runner.prefill_graphs is not None
+                    mode = f"decode + {args.mixed}-token prefill, {'prefill graphs' if split else 'eager'}"
+                else:
+                    mode = "graphs" if graphs else "eager"
+                mode += suffix
+                if mode in out:  # no prefill graph on either engine (the CPU, a hybrid model)
+                    continue
                 out[mode] = profile_steps(engine, args.batch, args.context, args.steps, vocab, args.mixed)
                 report(args, results, name, mode)
         finally:
@@ -224,7 +241,12 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], name: str, m
     write(args, results)
     print(
         f"{name} {mode}: {r['wall_ms']:.2f} ms wall ({r['profiled_wall_ms']:.2f} profiled), "
-        f"{r['gpu_busy_ms']:.2f} ms GPU busy, {r['kernels_per_step']:.0f} kernels",
+        f"{r['gpu_busy_ms']:.2f} ms GPU busy, {r['kernels_per_step']:.0f} kernels"
+        + (
+            f", {r['split_replays']} of {r['mixed_steps']} as two graphs' replays"
+            if "split_replays" in r
+            else ""
+        ),
         flush=True,
     )
 

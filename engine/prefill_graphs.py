@@ -16,9 +16,15 @@ the decode graphs' scratch slot (`PAD_POSITION`), so their K/V rows land in its 
 real sequence reads them; their other outputs stay in their own rows, which nothing reads.
 
 Buckets: every multiple of GRANULE up to max_tokens (a 945-token prompt replays the 1,024-token
-graph: 8% more GPU work, no host work). Longer chunks, batches of prompts, steps with decode tokens
-beside a prompt, prompt logprobs and steps that read the int8 KV store run eagerly: their shapes
-vary more, and a chunk of thousands of tokens is bound by its matrix products, not its launches.
+graph: 8% more GPU work, no host work). Longer chunks, batches of prompts, prompt logprobs and steps
+that read the int8 KV store run eagerly: their shapes vary more, and a chunk of thousands of tokens
+is bound by its matrix products, not its launches.
+
+A step of one such chunk beside decode tokens (a request arriving at a busy server) may replay this
+graph for the chunk and a decode graph for the rest: two reads of the weights where the eager step
+makes one, so it pays only where launching the step eagerly takes the host longer than both replays
+take the GPU. `split_pays` decides from times measured at capture: the host time of the eager
+forwards that precede each capture, and each graph's GPU time.
 
 The graphs share one memory pool, sized by the largest (captured first); the engine leases what the
 pool holds from the memory layer (tag cuda-graphs-prefill), and where the ledger has no room for
@@ -27,6 +33,8 @@ it drops them: prefill then runs eagerly, the decode graphs untouched.
 
 from __future__ import annotations
 
+import statistics
+import time
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -73,6 +81,9 @@ class PrefillGraphs:
         self._logits: Tensor | None = None  # [1, vocab]: every graph writes its row here
         self.held_bytes = 0
         self.replays = 0
+        self.replay_s: dict[int, float] = {}  # each graph's GPU time, measured after capture
+        self.eager_host_s = 0.0  # the host's time to launch an eager forward (0: not measured)
+        self._host_s: list[float] = []
 
     @property
     def captured(self) -> int:
@@ -87,9 +98,13 @@ class PrefillGraphs:
         try:
             for tokens in reversed(self.buckets):
                 self._capture_one(forward, tokens, pool)
+            self._time_replays()
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self.release()
             raise GraphCaptureError(f"prefill graph capture failed: {type(e).__name__}: {e}") from e
+        # The first eager forward compiled and tuned kernels: the others time the launches alone.
+        later = self._host_s[1:]
+        self.eager_host_s = statistics.median(later) if later else 0.0
         self.held_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
         return self.held_bytes
 
@@ -98,7 +113,10 @@ class PrefillGraphs:
         # a real length on the device and read only that slot's block.
         self._stage(self.scratch_slot, [PAD_TOKEN], PAD_POSITION, tokens)
         batch = self._static_batch(tokens)
+        torch.cuda.synchronize(self.device)
+        started = time.perf_counter()
         eager = forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
+        self._host_s.append(time.perf_counter() - started)  # launching only: no sync inside
         if self._logits is None:
             self._logits = eager.new_empty((1, *eager.shape[1:]))
         torch.cuda.synchronize(self.device)
@@ -108,11 +126,39 @@ class PrefillGraphs:
         torch.cuda.synchronize(self.device)
         self._graphs[tokens] = graph
 
+    def _time_replays(self) -> None:
+        """Each graph's GPU time: one replay timed by events after one untimed, over the scratch
+        slot's one-token prompt (attention's share is then the least; the matrix products, which
+        take most of the time at these sizes, run on every row)."""
+        for tokens, graph in self._graphs.items():
+            self._stage(self.scratch_slot, [PAD_TOKEN], PAD_POSITION, tokens)
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            self.replay_s[tokens] = start.elapsed_time(end) / 1e3
+
+    def split_pays(self, n: int, decode_cost: float) -> bool:
+        """Whether a step of an n-token chunk beside decode tokens takes less time as this chunk's
+        replay plus a decode graph's than launched eagerly: both replays' GPU time under the host's
+        time to launch the eager step (which is then what the step waits on). decode_cost: the
+        decode replay's GPU time in units of the smallest graph's (both read every weight once; the
+        caller adds the KV the decodes read)."""
+        bucket = self.bucket_of(n)
+        if bucket is None or not self.eager_host_s:
+            return False
+        gpu_s = self.replay_s[bucket] + decode_cost * self.replay_s[self.buckets[0]]
+        return gpu_s < self.eager_host_s
+
     def release(self) -> None:
         """Drop every graph and its output; the pool's memory goes back to the device."""
         self._graphs.clear()
         self._logits = None
         self.held_bytes = 0
+        self.replay_s.clear()
+        self.eager_host_s = 0.0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

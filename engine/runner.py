@@ -239,6 +239,8 @@ class ModelRunner:
         self.states: list[LayerState] = build_states(specs, self._state_slots, self.kv_stores, device, dtype)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.split_replays = 0  # steps of a prompt chunk and decodes run as the two graphs' replays
+        self._kv_per_weight = 0.0  # KV bytes of one token over the weights' bytes
         vocab = int(lm.config.vocab_size)
         self.sampler = Sampler(num_slots, vocab, device, seed)
 
@@ -297,6 +299,11 @@ class ModelRunner:
         graphs = PrefillGraphs(self.device, self.num_slots, max_tokens)
         held = graphs.capture(self._run)
         self.prefill_graphs = graphs
+        lm = as_causal_lm(self.model)
+        kv_token_bytes = kv_bytes_per_token(
+            lm.layer_specs(1 if self.quantized_kv else dtype_bytes(self.dtype))
+        )
+        self._kv_per_weight = kv_token_bytes / max(1, weights_bytes(self.model))
         return held
 
     def check_capturable(self) -> None:
@@ -349,10 +356,29 @@ class ModelRunner:
             return self._replay(seqs, last, mixed)
         if self.prefill_graphs is not None and self.prefill_graphs.can_use(seqs, all_logits, mixed):
             return self.prefill_graphs.replay(seqs)
+        if self._split_pays(seqs, all_logits, mixed):
+            assert self.prefill_graphs is not None
+            first = self.prefill_graphs.replay(seqs[:1])
+            rest = self._replay(seqs[1:], last, mixed)
+            self.split_replays += 1
+            return torch.cat((first, rest))
         batch = ForwardBatch.build(seqs, self.device, all_logits=all_logits)
         if last is not None:
             last(batch.token_ids, batch.slot_of_token)
         return self._eager(batch)
+
+    def _split_pays(self, seqs: Rows, all_logits: Sequence[bool], mixed: bool) -> bool:
+        """A prompt chunk then decode tokens, which a prefill graph and a decode graph serve, and
+        whose replays take the GPU less time than the eager step takes the host to launch
+        (`PrefillGraphs.split_pays`; the decode replay costs a read of the weights and of the KV
+        its sequences attend to)."""
+        prefill, decode = self.prefill_graphs, self.graphs
+        if prefill is None or decode is None or len(seqs) < 2 or mixed or any(all_logits):
+            return False
+        if not prefill.can_use(seqs[:1]) or not decode.can_use(seqs[1:]):
+            return False
+        kv_read = sum(start + 1 for _, _, start in seqs[1:])
+        return prefill.split_pays(len(seqs[0][1]), 1.0 + kv_read * self._kv_per_weight)
 
     def _replay(self, seqs: Rows, last: FeedLastTokens | None, mixed: bool) -> Tensor:
         assert self.graphs is not None

@@ -153,3 +153,61 @@ def test_engine_tokens_equal_with_and_without_prefill_graphs(pair: tuple[Engine,
     before = graphs.replays
     assert run(with_graphs) == run(eager)
     assert graphs.replays == before + 2  # both prompts went through a graph
+
+
+def test_a_prompt_beside_decodes_replays_both_graphs(pair: tuple[Engine, Engine, str]) -> None:
+    """A step of slot 2's prompt beside the decodes of slots 0 and 1 runs as a prefill graph's
+    replay and a decode graph's where the times measured at capture say it pays, which they do for
+    this tiny model (launching an eager step takes the host far longer than the replays take the
+    GPU). Its logits are those of the eager step, and in float32 the engine's greedy tokens too
+    (in bf16 a padded product may round differently and flip a near-tie of random weights)."""
+    with_graphs, eager, dtype = pair
+    graphs = with_graphs.runner.prefill_graphs
+    assert graphs is not None and set(graphs.replay_s) == set(graphs.buckets)
+    assert all(t > 0 for t in graphs.replay_s.values()) and graphs.eager_host_s > 0
+    assert graphs.split_pays(100, 1.0) and not graphs.split_pays(CHUNK + 1, 1.0)
+    assert not graphs.split_pays(100, graphs.eager_host_s / graphs.replay_s[graphs.buckets[0]])
+    greedy = SamplingParams(temperature=0.0)
+    p0, p1, p2 = prompt(150, 11), prompt(90, 12), prompt(300, 13)
+    prompts = {0: p0, 1: p1, 2: p2}
+
+    def tokens(e: Engine) -> list[list[int]]:
+        out: dict[int, list[int]] = {}
+
+        def take(res: object) -> None:
+            for o in res.outputs:  # type: ignore[attr-defined]
+                out.setdefault(o.slot, []).append(o.token_id)
+
+        def decodes(slots: tuple[int, ...]) -> tuple[DecodeToken, ...]:
+            return tuple(DecodeToken(s, out[s][-1], len(prompts[s]) + len(out[s]) - 1) for s in slots)
+
+        two = (PrefillChunk(0, tuple(p0), 0, True), PrefillChunk(1, tuple(p1), 0, True))
+        take(e.step(StepPlan(prefills=two, sampling=dict.fromkeys((0, 1), greedy))))
+        new = (PrefillChunk(2, tuple(p2), 0, True),)
+        take(
+            e.step(StepPlan(prefills=new, decodes=decodes((0, 1)), sampling=dict.fromkeys((0, 1, 2), greedy)))
+        )
+        for _ in range(6):
+            take(e.step(StepPlan(decodes=decodes((0, 1, 2)), sampling=dict.fromkeys((0, 1, 2), greedy))))
+        return [out[0], out[1], out[2]]
+
+    def logits(e: Engine) -> torch.Tensor:
+        """The runner's logits of such a step, on fresh slots."""
+        runner = e.runner
+        assert runner.kv is not None
+        runner.reset([0, 1, 2])
+        for s in (0, 1, 2):
+            assert runner.kv.ensure(s, 512)
+        runner.forward([(0, p0, 0), (1, p1, 0)])
+        return runner.forward([(2, p2, 0), (0, [5], len(p0)), (1, [6], len(p1))]).float().cpu()
+
+    got = tokens(with_graphs)
+    assert with_graphs.runner.split_replays == 1
+    want = tokens(eager)
+    assert eager.runner.split_replays == 0
+    if dtype == "float32":
+        assert got == want
+    got_logits, want_logits = logits(with_graphs), logits(eager)
+    assert with_graphs.runner.split_replays == 2
+    tol = 1e-3 if dtype == "float32" else 5e-2
+    torch.testing.assert_close(got_logits, want_logits, atol=tol, rtol=tol)
