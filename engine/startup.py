@@ -151,10 +151,15 @@ def capture_prefill_graphs(
     p = runner.prefill_graphs
     assert p is not None
     log.info(
-        "prefill graphs: %d captured (one prompt of up to %d tokens, in steps of %d), %.1f MiB",
+        "prefill graphs: %d captured (one prompt of up to %d tokens, in steps of %d), %.1f MiB; "
+        "replays %.2f-%.2f ms of GPU time against %.2f ms to launch an eager step (what decides "
+        "whether a prompt beside decodes replays both graphs)",
         p.captured,
         p.buckets[-1],
         p.buckets[0],
         held / MiB,
+        1e3 * min(p.replay_s.values(), default=0.0),
+        1e3 * max(p.replay_s.values(), default=0.0),
+        1e3 * p.eager_host_s,
     )
     return leases
