@@ -1,11 +1,15 @@
 """On CUDA, a step of prompt chunks beside decode tokens: the chunks are attended by the prefill
 kernel and the one-token tail by the decode kernel, and the logits match the CPU model's (its
-gathering reference) on the same weights and cache. Skips cleanly without CUDA."""
+gathering reference) on the same weights and cache, with one KV store and with a sequence in the
+int8 store beside the main one. Skips cleanly without CUDA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
+from ballast.engine.plan import PrefillChunk, SamplingParams, StepPlan
 from ballast.models.base import ForwardBatch
 from ballast.models.builtin import build_builtin
 from ballast.models.state import allocate_states, dtype_bytes
@@ -51,3 +55,41 @@ def test_mixed_step_matches_the_cpu_reference(name: str, quantized_kv: bool) -> 
     # The next step reads what the mixed one wrote: every slot decodes once more.
     got, want, _ = both([(1, [5], 64), (4, [6], 60), (3, [8], 1), (0, [9], 301), (2, [10], 131)])
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+@torch.no_grad()
+def test_mixed_step_over_both_kv_stores_matches_the_cpu_engine() -> None:
+    """A prompt beside decodes while one decoding sequence lives in the int8 store (the ladder's
+    quantized-KV rung): each store is attended with the other store's sequences cut to their first
+    position, in the prefill kernel and in the decode kernel's tail alike. The CUDA engine's logits
+    of such a step are the CPU engine's (same weights, float32, its gathering reference)."""
+    greedy = SamplingParams(temperature=0.0)
+    p0, p1, p2 = _tokens(200, 6), _tokens(120, 7), _tokens(90, 8)
+    got: dict[str, torch.Tensor] = {}
+    for device in ("cpu", "cuda"):
+        e = Engine.load(
+            EngineConfig(
+                model="builtin:tiny-llama",
+                device=device,
+                dtype="float32",
+                max_num_seqs=4,
+                max_model_len=512,
+                cuda_graphs=False,
+                compile=False,
+            )
+        )
+        try:
+            two = (PrefillChunk(0, tuple(p0), 0, True), PrefillChunk(1, tuple(p1), 0, True, int8_kv=True))
+            e.step(StepPlan(prefills=two, sampling=dict.fromkeys((0, 1), greedy)))
+            runner = e.runner
+            assert runner.kv is not None and runner.kv_int8 is not None and runner.kv_stores is not None
+            assert runner.kv_stores.mixed  # slot 1 lives in the int8 store
+            runner.reset([2])
+            assert runner.kv.ensure(2, len(p2)) and runner.kv.ensure(0, len(p0) + 1)
+            assert runner.kv_int8.ensure(1, len(p1) + 1)
+            seqs = [(2, p2, 0), (0, [5], len(p0)), (1, [6], len(p1))]
+            assert ForwardBatch.build(seqs, "cpu").tail_from == 1
+            got[device] = runner.forward(seqs).float().cpu()
+        finally:
+            e.shutdown()
+    torch.testing.assert_close(got["cuda"], got["cpu"], atol=2e-3, rtol=2e-3)
