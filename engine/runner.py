@@ -340,7 +340,8 @@ class ModelRunner:
     def forward(self, seqs: Rows, all_logits: Sequence[bool] = ()) -> Tensor:
         """Logits at each sequence's last token (at every token of the sequences all_logits marks),
         in sequence order; writes the slots' states. A decode step replays a graph where one was
-        captured for its shape (the logits are then a view valid until the next step)."""
+        captured for its shape (the logits are then a view valid until the next step), a lone
+        prompt chunk a prefill graph, and a prompt chunk beside decodes both where that pays."""
         if self.kv is not None:
             bs = self.kv.layout.block_size
             held = {slot: sum(p.alloc.count(slot) for p in self.pools) for slot, _, _ in seqs}
