@@ -54,7 +54,9 @@ def test_image_copies_every_package_and_runs_ballast_serve(image: str) -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     folders = set(project["tool"]["setuptools"]["package-dir"].values())
     copied = {c.split()[0] for c in instructions(image, "COPY") if "--from" not in c}
-    assert folders <= copied, f"{image}: packages not copied into the image: {sorted(folders - copied)}"
+    # a package in a sub-folder (bench/tokenizer) comes with its copied parent
+    missing = {f for f in folders if not any(f == c or f.startswith(c + "/") for c in copied)}
+    assert not missing, f"{image}: packages not copied into the image: {sorted(missing)}"
     assert {"pyproject.toml", "README.md"} <= {f for c in instructions(image, "COPY") for f in c.split()[:-1]}
     assert instructions(image, "ENTRYPOINT") == ['["ballast"]'] and instructions(image, "CMD")[-1].startswith(
         '["serve"'
