@@ -67,62 +67,53 @@ def attend_kernels(
         kv_dtype=lay.storage_dtype,
         sm_scale=q.shape[-1] ** -0.5,
     )
-    if batch.decode_only:
-        ctx = batch.positions + 1
+
+    def decode(first_token: int, first_seq: int, slots: Tensor, ctx: Tensor, max_ctx: int) -> None:
+        """The one-token sequences from `first_seq` on (their tokens from `first_token` on)."""
         if foreign is not None:
-            ctx = torch.where(foreign, torch.ones_like(ctx), ctx)
+            ctx = torch.where(foreign[first_seq:], torch.ones_like(ctx), ctx)
         paged_decode(
-            q,
-            out,
+            q[first_token:],
+            out[first_token:],
             cuda.kv_ptrs,
             cuda.scale_ptrs,
             store.block_table,
-            batch.slots,
+            slots,
             ctx,
-            max_ctx=batch.max_ctx,
+            max_ctx=max_ctx,
             **common,
         )  # type: ignore[arg-type]
-    else:
-        starts = (
-            batch.starts
-            if foreign is None
-            else torch.where(foreign, torch.zeros_like(batch.starts), batch.starts)
-        )
-        # Prompt chunks by the prefill kernel; a tail of one-token sequences (decodes beside a
-        # prompt) by the decode kernel. In the prefill kernel each of them took a tile of query
-        # rows, one real, over its whole context: Llama-8B shape, 32 decodes at 2k context beside a
-        # 1k prompt, 29.1 ms of attention a step, now 2.4 + 2.7 (bench/decode_profile.py --mixed).
-        head = batch.tail_from or batch.num_seqs
-        head_tokens = q.shape[0] - (batch.num_seqs - head)  # the tail's sequences: a token each
-        paged_prefill(
-            q[:head_tokens],
-            out[:head_tokens],
-            cuda.kv_ptrs,
-            cuda.scale_ptrs,
-            store.block_table,
-            batch.slots[:head],
-            starts[:head],
-            batch.cu_lens[: head + 1],
-            max_len=batch.max_len,
-            max_ctx=batch.max_ctx,
-            **common,
-        )  # type: ignore[arg-type]
-        if head < batch.num_seqs:
-            assert batch.tail_slots is not None and batch.tail_ctx is not None
-            ctx = batch.tail_ctx
-            if foreign is not None:
-                ctx = torch.where(foreign[head:], torch.ones_like(ctx), ctx)
-            paged_decode(
-                q[head_tokens:],
-                out[head_tokens:],
-                cuda.kv_ptrs,
-                cuda.scale_ptrs,
-                store.block_table,
-                batch.tail_slots,
-                ctx,
-                max_ctx=batch.tail_max_ctx,
-                **common,
-            )  # type: ignore[arg-type]
+
+    if batch.decode_only:
+        decode(0, 0, batch.slots, batch.positions + 1, batch.max_ctx)
+        return out
+    starts = (
+        batch.starts
+        if foreign is None
+        else torch.where(foreign, torch.zeros_like(batch.starts), batch.starts)
+    )
+    # Prompt chunks by the prefill kernel; a tail of one-token sequences (decodes beside a prompt)
+    # by the decode kernel. In the prefill kernel each of them took a tile of query rows, one real,
+    # over its whole context: Llama-8B shape, 32 decodes at 2k context beside a 1k prompt, 29.1 ms
+    # of attention a step, now 2.4 + 2.7 (bench/decode_profile.py --mixed).
+    head = batch.tail_from or batch.num_seqs
+    head_tokens = q.shape[0] - (batch.num_seqs - head)  # the tail's sequences: a token each
+    paged_prefill(
+        q[:head_tokens],
+        out[:head_tokens],
+        cuda.kv_ptrs,
+        cuda.scale_ptrs,
+        store.block_table,
+        batch.slots[:head],
+        starts[:head],
+        batch.cu_lens[: head + 1],
+        max_len=batch.max_len,
+        max_ctx=batch.max_ctx,
+        **common,
+    )  # type: ignore[arg-type]
+    if head < batch.num_seqs:
+        assert batch.tail_slots is not None and batch.tail_ctx is not None
+        decode(head_tokens, head, batch.tail_slots, batch.tail_ctx, batch.tail_max_ctx)
     return out
 
 

@@ -126,9 +126,9 @@ class ForwardBatch:
         host["token_ids"] = torch.frombuffer(flat, dtype=torch.int64)
         tail_from = decode_tail(lens_list)
         if tail_from:
-            # Their own tensors, not views at an odd offset of slots and starts: Triton compiles a
-            # kernel again for each 16-byte alignment of its pointers (`pack_aligned`).
-            host["tail_slots"] = host["slots"][tail_from:].clone()
+            # Packed as tensors of their own (to_device_packed aligns each), not views at an odd
+            # offset of slots: Triton compiles a kernel again for each 16-byte pointer alignment.
+            host["tail_slots"] = host["slots"][tail_from:]
             host["tail_ctx"] = host["starts"][tail_from:] + 1
         if any(all_logits):
             cu = host["cu_lens"].tolist()
