@@ -19,7 +19,7 @@ import json
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from ballast.engine.runner import ATTENTION_BACKENDS
@@ -89,10 +89,17 @@ def ours_decode(
     return time.perf_counter() - start, tokens
 
 
+class HFRun(NamedTuple):
+    decode_s: float  # generate(new_tokens) - generate(1)
+    tokens: list[list[int]]
+    first_token_s: float  # generate(1): the prompts' prefill and one sampled token
+
+
 @torch.inference_mode()
 @sdpa_kernel(ATTENTION_BACKENDS)
-def hf_decode(model: Any, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
-    """generate(new_tokens) minus generate(1): the decode steps' share of the time."""
+def hf_decode(model: Any, prompts: torch.Tensor, new_tokens: int) -> HFRun:
+    """generate(new_tokens) minus generate(1): the decode steps' share of the time; generate(1)'s
+    own time is the prefill's (to the first token)."""
     prompts = prompts.to(next(model.parameters()).device)
     kwargs: dict[str, Any] = {
         "do_sample": False,
@@ -106,7 +113,7 @@ def hf_decode(model: Any, prompts: torch.Tensor, new_tokens: int) -> tuple[float
     t1 = time.perf_counter()
     out = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
     t2 = time.perf_counter()
-    return max((t2 - t1) - (t1 - t0), 1e-9), out[:, prompts.shape[1] :].tolist()
+    return HFRun(max((t2 - t1) - (t1 - t0), 1e-9), out[:, prompts.shape[1] :].tolist(), t1 - t0)
 
 
 def reference_model(ours: nn.Module) -> nn.Module:
@@ -154,7 +161,7 @@ def main() -> None:
         for _ in range(args.repeats):  # interleaved, so a noisy spell on a shared box hits both
             ours_runs.append(ours_decode(ours, prompts, args.new_tokens))
             hf_runs.append(hf_decode(reference, prompts, args.new_tokens))
-        (ours_s, ours_tokens), (hf_s, hf_tokens) = min(ours_runs), min(hf_runs)
+        (ours_s, ours_tokens), (hf_s, hf_tokens, _) = min(ours_runs), min(hf_runs)
         rows.append(
             {
                 "batch": batch,
