@@ -138,6 +138,7 @@ class DeltaPlan:
     prefill_cu_lens: Tensor  # [Bp + 1] int64, for varlen kernels
     prefill_len: int  # longest prefill run (the padded length)
     all_decode: bool  # every sequence has one token: no regrouping needed
+    all_prefill: bool = False  # every sequence has several: no regrouping needed either
 
     @classmethod
     def build(cls, lens_list: list[int], device: torch.device) -> DeltaPlan:
@@ -165,7 +166,10 @@ class DeltaPlan:
             "prefill_padded": local * p_len + offset,
             "prefill_cu_lens": p_cu,
         }
-        return cls(**to_device_packed(host, device), prefill_len=p_len, all_decode=False)
+        all_prefill = not len(decode_seqs)
+        return cls(
+            **to_device_packed(host, device), prefill_len=p_len, all_decode=False, all_prefill=all_prefill
+        )
 
 
 @lru_cache(maxsize=1)
@@ -195,6 +199,10 @@ def gated_delta_varlen(
     fla = use_fla_for(v) if use_fla is None else use_fla
     if plan.all_decode:  # the common decode step: sequences are already in order, one token each
         return (_fla_decode if fla else recurrent_gated_delta_step)(q, k, v, g, beta, state)
+    if plan.all_prefill:  # prompt chunks alone: they too are in order already
+        if fla:
+            return _fla_prefill(q, k, v, g, beta, state, plan.prefill_cu_lens)
+        return _padded_prefill(q, k, v, g, beta, state, plan)
     out = torch.empty_like(v)
     new_state = torch.empty(state.shape, dtype=torch.float32, device=state.device)
     if plan.decode_seqs.numel():
@@ -237,11 +245,12 @@ def _fla_prefill(
 
     hv = v.shape[-2]
     # q/k heads are expanded here rather than relying on in-kernel grouped-value support, which
-    # only some fla releases have.
+    # only some fla releases have. q, k, v may be views into the conv's output: contiguous copies,
+    # as fla's kernels read them (its recent releases copy them too).
     o, s = chunk_gated_delta_rule(
-        q=_expand_heads(q, hv, 1).unsqueeze(0),
-        k=_expand_heads(k, hv, 1).unsqueeze(0),
-        v=v.unsqueeze(0),
+        q=_expand_heads(q.contiguous(), hv, 1).unsqueeze(0),
+        k=_expand_heads(k.contiguous(), hv, 1).unsqueeze(0),
+        v=v.contiguous().unsqueeze(0),
         g=g.float().unsqueeze(0),
         beta=beta.unsqueeze(0),
         initial_state=state.float().contiguous(),
@@ -293,27 +302,36 @@ class HybridStep:
 
     batch: ForwardBatch
     rope: Rope  # the full-attention layers' rotary tables
-    windows: ConvWindows  # conv taps of every token (all linear layers share the kernel size)
+    # conv taps of every token (all linear layers share the kernel size); None where the conv
+    # runs in place (`conv_in_place`)
+    windows: ConvWindows | None
     plan: DeltaPlan  # which sequences take the recurrent form and which the chunked one
     has_history: Tensor  # [B] bool: the slot already holds this sequence's earlier tokens
     any_fresh: bool  # some sequence starts at position 0 this step (host-side mirror)
     use_fla: bool | None  # None: fla kernels where they apply (CUDA, half precision, installed)
-    # A decode step on CUDA (unless use_fla is False: the torch reference everywhere): the rule
-    # runs in place in the state pool, one Triton kernel a layer (`gated_delta_triton`).
+    # On CUDA (unless use_fla is False: the torch reference everywhere) the conv runs in place in
+    # the state pool, one Triton kernel a layer for a decode step and two for any other
+    # (`gated_delta_triton`); in a decode step the rule does too (`in_place`).
+    conv_in_place: bool
     in_place: bool
 
     @classmethod
     def build(cls, batch: ForwardBatch, rope: Rope, conv_kernel: int, use_fla: bool | None) -> HybridStep:
         plan = DeltaPlan.build(batch.lens_list, batch.device)
+        kernels = use_fla is not False and gated_delta_triton.available(batch.starts)
+        windows = None
+        if not kernels:
+            windows = ConvWindows.build(batch.cu_lens, batch.lens, batch.seq_of_token, conv_kernel)
         return cls(
             batch=batch,
             rope=rope,
-            windows=ConvWindows.build(batch.cu_lens, batch.lens, batch.seq_of_token, conv_kernel),
+            windows=windows,
             plan=plan,
             has_history=batch.starts > 0,
             any_fresh=min(batch.starts_list) == 0,
             use_fla=use_fla,
-            in_place=plan.all_decode and use_fla is not False and gated_delta_triton.available(batch.starts),
+            conv_in_place=kernels,
+            in_place=plan.all_decode and kernels,
         )
 
 
@@ -361,7 +379,13 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight.squeeze(1)
         if step.in_place:  # the recurrent state is float32 by construction (the module doc)
             mixed = gated_delta_triton.conv_decode_in_place(qkv, state.conv, weight, slots, keep)
+        elif step.conv_in_place:
+            batch = step.batch
+            mixed = gated_delta_triton.conv_in_place(
+                qkv, state.conv, weight, slots, keep, batch.cu_lens, batch.seq_of_token
+            )
         else:
+            assert step.windows is not None
             # A sequence at position 0 starts from zero state whatever its slot held before.
             conv0 = state.conv.index_select(0, slots)
             if step.any_fresh:

@@ -32,6 +32,7 @@ except ImportError:  # CPU-only installs: the torch path serves
 
 BLOCK_V = 32  # value columns a program holds: a 128 x 32 float32 tile is 32 registers a thread
 BLOCK_C = 256  # conv channels a program holds
+BLOCK_T = 16  # tokens a prefill conv program holds
 L2_EPS = 1e-6  # as `gated_delta.l2norm` and fla's in-kernel normalisation
 
 
@@ -73,6 +74,66 @@ def conv_decode_in_place(x: Tensor, pool: Tensor, weight: Tensor, slots: Tensor,
         BLOCK_C=BLOCK_C,
         BLOCK_K=triton.next_power_of_2(kernel),
         num_warps=4,
+    )
+    return out
+
+
+def conv_in_place(
+    x: Tensor,
+    pool: Tensor,
+    weight: Tensor,
+    slots: Tensor,
+    keep: Tensor,
+    cu_lens: Tensor,
+    seq_of_token: Tensor,
+) -> Tensor:
+    """silu(depthwise causal conv) of a flat batch of sequences of any lengths (prompt chunks and
+    decode tokens). x [T, C] (unit last stride), sequence b's tokens rows [cu_lens[b],
+    cu_lens[b+1]) and seq_of_token [T] each row's b; pool [S, C, K-1] the slots' last K-1 inputs
+    (oldest first) in x's dtype, rows `slots` [B] read, then replaced by each sequence's last K-1
+    inputs; keep [B] bool: False starts from zeros. Returns [T, C] in x's dtype, accumulated in
+    float32 over the taps oldest first (as `causal_conv.causal_conv1d_varlen`)."""
+    assert triton is not None
+    tokens, channels = x.shape
+    batch = slots.shape[0]
+    kernel = weight.shape[-1]
+    assert (
+        kernel >= 2
+        and pool.is_contiguous()
+        and pool.shape[1:] == (channels, kernel - 1)
+        and pool.dtype == x.dtype
+        and x.stride(-1) == 1
+    )
+    out = torch.empty((tokens, channels), dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out
+    common = {"C": channels, "K": kernel, "BLOCK_C": BLOCK_C, "num_warps": 4}
+    _conv_prefill_kernel[(triton.cdiv(tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))](
+        x,
+        pool,
+        weight,
+        slots,
+        keep,
+        cu_lens,
+        seq_of_token,
+        out,
+        tokens,
+        x.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        BLOCK_T=BLOCK_T,
+        **common,
+    )
+    # after every output has read the saved inputs (the launches run in order on the stream)
+    _conv_state_kernel[(batch, triton.cdiv(channels, BLOCK_C))](
+        x,
+        pool,
+        slots,
+        keep,
+        cu_lens,
+        x.stride(0),
+        BLOCK_K=triton.next_power_of_2(kernel - 1),
+        **common,
     )
     return out
 
@@ -180,6 +241,93 @@ if triton is not None:
         shifted = tl.where(tl.load(keep + t) != 0, shifted, 0.0)
         shifted = tl.where(taps[None, :] == K - 2, token[:, None], shifted)
         tl.store(rows + taps[None, :], shifted.to(pool.dtype.element_ty), mask=saved)
+
+    @triton.jit
+    def _conv_prefill_kernel(
+        x,
+        pool,
+        weight,
+        slots,
+        keep,
+        cu_lens,
+        seq_of_token,
+        out,
+        tokens,
+        x_tok,
+        w_chan,
+        w_tap,
+        C: tl.constexpr,
+        K: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+    ):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        chan = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        in_t = t < tokens
+        in_c = chan < C
+        seq = tl.load(seq_of_token + t, mask=in_t, other=0)
+        offset = t - tl.load(cu_lens + seq, mask=in_t, other=0)  # the token's place in its chunk
+        row = tl.load(slots + seq, mask=in_t, other=0).to(tl.int64) * (C * (K - 1))
+        kept = in_t & (tl.load(keep + seq, mask=in_t, other=0) != 0)
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(K):  # the taps, oldest first
+            rel = offset - (K - 1) + j  # < 0: an input from before the chunk, in the saved ones
+            mine = rel >= 0
+            from_x = tl.load(
+                x + (t - (K - 1) + j).to(tl.int64)[:, None] * x_tok + chan[None, :],
+                mask=(in_t & mine)[:, None] & in_c[None, :],
+                other=0.0,
+            )
+            saved = tl.load(
+                pool + row[:, None] + chan[None, :] * (K - 1) + (K - 1 + rel)[:, None],
+                mask=(kept & (rel < 0))[:, None] & in_c[None, :],
+                other=0.0,
+            )
+            w = tl.load(weight + chan * w_chan + j * w_tap, mask=in_c, other=0.0).to(tl.float32)
+            acc += tl.where(mine[:, None], from_x, saved).to(tl.float32) * w[None, :]
+        acc = acc * tl.sigmoid(acc)
+        tl.store(
+            out + t.to(tl.int64)[:, None] * C + chan[None, :],
+            acc.to(out.dtype.element_ty),
+            mask=in_t[:, None] & in_c[None, :],
+        )
+
+    @triton.jit
+    def _conv_state_kernel(
+        x,
+        pool,
+        slots,
+        keep,
+        cu_lens,
+        x_tok,
+        C: tl.constexpr,
+        K: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        chan = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cols = tl.arange(0, BLOCK_K)
+        in_c = chan < C
+        first = tl.load(cu_lens + b)
+        length = tl.load(cu_lens + b + 1) - first
+        rows = pool + tl.load(slots + b).to(tl.int64) * (C * (K - 1)) + chan[:, None] * (K - 1)
+        ok = in_c[:, None] & (cols[None, :] < K - 1)
+        rel = length - (K - 1) + cols  # new column j holds the input rel places into the chunk
+        mine = rel >= 0
+        from_x = tl.load(
+            x + (first + rel).to(tl.int64)[None, :] * x_tok + chan[:, None],
+            mask=ok & mine[None, :],
+            other=0.0,
+        )
+        saved = tl.load(
+            rows + (K - 1 + rel)[None, :],
+            mask=ok & (~mine)[None, :] & (tl.load(keep + b) != 0),
+            other=0.0,
+        )
+        new = tl.where(mine[None, :], from_x, saved)
+        tl.debug_barrier()  # a column read above may be one another thread writes below
+        tl.store(rows + cols[None, :], new.to(pool.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _gated_delta_decode_kernel(

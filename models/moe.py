@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from ballast.models import fp8, moe_triton
+from ballast.models import fp8, moe_triton, pointwise
 from ballast.models.layers import FusedLinears, SwiGLU
 from torch import Tensor, nn
 
@@ -102,13 +102,16 @@ class Routing(NamedTuple):
         """Per-pair expert outputs y [T * k, H] (sorted order) -> the weighted sum per token, in
         float32 then y's dtype. Rows past `kept` count zero: no GEMM wrote them. Deterministic:
         each token's k rows are gathered back to pair order and summed in k order (no atomic
-        adds, whose order varies run to run and can flip a bf16 rounding, then a greedy token)."""
-        if self.kept is not None:
-            rows = torch.arange(y.shape[0], device=y.device).unsqueeze(-1)
-            y = torch.where(rows < self.kept, y, 0)
+        adds, whose order varies run to run and can flip a bf16 rounding, then a greedy token).
+        On CUDA one kernel (`moe_triton.combine_pairs`) does all of it."""
         back = torch.empty_like(self.order).scatter_(
             0, self.order, torch.arange(self.order.shape[0], device=y.device)
         )
+        if moe_triton.available(y):
+            return moe_triton.combine_pairs(y, back, weights.reshape(num_tokens, -1).contiguous(), self.kept)
+        if self.kept is not None:
+            rows = torch.arange(y.shape[0], device=y.device).unsqueeze(-1)
+            y = torch.where(rows < self.kept, y, 0)
         per_token = y[back].float().view(num_tokens, -1, y.shape[1])
         return (per_token * weights.float().reshape(num_tokens, -1, 1)).sum(1).to(weights.dtype)
 
@@ -176,8 +179,8 @@ def experts_forward(
     if grouped:
         # the offsets end at the last local pair: the grouped GEMM leaves the outside rows alone
         offs = routing.counts.cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
+        h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(pointwise.silu_mul(h, h.shape[-1] // 2), down.transpose(1, 2), offs=offs)
     else:
         # this path reads the counts on the host anyway, so it computes only the local pairs
         kept = rows.shape[0] if routing.kept is None else int(routing.kept)

@@ -277,6 +277,35 @@ def _combine(y: Tensor, tokens: int, pairs: int, shared: bool, dtype: torch.dtyp
     return out
 
 
+def combine_pairs(y: Tensor, back: Tensor, weights: Tensor, kept: Tensor | None) -> Tensor:
+    """The grouped GEMM's combine: out[t] = sum_j weights[t, j] * y[back[t * k + j]] in j order,
+    float32 until the one rounding to weights' dtype; y [P, H] the pairs' expert outputs in the
+    expert-grouped order, back [P] each pair's row there, weights [T, k]; with `kept` (a device
+    scalar), rows from it on count zero (no GEMM wrote them). One kernel, reading each row once,
+    where the torch form gathers, widens, weights and sums [T, k, H] in float32."""
+    assert triton is not None
+    tokens, top_k = weights.shape
+    hidden = y.shape[1]
+    assert y.stride(1) == 1 and back.shape[0] == tokens * top_k and weights.is_contiguous()
+    out = torch.empty((tokens, hidden), dtype=weights.dtype, device=y.device)
+    if tokens == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(hidden))
+    _combine_pairs_kernel[(tokens, triton.cdiv(hidden, block))](
+        y,
+        back,
+        weights,
+        back if kept is None else kept,  # a pointer the kernel never reads without HAS_KEPT
+        out,
+        y.stride(0),
+        hidden,
+        K=top_k,
+        HAS_KEPT=kept is not None,
+        BLOCK_H=block,
+    )
+    return out
+
+
 if triton is not None:
     _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -427,6 +456,32 @@ if triton is not None:
             acc += tl.load(y + (t * K + j) * hidden + cols, mask=ok, other=0.0)
         if SHARED:
             acc += tl.load(y + (pairs + t) * hidden + cols, mask=ok, other=0.0)
+        tl.store(out + t * hidden + cols, acc.to(out.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _combine_pairs_kernel(
+        y,
+        back,
+        weights,
+        kept,
+        out,
+        y_row,
+        hidden,
+        K: tl.constexpr,
+        HAS_KEPT: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = cols < hidden
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(K):
+            row = tl.load(back + t * K + j)
+            w = tl.load(weights + t * K + j).to(tl.float32)
+            live = ok
+            if HAS_KEPT:
+                live = ok & (row < tl.load(kept))
+            acc += w * tl.load(y + row * y_row + cols, mask=live, other=0.0).to(tl.float32)
         tl.store(out + t * hidden + cols, acc.to(out.dtype.element_ty), mask=ok)
 
     @triton.jit

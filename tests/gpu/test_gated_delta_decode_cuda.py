@@ -111,3 +111,47 @@ def test_conv_decode_in_place_matches_the_torch_conv(
     torch.testing.assert_close(out.float(), want_out.float(), atol=tol, rtol=tol)
     assert torch.equal(pool[slots], want_state)  # the window shifted by the token, bit for bit
     assert torch.equal(pool[untouched], others)
+
+
+CHUNKS = [
+    # sequence lengths of one step: prompt chunks, decode tokens, chunks shorter than the window,
+    # a step past one program's tokens
+    [5, 1, 2, 17, 1],
+    [40],
+    [1, 3, 1, 1],
+    [2, 2],
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("lens", CHUNKS, ids=["-".join(map(str, c)) for c in CHUNKS])
+@pytest.mark.parametrize(("channels", "kernel"), [(300, 4), (64, 2), (33, 3)])
+def test_conv_in_place_matches_the_torch_conv_over_a_step_of_chunks(
+    lens: list[int], channels: int, kernel: int, dtype: torch.dtype
+) -> None:
+    """The prefill form (`conv_in_place`): each sequence's outputs from its saved inputs and its
+    chunk (zeros for a fresh one), and its slot's saved inputs replaced by its last K-1 (reaching
+    back into the old ones for a chunk shorter than that); other slots untouched."""
+    batch, tokens = len(lens), sum(lens)
+    gen = torch.Generator().manual_seed(channels + kernel + tokens)
+    x = torch.randn(tokens, channels + 5, generator=gen).to(dtype).to(DEVICE)[:, 5:]  # a strided view
+    slots = torch.randperm(batch + 3, generator=gen)[:batch].to(DEVICE)
+    pool = torch.randn(batch + 3, channels, kernel - 1, generator=gen).to(dtype).to(DEVICE)
+    weight = torch.randn(channels, kernel, generator=gen).to(dtype).to(DEVICE)
+    keep = torch.tensor([i % 3 != 1 for i in range(batch)], device=DEVICE)
+    lens_t = torch.tensor(lens, device=DEVICE)
+    cu_lens = torch.zeros(batch + 1, dtype=torch.int64, device=DEVICE)
+    cu_lens[1:] = lens_t.cumsum(0)
+    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=DEVICE), lens_t)
+    windows = ConvWindows.build(cu_lens, lens_t, seq_of_token, kernel)
+    want_out, want_state = causal_conv1d_varlen(
+        x, torch.where(keep[:, None, None], pool[slots], 0), weight, windows
+    )
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    others = pool[untouched].clone()
+    out = gated_delta_triton.conv_in_place(x, pool, weight, slots, keep, cu_lens, seq_of_token)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), want_out.float(), atol=tol, rtol=tol)
+    assert torch.equal(pool[slots], want_state)  # the last K-1 inputs, bit for bit
+    assert torch.equal(pool[untouched], others)

@@ -235,3 +235,32 @@ def test_a_hybrid_model_decodes_the_same_tokens_with_the_fused_experts(
     # float32: the paths differ by ~1e-6 (summation order); an expert output off by 1% moves
     # this near-uniform model's logprobs by ~2e-4
     torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("outside", [False, True], ids=["local", "expert-parallel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_combine_pairs_is_each_tokens_weighted_sum_of_its_rows(dtype: torch.dtype, outside: bool) -> None:
+    """The grouped GEMM's combine (`moe_triton.combine_pairs`, what `Routing.combine` runs on CUDA):
+    token t's output is sum_j weights[t, j] * y[its pair j's row], rows of pairs held on another
+    rank (past `kept`) adding nothing even when they hold garbage."""
+    tokens, num_experts, top_k, hidden = 37, 12, 10, 300
+    gen = torch.Generator().manual_seed(tokens + int(outside))
+    experts = torch.stack(
+        [torch.randperm(num_experts + int(outside), generator=gen)[:top_k] for _ in range(tokens)]
+    )
+    routing = moe.Routing.sort(experts.to(DEVICE), num_experts, outside)
+    y = torch.randn(tokens * top_k, hidden, generator=gen).to(dtype).to(DEVICE)
+    weights = torch.rand(tokens, top_k, generator=gen).to(dtype).to(DEVICE)
+    kept = tokens * top_k if routing.kept is None else int(routing.kept)
+    assert kept < tokens * top_k if outside else kept == tokens * top_k
+    y[kept:] = float("nan")
+    back = torch.empty_like(routing.order)
+    back[routing.order] = torch.arange(tokens * top_k, device=DEVICE)
+    rows = y.double()[back].view(tokens, top_k, hidden)
+    rows = torch.where((back < kept).view(tokens, top_k, 1), rows, 0.0)
+    want = (rows * weights.double().unsqueeze(-1)).sum(1)
+    got = moe_triton.combine_pairs(y, back, weights, routing.kept)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    assert torch.equal(routing.combine(y, weights, tokens), got)

@@ -118,14 +118,35 @@ def test_delta_plan_groups_sequences() -> None:
     assert plan.prefill_len == 4
     assert plan.prefill_padded.tolist() == [0, 1, 2, 4, 5, 6, 7]
     assert plan.prefill_cu_lens.tolist() == [0, 3, 7]
-    assert not plan.all_decode
+    assert not plan.all_decode and not plan.all_prefill
+    chunks = DeltaPlan.build([3, 2, 4], torch.device("cpu"))  # prompt chunks alone: already in order
+    assert chunks.all_prefill and chunks.prefill_tokens.tolist() == list(range(9))
+    assert chunks.prefill_seqs.tolist() == [0, 1, 2]
     decode = DeltaPlan.build([1, 1, 1], torch.device("cpu"))
     assert (
         decode.all_decode
         and decode.decode_seqs.tolist() == [0, 1, 2]
         and decode.decode_tokens.tolist() == [0, 1, 2]
     )
-    assert decode.prefill_seqs.numel() == 0 and decode.prefill_len == 0
+    assert decode.prefill_seqs.numel() == 0 and decode.prefill_len == 0 and not decode.all_prefill
+
+
+def test_a_step_of_prompt_chunks_alone_equals_them_beside_a_decode() -> None:
+    """The all-prefill shortcut (no regrouping) gives what the regrouping path gives."""
+    lens = [40, 7, 19]
+    seqs = [_inputs(1, n, seed=30 + i) for i, n in enumerate(lens)]
+    flat = [torch.cat([s[j][0] for s in seqs]) for j in range(5)]
+    state = torch.cat([s[5] for s in seqs])
+    plan = DeltaPlan.build(lens, torch.device("cpu"))
+    assert plan.all_prefill
+    out, new_state = gated_delta_varlen(*flat, state, plan, use_fla=False)
+    one = _inputs(1, 1, seed=29)  # the same chunks with a decode token in front: regrouped
+    both = [torch.cat([one[j][0], flat[j]]) for j in range(5)]
+    mixed = DeltaPlan.build([1, *lens], torch.device("cpu"))
+    assert not mixed.all_prefill
+    want_o, want_s = gated_delta_varlen(*both, torch.cat([one[5], state]), mixed, use_fla=False)
+    torch.testing.assert_close(out, want_o[1:], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(new_state, want_s[1:], atol=1e-6, rtol=1e-6)
 
 
 def _conv_case(lens: list[int], history: list[int], channels: int, kernel: int):  # type: ignore[no-untyped-def]
