@@ -13,7 +13,9 @@ microseconds of a launch-bound step. Here:
   pair's row. Pairs of one expert keep no particular order among themselves (each row's expert
   output does not depend on it); experts' groups are in id order, as the grouped GEMM wants.
 
-Larger batches (prefill) take the torch path: their sort is a small part of a long step.
+Larger batches (prefill) take the torch path: their sort is a small part of a long step. Their
+combine after the grouped GEMMs is `combine_pairs`, one kernel reading each pair's row once where
+the torch form gathered, widened to float32, weighted and summed [T, k, H].
 
 `experts_mlp` (`FUSED_EXPERTS`, on: see there) runs the experts of a decode-sized batch in three
 kernels over the grouped pairs: gate/up GEMMs of each expert's gathered token rows with SwiGLU in
