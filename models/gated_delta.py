@@ -248,8 +248,8 @@ def _fla_prefill(
     # only some fla releases have. q, k, v may be views into the conv's output: contiguous copies,
     # as fla's kernels read them (its recent releases copy them too).
     o, s = chunk_gated_delta_rule(
-        q=_expand_heads(q.contiguous(), hv, 1).unsqueeze(0),
-        k=_expand_heads(k.contiguous(), hv, 1).unsqueeze(0),
+        q=_expand_heads(q, hv, 1).contiguous().unsqueeze(0),
+        k=_expand_heads(k, hv, 1).contiguous().unsqueeze(0),
         v=v.contiguous().unsqueeze(0),
         g=g.float().unsqueeze(0),
         beta=beta.unsqueeze(0),
@@ -310,8 +310,8 @@ class HybridStep:
     any_fresh: bool  # some sequence starts at position 0 this step (host-side mirror)
     use_fla: bool | None  # None: fla kernels where they apply (CUDA, half precision, installed)
     # On CUDA (unless use_fla is False: the torch reference everywhere) the conv runs in place in
-    # the state pool, one Triton kernel a layer for a decode step and two for any other
-    # (`gated_delta_triton`); in a decode step the rule does too (`in_place`).
+    # the state pool (`gated_delta_triton.conv_in_place`); in a decode step the rule does too
+    # (`in_place`).
     conv_in_place: bool
     in_place: bool
 
@@ -377,9 +377,7 @@ class GatedDeltaNet(nn.Module):
         keep = step.has_history
         qkv, z, b, a = self.project(x)
         weight = self.conv1d.weight.squeeze(1)
-        if step.in_place:  # the recurrent state is float32 by construction (the module doc)
-            mixed = gated_delta_triton.conv_decode_in_place(qkv, state.conv, weight, slots, keep)
-        elif step.conv_in_place:
+        if step.conv_in_place:
             batch = step.batch
             mixed = gated_delta_triton.conv_in_place(
                 qkv, state.conv, weight, slots, keep, batch.cu_lens, batch.seq_of_token
@@ -396,7 +394,7 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(t, self.k_heads, self.k_dim)
         k = k.reshape(t, self.k_heads, self.k_dim)
         v = v.reshape(t, self.v_heads, self.v_dim)
-        if step.in_place:
+        if step.in_place:  # the recurrent state is float32 by construction (the module doc)
             out = gated_delta_triton.decode_in_place(
                 q, k, v, a, b, self.A_log, self.dt_bias, state.recurrent, slots, keep
             )

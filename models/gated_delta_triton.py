@@ -97,10 +97,13 @@ def conv_in_place(
     cu_lens[b+1]) and seq_of_token [T] each row's b; pool [S, C, K-1] the slots' last K-1 inputs
     (oldest first) in x's dtype, rows `slots` [B] read, then replaced by each sequence's last K-1
     inputs; keep [B] bool: False starts from zeros. Returns [T, C] in x's dtype, accumulated in
-    float32 over the taps oldest first (as `causal_conv.causal_conv1d_varlen`)."""
+    float32 over the taps oldest first (as `causal_conv.causal_conv1d_varlen`). A decode step (one
+    token a sequence) takes `conv_decode_in_place`: one kernel."""
     assert triton is not None
     tokens, channels = x.shape
     batch = slots.shape[0]
+    if tokens == batch:  # every sequence has at least one token, so each has exactly one
+        return conv_decode_in_place(x, pool, weight, slots, keep)
     kernel = weight.shape[-1]
     assert (
         kernel >= 2

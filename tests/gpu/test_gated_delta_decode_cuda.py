@@ -120,6 +120,7 @@ CHUNKS = [
     [40],
     [1, 3, 1, 1],
     [2, 2],
+    [1, 1, 1],  # a decode step: the one-kernel form
 ]
 
 
