@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from ballast.engine.injected_faults import FaultSpec, parse_faults
 from ballast.models import fp8
 
 from ballast.settings import ConfigError, check, setting
@@ -151,8 +152,19 @@ class EngineConfig:
         ),
     )
 
+    faults: str | None = field(
+        default=None,
+        metadata=setting(
+            "BALLAST_FAULTS",
+            "fault injection for testing, off unless set: a JSON list such as "
+            '[{"kind": "hang", "after_steps": 20, "seconds": 600}] (kinds hang, oom, device_error, slow; '
+            "fields after_steps, count (-1 = forever), when (prefill, decode, any), seconds)",
+        ),
+    )
+
     def __post_init__(self) -> None:
         check(self)
+        parse_faults(self.faults)  # a bad value is a start-up error, never ignored
         if not _valid_device(self.device):
             raise ConfigError(f"--device (BALLAST_DEVICE)={self.device!r}: accepted auto, cpu, cuda, cuda:N")
         if self.expert_parallel and self.tensor_parallel_size < 2:
@@ -160,6 +172,10 @@ class EngineConfig:
                 "--expert-parallel (BALLAST_EXPERT_PARALLEL) splits the experts over the ranks of "
                 "--tensor-parallel-size, which is 1: set it to 2 or more, or leave expert parallel off"
             )
+
+    @property
+    def fault_specs(self) -> tuple[FaultSpec, ...]:
+        return parse_faults(self.faults)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

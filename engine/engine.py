@@ -21,7 +21,8 @@ from ballast.engine.checkpoint_orders import CheckpointOrders, build_cache
 from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
 from ballast.engine.errors import EngineUnhealthy, PlanError
-from ballast.engine.faults import is_device_fault
+from ballast.engine.faults import is_device_fault, is_memory_fault
+from ballast.engine.injected_faults import FaultInjector
 from ballast.engine.kv_budget import capacity_line
 from ballast.engine.pipeline import DrawnRow, LaunchedStep, StepPipeline
 from ballast.engine.plan import (
@@ -54,8 +55,9 @@ from ballast.models.base import Rows
 log = logging.getLogger(__name__)
 
 
-# A "recoverable" fault that recurs this many steps in a row is not recoverable: the engine calls
-# itself unsound so /health fails and a supervisor restarts the process.
+# A "recoverable" fault that recurs in this many steps with work in a row is not recoverable: the
+# engine calls itself unsound so /health fails and a supervisor restarts the process. Steps
+# without work (a release-only plan follows every failure) neither count nor break the run.
 MAX_CONSECUTIVE_STEP_FAILURES = 8
 
 
@@ -97,6 +99,9 @@ class Engine:
         self.step_failures = 0  # steps that failed and were recovered (their requests lost)
         self.last_step_failure: str | None = None
         self._failures_in_a_row = 0
+        self._faults = FaultInjector(config.fault_specs, self.device)
+        if config.fault_specs:
+            log.warning("BALLAST_FAULTS is set: injecting %s into engine steps", list(config.fault_specs))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ballast-engine")
         self._pipeline = StepPipeline(
             self._executor, self.launch, self._finish_step, self._on_step_failure, _needs_host_tokens
@@ -305,7 +310,8 @@ class Engine:
 
     def _finish_step(self, launched: LaunchedStep) -> StepResult:
         result = self.finish(launched)
-        self._failures_in_a_row = 0
+        if result.prefill_tokens or result.decode_tokens:
+            self._failures_in_a_row = 0
         return result
 
     def _on_step_failure(self, plan: StepPlan, exc: BaseException) -> None:
@@ -316,7 +322,8 @@ class Engine:
         if is_device_fault(exc) or not isinstance(exc, Exception):
             self._mark_unhealthy(f"device fault: {type(exc).__name__}")
             return
-        self._failures_in_a_row += 1
+        if plan.prefills or plan.decodes:
+            self._failures_in_a_row += 1
         self.step_failures += 1
         self.last_step_failure = f"{type(exc).__name__}: {exc}"
         if self._failures_in_a_row >= MAX_CONSECUTIVE_STEP_FAILURES:
@@ -333,7 +340,7 @@ class Engine:
             sorted(slots),
             exc_info=exc,
         )
-        raise StepFailed(exc, slots) from exc
+        raise StepFailed(exc, slots, memory=is_memory_fault(exc)) from exc
 
     def _mark_unhealthy(self, why: str) -> None:
         # Nothing on the device can be trusted any more: the engine is unsound until restarted.
@@ -387,6 +394,8 @@ class Engine:
         self._feed_settled(plan)
         asks = {p.slot: p for p in plan.prefills if p.logprob_targets and p.slot not in preempted}
         started = time.perf_counter()
+        if seqs:
+            self._faults.before_forward(prefill=any(p.slot not in preempted for p in plan.prefills))
         draw, rows, prompt_logprobs = self._forward(seqs, sampled, plan.sampling, asks)
         self._orders.save(plan, frozenset(plan.release) | preempted)
         prefill_tokens = sum(len(p.token_ids) for p in plan.prefills if p.slot not in preempted)

@@ -10,6 +10,7 @@ context: every later kernel fails too, so only a restart helps, and the process 
 from __future__ import annotations
 
 import torch
+from ballast.memory.errors import MemoryRefused
 
 # Text of the CUDA runtime / library errors that leave the context unusable. An allocation
 # failure is `torch.cuda.OutOfMemoryError` and is checked first: the allocator freed what it
@@ -45,3 +46,9 @@ def is_device_fault(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return any(mark in text for mark in _DEVICE_ERROR_MARKS)
+
+
+def is_memory_fault(exc: BaseException) -> bool:
+    """True when a step failed for want of memory (an allocation the device or host refused, or a
+    ledger lease): a pressure signal, and a smaller step may succeed where this one failed."""
+    return isinstance(exc, MemoryError | torch.cuda.OutOfMemoryError | MemoryRefused)

@@ -211,9 +211,11 @@ class StepFailed(Exception):
     """A step raised, but the engine is still sound: it has dropped every sequence the plan
     touched (their KV blocks, states and sampler history) and applied the plan's releases, so
     only the requests in `slots` are lost; the scheduler fails them with a retryable error and goes
-    on. A fault that leaves the device unsound is raised as itself instead, never as this."""
+    on. A fault that leaves the device unsound is raised as itself instead, never as this.
+    `memory`: the step failed for want of memory (its requests may succeed in smaller steps)."""
 
-    def __init__(self, cause: Exception, slots: frozenset[int]) -> None:
+    def __init__(self, cause: Exception, slots: frozenset[int], *, memory: bool = False) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.cause = cause
         self.slots = slots
+        self.memory = memory

@@ -83,6 +83,18 @@ class SchedulerConfig:
             3600.0,
         ),
     )
+    step_watchdog_s: float = field(
+        default=30.0,
+        metadata=setting(
+            "BALLAST_STEP_WATCHDOG_S",
+            "least time an engine step may take before the engine counts as stalled (the deadline is "
+            "max(this, 20x the p99 of recent steps), 10x this for the first step of a new prefill size); "
+            "on expiry every request gets 503 engine_stalled, /health turns 503 and the process exits "
+            "non-zero; 0 = no watchdog",
+            0.0,
+            86400.0,
+        ),
+    )
     retry_after_s: float = field(
         default=2.0,
         metadata=setting(

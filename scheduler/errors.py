@@ -5,7 +5,8 @@ They are mapped to HTTP status codes and OpenAI error bodies in ONE place, `ball
 `QueueWaitTooLong` -> 429 + Retry-After (code "queue_wait_exceeded"), `ContextTooLong` -> 400
 (code "context_length_exceeded"), `RequestTimeout` -> an error event (or 504 before the first
 byte), `StepAborted` -> 503 + Retry-After (code "engine_step_failed": the server is sound),
-`EngineFailed` -> 500 (the engine is unsound).
+`EngineStalled` -> 503 + Retry-After (code "engine_stalled": a step never returned, the process
+exits so a supervisor restarts it), `EngineFailed` -> 500 (the engine is unsound).
 """
 
 from __future__ import annotations
@@ -114,6 +115,23 @@ class EngineFailed(Refused):
         self.cause = cause
 
 
+class EngineStalled(Refused):
+    """A step did not return within the watchdog's deadline (a stuck kernel, a deadlocked
+    collective): every request ends with this, the server reports itself unsound and exits. The
+    request may succeed on another replica, or on this one once restarted."""
+
+    retryable = True
+
+    def __init__(self, retry_after_s: float, waited_s: float, deadline_s: float) -> None:
+        super().__init__(
+            f"the engine stalled: a step has not returned after {waited_s:.1f} s (deadline "
+            f"{deadline_s:.1f} s); the server is restarting; retry after {retry_after_s:g} s"
+        )
+        self.retry_after_s = retry_after_s
+        self.waited_s = waited_s
+        self.deadline_s = deadline_s
+
+
 # The label each refusal kind is counted under in the scheduler's `outcomes` counters (requests by
 # outcome); any other refusal (EngineFailed) counts as "failed".
 _OUTCOME_LABELS: tuple[tuple[type[Refused], str], ...] = (
@@ -123,6 +141,7 @@ _OUTCOME_LABELS: tuple[tuple[type[Refused], str], ...] = (
     (QueueWaitTooLong, "queue_wait"),
     (ContextTooLong, "context_length"),
     (StepAborted, "step_failed"),
+    (EngineStalled, "stalled"),
     (RequestFailed, "request_failed"),
 )
 REFUSAL_OUTCOMES = (*(label for _, label in _OUTCOME_LABELS), "failed")

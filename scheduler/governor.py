@@ -21,6 +21,7 @@ from ballast.memory.admission import admit_request
 from ballast.memory.ladder import LadderConfig, plan_for
 from ballast.memory.types import CostModel, LadderPlan, Level, MemState, PoolRoom, Verdict, VerdictKind
 from ballast.scheduler.errors import Overloaded
+from ballast.scheduler.fault_pressure import FaultPressure
 
 
 class SnapshotSource(Protocol):
@@ -74,6 +75,10 @@ class Governor:
         self._pin_seq = -1  # snapshot seq the reject was decided on
         self._pin_snapshot_level = Level.OK
         self._stale: str | None = None  # why the snapshot read last counts as unknown
+        # Steps failing for want of memory raise the level too; it calms one rung per retry-after
+        # (at least a second), so a client that retries as told finds the server a rung calmer.
+        self._faults = FaultPressure(max(1.0, settings.retry_after_s))
+        self._planned = Level.OK  # the level the ladder plan was made for
         self.denials = 0
 
     # --- per step -------------------------------------------------------------------------
@@ -81,10 +86,17 @@ class Governor:
         """Read the latest snapshot, re-plan the ladder, let a reject's pin decay."""
         state = self._read()
         self._stale = self._staleness(state)
-        if state is not self._state:
-            self._state = state
-            self._plan = plan_for(self.snapshot_level, self._s.ladder, disabled=self._s.ladder_disable)
+        self._state = state
+        level = max(self.snapshot_level, self.fault_level)
+        if level != self._planned:
+            self._planned = level
+            self._plan = plan_for(level, self._s.ladder, disabled=self._s.ladder_disable)
         self._decay(state)
+
+    def step_failed_on_memory(self) -> None:
+        """A step failed for want of memory: the level steps up a rung (see `FaultPressure`)."""
+        self._faults.failed(time.monotonic(), self.snapshot_level)
+        self.refresh()
 
     def admit(
         self, n_prompt: int, max_tokens: int, pool: PoolRoom | None = None, quantized: bool = False
@@ -157,11 +169,23 @@ class Governor:
         return self._state.level if self._state is not None else Level.OK
 
     @property
+    def fault_level(self) -> Level:
+        """The level that steps failing for want of memory have raised (OK once they calm)."""
+        return self._faults.level(time.monotonic())
+
+    @property
+    def fault_reason(self) -> str | None:
+        """Why steps failing on memory raise the level now, or None."""
+        return self._faults.reason(time.monotonic())
+
+    @property
     def pressure_level(self) -> Level:
         if self._stale is not None:
             return Level.CRITICAL  # unknown memory is treated as the worst: refuse new work fast
         direct = self.snapshot_level if self.snapshot_level >= Level.CRITICAL else Level.OK
-        return max(direct, self._pin)
+        # Failing steps count directly: at TIGHT the queue waits for them to calm, at CRITICAL
+        # new work is refused at once.
+        return max(direct, self._pin, self.fault_level)
 
     @property
     def holding(self) -> bool:
@@ -186,7 +210,12 @@ class Governor:
 
     @property
     def _pressure_reason(self) -> str:
-        return self._stale or f"memory pressure {self.pressure_level.name}"
+        if self._stale:
+            return self._stale
+        faults = self.fault_reason
+        if faults is not None and self.fault_level >= self.pressure_level:
+            return faults
+        return f"memory pressure {self.pressure_level.name}"
 
     def _deny(self) -> None:
         """A REJECT on the current snapshot: pin the level (see the module doc)."""

@@ -34,13 +34,14 @@ from ballast.engine.plan import (
     StepResult,
 )
 from ballast.memory.ladder import LadderConfig
-from ballast.memory.types import LadderPlan, Level
+from ballast.memory.types import LadderPlan, Level, VerdictKind
 from ballast.scheduler.checkpoints import CheckpointOrders
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import (
     REFUSAL_OUTCOMES,
     ContextTooLong,
     EngineFailed,
+    EngineStalled,
     Overloaded,
     QueueFull,
     Refused,
@@ -65,6 +66,7 @@ from ballast.scheduler.request import (
 from ballast.scheduler.sequence import Phase, Seq
 from ballast.scheduler.service_rate import QueueWaitBound, ServiceRate
 from ballast.scheduler.slots import SlotTable
+from ballast.scheduler.watchdog import StepWatchdog, shape_of
 
 log = logging.getLogger(__name__)
 # Admission verdicts are operator events: one record per decision, with the request's id (the
@@ -77,12 +79,22 @@ OUTCOMES = ("stop", "length", "abort", *REFUSAL_OUTCOMES)
 # Tokens per prefill chunk of a request that scores its prompt: the model returns a row of
 # logits (vocabulary-sized, float32) for every one of them.
 PROMPT_LOGPROBS_CHUNK = 256
+# A prompt whose chunk fails for want of memory is retried with half the chunk, down to this;
+# a chunk this small failing is not the prompt's size but the server's state: it is refused.
+MIN_RETRY_CHUNK = 16
+# While a step runs, the loop wakes this often to enforce queue deadlines and the watchdog.
+STEP_TICK_S = 0.05
 
 
 @dataclass(frozen=True)
 class _InFlight:
     plan: StepPlan
     result: Future[StepResult]
+    sent_at: float  # monotonic seconds
+
+    @property
+    def shape(self) -> int:
+        return shape_of(sum(len(p.token_ids) for p in self.plan.prefills))
 
 
 class Scheduler:
@@ -94,14 +106,18 @@ class Scheduler:
         memwatch: SnapshotSource | None = None,
         admission_metrics: VerdictRecorder | None = None,
         on_idle: Callable[[], None] | None = None,
+        on_unsound: Callable[[str, str], None] | None = None,
     ) -> None:
         """memwatch: the snapshot source (None: no memory governance beyond the window).
         admission_metrics: counts every verdict. Admission reads where the engine's memory lives
         and its KV format from the engine itself. on_idle: runs when the scheduler goes idle and every
-        idle_tick_s while it stays idle (pool trim)."""
+        idle_tick_s while it stays idle (pool trim). on_unsound: called once with a code
+        ("engine_stalled", "engine_failed") and the reason when the engine stalled or failed (the
+        server then reports unsound and exits)."""
         self._engine = engine
         self._cfg = config
         self._on_idle = on_idle
+        self._on_unsound = on_unsound
         self._max_slots = min(config.max_num_seqs, engine.num_slots)
         self._context_window = config.window_for(engine.max_model_len)
         settings = GovernorSettings(
@@ -145,10 +161,13 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.failure: EngineFailed | None = None
+        self.stalled: EngineStalled | None = None  # a step outlived the watchdog's deadline
+        self._watchdog = StepWatchdog(config.step_watchdog_s)
+        self._last_done = 0.0  # when the last step returned (a queued step starts then)
         self.service = ServiceRate()  # slots turning over under backlog: the queue-wait estimate
         self._wait_bound = QueueWaitBound(config.max_queue_wait_s, config.retry_after_s, self.service)
-        self.step_failures = 0  # steps the engine failed and recovered from (their requests lost)
-        self.last_step_failure: str | None = None
+        self.step_failures = 0  # steps the engine failed and recovered from
+        self.last_step_failure: str | None = None  # its code: out_of_memory or step_error
         self.steps = 0
         self._outcomes = dict.fromkeys(OUTCOMES, 0)
 
@@ -172,8 +191,14 @@ class Scheduler:
 
     @property
     def healthy(self) -> bool:
-        """False once an engine step failed (the process should report unhealthy and exit)."""
-        return self.failure is None
+        """False once an engine step failed or stalled (the process should report unhealthy and exit)."""
+        return self.failure is None and self.stalled is None
+
+    @property
+    def unsound_reason(self) -> str | None:
+        if self.stalled is not None:
+            return str(self.stalled)
+        return str(self.failure) if self.failure is not None else None
 
     # --- intake ---------------------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> RequestHandle:
@@ -182,6 +207,8 @@ class Scheduler:
         try:
             if self.failure is not None:
                 raise EngineFailed(self.failure.cause)
+            if self.stalled is not None:
+                raise self.stalled
             if not self.running:
                 raise Overloaded(self._cfg.retry_after_s, "the scheduler is not running")
             if len(req.prompt_ids) + req.max_tokens > self._context_window:
@@ -202,6 +229,10 @@ class Scheduler:
             deadline = now + self._cfg.request_timeout_s
         detok = self._engine.new_detokenizer(req.prompt_ids, req.stop)
         seq = Seq(req, Mailbox(self._cfg.mailbox_events), now, deadline, detok, max_tokens=req.max_tokens)
+        # While a REJECT holds the queue, a request no wait would serve learns it now, not after it.
+        if self._gov.holding and (unservable := self._unservable(seq)) is not None:
+            self._outcomes[outcome_of(unservable)] += 1
+            raise unservable
         self._queue.push(seq)
         self._wake.set()
         return RequestHandle(req, seq.mailbox, lambda: self._abort(seq))
@@ -223,7 +254,8 @@ class Scheduler:
                     continue
                 ahead = self._send(self._lookahead(step.plan))
                 self._fed_ahead = frozenset(d.slot for d in ahead.plan.decodes) if ahead else frozenset()
-                await self._complete(step)
+                if not await self._complete(step):
+                    return  # the engine stalled: no plan sent now would ever run
         except asyncio.CancelledError:
             # Cancelled without stop() (the event loop is going away): readers still get an end.
             self._end_all("abort")
@@ -238,15 +270,51 @@ class Scheduler:
         """Hand a plan to the engine (`submit` takes requests, this sends steps); None: nothing to run."""
         if plan is None or (plan.empty and plan.max_slots is None):  # a ladder change alone is sent
             return None
-        return _InFlight(plan, self._engine.submit(plan))
+        return _InFlight(plan, self._engine.submit(plan), time.monotonic())
 
-    async def _complete(self, step: _InFlight) -> None:
+    async def _complete(self, step: _InFlight) -> bool:
+        """Wait for a step and apply it; False when it outlived the watchdog (everything ended)."""
+        waiting = asyncio.wrap_future(step.result)
+        while not await self._step_done(waiting, step):
+            if self._stall_check(step):
+                return False
+            self._govern()  # deadlines and the queue-wait bound hold while a step runs
         try:
-            result = await asyncio.wrap_future(step.result)
+            result = waiting.result()
         except StepFailed as failed:
             self._step_failed(step.plan, failed)
-            return
+            return True
         self._apply(step.plan, result)
+        return True
+
+    async def _step_done(self, waiting: asyncio.Future[StepResult], step: _InFlight) -> bool:
+        """Wait up to one tick for the step; on its return, time it for the watchdog."""
+        done, _ = await asyncio.wait({waiting}, timeout=STEP_TICK_S)
+        if not done:
+            return False
+        now = time.monotonic()
+        self._watchdog.completed(step.shape, now - max(step.sent_at, self._last_done))
+        self._last_done = now
+        return True
+
+    def _stall_check(self, step: _InFlight) -> bool:
+        """End everything when the step has run past the watchdog's deadline (a step queued
+        behind another runs from that one's end)."""
+        if not self._watchdog.enabled:
+            return False
+        deadline = self._watchdog.deadline_s(step.shape)
+        ran = time.monotonic() - max(step.sent_at, self._last_done)
+        if ran < deadline:
+            return False
+        self.stalled = EngineStalled(self._cfg.retry_after_s, ran, deadline)
+        log.critical("engine stalled: a step has not returned after %.1f s (deadline %.1f s)", ran, deadline)
+        self._end_all("error", self.stalled)
+        self._report_unsound("engine_stalled", str(self.stalled))
+        return True
+
+    def _report_unsound(self, code: str, reason: str) -> None:
+        if self._on_unsound is not None:
+            self._on_unsound(code, reason)
 
     def _lookahead(self, plan: StepPlan) -> StepPlan | None:
         """The plan after `plan`, built before its tokens are back, where nothing but decoding is
@@ -363,19 +431,53 @@ class Scheduler:
 
     def _step_failed(self, plan: StepPlan, failed: StepFailed) -> None:
         """The engine failed the step and recovered: it dropped the sequences of `failed.slots`
-        and applied the plan's releases. Those requests end with a retryable error (their slots
-        are released again in the next plan, which the engine takes as a no-op); everything else,
-        queued or running, goes on. A preemption in the failed step never reached us: the engine
-        dropped what it parked, and the preempted request is among the failed ones."""
+        and applied the plan's releases. Everything not in the step, queued or running, goes on. A
+        preemption in the failed step never reached us: the engine dropped what it parked, and the
+        preempted request is among the failed ones.
+
+        A step that failed for want of memory is a pressure signal (the governor steps the level
+        up), and its requests go back to the queue to run again from their prompt: a prompt whose
+        chunk was in the step with half the chunk, the others (decodes beside it) as they were, so
+        one prompt too big for the memory left costs only itself. A prompt whose chunk was already
+        MIN_RETRY_CHUNK, a decode whose decode-only step failed a second time, and every request
+        of a step that failed otherwise (a bug hit by this batch) end with a retryable error."""
         self.step_failures += 1
-        self.last_step_failure = str(failed)
+        # A code, never the exception's text (it can name tensors, shapes, paths): the log has it.
+        self.last_step_failure = "out_of_memory" if failed.memory else "step_error"
         self._slots.released(plan.release)
         for d in plan.decodes:  # the step that would have fed their last token did not run
             self._saves_after_ahead.pop(d.slot, None)
-        for slot in sorted(failed.slots):
-            seq = self._by_slot.get(slot)
-            if seq is not None:
+        if failed.memory:
+            self._gov.step_failed_on_memory()
+        chunks = {p.slot: len(p.token_ids) for p in plan.prefills}
+        # Latest admitted first: each goes to the queue's front, so they keep their order there.
+        for seq in reversed([s for s in self._running if s.slot in failed.slots]):
+            assert seq.slot is not None
+            if failed.memory and _retries(seq, chunks.get(seq.slot), bool(chunks)):
+                self._requeue(seq.slot, preemption=False)
+            else:
                 self._finish(seq, "error", StepAborted(self._cfg.retry_after_s, str(failed), len(seq.output)))
+
+    def _unservable(self, seq: Seq) -> Overloaded | None:
+        """The refusal for a request that would not be admitted even once every running request
+        has ended (its memory verdict against the pool's idle room is REJECT), else None."""
+        asked = seq.req.max_tokens - len(seq.resumed)
+        int8 = self._kv.in_int8(seq, len(seq.feed) + asked, self._charges())
+        verdict = self._gov.verdict(len(seq.feed), asked, self._kv.room.room_when_idle(int8), int8)
+        if verdict.kind is not VerdictKind.REJECT:
+            return None
+        return self._gov.overloaded(verdict.reason or "admission refused")
+
+    def _refuse_unservable(self) -> None:
+        """After a REJECT holds the queue, every queued request that no wait here would serve is
+        refused at once, on the same snapshot. Left to wait, they would be refused one per memory
+        poll as the hold lifts and falls again (measured on an H200 under a co-tenant's squeeze:
+        503s after 12.3 s p50, 16.1 s p99). Those that fit once running work ends wait, within the
+        queue-wait bound."""
+        for seq in list(self._queue):
+            if not seq.preempted and (refusal := self._unservable(seq)) is not None:
+                _log_verdict(seq, "reject", 0, refusal.reason)
+                self._finish(seq, "error", refusal)
 
     def _refuse_late(self, now: float) -> None:
         """The queue-wait bound for requests already queued: one that has waited max_queue_wait_s,
@@ -418,6 +520,7 @@ class Scheduler:
                     return None
                 _log_verdict(seq, "reject", 0, refusal.reason)
                 self._finish(seq, "error", refusal)
+                self._refuse_unservable()
                 continue
             _log_verdict(
                 seq, admission.verdict.kind.value, admission.verdict.fit_tokens, admission.verdict.reason
@@ -444,6 +547,8 @@ class Scheduler:
         cached = not seq.int8_kv and not scoring
         if scoring:  # the model returns logits for every token of the chunk: keep those rows few
             budget = min(budget, PROMPT_LOGPROBS_CHUNK)
+        if seq.chunk_cap:  # a chunk of it failed for want of memory: smaller ones now
+            budget = min(budget, seq.chunk_cap)
         if seq.preempted and seq.prefilled == 0 and (n := self._engine.match_parked(prompt)) > 0:
             self._checkpoints.queue_resume(seq.slot, prompt[:n])  # parked when preempted: no recompute
             seq.prefilled = n
@@ -466,16 +571,18 @@ class Scheduler:
         seq.prefilled = end
         return chunk
 
-    def _requeue(self, slot: int) -> None:
-        """The engine preempted the sequence in slot (its blocks are gone): the request goes back
-        to the queue head and, when blocks are free again, prefills prompt + what it generated and
-        goes on. Its client sees no gap but the wait."""
+    def _requeue(self, slot: int, preemption: bool = True) -> None:
+        """The engine preempted the sequence in slot (its blocks are gone), or dropped it in a
+        step that failed for want of memory (`preemption` False): the request goes back to the
+        queue head and, when blocks are free again, prefills prompt + what it generated and goes
+        on. Its client sees no gap but the wait; like a preempted one, it is never refused while
+        it waits."""
         seq = self._by_slot.pop(slot, None)
         if seq is None:  # it finished while the step ran; its release is already on its way
             return
         self._running.remove(seq)
         self._slots.retire(slot)
-        self.preemptions += 1
+        self.preemptions += preemption
         seq.slot, seq.phase, seq.prefilled, seq.kv_held = None, Phase.WAITING, 0, 0
         seq.resumed, seq.preempted = tuple(seq.output), True
         self._queue.push_front(seq)
@@ -563,6 +670,7 @@ class Scheduler:
     def _fail(self, exc: Exception) -> None:
         self.failure = EngineFailed(exc)
         self._end_all("error", self.failure)
+        self._report_unsound("engine_failed", str(self.failure))
 
     def _end_all(self, reason: FinishReason, error: Refused | None = None) -> None:
         """Close to new work and end every request, queued or running."""
@@ -636,6 +744,14 @@ class Scheduler:
         return self._gov.ladder
 
     @property
+    def failing_steps(self) -> str | None:
+        """Why new work should go elsewhere while steps keep failing for want of memory (the level
+        they raised is TIGHT or worse); None when they are calm."""
+        if self._gov.fault_level < Level.TIGHT:
+            return None
+        return self._gov.fault_reason
+
+    @property
     def memory_stale(self) -> str | None:
         """Why the memory snapshot counts as unknown now (MemWatch stopped publishing); else None."""
         return self._gov.stale_reason()
@@ -647,6 +763,20 @@ class Scheduler:
     @property
     def outcomes(self) -> dict[str, int]:
         return dict(self._outcomes)
+
+
+def _retries(seq: Seq, chunk: int | None, step_had_prompt: bool) -> bool:
+    """Whether a request of a step that failed for want of memory runs again (see `_step_failed`);
+    a prompt's chunk that failed halves its next ones."""
+    if chunk is not None:  # its prompt chunk was in the step: the likely cause
+        if chunk <= MIN_RETRY_CHUNK:
+            return False
+        seq.chunk_cap = max(MIN_RETRY_CHUNK, chunk // 2)
+        return True
+    if step_had_prompt:  # a decode beside the prompt that failed: not its fault
+        return True
+    seq.memory_strikes += 1  # a decode-only step failed: once may be a co-tenant's spike
+    return seq.memory_strikes < 2
 
 
 def _log_verdict(seq: Seq, verdict: str, fit_tokens: int, reason: str) -> None:

@@ -43,6 +43,10 @@ class Seq:
     # Prompt logprobs by position (1 .. len(prompt) - 1), when the request asked for them; a
     # recompute after a preemption scores positions again, to the same values.
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    # After a step failed for want of memory: the largest prefill chunk it gets (0 = no cap), and
+    # how many decode-only steps it was in that failed so.
+    chunk_cap: int = 0
+    memory_strikes: int = 0
 
     @property
     def feed(self) -> tuple[int, ...]:

@@ -130,11 +130,11 @@ async def _load(state: ServerState, factory: EngineFactory, wiring: _Wiring) -> 
         engine = await asyncio.to_thread(_build, factory)
     except LOAD_ERRORS as exc:  # the operator can fix these (a bad path, too little memory): no trace
         log.error("model load failed: %s", exc)
-        state.fail(f"model load failed: {type(exc).__name__}: {exc}")
+        state.fail(f"model load failed: {type(exc).__name__}: {exc}", "load_failed")
         return
     except Exception as exc:
         log.exception("model load failed")
-        state.fail(f"model load failed: {type(exc).__name__}: {exc}")
+        state.fail(f"model load failed: {type(exc).__name__}: {exc}", "load_failed")
         return
     state.engine = engine
     if state.phase is not Phase.LOADING:  # shut down while we were loading
@@ -149,6 +149,7 @@ async def _load(state: ServerState, factory: EngineFactory, wiring: _Wiring) -> 
             memwatch=state.memwatch,
             admission_metrics=wiring.admission,
             on_idle=wiring.on_idle,
+            on_unsound=lambda code, reason: state.fail(reason, code),
         )
         await scheduler.start()
         state.scheduler = scheduler  # from here on, shut-down stops it
@@ -179,7 +180,10 @@ def _lifespan(
             await loader  # a load in progress runs to its end so its engine can be shut down
             if state.scheduler is not None:
                 await state.scheduler.stop()
-            if state.engine is not None:
+            if state.scheduler is not None and state.scheduler.stalled is not None:
+                # Its thread is stuck in the step: waiting for it would hang the exit forever.
+                log.error("not shutting the engine down: its thread is stuck in a step")
+            elif state.engine is not None:
                 await asyncio.to_thread(state.engine.shutdown)
             if state.memwatch is not None:
                 state.memwatch.stop()

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -34,6 +35,9 @@ from ballast.server.header_timeout import protocol_with_header_timeout
 from ballast import __version__
 
 log = logging.getLogger("ballast.server")
+# Seconds between the engine turning unsound and the shutdown: the clients' errors go out and the
+# probes answer 503 meanwhile.
+FATAL_LINGER_S = 1.0
 
 # Order matters only for --help: the settings people reach for first come first.
 LAYERS: tuple[type, ...] = (ServerConfig, EngineConfig, PrefixCacheConfig, SchedulerConfig, MemoryConfig)
@@ -201,7 +205,11 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             print(f"ballast: fatal: {reason}; shutting down", file=sys.stderr, flush=True)
         exit_code = 1
         if server is not None:
-            server.should_exit = True
+            # Linger a moment so the in-flight responses (each client's error) are sent and the
+            # probes are seen failing, then shut down; uvicorn's graceful shutdown does the rest.
+            linger = threading.Timer(FATAL_LINGER_S, lambda: setattr(server, "should_exit", True))
+            linger.daemon = True
+            linger.start()
 
     def load_engine() -> Engine:
         # The ladder's plan when loading starts: at WATCH or worse the main KV pool is int8 from
@@ -254,6 +262,13 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             flush=True,
         )
     server.run(sockets=[sock])
+    if exit_code:
+        # An unsound engine may hold its thread in a step that never returns (a stall) or in a
+        # poisoned device call: the interpreter's exit would join that thread forever.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
     return exit_code
 
 

@@ -20,6 +20,7 @@ from ballast.memory.errors import MemoryRefused
 from ballast.scheduler.errors import (
     ContextTooLong,
     EngineFailed,
+    EngineStalled,
     Overloaded,
     QueueFull,
     QueueWaitTooLong,
@@ -84,6 +85,8 @@ _RETRYABLE: tuple[tuple[type[Refused], int, str, str], ...] = (
     (QueueWaitTooLong, 429, "rate_limit_exceeded", "queue_wait_exceeded"),
     # The server is sound (only this step's requests were lost): 503, so clients retry.
     (StepAborted, 503, "server_error", "engine_step_failed"),
+    # The server is going away (a step never returned): 503, so clients go to another replica.
+    (EngineStalled, 503, "server_error", "engine_stalled"),
 )
 
 

@@ -44,16 +44,19 @@ ops = APIRouter()
 
 @ops.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 while the process and the engine are sound (loading counts as sound)."""
+    """200 while the process and the engine are sound (loading counts as sound); 503 with a code
+    (load_failed, engine_failed, engine_stalled) and the reason once it is not."""
     state = state_of(request)
     if state.sound():
         body: dict[str, object] = {"status": "ok", "phase": state.phase.value}
         if state.scheduler is not None and state.scheduler.step_failures:
-            # Sound, but steps have failed (each cost only its own requests): say so.
+            # Sound, but steps have failed (each cost only its own requests): say so, by code.
             body["step_failures"] = state.scheduler.step_failures
             body["last_step_failure"] = state.scheduler.last_step_failure
         return JSONResponse(body)
-    return JSONResponse({"status": "unsound", "reason": state.failure}, status_code=503)
+    return JSONResponse(
+        {"status": "unsound", "code": state.failure_code, "reason": state.failure}, status_code=503
+    )
 
 
 @ops.get("/ready")

@@ -59,6 +59,7 @@ class ServerState:
     context_window: int = 0  # prompt + new tokens one request may use; known once loaded
     phase: Phase = Phase.LOADING
     failure: str | None = None
+    failure_code: str | None = None  # load_failed, engine_failed or engine_stalled
     on_fatal: Callable[[str], None] = field(default=_log_fatal)
     # Other names clients may use for the served model: `ballast serve --model default` also
     # answers to "default", as vLLM answers to its --model argument.
@@ -71,12 +72,13 @@ class ServerState:
             return self.config.served_model_name
         return self.engine.model_name if self.engine is not None else None
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, code: str = "engine_failed") -> None:
         """The engine is unsound. Idempotent: only the first reason is kept and reported."""
         if self.phase is Phase.FAILED:
             return
         self.phase = Phase.FAILED
         self.failure = reason
+        self.failure_code = code
         self.on_fatal(reason)
 
     def sound(self) -> bool:
@@ -87,7 +89,11 @@ class ServerState:
             self.fail("the engine reports itself unhealthy")
             return False
         if self.scheduler is not None and not self.scheduler.healthy:
-            self.fail(f"the scheduler stopped: {self.scheduler.failure}")
+            stalled = self.scheduler.stalled is not None
+            self.fail(
+                f"the scheduler stopped: {self.scheduler.unsound_reason}",
+                "engine_stalled" if stalled else "engine_failed",
+            )
             return False
         return True
 
@@ -107,10 +113,14 @@ class ServerState:
         level = self.level()
         if level >= Level.CRITICAL:
             return f"memory pressure {level.name}"
-        stale = self.scheduler.memory_stale if self.scheduler is not None else None
+        if self.scheduler is None:
+            return None
+        stale = self.scheduler.memory_stale
         if stale is not None:  # the scheduler refuses new work until memory is seen again
             return stale
-        return None
+        # Steps failing for want of memory: at TIGHT the queue waits, at CRITICAL work is refused,
+        # so a load balancer should send it elsewhere until they calm.
+        return self.scheduler.failing_steps
 
     def scheduler_figures(self) -> SchedulerFigures | None:
         s = self.scheduler

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ballast.engine.faults import is_memory_fault
 from ballast.engine.plan import (
     LAST_SAMPLED,
     KVFigures,
@@ -135,25 +136,29 @@ class FakeDetokenizer:
 
 
 def token_for(
-    prompt: Sequence[int], pos: int, params: SamplingParams | None = None, eos_after: int | None = None
+    seq: Sequence[int], n_prompt: int, params: SamplingParams | None = None, eos_after: int | None = None
 ) -> int:
-    """The token sampled at position `pos` after `prompt`: the fake model's whole definition."""
-    if eos_after is not None and pos - len(prompt) >= eos_after:
+    """The token sampled after `seq` (a prompt of n_prompt tokens and what followed it): the fake
+    model's whole definition. Like a causal LM, it depends on every token before it, so a sequence
+    recomputed from its prompt and output (after a preemption or a failed step) goes on as before."""
+    if eos_after is not None and len(seq) - n_prompt >= eos_after:
         return EOS
     seed = (
         b""
         if params is None or params.greedy or params.seed is None
         else params.seed.to_bytes(8, "little", signed=True)
     )
-    h = hashlib.blake2b(seed + b"%d:" % pos + b",".join(b"%d" % t for t in prompt), digest_size=8)
+    h = hashlib.blake2b(seed + b"%d:" % len(seq) + b",".join(b"%d" % t for t in seq), digest_size=8)
     return _GEN[int.from_bytes(h.digest(), "little") % len(_GEN)]
 
 
 def expected_tokens(prompt: Sequence[int], n: int, eos_after: int | None = None) -> list[int]:
     """The first n tokens a greedy request with this prompt generates (stops after an EOS)."""
+    seq = list(prompt)
     out: list[int] = []
-    for i in range(n):
-        out.append(token_for(prompt, len(prompt) + i, None, eos_after))
+    for _ in range(n):
+        out.append(token_for(seq, len(prompt), None, eos_after))
+        seq.append(out[-1])
         if out[-1] == EOS:
             break
     return out
@@ -307,7 +312,7 @@ class FakeEngine:
                     exc, self._fail_next = self._fail_next, None
                     if self._fail_recoverable and isinstance(exc, Exception):
                         self.step_failures += 1
-                        raise StepFailed(exc, self._recover(plan)) from exc
+                        raise StepFailed(exc, self._recover(plan), memory=is_memory_fault(exc)) from exc
                     raise exc
                 result = self._execute(plan)
             except StepFailed:
@@ -451,8 +456,7 @@ class FakeEngine:
         params = plan.sampling.get(slot)
         if params is None:
             raise FakeEngineError(f"no sampling params for slot {slot}")
-        prompt = seq[: self._prompt_len[slot]]
-        tok = token_for(prompt, len(seq), params, self.eos_after)
+        tok = token_for(seq, self._prompt_len[slot], params, self.eos_after)
         self._pending[slot] = tok
         logprob: float | None = None
         top: tuple[tuple[int, float], ...] = ()

@@ -15,7 +15,7 @@ from ballast.memory.types import HostSample, Level, MemState
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import EngineFailed, Overloaded, QueueWaitTooLong, StepAborted
 from ballast.scheduler.request import GenerationRequest
-from ballast.scheduler.scheduler import Scheduler
+from ballast.scheduler.scheduler import MIN_RETRY_CHUNK, Scheduler
 from ballast.scheduler.service_rate import QueueWaitBound, ServiceRate
 from fake_engine import FakeEngine, FakeTokenizer, expected_tokens
 
@@ -60,28 +60,54 @@ def has_prefill(plan: StepPlan) -> bool:
     return bool(plan.prefills)
 
 
-async def test_a_recoverable_step_failure_costs_only_that_steps_requests(make) -> None:
+async def test_a_step_failure_that_is_not_memory_costs_only_that_steps_requests(make) -> None:
     s, eng = await make(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), step_delay_s=0.002)
     running = s.submit(req(0, max_tokens=40))
     first = await anext(aiter(running))  # its prefill is done: it decodes from now on
     assert first
     # The next plan with a prefill carries the newcomer's prefill and the runner's decode.
-    eng.fail_next_step(MemoryError("injected during prefill"), recoverable=True, when=has_prefill)
+    eng.fail_next_step(ValueError("a bug hit by this batch"), recoverable=True, when=has_prefill)
     newcomer = s.submit(req(1, max_tokens=8))
     waiting = [s.submit(req(i, max_tokens=8)) for i in range(2, 5)]  # queued behind the two slots
     _, _, fin_new = await newcomer.collect()
     _, _, fin_run = await running.collect()
     assert fin_new.reason == "error" and isinstance(fin_new.error, StepAborted) and fin_new.error.retryable
-    assert "MemoryError" in str(fin_new.error)
+    assert "ValueError" in str(fin_new.error)
     assert fin_run.reason == "error" and isinstance(fin_run.error, StepAborted)  # it was in the step
     for i, h in zip(range(2, 5), waiting, strict=True):  # nothing else is lost: the queue runs as calm
         text, _, fin = await h.collect()
         assert fin.reason == "length" and text == TOK.decode(expected_tokens(req(i).prompt_ids, 8))
+    assert s.last_step_failure == "step_error" and s.ladder.level is Level.OK  # not a memory signal
     await settle(s, eng)
-    assert s.healthy and eng.healthy and s.step_failures == 1
-    assert s.outcomes["step_failed"] == 2 and s.outcomes["failed"] == 0
-    after = s.submit(req(9))  # and it keeps serving
-    assert (await after.collect())[2].reason == "length"
+
+
+async def test_a_prompt_that_fails_on_memory_costs_only_itself(make) -> None:
+    """An out-of-memory error in a step of a new prompt's chunk beside running decodes: the
+    decodes run again (their text is the calm run's), the prompt is retried with half its chunk,
+    and the level steps up a rung."""
+    s, eng = await make(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), step_delay_s=0.002)
+    runners = [req(i, max_tokens=30) for i in range(3)]
+    handles = [s.submit(r) for r in runners]
+    for h in handles:
+        assert await anext(aiter(h))  # all three decode now
+    eng.fail_next_step(MemoryError("injected during prefill"), recoverable=True, when=has_prefill)
+    newcomer = req(9, max_tokens=8)
+    text_new, _, fin_new = await s.submit(newcomer).collect()
+    assert fin_new.reason == "length" and text_new == TOK.decode(expected_tokens(newcomer.prompt_ids, 8))
+    for r, h in zip(runners, handles, strict=True):
+        text, _, fin = await h.collect()  # the first token was read above; the rest follows
+        assert fin.reason == "length" and TOK.decode(expected_tokens(r.prompt_ids, 30)).endswith(text)
+    failed = next(p for p in eng.recorded() if p.prefills and p.decodes and len(p.decodes) == 3)
+    chunk = next(len(c.token_ids) for c in failed.prefills if c.slot not in {d.slot for d in failed.decodes})
+    retried = [
+        len(c.token_ids)
+        for p in eng.recorded()[eng.recorded().index(failed) + 1 :]
+        for c in p.prefills
+        if c.token_ids == newcomer.prompt_ids[: len(c.token_ids)] and c.start_pos == 0
+    ]
+    assert retried and max(retried) <= max(MIN_RETRY_CHUNK, chunk // 2)
+    assert s.step_failures == 1 and s.last_step_failure == "out_of_memory" and s.outcomes["step_failed"] == 0
+    await settle(s, eng)
 
 
 async def test_an_unrecoverable_failure_still_ends_everything(make) -> None:
