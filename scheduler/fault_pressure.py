@@ -3,8 +3,9 @@
 An out-of-memory error inside a step is a memory signal the snapshot may not show (a co-tenant
 took the VRAM the activations need between two polls, or fragmentation): each one raises the
 level one rung above the worst of it and the snapshot's, so the ladder shrinks the work (WATCH
-sheds the prefix cache, TIGHT halves the slots and the prefill window and holds the queue,
-CRITICAL refuses new work at once and takes the server out of the load balancer's rotation). The
+sheds the prefix cache, TIGHT halves the slots and the prefill window, CRITICAL leaves one
+slot; from TIGHT on new work is refused at once and /ready takes the server out of the load
+balancer's rotation). The
 level steps down one rung per `calm_s` without such a failure: a refused client told to retry
 after `calm_s` finds the server one rung calmer, and when the failures stop it is back at OK after
 three of them.

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal, cast
 
 from ballast.engine.engine import Engine
@@ -57,6 +58,8 @@ class Job:
     tools: chat.ToolPlan | None = None  # read tool calls out of the answer
     n: int = 1  # choices per prompt
     echo: tuple[str, ...] = ()  # per choice, the prompt text put before its answer (completions' echo)
+    # When the request was parsed and tokenized (monotonic): a refusal's time runs from here.
+    received_at: float = field(default_factory=time.monotonic)
 
     @property
     def prompt_tokens(self) -> int:
@@ -313,8 +316,8 @@ def refuse(state: ServerState, job: Job, exc: Refused, *, counted: bool = False)
         state.fail(str(exc))
     err = from_refusal(exc, job.prompt_param)
     request_refused(job.response_id, job.endpoint, err.status, err.code, str(exc))
-    if not counted:
-        state.metrics.refused(job.endpoint, err.status, outcome_of(exc))
+    if not counted:  # refused before its first token: how long the client waited to learn it
+        state.metrics.refused(job.endpoint, err.status, outcome_of(exc), time.monotonic() - job.received_at)
     return err
 
 

@@ -20,6 +20,8 @@ from prometheus_client.registry import Collector
 # Latency buckets, seconds: from one fast CPU token to a long queued generation.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+# Refusals must be fast (the aim is p99 under 100 ms): fine buckets below a second.
+_REFUSAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 # Generated tokens are counted live, as the scheduler hands each sampled token to its request
@@ -153,17 +155,28 @@ class HttpMetrics:
             buckets=_E2E_BUCKETS,
             registry=registry,
         )
+        self.refusal_seconds = Histogram(
+            "ballast_refusal_seconds",
+            "Time from a request's arrival to its 429 or 503 refusal, for refusals before a first token",
+            ["status"],
+            buckets=_REFUSAL_BUCKETS,
+            registry=registry,
+        )
         self.prompt_tokens = Counter("ballast_prompt_tokens", PROMPT_TOKENS_HELP, registry=registry)
         for status in ("503", "429"):  # present from the start so rate() works before the first one
             self.rejections.labels(status=status)
+            self.refusal_seconds.labels(status=status)
 
     def watch_scheduler(self, read: Callable[[], SchedulerFigures | None]) -> None:
         self.registry.register(_SchedulerCollector(read))
 
-    def refused(self, endpoint: str, status: int, outcome: str) -> None:
+    def refused(self, endpoint: str, status: int, outcome: str, after_s: float | None = None) -> None:
+        """A request refused (after_s: seconds since it arrived, when it had no token yet)."""
         self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
         if status in (429, 503):
             self.rejections.labels(status=str(status)).inc()
+            if after_s is not None:
+                self.refusal_seconds.labels(status=str(status)).observe(after_s)
 
 
 class RequestTimer:
