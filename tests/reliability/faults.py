@@ -1,10 +1,12 @@
 """Scenario 5, faults: failures injected into a real server (built-in tiny Llama on CPU, real
 MemWatch, real uvicorn on 127.0.0.1, the official `openai` client), one after another:
 
-- a Python exception inside an engine step, a host `MemoryError` and a
-  `torch.cuda.OutOfMemoryError` during a prefill: the requests in that step get a 503 +
-  Retry-After ("engine_step_failed"), every other request completes, /health stays 200 and says
-  how many steps failed, the KV blocks come back;
+- a Python exception inside an engine step: the requests in that step get a 503 + Retry-After
+  ("engine_step_failed"), every other request completes, /health stays 200 and says how many
+  steps failed, the KV blocks come back;
+- a host `MemoryError` and a `torch.cuda.OutOfMemoryError` during a prefill: the newcomer's
+  prompt is retried with half its chunk and the decodes beside it run again, so every request
+  completes; /health counts the failed steps;
 - a tokenizer error: that request gets an OpenAI error body (500), the server serves on;
 - a slow consumer (a stream nobody reads): its slot is freed when its generation ends, others
   are served meanwhile;

@@ -14,10 +14,15 @@ def test_faults_cost_only_their_own_requests() -> None:
     f = faults.run(stale_s=1.0)
     for n, name in enumerate(("python_exception", "memory_error_in_prefill", "cuda_oom_in_prefill"), start=1):
         step = f[name]
-        # The step held the three decoding requests and the newcomer's prefill: those four get
-        # a retryable 503; the four that were queued complete; nothing else happens.
-        assert step["failed_in_step"] >= 1 and step["other"] == 0, step
-        assert step["completed"] >= 4 and step["failed_in_step"] + step["completed"] == 8, step
+        assert step["other"] == 0 and step["failed_in_step"] + step["completed"] == 8, step
+        if name == "python_exception":
+            # A bug hit by the step that held the three decoding requests and the newcomer's
+            # prefill: those four get a retryable 503; the four that were queued complete.
+            assert step["failed_in_step"] >= 1 and step["completed"] >= 4, step
+        else:
+            # Out of memory in the newcomer's chunk: it is retried with half the chunk and the
+            # decodes beside it run again; all eight complete.
+            assert step["failed_in_step"] == 0 and step["completed"] == 8, step
         assert step["health"] == "ok" and step["step_failures"] == n and step["blocks_after"] == 0, step
     tok = f["tokenizer_error"]
     assert tok["status"] == 500 and tok["has_openai_body"] and not tok["traceback_leaked"], tok
