@@ -31,7 +31,6 @@ import openai
 import psutil
 from harness import Server, ballast_serve, pct, report, total, wait_idle
 
-
 _DEADLINE = re.compile(r"deadline ([0-9.]+) s")
 
 
@@ -78,7 +77,11 @@ def _stream(client: openai.OpenAI, model: str, i: int, max_tokens: int, marks: l
     text = []
     try:
         stream = client.chat.completions.create(
-            model=model, messages=_messages(i), max_tokens=max_tokens, temperature=0, stream=True  # type: ignore[arg-type]
+            model=model,
+            messages=_messages(i),
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,  # type: ignore[arg-type]
         )
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
@@ -129,9 +132,7 @@ def run_hang(watchdog_s: float = 1.0, streams: int = 3, queued: int = 2) -> dict
     }
 
 
-def _load(
-    client: openai.OpenAI, model: str, seconds: float, workers: int
-) -> list[dict[str, Any]]:
+def _load(client: openai.OpenAI, model: str, seconds: float, workers: int) -> list[dict[str, Any]]:
     """`workers` clients sending short chats back to back for `seconds`: status, code, time, Retry-After."""
     out: list[dict[str, Any]] = []
     lock = threading.Lock()
@@ -143,12 +144,19 @@ def _load(
             started = time.monotonic()
             try:
                 raw = client.chat.completions.with_raw_response.create(
-                    model=model, messages=_messages(w * 1000 + i), max_tokens=8, temperature=0  # type: ignore[arg-type]
+                    model=model,
+                    messages=_messages(w * 1000 + i),
+                    max_tokens=8,
+                    temperature=0,  # type: ignore[arg-type]
                 )
                 rec = {"status": raw.status_code, "code": None, "retry_after": None}
             except openai.APIStatusError as exc:
                 body = exc.body if isinstance(exc.body, dict) else {}
-                rec = {"status": exc.status_code, "code": body.get("code"), "retry_after": exc.response.headers.get("retry-after")}
+                rec = {
+                    "status": exc.status_code,
+                    "code": body.get("code"),
+                    "retry_after": exc.response.headers.get("retry-after"),
+                }
             rec.update(start=started, seconds=time.monotonic() - started)
             with lock:
                 out.append(rec)
@@ -173,7 +181,9 @@ def run_oom(count: int = 6, seconds: float = 10.0, workers: int = 3) -> dict[str
         after_ready = [c for c in calls if ready_503 and c["start"] >= ready_503[0]]
         refusals = [c for c in calls if c["status"] in (429, 503)]
         fast = [c["seconds"] for c in after_ready if c["status"] == 503 and c["code"] == "server_overloaded"]
-        served_after = [c for c in calls if c["status"] == 200 and refusals and c["start"] > refusals[-1]["start"]]
+        served_after = [
+            c for c in calls if c["status"] == 200 and refusals and c["start"] > refusals[-1]["start"]
+        ]
         m = server.metrics()
         figures: dict[str, Any] = {
             "faults": count,
@@ -211,7 +221,9 @@ def run_prompt(streams: int = 8, max_tokens: int = 48) -> dict[str, Any]:
         def wave(extra: Callable[[list[list[float]]], None] | None) -> list[dict[str, Any]]:
             marks: list[list[float]] = [[] for _ in range(streams)]
             with ThreadPoolExecutor(streams) as pool:
-                futures = [pool.submit(_stream, client, model, i, max_tokens, marks[i]) for i in range(streams)]
+                futures = [
+                    pool.submit(_stream, client, model, i, max_tokens, marks[i]) for i in range(streams)
+                ]
                 if extra is not None:
                     extra(marks)
                 return [f.result(timeout=300) for f in futures]
@@ -228,7 +240,9 @@ def run_prompt(streams: int = 8, max_tokens: int = 48) -> dict[str, Any]:
         m = server.metrics()
         health = httpx.get(server.url + "/health", timeout=10).json()
         idle = wait_idle(server)
-    same = sum(a.get("text") == b.get("text") and a["ok"] and b["ok"] for a, b in zip(calm, faulted, strict=True))
+    same = sum(
+        a.get("text") == b.get("text") and a["ok"] and b["ok"] for a, b in zip(calm, faulted, strict=True)
+    )
     return {
         "streams": streams,
         "calm_completed": sum(c["ok"] for c in calm),

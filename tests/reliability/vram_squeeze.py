@@ -33,7 +33,7 @@ from typing import Any
 
 import harness  # noqa: F401 - tests/ and tests/integration on sys.path
 import httpx
-from harness import scrape, total
+from harness import pct, scrape, total
 from serverproc import _read_listen_line, wait_ready
 
 MiB = 1 << 20
@@ -56,18 +56,32 @@ time.sleep(hold)
 
 
 def streams(
-    url: str, stop: threading.Event, counts: Counter[str], lock: threading.Lock, i: int, max_tokens: int
+    url: str,
+    stop: threading.Event,
+    counts: Counter[str],
+    lock: threading.Lock,
+    i: int,
+    max_tokens: int,
+    refusals: list[float],
+    prompt_words: int = 0,
 ) -> None:
+    """One client in a loop; `refusals` gets the seconds each 429/503 took to arrive (the client's
+    clock, from sending the request to its status line)."""
+    filler = " ".join(f"river{(i * 7 + w) % 997}" for w in range(prompt_words))
     body = {
         "model": "x",
-        "messages": [{"role": "user", "content": f"Write a long story number {i}."}],
+        "messages": [{"role": "user", "content": f"Write a long story number {i}. {filler}"}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
     }
     while not stop.is_set():
+        sent = time.monotonic()
         try:
             with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+                if r.status_code in (429, 503):
+                    with lock:
+                        refusals.append(time.monotonic() - sent)
                 text = "".join(r.iter_text())
             if r.status_code == 200:
                 kind = "completed" if "[DONE]" in text else f"error_event:{_error_code(text)}"
@@ -100,6 +114,23 @@ def _refusal_code(text: str) -> str:
     return str(err.get("code") or err.get("type") or "unknown")
 
 
+def _p99_bucket(m: dict[str, float]) -> float:
+    """The upper bound of the histogram bucket that holds the server's p99 time to a refusal."""
+    n = total(m, "ballast_refusal_seconds_count")
+    if n <= 0:
+        return float("nan")
+    bounds = sorted(
+        {float(k.split('le="')[1].split('"')[0]) for k in m if k.startswith("ballast_refusal_seconds_bucket")}
+    )
+    for le in bounds:
+        if (
+            total(m, "ballast_refusal_seconds_bucket", le=repr(le) if le != float("inf") else "+Inf")
+            >= 0.99 * n
+        ):
+            return le
+    return float("inf")
+
+
 def _per_gpu(m: dict[str, float]) -> dict[str, float]:
     """Every GPU's free VRAM (MiB) and level on this scrape."""
     gpus = sorted({k.split('gpu="')[1].split('"')[0] for k in m if 'gpu="' in k})
@@ -122,6 +153,8 @@ def run_mode(
     device: str = "cuda",
     progress: bool = True,
     log: Path | None = None,
+    prompt_words: int = 0,
+    clients: int = 0,
 ) -> dict[str, Any]:
     """hog_gpu None: no second process (the CPU check of the script). `progress` prints the
     timeline every 10 s; `log` gets the server's output when the mode ends."""
@@ -151,6 +184,7 @@ def run_mode(
     counts: Counter[str] = Counter()
     lock, stop = threading.Lock(), threading.Event()
     timeline: list[dict[str, float]] = []
+    refusals: list[float] = []
     hog = None
     try:
         started = time.monotonic()
@@ -159,9 +193,11 @@ def run_mode(
         if progress:
             print(f"  server ready in {time.monotonic() - started:.0f} s", flush=True)
         threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
-        for i in range(streams_n + 8):  # more than the slots: new ones keep arriving
+        for i in range(clients or streams_n + 8):  # more than the slots: new ones keep arriving
             threading.Thread(
-                target=streams, args=(url, stop, counts, lock, i, max_tokens), daemon=True
+                target=streams,
+                args=(url, stop, counts, lock, i, max_tokens, refusals, prompt_words),
+                daemon=True,
             ).start()
         t0 = time.monotonic()
         while time.monotonic() - t0 < 10 + hog_s + hold_s + 30:
@@ -216,6 +252,7 @@ def run_mode(
             time.sleep(1.0)
         stop.set()
         alive = proc.poll() is None
+        final = scrape(url) if alive else {}
         served = (
             alive
             and httpx.post(
@@ -230,7 +267,13 @@ def run_mode(
         # handled. Any other OOM line, or an outcome other than done / 429 / 503, reached a client.
         handled = [ln for ln in oom if "could not be allocated" in ln]
         # A retryable end (the server's _RETRYABLE codes) is clean; anything else reached a client.
-        retryable = ("server_overloaded", "queue_full", "queue_wait_exceeded", "engine_step_failed")
+        retryable = (
+            "server_overloaded",
+            "queue_full",
+            "queue_wait_exceeded",
+            "engine_step_failed",
+            "engine_stalled",
+        )
         client_errors = {
             k: v
             for k, v in counts.items()
@@ -252,6 +295,14 @@ def run_mode(
             "oom_unhandled_in_log": len(oom) - len(handled),
             "client_errors": client_errors,
             "max_level": max((x["level"] for x in timeline), default=-1),
+            # Time to a refusal: the client's clock, and the server's own histogram
+            "refusals": len(refusals),
+            "refusal_client_p50_s": pct(refusals, 50),
+            "refusal_client_p99_s": pct(refusals, 99),
+            "refusal_client_max_s": max(refusals, default=float("nan")),
+            "refusal_server_count": total(final, "ballast_refusal_seconds_count"),
+            "refusal_server_under_100ms": total(final, "ballast_refusal_seconds_bucket", le="0.1"),
+            "refusal_server_p99_bucket_s": _p99_bucket(final),
             "timeline": timeline,
         }
     finally:
@@ -279,6 +330,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=2000)
     ap.add_argument("--hog-s", type=float, default=30, help="seconds the hog takes to fill")
     ap.add_argument("--hold-s", type=float, default=30, help="seconds the hog holds what it took")
+    ap.add_argument("--prompt-words", type=int, default=0, help="filler words per prompt (~1.3 tokens each)")
+    ap.add_argument("--clients", type=int, default=0, help="client threads (default: streams + 8)")
     a = ap.parse_args()
     import torch
 
@@ -300,6 +353,8 @@ def main() -> None:
             a.hog_gpu if a.device == "cuda" else None,
             a.device,
             log=log,
+            prompt_words=a.prompt_words,
+            clients=a.clients,
         )
         print({k: v for k, v in r.items() if k != "timeline"}, flush=True)
         results.append(r)
