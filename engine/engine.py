@@ -295,6 +295,9 @@ class Engine:
     def new_detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> Detokenizer:
         return self.tokenizer.new_detokenizer(prompt_ids, stop)
 
+    def abandon(self) -> None:
+        self.runner.abandon()
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
         self.runner.release_graphs()

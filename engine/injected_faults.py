@@ -10,7 +10,9 @@ Off unless set. The setting is a JSON list of objects, e.g.
 - `after_steps`: steps with work (a forward) that run clean first, default 0;
 - `count`: how many steps it hits, default 1; -1 = every matching step from then on;
 - `when`: `prefill` (a step carrying a prompt chunk), `decode` (a step of decode tokens only)
-  or `any` (default).
+  or `any` (default);
+- `rank`: under tensor parallel, the rank whose steps it hits (default 0, the server's own; a
+  worker's `oom` or `device_error` ends that worker, which rank 0 sees as a lost peer).
 
 The faults fire on the engine thread right before the model's forward, where a real stuck kernel
 or a failed activation allocation would.
@@ -32,7 +34,8 @@ log = logging.getLogger(__name__)
 KINDS = ("hang", "oom", "device_error", "slow")
 WHENS = ("prefill", "decode", "any")
 _DEFAULT_SECONDS = {"hang": 3600.0, "slow": 0.1}
-_FIELDS = {"kind", "after_steps", "count", "when", "seconds"}
+_FIELDS = {"kind", "after_steps", "count", "when", "seconds", "rank"}
+MAX_RANK = 7
 _LABEL = "--faults (BALLAST_FAULTS)"
 
 
@@ -43,6 +46,7 @@ class FaultSpec:
     count: int = 1  # -1: forever
     when: str = "any"
     seconds: float = 0.0
+    rank: int = 0
 
     def matches(self, prefill: bool) -> bool:
         return self.when == "any" or (self.when == "prefill") == prefill
@@ -84,7 +88,10 @@ def _spec(i: int, entry: object) -> FaultSpec:
         raise ConfigError(f"{where}: count must be an integer >= 1, or -1 for forever; got {count!r}")
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds <= 86400:
         raise ConfigError(f"{where}: seconds must be a number in 0..86400, got {seconds!r}")
-    return FaultSpec(kind, after, count, when, float(seconds))
+    rank = entry.get("rank", 0)
+    if not _is_int(rank) or not 0 <= rank <= MAX_RANK:
+        raise ConfigError(f"{where}: rank must be an integer in 0..{MAX_RANK}, got {rank!r}")
+    return FaultSpec(kind, after, count, when, float(seconds), rank)
 
 
 def _is_int(value: object) -> bool:
@@ -94,8 +101,9 @@ def _is_int(value: object) -> bool:
 class FaultInjector:
     """Counts the steps with work and fires the faults whose turn it is. Engine thread only."""
 
-    def __init__(self, specs: tuple[FaultSpec, ...], device: torch.device) -> None:
-        self._specs = specs
+    def __init__(self, specs: tuple[FaultSpec, ...], device: torch.device, rank: int = 0) -> None:
+        self._specs = tuple(spec for spec in specs if spec.rank == rank)
+        self._rank = rank
         self._fired = [0] * len(specs)
         self._on_cuda = device.type == "cuda"
         self.steps = 0  # steps with work seen so far
@@ -113,10 +121,12 @@ class FaultInjector:
             self._fire(spec, step)
 
     def _fire(self, spec: FaultSpec, step: int) -> None:
-        what = f"injected by BALLAST_FAULTS at step {step}"
+        what = f"injected by BALLAST_FAULTS at rank {self._rank}'s step {step}"
         if spec.kind in ("hang", "slow"):
             if spec.kind == "hang":
-                log.warning("fault injection: step %d hangs for %.0f s", step, spec.seconds)
+                log.warning(
+                    "fault injection: rank %d's step %d hangs for %.0f s", self._rank, step, spec.seconds
+                )
             time.sleep(spec.seconds)
         elif spec.kind == "oom":
             if self._on_cuda:

@@ -258,6 +258,11 @@ class ModelRunner:
         """Let go of what outlives the engine thread (a tensor-parallel runner's workers)."""
         return None
 
+    def abandon(self) -> None:
+        """The engine thread is stuck in a step: end at once what would outlive this process
+        without waiting for that thread (a tensor-parallel runner's workers)."""
+        return None
+
     @property
     def pools(self) -> list[KVPool]:
         return [p for p in (self.kv, self.kv_int8) if p is not None]

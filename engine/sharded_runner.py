@@ -160,3 +160,6 @@ class ShardedRunner(ModelRunner):
 
     def close(self) -> None:
         self.workers.close()
+
+    def abandon(self) -> None:
+        self.workers.kill()

@@ -192,6 +192,20 @@ class TPWorkers:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def kill(self, grace_s: float = 2.0) -> None:
+        """End every worker now, from any thread, without a Stop or a collective (rank 0's engine
+        thread is stuck in a step, maybe in a collective with them): no rank is left spinning
+        in one after this process exits."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(grace_s)
+
     def _abort(self) -> None:
         with self._abort_lock:
             if self._aborted or not dist.is_initialized():

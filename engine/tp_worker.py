@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ballast.engine.config import EngineConfig
+from ballast.engine.injected_faults import FaultInjector
 from ballast.engine.runner import ModelRunner, profile_prefill, weights_bytes
 from ballast.engine.shard_checkpoints import CheckpointOp, ShardCheckpoints
 from ballast.engine.tp_graphs import (
@@ -227,7 +228,7 @@ def worker_main(
         scratch_slot=config.decode_graphs(device),  # as rank 0's runner: the same slot states
         segment_bytes=config.kv_segment_bytes,
     )
-    serve(runner, conn)
+    serve(runner, conn, FaultInjector(config.fault_specs, device, rank))
     dist.destroy_process_group()
 
 
@@ -237,9 +238,10 @@ def shard_checkpoints(runner: ModelRunner) -> ShardCheckpoints:
     return ShardCheckpoints(runner.states, stores, runner.device)
 
 
-def serve(runner: ModelRunner, conn: Connection) -> None:
+def serve(runner: ModelRunner, conn: Connection, faults: FaultInjector) -> None:
     """Run rank 0's forwards until it says Stop or goes away. A failure here ends the process:
-    rank 0 sees its peer gone in the next collective and calls the engine unsound."""
+    rank 0 sees its peer gone in the next collective and calls the engine unsound. `faults`:
+    what BALLAST_FAULTS injects into this rank's steps."""
     checkpoints = shard_checkpoints(runner)
     while True:
         try:
@@ -256,12 +258,16 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
         elif isinstance(msg, ReportGraphs):
             conn.send(report(runner))
         else:
-            step(runner, checkpoints, msg)
+            step(runner, checkpoints, msg, faults)
 
 
-def step(runner: ModelRunner, checkpoints: ShardCheckpoints, msg: StepMessage) -> None:
+def step(
+    runner: ModelRunner, checkpoints: ShardCheckpoints, msg: StepMessage, faults: FaultInjector | None = None
+) -> None:
     """Rank 0's forward on this shard: the graph it replays, or eagerly."""
     apply_changes(runner, checkpoints, msg)
+    if faults is not None and msg.rows:
+        faults.before_forward(prefill=any(len(tokens) > 1 for _, tokens, _ in msg.rows))
     if msg.graph is not None:
         replay_as_rank0(runner, msg.rows, msg.graph)
         return

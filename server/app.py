@@ -180,9 +180,10 @@ def _lifespan(
             await loader  # a load in progress runs to its end so its engine can be shut down
             if state.scheduler is not None:
                 await state.scheduler.stop()
-            if state.scheduler is not None and state.scheduler.stalled is not None:
+            if state.engine is not None and state.scheduler is not None and state.scheduler.stalled:
                 # Its thread is stuck in the step: waiting for it would hang the exit forever.
                 log.error("not shutting the engine down: its thread is stuck in a step")
+                await asyncio.to_thread(state.engine.abandon)
             elif state.engine is not None:
                 await asyncio.to_thread(state.engine.shutdown)
             if state.memwatch is not None:

@@ -265,6 +265,9 @@ class FakeEngine:
     def healthy(self) -> bool:
         return self._failure is None
 
+    def abandon(self) -> None:
+        return None  # nothing outlives this process
+
     def shutdown(self) -> None:
         self.allow_steps(None)  # a step waiting at the gate runs, so the thread can end
         self._pool.shutdown(wait=True)

@@ -11,7 +11,10 @@
   complete with the tokens of a calm run of the same prompts on the same server, and the prompt
   is served too.
 
-    python tests/reliability/persistent_faults.py [--scenario hang|oom|prompt|all] [--out f.json]
+- tp_hang: under tensor parallel on the CPU (two ranks, gloo), rank 1's step hangs: rank 0 waits in
+  the all-reduce until its watchdog fires; the clients get their 503s and no worker outlives it.
+
+    python tests/reliability/persistent_faults.py [--scenario hang|tp_hang|oom|prompt|all] [--out f.json]
 """
 
 from __future__ import annotations
@@ -101,11 +104,20 @@ def _stream(client: openai.OpenAI, model: str, i: int, max_tokens: int, marks: l
         }
 
 
-def run_hang(watchdog_s: float = 1.0, streams: int = 3, queued: int = 2) -> dict[str, Any]:
-    faults = [{"kind": "hang", "after_steps": 30, "when": "decode", "seconds": 600}]
+def run_hang(watchdog_s: float = 1.0, streams: int = 3, queued: int = 2, ranks: int = 1) -> dict[str, Any]:
+    """ranks 2: tensor parallel over two CPU processes (gloo), the hang in rank 1's step: rank 0
+    waits in the step's all-reduce until its watchdog fires, and no worker may outlive it."""
+    faults = [{"kind": "hang", "after_steps": 30, "when": "decode", "seconds": 600, "rank": ranks - 1}]
     args = ["--max-num-seqs", str(streams), "--step-watchdog-s", str(watchdog_s)]
+    if ranks > 1:
+        args += ["--tensor-parallel-size", str(ranks), "--device", "cpu"]
     with ballast_serve(args, env={"BALLAST_FAULTS": json.dumps(faults)}) as server:
         client, model = _client(server)
+        workers = [
+            p
+            for p in psutil.Process(server.pid).children(recursive=True)
+            if "ballast" in " ".join(p.cmdline()) or p.name().startswith("python")
+        ]
         probe = Probe(server.url)
         marks: list[list[float]] = [[] for _ in range(streams)]
         with ThreadPoolExecutor(streams + queued) as pool:
@@ -118,7 +130,11 @@ def run_hang(watchdog_s: float = 1.0, streams: int = 3, queued: int = 2) -> dict
         exit_code = psutil.Process(server.pid).wait(timeout=60)
         probe.stop()
         health = probe.first("/health", 503)
+        _, alive = psutil.wait_procs(workers, timeout=10)
     return {
+        "ranks": ranks,
+        "workers": len(workers),
+        "workers_alive_after_exit": len(alive),
         "watchdog_s": watchdog_s,
         "clients": len(ends),
         "clients_engine_stalled": sum(e.get("code") == "engine_stalled" for e in ends),
@@ -258,12 +274,14 @@ def run_prompt(streams: int = 8, max_tokens: int = 48) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="scenario 6: faults that persist (BALLAST_FAULTS)")
-    ap.add_argument("--scenario", choices=("hang", "oom", "prompt", "all"), default="all")
+    ap.add_argument("--scenario", choices=("hang", "tp_hang", "oom", "prompt", "all"), default="all")
     ap.add_argument("--out")
     a = ap.parse_args()
     figures: dict[str, Any] = {}
     if a.scenario in ("hang", "all"):
         figures["hang"] = run_hang()
+    if a.scenario in ("tp_hang", "all"):
+        figures["tp_hang"] = run_hang(ranks=2)
     if a.scenario in ("oom", "all"):
         figures["oom_finite"] = run_oom(count=6)
         figures["oom_forever"] = run_oom(count=-1, seconds=6.0)

@@ -36,3 +36,11 @@ def test_a_prompt_failing_on_memory_costs_only_itself() -> None:
     assert f["calm_completed"] == f["faulted_completed"] == f["same_text_as_calm"] == 8, f
     assert f["newcomer_ok"] and f["requests_failed_on_metrics"] == 0, f
     assert f["idle_slots_active"] == f["idle_queue_depth"] == f["idle_kv_blocks_used"] == 0, f
+
+
+def test_a_hung_rank_under_tensor_parallel_ends_every_request_and_leaves_no_worker() -> None:
+    f = persistent_faults.run_hang(watchdog_s=1.0, streams=3, queued=2, ranks=2)
+    assert f["clients_engine_stalled"] == f["clients"] == 5, f
+    assert f["detect_s_max"] <= f["deadline_s"] + 1.0, f
+    assert f["health_503_code"] == "engine_stalled" and f["exit_code"] == 1, f
+    assert f["workers"] >= 1 and f["workers_alive_after_exit"] == 0, f  # none left in a collective
