@@ -238,7 +238,7 @@ def shard_checkpoints(runner: ModelRunner) -> ShardCheckpoints:
     return ShardCheckpoints(runner.states, stores, runner.device)
 
 
-def serve(runner: ModelRunner, conn: Connection, faults: FaultInjector) -> None:
+def serve(runner: ModelRunner, conn: Connection, faults: FaultInjector | None = None) -> None:
     """Run rank 0's forwards until it says Stop or goes away. A failure here ends the process:
     rank 0 sees its peer gone in the next collective and calls the engine unsound. `faults`:
     what BALLAST_FAULTS injects into this rank's steps."""
