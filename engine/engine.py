@@ -295,6 +295,8 @@ class Engine:
         self.runner.release_graphs()
         self._cache.shed()  # buffers back to the pool, which the owner trims
         self._cache.unpark_all()
+        if self._pool is not None:
+            self._pool.free_copied(wait=True)  # nothing runs any more: wait for the last copies
         for pool in self.runner.pools:
             pool.close()  # segments' grants (ledger leases) released
         for lease in self._leases:
@@ -373,6 +375,8 @@ class Engine:
         if not self._healthy:
             raise EngineUnhealthy("an earlier step failed; restart the engine")
         self.slot_kv.begin_step()
+        if self._pool is not None:
+            self._pool.free_copied()  # checkpoint buffers let go of whose copies have run since
         self._orders.shed(plan)
         self._apply_releases(plan)
         self._cache.before_writes(_written_slots(plan))  # checkpoint copies still reading them
