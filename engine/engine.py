@@ -77,7 +77,6 @@ class Engine:
         self,
         config: EngineConfig,
         watch: MemWatch | None = None,
-        force_quantized_kv: bool = False,
         *,
         prefix_cache: PrefixCacheConfig | None = None,
         pool: CheckpointPool | None = None,
@@ -109,7 +108,7 @@ class Engine:
         self._settled: dict[int, tuple[int, int]] = {}
         # Loading touches tensors, so it too runs on the engine thread.
         try:
-            parts = self._executor.submit(self._load, force_quantized_kv).result()
+            parts = self._executor.submit(self._load).result()
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
@@ -120,25 +119,18 @@ class Engine:
         cls,
         config: EngineConfig,
         watch: MemWatch | None = None,
-        force_quantized_kv: bool = False,
         *,
         prefix_cache: PrefixCacheConfig | None = None,
         pool: CheckpointPool | None = None,
     ) -> Engine:
-        """Load the model, profile a prefill, allocate slot states. force_quantized_kv: the ladder's
-        plan at load asks for int8 KV (also on when config.kv_quant is int8). prefix_cache: the
-        checkpoint cache's settings (default: on); pool: where its buffers come from and go back to."""
-        return cls(config, watch, force_quantized_kv, prefix_cache=prefix_cache, pool=pool)
+        """Load the model, profile a prefill, allocate slot states (the main KV pool in
+        config.kv_quant's format). prefix_cache: the checkpoint cache's settings (default: on);
+        pool: where its buffers come from and go back to."""
+        return cls(config, watch, prefix_cache=prefix_cache, pool=pool)
 
-    def _load(self, force_quantized_kv: bool) -> Parts:
+    def _load(self) -> Parts:
         return bring_up(
-            self.config,
-            self.device,
-            self.dtype,
-            self._watch,
-            self.dies,
-            lambda: self.gpu_die,
-            force_quantized_kv,
+            self.config, self.device, self.dtype, self._watch, self.dies, lambda: self.gpu_die
         )
 
     @property
