@@ -129,9 +129,7 @@ class Engine:
         return cls(config, watch, prefix_cache=prefix_cache, pool=pool)
 
     def _load(self) -> Parts:
-        return bring_up(
-            self.config, self.device, self.dtype, self._watch, self.dies, lambda: self.gpu_die
-        )
+        return bring_up(self.config, self.device, self.dtype, self._watch, self.dies, lambda: self.gpu_die)
 
     @property
     def dies(self) -> list[int]:
