@@ -51,18 +51,19 @@ def test_a_checkpoint_buffer_dropped_behind_a_slow_copy_costs_the_engine_thread_
         torch.cuda._sleep(BUSY_CYCLES)  # the step's stream is busy for about a second
         assert cache.save(0, prompt)  # its copy to the pinned buffer is queued behind the kernel
         entry = next(iter(cache._entries.values()))
+        assert entry.buf is not None and entry.buf.numel() == nbytes  # the buffer reserved above
         done, buf = entry.done, weakref.ref(entry.buf)
         del entry
         assert done is not None and not done.query()
         # The ladder's WATCH rung: the prefix cache is shed and the pool trimmed to nothing.
-        eng.step(StepPlan(release=(0,), shed_prefix_cache=True))
+        eng.step(StepPlan(shed_prefix_cache=True))
         assert not done.query()  # the drop returned while the copy is still queued
         s = pool.stats()
         assert s.buffers == 0 and s.pending_free_bytes == nbytes and s.bytes_held == nbytes
         assert buf() is not None  # still held: its copy has not run
 
         torch.cuda.synchronize()
-        eng.step(StepPlan())  # between steps: its copy has run, so it is freed now
+        eng.step(StepPlan(release=(0,)))  # the next step: its copy has run, so it is freed now
         assert buf() is None
         pool.unpinner.wait()
         s = pool.stats()
