@@ -79,7 +79,6 @@ class Engine:
         self,
         config: EngineConfig,
         watch: MemWatch | None = None,
-        force_quantized_kv: bool = False,
         *,
         prefix_cache: PrefixCacheConfig | None = None,
         pool: CheckpointPool | None = None,
@@ -114,7 +113,7 @@ class Engine:
         self._settled: dict[int, tuple[int, int]] = {}
         # Loading touches tensors, so it too runs on the engine thread.
         try:
-            parts = self._executor.submit(self._load, force_quantized_kv).result()
+            parts = self._executor.submit(self._load).result()
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
@@ -125,26 +124,17 @@ class Engine:
         cls,
         config: EngineConfig,
         watch: MemWatch | None = None,
-        force_quantized_kv: bool = False,
         *,
         prefix_cache: PrefixCacheConfig | None = None,
         pool: CheckpointPool | None = None,
     ) -> Engine:
-        """Load the model, profile a prefill, allocate slot states. force_quantized_kv: the ladder's
-        plan at load asks for int8 KV (also on when config.kv_quant is int8). prefix_cache: the
-        checkpoint cache's settings (default: on); pool: where its buffers come from and go back to."""
-        return cls(config, watch, force_quantized_kv, prefix_cache=prefix_cache, pool=pool)
+        """Load the model, profile a prefill, allocate slot states (the main KV pool in
+        config.kv_quant's format). prefix_cache: the checkpoint cache's settings (default: on);
+        pool: where its buffers come from and go back to."""
+        return cls(config, watch, prefix_cache=prefix_cache, pool=pool)
 
-    def _load(self, force_quantized_kv: bool) -> Parts:
-        return bring_up(
-            self.config,
-            self.device,
-            self.dtype,
-            self._watch,
-            self.dies,
-            lambda: self.gpu_die,
-            force_quantized_kv,
-        )
+    def _load(self) -> Parts:
+        return bring_up(self.config, self.device, self.dtype, self._watch, self.dies, lambda: self.gpu_die)
 
     @property
     def dies(self) -> list[int]:
@@ -303,6 +293,8 @@ class Engine:
         self.runner.release_graphs()
         self._cache.shed()  # buffers back to the pool, which the owner trims
         self._cache.unpark_all()
+        if self._pool is not None:
+            self._pool.free_copied(wait=True)  # nothing runs any more: wait for the last copies
         for pool in self.runner.pools:
             pool.close()  # segments' grants (ledger leases) released
         for lease in self._leases:
@@ -383,6 +375,8 @@ class Engine:
         if not self._healthy:
             raise EngineUnhealthy("an earlier step failed; restart the engine")
         self.slot_kv.begin_step()
+        if self._pool is not None:
+            self._pool.free_copied()  # checkpoint buffers let go of whose copies have run since
         self._orders.shed(plan)
         self._apply_releases(plan)
         self._cache.before_writes(_written_slots(plan))  # checkpoint copies still reading them

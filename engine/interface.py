@@ -58,7 +58,7 @@ class EngineLike(Protocol):
     recurrent_state: bool
     cost_model: CostModel
     tokenizer: TokenizerLike
-    quantized_kv: bool  # the main KV pool holds int8 (configured, or the ladder's plan at load)
+    quantized_kv: bool  # the main KV pool holds int8 (--kv-quant int8)
     gpu_die: int | None  # the GPU whose ledger admission checks (None: the engine runs on the host)
     # It runs a decode plan submitted before the last step's tokens are back (LAST_SAMPLED): not
     # under tensor parallel, where the other ranks would need the sampled tokens first.

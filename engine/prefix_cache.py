@@ -517,9 +517,13 @@ class PrefixCache:
             self.journal.append(CheckpointOp("drop", e.key))
         if self._kv is not None and e.blocks:
             self._kv.drop(e.blocks)
+        if e.buf is None:
+            return
         self._copies.after(e.done)  # the next owner of the buffer comes after its copies
-        if self._pool is not None and e.buf is not None:
-            self._pool.put(e.buf)  # a declined buffer is freed when its last reference goes
+        if self._pool is not None:
+            # The fence follows the save's copies and every restore that read the buffer: a buffer
+            # the pool declines or drops is freed once it completes, never by waiting here.
+            self._pool.put(e.buf, self._copies.fence())
 
     def _sync(self) -> None:
         if self._cuda:

@@ -219,8 +219,9 @@ class ModelRunner:
         lm = as_causal_lm(model)
         specs = lm.layer_specs(1 if quantized_kv else dtype_bytes(dtype))
         self._state_slots = num_slots + int(scratch_slot)
-        # The main store in the load-time format; an int8 one beside it (address space only until
-        # a sequence needs it) for sequences the ladder starts in int8 at WATCH and worse.
+        # The main store in the configured format (--kv-quant); an int8 one beside it (address
+        # space only until a sequence needs it) for sequences the ladder starts in int8 at WATCH
+        # and worse.
         main = kv_store_for(
             specs, self._state_slots, max_model_len, device, dtype, quantized_kv, segment_bytes
         )

@@ -34,13 +34,12 @@ def bring_up(
     watch: MemWatch | None,
     dies: list[int],
     gpu_die: Callable[[], int | None],
-    force_quantized_kv: bool,
 ) -> Parts:
     """dies: every GPU the engine's ranks use (empty on the host); gpu_die: the one admission
     checks, asked once the model is loaded (under tensor parallel, the die with the lowest
     ceiling)."""
     pointwise.set_enabled(cfg.compile)  # the decode graphs' capture compiles them
-    quantized = force_quantized_kv or cfg.kv_quant == "int8"
+    quantized = cfg.kv_quant == "int8"  # the operator's choice alone: never the level at load
     workers = None
     if cfg.tensor_parallel_size > 1:
         loaded, workers = tensor_parallel.load_sharded(cfg, device, dtype, quantized, watch)

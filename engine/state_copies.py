@@ -15,7 +15,8 @@ On CUDA a checkpoint's device-to-host copy runs on a side stream and the host ne
 Either way two more users order themselves after `done`, on the device: a restore from the buffer
 (the step's stream waits for that checkpoint's `done`), and the buffer going back to the pool (the
 step's stream waits first, so its next owner - a save, ordered after the step's stream by its own
-event, or a parked sequence's copy on the step's stream - finds the copy complete).
+event, or a parked sequence's copy on the step's stream - finds the copy complete; and it goes back
+with a `fence` behind that wait, so the pool frees it only once no copy can touch it).
 On the CPU the copies are plain synchronous copies and there is no event.
 """
 
@@ -111,6 +112,17 @@ class StateCopies:
         """The step's stream waits for one save's copies (its buffer is read or given back next)."""
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
+
+    def fence(self) -> torch.cuda.Event | None:
+        """An event behind everything the step's stream has queued: the copies `after` made it
+        wait for, and every restore that read a buffer. A buffer given back with it is freed only
+        once it completes (`CheckpointPool.free_copied`): unpinning a buffer a copy still uses
+        would block the engine thread until the copy ran. None on the CPU (copies are done)."""
+        if not self._cuda:
+            return None
+        fence = torch.cuda.Event()
+        fence.record(torch.cuda.current_stream(self.device))
+        return fence
 
     def pending_slots(self) -> frozenset[int]:
         """Slots whose state a direct copy may still be reading (no write may reach them unsettled)."""

@@ -151,8 +151,17 @@ class PoolCollector(_Described):
         yield CounterMetricFamily(
             "ballast_checkpoint_pool_trimmed_bytes", "Bytes released by trim", value=p.trimmed_bytes
         )
-        yield _gauge("ballast_checkpoint_pool_bytes", "Bytes held in pooled buffers", p.bytes_held)
-        yield _gauge("ballast_checkpoint_pool_buffers", "Buffers held", p.buffers)
+        yield _gauge(
+            "ballast_checkpoint_pool_bytes",
+            "Bytes held: pooled buffers and those pending free (the next gauge)",
+            p.bytes_held,
+        )
+        yield _gauge(
+            "ballast_checkpoint_pool_pending_free_bytes",
+            "Of the bytes held, buffers let go of and freed once their device copies have run",
+            p.pending_free_bytes,
+        )
+        yield _gauge("ballast_checkpoint_pool_buffers", "Buffers pooled (not those pending free)", p.buffers)
         yield _gauge(
             "ballast_checkpoint_pool_high_water_bytes",
             "Most bytes ever held (not reset by trim)",

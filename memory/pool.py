@@ -24,6 +24,15 @@ Policy, where every cap degrades to "no pool" (today's behaviour), never to some
 - reserve(nbytes, count) fills the pool ahead of need (at load: a fresh pinned buffer costs far more
   than the copy into it, and a burst of checkpoints would pay that inside steps) and keeps that many
   warm: an idle trim leaves them, trim(0) (pressure, a failed allocation) and the byte cap do not.
+
+Frees never wait on the device. Freeing a pinned buffer (cudaHostUnregister) blocks its caller
+while device copies into or out of it run (1,071 ms to drop a 1 GiB buffer behind 1 s of GPU work,
+H200). So put() takes the buffer's `fence`, an event behind every device copy that may still touch
+it; a buffer the pool lets go of (declined, displaced, trimmed) while its fence is pending waits on
+a pending-free list, and `free_copied()` (between steps, in every trim, and at shutdown) drops
+those whose fence has completed; a pinned buffer dropped is unregistered and unmapped by the pool's
+`Unpinner` thread, never by the thread that let it go. Until then its bytes still count as held
+(`bytes_held` includes `pending_free_bytes`), against the cap too.
 """
 
 from __future__ import annotations
@@ -33,9 +42,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-from ballast.memory.pinned import pinned
+from ballast.memory.pinned import Unpinner, pinned
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +56,14 @@ _ABSURD_TOTAL_BYTES = 1 << 50
 Allocate = Callable[[int, bool], torch.Tensor]
 
 
+class Fence(Protocol):
+    """Completes once every device copy issued before it has run (a `torch.cuda.Event`)."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
 class PoolMisuse(ValueError):
     """A caller broke the pool's contract (a buffer put twice, a view, a wrong dtype): a bug."""
 
@@ -54,8 +72,8 @@ class PoolMisuse(ValueError):
 class PoolStats:
     hits: int
     misses: int
-    bytes_held: int
-    buffers: int
+    bytes_held: int  # pooled buffers and those pending free: what the pool holds until really freed
+    buffers: int  # pooled (can be handed out)
     high_water_bytes: int  # never reset by trim
     high_water_buffers: int
     evictions: int  # pooled buffers displaced by a larger incoming one
@@ -64,16 +82,16 @@ class PoolStats:
     cap_bytes: int  # byte cap at the last put or trim
     pin_failures: int
     pinned: bool
-
-
-def _default_allocate(nbytes: int, pin: bool) -> torch.Tensor:
-    return pinned(nbytes) if pin else torch.empty(nbytes, dtype=torch.uint8)
+    # Let go of but not yet unmapped (part of bytes_held): waiting for their copies to run, or for
+    # the unpinner's thread.
+    pending_free_bytes: int = 0
 
 
 @dataclass(eq=False)  # identity: list.remove must find this entry, not compare tensors
 class _Entry:
     buf: torch.Tensor
     since: float  # clock() when pooled
+    fence: Fence | None = None  # device copies of buf may run until it completes (None: none)
 
     @property
     def size(self) -> int:
@@ -106,11 +124,15 @@ class CheckpointPool:
         self._max_buffers = max_buffers
         self._min_bytes = min_buffer_bytes
         self._pin = torch.cuda.is_available() if pin is None else pin
-        self._allocate_fn = allocate or _default_allocate
+        # Unpins the pool's buffers off the thread that frees them (`memory.pinned`).
+        self.unpinner = Unpinner()
+        self._allocate_fn = allocate or self._default_allocate
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: list[_Entry] = []
-        self._held = 0
+        self._held = 0  # bytes of _entries
+        self._pending: list[_Entry] = []  # let go of while their fence was pending (oldest first)
+        self._pending_bytes = 0
         self._hits = self._misses = self._evictions = self._declines = 0
         self._trimmed = self._pin_failures = 0
         self._hw_bytes = self._hw_buffers = 0
@@ -121,6 +143,9 @@ class CheckpointPool:
     @property
     def pinned(self) -> bool:
         return self._pin
+
+    def _default_allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
+        return pinned(nbytes, unpinner=self.unpinner) if pin else torch.empty(nbytes, dtype=torch.uint8)
 
     def cap_bytes(self) -> int:
         """The byte cap now: fraction x effective host total, 0 when the total is not known."""
@@ -134,7 +159,7 @@ class CheckpointPool:
             return PoolStats(
                 hits=self._hits,
                 misses=self._misses,
-                bytes_held=self._held,
+                bytes_held=self._held + self._pending_bytes + self.unpinner.pending_bytes,
                 buffers=len(self._entries),
                 high_water_bytes=self._hw_bytes,
                 high_water_buffers=self._hw_buffers,
@@ -144,11 +169,14 @@ class CheckpointPool:
                 cap_bytes=self._cap,
                 pin_failures=self._pin_failures,
                 pinned=self._pin,
+                pending_free_bytes=self._pending_bytes + self.unpinner.pending_bytes,
             )
 
     def get(self, nbytes: int, owned: torch.Tensor | None = None) -> torch.Tensor:
         """A buffer of at least nbytes: the caller's own if large enough, else the best-fitting
-        pooled one, else a fresh allocation. An undersized `owned` is offered back to the pool."""
+        pooled one, else a fresh allocation. An undersized `owned` is offered back to the pool.
+        A pooled buffer whose fence is pending is handed out too: its fence was recorded on the
+        stream that the next owner's copies are ordered after, so they run after the old ones."""
         if nbytes < 1:
             raise ValueError(f"get needs nbytes >= 1, got {nbytes}")
         if owned is not None and owned.numel() >= nbytes:
@@ -170,33 +198,73 @@ class CheckpointPool:
             self.put(owned)
         return found if found is not None else self._allocate(nbytes)
 
-    def put(self, buf: torch.Tensor) -> bool:
-        """Offer a buffer the caller no longer needs. True if pooled; False if declined, in which
-        case dropping the last reference frees it as if there were no pool. Never raises on a
-        decline: callers reach this from cleanup paths."""
+    def put(self, buf: torch.Tensor, fence: Fence | None = None) -> bool:
+        """Offer a buffer the caller no longer needs. `fence`: an event behind every device copy
+        that may still read or write it (None: none can). True if pooled; False if declined, and
+        then it is freed as if there were no pool: when the caller's last reference goes, or, while
+        its fence is pending, once `free_copied` finds it complete. Never raises on a decline:
+        callers reach this from cleanup paths."""
         self._check_buffer(buf)
         size = buf.numel()
         cap = self.cap_bytes()  # outside the lock: the callable may read a snapshot or a file
         with self._lock:
             self._cap = cap
-            if any(e.buf.data_ptr() == buf.data_ptr() for e in self._entries):
+            if any(e.buf.data_ptr() == buf.data_ptr() for e in (*self._entries, *self._pending)):
                 raise PoolMisuse("buffer is already pooled: it would be handed to two owners")
-            if size < self._min_bytes or size > cap or self._max_buffers == 0:
-                self._declines += 1
-                return False
-            victims = self._plan_displacement(size, cap)
+            entry = _Entry(buf, self._clock(), fence)
+            fits = size >= self._min_bytes and size <= cap and self._max_buffers > 0
+            victims = self._plan_displacement(size, cap) if fits else None
             if victims is None:
                 self._declines += 1
+                self._let_go([entry])
+                self._note_high_water()
                 return False
             for v in victims:
                 self._entries.remove(v)
                 self._held -= v.size
+            self._let_go(victims)
             self._evictions += len(victims)
-            self._entries.append(_Entry(buf, self._clock()))
+            self._entries.append(entry)
             self._held += size
-            self._hw_bytes = max(self._hw_bytes, self._held)
-            self._hw_buffers = max(self._hw_buffers, len(self._entries))
+            self._note_high_water()
         return True
+
+    def free_copied(self, wait: bool = False) -> int:
+        """Free the buffers let go of whose copies have run (a host query per buffer, no wait);
+        returns their bytes. wait: wait for every one's copies first, and until every pinned buffer
+        freed is unmapped (at shutdown, and when an allocation failed: then those bytes are worth
+        the wait)."""
+        if wait:
+            with self._lock:
+                fences = [e.fence for e in self._pending if e.fence is not None]
+            for fence in fences:  # outside the lock: a put from another thread is not held up
+                fence.synchronize()
+        with self._lock:
+            done: list[_Entry] = []
+            keep: list[_Entry] = []
+            for e in self._pending:
+                (done if e.fence is None or e.fence.query() else keep).append(e)
+            self._pending = keep
+            freed = sum(e.size for e in done)
+            self._pending_bytes -= freed
+        # Outside the lock: these were the buffers' last references, so their frees start here (a
+        # pinned one goes to the unpinner's thread).
+        done.clear()
+        if wait:
+            self.unpinner.wait()
+        return freed
+
+    def _let_go(self, entries: list[_Entry]) -> None:
+        """Buffers the pool keeps no longer: one a copy may still touch waits on the pending-free
+        list; the others are freed when the caller's last reference goes. Caller holds the lock."""
+        for e in entries:
+            if e.fence is not None and not e.fence.query():
+                self._pending.append(e)
+                self._pending_bytes += e.size
+
+    def _note_high_water(self) -> None:
+        self._hw_bytes = max(self._hw_bytes, self._held + self._pending_bytes + self.unpinner.pending_bytes)
+        self._hw_buffers = max(self._hw_buffers, len(self._entries))
 
     def reserve(self, nbytes: int, count: int) -> int:
         """Allocate buffers of nbytes into the pool until it holds `count` of at least that size
@@ -224,7 +292,8 @@ class CheckpointPool:
 
     def trim(self, max_idle_s: float) -> int:
         """Release buffers pooled at least max_idle_s ago (trim(0): all of them) except the warm
-        reserve, then the oldest until the pool fits the live byte cap. Returns the bytes released."""
+        reserve, then the oldest until the pool fits the live byte cap. Returns the bytes released
+        (freed now, or once their copies have run: see `free_copied`)."""
         if max_idle_s < 0:
             raise ValueError(f"max_idle_s must be >= 0, got {max_idle_s}")
         cap = self.cap_bytes()
@@ -250,13 +319,16 @@ class CheckpointPool:
             released = sum(e.size for e in dropped)
             self._held -= released
             self._trimmed += released
+            self._let_go(dropped)
+        self.free_copied()  # and what was let go of earlier, where its copies have run
         return released
 
     def _plan_displacement(self, size: int, cap: int) -> list[_Entry] | None:
         """The pooled buffers to evict so `size` fits both caps: smallest first and each smaller
         than the newcomer. [] if it fits as is; None if it cannot fit without evicting an equal or
         larger buffer (then nothing is evicted). Caller holds the lock."""
-        held, count = self._held, len(self._entries)
+        held = self._held + self._pending_bytes + self.unpinner.pending_bytes  # pending: still mapped
+        count = len(self._entries)
         victims: list[_Entry] = []
         for e in sorted(self._entries, key=lambda e: e.size):
             if held + size <= cap and count < self._max_buffers:
@@ -283,13 +355,18 @@ class CheckpointPool:
             return self._allocate_once(nbytes)
         except (RuntimeError, MemoryError) as e:
             # Pooled bytes may be exactly what stands between us and this allocation: give them
-            # back and retry once. A second failure is real and propagates.
+            # back and retry once, waiting for the copies of buffers pending free (the one wait
+            # worth taking: without those bytes the allocation fails). A second failure is real
+            # and propagates.
             released = self.trim(0)
+            released_later = self.free_copied(wait=True)
             log.warning(
-                "checkpoint buffer of %d bytes failed (%s); trimmed %d pooled bytes, retrying once",
+                "checkpoint buffer of %d bytes failed (%s); trimmed %d pooled bytes, freed %d bytes "
+                "once their copies had run, retrying once",
                 nbytes,
                 e,
                 released,
+                released_later,
             )
             return self._allocate_once(nbytes)
 

@@ -52,7 +52,7 @@ class GovernorSettings:
     psi_full_reject_pct: float
     retry_after_s: float
     gpu_die: int | None  # the die a GPU-resident engine's caches live on; None = host path
-    quantized_kv: bool = False  # the engine's slot caches hold quantized KV (fixed at load)
+    quantized_kv: bool = False  # the engine's main KV pool holds int8 (--kv-quant, fixed at load)
     # A polled snapshot older than this counts as unknown (0 = never): see `stale_reason`.
     stale_snapshot_s: float = 0.0
 

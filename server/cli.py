@@ -212,10 +212,10 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             linger.start()
 
     def load_engine() -> Engine:
-        # The ladder's plan when loading starts: at WATCH or worse the main KV pool is int8 from
-        # the start (new sequences would be int8 anyway, and every byte counts).
-        plan = _ladder_plan(watch.poll_now(), engine_cfg, sched_cfg)
-        return Engine.load(engine_cfg, watch, plan.force_quantized_kv, prefix_cache=prefix_cfg, pool=pool)
+        # The main KV pool's format is the operator's (--kv-quant), whatever the level at load: a
+        # PSI blip then must not make it int8 for the process's life. Pressure acts at run time,
+        # where the ladder starts new sequences in the int8 pool while WATCH lasts.
+        return Engine.load(engine_cfg, watch, prefix_cache=prefix_cfg, pool=pool)
 
     app = create_app(
         server_cfg,

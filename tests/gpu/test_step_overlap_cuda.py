@@ -1,7 +1,7 @@
 """On CUDA: decode graphs cover every batch up to max_num_seqs (128 here, and 100 padded to it),
-mixed prefill+decode steps run eagerly, launching a graph decode step waits for nothing on the
-device (every sampling option on), and overlapped steps give the tokens of steps run one at a
-time. Skips cleanly without CUDA."""
+a step no graph can serve (several prompt chunks beside decodes) runs eagerly, launching a graph
+decode step waits for nothing on the device (every sampling option on), and overlapped steps give
+the tokens of steps run one at a time. Skips cleanly without CUDA."""
 
 from __future__ import annotations
 
@@ -108,22 +108,33 @@ def test_a_decode_of_every_batch_up_to_max_num_seqs_replays_a_graph(
     assert tokens[0] == tokens[1]
 
 
-def test_a_mixed_prefill_and_decode_step_runs_eagerly(engines: tuple[Engine, Engine]) -> None:
-    """Mixed steps are not captured: their shape changes with every chunk, and a step carrying a
-    prefill chunk is bound by its matrix products, not by kernel launches."""
-    engine, _ = engines
-    graphs = engine.runner.graphs
-    assert graphs is not None
-    last = prefill(engine, [0])
-    replays = graphs.replays
-    plan = StepPlan(
-        prefills=(PrefillChunk(1, prompt(1), 0, True),),
-        decodes=(DecodeToken(0, last[0], PROMPT),),
-        sampling={0: GREEDY, 1: GREEDY},
-    )
-    assert len(engine.step(plan).outputs) == 2
-    assert graphs.replays == replays
-    release(engine, [0, 1])
+def test_a_step_no_graph_can_serve_runs_eagerly(engines: tuple[Engine, Engine]) -> None:
+    """Two prompt chunks beside a decode replay no graph: a decode graph takes one token per
+    sequence, a prefill graph one prompt chunk alone, and the two-graph replay one prompt chunk
+    beside decodes (where the times measured at capture say it pays, a lone prompt beside decodes
+    replays both: `tests/gpu/test_prefill_graphs_cuda.py`). Such steps are not captured: their
+    shape changes with every chunk, and a step carrying prompt chunks is bound by its matrix
+    products, not by kernel launches. The step's tokens are the eager engine's."""
+    with_graphs, eager = engines
+    runner = with_graphs.runner
+    graphs, prefill_graphs = runner.graphs, runner.prefill_graphs
+    assert graphs is not None and prefill_graphs is not None  # both kinds captured: neither serves it
+    tokens = []
+    for engine in (with_graphs, eager):
+        last = prefill(engine, [0])
+        replays = (graphs.replays, prefill_graphs.replays, runner.split_replays)
+        plan = StepPlan(
+            prefills=(PrefillChunk(1, prompt(1), 0, True), PrefillChunk(2, prompt(2), 0, True)),
+            decodes=(DecodeToken(0, last[0], PROMPT),),
+            sampling={0: GREEDY, 1: GREEDY, 2: GREEDY},
+        )
+        out = {o.slot: o.token_id for o in engine.step(plan).outputs}
+        assert set(out) == {0, 1, 2}
+        if engine is with_graphs:
+            assert (graphs.replays, prefill_graphs.replays, runner.split_replays) == replays
+        tokens.append((last[0], out))
+        release(engine, [0, 1, 2])
+    assert tokens[0] == tokens[1]
 
 
 def test_launching_a_graph_decode_step_waits_for_nothing(engines: tuple[Engine, Engine]) -> None:

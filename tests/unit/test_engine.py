@@ -230,8 +230,8 @@ def test_cost_model_comes_from_specs_and_profile(engine: Engine) -> None:
     assert engine.load_report.profile.chunk_tokens == cm.prefill_chunk_tokens == 16
 
 
-def test_quantized_kv_when_the_ladder_asks() -> None:
-    eng = Engine.load(config(max_num_seqs=2), force_quantized_kv=True)
+def test_quantized_kv_when_the_operator_asks() -> None:
+    eng = Engine.load(config(max_num_seqs=2, kv_quant="int8"))
     try:
         assert eng.runner.quantized_kv
         ids = prompt(70, 8)
@@ -401,7 +401,7 @@ def test_generate_cli_reports_load_errors_without_a_traceback(capsys: pytest.Cap
 def test_planned_state_bytes_equal_what_is_allocated(model: str, quantized: bool) -> None:
     """The ledger is asked for the planned figure before allocation; it must be the real one. The
     KV pool holds nothing until a sequence needs blocks."""
-    eng = Engine.load(config(model=model, max_num_seqs=3), force_quantized_kv=quantized)
+    eng = Engine.load(config(model=model, max_num_seqs=3, kv_quant="int8" if quantized else "none"))
     try:
         planned = planned_state_bytes(eng.runner.model, eng.dtype, 3)
         assert planned == eng.runner.fixed_bytes == eng.runner.state_bytes
