@@ -16,7 +16,7 @@ case "$mode" in
   squeeze)
     tok=/tmp/tok; mkdir -p $tok
     python3 -c "from ballast.bench.checkpoint_dir import write_tokenizer; from pathlib import Path; write_tokenizer(Path('$tok'))"
-    (cd tests/reliability && timeout 260 python3 vram_squeeze.py --model builtin:llama-8b --mode on \
+    (cd tests/reliability && timeout 200 python3 vram_squeeze.py --model builtin:llama-1b --mode on \
       --streams 32 --clients 64 --prompt-words 750 --max-tokens 256 --hog-s 20 --hold-s 25 \
       --serve-arg=--tokenizer --serve-arg=$tok --out $out/vram_squeeze_on.json 2>&1 | tail -25)
     ;;
