@@ -1,5 +1,5 @@
 """One MoE layer's experts on CUDA at decode batch sizes: torch's grouped GEMM path against our fused
-Triton kernels (`moe_triton.experts_mlp`), both through `moe.experts_forward` as the engine calls
+Triton kernels (`moe_experts_triton.experts_mlp`), both through `moe.experts_forward` as the engine calls
 it (routing sort, expert MLPs, weighted sum over top-k), with the shared expert both models have
 (the torch side runs it as its own GEMMs, as the engine does off the fused path), bf16.
 
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 from ballast.bench.paged_attention import copy_bandwidth, fastest, graph_time
-from ballast.models import moe, moe_triton
-from ballast.models.moe_triton import ExpertTiling, KernelTiling, SharedExpert
+from ballast.models import moe, moe_experts_triton, moe_triton
+from ballast.models.moe_experts_triton import ExpertTiling, KernelTiling, SharedExpert
 
 RESULTS = Path(__file__).parent / "results" / "moe_experts.json"
 # name: (experts, top-k, hidden, expert width), from builtin.py's Qwen3-Next configs
@@ -77,22 +77,23 @@ def make_layers(shape: str, tokens: int, count: int) -> Layers:
 
 def run_layers(layers: Layers, fused: bool, tiling: ExpertTiling | None = None) -> Callable[[], None]:
     def run() -> None:
-        switch = moe_triton.FUSED_EXPERTS
-        moe_triton.FUSED_EXPERTS = False  # the grouped side must not take the fused path
+        switch = moe_experts_triton.FUSED_EXPERTS
+        moe_experts_triton.FUSED_EXPERTS = False  # the grouped side must not take the fused path
         try:
             for gu, dn, e, w, s in zip(
                 layers.gate_up, layers.down, layers.ids, layers.weights, layers.shared, strict=True
             ):
                 if fused:
                     r = moe.Routing.sort(e, gu.shape[0])
-                    moe_triton.experts_mlp(layers.x, r.token, r.order, r.counts, w, gu, dn, False, tiling, s)
+                    x = layers.x
+                    moe_experts_triton.experts_mlp(x, r.token, r.order, r.counts, w, gu, dn, False, tiling, s)
                 else:  # the torch path: the grouped GEMM, then the shared expert's own GEMMs
                     routed = moe.experts_forward(layers.x, e, w, gu, dn, use_grouped_mm=True)
                     h = torch.nn.functional.linear(layers.x, s.gate_up).view(-1, 2, s.down.shape[1])
                     out = torch.nn.functional.linear(torch.nn.functional.silu(h[:, 0]) * h[:, 1], s.down)
                     routed.add_(torch.sigmoid(s.gate) * out)
         finally:
-            moe_triton.FUSED_EXPERTS = switch
+            moe_experts_triton.FUSED_EXPERTS = switch
 
     return run
 
