@@ -160,10 +160,14 @@ def sweep(layers: Layers, repeats: int) -> tuple[ExpertTiling, float]:
         print(f"  {1e6 * t:8.1f} us {tiling}", flush=True)
         return t
 
+    # Deeper pipelines for the narrower tiles: at one token a launch has ~88 programs (fewer
+    # than the SMs), so bytes in flight (programs x stages x tile) bound its bandwidth. Float8
+    # K steps stop at the 128-column scale block, so wider ones would repeat 128.
+    widest_k = 128 if layers.scales is not None else 256
     kernels = [
         KernelTiling(n, k, w, s)
-        for n, k, w, s in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
-        if w == 4 or (n == 128 and k > 64)
+        for n, k, w, s in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 6))
+        if (w == 4 or (n == 128 and k > 64)) and k <= widest_k and (s < 6 or (n <= 64 and k <= 128))
     ]
     rows, _ = fastest((ExpertTiling(block_m=m) for m in (16, 32, 64)), time_of)
     best_gu, _ = fastest((dataclasses.replace(rows, gate_up=t) for t in kernels), time_of)

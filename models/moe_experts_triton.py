@@ -46,6 +46,15 @@ MAX_FUSED_PAIRS = moe_triton.MAX_PAIRS
 # decode step 13.91 -> 12.21 ms, its experts 3.60 ms of grouped GEMM -> 2.97 ms in the two kernels,
 # 672 fewer kernels a step. Tested against the torch path, on CUDA and under Triton's interpreter.
 FUSED_EXPERTS = True
+# Float8 experts take `experts_mlp` up to this many pairs (64 tokens of top-10), the grouped FP8
+# GEMMs (`fp8.experts_forward`) beyond. Measured on an H200 (issue 32, `decode_profile --models
+# qwen3-next-80b-a3b-fp8 --batch 1 32 --moe-kernel fused grouped`): a step at 32 tokens 30.27 ->
+# 27.46 ms, its 2,160 fewer kernels saving more than the fused GEMMs' ~3 ms over the grouped
+# ones (19.9 against 16.8 ms: the float8 tiles' per-element cost); at 64 tokens the experts read
+# ~1.5x those bytes, so the two should still about break even in the fused path's favour; past
+# that the grouped GEMMs are the safer guess until `bench/moe_experts.py --fp8 --tokens 64 128`
+# says otherwise.
+MAX_FUSED_FP8_PAIRS = 640
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -111,15 +120,17 @@ def _converts_fp8(device: torch.device) -> bool:
 
 def fused_ok(x: Tensor, gate_up: Tensor, pairs: int, scales: Fp8Scales | None = None) -> bool:
     """Whether `experts_mlp` serves this batch: CUDA with Triton, the switch on, a decode-sized
-    batch, weights of x's dtype or float8 with their scales (K blocks of 32 columns or more)."""
+    batch (`MAX_FUSED_PAIRS`, `MAX_FUSED_FP8_PAIRS`), weights of x's dtype or float8 with their
+    scales (K blocks of 32 columns or more)."""
     if scales is None:
-        weights_ok = gate_up.dtype == x.dtype
+        weights_ok, most = gate_up.dtype == x.dtype, MAX_FUSED_PAIRS
     else:
         weights_ok = gate_up.dtype == FP8 and scales.block[1] % 32 == 0 and _converts_fp8(x.device)
+        most = MAX_FUSED_FP8_PAIRS
     return (
         FUSED_EXPERTS
         and moe_triton.available(x)
-        and 0 < pairs <= MAX_FUSED_PAIRS
+        and 0 < pairs <= most
         and x.dtype in _FUSED_DTYPES
         and weights_ok
     )

@@ -98,7 +98,9 @@ def test_fp8_expert_kernels_compute_the_definition(
     ids = routed_ids(gen, tokens, experts, top_k, ragged).to(DEVICE)
     weights = torch.rand(tokens, top_k, generator=gen).to(DEVICE, dtype)
     scales = Fp8Scales(gu_s, dn_s, block)
-    assert moe_experts_triton.fused_ok(x, gu_q, ids.numel(), scales)
+    # the kernels serve any decode-sized batch; the engine sends them float8 batches up to a bound
+    served = ids.numel() <= moe_experts_triton.MAX_FUSED_FP8_PAIRS
+    assert moe_experts_triton.fused_ok(x, gu_q, ids.numel(), scales) == served
     routing = moe.Routing.sort(ids, experts)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: x, h and the output rounded
     got = moe_experts_triton.experts_mlp(
