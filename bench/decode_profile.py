@@ -2,7 +2,7 @@
 built-in model, with the step's wall time beside the GPU time of its kernels.
 
     python -m ballast.bench.decode_profile [--models llama-8b qwen3-next-80b-a3b-fp8]
-        [--batch 32] [--context 2048] [--steps 4] [--device cuda]
+        [--batch 1 32] [--context 2048] [--steps 4] [--device cuda]
     python -m ballast.bench.decode_profile --prefill 1024 --batch 1 --models llama-8b   # a TTFT's prefill
     python -m ballast.bench.decode_profile --mixed 128 --models llama-8b   # decodes beside a new prompt
     python -m ballast.bench.decode_profile --models qwen3-next-6b --no-eager --moe-kernel grouped fused
@@ -41,7 +41,7 @@ from ballast.bench.paged_decode import free_device_memory, prefill, random_promp
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
-from ballast.models import moe_triton
+from ballast.models import moe_experts_triton
 from ballast.models.builtin import builtin_config
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
@@ -182,21 +182,23 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
     --chunk size (one engine); its entry is in `results` (and the JSON) after each mode, so a run
     cut short keeps what it measured."""
     cfg = builtin_config(name)
-    vocab = int(cfg["vocab_size"])
-    out: dict[str, Any] = {"model": name, "batch": args.batch, "compile": args.compile}
-    out.update({"prefill_tokens": args.prefill} if args.prefill else {"context": args.context})
-    results.append(out)
+    # one entry per batch size: each engine serves them all in turn (one load, not one a batch)
+    outs: dict[int, dict[str, Any]] = {}
+    for batch in args.batch:
+        out = outs[batch] = {"model": name, "batch": batch, "compile": args.compile}
+        out.update({"prefill_tokens": args.prefill} if args.prefill else {"context": args.context})
+        results.append(out)
     # (decode graphs, prefill graphs) per engine: both, and neither (eager); for --mixed both, and
     # decode graphs alone (its mixed steps run eagerly; the first's may replay the two graphs).
     arms = [(True, True), (True, False) if args.mixed else (False, False)][: 1 if args.no_eager else 2]
     for (graphs, prefill_graphs), kernel in ((a, k) for a in arms for k in args.moe_kernel):
-        moe_triton.FUSED_EXPERTS = kernel == "fused"
+        moe_experts_triton.FUSED_EXPERTS = kernel == "fused"
         suffix = f", {kernel} experts" if args.moe_kernel != ["grouped"] else ""
         engine = Engine.load(
             EngineConfig(
                 model="builtin:" + name,
                 device=args.device,
-                max_num_seqs=args.batch + (args.mixed > 0),
+                max_num_seqs=max(args.batch) + (args.mixed > 0),
                 max_model_len=max(args.prefill, args.context + WARMUP + 2 * args.steps) + 16,
                 prefill_chunk_tokens=max(args.chunk) if args.prefill else 4096,
                 cuda_graphs=graphs and args.device == "cuda",
@@ -205,39 +207,53 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
             )
         )
         try:
-            if args.prefill:
-                flops = 2 * active_parameters(engine, cfg) * args.batch * args.prefill
-                for chunk in args.chunk:
-                    with_graph = graphs and engine.runner.prefill_graphs is not None
-                    mode = (
-                        f"prefill in chunks of {chunk}, {'prefill graphs' if with_graph else 'eager'}{suffix}"
-                    )
-                    if mode in out:  # no prefill graph on either engine (the CPU, a hybrid model)
-                        continue
-                    r = out[mode] = profile_prefills(
-                        engine, args.batch, args.prefill, chunk, args.steps, vocab
-                    )
-                    r["pct_of_peak"] = 100 * flops / (r["wall_ms"] * 1e-3) / (args.peak_tflops * 1e12)
-                    report(args, results, name, mode)
-            else:
-                if args.mixed:
-                    split = engine.runner.prefill_graphs is not None
-                    mode = f"decode + {args.mixed}-token prefill, {'prefill graphs' if split else 'eager'}"
-                else:
-                    mode = "graphs" if graphs else "eager"
-                mode += suffix
-                if mode in out:  # no prefill graph on either engine (the CPU, a hybrid model)
-                    continue
-                out[mode] = profile_steps(engine, args.batch, args.context, args.steps, vocab, args.mixed)
-                report(args, results, name, mode)
+            for batch, out in outs.items():
+                profile_batch(engine, name, cfg, args, batch, graphs, suffix, out, results)
         finally:
             engine.shutdown()
             del engine
             free_device_memory()
 
 
-def report(args: argparse.Namespace, results: list[dict[str, Any]], name: str, mode: str) -> None:
-    r = results[-1][mode]
+def profile_batch(
+    engine: Engine,
+    name: str,
+    cfg: dict[str, Any],
+    args: argparse.Namespace,
+    batch: int,
+    graphs: bool,
+    suffix: str,
+    out: dict[str, Any],
+    results: list[dict[str, Any]],
+) -> None:
+    """One engine's modes at one batch size into `out` (prefill: one per --chunk)."""
+    vocab = int(cfg["vocab_size"])
+    if args.prefill:
+        flops = 2 * active_parameters(engine, cfg) * batch * args.prefill
+        for chunk in args.chunk:
+            with_graph = graphs and engine.runner.prefill_graphs is not None
+            mode = f"prefill in chunks of {chunk}, {'prefill graphs' if with_graph else 'eager'}{suffix}"
+            if mode in out:  # no prefill graph on either engine (the CPU, a hybrid model)
+                continue
+            r = out[mode] = profile_prefills(engine, batch, args.prefill, chunk, args.steps, vocab)
+            r["pct_of_peak"] = 100 * flops / (r["wall_ms"] * 1e-3) / (args.peak_tflops * 1e12)
+            report(args, results, out, mode)
+        return
+    if args.mixed:
+        split = engine.runner.prefill_graphs is not None
+        mode = f"decode + {args.mixed}-token prefill, {'prefill graphs' if split else 'eager'}"
+    else:
+        mode = "graphs" if graphs else "eager"
+    mode += suffix
+    if mode in out:  # no prefill graph on either engine (the CPU, a hybrid model)
+        return
+    out[mode] = profile_steps(engine, batch, args.context, args.steps, vocab, args.mixed)
+    report(args, results, out, mode)
+
+
+def report(args: argparse.Namespace, results: list[dict[str, Any]], out: dict[str, Any], mode: str) -> None:
+    r = out[mode]
+    name = f"{out['model']} batch {out['batch']}"
     write(args, results)
     print(
         f"{name} {mode}: {r['wall_ms']:.2f} ms wall ({r['profiled_wall_ms']:.2f} profiled), "
@@ -292,7 +308,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["llama-8b", "qwen3-next-80b-a3b-fp8"])
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, nargs="+", default=[32], help="batch sizes, on one engine each")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prefill", type=int, default=0, help="profile prefills of this many tokens instead")
@@ -308,7 +324,7 @@ def main() -> None:
         nargs="+",
         choices=["grouped", "fused"],
         default=["grouped"],
-        help="MoE expert kernels, each in turn: torch's grouped GEMM, or moe_triton.experts_mlp",
+        help="MoE expert kernels, each in turn: torch's grouped GEMM, or moe_experts_triton.experts_mlp",
     )
     ap.add_argument("--compile", type=lambda v: v.lower() in ("1", "true", "yes"), default=True)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (--prefill)")

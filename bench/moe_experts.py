@@ -1,7 +1,10 @@
 """One MoE layer's experts on CUDA at decode batch sizes: torch's grouped GEMM path against our fused
-Triton kernels (`moe_triton.experts_mlp`), both through `moe.experts_forward` as the engine calls
+Triton kernels (`moe_experts_triton.experts_mlp`), both through `moe.experts_forward` as the engine calls
 it (routing sort, expert MLPs, weighted sum over top-k), with the shared expert both models have
-(the torch side runs it as its own GEMMs, as the engine does off the fused path), bf16.
+(the torch side runs it as its own GEMMs, as the engine does off the fused path), bf16; with
+--fp8 the weights are float8 with 128 x 128 block scales (the FP8 releases' layout) and the torch
+side is the path FP8 experts took before the fused kernels read them (`fp8.experts_forward`:
+a device tile table and two grouped FP8 GEMMs; the shared expert as FP8 linears).
 
 Shapes: Qwen3-Next-80B-A3B's MoE layer (512 experts, top-10, hidden 2048, expert width 512) and
 the 26-expert cut of it that `builtin:qwen3-next-6b` uses. Timed as CUDA-graph replays, the way the
@@ -14,7 +17,7 @@ fused kernels (rows a pass, then the gate/up kernel, then the down kernel, each 
 before) and reports the fastest: how `ExpertTiling`'s defaults are chosen. Table on stdout, JSON
 to bench/results/moe_experts.json.
 
-    python -m ballast.bench.moe_experts [--tokens 1 8 32 128 256] [--sweep]
+    python -m ballast.bench.moe_experts [--tokens 1 8 32 128 256] [--sweep] [--fp8]
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ from typing import Any
 
 import torch
 from ballast.bench.paged_attention import copy_bandwidth, fastest, graph_time
-from ballast.models import moe, moe_triton
-from ballast.models.moe_triton import ExpertTiling, KernelTiling, SharedExpert
+from ballast.models import fp8, moe, moe_experts_triton, moe_triton
+from ballast.models.moe_experts_triton import ExpertTiling, Fp8Scales, KernelTiling, SharedExpert
+from torch import nn
 
 RESULTS = Path(__file__).parent / "results" / "moe_experts.json"
 # name: (experts, top-k, hidden, expert width), from builtin.py's Qwen3-Next configs
 SHAPES = {"qwen3-next-80b": (512, 10, 2048, 512), "qwen3-next-6b": (26, 10, 2048, 512)}
 L2_BYTES = 50 * 2**20
+BLOCK = (128, 128)  # --fp8: the scale block of the FP8 releases
 
 
 @dataclasses.dataclass
@@ -50,49 +55,101 @@ class Layers:
     weights: list[torch.Tensor]  # [T, k] per layer
     shared: list[SharedExpert]  # the shared expert of each layer (both real models have one)
     expert_bytes: float  # mean bytes of the experts a layer reads: the routed ones and the shared
+    scales: list[Fp8Scales] | None = None  # --fp8: each layer's block scales (the shared's in it)
+    modules: list[moe.Experts] | None = None  # --fp8: the layers as `Experts` (the torch side)
 
 
-def make_layers(shape: str, tokens: int, count: int) -> Layers:
+def make_layers(shape: str, tokens: int, count: int, float8: bool = False, device: str = "cuda") -> Layers:
     experts, top_k, hidden, inter = SHAPES[shape]
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    dev, bf16 = "cuda", torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    dev, bf16 = device, torch.bfloat16
 
     def rand(*size: int) -> torch.Tensor:
         return (torch.randn(*size, device=dev, generator=gen) * 0.02).to(bf16)
 
+    def weight(*size: int) -> torch.Tensor:
+        """bf16 ~N(0, 0.02), or float8 ~N(0, 1) standing for it with every block scale 0.02."""
+        if not float8:
+            return rand(*size)
+        return torch.randn(*size, device=dev, generator=gen, dtype=bf16).to(fp8.FP8)
+
+    def scale(w: torch.Tensor) -> torch.Tensor:
+        rows, cols = w.shape[-2:]
+        grid = (*w.shape[:-2], -(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
+        return torch.full(grid, 0.02, device=dev)
+
     x = rand(tokens, hidden) * 50
-    gate_up = [rand(experts, 2 * inter, hidden) for _ in range(count)]
-    down = [rand(experts, hidden, inter) for _ in range(count)]
+    gate_up = [weight(experts, 2 * inter, hidden) for _ in range(count)]
+    down = [weight(experts, hidden, inter) for _ in range(count)]
     ids, weights, shared, touched = [], [], [], 0
     for _ in range(count):
         logits = torch.randn(tokens, experts, device=dev, generator=gen).to(bf16)
         w, e = moe.route(logits, top_k, normalize=True)
         ids.append(e)
         weights.append(w)
-        shared.append(SharedExpert(rand(2 * inter, hidden), rand(hidden, inter), rand(tokens, 1) * 50))
+        s_gu, s_dn = weight(2 * inter, hidden), weight(hidden, inter)
+        scales = (scale(s_gu), scale(s_dn)) if float8 else (None, None)
+        shared.append(SharedExpert(s_gu, s_dn, rand(tokens, 1) * 50, *scales))
         touched += int(e.unique().numel()) + 1
-    per_expert = 3 * hidden * inter * 2
-    return Layers(x, gate_up, down, ids, weights, shared, touched / count * per_expert)
+    per_expert = 3 * hidden * inter * (1 if float8 else 2)
+    layers = Layers(x, gate_up, down, ids, weights, shared, touched / count * per_expert)
+    if float8:
+        pairs = list(zip(gate_up, down, strict=True))
+        layers.scales = [Fp8Scales(scale(gu), scale(dn), BLOCK) for gu, dn in pairs]
+        layers.modules = [fp8_experts(gu, dn, sc) for (gu, dn), sc in zip(pairs, layers.scales, strict=True)]
+    return layers
+
+
+def fp8_experts(gate_up: torch.Tensor, down: torch.Tensor, scales: Fp8Scales) -> moe.Experts:
+    """An `Experts` module holding these float8 weights (built on the meta device, then given them)."""
+    experts, two_i, hidden = gate_up.shape
+    with torch.device("meta"):
+        module = moe.Experts(hidden, two_i // 2, experts)
+    fp8.convert_experts(module, scales.block)
+    for name, t in (("gate_up_proj", gate_up), ("down_proj", down)):
+        setattr(module, name, nn.Parameter(t, requires_grad=False))
+    module.gate_up_proj_scale_inv = nn.Parameter(scales.gate_up, requires_grad=False)
+    module.down_proj_scale_inv = nn.Parameter(scales.down, requires_grad=False)
+    return module
+
+
+def torch_side(layers: Layers, i: int) -> None:
+    """Layer i the way the engine ran it off the fused path: routed experts, then the shared
+    expert's own GEMMs, SwiGLU, gate and add."""
+    x, e, w, s = layers.x, layers.ids[i], layers.weights[i], layers.shared[i]
+    inter = s.down.shape[1]
+    if layers.modules is None:
+        routed = moe.experts_forward(x, e, w, layers.gate_up[i], layers.down[i], use_grouped_mm=True)
+        h = torch.nn.functional.linear(x, s.gate_up)
+        out = torch.nn.functional.linear(torch.nn.functional.silu(h[:, :inter]) * h[:, inter:], s.down)
+    else:
+        assert s.gate_up_scale is not None and s.down_scale is not None
+        routed = fp8.experts_forward(layers.modules[i], x, e, w)
+        h = fp8.fp8_linear(x, s.gate_up, s.gate_up_scale, BLOCK)
+        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        out = fp8.fp8_linear(act, s.down, s.down_scale, BLOCK)
+    routed.add_(torch.sigmoid(s.gate) * out)
 
 
 def run_layers(layers: Layers, fused: bool, tiling: ExpertTiling | None = None) -> Callable[[], None]:
     def run() -> None:
-        switch = moe_triton.FUSED_EXPERTS
-        moe_triton.FUSED_EXPERTS = False  # the grouped side must not take the fused path
+        switch = moe_experts_triton.FUSED_EXPERTS
+        moe_experts_triton.FUSED_EXPERTS = False  # the torch side must not take the fused path
         try:
-            for gu, dn, e, w, s in zip(
-                layers.gate_up, layers.down, layers.ids, layers.weights, layers.shared, strict=True
+            for i, (gu, dn, e, w, s) in enumerate(
+                zip(layers.gate_up, layers.down, layers.ids, layers.weights, layers.shared, strict=True)
             ):
-                if fused:
-                    r = moe.Routing.sort(e, gu.shape[0])
-                    moe_triton.experts_mlp(layers.x, r.token, r.order, r.counts, w, gu, dn, False, tiling, s)
-                else:  # the torch path: the grouped GEMM, then the shared expert's own GEMMs
-                    routed = moe.experts_forward(layers.x, e, w, gu, dn, use_grouped_mm=True)
-                    h = torch.nn.functional.linear(layers.x, s.gate_up).view(-1, 2, s.down.shape[1])
-                    out = torch.nn.functional.linear(torch.nn.functional.silu(h[:, 0]) * h[:, 1], s.down)
-                    routed.add_(torch.sigmoid(s.gate) * out)
+                if not fused:
+                    torch_side(layers, i)
+                    continue
+                r = moe.Routing.sort(e, gu.shape[0])
+                sc = layers.scales[i] if layers.scales is not None else None
+                x = layers.x
+                moe_experts_triton.experts_mlp(
+                    x, r.token, r.order, r.counts, w, gu, dn, False, tiling, s, scales=sc
+                )
         finally:
-            moe_triton.FUSED_EXPERTS = switch
+            moe_experts_triton.FUSED_EXPERTS = switch
 
     return run
 
@@ -103,10 +160,14 @@ def sweep(layers: Layers, repeats: int) -> tuple[ExpertTiling, float]:
         print(f"  {1e6 * t:8.1f} us {tiling}", flush=True)
         return t
 
+    # Deeper pipelines for the narrower tiles: at one token a launch has ~88 programs (fewer
+    # than the SMs), so bytes in flight (programs x stages x tile) bound its bandwidth. Float8
+    # K steps stop at the 128-column scale block, so wider ones would repeat 128.
+    widest_k = 128 if layers.scales is not None else 256
     kernels = [
         KernelTiling(n, k, w, s)
-        for n, k, w, s in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
-        if w == 4 or (n == 128 and k > 64)
+        for n, k, w, s in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 6))
+        if (w == 4 or (n == 128 and k > 64)) and k <= widest_k and (s < 6 or (n <= 64 and k <= 128))
     ]
     rows, _ = fastest((ExpertTiling(block_m=m) for m in (16, 32, 64)), time_of)
     best_gu, _ = fastest((dataclasses.replace(rows, gate_up=t) for t in kernels), time_of)
@@ -120,6 +181,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--sweep", action="store_true", help="also time other tilings of the fused kernels")
     ap.add_argument("--sweep-tokens", type=int, nargs="+", default=[1, 32], help="the batches --sweep tries")
+    ap.add_argument("--fp8", action="store_true", help="float8 weights with 128 x 128 block scales")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     if not (torch.cuda.is_available() and moe_triton.triton is not None):
@@ -129,11 +191,12 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for shape in args.shapes:
         _, top_k, hidden, inter = SHAPES[shape]
-        count = max(2, -(-4 * L2_BYTES // (top_k * 3 * hidden * inter * 2)))  # >= 4 L2s routed a replay
+        width = 1 if args.fp8 else 2  # bytes a weight
+        count = max(2, -(-4 * L2_BYTES // (top_k * 3 * hidden * inter * width)))  # >= 4 L2s routed a replay
         for tokens in args.tokens:
-            layers = make_layers(shape, tokens, count)
+            layers = make_layers(shape, tokens, count, args.fp8)
             floor = layers.expert_bytes / bandwidth
-            row: dict[str, Any] = {"shape": shape, "tokens": tokens, "layers": count}
+            row: dict[str, Any] = {"shape": shape, "tokens": tokens, "layers": count, "fp8": args.fp8}
             row["expert_mb"] = layers.expert_bytes / 1e6
             row["grouped_us"] = 1e6 * graph_time(run_layers(layers, False), count, args.repeats)
             row["fused_us"] = 1e6 * graph_time(run_layers(layers, True), count, args.repeats)
@@ -157,7 +220,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['shape']} | {r['tokens']} | {r['expert_mb']:.0f} | {r['grouped_us']:.1f} | "
+            f"| {r['shape']}{' FP8' if r['fp8'] else ''} | {r['tokens']} | {r['expert_mb']:.0f} | "
+            f"{r['grouped_us']:.1f} | "
             f"{r['fused_us']:.1f} | {r['fused_us'] / r['grouped_us']:.2f} | {r['fused_bw_pct']:.0f}% |"
         )
     result = {

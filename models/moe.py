@@ -18,8 +18,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from ballast.models import fp8, moe_triton, pointwise
+from ballast.models import fp8, moe_experts_triton, moe_triton, pointwise
 from ballast.models.layers import FusedLinears, SwiGLU
+from ballast.models.moe_experts_triton import Fp8Scales
 from torch import Tensor, nn
 
 
@@ -126,10 +127,13 @@ class Shared(NamedTuple):
     def output(self, x: Tensor) -> Tensor:
         return torch.sigmoid(self.gate) * self.expert(x)
 
-    def kernel_form(self, x: Tensor, gate_up: Tensor) -> moe_triton.SharedExpert | None:
-        """The shared expert as one more expert of `moe_triton.experts_mlp`: plain weights of x's
-        dtype shaped as one of the routed experts (`gate_up` [E, 2I, H]). None otherwise (FP8,
-        another intermediate size, a bias): the torch form adds it then."""
+    def kernel_form(
+        self, x: Tensor, gate_up: Tensor, scales: Fp8Scales | None = None
+    ) -> moe_experts_triton.SharedExpert | None:
+        """The shared expert as one more expert of `moe_experts_triton.experts_mlp`: weights shaped
+        as one of the routed experts (`gate_up` [E, 2I, H]), of x's dtype, or float8 with the same
+        scale blocks where the routed experts are float8 (`scales`). None otherwise (another
+        intermediate size or weight kind, a bias): the torch form adds it then."""
         mlp = self.expert
         fused = mlp.gate_up
         if fused.separate or fused.bias is not None or mlp.down_proj.bias is not None:
@@ -138,9 +142,22 @@ class Shared(NamedTuple):
             fused.fuse()
         assert fused.weight is not None
         down = mlp.down_proj.weight
-        if fused.weight.shape != gate_up.shape[1:] or fused.weight.dtype != x.dtype or down.dtype != x.dtype:
+        if fused.weight.shape != gate_up.shape[1:]:
             return None
-        return moe_triton.SharedExpert(fused.weight, down, self.gate)
+        if scales is None:
+            if fused.weight.dtype != x.dtype or down.dtype != x.dtype:
+                return None
+            return moe_experts_triton.SharedExpert(fused.weight, down, self.gate)
+        down_scale = getattr(mlp.down_proj, "weight_scale_inv", None)
+        if (
+            fused.weight.dtype != fp8.FP8
+            or fused.scale_inv is None
+            or down_scale is None
+            or fused.block != scales.block
+            or getattr(mlp.down_proj, "block", None) != scales.block
+        ):
+            return None
+        return moe_experts_triton.SharedExpert(fused.weight, down, self.gate, fused.scale_inv, down_scale)
 
 
 def plus_shared(routed: Tensor, x: Tensor, shared: Shared | None) -> Tensor:
@@ -157,21 +174,24 @@ def experts_forward(
     use_grouped_mm: bool | None = None,
     outside: bool = False,
     shared: Shared | None = None,
+    scales: Fp8Scales | None = None,
 ) -> Tensor:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) for every token t, plus the gated
     shared expert where given.
 
     x [T, H]; experts, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I]. Returns [T, H] in x's
     dtype, accumulated in float32. use_grouped_mm None picks grouped GEMM when it runs here.
-    outside: a pair may name expert E (one held elsewhere, see `local_expert_ids`): it adds 0."""
+    outside: a pair may name expert E (one held elsewhere, see `local_expert_ids`): it adds 0.
+    scales: gate_up and down are float8 with these block scales; only the fused kernels take
+    them (`moe_experts_triton.fused_ok`; `fp8.experts_forward` serves the rest)."""
     if gate_up.shape[0] == 0:  # no expert here received a pair (the dequantizing FP8 path)
         return plus_shared(torch.zeros_like(x), x, shared)
     routing = Routing.sort(experts, gate_up.shape[0], outside)
-    if moe_triton.fused_ok(x, gate_up, routing.order.shape[0]):
+    if scales is not None or moe_experts_triton.fused_ok(x, gate_up, routing.order.shape[0]):
         r, w = routing, weights.to(x.dtype)
-        in_kernel = shared.kernel_form(x, gate_up) if shared is not None else None
-        out = moe_triton.experts_mlp(
-            x, r.token, r.order, r.counts, w, gate_up, down, outside, shared=in_kernel
+        in_kernel = shared.kernel_form(x, gate_up, scales) if shared is not None else None
+        out = moe_experts_triton.experts_mlp(
+            x, r.token, r.order, r.counts, w, gate_up, down, outside, shared=in_kernel, scales=scales
         )
         return out if in_kernel is not None else plus_shared(out, x, shared)
     rows = x.index_select(0, routing.token)
@@ -254,8 +274,10 @@ class Router(nn.Linear):
 
 
 class Experts(nn.Module):
-    # float8 weights' scale block (rows, cols), once `fp8.convert_experts` made them float8
+    # float8 weights' scale block (rows, cols) and scales, once `fp8.convert_experts` made them float8
     block: tuple[int, int] = (128, 128)
+    gate_up_proj_scale_inv: Tensor
+    down_proj_scale_inv: Tensor
     # Expert parallel: this module holds only experts [first, first + its count) of the router's
     # (`expert_parallel.hold_local_experts` sets it); the others' pairs add 0 here.
     first: int | None = None
@@ -270,6 +292,12 @@ class Experts(nn.Module):
         if self.first is not None:
             experts = local_expert_ids(experts, self.first, self.gate_up_proj.shape[0])
         if self.gate_up_proj.dtype == fp8.FP8:
+            scales = Fp8Scales(self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.block)
+            if moe_experts_triton.fused_ok(x, self.gate_up_proj, experts.numel(), scales):
+                return experts_forward(
+                    x, experts, weights, self.gate_up_proj, self.down_proj, outside=outside, shared=shared,
+                    scales=scales,
+                )  # fmt: skip
             return plus_shared(fp8.experts_forward(self, x, experts, weights, outside), x, shared)
         return experts_forward(
             x, experts, weights, self.gate_up_proj, self.down_proj, outside=outside, shared=shared

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ballast.models import moe, moe_triton
+from ballast.models import moe, moe_experts_triton, moe_triton
 from ballast.models.layers import SwiGLU
 from triton_kernels import DEVICE, marks
 
@@ -155,9 +155,11 @@ def test_the_fused_expert_kernels_compute_the_definition(
     shared expert's program (a row per token) loops too."""
     if dtype != torch.float32 and DEVICE.type == "cpu":
         pytest.skip("Triton's CPU interpreter (3.9) computes tl.dot of bf16 operands wrongly; on CUDA only")
-    monkeypatch.setattr(moe_triton, "FUSED_EXPERTS", True)
+    monkeypatch.setattr(moe_experts_triton, "FUSED_EXPERTS", True)
     if rows_per_pass is not None:
-        monkeypatch.setattr(moe_triton, "rows_per_pass", lambda pairs, experts, shared_rows: rows_per_pass)
+        monkeypatch.setattr(
+            moe_experts_triton, "rows_per_pass", lambda pairs, experts, shared_rows: rows_per_pass
+        )
     gen = torch.Generator().manual_seed(tokens + experts)
     x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.1).to(DEVICE, dtype)
@@ -165,7 +167,7 @@ def test_the_fused_expert_kernels_compute_the_definition(
     ids = torch.stack([torch.randperm(experts - 1, generator=gen)[: top_k - 1] + 1 for _ in range(tokens)])
     ids = torch.cat([torch.zeros(tokens, 1, dtype=torch.int64), ids], 1).to(DEVICE)
     weights = torch.rand(tokens, top_k, generator=gen).to(DEVICE, dtype)
-    assert moe_triton.fused_ok(x, gate_up, ids.numel())
+    assert moe_experts_triton.fused_ok(x, gate_up, ids.numel())
     got = moe.experts_forward(x, ids, weights, gate_up, down)
     want = definition(x, ids, weights, gate_up, down)
     assert got.dtype == dtype
@@ -193,7 +195,7 @@ def test_the_fused_kernels_add_nothing_for_pairs_held_on_another_rank(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Expert parallel: ids past the local experts (`outside`) are computed elsewhere."""
-    monkeypatch.setattr(moe_triton, "FUSED_EXPERTS", True)
+    monkeypatch.setattr(moe_experts_triton, "FUSED_EXPERTS", True)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, 64, generator=gen).to(DEVICE)
     gate_up = (torch.randn(4, 64, 64, generator=gen) * 0.1).to(DEVICE)
@@ -217,7 +219,7 @@ def test_a_hybrid_model_decodes_the_same_tokens_with_the_fused_experts(
     prompts = [[1, 400, 5000, 17, 23], [9, 8, 7], list(range(100, 160))]
     runs = []
     for fused in (False, True):
-        monkeypatch.setattr(moe_triton, "FUSED_EXPERTS", fused)
+        monkeypatch.setattr(moe_experts_triton, "FUSED_EXPERTS", fused)
         cfg = EngineConfig(
             model="builtin:tiny-qwen3-next",
             device=DEVICE.type,
