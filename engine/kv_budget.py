@@ -2,8 +2,8 @@
 
 A segment is granted by the memory layer before it is allocated: on CUDA as a VRAM ledger lease
 (so the ledger refuses before the driver would OOM), on the CPU against the host budget (effective
-available memory above the reserve, from the latest MemWatch snapshot). A snapshot is up to one poll
-old, so bytes granted since it was taken are counted against it until the next one arrives.
+available memory above the reserve, from the latest MemWatch snapshot, less what the host book
+holds that the snapshot does not show: see memory/host_book.py).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from ballast.engine.kv_pool import Acquire
 from ballast.memory.errors import LedgerFull
+from ballast.memory.host_book import HostGrant
 from ballast.memory.types import CostModel, GiB, MiB
 from ballast.memory.watch import MemWatch
 
@@ -31,27 +32,19 @@ def segment_grant(watch: MemWatch, die: int | None, tag: str = "kv-segment") -> 
                 return None
 
         return lease
-    return _HostGrant(watch)
+    return _host_grant(watch)
 
 
-class _HostGrant:
-    def __init__(self, watch: MemWatch) -> None:
-        self._watch = watch
-        self._seq = -1
-        self._since = 0  # bytes granted since snapshot `_seq` was taken
+def _host_grant(watch: MemWatch) -> Acquire:
+    """Grants against the host budget, held in the host book until released: a grant counts
+    against every snapshot read before its pages were committed (the pool commits a segment when
+    it adds it), so the same bytes are never granted twice, and a released segment stops counting
+    at once."""
 
-    def __call__(self, nbytes: int) -> Callable[[], None] | None:
-        state = self._watch.read()
-        if state.seq != self._seq:
-            self._seq, self._since = state.seq, 0
-        if self._since + nbytes > state.host_budget_bytes:
-            return None
-        self._since += nbytes
-        return _nothing
+    def grant(nbytes: int) -> HostGrant | None:
+        return watch.host_book.take(nbytes, lambda: watch.exact().host_budget_bytes)
 
-
-def _nothing() -> None:
-    return None
+    return grant
 
 
 def capacity_line(

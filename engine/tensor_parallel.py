@@ -60,6 +60,7 @@ from ballast.engine.tp_worker import (
 )
 from ballast.memory.config import MemoryConfig
 from ballast.memory.errors import LedgerFull
+from ballast.memory.host_book import HostGrant
 from ballast.memory.ledger import Lease
 from ballast.memory.watch import MemWatch
 from ballast.models import builtin
@@ -320,7 +321,15 @@ def segment_grant_all(watch: MemWatch, dies: Sequence[int], world: int) -> Acqui
     CPU, where every rank's segment is host memory, when the host budget holds all of them)."""
     if not dies:
         host = segment_grant(watch, None)
-        return lambda nbytes: host(nbytes * world)
+
+        def host_grant(nbytes: int) -> Callable[[], None] | None:
+            # Every rank commits its share when it replays the segment, after rank 0 has: the
+            # grant is never marked committed, so it counts against the budget until released
+            # (twice once the host shows it: safe, and only the CPU test path runs here).
+            held = host(nbytes * world)
+            return held.release if isinstance(held, HostGrant) else held
+
+        return host_grant
 
     def grant(nbytes: int) -> Callable[[], None] | None:
         try:

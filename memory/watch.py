@@ -17,11 +17,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import DeviceReader, DieReading, SystemDeviceReader
 from ballast.memory.host import HostReader
+from ballast.memory.host_book import HostBook
 from ballast.memory.ledger import VramLedger
 from ballast.memory.levels import die_level, host_level, host_reserve_bytes, worst
 from ballast.memory.types import DieState, HostSample, Level, MemState
@@ -37,6 +38,13 @@ class _Pushed:
     ledger: int | None
 
 
+def _with_held(die: DieState, held: int) -> DieState:
+    """The die with the ledger's figure now; what was leased since the poll is not in the driver's
+    free figure yet either."""
+    since = max(0, held - die.ledger_bytes)
+    return replace(die, ledger_bytes=held, free_bytes=max(0, die.free_bytes - since))
+
+
 class MemWatch:
     """The memory layer's live view. `ledger` is the VRAM ledger whose totals flow into every
     snapshot. Until the first poll, `read()` returns a placeholder with seq 0 whose host figures
@@ -45,6 +53,7 @@ class MemWatch:
     def __init__(self, config: MemoryConfig, device_reader: DeviceReader | None = None) -> None:
         self.config = config
         self.ledger = VramLedger(config.die_reserve_bytes, config.vram_usable_fraction)
+        self.host_book = HostBook()  # host bytes we took that a snapshot may not show yet
         self.poll_failures = 0  # polls of the background thread that raised (each one logged)
         self._host_reader = HostReader(config.root)
         self._device_reader: DeviceReader = (
@@ -59,6 +68,7 @@ class MemWatch:
         self._notified_level = Level.OK  # what listeners were last told (the placeholder's level)
         self._life_lock = threading.Lock()
         self._host = HostSample(total_bytes=0, available_bytes=0)
+        self._host_epoch = 0
         self._driver: dict[int, DieReading] = {}
         self._free: dict[int, int] = {}  # latest free figure, from NVML or pushed, whichever is newer
         self._pushed: dict[int, _Pushed] = {}
@@ -83,6 +93,19 @@ class MemWatch:
     def running(self) -> bool:
         return self._thread is not None
 
+    def exact(self) -> MemState:
+        """The latest snapshot with our own accounts as of now: each die's ledger figure is what
+        the ledger holds now (its free figure lower by what was leased since the poll), and the
+        host budget is lower by what the host book holds that the host read does not show.
+        Admission and grants read this: our accounts are exact, a snapshot of them is up to a
+        poll old, and a grant or a segment taken since then would otherwise be counted twice
+        (once as headroom, once as a pool's spare blocks)."""
+        state = self._state
+        unseen = self.host_book.unseen(state.host_epoch)  # relative to the read: no lock needed
+        held = {b.die: b.held_bytes for b in self.ledger.dies()}
+        dies = tuple(_with_held(d, held[d.index]) if d.index in held else d for d in state.dies)
+        return replace(state, dies=dies, host_unseen_bytes=unseen)
+
     def add_listener(self, fn: Listener) -> None:
         """Call `fn(old_level, new_level, state)` after each publish that changes the level.
 
@@ -102,10 +125,11 @@ class MemWatch:
     def poll_now(self) -> MemState:
         """Read host and device signals now and publish; returns the published snapshot."""
         with self._poll_lock:
+            epoch = self.host_book.begin_read()  # before the read: what it shows is booked before
             host = self._host_reader.read()
             dies = self._device_reader.read()
             with self._write_lock:
-                self._host = host
+                self._host, self._host_epoch = host, epoch
                 self._driver = {d.index: d for d in dies}
                 for d in dies:
                     self._free[d.index] = d.free_bytes
@@ -168,6 +192,8 @@ class MemWatch:
             host_reserve_bytes=host_reserve_bytes(host.effective_total_bytes, self.config),
             seq=old.seq + 1,
             taken_at=time.monotonic(),
+            host_epoch=self._host_epoch,
+            host_unseen_bytes=self.host_book.unseen(self._host_epoch),
         )
         self._state = new  # the publish: one reference assignment
         return new
