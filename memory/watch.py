@@ -93,15 +93,15 @@ class MemWatch:
     def running(self) -> bool:
         return self._thread is not None
 
-    def exact(self) -> MemState:
-        """The latest snapshot with our own accounts as of now: each die's ledger figure is what
+    def exact(self, state: MemState | None = None) -> MemState:
+        """A snapshot (default: the latest) with our own accounts as of now: each die's ledger figure is what
         the ledger holds now (its free figure lower by what was leased since the poll), and the
         host budget is lower by what the host book holds that the host read does not show.
         Admission and grants read this: our accounts are exact, a snapshot of them is up to a
         poll old, and a grant or a segment taken since then would otherwise be counted twice
         (once as headroom, once as a pool's spare blocks)."""
-        state = self._state
-        unseen = self.host_book.unseen(state.host_epoch)  # relative to the read: no lock needed
+        state = state if state is not None else self._state
+        unseen = self.host_book.unseen(state.host_epoch)  # relative to its read: no lock needed
         held = {b.die: b.held_bytes for b in self.ledger.dies()}
         dies = tuple(_with_held(d, held[d.index]) if d.index in held else d for d in state.dies)
         return replace(state, dies=dies, host_unseen_bytes=unseen)
