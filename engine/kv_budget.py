@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 from ballast.engine.kv_pool import Acquire
+from ballast.engine.workspace import StepWorkspace
 from ballast.memory.errors import LedgerFull
 from ballast.memory.host_book import HostGrant
 from ballast.memory.types import CostModel, GiB, MiB
@@ -48,11 +49,29 @@ def _host_grant(watch: MemWatch) -> Acquire:
 
 
 def capacity_line(
-    cost: CostModel, fixed_bytes: int, kv_room_bytes: int, quantized: bool, max_seqs: int, max_model_len: int
+    cost: CostModel,
+    fixed_bytes: int,
+    kv_room_bytes: int,
+    quantized: bool,
+    max_seqs: int,
+    max_model_len: int,
+    workspace: StepWorkspace | None = None,
 ) -> str:
     """The start-up report: what the memory left after loading holds, in tokens and sequences. Every
     per-slot cost is in it (a hybrid model's recurrent states are allocated for every slot at load
-    and are often larger than a short sequence's KV), so the figures are what admission will find."""
+    and are often larger than a short sequence's KV), so the figures are what admission will find;
+    so is each step's workspace beside the activations (leased at load on CUDA)."""
+    return _kv_line(cost, fixed_bytes, kv_room_bytes, quantized, max_seqs, max_model_len) + (
+        f"; activations {cost.extra.get('profile_peak_bytes', 0) / MiB:.1f} MiB a prefill chunk, "
+        f"{workspace.report()}"
+        if workspace is not None
+        else ""
+    )
+
+
+def _kv_line(
+    cost: CostModel, fixed_bytes: int, kv_room_bytes: int, quantized: bool, max_seqs: int, max_model_len: int
+) -> str:
     per_tok = (
         cost.quantized_kv_bytes_per_token
         if quantized and cost.quantized_kv_bytes_per_token

@@ -33,6 +33,7 @@ from ballast.engine.plan import (
     StepPlan,
     StepResult,
 )
+from ballast.engine.workspace import PROMPT_LOGPROBS_ROWS
 from ballast.memory.ladder import LadderConfig
 from ballast.memory.types import LadderPlan, Level
 from ballast.scheduler.checkpoints import CheckpointOrders
@@ -75,8 +76,8 @@ OUTCOMES = ("stop", "length", "abort", *REFUSAL_OUTCOMES)
 
 
 # Tokens per prefill chunk of a request that scores its prompt: the model returns a row of
-# logits (vocabulary-sized, float32) for every one of them.
-PROMPT_LOGPROBS_CHUNK = 256
+# logits (vocabulary-sized, float32) for every one of them; the engine leases that workspace.
+PROMPT_LOGPROBS_CHUNK = PROMPT_LOGPROBS_ROWS
 
 
 @dataclass(frozen=True)
