@@ -162,6 +162,10 @@ class HttpMetrics:
 
     def refused(self, endpoint: str, status: int, outcome: str) -> None:
         self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+        self.rejected(status)
+
+    def rejected(self, status: int) -> None:
+        """A refusal for load, before or after a request was read (429, 503; others are not)."""
         if status in (429, 503):
             self.rejections.labels(status=str(status)).inc()
 
