@@ -172,7 +172,7 @@ def create_app(
     errors.install(app)
     routes.install(app, config.api_key)
     if config.dashboard:
-        dashboard.install(app)
+        dashboard.install(app, config.api_key)
     limits = IntakeLimits(
         config.max_body_bytes, config.max_parsing_bytes, config.max_concurrent_requests, config.body_timeout_s
     )

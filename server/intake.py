@@ -10,8 +10,9 @@ route parses a byte:
 - bodies being parsed at once are bounded: beyond `max_parsing_bytes` of them, or beyond
   `max_concurrent_requests` requests in flight, a request gets 429 with Retry-After;
 - what parsing will take (the body's bytes x PARSE_HEAP_PER_BODY_BYTE) is booked in the host book
-  against the host budget while the request is parsed (until its response starts); a host short
-  of it answers 503 with Retry-After, like any other memory refusal;
+  against the host budget while the request is parsed (until its response starts), for bodies
+  over HOST_BOOKING_FLOOR; a host short of it answers 503 with Retry-After, like any other memory
+  refusal;
 - a body that stalls gets 408 (a slowloris client cannot hold a handler).
 """
 
@@ -33,6 +34,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 # prompt tuple (8): ~7.4x, measured 64 MiB of heap for an 8 MiB body. Rounded up.
 PARSE_HEAP_PER_BODY_BYTE = 8
 RETRY_AFTER_S = 1.0
+# Bodies up to this size are not booked in the host book (they still count toward the bodies read
+# at once): their parse is under half a MiB of heap, inside the host reserve, and booking them
+# would refuse every request of a host at its reserve before the scheduler, which refuses those
+# itself, with its own reason and after re-planning the ladder, ever saw them.
+HOST_BOOKING_FLOOR = 64 << 10
 # Never refused for being busy: a load balancer's or kubelet's probe must see the server's own
 # state, and a scrape must go on under load.
 PROBES = frozenset({"/health", "/ready", "/metrics"})
@@ -142,7 +148,7 @@ class _Reading:
                 IntakeBusy(f"{intake.parsing_bytes} body bytes being parsed, limit {lim.max_parsing_bytes}")
             )
         watch = intake.watch
-        if watch is not None:
+        if watch is not None and self._counted + nbytes > HOST_BOOKING_FLOOR:
             heap = nbytes * PARSE_HEAP_PER_BODY_BYTE
             grant = watch.host_book.take(heap, lambda: watch.exact().host_budget_bytes)
             if grant is None:
