@@ -10,7 +10,8 @@ prints a table every few seconds and writes the whole timeline and the outcomes 
 Needs permission to create a child memory cgroup (root on cgroup v1, or a delegated v2
 subtree); it says what was refused and exits 0 otherwise ("skipped").
 
-    python tests/reliability/holdout.py [--limit-gib 3] [--streams 16] [--seconds 300] [--out holdout.json]
+    python tests/reliability/holdout.py [--limit-gib 3] [--streams 16] [--seconds 300]
+        [--max-model-len 2048] [--serve-arg=--max-queue-wait-s --serve-arg=0] [--out holdout.json]
 """
 
 from __future__ import annotations
@@ -76,9 +77,11 @@ def stream(url: str, stop: threading.Event, outcomes: Counter[str], lock: thread
             time.sleep(0.5)  # as a client told Retry-After would
 
 
-def run(limit: int, streams: int, seconds: float) -> dict[str, Any]:
+def run(
+    limit: int, streams: int, seconds: float, max_len: int = 2048, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     cg = Cgroup(limit)
-    args = ["--model", "default", "--max-num-seqs", str(streams), "--max-model-len", "2048"]
+    args = ["--model", "default", "--max-num-seqs", str(streams), "--max-model-len", str(max_len), *extra]
     args += ["--served-model-name", "x", "--host", "127.0.0.1", "--port", "0"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "ballast.server.cli", "serve", *args],
@@ -92,11 +95,13 @@ def run(limit: int, streams: int, seconds: float) -> dict[str, Any]:
     timeline: list[dict[str, float]] = []
     outcomes: Counter[str] = Counter()
     lock, stop = threading.Lock(), threading.Event()
+    clients: list[threading.Thread] = []
+    alive = False
     try:
         url = _read_listen_line(proc, lines, 300)
         wait_ready(url, 300)
         threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
-        clients = [
+        clients += [
             threading.Thread(target=stream, args=(url, stop, outcomes, lock, i), daemon=True)
             for i in range(streams)
         ]
@@ -132,8 +137,6 @@ def run(limit: int, streams: int, seconds: float) -> dict[str, Any]:
             time.sleep(1.0)
         stop.set()
         alive = proc.poll() is None
-        for c in clients:
-            c.join(timeout=120)
     finally:
         stop.set()
         if proc.poll() is None:
@@ -146,11 +149,15 @@ def run(limit: int, streams: int, seconds: float) -> dict[str, Any]:
         oom = cg.oom_kills()
         peak = peak_bytes(cg)
         cg.remove()
+    for c in clients:  # the server is gone: each ends its request with a connection error
+        c.join(timeout=30)
     capacity = [x for x in lines if "capacity:" in x]
     return {
         "limit_mib": limit / MiB,
         "streams": streams,
         "seconds": seconds,
+        "max_model_len": max_len,
+        "serve_args": list(extra),
         "cgroup_version": 1 if cg.v1 else 2,
         "server_alive_at_end": alive,
         "oom_kills": oom,
@@ -168,10 +175,12 @@ def main() -> None:
     parser.add_argument("--limit-gib", type=float, default=3.0)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=300.0)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--serve-arg", action="append", default=[], help="passed to ballast serve")
     parser.add_argument("--out", default="holdout.json")
     a = parser.parse_args()
     try:
-        result = run(int(a.limit_gib * GiB), a.streams, a.seconds)
+        result = run(int(a.limit_gib * GiB), a.streams, a.seconds, a.max_model_len, tuple(a.serve_arg))
     except OSError as e:
         print(
             f"skipped: cannot make a child memory cgroup here ({e}); needs root on cgroup v1 or a delegated "
