@@ -39,7 +39,11 @@ class ServerConfig:
     )
     api_key: str | None = field(
         default=None,
-        metadata=setting("BALLAST_API_KEY", "if set, /v1 requires 'Authorization: Bearer <key>'"),
+        metadata=setting(
+            "BALLAST_API_KEY",
+            "if set, /v1 requires 'Authorization: Bearer <key>' (and /dashboard the key, as Bearer or as "
+            "the password of HTTP Basic)",
+        ),
     )
     max_body_bytes: int = field(
         default=8 << 20,
@@ -98,8 +102,8 @@ class ServerConfig:
         default=False,
         metadata=setting(
             "BALLAST_SPECIAL_TOKENS_IN_CHAT",
-            "parse special-token strings in chat message content as control tokens "
-            "(off: they are text, so a user cannot forge a turn)",
+            "parse special-token strings in chat message content (and every other field the template "
+            "renders) as control tokens (off: they are text, so a user cannot forge a turn)",
         ),
     )
     log_level: str = field(
