@@ -17,8 +17,8 @@ from dataclasses import dataclass
 # test measures the allocator's peak against it.
 SAMPLER_BYTES_PER_LOGIT = 72
 
-# The scheduler scores at most this many prompt positions a step (scheduler.PROMPT_LOGPROBS_CHUNK
-# holds the same number: a chunk that asks is cut to it).
+# The scheduler scores at most this many prompt positions a step (a chunk that asks is cut to its
+# PROMPT_LOGPROBS_CHUNK; tests/unit/test_step_workspace.py holds the two equal).
 PROMPT_LOGPROBS_ROWS = 256
 
 

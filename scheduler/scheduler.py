@@ -33,7 +33,6 @@ from ballast.engine.plan import (
     StepPlan,
     StepResult,
 )
-from ballast.engine.workspace import PROMPT_LOGPROBS_ROWS
 from ballast.memory.ladder import LadderConfig
 from ballast.memory.types import LadderPlan, Level
 from ballast.scheduler.checkpoints import CheckpointOrders
@@ -76,8 +75,8 @@ OUTCOMES = ("stop", "length", "abort", *REFUSAL_OUTCOMES)
 
 
 # Tokens per prefill chunk of a request that scores its prompt: the model returns a row of
-# logits (vocabulary-sized, float32) for every one of them; the engine leases that workspace.
-PROMPT_LOGPROBS_CHUNK = PROMPT_LOGPROBS_ROWS
+# logits (vocabulary-sized, float32) for every one of them.
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 @dataclass(frozen=True)
