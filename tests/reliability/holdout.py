@@ -152,6 +152,8 @@ def run(
     for c in clients:  # the server is gone: each ends its request with a connection error
         c.join(timeout=30)
     capacity = [x for x in lines if "capacity:" in x]
+    # What the server said about anything that went wrong (a 500 is a bug to read, not a figure).
+    errors = [x.rstrip() for x in lines if any(w in x for w in ("ERROR", "Traceback", "Error:", "CRITICAL"))]
     return {
         "limit_mib": limit / MiB,
         "streams": streams,
@@ -166,6 +168,8 @@ def run(
         "kv_granted_peak_mib": max((r.get("kv_granted_mib", 0.0) for r in timeline), default=0.0),
         "outcomes": dict(outcomes),
         "capacity_line": capacity[-1].strip() if capacity else "",
+        "server_errors": errors[-200:],
+        "server_log_tail": [x.rstrip() for x in lines[-300:]],
         "timeline": timeline,
     }
 
