@@ -12,6 +12,7 @@ become a stop string, and cut at the first full match.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -31,7 +32,12 @@ class Detokenizer:
         self._tokens = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
-        self._stops = tuple(s for s in stop if s)
+        stops = tuple(s for s in stop if s)
+        # One pass for a match (the leftmost of every stop, by one regular expression) and one
+        # set lookup per tail length for a match that may still complete.
+        self._stop_re = re.compile("|".join(map(re.escape, stops))) if stops else None
+        self._prefixes = {s[:n] for s in stops for n in range(1, len(s))}
+        self._longest_prefix = max((len(s) - 1 for s in stops), default=0)
         self._held = ""  # decoded text not yet emitted because it may start a stop string
         self.stopped = False
         self.text = ""  # everything emitted so far
@@ -74,15 +80,12 @@ class Detokenizer:
         return out
 
     def _first_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
-        return min(hits) if hits else None
+        match = self._stop_re.search(text) if self._stop_re is not None else None
+        return match.start() if match is not None else None
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-        best = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+        for n in range(min(self._longest_prefix, len(text)), 0, -1):
+            if text[-n:] in self._prefixes:
+                return n
+        return 0

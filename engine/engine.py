@@ -47,6 +47,7 @@ from ballast.engine.slot_kv import SlotKV
 from ballast.engine.staging import to_device
 from ballast.engine.startup import Parts, bring_up
 from ballast.engine.tokenizer import Tokenizer
+from ballast.engine.workspace import step_workspace
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import CostModel
 from ballast.memory.watch import MemWatch
@@ -223,6 +224,7 @@ class Engine:
                 runner.quantized_kv,
                 self.num_slots,
                 self.max_model_len,
+                step_workspace(self.num_slots, runner.sampler.vocab_size, self.dtype.itemsize),
             ),
         )
 

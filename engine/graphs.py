@@ -242,12 +242,21 @@ class DecodeGraphs:
         self.held_bytes += grew
         if provisional is not None:
             provisional()
-        if grew and self.acquire is not None:
-            held = self.acquire(grew)
-            if held is None:  # allocated already: keep the graph, say the ledger is short of it
-                log.warning("decode graphs grew %.1f MiB beyond the memory layer's grant", grew / MiB)
-            else:
-                self._late_grants.append(held)
+        if not grew or self.acquire is None:
+            return True
+        held = self.acquire(grew)
+        if held is None:
+            # Grown past what was just given back, and the rest refused. The memory is allocated
+            # already (the graphs' pool is shared: dropping this graph would not free it), so the
+            # provisional part stays held and the rest is said, not silently ours.
+            held = self.acquire(LATE_CAPTURE_GRANT)
+            log.warning(
+                "decode graphs grew %.1f MiB, %.1f MiB beyond the memory layer's grant",
+                grew / MiB,
+                (grew - LATE_CAPTURE_GRANT) / MiB,
+            )
+        if held is not None:
+            self._late_grants.append(held)
         return True
 
     def _give_up(self, key: tuple[int, int, bool], why: str, grant: Callable[[], None] | None = None) -> bool:

@@ -2,8 +2,8 @@
 
 A segment is granted by the memory layer before it is allocated: on CUDA as a VRAM ledger lease
 (so the ledger refuses before the driver would OOM), on the CPU against the host budget (effective
-available memory above the reserve, from the latest MemWatch snapshot). A snapshot is up to one poll
-old, so bytes granted since it was taken are counted against it until the next one arrives.
+available memory above the reserve, from the latest MemWatch snapshot, less what the host book
+holds that the snapshot does not show: see memory/host_book.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import logging
 from collections.abc import Callable
 
 from ballast.engine.kv_pool import Acquire
+from ballast.engine.workspace import StepWorkspace
 from ballast.memory.errors import LedgerFull
+from ballast.memory.host_book import HostGrant
 from ballast.memory.types import CostModel, GiB, MiB
 from ballast.memory.watch import MemWatch
 
@@ -31,35 +33,45 @@ def segment_grant(watch: MemWatch, die: int | None, tag: str = "kv-segment") -> 
                 return None
 
         return lease
-    return _HostGrant(watch)
+    return _host_grant(watch)
 
 
-class _HostGrant:
-    def __init__(self, watch: MemWatch) -> None:
-        self._watch = watch
-        self._seq = -1
-        self._since = 0  # bytes granted since snapshot `_seq` was taken
+def _host_grant(watch: MemWatch) -> Acquire:
+    """Grants against the host budget, held in the host book until released: a grant counts
+    against every snapshot read before its pages were committed (the pool commits a segment when
+    it adds it), so the same bytes are never granted twice, and a released segment stops counting
+    at once."""
 
-    def __call__(self, nbytes: int) -> Callable[[], None] | None:
-        state = self._watch.read()
-        if state.seq != self._seq:
-            self._seq, self._since = state.seq, 0
-        if self._since + nbytes > state.host_budget_bytes:
-            return None
-        self._since += nbytes
-        return _nothing
+    def grant(nbytes: int) -> HostGrant | None:
+        return watch.host_book.take(nbytes, lambda: watch.exact().host_budget_bytes)
 
-
-def _nothing() -> None:
-    return None
+    return grant
 
 
 def capacity_line(
-    cost: CostModel, fixed_bytes: int, kv_room_bytes: int, quantized: bool, max_seqs: int, max_model_len: int
+    cost: CostModel,
+    fixed_bytes: int,
+    kv_room_bytes: int,
+    quantized: bool,
+    max_seqs: int,
+    max_model_len: int,
+    workspace: StepWorkspace | None = None,
 ) -> str:
     """The start-up report: what the memory left after loading holds, in tokens and sequences. Every
     per-slot cost is in it (a hybrid model's recurrent states are allocated for every slot at load
-    and are often larger than a short sequence's KV), so the figures are what admission will find."""
+    and are often larger than a short sequence's KV), so the figures are what admission will find;
+    so is each step's workspace beside the activations (leased at load on CUDA)."""
+    return _kv_line(cost, fixed_bytes, kv_room_bytes, quantized, max_seqs, max_model_len) + (
+        f"; activations {cost.extra.get('profile_peak_bytes', 0) / MiB:.1f} MiB a prefill chunk, "
+        f"{workspace.report()}"
+        if workspace is not None
+        else ""
+    )
+
+
+def _kv_line(
+    cost: CostModel, fixed_bytes: int, kv_room_bytes: int, quantized: bool, max_seqs: int, max_model_len: int
+) -> str:
     per_tok = (
         cost.quantized_kv_bytes_per_token
         if quantized and cost.quantized_kv_bytes_per_token

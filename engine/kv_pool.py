@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from ballast.engine.blocks import BlockAllocator, blocks_for
 from ballast.engine.plan import KVFigures
+from ballast.memory.host_book import HostGrant
 from ballast.memory.types import MiB
 from ballast.models.kv_store import SINK_BLOCK, KVStore
 
@@ -171,6 +172,10 @@ class KVPool:
                 "KV segment of %.1f MiB could not be allocated: %s", self.layout.segment_bytes / MiB, e
             )
             return False
+        if isinstance(give_back, HostGrant):
+            # The store wrote the segment's pages just now: from the next poll on, the host's
+            # figures show them, and the grant stops counting against the snapshots after it.
+            give_back.committed()
         self._give_back[seg] = give_back
         return True
 

@@ -61,6 +61,10 @@ def as_causal_lm(model: nn.Module) -> CausalLM:
     return cast(CausalLM, model)
 
 
+def vocab_size(model: nn.Module) -> int:
+    return int(as_causal_lm(model).config.vocab_size)
+
+
 def analytic_activation_bytes(hf_config: Mapping[str, Any], tokens: int, context: int, act_bytes: int) -> int:
     """Upper estimate of the live activation bytes of one prefill chunk of `tokens` tokens that
     attends to `context` cached positions, for CPU where no allocator reports a peak.
@@ -140,10 +144,16 @@ def profile_prefill(
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
+        reserved = torch.cuda.memory_reserved(device)
         with torch.inference_mode():
             model(batch, states)
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
+        # What the allocator reserved for the prefill, where it is more than the tensors' peak
+        # (rounding, fragmentation): the caching allocator keeps it, so that is what is taken.
+        peak = max(
+            torch.cuda.max_memory_allocated(device) - base,
+            torch.cuda.max_memory_reserved(device) - reserved,
+        )
         return Profile(chunk_tokens, int(peak), measured=True)
     # On CPU the figure is analytic, so short prefills are enough to prove the model runs and to
     # take first-call costs (kernel selection) out of the first request; a full chunk would add

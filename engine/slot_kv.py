@@ -149,11 +149,22 @@ class SlotKV:
         slots = max(1, self._runner.num_slots)
         need = len(pool.table(slot)) * pool.layout.block_bytes + self._runner.fixed_bytes // slots
         need *= self._ranks
-        if self._watch is not None and self._watch.read().host_budget_bytes < need:
-            return
+        # Pinned pages cannot be reclaimed: each park is booked in the host book before the next
+        # is weighed, so N victims of one step (or of steps between two polls) never pin N times
+        # the room one snapshot showed.
+        grant = None
+        if self._watch is not None:
+            watch = self._watch
+            grant = watch.host_book.take(need, lambda: watch.exact().host_budget_bytes)
+            if grant is None:
+                return
         if self._cache.park(slot, fed, pool):
             self.parked += 1
             self._parked_in_step.append(tuple(fed))
+            if grant is not None:
+                grant.committed()  # filled: the host shows it from the next poll on
+        elif grant is not None:
+            grant.release()
 
     def _mark_int8(self, slots: Sequence[int], value: bool) -> None:
         stores = self._runner.kv_stores

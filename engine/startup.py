@@ -15,7 +15,8 @@ from ballast.engine.config import EngineConfig
 from ballast.engine.graphs import GraphCaptureError
 from ballast.engine.kv_budget import segment_grant
 from ballast.engine.loading import LoadedModel, load
-from ballast.engine.runner import ModelRunner, Profile, planned_state_bytes, profile_prefill
+from ballast.engine.runner import ModelRunner, Profile, planned_state_bytes, profile_prefill, vocab_size
+from ballast.engine.workspace import step_workspace
 from ballast.memory.errors import LedgerFull
 from ballast.memory.ledger import Lease
 from ballast.memory.types import MiB
@@ -57,9 +58,12 @@ def bring_up(
             # Lease before allocating: the ledger refuses before the driver would OOM. Every
             # rank allocates the same slot states and activations on its own die.
             planned = planned_state_bytes(loaded.model, dtype, cfg.max_num_seqs, graphs)
+            workspace = step_workspace(cfg.max_num_seqs, vocab_size(loaded.model), dtype.itemsize)
             for tag, nbytes in (
                 (f"slot-states:{loaded.source.name}", planned),
                 ("activations", profile.peak_activation_bytes),
+                ("sampler-workspace", workspace.sampler_bytes),
+                ("prompt-logprobs", workspace.prompt_logprobs_bytes),
             ):
                 leases.extend(tensor_parallel.lease_everywhere(watch, dies, nbytes, tag))
         acquire = None

@@ -48,6 +48,7 @@ from ballast.engine.loading import (
 )
 from ballast.engine.runner import weights_bytes
 from ballast.engine.sharded_runner import ShardedRunner as ShardedRunner  # rank 0's runner
+from ballast.engine.split_admission import DieNeed, admit_split, die_need
 from ballast.engine.tokenizer import Tokenizer
 from ballast.engine.tp_worker import (
     Stop,
@@ -60,6 +61,7 @@ from ballast.engine.tp_worker import (
 )
 from ballast.memory.config import MemoryConfig
 from ballast.memory.errors import LedgerFull
+from ballast.memory.host_book import HostGrant
 from ballast.memory.ledger import Lease
 from ballast.memory.watch import MemWatch
 from ballast.models import builtin
@@ -83,7 +85,8 @@ def _free_port() -> int:
 class TPWorkers:
     """Ranks 1..N-1: their processes and the pipes their steps go through."""
 
-    def __init__(self, config: EngineConfig, quantized_kv: bool) -> None:
+    def __init__(self, config: EngineConfig, quantized_kv: bool, need: DieNeed | None = None) -> None:
+        """need: what each worker checks its own die has free before it loads (None: no check)."""
         self.world = config.tensor_parallel_size
         self.address = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
@@ -93,7 +96,7 @@ class TPWorkers:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, self.world, self.address, config, quantized_kv, theirs),
+                args=(rank, self.world, self.address, config, quantized_kv, theirs, need),
                 name=f"ballast-tp{rank}",
             )
             proc.start()
@@ -248,24 +251,22 @@ def load_sharded(
             )
     shard_weights = shard_weights_bytes(hf, config.tensor_parallel_size, dtype, fp8, config.expert_parallel)
     mem_config = watch.config if watch is not None else MemoryConfig()
+    hf_shard = shard_hf_config(hf, config.tensor_parallel_size, config.expert_parallel)
+    need = die_need(hf_shard, config, dtype, shard_weights, mem_config)
+    if watch is not None:  # every die (NVML's view) and every worker's load spike, before any spawns
+        admit_split(
+            need, config.tensor_parallel_size, dies_of(config) if device.type == "cuda" else [], watch
+        )
     # Rank 0's die (or, on the CPU, the host that holds every rank) must fit its share.
     ranks_here = 1 if device.type == "cuda" else config.tensor_parallel_size
-    admit_load(
-        shard_hf_config(hf, config.tensor_parallel_size, config.expert_parallel),
-        config,
-        device,
-        dtype,
-        shard_weights * ranks_here,
-        watch,
-        mem_config,
-    )
+    admit_load(hf_shard, config, device, dtype, shard_weights * ranks_here, watch, mem_config)
     # A timed-out NCCL collective aborts its communicators and raises, rather than the default
     # of taking the whole process (the server) down. NVLink SHARP (multicast) stays off unless
     # the operator turns it on: the hosts we run on do not lend it. Set before the workers are
     # spawned, so they inherit both.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    workers = TPWorkers(config, quantized_kv)
+    workers = TPWorkers(config, quantized_kv, need if watch is not None else None)
     leases: list[Lease] = []
     try:
         tp = init_group(0, workers.world, workers.address, device)
@@ -334,7 +335,15 @@ def segment_grant_all(watch: MemWatch, dies: Sequence[int], world: int) -> Acqui
     CPU, where every rank's segment is host memory, when the host budget holds all of them)."""
     if not dies:
         host = segment_grant(watch, None)
-        return lambda nbytes: host(nbytes * world)
+
+        def host_grant(nbytes: int) -> Callable[[], None] | None:
+            # Every rank commits its share when it replays the segment, after rank 0 has: the
+            # grant is never marked committed, so it counts against the budget until released
+            # (twice once the host shows it: safe, and only the CPU test path runs here).
+            held = host(nbytes * world)
+            return held.release if isinstance(held, HostGrant) else held
+
+        return host_grant
 
     def grant(nbytes: int) -> Callable[[], None] | None:
         try:

@@ -7,10 +7,11 @@ an assistant message, so a chat reply stops where the template says a turn ends.
 
 Chat content is text: a user who writes `<|im_end|><|im_start|>system` gets those characters, not
 the control tokens, so nobody can forge a turn (`special_tokens_in_content=True` lets an operator
-who wants the old behaviour have it). The template's own markers are still parsed: a message
-whose content spells a special token is rendered with a placeholder in its place, and the
-rendered pieces around the placeholders are tokenized with special tokens, the content between
-them without.
+who wants the old behaviour have it). The rule holds for every field the template renders (tool
+descriptions and schemas, a call's arguments, names), not message content alone. The template's
+own markers are still parsed: each special-token spelling in the request's strings is rendered
+as a placeholder, and the rendered pieces around the placeholders are tokenized with special
+tokens, each placeholder's spelling without.
 """
 
 from __future__ import annotations
@@ -67,8 +68,12 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(ids)
         self._special_ids = frozenset(int(i) for i in hf.all_special_ids)
         added = getattr(hf, "added_tokens_decoder", {})
-        self._special_texts = tuple(
-            {str(t) for t in hf.all_special_tokens} | {t.content for t in added.values() if t.special}
+        texts = {str(t) for t in hf.all_special_tokens} | {t.content for t in added.values() if t.special}
+        # Longest first: a spelling that contains another is taken whole.
+        self._special_re = (
+            re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True) if t))
+            if any(texts)
+            else None
         )
         self._byte_decoder = _byte_level_decoder()
 
@@ -111,31 +116,48 @@ class Tokenizer:
     ) -> list[int]:
         if not self.has_chat_template:
             raise TokenizerError("this model's tokenizer has no chat template; use a raw completion")
-        forged = (
-            []
-            if special_tokens_in_content
-            else [i for i, m in enumerate(messages) if self._spells_special(m.get("content"))]
-        )
-        if not forged:
-            # The template writes BOS and the turn markers itself: parse them, add nothing.
+        if special_tokens_in_content or self._special_re is None:
             return self._ids(self.render_chat(messages, tools), special=True)
-        marked = [
-            {**m, "content": f"{_OPEN}{i}{_CLOSE}"} if i in forged else m for i, m in enumerate(messages)
-        ]
-        pieces = _PLACEHOLDER.split(self.render_chat(marked, tools))
-        found = [int(x) for x in pieces[1::2]]
-        if sorted(found) != forged:
+        # Every string the client sent (content, names, tool descriptions and schemas, a call's
+        # arguments: the template may render any of them, often through `tojson`) has each
+        # special-token spelling swapped for a placeholder; the template's own markers are then
+        # parsed, and each placeholder becomes its spelling tokenized as text.
+        spelled: list[str] = []
+        marked_messages = [self._mask(m, spelled) for m in messages]
+        marked_tools = [self._mask(t, spelled) for t in tools] if tools else None
+        if not spelled:  # the common case: nothing to keep apart
+            return self._ids(self.render_chat(messages, tools), special=True)
+        pieces = _PLACEHOLDER.split(self.render_chat(marked_messages, marked_tools))
+        if any(_OPEN in piece or _CLOSE in piece or "\\ue00" in piece for piece in pieces[::2]):
             raise TokenizerError(
-                "this chat template rewrites message content, so content that spells a special token "
+                "this chat template rewrites the request's text, so text that spells a special token "
                 "cannot be kept as text"
             )
         ids: list[int] = []
         for k, piece in enumerate(pieces):
-            if k % 2 == 0:
-                ids += self._ids(piece, special=True)
-            else:
-                ids += self._ids(str(messages[int(piece)]["content"]), special=False)
+            ids += (
+                self._ids(piece, special=True)
+                if k % 2 == 0
+                else self._ids(spelled[int(piece)], special=False)
+            )
         return ids
+
+    def _mask(self, value: Any, spelled: list[str]) -> Any:
+        """`value` with every special-token spelling in its strings replaced by a placeholder
+        naming its index in `spelled` (keys are the protocol's field names: kept)."""
+        if isinstance(value, str):
+            assert self._special_re is not None
+
+            def placeholder(match: re.Match[str]) -> str:
+                spelled.append(match.group(0))
+                return f"{_OPEN}{len(spelled) - 1}{_CLOSE}"
+
+            return self._special_re.sub(placeholder, value)
+        if isinstance(value, dict):
+            return {k: self._mask(v, spelled) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self._mask(v, spelled) for v in value]
+        return value
 
     def render_chat(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
@@ -152,9 +174,6 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TokenizerError(f"chat template rendered {type(text).__name__}, expected text")
         return text
-
-    def _spells_special(self, content: object) -> bool:
-        return isinstance(content, str) and any(t in content for t in self._special_texts)
 
     def _ids(self, text: str, *, special: bool) -> list[int]:
         if not text:

@@ -30,8 +30,10 @@ import torch
 import torch.distributed as dist
 from ballast.engine.config import EngineConfig
 from ballast.engine.injected_faults import FaultInjector
+from ballast.engine.loading import ModelLoadRefused
 from ballast.engine.runner import ModelRunner, profile_prefill, weights_bytes
 from ballast.engine.shard_checkpoints import CheckpointOp, ShardCheckpoints
+from ballast.engine.split_admission import DieNeed
 from ballast.engine.tp_graphs import (
     CaptureGraphs,
     ReleaseGraphs,
@@ -192,9 +194,16 @@ def apply_changes(runner: ModelRunner, checkpoints: ShardCheckpoints, msg: StepM
 
 
 def worker_main(
-    rank: int, world: int, address: str, config: EngineConfig, quantized_kv: bool, conn: Connection
+    rank: int,
+    world: int,
+    address: str,
+    config: EngineConfig,
+    quantized_kv: bool,
+    conn: Connection,
+    need: DieNeed | None = None,
 ) -> None:
-    """The process body of rank `rank` (spawned by `TPWorkers`)."""
+    """The process body of rank `rank` (spawned by `TPWorkers`). With `need`, its die is
+    admitted on the driver's free figure before any of its weights move there."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
     device = device_of_rank(config, rank)
     dtype = config.resolved_dtype(device)
@@ -202,6 +211,10 @@ def worker_main(
         tp = init_group(rank, world, address, device)
         pointwise.set_enabled(config.compile)
         free_before, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (0, 0)
+        if need is not None and device.type == "cuda":
+            verdict = need.verdict({device.index or 0: int(free_before)})
+            if not verdict.admitted:
+                raise ModelLoadRefused(verdict)
         model, hf = load_shard(config, tp, device, dtype)
         conn.send(
             WorkerReady(

@@ -94,7 +94,9 @@ def die_level(free_bytes: int, budget_bytes: int, ledger_bytes: int = 0) -> Leve
     leased is planned memory (the ledger refuses past its ceiling), so a KV pool grown to the
     ceiling, which leaves only the ceiling's cushion free, is no pressure; other processes and
     unplanned allocations eating into that remainder are. With nothing leased this is the plain
-    table: free 0 CRITICAL, < budget/16 TIGHT, < budget/8 WATCH."""
+    table: free 0 CRITICAL, < budget/16 TIGHT, < budget/8 WATCH. (The seed judged free against
+    the whole budget: on a die whose KV pool grows to the ledger's ceiling that reads TIGHT at
+    rest, and the ladder would halve the slots of a server that is only full as planned.)"""
     if budget_bytes <= 0:
         return Level.OK
     if free_bytes <= 0:

@@ -85,11 +85,16 @@ class MemState:
     host_reserve_bytes: int = GiB
     seq: int = 0
     taken_at: float = 0.0  # time.monotonic() of the poll
+    host_epoch: int = 0  # the host book's epoch when the host figures were read
+    # Host bytes we booked that the host figures do not show yet (granted, or committed after the
+    # read): as of the publish, or as of now in MemWatch.exact().
+    host_unseen_bytes: int = 0
 
     @property
     def host_budget_bytes(self) -> int:
-        """Bytes the host can still give before reaching its reserve (never negative)."""
-        return max(0, self.host.effective_available_bytes - self.host_reserve_bytes)
+        """Bytes the host can still give before reaching its reserve, less what we booked since
+        the host was read (never negative)."""
+        return max(0, self.host.effective_available_bytes - self.host_reserve_bytes - self.host_unseen_bytes)
 
 
 class VerdictKind(enum.Enum):

@@ -2,13 +2,16 @@
 
 Publishing is one reference assignment of a snapshot built completely beforehand (a frozen
 dataclass), which is atomic under the GIL: `read()` never blocks and never sees a torn state.
-Writers (the poll thread, `poll_now()`, the engine thread's `set_die()`) serialise on a lock
-that readers never take.
+Writers (the poll thread, `poll_now()`) serialise on a lock that readers never take.
 
-Which dies count toward the level: a die the engine has claimed, by registering it with the
-ledger or by pushing figures with `set_die()`. A GPU that NVML sees but we never use is shown
-with budget 0 ("not tracked") and cannot raise our level: another tenant filling it is not our
-pressure.
+Which dies count toward the level: a die the engine has claimed by registering it with the
+ledger. A GPU that NVML sees but we never use is shown with budget 0 ("not tracked") and cannot
+raise our level: another tenant filling it is not our pressure.
+
+Where the seed pushed each die's figures from the engine after every step (set_die), this polls
+NVML with the host, which needs no CUDA context and sees another process taking VRAM while we
+idle; our own part, the ledger, is read live where it decides anything (`exact()`), so a push
+would add nothing but a second path to the same figures.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import DeviceReader, DieReading, SystemDeviceReader
 from ballast.memory.host import HostReader
+from ballast.memory.host_book import HostBook
 from ballast.memory.ledger import VramLedger
 from ballast.memory.levels import die_level, host_level, host_reserve_bytes, worst
 from ballast.memory.types import DieState, HostSample, Level, MemState
@@ -31,10 +35,11 @@ log = logging.getLogger(__name__)
 Listener = Callable[[Level, Level, MemState], None]
 
 
-@dataclass(frozen=True)
-class _Pushed:
-    budget: int
-    ledger: int | None
+def _with_held(die: DieState, held: int) -> DieState:
+    """The die with the ledger's figure now; what was leased since the poll is not in the driver's
+    free figure yet either."""
+    since = max(0, held - die.ledger_bytes)
+    return replace(die, ledger_bytes=held, free_bytes=max(0, die.free_bytes - since))
 
 
 class MemWatch:
@@ -45,13 +50,14 @@ class MemWatch:
     def __init__(self, config: MemoryConfig, device_reader: DeviceReader | None = None) -> None:
         self.config = config
         self.ledger = VramLedger(config.die_reserve_bytes, config.vram_usable_fraction)
+        self.host_book = HostBook()  # host bytes we took that a snapshot may not show yet
         self.poll_failures = 0  # polls of the background thread that raised (each one logged)
         self._host_reader = HostReader(config.root)
         self._device_reader: DeviceReader = (
             device_reader if device_reader is not None else SystemDeviceReader()
         )
         # Lock order: _poll_lock -> _write_lock; _notify_lock is taken with neither held, so a
-        # listener may call poll_now() or set_die(). Readers take none of them.
+        # listener may call poll_now(). Readers take none of them.
         self._poll_lock = threading.Lock()  # one poll's file and NVML reads at a time
         self._write_lock = threading.Lock()  # guards the inputs below and the publish
         self._notify_lock = threading.RLock()  # one notifier at a time, re-entrant for listeners
@@ -59,9 +65,9 @@ class MemWatch:
         self._notified_level = Level.OK  # what listeners were last told (the placeholder's level)
         self._life_lock = threading.Lock()
         self._host = HostSample(total_bytes=0, available_bytes=0)
+        self._host_epoch = 0
         self._driver: dict[int, DieReading] = {}
-        self._free: dict[int, int] = {}  # latest free figure, from NVML or pushed, whichever is newer
-        self._pushed: dict[int, _Pushed] = {}
+        self._free: dict[int, int] = {}  # latest free figure from the driver
         self._listeners: list[Listener] = []
         self._state = MemState(
             host=self._host, host_reserve_bytes=config.host_reserve_bytes or config.host_reserve_min_bytes
@@ -83,11 +89,24 @@ class MemWatch:
     def running(self) -> bool:
         return self._thread is not None
 
+    def exact(self, state: MemState | None = None) -> MemState:
+        """A snapshot (default: the latest) with our own accounts as of now: each die's ledger figure is what
+        the ledger holds now (its free figure lower by what was leased since the poll), and the
+        host budget is lower by what the host book holds that the host read does not show.
+        Admission and grants read this: our accounts are exact, a snapshot of them is up to a
+        poll old, and a grant or a segment taken since then would otherwise be counted twice
+        (once as headroom, once as a pool's spare blocks)."""
+        state = state if state is not None else self._state
+        unseen = self.host_book.unseen(state.host_epoch)  # relative to its read: no lock needed
+        held = {b.die: b.held_bytes for b in self.ledger.dies()}
+        dies = tuple(_with_held(d, held[d.index]) if d.index in held else d for d in state.dies)
+        return replace(state, dies=dies, host_unseen_bytes=unseen)
+
     def add_listener(self, fn: Listener) -> None:
         """Call `fn(old_level, new_level, state)` after each publish that changes the level.
 
-        It runs on the publishing thread (the poll thread, or whoever called `poll_now()` /
-        `set_die()`), outside the state lock; keep it short. An exception it raises is logged
+        It runs on the publishing thread (the poll thread, or whoever called `poll_now()`),
+        outside the state lock; keep it short. An exception it raises is logged
         and does not stop the watcher or other listeners.
         """
         with self._notify_lock:
@@ -102,32 +121,15 @@ class MemWatch:
     def poll_now(self) -> MemState:
         """Read host and device signals now and publish; returns the published snapshot."""
         with self._poll_lock:
+            epoch = self.host_book.begin_read()  # before the read: what it shows is booked before
             host = self._host_reader.read()
             dies = self._device_reader.read()
             with self._write_lock:
-                self._host = host
+                self._host, self._host_epoch = host, epoch
                 self._driver = {d.index: d for d in dies}
                 for d in dies:
                     self._free[d.index] = d.free_bytes
                 new = self._publish()
-        self._notify()
-        return new
-
-    def set_die(self, index: int, free: int, budget: int, ledger: int | None = None) -> MemState:
-        """Engine-pushed figures for one die (after a step, from `torch.cuda.mem_get_info`).
-
-        `budget` (total - die reserve) marks the die as ours; `ledger` overrides the bytes the
-        snapshot shows as ours (default: what `self.ledger` holds on that die). Never waits on
-        file or driver reads.
-        """
-        if index < 0 or free < 0 or budget < 0 or (ledger is not None and ledger < 0):
-            raise ValueError(
-                f"set_die({index}, free={free}, budget={budget}, ledger={ledger}): figures must be >= 0"
-            )
-        with self._write_lock:
-            self._free[index] = free
-            self._pushed[index] = _Pushed(budget=budget, ledger=ledger)
-            new = self._publish()
         self._notify()
         return new
 
@@ -137,16 +139,13 @@ class MemWatch:
         host = self._host
         budgets = {b.die: b for b in self.ledger.dies()}
         dies = []
-        for index in sorted(set(self._free) | set(self._pushed) | set(budgets)):
+        for index in sorted(set(self._free) | set(budgets)):
             driver = self._driver.get(index)
-            pushed = self._pushed.get(index)
             booked = budgets.get(index)
             free = self._free.get(index, 0)
-            budget = pushed.budget if pushed else booked.budget_bytes if booked else 0
+            budget = booked.budget_bytes if booked else 0
             total = driver.total_bytes if driver else booked.total_bytes if booked else 0
-            ours = (
-                pushed.ledger if pushed and pushed.ledger is not None else booked.held_bytes if booked else 0
-            )
+            ours = booked.held_bytes if booked else 0
             dies.append(
                 DieState(
                     index=index,
@@ -168,6 +167,8 @@ class MemWatch:
             host_reserve_bytes=host_reserve_bytes(host.effective_total_bytes, self.config),
             seq=old.seq + 1,
             taken_at=time.monotonic(),
+            host_epoch=self._host_epoch,
+            host_unseen_bytes=self.host_book.unseen(self._host_epoch),
         )
         self._state = new  # the publish: one reference assignment
         return new

@@ -193,6 +193,14 @@ class _HostMemory:
     def tensors(self) -> list[Tensor]:
         return [self.kv] if self.scale is None else [self.kv, self.scale]
 
+    def commit_segment(self, seg: int) -> None:
+        """Write a new segment's pages now: the mapping is MAP_NORESERVE, so until written they
+        are not memory at all, and the host's figures would show the grant only once sequences
+        filled it, long after the budget was asked (granting the same bytes again meanwhile)."""
+        lo, hi = seg * self.layout.seg_blocks, (seg + 1) * self.layout.seg_blocks
+        for t in self.tensors():
+            t[:, lo:hi].zero_()
+
     def release_segment(self, seg: int) -> None:
         """Give a segment's pages back to the OS (they read as zeros if touched again)."""
         lay = self.layout
@@ -293,6 +301,8 @@ class KVStore:
         self._record("add_segment", seg)
         if self.cuda is not None:
             self.cuda.add_segment(seg)
+        elif self.host is not None:
+            self.host.commit_segment(seg)
         self.live_segments.add(seg)
 
     def release_segments(self, segs: Sequence[int]) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ballast.memory.admission import admit_request
 from ballast.memory.ladder import LadderConfig, plan_for
@@ -28,6 +28,13 @@ class SnapshotSource(Protocol):
     """What the scheduler needs of MemWatch: a non-blocking read of the latest snapshot."""
 
     def read(self) -> MemState: ...
+
+
+@runtime_checkable
+class ExactSource(SnapshotSource, Protocol):
+    """A source that also keeps our own accounts (MemWatch: the VRAM ledger and the host book)."""
+
+    def exact(self, state: MemState | None = None) -> MemState: ...
 
 
 class VerdictRecorder(Protocol):
@@ -128,10 +135,14 @@ class Governor:
             return Verdict(
                 VerdictKind.REJECT, 0, f"context window limit: {n_prompt} prompt tokens, window {window}"
             )
+        # Our own accounts are exact and read now; a snapshot of them is up to a poll old, and a
+        # segment leased since then would count twice: as ledger headroom and as the pool's
+        # spare blocks (which come from the last step).
+        state = self._source.exact(self._state) if isinstance(self._source, ExactSource) else self._state
         return admit_request(
             n_prompt,
             max_tokens,
-            self._state,
+            state,
             self._cost,
             max_window=window,
             gpu_die=self._s.gpu_die,

@@ -19,16 +19,16 @@ from ballast.engine.engine import Engine
 from ballast.engine.interface import EngineLike
 from ballast.engine.loading import LOAD_ERRORS
 from ballast.memory.metrics import AdmissionMetrics, LadderCollector, PoolCollector, register_memory_metrics
+from ballast.memory.watch import MemWatch
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.scheduler import Scheduler
 from ballast.server import dashboard, errors, routes
 from ballast.server.config import ServerConfig
+from ballast.server.intake import Intake, IntakeLimits
 from ballast.server.metrics import HttpMetrics
 from ballast.server.state import Phase, ServerState, SnapshotWatch
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ballast import __version__
 
@@ -38,64 +38,6 @@ if TYPE_CHECKING:  # the pool pulls in torch; the app only hands it around
 log = logging.getLogger("ballast.server")
 
 EngineFactory = Callable[[], EngineLike]
-
-
-class BodyTooLarge(HTTPException):
-    # An HTTPException so FastAPI's body reader re-raises it as is (it turns other errors into 400).
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body is larger than the limit of {limit} bytes")
-
-
-class BodyTimeout(HTTPException):
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(408, f"the request body did not arrive: nothing received for {timeout_s:g} s")
-
-
-class BodyLimit:
-    """Refuse bodies over `max_bytes` before parsing: by Content-Length up front, and by counting
-    what arrives for chunked uploads (which have no length). A body that stalls (a slowloris
-    client sending a byte now and then, or nothing after its headers) gets 408 once no piece has
-    arrived for `timeout_s`, so it cannot hold a handler and its request state forever."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-        self.timeout_s = timeout_s
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            status = 413 if length.isdigit() else 400
-            message = (
-                str(BodyTooLarge(self.max_bytes).detail) if status == 413 else "invalid Content-Length header"
-            )
-            response = errors.ApiError(
-                status, message, code="request_too_large" if status == 413 else None
-            ).response()
-            await response(scope, receive, send)
-            return
-        seen = 0
-        body_done = False
-
-        async def counted() -> Message:
-            nonlocal seen, body_done
-            if body_done:  # after the body only a disconnect comes, maybe much later: no timeout
-                return await receive()
-            try:
-                message = await asyncio.wait_for(receive(), self.timeout_s)
-            except asyncio.TimeoutError:
-                raise BodyTimeout(self.timeout_s) from None
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
-                body_done = not message.get("more_body", False)
-            return message
-
-        await self.app(scope, counted, send)
 
 
 @dataclass(frozen=True)
@@ -235,6 +177,10 @@ def create_app(
     errors.install(app)
     routes.install(app, config.api_key)
     if config.dashboard:
-        dashboard.install(app)
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+        dashboard.install(app, config.api_key)
+    limits = IntakeLimits(
+        config.max_body_bytes, config.max_parsing_bytes, config.max_concurrent_requests, config.body_timeout_s
+    )
+    watch = memwatch if isinstance(memwatch, MemWatch) else None
+    app.add_middleware(Intake, limits=limits, watch=watch, on_refused=metrics.rejected)
     return app

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, cast
 
@@ -24,7 +24,7 @@ from ballast.engine.grammar import Constraint
 from ballast.engine.interface import TokenizerLike
 from ballast.engine.plan import SamplingParams
 from ballast.engine.tokenizer import Tokenizer
-from ballast.scheduler.errors import EngineFailed, Refused, outcome_of
+from ballast.scheduler.errors import ContextTooLong, EngineFailed, Refused, outcome_of
 from ballast.scheduler.request import (
     Event,
     FinishEvent,
@@ -131,6 +131,15 @@ def _sampling(
         raise bad_request(str(exc)) from exc
 
 
+def check_context(prompt_len: int, asked: int | None, max_len: int, param: str) -> None:
+    """The scheduler's context check, made before a request is built: a prompt that cannot fit is
+    refused before anything is copied per choice (n choices of a 1M-token prompt were 512 MiB of
+    tuples before the scheduler's 400)."""
+    max_tokens = _max_tokens(asked, prompt_len, max_len)
+    if prompt_len + max_tokens > max_len:
+        raise from_refusal(ContextTooLong(prompt_len, max_tokens, max_len), param)
+
+
 def _max_tokens(asked: int | None, prompt_len: int, max_model_len: int) -> int:
     # Unset: whatever is left of the context. Never below 1, so a prompt that fills the context is
     # refused by the scheduler's one context check (ContextTooLong), not by a second one here.
@@ -156,7 +165,7 @@ def ready_engine(state: ServerState) -> tuple[TokenizerLike, int]:
     return state.engine.tokenizer, state.context_window
 
 
-def check_token_ids(tokenizer: TokenizerLike, ids: list[int], param: str = "prompt") -> None:
+def check_token_ids(tokenizer: TokenizerLike, ids: Sequence[int], param: str = "prompt") -> None:
     """A client's token ids reach the embedding as they are; one out of range would fail the step
     and with it the whole engine, so it is refused here as bad input. The protocol states no
     vocabulary size, so the bound comes from the real tokenizer when it is one."""
@@ -169,9 +178,9 @@ def check_token_ids(tokenizer: TokenizerLike, ids: list[int], param: str = "prom
 
 def _prompts(
     tokenizer: TokenizerLike, prompt: str | list[str] | list[int] | list[list[int]]
-) -> list[tuple[str | None, list[int]]]:
+) -> list[tuple[str | None, tuple[int, ...]]]:
     """(text, token ids) of each completion prompt: text, token ids, or a list of either (text is
-    None for prompts given as ids)."""
+    None for prompts given as ids). Each prompt's ids are one tuple, shared by all its choices."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -180,13 +189,14 @@ def _prompts(
         batch: list[str] | list[list[int]] = [cast(list[int], prompt)]
     else:
         batch = cast("list[str] | list[list[int]]", prompt)
-    out: list[tuple[str | None, list[int]]] = []
+    out: list[tuple[str | None, tuple[int, ...]]] = []
     for item in batch:
         if isinstance(item, str):
-            out.append((item, tokenizer.encode(item)))
+            out.append((item, tuple(tokenizer.encode(item))))
         else:
-            check_token_ids(tokenizer, list(item))
-            out.append((None, list(item)))
+            ids = tuple(item)
+            check_token_ids(tokenizer, ids)
+            out.append((None, ids))
     if any(not ids for _, ids in out):
         raise bad_request("the prompt is empty", param="prompt")
     return out
@@ -205,6 +215,8 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
     if req.best_of not in (None, 1, req.n):
         raise bad_request("best_of must equal n (no server-side ranking)", param="best_of")
     prompts = _prompts(tokenizer, req.prompt)
+    for _, ids in prompts:  # before anything is built per choice
+        check_context(len(ids), req.max_tokens, max_len, "prompt")
     params = _sampling(req, sampling_defaults(state), req.logprobs, _logit_bias(tokenizer, req))
     rid = p.new_id("cmpl")
     # (index among its prompt's, prompt, given as text)
@@ -225,11 +237,10 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
         )
         for k, (i, ids, text) in enumerate(choices)
     )
-    echo = tuple(
-        (text if text is not None else tokenizer.decode(ids)) if req.echo else ""
-        for text, ids in prompts
-        for _ in range(req.n)
-    )
+    echoed = [
+        (text if text is not None else tokenizer.decode(ids)) if req.echo else "" for text, ids in prompts
+    ]
+    echo = tuple(text for text in echoed for _ in range(req.n))
     return Job(
         "completion",
         rid,
@@ -249,8 +260,9 @@ def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
     tokenizer, max_len = ready_engine(state)
     _common_checks(req)
     chat.check_tools(req)
-    ids = chat.chat_prompt(state, tokenizer, req)
+    ids = tuple(chat.chat_prompt(state, tokenizer, req))  # one tuple, shared by every choice
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    check_context(len(ids), asked, max_len, "messages")
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = _sampling(
         req, sampling_defaults(state), top, _logit_bias(tokenizer, req), chat.constraint(state, req, len(ids))
@@ -291,7 +303,7 @@ def _usage(req: p.GenerationFields) -> bool:
 
 def _generation(
     rid: str,
-    ids: list[int],
+    ids: tuple[int, ...],
     req: p.GenerationFields,
     params: SamplingParams,
     asked: int | None,
@@ -301,7 +313,7 @@ def _generation(
     """text: the prompt came as text (chat messages, a text completion), and so will a next turn."""
     return GenerationRequest(
         request_id=rid,
-        prompt_ids=tuple(ids),
+        prompt_ids=ids,
         params=params,
         max_tokens=_max_tokens(asked, len(ids), max_len),
         stop=req.stop_strings(),

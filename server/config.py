@@ -39,12 +39,37 @@ class ServerConfig:
     )
     api_key: str | None = field(
         default=None,
-        metadata=setting("BALLAST_API_KEY", "if set, /v1 requires 'Authorization: Bearer <key>'"),
+        metadata=setting(
+            "BALLAST_API_KEY",
+            "if set, /v1 requires 'Authorization: Bearer <key>' (and /dashboard the key, as Bearer or as "
+            "the password of HTTP Basic)",
+        ),
     )
     max_body_bytes: int = field(
         default=8 << 20,
         metadata=setting(
             "BALLAST_MAX_BODY_BYTES", "largest request body accepted (413 beyond)", 1024, 1 << 34
+        ),
+    )
+    max_parsing_bytes: int = field(
+        default=64 << 20,
+        metadata=setting(
+            "BALLAST_MAX_PARSING_BYTES",
+            "request bodies read and parsed at once, in bytes (429 + Retry-After beyond): parsing takes "
+            "up to 8x a body's bytes of heap, booked against the host budget",
+            1024,
+            1 << 36,
+        ),
+    )
+    max_concurrent_requests: int = field(
+        default=1024,
+        metadata=setting(
+            "BALLAST_MAX_CONCURRENT_REQUESTS",
+            "HTTP requests in flight at once (429 + Retry-After beyond; /health, /ready and /metrics "
+            "are never refused): each holds a handler, its prompt and its mailbox before the queue "
+            "bounds it",
+            1,
+            1 << 20,
         ),
     )
     body_timeout_s: float = field(
@@ -77,8 +102,8 @@ class ServerConfig:
         default=False,
         metadata=setting(
             "BALLAST_SPECIAL_TOKENS_IN_CHAT",
-            "parse special-token strings in chat message content as control tokens "
-            "(off: they are text, so a user cannot forge a turn)",
+            "parse special-token strings in chat message content (and every other field the template "
+            "renders) as control tokens (off: they are text, so a user cannot forge a turn)",
         ),
     )
     log_level: str = field(
@@ -108,6 +133,11 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check(self)
+        if self.max_body_bytes > self.max_parsing_bytes:
+            raise ConfigError(
+                f"BALLAST_MAX_BODY_BYTES={self.max_body_bytes} is above BALLAST_MAX_PARSING_BYTES="
+                f"{self.max_parsing_bytes}: a body that large could never be read"
+            )
 
 
 def parse_value(setting: Setting, raw: str, source: str) -> int | float | bool | str:

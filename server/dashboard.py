@@ -20,8 +20,9 @@ from importlib import resources
 from typing import Any
 
 from ballast.memory.types import Level, MemState
+from ballast.server.auth import page_dependency
 from ballast.server.state import ServerState
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client.registry import Collector
 
@@ -137,19 +138,17 @@ def state_document(state: ServerState) -> dict[str, Any]:
     return doc
 
 
-router = APIRouter()
+def install(app: FastAPI, api_key: str | None = None) -> None:
+    """The page and its state follow the API key (see server/auth.py)."""
+    router = APIRouter(dependencies=[Depends(page_dependency(api_key))])
 
+    @router.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(_page(), headers={"Cache-Control": "no-cache"})
 
-@router.get("/dashboard", response_class=HTMLResponse)
-async def dashboard() -> HTMLResponse:
-    return HTMLResponse(_page(), headers={"Cache-Control": "no-cache"})
+    @router.get("/dashboard/state")
+    async def dashboard_state(request: Request) -> JSONResponse:
+        state: ServerState = request.app.state.ballast
+        return JSONResponse(state_document(state), headers={"Cache-Control": "no-store"})
 
-
-@router.get("/dashboard/state")
-async def dashboard_state(request: Request) -> JSONResponse:
-    state: ServerState = request.app.state.ballast
-    return JSONResponse(state_document(state), headers={"Cache-Control": "no-store"})
-
-
-def install(app: FastAPI) -> None:
     app.include_router(router)

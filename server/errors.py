@@ -132,8 +132,25 @@ def from_validation(exc: RequestValidationError) -> ApiError:
     return bad_request(message, param=param)
 
 
-# Codes for statuses Starlette raises itself (unknown route, wrong method, a chunked body too large).
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
+# Codes for statuses Starlette raises itself (unknown route, wrong method, a chunked body too large)
+# and the intake raises (server/intake.py: too many bodies being read, no host room to parse one).
+_HTTP_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "request_too_large",
+    429: "intake_busy",
+    503: "server_overloaded",
+}
+_HTTP_TYPES = {429: "rate_limit_exceeded", 503: "server_overloaded"}
+
+
+def from_http(exc: StarletteHTTPException) -> ApiError:
+    kind = _HTTP_TYPES.get(exc.status_code) or (
+        "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    )
+    code = _HTTP_CODES.get(exc.status_code)
+    return ApiError(exc.status_code, str(exc.detail), kind, code=code, headers=dict(exc.headers or {}))
 
 
 def install(app: FastAPI) -> None:
@@ -149,11 +166,7 @@ def install(app: FastAPI) -> None:
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
-        code = _HTTP_CODES.get(exc.status_code)
-        return ApiError(
-            exc.status_code, str(exc.detail), kind, code=code, headers=dict(exc.headers or {})
-        ).response()
+        return from_http(exc).response()
 
     async def on_refusal(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, Refused | MemoryRefused)

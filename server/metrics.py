@@ -173,6 +173,11 @@ class HttpMetrics:
     def refused(self, endpoint: str, status: int, outcome: str, after_s: float | None = None) -> None:
         """A request refused (after_s: seconds since it arrived, when it had no token yet)."""
         self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+        self.rejected(status, after_s)
+
+    def rejected(self, status: int, after_s: float | None = None) -> None:
+        """A refusal for load, before or after a request was read (429, 503; others are not);
+        after_s: how long the client waited for it, where known."""
         if status in (429, 503):
             self.rejections.labels(status=str(status)).inc()
             if after_s is not None:

@@ -1,7 +1,7 @@
 """Scenario 8, auth: `ballast serve --api-key` refuses every /v1 route (read from the server's own
 OpenAPI schema, so a new route is covered) without the right key, with an OpenAI error body;
-/health, /ready and /metrics stay open; neither the key nor a wrong one appears in the logs,
-even at debug level."""
+/health, /ready and /metrics stay open, /dashboard follows the key; neither the key nor a wrong
+one appears in the logs, even at debug level."""
 
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ def test_every_v1_route_needs_the_key_probes_stay_open_and_no_key_is_logged() ->
                 )
         for open_path in ("/health", "/ready", "/metrics"):
             assert httpx.get(url + open_path).status_code == 200, open_path
+        for page in ("/dashboard", "/dashboard/state"):  # the page names the model: it follows the key
+            assert httpx.get(url + page).status_code == 401, page
+            assert httpx.get(url + page, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         assert client.models.list().data[0].id == "tiny"
         answer = client.chat.completions.create(

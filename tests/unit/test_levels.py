@@ -161,6 +161,18 @@ def test_unknown_total_is_judged_by_what_is_known(tmp_path: Path) -> None:
 BUDGET = 16 * GiB
 
 
+def die_watch(root: Path, frees: list[int], budget: int) -> MemWatch:
+    """A MemWatch whose dies (ours: registered with the ledger) have `budget` and these frees."""
+    config = MemoryConfig(root=str(root))
+    total = budget + config.die_reserve_bytes
+    watch = MemWatch(
+        config, StaticDeviceReader([DieReading(i, "gpu", total, free) for i, free in enumerate(frees)])
+    )
+    for index in range(len(frees)):
+        watch.ledger.register_die(index, total, total)
+    return watch
+
+
 @pytest.mark.parametrize(
     ("free", "budget", "expect"),
     [
@@ -176,8 +188,7 @@ BUDGET = 16 * GiB
 )
 def test_die_table_through_memwatch(tmp_path: Path, free: int, budget: int, expect: Level) -> None:
     level_tree(tmp_path, Level.OK)
-    watch = MemWatch(MemoryConfig(root=str(tmp_path)), device_reader=StaticDeviceReader())
-    state = watch.set_die(0, free=free, budget=budget)
+    state = die_watch(tmp_path, [free], budget).poll_now()
     assert state.dies[0].level == expect == die_level(free, budget)
     assert state.host_level == Level.OK and state.level == expect
 
@@ -197,10 +208,7 @@ def test_overall_is_worst_of_host_and_every_die(
     tmp_path: Path, mode: CgroupMode, host: Level, die_frees: tuple[int, ...], expect: Level
 ) -> None:
     level_tree(tmp_path, host, cgroup=mode)
-    watch = MemWatch(MemoryConfig(root=str(tmp_path)), device_reader=StaticDeviceReader())
-    for index, free in enumerate(die_frees):
-        watch.set_die(index, free=free, budget=BUDGET)
-    state = watch.poll_now()
+    state = die_watch(tmp_path, list(die_frees), BUDGET).poll_now()
     assert state.host_level == host
     assert [d.level for d in state.dies] == [die_level(f, BUDGET) for f in die_frees]
     assert state.level == expect

@@ -105,7 +105,8 @@ def test_poll_thread_sees_a_rewritten_tree(tmp_path: Path) -> None:
 
 def test_listener_on_level_change(tmp_path: Path) -> None:
     level_tree(tmp_path, Level.OK, cgroup="v2")
-    watch = make_watch(tmp_path, poll_s=60.0)
+    reader = StaticDeviceReader()
+    watch = make_watch(tmp_path, poll_s=60.0, reader=reader)
     heard: list[tuple[Level, Level, int]] = []
     watch.add_listener(lambda old, new, state: heard.append((old, new, state.level)))
     watch.start()
@@ -128,7 +129,9 @@ def test_listener_on_level_change(tmp_path: Path) -> None:
         level_tree(tmp_path, Level.OK, cgroup="v2")
         watch.poll_now()
         assert heard[-1] == (Level.TIGHT, Level.OK, Level.OK)
-        watch.set_die(0, free=0, budget=8 * GiB)  # a die push changes the level too
+        watch.ledger.register_die(0, 9 * GiB, 9 * GiB)  # a die of ours, budget 8 GiB...
+        reader.set(DieReading(index=0, name="gpu", total_bytes=9 * GiB, free_bytes=0))
+        watch.poll_now()  # ...found full changes the level too
         assert heard[-1] == (Level.OK, Level.CRITICAL, Level.CRITICAL)
     finally:
         watch.stop()
@@ -204,7 +207,7 @@ def test_poll_thread_survives_a_failing_poll(tmp_path: Path, caplog: pytest.LogC
         watch.stop()
 
 
-def test_device_figures_and_engine_pushes_merge(tmp_path: Path) -> None:
+def test_device_figures_and_the_ledger_merge(tmp_path: Path) -> None:
     level_tree(tmp_path, Level.OK)
     reader = StaticDeviceReader(
         [DieReading(index=0, name="H200", total_bytes=141 * GiB, free_bytes=100 * GiB)]
@@ -212,7 +215,10 @@ def test_device_figures_and_engine_pushes_merge(tmp_path: Path) -> None:
     watch = make_watch(tmp_path, reader=reader)
     die = watch.poll_now().dies[0]
     assert (die.name, die.free_bytes, die.budget_bytes, die.level) == ("H200", 100 * GiB, 0, Level.OK)
-    die = watch.set_die(0, free=10 * GiB, budget=140 * GiB, ledger=90 * GiB).dies[0]
+    watch.ledger.register_die(0, 141 * GiB, 141 * GiB)  # ours now: budget 140 GiB
+    lease = watch.ledger.lease(0, 90 * GiB, "weights")
+    reader.set(DieReading(index=0, name="H200", total_bytes=141 * GiB, free_bytes=10 * GiB))
+    die = watch.poll_now().dies[0]
     # 10 GiB free of the 50 GiB our 90 GiB of leases leave: no pressure (>= 50/8).
     assert (die.free_bytes, die.budget_bytes, die.ledger_bytes, die.level) == (
         10 * GiB,
@@ -221,18 +227,18 @@ def test_device_figures_and_engine_pushes_merge(tmp_path: Path) -> None:
         Level.OK,
     )
     reader.set(DieReading(index=0, name="H200", total_bytes=141 * GiB, free_bytes=3 * GiB))
-    die = watch.poll_now().dies[0]  # a newer driver figure wins; the pushed budget stays
+    die = watch.poll_now().dies[0]
     assert (die.free_bytes, die.budget_bytes, die.level) == (3 * GiB, 140 * GiB, Level.TIGHT)  # < 50/16
-    with pytest.raises(ValueError):
-        watch.set_die(0, free=-1, budget=GiB)
+    lease.release()
 
 
 def test_readers_never_see_a_torn_snapshot(tmp_path: Path) -> None:
     """Two writers publish snapshots whose fields all derive from one counter each (die figures
-    from set_die, host figures from an atomically rewritten meminfo); readers check every
-    snapshot is internally consistent and that seq never goes backwards."""
-    config = MemoryConfig(root=str(tmp_path))
-    watch = MemWatch(config, device_reader=StaticDeviceReader())
+    from the device reader and the ledger, host figures from an atomically rewritten meminfo);
+    readers check every snapshot is internally consistent and that seq never goes backwards."""
+    config = MemoryConfig(root=str(tmp_path), die_reserve_bytes=0)
+    reader = StaticDeviceReader()
+    watch = MemWatch(config, device_reader=reader)
     write_tree(tmp_path, mem_total=2 * GiB, mem_available=GiB)
     watch.poll_now()
     stop = threading.Event()
@@ -241,9 +247,11 @@ def test_readers_never_see_a_torn_snapshot(tmp_path: Path) -> None:
 
     def push_dies() -> None:
         k = 1
-        while not stop.is_set():
-            watch.set_die(0, free=k * 1024, budget=2 * k * 1024 + 1, ledger=3 * k * 1024)
-            k += 1
+        while not stop.is_set():  # a die of 2k + 1 KiB, k KiB free
+            watch.ledger.register_die(0, 2 * k * 1024 + 1, 2 * k * 1024 + 1)
+            reader.set(DieReading(index=0, name="gpu", total_bytes=2 * k * 1024 + 1, free_bytes=k * 1024))
+            watch.poll_now()
+            k = k % 4096 + 1
 
     def rewrite_host() -> None:
         k = 1
@@ -260,11 +268,7 @@ def test_readers_never_see_a_torn_snapshot(tmp_path: Path) -> None:
             return "host level does not match host figures"
         for d in state.dies:
             k = d.free_bytes // 1024
-            if (d.budget_bytes, d.ledger_bytes, d.level) != (
-                2 * k * 1024 + 1,
-                3 * k * 1024,
-                die_level(d.free_bytes, d.budget_bytes, d.ledger_bytes),
-            ):
+            if (d.total_bytes, d.level) != (2 * k * 1024 + 1, die_level(d.free_bytes, d.budget_bytes)):
                 return f"die torn: {d}"
         if state.level != worst([state.host_level, *(d.level for d in state.dies)]):
             return "overall level does not match its parts"
