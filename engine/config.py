@@ -105,6 +105,16 @@ class EngineConfig:
             choices=CPU_WEIGHT_MODES,
         ),
     )
+    cpu_threads: int = field(
+        default=0,
+        metadata=setting(
+            "BALLAST_CPU_THREADS",
+            "intra-op threads of a CPU engine; 0 = the CPUs the process may use (affinity, cgroup CPU "
+            "quota) less one for the event loop, at least one",
+            0,
+            4096,
+        ),
+    )
     seed: int = field(
         default=0,
         metadata=setting(
