@@ -169,8 +169,10 @@ def test_default_model_int4_stays_within_its_tolerance_of_transformers(default_d
     eng = default_engine("auto")
     try:
         assert eng.load_report.weights_bytes < default_dense.load_report.weights_bytes / 2
-        for slot, ids in prompts(49152).items():
-            forced = hf_greedy(ref, ids, 12)
+        # Two of the prompts, 8 tokens each: the int4 load, two reference generations and 16
+        # forced steps are what this test costs (CI's budget).
+        for slot, ids in list(prompts(49152).items())[1::2]:
+            forced = hf_greedy(ref, ids, 8)
             with torch.inference_mode():
                 theirs = ref(torch.tensor([ids + forced[:-1]])).logits[0, len(ids) - 1 :]
             ours = teacher_forced_logits(eng, slot, ids, forced)
