@@ -46,49 +46,73 @@ def attend_in_place(store: KVStore, layer: int, q: Tensor, batch: ForwardBatch) 
     out = torch.empty_like(q)
     first = 0
     for b, (start, n) in enumerate(zip(batch.starts_list, batch.lens_list, strict=True)):
-        runs = block_runs(tables[b], start + n, lay.block_size)
-        out[first : first + n] = _attend_one(kv_layer, q[first : first + n], start, runs, lay.num_kv_heads)
+        ctx = start + n
+        runs = block_runs(tables[b], ctx, lay.block_size)
+        source = kv_layer
+        if len(runs) > MAX_RUNS:
+            # A table in many pieces: one call per piece costs more than a copy of its blocks
+            # (bench/cpu_attention.py), so this sequence's blocks are gathered, once a layer.
+            ids = torch.tensor(tables[b][: -(-ctx // lay.block_size)])
+            source, runs = kv_layer.index_select(0, ids), [(0, 0, len(ids))]
+        keys = [_run_view(source, run, ctx) for run in runs]
+        out[first : first + n] = _attend_one(keys, q[first : first + n], start, lay.num_kv_heads)
         first += n
     return out
 
 
-def _attend_one(
-    kv_layer: Tensor, q: Tensor, start: int, runs: list[tuple[int, int, int]], n_kv: int
-) -> Tensor:
-    """One sequence's n tokens (absolute positions start ..) over its runs of blocks."""
+# Runs of blocks attended in place, one kernel call each; a table in more pieces is gathered.
+MAX_RUNS = 2
+
+
+def _run_view(kv_layer: Tensor, run: tuple[int, int, int], ctx: int) -> tuple[int, Tensor]:
+    """(first position, [S, 2 * n_kv, D] view) of one run's positions below ctx."""
+    pos, block, count = run
+    bs = kv_layer.shape[1]
+    length = min(count * bs, ctx - pos)
+    return pos, kv_layer[block : block + count].view(count * bs, *kv_layer.shape[2:])[:length]
+
+
+def _flash(q: Tensor, kv: Tensor, n_kv: int, causal: bool) -> tuple[Tensor, Tensor]:
+    """torch's CPU flash kernel: (out, log-sum-exp) of q [1, H, L, D] over kv [S, 2 * n_kv, D]
+    (K and V heads as H / n_kv folds them: strided views, no copy)."""
+    keys = kv[:, :n_kv].permute(1, 0, 2).unsqueeze(0)
+    values = kv[:, n_kv:].permute(1, 0, 2).unsqueeze(0)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, keys, values, is_causal=causal, scale=q.shape[-1] ** -0.5
+    )
+    return out, lse
+
+
+def _attend_one(keys: list[tuple[int, Tensor]], q: Tensor, start: int, n_kv: int) -> Tensor:
+    """One sequence's n tokens (absolute positions start ..) over its key runs.
+
+    Keys below `start` (the cached prefix) are visible to every query: attended with no mask,
+    each KV head's group of query heads folded into the query rows (row i * group + j: token i's
+    head j), so K/V are read once per KV head. The chunk's own keys are attended causally with
+    the KV heads repeated (n rows: a small copy). The parts merge by their log-sum-exp."""
     n, heads, dim = q.shape
     group = heads // n_kv
-    bs = kv_layer.shape[1]
-    ctx = start + n
-    # Query heads h = kv * group + j (the order GQA's repeat_interleave implies): row i * group + j
-    # of KV head kv's query block holds token i's head j.
-    qf = q.view(n, n_kv, group, dim).permute(1, 0, 2, 3).reshape(1, n_kv, n * group, dim)
-    row_pos = start + torch.arange(n).repeat_interleave(group)  # [n * group] absolute positions
     outs, lses = [], []
-    for pos, block, count in runs:
-        length = min(count * bs, ctx - pos)
-        kv = kv_layer[block : block + count].view(count * bs, 2 * n_kv, dim)[:length]
-        keys = kv[:, :n_kv].permute(1, 0, 2).unsqueeze(0)  # [1, n_kv, S, D], a view
-        values = kv[:, n_kv:].permute(1, 0, 2).unsqueeze(0)
-        mask = None
-        if pos + length - 1 > start:  # some key lies past the first query: causal mask
-            hidden = (pos + torch.arange(length))[None, :] > row_pos[:, None]
-            # additive, in q's dtype (the kernel takes no boolean mask)
-            mask = q.new_zeros(hidden.shape).masked_fill_(hidden, float("-inf"))[None, None]
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qf, keys, values, attn_mask=mask, scale=dim**-0.5
+    folded = q.view(n, n_kv, group, dim).permute(1, 0, 2, 3).reshape(1, n_kv, n * group, dim)
+    # A decode token sees every key: the whole context is "prefix".
+    prefix_end = start + 1 if n == 1 else start
+    for pos, kv in keys:
+        if pos < prefix_end:
+            o, lse = _flash(folded, kv[: prefix_end - pos], n_kv, causal=False)
+            # back to [1, Hq, n, D] / [1, Hq, n]: head kv * group + j, token i
+            outs.append(o.reshape(n_kv, n, group, dim).permute(0, 2, 1, 3).reshape(1, heads, n, dim))
+            lses.append(lse.reshape(n_kv, n, group).permute(0, 2, 1).reshape(1, heads, n))
+    if n > 1:
+        own = torch.cat([kv[max(0, start - pos) :] for pos, kv in keys if pos + kv.shape[0] > start])
+        own = torch.cat(
+            (own[:, :n_kv].repeat_interleave(group, 1), own[:, n_kv:].repeat_interleave(group, 1)), 1
         )
-        if pos > start:  # rows before the run's first key see none of it; the kernel gives
-            lse = lse.masked_fill(row_pos < pos, float("-inf"))  # them lse 0, not -inf
+        o, lse = _flash(q.transpose(0, 1).unsqueeze(0), own, heads, causal=True)
         outs.append(o)
         lses.append(lse)
     if len(outs) == 1:
         merged = outs[0]
     else:
-        # softmax over every key = each run's softmax weighted by exp(its log-sum-exp); a row
-        # that sees no key of a run has lse -inf there and weight 0.
-        lse = torch.stack(lses)  # [R, 1, n_kv, rows]
-        weight = torch.softmax(lse, dim=0)
-        stacked = torch.stack(outs).nan_to_num(0.0)  # [R, 1, n_kv, rows, D]
-        merged = (stacked * weight[..., None]).sum(0)
-    return merged.reshape(n_kv, n, group, dim).permute(1, 0, 2, 3).reshape(n, heads, dim)
+        weight = torch.softmax(torch.stack(lses), dim=0)  # [parts, 1, Hq, n]
+        merged = (torch.stack(outs) * weight[..., None]).sum(0)
+    return merged[0].transpose(0, 1)  # [n, Hq, D]

@@ -30,19 +30,22 @@ def reference(store: object, q: torch.Tensor, batch: ForwardBatch) -> torch.Tens
     return out
 
 
-@pytest.mark.parametrize("shuffled", [False, True])
-def test_in_place_equals_the_gathered_reference(shuffled: bool) -> None:
+@pytest.mark.parametrize("tables", ["in order", "two runs", "shuffled"])
+def test_in_place_equals_the_gathered_reference(tables: str) -> None:
     spec = AttentionSpec(num_kv_heads=KV_HEADS, head_dim=DIM, dtype_bytes=4)
     state = allocate_states([spec], 3, 200, "cpu", torch.float32)[0]
     assert isinstance(state, PagedKV)
     store = state.store
-    if shuffled:
-        per = store.layout.max_blocks_per_seq
-        blocks = (
-            torch.randperm(3 * per, generator=torch.Generator().manual_seed(0)) + SINK_BLOCK + 1
-        ).tolist()
+    per = store.layout.max_blocks_per_seq
+    if tables == "shuffled":  # a run per block: gathered per sequence (more than MAX_RUNS)
+        order = torch.randperm(3 * per, generator=torch.Generator().manual_seed(0)) + SINK_BLOCK + 1
         for slot in range(3):
-            store.set_table(slot, 0, blocks[slot * per : (slot + 1) * per])
+            store.set_table(slot, 0, order[slot * per : (slot + 1) * per].tolist())
+    if tables == "two runs":  # each sequence's first two blocks in one place, the rest elsewhere
+        for slot in range(3):
+            rest = SINK_BLOCK + 7 + slot * per
+            own = [SINK_BLOCK + 1 + 2 * slot, SINK_BLOCK + 2 + 2 * slot]
+            store.set_table(slot, 0, own + list(range(rest, rest + per - 2)))
     gen = torch.Generator().manual_seed(1)
     steps = [
         [(0, 70, 0), (1, 5, 0)],  # chunks crossing block edges
@@ -56,3 +59,5 @@ def test_in_place_equals_the_gathered_reference(shuffled: bool) -> None:
         q = torch.randn(t, HEADS, DIM, generator=gen)
         got, want = attend_in_place(store, 0, q, batch), reference(store, q, batch)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), step
+    if tables == "two runs":
+        assert len(block_runs(store.block_table[0].tolist(), 141, store.layout.block_size)) == 2
