@@ -3,12 +3,15 @@ gathered into a copy.
 
 A CPU store keeps one layer's blocks as one tensor [block, pos, 2 * kv_heads, head_dim], so a
 run of consecutive block ids is one strided view of the positions it holds. Each sequence's
-table is cut into such runs (one run where the allocator handed its blocks out in order, the
-usual case), every run is attended by torch's CPU flash kernel, which also returns each row's
-log-sum-exp, and the runs' results are merged by those (the softmax over all keys, exactly).
+table is cut into such runs (one run where the allocator handed its blocks out in order, as a
+prompt's blocks are), every run is attended by torch's CPU flash kernel, which also returns each
+row's log-sum-exp, and the parts merge by those (the softmax over all keys, exactly). A table in
+more than MAX_RUNS pieces (sequences that grew in turns, block by block) is gathered for that
+sequence instead: a kernel call per block costs more than the copy.
 
-Grouped-query attention folds each KV head's group of query heads into the query rows, so K and
-V are read once per KV head and never expanded to every query head.
+The cached prefix is visible to every query of a chunk, so it needs no mask; grouped-query
+attention folds each KV head's group of query heads into the query rows there, so K and V are
+read once per KV head and never expanded. The chunk's own keys are attended causally.
 
 The reference it replaces gathered every cached block of the prefix for every chunk and layer:
 a 2k-token prompt in 512-token chunks copied 2.5 prefixes' worth of KV per layer.
@@ -42,17 +45,22 @@ def attend_in_place(store: KVStore, layer: int, q: Tensor, batch: ForwardBatch) 
     assert host is not None and host.scale is None, "in place only over unquantized CPU blocks"
     lay = store.layout
     kv_layer = host.kv[layer]
-    tables = store.block_table[batch.slots].tolist()
+    if store.step_runs is None or store.step_runs[0] is not batch:  # once a step, not a layer
+        tables = store.block_table[batch.slots].tolist()
+        ends = [st + n for st, n in zip(batch.starts_list, batch.lens_list, strict=True)]
+        runs_of = [block_runs(t, ctx, lay.block_size) for t, ctx in zip(tables, ends, strict=True)]
+        store.step_runs = (batch, runs_of)
+    runs_of = store.step_runs[1]
     out = torch.empty_like(q)
     first = 0
     for b, (start, n) in enumerate(zip(batch.starts_list, batch.lens_list, strict=True)):
         ctx = start + n
-        runs = block_runs(tables[b], ctx, lay.block_size)
+        runs = runs_of[b]
         source = kv_layer
         if len(runs) > MAX_RUNS:
             # A table in many pieces: one call per piece costs more than a copy of its blocks
             # (bench/cpu_attention.py), so this sequence's blocks are gathered, once a layer.
-            ids = torch.tensor(tables[b][: -(-ctx // lay.block_size)])
+            ids = torch.tensor([blk + k for _, blk, count in runs for k in range(count)])
             source, runs = kv_layer.index_select(0, ids), [(0, 0, len(ids))]
         keys = [_run_view(source, run, ctx) for run in runs]
         out[first : first + n] = _attend_one(keys, q[first : first + n], start, lay.num_kv_heads)
@@ -99,9 +107,13 @@ def _attend_one(keys: list[tuple[int, Tensor]], q: Tensor, start: int, n_kv: int
     for pos, kv in keys:
         if pos < prefix_end:
             o, lse = _flash(folded, kv[: prefix_end - pos], n_kv, causal=False)
-            # back to [1, Hq, n, D] / [1, Hq, n]: head kv * group + j, token i
-            outs.append(o.reshape(n_kv, n, group, dim).permute(0, 2, 1, 3).reshape(1, heads, n, dim))
-            lses.append(lse.reshape(n_kv, n, group).permute(0, 2, 1).reshape(1, heads, n))
+            # back to [1, Hq, n, D] / [1, Hq, n]: head kv * group + j, token i (for one token
+            # the folded rows are already in head order)
+            if n > 1:
+                o = o.reshape(n_kv, n, group, dim).permute(0, 2, 1, 3)
+                lse = lse.reshape(n_kv, n, group).permute(0, 2, 1)
+            outs.append(o.reshape(1, heads, n, dim))
+            lses.append(lse.reshape(1, heads, n))
     if n > 1:
         own = torch.cat([kv[max(0, start - pos) :] for pos, kv in keys if pos + kv.shape[0] > start])
         own = torch.cat(
