@@ -17,9 +17,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 GREEDY = SamplingParams(temperature=0.0)
 TINY_LOGIT_BOUND = 1e-4
 DEFAULT_LOGIT_BOUND = 5e-4  # 30 layers 576 wide; measured 5.6e-5 (float32 summation order differs from HF)
-# The CPU's int4 linears and int8 head against the float32 weights (bf16 scales and activations
-# into the kernels, the head requantized per row): measured max |d logit| 0.75 over these prompts
-# and 12 greedy steps each (float32 against transformers: 1e-4).
+# The CPU's int4 linears and int8 head (bfloat16 copies past 2 rows) against the float32 weights
+# (bf16 scales and activations into the kernels, the head requantized per row): measured max
+# |d logit| 0.98 over these prompts and 12 greedy steps each (float32 against transformers: 1e-4).
 INT4_LOGIT_BOUND = 1.5
 
 
@@ -168,7 +168,7 @@ def test_default_model_int4_stays_within_its_tolerance_of_transformers(default_d
     ref = reference(default_dense)
     eng = default_engine("auto")
     try:
-        assert eng.load_report.weights_bytes < default_dense.load_report.weights_bytes / 2
+        assert eng.load_report.weights_bytes < default_dense.load_report.weights_bytes
         # Two of the prompts, 8 tokens each: the int4 load, two reference generations and 16
         # forced steps are what this test costs (CI's budget).
         for slot, ids in list(prompts(49152).items())[1::2]:
