@@ -1,6 +1,7 @@
-"""Decode throughput and load time of the default model (SmolLM2-135M-Instruct GGUF) on CPU in
-float32: ballast's Engine (submit/step, sampler included) against transformers' `generate` on the
-same GGUF, same prompts, same lengths, greedy.
+"""Decode throughput and load time of the default model (SmolLM2-135M-Instruct GGUF) on the CPU:
+ballast's Engine (submit/step, sampler included; --cpu-weights auto holds the GGUF's 4-bit linears
+int4, dense float32; its engine thread sized by engine/threads.py) against transformers' `generate`
+on the same GGUF in float32 (--threads, or torch's default), same prompts, same lengths, greedy.
 
 Two throughput figures per batch size: end to end (prefill + all new tokens, what a user waits
 for) and decode only (transformers: generate(N) minus generate(1); ours: the decode steps' time).
@@ -12,7 +13,7 @@ is the one least disturbed (timeit's rule). The load average is printed with the
 of this script; table on stdout, JSON to bench/results/engine_decode.json.
 
     python -m ballast.bench.engine_decode [--batches 1 8] [--new-tokens 64] [--prompt-len 24]
-        [--repeats 3] [--threads N]
+        [--repeats 3] [--threads N] [--cpu-weights auto|dense]
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side; the best counts")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument(
+        "--cpu-weights", choices=("auto", "dense", "int4"), default="auto", help="ours: --cpu-weights"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.threads < 0 or args.new_tokens < 2 or min(args.batches) < 1 or args.repeats < 1:
@@ -139,6 +143,7 @@ def main() -> None:
             model=str(path),
             device="cpu",
             dtype="float32",
+            cpu_weights=args.cpu_weights,
             max_num_seqs=max(args.batches),
             max_model_len=args.prompt_len + args.new_tokens + 8,
             prefill_chunk_tokens=256,
@@ -188,7 +193,8 @@ def main() -> None:
     load_after = os.getloadavg()
 
     print(
-        f"default model ({path.name}) on CPU, float32, {torch.get_num_threads()} threads, "
+        f"default model ({path.name}) on CPU, float32 activations, ours --cpu-weights {args.cpu_weights} "
+        f"({engine.load_report.weights_bytes / 1e6:.0f} MB of weights), {torch.get_num_threads()} threads, "
         f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, best of {args.repeats}; "
         f"load average {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} CPUs"
     )
@@ -219,6 +225,7 @@ def main() -> None:
         "bench": "engine_decode",
         "model": path.name,
         "dtype": "float32",
+        "cpu_weights": args.cpu_weights,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 from ballast.engine.injected_faults import FaultSpec, parse_faults
-from ballast.models import fp8
+from ballast.models import cpu_int4, fp8
 
 from ballast.settings import ConfigError, check, setting
 
@@ -20,6 +20,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 KV_QUANT_MODES = ("none", "int8")
+CPU_WEIGHT_MODES = ("auto", "dense", "int4")
 # The largest prefill CUDA graph (`engine/prefill_graphs`): longer chunks are bound by their matrix
 # products, not their launches.
 PREFILL_GRAPH_TOKENS = 2048
@@ -92,6 +93,27 @@ class EngineConfig:
             "KV pool growth step in bytes (whole blocks; 0 = 64 MiB on CPU, 256 MiB on CUDA)",
             0,
             1 << 40,
+        ),
+    )
+    cpu_weights: str = field(
+        default="auto",
+        metadata=setting(
+            "BALLAST_CPU_WEIGHTS",
+            "CPU linears of a GGUF: int4 keeps its Q4_0/Q4_1 weights 4-bit and the output head int8 "
+            "(torch's weight-only CPU kernels; logits within the tolerance docs/BENCHMARKS.md gives), "
+            "dense dequantizes every weight to --dtype; auto = int4 for a float32 CPU engine on one "
+            "device where the kernels exist",
+            choices=CPU_WEIGHT_MODES,
+        ),
+    )
+    cpu_threads: int = field(
+        default=0,
+        metadata=setting(
+            "BALLAST_CPU_THREADS",
+            "intra-op threads of a CPU engine; 0 = the CPUs the process may use (affinity, cgroup CPU "
+            "quota) less one for the event loop, at least one",
+            0,
+            4096,
         ),
     )
     seed: int = field(
@@ -212,6 +234,23 @@ class EngineConfig:
         if self.prefill_chunk_tokens:
             return self.prefill_chunk_tokens
         return min(2048 if device.type == "cuda" else 512, self.max_model_len)
+
+    def cpu_int4(self, device: torch.device) -> bool:
+        """Whether a GGUF's 4-bit linears stay 4-bit (models/cpu_int4.py): a float32 CPU engine on
+        one device, unless --cpu-weights dense; --cpu-weights int4 where that cannot hold is an
+        error, not a silent dense load."""
+        possible = (
+            device.type == "cpu"
+            and self.resolved_dtype(device) == torch.float32
+            and self.tensor_parallel_size == 1
+            and cpu_int4.kernels_available()
+        )
+        if self.cpu_weights == "int4" and not possible:
+            raise ConfigError(
+                "--cpu-weights (BALLAST_CPU_WEIGHTS)=int4 needs a float32 engine on the CPU, one device, "
+                "and torch's int4/int8 CPU kernels; use auto or dense here"
+            )
+        return possible and self.cpu_weights != "dense"
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from ballast.engine.config import EngineConfig
@@ -35,10 +35,21 @@ from ballast.memory.types import MemState, Verdict
 from ballast.memory.watch import MemWatch
 from ballast.models import builtin
 from ballast.models.base import ModelError
+from ballast.models.cpu_int4 import Q4Weight
 from ballast.models.default_model import DefaultModelError, default_model_path
 from ballast.models.fp8 import convert_model
-from ballast.models.gguf_loader import GGUFError, build_tokenizer, gguf_config, gguf_tensors, read_gguf
+from ballast.models.gguf_loader import (
+    GGUFError,
+    build_tokenizer,
+    gguf_config,
+    gguf_q4_weights,
+    gguf_tensors,
+    hf_tensor_name,
+    read_gguf,
+)
+from ballast.models.gguf_reader import GGUFFile
 from ballast.models.hf_loader import inspect_hf_dir, load_hf_model
+from ballast.models.llama import LlamaForCausalLM, int4_blocks
 from ballast.models.registry import model_class
 from ballast.models.state import dtype_bytes
 from torch import nn
@@ -237,7 +248,10 @@ def load(
             mem_config,
             host_staging=weights if device.type == "cuda" else 0,
         )
-        model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype), device)
+        q4 = _int4_weights(gf, hf_config) if config.cpu_int4(device) else {}
+        model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype, skip=q4), device)
+        if q4:
+            cast(LlamaForCausalLM, model).quantize_cpu(q4)
         hf_tok = build_tokenizer(gf.metadata)
         tokenizer = LazyTokenizer(lambda: Tokenizer(hf_tok))
     else:
@@ -261,6 +275,17 @@ def load(
     return LoadedModel(
         source, model.eval(), dict(hf_config), tokenizer, held, time.perf_counter() - t0, leases
     )
+
+
+def _int4_weights(gf: GGUFFile, hf_config: dict[str, Any]) -> dict[str, Q4Weight]:
+    """The GGUF's 4-bit weights the CPU keeps 4-bit: whole blocks of a Llama-family model (the
+    rest are dequantized as usual; these are never dequantized)."""
+    if model_class(hf_config) is not LlamaForCausalLM:
+        return {}
+    q4 = gguf_q4_weights(gf, hf_config)
+    names = {hf_tensor_name(n) for n in gf.tensors if n != "rope_freqs.weight"}
+    keep = {w for _, _, weights in int4_blocks(q4, names) for w in weights}
+    return {n: w for n, w in q4.items() if n in keep}
 
 
 def _from_tensors(

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 
 import torch
-from ballast.engine import tensor_parallel
+from ballast.engine import tensor_parallel, threads
 from ballast.engine.config import EngineConfig
 from ballast.engine.graphs import GraphCaptureError
 from ballast.engine.kv_budget import segment_grant
@@ -40,6 +40,8 @@ def bring_up(
     checks, asked once the model is loaded (under tensor parallel, the die with the lowest
     ceiling)."""
     pointwise.set_enabled(cfg.compile)  # the decode graphs' capture compiles them
+    if device.type == "cpu":
+        set_cpu_threads(cfg.cpu_threads)
     quantized = cfg.kv_quant == "int8"  # the operator's choice alone: never the level at load
     workers = None
     if cfg.tensor_parallel_size > 1:
@@ -90,6 +92,15 @@ def bring_up(
             workers.close(timeout_s=2.0)
         raise
     return loaded, runner, profile, leases
+
+
+def set_cpu_threads(configured: int) -> int:
+    """Size torch's intra-op pool for this (the engine's) thread by `engine/threads`; logged."""
+    share = threads.read_cpu_share()
+    n = threads.intra_op_threads(share, configured)
+    torch.set_num_threads(n)
+    log.info("%s", threads.describe(share, n, configured))
+    return n
 
 
 def capture_graphs(runner: ModelRunner, watch: MemWatch | None, dies: list[int]) -> list[Lease]:

@@ -140,8 +140,8 @@ def _unescape(field: str) -> str:
     return _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
 
 
-def _cgroup_mounts(mountinfo: str, version: int) -> list[tuple[str, str]]:
-    """(mount root, mount point) of each mount of the memory hierarchy of this cgroup version."""
+def _cgroup_mounts(mountinfo: str, version: int, controller: str = "memory") -> list[tuple[str, str]]:
+    """(mount root, mount point) of each mount of the controller's hierarchy of this cgroup version."""
     out = []
     for line in mountinfo.splitlines():
         fields = line.split()
@@ -153,7 +153,7 @@ def _cgroup_mounts(mountinfo: str, version: int) -> list[tuple[str, str]]:
         fstype = fields[sep + 1]
         super_opts = fields[sep + 3].split(",") if len(fields) > sep + 3 else []
         if (version == 2 and fstype == "cgroup2") or (
-            version == 1 and fstype == "cgroup" and "memory" in super_opts
+            version == 1 and fstype == "cgroup" and controller in super_opts
         ):
             out.append((_unescape(fields[3]), _unescape(fields[4])))
     return out
@@ -187,11 +187,14 @@ def _cgroup_dir(root: str, mounts: list[tuple[str, str]], cg_path: str) -> tuple
     return base, base
 
 
-def locate_cgroup(root: str, proc_self_cgroup: str | None = None) -> CgroupLocation | None:
-    """Find the memory cgroup from {root}/proc/self/cgroup and {root}/proc/self/mountinfo.
+def locate_cgroup(
+    root: str, proc_self_cgroup: str | None = None, controller: str = "memory"
+) -> CgroupLocation | None:
+    """Find the process's cgroup of a controller (memory, or cpu for the engine's thread count)
+    from {root}/proc/self/cgroup and {root}/proc/self/mountinfo.
 
-    A v1 line naming the memory controller wins over the v2 line: on a hybrid host the unified
-    hierarchy exists but the memory controller is bound to v1, so v2 files would say nothing.
+    A v1 line naming the controller wins over the v2 line: on a hybrid host the unified
+    hierarchy exists but the controller is bound to v1, so v2 files would say nothing.
     """
     text = (
         proc_self_cgroup
@@ -207,14 +210,14 @@ def locate_cgroup(root: str, proc_self_cgroup: str | None = None) -> CgroupLocat
         if len(parts) != 3:
             continue
         hier_id, controllers, path = parts
-        if "memory" in controllers.split(","):
+        if controller in controllers.split(","):
             v1_path = path
         elif hier_id == "0" and controllers == "":
             v2_path = path
     for version, cg_path in ((1, v1_path), (2, v2_path)):
         if cg_path is None:
             continue
-        found = _cgroup_dir(root, _cgroup_mounts(mountinfo, version), cg_path)
+        found = _cgroup_dir(root, _cgroup_mounts(mountinfo, version, controller), cg_path)
         if found is not None:
             return CgroupLocation(version=version, path=found[0], mount=found[1])
     return None

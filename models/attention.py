@@ -7,7 +7,8 @@ Models never see the layout: they hand over this step's K/V and queries with the
   every sequence's blocks in place through the block table (decode split along the context,
   prefill chunks over the cached blocks plus the chunk, causally). int8 blocks are dequantized
   inside the kernels.
-- CPU (the reference): each sequence's blocks are gathered (one index_select per layer and store;
+- CPU: blocks in the model dtype are read in place (models/cpu_attention.py); int8 blocks, and
+  steps over both stores, are gathered (one index_select per layer and store;
   a block is contiguous, so one memcpy each) and attended by `scaled_dot_product_attention`.
   A step that mixes decode tokens with prefill chunks attends them as two groups, each padded to
   its own longest run, so a decode token never pays for a whole chunk's padding.

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from ballast.models.cpu_int4 import Q4_TYPES, Q4Weight, q4_weight
 from ballast.models.gguf_quants import Scratch, dequantize
-from ballast.models.gguf_reader import GGUFError, GGUFFile, GGUFUnsupportedError, read_gguf
+from ballast.models.gguf_reader import GGUFError, GGUFFile, GGUFTensorInfo, GGUFUnsupportedError, read_gguf
 from ballast.models.gguf_tokenizer import build_tokenizer
 from torch import Tensor
 from tqdm import tqdm
@@ -26,8 +28,8 @@ from transformers import PreTrainedTokenizerBase
 # GGUFError, read_gguf and build_tokenizer are re-exported: engine/loading.py and bench/load_time.py
 # import them from here
 __all__ = [
-    "GGUFError", "GGUFModel", "build_tokenizer", "gguf_config", "gguf_tensors", "gguf_tokenizer",
-    "hf_tensor_name", "load_gguf", "qk_row_order", "read_gguf",
+    "GGUFError", "GGUFModel", "build_tokenizer", "gguf_config", "gguf_q4_weights", "gguf_tensors",
+    "gguf_tokenizer", "hf_tensor_name", "load_gguf", "qk_row_order", "read_gguf",
 ]  # fmt: skip
 
 # a progress bar only when the load is long enough to wonder about
@@ -196,14 +198,11 @@ def _eos_ids(md: dict[str, Any]) -> int | list[int] | None:
 
 
 def gguf_tensors(
-    gf: GGUFFile, config: dict[str, Any], dtype: torch.dtype = torch.float32
+    gf: GGUFFile, config: dict[str, Any], dtype: torch.dtype = torch.float32, skip: Collection[str] = ()
 ) -> dict[str, Tensor]:
-    """Every tensor dequantized to dtype under its HF name, q/k rows back in HF order."""
-    _, arch = _arch(gf.metadata)
-    heads = {
-        ".self_attn.q_proj.": config["num_attention_heads"],
-        ".self_attn.k_proj.": config["num_key_value_heads"],
-    }
+    """Every tensor dequantized to dtype under its HF name, q/k rows back in HF order. Those named
+    in `skip` (held quantized by the caller) are left uninitialised: no work, and no memory
+    committed until written."""
     total = sum(t.nbytes for t in gf.tensors.values())
     show = sys.stderr.isatty() and total >= _PROGRESS_MIN_BYTES
     out: dict[str, Tensor] = {}
@@ -212,15 +211,43 @@ def gguf_tensors(
         if info.name == _ROPE_FREQS:
             continue
         hf = hf_tensor_name(info.name)
-        raw = gf.raw(info.name)
-        n_head = next((n for part, n in heads.items() if part in hf), None)
-        if arch.permuted_qk and n_head is not None:
-            # reorder whole rows of the packed bytes (a row is whole blocks), so the float
-            # result is written once, already in HF order
-            rows = raw.reshape(info.shape[0], -1)
-            raw = scratch.get("rows", rows.shape, np.uint8)
-            np.take(rows, qk_row_order(info.shape[0], n_head), axis=0, out=raw)
+        if hf in skip:
+            out[hf] = torch.empty(info.shape, dtype=dtype)
+            continue
+        raw = _hf_rows(gf, info, config, scratch)
         out[hf] = dequantize(raw.reshape(-1), info.qtype, dtype, scratch).reshape(info.shape)
+    return out
+
+
+def gguf_q4_weights(gf: GGUFFile, config: dict[str, Any]) -> dict[str, Q4Weight]:
+    """The 4-bit (Q4_0 / Q4_1) 2-D tensors under their HF names, as the file's own integers and
+    scales (rows in HF order): what the CPU's int4 linears hold instead of dequantized floats."""
+    out: dict[str, Q4Weight] = {}
+    scratch = Scratch()
+    for info in gf.tensors.values():
+        if info.qtype in Q4_TYPES and len(info.shape) == 2:
+            rows = _hf_rows(gf, info, config, scratch).reshape(info.shape[0], -1)
+            out[hf_tensor_name(info.name)] = q4_weight(rows, info.qtype, info.shape)
+    return out
+
+
+def _hf_rows(gf: GGUFFile, info: GGUFTensorInfo, config: dict[str, Any], scratch: Scratch) -> np.ndarray:
+    """A tensor's packed bytes with q/k rows back in HF order (in scratch where reordered)."""
+    _, arch = _arch(gf.metadata)
+    raw = gf.raw(info.name)
+    hf = hf_tensor_name(info.name)
+    heads = {
+        ".self_attn.q_proj.": config["num_attention_heads"],
+        ".self_attn.k_proj.": config["num_key_value_heads"],
+    }
+    n_head = next((n for part, n in heads.items() if part in hf), None)
+    if not (arch.permuted_qk and n_head is not None):
+        return raw
+    # reorder whole rows of the packed bytes (a row is whole blocks), so the float result is
+    # written once, already in HF order
+    rows = raw.reshape(info.shape[0], -1)
+    out = scratch.get("rows", rows.shape, np.uint8)
+    np.take(rows, qk_row_order(info.shape[0], n_head), axis=0, out=out)
     return out
 
 

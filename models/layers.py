@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from ballast.models import fp8, pointwise
 from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
+from ballast.models.cpu_int4 import QuantizedPair, drop_dense
 from ballast.models.state import PagedKV
 from torch import Tensor, nn
 
@@ -272,11 +273,21 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.intermediate = intermediate
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
+        self.quantized: QuantizedPair | None = None
 
     def fuse(self, keep_values: bool = True) -> None:
         self.gate_up.fuse(keep_values)
 
+    def quantize(self, pair: QuantizedPair) -> None:
+        """Run gate/up and down through `pair` (the CPU's int4 linears); the dense weights go."""
+        self.quantized = pair
+        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
+        drop_dense(self.gate_proj, self.up_proj, self.down_proj)
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.quantized is not None:
+            q = self.quantized
+            return q.second(pointwise.silu_mul(q.first(x), self.intermediate))
         return self.down_proj(pointwise.silu_mul(self.gate_up(x), self.intermediate))
 
 
@@ -320,17 +331,26 @@ class SlotAttention(nn.Module):
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        self.quantized: QuantizedPair | None = None
+
+    def quantize(self, pair: QuantizedPair) -> None:
+        """Run q/k/v and o through `pair` (the CPU's int4 linears); the dense weights go."""
+        self.quantized = pair
+        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
+        drop_dense(self.q_proj, self.k_proj, self.v_proj, self.o_proj)
 
     def forward(self, x: Tensor, batch: ForwardBatch, rope: Rope, state: PagedKV) -> Tensor:
         hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = self.qkv(x).view(x.shape[0], hq + 2 * hkv, self.head_dim)
+        q_ = self.quantized
+        project, out = (self.qkv, self.o_proj) if q_ is None else (q_.first, q_.second)
+        qkv = project(x).view(x.shape[0], hq + 2 * hkv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = rope(self.q_norm(qkv[:, :hq])), rope(self.k_norm(qkv[:, hq : hq + hkv]))
         else:
             qk = rope(qkv[:, : hq + hkv])  # q and k heads turned in one go
             q, k = qk[:, :hq], qk[:, hq:]
         state.write(batch, k, qkv[:, hq + hkv :])
-        return self.o_proj(state.attend(q, batch))
+        return out(state.attend(q, batch))
 
     def fuse(self, keep_values: bool = True) -> None:
         self.qkv.fuse(keep_values)

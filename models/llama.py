@@ -3,12 +3,13 @@ norms), over the slot state. Parameter names equal the HF checkpoints' names."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ballast.memory.specs import LayerSpec
 from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
+from ballast.models.cpu_int4 import Int4Linear, Int8Linear, Q4Weight, QuantizedPair, drop_dense
 from ballast.models.layers import (
     Linear,
     RMSNorm,
@@ -117,6 +118,24 @@ class LlamaConfig:
         )
 
 
+# The blocks held int4 on the CPU: the matmuls reading the block's input, then its output's.
+_INT4_BLOCKS = (("self_attn", ("q", "k", "v", "o")), ("mlp", ("gate", "up", "down")))
+
+
+def int4_blocks(q4: Collection[str], names: Collection[str]) -> list[tuple[int, str, list[str]]]:
+    """(layer, block, weight names) of each block whose every weight is in `q4` (4-bit in the
+    file) and none has a bias among `names`: a block is held int4 whole or not at all."""
+    layers = {int(n.split(".")[2]) for n in q4 if n.startswith("model.layers.")}
+    out = []
+    for i in sorted(layers):
+        for where, parts in _INT4_BLOCKS:
+            weights = [f"model.layers.{i}.{where}.{p}_proj.weight" for p in parts]
+            biased = any(w.removesuffix("weight") + "bias" in names for w in weights)
+            if all(w in q4 for w in weights) and not biased:
+                out.append((i, where, weights))
+    return out
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -167,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head_int8: Int8Linear | None = None
         self.tie_weights()
 
     @classmethod
@@ -188,6 +208,22 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(layer, LlamaDecoderLayer):
                 layer.self_attn.fuse(keep_values)
                 layer.mlp.fuse(keep_values)
+
+    def quantize_cpu(self, q4: Mapping[str, Q4Weight]) -> int:
+        """Hold the blocks `int4_blocks` finds in `q4` (a GGUF's Q4 weights by HF name) as int4
+        linears and the output head as int8, for the CPU's weight-only kernels
+        (models/cpu_int4.py). Returns the blocks converted."""
+        blocks = int4_blocks(q4, set())
+        for i, where, names in blocks:
+            layer = self.model.layers[i]
+            assert isinstance(layer, LlamaDecoderLayer)
+            parts = [q4[n] for n in names]
+            block = layer.self_attn if where == "self_attn" else layer.mlp
+            block.quantize(QuantizedPair(Int4Linear(parts[:-1]), Int4Linear(parts[-1:])))
+        self.head_int8 = Int8Linear(self.lm_head.weight)
+        if not self.config.tie_word_embeddings:  # a tied head's weight is the embedding table
+            drop_dense(self.lm_head)
+        return len(blocks)
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
         c = self.config
@@ -211,4 +247,5 @@ class LlamaForCausalLM(nn.Module):
         # are asked) need the final norm and the (large) head.
         if not batch.decode_only:
             h = h.index_select(0, batch.logit_index)
-        return self.lm_head(self.model.norm(h)).float()
+        head = self.lm_head if self.head_int8 is None else self.head_int8
+        return head(self.model.norm(h)).float()

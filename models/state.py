@@ -23,6 +23,7 @@ from ballast.models.attention import (
     write_rows,
 )
 from ballast.models.base import ForwardBatch
+from ballast.models.cpu_attention import attend_in_place
 from ballast.models.kv_store import SCALE_BYTES, SINK_BLOCK, KVStore, plan_layout
 from torch import Tensor
 
@@ -86,7 +87,7 @@ class KVStores:
 class PagedKV(LayerState):
     """One attention layer's view of the model's KV stores: writes this step's K/V into the slots'
     blocks and attends over them in place (on CUDA through the Triton kernels; on the CPU by
-    gathering each sequence's blocks, one index_select per layer and store)."""
+    reading them in place, or gathering int8 blocks: one index_select per layer and store)."""
 
     def __init__(self, stores: KVStores | KVStore, layer: int) -> None:
         self.stores = stores if isinstance(stores, KVStores) else KVStores(stores)
@@ -148,6 +149,10 @@ class PagedKV(LayerState):
         return kv
 
     def _attend_reference(self, q: Tensor, batch: ForwardBatch) -> Tensor:
+        # Blocks in the model dtype are read in place; int8 blocks (and a step over both stores)
+        # are gathered, since they are dequantized into a copy anyway.
+        if not self.stores.mixed and not self.layout.quantized:
+            return attend_in_place(self.store, self.layer, q, batch)
         groups = self.stores.padded_groups(batch)
         if len(groups) == 1:
             return attend_gathered(q, self._gather(batch), groups[0])

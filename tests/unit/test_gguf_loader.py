@@ -89,6 +89,7 @@ def write_tiny_llama(
     arch: str = "llama",
     extra_tokens: tuple[str, ...] = (),
     rope_freqs: np.ndarray | None = None,
+    layer_types: list[dict[str, QT]] | None = None,
 ) -> TinyGGUF:
     """A 2-layer model of `arch` (llama, qwen2: q/k/v biases, qwen3: q/k norms) with every
     supported tensor type; only llama's q/k rows are permuted, as llama.cpp's converter does."""
@@ -135,7 +136,7 @@ def write_tiny_llama(
         w.add_tensor(gguf_name, hf_to_gguf_permute(data, n_head) if n_head else data, raw_dtype=qtype)
 
     add("token_embd.weight", QT.Q8_0, (len(tokens), HIDDEN))
-    for i, types in enumerate(LAYER_TYPES):
+    for i, types in enumerate(layer_types or LAYER_TYPES):
         add(f"blk.{i}.attn_norm.weight", QT.F32, (HIDDEN,))
         add(f"blk.{i}.ffn_norm.weight", QT.F32, (HIDDEN,))
         permuted = arch == "llama"

@@ -1,0 +1,63 @@
+"""CPU attention in place (models/cpu_attention.py) against the gathering reference it replaces
+(models/attention.py: gather + scaled_dot_product_attention) on one real KV store: tables in
+order (one run) and shuffled (a run per block, merged by log-sum-exp), prompt chunks that cross
+block boundaries beside decode tokens, grouped-query heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ballast.memory.specs import AttentionSpec
+from ballast.models.attention import attend_gathered, gather, padded_groups, write_rows
+from ballast.models.base import ForwardBatch
+from ballast.models.cpu_attention import attend_in_place, block_runs
+from ballast.models.kv_store import SINK_BLOCK
+from ballast.models.state import PagedKV, allocate_states
+
+HEADS, KV_HEADS, DIM = 6, 2, 16
+
+
+def test_block_runs_cut_a_table_where_ids_jump() -> None:
+    assert block_runs([4, 5, 6, 9, 10, 2], ctx=6 * 32, block_size=32) == [(0, 4, 3), (96, 9, 2), (160, 2, 1)]
+    assert block_runs([4, 5, 6, 9], ctx=33, block_size=32) == [(0, 4, 2)]  # only the blocks in use
+
+
+def reference(store: object, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for g in padded_groups(batch):
+        index = g.token_index if g.token_index is not None else torch.arange(q.shape[0])
+        out[index] = attend_gathered(q[index], gather(store, 0, g.batch), g)  # type: ignore[arg-type]
+    return out
+
+
+@pytest.mark.parametrize("tables", ["in order", "two runs", "shuffled"])
+def test_in_place_equals_the_gathered_reference(tables: str) -> None:
+    spec = AttentionSpec(num_kv_heads=KV_HEADS, head_dim=DIM, dtype_bytes=4)
+    state = allocate_states([spec], 3, 200, "cpu", torch.float32)[0]
+    assert isinstance(state, PagedKV)
+    store = state.store
+    per = store.layout.max_blocks_per_seq
+    if tables == "shuffled":  # a run per block: gathered per sequence (more than MAX_RUNS)
+        order = torch.randperm(3 * per, generator=torch.Generator().manual_seed(0)) + SINK_BLOCK + 1
+        for slot in range(3):
+            store.set_table(slot, 0, order[slot * per : (slot + 1) * per].tolist())
+    if tables == "two runs":  # each sequence's first two blocks in one place, the rest elsewhere
+        for slot in range(3):
+            rest = SINK_BLOCK + 7 + slot * per
+            own = [SINK_BLOCK + 1 + 2 * slot, SINK_BLOCK + 2 + 2 * slot]
+            store.set_table(slot, 0, own + list(range(rest, rest + per - 2)))
+    gen = torch.Generator().manual_seed(1)
+    steps = [
+        [(0, 70, 0), (1, 5, 0)],  # chunks crossing block edges
+        [(0, 70, 70), (1, 1, 5), (2, 33, 0)],  # a chunk beside a decode token
+        [(0, 1, 140), (1, 1, 6), (2, 1, 33)],  # decodes only
+    ]
+    for step in steps:
+        batch = ForwardBatch.build([(s, [1] * n, start) for s, n, start in step], torch.device("cpu"))
+        t = batch.token_ids.shape[0]
+        write_rows(store, 0, batch, torch.randn(t, 2 * KV_HEADS, DIM, generator=gen))
+        q = torch.randn(t, HEADS, DIM, generator=gen)
+        got, want = attend_in_place(store, 0, q, batch), reference(store, q, batch)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), step
+    if tables == "two runs":
+        assert len(block_runs(store.block_table[0].tolist(), 141, store.layout.block_size)) == 2
