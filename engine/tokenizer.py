@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,7 @@ class Tokenizer:
         tools: Sequence[dict[str, Any]] | None = None,
         *,
         special_tokens_in_content: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         if not self.has_chat_template:
             raise TokenizerError("this model's tokenizer has no chat template; use a raw completion")
@@ -118,11 +119,11 @@ class Tokenizer:
         )
         if not forged:
             # The template writes BOS and the turn markers itself: parse them, add nothing.
-            return self._ids(self.render_chat(messages, tools), special=True)
+            return self._ids(self.render_chat(messages, tools, template_kwargs), special=True)
         marked = [
             {**m, "content": f"{_OPEN}{i}{_CLOSE}"} if i in forged else m for i, m in enumerate(messages)
         ]
-        pieces = _PLACEHOLDER.split(self.render_chat(marked, tools))
+        pieces = _PLACEHOLDER.split(self.render_chat(marked, tools, template_kwargs))
         found = [int(x) for x in pieces[1::2]]
         if sorted(found) != forged:
             raise TokenizerError(
@@ -138,14 +139,19 @@ class Tokenizer:
         return ids
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
+        """`template_kwargs`: further variables the template reads (`enable_thinking`)."""
         try:
             text = self.hf.apply_chat_template(
                 list(messages),
                 tools=list(tools) if tools else None,
                 add_generation_prompt=True,
                 tokenize=False,
+                **(template_kwargs or {}),
             )
         except jinja2.TemplateError as e:
             raise TokenizerError(f"the chat template cannot render this conversation: {e}") from e

@@ -32,6 +32,7 @@ from ballast.scheduler.request import (
 )
 from ballast.server import chat
 from ballast.server import protocol as p
+from ballast.server.answer import Reading
 from ballast.server.errors import ApiError, bad_request, from_refusal
 from ballast.server.events import request_accepted, request_refused
 from ballast.server.metrics import RequestTimer
@@ -54,7 +55,7 @@ class Job:
     include_usage: bool
     want_logprobs: bool
     prompt_param: str  # the parameter a context-length error names
-    tools: chat.ToolPlan | None = None  # read tool calls out of the answer
+    reading: Reading = Reading()  # what to read out of the answer: thinking, tool calls
     n: int = 1  # choices per prompt
     echo: tuple[str, ...] = ()  # per choice, the prompt text put before its answer (completions' echo)
 
@@ -266,7 +267,7 @@ def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
         _usage(req),
         req.logprobs,
         "messages",
-        chat.tool_plan(req),
+        chat.reading(state, tokenizer, req, ids),
         n=req.n,
     )
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ballast.engine.interface import TokenizerLike
 from ballast.scheduler.request import FinishEvent, TokenEvent, TokenLogprob
 from ballast.server import protocol as p
+from ballast.server.answer import Answer, read_whole
 from ballast.server.completions import (
     CAPPED_HEADER,
     Job,
@@ -19,8 +20,8 @@ from ballast.server.completions import (
     refuse,
 )
 from ballast.server.metrics import RequestTimer
+from ballast.server.parts import Call
 from ballast.server.state import ServerState
-from ballast.server.toolcalls import Call, parse
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -84,18 +85,21 @@ class Collected:
     text: str
     entries: tuple[TokenLogprob, ...]
     finish: FinishEvent
+    last_token: int | None  # the last token generated (an EOS when the model ended the answer)
 
 
-async def _collect(run: Run, timer: RequestTimer) -> Collected:
+async def collect(run: Run, timer: RequestTimer) -> Collected:
     texts: list[str] = []
     entries: list[TokenLogprob] = []
+    last = None
     event = run.first
     while isinstance(event, TokenEvent):
         texts.append(event.text)
         entries.extend(event.logprobs or ())
         timer.tokens(len(event.token_ids))
+        last = event.token_ids[-1] if event.token_ids else last
         event = await anext(run.events)
-    return Collected("".join(texts), tuple(entries), event)
+    return Collected("".join(texts), tuple(entries), event, last)
 
 
 async def respond(state: ServerState, job: Job, started: Started, request: Request) -> Response:
@@ -104,7 +108,7 @@ async def respond(state: ServerState, job: Job, started: Started, request: Reque
     tokenizer = state.engine.tokenizer
     watcher = asyncio.create_task(abort_on_disconnect(request, started))
     try:
-        results = [await _collect(run, started.timer) for run in started.runs]
+        results = [await collect(run, started.timer) for run in started.runs]
     finally:
         watcher.cancel()
         started.abort()
@@ -133,9 +137,17 @@ async def respond(state: ServerState, job: Job, started: Started, request: Reque
 
 def _chat_choice(tokenizer: TokenizerLike, job: Job, index: int, result: Collected) -> p.ChatChoice:
     lp = p.ChatLogprobs(content=chat_logprobs(tokenizer, result.entries)) if job.want_logprobs else None
-    content, calls = parse(result.text, job.tools.schemas) if job.tools is not None else (result.text, [])
-    calls = calls[: job.tools.max_calls] if job.tools is not None and job.tools.max_calls else calls
-    message = p.AssistantMessage(content=content, tool_calls=[response_call(c) for c in calls] or None)
+    if job.reading.plain:
+        answer = Answer(None, result.text, [])
+    else:
+        answer = read_whole(job.reading, result.text, truncated=result.finish.reason == "length")
+    calls = answer.calls
+    message = p.AssistantMessage(
+        content=answer.content,
+        reasoning_content=answer.reasoning,
+        reasoning=answer.reasoning,
+        tool_calls=[response_call(c) for c in calls] or None,
+    )
     reason = "tool_calls" if calls and result.finish.reason == "stop" else result.finish.reason
     return p.ChatChoice(index=index, message=message, logprobs=lp, finish_reason=reason)
 
