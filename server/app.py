@@ -22,10 +22,12 @@ from ballast.memory.metrics import AdmissionMetrics, LadderCollector, PoolCollec
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.scheduler import Scheduler
 from ballast.server import dashboard, errors, routes
+from ballast.server.completions import CAPPED_HEADER
 from ballast.server.config import ServerConfig
 from ballast.server.metrics import HttpMetrics
 from ballast.server.state import Phase, ServerState, SnapshotWatch
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -232,4 +234,12 @@ def create_app(
     if config.dashboard:
         dashboard.install(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    if config.origins():  # outermost: a browser's preflight is answered before any other check
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.origins()),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After", CAPPED_HEADER],
+        )
     return app

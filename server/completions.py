@@ -13,6 +13,7 @@ says it in its last chunk as `"x_ballast_capped": true`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -401,3 +402,28 @@ async def abort_on_disconnect(request: Request, started: Started) -> None:
         if message["type"] == "http.disconnect":
             started.abort()
             return
+
+
+async def start_unless_gone(state: ServerState, job: Job, request: Request) -> Started | None:
+    """Submit and wait for the first event, as `start` does, but give up (aborting the request,
+    which frees its queue entry or slot) if the client disconnects first: a client that left while
+    queued must not cost a prefill. None when it left."""
+    starting = asyncio.ensure_future(start(state, job))
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait((starting, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if starting.done():
+        return starting.result()
+    starting.cancel()  # start() aborts the handle when cancelled
+    with contextlib.suppress(asyncio.CancelledError, ApiError):
+        await starting
+    state.metrics.requests.labels(endpoint=job.endpoint, outcome="abort").inc()
+    return None
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so that is the next message)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -85,30 +85,28 @@ class Collected:
     text: str
     entries: tuple[TokenLogprob, ...]
     finish: FinishEvent
-    last_token: int | None  # the last token generated (an EOS when the model ended the answer)
+    token_ids: list[int]  # every token generated, an ending EOS included
 
 
-async def collect(run: Run, timer: RequestTimer) -> Collected:
+async def _collect(run: Run, timer: RequestTimer) -> Collected:
     texts: list[str] = []
     entries: list[TokenLogprob] = []
-    last = None
+    ids: list[int] = []
     event = run.first
     while isinstance(event, TokenEvent):
         texts.append(event.text)
         entries.extend(event.logprobs or ())
         timer.tokens(len(event.token_ids))
-        last = event.token_ids[-1] if event.token_ids else last
+        ids += event.token_ids
         event = await anext(run.events)
-    return Collected("".join(texts), tuple(entries), event, last)
+    return Collected("".join(texts), tuple(entries), event, ids)
 
 
-async def respond(state: ServerState, job: Job, started: Started, request: Request) -> Response:
-    """Collect every choice (non-streaming)."""
-    assert state.engine is not None
-    tokenizer = state.engine.tokenizer
+async def collect_all(state: ServerState, job: Job, started: Started, request: Request) -> list[Collected]:
+    """Every choice, whole, counted; a refusal that ended any raises (as an ApiError)."""
     watcher = asyncio.create_task(abort_on_disconnect(request, started))
     try:
-        results = [await collect(run, started.timer) for run in started.runs]
+        results = [await _collect(run, started.timer) for run in started.runs]
     finally:
         watcher.cancel()
         started.abort()
@@ -118,6 +116,16 @@ async def respond(state: ServerState, job: Job, started: Started, request: Reque
     started.timer.finished(finish_outcome(failed or finishes[0]), job.prompt_tokens, completion_tokens)
     if failed is not None and failed.error is not None:
         raise refuse(state, job, failed.error, counted=True)
+    return results
+
+
+async def respond(state: ServerState, job: Job, started: Started, request: Request) -> Response:
+    """Collect every choice (non-streaming)."""
+    assert state.engine is not None
+    tokenizer = state.engine.tokenizer
+    results = await collect_all(state, job, started, request)
+    finishes = [r.finish for r in results]
+    completion_tokens = sum(f.completion_tokens for f in finishes)
     cached = sum(f.cached_tokens for f in finishes[:: job.n])
     usage = p.Usage.of(job.prompt_tokens, completion_tokens, cached)
     body: p.ChatCompletion | p.Completion
