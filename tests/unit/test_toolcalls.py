@@ -93,8 +93,11 @@ def test_hermes_arguments_are_the_models_own_text() -> None:
     [
         ('<tool_call>\n{"name": "get_', "get_weather", ""),
         ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', "get_weather", '{"city": "Pa'),
-        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<param", "get_weather",
-         '{"city": "Rome"}'),
+        (
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<param",
+            "get_weather",
+            '{"city": "Rome"}',
+        ),
     ],
 )
 def test_a_call_cut_off_by_max_tokens_is_a_call_without_markup(cut: str, name: str, arguments: str) -> None:
