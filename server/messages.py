@@ -7,7 +7,8 @@ content, `tool_result` blocks -> tool messages answering their `tool_use_id`; as
 `tool_use` and `thinking` blocks -> the assistant turn's content, calls and reasoning; `tools` ->
 function tools; `tool_choice` auto / any / tool / none -> auto / required / named / none
 (`disable_parallel_tool_use` -> one call at most); `stop_sequences` -> stop; `thinking`
-enabled / disabled -> the template's `enable_thinking`. Images, documents and server tools are
+enabled / disabled -> the template's `enable_thinking`; `output_config.format` (a JSON schema) ->
+response_format. Images, documents and server tools are
 refused with a 400 naming the block: this server serves text models.
 """
 
@@ -56,6 +57,7 @@ class MessagesRequest(p._Request):
     tool_choice: MessagesToolChoice | None = None
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": ...}}
 
 
 class CountTokensRequest(p._Request):
@@ -76,6 +78,8 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> p.ChatCompletionReques
         body.update(_tool_choice(req.tool_choice))
     if req.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": _thinking(req.thinking)}
+    if isinstance(req, MessagesRequest) and req.output_config is not None:
+        body["response_format"] = _output_format(req.output_config)
     if isinstance(req, MessagesRequest):
         body.update(
             max_tokens=req.max_tokens,
@@ -222,3 +226,19 @@ def _thinking(thinking: dict[str, Any]) -> bool:
     if kind not in ("enabled", "disabled", "adaptive"):
         raise bad_request("thinking.type must be enabled, disabled or adaptive", param="thinking.type")
     return kind != "disabled"
+
+
+def _output_format(config: dict[str, Any]) -> dict[str, Any] | None:
+    """Anthropic's structured outputs: a JSON schema the answer's text is held to."""
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
+        raise bad_request(
+            "output_config.format must be {type: json_schema, schema: {...}}", param="output_config.format"
+        )
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
