@@ -122,7 +122,8 @@ def reading(state: ServerState, tokenizer: Any, req: p.ChatCompletionRequest, id
     """How to read the answer: the tools it may call (each tool's name -> its parameters' JSON
     schema; one call at most without parallel_tool_calls) and where its thinking starts."""
     thinking = None
-    if isinstance(tokenizer, Tokenizer) and template_thinks(
+    # A grammar writes a constrained answer from its first token: no thinking comes before it.
+    if not wants_grammar(req) and isinstance(tokenizer, Tokenizer) and template_thinks(
         tokenizer.hf.chat_template, state.config.reasoning_parser
     ):
         thinking = start_of(tokenizer.decode(ids[-_PROMPT_TAIL_TOKENS:]))

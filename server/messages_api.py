@@ -29,16 +29,16 @@ def messages_router(api_key: str | None) -> APIRouter:
     @router.post("/messages", response_model=None)
     async def create_message(body: MessagesRequest, request: Request) -> Response:
         state: ServerState = request.app.state.ballast
-        req = to_chat(body)
         try:
+            req = to_chat(body)
             job = (
                 await asyncio.to_thread(chat_job, state, req)
                 if chat.wants_grammar(req)
                 else chat_job(state, req)
             )
-        except ApiError as exc:
+        except ApiError:
             state.metrics.requests.labels(endpoint="chat", outcome="invalid").inc()
-            raise exc
+            raise
         started = await start_unless_gone(state, job, request)
         if started is None:
             return Response(status_code=499)
