@@ -249,7 +249,9 @@ def test_an_agent_runs_its_tool_to_a_final_output(base_url: str) -> None:
         # Forced for the first turn only (the SDK resets it once a tool ran), so the small model
         # calls the tool, then answers in text; room enough for the answer to end by itself (the
         # SDK takes an answer cut off by max_tokens, `response.incomplete`, as a failure).
-        model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=96, temperature=0),
+        model_settings=ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, max_tokens=96, temperature=0
+        ),
         tools=[get_weather],
     )
     result = asyncio.run(Runner.run(agent, ASK, max_turns=3))
