@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,11 +113,12 @@ class Tokenizer:
         tools: Sequence[dict[str, Any]] | None = None,
         *,
         special_tokens_in_content: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         if not self.has_chat_template:
             raise TokenizerError("this model's tokenizer has no chat template; use a raw completion")
         if special_tokens_in_content or self._special_re is None:
-            return self._ids(self.render_chat(messages, tools), special=True)
+            return self._ids(self.render_chat(messages, tools, template_kwargs), special=True)
         # Every string the client sent (content, names, tool descriptions and schemas, a call's
         # arguments: the template may render any of them, often through `tojson`) has each
         # special-token spelling swapped for a placeholder; the template's own markers are then
@@ -126,8 +127,8 @@ class Tokenizer:
         marked_messages = [self._mask(m, spelled) for m in messages]
         marked_tools = [self._mask(t, spelled) for t in tools] if tools else None
         if not spelled:  # the common case: nothing to keep apart
-            return self._ids(self.render_chat(messages, tools), special=True)
-        pieces = _PLACEHOLDER.split(self.render_chat(marked_messages, marked_tools))
+            return self._ids(self.render_chat(messages, tools, template_kwargs), special=True)
+        pieces = _PLACEHOLDER.split(self.render_chat(marked_messages, marked_tools, template_kwargs))
         if any(_OPEN in piece or _CLOSE in piece or "\\ue00" in piece for piece in pieces[::2]):
             raise TokenizerError(
                 "this chat template rewrites the request's text, so text that spells a special token "
@@ -160,14 +161,19 @@ class Tokenizer:
         return value
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
+        """`template_kwargs`: further variables the template reads (`enable_thinking`)."""
         try:
             text = self.hf.apply_chat_template(
                 list(messages),
                 tools=list(tools) if tools else None,
                 add_generation_prompt=True,
                 tokenize=False,
+                **(template_kwargs or {}),
             )
         except jinja2.TemplateError as e:
             raise TokenizerError(f"the chat template cannot render this conversation: {e}") from e

@@ -598,13 +598,17 @@ class Scheduler:
         seq.phase = Phase.DECODING
         seq.output.append(out.token_id)
         self.generated_tokens += 1
-        if out.token_id in self._eos:
-            self._finish(seq, "stop")
-            return
-        text = seq.detok.add(out.token_id)
         logprobs = None
         if seq.req.params.logprobs is not None and out.logprob is not None:
             logprobs = (TokenLogprob(out.token_id, out.logprob, out.top_logprobs),)
+        if out.token_id in self._eos:
+            # The EOS token is counted in usage, so its event (no text) comes before the finish:
+            # a client scoring by logprobs sees every generated token, and the server sees that the
+            # answer ended by EOS rather than by a stop string.
+            seq.mailbox.put(TokenEvent("", (out.token_id,), logprobs))
+            self._finish(seq, "stop")
+            return
+        text = seq.detok.add(out.token_id)
         seq.mailbox.put(TokenEvent(text, (out.token_id,), logprobs))
         if seq.detok.stopped:
             self._finish(seq, "stop")

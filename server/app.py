@@ -23,11 +23,13 @@ from ballast.memory.watch import MemWatch
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.scheduler import Scheduler
 from ballast.server import dashboard, errors, routes
+from ballast.server.completions import CAPPED_HEADER
 from ballast.server.config import ServerConfig
 from ballast.server.intake import Intake, IntakeLimits
 from ballast.server.metrics import HttpMetrics
 from ballast.server.state import Phase, ServerState, SnapshotWatch
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CollectorRegistry
 
 from ballast import __version__
@@ -183,4 +185,12 @@ def create_app(
     )
     watch = memwatch if isinstance(memwatch, MemWatch) else None
     app.add_middleware(Intake, limits=limits, watch=watch, on_refused=metrics.rejected)
+    if config.origins():  # outermost: a browser's preflight is answered before any other check
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.origins()),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After", CAPPED_HEADER],
+        )
     return app

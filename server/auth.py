@@ -1,4 +1,4 @@
-"""Optional Bearer API key on /v1 (`--api-key` / `BALLAST_API_KEY`).
+"""Optional Bearer API key on /v1 (`--api-key` / `BALLAST_API_KEY`), also taken from `x-api-key`.
 
 The compare is constant-time (`hmac.compare_digest` over SHA-256 digests) so response timing
 leaks neither how much of a guessed key was right nor its length. /health, /ready and /metrics
@@ -75,10 +75,15 @@ def bearer_dependency(api_key: str | None) -> Callable[[Request], Awaitable[None
     """A FastAPI dependency that refuses requests without the key (a no-op when no key is set)."""
 
     async def require_key(request: Request) -> None:
-        if api_key is not None and not key_matches(api_key, request.headers.get("authorization")):
+        if api_key is None:
+            return
+        # Anthropic's clients send the key as `x-api-key`; it is accepted as a bearer key would be.
+        x_api_key = request.headers.get("x-api-key")
+        given = request.headers.get("authorization") if x_api_key is None else f"Bearer {x_api_key}"
+        if not key_matches(api_key, given):
             raise ApiError(
                 401,
-                "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )

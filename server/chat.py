@@ -15,7 +15,6 @@ function is not left to the model: a grammar forces one call (or several, with
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from ballast.engine.engine import Engine
@@ -27,19 +26,27 @@ from ballast.engine.grammar import (
 )
 from ballast.engine.tokenizer import Tokenizer, TokenizerError
 from ballast.server import protocol as p
+from ballast.server.answer import Reading
 from ballast.server.errors import bad_request
+from ballast.server.reasoning import start_of, template_thinks
 from ballast.server.state import ServerState
 from ballast.server.toolgrammar import style_of, tool_call_lark
 
 TEXT_ONLY = "this model takes text only"
 
 
-@dataclass(frozen=True)
-class ToolPlan:
-    """How to read tool calls out of the answer."""
-
-    schemas: dict[str, dict[str, Any]]  # tool name -> its parameters' JSON schema
-    max_calls: int | None  # 1 without parallel_tool_calls
+# Variables a request may not set through chat_template_kwargs: the server sets them itself.
+_TEMPLATE_OWN = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "tokenize",
+        "chat_template",
+        "continue_final_message",
+    }
+)
 
 
 def template_messages(req: p.ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -52,6 +59,9 @@ def _template_message(m: p.ChatMessage, index: int) -> dict[str, Any]:
         out["name"] = m.name
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
+    thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if thought is not None:
+        out["reasoning_content"] = thought
     if m.tool_calls:
         out["tool_calls"] = [
             {
@@ -108,13 +118,24 @@ def check_tools(req: p.ChatCompletionRequest) -> None:
         )
 
 
-def tool_plan(req: p.ChatCompletionRequest) -> ToolPlan | None:
+def reading(state: ServerState, tokenizer: Any, req: p.ChatCompletionRequest, ids: list[int]) -> Reading:
+    """How to read the answer: the tools it may call (each tool's name -> its parameters' JSON
+    schema; one call at most without parallel_tool_calls) and where its thinking starts."""
+    thinking = None
+    # A grammar writes a constrained answer from its first token: no thinking comes before it.
+    if not wants_grammar(req) and isinstance(tokenizer, Tokenizer) and template_thinks(
+        tokenizer.hf.chat_template, state.config.reasoning_parser
+    ):
+        thinking = start_of(tokenizer.decode(ids[-_PROMPT_TAIL_TOKENS:]))
     if not req.tools or req.tool_choice == "none":
-        return None
+        return Reading(thinking=thinking)
     schemas = {t.function.name: t.function.parameters or {} for t in req.tools}
-    return ToolPlan(
-        schemas, None if req.parallel_tool_calls and not isinstance(req.tool_choice, p.NamedToolChoice) else 1
-    )
+    single = not req.parallel_tool_calls or isinstance(req.tool_choice, p.NamedToolChoice)
+    return Reading(schemas, 1 if single else None, thinking)
+
+
+# Enough of the prompt's end to hold its generation prompt (`<|im_start|>assistant\n<think>\n`).
+_PROMPT_TAIL_TOKENS = 16
 
 
 def template_tools(req: p.ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -186,6 +207,16 @@ def constraint(state: ServerState, req: p.ChatCompletionRequest, prompt_tokens: 
         raise bad_request(str(exc), param=param, code="invalid_schema") from exc
 
 
+def template_kwargs(req: p.ChatCompletionRequest) -> dict[str, Any]:
+    kwargs = req.chat_template_kwargs or {}
+    own = sorted(_TEMPLATE_OWN.intersection(kwargs))
+    if own:
+        raise bad_request(
+            f"chat_template_kwargs may not set `{own[0]}`: the server sets it", param="chat_template_kwargs"
+        )
+    return kwargs
+
+
 def chat_prompt(state: ServerState, tokenizer: Any, req: p.ChatCompletionRequest) -> list[int]:
     """The prompt's token ids: messages and tools through the model's template."""
     messages = template_messages(req)
@@ -196,7 +227,10 @@ def chat_prompt(state: ServerState, tokenizer: Any, req: p.ChatCompletionRequest
         messages, tools = describe_tools(messages, tools), None
     try:
         return tokenizer.apply_chat_template(
-            messages, tools, special_tokens_in_content=state.config.special_tokens_in_chat
+            messages,
+            tools,
+            special_tokens_in_content=state.config.special_tokens_in_chat,
+            template_kwargs=template_kwargs(req),
         )
     except TokenizerError as exc:  # the template refused this conversation (its shape, its roles)
         raise bad_request(str(exc), param="messages") from exc

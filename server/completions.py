@@ -13,6 +13,7 @@ says it in its last chunk as `"x_ballast_capped": true`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -33,6 +34,7 @@ from ballast.scheduler.request import (
 )
 from ballast.server import chat
 from ballast.server import protocol as p
+from ballast.server.answer import Reading
 from ballast.server.errors import ApiError, bad_request, from_refusal
 from ballast.server.events import request_accepted, request_refused
 from ballast.server.metrics import RequestTimer
@@ -55,7 +57,7 @@ class Job:
     include_usage: bool
     want_logprobs: bool
     prompt_param: str  # the parameter a context-length error names
-    tools: chat.ToolPlan | None = None  # read tool calls out of the answer
+    reading: Reading = Reading()  # what to read out of the answer: thinking, tool calls
     n: int = 1  # choices per prompt
     echo: tuple[str, ...] = ()  # per choice, the prompt text put before its answer (completions' echo)
     # When the request was parsed and tokenized (monotonic): a refusal's time runs from here.
@@ -281,7 +283,7 @@ def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
         _usage(req),
         req.logprobs,
         "messages",
-        chat.tool_plan(req),
+        chat.reading(state, tokenizer, req, ids),
         n=req.n,
     )
 
@@ -415,3 +417,28 @@ async def abort_on_disconnect(request: Request, started: Started) -> None:
         if message["type"] == "http.disconnect":
             started.abort()
             return
+
+
+async def start_unless_gone(state: ServerState, job: Job, request: Request) -> Started | None:
+    """Submit and wait for the first event, as `start` does, but give up (aborting the request,
+    which frees its queue entry or slot) if the client disconnects first: a client that left while
+    queued must not cost a prefill. None when it left."""
+    starting = asyncio.ensure_future(start(state, job))
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait((starting, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if starting.done():
+        return starting.result()
+    starting.cancel()  # start() aborts the handle when cancelled
+    with contextlib.suppress(asyncio.CancelledError, ApiError):
+        await starting
+    state.metrics.requests.labels(endpoint=job.endpoint, outcome="abort").inc()
+    return None
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so that is the next message)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

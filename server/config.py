@@ -24,6 +24,7 @@ from ballast.settings import ConfigError, Setting, check, flag_for, setting, set
 
 _INT_RE = re.compile(r"[+-]?[0-9]+")
 _FLOAT_RE = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
+_ORIGIN_RE = re.compile(r"https?://[^/\s,]+")
 _BOOLS = {"1": True, "true": True, "0": False, "false": False}
 
 C = TypeVar("C")
@@ -131,6 +132,24 @@ class ServerConfig:
         metadata=setting("BALLAST_DASHBOARD", "serve the live page /dashboard and its JSON /dashboard/state"),
     )
 
+    reasoning_parser: str = field(
+        default="auto",
+        metadata=setting(
+            "BALLAST_REASONING_PARSER",
+            "how to split a reasoning model's thinking from its answer: 'auto' reads <think>...</think> "
+            "when the chat template writes </think>, 'think' always, 'none' never",
+            choices=("auto", "think", "none"),
+        ),
+    )
+    allowed_origins: str | None = field(
+        default=None,
+        metadata=setting(
+            "BALLAST_ALLOWED_ORIGINS",
+            "comma-separated origins browsers may call the API from (CORS), or '*' for any; unset: "
+            "no CORS headers, so browsers refuse cross-origin calls",
+        ),
+    )
+
     def __post_init__(self) -> None:
         check(self)
         if self.max_body_bytes > self.max_parsing_bytes:
@@ -138,6 +157,16 @@ class ServerConfig:
                 f"BALLAST_MAX_BODY_BYTES={self.max_body_bytes} is above BALLAST_MAX_PARSING_BYTES="
                 f"{self.max_parsing_bytes}: a body that large could never be read"
             )
+        for origin in self.origins():
+            if origin != "*" and not _ORIGIN_RE.fullmatch(origin):
+                raise ConfigError(
+                    f"--allowed-origins: {origin!r} is not '*' or an origin such as https://app.example.com"
+                )
+
+    def origins(self) -> tuple[str, ...]:
+        if self.allowed_origins is None:
+            return ()
+        return tuple(o.strip() for o in self.allowed_origins.split(","))
 
 
 def parse_value(setting: Setting, raw: str, source: str) -> int | float | bool | str:

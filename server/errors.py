@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from ballast.engine.tokenizer import TokenizerInputError
@@ -29,9 +29,11 @@ from ballast.scheduler.errors import (
     RequestTimeout,
     StepAborted,
 )
+from ballast.server.protocol import ParamError
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("ballast.server")
@@ -111,9 +113,14 @@ def from_refusal(exc: Refused | MemoryRefused, prompt_param: str = "messages") -
 
 
 def _loc_param(loc: Sequence[int | str]) -> str | None:
-    """`("body", "messages", 0, "content")` -> "messages.0.content"; None for the body itself."""
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts) or None
+    """`("body", "messages", 0, "content")` -> "messages[0].content" (OpenAI's spelling, which
+    the handlers' own checks use too); None for the body itself."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
 
 
 def from_validation(exc: RequestValidationError) -> ApiError:
@@ -124,7 +131,10 @@ def from_validation(exc: RequestValidationError) -> ApiError:
     param = _loc_param(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         return bad_request("request body is not valid JSON", code="invalid_json")
-    message = first.get("msg", "invalid value")
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, ParamError):  # a check across fields, which names its own parameter
+        return bad_request(cause.message, param=cause.param)
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
     if param:
         message = f"{param}: {message}"
     if len(errors) > 1:
@@ -153,37 +163,74 @@ def from_http(exc: StarletteHTTPException) -> ApiError:
     return ApiError(exc.status_code, str(exc.detail), kind, code=code, headers=dict(exc.headers or {}))
 
 
+def api_error_of(request: Request, exc: Exception) -> ApiError:
+    """What the client sees for any exception a handler raised."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestValidationError):
+        return from_validation(exc)
+    if isinstance(exc, StarletteHTTPException):
+        kind = from_http(exc).type
+        message = str(exc.detail)
+        if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
+            # Say what was asked: a client that reports "Not Found" as a missing model misleads.
+            what = "no route" if exc.status_code == 404 else "method not allowed"
+            message = f"{message}: {what} for {request.method} {request.url.path}"
+        code = _HTTP_CODES.get(exc.status_code)
+        return ApiError(exc.status_code, message, kind, code=code, headers=dict(exc.headers or {}))
+    if isinstance(exc, Refused | MemoryRefused):
+        return from_refusal(exc)
+    if isinstance(exc, TokenizerInputError):
+        return bad_request(str(exc), code="invalid_text")
+    # A bug, not bad input: log the traceback here, never send it to the client.
+    log.exception("unhandled error while serving a request", exc_info=exc)
+    return ApiError(500, "internal server error", "server_error")
+
+
 def install(app: FastAPI) -> None:
     """Register the handlers that turn every exception into an OpenAI error response."""
 
-    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, ApiError)
-        return exc.response()
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        return api_error_of(request, exc).response()
 
-    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, RequestValidationError)
-        return from_validation(exc).response()
+    for kind in (ApiError, RequestValidationError, StarletteHTTPException, Refused, MemoryRefused):
+        app.add_exception_handler(kind, on_error)
+    app.add_exception_handler(TokenizerInputError, on_error)
+    app.add_exception_handler(Exception, on_error)
 
-    async def on_http(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, StarletteHTTPException)
-        return from_http(exc).response()
 
-    async def on_refusal(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, Refused | MemoryRefused)
-        return from_refusal(exc).response()
+# Anthropic's error types by status. Memory pressure stays a 503 (with Retry-After) rather than
+# Anthropic's own 529: load balancers, proxies and ballast's metrics read 503 as "retry elsewhere
+# or later", and the anthropic SDK retries both, honouring Retry-After.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
 
-    async def on_untokenizable(_: Request, exc: Exception) -> JSONResponse:
-        return bad_request(str(exc), code="invalid_text").response()
 
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        # A bug, not bad input: log the traceback here, never send it to the client.
-        log.exception("unhandled error while serving a request", exc_info=exc)
-        return ApiError(500, "internal server error", "server_error").response()
+def anthropic_body(err: ApiError) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
 
-    app.add_exception_handler(ApiError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(Refused, on_refusal)
-    app.add_exception_handler(MemoryRefused, on_refusal)
-    app.add_exception_handler(TokenizerInputError, on_untokenizable)
-    app.add_exception_handler(Exception, on_unexpected)
+
+class AnthropicRoute(APIRoute):
+    """A route that answers errors in Anthropic's shape (`{"type": "error", "error": {...}}`)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as exc:
+                err = api_error_of(request, exc)
+                return JSONResponse(anthropic_body(err), status_code=err.status, headers=err.headers)
+
+        return route

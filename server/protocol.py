@@ -12,7 +12,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 NonNegFloat = Annotated[float, Field(ge=0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -40,7 +48,6 @@ REFUSED: dict[str, str] = {
     "reasoning_effort": "`reasoning_effort` is not supported",
     "web_search_options": "`web_search_options` is not supported",
     "chat_template": "`chat_template` is not supported; the model's own template is used",
-    "chat_template_kwargs": "`chat_template_kwargs` is not supported",
     "add_generation_prompt": "`add_generation_prompt` is not supported",
     "continue_final_message": "`continue_final_message` is not supported",
     "documents": "`documents` is not supported",
@@ -68,6 +75,16 @@ REFUSED: dict[str, str] = {
 # not a passage.
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
+
+
+class ParamError(ValueError):
+    """A check across fields that names the parameter at fault (a model validator has no field
+    of its own to point at)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
 
 
 class _Request(BaseModel):
@@ -160,6 +177,10 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    # An assistant turn's thinking, under either name clients send it by; the template gets it as
+    # `reasoning_content` (what the thinking families' templates read).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionDef(_Request):
@@ -211,11 +232,13 @@ class ChatCompletionRequest(GenerationFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    # Extra variables for the chat template (`enable_thinking` for the Qwen3 family).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
 
 
@@ -283,14 +306,51 @@ class ResponseToolCall(BaseModel):
     function: ResponseFunction
 
 
-class DeltaToolCall(ResponseToolCall):
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: its first delta names it, the later ones carry pieces of its arguments
+    (only the index says whose: id, type and name are left out, as OpenAI does)."""
+
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for key in ("id", "type"):
+            if data[key] is None:
+                del data[key]
+        if data["function"]["name"] is None:
+            del data["function"]["name"]
+        return data
+
+
+def _without_absent_reasoning(model: BaseModel, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    """Reasoning fields are left out of an answer that has none (most models never think)."""
+    data: dict[str, Any] = handler(model)
+    if data.get("reasoning") is None:
+        data.pop("reasoning", None)
+        data.pop("reasoning_content", None)
+    return data
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # The thinking, under the name vLLM used first and the one it uses now.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_absent_reasoning(self, handler)
 
 
 class ChatChoice(BaseModel):
@@ -312,7 +372,13 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_absent_reasoning(self, handler)
 
 
 class ChatChunkChoice(BaseModel):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ballast.engine.interface import TokenizerLike
 from ballast.scheduler.request import FinishEvent, TokenEvent, TokenLogprob
 from ballast.server import protocol as p
+from ballast.server.answer import Answer, read_whole
 from ballast.server.completions import (
     CAPPED_HEADER,
     Job,
@@ -19,8 +20,8 @@ from ballast.server.completions import (
     refuse,
 )
 from ballast.server.metrics import RequestTimer
+from ballast.server.parts import Call
 from ballast.server.state import ServerState
-from ballast.server.toolcalls import Call, parse
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -84,24 +85,25 @@ class Collected:
     text: str
     entries: tuple[TokenLogprob, ...]
     finish: FinishEvent
+    token_ids: list[int]  # every token generated, an ending EOS included
 
 
 async def _collect(run: Run, timer: RequestTimer) -> Collected:
     texts: list[str] = []
     entries: list[TokenLogprob] = []
+    ids: list[int] = []
     event = run.first
     while isinstance(event, TokenEvent):
         texts.append(event.text)
         entries.extend(event.logprobs or ())
         timer.tokens(len(event.token_ids))
+        ids += event.token_ids
         event = await anext(run.events)
-    return Collected("".join(texts), tuple(entries), event)
+    return Collected("".join(texts), tuple(entries), event, ids)
 
 
-async def respond(state: ServerState, job: Job, started: Started, request: Request) -> Response:
-    """Collect every choice (non-streaming)."""
-    assert state.engine is not None
-    tokenizer = state.engine.tokenizer
+async def collect_all(state: ServerState, job: Job, started: Started, request: Request) -> list[Collected]:
+    """Every choice, whole, counted; a refusal that ended any raises (as an ApiError)."""
     watcher = asyncio.create_task(abort_on_disconnect(request, started))
     try:
         results = [await _collect(run, started.timer) for run in started.runs]
@@ -114,6 +116,16 @@ async def respond(state: ServerState, job: Job, started: Started, request: Reque
     started.timer.finished(finish_outcome(failed or finishes[0]), job.prompt_tokens, completion_tokens)
     if failed is not None and failed.error is not None:
         raise refuse(state, job, failed.error, counted=True)
+    return results
+
+
+async def respond(state: ServerState, job: Job, started: Started, request: Request) -> Response:
+    """Collect every choice (non-streaming)."""
+    assert state.engine is not None
+    tokenizer = state.engine.tokenizer
+    results = await collect_all(state, job, started, request)
+    finishes = [r.finish for r in results]
+    completion_tokens = sum(f.completion_tokens for f in finishes)
     cached = sum(f.cached_tokens for f in finishes[:: job.n])
     usage = p.Usage.of(job.prompt_tokens, completion_tokens, cached)
     body: p.ChatCompletion | p.Completion
@@ -133,9 +145,17 @@ async def respond(state: ServerState, job: Job, started: Started, request: Reque
 
 def _chat_choice(tokenizer: TokenizerLike, job: Job, index: int, result: Collected) -> p.ChatChoice:
     lp = p.ChatLogprobs(content=chat_logprobs(tokenizer, result.entries)) if job.want_logprobs else None
-    content, calls = parse(result.text, job.tools.schemas) if job.tools is not None else (result.text, [])
-    calls = calls[: job.tools.max_calls] if job.tools is not None and job.tools.max_calls else calls
-    message = p.AssistantMessage(content=content, tool_calls=[response_call(c) for c in calls] or None)
+    if job.reading.plain:
+        answer = Answer(None, result.text, [])
+    else:
+        answer = read_whole(job.reading, result.text, truncated=result.finish.reason == "length")
+    calls = answer.calls
+    message = p.AssistantMessage(
+        content=answer.content,
+        reasoning_content=answer.reasoning,
+        reasoning=answer.reasoning,
+        tool_calls=[response_call(c) for c in calls] or None,
+    )
     reason = "tool_calls" if calls and result.finish.reason == "stop" else result.finish.reason
     return p.ChatChoice(index=index, message=message, logprobs=lp, finish_reason=reason)
 

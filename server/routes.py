@@ -1,30 +1,31 @@
 """The endpoints. Generation flows live in `completions` and `streaming`; this file only routes.
 
-/health, /ready, /metrics, /version and /docs are open (probes, scrapers, people); /v1, /tokenize
-and /detokenize need the API key when one is set. /tokenize and /detokenize take and give what
-vLLM's do.
+/health, /ready, /metrics, /version and /docs are open (probes, scrapers, people); /v1, /tokenize,
+/detokenize and /tokenizer_info need the API key when one is set, and take and give what vLLM's
+do. Anthropic Messages and OpenAI Responses have routes of their own (`messages_api`,
+`responses_api`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from ballast.server import chat
 from ballast.server import protocol as p
 from ballast.server.auth import bearer_dependency
 from ballast.server.completions import (
     Job,
-    Started,
     chat_job,
     check_model,
     check_token_ids,
     completion_job,
     ready_engine,
-    start,
+    start_unless_gone,
 )
 from ballast.server.errors import ApiError
+from ballast.server.messages_api import messages_router
 from ballast.server.respond import respond
+from ballast.server.responses_api import responses_router
 from ballast.server.state import ServerState
 from ballast.server.streaming import stream_response
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -81,33 +82,8 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(state_of(request).registry), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _start_unless_gone(state: ServerState, job: Job, request: Request) -> Started | None:
-    """Submit and wait for the first event, as `start` does, but give up (aborting the request,
-    which frees its queue entry or slot) if the client disconnects first: a client that left while
-    queued must not cost a prefill. None when it left."""
-    starting = asyncio.ensure_future(start(state, job))
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((starting, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if starting.done():
-        return starting.result()
-    starting.cancel()  # start() aborts the handle when cancelled
-    with contextlib.suppress(asyncio.CancelledError, ApiError):
-        await starting
-    state.metrics.requests.labels(endpoint=job.endpoint, outcome="abort").inc()
-    return None
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client goes away (the body has been read, so that is the next message)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _answer(state: ServerState, job: Job, request: Request) -> Response:
-    started = await _start_unless_gone(state, job, request)
+    started = await start_unless_gone(state, job, request)
     if started is None:  # nobody is listening; the status is for the access log only
         return Response(status_code=499)
     if job.stream:
@@ -185,6 +161,19 @@ def tokens_router(api_key: str | None) -> APIRouter:
             ids = chat.chat_prompt(state, tokenizer, req)
         return p.TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids)
 
+    @tokens.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> JSONResponse:
+        """The tokenizer's special tokens and chat template, as vLLM gives them (lm-eval's remote
+        tokenizer reads them before it tokenizes anything)."""
+        tokenizer, max_len = ready_engine(state_of(request))
+        hf = getattr(tokenizer, "hf", None)
+        info: dict[str, object] = {"model_max_length": max_len}
+        for name in ("eos_token", "bos_token", "pad_token", "unk_token", "chat_template"):
+            value = getattr(hf, name, None)
+            info[name] = None if value is None else str(value)
+        info["tokenizer_class"] = type(hf).__name__ if hf is not None else None
+        return JSONResponse(info)
+
     @tokens.post("/detokenize")
     async def detokenize(body: p.DetokenizeRequest, request: Request) -> p.DetokenizeResponse:
         state = state_of(request)
@@ -199,5 +188,7 @@ def tokens_router(api_key: str | None) -> APIRouter:
 
 def install(app: FastAPI, api_key: str | None) -> None:
     app.include_router(ops)
+    app.include_router(messages_router(api_key))
+    app.include_router(responses_router(api_key))
     app.include_router(v1_router(api_key))
     app.include_router(tokens_router(api_key))

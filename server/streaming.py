@@ -9,8 +9,9 @@ A client that disconnects cancels the response task (Starlette) or fails the nex
 the generator's `finally` aborts the request, so its slot is freed within one step, and counts it
 with outcome "abort" in the request counter and the latency histograms.
 
-A chat request with tools streams its text through a `ToolCallStream`: content as it comes, text
-that may open a `<tool_call>` held back, and each call as one `tool_calls` delta when it closes.
+A chat answer with something to read out of it (tools, thinking) streams through an
+`AnswerStream`: content and reasoning deltas as they come, text that may open a tag held back,
+each call opened by a delta naming it and then its arguments as they are generated.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ballast.scheduler.request import Event, FinishEvent, TokenEvent
+from ballast.scheduler.request import Event, FinishEvent, TokenEvent, TokenLogprob
 from ballast.server import protocol as p
+from ballast.server.answer import AnswerStream
 from ballast.server.completions import Job, Run, Started, finish_outcome, refuse
+from ballast.server.parts import CallArguments, CallOpened, Part, Text, Thought
 from ballast.server.respond import chat_logprobs, completion_logprobs
 from ballast.server.state import ServerState
-from ballast.server.toolcalls import Call, ToolCallStream
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
@@ -57,12 +59,7 @@ class _ChunkWriter:
         marker = "\x00ballast-text\x00"
         head, tail = self._modelled_tokens(TokenEvent(marker, ())).split(_json(marker))
         self._text_head, self._text_tail = head, tail
-        tools = job.tools
-        self.calls = (
-            ToolCallStream(tools.schemas, tools.max_calls)
-            if tools is not None and job.endpoint == "chat"
-            else None
-        )
+        self.answer = AnswerStream(job.reading) if job.endpoint == "chat" and not job.reading.plain else None
 
     def _usage(self) -> dict[str, Any]:
         return {"usage": None} if self.job.include_usage else {}
@@ -86,25 +83,25 @@ class _ChunkWriter:
         return sse({**data, **self._usage(), **extra})
 
     def tokens(self, event: TokenEvent) -> str:
-        if self.calls is not None:
-            content, calls = self.calls.feed(event.text)
-            return self._with_calls(TokenEvent(content, event.token_ids, event.logprobs), calls)
+        if self.answer is not None:
+            return self._parts(self.answer.feed(event.text), event.logprobs)
         if not self.job.want_logprobs:
             return self._text_head + _json(event.text) + self._text_tail
         return self._modelled_tokens(event)
 
-    def _with_calls(self, event: TokenEvent, calls: list[Call]) -> str:
+    def _parts(self, parts: list[Part], logprobs: tuple[TokenLogprob, ...] | None = None) -> str:
+        """A chunk per part; the tokens' logprobs ride on the first (or on an empty one)."""
+        lp = None
+        if self.job.want_logprobs and logprobs:
+            lp = p.ChatLogprobs(content=chat_logprobs(self.tokenizer, logprobs))
         out = ""
-        if event.text or (self.job.want_logprobs and event.logprobs):
-            out += self._modelled_tokens(event)
-        first = len(self.calls.calls) - len(calls) if self.calls is not None else 0
-        for k, call in enumerate(calls):
-            delta = p.DeltaToolCall(
-                index=first + k,
-                id=call.id,
-                function=p.ResponseFunction(name=call.name, arguments=call.arguments),
-            )
-            out += self._chat(p.ChatChunkChoice(index=self.index, delta=p.ChatDelta(tool_calls=[delta])))
+        for part in parts:
+            delta = _delta(part)
+            if delta is not None:
+                out += self._chat(p.ChatChunkChoice(index=self.index, delta=delta, logprobs=lp))
+                lp = None
+        if lp is not None:
+            out += self._chat(p.ChatChunkChoice(index=self.index, delta=p.ChatDelta(content=""), logprobs=lp))
         return out
 
     def _modelled_tokens(self, event: TokenEvent) -> str:
@@ -128,13 +125,13 @@ class _ChunkWriter:
         extra = {"x_ballast_capped": True} if event.capped else {}
         if self.job.endpoint == "chat":
             held, reason = "", event.reason
-            if self.calls is not None:
-                held = self.calls.flush()
-                reason = "tool_calls" if self.calls.calls and reason == "stop" else reason
+            if self.answer is not None:
+                held = self._parts(self.answer.finish(truncated=reason == "length"))
+                reason = "tool_calls" if self.answer.calls and reason == "stop" else reason
             last = self._chat(
                 p.ChatChunkChoice(index=self.index, delta=p.ChatDelta(), finish_reason=reason), **extra
             )
-            return (self._modelled_tokens(TokenEvent(held, ())) if held else "") + last
+            return held + last
         return self._completion(
             p.CompletionChoice(index=self.index, text="", finish_reason=event.reason), **extra
         )
@@ -162,6 +159,22 @@ class _ChunkWriter:
                 "usage": usage,
             }
         )
+
+
+def _delta(part: Part) -> p.ChatDelta | None:
+    if isinstance(part, Text):
+        return p.ChatDelta(content=part.text)
+    if isinstance(part, Thought):
+        return p.ChatDelta(reasoning=part.text, reasoning_content=part.text)
+    if isinstance(part, CallOpened):
+        named = p.DeltaToolCall(
+            index=part.index, id=part.id, type="function", function=p.DeltaFunction(name=part.name)
+        )
+        return p.ChatDelta(tool_calls=[named])
+    if isinstance(part, CallArguments):
+        piece = p.DeltaToolCall(index=part.index, function=p.DeltaFunction(arguments=part.text))
+        return p.ChatDelta(tool_calls=[piece])
+    return None  # CallClosed: the client has the whole call by now
 
 
 async def _merged(runs: tuple[Run, ...]) -> AsyncIterator[tuple[int, Event]]:

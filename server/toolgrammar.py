@@ -13,6 +13,7 @@ llguidance's Lark dialect, in the format the model's chat template writes calls 
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -47,12 +48,40 @@ def tool_call_lark(tools: list[p.Tool], style: Style, several: bool) -> str:
 
 
 def _hermes_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """The call object, with the parameters' definitions (`$defs`, draft-07 `definitions`, which
+    pydantic writes for every nested model) moved to its root, where their `#/$defs/...` references
+    point; any other reference into the parameters is moved under `arguments` with them."""
+    arguments = {k: v for k, v in parameters.items() if k not in _DEFINITIONS}
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
+        "properties": {"name": {"const": name}, "arguments": _rebased(arguments, "#/properties/arguments")},
         "required": ["name", "arguments"],
         "additionalProperties": False,
+        **{k: parameters[k] for k in _DEFINITIONS if k in parameters},
     }
+
+
+_DEFINITIONS = ("$defs", "definitions")
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """`schema` with its references to its own root (`#`, `#/properties/...`) moved to `root`;
+    references to definitions stay, as the definitions stay at the root."""
+    if isinstance(schema, list):
+        return [_rebased(s, root) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebased(v, root) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
+        out["$ref"] = root + ref[1:]
+    return out
+
+
+def _with_definitions(schema: dict[str, Any], parameters: dict[str, Any]) -> dict[str, Any]:
+    """A property's schema standing alone, with the definitions its references need."""
+    found = {k: parameters[k] for k in _DEFINITIONS if k in parameters}
+    return {**schema, **found} if found and "$ref" in json.dumps(schema) else schema
 
 
 def _xml_expressible(parameters: dict[str, Any]) -> bool:
@@ -94,6 +123,6 @@ def _xml_rules(rule: str, name: str, parameters: dict[str, Any]) -> list[str]:
             rules.append(f"{value}[suffix={lark_literal(_END_PARAMETER)}]: /(.|\\n)*/")
         else:
             rules.append(f"{value}: {value}_json {lark_literal(_END_PARAMETER)}")
-            rules.append(f"{value}_json: {lark_json(schema)}")
+            rules.append(f"{value}_json: {lark_json(_with_definitions(schema, parameters))}")
     head = lark_literal(f"<function={name}>" + "\n")
     return [f"{rule}: {head} {' '.join(parts)} {lark_literal('</function>')}", *rules]

@@ -92,7 +92,7 @@ def calm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"n": 0}, "n"),
         ({"n": 65}, "n"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),

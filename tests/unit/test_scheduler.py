@@ -241,8 +241,9 @@ async def test_stop_string_eos_and_logprobs(make) -> None:
     s2, eng2 = await make(eos_after=3)
     r = req(9, max_tokens=10)
     text, ids, fin = await s2.submit(r).collect()
-    # The EOS token counts as generated but carries no text and no event of its own.
-    assert fin.reason == "stop" and fin.completion_tokens == 4 and len(ids) == 3 and EOS not in ids
+    # The EOS token counts as generated and has its event (no text), before the finish: a client
+    # scoring by logprobs sees every generated token.
+    assert fin.reason == "stop" and fin.completion_tokens == 4 and len(ids) == 4 and ids[-1] == EOS
     assert text == calm_text(r, eos_after=3) and len(text) == 3
     await assert_idle(s2, eng2)
 

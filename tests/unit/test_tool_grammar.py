@@ -41,7 +41,30 @@ CODE: dict[str, Any] = {
     "properties": {"id": {"type": "string", "pattern": "^[a-z]{3}$"}},
     "required": ["id"],
 }
-SCHEMAS = {"tight": TIGHT, "get_weather": WEATHER, "lookup": CODE}
+# What pydantic writes for a nested model: the inner model under $defs, reached by $ref; draft-07
+# schemas say `definitions`.
+NESTED: dict[str, Any] = {
+    "$defs": {
+        "Place": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        }
+    },
+    "type": "object",
+    "properties": {
+        "origin": {"$ref": "#/$defs/Place"},
+        "stops": {"type": "array", "items": {"$ref": "#/$defs/Place"}, "maxItems": 2},
+    },
+    "required": ["origin", "stops"],
+    "additionalProperties": False,
+}
+DRAFT7 = json.loads(json.dumps(NESTED).replace("$defs", "definitions"))
+SCHEMAS = {"tight": TIGHT, "get_weather": WEATHER, "lookup": CODE, "nested": NESTED, "draft7": DRAFT7}
 TOOLS = {
     name: p.Tool.model_validate({"type": "function", "function": {"name": name, "parameters": schema}})
     for name, schema in SCHEMAS.items()
@@ -152,3 +175,14 @@ def test_the_style_follows_the_template() -> None:
     assert style_of("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}") == "xml"
     assert style_of('{{- \'<tool_call>\\n{"name": "\' }}') == "hermes"
     assert style_of(None) == "hermes"
+
+
+@pytest.mark.parametrize("style", ["xml", "hermes"])
+@pytest.mark.parametrize("name", ["nested", "draft7"])
+def test_definitions_and_references_hold_in_a_forced_call(
+    tok: Tokenizer, compiler: GrammarCompiler, style: str, name: str
+) -> None:
+    text = draw(tok, compiler, tool_call_lark([TOOLS[name]], style, several=False), seed=1, steps=160)  # type: ignore[arg-type]
+    content, [call] = parse(text, SCHEMAS)
+    assert content is None and call.name == name
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[name])

@@ -1,0 +1,68 @@
+"""The Anthropic Messages routes: `POST /v1/messages` and `POST /v1/messages/count_tokens`, with
+errors in Anthropic's shape. The request becomes a chat job (`ballast.server.messages`); its
+answer is written by `ballast.server.messages_out`."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ballast.server import chat
+from ballast.server.auth import bearer_dependency
+from ballast.server.completions import chat_job, check_model, ready_engine, start_unless_gone
+from ballast.server.errors import AnthropicRoute, ApiError
+from ballast.server.messages import CountTokensRequest, MessagesRequest, to_chat
+from ballast.server.messages_out import MessageEvents, message, message_id
+from ballast.server.respond import collect_all
+from ballast.server.state import ServerState
+from ballast.server.translate import ending, stream_blocks, whole_answer
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def messages_router(api_key: str | None) -> APIRouter:
+    router = APIRouter(
+        prefix="/v1", dependencies=[Depends(bearer_dependency(api_key))], route_class=AnthropicRoute
+    )
+
+    @router.post("/messages", response_model=None)
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        state: ServerState = request.app.state.ballast
+        try:
+            req = to_chat(body)
+            job = (
+                await asyncio.to_thread(chat_job, state, req)
+                if chat.wants_grammar(req)
+                else chat_job(state, req)
+            )
+        except ApiError:
+            state.metrics.requests.labels(endpoint="chat", outcome="invalid").inc()
+            raise
+        started = await start_unless_gone(state, job, request)
+        if started is None:
+            return Response(status_code=499)
+        msg_id = message_id()
+        if job.stream:
+            events = MessageEvents(msg_id, job.model, job.prompt_tokens)
+            return StreamingResponse(
+                stream_blocks(state, job, started, events),
+                media_type="text/event-stream",
+                headers=STREAM_HEADERS,
+            )
+        [result] = await collect_all(state, job, started, request)
+        answer = whole_answer(job, result)
+        assert state.engine is not None
+        end = ending(
+            job, state.engine.tokenizer, result.finish, result.token_ids, result.text, bool(answer.calls)
+        )
+        return JSONResponse(message(msg_id, job.model, answer, end))
+
+    @router.post("/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest, request: Request) -> JSONResponse:
+        state: ServerState = request.app.state.ballast
+        check_model(state, body.model)
+        tokenizer, _ = ready_engine(state)
+        return JSONResponse({"input_tokens": len(chat.chat_prompt(state, tokenizer, to_chat(body)))})
+
+    return router
