@@ -5,10 +5,10 @@
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 3; }
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
-# The `ballast` import package as pyproject's package-dir maps it (no install needed)
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg/ballast && cp ballast/*.py /tmp/pkg/ballast/
-for d in memory models engine scheduler server bench; do ln -s "$PWD/$d" /tmp/pkg/ballast/$d; done
-export PYTHONPATH=/tmp/site:/tmp/pkg
+# The `ballast` import package as pyproject's package-dir maps it, in place (the source tree's
+# own ballast/ folder is first on sys.path from the root, so the subpackages are linked into it)
+for d in memory models engine scheduler server bench; do ln -sfn ../$d ballast/$d; done
+export PYTHONPATH=/tmp/site:$PWD
 out=${OUT:-/tmp/out}
 mode=$1; shift
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
