@@ -16,14 +16,14 @@ case "$mode" in
   squeeze)
     tok=/tmp/tok; mkdir -p $tok
     python3 -c "from ballast.bench.checkpoint_dir import write_tokenizer; from pathlib import Path; write_tokenizer(Path('$tok'))"
-    (cd tests/reliability && timeout 200 python3 vram_squeeze.py --model builtin:llama-1b --mode on \
-      --streams 32 --clients 64 --prompt-words 750 --max-tokens 256 --hog-s 20 --hold-s 25 \
+    (cd tests/reliability && timeout 150 python3 vram_squeeze.py --model builtin:llama-1b --mode on \
+      --streams 32 --clients 64 --prompt-words 300 --max-tokens 256 --hog-s 20 --hold-s 25 --serve-arg=--max-model-len --serve-arg=4096 \
       --serve-arg=--tokenizer --serve-arg=$tok --out $out/vram_squeeze_on.json 2>&1 | tail -25)
     ;;
   suite-a|suite-b)
     files=$(ls tests/gpu/test_*.py | sort)
     n=$(echo "$files" | wc -l); half=$(( (n + 1) / 2 ))
     if [ "$mode" = suite-a ]; then sel=$(echo "$files" | head -n $half); else sel=$(echo "$files" | tail -n +$((half + 1))); fi
-    python3 -m pytest -q -p no:cacheprovider --durations=15 -o addopts="" $sel "$@" 2>&1 | tee $out/$mode.log | tail -40
+    python3 -m pytest -v -rfE -p no:cacheprovider --durations=15 -o addopts="" $sel "$@" 2>&1 | tee $out/$mode.log | tail -40
     ;;
 esac
