@@ -106,9 +106,9 @@ async def test_preempted_sequences_park_and_resume_with_the_same_tokens(model: s
 
 async def test_a_step_that_fails_after_parking_a_sequence_leaves_nothing_parked() -> None:
     """A step preempts (parks) a sequence, then its forward raises an out-of-memory error: the
-    engine recovers, the step's requests fail with a retryable error, and the parked copy (pinned
-    host memory nobody would resume) is dropped with them. Written without a GPU at hand: run it
-    on CUDA."""
+    engine recovers and drops the parked copy (pinned host memory nobody would resume) with the
+    step's sequences; the scheduler puts those requests back (a failure for want of memory costs
+    no request), so every one completes with its calm-run tokens and nothing stays parked."""
     engine = Engine.load(config("builtin:tiny-llama"))
     try:
         kv = engine.runner.kv
@@ -138,7 +138,7 @@ async def test_a_step_that_fails_after_parking_a_sequence_leaves_nothing_parked(
             await sched.stop()
         assert failed and engine.healthy and sched.step_failures == 1
         reasons = [fin.reason for _, _, fin in done]
-        assert "error" in reasons and all(r in ("length", "stop", "error") for r in reasons)
+        assert all(r in ("length", "stop") for r in reasons), reasons
         assert engine._cache.stats().parked == 0
     finally:
         engine.shutdown()

@@ -165,7 +165,10 @@ def test_an_fp8_moe_block_gives_the_unfused_paths_output(
     monkeypatch.setattr(moe_experts_triton, "FUSED_EXPERTS", False)
     monkeypatch.setattr(fp8, "kernels_available", lambda device: False)  # dequantize: the definition
     want = layer(x)
-    assert rel_err(got, want.to(F64)) < 1e-5
+    # Apart, the shared expert goes through the FP8 linear kernels, whose float32 dots Triton runs
+    # in tf32 (measured on the H200: 7.7e-4 against the dequantized float32 matmuls; tf32 lands
+    # near 3e-4 to 1e-3); inside the expert kernels everything is float32.
+    assert rel_err(got, want.to(F64)) < (1e-5 if shared_inter == 32 else 2e-3)
 
 
 def test_an_fp8_hybrid_model_decodes_the_same_tokens_with_the_fused_experts(

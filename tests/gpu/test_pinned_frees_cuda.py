@@ -74,9 +74,11 @@ def test_a_checkpoint_buffer_dropped_behind_a_slow_copy_costs_the_engine_thread_
 
 
 def test_trimming_pinned_buffers_while_the_device_is_busy_does_not_wait_for_it() -> None:
-    """The WATCH shed's trim(0) unpins idle buffers (no copy on them) while a step runs: the
-    unregistering, which waits on the device, is the unpinner's; the engine thread goes on
-    launching work meanwhile."""
+    """The WATCH shed's trim(0) unpins idle buffers (no copy on them) while a step runs: trim
+    returns at once, the bytes stay counted until the unpinner's thread has unregistered them,
+    and then nothing is held. (Measured on an H200: a kernel another thread launches while that
+    unregister runs waits for the device too, as the driver serializes the calls; the engine
+    thread's next launch can therefore wait for the work in flight once. docs/RELIABILITY.md.)"""
     pool = CheckpointPool(lambda: 64 * GiB, 0.25, 8, MiB)
     assert pool.reserve(256 * MiB, 2) == 2
     x = torch.zeros(4, device="cuda")
@@ -86,9 +88,8 @@ def test_trimming_pinned_buffers_while_the_device_is_busy_does_not_wait_for_it()
     busy.record()
     assert pool.trim(0) == 512 * MiB
     assert not busy.query()  # trim returned with the device still busy
-    time.sleep(0.05)  # the unpinner's thread is inside cudaHostUnregister by now
-    x.add_(1)  # the engine thread launches a kernel while that unregister waits
-    assert not busy.query()  # and the launch did not wait for the device either
+    assert pool.stats().bytes_held == 512 * MiB  # counted until really unpinned
+    x.add_(1)
     busy.synchronize()
     pool.unpinner.wait()
     assert pool.stats().bytes_held == 0 and pool.stats().pending_free_bytes == 0
