@@ -25,6 +25,16 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 
+# The series and their labels, as gateways look them up (deploy/k8s/gateway's picker config names them).
+SERIES: dict[str, tuple[str, ...]] = {
+    "vllm:num_requests_running": ("model_name",),
+    "vllm:num_requests_waiting": ("model_name",),
+    "vllm:kv_cache_usage_perc": ("model_name",),
+    "vllm:cache_config_info": ("block_size", "num_gpu_blocks"),
+    "vllm:lora_requests_info": ("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+}
+
+
 @dataclass(frozen=True)
 class GatewayLoad:
     """One replica's load as a gateway weighs it."""
@@ -109,7 +119,6 @@ class GatewayCollector(Collector):
         name = self._state.model_name
         if load is None or name is None:
             return
-        labels = ["model_name"]
         for metric, help_text, value in (
             ("vllm:num_requests_running", "Requests holding a slot (ballast_slots_active)", load.running),
             ("vllm:num_requests_waiting", "Requests queued for a slot (ballast_queue_depth)", load.waiting),
@@ -120,13 +129,13 @@ class GatewayCollector(Collector):
                 load.kv_usage,
             ),
         ):
-            family = GaugeMetricFamily(metric, help_text, labels=labels)
+            family = GaugeMetricFamily(metric, help_text, labels=SERIES[metric])
             family.add_metric([name], value)
             yield family
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "KV cache layout: positions per block, and blocks memory allows now",
-            labels=["block_size", "num_gpu_blocks"],
+            labels=SERIES["vllm:cache_config_info"],
         )
         info.add_metric([str(load.block_size), str(load.capacity_blocks)], 1.0)
         yield info
@@ -134,7 +143,7 @@ class GatewayCollector(Collector):
         lora = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "LoRA adapters: none (the value is the time of this reading)",
-            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            labels=SERIES["vllm:lora_requests_info"],
         )
         lora.add_metric(["0", "", ""], time.time())
         yield lora
