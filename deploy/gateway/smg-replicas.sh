@@ -44,7 +44,8 @@ done
   --policy cache_aware \
   --health-check-endpoint /ready --health-check-interval-secs 1 \
   --health-failure-threshold 1 --health-success-threshold 1 \
-  --load-monitor-interval 1 &
+  --load-monitor-interval 1 \
+  --worker-wedge-secs 60 &  # a CPU replica's queued request may wait seconds for its first token
 pids+=("$!")
 echo "gateway: http://$HOST:$GATEWAY_PORT/v1 (model \"$SERVED_NAME\")"
 wait -n

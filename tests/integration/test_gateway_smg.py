@@ -33,7 +33,7 @@ class Setup:
 
     def client(self) -> openai.OpenAI:
         # No client retries: every refusal the gateway lets through would show as an error here.
-        return openai.OpenAI(base_url=self.gateway + "/v1", api_key="none", max_retries=0, timeout=120)
+        return openai.OpenAI(base_url=self.gateway + "/v1", api_key="none", max_retries=0, timeout=300)
 
     def set_level(self, i: int, level: Level) -> None:
         level_tree(self.roots[i], level, config=MemoryConfig(root=str(self.roots[i])))
@@ -58,7 +58,7 @@ def _chat(client: openai.OpenAI, opening: str, turns: int = 3) -> list[int]:
     messages: list[dict[str, str]] = [{"role": "user", "content": opening}]
     cached: list[int] = []
     for t in range(turns):
-        r = client.chat.completions.create(model="default", messages=messages, max_tokens=8)  # type: ignore[arg-type]
+        r = client.chat.completions.create(model="default", messages=messages, max_tokens=6)  # type: ignore[arg-type]
         assert r.usage is not None and r.usage.prompt_tokens_details is not None
         cached.append(r.usage.prompt_tokens_details.cached_tokens or 0)
         messages += [
