@@ -115,7 +115,9 @@ class Fleet:
                 cmd = [sys.executable, "-m", "ballast.server.cli", "serve", "--host", "127.0.0.1"]
                 cmd += ["--port", "0", *args, *extra]
                 env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                proc = subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+                )
                 replica = Replica(proc)
                 stack.callback(_stop, proc)
                 threading.Thread(target=_drain, args=(replica,), daemon=True).start()
@@ -151,7 +153,9 @@ class Fleet:
         url = f"http://127.0.0.1:{port}"
         try:
             try:
-                wait_until(lambda: self.routable(url) == set(self.urls), timeout_s, "smg routes to every replica")
+                wait_until(
+                    lambda: self.routable(url) == set(self.urls), timeout_s, "smg routes to every replica"
+                )
             except FleetError as exc:
                 raise FleetError(f"{exc}; smg said:\n{''.join(lines[-40:])}") from None
             yield url

@@ -22,8 +22,8 @@ from ballast.memory.metrics import AdmissionMetrics, LadderCollector, PoolCollec
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.scheduler import Scheduler
 from ballast.server import dashboard, errors, routes
-from ballast.server.gateway_metrics import GatewayCollector
 from ballast.server.config import ServerConfig
+from ballast.server.gateway_metrics import GatewayCollector
 from ballast.server.metrics import HttpMetrics
 from ballast.server.state import Phase, ServerState, SnapshotWatch
 from fastapi import FastAPI

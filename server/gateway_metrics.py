@@ -24,7 +24,6 @@ from ballast.server.state import ServerState
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-
 # The series and their labels, as gateways look them up (deploy/k8s/gateway's picker config names them).
 SERIES: dict[str, tuple[str, ...]] = {
     "vllm:num_requests_running": ("model_name",),

@@ -87,7 +87,14 @@ def test_kubernetes_resources_pass_the_schema_and_the_crds_have_their_api_fields
     version = kubernetes_validate.latest_version()
     docs = _docs(GATEWAY / "smg") + _docs(GATEWAY / "inference-pool")
     kinds = {d["kind"] for d in docs}
-    assert {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "ConfigMap"} | CRD_KINDS <= kinds
+    assert {
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "ConfigMap",
+    } | CRD_KINDS <= kinds
     for doc in docs:
         if doc["kind"] in CRD_KINDS:
             with pytest.raises(kubernetes_validate.SchemaNotFoundError):
@@ -113,7 +120,9 @@ def test_kubernetes_resources_pass_the_schema_and_the_crds_have_their_api_fields
     route = next(d for d in docs if d["kind"] == "HTTPRoute")
     assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
     (rule,) = route["spec"]["rules"]
-    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "ballast"}]
+    assert rule["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "ballast"}
+    ]
 
 
 def test_the_smg_deployment_discovers_the_ballast_pods(smg_flags: set[str]) -> None:
@@ -139,7 +148,10 @@ def test_every_metric_the_endpoint_picker_reads_is_one_ballast_serves() -> None:
     extractor = next(p for p in config["plugins"] if p["type"] == "core-metrics-extractor")
     (engine,) = extractor["parameters"]["engineConfigs"]
     assert extractor["parameters"]["defaultEngine"] == engine["name"]
-    specs = {engine[k] for k in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec", "cacheInfoSpec")}
+    specs = {
+        engine[k]
+        for k in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec", "cacheInfoSpec")
+    }
     # SERIES is what /metrics serves (tests/integration/test_gateway_metrics.py checks it live).
     assert specs <= set(SERIES), specs - set(SERIES)
     assert {"block_size", "num_gpu_blocks"} <= set(SERIES["vllm:cache_config_info"])

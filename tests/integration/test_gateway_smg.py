@@ -88,7 +88,9 @@ def test_later_turns_land_on_the_replica_holding_their_prefix(setup: Setup) -> N
     for opening, cached in zip(OPENINGS, chats, strict=True):
         assert cached[0] == 0, (opening, cached)  # a fresh chat has nothing to reuse
         assert all(c > 0 for c in cached[1:]), (opening, cached)  # every later turn found its prefix
-    served = [r.metric("ballast_prompt_tokens_total") - b for r, b in zip(setup.fleet.replicas, before, strict=True)]
+    served = [
+        r.metric("ballast_prompt_tokens_total") - b for r, b in zip(setup.fleet.replicas, before, strict=True)
+    ]
     assert sum(s > 0 for s in served) >= 2, served  # the chats were spread, not pinned to one replica
 
 
@@ -102,7 +104,9 @@ def _burst(setup: Setup, n: int, tag: str) -> int:
 
     def one(k: int) -> str:
         r = client.chat.completions.create(
-            model="default", messages=[{"role": "user", "content": f"{tag} question {k}: name a colour."}], max_tokens=4
+            model="default",
+            messages=[{"role": "user", "content": f"{tag} question {k}: name a colour."}],
+            max_tokens=4,
         )
         return r.choices[0].finish_reason
 
@@ -118,7 +122,9 @@ def test_a_critical_replica_leaves_the_rotation_and_rejoins_at_ok(setup: Setup) 
     # sibling, so clients see none.
     assert _burst(setup, 6, "early") == 6
     left_s = wait_until(
-        lambda: target.url not in Fleet.routable(setup.gateway), 4 * PROBE_INTERVAL_S + 5, "smg drops replica 0"
+        lambda: target.url not in Fleet.routable(setup.gateway),
+        4 * PROBE_INTERVAL_S + 5,
+        "smg drops replica 0",
     )
     seen = _requests_seen(setup, 0)
     assert _burst(setup, 6, "drained") == 6
@@ -126,7 +132,9 @@ def test_a_critical_replica_leaves_the_rotation_and_rejoins_at_ok(setup: Setup) 
     print(f"smg stopped routing to the CRITICAL replica after {left_s:.2f} s")
 
     setup.set_level(0, Level.OK)
-    wait_until(lambda: target.url in Fleet.routable(setup.gateway), 4 * PROBE_INTERVAL_S + 5, "smg re-adds replica 0")
+    wait_until(
+        lambda: target.url in Fleet.routable(setup.gateway), 4 * PROBE_INTERVAL_S + 5, "smg re-adds replica 0"
+    )
     for k in range(10):  # cache-aware routing sends a new prefix to the least-used replica: this one
         _burst(setup, 3, f"back {k}")
         if _requests_seen(setup, 0) > seen:
@@ -167,5 +175,7 @@ def test_a_replica_killed_mid_load_costs_only_its_in_flight_requests(setup: Setu
     # Afterwards nothing fails: the gateway retries a request the dead replica refuses to connect,
     # and drops it from the rotation at its next probe.
     assert _burst(setup, 6, "after") == 6
-    wait_until(lambda: victim.url not in Fleet.routable(setup.gateway), 4 * PROBE_INTERVAL_S + 5, "smg drops it")
+    wait_until(
+        lambda: victim.url not in Fleet.routable(setup.gateway), 4 * PROBE_INTERVAL_S + 5, "smg drops it"
+    )
     assert _burst(setup, 6, "later") == 6

@@ -4,7 +4,7 @@ refuses or holds new work, and never above 1."""
 from __future__ import annotations
 
 from ballast.engine.plan import KVFigures
-from ballast.memory.types import GiB, DieState, HostSample, MemState
+from ballast.memory.types import DieState, GiB, HostSample, MemState
 from ballast.server.gateway_metrics import kv_usage, memory_room_bytes
 
 MiB = 1 << 20
@@ -28,7 +28,12 @@ def test_less_memory_room_makes_the_same_pool_look_fuller() -> None:
 
 def test_growth_is_bounded_by_the_pool_limits_as_well_as_by_memory() -> None:
     assert usage(pool(used=10, free=0, addable=10), 1 << 40) == 0.5  # memory is ample, the pool is not
-    assert kv_usage([pool(used=10, free=0, addable=10)], 1 << 40, active_slots=0, slot_limit=8, refusing=False)[1] == 20
+    assert (
+        kv_usage([pool(used=10, free=0, addable=10)], 1 << 40, active_slots=0, slot_limit=8, refusing=False)[
+            1
+        ]
+        == 20
+    )
 
 
 def test_blocks_only_the_prefix_cache_holds_count_as_free() -> None:
@@ -61,11 +66,23 @@ def test_memory_room_is_host_slack_on_the_cpu() -> None:
 
 
 def test_memory_room_on_a_gpu_is_the_ledger_room_the_driver_can_deliver() -> None:
-    die = DieState(0, total_bytes=80 * GiB, free_bytes=30 * GiB, budget_bytes=79 * GiB, ledger_bytes=40 * GiB,
-                   ceiling_bytes=60 * GiB)
+    die = DieState(
+        0,
+        total_bytes=80 * GiB,
+        free_bytes=30 * GiB,
+        budget_bytes=79 * GiB,
+        ledger_bytes=40 * GiB,
+        ceiling_bytes=60 * GiB,
+    )
     assert memory_room_bytes(_state(8 * GiB, (die,)), 0) == 20 * GiB  # ceiling - ledger < free - reserve
-    squeezed = DieState(0, total_bytes=80 * GiB, free_bytes=6 * GiB, budget_bytes=79 * GiB,
-                        ledger_bytes=40 * GiB, ceiling_bytes=60 * GiB)
+    squeezed = DieState(
+        0,
+        total_bytes=80 * GiB,
+        free_bytes=6 * GiB,
+        budget_bytes=79 * GiB,
+        ledger_bytes=40 * GiB,
+        ceiling_bytes=60 * GiB,
+    )
     assert memory_room_bytes(_state(8 * GiB, (squeezed,)), 0) == 5 * GiB  # another process took the rest
     assert memory_room_bytes(_state(GiB, (die,)), 0) == 0  # the host is inside its reserve
     assert memory_room_bytes(_state(8 * GiB, (die,)), 1) == 0  # a die the snapshot does not know
