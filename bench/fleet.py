@@ -142,10 +142,10 @@ class Fleet:
         cmd += ["--health-check-endpoint", "/ready", "--health-check-interval-secs", str(PROBE_INTERVAL_S)]
         cmd += ["--health-failure-threshold", "1", "--health-success-threshold", "1"]
         cmd += ["--load-monitor-interval", str(PROBE_INTERVAL_S), "--prometheus-port", str(free_port())]
-        # A CPU replica's queued request can wait seconds for its first token: smg's default (3 s
-        # without a token while the queue grows) would read that as wedged and route a chat's next
-        # turn away from its prefix.
-        cmd += ["--worker-wedge-secs", "60"]
+        # smg stops routing to a replica whose in-flight pile is four deep with no token for 3 s: on
+        # CPU replicas of a shared machine a token can take longer than that while the replica is
+        # healthy, and a chat's next turn would be routed away from its prefix.
+        cmd += ["--worker-wedge-secs", "600"]
         cmd += ["--log-level", "warn", *extra]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines: list[str] = []

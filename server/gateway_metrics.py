@@ -92,8 +92,13 @@ def gateway_load(state: ServerState) -> GatewayLoad | None:
     if s is None or state.engine is None:
         return None
     snapshot = state.memwatch.read() if state.memwatch is not None else None
+    # The scheduler's pressure level holds (TIGHT) or refuses (CRITICAL) new work after a refused
+    # admission, but it is refreshed only while work waits (the queue re-reads memory every
+    # hold_poll_s): with an empty queue a past pin would read "full" forever, the gateway would send
+    # nothing, and nothing would refresh it. So it counts only with a queue; the live level counts
+    # always.
     refusing = (
-        s.pressure_level >= Level.TIGHT  # the scheduler holds (TIGHT) or refuses (CRITICAL) new work
+        (s.pressure_level >= Level.TIGHT and s.queue_depth > 0)
         or s.memory_stale is not None
         or (snapshot is not None and snapshot.level >= Level.CRITICAL)
     )
