@@ -19,8 +19,17 @@ if [ ! -s "$WORK/base.tar" ]; then  # a workdir that holds one reuses it
 fi
 step "base: podman import"
 podman import "$WORK/base.tar" localhost/ballast-base:bookworm
+# A host whose HTTPS goes through an intercepting proxy trusts its CA in the system bundle; the
+# build's pip (inside the Debian base, whose own bundle lacks that CA) gets the same bundle,
+# read-only, through a site-wide pip.conf (buildah 1.28 does not pass --env to RUN steps).
+CA_BUNDLE="${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"
+ca_args=()
+if [ -s "$CA_BUNDLE" ]; then
+  printf '[global]\ncert = /etc/ssl/host-ca.crt\n' > "$WORK/pip.conf"
+  ca_args=(--volume "$CA_BUNDLE:/etc/ssl/host-ca.crt:ro" --volume "$WORK/pip.conf:/etc/pip.conf:ro")
+fi
 step "image: buildah build"
-buildah build --isolation chroot --layers=false -f deploy/docker/cpu.Dockerfile \
+buildah build --isolation chroot --layers=false "${ca_args[@]}" -f deploy/docker/cpu.Dockerfile \
   --build-arg PYTHON_IMAGE=localhost/ballast-base:bookworm \
   --build-arg TORCH_INDEX_URL=https://pypi.org/simple \
   --build-arg TORCH_VERSION="$TORCH_VERSION" \
