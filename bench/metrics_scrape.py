@@ -73,6 +73,7 @@ async def streams(url: str, n: int, new_tokens: int, scraper: bool) -> dict[str,
     stop.set()
     if task is not None:
         await task
+    await client.close()  # before asyncio.run closes the loop its connections live on
     out = {
         "tokens_per_s": sum(counts) / wall,
         "itl_p50_ms": pct(gaps, 0.5) * 1e3,
