@@ -25,6 +25,7 @@ from ballast.scheduler.scheduler import Scheduler
 from ballast.server import dashboard, errors, routes
 from ballast.server.completions import CAPPED_HEADER
 from ballast.server.config import ServerConfig
+from ballast.server.gateway_metrics import GatewayCollector
 from ballast.server.intake import Intake, IntakeLimits
 from ballast.server.metrics import HttpMetrics
 from ballast.server.state import Phase, ServerState, SnapshotWatch
@@ -163,6 +164,7 @@ def create_app(
     if on_fatal is not None:
         state.on_fatal = on_fatal
     metrics.watch_scheduler(state.scheduler_figures)
+    registry.register(GatewayCollector(state))  # the vLLM-named load series gateways read
     admission = register_memory_metrics(registry, memwatch.read, pool=pool) if memwatch is not None else None
     if pool is not None and memwatch is None:
         registry.register(PoolCollector(pool))

@@ -107,7 +107,12 @@ def v1_router(api_key: str | None) -> APIRouter:
         name = state.model_name
         if name is None or state.engine is None:
             return p.ModelList(data=[])
-        return p.ModelList(data=[p.ModelCard(id=name, created=p.now(), max_model_len=state.context_window)])
+        # Every name requests may give (a gateway routes only to the ids listed here).
+        names = dict.fromkeys((name, *state.model_aliases))
+        created = p.now()
+        return p.ModelList(
+            data=[p.ModelCard(id=n, created=created, max_model_len=state.context_window) for n in names]
+        )
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> p.ModelCard:

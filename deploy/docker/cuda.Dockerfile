@@ -29,7 +29,7 @@ COPY bench bench
 # what is installed here, so there is no version to pin.
 # hadolint ignore=DL3013
 RUN pip install ".[fla]" \
-    && python -c "from ballast.models.default_model import default_model_path; print(default_model_path())" \
+    && python -P -c "from ballast.models.default_model import default_model_path; print(default_model_path())" \
     && ballast serve --help > /dev/null
 
 FROM ${CUDA_IMAGE}

@@ -6,7 +6,6 @@ returns while that kernel still runs did not wait for it. Skips without CUDA."""
 
 from __future__ import annotations
 
-import time
 import weakref
 
 import pytest
