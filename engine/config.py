@@ -96,13 +96,15 @@ class EngineConfig:
         ),
     )
     cpu_weights: str = field(
-        default="auto",
+        # dense by default: with int4 the default model's greedy answers changed (the capital of
+        # France was no longer Paris) and its echo logprobs moved 0.11 nats from transformers'.
+        default="dense",
         metadata=setting(
             "BALLAST_CPU_WEIGHTS",
             "CPU linears of a GGUF: int4 keeps its Q4_0/Q4_1 weights 4-bit and the output head int8 "
-            "(torch's weight-only CPU kernels; logits within the tolerance docs/BENCHMARKS.md gives), "
-            "dense dequantizes every weight to --dtype; auto = int4 for a float32 CPU engine on one "
-            "device where the kernels exist",
+            "(torch's weight-only CPU kernels; about 2.5x the decode speed, logits within the tolerance "
+            "docs/BENCHMARKS.md gives), dense dequantizes every weight to --dtype; auto = int4 for a "
+            "float32 CPU engine on one device where the kernels exist",
             choices=CPU_WEIGHT_MODES,
         ),
     )

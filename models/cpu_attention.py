@@ -45,15 +45,17 @@ def attend_in_place(store: KVStore, layer: int, q: Tensor, batch: ForwardBatch) 
     assert host is not None and host.scale is None, "in place only over unquantized CPU blocks"
     lay = store.layout
     kv_layer = host.kv[layer]
-    if store.step_runs is None or store.step_runs[0] is not batch:  # once a step, not a layer
-        tables = store.block_table[batch.slots].tolist()
-        ends = [st + n for st, n in zip(batch.starts_list, batch.lens_list, strict=True)]
+    # The tensors, not the host lists: a decode graph's static batch keeps placeholders there.
+    starts, lens = batch.starts.tolist(), batch.lens.tolist()
+    if store.step_runs is None or store.step_runs[0] is not batch or store.step_runs[1] != starts:
+        tables = store.block_table[batch.slots].tolist()  # once a step, not a layer
+        ends = [st + n for st, n in zip(starts, lens, strict=True)]
         runs_of = [block_runs(t, ctx, lay.block_size) for t, ctx in zip(tables, ends, strict=True)]
-        store.step_runs = (batch, runs_of)
-    runs_of = store.step_runs[1]
+        store.step_runs = (batch, starts, runs_of)
+    runs_of = store.step_runs[2]
     out = torch.empty_like(q)
     first = 0
-    for b, (start, n) in enumerate(zip(batch.starts_list, batch.lens_list, strict=True)):
+    for b, (start, n) in enumerate(zip(starts, lens, strict=True)):
         ctx = start + n
         runs = runs_of[b]
         source = kv_layer

@@ -269,7 +269,7 @@ class KVStore:
         # shared by every layer (see attention.py).
         self.step_index: list[tuple[Any, tuple[Tensor, Tensor], Tensor]] = []
         # The CPU's in-place attention: each sequence's runs of blocks for the last batch seen.
-        self.step_runs: tuple[Any, list[list[tuple[int, int, int]]]] | None = None
+        self.step_runs: tuple[Any, list[int], list[list[tuple[int, int, int]]]] | None = None
         # Set (to a list) where other ranks mirror this store: every change is appended as a
         # StoreOp tagged with journal_index. Stores may share one journal (with other changes the
         # ranks must make in the same order).

@@ -113,7 +113,7 @@ async def test_an_answer_resent_as_text_is_saved_only_where_its_text_gives_back_
         out = expected_tokens(prompt, 6)
         return TOK.encode(TOK.decode(out)) == out
 
-    prompts = [tuple(TOK.encode(f"user: question {i}?\nassistant:")) for i in range(200)]
+    prompts = [tuple(TOK.encode(f"user: question {i}?\nassistant:")) for i in range(2000)]
     back = next(p for p in prompts if comes_back(p))
     lost = [p for p in prompts if not comes_back(p)][:2]
     eng = FakeEngine(checkpoint_interval=INTERVAL)

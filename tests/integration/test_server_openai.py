@@ -72,7 +72,8 @@ def client(base_url: str) -> openai.OpenAI:
 
 def test_model_list(client: openai.OpenAI) -> None:
     models = client.models.list().data
-    assert [m.id for m in models] == ["fake-model"]
+    # the served name first, then every other name requests may use (gateways route on these)
+    assert [m.id for m in models] == ["fake-model", "default"]
 
 
 def test_chat_non_stream_is_the_greedy_text_with_usage(client: openai.OpenAI) -> None:
