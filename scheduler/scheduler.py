@@ -748,6 +748,11 @@ class Scheduler:
         return self._gov.ladder
 
     @property
+    def fault_level(self) -> Level:
+        """The level steps failing for want of memory have raised, read now (OK once calm)."""
+        return self._gov.fault_level
+
+    @property
     def failing_steps(self) -> str | None:
         """Why new work should go elsewhere while steps keep failing for want of memory (the level
         they raised is TIGHT or worse); None when they are calm."""

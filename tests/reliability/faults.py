@@ -34,6 +34,7 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.memory.config import MemoryConfig
+from ballast.memory.types import Level
 from ballast.memory.watch import MemWatch
 from ballast.models.base import Rows
 from ballast.scheduler.config import SchedulerConfig
@@ -263,6 +264,12 @@ def run(stale_s: float = 1.0) -> dict[str, Any]:
         inject = FaultInjector(engine)
         figures["python_exception"] = step_fault(url, state, inject, ValueError("injected bug in a step"))
         figures["memory_error_in_prefill"] = step_fault(url, state, inject, MemoryError("injected host OOM"))
+        # A memory failure raises the level for a while (it calms a rung per retry-after): the
+        # next fault starts from a calm server, as the first two did.
+        calm_by = time.monotonic() + 30
+        while state.scheduler is not None and state.scheduler.fault_level is not Level.OK:
+            assert time.monotonic() < calm_by, "the level raised by the memory failure never calmed"
+            time.sleep(0.1)
         figures["cuda_oom_in_prefill"] = step_fault(
             url, state, inject, torch.cuda.OutOfMemoryError("injected CUDA out of memory")
         )
