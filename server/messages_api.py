@@ -4,17 +4,15 @@ answer is written by `ballast.server.messages_out`."""
 
 from __future__ import annotations
 
-import asyncio
-
 from ballast.server import chat
 from ballast.server.auth import bearer_dependency
-from ballast.server.completions import chat_job, check_model, ready_engine, start_unless_gone
+from ballast.server.completions import check_model, ready_engine
 from ballast.server.errors import AnthropicRoute, ApiError
 from ballast.server.messages import CountTokensRequest, MessagesRequest, to_chat
 from ballast.server.messages_out import MessageEvents, message, message_id
 from ballast.server.respond import collect_all
 from ballast.server.state import ServerState
-from ballast.server.translate import ending, stream_blocks, whole_answer
+from ballast.server.translate import ending, start_chat, stream_blocks, whole_answer
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -31,17 +29,13 @@ def messages_router(api_key: str | None) -> APIRouter:
         state: ServerState = request.app.state.ballast
         try:
             req = to_chat(body)
-            job = (
-                await asyncio.to_thread(chat_job, state, req)
-                if chat.wants_grammar(req)
-                else chat_job(state, req)
-            )
         except ApiError:
             state.metrics.requests.labels(endpoint="chat", outcome="invalid").inc()
             raise
-        started = await start_unless_gone(state, job, request)
-        if started is None:
+        begun = await start_chat(state, req, request)
+        if begun is None:
             return Response(status_code=499)
+        job, started = begun
         msg_id = message_id()
         if job.stream:
             events = MessageEvents(msg_id, job.model, job.prompt_tokens)

@@ -3,17 +3,13 @@
 
 from __future__ import annotations
 
-import asyncio
-
-from ballast.server import chat
 from ballast.server.auth import bearer_dependency
-from ballast.server.completions import chat_job, start_unless_gone
 from ballast.server.errors import ApiError
 from ballast.server.respond import collect_all
 from ballast.server.responses import ResponsesRequest, echo_fields, to_chat
 from ballast.server.responses_out import ResponseEvents, ResponseShape, answer_items, item_id
 from ballast.server.state import ServerState
-from ballast.server.translate import ending, stream_blocks, whole_answer
+from ballast.server.translate import ending, start_chat, stream_blocks, whole_answer
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -28,17 +24,13 @@ def responses_router(api_key: str | None) -> APIRouter:
         state: ServerState = request.app.state.ballast
         try:
             req = to_chat(body)
-            job = (
-                await asyncio.to_thread(chat_job, state, req)
-                if chat.wants_grammar(req)
-                else chat_job(state, req)
-            )
         except ApiError:
             state.metrics.requests.labels(endpoint="chat", outcome="invalid").inc()
             raise
-        started = await start_unless_gone(state, job, request)
-        if started is None:
+        begun = await start_chat(state, req, request)
+        if begun is None:
             return Response(status_code=499)
+        job, started = begun
         assert state.engine is not None
         shape = ResponseShape(item_id("resp"), job.model, echo_fields(body), state.engine.tokenizer)
         if job.stream:

@@ -5,18 +5,22 @@ event shapes; the driver here feeds it, counts the request and ends it as chat s
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
 
 from ballast.engine.interface import TokenizerLike
 from ballast.scheduler.request import FinishEvent, TokenEvent
+from ballast.server import chat
+from ballast.server import protocol as p
 from ballast.server.answer import Answer, AnswerStream, read_whole
-from ballast.server.completions import Job, Started, finish_outcome, refuse
+from ballast.server.completions import Job, Started, chat_job, finish_outcome, refuse, start_unless_gone
 from ballast.server.errors import ApiError
 from ballast.server.parts import Call, CallArguments, CallClosed, CallOpened, Part, Text, Thought
 from ballast.server.respond import Collected
 from ballast.server.state import ServerState
+from fastapi import Request
 
 Kind = Literal["thought", "text", "call"]
 
@@ -156,3 +160,19 @@ async def stream_blocks(
         started.abort()  # no-op after a finish; frees the slot when the client went away
         if not counted:
             timer.finished("abort", job.prompt_tokens, len(ids))
+
+
+async def start_chat(
+    state: ServerState, req: p.ChatCompletionRequest, request: Request
+) -> tuple[Job, Started] | None:
+    """Build the chat job a translated request is (a grammar compiles off the event loop) and start
+    it; None when the client went away first. A request that cannot be built counts as invalid."""
+    try:
+        job = (
+            await asyncio.to_thread(chat_job, state, req) if chat.wants_grammar(req) else chat_job(state, req)
+        )
+    except ApiError:
+        state.metrics.requests.labels(endpoint="chat", outcome="invalid").inc()
+        raise
+    started = await start_unless_gone(state, job, request)
+    return None if started is None else (job, started)
