@@ -209,8 +209,13 @@ def test_serve_exits_2_at_once_for_an_unknown_builtin(capsys: pytest.CaptureFixt
 
 @pytest.mark.slow
 def test_memory_watch_prints_every_second_until_interrupted() -> None:
+    # As from a terminal: SIGINT at its default. A library imported by another test module may have
+    # left it ignored in this process, and an ignored SIGINT stays ignored in a child Python.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ballast.server.cli", "memory", "--watch"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "ballast.server.cli", "memory", "--watch"],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert proc.stdout is not None
