@@ -7,7 +7,7 @@ from __future__ import annotations
 from ballast.server import chat
 from ballast.server.auth import bearer_dependency
 from ballast.server.completions import check_model, ready_engine
-from ballast.server.errors import AnthropicRoute, ApiError
+from ballast.server.errors import AnthropicRoute
 from ballast.server.messages import CountTokensRequest, MessagesRequest, to_chat
 from ballast.server.messages_out import MessageEvents, message, message_id
 from ballast.server.respond import collect_all
@@ -27,12 +27,7 @@ def messages_router(api_key: str | None) -> APIRouter:
     @router.post("/messages", response_model=None)
     async def create_message(body: MessagesRequest, request: Request) -> Response:
         state: ServerState = request.app.state.ballast
-        try:
-            req = to_chat(body)
-        except ApiError:
-            state.metrics.requests.labels(endpoint="chat", outcome="invalid").inc()
-            raise
-        begun = await start_chat(state, req, request)
+        begun = await start_chat(state, lambda: to_chat(body), request)
         if begun is None:
             return Response(status_code=499)
         job, started = begun

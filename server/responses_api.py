@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from ballast.server.auth import bearer_dependency
-from ballast.server.errors import ApiError
 from ballast.server.respond import collect_all
 from ballast.server.responses import ResponsesRequest, echo_fields, to_chat
 from ballast.server.responses_out import ResponseEvents, ResponseShape, answer_items, item_id
@@ -22,12 +21,7 @@ def responses_router(api_key: str | None) -> APIRouter:
     @router.post("/responses", response_model=None)
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         state: ServerState = request.app.state.ballast
-        try:
-            req = to_chat(body)
-        except ApiError:
-            state.metrics.requests.labels(endpoint="chat", outcome="invalid").inc()
-            raise
-        begun = await start_chat(state, req, request)
+        begun = await start_chat(state, lambda: to_chat(body), request)
         if begun is None:
             return Response(status_code=499)
         job, started = begun

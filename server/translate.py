@@ -6,7 +6,7 @@ event shapes; the driver here feeds it, counts the request and ends it as chat s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -163,11 +163,13 @@ async def stream_blocks(
 
 
 async def start_chat(
-    state: ServerState, req: p.ChatCompletionRequest, request: Request
+    state: ServerState, translate: Callable[[], p.ChatCompletionRequest], request: Request
 ) -> tuple[Job, Started] | None:
-    """Build the chat job a translated request is (a grammar compiles off the event loop) and start
-    it; None when the client went away first. A request that cannot be built counts as invalid."""
+    """Translate a request into a chat one, build its job (a grammar compiles off the event loop)
+    and start it; None when the client went away first. A request that cannot be translated or
+    built counts as invalid."""
     try:
+        req = translate()
         job = (
             await asyncio.to_thread(chat_job, state, req) if chat.wants_grammar(req) else chat_job(state, req)
         )
