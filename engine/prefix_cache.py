@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from ballast.engine.cache_events import CacheListener, prefix_key
 from ballast.engine.kv_pool import KVPool
 from ballast.engine.shard_checkpoints import CheckpointOp
 from ballast.engine.state_copies import STAGING_BYTES, StateCopies
@@ -146,11 +147,6 @@ class PrefixCacheStats:
     parked_bytes: int = 0
 
 
-def _key(tokens: Sequence[int]) -> tuple[int, bytes]:
-    """How entries and parked sequences are named: the token count and a digest of the tokens."""
-    return len(tokens), hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
-
-
 @dataclass(eq=False)
 class _Entry:
     n_tokens: int
@@ -197,6 +193,8 @@ class PrefixCache:
         # Tensor parallel: where the copies are recorded for the other ranks (None: one rank).
         self.journal: list[object] | None = None
         self._next_key = 0
+        # Told of every entry stored, evicted or shed (the KV-event publisher; None: nobody).
+        self.listener: CacheListener | None = None
 
     # --- any thread ------------------------------------------------------------------------
     def match(self, prompt: Sequence[int]) -> int:
@@ -210,6 +208,11 @@ class PrefixCache:
         one token is always fed after a resume); 0 if none."""
         with self._lock:
             return _longest(self._parked_lengths, self._parked, tokens)
+
+    def entry_keys(self) -> frozenset[tuple[int, bytes]]:
+        """The names (`prefix_key`) of the checkpoints held now."""
+        with self._lock:
+            return frozenset(self._entries)
 
     def stats(self) -> PrefixCacheStats:
         with self._lock:
@@ -233,7 +236,7 @@ class PrefixCache:
         its recurrent states copied. False if the checkpoint does not fit the budget at all
         (nothing is evicted for it then)."""
         n = len(prefix)
-        key = _key(prefix)
+        key = prefix_key(prefix)
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
@@ -267,6 +270,8 @@ class PrefixCache:
             self._lengths[n] += 1
             self._held += nbytes
             self._saves += 1
+        if self.listener is not None:
+            self.listener.stored(key, prefix)
         return True
 
     def park(self, slot: int, tokens: Sequence[int], kv: KVPool) -> bool:
@@ -284,7 +289,7 @@ class PrefixCache:
         for src, (off, dtype, shape) in zip(views, layout[0], strict=True):
             _segment(buf, off, dtype, shape).copy_(src, non_blocking=self._cuda)
         self._sync()
-        key = _key(tokens)
+        key = prefix_key(tokens)
         name = self._record("park", slot, kv, blocks)
         with self._lock:
             old = self._parked.pop(key, None)
@@ -300,13 +305,13 @@ class PrefixCache:
         n = self.match_parked(tokens)
         if n == 0:
             return False
-        self._release_parked(self._take_parked(_key(tokens[:n])))
+        self._release_parked(self._take_parked(prefix_key(tokens[:n])))
         return True
 
     def drop_parked(self, tokens: Sequence[int]) -> bool:
         """Drop the sequence parked with exactly these tokens (a step that parked it failed, so
         nobody will resume it); False if there is none."""
-        key = _key(tokens)
+        key = prefix_key(tokens)
         with self._lock:
             if key not in self._parked:
                 return False
@@ -324,14 +329,14 @@ class PrefixCache:
     def parked_pool(self, prefix: Sequence[int]) -> KVPool | None:
         """The pool a parked sequence of exactly `prefix` goes back to; None if it is not parked."""
         with self._lock:
-            parked = self._parked.get(_key(prefix))
+            parked = self._parked.get(prefix_key(prefix))
             return parked.kv if parked is not None else None
 
     def restore(self, slot: int, prefix: Sequence[int]) -> int:
         """Start the (empty) slot from the parked sequence or the checkpoint of exactly `prefix`;
         returns its token count. A parked sequence needs fresh blocks in its pool: CheckpointMissing
         when they cannot be had (it stays parked)."""
-        key = _key(prefix)
+        key = prefix_key(prefix)
         with self._lock:
             parked = self._parked.get(key)
         if parked is not None:
@@ -387,6 +392,8 @@ class PrefixCache:
             released, self._held = self._held, 0
             if dropped:
                 self._sheds += 1
+                if self.listener is not None:
+                    self.listener.cleared()
         for e in dropped:
             self._give_back(e)
         return released
@@ -466,7 +473,9 @@ class PrefixCache:
 
     def _pop_lru(self) -> _Entry:
         """Unlink the least recently used entry (call under the lock; the caller gives it back)."""
-        _, e = self._entries.popitem(last=False)
+        key, e = self._entries.popitem(last=False)
+        if self.listener is not None:
+            self.listener.removed(key)
         _forget_length(self._lengths, e.n_tokens)
         self._held -= e.nbytes
         self._evictions += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +32,7 @@ from ballast.server.state import Phase, ServerState, SnapshotWatch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CollectorRegistry
+from prometheus_client.registry import Collector
 
 from ballast import __version__
 
@@ -147,6 +148,7 @@ def create_app(
     pool: CheckpointPool | None = None,
     pool_max_idle_s: float = 30.0,
     model_aliases: tuple[str, ...] = (),
+    collectors: Sequence[Collector] = (),
 ) -> FastAPI:
     """An app serving the engine `engine_factory` builds (called once, on a worker thread).
 
@@ -155,7 +157,8 @@ def create_app(
     `pool` is
     the checkpoint buffer pool the engine's prefix cache uses: its figures go on /metrics and the
     idle scheduler trims buffers pooled longer than `pool_max_idle_s`; `model_aliases` are other
-    names requests may give the model (responses always carry the served name)."""
+    names requests may give the model (responses always carry the served name); `collectors` add
+    their series to /metrics (the KV-event publisher's)."""
     registry = CollectorRegistry(auto_describe=True)
     metrics = HttpMetrics(registry)
     state = ServerState(
@@ -165,6 +168,8 @@ def create_app(
         state.on_fatal = on_fatal
     metrics.watch_scheduler(state.scheduler_figures)
     registry.register(GatewayCollector(state))  # the vLLM-named load series gateways read
+    for collector in collectors:
+        registry.register(collector)
     admission = register_memory_metrics(registry, memwatch.read, pool=pool) if memwatch is not None else None
     if pool is not None and memwatch is None:
         registry.register(PoolCollector(pool))

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from ballast.engine.config import EngineConfig
@@ -31,8 +31,12 @@ from ballast.scheduler.config import SchedulerConfig
 from ballast.server import events
 from ballast.server.config import ConfigError, ServerConfig, add_flags, build, warn_unknown
 from ballast.server.header_timeout import protocol_with_header_timeout
+from ballast.server.kv_events import KVEventsConfig
 
 from ballast import __version__
+
+if TYPE_CHECKING:
+    from ballast.server.kv_publisher import KVEventPublisher
 
 log = logging.getLogger("ballast.server")
 # Seconds between the engine turning unsound and the shutdown: the clients' errors go out and the
@@ -40,7 +44,14 @@ log = logging.getLogger("ballast.server")
 FATAL_LINGER_S = 1.0
 
 # Order matters only for --help: the settings people reach for first come first.
-LAYERS: tuple[type, ...] = (ServerConfig, EngineConfig, PrefixCacheConfig, SchedulerConfig, MemoryConfig)
+LAYERS: tuple[type, ...] = (
+    ServerConfig,
+    EngineConfig,
+    PrefixCacheConfig,
+    SchedulerConfig,
+    MemoryConfig,
+    KVEventsConfig,
+)
 # Variables read outside the config layers (so not typos).
 OTHER_VARIABLES: tuple[str, ...] = (CACHE_ENV,)
 MEMORY_LAYERS: tuple[type, ...] = (MemoryConfig, EngineConfig, SchedulerConfig)
@@ -148,6 +159,26 @@ def memory(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         watch.stop()
 
 
+def open_kv_events(cfg: object, prefix_cfg: PrefixCacheConfig) -> KVEventPublisher | None:
+    """The KV-event publisher with its sockets open, or None when no endpoint is set."""
+    assert isinstance(cfg, KVEventsConfig)
+    if not cfg.enabled:
+        return None
+    if not prefix_cfg.enabled:
+        raise ConfigError(
+            "--kv-events-endpoint (BALLAST_KV_EVENTS_ENDPOINT) publishes the prefix cache's entries: "
+            "it needs --prefix-cache-fraction (BALLAST_PREFIX_CACHE_FRACTION) > 0"
+        )
+    try:
+        from ballast.server.kv_publisher import KVEventPublisher
+    except ImportError as exc:
+        raise ConfigError(
+            f"--kv-events-endpoint (BALLAST_KV_EVENTS_ENDPOINT) needs pyzmq and msgpack "
+            f"(pip install 'ballast[kv-events]'): {exc}"
+        ) from exc
+    return KVEventPublisher(cfg)
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -182,6 +213,7 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         check_spec(engine_cfg.model)
     except (ModelSpecError, ModelError) as exc:
         raise ConfigError(f"--model (BALLAST_MODEL): {exc}") from exc
+    kv_events = open_kv_events(cfg[KVEventsConfig], prefix_cfg)  # binds its sockets now, or exits 2
     events.configure_logging(server_cfg.log_format, server_cfg.log_level)
     watch = MemWatch(memory_cfg)
     watch.add_listener(events.level_changed)
@@ -215,7 +247,10 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         # The main KV pool's format is the operator's (--kv-quant), whatever the level at load: a
         # PSI blip then must not make it int8 for the process's life. Pressure acts at run time,
         # where the ladder starts new sequences in the int8 pool while WATCH lasts.
-        return Engine.load(engine_cfg, watch, prefix_cache=prefix_cfg, pool=pool)
+        engine = Engine.load(engine_cfg, watch, prefix_cache=prefix_cfg, pool=pool)
+        if kv_events is not None:
+            kv_events.attach(engine)
+        return engine
 
     app = create_app(
         server_cfg,
@@ -226,6 +261,7 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         pool=pool,
         pool_max_idle_s=memory_cfg.pool_max_idle_s,
         model_aliases=() if server_cfg.served_model_name else (engine_cfg.model,),
+        collectors=(kv_events.collector(),) if kv_events is not None else (),
     )
     try:
         sock = _bind(server_cfg.host, server_cfg.port)
@@ -261,7 +297,11 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             "served)",
             flush=True,
         )
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if kv_events is not None:
+            kv_events.stop()
     if exit_code:
         # An unsound engine may hold its thread in a step that never returns (a stall) or in a
         # poisoned device call: the interpreter's exit would join that thread forever.
