@@ -158,7 +158,9 @@ class KVEventPublisher:
         """Publish what `changes` receives, as blocks of `block_size` positions kept in `medium`."""
         self._index = BlockIndex(block_size, medium, self._cfg.format)
         self._thread.start()
-        log.info("KV events on %s (block size %d, %s events)", self._cfg.endpoint, block_size, self._cfg.format)
+        log.info(
+            "KV events on %s (block size %d, %s events)", self._cfg.endpoint, block_size, self._cfg.format
+        )
 
     @property
     def blocks(self) -> frozenset[int]:

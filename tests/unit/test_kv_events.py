@@ -15,6 +15,7 @@ import zmq
 from ballast.engine.cache_events import prefix_key
 from ballast.server.kv_events import BlockIndex, KVEventsConfig
 from ballast.server.kv_publisher import ChangeQueue, KVEventPublisher
+
 from ballast.settings import ConfigError
 
 BS = 4
@@ -72,7 +73,10 @@ def test_array_format_is_positional_and_a_clear_forgets_everything() -> None:
     assert index.cleared() == [["AllBlocksCleared"]] and index.blocks == frozenset()
     assert index.removed(prefix_key(tokens)) == []
     again = index.announce_again({prefix_key(tokens): tokens})
-    assert again == [["AllBlocksCleared"], ["BlockStored", chain(tokens), None, tokens, BS, None, "GPU", None]]
+    assert again == [
+        ["AllBlocksCleared"],
+        ["BlockStored", chain(tokens), None, tokens, BS, None, "GPU", None],
+    ]
 
 
 @pytest.mark.parametrize(
