@@ -1,24 +1,17 @@
 """What the prefix cache tells a listener about its entries, so a router outside the process can know
 which prefixes this replica holds (the server's KV-event publisher listens).
 
-An entry is named by `prefix_key(tokens)`: its token count and a digest of its tokens. The calls come
-on the engine thread, inside a step, some under the cache's lock: a listener must return at once
-(queue the change, never wait on a socket or another thread).
+An entry is named by `prefix_keys.prefix_key(tokens)`: its token count and a digest of its tokens.
+The calls come on the engine thread, inside a step, some under the cache's lock: a listener must
+return at once (queue the change, never wait on a socket or another thread).
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Sequence
 from typing import Protocol
 
-PrefixKey = tuple[int, bytes]
-
-
-def prefix_key(tokens: Sequence[int]) -> PrefixKey:
-    """How entries and parked sequences are named: the token count and a digest of the tokens."""
-    return len(tokens), hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
+from ballast.engine.prefix_keys import PrefixKey
 
 
 class CacheListener(Protocol):

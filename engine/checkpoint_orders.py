@@ -72,7 +72,7 @@ def build_cache(
         )
     cache = PrefixCache(runner.states, runner.kv, budget, interval, pool, runner.device, staging)
     if isinstance(runner, tensor_parallel.ShardedRunner):
-        cache.journal = runner.journal  # the workers copy their shards of each checkpoint
+        cache.journal.ops = runner.journal  # the workers copy their shards of each checkpoint
     if cfg.enabled:
         # Every running sequence may save at its prompt's end and its answer's end before the
         # cache is full and evictions hand buffers back: that many ready from load on.

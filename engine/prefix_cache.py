@@ -27,110 +27,49 @@ method runs on the engine thread. The index is guarded by a lock. Entries change
 entry it matched while building plan P is still there when P's restores run (restores run first).
 
 Under tensor parallel each rank holds its own shard of every slot state: each copy made here is
-also recorded in `journal` (a `CheckpointOp`), and the other ranks make the same copy of theirs
-(`shard_checkpoints`). Every decision (what is kept, evicted, restored) stays here, on rank 0.
+also recorded in `journal` (`checkpoint_buffers.CheckpointJournal`), and the other ranks make the same
+copy of theirs (`shard_checkpoints`). Every decision (what is kept, evicted, restored) stays here, on
+rank 0. The same object holds the sequences preemption parked (`parked.ParkedSequences`, their own
+owner): a restore of exactly a parked sequence's tokens resumes it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import math
 import threading
-from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
-from ballast.engine.cache_events import CacheListener, prefix_key
+from ballast.engine.cache_events import CacheListener
+from ballast.engine.checkpoint_buffers import (
+    CheckpointJournal,
+    Segments,
+    checkpoint_bytes,
+    host_buffer,
+    layout,
+    segment,
+)
 from ballast.engine.kv_pool import KVPool
-from ballast.engine.shard_checkpoints import CheckpointOp
+from ballast.engine.parked import CheckpointMissing, ParkedSequences
+from ballast.engine.prefix_cache_config import MIN_INTERVAL, PrefixCacheConfig, auto_interval
+from ballast.engine.prefix_keys import PrefixKey, forget_length, longest, prefix_key
 from ballast.engine.state_copies import STAGING_BYTES, StateCopies
 from ballast.memory.pool import CheckpointPool
 from ballast.models.state import LayerState
 from torch import Tensor
 
-from ballast.settings import check, setting
-
 log = logging.getLogger(__name__)
 
-# Segment offsets inside a buffer are aligned so any dtype can be viewed at them (and so CUDA
-# copies stay on their fast path).
-_ALIGN = 64
-# Checkpoints closer than this are never worth a split prefill chunk (each split costs a step).
-MIN_INTERVAL = 512
-_INTERVAL_QUANTUM = 256
-
-
-@dataclass(frozen=True)
-class PrefixCacheConfig:
-    """The prefix cache's settings (flags and BALLAST_* variables through `ballast.server.config`)."""
-
-    fraction: float = field(
-        default=0.05,
-        metadata=setting(
-            "BALLAST_PREFIX_CACHE_FRACTION",
-            "prefix cache byte budget as a fraction of effective host memory; 0 turns prefix reuse off",
-            0.0,
-            0.5,
-        ),
-    )
-    max_bytes: int = field(
-        default=0,
-        metadata=setting(
-            "BALLAST_PREFIX_CACHE_BYTES",
-            "fixed cap on the prefix cache's bytes on top of the fraction; 0 = the fraction alone",
-            0,
-            1 << 50,
-        ),
-    )
-    checkpoint_interval: int = field(
-        default=0,
-        metadata=setting(
-            "BALLAST_CHECKPOINT_INTERVAL",
-            "prompt tokens between checkpoints; 0 = from the model's costs",
-            0,
-            1 << 20,
-        ),
-    )
-
-    def __post_init__(self) -> None:
-        check(self)
-
-    @property
-    def enabled(self) -> bool:
-        return self.fraction > 0
-
-
-def auto_interval(state_bytes_per_slot: int, kv_bytes_per_token: int) -> int:
-    """Tokens between checkpoints, from the model's costs. A checkpoint's fixed part (the recurrent
-    state) costs as much as state/kv tokens of KV; placing checkpoints at least that far apart keeps
-    the recurrent copies from costing more than the KV they let a later prompt skip, so interval
-    checkpoints at most double the cache's bytes. Never below MIN_INTERVAL: each split prefill chunk
-    costs a step."""
-    if kv_bytes_per_token <= 0:  # no attention layers: nothing to weigh the state against
-        return MIN_INTERVAL
-    tokens = math.ceil(state_bytes_per_slot / kv_bytes_per_token)
-    return max(MIN_INTERVAL, _INTERVAL_QUANTUM * math.ceil(tokens / _INTERVAL_QUANTUM))
-
-
-class CheckpointMissing(LookupError):
-    """A restore names a prefix the cache does not hold: evicted after the scheduler planned the
-    restore (it plans a step while the one before runs); the engine skips that slot's step."""
-
-
-@dataclass(eq=False)
-class _Parked:
-    """A preempted sequence moved out of the KV pool: its blocks' contents and its recurrent
-    states in one host buffer (pinned on CUDA), until the sequence resumes."""
-
-    n_tokens: int
-    buf: Tensor
-    kv: KVPool  # the pool its blocks came from, and go back to
-    n_blocks: int
-    views: tuple[tuple[int, torch.dtype, torch.Size], ...]  # recurrent layers' tensors, then block tensors
-    key: int = 0  # the other ranks' name for it (see `journal`)
+__all__ = [
+    "MIN_INTERVAL",
+    "CheckpointMissing",
+    "PrefixCache",
+    "PrefixCacheConfig",
+    "auto_interval",
+    "checkpoint_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -153,8 +92,7 @@ class _Entry:
     blocks: tuple[int, ...]  # KV blocks of positions [0, n_tokens); the cache holds one reference
     buf: Tensor | None  # 1-D uint8 host buffer from the pool with the recurrent states (None: none)
     nbytes: int  # what the entry costs the budget: the buffer as handed out, plus its blocks
-    # Per layer, per tensor: (offset, dtype, shape) of the segment holding it.
-    layout: tuple[tuple[tuple[int, torch.dtype, torch.Size], ...], ...]
+    layout: tuple[Segments, ...]  # per layer, where its tensors lie in buf
     done: torch.cuda.Event | None = None  # the copies into buf have run (CUDA; None: done already)
     key: int = 0  # the other ranks' name for it (see `journal`)
 
@@ -181,18 +119,16 @@ class PrefixCache:
         self.interval = interval
         self._pool = pool
         self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple[int, bytes], _Entry] = OrderedDict()  # LRU first
+        self._entries: OrderedDict[PrefixKey, _Entry] = OrderedDict()  # LRU first
         self._lengths: Counter[int] = Counter()  # n_tokens of the entries, for match
         self._held = 0
         self._saves = self._duplicates = self._declined = self._restores = self._evictions = self._sheds = 0
         self._device = torch.device(device)
         self._cuda = self._device.type == "cuda"
-        self._parked: dict[tuple[int, bytes], _Parked] = {}
-        self._parked_lengths: Counter[int] = Counter()
         self._copies = StateCopies(self._device, staging_bytes)
-        # Tensor parallel: where the copies are recorded for the other ranks (None: one rank).
-        self.journal: list[object] | None = None
-        self._next_key = 0
+        # Tensor parallel: where the copies are recorded for the other ranks (`ops` None: one rank).
+        self.journal = CheckpointJournal()
+        self._parked = ParkedSequences(self._states, kv, pool, self._device, self.journal)
         # Told of every entry stored, evicted or shed (the KV-event publisher; None: nobody).
         self.listener: CacheListener | None = None
 
@@ -201,33 +137,30 @@ class PrefixCache:
         """The longest cached prefix of `prompt` shorter than it (at least one token must still be
         prefilled to produce the first logits); 0 if none."""
         with self._lock:
-            return _longest(self._lengths, self._entries, prompt)
+            return longest(self._lengths, self._entries, prompt)
 
     def match_parked(self, tokens: Sequence[int]) -> int:
-        """The length of the longest parked sequence whose tokens start `tokens` (shorter than it:
-        one token is always fed after a resume); 0 if none."""
-        with self._lock:
-            return _longest(self._parked_lengths, self._parked, tokens)
+        return self._parked.match(tokens)
 
-    def entry_keys(self) -> frozenset[tuple[int, bytes]]:
+    def entry_keys(self) -> frozenset[PrefixKey]:
         """The names (`prefix_key`) of the checkpoints held now."""
         with self._lock:
             return frozenset(self._entries)
 
     def stats(self) -> PrefixCacheStats:
+        parked, parked_bytes = self._parked.held()
         with self._lock:
-            parked = sum(p.buf.numel() for p in self._parked.values())
             return PrefixCacheStats(
                 len(self._entries),
                 self._held,
                 self._saves,
                 self._duplicates,
-                self._declined,
+                self._declined + self._parked.declined,
                 self._restores,
                 self._evictions,
                 self._sheds,
-                len(self._parked),
                 parked,
+                parked_bytes,
             )
 
     # --- engine thread ---------------------------------------------------------------------
@@ -243,7 +176,7 @@ class PrefixCache:
                 self._duplicates += 1
                 return True
         views = [s.slot_views(slot) for s in self._states]
-        layout, buf_bytes = _layout(views)
+        segs, buf_bytes = layout(views)
         kv = self._kv
         block_bytes = -(-n // kv.layout.block_size) * kv.layout.block_bytes if kv is not None else 0
         if buf_bytes + block_bytes > self._budget() or not self._make_room(buf_bytes + block_bytes):
@@ -257,16 +190,16 @@ class PrefixCache:
                 return False
             # On CUDA the copies run on a side stream and the step goes on (see state_copies).
             pairs = [
-                (src, _segment(buf, off, dtype, shape))
-                for layer_views, layer_layout in zip(views, layout, strict=True)
-                for src, (off, dtype, shape) in zip(layer_views, layer_layout, strict=True)
+                (src, segment(buf, off, dtype, shape))
+                for layer_views, layer_segs in zip(views, segs, strict=True)
+                for src, (off, dtype, shape) in zip(layer_views, layer_segs, strict=True)
             ]
             done = self._copies.copy_out(slot, pairs, buf, buf_bytes)
         blocks = kv.hold(slot, n) if kv is not None else ()
         nbytes = (buf.numel() if buf is not None else 0) + block_bytes
-        name = self._record("save", slot)
+        name = self.journal.record("save", slot)
         with self._lock:
-            self._entries[key] = _Entry(n, blocks, buf, nbytes, layout, done, name)
+            self._entries[key] = _Entry(n, blocks, buf, nbytes, segs, done, name)
             self._lengths[n] += 1
             self._held += nbytes
             self._saves += 1
@@ -275,72 +208,32 @@ class PrefixCache:
         return True
 
     def park(self, slot: int, tokens: Sequence[int], kv: KVPool) -> bool:
-        """Copy a sequence the engine is preempting out of the pool: the KV blocks holding its
-        tokens (from `kv`, the pool it lives in) and its recurrent states, into a host buffer. The
-        caller then releases its blocks; `restore` of the same tokens brings it back without a
-        recompute. False (nothing held) when no host buffer can be had: it is recomputed then."""
-        n = len(tokens)
-        blocks = kv.table(slot)[: -(-n // kv.layout.block_size)]
-        views = self._sequence_views(slot, kv, blocks)
-        layout, nbytes = _layout([views])
-        buf = self._buffer(nbytes, shed_on_failure=False) if nbytes else None
-        if buf is None:
-            return False
-        for src, (off, dtype, shape) in zip(views, layout[0], strict=True):
-            _segment(buf, off, dtype, shape).copy_(src, non_blocking=self._cuda)
-        self._sync()
-        key = prefix_key(tokens)
-        name = self._record("park", slot, kv, blocks)
-        with self._lock:
-            old = self._parked.pop(key, None)
-            self._parked[key] = _Parked(n, buf, kv, len(blocks), layout[0], name)
-            if old is None:
-                self._parked_lengths[n] += 1
-        if old is not None:
-            self._release_parked(old)
-        return True
+        """Move a sequence the engine is preempting out of `kv` (`ParkedSequences.park`); `restore`
+        of the same tokens brings it back without a recompute."""
+        return self._parked.park(slot, tokens, kv)
 
     def unpark(self, tokens: Sequence[int]) -> bool:
-        """Drop the parked sequence that `tokens` would resume (its request ended while it waited)."""
-        n = self.match_parked(tokens)
-        if n == 0:
-            return False
-        self._release_parked(self._take_parked(prefix_key(tokens[:n])))
-        return True
+        return self._parked.unpark(tokens)
 
     def drop_parked(self, tokens: Sequence[int]) -> bool:
-        """Drop the sequence parked with exactly these tokens (a step that parked it failed, so
-        nobody will resume it); False if there is none."""
-        key = prefix_key(tokens)
-        with self._lock:
-            if key not in self._parked:
-                return False
-        self._release_parked(self._take_parked(key))
-        return True
+        return self._parked.drop(tokens)
 
     def unpark_all(self) -> None:
-        with self._lock:
-            parked = list(self._parked.values())
-            self._parked.clear()
-            self._parked_lengths.clear()
-        for p in parked:
-            self._release_parked(p)
+        self._parked.drop_all()
 
     def parked_pool(self, prefix: Sequence[int]) -> KVPool | None:
-        """The pool a parked sequence of exactly `prefix` goes back to; None if it is not parked."""
-        with self._lock:
-            parked = self._parked.get(prefix_key(prefix))
-            return parked.kv if parked is not None else None
+        return self._parked.pool_of(prefix)
 
     def restore(self, slot: int, prefix: Sequence[int]) -> int:
         """Start the (empty) slot from the parked sequence or the checkpoint of exactly `prefix`;
         returns its token count. A parked sequence needs fresh blocks in its pool: CheckpointMissing
         when they cannot be had (it stays parked)."""
+        resumed = self._parked.resume(slot, prefix, self.evict_for_blocks)
+        if resumed is not None:
+            with self._lock:
+                self._restores += 1
+            return resumed
         key = prefix_key(prefix)
-        with self._lock:
-            parked = self._parked.get(key)
-        if parked is not None:
-            return self._unpark_into(slot, key, parked)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -355,15 +248,13 @@ class PrefixCache:
                 raise CheckpointMissing(
                     f"no free KV block to copy the last block of a {entry.n_tokens}-token prefix"
                 )
-        self._record("restore", slot, key=entry.key)
+        self.journal.record("restore", slot, key=entry.key)
         if entry.buf is not None:
             # No host sync: the step's stream reads the buffer after its save's copies are done,
             # and whoever writes the buffer next is ordered after this read (see state_copies).
             self._copies.after(entry.done)
-            for state, layer_layout in zip(self._states, entry.layout, strict=True):
-                state.load(
-                    slot, [_segment(entry.buf, off, dtype, shape) for off, dtype, shape in layer_layout]
-                )
+            for state, layer_segs in zip(self._states, entry.layout, strict=True):
+                state.load(slot, [segment(entry.buf, off, dtype, shape) for off, dtype, shape in layer_segs])
         return entry.n_tokens
 
     def before_writes(self, slots: Iterable[int]) -> None:
@@ -398,39 +289,6 @@ class PrefixCache:
             self._give_back(e)
         return released
 
-    def _unpark_into(self, slot: int, key: tuple[int, bytes], parked: _Parked) -> int:
-        kv = parked.kv
-        if not kv.ensure(slot, parked.n_tokens) and kv is self._kv:
-            self.evict_for_blocks(parked.n_blocks)  # cached prefixes go first
-        if not kv.ensure(slot, parked.n_tokens):
-            raise CheckpointMissing(
-                f"no KV blocks to resume a parked {parked.n_tokens}-token sequence (slot {slot})"
-            )
-        blocks = kv.table(slot)[: parked.n_blocks]
-        self._record("unpark", slot, kv, blocks, key=parked.key)
-        dests = self._sequence_views(slot, kv, blocks)
-        for dst, (off, dtype, shape) in zip(dests, parked.views, strict=True):
-            dst.copy_(_segment(parked.buf, off, dtype, shape), non_blocking=self._cuda)
-        self._sync()  # the buffer goes back to the pool next
-        self._take_parked(key)
-        if self._pool is not None:
-            self._pool.put(parked.buf)
-        with self._lock:
-            self._restores += 1
-        return parked.n_tokens
-
-    def _take_parked(self, key: tuple[int, bytes]) -> _Parked:
-        with self._lock:
-            parked = self._parked.pop(key)
-            _forget_length(self._parked_lengths, parked.n_tokens)
-        return parked
-
-    def _sequence_views(self, slot: int, kv: KVPool, blocks: Sequence[int]) -> list[Tensor]:
-        """What a parked sequence's buffer holds, in order: the slot's recurrent layers' tensors,
-        then the tensors of its KV blocks."""
-        views = [v for s in self._states for v in s.slot_views(slot)]
-        return views + [v for b in blocks for v in kv.store.block_views(b)]
-
     def follow_moves(self, moves: dict[int, int]) -> None:
         """The KV pool moved blocks (compaction): entries name them by their new ids."""
         if not moves:
@@ -439,7 +297,7 @@ class PrefixCache:
             for e in self._entries.values():
                 e.blocks = tuple(moves.get(b, b) for b in e.blocks)
 
-    def evict_for_blocks(self, n_blocks: int, keep: tuple[int, bytes] | None = None) -> bool:
+    def evict_for_blocks(self, n_blocks: int, keep: PrefixKey | None = None) -> bool:
         """Evict least recently used entries until the KV pool has n_blocks free (blocks are worth
         more to a running sequence than to a prompt that may come back); False if even an empty
         cache leaves too few. `keep`: an entry never evicted (its blocks are about to be attached)."""
@@ -476,20 +334,18 @@ class PrefixCache:
         key, e = self._entries.popitem(last=False)
         if self.listener is not None:
             self.listener.removed(key)
-        _forget_length(self._lengths, e.n_tokens)
+        forget_length(self._lengths, e.n_tokens)
         self._held -= e.nbytes
         self._evictions += 1
         return e
 
-    def _buffer(self, nbytes: int, shed_on_failure: bool = True) -> Tensor | None:
+    def _buffer(self, nbytes: int) -> Tensor | None:
         try:
-            if self._pool is not None:
-                return self._pool.get(nbytes)
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+            return host_buffer(self._pool, nbytes, self._cuda)
         except (RuntimeError, MemoryError) as e:
             # The pool already trimmed itself and retried once. A checkpoint is an optimisation:
             # give back everything the cache holds and go on without this one (logged, counted).
-            released = self.shed() if shed_on_failure else 0
+            released = self.shed()
             with self._lock:
                 self._declined += 1
             log.warning(
@@ -497,33 +353,8 @@ class PrefixCache:
             )
             return None
 
-    def _record(
-        self,
-        kind: str,
-        slot: int,
-        kv: KVPool | None = None,
-        blocks: Sequence[int] = (),
-        key: int | None = None,
-    ) -> int:
-        """Journal one copy for the other ranks; returns the key naming what it saves or parks."""
-        if key is None:
-            self._next_key += 1
-            key = self._next_key
-        if self.journal is not None:
-            store = 0 if kv is None or kv is self._kv else 1  # the main store, or the int8 one
-            self.journal.append(CheckpointOp(kind, key, slot, store, tuple(blocks)))
-        return key
-
-    def _release_parked(self, p: _Parked) -> None:
-        """A parked sequence that will not resume: its buffer goes back (here and on the other ranks)."""
-        if self.journal is not None:
-            self.journal.append(CheckpointOp("drop", p.key))
-        if self._pool is not None:
-            self._pool.put(p.buf)
-
     def _give_back(self, e: _Entry) -> None:
-        if self.journal is not None:
-            self.journal.append(CheckpointOp("drop", e.key))
+        self.journal.drop(e.key)
         if self._kv is not None and e.blocks:
             self._kv.drop(e.blocks)
         if e.buf is None:
@@ -533,54 +364,3 @@ class PrefixCache:
             # The fence follows the save's copies and every restore that read the buffer: a buffer
             # the pool declines or drops is freed once it completes, never by waiting here.
             self._pool.put(e.buf, self._copies.fence())
-
-    def _sync(self) -> None:
-        if self._cuda:
-            torch.cuda.current_stream(self._device).synchronize()
-
-
-def _forget_length(lengths: Counter[int], n: int) -> None:
-    """One entry of n tokens is gone: count it out (a length with no entry left is not kept)."""
-    lengths[n] -= 1
-    if not lengths[n]:
-        del lengths[n]
-
-
-def _longest(
-    lengths: Counter[int], entries: Mapping[tuple[int, bytes], object], tokens: Sequence[int]
-) -> int:
-    """The longest n < len(tokens) with an entry keyed by tokens[:n] (hashes of growing prefixes)."""
-    candidates = sorted(n for n in lengths if n < len(tokens))
-    h = hashlib.blake2b(digest_size=16)
-    prev, best = 0, 0
-    for n in candidates:
-        h.update(array("q", tokens[prev:n]).tobytes())
-        prev = n
-        if (n, h.copy().digest()) in entries:
-            best = n
-    return best
-
-
-def checkpoint_bytes(states: Sequence[LayerState]) -> int:
-    """Bytes of one checkpoint's copy of a slot's recurrent states (0: attention only)."""
-    return _layout([s.slot_views(0) for s in states])[1] if states else 0
-
-
-def _layout(
-    views: Sequence[Sequence[Tensor]],
-) -> tuple[tuple[tuple[tuple[int, torch.dtype, torch.Size], ...], ...], int]:
-    off = 0
-    layout = []
-    for layer_views in views:
-        segs = []
-        for t in layer_views:
-            off = -(-off // _ALIGN) * _ALIGN
-            segs.append((off, t.dtype, t.shape))
-            off += t.numel() * t.element_size()
-        layout.append(tuple(segs))
-    return tuple(layout), off
-
-
-def _segment(buf: Tensor, off: int, dtype: torch.dtype, shape: torch.Size) -> Tensor:
-    nbytes = math.prod(shape) * dtype.itemsize
-    return buf[off : off + nbytes].view(dtype).view(shape)

@@ -32,7 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ballast.engine.cache_events import PrefixKey
+from ballast.engine.prefix_keys import PrefixKey
+
 from ballast.settings import ConfigError, check, setting
 
 # Where the PUB socket binds (a wildcard host, ipc, inproc) or connects (a named host), as vLLM does.

@@ -17,10 +17,10 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from ballast.engine.cache_events import prefix_key
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.prefix_cache import PrefixCacheConfig
+from ballast.engine.prefix_keys import prefix_key
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader
 from ballast.memory.types import Level

@@ -6,8 +6,10 @@ room is leased from the memory ledger."""
 from __future__ import annotations
 
 import torch
+from ballast.engine.checkpoint_buffers import checkpoint_bytes
+from ballast.engine.checkpoint_buffers import layout as _layout
+from ballast.engine.checkpoint_buffers import segment as _segment
 from ballast.engine.checkpoint_orders import staging_bytes
-from ballast.engine.prefix_cache import _layout, _segment, checkpoint_bytes
 from ballast.engine.state_copies import StateCopies
 from ballast.memory.ledger import Lease, VramLedger
 from ballast.models.state import RecurrentState
