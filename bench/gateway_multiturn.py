@@ -93,11 +93,15 @@ async def chat(
 
 async def load(url: str, tag: str, chats: int, turns: int, new_tokens: int) -> dict[str, float]:
     client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-    openings = [f"[{tag} {k}] Tell me about {TOPICS[k % len(TOPICS)]}." for k in range(chats)]
+    # Each opening starts with its own topic: smg's cache-aware tree matches text from the first
+    # character, so a shared lead ("[tag k] Tell me about") would read as a shared prefix and pile
+    # every chat's first turn onto one replica. The tag (a fresh opening per policy) goes last.
+    openings = [f"{TOPICS[k % len(TOPICS)].capitalize()}: tell me about them. ({tag} {k})" for k in range(chats)]
     results = await asyncio.gather(*(chat(client, o, turns, new_tokens) for o in openings))
     later = [row for r in results for row in r[1:]]  # turns that had a prefix to reuse
     ttfts = [row[2] for r in results for row in r]
     return {
+        "hits_by_turn": [sum(r[t][1] > 0 for r in results) for t in range(turns)],
         "prompt_tokens": sum(row[0] for r in results for row in r),
         "cached_tokens": sum(row[1] for r in results for row in r),
         "later_turns_hit": sum(row[1] > 0 for row in later) / len(later),
@@ -122,7 +126,15 @@ def main() -> None:
     ap.add_argument("--chats", type=int, default=12)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=None,
+        help="smg's --cache-threshold for cache_aware (its default 0.3: a turn whose text matches less "
+        "of a replica's tree than that is routed by load instead)",
+    )
     args = ap.parse_args()
+    aware = ["--cache-threshold", str(args.cache_threshold)] if args.cache_threshold is not None else []
     with tempfile.TemporaryDirectory() as tmp:
         roots = [Path(tmp) / f"r{i}" for i in range(args.replicas)]
         for root in roots:
@@ -144,12 +156,13 @@ def main() -> None:
             "chats": args.chats,
             "turns": args.turns,
             "new_tokens": args.new_tokens,
+            "cache_threshold": args.cache_threshold,
             "cpus": os.cpu_count(),
             "load_average_start": os.getloadavg(),
         }
         with Fleet.start(args.replicas, serve, per) as fleet:
             for policy in ("cache_aware", "round_robin"):
-                with fleet.gateway(policy) as url:
+                with fleet.gateway(policy, aware if policy == "cache_aware" else ()) as url:
                     result[policy] = asyncio.run(load(url, policy, args.chats, args.turns, args.new_tokens))
             with fleet.gateway("cache_aware") as url:
                 client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
@@ -171,13 +184,16 @@ def main() -> None:
         f"{args.replicas} replicas (default model, CPU) behind smg; {args.chats} chats x {args.turns} turns, "
         f"{args.new_tokens} new tokens a turn"
     )
-    print(f"{'policy':<14}{'later turns hit':>16}{'reused (later)':>16}{'TTFT p50':>11}{'TTFT p99':>11}")
+    print(
+        f"{'policy':<14}{'later turns hit':>16}{'reused (later)':>16}{'TTFT p50':>11}{'TTFT p99':>11}"
+        f"  hits by turn (of {args.chats})"
+    )
     for policy in ("cache_aware", "round_robin"):
         r = result[policy]
         assert isinstance(r, dict)
         print(
             f"{policy:<14}{r['later_turns_hit']:>15.0%}{r['reused_share_later_turns']:>15.0%}"
-            f"{r['ttft_p50_ms']:>9.0f}ms{r['ttft_p99_ms']:>9.0f}ms"
+            f"{r['ttft_p50_ms']:>9.0f}ms{r['ttft_p99_ms']:>9.0f}ms  {r['hits_by_turn']}"
         )
     print(
         f"CRITICAL -> smg stops routing there: {result['critical_to_unroutable_s']:.2f} s "

@@ -2,9 +2,10 @@
 under streaming load, and its effect on decode.
 
     python -m ballast.bench.metrics_scrape [--model default] [--streams 32] [--new-tokens 64]
+        [--paths /metrics /metrics/gateway]
 
-One `ballast serve` on a free localhost port. Three runs, in this order: scrapes of an idle server;
-the streams alone (the reference: nothing scrapes); the same streams with a scraper every 50 ms
+One `ballast serve` on a free localhost port. Per path, scrapes of an idle server; then the streams
+alone (the reference: nothing scrapes); then, per path, the same streams with a scraper every 50 ms
 beside them. Prints scrape latency p50/p99 and the streams' tokens/s and inter-token p50/p99 with and
 without the scraper, and writes bench/results/metrics_scrape.json.
 """
@@ -36,7 +37,7 @@ async def scrape(url: str, stop: asyncio.Event, times: list[float]) -> None:
     async with httpx.AsyncClient() as client:
         while not stop.is_set():
             t = time.perf_counter()
-            r = await client.get(url + "/metrics")
+            r = await client.get(url)
             times.append(time.perf_counter() - t)
             assert r.status_code == 200 and "vllm:kv_cache_usage_perc" in r.text
             await asyncio.sleep(SCRAPE_EVERY_S)
@@ -61,11 +62,12 @@ async def one_stream(client: AsyncOpenAI, k: int, new_tokens: int, gaps: list[fl
     return n
 
 
-async def streams(url: str, n: int, new_tokens: int, scraper: bool) -> dict[str, float]:
+async def streams(url: str, n: int, new_tokens: int, scraper: str | None) -> dict[str, float]:
+    """scraper: the path a scraper reads every 50 ms beside the streams (None: nothing scrapes)."""
     client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
     stop = asyncio.Event()
     times: list[float] = []
-    task = asyncio.create_task(scrape(url, stop, times)) if scraper else None
+    task = asyncio.create_task(scrape(url + scraper, stop, times)) if scraper else None
     gaps: list[float] = []
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(one_stream(client, k, new_tokens, gaps) for k in range(n)))
@@ -93,7 +95,7 @@ async def idle(url: str, n: int) -> dict[str, float]:
     async with httpx.AsyncClient() as client:
         for _ in range(n):
             t = time.perf_counter()
-            await client.get(url + "/metrics")
+            await client.get(url)
             times.append(time.perf_counter() - t)
             await asyncio.sleep(SCRAPE_EVERY_S)
     return {"scrapes": n, "scrape_p50_ms": pct(times, 0.5) * 1e3, "scrape_p99_ms": pct(times, 0.99) * 1e3}
@@ -105,34 +107,41 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--idle-scrapes", type=int, default=200)
+    ap.add_argument("--paths", nargs="+", default=["/metrics", "/metrics/gateway"])
     args = ap.parse_args()
     serve = ["--model", args.model, "--served-model-name", "default", "--max-num-seqs", str(args.streams)]
     with Fleet.start(1, serve) as fleet:
         url = fleet.urls[0]
-        asyncio.run(streams(url, 4, 8, scraper=False))  # warm-up: first steps at these shapes
-        result = {
+        asyncio.run(streams(url, 4, 8, scraper=None))  # warm-up: first steps at these shapes
+        result: dict[str, object] = {
             "model": args.model,
             "streams": args.streams,
             "new_tokens": args.new_tokens,
             "host": platform.node(),
             "cpus": os.cpu_count(),
-            "load_average": os.getloadavg(),
-            "idle": asyncio.run(idle(url, args.idle_scrapes)),
-            "streams_alone": asyncio.run(streams(url, args.streams, args.new_tokens, scraper=False)),
-            "streams_scraped": asyncio.run(streams(url, args.streams, args.new_tokens, scraper=True)),
+            "load_average_start": os.getloadavg(),
+            "idle": {p: asyncio.run(idle(url + p, args.idle_scrapes)) for p in args.paths},
+            "streams_alone": asyncio.run(streams(url, args.streams, args.new_tokens, scraper=None)),
+            "streams_scraped": {
+                p: asyncio.run(streams(url, args.streams, args.new_tokens, scraper=p)) for p in args.paths
+            },
+            "load_average_end": os.getloadavg(),
         }
-    i, a, s = result["idle"], result["streams_alone"], result["streams_scraped"]
+    idle_runs, alone, scraped = result["idle"], result["streams_alone"], result["streams_scraped"]
+    assert isinstance(idle_runs, dict) and isinstance(alone, dict) and isinstance(scraped, dict)
     print(
         f"model {args.model}, {args.streams} streams x {args.new_tokens} tokens, "
         f"scrape every {SCRAPE_EVERY_S * 1e3:.0f} ms"
     )
-    print(f"{'run':<26}{'scrape p50':>12}{'scrape p99':>12}{'tok/s':>9}{'ITL p50':>10}{'ITL p99':>10}")
-    print(f"{'idle':<26}{i['scrape_p50_ms']:>10.2f}ms{i['scrape_p99_ms']:>10.2f}ms{'':>9}{'':>10}{'':>10}")
-    for name, r in (("streams, no scraper", a), ("streams + 50 ms scraper", s)):
+    print(f"{'run':<40}{'scrape p50':>12}{'scrape p99':>12}{'tok/s':>9}{'ITL p50':>10}{'ITL p99':>10}")
+    for p, i in idle_runs.items():
+        print(f"{'idle, ' + p:<40}{i['scrape_p50_ms']:>10.2f}ms{i['scrape_p99_ms']:>10.2f}ms")
+    rows = [("streams, no scraper", alone)] + [(f"streams + 50 ms scraper of {p}", r) for p, r in scraped.items()]
+    for name, r in rows:
         p50 = f"{r['scrape_p50_ms']:>10.2f}ms" if "scrape_p50_ms" in r else f"{'':>12}"
         p99 = f"{r['scrape_p99_ms']:>10.2f}ms" if "scrape_p99_ms" in r else f"{'':>12}"
         print(
-            f"{name:<26}{p50}{p99}{r['tokens_per_s']:>9.1f}{r['itl_p50_ms']:>8.1f}ms{r['itl_p99_ms']:>8.1f}ms"
+            f"{name:<40}{p50}{p99}{r['tokens_per_s']:>9.1f}{r['itl_p50_ms']:>8.1f}ms{r['itl_p99_ms']:>8.1f}ms"
         )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "metrics_scrape.json").write_text(json.dumps(result, indent=2) + "\n")

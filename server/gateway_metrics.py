@@ -5,7 +5,9 @@ gateway (`smg`) detects ballast as vLLM-compatible (it serves /version) and read
 `vllm:num_requests_running`, `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`; the
 Kubernetes Gateway API Inference Extension's endpoint picker reads those and
 `vllm:cache_config_info{block_size,num_gpu_blocks}` and `vllm:lora_requests_info` (the Model Server
-Protocol). ballast serves them beside its own `ballast_*` series.
+Protocol). ballast serves them beside its own `ballast_*` series on /metrics, and alone on
+/metrics/gateway: a page of five series written here directly (no registry walk, no histogram), for
+a picker that scrapes every 50 ms.
 
 The KV usage a gateway sees is measured against what the memory layer allows *now*, not against the
 pool's configured size: a replica whose memory is nearly spent looks full to the gateway before it
@@ -31,6 +33,14 @@ SERIES: dict[str, tuple[str, ...]] = {
     "vllm:kv_cache_usage_perc": ("model_name",),
     "vllm:cache_config_info": ("block_size", "num_gpu_blocks"),
     "vllm:lora_requests_info": ("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+}
+HELP: dict[str, str] = {
+    "vllm:num_requests_running": "Requests holding a slot (ballast_slots_active)",
+    "vllm:num_requests_waiting": "Requests queued for a slot (ballast_queue_depth)",
+    "vllm:kv_cache_usage_perc": "Share (0-1) of the KV memory and slots the memory layer allows now that "
+    "running requests hold; 1 while the replica refuses or holds new work",
+    "vllm:cache_config_info": "KV cache layout: positions per block, and blocks memory allows now",
+    "vllm:lora_requests_info": "LoRA adapters: none (the value is the time of this reading)",
 }
 
 
@@ -111,6 +121,18 @@ def gateway_load(state: ServerState) -> GatewayLoad | None:
     return GatewayLoad(s.active_slots, s.queue_depth, usage, block_size, capacity)
 
 
+def _rows(load: GatewayLoad, name: str) -> list[tuple[str, tuple[str, ...], float]]:
+    """(series, label values in SERIES order, value) of one reading."""
+    return [
+        ("vllm:num_requests_running", (name,), load.running),
+        ("vllm:num_requests_waiting", (name,), load.waiting),
+        ("vllm:kv_cache_usage_perc", (name,), load.kv_usage),
+        ("vllm:cache_config_info", (str(load.block_size), str(load.capacity_blocks)), 1.0),
+        # ballast serves no LoRA adapters; the series says so (max_lora 0) for pickers that need it.
+        ("vllm:lora_requests_info", ("0", "", ""), time.time()),
+    ]
+
+
 class GatewayCollector(Collector):
     """The vLLM-named series gateways scrape, read from the scheduler and MemWatch at scrape time
     (a handful of attribute reads: the endpoint picker scrapes every 50 ms)."""
@@ -123,31 +145,24 @@ class GatewayCollector(Collector):
         name = self._state.model_name
         if load is None or name is None:
             return
-        for metric, help_text, value in (
-            ("vllm:num_requests_running", "Requests holding a slot (ballast_slots_active)", load.running),
-            ("vllm:num_requests_waiting", "Requests queued for a slot (ballast_queue_depth)", load.waiting),
-            (
-                "vllm:kv_cache_usage_perc",
-                "Share (0-1) of the KV memory and slots the memory layer allows now that running "
-                "requests hold; 1 while the replica refuses or holds new work",
-                load.kv_usage,
-            ),
-        ):
-            family = GaugeMetricFamily(metric, help_text, labels=SERIES[metric])
-            family.add_metric([name], value)
+        for metric, labels, value in _rows(load, name):
+            family = GaugeMetricFamily(metric, HELP[metric], labels=SERIES[metric])
+            family.add_metric(list(labels), value)
             yield family
-        info = GaugeMetricFamily(
-            "vllm:cache_config_info",
-            "KV cache layout: positions per block, and blocks memory allows now",
-            labels=SERIES["vllm:cache_config_info"],
-        )
-        info.add_metric([str(load.block_size), str(load.capacity_blocks)], 1.0)
-        yield info
-        # ballast serves no LoRA adapters; the series says so (max_lora 0) for pickers that need it.
-        lora = GaugeMetricFamily(
-            "vllm:lora_requests_info",
-            "LoRA adapters: none (the value is the time of this reading)",
-            labels=SERIES["vllm:lora_requests_info"],
-        )
-        lora.add_metric(["0", "", ""], time.time())
-        yield lora
+
+
+def gateway_page(state: ServerState) -> str:
+    """The same series in Prometheus' text format, written directly: /metrics/gateway."""
+    load = gateway_load(state)
+    name = state.model_name
+    if load is None or name is None:
+        return ""
+    out = []
+    for metric, values, value in _rows(load, name):
+        labels = ",".join(f'{k}="{_escape(v)}"' for k, v in zip(SERIES[metric], values, strict=True))
+        out.append(f"# HELP {metric} {HELP[metric]}\n# TYPE {metric} gauge\n{metric}{{{labels}}} {float(value)!r}\n")
+    return "".join(out)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

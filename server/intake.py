@@ -41,7 +41,7 @@ RETRY_AFTER_S = 1.0
 HOST_BOOKING_FLOOR = 64 << 10
 # Never refused for being busy: a load balancer's or kubelet's probe must see the server's own
 # state, and a scrape must go on under load.
-PROBES = frozenset({"/health", "/ready", "/metrics"})
+PROBES = frozenset({"/health", "/ready", "/metrics", "/metrics/gateway"})
 
 
 class BodyTooLarge(HTTPException):

@@ -1,6 +1,6 @@
 """The endpoints. Generation flows live in `completions` and `streaming`; this file only routes.
 
-/health, /ready, /metrics, /version and /docs are open (probes, scrapers, people); /v1, /tokenize,
+/health, /ready, /metrics (and /metrics/gateway), /version and /docs are open (probes, scrapers, people); /v1, /tokenize,
 /detokenize and /tokenizer_info need the API key when one is set, and take and give what vLLM's
 do. Anthropic Messages and OpenAI Responses have routes of their own (`messages_api`,
 `responses_api`).
@@ -23,6 +23,7 @@ from ballast.server.completions import (
     start_unless_gone,
 )
 from ballast.server.errors import ApiError
+from ballast.server.gateway_metrics import gateway_page
 from ballast.server.messages_api import messages_router
 from ballast.server.respond import respond
 from ballast.server.responses_api import responses_router
@@ -80,6 +81,12 @@ async def version() -> JSONResponse:
 @ops.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(state_of(request).registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@ops.get("/metrics/gateway")
+async def gateway_metrics(request: Request) -> Response:
+    """The vLLM-named load series alone, for a picker that scrapes every 50 ms (see gateway_metrics)."""
+    return Response(gateway_page(state_of(request)), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _answer(state: ServerState, job: Job, request: Request) -> Response:

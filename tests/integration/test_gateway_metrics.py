@@ -62,6 +62,26 @@ def test_every_series_is_served_with_the_labels_gateways_read(server: tuple[str,
     assert lora["max_lora"] == "0" and abs(stamp - time.time()) < 60
 
 
+def test_the_gateway_page_serves_the_same_series_alone(server: tuple[str, Path]) -> None:
+    """/metrics/gateway: the vLLM-named series only, in the text format Prometheus parses, with the
+    labels and (but for the reading's time) the values of /metrics."""
+    url, _ = server
+    r = httpx.get(url + "/metrics/gateway")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    page: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(r.text):
+        assert family.type == "gauge" and family.documentation, family.name
+        for s in family.samples:
+            page.setdefault(s.name, []).append((s.labels, s.value))
+    full = gateway_samples(url)
+    assert set(page) == set(full) == set(SERIES)
+    for name in SERIES:
+        if name != "vllm:lora_requests_info":
+            assert page[name] == full[name], name
+        ((labels, _),) = page[name]
+        assert tuple(sorted(labels)) == tuple(sorted(SERIES[name]))
+
+
 def test_models_lists_every_name_the_server_answers_to() -> None:
     # `ballast serve --model default` answers to "default" beside the model's own name: both are
     # listed (a gateway routes only to the ids it finds there) and both are accepted.
