@@ -24,7 +24,10 @@ from collections.abc import Callable, Sequence
 from ballast.engine.plan import CheckpointRestore, CheckpointSave
 
 
-class CheckpointOrders:
+class CheckpointPlanner:
+    """Decides which checkpoint orders the next plan carries (the engine's `CheckpointExecutor`
+    carries them out)."""
+
     def __init__(
         self,
         interval: int,

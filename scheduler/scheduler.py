@@ -35,7 +35,7 @@ from ballast.engine.plan import (
 )
 from ballast.memory.ladder import LadderConfig
 from ballast.memory.types import LadderPlan, Level, VerdictKind
-from ballast.scheduler.checkpoints import CheckpointOrders
+from ballast.scheduler.checkpoints import CheckpointPlanner
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import (
     REFUSAL_OUTCOMES,
@@ -138,7 +138,7 @@ class Scheduler:
         # The max_slots the engine applies now; unknown until the first plan states it (another
         # scheduler may have driven this engine, with another limit).
         self._engine_slots = 0
-        self._checkpoints = CheckpointOrders(
+        self._checkpoints = CheckpointPlanner(
             engine.checkpoint_interval,
             engine.match_prefix,
             lambda: self._gov.ladder.shed_prefix_cache,
