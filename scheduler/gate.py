@@ -9,6 +9,7 @@ import logging
 import time
 
 from ballast.engine.interface import EngineLike
+from ballast.memory.ladder import LadderConfig
 from ballast.memory.types import Level, VerdictKind
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import ContextTooLong, Overloaded, QueueFull, RequestTimeout
@@ -31,19 +32,17 @@ class AdmissionGate:
         gov: Governor,
         kv: KVPolicy,
         config: SchedulerConfig,
-        max_slots: int,
-        context_window: int,
+        limits: LadderConfig,
         engine: EngineLike,
     ) -> None:
-        """max_slots: the operator's slot limit within the engine's slots; context_window: the
-        prompt + new tokens a request may ask for."""
+        """limits: the operator's slots (within the engine's) and the context a request may use."""
+        self._engine = engine
         self._roster = roster
         self._gov = gov
         self._kv = kv
         self._cfg = config
-        self._max_slots = max_slots
-        self.context_window = context_window
-        self._engine = engine
+        self._max_slots = limits.max_slots
+        self.context_window = limits.context_window
         self._wait_bound = QueueWaitBound(config.max_queue_wait_s, config.retry_after_s, roster.service)
 
     @property
@@ -158,9 +157,7 @@ class AdmissionGate:
             _log_verdict(
                 seq, admission.verdict.kind.value, admission.verdict.fit_tokens, admission.verdict.reason
             )
-            slot = roster.slots.acquire(self.slot_limit)
-            assert slot is not None  # has_free said so, and nothing ran in between
-            roster.place(seq, slot)
+            roster.place(seq, self.slot_limit)
             seq.int8_kv = int8
             seq.max_tokens = admission.max_tokens + len(seq.resumed)
             seq.capped = seq.capped or admission.capped

@@ -39,7 +39,7 @@ class Roster:
         self.queue: WaitingQueue[Seq] = WaitingQueue(max_queue)
         self.running: list[Seq] = []  # admission order: the FCFS order of prefill chunks
         self.by_slot: dict[int, Seq] = {}
-        self.turns = turns
+        self._turns = turns
         self._eos = eos
         self._unpark: list[tuple[int, ...]] = []  # for the next plan
         self.service = service
@@ -51,8 +51,10 @@ class Roster:
         self.generated_tokens = 0
 
     # --- where requests are -----------------------------------------------------------------
-    def place(self, seq: Seq, slot: int) -> None:
-        """The queue head has been admitted into `slot` (acquired from the slot table)."""
+    def place(self, seq: Seq, slot_limit: int) -> None:
+        """The queue head `seq` has been admitted: it takes the lowest free slot below the limit."""
+        slot = self.slots.acquire(slot_limit)
+        assert slot is not None  # the gate saw a free one, and nothing ran in between
         self.queue.pop_head()
         seq.slot, seq.phase = slot, Phase.PREFILLING
         self.running.append(seq)
@@ -129,14 +131,14 @@ class Roster:
         if seq.slot is None:
             return
         if completed and seq.phase is Phase.DECODING:
-            self.turns.completed(seq)
+            self._turns.completed(seq)
         del self.by_slot[seq.slot]
         self.slots.retire(seq.slot)
 
     # --- a step's result --------------------------------------------------------------------
     def apply(self, plan: StepPlan, result: StepResult) -> None:
         self.slots.released(plan.release)
-        self.turns.ran(plan, result.preempted)
+        self._turns.ran(plan, result.preempted)
         for slot in result.preempted:
             self.requeue(slot)
         self._record_prompt_logprobs(result)
@@ -203,7 +205,7 @@ class Roster:
         failed a second time, and every request of a step that failed otherwise (a bug hit by
         this batch) end with a retryable error."""
         self.slots.released(plan.release)
-        self.turns.failed(plan)
+        self._turns.failed(plan)
         chunks = {p.slot: len(p.token_ids) for p in plan.prefills}
         # Latest admitted first: each goes to the queue's front, so they keep their order there.
         for seq in reversed([s for s in self.running if s.slot in failed.slots]):

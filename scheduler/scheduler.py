@@ -148,9 +148,9 @@ class Scheduler(_Figures):
         self._on_idle = on_idle
         self._on_unsound = on_unsound
         max_slots = min(config.max_num_seqs, engine.num_slots)
-        window = config.window_for(engine.max_model_len)
+        limits = LadderConfig(max_slots, config.window_for(engine.max_model_len))  # the plan at OK
         settings = GovernorSettings(
-            LadderConfig(max_slots, window),
+            limits,
             config.ladder_disable,
             config.psi_full_reject_pct,
             config.retry_after_s,
@@ -171,7 +171,7 @@ class Scheduler(_Figures):
         self._roster = roster = Roster(engine.num_slots, config.max_queue, self._turns, self.service, eos)
         # The pools after the last step, and the decisions made from them under the ladder.
         self._kv = KVPolicy(gov, KVRoom(engine.kv_figures(), engine.kv_figures(int8=True)))
-        self._gate = AdmissionGate(roster, gov, self._kv, config, max_slots, window, engine)
+        self._gate = AdmissionGate(roster, gov, self._kv, config, limits, engine)
         self._planner = StepPlanner(engine, config, roster, self._gate, gov, checkpoints, self._kv)
         self.reused_tokens = 0
         self._wake = asyncio.Event()
