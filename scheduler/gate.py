@@ -167,18 +167,8 @@ class AdmissionGate:
 
 def _log_verdict(seq: Seq, verdict: str, fit_tokens: int, reason: str) -> None:
     rid = seq.req.request_id
+    fields = {"request_id": rid, "verdict": verdict, "fit_tokens": fit_tokens, "reason": reason}
+    extra = {"event": "verdict", **fields, "resumed": seq.preempted}
     verdict_log.info(
-        "request %s admission: %s%s",
-        rid,
-        verdict,
-        f" ({reason})" if reason else "",
-        extra={
-            "event": "verdict",
-            "request_id": rid,
-            "verdict": verdict,
-            "fit_tokens": fit_tokens,
-            "reason": reason,
-            "resumed": seq.preempted,
-        },
+        "request %s admission: %s%s", rid, verdict, f" ({reason})" if reason else "", extra=extra
     )
-
