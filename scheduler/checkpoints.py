@@ -115,7 +115,7 @@ class TurnSaves:
         # Slots the plan submitted ahead feeds the token of the step being applied (from the device),
         # and final checkpoints that wait for that plan: its slot will have consumed one more token.
         self.fed_ahead: frozenset[int] = frozenset()
-        self._after_ahead: dict[int, tuple[int, ...]] = {}
+        self.after_ahead: dict[int, tuple[int, ...]] = {}
 
     def completed(self, seq: Seq) -> None:
         """`seq` completed while decoding and still holds its slot: order the checkpoint of what
@@ -127,23 +127,21 @@ class TurnSaves:
         if seq.req.resent_as_text and not self._comes_back(seq.output, answer):
             return
         if ahead:  # the plan in flight feeds it output[-1]: saved once that plan has run
-            self._after_ahead[seq.slot] = seq.req.prompt_ids + answer
+            self.after_ahead[seq.slot] = seq.req.prompt_ids + answer
         else:  # saved before the release: the slot has consumed prompt + output[:-1]
             self._checkpoints.queue_final_save(seq.slot, seq.req.prompt_ids + answer)
 
     def ran(self, plan: StepPlan, preempted: Sequence[int]) -> None:
         """`plan` has run: it fed the last token of the turns that wait for it."""
-        if not self._after_ahead:
-            return
         for d in plan.decodes:
-            consumed = self._after_ahead.pop(d.slot, None)
+            consumed = self.after_ahead.pop(d.slot, None)
             if consumed is not None and d.slot not in preempted:
                 self._checkpoints.queue_final_save(d.slot, consumed)
 
     def failed(self, plan: StepPlan) -> None:
         """`plan` failed: the step that would have fed their last token did not run."""
         for d in plan.decodes:
-            self._after_ahead.pop(d.slot, None)
+            self.after_ahead.pop(d.slot, None)
 
     def _comes_back(self, output: Sequence[int], saved: tuple[int, ...]) -> bool:
         """Whether a next turn that resends this answer as text starts with the `saved` part of it:

@@ -133,7 +133,7 @@ class StepPlanner:
             not self._overlap
             or closing
             or roster.queue
-            or roster.unparking
+            or roster.unpark
             or roster.slots.releases_pending
             or self._gov.ladder.level is not Level.OK
             or self.engine_slots_wanted != self._engine_slots

@@ -41,7 +41,7 @@ class Roster:
         self.by_slot: dict[int, Seq] = {}
         self._turns = turns
         self._eos = eos
-        self._unpark: list[tuple[int, ...]] = []  # for the next plan
+        self.unpark: list[tuple[int, ...]] = []  # parked sequences to drop, for the next plan
         self.service = service
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.preemptions = 0
@@ -80,12 +80,8 @@ class Roster:
         """What each running request holds and may still take of the KV pools."""
         return [Charge(s.total_tokens, s.kv_held, bool(s.int8_kv)) for s in self.running]
 
-    @property
-    def unparking(self) -> bool:
-        return bool(self._unpark)
-
     def take_unpark(self) -> tuple[tuple[int, ...], ...]:
-        out, self._unpark = tuple(self._unpark), []
+        out, self.unpark = tuple(self.unpark), []
         return out
 
     @property
@@ -104,7 +100,7 @@ class Roster:
         if seq.phase is Phase.WAITING:
             self.queue.remove(seq)
             if seq.preempted:  # whatever the engine parked for it would never be resumed
-                self._unpark.append(seq.feed)
+                self.unpark.append(seq.feed)
         else:
             self._leave_slot(seq, completed=reason in ("stop", "length"))
         seq.phase = Phase.FINISHED
@@ -138,7 +134,8 @@ class Roster:
     # --- a step's result --------------------------------------------------------------------
     def apply(self, plan: StepPlan, result: StepResult) -> None:
         self.slots.released(plan.release)
-        self._turns.ran(plan, result.preempted)
+        if self._turns.after_ahead:  # turns waiting for a plan to feed their last token
+            self._turns.ran(plan, result.preempted)
         for slot in result.preempted:
             self.requeue(slot)
         self._record_prompt_logprobs(result)
