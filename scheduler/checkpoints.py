@@ -102,13 +102,12 @@ class CheckpointPlanner:
         return shed, saves, restores
 
 
-# The checkpoint a finished turn leaves: what its slot consumed, where the next turn starts. A
-# request that completed while decoding saves prompt + answer minus the last token (sampled, never
-# fed), before its slot's release; when the plan submitted ahead already feeds that last token, the
-# save waits for that plan to have run: the slot will then have consumed the whole answer.
-
-
 class TurnSaves:
+    """The checkpoint a finished turn leaves: what its slot consumed, where the next turn starts.
+    A request that completed while decoding saves prompt + answer minus the last token (sampled,
+    never fed), before its slot's release; when the plan submitted ahead already feeds that last
+    token, the save waits for that plan to have run: the slot has then consumed the whole answer."""
+
     def __init__(self, checkpoints: CheckpointPlanner, tokenizer: TokenizerLike) -> None:
         self._checkpoints = checkpoints
         self._tokenizer = tokenizer
