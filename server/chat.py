@@ -15,6 +15,7 @@ function is not left to the model: a grammar forces one call (or several, with
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from ballast.engine.grammar import (
@@ -117,7 +118,7 @@ def check_tools(req: p.ChatCompletionRequest) -> None:
         )
 
 
-def reading(state: ServerState, tokenizer: Any, req: p.ChatCompletionRequest, ids: list[int]) -> Reading:
+def reading(state: ServerState, tokenizer: Any, req: p.ChatCompletionRequest, ids: Sequence[int]) -> Reading:
     """How to read the answer: the tools it may call (each tool's name -> its parameters' JSON
     schema; one call at most without parallel_tool_calls) and where its thinking starts."""
     thinking = None
