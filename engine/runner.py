@@ -233,6 +233,9 @@ class ModelRunner:
             self.kv_manager = KVManager(
                 KVPool(main, acquire), KVPool(int8, acquire) if int8 is not None else None
             )
+        # The main pool, and the int8 one beside it (None: no attention layers / none beside it).
+        self.kv = self.kv_manager.main if self.kv_manager is not None else None
+        self.kv_int8 = self.kv_manager.int8 if self.kv_manager is not None else None
         attention = self.kv_manager.attention() if self.kv_manager is not None else None
         self.states: list[LayerState] = build_states(specs, self._state_slots, attention, device, dtype)
         self.graphs: DecodeGraphs | None = None
@@ -260,16 +263,6 @@ class ModelRunner:
         """The engine thread is stuck in a step: end at once what would outlive this process
         without waiting for that thread (a tensor-parallel runner's workers)."""
         return None
-
-    @property
-    def kv(self) -> KVPool | None:
-        """The main KV pool (None: the model has no attention layers)."""
-        return self.kv_manager.main if self.kv_manager is not None else None
-
-    @property
-    def kv_int8(self) -> KVPool | None:
-        """The int8 pool beside a main one in the model dtype, if any."""
-        return self.kv_manager.int8 if self.kv_manager is not None else None
 
     @property
     def pools(self) -> list[KVPool]:

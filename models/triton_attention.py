@@ -1,77 +1,138 @@
-"""The CUDA attention backend: this step's K/V rows stored by a Triton kernel
-(models/paged_store.py), every sequence's blocks read in place by the paged attention kernels
-(models/paged_triton.py) through the block table.
+"""The CUDA attention backend: a Triton kernel stores this step's K/V rows into their blocks (here),
+and the paged attention kernels (models/paged_triton.py) read every sequence's blocks in place
+through the block table.
 
-Nothing here waits on the host or on the device: `prepare` and every layer's calls only queue
-kernels on tensors of the batch and the stores, so a step is captured whole in a CUDA graph and
-replays with the addresses it was captured with.
+Segments are separate allocations found through `kv_ptrs`, so the destination of a token is
+known only on the device: block = block_table[slot, pos // block_size], then the segment's base
+address from the table. One program per token copies its 2 * kv_heads * head_dim values (and, for
+int8 blocks, its 2 * kv_heads scales). Nothing here waits on the host or the device: `prepare` and
+every layer's calls only queue kernels, so a step is captured whole in a CUDA graph.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from ballast.models.attention import PagedAttentionBackend
 from ballast.models.base import ForwardBatch
-from ballast.models.kv_store import KVStore
-from ballast.models.paged_store import store_rows
+from ballast.models.kv_store import KVStore, quantize_rows
 from ballast.models.paged_triton import paged_decode, paged_prefill
 from torch import Tensor
 
 
-@dataclass(frozen=True)
-class _Reads:
-    """How one store is attended this step: the prefill chunks' starts and the one-token
-    sequences' context lengths (all of them in a decode step, the tail's beside prompt chunks).
-    In a step over both stores the other store's sequences read only their first position (in
-    the sink block), and their result is discarded."""
-
-    store: KVStore
-    starts: Tensor
-    decode_ctx: Tensor | None
-
-
 class TritonPagedAttention(PagedAttentionBackend):
-    """The CUDA backend (see the module doc)."""
+    """The CUDA backend. Over both stores (`ForwardBatch.int8_kv`) each store is attended with the
+    other store's sequences cut to their first position (in the sink), and each token keeps the
+    result of its own sequence's store."""
 
-    _reads: tuple[_Reads, ...] = ()
-    _in_int8: Tensor | None = None  # [T, 1, 1] over both stores: the token's sequence is int8
+    # The step's split between the stores: (in int8, in main) per sequence and, per token,
+    # [T, 1, 1] in int8. None: the step reads the main store only.
+    _split: tuple[Tensor, Tensor, Tensor] | None = None
+    _stores: Sequence[KVStore] = ()
 
     def prepare(self, batch: ForwardBatch) -> None:
-        ctx = batch.positions + 1 if batch.decode_only else batch.tail_ctx
-        if not (batch.int8_kv and self.int8 is not None):
-            self._reads, self._in_int8 = (_Reads(self.main, batch.starts, ctx),), None
-            return
-        assert self.int8_slots is not None
-        in_int8 = self.int8_slots[batch.slots]
-        reads = []
-        for store, foreign in ((self.main, in_int8), (self.int8, ~in_int8)):
-            starts = batch.starts if batch.decode_only else torch.where(foreign, 0, batch.starts)
-            cut = ctx
-            if ctx is not None:
-                tail = foreign if batch.decode_only else foreign[batch.tail_from :]
-                cut = torch.where(tail, torch.ones_like(ctx), ctx)
-            reads.append(_Reads(store, starts, cut))
-        self._reads = tuple(reads)
-        self._in_int8 = in_int8[batch.seq_of_token].view(-1, 1, 1)
+        self._stores = self.step_stores(batch)
+        self._split = None
+        if len(self._stores) == 2:
+            assert self.int8_slots is not None
+            in_int8 = self.int8_slots[batch.slots]
+            self._split = (in_int8, ~in_int8, in_int8[batch.seq_of_token].view(-1, 1, 1))
 
     def write(self, layer: int, batch: ForwardBatch, kv: Tensor) -> None:
-        assert self._reads, "the step's first attention layer prepares it"
-        for reads in self._reads:
-            store_rows(reads.store, layer, batch, kv)
+        assert self._stores, "the step's first attention layer prepares it"
+        for store in self._stores:
+            store_rows(store, layer, batch, kv)
 
     def attend(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
-        """Over both stores each token keeps the result of its own sequence's store."""
-        outs = [_attend(r, layer, q, batch) for r in self._reads]
-        if self._in_int8 is None:
-            return outs[0]
-        return torch.where(self._in_int8, outs[1], outs[0])
+        if self._split is None:
+            return attend_kernels(self.main, layer, q, batch, None)
+        assert self.int8 is not None
+        in_int8, in_main, token_in_int8 = self._split
+        main = attend_kernels(self.main, layer, q, batch, in_int8)
+        return torch.where(token_in_int8, attend_kernels(self.int8, layer, q, batch, in_main), main)
 
 
-def _attend(reads: _Reads, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
-    """q [T, Hq, D] attended over one store's blocks by the Triton kernels -> [T, Hq, D]."""
-    store = reads.store
+_kernel: Any = None
+
+
+def _build() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def store_kernel(
+        src,
+        ptrs,
+        block_table,
+        slot_of_token,
+        positions,
+        table_stride,
+        layer,
+        num_layers,
+        seg_blocks,
+        BLOCK_SIZE: tl.constexpr,
+        ROW: tl.constexpr,
+        ROW_POW2: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_of_token + t)
+        pos = tl.load(positions + t)
+        block = tl.load(block_table + slot * table_stride + pos // BLOCK_SIZE).to(tl.int64)
+        seg = block // seg_blocks
+        local = block % seg_blocks
+        base = tl.load(ptrs + seg).to(src.dtype)
+        dst = base + ((local * num_layers + layer) * BLOCK_SIZE + pos % BLOCK_SIZE) * ROW
+        cols = tl.arange(0, ROW_POW2)
+        mask = cols < ROW
+        tl.store(dst + cols, tl.load(src + t * ROW + cols, mask=mask), mask=mask)
+
+    return store_kernel
+
+
+def _launch(src: Tensor, ptrs: Tensor, store: KVStore, layer: int, batch: ForwardBatch) -> None:
+    global _kernel
+    if _kernel is None:
+        _kernel = _build()
+    import triton
+
+    lay = store.layout
+    row = src[0].numel()
+    _kernel[(src.shape[0],)](
+        src,
+        ptrs,
+        store.block_table,
+        batch.slot_of_token,
+        batch.positions,
+        store.block_table.stride(0),
+        layer,
+        lay.num_layers,
+        lay.seg_blocks,
+        BLOCK_SIZE=lay.block_size,
+        ROW=row,
+        ROW_POW2=triton.next_power_of_2(row),
+    )
+
+
+def store_rows(store: KVStore, layer: int, batch: ForwardBatch, kv: Tensor) -> None:
+    """kv [T, 2 * kv_heads, head_dim] of this step's tokens into their blocks of `layer`."""
+    cuda = store.cuda
+    assert cuda is not None
+    if not store.layout.quantized:
+        _launch(kv.to(store.layout.dtype).contiguous(), cuda.kv_ptrs, store, layer, batch)
+        return
+    q, scale = quantize_rows(kv)
+    _launch(q.contiguous(), cuda.kv_ptrs, store, layer, batch)
+    _launch(scale.to(torch.float32).contiguous(), cuda.scale_ptrs, store, layer, batch)
+
+
+def attend_kernels(
+    store: KVStore, layer: int, q: Tensor, batch: ForwardBatch, foreign: Tensor | None
+) -> Tensor:
+    """q [T, Hq, D] attended over one store's blocks by the Triton kernels -> [T, Hq, D].
+    `foreign` [B] marks sequences that live in the other store: they read only their first
+    position (the sink block), and the caller discards their result."""
     lay, cuda = store.layout, store.cuda
     assert cuda is not None
     out = torch.empty_like(q)
@@ -85,8 +146,10 @@ def _attend(reads: _Reads, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor
         sm_scale=q.shape[-1] ** -0.5,
     )
 
-    def decode(first_token: int, slots: Tensor, ctx: Tensor, max_ctx: int) -> None:
-        """The one-token sequences whose tokens start at `first_token`."""
+    def decode(first_token: int, first_seq: int, slots: Tensor, ctx: Tensor, max_ctx: int) -> None:
+        """The one-token sequences from `first_seq` on (their tokens from `first_token` on)."""
+        if foreign is not None:
+            ctx = torch.where(foreign[first_seq:], torch.ones_like(ctx), ctx)
         paged_decode(
             q[first_token:],
             out[first_token:],
@@ -100,9 +163,13 @@ def _attend(reads: _Reads, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor
         )  # type: ignore[arg-type]
 
     if batch.decode_only:
-        assert reads.decode_ctx is not None
-        decode(0, batch.slots, reads.decode_ctx, batch.max_ctx)
+        decode(0, 0, batch.slots, batch.positions + 1, batch.max_ctx)
         return out
+    starts = (
+        batch.starts
+        if foreign is None
+        else torch.where(foreign, torch.zeros_like(batch.starts), batch.starts)
+    )
     # Prompt chunks by the prefill kernel; a tail of one-token sequences (decodes beside a prompt)
     # by the decode kernel. In the prefill kernel each of them took a tile of query rows, one real,
     # over its whole context: Llama-8B shape, 32 decodes at 2k context beside a 1k prompt, 29.1 ms
@@ -116,13 +183,13 @@ def _attend(reads: _Reads, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor
         cuda.scale_ptrs,
         store.block_table,
         batch.slots[:head],
-        reads.starts[:head],
+        starts[:head],
         batch.cu_lens[: head + 1],
         max_len=batch.max_len,
         max_ctx=batch.max_ctx,
         **common,
     )  # type: ignore[arg-type]
     if head < batch.num_seqs:
-        assert batch.tail_slots is not None and reads.decode_ctx is not None
-        decode(head_tokens, batch.tail_slots, reads.decode_ctx, batch.tail_max_ctx)
+        assert batch.tail_slots is not None and batch.tail_ctx is not None
+        decode(head_tokens, head, batch.tail_slots, batch.tail_ctx, batch.tail_max_ctx)
     return out
