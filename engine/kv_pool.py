@@ -8,6 +8,10 @@ write into it). When the free blocks run out the pool adds a segment, if the mem
 one (`acquire`: a VRAM ledger lease on CUDA, the host budget on the CPU); `shrink` gives whole
 free segments back. Nothing here runs while a step is in flight: the engine calls it between steps,
 so no block an executing kernel reads is ever freed or moved.
+
+`KVManager` is the one owner of a model's pools (the main one and the int8 one beside it) and of
+which pool each slot's sequence lives in; the models see only the attention backend it builds
+over the stores (their blocks, block tables and that per-slot table).
 """
 
 from __future__ import annotations
@@ -263,7 +267,3 @@ class KVManager:
             if changed:
                 self.int8_slots[torch.tensor(sorted(changed), device=self.int8_slots.device)] = value
         self._in_int8 = now
-
-    def close(self) -> None:
-        for pool in self.pools:
-            pool.close()
