@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 from ballast.models.attention import (
-    PagedAttentionBackend,
     PaddedGroup,
+    PagedAttentionBackend,
     attend_gathered,
     block_ids,
     gather,
