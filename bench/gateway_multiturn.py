@@ -91,12 +91,14 @@ async def chat(
     return out
 
 
-async def load(url: str, tag: str, chats: int, turns: int, new_tokens: int) -> dict[str, float]:
+async def load(url: str, tag: str, chats: int, turns: int, new_tokens: int) -> dict[str, object]:
     client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
     # Each opening starts with its own topic: smg's cache-aware tree matches text from the first
-    # character, so a shared lead ("[tag k] Tell me about") would read as a shared prefix and pile
-    # every chat's first turn onto one replica. The tag (a fresh opening per policy) goes last.
-    openings = [f"{TOPICS[k % len(TOPICS)].capitalize()}: tell me about them. ({tag} {k})" for k in range(chats)]
+    # character, and with a shared lead ("[tag k] Tell me about ...") 1 of 8 second turns reached the
+    # replica holding their prefix (7 of 8 with these). The tag (fresh per policy) goes last.
+    openings = [
+        f"{TOPICS[k % len(TOPICS)].capitalize()}: tell me about them. ({tag} {k})" for k in range(chats)
+    ]
     results = await asyncio.gather(*(chat(client, o, turns, new_tokens) for o in openings))
     later = [row for r in results for row in r[1:]]  # turns that had a prefix to reuse
     ttfts = [row[2] for r in results for row in r]

@@ -136,7 +136,8 @@ def main() -> None:
     print(f"{'run':<40}{'scrape p50':>12}{'scrape p99':>12}{'tok/s':>9}{'ITL p50':>10}{'ITL p99':>10}")
     for p, i in idle_runs.items():
         print(f"{'idle, ' + p:<40}{i['scrape_p50_ms']:>10.2f}ms{i['scrape_p99_ms']:>10.2f}ms")
-    rows = [("streams, no scraper", alone)] + [(f"streams + 50 ms scraper of {p}", r) for p, r in scraped.items()]
+    rows = [("streams, no scraper", alone)]
+    rows += [(f"streams + 50 ms scraper of {p}", r) for p, r in scraped.items()]
     for name, r in rows:
         p50 = f"{r['scrape_p50_ms']:>10.2f}ms" if "scrape_p50_ms" in r else f"{'':>12}"
         p99 = f"{r['scrape_p99_ms']:>10.2f}ms" if "scrape_p99_ms" in r else f"{'':>12}"

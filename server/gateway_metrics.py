@@ -160,7 +160,8 @@ def gateway_page(state: ServerState) -> str:
     out = []
     for metric, values, value in _rows(load, name):
         labels = ",".join(f'{k}="{_escape(v)}"' for k, v in zip(SERIES[metric], values, strict=True))
-        out.append(f"# HELP {metric} {HELP[metric]}\n# TYPE {metric} gauge\n{metric}{{{labels}}} {float(value)!r}\n")
+        out.append(f"# HELP {metric} {HELP[metric]}\n# TYPE {metric} gauge\n")
+        out.append(f"{metric}{{{labels}}} {float(value)!r}\n")
     return "".join(out)
 
 

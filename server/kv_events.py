@@ -6,17 +6,17 @@ that holds the KV of positions [0, n) and, on a hybrid model, the recurrent stat
 tokens (a recurrent state cannot be truncated, so a later prompt can start only at an n some entry
 was saved at; an attention-only model's entries are reused the same way). Each entry saved
 announces the full KV blocks of its tokens that no other entry already announced, in one
-`BlockStored` whose `ballast_checkpoint` is n; a block is removed (`BlockRemoved`) when the last
+`BlockStored` whose `checkpoint_position` is n; a block is removed (`BlockRemoved`) when the last
 entry covering it goes; a shed empties the cache (`AllBlocksCleared`). A router that matches a
 prompt's leading blocks learns what this replica holds; the reuse it gets is up to the longest
-checkpoint position at or below the matched length (`ballast_checkpoint` of the stored events).
+checkpoint position at or below the matched length (`checkpoint_position` of the stored events).
 
 The wire format is vLLM's: a ZMQ multipart message (topic, 8-byte big-endian sequence number,
 payload), the payload a msgpack array `[ts, events, data_parallel_rank]`. Each event is a msgpack
 map with its kind under "type" (vLLM since its events became maps), or with `--kv-events-format
 array` the positional array older subscribers decode (`["BlockStored", block_hashes,
 parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]`, without
-`ballast_checkpoint`). A block's hash is 63 bits, chained so a subscriber can recompute it from
+`checkpoint_position`). A block's hash is 63 bits, chained so a subscriber can recompute it from
 the tokens: `blake2b(parent as 8 bytes big-endian (0 for the first block) + the block's token ids
 as int64 little-endian, digest_size=8)` read big-endian, shifted right by one.
 """
@@ -218,5 +218,5 @@ class BlockIndex:
             "lora_id": None,
             "medium": self._medium,
             "lora_name": None,
-            "ballast_checkpoint": at,
+            "checkpoint_position": at,
         }

@@ -1,8 +1,8 @@
 """The endpoints. Generation flows live in `completions` and `streaming`; this file only routes.
 
-/health, /ready, /metrics (and /metrics/gateway), /version and /docs are open (probes, scrapers, people); /v1, /tokenize,
-/detokenize and /tokenizer_info need the API key when one is set, and take and give what vLLM's
-do. Anthropic Messages and OpenAI Responses have routes of their own (`messages_api`,
+/health, /ready, /metrics (and /metrics/gateway), /version and /docs are open (probes, scrapers,
+people); /v1, /tokenize, /detokenize and /tokenizer_info need the API key when one is set, and take
+and give what vLLM's do. Anthropic Messages and OpenAI Responses have routes of their own (`messages_api`,
 `responses_api`).
 """
 

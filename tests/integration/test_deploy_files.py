@@ -21,6 +21,8 @@ from ballast.memory.watch import MemWatch
 from ballast.scheduler.config import SchedulerConfig
 from ballast.server.app import create_app
 from ballast.server.cli import LAYERS, OTHER_VARIABLES, build_parser
+from ballast.server.kv_events import KVEventsConfig
+from ballast.server.kv_publisher import KVEventPublisher
 from ballast.server.config import ServerConfig, build, unknown_variables
 from fake_engine import FakeEngine
 from memfixtures import level_tree
@@ -69,18 +71,22 @@ def test_every_metric_the_rules_and_the_guide_name_is_served(tmp_path: Path) -> 
     pool = CheckpointPool(
         lambda: watch.read().host.effective_total_bytes, 0.25, 8, 1, pin=False
     )  # as `ballast serve` has
+    # With --kv-events-endpoint set, as the guide's KV-event series need.
+    kv_events = KVEventPublisher(KVEventsConfig(endpoint=f"ipc://{tmp_path}/kv-events"))
     app = create_app(
         ServerConfig(),
         SchedulerConfig(),
         lambda: FakeEngine(kv_blocks=64, gpu_die=0),
         memwatch=watch,
         pool=pool,
+        collectors=(kv_events.collector(),),
     )
     with running_server(app) as url:
         body = {"model": "fake-model", "prompt": "the cat", "max_tokens": 3, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
             assert r.status_code == 200 and "[DONE]" in r.read().decode()
         families = list(text_string_to_metric_families(httpx.get(url + "/metrics").text))
+    kv_events.stop()
     served = {f.name for f in families} | {s.name for f in families for s in f.samples}
     # A labelled counter with no sample yet still declares its family (name without _total).
     for source, named in (("the alert rules", in_rules), ("docs/OPERATIONS.md", in_guide)):

@@ -142,8 +142,8 @@ class Subscriber:
         if expected != hashes or len(e["token_ids"]) != bs * len(hashes):
             self.problems.append(f"block hashes do not follow from the tokens: {e}")
         # A hybrid checkpoint lies at or after the blocks it announces, inside the next block.
-        if not (depth + len(hashes)) * bs <= e["ballast_checkpoint"] < (depth + len(hashes) + 1) * bs:
-            self.problems.append(f"checkpoint {e['ballast_checkpoint']} outside its last block: {e}")
+        if not (depth + len(hashes)) * bs <= e["checkpoint_position"] < (depth + len(hashes) + 1) * bs:
+            self.problems.append(f"checkpoint {e['checkpoint_position']} outside its last block: {e}")
         if e["medium"] != "CPU" or e["lora_id"] is not None:
             self.problems.append(f"fields: {e}")
         for i, h in enumerate(hashes):

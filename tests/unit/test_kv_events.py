@@ -48,11 +48,11 @@ def test_entries_announce_only_their_new_tail_and_remove_what_no_entry_covers() 
         "lora_id": None,
         "medium": "CPU",
         "lora_name": None,
-        "ballast_checkpoint": 10,
+        "checkpoint_position": 10,
     }
     [second] = index.stored(prefix_key(long), long)
     assert second["block_hashes"] == chain(long)[2:] and second["parent_block_hash"] == chain(long)[1]
-    assert second["token_ids"] == long[8:16] and second["ballast_checkpoint"] == len(long)
+    assert second["token_ids"] == long[8:16] and second["checkpoint_position"] == len(long)
     assert index.stored(prefix_key(long), long) == []  # the same entry twice: nothing new
     assert index.stored(prefix_key(short[:9]), short[:9]) == []  # a checkpoint inside held blocks
     assert index.blocks == frozenset(chain(long))
