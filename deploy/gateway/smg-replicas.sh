@@ -42,6 +42,7 @@ done
 
 "$SMG" launch --host "$HOST" --port "$GATEWAY_PORT" --worker-urls "${urls[@]}" \
   --policy cache_aware \
+  --cache-threshold 0.1 \
   --health-check-endpoint /ready --health-check-interval-secs 1 \
   --health-failure-threshold 1 --health-success-threshold 1 \
   --load-monitor-interval 1 \

@@ -21,9 +21,9 @@ from ballast.memory.watch import MemWatch
 from ballast.scheduler.config import SchedulerConfig
 from ballast.server.app import create_app
 from ballast.server.cli import LAYERS, OTHER_VARIABLES, build_parser
+from ballast.server.config import ServerConfig, build, unknown_variables
 from ballast.server.kv_events import KVEventsConfig
 from ballast.server.kv_publisher import KVEventPublisher
-from ballast.server.config import ServerConfig, build, unknown_variables
 from fake_engine import FakeEngine
 from memfixtures import level_tree
 from prometheus_client.parser import text_string_to_metric_families
