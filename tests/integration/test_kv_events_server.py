@@ -32,7 +32,7 @@ from ballast.server.config import ServerConfig
 from ballast.server.kv_events import KVEventsConfig
 from ballast.server.kv_publisher import KVEventPublisher
 from memfixtures import level_tree
-from serverproc import running_server
+from serverproc import running_server, serve_subprocess
 
 pytestmark = pytest.mark.slow
 
@@ -299,3 +299,49 @@ def test_serve_refuses_bad_kv_event_settings_at_start_up(
             main(argv, {})
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_ballast_serve_publishes_when_given_an_endpoint(tmp_path: Path) -> None:
+    """The CLI path: `ballast serve --kv-events-endpoint ... --kv-events-replay-endpoint ...` in a
+    child process; after a completion, the replay socket hands back the batches from sequence 0,
+    which store the prompt's blocks; /metrics counts them."""
+    events, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    args = ["--model", "builtin:tiny-llama", "--max-model-len", "256", "--max-num-seqs", "2"]
+    args += [
+        "--kv-events-endpoint",
+        events,
+        "--kv-events-replay-endpoint",
+        replay,
+        "--kv-events-format",
+        "array",
+    ]
+    with serve_subprocess(args) as (url, _):
+        body = {"model": "builtin:tiny-llama", "prompt": list(range(5, 105)), "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(replay)
+        stored: list[list[Any]] = []
+        try:
+            assert wait_for(lambda: metric_value(url, 'ballast_kv_events_total{type="BlockStored"}') >= 1)
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            while True:
+                assert dealer.poll(5000)
+                _, seq, payload = dealer.recv_multipart()
+                if int.from_bytes(seq, "big", signed=True) == -1:
+                    break
+                stored += [e for e in msgpack.unpackb(payload)[1] if e[0] == "BlockStored"]
+        finally:
+            dealer.close(linger=0)
+            ctx.term()
+    first = stored[0]
+    block_size = first[4]
+    assert first[2] is None and first[3] == list(range(5, 5 + len(first[1]) * block_size))
+    assert first[1] == own_chain(list(range(5, 105)), block_size)[: len(first[1])]
+
+
+def metric_value(url: str, series: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
