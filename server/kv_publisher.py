@@ -173,31 +173,40 @@ class KVEventPublisher:
             self._thread.join(timeout=5)
         self._close_sockets()
 
+    def published(self, kind: str) -> int:
+        """Events of this type (BlockStored, BlockRemoved, AllBlocksCleared) sent so far."""
+        return self._published[kind]
+
     def collector(self) -> Collector:
         return _PublisherCollector(self)
 
     def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._once()
+            except Exception:  # a bad replay request or batch must not end the publishing
+                log.exception("KV events: publisher step failed")
+
+    def _once(self) -> None:
         assert self._index is not None
         index = self._index
-        while not self._stopping.is_set():
-            if self._replay is not None and self._replay.poll(0):
-                self._answer_replay(self._replay)
-            changes = self.changes.take(POLL_S)
-            events: list[Event] = []
-            for c in changes:
-                if c.kind == "stored":
-                    assert c.key is not None and c.tokens is not None
-                    events += index.stored(c.key, c.tokens)
-                elif c.kind == "removed":
-                    assert c.key is not None
-                    events += index.removed(c.key)
-                elif c.kind == "cleared":
-                    events += index.cleared()
-                else:
-                    assert c.live is not None
-                    events += index.announce_again(dict(c.live))
-            if events:
-                self._send(events)
+        if self._replay is not None and self._replay.poll(0):
+            self._answer_replay(self._replay)
+        events: list[Event] = []
+        for c in self.changes.take(POLL_S):
+            if c.kind == "stored":
+                assert c.key is not None and c.tokens is not None
+                events += index.stored(c.key, c.tokens)
+            elif c.kind == "removed":
+                assert c.key is not None
+                events += index.removed(c.key)
+            elif c.kind == "cleared":
+                events += index.cleared()
+            else:
+                assert c.live is not None
+                events += index.announce_again(dict(c.live))
+        if events:
+            self._send(events)
 
     def _send(self, events: list[Event]) -> None:
         payload = msgpack.packb([time.time(), events, 0])
@@ -235,7 +244,7 @@ class _PublisherCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         events = CounterMetricFamily("ballast_kv_events", "KV events published, by type", labels=["type"])
         for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
-            events.add_metric([kind], self._p._published[kind])
+            events.add_metric([kind], self._p.published(kind))
         yield events
         yield CounterMetricFamily(
             "ballast_kv_events_dropped",
