@@ -24,9 +24,8 @@ from ballast.engine.errors import EngineUnhealthy, PlanError
 from ballast.engine.faults import is_device_fault, is_memory_fault
 from ballast.engine.injected_faults import FaultInjector
 from ballast.engine.kv_budget import capacity_line
-from ballast.engine.pipeline import DrawnRow, LaunchedStep, StepPipeline
+from ballast.engine.pipeline import DeviceFed, DrawnRow, LaunchedStep, StepPipeline
 from ballast.engine.plan import (
-    LAST_SAMPLED,
     KVFigures,
     PrefillChunk,
     PromptLogprobs,
@@ -46,12 +45,13 @@ from ballast.engine.sampling_defaults import sampling_defaults as defaults_for
 from ballast.engine.slot_kv import SlotKV
 from ballast.engine.staging import to_device
 from ballast.engine.startup import Parts, bring_up
+from ballast.engine.step_batch import build_batch
 from ballast.engine.tokenizer import Tokenizer
 from ballast.engine.workspace import step_workspace
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import CostModel
 from ballast.memory.watch import MemWatch
-from ballast.models.base import Rows
+from ballast.models.base import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +106,6 @@ class Engine:
         self._pipeline = StepPipeline(
             self._executor, self.launch, self._finish_step, self._on_step_failure, _needs_host_tokens
         )
-        # Slots whose sequence the last launched step preempted or dropped: a next plan built
-        # before that step's result came back may still decode them from LAST_SAMPLED; skipped.
-        self._gone: frozenset[int] = frozenset()
-        # slot -> (position, token) of the last finished step's draws: a plan launched after that
-        # finish names them LAST_SAMPLED, and the slot's fed record takes the token at once.
-        self._settled: dict[int, tuple[int, int]] = {}
         # Loading touches tensors, so it too runs on the engine thread.
         try:
             parts = self._executor.submit(self._load).result()
@@ -194,6 +188,7 @@ class Engine:
         self.quantized_kv = runner.quantized_kv
         self.decodes_ahead = self.config.tensor_parallel_size == 1
         self.slot_kv = SlotKV(self.runner, self._cache, self._watch, ranks=self.config.tensor_parallel_size)
+        self._fed = DeviceFed(self.slot_kv.fed_at)
         self._orders = CheckpointOrders(
             self._cache,
             self.prefix_cache,
@@ -351,7 +346,7 @@ class Engine:
         no buffer or block is left behind. Each of these is idempotent."""
         slots = _written_slots(plan)
         touched = sorted(s for s in slots | set(plan.release) if 0 <= s < self.num_slots)
-        self._gone = frozenset(touched)
+        self._fed.dropped(frozenset(touched))
         for tokens in plan.unpark:
             self._cache.unpark(tokens)
         for fed in self.slot_kv.take_parked_in_step():  # parked under exactly what it was fed
@@ -383,19 +378,20 @@ class Engine:
         self._apply_releases(plan)
         self._cache.before_writes(_written_slots(plan))  # checkpoint copies still reading them
         reused, unrestored = self._orders.restore(plan)
-        gone = frozenset(d.slot for d in plan.decodes if d.token_id == LAST_SAMPLED and d.slot in self._gone)
-        seqs, sampled = self._sequences(plan, unrestored | gone)
-        preempted = self.slot_kv.take_blocks(plan, seqs) | unrestored
-        if preempted:
-            keep = [i for i, (slot, _, _) in enumerate(seqs) if slot not in preempted]
-            seqs, sampled = [seqs[i] for i in keep], [sampled[i] for i in keep]
-        self._gone = preempted | gone
-        self._feed_settled(plan)
+        gone = self._fed.skipped(plan)
+        batch = self._batch(plan, unrestored | gone)
+        preempted = unrestored
+        if batch is not None:
+            preempted = self.slot_kv.take_blocks(plan, batch) | unrestored
+            if preempted & set(batch.slots_list):
+                kept = batch.without(preempted) if set(batch.slots_list) - preempted else None
+                batch = kept
+        self._fed.launched(plan, preempted | gone)
         asks = {p.slot: p for p in plan.prefills if p.logprob_targets and p.slot not in preempted}
         started = time.perf_counter()
-        if seqs:
+        if batch is not None:
             self._faults.before_forward(prefill=any(p.slot not in preempted for p in plan.prefills))
-        draw, rows, prompt_logprobs = self._forward(seqs, sampled, plan.sampling, asks)
+        draw, rows, prompt_logprobs = self._forward(batch, plan.sampling, asks)
         self._orders.save(plan, frozenset(plan.release) | preempted)
         prefill_tokens = sum(len(p.token_ids) for p in plan.prefills if p.slot not in preempted)
         self.prefilled_tokens += prefill_tokens
@@ -404,7 +400,7 @@ class Engine:
             prefill_tokens=prefill_tokens,
             decode_tokens=sum(d.slot not in preempted and d.slot not in gone for d in plan.decodes),
             reused_tokens=reused,
-            forward_s=time.perf_counter() - started if seqs else 0.0,
+            forward_s=time.perf_counter() - started if batch is not None else 0.0,
             ledger_bytes=self._ledger_bytes(),
             preempted=tuple(sorted(preempted)),
             kv=self.kv_figures(),
@@ -419,24 +415,14 @@ class Engine:
         if launched.draw is None:
             return launched.result
         tokens = self.runner.sampler.collect(launched.draw)
-        outputs = []
-        self._settled = {}
-        for (slot, pos, at_capacity), tok in zip(launched.rows, tokens, strict=True):
-            self.slot_kv.fed_at(slot, pos, tok.token_id)  # a next step that fed it as LAST_SAMPLED
-            self._settled[slot] = (pos, tok.token_id)  # or one launched later
-            outputs.append(SlotOutput(slot, tok.token_id, tok.logprob, tok.top_logprobs, at_capacity))
+        self._fed.finished(launched.rows, [tok.token_id for tok in tokens])
+        outputs = [
+            SlotOutput(slot, tok.token_id, tok.logprob, tok.top_logprobs, at_capacity)
+            for (slot, _, at_capacity), tok in zip(launched.rows, tokens, strict=True)
+        ]
         return replace(
             launched.result, outputs=tuple(outputs), forward_s=time.perf_counter() - launched.started
         )
-
-    def _feed_settled(self, plan: StepPlan) -> None:
-        """A LAST_SAMPLED decode at the position of a token the last finished step drew: the
-        slot's fed record takes that token now (finish recorded it before this plan named it)."""
-        settled, self._settled = self._settled, {}
-        for d in plan.decodes:
-            drawn = settled.get(d.slot)
-            if d.token_id == LAST_SAMPLED and drawn is not None and drawn[0] == d.pos:
-                self.slot_kv.fed_at(d.slot, d.pos, drawn[1])
 
     def kv_figures(self, int8: bool = False) -> KVFigures | None:
         """A KV pool's figures now: the main one, or the int8 one new sequences use under pressure
@@ -445,27 +431,22 @@ class Engine:
         return pool.figures() if pool is not None else None
 
     def _forward(
-        self,
-        seqs: Rows,
-        sampled: list[bool],
-        sampling: dict[int, SamplingParams],
-        asks: dict[int, PrefillChunk],
+        self, batch: StepBatch | None, sampling: dict[int, SamplingParams], asks: dict[int, PrefillChunk]
     ) -> tuple[Draw | None, tuple[DrawnRow, ...], tuple[PromptLogprobs, ...]]:
-        if not seqs:
+        if batch is None:
             return None, (), ()
-        every = [slot in asks for slot, _, _ in seqs]
-        logits = self.runner.forward(seqs, every)
+        logits = self.runner.forward(batch)
         prompt_logprobs: tuple[PromptLogprobs, ...] = ()
         if asks:  # rows: every token of the sequences that asked, the last token of the others
-            counts = [len(tokens) if e else 1 for (_, tokens, _), e in zip(seqs, every, strict=True)]
+            counts = [n if e else 1 for n, e in zip(batch.lens_list, batch.all_logits, strict=True)]
             ends = list(accumulate(counts))
             prompt_logprobs = tuple(
                 _prompt_logprobs(asks[slot], logits[end - count : end])
-                for (slot, _, _), count, end in zip(seqs, counts, ends, strict=True)
+                for slot, count, end in zip(batch.slots_list, counts, ends, strict=True)
                 if slot in asks
             )
             logits = logits.index_select(0, torch.tensor([e - 1 for e in ends], device=logits.device))
-        draw, rows = self._draw(seqs, sampled, logits, sampling)
+        draw, rows = self._draw(batch, logits, sampling)
         return draw, rows, prompt_logprobs
 
     def _apply_slot_limit(self, plan: StepPlan) -> None:
@@ -492,42 +473,20 @@ class Engine:
             # to what running sequences hold.
             self.slot_kv.shrink(plan.kv_keep)
 
-    def _sequences(
-        self, plan: StepPlan, skip: frozenset[int]
-    ) -> tuple[list[tuple[int, Sequence[int], int]], list[bool]]:
-        """(slot, tokens, start) per sequence in plan order (prefills, then decodes; slots in
-        `skip` left out), and whether each one samples a token. Slots starting a new sequence are
-        reset first."""
-        seqs: list[tuple[int, Sequence[int], int]] = []
-        sampled: list[bool] = []
-        for p in (p for p in plan.prefills if p.slot not in skip):
-            seqs.append((p.slot, p.token_ids, p.start_pos))
-            sampled.append(p.sample)
-        for d in (d for d in plan.decodes if d.slot not in skip):
-            seqs.append((d.slot, (d.token_id,), d.pos))
-            sampled.append(True)
-        self._check_slots([s for s, _, _ in seqs])
-        vocab = self.runner.sampler.vocab_size
-        from_device = {d.slot for d in plan.decodes if d.token_id == LAST_SAMPLED}
-        for slot, tokens, start in seqs:
-            if not tokens:
-                raise PlanError(f"slot {slot}: a prefill chunk of no tokens")
-            if start + len(tokens) > self.max_model_len:
-                raise PlanError(
-                    f"slot {slot}: positions up to {start + len(tokens) - 1} exceed max_model_len "
-                    f"{self.max_model_len}"
-                )
-            if slot in from_device and not self.runner.sampler.has_drawn(slot):
-                raise PlanError(f"slot {slot}: a LAST_SAMPLED decode, but the slot has drawn no token")
-            if (min(tokens) < 0 and slot not in from_device) or max(tokens) >= vocab:
-                raise PlanError(f"slot {slot}: token ids must be in 0..{vocab - 1}")
+    def _batch(self, plan: StepPlan, skip: frozenset[int]) -> StepBatch | None:
+        """The step's batch (`build_batch`; slots in `skip` left out). Slots starting a new
+        sequence are reset first."""
+        sampler = self.runner.sampler
+        batch = build_batch(
+            plan, skip, self.num_slots, self.max_model_len, sampler.vocab_size, sampler.has_drawn
+        )
         fresh = [p for p in plan.prefills if p.start_pos == 0]
         self.slot_kv.start([p.slot for p in fresh], [p.int8_kv for p in fresh])
         self.runner.reset([p.slot for p in fresh])
         for p in plan.prefills:
             if p.slot not in skip:
-                self.runner.sampler.observe_prompt(p.slot, p.token_ids)
-        return seqs, sampled
+                sampler.observe_prompt(p.slot, p.token_ids)
+        return batch
 
     def _check_slots(self, slots: Sequence[int]) -> None:
         bad = [s for s in slots if not 0 <= s < self.num_slots]
@@ -535,20 +494,20 @@ class Engine:
             raise PlanError(f"slots {bad} out of range 0..{self.num_slots - 1}")
 
     def _draw(
-        self, seqs: Rows, sampled: list[bool], logits: torch.Tensor, sampling: dict[int, SamplingParams]
+        self, batch: StepBatch, logits: torch.Tensor, sampling: dict[int, SamplingParams]
     ) -> tuple[Draw | None, tuple[DrawnRow, ...]]:
         """Queue the draw of the rows that sample, and name each drawn row (`DrawnRow`)."""
-        rows = [i for i, s in enumerate(sampled) if s]
+        rows = [i for i, s in enumerate(batch.sampled) if s]
         if not rows:
             return None, ()
-        slots = [seqs[i][0] for i in rows]
+        slots = [batch.slots_list[i] for i in rows]
         missing = [s for s in slots if s not in sampling]
         if missing:
             raise PlanError(f"no sampling params for slots {missing}")
-        if len(rows) != len(seqs):
+        if len(rows) != batch.num_seqs:
             logits = logits.index_select(0, to_device(rows, torch.long, logits.device))
         draw = self.runner.sampler.draw(logits, slots, [sampling[s] for s in slots])
-        ends = [seqs[i][2] + len(seqs[i][1]) for i in rows]
+        ends = [batch.starts_list[i] + batch.lens_list[i] for i in rows]
         return draw, tuple(
             (slot, end, end >= self.max_model_len) for slot, end in zip(slots, ends, strict=True)
         )

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from ballast.engine.graphs import PAD_POSITION, Agree, DecodeGraphs, FeedLastTokens, GraphCaptureError
+from ballast.engine.graphs import PAD_POSITION, Agree, DecodeGraphs, GraphCaptureError
 from ballast.engine.kv_pool import Acquire, KVPool
 from ballast.engine.prefill_graphs import GRANULE, PrefillGraphs
 from ballast.engine.sampler import Sampler
 from ballast.engine.staging import to_device
 from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import CostModel
-from ballast.models.base import CausalLM, ForwardBatch, Rows
+from ballast.models.base import CausalLM, ForwardBatch, Rows, StepBatch
 from ballast.models.state import (
     KVStores,
     LayerState,
@@ -353,53 +353,65 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
 
-    def forward(self, seqs: Rows, all_logits: Sequence[bool] = ()) -> Tensor:
+    def forward(self, seqs: StepBatch | Rows, all_logits: Sequence[bool] = ()) -> Tensor:
         """Logits at each sequence's last token (at every token of the sequences all_logits marks),
         in sequence order; writes the slots' states. A decode step replays a graph where one was
         captured for its shape (the logits are then a view valid until the next step), a lone
-        prompt chunk a prefill graph, and a prompt chunk beside decodes both where that pays."""
+        prompt chunk a prefill graph, and a prompt chunk beside decodes both where that pays.
+        seqs: the step's batch (its own all_logits), or rows (tests and benches)."""
+        batch = seqs if isinstance(seqs, StepBatch) else StepBatch.of(seqs, all_logits=all_logits)
         if self.kv is not None:
             bs = self.kv.layout.block_size
-            held = {slot: sum(p.alloc.count(slot) for p in self.pools) for slot, _, _ in seqs}
-            bare = [slot for slot, tokens, start in seqs if held[slot] * bs < start + len(tokens)]
+            pools = self.pools
+            bare = [
+                slot
+                for slot, start, n in zip(batch.slots_list, batch.starts_list, batch.lens_list, strict=True)
+                if sum(p.alloc.count(slot) for p in pools) * bs < start + n
+            ]
             if bare:  # writing there would land in another sequence's blocks
                 raise ValueError(
                     f"slots {bare} have no KV blocks for this step's positions (KVPool.ensure first)"
                 )
         mixed = self.kv_stores is not None and self.kv_stores.mixed
-        # Decodes planned before their token reached the host take it from the device.
-        last = self.sampler.feed_last_tokens if any(t[0] < 0 for _, t, _ in seqs) else None
-        if self.graphs is not None and self.graphs.can_use(seqs, mixed):
-            return self._replay(seqs, last, mixed)
-        if self.prefill_graphs is not None and self.prefill_graphs.can_use(seqs, all_logits, mixed):
-            return self.prefill_graphs.replay(seqs)
-        if self._split_pays(seqs, all_logits, mixed):
+        if self.graphs is not None and self.graphs.can_use(batch, mixed):
+            return self._replay(batch, mixed)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_use(batch, mixed=mixed):
+            return self.prefill_graphs.replay(batch)
+        split = self._split(batch, mixed)
+        if split is not None:
             assert self.prefill_graphs is not None
-            first = self.prefill_graphs.replay(seqs[:1])
-            rest = self._replay(seqs[1:], last, mixed)
+            first = self.prefill_graphs.replay(split[0])
+            rest = self._replay(split[1], mixed)
             self.split_replays += 1
             return torch.cat((first, rest))
-        batch = ForwardBatch.build(seqs, self.device, all_logits=all_logits)
-        if last is not None:
-            last(batch.token_ids, batch.slot_of_token)
+        batch.place(self.device)
+        if batch.from_device_mask is not None:  # decodes planned before their token reached the host
+            self.sampler.feed(batch.token_ids, batch.slot_of_token, batch.from_device_mask)
         return self._eager(batch)
 
-    def _split_pays(self, seqs: Rows, all_logits: Sequence[bool], mixed: bool) -> bool:
+    def _split(self, batch: StepBatch, mixed: bool) -> tuple[StepBatch, StepBatch] | None:
         """A prompt chunk then decode tokens, which a prefill graph and a decode graph serve, and
         whose replays take the GPU less time than the eager step takes the host to launch
         (`PrefillGraphs.split_pays`; the decode replay costs a read of the weights and of the KV
-        its sequences attend to)."""
+        its sequences attend to): the two parts, or None."""
         prefill, decode = self.prefill_graphs, self.graphs
-        if prefill is None or decode is None or len(seqs) < 2 or mixed or any(all_logits):
-            return False
-        if not prefill.can_use(seqs[:1]) or not decode.can_use(seqs[1:]):
-            return False
-        kv_read = sum(start + 1 for _, _, start in seqs[1:])
-        return prefill.split_pays(len(seqs[0][1]), 1.0 + kv_read * self._kv_per_weight)
+        n = batch.num_seqs
+        if prefill is None or decode is None or n < 2 or mixed or any(batch.all_logits):
+            return None
+        head, rest = batch.part(0, 1), batch.part(1, n)
+        if not prefill.can_use(head) or not decode.can_use(rest):
+            return None
+        kv_read = sum(start + 1 for start in rest.starts_list)
+        pays = prefill.split_pays(head.lens_list[0], 1.0 + kv_read * self._kv_per_weight)
+        return (head, rest) if pays else None
 
-    def _replay(self, seqs: Rows, last: FeedLastTokens | None, mixed: bool) -> Tensor:
+    def _replay(self, batch: StepBatch, mixed: bool) -> Tensor:
+        """A decode graph's replay, its rows fed from the device filled in stream order first."""
         assert self.graphs is not None
-        return self.graphs.replay(seqs, last, mixed)
+        key = self.graphs.stage(batch, mixed)
+        if batch.any_from_device:
+            self.sampler.feed(*self.graphs.fed_inputs(batch.num_seqs))
+        return self.graphs.launch(key, batch.num_seqs)
 
     def _eager(self, batch: ForwardBatch) -> Tensor:
         return self._run(batch)

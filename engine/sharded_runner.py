@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from ballast.engine import tp_graphs
 from ballast.engine.faults import WorkerLost
-from ballast.engine.graphs import PAD_POSITION, FeedLastTokens, GraphCaptureError
+from ballast.engine.graphs import PAD_POSITION, GraphCaptureError
 from ballast.engine.runner import ModelRunner
 from ballast.engine.tp_worker import StepMessage
-from ballast.models.base import ForwardBatch, Rows
+from ballast.models.base import ForwardBatch, Rows, StepBatch
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 # (their collectives pair), so a live worker answers moments after rank 0 finishes a bucket; the
 # bound only matters for one stuck in a collective a failed peer never joined.
 CAPTURE_REPLY_TIMEOUT_S = 300.0
-Row = tuple[int, tuple[int, ...], int]
 
 
 class ShardedRunner(ModelRunner):
@@ -40,7 +39,7 @@ class ShardedRunner(ModelRunner):
     def __init__(self, *args: Any, workers: TPWorkers, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.workers = workers
-        self._pending: tuple[list[Row], list[bool]] | None = None
+        self._pending: StepBatch | None = None
         self._worker_graph_bytes: list[int] = []
         # Every change the workers must make before the next forward, in the order made here: the
         # KV stores' and (once the engine hands it to its prefix cache) slot-state copies.
@@ -54,28 +53,24 @@ class ShardedRunner(ModelRunner):
     def sound(self) -> bool:
         return self.workers.lost() is None
 
-    def forward(self, seqs: Rows, all_logits: Sequence[bool] = ()) -> Tensor:
-        self._pending = (
-            [(int(s), tuple(int(t) for t in toks), int(st)) for s, toks, st in seqs],
-            list(all_logits),
-        )
-        return super().forward(seqs, all_logits)
+    def forward(self, seqs: StepBatch | Rows, all_logits: Sequence[bool] = ()) -> Tensor:
+        batch = seqs if isinstance(seqs, StepBatch) else StepBatch.of(seqs, all_logits=all_logits)
+        self._pending = batch
+        return super().forward(batch)
 
     def _eager(self, batch: ForwardBatch) -> Tensor:
-        rows, every = self._take_pending()
-        self.workers.send(self._message(rows, every))
+        self.workers.send(self._message(self._take_pending()))
         return self._checked(lambda: self._run(batch))
 
-    def _replay(self, seqs: Rows, last: FeedLastTokens | None, mixed: bool) -> Tensor:
+    def _replay(self, batch: StepBatch, mixed: bool) -> Tensor:
         assert self.graphs is not None
-        key = self.graphs.key_of(seqs, mixed)
+        key = self.graphs.key_of(batch, mixed)
         assert key is not None and not key[2], "under tensor parallel only plain graphs are captured"
-        rows, every = self._take_pending()
-        self.workers.send(self._message(rows, every, graph=(key[0], key[1])))
+        self.workers.send(self._message(self._take_pending(), graph=(key[0], key[1])))
         replay = super()._replay
-        return self._checked(lambda: replay(seqs, last, mixed))
+        return self._checked(lambda: replay(batch, mixed))
 
-    def _take_pending(self) -> tuple[list[Row], list[bool]]:
+    def _take_pending(self) -> StepBatch:
         assert self._pending is not None, "a tensor-parallel forward goes through forward()"
         pending, self._pending = self._pending, None
         return pending
@@ -104,15 +99,14 @@ class ShardedRunner(ModelRunner):
         self.journal.clear()  # the same list object: the stores and the cache append to it
         return ops
 
-    def _message(
-        self, rows: list[Row], every: list[bool], graph: tuple[int, int] | None = None
-    ) -> StepMessage:
+    def _message(self, batch: StepBatch, graph: tuple[int, int] | None = None) -> StepMessage:
         int8_slots: list[int] = []
         mixed = False
         if self.kv_stores is not None:
             int8_slots = self.kv_stores.int8_slots.nonzero().flatten().tolist()
             mixed = self.kv_stores.mixed
-        return StepMessage(rows, every, self._drain_journal(), int8_slots, mixed, graph)
+        rows = batch.rows_tuple()
+        return StepMessage(rows, list(batch.all_logits), self._drain_journal(), int8_slots, mixed, graph)
 
     # --- decode graphs on every rank ---------------------------------------------------------
 

@@ -147,7 +147,7 @@ class Scheduler:
         # The pools after the last step, and the decisions made from them under the ladder.
         self._kv = KVPolicy(self._gov, KVRoom(engine.kv_figures(), engine.kv_figures(int8=True)))
         self._unpark: list[tuple[int, ...]] = []  # for the next plan
-        # Slots the plan submitted ahead feeds the token of the step being applied (LAST_SAMPLED),
+        # Slots the plan submitted ahead feeds the token of the step being applied (from the device),
         # and final checkpoints that wait for that plan: its slot will have consumed one more token.
         self._fed_ahead: frozenset[int] = frozenset()
         self._saves_after_ahead: dict[int, tuple[int, ...]] = {}
