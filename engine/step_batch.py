@@ -4,6 +4,7 @@ logits, its token fed from the device), checked against what the engine can run.
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Callable
 
@@ -63,13 +64,13 @@ def build_batch(
         sampled.append(True)
         every.append(False)
         fed.append(d.from_device)
-    for slot, start, n in zip(slots, starts, lens, strict=True):
-        if start + n > max_model_len:
-            raise PlanError(
-                f"slot {slot}: positions up to {start + n - 1} exceed max_model_len {max_model_len}"
-            )
     if not slots:
         return None
+    if max(map(operator.add, starts, lens)) > max_model_len:
+        slot, end = next(
+            (s, a + n) for s, a, n in zip(slots, starts, lens, strict=True) if a + n > max_model_len
+        )
+        raise PlanError(f"slot {slot}: positions up to {end - 1} exceed max_model_len {max_model_len}")
     return StepBatch.of_lists(
         slots,
         starts,

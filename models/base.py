@@ -8,6 +8,7 @@ are computed once per step here so the layers never synchronise with the device 
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -177,16 +178,18 @@ class StepBatch(Sequence[Row]):
             raise ValueError("every sequence needs at least one token")
         if min(starts_list) < 0:
             raise ValueError("sequence start positions must be >= 0")
-        need_ctx = max(st + n for st, n in zip(starts_list, lens_list, strict=True))
+        max_len = max(lens_list)
+        # map(add) runs in C: this is on every decode step's host path, graphs or not
+        need_ctx = max(map(operator.add, starts_list, lens_list))
         if max_ctx is not None and max_ctx < need_ctx:
             raise ValueError(f"max_ctx {max_ctx} is less than the {need_ctx} positions this step reads")
-        tail_from = decode_tail(lens_list)
+        tail_from = decode_tail(lens_list) if max_len > 1 else 0
         return cls(
             slots_list,
             starts_list,
             lens_list,
             tokens,
-            max(lens_list),
+            max_len,
             max_ctx if max_ctx is not None else need_ctx,
             tail_from,
             max(starts_list[tail_from:]) + 1 if tail_from else 0,
