@@ -13,14 +13,11 @@ from array import array
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
-from typing import TYPE_CHECKING, Any, Protocol, overload
+from typing import Any, Protocol, overload
 
 import torch
 from ballast.memory.specs import LayerSpec
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from ballast.models.state import LayerState
 
 
 class ModelError(Exception):
@@ -393,6 +390,8 @@ class CausalLM(Protocol):
         """One spec per decoder layer: what that layer's per-slot state costs."""
         ...
 
-    def forward(self, batch: ForwardBatch, states: Sequence[LayerState]) -> Tensor:
+    # states: the model's `models.state.LayerState`s, one per layer (not named here: every layer
+    # module imports this one, so this one imports none of them).
+    def forward(self, batch: ForwardBatch, states: Sequence[Any]) -> Tensor:
         """Logits [B, vocab] at each sequence's last token; writes this step's state into states."""
         ...
