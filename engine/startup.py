@@ -1,22 +1,39 @@
 """Bringing an engine up, on the engine thread: load the model (on one device, or sharded over the
 GPUs of a tensor-parallel group), profile a prefill, lease the slot states and activations on
-every die before allocating them, build the runner and capture its graphs (`GraphRunner`). Whatever was
-leased is given back if any step fails.
+every die before allocating them, build the runner and capture its graphs (`GraphRunner`).
+Whatever was leased is given back if any step fails. Then `assemble` puts the step's owners
+together around the runner: the prefix cache, the KV side, the checkpoint orders, the executor.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from ballast.engine import tensor_parallel, threads
+from ballast.engine.checkpoint_orders import CheckpointOrders, build_cache
 from ballast.engine.config import EngineConfig
-from ballast.engine.kv_budget import segment_grant
+from ballast.engine.executor import StepExecutor, check_slots
+from ballast.engine.injected_faults import FaultInjector
+from ballast.engine.kv_budget import capacity_line, segment_grant
 from ballast.engine.loading import LoadedModel, load
-from ballast.engine.runner import ModelRunner, Profile, planned_state_bytes, profile_prefill, vocab_size
+from ballast.engine.prefix_cache import PrefixCache, PrefixCacheConfig
+from ballast.engine.runner import (
+    ModelRunner,
+    Profile,
+    build_cost_model,
+    planned_state_bytes,
+    profile_prefill,
+    vocab_size,
+)
+from ballast.engine.slot_kv import SlotKV
 from ballast.engine.workspace import step_workspace
 from ballast.memory.ledger import Lease
+from ballast.memory.pool import CheckpointPool
+from ballast.memory.types import CostModel
 from ballast.memory.watch import MemWatch
 from ballast.models import pointwise
 
@@ -97,3 +114,62 @@ def set_cpu_threads(configured: int) -> int:
     torch.set_num_threads(n)
     log.info("%s", threads.describe(share, n, configured))
     return n
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What loading found, for logs and the bench."""
+
+    load_s: float
+    weights_bytes: int
+    state_bytes: int
+    profile: Profile
+    quantized_kv: bool
+
+
+@dataclass(frozen=True)
+class Assembled:
+    """The step's owners, around one runner."""
+
+    steps: StepExecutor
+    cache: PrefixCache  # checkpoints (when prefix caching is on) and parked sequences (always)
+    prefix_cache: PrefixCache | None  # the same object when prefix caching is on
+    slot_kv: SlotKV
+    cost_model: CostModel
+    load_report: LoadReport
+    capacity: str  # the start-up report of what memory holds (`capacity_line`), for the engine's log
+
+
+def assemble(
+    parts: Parts,
+    cfg: EngineConfig,
+    dtype: torch.dtype,
+    watch: MemWatch | None,
+    pool: CheckpointPool | None,
+    prefix: PrefixCacheConfig,
+    capacity_bytes: Callable[[], int],
+) -> Assembled:
+    """pool: where the cache's buffers come from and go back to; capacity_bytes: what the KV pool
+    could still be granted now (for the start-up report)."""
+    loaded, runner, profile, leases = parts
+    block = runner.kv.layout.block_size if runner.kv is not None else 1
+    cost = build_cost_model(loaded.model, dtype, profile, loaded.weights_bytes, block)
+    report = LoadReport(loaded.load_s, loaded.weights_bytes, runner.state_bytes, profile, runner.quantized_kv)
+    # One cache object holds prefix checkpoints (when prefix caching is on) and the sequences
+    # parked by preemption (always): both are slot states kept in pool buffers.
+    cache = build_cache(prefix, runner, cost, watch, pool, cfg, leases)
+    prefix_cache = cache if prefix.enabled else None
+    slot_kv = SlotKV(runner, cache, watch, ranks=cfg.tensor_parallel_size)
+    checks = functools.partial(check_slots, cfg.max_num_seqs)
+    orders = CheckpointOrders(cache, prefix_cache, pool, slot_kv, runner, checks, cfg.max_model_len)
+    if cfg.fault_specs:
+        log.warning("BALLAST_FAULTS is set: injecting %s into engine steps", list(cfg.fault_specs))
+    faults = FaultInjector(cfg.fault_specs, runner.device)
+    steps = StepExecutor(
+        runner, runner.sampler, slot_kv, cache, prefix_cache, orders, pool, faults, leases, cfg.max_model_len
+    )
+    workspace = step_workspace(cfg.max_num_seqs, runner.sampler.vocab_size, dtype.itemsize)
+    room = capacity_bytes()
+    n, length = cfg.max_num_seqs, cfg.max_model_len
+    capacity = capacity_line(cost, runner.fixed_bytes, room, runner.quantized_kv, n, length, workspace)
+    return Assembled(steps, cache, prefix_cache, slot_kv, cost, report, capacity)
