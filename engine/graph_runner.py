@@ -1,7 +1,7 @@
 """The one owner of a runner's CUDA graphs: the decode graphs (`DecodeGraphs`) and the prefill
 graphs (`PrefillGraphs`) with their variants, the choice of which serves a step, their capture at
 start-up (leased from the memory layer), and, under tensor parallel, the lockstep with the other
-ranks (`Lockstep`; rank 0's is `tp_graphs.Rank0Lockstep`).
+ranks (`Lockstep`; rank 0's is `sharded_runner.Rank0Lockstep`).
 
 A step is served, in this order of preference, by a decode graph (every sequence feeds one
 token), a prefill graph (one prompt chunk alone), both (a prompt chunk then decode tokens, where
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 from ballast.engine.graphs import Agree, DecodeGraphs, Forward, GraphCaptureError
@@ -33,39 +32,23 @@ log = logging.getLogger(__name__)
 Feed = Callable[[Tensor, Tensor, Tensor], None]
 
 
-class Lockstep(Protocol):
-    """What the graphs of one rank agree on with the other ranks of a tensor-parallel group."""
+class Lockstep:
+    """What one rank's graphs agree on with the other ranks of a tensor-parallel group: here, on
+    one GPU, nothing (rank 0's is `sharded_runner.Rank0Lockstep`)."""
 
-    late_mixed: bool  # a bucket's int8-KV variant may be captured at its first use (one rank only)
-    worker_bytes: list[int]  # what the other ranks' graphs hold, rank by rank
-
-    def capture(self, capture: Callable[[Agree | None], int]) -> int:
-        """Run this rank's capture (given how to agree after each bucket); its bytes held."""
-        ...
-
-    def replay(self, graph: tuple[int, int], launch: Callable[[], Tensor]) -> Tensor:
-        """Launch this rank's replay of the (batch, context) graph, the other ranks theirs."""
-        ...
-
-    def released(self) -> None:
-        """This rank dropped its decode graphs: so do the others."""
-        ...
-
-
-class Alone:
-    """The lockstep of one GPU: nothing to agree with."""
-
-    late_mixed = True
-    worker_bytes: list[int] = []
+    alone = True
+    worker_bytes: list[int] = []  # what the other ranks' graphs hold, rank by rank
 
     def capture(self, capture: Callable[[Agree | None], int]) -> int:
+        """Run this rank's capture, given how to agree after each bucket; its bytes held."""
         return capture(None)
 
     def replay(self, graph: tuple[int, int], launch: Callable[[], Tensor]) -> Tensor:
+        """Launch this rank's replay of the (batch, context) graph, the other ranks theirs."""
         return launch()
 
     def released(self) -> None:
-        return None
+        """This rank dropped its decode graphs: so do the others."""
 
 
 class GraphRunner:
@@ -94,7 +77,7 @@ class GraphRunner:
         self._feed = feed
         self._prefill_safe = prefill_safe
         self._kv_per_weight = kv_per_weight
-        self.lockstep: Lockstep = Alone()
+        self.lockstep = Lockstep()
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.split_replays = 0  # steps of a prompt chunk and decodes run as the two graphs' replays
@@ -177,7 +160,7 @@ class GraphRunner:
         meet outside attention (recurrent state, expert routing), under tensor parallel, or where
         max_tokens is under the smallest graph: prefill stays eager. Returns the bytes they hold;
         raises GraphCaptureError if the capture fails (nothing kept)."""
-        if self.graphs is None or not self._prefill_safe or not isinstance(self.lockstep, Alone):
+        if self.graphs is None or not self._prefill_safe or not self.lockstep.alone:
             return None
         if max_tokens < GRANULE:  # a context too short for the smallest graph: eager prefill
             return None
@@ -250,19 +233,8 @@ def capture_graphs(
     return leases
 
 
-class PrefillCapture(Protocol):
-    """What `capture_prefill_graphs` uses of a `GraphRunner`."""
-
-    graphs: DecodeGraphs | None
-    prefill_graphs: PrefillGraphs | None
-
-    def capture_prefill_graphs(self, max_tokens: int) -> int | None: ...
-
-    def release_prefill_graphs(self) -> None: ...
-
-
 def capture_prefill_graphs(
-    graphs: PrefillCapture, watch: MemWatch | None, dies: Sequence[int], max_tokens: int
+    graphs: GraphRunner, watch: MemWatch | None, dies: Sequence[int], max_tokens: int
 ) -> list[Lease]:
     """Prefill graphs (one GPU, after the decode graphs), or none where a capture fails or the
     ledger has no room for them: prefill stays eager (logged), the decode graphs as they are.

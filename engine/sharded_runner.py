@@ -1,7 +1,7 @@
 """Rank 0's runner under tensor parallel: before each forward it sends the step (rows, and the KV
 stores' and prefix cache's changes since the last one) to every worker, so all ranks run the same
 forward on the same block tables; a decode step it replays from a CUDA graph, every worker
-replays from the same bucket (its graph runner's lockstep is `tp_graphs.Rank0Lockstep`).
+replays from the same bucket (`Rank0Lockstep`, rank 0's side of `tp_graphs`).
 
 A step that fails on this rank, or a collective that fails under it, leaves the ranks out of
 step: the forward raises `WorkerLost` (a device fault: the step's requests fail with a 5xx and
@@ -10,6 +10,7 @@ step: the forward raises `WorkerLost` (a device fault: the step's requests fail 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -17,6 +18,8 @@ from typing import Any, Protocol
 import torch
 from ballast.engine import tp_graphs
 from ballast.engine.faults import WorkerLost
+from ballast.engine.graph_runner import Lockstep
+from ballast.engine.graphs import Agree
 from ballast.engine.runner import ModelRunner
 from ballast.engine.tp_worker import StepMessage
 from ballast.models.base import Rows, StepBatch
@@ -59,7 +62,7 @@ class ShardedRunner(ModelRunner):
             for i, store in enumerate(self.kv_stores.all()):
                 store.journal = self.journal
                 store.journal_index = i
-        self.graph_runner.lockstep = tp_graphs.Rank0Lockstep(self)
+        self.graph_runner.lockstep = Rank0Lockstep(self)
 
     @property
     def sound(self) -> bool:
@@ -74,8 +77,6 @@ class ShardedRunner(ModelRunner):
         self.send_step(None)
         eager = super()._eager
         return self.checked(lambda: eager(batch))
-
-    # --- what the lockstep uses (`tp_graphs.Rank0`) ------------------------------------------
 
     def send(self, msg: object) -> None:
         self.workers.send(msg)
@@ -96,7 +97,7 @@ class ShardedRunner(ModelRunner):
         if self.kv_stores is not None:
             int8_slots = self.kv_stores.int8_slots.nonzero().flatten().tolist()
             mixed = self.kv_stores.mixed
-        rows, every = batch.rows_tuple(), list(batch.all_logits)
+        rows, every = [(slot, tuple(t), start) for slot, t, start in batch], list(batch.all_logits)
         self.workers.send(StepMessage(rows, every, self.drain_journal(), int8_slots, mixed, graph))
 
     def checked(self, run: Callable[[], Tensor]) -> Tensor:
@@ -129,3 +130,36 @@ class ShardedRunner(ModelRunner):
 
     def abandon(self) -> None:
         self.workers.kill()
+
+
+class Rank0Lockstep(Lockstep):
+    """Rank 0's side of the lockstep (`tp_graphs`): the capture agreed bucket by bucket, every
+    replay sent to the workers first, a release told to them."""
+
+    alone = False
+
+    def __init__(self, rank0: ShardedRunner) -> None:
+        self._rank0 = rank0
+        self.worker_bytes: list[int] = []
+
+    def capture(self, capture: Callable[[Agree | None], int]) -> int:
+        """The scratch slot's blocks (in the journal) reach the workers before they capture;
+        raises GraphCaptureError (every rank then runs eagerly) if any rank failed a bucket."""
+        rank0 = self._rank0
+        rank0.send(tp_graphs.CaptureGraphs(rank0.drain_journal()))
+        held = capture(tp_graphs.Rank0Agreement(rank0.send, rank0.replies))
+        replies = rank0.replies()
+        if not all(isinstance(r, tp_graphs.GraphsHeld) for r in replies):
+            raise WorkerLost(f"tensor-parallel workers answered the capture with {replies!r}")
+        self.worker_bytes = [r.nbytes for r in replies]
+        return held
+
+    def replay(self, graph: tuple[int, int], launch: Callable[[], Tensor]) -> Tensor:
+        self._rank0.send_step(graph)
+        return self._rank0.checked(launch)
+
+    def released(self) -> None:
+        """Every worker drops its graphs (a worker that is gone has nothing left to drop)."""
+        self.worker_bytes = []
+        with contextlib.suppress(WorkerLost):  # the loss itself is reported by `sound`
+            self._rank0.send(tp_graphs.ReleaseGraphs())

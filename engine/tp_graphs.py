@@ -28,19 +28,16 @@ static inputs and replay that graph; rows without it run eagerly, as before.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Any
 
-from ballast.engine.faults import WorkerLost
 from ballast.engine.graph_runner import GraphRunner
-from ballast.engine.graphs import Agree, GraphCaptureError
+from ballast.engine.graphs import GraphCaptureError
 from ballast.engine.shard_checkpoints import CheckpointOp
 from ballast.models.kv_store import StoreOp
-from torch import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -133,63 +130,6 @@ def worker_agreement(conn: Connection) -> Callable[[str | None], bool]:
         return verdict.go
 
     return agree
-
-
-class Rank0(Protocol):
-    """What rank 0's lockstep uses of its runner (`ShardedRunner`)."""
-
-    def send(self, msg: object) -> None:
-        """To every worker."""
-        ...
-
-    def replies(self) -> list[Any]:
-        """One message from every worker, in rank order."""
-        ...
-
-    def drain_journal(self) -> list[Any]:
-        """The changes made since the last forward, for the workers to make first."""
-        ...
-
-    def send_step(self, graph: tuple[int, int] | None) -> None:
-        """The step being run, to every worker: replaying `graph` (None: eagerly)."""
-        ...
-
-    def checked(self, run: Callable[[], Tensor]) -> Tensor:
-        """This rank's half of a step, trusted only once every worker is seen alive after it."""
-        ...
-
-
-class Rank0Lockstep:
-    """Rank 0's side of the lockstep (see the module doc): the capture agreed bucket by bucket,
-    every replay sent to the workers first, a release told to them."""
-
-    late_mixed = False  # one rank capturing alone would wait in its warm-up's collectives
-
-    def __init__(self, rank0: Rank0) -> None:
-        self._rank0 = rank0
-        self.worker_bytes: list[int] = []
-
-    def capture(self, capture: Callable[[Agree | None], int]) -> int:
-        """The scratch slot's blocks (in the journal) reach the workers before they capture;
-        raises GraphCaptureError (every rank then runs eagerly) if any rank failed a bucket."""
-        rank0 = self._rank0
-        rank0.send(CaptureGraphs(rank0.drain_journal()))
-        held = capture(Rank0Agreement(rank0.send, rank0.replies))
-        replies = rank0.replies()
-        if not all(isinstance(r, GraphsHeld) for r in replies):
-            raise WorkerLost(f"tensor-parallel workers answered the capture with {replies!r}")
-        self.worker_bytes = [r.nbytes for r in replies]
-        return held
-
-    def replay(self, graph: tuple[int, int], launch: Callable[[], Tensor]) -> Tensor:
-        self._rank0.send_step(graph)
-        return self._rank0.checked(launch)
-
-    def released(self) -> None:
-        """Every worker drops its graphs (a worker that is gone has nothing left to drop)."""
-        self.worker_bytes = []
-        with contextlib.suppress(WorkerLost):  # the loss itself is reported by `sound`
-            self._rank0.send(ReleaseGraphs())
 
 
 def capture_as_worker(graphs: GraphRunner, conn: Connection) -> None:

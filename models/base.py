@@ -280,10 +280,6 @@ class StepBatch(Sequence[Row]):
             from_device=[self.from_device[b] for b in keep] if self.from_device else (),
         )
 
-    def rows_tuple(self) -> list[tuple[int, tuple[int, ...], int]]:
-        """The rows as plain tuples (what crosses a pipe to a tensor-parallel worker)."""
-        return [(slot, tuple(toks), start) for slot, toks, start in self]
-
     def subset(self, seq_index: Sequence[int]) -> tuple[StepBatch, Tensor]:
         """The batch of sequences seq_index only (in that order), and the index in this batch's
         flat layout of each of its tokens. Lets attention pad decode tokens and prefill chunks
