@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from itertools import accumulate
 
@@ -36,7 +35,7 @@ from ballast.engine.runner import ModelRunner
 from ballast.engine.sampler import Draw, Sampler
 from ballast.engine.slot_kv import SlotKV
 from ballast.engine.staging import to_device
-from ballast.engine.step_batch import build_batch
+from ballast.engine.step_batch import build_batch, check_slots
 from ballast.memory.ledger import Lease
 from ballast.memory.pool import CheckpointPool
 from ballast.models.base import StepBatch
@@ -287,12 +286,6 @@ class StepExecutor:
         return draw, tuple(
             (slot, end, end >= self.max_model_len) for slot, end in zip(slots, ends, strict=True)
         )
-
-
-def check_slots(num_slots: int, slots: Sequence[int]) -> None:
-    bad = [s for s in slots if not 0 <= s < num_slots]
-    if bad:
-        raise PlanError(f"slots {bad} out of range 0..{num_slots - 1}")
 
 
 def written_slots(plan: StepPlan) -> frozenset[int]:

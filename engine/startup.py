@@ -16,7 +16,7 @@ import torch
 from ballast.engine import tensor_parallel, threads
 from ballast.engine.checkpoint_orders import CheckpointOrders, build_cache
 from ballast.engine.config import EngineConfig
-from ballast.engine.executor import StepExecutor, check_slots
+from ballast.engine.executor import StepExecutor
 from ballast.engine.injected_faults import FaultInjector
 from ballast.engine.kv_budget import capacity_line, segment_grant
 from ballast.engine.loading import LoadedModel, load
@@ -30,6 +30,7 @@ from ballast.engine.runner import (
     vocab_size,
 )
 from ballast.engine.slot_kv import SlotKV
+from ballast.engine.step_batch import check_slots
 from ballast.engine.workspace import step_workspace
 from ballast.memory.ledger import Lease
 from ballast.memory.pool import CheckpointPool

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ballast.engine.errors import PlanError
 from ballast.engine.graphs import PAD_TOKEN
@@ -25,9 +25,7 @@ def build_batch(
     """The batch of the plan's sequences but those of the slots in `skip` (None: none is left).
     A row fed from the device holds PAD_TOKEN on the host; its slot must have drawn a token."""
     named = [p.slot for p in plan.prefills] + [d.slot for d in plan.decodes]
-    bad = [s for s in named if s not in skip and not 0 <= s < num_slots]
-    if bad:
-        raise PlanError(f"slots {bad} out of range 0..{num_slots - 1}")
+    check_slots(num_slots, [s for s in named if s not in skip])
     slots: list[int] = []
     starts: list[int] = []
     lens: list[int] = []
@@ -80,3 +78,9 @@ def build_batch(
         sampled=tuple(sampled),
         from_device=tuple(fed) if any(fed) else (),
     )
+
+
+def check_slots(num_slots: int, slots: Sequence[int]) -> None:
+    bad = [s for s in slots if not 0 <= s < num_slots]
+    if bad:
+        raise PlanError(f"slots {bad} out of range 0..{num_slots - 1}")

@@ -41,6 +41,7 @@ class ModelConfigError(ModelError):
 Row = tuple[int, Sequence[int], int]
 Rows = Sequence[Row]
 
+
 @dataclass(eq=False, repr=False)
 class StepBatch(Sequence[Row]):
     """One step's sequences, from the plan to the kernels. Sequence b holds tokens
