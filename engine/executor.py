@@ -104,8 +104,8 @@ class StepExecutor:
         preempted = unrestored
         if batch is not None:
             preempted = self._slot_kv.take_blocks(plan, batch) | unrestored
-            if preempted & set(batch.slots_list):
-                batch = batch.without(preempted) if set(batch.slots_list) - preempted else None
+            if preempted & set(batch.slots_list):  # the step runs without them
+                batch = self._build(plan, preempted | gone)
         self._fed.launched(plan, preempted | gone)
         asks = {p.slot: p for p in plan.prefills if p.logprob_targets and p.slot not in preempted}
         started = time.perf_counter()
@@ -256,17 +256,18 @@ class StepExecutor:
     def _batch(self, plan: StepPlan, skip: frozenset[int]) -> StepBatch | None:
         """The step's batch (`build_batch`; slots in `skip` left out). Slots starting a new
         sequence are reset first."""
-        sampler = self._sampler
-        batch = build_batch(
-            plan, skip, self.num_slots, self.max_model_len, sampler.vocab_size, sampler.has_drawn
-        )
+        batch = self._build(plan, skip)
         fresh = [p for p in plan.prefills if p.start_pos == 0]
         self._slot_kv.start([p.slot for p in fresh], [p.int8_kv for p in fresh])
         self._runner.reset([p.slot for p in fresh])
         for p in plan.prefills:
             if p.slot not in skip:
-                sampler.observe_prompt(p.slot, p.token_ids)
+                self._sampler.observe_prompt(p.slot, p.token_ids)
         return batch
+
+    def _build(self, plan: StepPlan, skip: frozenset[int]) -> StepBatch | None:
+        vocab, drawn = self._sampler.vocab_size, self._sampler.has_drawn
+        return build_batch(plan, skip, self.num_slots, self.max_model_len, vocab, drawn)
 
     def _draw(
         self, batch: StepBatch, logits: torch.Tensor, sampling: dict[int, SamplingParams]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from array import array
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
 from typing import Any, Protocol, overload
@@ -134,8 +134,6 @@ class StepBatch(Sequence[Row]):
         seqs: Rows,
         max_ctx: int | None = None,
         all_logits: Sequence[bool] = (),
-        sampled: Sequence[bool] = (),
-        from_device: Sequence[bool] = (),
     ) -> StepBatch:
         """The host half of a batch of these rows. A slot may appear at most once per step.
         max_ctx: read this many cache positions (>= every start + len; at most the cache length)
@@ -151,8 +149,6 @@ class StepBatch(Sequence[Row]):
             tokens,
             max_ctx,
             tuple(all_logits),
-            tuple(sampled),
-            tuple(from_device),
         )
 
     @classmethod
@@ -268,17 +264,6 @@ class StepBatch(Sequence[Row]):
             self.all_logits[lo:hi],
             self.sampled[lo:hi],
             self.from_device[lo:hi],
-        )
-
-    def without(self, slots: Collection[int]) -> StepBatch:
-        """The host half of this batch less the sequences of these slots."""
-        keep = [b for b, slot in enumerate(self.slots_list) if slot not in slots]
-        rows = list(self)
-        return StepBatch.of(
-            [rows[b] for b in keep],
-            all_logits=[self.all_logits[b] for b in keep] if self.all_logits else (),
-            sampled=[self.sampled[b] for b in keep] if self.sampled else (),
-            from_device=[self.from_device[b] for b in keep] if self.from_device else (),
         )
 
     def subset(self, seq_index: Sequence[int]) -> tuple[StepBatch, Tensor]:
