@@ -291,15 +291,10 @@ class DecodeGraphs:
             return False
         return key in self._graphs or (mixed and self.late_mixed and self._capture_late(key))
 
-    def replay(self, seqs: StepBatch | Rows, mixed: bool = False) -> Tensor:
-        """Logits [len(seqs), vocab] of this decode step; a view of the graph's output, valid until
-        the next replay. Call only where `can_use(seqs)`. Rows fed from the device are not filled
-        here: `stage`, fill `fed_inputs`, then `launch`, for those."""
-        batch = as_batch(seqs)
-        return self.launch(self.stage(batch), batch.num_seqs)
-
     def stage(self, batch: StepBatch, mixed: bool = False) -> tuple[int, int, bool]:
-        """Write the step's rows into the static inputs; the key of the graph that serves it."""
+        """Write the step's rows into the static inputs (call only where `can_use`); the key of
+        the graph that serves it. Then fill the rows fed from the device (`fed_inputs`), then
+        `launch`."""
         key = self.key_of(batch, mixed)
         assert key in self._graphs and self._logits is not None, "replay needs can_use(seqs)"
         self._stage(batch, key[0])
@@ -327,23 +322,13 @@ class DecodeGraphs:
     def _stage(self, seqs: StepBatch | Rows, width: int | None = None) -> None:
         """Write the step's rows into the static inputs (padding the rest), one copy."""
         width = width or self.batch_buckets[-1]
-        batch = as_batch(seqs) if seqs else None
-        n = 0 if batch is None else batch.num_seqs
-        pad = width - n
-        tokens, positions, slots, fed = (
-            ([], [], [], ())
-            if batch is None
-            else (list(batch.tokens), batch.starts_list, batch.slots_list, batch.from_device)
-        )
-        host = torch.tensor(
-            [
-                tokens + [PAD_TOKEN] * pad,
-                positions + [PAD_POSITION] * pad,
-                slots + [self.scratch_slot] * pad,
-                [*fed, *[False] * (width - len(fed))],
-            ],
-            dtype=torch.int64,
-        )
+        rows: list[list[int]] = [[], [], [], []]
+        if seqs:
+            b = as_batch(seqs)
+            rows = [list(b.tokens), b.starts_list, b.slots_list, list(b.from_device) or [0] * b.num_seqs]
+        pad = width - len(rows[0])
+        fill = (PAD_TOKEN, PAD_POSITION, self.scratch_slot, 0)
+        host = torch.tensor([row + [v] * pad for row, v in zip(rows, fill, strict=True)], dtype=torch.int64)
         # Pinned and non-blocking: a pageable copy would wait for the step still on the GPU.
         on_gpu = self._inputs.is_cuda
         self._inputs[:, :width].copy_(host.pin_memory() if on_gpu else host, non_blocking=on_gpu)

@@ -35,7 +35,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ballast.engine.graph_runner import GraphRunner
-from ballast.engine.graphs import GraphCaptureError
+from ballast.engine.graphs import GraphCaptureError, as_batch
 from ballast.engine.shard_checkpoints import CheckpointOp
 from ballast.models.kv_store import StoreOp
 
@@ -162,7 +162,7 @@ def replay_as_rank0(
     key = None if graphs is None else graphs.key_of(rows)
     if graphs is None or key is None or key[:2] != graph or not graphs.can_use(rows):
         raise RuntimeError(f"rank 0 replays decode graph {graph}; this rank has {key} and no such graph")
-    graphs.replay(rows)
+    graphs.launch(graphs.stage(as_batch(rows)), len(rows))
 
 
 def report(runner: GraphRunner) -> GraphsReport:
