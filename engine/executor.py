@@ -104,7 +104,7 @@ class StepExecutor:
         preempted = unrestored
         if batch is not None:
             preempted = self._slot_kv.take_blocks(plan, batch) | unrestored
-            if preempted & set(batch.slots_list):  # the step runs without them
+            if preempted and preempted & set(batch.slots_list):  # the step runs without them
                 batch = self._build(plan, preempted | gone)
         self._fed.launched(plan, preempted | gone)
         asks = {p.slot: p for p in plan.prefills if p.logprob_targets and p.slot not in preempted}
