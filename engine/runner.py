@@ -206,7 +206,7 @@ def planned_state_bytes(
 
 
 class ModelRunner:
-    """Owns the model's slot states, the KV block pool, the sampler and the decode graphs; runs one
+    """Owns the model's slot states, the KV block pool, the sampler and the graph runner; runs one
     forward over many slots. With scratch_slot the states carry one slot more than num_slots, for
     graph padding (it holds one block for good: padding rows write there)."""
 
