@@ -15,7 +15,7 @@ from dataclasses import replace
 from itertools import accumulate
 
 import torch
-from ballast.engine.checkpoint_orders import CheckpointOrders
+from ballast.engine.checkpoint_orders import CheckpointExecutor
 from ballast.engine.errors import PlanError
 from ballast.engine.faults import is_device_fault, is_memory_fault
 from ballast.engine.injected_faults import FaultInjector
@@ -58,7 +58,7 @@ class StepExecutor:
         slot_kv: SlotKV,
         cache: PrefixCache,
         prefix_cache: PrefixCache | None,
-        orders: CheckpointOrders,
+        orders: CheckpointExecutor,
         pool: CheckpointPool | None,
         faults: FaultInjector,
         leases: list[Lease],

@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 from ballast.engine.graph_runner import GraphRunner
 from ballast.engine.graphs import PAD_POSITION, DecodeGraphs
-from ballast.engine.kv_pool import Acquire, KVPool
+from ballast.engine.kv_pool import Acquire, KVManager, KVPool
 from ballast.engine.prefill_graphs import PrefillGraphs
 from ballast.engine.sampler import Sampler
 from ballast.engine.staging import to_device
@@ -24,14 +24,7 @@ from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_
 from ballast.memory.types import CostModel
 from ballast.memory.watch import MemWatch
 from ballast.models.base import CausalLM, ForwardBatch, Rows, StepBatch
-from ballast.models.state import (
-    KVStores,
-    LayerState,
-    allocate_states,
-    build_states,
-    dtype_bytes,
-    kv_store_for,
-)
+from ballast.models.state import LayerState, allocate_states, build_states, dtype_bytes, kv_store_for
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -235,22 +228,19 @@ class ModelRunner:
         # The main store in the configured format (--kv-quant); an int8 one beside it (address
         # space only until a sequence needs it) for sequences the ladder starts in int8 at WATCH
         # and worse.
-        main = kv_store_for(
-            specs, self._state_slots, max_model_len, device, dtype, quantized_kv, segment_bytes
-        )
-        int8 = (
-            None
-            if main is None or quantized_kv
-            else kv_store_for(specs, self._state_slots, max_model_len, device, dtype, True, segment_bytes)
-        )
-        self.kv_stores = KVStores(main, int8) if main is not None else None
-        self.kv: KVPool | None = None
-        self.kv_int8: KVPool | None = None
+        shape = (specs, self._state_slots, max_model_len, device, dtype)
+        main = kv_store_for(*shape, quantized_kv, segment_bytes)
+        self.kv_manager: KVManager | None = None
         if main is not None:
-            self.kv = KVPool(main, acquire) if acquire is not None else KVPool(main)
-        if int8 is not None:
-            self.kv_int8 = KVPool(int8, acquire) if acquire is not None else KVPool(int8)
-        self.states: list[LayerState] = build_states(specs, self._state_slots, self.kv_stores, device, dtype)
+            int8 = None if quantized_kv else kv_store_for(*shape, True, segment_bytes)
+            self.kv_manager = KVManager(
+                KVPool(main, acquire), KVPool(int8, acquire) if int8 is not None else None
+            )
+        # The main pool, and the int8 one beside it (None: no attention layers / none beside it).
+        self.kv = self.kv_manager.main if self.kv_manager is not None else None
+        self.kv_int8 = self.kv_manager.int8 if self.kv_manager is not None else None
+        attention = self.kv_manager.attention() if self.kv_manager is not None else None
+        self.states: list[LayerState] = build_states(specs, self._state_slots, attention, device, dtype)
         vocab = int(lm.config.vocab_size)
         self.sampler = Sampler(num_slots, vocab, device, seed)
         self.graph_runner = GraphRunner(
@@ -285,7 +275,7 @@ class ModelRunner:
 
     @property
     def pools(self) -> list[KVPool]:
-        return [p for p in (self.kv, self.kv_int8) if p is not None]
+        return self.kv_manager.pools if self.kv_manager is not None else []
 
     @property
     def state_bytes(self) -> int:
@@ -338,20 +328,20 @@ class ModelRunner:
         prompt chunk a prefill graph, and a prompt chunk beside decodes both where that pays.
         seqs: the step's batch (its own all_logits), or rows (tests and benches)."""
         batch = seqs if isinstance(seqs, StepBatch) else StepBatch.of(seqs, all_logits=all_logits)
-        if self.kv is not None:
-            bs = self.kv.layout.block_size
-            pools = self.pools
+        kv = self.kv_manager
+        if kv is not None:
+            bs = kv.main.layout.block_size
             bare = [
                 slot
                 for slot, start, n in zip(batch.slots_list, batch.starts_list, batch.lens_list, strict=True)
-                if sum(p.alloc.count(slot) for p in pools) * bs < start + n
+                if kv.held(slot) * bs < start + n
             ]
             if bare:  # writing there would land in another sequence's blocks
                 raise ValueError(
                     f"slots {bare} have no KV blocks for this step's positions (KVPool.ensure first)"
                 )
-        mixed = self.kv_stores is not None and self.kv_stores.mixed
-        return self.graph_runner.forward(batch, mixed, self._eager)
+        batch.int8_kv = kv is not None and kv.holds_int8(batch.slots_list)
+        return self.graph_runner.forward(batch, batch.int8_kv, self._eager)
 
     def _eager(self, batch: StepBatch) -> Tensor:
         batch.place(self.device)

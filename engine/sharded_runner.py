@@ -58,10 +58,8 @@ class ShardedRunner(ModelRunner):
         # Every change the workers must make before the next forward, in the order made here: the
         # KV stores' and (once the engine hands it to its prefix cache) slot-state copies.
         self.journal: list[Any] = []
-        if self.kv_stores is not None:
-            for i, store in enumerate(self.kv_stores.all()):
-                store.journal = self.journal
-                store.journal_index = i
+        if self.kv_manager is not None:
+            self.kv_manager.journal_to(self.journal)
         self.graph_runner.lockstep = Rank0Lockstep(self)
 
     @property
@@ -92,13 +90,9 @@ class ShardedRunner(ModelRunner):
     def send_step(self, graph: tuple[int, int] | None) -> None:
         assert self._pending is not None, "a tensor-parallel forward goes through forward()"
         batch, self._pending = self._pending, None
-        int8_slots: list[int] = []
-        mixed = False
-        if self.kv_stores is not None:
-            int8_slots = self.kv_stores.int8_slots.nonzero().flatten().tolist()
-            mixed = self.kv_stores.mixed
+        int8_slots = self.kv_manager.int8_list if self.kv_manager is not None else []
         rows, every = [(slot, tuple(t), start) for slot, t, start in batch], list(batch.all_logits)
-        self.workers.send(StepMessage(rows, every, self.drain_journal(), int8_slots, mixed, graph))
+        self.workers.send(StepMessage(rows, every, self.drain_journal(), int8_slots, graph))
 
     def checked(self, run: Callable[[], Tensor]) -> Tensor:
         """This rank's half of a step, trusted only once it finished with every worker alive."""

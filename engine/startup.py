@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from ballast.engine import tensor_parallel, threads
-from ballast.engine.checkpoint_orders import CheckpointOrders, build_cache
+from ballast.engine.checkpoint_orders import CheckpointExecutor, build_cache
 from ballast.engine.config import EngineConfig
 from ballast.engine.executor import StepExecutor
 from ballast.engine.injected_faults import FaultInjector
@@ -162,7 +162,7 @@ def assemble(
     prefix_cache = cache if prefix.enabled else None
     slot_kv = SlotKV(runner, cache, watch, ranks=cfg.tensor_parallel_size)
     checks = functools.partial(check_slots, cfg.max_num_seqs)
-    orders = CheckpointOrders(cache, prefix_cache, pool, slot_kv, runner, checks, cfg.max_model_len)
+    orders = CheckpointExecutor(cache, prefix_cache, pool, slot_kv, runner, checks, cfg.max_model_len)
     if cfg.fault_specs:
         log.warning("BALLAST_FAULTS is set: injecting %s into engine steps", list(cfg.fault_specs))
     faults = FaultInjector(cfg.fault_specs, runner.device)

@@ -13,12 +13,14 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
-from typing import Any, Protocol, overload
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import torch
 from ballast.memory.specs import LayerSpec
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from ballast.models.layer_state import LayerState
 
 class ModelError(Exception):
     """Base of the models layer's errors."""
@@ -70,6 +72,10 @@ class StepBatch(Sequence[Row]):
     # Per sequence: its one token is the one its slot sampled in the previous step, which the
     # host has not seen yet (an overlapped step): `from_device_mask` marks it on the device.
     from_device: tuple[bool, ...] = ()
+    # Some sequence of this step keeps its KV in int8 blocks beside others in the model dtype
+    # (the ladder's int8 rung): attention then writes and reads both stores, each sequence keeping
+    # its own store's result. Which sequence is which the attention backend reads through slots.
+    int8_kv: bool = False
     token_ids: Tensor = field(init=False)  # [T] int64
     positions: Tensor = field(init=False)  # [T] int64, absolute position in the slot's sequence
     slots: Tensor = field(init=False)  # [B] int64
@@ -199,9 +205,12 @@ class StepBatch(Sequence[Row]):
         device: torch.device | str,
         max_ctx: int | None = None,
         all_logits: Sequence[bool] = (),
+        int8_kv: bool = False,
     ) -> StepBatch:
-        """`of` and `place`: a batch the layers can read at once."""
-        return cls.of(seqs, max_ctx, all_logits).place(torch.device(device))
+        """`of` and `place`: a batch the layers can read at once. int8_kv: see the field."""
+        batch = cls.of(seqs, max_ctx, all_logits)
+        batch.int8_kv = int8_kv
+        return batch.place(torch.device(device))
 
     @classmethod
     def over(
@@ -211,10 +220,11 @@ class StepBatch(Sequence[Row]):
         starts_list: list[int],
         lens_list: list[int],
         max_ctx: int,
+        int8_kv: bool = False,
     ) -> StepBatch:
         """A batch over index tensors already on the device (a graph's static inputs). Its lists
         fix shapes and branch choices only."""
-        batch = cls(slots_list, starts_list, lens_list, array("q"), max(lens_list), max_ctx)
+        batch = cls(slots_list, starts_list, lens_list, array("q"), max(lens_list), max_ctx, int8_kv=int8_kv)
         batch._set(tensors, tensors["token_ids"].device)
         return batch
 
@@ -255,7 +265,7 @@ class StepBatch(Sequence[Row]):
         """The host half of sequences lo .. hi - 1 (a step split over two graphs)."""
         first = sum(self.lens_list[:lo])
         last = first + sum(self.lens_list[lo:hi])
-        return StepBatch.of_lists(
+        part = StepBatch.of_lists(
             self.slots_list[lo:hi],
             self.starts_list[lo:hi],
             self.lens_list[lo:hi],
@@ -265,6 +275,8 @@ class StepBatch(Sequence[Row]):
             self.sampled[lo:hi],
             self.from_device[lo:hi],
         )
+        part.int8_kv = self.int8_kv
+        return part
 
     def subset(self, seq_index: Sequence[int]) -> tuple[StepBatch, Tensor]:
         """The batch of sequences seq_index only (in that order), and the index in this batch's
@@ -291,6 +303,7 @@ class StepBatch(Sequence[Row]):
             array("q"),
             max(lens_list),
             max(st + n for st, n in zip(starts_list, lens_list, strict=True)),
+            int8_kv=self.int8_kv,
         )
         sub._set(moved, self.device)
         return sub, token_index
@@ -372,8 +385,6 @@ class CausalLM(Protocol):
         """One spec per decoder layer: what that layer's per-slot state costs."""
         ...
 
-    # states: the model's `models.state.LayerState`s, one per layer (not named here: every layer
-    # module imports this one, so this one imports none of them).
-    def forward(self, batch: ForwardBatch, states: Sequence[Any]) -> Tensor:
+    def forward(self, batch: ForwardBatch, states: Sequence[LayerState]) -> Tensor:
         """Logits [B, vocab] at each sequence's last token; writes this step's state into states."""
         ...
