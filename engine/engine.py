@@ -138,7 +138,7 @@ class Engine(ServedModel):
         self.decodes_ahead = self.config.tensor_parallel_size == 1
         log.info("%s", built.capacity)
         self._pipeline = StepPipeline(
-            self._executor, self._launch, self._steps.finish, self._on_step_failure, needs_host_tokens
+            self._executor, self.launch, self._steps.finish, self._on_step_failure, needs_host_tokens
         )
 
     # --- EngineLike ------------------------------------------------------------------------
@@ -217,12 +217,17 @@ class Engine(ServedModel):
     def step(self, plan: StepPlan) -> StepResult:
         """Execute one plan and wait for its tokens. Call only on the engine thread, or in tests
         and benches (the server's plans go through `submit`, which overlaps steps)."""
-        return self._steps.finish(self._launch(plan))
+        return self.finish(self.launch(plan))
 
-    def _launch(self, plan: StepPlan) -> LaunchedStep:
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """A step up to its sampled tokens' copy to the host, without waiting for the device."""
         if not self._healthy:
             raise EngineUnhealthy("an earlier step failed; restart the engine")
         return self._steps.launch(plan)
+
+    def finish(self, launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step's tokens and complete its result."""
+        return self._steps.finish(launched)
 
     def _on_step_failure(self, plan: StepPlan, exc: BaseException) -> None:
         """A step raised: the engine is unsound (`StepExecutor.failed` says why), or the plan's
