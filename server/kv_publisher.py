@@ -164,7 +164,8 @@ class KVEventPublisher:
 
     @property
     def blocks(self) -> frozenset[int]:
-        """The block hashes announced and not removed (what a subscriber that missed nothing holds)."""
+        """The block hashes announced and not removed (what a subscriber that missed nothing holds);
+        read it while no change is being published (the publisher thread updates it)."""
         return self._index.blocks if self._index is not None else frozenset()
 
     def stop(self) -> None:
