@@ -288,20 +288,19 @@ class SwiGLU(nn.Module):
         self.gate_up.fuse(keep_values)
 
     def quantize(self, pair: QuantizedPair) -> None:
-        """Run gate/up and down through `pair` (the CPU's int4 linears); the dense weights go."""
+        """Run gate/up and down through `pair` (the CPU's int4 or fp16 linears); the dense weights go."""
         self.quantized = pair
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
         drop_dense(self.gate_proj, self.up_proj, self.down_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.quantized is not None:
-            q = self.quantized
-            return q.second(pointwise.silu_mul(q.first(x), self.intermediate))
-        gate_up = self.gate_up(x)
+        q = self.quantized
+        first, second = (self.gate_up, self.down_proj) if q is None else (q.first, q.second)
+        gate_up = first(x)
         if gate_up.device.type == "cpu":  # the product written into silu's output, no third tensor
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            return self.down_proj(F.silu(gate).mul_(up))
-        return self.down_proj(pointwise.silu_mul(gate_up, self.intermediate))
+            return second(F.silu(gate).mul_(up))
+        return second(pointwise.silu_mul(gate_up, self.intermediate))
 
 
 class Rope:
@@ -367,7 +366,7 @@ class SlotAttention(nn.Module):
         self.quantized: QuantizedPair | None = None
 
     def quantize(self, pair: QuantizedPair) -> None:
-        """Run q/k/v and o through `pair` (the CPU's int4 linears); the dense weights go."""
+        """Run q/k/v and o through `pair` (the CPU's int4 or fp16 linears); the dense weights go."""
         self.quantized = pair
         self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         drop_dense(self.q_proj, self.k_proj, self.v_proj, self.o_proj)
