@@ -59,7 +59,8 @@ def test_fp16_weights_answer_paris_too() -> None:
         )
     )
     try:
-        ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        ids = eng.tokenizer.apply_chat_template(question)
         text = "".join(generate_stream(eng, ids, SamplingParams(temperature=0.0), max_tokens=48))
         assert "Paris" in text
     finally:
