@@ -1,7 +1,8 @@
 """Decode throughput and load time of the default model (SmolLM2-135M-Instruct GGUF) on the CPU:
 ballast's Engine (submit/step, sampler included; --cpu-weights auto holds the GGUF's 4-bit linears
 int4, fp16 every linear float16 with float32 activations, dense float32; its engine thread sized
-by engine/threads.py) against transformers' `generate` on the same GGUF in float32 (--threads, or torch's default), same prompts, same lengths, greedy.
+by engine/threads.py) against transformers' `generate` on the same GGUF in float32 (--threads, or
+torch's default), same prompts, same lengths, greedy.
 
 Two throughput figures per batch size: end to end (prefill + all new tokens, what a user waits
 for) and decode only (transformers: generate(N) minus generate(1); ours: the decode steps' time).
