@@ -3,7 +3,7 @@ Triton kernels (`moe_experts_triton.experts_mlp`), both through `moe.experts_for
 it (routing sort, expert MLPs, weighted sum over top-k), with the shared expert both models have
 (the torch side runs it as its own GEMMs, as the engine does off the fused path), bf16; with
 --fp8 the weights are float8 with 128 x 128 block scales (the FP8 releases' layout) and the torch
-side is the path FP8 experts took before the fused kernels read them (`fp8.experts_forward`:
+side is the path FP8 experts took before the fused kernels read them (`moe.fp8_experts_forward`:
 a device tile table and two grouped FP8 GEMMs; the shared expert as FP8 linears).
 
 Shapes: Qwen3-Next-80B-A3B's MoE layer (512 experts, top-10, hidden 2048, expert width 512) and
@@ -124,7 +124,7 @@ def torch_side(layers: Layers, i: int) -> None:
         out = torch.nn.functional.linear(torch.nn.functional.silu(h[:, :inter]) * h[:, inter:], s.down)
     else:
         assert s.gate_up_scale is not None and s.down_scale is not None
-        routed = fp8.experts_forward(layers.modules[i], x, e, w)
+        routed = moe.fp8_experts_forward(layers.modules[i], x, e, w)
         h = fp8.fp8_linear(x, s.gate_up, s.gate_up_scale, BLOCK)
         act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
         out = fp8.fp8_linear(act, s.down, s.down_scale, BLOCK)

@@ -114,7 +114,10 @@ def staging_bytes(
     return 0
 
 
-class CheckpointOrders:
+class CheckpointExecutor:
+    """Carries out the checkpoint orders of each plan on the engine thread (the scheduler's
+    `CheckpointPlanner` decides which): state copies between slots and the cache's buffers."""
+
     def __init__(
         self,
         cache: PrefixCache,

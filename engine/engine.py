@@ -17,7 +17,7 @@ from itertools import accumulate
 
 import psutil
 import torch
-from ballast.engine.checkpoint_orders import CheckpointOrders, build_cache
+from ballast.engine.checkpoint_orders import CheckpointExecutor, build_cache
 from ballast.engine.config import EngineConfig
 from ballast.engine.detok import Detokenizer
 from ballast.engine.errors import EngineUnhealthy, PlanError
@@ -194,7 +194,7 @@ class Engine:
         self.quantized_kv = runner.quantized_kv
         self.decodes_ahead = self.config.tensor_parallel_size == 1
         self.slot_kv = SlotKV(self.runner, self._cache, self._watch, ranks=self.config.tensor_parallel_size)
-        self._orders = CheckpointOrders(
+        self._orders = CheckpointExecutor(
             self._cache,
             self.prefix_cache,
             self._pool,

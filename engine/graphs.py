@@ -17,7 +17,7 @@ every graph writes, valid until the next replay.
 
 Batch buckets run up to the engine's slot count (`--max-num-seqs`) whatever it is: 1, 2, 4, ...
 and the count itself, so a server of 128 or 100 slots replays a graph at every batch it can run.
-While a sequence lives in the int8 KV store (the ladder's quantized-KV rung) every layer reads and
+While a step holds a sequence of the int8 KV store (the ladder's quantized-KV rung) every layer reads and
 writes both stores: a different kernel sequence, so those steps replay a second set of graphs, the
 "mixed" variant, captured per bucket the first time such a step needs it (at load the int8 store
 has no memory to capture against). Without it a squeezed GPU decoded eagerly: measured on an H200
@@ -201,8 +201,8 @@ class DecodeGraphs:
 
     def _capture_one(self, key: tuple[int, int, bool]) -> None:
         assert self._forward is not None
-        b, c, _ = key
-        batch = self._static_batch(b, c)
+        b, c, mixed = key
+        batch = self._static_batch(b, c, mixed)
         self._stage([])
         with pointwise.fused():  # a graph's fused kernels cost the host nothing when replayed
             try:
@@ -320,7 +320,7 @@ class DecodeGraphs:
         on_gpu = self._inputs.is_cuda
         self._inputs[:, :width].copy_(host.pin_memory() if on_gpu else host, non_blocking=on_gpu)
 
-    def _static_batch(self, b: int, c: int) -> ForwardBatch:
+    def _static_batch(self, b: int, c: int, int8_kv: bool = False) -> ForwardBatch:
         """The batch a graph is captured with: views of the static inputs. For a decode token the
         start is its position; the host-side lists only fix shapes and branch choices (one token
         per sequence, none starting at 0)."""
@@ -342,4 +342,5 @@ class DecodeGraphs:
             lens_list=[1] * b,
             max_len=1,
             max_ctx=c,
+            int8_kv=int8_kv,
         )

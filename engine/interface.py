@@ -5,14 +5,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ballast.engine.plan import KVFigures, StepPlan, StepResult
 from ballast.memory.types import CostModel
 
+if TYPE_CHECKING:  # llguidance and torch: loaded only where grammars are compiled
+    from ballast.engine.grammar import GrammarCompiler
+
 
 class TokenizerLike(Protocol):
     eos_token_ids: frozenset[int]
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template (Jinja source), where it has one: the server reads the tool
+        call format from it."""
+        ...
+
+    def grammar_compiler(self, vocab_size: int) -> GrammarCompiler | None:
+        """A new compiler of grammars over this vocabulary, for logits `vocab_size` wide (about
+        0.3 s to build: the server keeps one), or None where it cannot constrain sampling."""
+        ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of raw text (special tokens the text spells out are not parsed); with
@@ -57,12 +71,30 @@ class EngineLike(Protocol):
     # prefix, which any step that wrote them can save: a cold prompt is not split at the interval.
     recurrent_state: bool
     cost_model: CostModel
-    tokenizer: TokenizerLike
     quantized_kv: bool  # the main KV pool holds int8 (--kv-quant int8)
-    gpu_die: int | None  # the GPU whose ledger admission checks (None: the engine runs on the host)
     # It runs a decode plan submitted before the last step's tokens are back (LAST_SAMPLED): not
     # under tensor parallel, where the other ranks would need the sampled tokens first.
     decodes_ahead: bool
+
+    @property
+    def tokenizer(self) -> TokenizerLike: ...
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of the logits sampled from (may exceed the tokenizer's vocabulary)."""
+        ...
+
+    @property
+    def gpu_die(self) -> int | None:
+        """The GPU whose ledger admission checks (None: the engine runs on the host)."""
+        ...
+
+    @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """What the model's makers sample with (generation_config.json, a GGUF's defaults), for
+        the values a request omits; empty where they state nothing. The server reads it once at
+        load, so a malformed file fails the load rather than a request."""
+        ...
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         """Queue a plan on the engine thread. Plans run one at a time, in submission order.

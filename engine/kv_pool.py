@@ -8,18 +8,26 @@ write into it). When the free blocks run out the pool adds a segment, if the mem
 one (`acquire`: a VRAM ledger lease on CUDA, the host budget on the CPU); `shrink` gives whole
 free segments back. Nothing here runs while a step is in flight: the engine calls it between steps,
 so no block an executing kernel reads is ever freed or moved.
+
+`KVManager` is the one owner of a model's pools (the main one and the int8 one beside it) and of
+which pool each slot's sequence lives in; the models see only the attention backend it builds
+over the stores (their blocks, block tables and that per-slot table).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
+import torch
 from ballast.engine.blocks import BlockAllocator, blocks_for
 from ballast.engine.plan import KVFigures
 from ballast.memory.host_book import HostGrant
 from ballast.memory.types import MiB
+from ballast.models.attention import PagedAttentionBackend
 from ballast.models.kv_store import SINK_BLOCK, KVStore
+from ballast.models.state import paged_attention
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +40,11 @@ def _unlimited(nbytes: int) -> Callable[[], None]:
 
 
 class KVPool:
-    def __init__(self, store: KVStore, acquire: Acquire = _unlimited) -> None:
+    def __init__(self, store: KVStore, acquire: Acquire | None = None) -> None:
         self.store = store
         self.layout = store.layout
         self.alloc = BlockAllocator(self.layout.seg_blocks, self.layout.max_segments, reserved=SINK_BLOCK + 1)
-        self._acquire = acquire
+        self._acquire = acquire or _unlimited
         self._give_back: dict[int, Callable[[], None]] = {}  # segment -> its grant's release
         self.refused = 0  # segments the memory layer would not grant
 
@@ -184,3 +192,78 @@ class KVPool:
             give_back()
         self._give_back.clear()
         self.store.close()
+
+
+class KVManager:
+    """Every KV block of a model, on the engine side: the main pool (the format chosen at load)
+    and, where that is not int8 already, an int8 pool for sequences the ladder starts quantized
+    at WATCH and worse (address space only until one needs it), so the int8 rung applies to new
+    sequences while running ones keep their format. Which pool each slot's sequence lives in is
+    kept here, on the host and as the device table (`int8_slots`) attention reads."""
+
+    def __init__(self, main: KVPool, int8: KVPool | None = None) -> None:
+        self.main = main
+        self.int8 = int8
+        self._in_int8: set[int] = set()
+        lay = main.layout
+        self.int8_slots = torch.zeros(lay.table_rows, dtype=torch.bool, device=main.store.device)
+
+    @property
+    def pools(self) -> list[KVPool]:
+        return [self.main] if self.int8 is None else [self.main, self.int8]
+
+    @property
+    def stores(self) -> list[KVStore]:
+        """The pools' stores; a tensor-parallel journal names a store by its index here."""
+        return [p.store for p in self.pools]
+
+    def attention(self) -> PagedAttentionBackend:
+        """The attention backend over these stores, for the model's states."""
+        int8 = self.int8.store if self.int8 is not None else None
+        return paged_attention(self.main.store, int8, self.int8_slots if int8 is not None else None)
+
+    def journal_to(self, journal: list[Any]) -> None:
+        """Record every store change in `journal` (tensor parallel: the workers replay it)."""
+        for i, store in enumerate(self.stores):
+            store.journal = journal
+            store.journal_index = i
+
+    def pool_of(self, slot: int) -> KVPool:
+        return self.int8 if self.int8 is not None and slot in self._in_int8 else self.main
+
+    def in_int8(self, slot: int) -> bool:
+        return slot in self._in_int8
+
+    def holds_int8(self, slots: Iterable[int]) -> bool:
+        """Whether a sequence of these (a step's) lives in the int8 pool."""
+        return bool(self._in_int8) and not self._in_int8.isdisjoint(slots)
+
+    @property
+    def int8_list(self) -> list[int]:
+        return sorted(self._in_int8)
+
+    def held(self, slot: int) -> int:
+        """Blocks the slot's tables hold, in every pool."""
+        return sum(p.alloc.count(slot) for p in self.pools)
+
+    def place(self, slots: Sequence[int], int8: Sequence[bool]) -> None:
+        """New sequences in these (empty) slots: each lives in the int8 pool if asked and there
+        is one, else in the main pool."""
+        if self.int8 is not None:
+            self.set_int8(self._in_int8 | {s for s, q in zip(slots, int8, strict=False) if q})
+
+    def release(self, slots: Sequence[int]) -> None:
+        """The slots' sequences are gone: blocks back to their pools, slots back to the main pool."""
+        for slot in slots:
+            for pool in self.pools:
+                pool.release(slot)
+        self.set_int8(self._in_int8.difference(slots))
+
+    def set_int8(self, slots: Iterable[int]) -> None:
+        """Exactly these slots' sequences live in the int8 pool (a tensor-parallel worker mirrors
+        rank 0's this way); the device table changes only where membership does."""
+        now = set(slots)
+        for value, changed in ((True, now - self._in_int8), (False, self._in_int8 - now)):
+            if changed:
+                self.int8_slots[torch.tensor(sorted(changed), device=self.int8_slots.device)] = value
+        self._in_int8 = now

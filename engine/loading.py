@@ -38,7 +38,7 @@ from ballast.models.base import ModelError
 from ballast.models.cpu_int4 import Q4Weight
 from ballast.models.cpu_linear import packed_bytes
 from ballast.models.default_model import DefaultModelError, default_model_path
-from ballast.models.fp8 import convert_model
+from ballast.models.fp8_convert import convert_model
 from ballast.models.gguf_loader import (
     GGUFError,
     build_tokenizer,

@@ -14,21 +14,14 @@ from typing import Any, cast
 
 import torch
 from ballast.engine.graphs import PAD_POSITION, Agree, DecodeGraphs, FeedLastTokens, GraphCaptureError
-from ballast.engine.kv_pool import Acquire, KVPool
+from ballast.engine.kv_pool import Acquire, KVManager, KVPool
 from ballast.engine.prefill_graphs import GRANULE, PrefillGraphs
 from ballast.engine.sampler import Sampler
 from ballast.engine.staging import to_device
 from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import CostModel
 from ballast.models.base import CausalLM, ForwardBatch, Rows
-from ballast.models.state import (
-    KVStores,
-    LayerState,
-    allocate_states,
-    build_states,
-    dtype_bytes,
-    kv_store_for,
-)
+from ballast.models.state import LayerState, allocate_states, build_states, dtype_bytes, kv_store_for
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -232,22 +225,19 @@ class ModelRunner:
         # The main store in the configured format (--kv-quant); an int8 one beside it (address
         # space only until a sequence needs it) for sequences the ladder starts in int8 at WATCH
         # and worse.
-        main = kv_store_for(
-            specs, self._state_slots, max_model_len, device, dtype, quantized_kv, segment_bytes
-        )
-        int8 = (
-            None
-            if main is None or quantized_kv
-            else kv_store_for(specs, self._state_slots, max_model_len, device, dtype, True, segment_bytes)
-        )
-        self.kv_stores = KVStores(main, int8) if main is not None else None
-        self.kv: KVPool | None = None
-        self.kv_int8: KVPool | None = None
+        shape = (specs, self._state_slots, max_model_len, device, dtype)
+        main = kv_store_for(*shape, quantized_kv, segment_bytes)
+        self.kv_manager: KVManager | None = None
         if main is not None:
-            self.kv = KVPool(main, acquire) if acquire is not None else KVPool(main)
-        if int8 is not None:
-            self.kv_int8 = KVPool(int8, acquire) if acquire is not None else KVPool(int8)
-        self.states: list[LayerState] = build_states(specs, self._state_slots, self.kv_stores, device, dtype)
+            int8 = None if quantized_kv else kv_store_for(*shape, True, segment_bytes)
+            self.kv_manager = KVManager(
+                KVPool(main, acquire), KVPool(int8, acquire) if int8 is not None else None
+            )
+        # The main pool, and the int8 one beside it (None: no attention layers / none beside it).
+        self.kv = self.kv_manager.main if self.kv_manager is not None else None
+        self.kv_int8 = self.kv_manager.int8 if self.kv_manager is not None else None
+        attention = self.kv_manager.attention() if self.kv_manager is not None else None
+        self.states: list[LayerState] = build_states(specs, self._state_slots, attention, device, dtype)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.split_replays = 0  # steps of a prompt chunk and decodes run as the two graphs' replays
@@ -276,7 +266,7 @@ class ModelRunner:
 
     @property
     def pools(self) -> list[KVPool]:
-        return [p for p in (self.kv, self.kv_int8) if p is not None]
+        return self.kv_manager.pools if self.kv_manager is not None else []
 
     @property
     def state_bytes(self) -> int:
@@ -358,15 +348,15 @@ class ModelRunner:
         in sequence order; writes the slots' states. A decode step replays a graph where one was
         captured for its shape (the logits are then a view valid until the next step), a lone
         prompt chunk a prefill graph, and a prompt chunk beside decodes both where that pays."""
-        if self.kv is not None:
-            bs = self.kv.layout.block_size
-            held = {slot: sum(p.alloc.count(slot) for p in self.pools) for slot, _, _ in seqs}
-            bare = [slot for slot, tokens, start in seqs if held[slot] * bs < start + len(tokens)]
+        kv = self.kv_manager
+        if kv is not None:
+            bs = kv.main.layout.block_size
+            bare = [slot for slot, tokens, start in seqs if kv.held(slot) * bs < start + len(tokens)]
             if bare:  # writing there would land in another sequence's blocks
                 raise ValueError(
                     f"slots {bare} have no KV blocks for this step's positions (KVPool.ensure first)"
                 )
-        mixed = self.kv_stores is not None and self.kv_stores.mixed
+        mixed = kv is not None and kv.holds_int8(slot for slot, _, _ in seqs)
         # Decodes planned before their token reached the host take it from the device.
         last = self.sampler.feed_last_tokens if any(t[0] < 0 for _, t, _ in seqs) else None
         if self.graphs is not None and self.graphs.can_use(seqs, mixed):
@@ -379,7 +369,7 @@ class ModelRunner:
             rest = self._replay(seqs[1:], last, mixed)
             self.split_replays += 1
             return torch.cat((first, rest))
-        batch = ForwardBatch.build(seqs, self.device, all_logits=all_logits)
+        batch = ForwardBatch.build(seqs, self.device, all_logits=all_logits, int8_kv=mixed)
         if last is not None:
             last(batch.token_ids, batch.slot_of_token)
         return self._eager(batch)

@@ -45,10 +45,8 @@ class ShardedRunner(ModelRunner):
         # Every change the workers must make before the next forward, in the order made here: the
         # KV stores' and (once the engine hands it to its prefix cache) slot-state copies.
         self.journal: list[Any] = []
-        if self.kv_stores is not None:
-            for i, store in enumerate(self.kv_stores.all()):
-                store.journal = self.journal
-                store.journal_index = i
+        if self.kv_manager is not None:
+            self.kv_manager.journal_to(self.journal)
 
     @property
     def sound(self) -> bool:
@@ -107,12 +105,8 @@ class ShardedRunner(ModelRunner):
     def _message(
         self, rows: list[Row], every: list[bool], graph: tuple[int, int] | None = None
     ) -> StepMessage:
-        int8_slots: list[int] = []
-        mixed = False
-        if self.kv_stores is not None:
-            int8_slots = self.kv_stores.int8_slots.nonzero().flatten().tolist()
-            mixed = self.kv_stores.mixed
-        return StepMessage(rows, every, self._drain_journal(), int8_slots, mixed, graph)
+        int8_slots = self.kv_manager.int8_list if self.kv_manager is not None else []
+        return StepMessage(rows, every, self._drain_journal(), int8_slots, graph)
 
     # --- decode graphs on every rank ---------------------------------------------------------
 

@@ -1,8 +1,9 @@
-"""The engine's side of the KV pools: which pool each slot's sequence lives in, what each slot
-has been fed, and what a step needs before its forward (blocks for every position it writes).
+"""The engine's KV policy between steps: what each slot has been fed, and what a step needs before
+its forward (blocks for every position it writes). The pools, and which one each slot's sequence
+lives in (the main pool, or the int8 pool when it started under memory pressure), are the
+runner's `KVManager`.
 
-One owner, on the engine thread. A slot's sequence lives in the main pool, or in the int8 pool
-when it started under memory pressure. Before a step, every sequence's table grows to cover its
+On the engine thread. Before a step, every sequence's table grows to cover its
 positions; blocks that cannot be had are found by evicting prefix-cache entries first, then by
 preempting sequences youngest first (new prefills, then decodes from the last admitted): on CUDA
 a preempted sequence is parked (blocks and recurrent state copied to pinned host buffers) so it
@@ -15,7 +16,6 @@ import logging
 from array import array
 from collections.abc import Sequence
 
-import torch
 from ballast.engine.kv_pool import KVPool
 from ballast.engine.plan import LAST_SAMPLED, KVKeep, StepPlan
 from ballast.engine.prefix_cache import PrefixCache
@@ -36,7 +36,7 @@ class SlotKV:
         self._ranks = ranks
         self._cache = cache
         self._watch = watch
-        self._int8: dict[int, KVPool] = {}  # slots whose sequence lives in the int8 pool
+        self._kv = runner.kv_manager
         self._fed: dict[int, array[int]] = {}  # slot -> the tokens its sequence has been fed (to park it)
         self.preemptions = 0  # sequences moved out for want of blocks
         self.parked = 0  # of which parked in host buffers (the rest are recomputed)
@@ -52,25 +52,19 @@ class SlotKV:
         return out
 
     def pool_of(self, slot: int) -> KVPool:
-        pool = self._int8.get(slot, self._runner.kv)
-        assert pool is not None
-        return pool
+        assert self._kv is not None
+        return self._kv.pool_of(slot)
 
     def in_int8(self, slot: int) -> bool:
-        return slot in self._int8
+        return self._kv is not None and self._kv.in_int8(slot)
 
     def start(self, slots: Sequence[int], int8: Sequence[bool] = ()) -> None:
         """New sequences start in these slots: whatever they held goes back, and each lives in the
         int8 pool if asked (and there is one), else in the main pool."""
-        if self._runner.kv is None:
+        if self._kv is None:
             return
         self.drop(slots)
-        int8_pool = self._runner.kv_int8
-        to_int8 = [s for s, q in zip(slots, int8, strict=False) if q and int8_pool is not None]
-        for slot in to_int8:
-            assert int8_pool is not None
-            self._int8[slot] = int8_pool
-        self._mark_int8(to_int8, True)
+        self._kv.place(slots, int8)
 
     def restored(self, slot: int, prefix: Sequence[int]) -> None:
         """The slot's sequence was restored with these tokens fed."""
@@ -87,29 +81,30 @@ class SlotKV:
         """The slots' sequences are gone: blocks back to their pools, slots back to the main pool."""
         for slot in slots:
             self._fed.pop(slot, None)
-            for pool in self._runner.pools:
-                pool.release(slot)
-        self._mark_int8([s for s in slots if self._int8.pop(s, None) is not None], False)
+        if self._kv is not None:
+            self._kv.release(slots)
 
     def shrink(self, keep: KVKeep = KVKeep()) -> None:
         """Give memory back (the ladder at TIGHT and worse): blocks in use are packed into the
         lowest segments, then the segments left empty go back to the device / host, all but those
         holding `keep`'s free blocks. A pool with no whole segment beyond them is not compacted."""
-        for pool in self._runner.pools:
-            keep_free = keep.int8 if pool is self._runner.kv_int8 else keep.main
+        if self._kv is None:
+            return
+        for pool in self._kv.pools:
+            keep_free = keep.main if pool is self._kv.main else keep.int8
             if not pool.has_surplus(keep_free):
                 continue
             moves = pool.compact()
-            if pool is self._runner.kv:
+            if pool is self._kv.main:
                 self._cache.follow_moves(moves)  # the cache holds main-pool blocks by id
             pool.shrink(keep_free_blocks=keep_free)
 
     def take_blocks(self, plan: StepPlan, seqs: Rows) -> frozenset[int]:
         """Grow every sequence's table to cover this step's positions, evicting cache and then
         preempting where blocks cannot be had. Returns the preempted slots (the step skips them)."""
-        kv = self._runner.kv
-        if kv is None:
+        if self._kv is None:
             return frozenset()
+        kv = self._kv.main
         need = {slot: start + len(tokens) for slot, tokens, start in seqs}
         short = [slot for slot, n in need.items() if not self.pool_of(slot).ensure(slot, n)]
         if short:  # cached prefixes go before any running sequence: free blocks for all of them
@@ -125,9 +120,6 @@ class SlotKV:
             self._park(victim)
             self.drop([victim])
             self._runner.sampler.reset([victim])
-        if self._runner.kv_stores is not None and self._runner.kv_int8 is not None:
-            # Every layer visits the int8 store only while a sequence lives there.
-            self._runner.kv_stores.mixed = bool(self._int8)
         for slot, tokens, _ in seqs:  # what each slot has been fed once this step runs
             if slot not in preempted:
                 self._fed.setdefault(slot, array("q")).extend(tokens)
@@ -165,11 +157,6 @@ class SlotKV:
                 grant.committed()  # filled: the host shows it from the next poll on
         elif grant is not None:
             grant.release()
-
-    def _mark_int8(self, slots: Sequence[int], value: bool) -> None:
-        stores = self._runner.kv_stores
-        if slots and stores is not None:
-            stores.int8_slots[torch.tensor(list(slots), device=stores.int8_slots.device)] = value
 
 
 def _lacking(kv: KVPool, slot: int, n_tokens: int) -> int:

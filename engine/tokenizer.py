@@ -25,6 +25,7 @@ from typing import Any
 
 import jinja2
 from ballast.engine.detok import Detokenizer
+from ballast.engine.grammar import GrammarCompiler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,14 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
+
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.hf, "chat_template", None)
+        return str(template) if template else None
+
+    def grammar_compiler(self, vocab_size: int) -> GrammarCompiler:
+        return GrammarCompiler(self.hf, vocab_size, self.eos_token_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # add_special_tokens adds a BOS where the tokenizer wants one (llama-style); split_special

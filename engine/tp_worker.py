@@ -62,7 +62,7 @@ COLLECTIVE_TIMEOUT_S = 120
 class StepMessage:
     """One forward, as rank 0 runs it: rows (slot, token ids, start) and which rows want every
     token's logits; before it, the changes rank 0 made since the previous forward, in order (its
-    KV stores', each naming its store by `KVStores.all()` index, and its prefix cache's slot-state
+    KV stores', each naming its store by `KVManager.stores` index, and its prefix cache's slot-state
     copies), and which slots live in the int8 store. graph: the (batch, context) decode graph rank
     0 replays for this step (None: it runs eagerly)."""
 
@@ -70,7 +70,6 @@ class StepMessage:
     all_logits: list[bool]
     ops: list[StoreOp | CheckpointOp]
     int8_slots: list[int] = field(default_factory=list)
-    mixed: bool = False
     graph: tuple[int, int] | None = None
 
 
@@ -172,25 +171,20 @@ def kept_fp8(ckpt: HFCheckpoint, config: EngineConfig, device: torch.device) -> 
 
 def apply_ops(runner: ModelRunner, checkpoints: ShardCheckpoints, ops: list[StoreOp | CheckpointOp]) -> None:
     """Make rank 0's KV store changes and slot-state copies here, in its order."""
-    stores = runner.kv_stores
+    kv = runner.kv_manager
     for op in ops:
         if isinstance(op, CheckpointOp):
             checkpoints.apply(op)
         else:
-            assert stores is not None, "KV store changes sent to a model without attention"
-            stores.all()[op.store].replay(op)
+            assert kv is not None, "KV store changes sent to a model without attention"
+            kv.stores[op.store].replay(op)
 
 
 def apply_changes(runner: ModelRunner, checkpoints: ShardCheckpoints, msg: StepMessage) -> None:
     """A step's changes: rank 0's ops, then which slots live in the int8 store."""
     apply_ops(runner, checkpoints, msg.ops)
-    stores = runner.kv_stores
-    if stores is None:
-        return
-    stores.int8_slots.zero_()
-    if msg.int8_slots:
-        stores.int8_slots[torch.tensor(msg.int8_slots, device=stores.int8_slots.device)] = True
-    stores.mixed = msg.mixed
+    if runner.kv_manager is not None:
+        runner.kv_manager.set_int8(msg.int8_slots)
 
 
 def worker_main(
@@ -247,7 +241,7 @@ def worker_main(
 
 def shard_checkpoints(runner: ModelRunner) -> ShardCheckpoints:
     """Where this rank keeps its shard of rank 0's checkpoints and parked sequences."""
-    stores = runner.kv_stores.all() if runner.kv_stores is not None else []
+    stores = runner.kv_manager.stores if runner.kv_manager is not None else []
     return ShardCheckpoints(runner.states, stores, runner.device)
 
 
@@ -286,4 +280,6 @@ def step(
         return
     # Not runner.forward: its check that each slot holds blocks asks this rank's allocator,
     # which never allocates (rank 0's does; its tables came with the message).
-    runner._run(ForwardBatch.build(msg.rows, runner.device, all_logits=msg.all_logits))
+    kv = runner.kv_manager
+    int8_kv = kv is not None and kv.holds_int8(slot for slot, _, _ in msg.rows)
+    runner._run(ForwardBatch.build(msg.rows, runner.device, all_logits=msg.all_logits, int8_kv=int8_kv))

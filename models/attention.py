@@ -1,21 +1,29 @@
-"""Attention over the paged KV store: the two backends behind `PagedKV.write` / `PagedKV.attend`.
+"""Attention over the paged KV stores: the interface of its backends, and the CPU's gathering
+reference.
 
-Models never see the layout: they hand over this step's K/V and queries with the step's
-`ForwardBatch`, and get each token's attention output back.
+Models never see the layout: an attention layer hands its `PagedKV` (models/state.py) this step's
+K/V and queries with the step's `ForwardBatch`, and gets each token's attention output back. The
+`PagedKV` of every layer calls one `PagedAttentionBackend`, chosen once for the stores' device:
 
-- CUDA: a Triton kernel stores each token's K/V row into its block; the attention kernels read
-  every sequence's blocks in place through the block table (decode split along the context,
-  prefill chunks over the cached blocks plus the chunk, causally). int8 blocks are dequantized
-  inside the kernels.
-- CPU: blocks in the model dtype are read in place (models/cpu_attention.py); int8 blocks, and
-  steps over both stores, are gathered (one index_select per layer and store;
-  a block is contiguous, so one memcpy each) and attended by `scaled_dot_product_attention`.
-  A step that mixes decode tokens with prefill chunks attends them as two groups, each padded to
-  its own longest run, so a decode token never pays for a whole chunk's padding.
+- CUDA (models/triton_attention.py): a Triton kernel stores each token's K/V row into its block;
+  the attention kernels read every sequence's blocks in place through the block table (decode
+  split along the context, prefill chunks over the cached blocks plus the chunk, causally). int8
+  blocks are dequantized inside the kernels.
+- CPU (models/cpu_attention.py): blocks in the model dtype are read in place; int8 blocks, and
+  steps over both stores, are gathered here (one index_select per layer and store; a block is
+  contiguous, so one memcpy each) and attended by `scaled_dot_product_attention`. A step that
+  mixes decode tokens with prefill chunks attends them as two groups, each padded to its own
+  longest run, so a decode token never pays for a whole chunk's padding.
+
+A step whose batch holds a sequence of each KV format (`ForwardBatch.int8_kv`: the ladder's int8
+rung) writes every token to both stores and attends both: each slot's row in the store its
+sequence does not use points at the sink block, whose contents nobody reads as KV, and each token
+keeps the result of its own sequence's store (`int8_slots`, written by the engine, says which).
 """
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch
@@ -24,19 +32,68 @@ from ballast.models.base import ForwardBatch
 from ballast.models.kv_store import KVStore, quantize_rows
 from torch import Tensor
 
+
+class PagedAttentionBackend(abc.ABC):
+    """How the attention layers of one model write and read its KV stores on one kind of device.
+
+    `prepare(batch)` computes once a step what every layer of the step shares (row indices, block
+    lists, the split between the stores). The step's first attention layer calls it (`PagedKV`):
+    models run from many places (the runner, graph capture, profiling, tests), and all of them
+    reach attention through their layers, in order."""
+
+    def __init__(self, main: KVStore, int8: KVStore | None = None, int8_slots: Tensor | None = None) -> None:
+        if (int8 is None) != (int8_slots is None):
+            raise ValueError("an int8 store comes with the table of the slots that live in it")
+        self.main = main
+        self.int8 = int8
+        self.int8_slots = int8_slots  # [table rows] bool: the slot's sequence lives in `int8`
+        self.layout = main.layout
+        self._first_layer: int | None = None
+
+    @property
+    def stores(self) -> list[KVStore]:
+        return [self.main] if self.int8 is None else [self.main, self.int8]
+
+    def step_stores(self, batch: ForwardBatch) -> list[KVStore]:
+        """The stores this step writes and reads: both where its batch holds int8 sequences."""
+        return self.stores if batch.int8_kv else [self.main]
+
+    def first_layer(self, layer: int) -> bool:
+        """Whether `layer` is the first of this backend's layers (the one that prepares a step)."""
+        if self._first_layer is None:
+            self._first_layer = layer
+        return layer == self._first_layer
+
+    @abc.abstractmethod
+    def prepare(self, batch: ForwardBatch) -> None:
+        """The step `batch` starts: what its layers share is computed now."""
+
+    @abc.abstractmethod
+    def write(self, layer: int, batch: ForwardBatch, kv: Tensor) -> None:
+        """Store kv [T, 2 * n_kv, head_dim] at (slot, position) of every token of the step."""
+
+    @abc.abstractmethod
+    def attend(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
+        """q [T, Hq, D] over each token's own sequence's cache (this step's K/V written) -> [T, Hq, D]."""
+
+
 # --- writing this step's rows ---------------------------------------------------------------
 
 
-def write_rows(store: KVStore, layer: int, batch: ForwardBatch, kv: Tensor) -> None:
-    """Store kv [T, 2 * n_kv, head_dim] at (slot, position) of every token of batch."""
-    if store.cuda is not None:
-        from ballast.models.paged_store import store_rows
+def row_index(store: KVStore, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
+    """(block, offset) of every token's row in a CPU store: the same for every layer of a step."""
+    bs = store.layout.block_size
+    return store.block_table[batch.slot_of_token, batch.positions // bs].long(), batch.positions % bs
 
-        store_rows(store, layer, batch, kv)
-        return
+
+def write_rows(
+    store: KVStore, layer: int, batch: ForwardBatch, kv: Tensor, index: tuple[Tensor, Tensor] | None = None
+) -> None:
+    """Store kv [T, 2 * n_kv, head_dim] at (slot, position) of every token of batch in a CPU store
+    (`index`: its `row_index`, where the step computed it already)."""
     host = store.host
-    assert host is not None
-    index = _step_index(store, batch)[0]
+    assert host is not None, "on CUDA a Triton kernel writes the rows"
+    index = index if index is not None else row_index(store, batch)
     if host.scale is None:
         host.kv[layer].index_put_(index, kv.to(store.layout.dtype))
         return
@@ -45,89 +102,22 @@ def write_rows(store: KVStore, layer: int, batch: ForwardBatch, kv: Tensor) -> N
     host.scale[layer].index_put_(index, scale)
 
 
-# --- CUDA: the kernels read the blocks in place ------------------------------------------------
-
-
-def attend_kernels(
-    store: KVStore, layer: int, q: Tensor, batch: ForwardBatch, foreign: Tensor | None
-) -> Tensor:
-    """q [T, Hq, D] attended over one store's blocks by the Triton kernels -> [T, Hq, D].
-    `foreign` [B] marks sequences that live in the other store: they read only their first
-    position (the sink block), and the caller discards their result."""
-    from ballast.models.paged_triton import paged_decode, paged_prefill
-
-    lay, cuda = store.layout, store.cuda
-    assert cuda is not None
-    out = torch.empty_like(q)
-    common = dict(
-        layer=layer,
-        num_layers=lay.num_layers,
-        seg_blocks=lay.seg_blocks,
-        block_size=lay.block_size,
-        num_kv_heads=lay.num_kv_heads,
-        kv_dtype=lay.storage_dtype,
-        sm_scale=q.shape[-1] ** -0.5,
-    )
-
-    def decode(first_token: int, first_seq: int, slots: Tensor, ctx: Tensor, max_ctx: int) -> None:
-        """The one-token sequences from `first_seq` on (their tokens from `first_token` on)."""
-        if foreign is not None:
-            ctx = torch.where(foreign[first_seq:], torch.ones_like(ctx), ctx)
-        paged_decode(
-            q[first_token:],
-            out[first_token:],
-            cuda.kv_ptrs,
-            cuda.scale_ptrs,
-            store.block_table,
-            slots,
-            ctx,
-            max_ctx=max_ctx,
-            **common,
-        )  # type: ignore[arg-type]
-
-    if batch.decode_only:
-        decode(0, 0, batch.slots, batch.positions + 1, batch.max_ctx)
-        return out
-    starts = (
-        batch.starts
-        if foreign is None
-        else torch.where(foreign, torch.zeros_like(batch.starts), batch.starts)
-    )
-    # Prompt chunks by the prefill kernel; a tail of one-token sequences (decodes beside a prompt)
-    # by the decode kernel. In the prefill kernel each of them took a tile of query rows, one real,
-    # over its whole context: Llama-8B shape, 32 decodes at 2k context beside a 1k prompt, 29.1 ms
-    # of attention a step, now 2.4 + 2.7 (bench/decode_profile.py --mixed).
-    head = batch.tail_from or batch.num_seqs
-    head_tokens = q.shape[0] - (batch.num_seqs - head)  # the tail's sequences: a token each
-    paged_prefill(
-        q[:head_tokens],
-        out[:head_tokens],
-        cuda.kv_ptrs,
-        cuda.scale_ptrs,
-        store.block_table,
-        batch.slots[:head],
-        starts[:head],
-        batch.cu_lens[: head + 1],
-        max_len=batch.max_len,
-        max_ctx=batch.max_ctx,
-        **common,
-    )  # type: ignore[arg-type]
-    if head < batch.num_seqs:
-        assert batch.tail_slots is not None and batch.tail_ctx is not None
-        decode(head_tokens, head, batch.tail_slots, batch.tail_ctx, batch.tail_max_ctx)
-    return out
-
-
 # --- CPU: gather the blocks, then scaled_dot_product_attention --------------------------------
 
 
-def gather(store: KVStore, layer: int, batch: ForwardBatch) -> Tensor:
-    """[B, max_ctx, 2 * n_kv, head_dim] in the model dtype, gathered from the store's blocks.
-    Positions past a sequence's own end hold stale data; attention masks them."""
+def block_ids(store: KVStore, batch: ForwardBatch) -> Tensor:
+    """The blocks each sequence of batch reads, its table's first ceil(max_ctx / block_size)."""
+    return store.block_table[batch.slots, : -(-batch.max_ctx // store.layout.block_size)].reshape(-1).long()
+
+
+def gather(store: KVStore, layer: int, batch: ForwardBatch, ids: Tensor | None = None) -> Tensor:
+    """[B, max_ctx, 2 * n_kv, head_dim] in the model dtype, gathered from the store's blocks
+    (`ids`: their `block_ids`, where the step computed them already). Positions past a
+    sequence's own end hold stale data; attention masks them."""
     host = store.host
     assert host is not None, "on CUDA attention reads the blocks in place"
     lay, b = store.layout, batch.num_seqs
-    ids = _step_index(store, batch)[1]
+    ids = ids if ids is not None else block_ids(store, batch)
     kv = _gather_blocks(host.kv[layer], ids, b)[:, : batch.max_ctx]
     if host.scale is not None:
         scale = _gather_blocks(host.scale[layer], ids, b)[:, : batch.max_ctx]
@@ -147,7 +137,7 @@ class PaddedGroup:
 
 def padded_groups(batch: ForwardBatch) -> tuple[PaddedGroup, ...]:
     """The groups a CPU step attends in: the whole batch, or its decode tokens and its prefill
-    chunks apart. The same for every layer of a step (the caller caches them per batch)."""
+    chunks apart. The same for every layer of a step (the backend prepares them once)."""
     decodes = [i for i, n in enumerate(batch.lens_list) if n == 1]
     if not decodes or len(decodes) == batch.num_seqs:
         return (PaddedGroup(batch, None, slot_attention_mask(batch)),)
@@ -194,20 +184,6 @@ def attend_gathered(q: Tensor, kv: Tensor, group: PaddedGroup) -> Tensor:
     )  # [B, Hq, L, D]
     out = out.transpose(1, 2).reshape(b * L, heads, dim)
     return out if batch.decode_only else out.index_select(0, batch.pad_index)
-
-
-def _step_index(store: KVStore, batch: ForwardBatch) -> tuple[tuple[Tensor, Tensor], Tensor]:
-    """(block, offset) of every token's row and the blocks each sequence reads, for the CPU path:
-    the same for every layer of a step, so computed once per step and store."""
-    for seen, rows, ids in store.step_index:
-        if seen is batch:
-            return rows, ids
-    bs = store.layout.block_size
-    rows = (store.block_table[batch.slot_of_token, batch.positions // bs].long(), batch.positions % bs)
-    ids = store.block_table[batch.slots, : -(-batch.max_ctx // bs)].reshape(-1).long()
-    # A step's batch and its two attention groups at most; older entries are past steps'.
-    store.step_index = [*store.step_index[-2:], (batch, rows, ids)]
-    return rows, ids
 
 
 def _gather_blocks(layer: Tensor, ids: Tensor, num_seqs: int) -> Tensor:

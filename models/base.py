@@ -19,7 +19,7 @@ from ballast.memory.specs import LayerSpec
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from ballast.models.state import LayerState
+    from ballast.models.layer_state import LayerState
 
 
 class ModelError(Exception):
@@ -75,6 +75,10 @@ class ForwardBatch:
     tail_slots: Tensor | None = None  # [B - tail_from] int64, slots[tail_from:]
     tail_ctx: Tensor | None = None  # [B - tail_from] int64, starts[tail_from:] + 1
     tail_max_ctx: int = 0  # the longest of tail_ctx
+    # Some sequence of this step keeps its KV in int8 blocks beside others in the model dtype
+    # (the ladder's int8 rung): attention then writes and reads both stores, each sequence keeping
+    # its own store's result. Which sequence is which the attention backend reads through slots.
+    int8_kv: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -100,12 +104,13 @@ class ForwardBatch:
         device: torch.device | str,
         max_ctx: int | None = None,
         all_logits: Sequence[bool] = (),
+        int8_kv: bool = False,
     ) -> ForwardBatch:
         """seqs: (slot, token_ids, start) per sequence. A slot may appear at most once per step.
         max_ctx: read this many cache positions (>= every start + len; at most the cache length)
         instead of the least that serves, so shapes stay fixed from step to step (CUDA graphs).
         all_logits: per sequence, whether the model returns logits for every token of it (not only
-        the last)."""
+        the last). int8_kv: see the field."""
         if not seqs:
             raise ValueError("a ForwardBatch needs at least one sequence")
         slots_list = [int(s) for s, _, _ in seqs]
@@ -149,6 +154,7 @@ class ForwardBatch:
             max_ctx=max_ctx if max_ctx is not None else need_ctx,
             tail_from=tail_from,
             tail_max_ctx=max(starts_list[tail_from:]) + 1 if tail_from else 0,
+            int8_kv=int8_kv,
         )
 
     def subset(self, seq_index: Sequence[int]) -> tuple[ForwardBatch, Tensor]:
@@ -176,6 +182,7 @@ class ForwardBatch:
             lens_list=lens_list,
             max_len=max(lens_list),
             max_ctx=max(st + n for st, n in zip(starts_list, lens_list, strict=True)),
+            int8_kv=self.int8_kv,
         )
         return sub, token_index
 

@@ -14,15 +14,105 @@ attention folds each KV head's group of query heads into the query rows there, s
 read once per KV head and never expanded. The chunk's own keys are attended causally.
 
 The reference it replaces gathered every cached block of the prefix for every chunk and layer:
-a 2k-token prompt in 512-token chunks copied 2.5 prefixes' worth of KV per layer.
+a 2k-token prompt in 512-token chunks copied 2.5 prefixes' worth of KV per layer. It still serves
+int8 blocks (dequantized into a copy anyway) and steps over both stores: `TorchPagedAttention`,
+the CPU's attention backend, picks one or the other per step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from ballast.models.attention import (
+    PaddedGroup,
+    PagedAttentionBackend,
+    attend_gathered,
+    block_ids,
+    gather,
+    padded_groups,
+    row_index,
+    write_rows,
+)
 from ballast.models.base import ForwardBatch
 from ballast.models.kv_store import KVStore
 from torch import Tensor
+
+# Each sequence's (start, new tokens, runs of its table's blocks) for attention in place.
+Runs = list[tuple[int, int, list[tuple[int, int, int]]]]
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every layer of one CPU step shares."""
+
+    batch: ForwardBatch
+    rows: list[tuple[Tensor, Tensor]]  # per store of the step: each token's (block, offset)
+    runs: Runs | None  # attended in place (one store in the model dtype), else gathered by groups
+    groups: tuple[PaddedGroup, ...] = ()
+    ids: tuple[list[Tensor], ...] = ()  # per group, per store: the blocks it gathers
+    in_int8: tuple[Tensor, ...] = ()  # per group over both stores: [B_g, 1, 1, 1] in the int8 one
+
+
+class TorchPagedAttention(PagedAttentionBackend):
+    """The CPU's backend: blocks in the model dtype read in place, int8 blocks (and a step over both
+    stores) gathered and attended padded, by groups."""
+
+    _step: _Step | None = None
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        stores = self.step_stores(batch)
+        rows = [row_index(s, batch) for s in stores]
+        if len(stores) == 1 and not self.layout.quantized:
+            self._step = _Step(batch, rows, table_runs(self.main, batch))
+            return
+        groups = padded_groups(batch)
+        ids = tuple([block_ids(s, g.batch) for s in stores] for g in groups)
+        in_int8: tuple[Tensor, ...] = ()
+        if len(stores) == 2:
+            assert self.int8_slots is not None
+            in_int8 = tuple(self.int8_slots[g.batch.slots].view(-1, 1, 1, 1) for g in groups)
+        self._step = _Step(batch, rows, None, groups, ids, in_int8)
+
+    def _prepared(self, batch: ForwardBatch) -> _Step:
+        step = self._step
+        assert step is not None and step.batch is batch, "the step's first attention layer prepares it"
+        return step
+
+    def write(self, layer: int, batch: ForwardBatch, kv: Tensor) -> None:
+        step = self._prepared(batch)
+        for store, rows in zip(self.step_stores(batch), step.rows, strict=True):
+            write_rows(store, layer, batch, kv, rows)
+
+    def attend(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
+        step = self._prepared(batch)
+        if step.runs is not None:
+            return attend_in_place(self.main, layer, q, batch, step.runs)
+        if len(step.groups) == 1:
+            return attend_gathered(q, self._gather(layer, step, 0), step.groups[0])
+        out = torch.empty_like(q)
+        for i, g in enumerate(step.groups):  # two: the decode tokens, and the prefill chunks
+            assert g.token_index is not None
+            picked = q.index_select(0, g.token_index)
+            out.index_copy_(0, g.token_index, attend_gathered(picked, self._gather(layer, step, i), g))
+        return out
+
+    def _gather(self, layer: int, step: _Step, group: int) -> Tensor:
+        """Group `group`'s K/V, each sequence's from the store it lives in."""
+        sub = step.groups[group].batch
+        kv = gather(self.main, layer, sub, step.ids[group][0])
+        if step.in_int8:
+            assert self.int8 is not None
+            kv = torch.where(step.in_int8[group], gather(self.int8, layer, sub, step.ids[group][1]), kv)
+        return kv
+
+    def read(self, layer: int, batch: ForwardBatch) -> Tensor:
+        """[B, max_ctx, 2 * n_kv, head_dim]: each sequence's K and V, gathered from its store."""
+        kv = gather(self.main, layer, batch)
+        if batch.int8_kv and self.int8 is not None and self.int8_slots is not None:
+            in_int8 = self.int8_slots[batch.slots].view(-1, 1, 1, 1)
+            kv = torch.where(in_int8, gather(self.int8, layer, batch), kv)
+        return kv
 
 
 def block_runs(ids: list[int], ctx: int, block_size: int) -> list[tuple[int, int, int]]:
@@ -38,37 +128,40 @@ def block_runs(ids: list[int], ctx: int, block_size: int) -> list[tuple[int, int
     return runs
 
 
-def attend_in_place(store: KVStore, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
-    """q [T, Hq, D] of batch's tokens, each over its own sequence's cache (this step's K/V
-    already written) -> [T, Hq, D]. The store holds K/V in the model dtype (not int8)."""
-    host = store.host
-    assert host is not None and host.scale is None, "in place only over unquantized CPU blocks"
-    lay = store.layout
-    kv_layer = host.kv[layer]
+def table_runs(store: KVStore, batch: ForwardBatch) -> Runs:
+    """Each sequence's start, new tokens and runs of blocks: the same for every layer of a step."""
     # The tensors, not the host lists: a decode graph's static batch keeps placeholders there.
     starts, lens = batch.starts.tolist(), batch.lens.tolist()
-    if store.step_runs is None or store.step_runs[0] is not batch or store.step_runs[1] != starts:
-        tables = store.block_table[batch.slots].tolist()  # once a step, not a layer
-        ends = [st + n for st, n in zip(starts, lens, strict=True)]
-        runs_of = [block_runs(t, ctx, lay.block_size) for t, ctx in zip(tables, ends, strict=True)]
-        store.step_runs = (batch, starts, runs_of)
-    runs_of = store.step_runs[2]
+    tables = store.block_table[batch.slots].tolist()
+    bs = store.layout.block_size
+    return [(st, n, block_runs(t, st + n, bs)) for t, st, n in zip(tables, starts, lens, strict=True)]
+
+
+def attend_in_place(
+    store: KVStore, layer: int, q: Tensor, batch: ForwardBatch, runs_of: Runs | None = None
+) -> Tensor:
+    """q [T, Hq, D] of batch's tokens, each over its own sequence's cache (this step's K/V
+    already written) -> [T, Hq, D] (`runs_of`: its `table_runs`, where the step computed them
+    already). The store holds K/V in the model dtype (not int8)."""
+    host = store.host
+    assert host is not None and host.scale is None, "in place only over unquantized CPU blocks"
+    kv_layer = host.kv[layer]
     out = torch.empty_like(q)
     first = 0
-    for b, (start, n) in enumerate(zip(starts, lens, strict=True)):
+    for start, n, runs in runs_of if runs_of is not None else table_runs(store, batch):
         ctx = start + n
-        runs = runs_of[b]
         source = kv_layer
         if len(runs) > MAX_RUNS:
             # A table in many pieces: one call per piece costs more than a copy of its blocks
             # (bench/cpu_attention.py), so this sequence's blocks are gathered, once a layer.
             ids = torch.tensor([blk + k for _, blk, count in runs for k in range(count)])
             source, runs = kv_layer.index_select(0, ids), [(0, 0, len(ids))]
+        n_kv = store.layout.num_kv_heads
         if n == 1 and len(runs) == 1:  # a decode token over blocks in order: no parts to merge
-            out[first] = _decode_one(_run_view(source, runs[0], ctx)[1], q[first], lay.num_kv_heads)
+            out[first] = _decode_one(_run_view(source, runs[0], ctx)[1], q[first], n_kv)
         else:
             keys = [_run_view(source, run, ctx) for run in runs]
-            out[first : first + n] = _attend_one(keys, q[first : first + n], start, lay.num_kv_heads)
+            out[first : first + n] = _attend_one(keys, q[first : first + n], start, n_kv)
         first += n
     return out
 

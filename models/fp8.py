@@ -16,7 +16,6 @@ Conversion happens in place on a model still on the meta device: an `nn.Linear` 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING, cast
 
@@ -114,24 +113,6 @@ def convert_experts(experts: Experts, block: Block) -> None:
     experts.block = block
 
 
-def convert_model(model: nn.Module, quantized: Callable[[str], bool], block: Block) -> None:
-    """Convert the modules whose weights `quantized` accepts (model parameter names of float8
-    checkpoint tensors: `...q_proj.weight`, `...mlp.experts.gate_up_proj`). Experts whose gate and
-    up halves would split a scale block stay in the model's dtype (the loader dequantizes them)."""
-    from ballast.models.moe import Experts
-
-    for name, module in model.named_modules():
-        prefix = name + "." if name else ""
-        if isinstance(module, nn.Linear) and quantized(prefix + "weight"):
-            convert_linear(module, block)
-        elif (
-            isinstance(module, Experts)
-            and quantized(prefix + "gate_up_proj")
-            and (module.gate_up_proj.shape[1] // 2) % block[0] == 0
-        ):
-            convert_experts(module, block)
-
-
 def expert_weights(experts: Experts, name: str, index: Tensor, dtype: torch.dtype) -> Tensor:
     """The experts `index` of fused parameter `name`, dequantized when float8 (the reference path)."""
     w: Tensor = getattr(experts, name)
@@ -156,32 +137,3 @@ def init_random_fp8(model: nn.Module, generator: torch.Generator, std: float = 0
                 )
             elif name.endswith("_scale_inv"):
                 p.fill_(std)
-
-
-def experts_forward(
-    module: Experts, x: Tensor, experts: Tensor, weights: Tensor, outside: bool = False
-) -> Tensor:
-    """`moe.experts_forward` for an `Experts` module holding float8 weights: one grouped FP8 GEMM per
-    projection where the kernels run; elsewhere only the experts that received tokens are
-    dequantized, then the dense path runs on them. outside: as in `moe.experts_forward`."""
-    from ballast.models.moe import Routing, experts_forward
-
-    num_experts = module.gate_up_proj.shape[0]
-    if not kernels_available(x.device):
-        active, local = experts.unique(return_inverse=True)
-        # id num_experts (held elsewhere), if present, is the largest: its local id is len(held)
-        held = active[active < num_experts]
-        gate_up = expert_weights(module, "gate_up_proj", held, x.dtype)
-        down = expert_weights(module, "down_proj", held, x.dtype)
-        return experts_forward(x, local, weights, gate_up, down, outside=outside)
-    from ballast.models.fp8_triton import Groups, grouped_fp8_matmul
-    from ballast.models.pointwise import silu_mul
-
-    routing = Routing.sort(experts, num_experts, outside)
-    rows = x.index_select(0, routing.token)
-    block = module.block
-    groups = Groups.plan(routing.counts, rows.shape[0], block)
-    h = grouped_fp8_matmul(rows, groups, module.gate_up_proj, module.gate_up_proj_scale_inv, block)
-    act = silu_mul(h, h.shape[1] // 2)
-    y = grouped_fp8_matmul(act, groups, module.down_proj, module.down_proj_scale_inv, block)
-    return routing.combine(y, weights.to(x.dtype), x.shape[0])

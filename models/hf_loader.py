@@ -109,7 +109,7 @@ class HFCheckpoint:
 
     def kept_fp8(self) -> set[str]:
         """The float8 weights (checkpoint names) a keep_fp8 load keeps in float8: all but experts
-        whose gate and up halves would split a scale block (`fp8.convert_model`'s rule)."""
+        whose gate and up halves would split a scale block (`fp8_convert.convert_model`'s rule)."""
         kept = set()
         for name in self.scales:
             info = self.tensors[name]

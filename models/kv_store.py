@@ -193,7 +193,7 @@ class _HostMemory:
     def tensors(self) -> list[Tensor]:
         return [self.kv] if self.scale is None else [self.kv, self.scale]
 
-    def commit_segment(self, seg: int) -> None:
+    def add_segment(self, seg: int) -> None:
         """Write a new segment's pages now: the mapping is MAP_NORESERVE, so until written they
         are not memory at all, and the host's figures would show the grant only once sequences
         filled it, long after the budget was asked (granting the same bytes again meanwhile)."""
@@ -201,14 +201,18 @@ class _HostMemory:
         for t in self.tensors():
             t[:, lo:hi].zero_()
 
-    def release_segment(self, seg: int) -> None:
-        """Give a segment's pages back to the OS (they read as zeros if touched again)."""
+    def release_segments(self, segs: Sequence[int]) -> None:
+        """Give the segments' pages back to the OS (they read as zeros if touched again)."""
         lay = self.layout
-        for m, t in zip(self._maps, self.tensors(), strict=True):
-            layer_bytes = t[0].numel() * t.element_size()
-            seg_bytes = lay.seg_blocks * t[0, 0].numel() * t.element_size()
-            for layer in range(lay.num_layers):
-                m.madvise(mmap.MADV_DONTNEED, layer * layer_bytes + seg * seg_bytes, seg_bytes)
+        for seg in segs:
+            for m, t in zip(self._maps, self.tensors(), strict=True):
+                layer_bytes = t[0].numel() * t.element_size()
+                seg_bytes = lay.seg_blocks * t[0, 0].numel() * t.element_size()
+                for layer in range(lay.num_layers):
+                    m.madvise(mmap.MADV_DONTNEED, layer * layer_bytes + seg * seg_bytes, seg_bytes)
+
+    def block(self, block: int) -> list[Tensor]:
+        return [t[:, block] for t in self.tensors()]
 
     def close(self) -> None:
         self.kv = self.scale = None  # type: ignore[assignment]
@@ -237,16 +241,22 @@ class _DeviceMemory:
         self.kv_ptrs[seg] = kv.data_ptr()
         self.scale_ptrs[seg] = scale.data_ptr() if scale is not None else kv.data_ptr()
 
-    def release_segment(self, seg: int) -> None:
-        self.kv_ptrs[seg] = 0
-        self.scale_ptrs[seg] = 0
-        del self.segments[seg]  # the caller empties torch's cache once for all segments dropped
+    def release_segments(self, segs: Sequence[int]) -> None:
+        for seg in segs:
+            self.kv_ptrs[seg] = 0
+            self.scale_ptrs[seg] = 0
+            del self.segments[seg]
+        if segs:
+            torch.cuda.empty_cache()  # back to the driver, where other processes can have it
 
     def block(self, block: int) -> list[Tensor]:
         """Views of one block (every layer) in each tensor of its segment."""
         seg, local = divmod(block, self.layout.seg_blocks)
         kv, scale = self.segments[seg]
         return [kv[local]] if scale is None else [kv[local], scale[local]]
+
+    def close(self) -> None:
+        self.segments.clear()
 
 
 class KVStore:
@@ -258,18 +268,12 @@ class KVStore:
         self.block_table = torch.zeros(
             (layout.table_rows, layout.max_blocks_per_seq), dtype=torch.int32, device=self.device
         )
-        self.host: _HostMemory | None = None
-        self.cuda: _DeviceMemory | None = None
-        if self.device.type == "cuda":
-            self.cuda = _DeviceMemory(layout, self.device)
-        else:
-            self.host = _HostMemory(layout)
+        # The memory's kind is chosen here, once; `host` / `cuda` name it for the backend that
+        # reads it (models/cpu_attention.py, models/triton_attention.py).
+        self.cuda = _DeviceMemory(layout, self.device) if self.device.type == "cuda" else None
+        self.host = None if self.cuda is not None else _HostMemory(layout)
+        self._memory: _HostMemory | _DeviceMemory = self.cuda or self.host  # type: ignore[assignment]
         self.live_segments: set[int] = set()
-        # The CPU path's row and block indices of this step's batch and its attention groups,
-        # shared by every layer (see attention.py).
-        self.step_index: list[tuple[Any, tuple[Tensor, Tensor], Tensor]] = []
-        # The CPU's in-place attention: each sequence's runs of blocks for the last batch seen.
-        self.step_runs: tuple[Any, list[int], list[list[tuple[int, int, int]]]] | None = None
         # Set (to a list) where other ranks mirror this store: every change is appended as a
         # StoreOp tagged with journal_index. Stores may share one journal (with other changes the
         # ranks must make in the same order).
@@ -301,22 +305,13 @@ class KVStore:
 
     def add_segment(self, seg: int) -> None:
         self._record("add_segment", seg)
-        if self.cuda is not None:
-            self.cuda.add_segment(seg)
-        elif self.host is not None:
-            self.host.commit_segment(seg)
+        self._memory.add_segment(seg)
         self.live_segments.add(seg)
 
     def release_segments(self, segs: Sequence[int]) -> None:
         self._record("release_segments", tuple(segs))
-        for seg in segs:
-            self.live_segments.discard(seg)
-            if self.cuda is not None:
-                self.cuda.release_segment(seg)
-            elif self.host is not None:
-                self.host.release_segment(seg)
-        if segs and self.cuda is not None:
-            torch.cuda.empty_cache()  # back to the driver, where other processes can have it
+        self.live_segments.difference_update(segs)
+        self._memory.release_segments(segs)
 
     def clear_table(self, slot: int) -> None:
         """The slot holds no block here: its row points at the sink block (see `SINK_BLOCK`)."""
@@ -337,25 +332,14 @@ class KVStore:
     def block_views(self, block: int) -> list[Tensor]:
         """Views of one block across every layer, one per tensor (K/V, and scales when int8),
         each [num_layers, block_size, ...]: what parking a sequence copies out and back."""
-        if self.cuda is not None:
-            return self.cuda.block(block)
-        assert self.host is not None
-        return [t[:, block] for t in self.host.tensors()]
+        return self._memory.block(block)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy a whole block (every layer), e.g. copy on write of a shared partial block."""
         self._record("copy_block", src, dst)
-        if self.cuda is not None:
-            for d, s in zip(self.cuda.block(dst), self.cuda.block(src), strict=True):
-                d.copy_(s)
-            return
-        assert self.host is not None
-        for t in self.host.tensors():
-            t[:, dst].copy_(t[:, src])
+        for d, s in zip(self._memory.block(dst), self._memory.block(src), strict=True):
+            d.copy_(s)
 
     def close(self) -> None:
-        if self.host is not None:
-            self.host.close()
-        if self.cuda is not None:
-            self.cuda.segments.clear()
+        self._memory.close()
         self.live_segments.clear()

@@ -183,7 +183,7 @@ def experts_forward(
     dtype, accumulated in float32. use_grouped_mm None picks grouped GEMM when it runs here.
     outside: a pair may name expert E (one held elsewhere, see `local_expert_ids`): it adds 0.
     scales: gate_up and down are float8 with these block scales; only the fused kernels take
-    them (`moe_experts_triton.fused_ok`; `fp8.experts_forward` serves the rest)."""
+    them (`moe_experts_triton.fused_ok`; `fp8_experts_forward` serves the rest)."""
     if gate_up.shape[0] == 0:  # no expert here received a pair (the dequantizing FP8 path)
         return plus_shared(torch.zeros_like(x), x, shared)
     routing = Routing.sort(experts, gate_up.shape[0], outside)
@@ -298,7 +298,7 @@ class Experts(nn.Module):
                     x, experts, weights, self.gate_up_proj, self.down_proj, outside=outside, shared=shared,
                     scales=scales,
                 )  # fmt: skip
-            return plus_shared(fp8.experts_forward(self, x, experts, weights, outside), x, shared)
+            return plus_shared(fp8_experts_forward(self, x, experts, weights, outside), x, shared)
         return experts_forward(
             x, experts, weights, self.gate_up_proj, self.down_proj, outside=outside, shared=shared
         )
@@ -335,3 +335,29 @@ class SparseMoeBlock(nn.Module):
         logits, shared_gate = self.gates.outputs(x)
         weights, experts = self.gate.route(logits)
         return self.experts(x, experts, weights, Shared(self.shared_expert, shared_gate))
+
+
+def fp8_experts_forward(
+    module: Experts, x: Tensor, experts: Tensor, weights: Tensor, outside: bool = False
+) -> Tensor:
+    """`experts_forward` for an `Experts` module holding float8 weights: one grouped FP8 GEMM per
+    projection where the kernels run; elsewhere only the experts that received tokens are
+    dequantized, then the dense path runs on them. outside: as in `moe.experts_forward`."""
+    num_experts = module.gate_up_proj.shape[0]
+    if not fp8.kernels_available(x.device):
+        active, local = experts.unique(return_inverse=True)
+        # id num_experts (held elsewhere), if present, is the largest: its local id is len(held)
+        held = active[active < num_experts]
+        gate_up = fp8.expert_weights(module, "gate_up_proj", held, x.dtype)
+        down = fp8.expert_weights(module, "down_proj", held, x.dtype)
+        return experts_forward(x, local, weights, gate_up, down, outside=outside)
+    from ballast.models.fp8_triton import Groups, grouped_fp8_matmul
+
+    routing = Routing.sort(experts, num_experts, outside)
+    rows = x.index_select(0, routing.token)
+    block = module.block
+    groups = Groups.plan(routing.counts, rows.shape[0], block)
+    h = grouped_fp8_matmul(rows, groups, module.gate_up_proj, module.gate_up_proj_scale_inv, block)
+    act = pointwise.silu_mul(h, h.shape[1] // 2)
+    y = grouped_fp8_matmul(act, groups, module.down_proj, module.down_proj_scale_inv, block)
+    return routing.combine(y, weights.to(x.dtype), x.shape[0])

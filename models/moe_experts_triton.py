@@ -47,7 +47,7 @@ MAX_FUSED_PAIRS = moe_triton.MAX_PAIRS
 # 672 fewer kernels a step. Tested against the torch path, on CUDA and under Triton's interpreter.
 FUSED_EXPERTS = True
 # Float8 experts take `experts_mlp` up to this many pairs (64 tokens of top-10), the grouped FP8
-# GEMMs (`fp8.experts_forward`) beyond. Measured on an H200 (issue 32, `decode_profile --models
+# GEMMs (`moe.fp8_experts_forward`) beyond. Measured on an H200 (issue 32, `decode_profile --models
 # qwen3-next-80b-a3b-fp8 --batch 1 32 --moe-kernel fused grouped`): a step at 32 tokens 30.27 ->
 # 27.46 ms, its 2,160 fewer kernels saving more than the fused GEMMs' ~3 ms over the grouped
 # ones (19.9 against 16.8 ms: the float8 tiles' per-element cost); at 64 tokens the experts read

@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from ballast.models.base import ModelConfigError, UnsupportedModel
 from ballast.models.expert_parallel import LocalExperts, check_expert_parallel, hold_local_experts
-from ballast.models.fp8 import Block, convert_model
+from ballast.models.fp8 import Block
+from ballast.models.fp8_convert import convert_model
 from ballast.models.layers import linear
 from ballast.models.registry import model_class
 from torch import Tensor, nn

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 from ballast.models.base import UnsupportedModel
-from ballast.models.fp8 import Block, convert_model
+from ballast.models.fp8 import Block
+from ballast.models.fp8_convert import convert_model
 from ballast.models.llama import LlamaForCausalLM
 from ballast.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from ballast.models.qwen3_next import Qwen3NextForCausalLM

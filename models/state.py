@@ -9,22 +9,15 @@ for checkpoints (`slot_views` / `load`); the model reads and writes them inside 
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Sequence
 
 import torch
 from ballast.memory.specs import AttentionSpec, LayerSpec, RecurrentStateSpec
-from ballast.models.attention import (
-    PaddedGroup,
-    attend_gathered,
-    attend_kernels,
-    gather,
-    padded_groups,
-    write_rows,
-)
+from ballast.models.attention import PagedAttentionBackend
 from ballast.models.base import ForwardBatch
-from ballast.models.cpu_attention import attend_in_place
+from ballast.models.cpu_attention import TorchPagedAttention
 from ballast.models.kv_store import SCALE_BYTES, SINK_BLOCK, KVStore, plan_layout
+from ballast.models.layer_state import LayerState
 from torch import Tensor
 
 
@@ -36,65 +29,32 @@ def attention_spec(num_kv_heads: int, head_dim: int, kv_dtype_bytes: int) -> Att
     )
 
 
-class LayerState(abc.ABC):
-    """One decoder layer's state for every slot."""
+def paged_attention(
+    main: KVStore, int8: KVStore | None = None, int8_slots: Tensor | None = None
+) -> PagedAttentionBackend:
+    """The attention backend for the stores' device, chosen once: the Triton kernels on CUDA, torch
+    on the CPU. `int8` (with `int8_slots`, the table of the slots that live there): the store of
+    sequences the ladder started in int8 beside a main store in the model dtype."""
+    if main.device.type == "cuda":
+        from ballast.models.triton_attention import TritonPagedAttention
 
-    @abc.abstractmethod
-    def reset(self, slots: Tensor) -> None:
-        """Sequences start at position 0 in these slots."""
-
-    @abc.abstractmethod
-    def slot_views(self, slot: int) -> tuple[Tensor, ...]:
-        """Views (no copy) of the slot's own state: what a checkpoint must copy to resume the slot
-        later (empty where the state is shared by reference, as attention blocks are)."""
-
-    @abc.abstractmethod
-    def load(self, slot: int, saved: Sequence[Tensor]) -> None:
-        """Put tensors shaped like `slot_views` (from any slot) into this slot."""
-
-    @property
-    @abc.abstractmethod
-    def nbytes(self) -> int:
-        """Bytes this state holds on its device."""
-
-
-class KVStores:
-    """The model's KV stores: `main` in the format chosen at load, and `int8` (when main is not
-    already int8) for sequences started under memory pressure, so the ladder's int8 rung applies
-    to new sequences while running ones keep their format. `int8_slots` marks the slots whose
-    sequence lives in the int8 store; `mixed` (set by the engine between steps) says the int8 store
-    holds a sequence, so every layer writes to and reads from both (each slot's row in the store it
-    does not use points at the sink block, whose contents nobody reads as KV)."""
-
-    def __init__(self, main: KVStore, int8: KVStore | None = None) -> None:
-        self.main = main
-        self.int8 = int8
-        self.int8_slots = torch.zeros(main.layout.table_rows, dtype=torch.bool, device=main.device)
-        self.mixed = False
-        self._groups: tuple[ForwardBatch, tuple[PaddedGroup, ...]] | None = None
-
-    def all(self) -> list[KVStore]:
-        return [self.main] if self.int8 is None else [self.main, self.int8]
-
-    def padded_groups(self, batch: ForwardBatch) -> tuple[PaddedGroup, ...]:
-        """The CPU reference's attention groups of this step: computed by the first layer, reused
-        by the others."""
-        if self._groups is None or self._groups[0] is not batch:
-            self._groups = (batch, padded_groups(batch))
-        return self._groups[1]
+        return TritonPagedAttention(main, int8, int8_slots)
+    return TorchPagedAttention(main, int8, int8_slots)
 
 
 class PagedKV(LayerState):
     """One attention layer's view of the model's KV stores: writes this step's K/V into the slots'
-    blocks and attends over them in place (on CUDA through the Triton kernels; on the CPU by
-    reading them in place, or gathering int8 blocks: one index_select per layer and store)."""
+    blocks and attends over them in place, through the model's attention backend (one for every
+    layer; the first layer of a step prepares it)."""
 
-    def __init__(self, stores: KVStores | KVStore, layer: int) -> None:
-        self.stores = stores if isinstance(stores, KVStores) else KVStores(stores)
-        self.store = self.stores.main
+    def __init__(self, attention: PagedAttentionBackend | KVStore, layer: int) -> None:
+        if not isinstance(attention, PagedAttentionBackend):
+            attention = paged_attention(attention)  # a store of its own (tests)
+        self.attention = attention
+        self.store = self.attention.main
         self.layer = layer
         self.layout = self.store.layout
-        self.kernels = self.store.device.type == "cuda"
+        self._prepares = self.attention.first_layer(layer)
 
     @property
     def num_kv_heads(self) -> int:
@@ -102,7 +62,7 @@ class PagedKV(LayerState):
 
     @property
     def nbytes(self) -> int:
-        return sum(s.bytes_held for s in self.stores.all()) // self.layout.num_layers
+        return sum(s.bytes_held for s in self.attention.stores) // self.layout.num_layers
 
     def reset(self, slots: Tensor) -> None:
         # Nothing to clear: a sequence only reads positions it wrote, through its own table.
@@ -116,62 +76,26 @@ class PagedKV(LayerState):
         if saved:
             raise ValueError("an attention layer's checkpoint holds no tensors (its blocks are shared)")
 
-    def _stores(self) -> list[KVStore]:
-        return self.stores.all() if self.stores.mixed else [self.store]
-
     def write(self, batch: ForwardBatch, k: Tensor, v: Tensor) -> None:
         """Store this step's k, v [T, n_kv_heads, head_dim] at (slot, position) of every token; the
         slot's table must already cover the position (the engine grows it before the step)."""
-        kv = torch.cat((k, v), dim=1)
-        for store in self._stores():
-            write_rows(store, self.layer, batch, kv)
+        if self._prepares:
+            self.attention.prepare(batch)
+        self.attention.write(self.layer, batch, torch.cat((k, v), dim=1))
 
     def attend(self, q: Tensor, batch: ForwardBatch) -> Tensor:
         """q [T, Hq, D] attends to its sequence's cache (this step's K/V already written) ->
-        [T, Hq * D]: by the Triton kernels on CUDA, by the gathering reference on the CPU."""
-        out = self._attend_kernels(q, batch) if self.kernels else self._attend_reference(q, batch)
-        return out.view(q.shape[0], -1)
+        [T, Hq * D]."""
+        return self.attention.attend(self.layer, q, batch).view(q.shape[0], -1)
 
     def read(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
         """K and V of each sequence, positions [0, max_ctx): [B, max_ctx, n_kv, head_dim] in the
         model dtype, gathered from the blocks (CPU only). Positions past a sequence's own end hold
         stale data."""
-        kv = self._gather(batch)
+        assert isinstance(self.attention, TorchPagedAttention), "on CUDA the blocks are read in place"
+        kv = self.attention.read(self.layer, batch)
         h = self.layout.num_kv_heads
         return kv[:, :, :h], kv[:, :, h:]
-
-    def _gather(self, batch: ForwardBatch) -> Tensor:
-        """[B, max_ctx, 2 * n_kv, head_dim]: each sequence's K and V from the store it lives in."""
-        kv = gather(self.store, self.layer, batch)
-        if self.stores.mixed and self.stores.int8 is not None:
-            in_int8 = self.stores.int8_slots[batch.slots].view(-1, 1, 1, 1)
-            kv = torch.where(in_int8, gather(self.stores.int8, self.layer, batch), kv)
-        return kv
-
-    def _attend_reference(self, q: Tensor, batch: ForwardBatch) -> Tensor:
-        # Blocks in the model dtype are read in place; int8 blocks (and a step over both stores)
-        # are gathered, since they are dequantized into a copy anyway.
-        if not self.stores.mixed and not self.layout.quantized:
-            return attend_in_place(self.store, self.layer, q, batch)
-        groups = self.stores.padded_groups(batch)
-        if len(groups) == 1:
-            return attend_gathered(q, self._gather(batch), groups[0])
-        out = torch.empty_like(q)
-        for g in groups:  # two: the decode tokens, and the prefill chunks
-            assert g.token_index is not None
-            picked = q.index_select(0, g.token_index)
-            out.index_copy_(0, g.token_index, attend_gathered(picked, self._gather(g.batch), g))
-        return out
-
-    def _attend_kernels(self, q: Tensor, batch: ForwardBatch) -> Tensor:
-        """With both stores in use each is attended with the other store's sequences cut to their
-        first position (in the sink), and each token keeps the result of its own sequence's store."""
-        if not (self.stores.mixed and self.stores.int8 is not None):
-            return attend_kernels(self.store, self.layer, q, batch, None)
-        in_int8 = self.stores.int8_slots[batch.slots]
-        main = attend_kernels(self.store, self.layer, q, batch, in_int8)
-        int8 = attend_kernels(self.stores.int8, self.layer, q, batch, ~in_int8)
-        return torch.where(in_int8[batch.seq_of_token].view(-1, 1, 1), int8, main)
 
 
 class RecurrentState(LayerState):
@@ -218,19 +142,21 @@ class RecurrentState(LayerState):
 def build_states(
     specs: Sequence[LayerSpec],
     num_slots: int,
-    store: KVStores | KVStore | None,
+    store: PagedAttentionBackend | KVStore | None,
     device: torch.device | str,
     dtype: torch.dtype,
 ) -> list[LayerState]:
-    """One state per decoder layer, chosen by its spec: attention layers view `store` (the i-th
-    attention layer its layer i), recurrent layers get num_slots fixed-size states."""
+    """One state per decoder layer, chosen by its spec: attention layers view `store` through one
+    backend (the i-th attention layer its layer i), recurrent layers get num_slots fixed-size
+    states."""
     states: list[LayerState] = []
     attn = 0
     for spec in specs:
         if isinstance(spec, AttentionSpec):
             if store is None:
                 raise ValueError("attention layers need a KV store")
-            store = store if isinstance(store, KVStores) else KVStores(store)  # one holder for all layers
+            if not isinstance(store, PagedAttentionBackend):
+                store = paged_attention(store)  # one backend for every layer
             states.append(PagedKV(store, attn))
             attn += 1
         elif isinstance(spec, RecurrentStateSpec):

@@ -21,10 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ballast.engine.plan import CheckpointRestore, CheckpointSave
+from ballast.engine.interface import TokenizerLike
+from ballast.engine.plan import CheckpointRestore, CheckpointSave, StepPlan
+from ballast.scheduler.sequence import Seq
 
 
-class CheckpointOrders:
+class CheckpointPlanner:
+    """Decides which checkpoint orders the next plan carries (the engine's `CheckpointExecutor`
+    carries them out)."""
+
     def __init__(
         self,
         interval: int,
@@ -95,3 +100,59 @@ class CheckpointOrders:
         restores += tuple(self._resumes)
         self._saves, self._restores, self._resumes = [], [], []
         return shed, saves, restores
+
+
+class TurnSaves:
+    """The checkpoint a finished turn leaves: what its slot consumed, where the next turn starts.
+    A request that completed while decoding saves prompt + answer minus the last token (sampled,
+    never fed), before its slot's release; when the plan submitted ahead already feeds that last
+    token, the save waits for that plan to have run: the slot has then consumed the whole answer."""
+
+    def __init__(self, checkpoints: CheckpointPlanner, tokenizer: TokenizerLike) -> None:
+        self._checkpoints = checkpoints
+        self._tokenizer = tokenizer
+        # Slots the plan submitted ahead feeds the token of the step being applied (from the device),
+        # and final checkpoints that wait for that plan: its slot will have consumed one more token.
+        self.fed_ahead: frozenset[int] = frozenset()
+        self.after_ahead: dict[int, tuple[int, ...]] = {}
+
+    def completed(self, seq: Seq) -> None:
+        """`seq` completed while decoding and still holds its slot: order the checkpoint of what
+        the slot consumed (int8 sequences do not: the prefix cache holds main-pool blocks)."""
+        if seq.slot is None or seq.int8_kv or not self._checkpoints.active:
+            return
+        ahead = seq.slot in self.fed_ahead
+        answer = tuple(seq.output) if ahead else tuple(seq.output[:-1])
+        if seq.req.resent_as_text and not self._comes_back(seq.output, answer):
+            return
+        if ahead:  # the plan in flight feeds it output[-1]: saved once that plan has run
+            self.after_ahead[seq.slot] = seq.req.prompt_ids + answer
+        else:  # saved before the release: the slot has consumed prompt + output[:-1]
+            self._checkpoints.queue_final_save(seq.slot, seq.req.prompt_ids + answer)
+
+    def ran(self, plan: StepPlan, preempted: Sequence[int]) -> None:
+        """`plan` has run: it fed the last token of the turns that wait for it."""
+        for d in plan.decodes:
+            consumed = self.after_ahead.pop(d.slot, None)
+            if consumed is not None and d.slot not in preempted:
+                self._checkpoints.queue_final_save(d.slot, consumed)
+
+    def failed(self, plan: StepPlan) -> None:
+        """`plan` failed: the step that would have fed their last token did not run."""
+        for d in plan.decodes:
+            self.after_ahead.pop(d.slot, None)
+
+    def _comes_back(self, output: Sequence[int], saved: tuple[int, ...]) -> bool:
+        """Whether a next turn that resends this answer as text starts with the `saved` part of it:
+        the tokens of its text begin with them (end-of-sequence tokens aside, which the chat
+        template writes back). Measured on an H200 (`bench/gpu_prefix.py`, random weights, whose
+        answers seldom tokenize back): every finished turn saved a 150 MB checkpoint no later
+        turn could use, and the budget's LRU evicted the prompt-end ones that next turns do use
+        (4 restores of 258 saves)."""
+        tok = self._tokenizer
+        eos = tok.eos_token_ids
+        answer = [t for t in output if t not in eos]
+        part = list(saved)
+        while part and part[-1] in eos:
+            part.pop()
+        return tok.encode(tok.decode(answer), add_special_tokens=False)[: len(part)] == part

@@ -190,6 +190,12 @@ class Governor:
         return self._faults.reason(time.monotonic())
 
     @property
+    def failing_steps(self) -> str | None:
+        """Why new work should go elsewhere while steps keep failing for want of memory (the level
+        they raised is TIGHT or worse); None when they are calm."""
+        return self.fault_reason if self.fault_level >= Level.TIGHT else None
+
+    @property
     def pressure_level(self) -> Level:
         if self._stale is not None:
             return Level.CRITICAL  # unknown memory is treated as the worst: refuse new work fast

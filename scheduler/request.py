@@ -35,7 +35,7 @@ class GenerationRequest:
     prompt_logprobs: int | None = None
     # The client sends a conversation's next turn as text (a chat, a text completion), so that turn
     # holds the tokens of this answer's text, not its ids: the checkpoint at the answer's end is
-    # saved only where they are the same (`Scheduler` checks once it ends).
+    # saved only where they are the same (`TurnSaves` checks once it ends).
     resent_as_text: bool = False
 
     def __post_init__(self) -> None:

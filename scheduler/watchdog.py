@@ -12,6 +12,7 @@ previous step's end when it was queued behind one) to its result.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 # A step 20x slower than the p99 of its recent peers is not slow, it is stuck.
@@ -50,6 +51,7 @@ class StepWatchdog:
     def __init__(self, floor_s: float) -> None:
         self.floor_s = floor_s
         self._classes: dict[int, _Times] = {}
+        self._last_done = 0.0  # when the last step returned (a step queued behind it starts then)
 
     @property
     def enabled(self) -> bool:
@@ -70,6 +72,16 @@ class StepWatchdog:
         else:
             seen.add(seconds)
 
-    def p99_s(self, shape: int) -> float:
-        seen = self._classes.get(shape)
-        return seen.p99 if seen is not None else 0.0
+    def returned(self, shape: int, sent_at: float) -> None:
+        """A step of `shape` submitted at `sent_at` (monotonic seconds) has returned now."""
+        now = time.monotonic()
+        self.completed(shape, now - max(sent_at, self._last_done))
+        self._last_done = now
+
+    def overdue(self, shape: int, sent_at: float) -> tuple[float, float] | None:
+        """(seconds it has run, its deadline) for a step in flight past its deadline; else None."""
+        if not self.enabled:
+            return None
+        deadline = self.deadline_s(shape)
+        ran = time.monotonic() - max(sent_at, self._last_done)
+        return (ran, deadline) if ran >= deadline else None

@@ -15,7 +15,6 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ballast.engine.engine import Engine
 from ballast.engine.interface import EngineLike
 from ballast.engine.loading import LOAD_ERRORS
 from ballast.memory.metrics import AdmissionMetrics, LadderCollector, PoolCollector, register_memory_metrics
@@ -61,8 +60,7 @@ def _build(factory: EngineFactory) -> EngineLike:
     try:
         # The tokenizer may load lazily; its first use must not be a request on the event loop.
         engine.tokenizer.encode("warm-up")
-        if isinstance(engine, Engine):
-            engine.sampling_defaults  # noqa: B018 - read now: a bad generation_config.json fails the load
+        engine.sampling_defaults  # noqa: B018 - read now: a bad generation_config.json fails the load
     except BaseException:
         engine.shutdown()  # nobody else holds it yet: release its thread and leases here
         raise

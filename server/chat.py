@@ -15,9 +15,9 @@ function is not left to the model: a grammar forces one call (or several, with
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
-from ballast.engine.engine import Engine
 from ballast.engine.grammar import (
     Constraint,
     GrammarCompiler,
@@ -118,7 +118,7 @@ def check_tools(req: p.ChatCompletionRequest) -> None:
         )
 
 
-def reading(state: ServerState, tokenizer: Any, req: p.ChatCompletionRequest, ids: list[int]) -> Reading:
+def reading(state: ServerState, tokenizer: Any, req: p.ChatCompletionRequest, ids: Sequence[int]) -> Reading:
     """How to read the answer: the tools it may call (each tool's name -> its parameters' JSON
     schema; one call at most without parallel_tool_calls) and where its thinking starts."""
     thinking = None
@@ -175,12 +175,10 @@ def _forced(req: p.ChatCompletionRequest) -> bool:
 def compiler(state: ServerState) -> GrammarCompiler:
     """The grammar compiler of the loaded model's tokenizer, built on first use."""
     engine = state.engine
-    if not isinstance(engine, Engine):
+    if state.grammars is None and engine is not None:  # two first requests may both build one: one is kept
+        state.grammars = engine.tokenizer.grammar_compiler(engine.vocab_size)
+    if state.grammars is None:
         raise bad_request("structured outputs need a model with its own tokenizer", param="response_format")
-    if state.grammars is None:  # two first requests at once may both build it: harmless, one is kept
-        state.grammars = GrammarCompiler(
-            engine.tokenizer.hf, engine.vocab_size, engine.tokenizer.eos_token_ids
-        )
     return state.grammars
 
 
@@ -192,8 +190,8 @@ def constraint(state: ServerState, req: p.ChatCompletionRequest, prompt_tokens: 
             allowed = req.tools
             if isinstance(req.tool_choice, p.NamedToolChoice):
                 allowed = [t for t in req.tools if t.function.name == req.tool_choice.function.name]
-            assert isinstance(state.engine, Engine)  # compiler() refuses any other
-            style = style_of(state.engine.tokenizer.hf.chat_template)
+            assert state.engine is not None  # compiler() refuses a missing one
+            style = style_of(state.engine.tokenizer.chat_template)
             several = req.parallel_tool_calls and req.tool_choice == "required"
             return grammars.constraint(grammars.lark(tool_call_lark(allowed, style, several)), prompt_tokens)
         fmt = req.response_format

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, cast
 
-from ballast.engine.engine import Engine
 from ballast.engine.grammar import Constraint
 from ballast.engine.interface import TokenizerLike
 from ballast.engine.plan import SamplingParams
@@ -102,7 +101,7 @@ def _logit_bias(tokenizer: TokenizerLike, req: p.GenerationFields) -> tuple[tupl
 
 def sampling_defaults(state: ServerState) -> dict[str, float]:
     """What the model's makers sample with, for the values a request omits."""
-    return state.engine.sampling_defaults if isinstance(state.engine, Engine) else {}
+    return state.engine.sampling_defaults if state.engine is not None else {}
 
 
 def _sampling(

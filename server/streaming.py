@@ -124,7 +124,7 @@ class _ChunkWriter:
     def finish(self, event: FinishEvent) -> str:
         extra = {"x_ballast_capped": True} if event.capped else {}
         if self.job.endpoint == "chat":
-            held, reason = "", event.reason
+            held, reason = "", str(event.reason)  # a chat may also end in "tool_calls"
             if self.answer is not None:
                 held = self._parts(self.answer.finish(truncated=reason == "length"))
                 reason = "tool_calls" if self.answer.calls and reason == "stop" else reason

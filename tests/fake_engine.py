@@ -69,6 +69,7 @@ class FakeEngineError(RuntimeError):
 
 class FakeTokenizer:
     eos_token_ids = frozenset({EOS})
+    chat_template: str | None = None  # its chat format is `apply_chat_template`'s own
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = []
@@ -94,6 +95,9 @@ class FakeTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         return self.decode([token_id]).encode()
+
+    def grammar_compiler(self, vocab_size: int) -> None:
+        return None  # a toy vocabulary: no grammar engine reads it
 
 
 class FakeDetokenizer:
@@ -198,6 +202,8 @@ class FakeEngine:
             activation_bytes_per_prefill_token=1 << 12,
         )
         self.tokenizer = FakeTokenizer()
+        self.vocab_size = len(VOCAB)
+        self.sampling_defaults: dict[str, float] = {}  # no generation config: requests' values or plain ones
         self.step_delay_s = step_delay_s
         self.eos_after = eos_after
         self.slot_limit = num_slots  # the ladder's max_slots as last applied between steps

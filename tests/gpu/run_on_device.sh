@@ -2,6 +2,9 @@
 # How this session's GPU checks run on the lent H200 (see /work/.library/device): the wheels the
 # image lacks come from .whl (../shared/tools/gpu-wheels.sh), the Triton cache stays in /tmp while
 # the machine is warm. Usage: tests/gpu/run_on_device.sh squeeze|suite-a|suite-b [pytest args]
+#   tests/gpu/run_on_device.sh compare BASE profile|paged|serve: one bench on the package root BASE
+#   (another commit: mkdir BASE && git archive COMMIT | tar -x -C BASE), then on this tree, in one
+#   call; each side's JSON under $OUT as BENCH_base.json / BENCH_new.json
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 3; }
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
@@ -25,5 +28,19 @@ case "$mode" in
     n=$(echo "$files" | wc -l); half=$(( (n + 1) / 2 ))
     if [ "$mode" = suite-a ]; then sel=$(echo "$files" | head -n $half); else sel=$(echo "$files" | tail -n +$((half + 1))); fi
     python3 -m pytest -v -rfE -p no:cacheprovider --durations=15 -o addopts="" $sel "$@" 2>&1 | tee $out/$mode.log | tail -40
+    ;;
+  compare)
+    base=$1; what=$2; shift 2
+    for d in memory models engine scheduler server bench; do ln -sfn ../$d $base/ballast/$d; done
+    for name in base new; do  # each side from its own tree (the cwd is first on sys.path)
+      dir=$PWD; [ $name = base ] && dir=$PWD/$base
+      case "$what" in
+        profile) set -- decode_profile --models llama-8b qwen3-next-6b --batch 1 32 --no-eager ;;
+        paged) set -- paged_decode --quick --models llama-8b qwen3-next --no-reference ;;
+        serve) set -- gpu_serve --quick --shape llama-3b --reference none --no-engine-rate ;;
+      esac
+      echo "== $1 $name"
+      (cd $dir && PYTHONPATH=/tmp/site:$dir timeout ${SIDE_S:-280} python3 -m ballast.bench."$@" --out $out/$1_$name.json 2>&1 | tail -${TAIL:-14})
+    done
     ;;
 esac

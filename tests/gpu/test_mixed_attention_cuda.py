@@ -82,8 +82,8 @@ def test_mixed_step_over_both_kv_stores_matches_the_cpu_engine() -> None:
             two = (PrefillChunk(0, tuple(p0), 0, True), PrefillChunk(1, tuple(p1), 0, True, int8_kv=True))
             e.step(StepPlan(prefills=two, sampling=dict.fromkeys((0, 1), greedy)))
             runner = e.runner
-            assert runner.kv is not None and runner.kv_int8 is not None and runner.kv_stores is not None
-            assert runner.kv_stores.mixed  # slot 1 lives in the int8 store
+            assert runner.kv is not None and runner.kv_int8 is not None and runner.kv_manager is not None
+            assert runner.kv_manager.in_int8(1)  # slot 1 lives in the int8 store
             runner.reset([2])
             assert runner.kv.ensure(2, len(p2)) and runner.kv.ensure(0, len(p0) + 1)
             assert runner.kv_int8.ensure(1, len(p1) + 1)

@@ -4,16 +4,16 @@ checkpoint (a chat's next turn), and a finished request's prompt + output[:-1]."
 
 from __future__ import annotations
 
-from ballast.scheduler.checkpoints import CheckpointOrders
+from ballast.scheduler.checkpoints import CheckpointPlanner
 
 PROMPT = tuple(range(100, 150))  # 50 tokens
 
 
-def orders(shedding: bool = False, recurrent: bool = True) -> CheckpointOrders:
-    return CheckpointOrders(16, lambda prompt: 0, lambda: shedding, recurrent)
+def orders(shedding: bool = False, recurrent: bool = True) -> CheckpointPlanner:
+    return CheckpointPlanner(16, lambda prompt: 0, lambda: shedding, recurrent)
 
 
-def chunk_ends(o: CheckpointOrders, start: int, budget: int, restored: int) -> list[int]:
+def chunk_ends(o: CheckpointPlanner, start: int, budget: int, restored: int) -> list[int]:
     ends = []
     while start < len(PROMPT):
         start = o.end_chunk_at_checkpoint(0, PROMPT, start, min(len(PROMPT), start + budget), restored)

@@ -15,7 +15,8 @@ from ballast.memory.types import HostSample, Level, MemState
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import EngineFailed, Overloaded, QueueWaitTooLong, StepAborted
 from ballast.scheduler.request import GenerationRequest
-from ballast.scheduler.scheduler import MIN_RETRY_CHUNK, Scheduler
+from ballast.scheduler.roster import MIN_RETRY_CHUNK
+from ballast.scheduler.scheduler import Scheduler
 from ballast.scheduler.service_rate import QueueWaitBound, ServiceRate
 from fake_engine import FakeEngine, FakeTokenizer, expected_tokens
 

@@ -11,7 +11,7 @@ import pytest
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.workspace import PROMPT_LOGPROBS_ROWS, SAMPLER_BYTES_PER_LOGIT
-from ballast.scheduler.scheduler import PROMPT_LOGPROBS_CHUNK
+from ballast.scheduler.planner import PROMPT_LOGPROBS_CHUNK
 
 
 def test_the_capacity_report_names_the_sampler_and_logprob_workspaces(

@@ -108,8 +108,8 @@ class WorkerThread:
 def journaled(runner: ModelRunner) -> list[Any]:
     """Rank 0's journal of KV changes, as ShardedRunner keeps it."""
     journal: list[Any] = []
-    assert runner.kv_stores is not None
-    for i, store in enumerate(runner.kv_stores.all()):
+    assert runner.kv_manager is not None
+    for i, store in enumerate(runner.kv_manager.stores):
         store.journal = journal
         store.journal_index = i
     return journal
@@ -127,10 +127,10 @@ def test_a_worker_applies_the_ops_before_capturing_and_goes_on_eagerly_when_it_c
         worker.conn.send(CaptureGraphs(list(journal)))
         agree = Rank0Agreement(worker.conn.send, lambda: [recv(worker.conn)])
         assert agree(None) is False  # the worker cannot capture on the CPU: no rank goes on
-        assert ours.kv_stores is not None and theirs.kv_stores is not None
-        for a, b in zip(ours.kv_stores.all(), theirs.kv_stores.all(), strict=True):
+        assert ours.kv_manager is not None and theirs.kv_manager is not None
+        for a, b in zip(ours.kv_manager.stores, theirs.kv_manager.stores, strict=True):
             assert torch.equal(a.block_table, b.block_table)
-        assert int(theirs.kv_stores.all()[0].block_table[2, 0]) == scratch_block
+        assert int(theirs.kv_manager.stores[0].block_table[2, 0]) == scratch_block
         worker.conn.send(ReportGraphs())
         assert recv(worker.conn) == GraphsReport(captured=0, replays=0)
         worker.conn.send(StepMessage([(0, (5, 6, 7, 8), 0)], [False], []))  # eager: it runs

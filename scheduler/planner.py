@@ -1,0 +1,160 @@
+"""The next step's plan: one decode token for each decoding request, then prefill chunks of the
+oldest admitted requests and of new admissions, within the step's token budget; with them the
+checkpoint orders, the slot releases and the ladder's KV and slot changes.
+
+While every running request decodes, the plan of step N+1 is built before step N's tokens are
+back (`lookahead`, see `ballast.scheduler.lookahead`).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from ballast.engine.interface import EngineLike
+from ballast.engine.plan import DecodeToken, PrefillChunk, StepPlan
+from ballast.memory.types import Level
+from ballast.scheduler.checkpoints import CheckpointPlanner
+from ballast.scheduler.config import SchedulerConfig
+from ballast.scheduler.gate import AdmissionGate
+from ballast.scheduler.governor import Governor
+from ballast.scheduler.kv_policy import KVPolicy
+from ballast.scheduler.lookahead import Decoding, next_decodes
+from ballast.scheduler.roster import Roster
+from ballast.scheduler.sequence import Phase, Seq
+
+# Tokens per prefill chunk of a request that scores its prompt: the model returns a row of
+# logits (vocabulary-sized, float32) for every one of them.
+PROMPT_LOGPROBS_CHUNK = 256
+
+
+class StepPlanner:
+    def __init__(
+        self,
+        engine: EngineLike,
+        config: SchedulerConfig,
+        roster: Roster,
+        gate: AdmissionGate,
+        gov: Governor,
+        checkpoints: CheckpointPlanner,
+        kv: KVPolicy,
+    ) -> None:
+        self._engine = engine
+        self._roster = roster
+        self._gate = gate
+        self._gov = gov
+        self._checkpoints = checkpoints
+        self._kv = kv
+        self._overlap = config.overlap and engine.decodes_ahead
+        self._per_step = config.max_num_batched_tokens or max(
+            engine.prefill_chunk_tokens, config.max_num_seqs
+        )
+        # The max_slots the engine applies now; unknown until the first plan states it (another
+        # scheduler may have driven this engine, with another limit).
+        self._engine_slots = 0
+
+    def plan(self, admit: bool) -> StepPlan:
+        """Decodes first (one token each), then prefill chunks of the oldest admitted requests,
+        then new admissions from the queue head (when `admit`) while token budget and slots
+        remain."""
+        roster = self._roster
+        decodes = tuple(  # each feeds its last sampled token, at the position after what it consumed
+            DecodeToken(seq.slot, seq.output[-1], seq.consumed_tokens)
+            for seq in roster.running
+            if seq.phase is Phase.DECODING and seq.slot is not None
+        )
+        budget = min(self._per_step - len(decodes), self._engine.prefill_chunk_tokens)
+        unfinished = [s for s in roster.running if s.phase is Phase.PREFILLING and s.prefilled < len(s.feed)]
+        admitted = iter(self._gate.admit_head, None) if admit else ()
+        to_prefill = itertools.chain(unfinished, admitted)
+        prefills: list[PrefillChunk] = []
+        while budget > 0 and (seq := next(to_prefill, None)) is not None:  # admits a head only here
+            prefills.append(self._next_chunk(seq, budget))
+            budget -= len(prefills[-1].token_ids)
+        rows: tuple[DecodeToken | PrefillChunk, ...] = (*decodes, *prefills)
+        sampling = {row.slot: roster.by_slot[row.slot].req.params for row in rows}
+        shed, saves, restores = self._checkpoints.take_orders()
+        release = roster.slots.take_releases()
+        upcoming = itertools.islice(roster.queue, self._gate.slot_limit)
+        shrink, keep = self._kv.shrink(bool(release), roster.charges(), upcoming)
+        return StepPlan(
+            prefills=tuple(prefills),
+            decodes=decodes,
+            sampling=sampling,
+            release=release,
+            restores=restores,
+            saves=saves,
+            max_slots=self._engine_slot_change(),
+            shed_prefix_cache=shed,
+            shrink_kv=shrink,
+            kv_keep=keep,
+            unpark=roster.take_unpark(),
+        )
+
+    def _next_chunk(self, seq: Seq, budget: int) -> PrefillChunk:
+        """The seq's next prefill chunk, at most `budget` tokens (its first one restores the longest
+        cached prefix)."""
+        assert seq.slot is not None
+        prompt = seq.feed
+        # The prefix cache holds main-pool blocks: int8 sequences neither save nor restore; nor do
+        # requests that score their prompt (every position's logits are needed).
+        scoring = seq.req.prompt_logprobs is not None
+        cached = not seq.int8_kv and not scoring
+        if scoring:  # the model returns logits for every token of the chunk: keep those rows few
+            budget = min(budget, PROMPT_LOGPROBS_CHUNK)
+        if seq.chunk_cap:  # a chunk of it failed for want of memory: smaller ones now
+            budget = min(budget, seq.chunk_cap)
+        if seq.preempted and seq.prefilled == 0 and (n := self._engine.match_parked(prompt)) > 0:
+            self._checkpoints.queue_resume(seq.slot, prompt[:n])  # parked when preempted: no recompute
+            seq.prefilled = n
+        elif cached and seq.prefilled == 0 and (n := self._checkpoints.queue_restore(seq.slot, prompt)) > 0:
+            seq.prefilled = n
+            if not seq.resumed:
+                seq.cached = n
+        end = min(len(prompt), seq.prefilled + budget)
+        if cached:
+            end = self._checkpoints.end_chunk_at_checkpoint(seq.slot, prompt, seq.prefilled, end, seq.cached)
+        chunk = PrefillChunk(
+            seq.slot,
+            prompt[seq.prefilled : end],
+            seq.prefilled,
+            sample=end == len(prompt),
+            int8_kv=bool(seq.int8_kv),
+            logprob_targets=seq.req.prompt_ids[seq.prefilled + 1 : end + 1] if scoring else (),
+            top_logprobs=seq.req.prompt_logprobs or 0,
+        )
+        seq.prefilled = end
+        return chunk
+
+    def lookahead(self, plan: StepPlan, closing: bool) -> StepPlan | None:
+        """The plan after `plan`, built before its tokens are back, where nothing but decoding is
+        going on: no queue, no release or checkpoint to send, the ladder at rest."""
+        roster = self._roster
+        if (
+            not self._overlap
+            or closing
+            or roster.queue
+            or roster.unpark
+            or roster.slots.releases_pending
+            or self._gov.ladder.level is not Level.OK
+            or self.engine_slots_wanted != self._engine_slots
+        ):
+            return None
+        running = {
+            seq.slot: Decoding(len(seq.output), seq.max_tokens, seq.req.params)
+            for seq in roster.running
+            if seq.slot is not None
+        }
+        return next_decodes(plan, running, self._engine.max_model_len)
+
+    @property
+    def engine_slots_wanted(self) -> int:
+        """The slot limit the engine should apply now: the ladder's, never below a held slot."""
+        return max(self._gate.slot_limit, self._roster.slots.highest_held)
+
+    def _engine_slot_change(self) -> int | None:
+        """The slot limit the next plan carries, when it changes."""
+        want = self.engine_slots_wanted
+        if want == self._engine_slots:
+            return None
+        self._engine_slots = want
+        return want

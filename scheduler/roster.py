@@ -1,0 +1,227 @@
+"""Every request the scheduler holds and where it is: waiting in the queue or running in a slot.
+
+The roster is the one place a request changes place (admitted to a slot, sent back to the queue)
+or ends, and the one that applies a step's result to requests. Per-request state (`Seq`) changes
+only here and in the planner that chunks its prompt: the field-tested failure mode is a request
+object mutated by scheduler, allocator and runner at once. A slot freed by a finished or aborted
+request is released in the next plan and reused only after that plan has run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ballast.engine.plan import SlotOutput, StepFailed, StepPlan, StepResult
+from ballast.scheduler.checkpoints import TurnSaves
+from ballast.scheduler.errors import REFUSAL_OUTCOMES, Refused, RequestFailed, StepAborted, outcome_of
+from ballast.scheduler.kv_room import Charge
+from ballast.scheduler.queue import WaitingQueue
+from ballast.scheduler.request import FinishReason, TokenEvent, TokenLogprob
+from ballast.scheduler.sequence import Phase, Seq
+from ballast.scheduler.service_rate import ServiceRate
+from ballast.scheduler.slots import SlotTable
+
+log = logging.getLogger(__name__)
+
+OUTCOMES = ("stop", "length", "abort", *REFUSAL_OUTCOMES)
+
+# A prompt whose chunk fails for want of memory is retried with half the chunk, down to this;
+# a chunk this small failing is not the prompt's size but the server's state: it is refused.
+MIN_RETRY_CHUNK = 16
+
+
+class Roster:
+    def __init__(
+        self, num_slots: int, max_queue: int, turns: TurnSaves, service: ServiceRate, eos: frozenset[int]
+    ) -> None:
+        self.slots = SlotTable(num_slots)
+        self.queue: WaitingQueue[Seq] = WaitingQueue(max_queue)
+        self.running: list[Seq] = []  # admission order: the FCFS order of prefill chunks
+        self.by_slot: dict[int, Seq] = {}
+        self._turns = turns
+        self._eos = eos
+        self.unpark: list[tuple[int, ...]] = []  # parked sequences to drop, for the next plan
+        self.service = service
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.preemptions = 0
+        # Every token a request was handed, counted as it is handed: a live counter (/metrics
+        # reads it while long answers stream) whose share for each request is that request's
+        # completion_tokens, however it ended.
+        self.generated_tokens = 0
+
+    # --- where requests are -----------------------------------------------------------------
+    def place(self, seq: Seq, slot_limit: int) -> None:
+        """The queue head `seq` has been admitted: it takes the lowest free slot below the limit."""
+        slot = self.slots.acquire(slot_limit)
+        assert slot is not None  # the gate saw a free one, and nothing ran in between
+        self.queue.pop_head()
+        seq.slot, seq.phase = slot, Phase.PREFILLING
+        self.running.append(seq)
+        self.by_slot[slot] = seq
+
+    def requeue(self, slot: int, preemption: bool = True) -> None:
+        """The engine preempted the sequence in slot (its blocks are gone), or dropped it in a
+        step that failed for want of memory (`preemption` False): the request goes back to the
+        queue head and, when blocks are free again, prefills prompt + what it generated and goes
+        on. Its client sees no gap but the wait; like a preempted one, it is never refused while
+        it waits."""
+        seq = self.by_slot.pop(slot, None)
+        if seq is None:  # it finished while the step ran; its release is already on its way
+            return
+        self.running.remove(seq)
+        self.slots.retire(slot)
+        self.preemptions += preemption
+        seq.slot, seq.phase, seq.prefilled, seq.kv_held = None, Phase.WAITING, 0, 0
+        seq.resumed, seq.preempted = tuple(seq.output), True
+        self.queue.push_front(seq)
+
+    def charges(self) -> list[Charge]:
+        """What each running request holds and may still take of the KV pools."""
+        return [Charge(s.total_tokens, s.kv_held, bool(s.int8_kv)) for s in self.running]
+
+    def take_unpark(self) -> tuple[tuple[int, ...], ...]:
+        out, self.unpark = tuple(self.unpark), []
+        return out
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.running and self.slots.idle
+
+    # --- how requests end -------------------------------------------------------------------
+    def count(self, refusal: Refused) -> None:
+        """A request refused before it was queued."""
+        self.outcomes[outcome_of(refusal)] += 1
+
+    def finish(self, seq: Seq, reason: FinishReason, error: Refused | None = None) -> None:
+        """End a request wherever it is: out of the queue or its slot, final text, FinishEvent."""
+        if seq.phase is Phase.FINISHED:
+            return
+        if seq.phase is Phase.WAITING:
+            self.queue.remove(seq)
+            if seq.preempted:  # whatever the engine parked for it would never be resumed
+                self.unpark.append(seq.feed)
+        else:
+            self._leave_slot(seq, completed=reason in ("stop", "length"))
+        seq.phase = Phase.FINISHED
+        if reason in ("stop", "length") and not seq.detok.stopped:
+            try:
+                tail = seq.detok.flush()
+            except Exception as exc:  # the reader must still get its FinishEvent
+                log.exception("request %s: flushing its text failed", seq.req.request_id)
+                reason, error, tail = "error", RequestFailed(exc), ""
+            if tail:
+                seq.mailbox.put(TokenEvent(tail, ()))
+        seq.mailbox.put(seq.finish_event(reason, error))
+        self.outcomes[reason if error is None else outcome_of(error)] += 1
+
+    def end_all(self, reason: FinishReason, error: Refused | None = None) -> None:
+        for seq in [*self.queue, *self.running]:
+            self.finish(seq, reason, error)
+
+    def _leave_slot(self, seq: Seq, completed: bool) -> None:
+        """Take a running request out of its slot, released in the next plan. One that completed
+        while decoding first orders a checkpoint of what its slot consumed."""
+        self.running.remove(seq)
+        self.service.left_slot(time.monotonic(), backlog=bool(self.queue))
+        if seq.slot is None:
+            return
+        if completed and seq.phase is Phase.DECODING:
+            self._turns.completed(seq)
+        del self.by_slot[seq.slot]
+        self.slots.retire(seq.slot)
+
+    # --- a step's result --------------------------------------------------------------------
+    def apply(self, plan: StepPlan, result: StepResult) -> None:
+        self.slots.released(plan.release)
+        if self._turns.after_ahead:  # turns waiting for a plan to feed their last token
+            self._turns.ran(plan, result.preempted)
+        for slot in result.preempted:
+            self.requeue(slot)
+        self._record_prompt_logprobs(result)
+        self._deliver_tokens(plan, result)
+        for seq in self.running:  # what the step's KV figures count for each running request
+            seq.kv_held = seq.consumed_tokens
+
+    def _record_prompt_logprobs(self, result: StepResult) -> None:
+        """Keep the prompt positions the step scored on their request, for its FinishEvent."""
+        for scored in result.prompt_logprobs:
+            if (owner := self.by_slot.get(scored.slot)) is not None:
+                tops = scored.top or ((),) * len(scored.logprobs)
+                for pos, (lp, top) in enumerate(zip(scored.logprobs, tops, strict=True), scored.first_pos):
+                    owner.prompt_logprobs[pos] = TokenLogprob(owner.req.prompt_ids[pos], lp, top)
+
+    def _deliver_tokens(self, plan: StepPlan, result: StepResult) -> None:
+        """Hand each request the token the step sampled for it."""
+        outputs = {out.slot: out for out in result.outputs}
+        for slot in [d.slot for d in plan.decodes] + [p.slot for p in plan.prefills if p.sample]:
+            seq = self.by_slot.get(slot)
+            if seq is None:  # ended while the step ran (aborted, timed out) or preempted by it
+                continue
+            if slot not in outputs:
+                raise RuntimeError(
+                    f"engine returned no token for slot {slot} of request {seq.req.request_id}"
+                )
+            try:
+                self._on_token(seq, outputs[slot])
+            except Exception as exc:  # its detokenizer failed: this request's error, not the engine's
+                log.exception("request %s: output handling failed", seq.req.request_id)
+                self.finish(seq, "error", RequestFailed(exc))
+
+    def _on_token(self, seq: Seq, out: SlotOutput) -> None:
+        seq.phase = Phase.DECODING
+        seq.output.append(out.token_id)
+        self.generated_tokens += 1
+        logprobs = None
+        if seq.req.params.logprobs is not None and out.logprob is not None:
+            logprobs = (TokenLogprob(out.token_id, out.logprob, out.top_logprobs),)
+        if out.token_id in self._eos:
+            # The EOS token is counted in usage, so its event (no text) comes before the finish:
+            # a client scoring by logprobs sees every generated token, and the server sees that the
+            # answer ended by EOS rather than by a stop string.
+            seq.mailbox.put(TokenEvent("", (out.token_id,), logprobs))
+            self.finish(seq, "stop")
+            return
+        text = seq.detok.add(out.token_id)
+        seq.mailbox.put(TokenEvent(text, (out.token_id,), logprobs))
+        if seq.detok.stopped:
+            self.finish(seq, "stop")
+        elif len(seq.output) >= seq.max_tokens or out.at_capacity:
+            self.finish(seq, "length")
+
+    def step_failed(self, plan: StepPlan, failed: StepFailed, retry_after_s: float) -> None:
+        """The engine failed the step and recovered: it dropped the sequences of `failed.slots`
+        and applied the plan's releases. Everything not in the step, queued or running, goes on. A
+        preemption in the failed step never reached us: the engine dropped what it parked, and the
+        preempted request is among the failed ones.
+
+        After a failure for want of memory the step's requests go back to the queue to run again
+        from their prompt: a prompt whose chunk was in the step with half the chunk, the others
+        (decodes beside it) as they were, so one prompt too big for the memory left costs only
+        itself. A prompt whose chunk was already MIN_RETRY_CHUNK, a decode whose decode-only step
+        failed a second time, and every request of a step that failed otherwise (a bug hit by
+        this batch) end with a retryable error."""
+        self.slots.released(plan.release)
+        self._turns.failed(plan)
+        chunks = {p.slot: len(p.token_ids) for p in plan.prefills}
+        # Latest admitted first: each goes to the queue's front, so they keep their order there.
+        for seq in reversed([s for s in self.running if s.slot in failed.slots]):
+            assert seq.slot is not None
+            if failed.memory and _retries(seq, chunks.get(seq.slot), bool(chunks)):
+                self.requeue(seq.slot, preemption=False)
+            else:
+                self.finish(seq, "error", StepAborted(retry_after_s, str(failed), len(seq.output)))
+
+
+def _retries(seq: Seq, chunk: int | None, step_had_prompt: bool) -> bool:
+    """Whether a request of a step that failed for want of memory runs again (see `step_failed`);
+    a prompt's chunk that failed halves its next ones."""
+    if chunk is not None:  # its prompt chunk was in the step: the likely cause
+        if chunk <= MIN_RETRY_CHUNK:
+            return False
+        seq.chunk_cap = max(MIN_RETRY_CHUNK, chunk // 2)
+        return True
+    if step_had_prompt:  # a decode beside the prompt that failed: not its fault
+        return True
+    seq.memory_strikes += 1  # a decode-only step failed: once may be a co-tenant's spike
+    return seq.memory_strikes < 2
