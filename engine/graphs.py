@@ -50,14 +50,12 @@ import torch
 from ballast.engine.kv_pool import Acquire
 from ballast.memory.types import MiB
 from ballast.models import pointwise
-from ballast.models.base import ForwardBatch, Rows
+from ballast.models.base import ForwardBatch, Rows, StepBatch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
 
 Forward = Callable[[ForwardBatch], Tensor]
-# Fills LAST_SAMPLED token entries in place from the device: (token ids, their slots).
-FeedLastTokens = Callable[[Tensor, Tensor], None]
 # Under tensor parallel, after each bucket: this rank's capture error (None: captured); returns
 # whether every rank captured it.
 Agree = Callable[[str | None], bool]
@@ -142,7 +140,8 @@ class DecodeGraphs:
             self.batch_buckets, self.context_buckets, read_bytes_per_position, budget_bytes
         )
         width = self.batch_buckets[-1]
-        self._inputs = torch.zeros((3, width), dtype=torch.int64, device=device)  # token, position, slot
+        # token, position, slot, fed from the device (1: the token is the slot's last sample)
+        self._inputs = torch.zeros((4, width), dtype=torch.int64, device=device)
         self._arange = torch.arange(width + 1, dtype=torch.int64, device=device)
         self._ones = torch.ones(width, dtype=torch.int64, device=device)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (batch, context, mixed)
@@ -278,45 +277,59 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 
-    def can_use(self, seqs: Rows, mixed: bool = False) -> bool:
+    def can_use(self, seqs: StepBatch | Rows, mixed: bool = False) -> bool:
         """A graph serves this step: every sequence feeds one token, and the batch and the cache
         positions read fit a captured bucket. `mixed`: the int8 KV store is in use (its variant
         is captured here at its first use)."""
-        if not self._graphs or not seqs or any(len(tokens) != 1 for _, tokens, _ in seqs):
+        if not self._graphs or not seqs:
             return False
-        key = self.key_of(seqs, mixed)
+        batch = as_batch(seqs)
+        if not batch.decode_only:
+            return False
+        key = self.key_of(batch, mixed)
         if key is None:
             return False
         return key in self._graphs or (mixed and self.late_mixed and self._capture_late(key))
 
-    def replay(self, seqs: Rows, feed_last: FeedLastTokens | None = None, mixed: bool = False) -> Tensor:
-        """Logits [len(seqs), vocab] of this decode step; a view of the graph's output, valid until
-        the next replay. Call only where `can_use(seqs)`. feed_last: fills the tokens the plan
-        left to the device (LAST_SAMPLED) before the replay, in stream order."""
-        key = self.key_of(seqs, mixed)
+    def stage(self, batch: StepBatch, mixed: bool = False) -> tuple[int, int, bool]:
+        """Write the step's rows into the static inputs (call only where `can_use`); the key of
+        the graph that serves it. Then fill the rows fed from the device (`fed_inputs`), then
+        `launch`."""
+        key = self.key_of(batch, mixed)
         assert key in self._graphs and self._logits is not None, "replay needs can_use(seqs)"
-        self._stage(seqs, key[0])
-        if feed_last is not None:
-            feed_last(self._inputs[0, : len(seqs)], self._inputs[2, : len(seqs)])
+        self._stage(batch, key[0])
+        return key
+
+    def fed_inputs(self, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The staged token ids, their slots and which of them are fed from the device, of the
+        first n rows: what is filled from the last draw before `launch`, in stream order."""
+        return self._inputs[0, :n], self._inputs[2, :n], self._inputs[3, :n]
+
+    def launch(self, key: tuple[int, int, bool], n: int) -> Tensor:
+        """Replay the staged step's graph: logits [n, vocab], valid until the next replay."""
+        assert self._logits is not None
         self._graphs[key].replay()
         self.replays += 1
-        return self._logits[: len(seqs)]
+        return self._logits[:n]
 
-    def key_of(self, seqs: Rows, mixed: bool = False) -> tuple[int, int, bool] | None:
+    def key_of(self, seqs: StepBatch | Rows, mixed: bool = False) -> tuple[int, int, bool] | None:
         """(batch bucket, context bucket, mixed) of this decode step, captured or not."""
-        b = bucket_for(self.batch_buckets, len(seqs))
-        c = bucket_for(self.context_buckets, max(start for _, _, start in seqs) + 1)
+        batch = as_batch(seqs)
+        b = bucket_for(self.batch_buckets, batch.num_seqs)
+        c = bucket_for(self.context_buckets, max(batch.starts_list) + 1)
         return None if b is None or c is None else (b, c, mixed)
 
-    def _stage(self, seqs: Rows, width: int | None = None) -> None:
+    def _stage(self, seqs: StepBatch | Rows, width: int | None = None) -> None:
         """Write the step's rows into the static inputs (padding the rest), one copy."""
         width = width or self.batch_buckets[-1]
-        pad = width - len(seqs)
-        tokens = [int(t[0]) for _, t, _ in seqs] + [PAD_TOKEN] * pad
-        positions = [int(start) for _, _, start in seqs] + [PAD_POSITION] * pad
-        slots = [int(slot) for slot, _, _ in seqs] + [self.scratch_slot] * pad
+        rows: list[list[int]] = [[], [], [], []]
+        if seqs:
+            b = as_batch(seqs)
+            rows = [list(b.tokens), b.starts_list, b.slots_list, list(b.from_device) or [0] * b.num_seqs]
+        pad = width - len(rows[0])
+        fill = (PAD_TOKEN, PAD_POSITION, self.scratch_slot, 0)
+        host = torch.tensor([row + [v] * pad for row, v in zip(rows, fill, strict=True)], dtype=torch.int64)
         # Pinned and non-blocking: a pageable copy would wait for the step still on the GPU.
-        host = torch.tensor([tokens, positions, slots], dtype=torch.int64)
         on_gpu = self._inputs.is_cuda
         self._inputs[:, :width].copy_(host.pin_memory() if on_gpu else host, non_blocking=on_gpu)
 
@@ -325,22 +338,23 @@ class DecodeGraphs:
         start is its position; the host-side lists only fix shapes and branch choices (one token
         per sequence, none starting at 0)."""
         inp, ar = self._inputs, self._arange
-        return ForwardBatch(
-            token_ids=inp[0, :b],
-            positions=inp[1, :b],
-            slots=inp[2, :b],
-            starts=inp[1, :b],
-            lens=self._ones[:b],
-            cu_lens=ar[: b + 1],
-            last_index=ar[:b],
-            logit_index=ar[:b],
-            seq_of_token=ar[:b],
-            slot_of_token=inp[2, :b],
-            pad_index=ar[:b],
-            slots_list=[self.scratch_slot] * b,
-            starts_list=[PAD_POSITION] * b,
-            lens_list=[1] * b,
-            max_len=1,
-            max_ctx=c,
-            int8_kv=int8_kv,
-        )
+        tensors = {
+            "token_ids": inp[0, :b],
+            "positions": inp[1, :b],
+            "slots": inp[2, :b],
+            "starts": inp[1, :b],
+            "lens": self._ones[:b],
+            "cu_lens": ar[: b + 1],
+            "last_index": ar[:b],
+            "logit_index": ar[:b],
+            "seq_of_token": ar[:b],
+            "slot_of_token": inp[2, :b],
+            "pad_index": ar[:b],
+        }
+        return StepBatch.over(tensors, [self.scratch_slot] * b, [PAD_POSITION] * b, [1] * b, c, int8_kv)
+
+
+def as_batch(seqs: StepBatch | Rows) -> StepBatch:
+    """The host half of a step given as rows (tests, tensor-parallel workers), or the batch itself."""
+    return seqs if isinstance(seqs, StepBatch) else StepBatch.of(seqs)
+

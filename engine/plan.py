@@ -69,19 +69,30 @@ class PrefillChunk:
     top_logprobs: int = 0
 
 
-# A decode's token_id when the plan was built before the slot's previous step returned its token:
-# the engine feeds the token that step sampled straight from the device (the overlapped step).
+# A decode's token_id on the wire when the plan was built before the slot's previous step returned
+# its token (`DecodeToken.from_device`): no token id is negative, so it cannot be mistaken for one.
 LAST_SAMPLED = -1
 
 
 @dataclass(frozen=True)
 class DecodeToken:
-    """Feed one token (the last sampled, or LAST_SAMPLED) at position pos of a slot and sample
-    the next."""
+    """Feed one token at position pos of a slot and sample the next: the last sampled one, or,
+    for a decode planned ahead (`ahead`), the one the slot's previous step is sampling, which the
+    engine takes from the device."""
 
     slot: int
     token_id: int
     pos: int
+
+    @classmethod
+    def ahead(cls, slot: int, pos: int) -> DecodeToken:
+        """A decode planned before the slot's previous step returned its token."""
+        return cls(slot, LAST_SAMPLED, pos)
+
+    @property
+    def from_device(self) -> bool:
+        """The token is the slot's previous sample, still on the device (an overlapped step)."""
+        return self.token_id == LAST_SAMPLED
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from ballast.engine.graphs import PAD_POSITION, PAD_TOKEN, GraphCaptureError
-from ballast.models.base import ForwardBatch, Rows
+from ballast.engine.graphs import PAD_POSITION, PAD_TOKEN, GraphCaptureError, as_batch
+from ballast.models.base import ForwardBatch, Rows, StepBatch
 from torch import Tensor
 
 Forward = Callable[[ForwardBatch], Tensor]
@@ -167,22 +167,23 @@ class PrefillGraphs:
         """The smallest captured size >= n tokens, or None."""
         return next((b for b in self.buckets if b >= n and b in self._graphs), None)
 
-    def can_use(self, seqs: Rows, all_logits: Sequence[bool] = (), mixed: bool = False) -> bool:
+    def can_use(self, seqs: StepBatch | Rows, all_logits: Sequence[bool] = (), mixed: bool = False) -> bool:
         """A graph serves this step: one sequence of more than one new token (a decode token is
         the decode graphs'), no more than the largest bucket, last-token logits only, main KV
         store only."""
         if len(seqs) != 1 or mixed or any(all_logits):
             return False
-        n = len(seqs[0][1])
-        return n > 1 and self.bucket_of(n) is not None
+        batch = as_batch(seqs)
+        n = batch.lens_list[0]
+        return n > 1 and not any(batch.all_logits) and self.bucket_of(n) is not None
 
-    def replay(self, seqs: Rows) -> Tensor:
+    def replay(self, seqs: StepBatch | Rows) -> Tensor:
         """Logits [1, vocab] at the sequence's last token; a view of the graphs' output, valid
         until the next replay. Call only where `can_use(seqs)`."""
-        slot, tokens, start = seqs[0]
-        bucket = self.bucket_of(len(tokens))
+        batch = as_batch(seqs)
+        bucket = self.bucket_of(batch.lens_list[0])
         assert bucket is not None and self._logits is not None, "replay needs can_use(seqs)"
-        self._stage(int(slot), tokens, int(start), bucket)
+        self._stage(batch.slots_list[0], batch.tokens, batch.starts_list[0], bucket)
         self._graphs[bucket].replay()
         self.replays += 1
         return self._logits
@@ -192,7 +193,8 @@ class PrefillGraphs:
         into the static inputs, in one copy."""
         n, w = len(tokens), self._width
         host = torch.empty(3 * w + _SEQ_FIELDS, dtype=torch.int64)
-        host[:n] = torch.frombuffer(array("q", tokens), dtype=torch.int64)
+        flat = tokens if isinstance(tokens, array) else array("q", tokens)
+        host[:n] = torch.frombuffer(flat, dtype=torch.int64)
         host[n:w] = PAD_TOKEN
         torch.arange(start, start + n, out=host[w : w + n])
         host[w + n : 2 * w] = PAD_POSITION
@@ -210,21 +212,17 @@ class PrefillGraphs:
         host-side lists fix shapes and branches only (one sequence, more than one token)."""
         w, inp = self._width, self._inputs
         seq = inp[3 * w :]
-        return ForwardBatch(
-            token_ids=inp[:tokens],
-            positions=inp[w : w + tokens],
-            slots=seq[_SLOT : _SLOT + 1],
-            starts=seq[_START : _START + 1],
-            lens=seq[_LEN : _LEN + 1],
-            cu_lens=seq[_CU : _CU + 2],
-            last_index=seq[_LAST : _LAST + 1],
-            logit_index=seq[_LAST : _LAST + 1],
-            seq_of_token=self._zeros[:tokens],
-            slot_of_token=inp[2 * w : 2 * w + tokens],
-            pad_index=self._arange[:tokens],
-            slots_list=[self.scratch_slot],
-            starts_list=[PAD_POSITION],
-            lens_list=[tokens],
-            max_len=tokens,
-            max_ctx=PAD_POSITION + tokens,
-        )
+        tensors = {
+            "token_ids": inp[:tokens],
+            "positions": inp[w : w + tokens],
+            "slots": seq[_SLOT : _SLOT + 1],
+            "starts": seq[_START : _START + 1],
+            "lens": seq[_LEN : _LEN + 1],
+            "cu_lens": seq[_CU : _CU + 2],
+            "last_index": seq[_LAST : _LAST + 1],
+            "logit_index": seq[_LAST : _LAST + 1],
+            "seq_of_token": self._zeros[:tokens],
+            "slot_of_token": inp[2 * w : 2 * w + tokens],
+            "pad_index": self._arange[:tokens],
+        }
+        return StepBatch.over(tensors, [self.scratch_slot], [PAD_POSITION], [tokens], PAD_POSITION + tokens)

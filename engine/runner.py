@@ -13,14 +13,17 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from ballast.engine.graphs import PAD_POSITION, Agree, DecodeGraphs, FeedLastTokens, GraphCaptureError
+from ballast.engine.graph_runner import GraphRunner
+from ballast.engine.graphs import PAD_POSITION, DecodeGraphs
 from ballast.engine.kv_pool import Acquire, KVManager, KVPool
-from ballast.engine.prefill_graphs import GRANULE, PrefillGraphs
+from ballast.engine.prefill_graphs import PrefillGraphs
 from ballast.engine.sampler import Sampler
 from ballast.engine.staging import to_device
+from ballast.memory.ledger import Lease
 from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import CostModel
-from ballast.models.base import CausalLM, ForwardBatch, Rows
+from ballast.memory.watch import MemWatch
+from ballast.models.base import CausalLM, ForwardBatch, Rows, StepBatch
 from ballast.models.state import LayerState, allocate_states, build_states, dtype_bytes, kv_store_for
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -196,7 +199,7 @@ def planned_state_bytes(
 
 
 class ModelRunner:
-    """Owns the model's slot states, the KV block pool, the sampler and the decode graphs; runs one
+    """Owns the model's slot states, the KV block pool, the sampler and the graph runner; runs one
     forward over many slots. With scratch_slot the states carry one slot more than num_slots, for
     graph padding (it holds one block for good: padding rows write there)."""
 
@@ -238,12 +241,18 @@ class ModelRunner:
         self.kv_int8 = self.kv_manager.int8 if self.kv_manager is not None else None
         attention = self.kv_manager.attention() if self.kv_manager is not None else None
         self.states: list[LayerState] = build_states(specs, self._state_slots, attention, device, dtype)
-        self.graphs: DecodeGraphs | None = None
-        self.prefill_graphs: PrefillGraphs | None = None
-        self.split_replays = 0  # steps of a prompt chunk and decodes run as the two graphs' replays
-        self._kv_per_weight = 0.0  # KV bytes of one token over the weights' bytes
         vocab = int(lm.config.vocab_size)
         self.sampler = Sampler(num_slots, vocab, device, seed)
+        self.graph_runner = GraphRunner(
+            device,
+            num_slots,
+            max_model_len,
+            scratch_slot,
+            self._run,
+            self.sampler.feed,
+            prefill_safe=main is not None and getattr(model, "prefill_graphs_safe", False),
+            kv_per_weight=kv_bytes_per_token(specs) / max(1, weights_bytes(model)) if scratch_slot else 0.0,
+        )
 
     @property
     def fixed_bytes(self) -> int:
@@ -282,116 +291,62 @@ class ModelRunner:
             state.reset(index)
         self.sampler.reset(slots)
 
-    def capture_graphs(self) -> int:
-        """Capture decode graphs for batches up to num_slots (CUDA, with a scratch slot) and every
-        context bucket (attention reads the blocks in place, so a graph's memory does not grow with
-        its context). Returns the bytes they hold; raises GraphCaptureError (the engine then runs
-        eagerly) if the model cannot be captured."""
-        self.check_capturable()
-        if self.kv is not None and not self.kv.ensure(self.num_slots, PAD_POSITION + 1):
-            raise GraphCaptureError("no KV block for the graphs' scratch slot")
-        return self.capture_in_lockstep(None)
+    # The graphs are the graph runner's; these are what the engine, the benches and the tests see.
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.graph_runner.graphs
 
-    def capture_prefill_graphs(self, max_tokens: int) -> int | None:
-        """After the decode graphs (their scratch slot's block takes the padding rows): prefill
-        graphs of one prompt of up to max_tokens (`PrefillGraphs`). None where the model's rows
-        meet outside attention (recurrent state, expert routing), or where max_tokens is under the
-        smallest graph: prefill stays eager. Returns the bytes they hold; raises GraphCaptureError
-        if the capture fails (nothing kept)."""
-        if self.graphs is None or self.kv is None or not getattr(self.model, "prefill_graphs_safe", False):
-            return None
-        if max_tokens < GRANULE:  # a context too short for the smallest graph: eager prefill
-            return None
-        graphs = PrefillGraphs(self.device, self.num_slots, max_tokens)
-        held = graphs.capture(self._run)
-        self.prefill_graphs = graphs
-        lm = as_causal_lm(self.model)
-        kv_token_bytes = kv_bytes_per_token(
-            lm.layer_specs(1 if self.quantized_kv else dtype_bytes(self.dtype))
-        )
-        self._kv_per_weight = kv_token_bytes / max(1, weights_bytes(self.model))
-        return held
+    @property
+    def prefill_graphs(self) -> PrefillGraphs | None:
+        return self.graph_runner.prefill_graphs
 
-    def check_capturable(self) -> None:
-        if self.device.type != "cuda" or self._state_slots == self.num_slots:
-            raise GraphCaptureError("decode graphs need CUDA and a scratch slot")
-
-    def capture_in_lockstep(self, agree: Agree | None) -> int:
-        """Capture the decode graphs over blocks the scratch slot already holds (under tensor
-        parallel rank 0's allocator gave them and every rank's tables say so), agreeing with the
-        other ranks after each bucket. Returns the bytes they hold on this device."""
-        graphs = DecodeGraphs(
-            self.device, self.num_slots, self.num_slots, self.max_model_len, late_mixed=agree is None
-        )
-        held = graphs.capture(self._run, agree)
-        self.graphs = graphs
-        return held
+    @property
+    def split_replays(self) -> int:
+        return self.graph_runner.split_replays
 
     @property
     def graph_bytes_per_rank(self) -> list[int]:
-        """What the decode graphs hold on each rank's device (one entry here; none without graphs)."""
-        return [] if self.graphs is None else [self.graphs.held_bytes]
+        return self.graph_runner.graph_bytes_per_rank
 
-    def release_prefill_graphs(self) -> None:
-        if self.prefill_graphs is not None:
-            self.prefill_graphs.release()
-            self.prefill_graphs = None
+    def capture_graphs(self) -> int:
+        """`GraphRunner.capture_graphs`, the scratch slot's KV block taken first."""
+        return self.graph_runner.capture_graphs(self._scratch_block)
+
+    def _scratch_block(self) -> bool:
+        return self.kv is None or self.kv.ensure(self.num_slots, PAD_POSITION + 1)
+
+    def capture_at_start(self, watch: MemWatch | None, dies: list[int], prefill_tokens: int) -> list[Lease]:
+        return self.graph_runner.capture_at_start(watch, dies, prefill_tokens, self._scratch_block)
 
     def release_graphs(self) -> None:
-        self.release_prefill_graphs()
-        if self.graphs is not None:
-            self.graphs.release()
-            self.graphs = None
+        self.graph_runner.release_graphs()
 
-    def forward(self, seqs: Rows, all_logits: Sequence[bool] = ()) -> Tensor:
+    def forward(self, seqs: StepBatch | Rows, all_logits: Sequence[bool] = ()) -> Tensor:
         """Logits at each sequence's last token (at every token of the sequences all_logits marks),
         in sequence order; writes the slots' states. A decode step replays a graph where one was
         captured for its shape (the logits are then a view valid until the next step), a lone
-        prompt chunk a prefill graph, and a prompt chunk beside decodes both where that pays."""
+        prompt chunk a prefill graph, and a prompt chunk beside decodes both where that pays.
+        seqs: the step's batch (its own all_logits), or rows (tests and benches)."""
+        batch = seqs if isinstance(seqs, StepBatch) else StepBatch.of(seqs, all_logits=all_logits)
         kv = self.kv_manager
         if kv is not None:
             bs = kv.main.layout.block_size
-            bare = [slot for slot, tokens, start in seqs if kv.held(slot) * bs < start + len(tokens)]
+            bare = [
+                slot
+                for slot, start, n in zip(batch.slots_list, batch.starts_list, batch.lens_list, strict=True)
+                if kv.held(slot) * bs < start + n
+            ]
             if bare:  # writing there would land in another sequence's blocks
                 raise ValueError(
                     f"slots {bare} have no KV blocks for this step's positions (KVPool.ensure first)"
                 )
-        mixed = kv is not None and kv.holds_int8(slot for slot, _, _ in seqs)
-        # Decodes planned before their token reached the host take it from the device.
-        last = self.sampler.feed_last_tokens if any(t[0] < 0 for _, t, _ in seqs) else None
-        if self.graphs is not None and self.graphs.can_use(seqs, mixed):
-            return self._replay(seqs, last, mixed)
-        if self.prefill_graphs is not None and self.prefill_graphs.can_use(seqs, all_logits, mixed):
-            return self.prefill_graphs.replay(seqs)
-        if self._split_pays(seqs, all_logits, mixed):
-            assert self.prefill_graphs is not None
-            first = self.prefill_graphs.replay(seqs[:1])
-            rest = self._replay(seqs[1:], last, mixed)
-            self.split_replays += 1
-            return torch.cat((first, rest))
-        batch = ForwardBatch.build(seqs, self.device, all_logits=all_logits, int8_kv=mixed)
-        if last is not None:
-            last(batch.token_ids, batch.slot_of_token)
-        return self._eager(batch)
+        batch.int8_kv = kv is not None and kv.holds_int8(batch.slots_list)
+        return self.graph_runner.forward(batch, batch.int8_kv, self._eager)
 
-    def _split_pays(self, seqs: Rows, all_logits: Sequence[bool], mixed: bool) -> bool:
-        """A prompt chunk then decode tokens, which a prefill graph and a decode graph serve, and
-        whose replays take the GPU less time than the eager step takes the host to launch
-        (`PrefillGraphs.split_pays`; the decode replay costs a read of the weights and of the KV
-        its sequences attend to)."""
-        prefill, decode = self.prefill_graphs, self.graphs
-        if prefill is None or decode is None or len(seqs) < 2 or mixed or any(all_logits):
-            return False
-        if not prefill.can_use(seqs[:1]) or not decode.can_use(seqs[1:]):
-            return False
-        kv_read = sum(start + 1 for _, _, start in seqs[1:])
-        return prefill.split_pays(len(seqs[0][1]), 1.0 + kv_read * self._kv_per_weight)
-
-    def _replay(self, seqs: Rows, last: FeedLastTokens | None, mixed: bool) -> Tensor:
-        assert self.graphs is not None
-        return self.graphs.replay(seqs, last, mixed)
-
-    def _eager(self, batch: ForwardBatch) -> Tensor:
+    def _eager(self, batch: StepBatch) -> Tensor:
+        batch.place(self.device)
+        if batch.from_device_mask is not None:  # decodes planned before their token reached the host
+            self.sampler.feed(batch.token_ids, batch.slot_of_token, batch.from_device_mask)
         return self._run(batch)
 
     def _run(self, batch: ForwardBatch) -> Tensor:

@@ -17,7 +17,7 @@ from array import array
 from collections.abc import Sequence
 
 from ballast.engine.kv_pool import KVPool
-from ballast.engine.plan import LAST_SAMPLED, KVKeep, StepPlan
+from ballast.engine.plan import KVKeep, StepPlan
 from ballast.engine.prefix_cache import PrefixCache
 from ballast.engine.runner import ModelRunner
 from ballast.memory.watch import MemWatch
@@ -72,9 +72,10 @@ class SlotKV:
 
     def fed_at(self, slot: int, pos: int, token: int) -> None:
         """The token at `pos` of the slot's sequence is now known on the host: a step launched
-        before it was (LAST_SAMPLED) recorded a placeholder there."""
+        before it was, which fed it from the device, recorded a placeholder there (the engine
+        names only such positions)."""
         fed = self._fed.get(slot)
-        if fed is not None and pos < len(fed) and fed[pos] == LAST_SAMPLED:
+        if fed is not None and pos < len(fed):
             fed[pos] = token
 
     def drop(self, slots: Sequence[int]) -> None:

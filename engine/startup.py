@@ -1,25 +1,40 @@
 """Bringing an engine up, on the engine thread: load the model (on one device, or sharded over the
 GPUs of a tensor-parallel group), profile a prefill, lease the slot states and activations on
-every die before allocating them, build the runner and capture its decode graphs. Whatever was
-leased is given back if any step fails.
+every die before allocating them, build the runner and capture its graphs (`GraphRunner`).
+Whatever was leased is given back if any step fails. Then `assemble` puts the step's owners
+together around the runner: the prefix cache, the KV side, the checkpoint orders, the executor.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from ballast.engine import tensor_parallel, threads
+from ballast.engine.checkpoint_orders import CheckpointExecutor, build_cache
 from ballast.engine.config import EngineConfig
-from ballast.engine.graphs import GraphCaptureError
-from ballast.engine.kv_budget import segment_grant
+from ballast.engine.executor import StepExecutor
+from ballast.engine.injected_faults import FaultInjector
+from ballast.engine.kv_budget import capacity_line, segment_grant
 from ballast.engine.loading import LoadedModel, load
-from ballast.engine.runner import ModelRunner, Profile, planned_state_bytes, profile_prefill, vocab_size
+from ballast.engine.prefix_cache import PrefixCache, PrefixCacheConfig
+from ballast.engine.runner import (
+    ModelRunner,
+    Profile,
+    build_cost_model,
+    planned_state_bytes,
+    profile_prefill,
+    vocab_size,
+)
+from ballast.engine.slot_kv import SlotKV
+from ballast.engine.step_batch import check_slots
 from ballast.engine.workspace import step_workspace
-from ballast.memory.errors import LedgerFull
 from ballast.memory.ledger import Lease
-from ballast.memory.types import MiB
+from ballast.memory.pool import CheckpointPool
+from ballast.memory.types import CostModel
 from ballast.memory.watch import MemWatch
 from ballast.models import pointwise
 
@@ -83,8 +98,7 @@ def bring_up(
             else ModelRunner(*args, cfg.seed, **kwargs)
         )
         if graphs:
-            leases.extend(capture_graphs(runner, watch, dies))
-            leases.extend(capture_prefill_graphs(runner, watch, dies, cfg.prefill_graph_tokens(device)))
+            leases.extend(runner.capture_at_start(watch, dies, cfg.prefill_graph_tokens(device)))
     except BaseException:
         for lease in leases:
             lease.release()
@@ -103,77 +117,60 @@ def set_cpu_threads(configured: int) -> int:
     return n
 
 
-def capture_graphs(runner: ModelRunner, watch: MemWatch | None, dies: list[int]) -> list[Lease]:
-    """Decode graphs are a speed-up, never a reason to fail: a model that cannot be captured (on
-    any rank), or a ledger without room for the graphs' memory (on any die), runs eagerly
-    (logged). Returns their leases, one per die (rank r's graphs on dies[r])."""
-    try:
-        held = runner.capture_graphs()
-    except GraphCaptureError as e:
-        log.warning("%s; decode runs eagerly", e)
-        return []
-    leases: list[Lease] = []
-    if watch is not None:
-        try:
-            for die, nbytes in zip(dies, runner.graph_bytes_per_rank, strict=True):
-                leases.append(watch.ledger.lease(die, nbytes, "cuda-graphs"))
-        except LedgerFull as e:
-            for lease in leases:
-                lease.release()
-            runner.release_graphs()
-            log.warning("no VRAM for decode graphs (%s); decode runs eagerly", e)
-            return []
-    assert runner.graphs is not None
-    g = runner.graphs
-    if watch is not None and g.late_mixed:  # the int8-KV variant, captured while serving
-        g.acquire = segment_grant(watch, dies[0], "cuda-graphs-int8")
-    log.info(
-        "decode graphs: %d captured of %d buckets (batch <= %d, context <= %d), %.1f MiB on rank 0 of %d",
-        g.captured,
-        len(g.batch_buckets) * len(g.context_buckets),
-        max(b for b, _ in g.pairs),
-        max(c for _, c in g.pairs),
-        held / MiB,
-        len(runner.graph_bytes_per_rank),
-    )
-    return leases
+@dataclass(frozen=True)
+class LoadReport:
+    """What loading found, for logs and the bench."""
+
+    load_s: float
+    weights_bytes: int
+    state_bytes: int
+    profile: Profile
+    quantized_kv: bool
 
 
-def capture_prefill_graphs(
-    runner: ModelRunner, watch: MemWatch | None, dies: list[int], max_tokens: int
-) -> list[Lease]:
-    """Prefill graphs (one GPU, after the decode graphs) are a speed-up too: a capture that fails,
-    or a ledger without room for them, leaves prefill eager (logged) and the decode graphs as they
-    are. Returns their lease (tag cuda-graphs-prefill), if any."""
-    if max_tokens <= 0 or runner.graphs is None:
-        return []
-    try:
-        held = runner.capture_prefill_graphs(max_tokens)
-    except GraphCaptureError as e:
-        log.warning("%s; prefill runs eagerly", e)
-        return []
-    if held is None:
-        return []  # the model's rows meet outside attention: eager prefill
-    leases: list[Lease] = []
-    if watch is not None:
-        try:
-            leases.append(watch.ledger.lease(dies[0], held, "cuda-graphs-prefill"))
-        except LedgerFull as e:
-            runner.release_prefill_graphs()
-            log.warning("no VRAM for prefill graphs (%s); prefill runs eagerly", e)
-            return []
-    p = runner.prefill_graphs
-    assert p is not None
-    log.info(
-        "prefill graphs: %d captured (one prompt of up to %d tokens, in steps of %d), %.1f MiB; "
-        "replays %.2f-%.2f ms of GPU time against %.2f ms to launch an eager step (what decides "
-        "whether a prompt beside decodes replays both graphs)",
-        p.captured,
-        p.buckets[-1],
-        p.buckets[0],
-        held / MiB,
-        1e3 * min(p.replay_s.values(), default=0.0),
-        1e3 * max(p.replay_s.values(), default=0.0),
-        1e3 * p.eager_host_s,
+@dataclass(frozen=True)
+class Assembled:
+    """The step's owners, around one runner."""
+
+    steps: StepExecutor
+    cache: PrefixCache  # checkpoints (when prefix caching is on) and parked sequences (always)
+    prefix_cache: PrefixCache | None  # the same object when prefix caching is on
+    slot_kv: SlotKV
+    cost_model: CostModel
+    load_report: LoadReport
+    capacity: str  # the start-up report of what memory holds (`capacity_line`), for the engine's log
+
+
+def assemble(
+    parts: Parts,
+    cfg: EngineConfig,
+    dtype: torch.dtype,
+    watch: MemWatch | None,
+    pool: CheckpointPool | None,
+    prefix: PrefixCacheConfig,
+    capacity_bytes: Callable[[], int],
+) -> Assembled:
+    """pool: where the cache's buffers come from and go back to; capacity_bytes: what the KV pool
+    could still be granted now (for the start-up report)."""
+    loaded, runner, profile, leases = parts
+    block = runner.kv.layout.block_size if runner.kv is not None else 1
+    cost = build_cost_model(loaded.model, dtype, profile, loaded.weights_bytes, block)
+    report = LoadReport(loaded.load_s, loaded.weights_bytes, runner.state_bytes, profile, runner.quantized_kv)
+    # One cache object holds prefix checkpoints (when prefix caching is on) and the sequences
+    # parked by preemption (always): both are slot states kept in pool buffers.
+    cache = build_cache(prefix, runner, cost, watch, pool, cfg, leases)
+    prefix_cache = cache if prefix.enabled else None
+    slot_kv = SlotKV(runner, cache, watch, ranks=cfg.tensor_parallel_size)
+    checks = functools.partial(check_slots, cfg.max_num_seqs)
+    orders = CheckpointExecutor(cache, prefix_cache, pool, slot_kv, runner, checks, cfg.max_model_len)
+    if cfg.fault_specs:
+        log.warning("BALLAST_FAULTS is set: injecting %s into engine steps", list(cfg.fault_specs))
+    faults = FaultInjector(cfg.fault_specs, runner.device)
+    steps = StepExecutor(
+        runner, runner.sampler, slot_kv, cache, prefix_cache, orders, pool, faults, leases, cfg.max_model_len
     )
-    return leases
+    workspace = step_workspace(cfg.max_num_seqs, runner.sampler.vocab_size, dtype.itemsize)
+    room = capacity_bytes()
+    n, length = cfg.max_num_seqs, cfg.max_model_len
+    capacity = capacity_line(cost, runner.fixed_bytes, room, runner.quantized_kv, n, length, workspace)
+    return Assembled(steps, cache, prefix_cache, slot_kv, cost, report, capacity)

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ballast.engine.graphs import GraphCaptureError
-from ballast.engine.runner import ModelRunner
+from ballast.engine.graph_runner import GraphRunner
+from ballast.engine.graphs import GraphCaptureError, as_batch
 from ballast.engine.shard_checkpoints import CheckpointOp
 from ballast.models.kv_store import StoreOp
 
@@ -132,12 +132,12 @@ def worker_agreement(conn: Connection) -> Callable[[str | None], bool]:
     return agree
 
 
-def capture_as_worker(runner: ModelRunner, conn: Connection) -> None:
+def capture_as_worker(graphs: GraphRunner, conn: Connection) -> None:
     """A worker's capture, once rank 0's ops are applied: in lockstep with rank 0; on success the
     bytes held go back for the ledger, on a failure anywhere every rank runs eagerly."""
     agree = worker_agreement(conn)
     try:
-        runner.check_capturable()
+        graphs.check_capturable()
     except GraphCaptureError as e:
         # Rank 0 checked the same config before asking, so this is a bug, not a state: answer its
         # first bucket with it, so every rank stops there and decodes eagerly.
@@ -145,7 +145,7 @@ def capture_as_worker(runner: ModelRunner, conn: Connection) -> None:
         log.warning("%s; decode runs eagerly", e)
         return
     try:
-        held = runner.capture_in_lockstep(agree)
+        held = graphs.capture_in_lockstep(agree)
     except GraphCaptureError as e:
         log.warning("%s; decode runs eagerly", e)
         return
@@ -153,7 +153,7 @@ def capture_as_worker(runner: ModelRunner, conn: Connection) -> None:
 
 
 def replay_as_rank0(
-    runner: ModelRunner, rows: Sequence[tuple[int, tuple[int, ...], int]], graph: tuple[int, int]
+    runner: GraphRunner, rows: Sequence[tuple[int, tuple[int, ...], int]], graph: tuple[int, int]
 ) -> None:
     """Replay the bucket rank 0 replays for these rows. A worker without that graph cannot take
     the step eagerly (rank 0's graph all-reduces would meet an eager step's): it fails, and the
@@ -162,9 +162,9 @@ def replay_as_rank0(
     key = None if graphs is None else graphs.key_of(rows)
     if graphs is None or key is None or key[:2] != graph or not graphs.can_use(rows):
         raise RuntimeError(f"rank 0 replays decode graph {graph}; this rank has {key} and no such graph")
-    graphs.replay(rows)
+    graphs.launch(graphs.stage(as_batch(rows)), len(rows))
 
 
-def report(runner: ModelRunner) -> GraphsReport:
+def report(runner: GraphRunner) -> GraphsReport:
     graphs = runner.graphs
     return GraphsReport(0, 0) if graphs is None else GraphsReport(graphs.captured, graphs.replays)

@@ -259,11 +259,11 @@ def serve(runner: ModelRunner, conn: Connection, faults: FaultInjector | None = 
             return
         if isinstance(msg, CaptureGraphs):
             apply_ops(runner, checkpoints, msg.ops)  # the scratch slot's blocks first
-            capture_as_worker(runner, conn)
+            capture_as_worker(runner.graph_runner, conn)
         elif isinstance(msg, ReleaseGraphs):
             runner.release_graphs()
         elif isinstance(msg, ReportGraphs):
-            conn.send(report(runner))
+            conn.send(report(runner.graph_runner))
         else:
             step(runner, checkpoints, msg, faults)
 
@@ -276,7 +276,7 @@ def step(
     if faults is not None and msg.rows:
         faults.before_forward(prefill=any(len(tokens) > 1 for _, tokens, _ in msg.rows))
     if msg.graph is not None:
-        replay_as_rank0(runner, msg.rows, msg.graph)
+        replay_as_rank0(runner.graph_runner, msg.rows, msg.graph)
         return
     # Not runner.forward: its check that each slot holds blocks asks this rank's allocator,
     # which never allocates (rank 0's does; its tables came with the message).

@@ -1,18 +1,19 @@
 """The model interface shared by every architecture and the engine.
 
 The engine flattens one step's work (prefill chunks and decode tokens of many slots) into a
-`ForwardBatch`; a model's `forward(batch, states)` returns the logits at each sequence's last token.
-Host-side shapes (`max_len`, `max_ctx`, the python lists) are computed once per step here so the
-layers never synchronise with the device to learn a shape.
+`StepBatch` (the layers know it as `ForwardBatch`); a model's `forward(batch, states)` returns the
+logits at each sequence's last token. Host-side shapes (`max_len`, `max_ctx`, the python lists)
+are computed once per step here so the layers never synchronise with the device to learn a shape.
 """
 
 from __future__ import annotations
 
+import operator
 from array import array
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from itertools import accumulate, chain
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import torch
 from ballast.memory.specs import LayerSpec
@@ -20,7 +21,6 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from ballast.models.layer_state import LayerState
-
 
 class ModelError(Exception):
     """Base of the models layer's errors."""
@@ -38,47 +38,61 @@ class ModelConfigError(ModelError):
     """A model config dict is missing a required field or holds an invalid value."""
 
 
-# One step's work as the engine hands it over, one row per sequence: (slot, token ids, start
-# position). `ForwardBatch.build` turns rows into the device-side batch every layer reads.
-Rows = Sequence[tuple[int, Sequence[int], int]]
+# One step's work as rows, one per sequence: (slot, token ids, start position). What tests and
+# model-only callers hand `StepBatch.build`; the engine's builder makes the lists directly.
+Row = tuple[int, Sequence[int], int]
+Rows = Sequence[Row]
 
 
-@dataclass(frozen=True)
-class ForwardBatch:
-    """One step's sequences, flattened. Sequence b holds tokens [cu_lens[b], cu_lens[b+1]) of the
-    flat arrays; they sit at absolute positions starts[b] .. starts[b] + lens[b] - 1 of slot
-    slots[b]. A prefill chunk attends to the slot's cached positions < start and causally within
-    itself; a decode token is a chunk of length 1."""
+@dataclass(eq=False, repr=False)
+class StepBatch(Sequence[Row]):
+    """One step's sequences, from the plan to the kernels. Sequence b holds tokens
+    [cu_lens[b], cu_lens[b+1]) of the flat arrays; they sit at absolute positions starts[b] ..
+    starts[b] + lens[b] - 1 of slot slots[b]. A prefill chunk attends to the slot's cached
+    positions < start and causally within itself; a decode token is a chunk of length 1.
 
-    token_ids: Tensor  # [T] int64
-    positions: Tensor  # [T] int64, absolute position in the slot's sequence
-    slots: Tensor  # [B] int64
-    starts: Tensor  # [B] int64, tokens already in the slot's cache before this step
-    lens: Tensor  # [B] int64, new tokens this step
-    cu_lens: Tensor  # [B+1] int64
-    last_index: Tensor  # [B] int64, index in T of each sequence's last token
-    # Rows of the flat layout whose logits the model returns: each sequence's last token, or all
-    # of its tokens where asked (prompt logprobs), in sequence order.
-    logit_index: Tensor
-    seq_of_token: Tensor  # [T] int64, b of each token
-    slot_of_token: Tensor  # [T] int64, slots[seq_of_token]
-    pad_index: Tensor  # [T] int64, index of each token in a flattened [B, max_len] padded layout
+    The host half (the lists, the flat `tokens`, and per sequence whether it samples, wants every
+    token's logits, or feeds the token its slot last sampled, still on the device) is set when it
+    is built; the device half (the index tensors the layers read) by `place`, in one copy, only
+    on the paths that read it (a replayed graph stages the lists into its own buffers)."""
+
     slots_list: list[int]
     starts_list: list[int]
     lens_list: list[int]
+    tokens: array[int]  # flat host token ids; a row fed from the device holds PAD (0) here
     max_len: int  # longest new-token run of any sequence
     max_ctx: int  # longest start + len: the cache positions any sequence may read
     # A step of prompt chunks and then single tokens (the engine lays out prefills first): from
     # sequence `tail_from` on, every sequence feeds one token, and on CUDA those are attended by the
     # decode kernel rather than each padded to a prefill tile of query rows. 0: no such tail.
     tail_from: int = 0
-    tail_slots: Tensor | None = None  # [B - tail_from] int64, slots[tail_from:]
-    tail_ctx: Tensor | None = None  # [B - tail_from] int64, starts[tail_from:] + 1
     tail_max_ctx: int = 0  # the longest of tail_ctx
+    all_logits: tuple[bool, ...] = ()  # per sequence: logits at every token (prompt logprobs)
+    sampled: tuple[bool, ...] = ()  # per sequence: a token is drawn from its logits
+    # Per sequence: its one token is the one its slot sampled in the previous step, which the
+    # host has not seen yet (an overlapped step): `from_device_mask` marks it on the device.
+    from_device: tuple[bool, ...] = ()
     # Some sequence of this step keeps its KV in int8 blocks beside others in the model dtype
     # (the ladder's int8 rung): attention then writes and reads both stores, each sequence keeping
     # its own store's result. Which sequence is which the attention backend reads through slots.
     int8_kv: bool = False
+    token_ids: Tensor = field(init=False)  # [T] int64
+    positions: Tensor = field(init=False)  # [T] int64, absolute position in the slot's sequence
+    slots: Tensor = field(init=False)  # [B] int64
+    starts: Tensor = field(init=False)  # [B] int64, tokens already in the slot's cache
+    lens: Tensor = field(init=False)  # [B] int64, new tokens this step
+    cu_lens: Tensor = field(init=False)  # [B+1] int64
+    last_index: Tensor = field(init=False)  # [B] int64, index in T of each sequence's last token
+    # Rows of the flat layout whose logits the model returns: each sequence's last token, or all
+    # of its tokens where asked (prompt logprobs), in sequence order.
+    logit_index: Tensor = field(init=False)
+    seq_of_token: Tensor = field(init=False)  # [T] int64, b of each token
+    slot_of_token: Tensor = field(init=False)  # [T] int64, slots[seq_of_token]
+    pad_index: Tensor = field(init=False)  # [T] index of each token in a padded [B, max_len] layout
+    tail_slots: Tensor | None = field(init=False, default=None)  # [B - tail_from], slots[tail_from:]
+    tail_ctx: Tensor | None = field(init=False, default=None)  # [B - tail_from], starts[tail_from:] + 1
+    from_device_mask: Tensor | None = field(init=False, default=None)  # [T] int64, 1: fed from the device
+    placed_on: torch.device | None = field(init=False, default=None)
 
     @property
     def num_seqs(self) -> int:
@@ -86,7 +100,7 @@ class ForwardBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.token_ids.shape[0])
+        return len(self.tokens) if self.placed_on is None else int(self.token_ids.shape[0])
 
     @property
     def decode_only(self) -> bool:
@@ -97,6 +111,93 @@ class ForwardBatch:
     def device(self) -> torch.device:
         return self.token_ids.device
 
+    @property
+    def any_from_device(self) -> bool:
+        return self.from_device_mask is not None or any(self.from_device)
+
+    def __len__(self) -> int:
+        return len(self.slots_list)
+
+    @overload
+    def __getitem__(self, b: int) -> Row: ...
+    @overload
+    def __getitem__(self, b: slice) -> Sequence[Row]: ...
+    def __getitem__(self, b: int | slice) -> Row | Sequence[Row]:
+        """Sequence b's row (slot, token ids, start)."""
+        rows = list(self)
+        return rows[b]
+
+    def __iter__(self) -> Iterator[Row]:
+        """The rows (slot, token ids, start): for callers that look at a step's sequences."""
+        at = 0
+        for slot, start, n in zip(self.slots_list, self.starts_list, self.lens_list, strict=True):
+            yield slot, self.tokens[at : at + n], start
+            at += n
+
+    @classmethod
+    def of(
+        cls,
+        seqs: Rows,
+        max_ctx: int | None = None,
+        all_logits: Sequence[bool] = (),
+    ) -> StepBatch:
+        """The host half of a batch of these rows. A slot may appear at most once per step.
+        max_ctx: read this many cache positions (>= every start + len; at most the cache length)
+        instead of the least that serves, so shapes stay fixed from step to step (CUDA graphs)."""
+        if not seqs:
+            raise ValueError("a StepBatch needs at least one sequence")
+        # array('q') fills from the ids in C: 5x a Python list for 32 prompts of 2k tokens
+        tokens = array("q", chain.from_iterable(toks for _, toks, _ in seqs))
+        return cls.of_lists(
+            [int(s) for s, _, _ in seqs],
+            [int(st) for _, _, st in seqs],
+            [len(t) for _, t, _ in seqs],
+            tokens,
+            max_ctx,
+            tuple(all_logits),
+        )
+
+    @classmethod
+    def of_lists(
+        cls,
+        slots_list: list[int],
+        starts_list: list[int],
+        lens_list: list[int],
+        tokens: array[int],
+        max_ctx: int | None = None,
+        all_logits: tuple[bool, ...] = (),
+        sampled: tuple[bool, ...] = (),
+        from_device: tuple[bool, ...] = (),
+    ) -> StepBatch:
+        """The host half from its lists (the engine's builder); checks what every layer relies on."""
+        if not slots_list:
+            raise ValueError("a StepBatch needs at least one sequence")
+        if len(set(slots_list)) != len(slots_list):
+            raise ValueError(f"a slot appears twice in one step: {slots_list}")
+        if min(lens_list) <= 0:
+            raise ValueError("every sequence needs at least one token")
+        if min(starts_list) < 0:
+            raise ValueError("sequence start positions must be >= 0")
+        max_len = max(lens_list)
+        # map(add) runs in C: this is on every decode step's host path, graphs or not
+        need_ctx = max(map(operator.add, starts_list, lens_list))
+        if max_ctx is not None and max_ctx < need_ctx:
+            raise ValueError(f"max_ctx {max_ctx} is less than the {need_ctx} positions this step reads")
+        tail_from = decode_tail(lens_list) if max_len > 1 else 0
+        return cls(
+            slots_list,
+            starts_list,
+            lens_list,
+            tokens,
+            max_len,
+            max_ctx if max_ctx is not None else need_ctx,
+            tail_from,
+            max(starts_list[tail_from:]) + 1 if tail_from else 0,
+            all_logits,
+            sampled,
+            from_device,
+        )
+
     @classmethod
     def build(
         cls,
@@ -105,59 +206,79 @@ class ForwardBatch:
         max_ctx: int | None = None,
         all_logits: Sequence[bool] = (),
         int8_kv: bool = False,
-    ) -> ForwardBatch:
-        """seqs: (slot, token_ids, start) per sequence. A slot may appear at most once per step.
-        max_ctx: read this many cache positions (>= every start + len; at most the cache length)
-        instead of the least that serves, so shapes stay fixed from step to step (CUDA graphs).
-        all_logits: per sequence, whether the model returns logits for every token of it (not only
-        the last). int8_kv: see the field."""
-        if not seqs:
-            raise ValueError("a ForwardBatch needs at least one sequence")
-        slots_list = [int(s) for s, _, _ in seqs]
-        if len(set(slots_list)) != len(slots_list):
-            raise ValueError(f"a slot appears twice in one step: {slots_list}")
-        lens_list = [len(t) for _, t, _ in seqs]
-        starts_list = [int(st) for _, _, st in seqs]
-        if min(lens_list) <= 0:
-            raise ValueError("every sequence needs at least one token")
-        if min(starts_list) < 0:
-            raise ValueError("sequence start positions must be >= 0")
-        # array('q') fills from the ids in C: 5x a Python list for 32 prompts of 2k tokens
-        flat = array("q", chain.from_iterable(toks for _, toks, _ in seqs))
-        need_ctx = max(st + n for st, n in zip(starts_list, lens_list, strict=True))
-        if max_ctx is not None and max_ctx < need_ctx:
-            raise ValueError(f"max_ctx {max_ctx} is less than the {need_ctx} positions this step reads")
-        host = _index_tensors(slots_list, starts_list, lens_list)
-        host["token_ids"] = torch.frombuffer(flat, dtype=torch.int64)
-        tail_from = decode_tail(lens_list)
-        if tail_from:
+    ) -> StepBatch:
+        """`of` and `place`: a batch the layers can read at once. int8_kv: see the field."""
+        batch = cls.of(seqs, max_ctx, all_logits)
+        batch.int8_kv = int8_kv
+        return batch.place(torch.device(device))
+
+    @classmethod
+    def over(
+        cls,
+        tensors: dict[str, Tensor],
+        slots_list: list[int],
+        starts_list: list[int],
+        lens_list: list[int],
+        max_ctx: int,
+        int8_kv: bool = False,
+    ) -> StepBatch:
+        """A batch over index tensors already on the device (a graph's static inputs). Its lists
+        fix shapes and branch choices only."""
+        batch = cls(slots_list, starts_list, lens_list, array("q"), max(lens_list), max_ctx, int8_kv=int8_kv)
+        batch._set(tensors, tensors["token_ids"].device)
+        return batch
+
+    def place(self, device: torch.device) -> StepBatch:
+        """Put the index tensors on `device`, in one copy (once: a placed batch is returned as is)."""
+        if self.placed_on is not None:
+            return self
+        host = _index_tensors(self.slots_list, self.starts_list, self.lens_list)
+        host["token_ids"] = torch.frombuffer(self.tokens, dtype=torch.int64)
+        if self.tail_from:
             # Packed as tensors of their own (to_device_packed aligns each), not views at an odd
             # offset of slots: Triton compiles a kernel again for each 16-byte pointer alignment.
-            host["tail_slots"] = host["slots"][tail_from:]
-            host["tail_ctx"] = host["starts"][tail_from:] + 1
-        if any(all_logits):
+            host["tail_slots"] = host["slots"][self.tail_from :]
+            host["tail_ctx"] = host["starts"][self.tail_from :] + 1
+        if any(self.all_logits):
             cu = host["cu_lens"].tolist()
             host["logit_index"] = torch.tensor(
                 [
                     i
-                    for b, every in enumerate(all_logits)
+                    for b, every in enumerate(self.all_logits)
                     for i in range(cu[b] if every else cu[b + 1] - 1, cu[b + 1])
                 ],
                 dtype=torch.int64,
             )
-        return cls(
-            **to_device_packed(host, torch.device(device)),
-            slots_list=slots_list,
-            starts_list=starts_list,
-            lens_list=lens_list,
-            max_len=max(lens_list),
-            max_ctx=max_ctx if max_ctx is not None else need_ctx,
-            tail_from=tail_from,
-            tail_max_ctx=max(starts_list[tail_from:]) + 1 if tail_from else 0,
-            int8_kv=int8_kv,
-        )
+        if any(self.from_device):
+            mask = torch.zeros(len(self.tokens), dtype=torch.int64)
+            mask[host["cu_lens"][:-1][torch.tensor(self.from_device)]] = 1
+            host["from_device_mask"] = mask
+        self._set(to_device_packed(host, device), device)
+        return self
 
-    def subset(self, seq_index: Sequence[int]) -> tuple[ForwardBatch, Tensor]:
+    def _set(self, tensors: dict[str, Tensor], device: torch.device) -> None:
+        for name, t in tensors.items():
+            setattr(self, name, t)
+        self.placed_on = device
+
+    def part(self, lo: int, hi: int) -> StepBatch:
+        """The host half of sequences lo .. hi - 1 (a step split over two graphs)."""
+        first = sum(self.lens_list[:lo])
+        last = first + sum(self.lens_list[lo:hi])
+        part = StepBatch.of_lists(
+            self.slots_list[lo:hi],
+            self.starts_list[lo:hi],
+            self.lens_list[lo:hi],
+            self.tokens[first:last],
+            None,
+            self.all_logits[lo:hi],
+            self.sampled[lo:hi],
+            self.from_device[lo:hi],
+        )
+        part.int8_kv = self.int8_kv
+        return part
+
+    def subset(self, seq_index: Sequence[int]) -> tuple[StepBatch, Tensor]:
         """The batch of sequences seq_index only (in that order), and the index in this batch's
         flat layout of each of its tokens. Lets attention pad decode tokens and prefill chunks
         separately instead of padding every decode token to the longest chunk."""
@@ -174,17 +295,22 @@ class ForwardBatch:
         )
         moved = to_device_packed(host, self.device)
         token_index = moved.pop("token_index")
-        sub = ForwardBatch(
-            token_ids=self.token_ids.index_select(0, token_index),
-            **moved,
-            slots_list=slots_list,
-            starts_list=starts_list,
-            lens_list=lens_list,
-            max_len=max(lens_list),
-            max_ctx=max(st + n for st, n in zip(starts_list, lens_list, strict=True)),
+        moved["token_ids"] = self.token_ids.index_select(0, token_index)
+        sub = StepBatch(
+            slots_list,
+            starts_list,
+            lens_list,
+            array("q"),
+            max(lens_list),
+            max(st + n for st, n in zip(starts_list, lens_list, strict=True)),
             int8_kv=self.int8_kv,
         )
+        sub._set(moved, self.device)
         return sub, token_index
+
+
+# The name the layers and attention have always read a step's batch by.
+ForwardBatch = StepBatch
 
 
 def decode_tail(lens_list: Sequence[int]) -> int:

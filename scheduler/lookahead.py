@@ -1,8 +1,8 @@
 """The plan of step N+1, built while step N runs and before its tokens are back.
 
 While every running request decodes, step N+1 is known before N ends except for the tokens N
-samples: each request that samples in N feeds its new token at the next position. Those tokens
-are named `LAST_SAMPLED`, and the engine feeds them from the device, so the scheduler can submit
+samples: each request that samples in N feeds its new token at the next position. Those decodes
+are planned ahead (`DecodeToken.ahead`: their token is fed from the device), so the scheduler can submit
 N+1 at once and the GPU goes from N to N+1 without waiting for the host (the host applies N's
 tokens, detokenizes and streams them while N+1 runs).
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ballast.engine.plan import LAST_SAMPLED, DecodeToken, SamplingParams, StepPlan
+from ballast.engine.plan import DecodeToken, SamplingParams, StepPlan
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def next_decodes(plan: StepPlan, running: Mapping[int, Decoding], max_model_len:
         req = running[slot]
         if req.generated + 1 >= req.max_tokens or pos >= max_model_len:
             continue  # plan's token is its last
-        decodes.append(DecodeToken(slot, LAST_SAMPLED, pos))
+        decodes.append(DecodeToken.ahead(slot, pos))
         sampling[slot] = req.params
     if not decodes:
         return None

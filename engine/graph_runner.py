@@ -1,0 +1,273 @@
+"""The one owner of a runner's CUDA graphs: the decode graphs (`DecodeGraphs`) and the prefill
+graphs (`PrefillGraphs`) with their variants, the choice of which serves a step, their capture at
+start-up (leased from the memory layer), and, under tensor parallel, the lockstep with the other
+ranks (`Lockstep`; rank 0's is `sharded_runner.Rank0Lockstep`).
+
+A step is served, in this order of preference, by a decode graph (every sequence feeds one
+token), a prefill graph (one prompt chunk alone), both (a prompt chunk then decode tokens, where
+`PrefillGraphs.split_pays`), or eagerly. Graphs are a speed-up, never a reason to fail: a capture
+that fails, on any rank, or a ledger without room for what the graphs hold, leaves that kind of
+step eager (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from ballast.engine.graphs import Agree, DecodeGraphs, Forward, GraphCaptureError
+from ballast.engine.kv_budget import segment_grant
+from ballast.engine.prefill_graphs import GRANULE, PrefillGraphs
+from ballast.memory.errors import LedgerFull
+from ballast.memory.ledger import Lease
+from ballast.memory.types import MiB
+from ballast.memory.watch import MemWatch
+from ballast.models.base import StepBatch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+# Fills, in place, the token ids a step feeds from the device: (token ids, their slots, which).
+Feed = Callable[[Tensor, Tensor, Tensor], None]
+
+
+class Lockstep:
+    """What one rank's graphs agree on with the other ranks of a tensor-parallel group: here, on
+    one GPU, nothing (rank 0's is `sharded_runner.Rank0Lockstep`)."""
+
+    alone = True
+    worker_bytes: list[int] = []  # what the other ranks' graphs hold, rank by rank
+
+    def capture(self, capture: Callable[[Agree | None], int]) -> int:
+        """Run this rank's capture, given how to agree after each bucket; its bytes held."""
+        return capture(None)
+
+    def replay(self, graph: tuple[int, int], launch: Callable[[], Tensor]) -> Tensor:
+        """Launch this rank's replay of the (batch, context) graph, the other ranks theirs."""
+        return launch()
+
+    def released(self) -> None:
+        """This rank dropped its decode graphs: so do the others."""
+
+
+class GraphRunner:
+    """A runner's graphs: which serves a step, and their capture and release."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        num_slots: int,
+        max_model_len: int,
+        scratch_slot: bool,
+        run: Forward,
+        feed: Feed,
+        prefill_safe: bool = False,
+        kv_per_weight: float = 0.0,
+    ) -> None:
+        """scratch_slot: the states hold a slot past num_slots for the graphs' padding rows. run:
+        the eager forward the graphs capture. prefill_safe: the model's rows meet only in
+        attention (prefill graphs may serve it). kv_per_weight: KV bytes of one token over the
+        weights' bytes (what a split step's decode replay reads besides the weights)."""
+        self.device = device
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        self._scratch = scratch_slot
+        self._run = run
+        self._feed = feed
+        self._prefill_safe = prefill_safe
+        self._kv_per_weight = kv_per_weight
+        self.lockstep = Lockstep()
+        self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        self.split_replays = 0  # steps of a prompt chunk and decodes run as the two graphs' replays
+
+    # --- which serves a step ---------------------------------------------------------------
+
+    def forward(self, batch: StepBatch, mixed: bool, eager: Callable[[StepBatch], Tensor]) -> Tensor:
+        """The step's logits from the graphs that serve it, else from `eager`. `mixed`: the int8
+        KV store is in use (another kernel sequence: its own decode variant, no prefill graph)."""
+        if self.graphs is not None and self.graphs.can_use(batch, mixed):
+            return self._replay(batch, mixed)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_use(batch, mixed=mixed):
+            return self.prefill_graphs.replay(batch)
+        split = self._split(batch, mixed)
+        if split is not None:
+            assert self.prefill_graphs is not None
+            first = self.prefill_graphs.replay(split[0])
+            rest = self._replay(split[1], mixed)
+            self.split_replays += 1
+            return torch.cat((first, rest))
+        return eager(batch)
+
+    def _split(self, batch: StepBatch, mixed: bool) -> tuple[StepBatch, StepBatch] | None:
+        """A prompt chunk then decode tokens, which a prefill graph and a decode graph serve, and
+        whose replays take the GPU less time than the eager step takes the host to launch
+        (`PrefillGraphs.split_pays`; the decode replay costs a read of the weights and of the KV
+        its sequences attend to): the two parts, or None."""
+        prefill, decode = self.prefill_graphs, self.graphs
+        n = batch.num_seqs
+        if prefill is None or decode is None or n < 2 or mixed or any(batch.all_logits):
+            return None
+        head, rest = batch.part(0, 1), batch.part(1, n)
+        if not prefill.can_use(head) or not decode.can_use(rest):
+            return None
+        kv_read = sum(start + 1 for start in rest.starts_list)
+        pays = prefill.split_pays(head.lens_list[0], 1.0 + kv_read * self._kv_per_weight)
+        return (head, rest) if pays else None
+
+    def _replay(self, batch: StepBatch, mixed: bool) -> Tensor:
+        """A decode graph's replay, its rows fed from the device filled in stream order first."""
+        graphs = self.graphs
+        assert graphs is not None
+        key = graphs.stage(batch, mixed)
+        n = batch.num_seqs
+        if batch.any_from_device:
+            self._feed(*graphs.fed_inputs(n))
+        return self.lockstep.replay((key[0], key[1]), lambda: graphs.launch(key, n))
+
+    # --- capture and release ---------------------------------------------------------------
+
+    def check_capturable(self) -> None:
+        if self.device.type != "cuda" or not self._scratch:
+            raise GraphCaptureError("decode graphs need CUDA and a scratch slot")
+
+    def capture_graphs(self, scratch_block: Callable[[], bool] = lambda: True) -> int:
+        """Capture decode graphs for batches up to num_slots (CUDA, with a scratch slot) and every
+        context bucket (attention reads the blocks in place, so a graph's memory does not grow with
+        its context), on every rank. scratch_block: give the scratch slot its KV block. Returns the
+        bytes they hold here; raises GraphCaptureError (the engine then runs eagerly) if the model
+        cannot be captured."""
+        self.check_capturable()
+        if not scratch_block():
+            raise GraphCaptureError("no KV block for the graphs' scratch slot")
+        return self.lockstep.capture(self.capture_in_lockstep)
+
+    def capture_in_lockstep(self, agree: Agree | None) -> int:
+        """Capture the decode graphs over blocks the scratch slot already holds (under tensor
+        parallel rank 0's allocator gave them and every rank's tables say so), agreeing with the
+        other ranks after each bucket. Returns the bytes they hold on this device."""
+        graphs = DecodeGraphs(
+            self.device, self.num_slots, self.num_slots, self.max_model_len, late_mixed=agree is None
+        )
+        held = graphs.capture(self._run, agree)
+        self.graphs = graphs
+        return held
+
+    def capture_prefill_graphs(self, max_tokens: int) -> int | None:
+        """After the decode graphs (their scratch slot's block takes the padding rows): prefill
+        graphs of one prompt of up to max_tokens (`PrefillGraphs`). None where the model's rows
+        meet outside attention (recurrent state, expert routing), under tensor parallel, or where
+        max_tokens is under the smallest graph: prefill stays eager. Returns the bytes they hold;
+        raises GraphCaptureError if the capture fails (nothing kept)."""
+        if self.graphs is None or not self._prefill_safe or not self.lockstep.alone:
+            return None
+        if max_tokens < GRANULE:  # a context too short for the smallest graph: eager prefill
+            return None
+        graphs = PrefillGraphs(self.device, self.num_slots, max_tokens)
+        held = graphs.capture(self._run)
+        self.prefill_graphs = graphs
+        return held
+
+    @property
+    def graph_bytes_per_rank(self) -> list[int]:
+        """What the decode graphs hold on each rank's device (none without graphs)."""
+        return [] if self.graphs is None else [self.graphs.held_bytes, *self.lockstep.worker_bytes]
+
+    def release_prefill_graphs(self) -> None:
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.release()
+            self.prefill_graphs = None
+
+    def release_graphs(self) -> None:
+        """Every rank drops its graphs; every step runs eagerly from now."""
+        self.release_prefill_graphs()
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+            self.lockstep.released()
+
+    def capture_at_start(
+        self, watch: MemWatch | None, dies: list[int], prefill_tokens: int, scratch_block: Callable[[], bool]
+    ) -> list[Lease]:
+        """The decode graphs, then the prefill graphs, each under its leases (returned)."""
+        leases = capture_graphs(self, watch, dies, scratch_block)
+        return leases + capture_prefill_graphs(self, watch, dies, prefill_tokens)
+
+
+def capture_graphs(
+    graphs: GraphRunner, watch: MemWatch | None, dies: Sequence[int], scratch_block: Callable[[], bool]
+) -> list[Lease]:
+    """Decode graphs, or none where the model cannot be captured (on any rank) or a ledger has no
+    room for them (on any die): decode then runs eagerly (logged). Returns their leases, one per
+    die (rank r's graphs on dies[r])."""
+    try:
+        held = graphs.capture_graphs(scratch_block)
+    except GraphCaptureError as e:
+        log.warning("%s; decode runs eagerly", e)
+        return []
+    leases: list[Lease] = []
+    if watch is not None:
+        try:
+            for die, nbytes in zip(dies, graphs.graph_bytes_per_rank, strict=True):
+                leases.append(watch.ledger.lease(die, nbytes, "cuda-graphs"))
+        except LedgerFull as e:
+            for lease in leases:
+                lease.release()
+            graphs.release_graphs()
+            log.warning("no VRAM for decode graphs (%s); decode runs eagerly", e)
+            return []
+    g = graphs.graphs
+    assert g is not None
+    if watch is not None and g.late_mixed:  # the int8-KV variant, captured while serving
+        g.acquire = segment_grant(watch, dies[0], "cuda-graphs-int8")
+    log.info(
+        "decode graphs: %d captured of %d buckets (batch <= %d, context <= %d), %.1f MiB on rank 0 of %d",
+        g.captured,
+        len(g.batch_buckets) * len(g.context_buckets),
+        max(b for b, _ in g.pairs),
+        max(c for _, c in g.pairs),
+        held / MiB,
+        len(graphs.graph_bytes_per_rank),
+    )
+    return leases
+
+
+def capture_prefill_graphs(
+    graphs: GraphRunner, watch: MemWatch | None, dies: Sequence[int], max_tokens: int
+) -> list[Lease]:
+    """Prefill graphs (one GPU, after the decode graphs), or none where a capture fails or the
+    ledger has no room for them: prefill stays eager (logged), the decode graphs as they are.
+    Returns their lease (tag cuda-graphs-prefill), if any."""
+    if max_tokens <= 0 or graphs.graphs is None:
+        return []
+    try:
+        held = graphs.capture_prefill_graphs(max_tokens)
+    except GraphCaptureError as e:
+        log.warning("%s; prefill runs eagerly", e)
+        return []
+    if held is None:
+        return []  # the model's rows meet outside attention: eager prefill
+    leases: list[Lease] = []
+    if watch is not None:
+        try:
+            leases.append(watch.ledger.lease(dies[0], held, "cuda-graphs-prefill"))
+        except LedgerFull as e:
+            graphs.release_prefill_graphs()
+            log.warning("no VRAM for prefill graphs (%s); prefill runs eagerly", e)
+            return []
+    p = graphs.prefill_graphs
+    assert p is not None
+    log.info(
+        "prefill graphs: %d captured (one prompt of up to %d tokens, in steps of %d), %.1f MiB; "
+        "replays %.2f-%.2f ms of GPU time against %.2f ms to launch an eager step (what decides "
+        "whether a prompt beside decodes replays both graphs)",
+        p.captured,
+        p.buckets[-1],
+        p.buckets[0],
+        held / MiB,
+        1e3 * min(p.replay_s.values(), default=0.0),
+        1e3 * max(p.replay_s.values(), default=0.0),
+        1e3 * p.eager_host_s,
+    )
+    return leases
