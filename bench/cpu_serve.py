@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     loads: list[float] = []
     with ExitStack() as stack:
         sides: dict[str, tuple[str, str]] = {}  # name -> (base url, model name)
-        variants = [(f"ballast ({form})", ["--cpu-weights", form], {}) for form in args.weights]
+        variants: list[tuple[str, list[str], dict[str, str]]] = [
+            (f"ballast ({form})", ["--cpu-weights", form], {}) for form in args.weights
+        ]
         if args.baseline is not None:
             env = {"PYTHONPATH": str(args.baseline.resolve())}
             variants.insert(0, (f"baseline {args.baseline.name} (dense)", ["--cpu-weights", "dense"], env))
