@@ -1,10 +1,10 @@
-"""The default model served on the CPU, side by side in one run: `ballast serve` (int4 CPU
-weights, the default; and --cpu-weights dense), llama.cpp's server (through llama-cpp-python,
+"""The default model served on the CPU, side by side in one run: `ballast serve` (one server per
+--weights form: --cpu-weights dense, the default, fp16, int4), llama.cpp's server (through llama-cpp-python,
 where --llama-python names a Python that has it) on the same GGUF, and transformers' `generate`
 (batch 1, the same weights in float32, in this process).
 
     python -m ballast.bench.cpu_serve [--rounds 3] [--new-tokens 128] [--llama-python PATH]
-        [--llama-threads 2] [--long-prompt-words 1500] [--dense]
+        [--llama-threads 2] [--long-prompt-words 1500] [--weights dense fp16 int4]
 
 Every server is started once, then each round measures every side in turn (interleaved, so a
 burst of load from other processes on a shared box hits all of them alike), and the table gives
@@ -154,7 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-prompt-words", type=int, default=1500)
     p.add_argument("--llama-python", type=Path, default=None, help="a Python with llama-cpp-python[server]")
     p.add_argument("--llama-threads", type=int, default=2)
-    p.add_argument("--dense", action="store_true", help="also serve --cpu-weights dense")
+    p.add_argument(
+        "--weights",
+        nargs="+",
+        choices=("dense", "fp16", "int4"),
+        default=["dense", "fp16"],
+        help="the --cpu-weights forms to serve, a server each",
+    )
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another checkout of ballast (its repository root): its dense server beside ours, a "
+        "before/after in the same run",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     from ballast.models.default_model import default_model_path
@@ -164,15 +177,20 @@ def main(argv: list[str] | None = None) -> int:
     loads: list[float] = []
     with ExitStack() as stack:
         sides: dict[str, tuple[str, str]] = {}  # name -> (base url, model name)
-        variants: list[tuple[str, list[str]]] = [("ballast (int4)", [])] + (
-            [("ballast (dense)", ["--cpu-weights", "dense"])] if args.dense else []
-        )
-        for name, extra in variants:
+        variants: list[tuple[str, list[str], dict[str, str]]] = [
+            (f"ballast ({form})", ["--cpu-weights", form], {}) for form in args.weights
+        ]
+        if args.baseline is not None:
+            env = {"PYTHONPATH": str(args.baseline.resolve())}
+            variants.insert(0, (f"baseline {args.baseline.name} (dense)", ["--cpu-weights", "dense"], env))
+        for name, extra, env in variants:
             port = free_port()
             # a long queue wait: on a box this loaded a stream may wait long for a slot (no 429)
             args_ = ["--max-num-seqs", "8", "--max-model-len", "4096", "--max-queue-wait-s", "600"]
             cmd = serve_command("default", port, *args_, *extra)
-            sides[name] = (stack.enter_context(server(cmd, {}, "/ready", port)), gguf.stem)
+            if env:  # -P: the baseline's tree, not this working directory, comes first on the path
+                cmd = [cmd[0], "-P", *cmd[1:]]
+            sides[name] = (stack.enter_context(server(cmd, env, "/ready", port)), gguf.stem)
         if args.llama_python is not None:
             port = free_port()
             threads = str(args.llama_threads)
@@ -227,6 +245,7 @@ def write_report(
         "rounds": args.rounds,
         "new_tokens": args.new_tokens,
         "long_prompt_words": args.long_prompt_words,
+        "cpu_weights": args.weights,
         "llama_threads": args.llama_threads if args.llama_python else None,
         "cpus": os.cpu_count(),
         "machine": platform.machine(),

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 from ballast.engine.injected_faults import FaultSpec, parse_faults
-from ballast.models import cpu_int4, fp8
+from ballast.models import cpu_int4, cpu_linear, fp8
 
 from ballast.settings import ConfigError, check, setting
 
@@ -20,7 +20,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 KV_QUANT_MODES = ("none", "int8")
-CPU_WEIGHT_MODES = ("auto", "dense", "int4")
+CPU_WEIGHT_MODES = ("auto", "dense", "int4", "fp16")
 # The largest prefill CUDA graph (`engine/prefill_graphs`): longer chunks are bound by their matrix
 # products, not their launches.
 PREFILL_GRAPH_TOKENS = 2048
@@ -103,8 +103,10 @@ class EngineConfig:
             "BALLAST_CPU_WEIGHTS",
             "CPU linears of a GGUF: int4 keeps its Q4_0/Q4_1 weights 4-bit and the output head int8 "
             "(torch's weight-only CPU kernels; about 2.5x the decode speed, logits within the tolerance "
-            "docs/BENCHMARKS.md gives), dense dequantizes every weight to --dtype; auto = int4 for a "
-            "float32 CPU engine on one device where the kernels exist",
+            "docs/BENCHMARKS.md gives), fp16 holds every linear and the head as float16 with float32 "
+            "activations (FBGEMM; half the bytes a decode step reads, logits within 0.04 of float32's), "
+            "dense dequantizes every weight to --dtype; auto = int4 for a float32 CPU engine on one "
+            "device where the kernels exist",
             choices=CPU_WEIGHT_MODES,
         ),
     )
@@ -252,7 +254,25 @@ class EngineConfig:
                 "--cpu-weights (BALLAST_CPU_WEIGHTS)=int4 needs a float32 engine on the CPU, one device, "
                 "and torch's int4/int8 CPU kernels; use auto or dense here"
             )
-        return possible and self.cpu_weights != "dense"
+        return possible and self.cpu_weights in ("auto", "int4")
+
+    def cpu_fp16(self, device: torch.device) -> bool:
+        """Whether a GGUF's linears are held float16 (models/cpu_linear.py): --cpu-weights fp16,
+        which needs a float32 engine on the CPU, one device, and FBGEMM (an error otherwise, not
+        a silent dense load)."""
+        if self.cpu_weights != "fp16":
+            return False
+        if not (
+            device.type == "cpu"
+            and self.resolved_dtype(device) == torch.float32
+            and self.tensor_parallel_size == 1
+            and cpu_linear.fp16_available()
+        ):
+            raise ConfigError(
+                "--cpu-weights (BALLAST_CPU_WEIGHTS)=fp16 needs a float32 engine on the CPU, one device, "
+                "and torch's FBGEMM fp16 GEMM (x86); use dense here"
+            )
+        return True
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

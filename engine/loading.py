@@ -36,6 +36,7 @@ from ballast.memory.watch import MemWatch
 from ballast.models import builtin
 from ballast.models.base import ModelError
 from ballast.models.cpu_int4 import Q4Weight
+from ballast.models.cpu_linear import packed_bytes
 from ballast.models.default_model import DefaultModelError, default_model_path
 from ballast.models.fp8_convert import convert_model
 from ballast.models.gguf_loader import (
@@ -252,6 +253,8 @@ def load(
         model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype, skip=q4), device)
         if q4:
             cast(LlamaForCausalLM, model).quantize_cpu(q4)
+        elif config.cpu_fp16(device) and isinstance(model, LlamaForCausalLM):
+            model.hold_fp16()
         hf_tok = build_tokenizer(gf.metadata)
         tokenizer = LazyTokenizer(lambda: Tokenizer(hf_tok))
     else:
@@ -269,7 +272,7 @@ def load(
     if tok_dir is not None:
         tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(tok_dir))
     leases: list[Lease] = []
-    held = weights_bytes(model)
+    held = weights_bytes(model) + packed_bytes(model)  # FBGEMM's packed fp16 weights are not tensors
     if watch is not None and device.type == "cuda":
         leases.append(watch.ledger.lease(_die(device), held, f"weights:{source.name}"))
     return LoadedModel(

@@ -156,8 +156,12 @@ def attend_in_place(
             # (bench/cpu_attention.py), so this sequence's blocks are gathered, once a layer.
             ids = torch.tensor([blk + k for _, blk, count in runs for k in range(count)])
             source, runs = kv_layer.index_select(0, ids), [(0, 0, len(ids))]
-        keys = [_run_view(source, run, ctx) for run in runs]
-        out[first : first + n] = _attend_one(keys, q[first : first + n], start, store.layout.num_kv_heads)
+        n_kv = store.layout.num_kv_heads
+        if n == 1 and len(runs) == 1:  # a decode token over blocks in order: no parts to merge
+            out[first] = _decode_one(_run_view(source, runs[0], ctx)[1], q[first], n_kv)
+        else:
+            keys = [_run_view(source, run, ctx) for run in runs]
+            out[first : first + n] = _attend_one(keys, q[first : first + n], start, n_kv)
         first += n
     return out
 
@@ -183,6 +187,18 @@ def _flash(q: Tensor, kv: Tensor, n_kv: int, causal: bool) -> tuple[Tensor, Tens
         q, keys, values, is_causal=causal, scale=q.shape[-1] ** -0.5
     )
     return out, lse
+
+
+def _decode_one(kv: Tensor, q: Tensor, n_kv: int) -> Tensor:
+    """One decode token's q [Hq, D] over its keys kv [S, 2 * n_kv, D] -> [Hq, D]: one flash
+    call, each KV head's group of query heads as its query rows (already in head order for one
+    token), no mask. The same maths as `_attend_one` in a third of its ops (30 layers a step)."""
+    heads, dim = q.shape
+    k, v = kv.permute(1, 0, 2).split(n_kv)  # [n_kv, S, D] views
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.view(1, n_kv, heads // n_kv, dim), k.unsqueeze(0), v.unsqueeze(0), scale=dim**-0.5
+    )
+    return out.reshape(heads, dim)
 
 
 def _attend_one(keys: list[tuple[int, Tensor]], q: Tensor, start: int, n_kv: int) -> Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +24,13 @@ DEFAULT_ROPE_THETA = 10000.0
 
 
 # oneDNN's JIT matmul picks its kernels by CPU features; MKL (torch's BLAS for float32) runs its
-# generic, non-AVX2 sgemm on AMD CPUs. For decode-sized float32 inputs oneDNN measured 1.3-1.7x
-# faster over the default model's weights on a 2-core AMD EPYC (bench/engine_decode.py); for
-# prefill-sized inputs MKL was as fast or faster (0.5x at 192 rows, 2 threads), hence the cut-off.
-# Both are plain float32 FMA over the same dense weight; only the summation order differs.
-ONEDNN_MAX_ROWS = 64
+# generic, non-AVX2 sgemm on AMD CPUs. Over the default model's weights on a 2-core AMD EPYC,
+# oneDNN measured 1.3-1.7x faster for decode-sized float32 inputs (bench/engine_decode.py) and
+# 2-3x faster for prompt chunks (1 and 2 threads, 3072x576 and 576x1536: 2.9 against 6.7 ms at
+# 128 rows, 10.0 against 26.4 ms at 512; the 49152-row head 226 against 445 ms at 512), so it
+# takes every chunk up to the CPU's default chunk of 512 tokens; past that (not measured) torch's
+# BLAS runs. Both are plain float32 FMA over the same dense weight; only the summation order differs.
+ONEDNN_MAX_ROWS = 512
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
@@ -78,18 +80,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def add_norm(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
-        """(x + delta, the norm of it): a residual add with the norm after it."""
+        """(x + delta, the norm of it): a residual add with the norm after it. On the CPU the sum
+        is written into x: the residual stream is a step's own tensor (the embedding's output,
+        then each add's), which nothing reads after the add."""
         if x.is_cuda:
             return pointwise.add_rms_norm(x, delta, self.weight, self.eps)  # one kernel
-        s = x + delta
+        s = x.add_(delta)
         return s, self(s)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.is_cuda:
             return pointwise.rms_norm(x, self.weight, self.eps)  # one kernel
         dtype = x.dtype
-        if dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # same maths, fewer dispatches
+        weight = self.weight
+        if dtype == torch.float32 and weight.dtype == torch.float32:
+            # The reference's maths bit for bit (x * x is pow(2); products commute), written with
+            # in-place steps: F.rms_norm's CPU composite took 27 us a 576-wide row against 16 here,
+            # 61 times a decode step.
+            r = torch.mean(x * x, -1, keepdim=True).add_(self.eps).rsqrt_()
+            return torch.mul(x, r).mul_(weight)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
@@ -279,26 +288,49 @@ class SwiGLU(nn.Module):
         self.gate_up.fuse(keep_values)
 
     def quantize(self, pair: QuantizedPair) -> None:
-        """Run gate/up and down through `pair` (the CPU's int4 linears); the dense weights go."""
+        """Run gate/up and down through `pair` (the CPU's int4 or fp16 linears); the dense weights go."""
         self.quantized = pair
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
         drop_dense(self.gate_proj, self.up_proj, self.down_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.quantized is not None:
-            q = self.quantized
-            return q.second(pointwise.silu_mul(q.first(x), self.intermediate))
-        return self.down_proj(pointwise.silu_mul(self.gate_up(x), self.intermediate))
+        q = self.quantized
+        first, second = (self.gate_up, self.down_proj) if q is None else (q.first, q.second)
+        gate_up = first(x)
+        if gate_up.device.type == "cpu":  # the product written into silu's output, no third tensor
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            return second(F.silu(gate).mul_(up))
+        return second(pointwise.silu_mul(gate_up, self.intermediate))
 
 
-class Rope(NamedTuple):
-    """One step's rotary tables, [T, rotary_dim / 2] each: computed once, used by every layer."""
+class Rope:
+    """One step's rotary tables, [T, rotary_dim] each: computed once, used by every layer. On the
+    CPU also the tables `turn_` reads, made once a step rather than once a layer."""
 
-    cos: Tensor
-    sin: Tensor
+    __slots__ = ("cos", "sin", "_in_place")
+
+    def __init__(self, cos: Tensor, sin: Tensor) -> None:
+        self.cos, self.sin = cos, sin
+        self._in_place: tuple[Tensor, Tensor] | None = None
+        if cos.device.type == "cpu":
+            half = cos.shape[-1] // 2
+            signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+            self._in_place = (cos[:, None, :], signed_sin[:, None, :])
 
     def __call__(self, x: Tensor) -> Tensor:
         return pointwise.rope(x, self.cos, self.sin)
+
+    def turns_in_place(self, x: Tensor) -> bool:
+        """Whether `turn_` can rotate x [T, heads, head_dim]: on the CPU, with every dim turning."""
+        return self._in_place is not None and x.shape[-1] == self.cos.shape[-1]
+
+    def turn_(self, x: Tensor) -> None:
+        """x rotated in place, three ops where `__call__` takes ten: rotate_half(x) * sin is
+        roll(x, half) * [-sin | sin] (the halves swapped by one roll, the sign in the table; the
+        same products bit for bit), added to x * cos by one addcmul."""
+        assert self._in_place is not None
+        cos, signed_sin = self._in_place
+        torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin, out=x)
 
 
 class SlotAttention(nn.Module):
@@ -334,7 +366,7 @@ class SlotAttention(nn.Module):
         self.quantized: QuantizedPair | None = None
 
     def quantize(self, pair: QuantizedPair) -> None:
-        """Run q/k/v and o through `pair` (the CPU's int4 linears); the dense weights go."""
+        """Run q/k/v and o through `pair` (the CPU's int4 or fp16 linears); the dense weights go."""
         self.quantized = pair
         self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         drop_dense(self.q_proj, self.k_proj, self.v_proj, self.o_proj)
@@ -344,12 +376,16 @@ class SlotAttention(nn.Module):
         q_ = self.quantized
         project, out = (self.qkv, self.o_proj) if q_ is None else (q_.first, q_.second)
         qkv = project(x).view(x.shape[0], hq + 2 * hkv, self.head_dim)
+        qk, v = qkv.split((hq + hkv, hkv), dim=1)  # views; one split op where slices are several
         if self.q_norm is not None and self.k_norm is not None:
             q, k = rope(self.q_norm(qkv[:, :hq])), rope(self.k_norm(qkv[:, hq : hq + hkv]))
         else:
-            qk = rope(qkv[:, : hq + hkv])  # q and k heads turned in one go
-            q, k = qk[:, :hq], qk[:, hq:]
-        state.write(batch, k, qkv[:, hq + hkv :])
+            if rope.turns_in_place(qk):
+                rope.turn_(qk)  # the CPU: in the projection's output, no new tensor
+            else:
+                qk = rope(qk)  # q and k heads turned in one go
+            q, k = qk.split((hq, hkv), dim=1)
+        state.write(batch, k, v)
         return out(state.attend(q, batch))
 
     def fuse(self, keep_values: bool = True) -> None:

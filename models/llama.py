@@ -10,6 +10,7 @@ from typing import Any
 from ballast.memory.specs import LayerSpec
 from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
 from ballast.models.cpu_int4 import Int4Linear, Int8Linear, Q4Weight, QuantizedPair, drop_dense
+from ballast.models.cpu_linear import Fp16Linear
 from ballast.models.layers import (
     Linear,
     RMSNorm,
@@ -186,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.head_int8: Int8Linear | None = None
+        self.quantized_head: nn.Module | None = None  # the CPU's int8 or fp16 head, where held
         self.tie_weights()
 
     @classmethod
@@ -220,10 +221,33 @@ class LlamaForCausalLM(nn.Module):
             parts = [q4[n] for n in names]
             block = layer.self_attn if where == "self_attn" else layer.mlp
             block.quantize(QuantizedPair(Int4Linear(parts[:-1]), Int4Linear(parts[-1:])))
-        self.head_int8 = Int8Linear(self.lm_head.weight)
+        self.quantized_head = Int8Linear(self.lm_head.weight)
         if not self.config.tie_word_embeddings:  # a tied head's weight is the embedding table
             drop_dense(self.lm_head)
         return len(blocks)
+
+    def hold_fp16(self) -> None:
+        """Hold every linear and the output head as float16 weights for FBGEMM's fp16 GEMM
+        (models/cpu_linear.py): half the bytes a decode step reads, activations still float32. A
+        tied head keeps its float32 embedding table for the token lookup."""
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, gate_up = attn.qkv, mlp.gate_up
+            qkv.fuse()  # from the parameters as loaded (assign=True replaced the fused views)
+            gate_up.fuse()
+            assert qkv.weight is not None and gate_up.weight is not None  # fuse() set them
+            o = attn.o_proj
+            attn.quantize(QuantizedPair(Fp16Linear(qkv.weight, qkv.bias), Fp16Linear(o.weight, o.bias)))
+            mlp.quantize(
+                QuantizedPair(
+                    Fp16Linear(gate_up.weight, gate_up.bias),
+                    Fp16Linear(mlp.down_proj.weight, mlp.down_proj.bias),
+                )
+            )
+        self.quantized_head = Fp16Linear(self.lm_head.weight, self.lm_head.bias)
+        if not self.config.tie_word_embeddings:
+            drop_dense(self.lm_head)
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
         c = self.config
@@ -247,5 +271,5 @@ class LlamaForCausalLM(nn.Module):
         # are asked) need the final norm and the (large) head.
         if not batch.decode_only:
             h = h.index_select(0, batch.logit_index)
-        head = self.lm_head if self.head_int8 is None else self.head_int8
+        head = self.lm_head if self.quantized_head is None else self.quantized_head
         return head(self.model.norm(h)).float()

@@ -44,6 +44,29 @@ def test_capital_of_france_is_paris(engine: Engine) -> None:
     assert result.token_ids[-1] in engine.tokenizer.eos_token_ids
 
 
+def test_fp16_weights_answer_paris_too() -> None:
+    """--cpu-weights fp16 keeps the default model's answer (int4 did not: its bfloat16
+    activations flipped a near tie on the way)."""
+    eng = Engine.load(
+        EngineConfig(
+            model="default",
+            device="cpu",
+            dtype="float32",
+            cpu_weights="fp16",
+            max_num_seqs=1,
+            max_model_len=512,
+            prefill_chunk_tokens=128,
+        )
+    )
+    try:
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        ids = eng.tokenizer.apply_chat_template(question)
+        text = "".join(generate_stream(eng, ids, SamplingParams(temperature=0.0), max_tokens=48))
+        assert "Paris" in text
+    finally:
+        eng.shutdown()
+
+
 def test_end_of_turn_id_comes_from_the_chat_template(engine: Engine) -> None:
     tok = engine.tokenizer
     im_end = tok.hf.convert_tokens_to_ids("<|im_end|>")

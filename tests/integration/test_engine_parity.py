@@ -21,6 +21,9 @@ DEFAULT_LOGIT_BOUND = 5e-4  # 30 layers 576 wide; measured 5.6e-5 (float32 summa
 # (bf16 scales and activations into the kernels, the head requantized per row): measured max
 # |d logit| 0.98 over these prompts and 12 greedy steps each (float32 against transformers: 1e-4).
 INT4_LOGIT_BOUND = 1.5
+# --cpu-weights fp16 (float16 weights, float32 activations): measured max |d logit| 0.036 over
+# these 4 prompts and 12 greedy steps each, no greedy choice changed.
+FP16_LOGIT_BOUND = 0.1
 
 
 def reference(engine: Engine) -> LlamaForCausalLM:
@@ -179,6 +182,28 @@ def test_default_model_int4_stays_within_its_tolerance_of_transformers(default_d
             assert float((ours - theirs).abs().max()) < INT4_LOGIT_BOUND, f"slot {slot}"
             top2 = theirs.topk(2).values
             clear = (top2[:, 0] - top2[:, 1]) > 2 * INT4_LOGIT_BOUND
+            assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear]), f"slot {slot}"
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.slow
+def test_default_model_fp16_weights_stay_within_their_tolerance(default_dense: Engine) -> None:
+    """--cpu-weights fp16 against transformers on the float32 weights, teacher-forced over all four
+    prompts: logits within FP16_LOGIT_BOUND, and the reference's greedy choice wherever it leads
+    by more than twice that."""
+    ref = reference(default_dense)
+    eng = default_engine("fp16")
+    try:
+        assert eng.load_report.weights_bytes < 0.75 * default_dense.load_report.weights_bytes
+        for slot, ids in prompts(49152).items():
+            forced = hf_greedy(ref, ids, 8)
+            with torch.inference_mode():
+                theirs = ref(torch.tensor([ids + forced[:-1]])).logits[0, len(ids) - 1 :]
+            ours = teacher_forced_logits(eng, slot, ids, forced)
+            assert float((ours - theirs).abs().max()) < FP16_LOGIT_BOUND, f"slot {slot}"
+            top2 = theirs.topk(2).values
+            clear = (top2[:, 0] - top2[:, 1]) > 2 * FP16_LOGIT_BOUND
             assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear]), f"slot {slot}"
     finally:
         eng.shutdown()
