@@ -1,0 +1,112 @@
+"""The shape of the code, read from the source: the layering of DESIGN.md and the limits the
+execution wing was rebuilt to (issue 34). Each rule is read off the AST of every module, so a
+change that breaks one fails here, naming the module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("memory", "models", "engine", "scheduler", "server")
+# What each layer may import of ours: imports flow server -> scheduler -> engine -> models, and
+# every layer may import memory, which imports none of them.
+MAY_IMPORT = {
+    "memory": {"memory"},
+    "models": {"models", "memory"},
+    "engine": {"engine", "models", "memory"},
+    "scheduler": {"scheduler", "engine", "models", "memory"},
+    "server": {"server", "scheduler", "engine", "models", "memory"},
+}
+MAX_CLASS_LINES = 300  # engine/, scheduler/, models/ (kernel files aside)
+MAX_ENGINE_IMPORTS = 8  # engine modules that engine/engine.py imports
+
+
+def _modules() -> dict[str, ast.Module]:
+    return {
+        f"{pkg}.{path.stem}": ast.parse(path.read_text(), filename=str(path))
+        for pkg in PACKAGES
+        for path in sorted((ROOT / pkg).glob("*.py"))
+    }
+
+
+def _type_only(tree: ast.Module) -> set[int]:
+    """Ids of the nodes under `if TYPE_CHECKING:` (imports for annotations alone never run)."""
+    return {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+
+
+def _ours(tree: ast.Module) -> set[str]:
+    """Our modules a module imports when it runs, at any depth of the file (function-level imports
+    count: they still run)."""
+    found: set[str] = set()
+    skip = _type_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "ballast" and len(parts) >= 3 and parts[1] in PACKAGES:
+                found.add(f"{parts[1]}.{parts[2]}")
+    return found
+
+
+MODULES = _modules()
+IMPORTS = {name: {m for m in _ours(tree) if m in MODULES and m != name} for name, tree in MODULES.items()}
+
+
+def test_every_layer_imports_only_the_layers_below_it() -> None:
+    wrong = sorted(
+        f"{name} imports {dep}"
+        for name, deps in IMPORTS.items()
+        for dep in deps
+        if dep.split(".")[0] not in MAY_IMPORT[name.split(".")[0]]
+    )
+    assert not wrong, wrong
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(IMPORTS[name]):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep) :] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[name] = 2
+
+    for name in sorted(IMPORTS):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, [" -> ".join(c) for c in cycles]
+
+
+def test_no_class_in_the_execution_wing_is_over_300_lines() -> None:
+    big = sorted(
+        f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for name, tree in MODULES.items()
+        if name.split(".")[0] in ("engine", "scheduler", "models") and not name.endswith("_triton")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES
+    )
+    assert not big, big
+
+
+def test_the_engine_module_imports_few_engine_modules() -> None:
+    engine_deps = sorted(m for m in IMPORTS["engine.engine"] if m.startswith("engine."))
+    assert len(engine_deps) <= MAX_ENGINE_IMPORTS, engine_deps
