@@ -74,7 +74,8 @@ def bench(name: str, n_tokens: int, repeats: int, chunk: int, work_dir: str | No
         kv = engine.runner.kv
         assert kv is not None
         park_s, resume_s, recompute_s, copy_s = [], [], [], []
-        apply_restores = engine._apply_restores
+        orders = engine._steps._orders
+        apply_restores = orders.restore
 
         def timed_restores(plan: StepPlan) -> tuple[int, frozenset[int]]:
             """The resume's copy alone (blocks and states back from pinned memory), apart from the
@@ -88,7 +89,7 @@ def bench(name: str, n_tokens: int, repeats: int, chunk: int, work_dir: str | No
             copy_s.append(time.perf_counter() - t)
             return out
 
-        engine._apply_restores = timed_restores  # type: ignore[method-assign]
+        orders.restore = timed_restores  # type: ignore[method-assign]
         for _ in range(repeats):
             engine.step(StepPlan(release=(0, 1)))
             sync()

@@ -154,11 +154,6 @@ class Engine(ServedModel):
         return self.slot_kv.parked
 
     @property
-    def slot_limit(self) -> int:
-        """The ladder's max_slots as the last plan set it: no sequence starts at or past it."""
-        return self._steps.slot_limit
-
-    @property
     def step_failures(self) -> int:
         """Steps that failed and were recovered (their requests lost)."""
         return self._steps.step_failures

@@ -10,7 +10,6 @@ the prefix cache and its checkpoint orders) through their own methods; it holds 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 from itertools import accumulate
 
@@ -108,7 +107,6 @@ class StepExecutor:
                 batch = self._build(plan, preempted | gone)
         self._fed.launched(plan, preempted | gone)
         asks = {p.slot: p for p in plan.prefills if p.logprob_targets and p.slot not in preempted}
-        started = time.perf_counter()
         if batch is not None:
             self._faults.before_forward(prefill=any(p.slot not in preempted for p in plan.prefills))
         draw, rows, prompt_logprobs = self._forward(batch, plan.sampling, asks)
@@ -120,18 +118,16 @@ class StepExecutor:
             prefill_tokens=prefill_tokens,
             decode_tokens=sum(d.slot not in preempted and d.slot not in gone for d in plan.decodes),
             reused_tokens=reused,
-            forward_s=time.perf_counter() - started if batch is not None else 0.0,
             ledger_bytes=sum(lease.nbytes for lease in self._leases if not lease.released),
             preempted=tuple(sorted(preempted)),
             kv=self.kv_figures(),
             kv_int8=self.kv_figures(int8=True),
             prompt_logprobs=prompt_logprobs,
         )
-        return LaunchedStep(plan, result, draw, rows, started)
+        return LaunchedStep(plan, result, draw, rows)
 
     def finish(self, launched: LaunchedStep) -> StepResult:
-        """Wait for a launched step's tokens (its one device-to-host copy) and complete its result.
-        forward_s then runs from the forward's launch to the tokens' arrival."""
+        """Wait for a launched step's tokens (its one device-to-host copy) and complete its result."""
         result = launched.result
         if launched.draw is not None:
             tokens = self._sampler.collect(launched.draw)
@@ -140,7 +136,7 @@ class StepExecutor:
                 SlotOutput(slot, tok.token_id, tok.logprob, tok.top_logprobs, at_capacity)
                 for (slot, _, at_capacity), tok in zip(launched.rows, tokens, strict=True)
             )
-            result = replace(result, outputs=outputs, forward_s=time.perf_counter() - launched.started)
+            result = replace(result, outputs=outputs)
         if result.prefill_tokens or result.decode_tokens:
             self._failures_in_a_row = 0
         return result

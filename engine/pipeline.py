@@ -50,7 +50,6 @@ class LaunchedStep:
     result: StepResult
     draw: Draw | None
     rows: tuple[DrawnRow, ...]
-    started: float  # perf_counter at the forward's launch
 
     @property
     def copied(self) -> bool:

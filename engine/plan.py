@@ -208,7 +208,6 @@ class StepResult:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens restored from checkpoints instead of prefilled
-    forward_s: float = 0.0
     ledger_bytes: int = 0
     # Slots whose sequence the engine moved out because their blocks could not be had; the
     # scheduler re-queues their requests, which resume where they stopped.

@@ -67,7 +67,6 @@ class Tokenizer:
         if hf.eos_token_id is not None:
             ids.add(int(hf.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(ids)
-        self._special_ids = frozenset(int(i) for i in hf.all_special_ids)
         added = getattr(hf, "added_tokens_decoder", {})
         texts = {str(t) for t in hf.all_special_tokens} | {t.content for t in added.values() if t.special}
         # Longest first: a spelling that contains another is taken whole.

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from collections.abc import Iterator
 
 from ballast.engine.plan import SlotOutput, StepFailed, StepPlan, StepResult
 from ballast.scheduler.checkpoints import TurnSaves
 from ballast.scheduler.errors import REFUSAL_OUTCOMES, Refused, RequestFailed, StepAborted, outcome_of
-from ballast.scheduler.kv_room import Charge
-from ballast.scheduler.queue import WaitingQueue
+from ballast.scheduler.kv_policy import Charge
 from ballast.scheduler.request import FinishReason, TokenEvent, TokenLogprob
 from ballast.scheduler.sequence import Phase, Seq
 from ballast.scheduler.service_rate import ServiceRate
@@ -31,12 +32,56 @@ OUTCOMES = ("stop", "length", "abort", *REFUSAL_OUTCOMES)
 MIN_RETRY_CHUNK = 16
 
 
+class WaitingQueue:
+    """The bounded waiting queue: accepted requests that hold no slot yet. First come, first
+    served. Only the head is ever admitted, so a request can never be overtaken by a later one (no
+    starvation); removal from the middle (abort, deadline, refusal at CRITICAL) goes through
+    `remove`."""
+
+    def __init__(self, max_size: int) -> None:
+        if max_size < 0:
+            raise ValueError("queue size must be >= 0")
+        self.max_size = max_size
+        self._items: deque[Seq] = deque()
+
+    @property
+    def full(self) -> bool:
+        return len(self._items) >= self.max_size
+
+    def push(self, item: Seq) -> None:
+        """The caller checks `full` first and raises its typed refusal; this is the guard."""
+        if self.full:
+            raise OverflowError(f"waiting queue is full ({self.max_size})")
+        self._items.append(item)
+
+    def push_front(self, item: Seq) -> None:
+        """Put back a request that already held a slot (preempted), ahead of everyone: it was
+        admitted before any of them. It may exceed max_size by the requests preempted at once."""
+        self._items.appendleft(item)
+
+    def head(self) -> Seq | None:
+        return self._items[0] if self._items else None
+
+    def pop_head(self) -> Seq:
+        return self._items.popleft()
+
+    def remove(self, item: Seq) -> None:
+        """Take a waiting item out of the queue, wherever it stands."""
+        self._items.remove(item)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Seq]:
+        return iter(self._items)
+
+
 class Roster:
     def __init__(
         self, num_slots: int, max_queue: int, turns: TurnSaves, service: ServiceRate, eos: frozenset[int]
     ) -> None:
         self.slots = SlotTable(num_slots)
-        self.queue: WaitingQueue[Seq] = WaitingQueue(max_queue)
+        self.queue = WaitingQueue(max_queue)
         self.running: list[Seq] = []  # admission order: the FCFS order of prefill chunks
         self.by_slot: dict[int, Seq] = {}
         self._turns = turns

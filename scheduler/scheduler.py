@@ -31,8 +31,7 @@ from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import EngineFailed, EngineStalled, Overloaded, Refused
 from ballast.scheduler.gate import AdmissionGate
 from ballast.scheduler.governor import Governor, GovernorSettings, SnapshotSource, VerdictRecorder
-from ballast.scheduler.kv_policy import KVPolicy
-from ballast.scheduler.kv_room import KVRoom
+from ballast.scheduler.kv_policy import KVPolicy, KVRoom
 from ballast.scheduler.planner import StepPlanner
 from ballast.scheduler.request import FinishReason, GenerationRequest, RequestHandle
 from ballast.scheduler.roster import Roster

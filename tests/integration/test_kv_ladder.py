@@ -253,7 +253,7 @@ async def test_a_scheduler_states_its_slot_limit_to_an_engine_another_one_narrow
         await first.start()
         await first.submit(GenerationRequest("a", (5, 6, 7), greedy, max_tokens=3)).collect()
         await first.stop()
-        assert engine.slot_limit == 1
+        assert engine._steps.slot_limit == 1
         second = Scheduler(engine, SchedulerConfig(max_num_seqs=2))
         await second.start()
         try:
@@ -262,7 +262,7 @@ async def test_a_scheduler_states_its_slot_limit_to_an_engine_another_one_narrow
             ]
             finishes = [f for _, _, f in await asyncio.gather(*(h.collect() for h in handles))]
             assert [f.reason for f in finishes] == ["length", "length"]
-            assert engine.slot_limit == 2 and engine.healthy and engine.step_failures == 0
+            assert engine._steps.slot_limit == 2 and engine.healthy and engine.step_failures == 0
         finally:
             await second.stop()
     finally:

@@ -498,7 +498,7 @@ def test_the_ladders_slot_limit_bounds_where_sequences_start() -> None:
     try:
         run(eng, StepPlan(prefills=(PrefillChunk(3, prompt(90, 5), 0, True),), sampling={3: GREEDY}))
         run(eng, StepPlan(max_slots=2))
-        assert eng.slot_limit == 2
+        assert eng._steps.slot_limit == 2
         out = run(eng, StepPlan(decodes=(DecodeToken(3, 7, 5),), sampling={3: GREEDY}))
         assert [o.slot for o in out.outputs] == [3]
         with pytest.raises(StepFailed) as failed:
@@ -509,6 +509,6 @@ def test_the_ladders_slot_limit_bounds_where_sequences_start() -> None:
             eng,
             StepPlan(prefills=(PrefillChunk(2, prompt(91, 4), 0, True),), sampling={2: GREEDY}, max_slots=4),
         )
-        assert [o.slot for o in out.outputs] == [2] and eng.slot_limit == 4
+        assert [o.slot for o in out.outputs] == [2] and eng._steps.slot_limit == 4
     finally:
         eng.shutdown()
