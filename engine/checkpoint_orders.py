@@ -16,8 +16,7 @@ import psutil
 import torch
 from ballast.engine import tensor_parallel
 from ballast.engine.config import EngineConfig
-from ballast.engine.errors import PlanError
-from ballast.engine.plan import StepPlan
+from ballast.engine.plan import PlanError, StepPlan
 from ballast.engine.prefix_cache import (
     CheckpointMissing,
     PrefixCache,

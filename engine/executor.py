@@ -15,12 +15,12 @@ from itertools import accumulate
 
 import torch
 from ballast.engine.checkpoint_orders import CheckpointExecutor
-from ballast.engine.errors import PlanError
 from ballast.engine.faults import is_device_fault, is_memory_fault
 from ballast.engine.injected_faults import FaultInjector
 from ballast.engine.pipeline import DeviceFed, DrawnRow, LaunchedStep
 from ballast.engine.plan import (
     KVFigures,
+    PlanError,
     PrefillChunk,
     PromptLogprobs,
     SamplingParams,

@@ -14,6 +14,18 @@ if TYPE_CHECKING:
     from ballast.engine.grammar import Constraint
 
 
+class EngineError(RuntimeError):
+    """Base of the engine's errors (the step's own classification of failures is in `faults`)."""
+
+
+class PlanError(EngineError):
+    """A StepPlan asks for something impossible (a slot out of range, a position past capacity)."""
+
+
+class EngineUnhealthy(EngineError):
+    """A previous step failed; the engine's device state can no longer be trusted."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy

@@ -42,7 +42,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from ballast.engine.cache_events import CacheListener
 from ballast.engine.checkpoint_buffers import (
     CheckpointJournal,
     Segments,
@@ -54,7 +53,7 @@ from ballast.engine.checkpoint_buffers import (
 from ballast.engine.kv_pool import KVPool
 from ballast.engine.parked import CheckpointMissing, ParkedSequences
 from ballast.engine.prefix_cache_config import MIN_INTERVAL, PrefixCacheConfig, auto_interval
-from ballast.engine.prefix_keys import PrefixKey, forget_length, longest, prefix_key
+from ballast.engine.prefix_keys import CacheListener, PrefixKey, forget_length, longest, prefix_key
 from ballast.engine.state_copies import STAGING_BYTES, StateCopies
 from ballast.memory.pool import CheckpointPool
 from ballast.models.state import LayerState

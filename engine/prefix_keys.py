@@ -1,5 +1,5 @@
-"""How the prefix cache and the parked sequences name what they hold, and find the longest held
-prefix of a prompt."""
+"""How the prefix cache and the parked sequences name what they hold, find the longest held prefix
+of a prompt, and tell a listener about the cache's entries."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import hashlib
 from array import array
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 PrefixKey = tuple[int, bytes]
 
@@ -34,3 +35,24 @@ def longest(lengths: Counter[int], entries: Mapping[PrefixKey, object], tokens: 
         if (n, h.copy().digest()) in entries:
             best = n
     return best
+
+
+class CacheListener(Protocol):
+    """What the prefix cache tells a listener about its entries (named by `prefix_key`), so a
+    router outside the process can know which prefixes this replica holds (the server's KV-event
+    publisher listens). The calls come on the engine thread, inside a step, some under the cache's
+    lock: a listener must return at once (queue the change, never wait on a socket or another
+    thread)."""
+
+    def stored(self, key: PrefixKey, tokens: Sequence[int]) -> None:
+        """A checkpoint of exactly `tokens` is held now (KV of every position, and on a hybrid
+        model the recurrent state after the last token)."""
+        ...
+
+    def removed(self, key: PrefixKey) -> None:
+        """The entry is gone (evicted to fit another, or for KV blocks a sequence needs)."""
+        ...
+
+    def cleared(self) -> None:
+        """Every entry is gone (shed under memory pressure, or a checkpoint buffer failed)."""
+        ...

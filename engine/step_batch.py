@@ -8,9 +8,8 @@ import operator
 from array import array
 from collections.abc import Callable, Sequence
 
-from ballast.engine.errors import PlanError
 from ballast.engine.graphs import PAD_TOKEN
-from ballast.engine.plan import StepPlan
+from ballast.engine.plan import PlanError, StepPlan
 from ballast.models.base import StepBatch
 
 

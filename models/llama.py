@@ -60,7 +60,6 @@ class LlamaConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -115,7 +114,6 @@ class LlamaConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             eos_token_ids=_eos_ids(hf.get("eos_token_id")),
-            bos_token_id=hf.get("bos_token_id"),
         )
 
 

@@ -75,7 +75,6 @@ class HybridConfig:
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -173,7 +172,6 @@ class HybridConfig:
             attention_bias=bool(hf.get("attention_bias", False)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             eos_token_ids=(int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos or ()),
-            bos_token_id=hf.get("bos_token_id"),
         )
 
 

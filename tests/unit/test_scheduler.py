@@ -12,8 +12,8 @@ from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepP
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import ContextTooLong, EngineFailed, Overloaded, QueueFull, RequestTimeout
 from ballast.scheduler.request import FinishEvent, GenerationRequest, Mailbox, TokenEvent
+from ballast.scheduler.roster import SlotError, SlotTable
 from ballast.scheduler.scheduler import Scheduler
-from ballast.scheduler.slots import SlotError, SlotTable
 from fake_engine import EOS, FakeEngine, FakeEngineError, FakeTokenizer, expected_tokens
 
 TOK = FakeTokenizer()

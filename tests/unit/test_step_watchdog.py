@@ -13,8 +13,7 @@ from ballast.memory.ladder import LadderConfig
 from ballast.memory.types import CostModel, Level
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import EngineStalled, Overloaded, RequestTimeout
-from ballast.scheduler.fault_pressure import FaultPressure
-from ballast.scheduler.governor import Governor, GovernorSettings
+from ballast.scheduler.governor import FaultPressure, Governor, GovernorSettings
 from ballast.scheduler.request import GenerationRequest
 from ballast.scheduler.scheduler import Scheduler
 from ballast.scheduler.watchdog import NEW_SHAPE_FACTOR, STEP_P99_FACTOR, StepWatchdog, shape_of
