@@ -33,11 +33,10 @@ from ballast.engine.prefix_cache import PrefixCache
 from ballast.engine.runner import ModelRunner
 from ballast.engine.sampler import Draw, Sampler
 from ballast.engine.slot_kv import SlotKV
-from ballast.engine.staging import to_device
 from ballast.engine.step_batch import build_batch, check_slots
 from ballast.memory.ledger import Lease
 from ballast.memory.pool import CheckpointPool
-from ballast.models.base import StepBatch
+from ballast.models.base import StepBatch, to_device
 
 log = logging.getLogger(__name__)
 

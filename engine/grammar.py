@@ -24,7 +24,7 @@ from typing import Any
 import llguidance
 import llguidance.hf
 import torch
-from ballast.engine.staging import to_device
+from ballast.models.base import to_device
 
 # Compact JSON: flexible whitespace lets a small model pad an answer with newlines until it runs
 # out of tokens, and no client needs the whitespace.

@@ -18,12 +18,11 @@ from ballast.engine.graphs import PAD_POSITION, DecodeGraphs
 from ballast.engine.kv_pool import Acquire, KVManager, KVPool
 from ballast.engine.prefill_graphs import PrefillGraphs
 from ballast.engine.sampler import Sampler
-from ballast.engine.staging import to_device
 from ballast.memory.ledger import Lease
 from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import CostModel
 from ballast.memory.watch import MemWatch
-from ballast.models.base import CausalLM, ForwardBatch, Rows, StepBatch
+from ballast.models.base import CausalLM, ForwardBatch, Rows, StepBatch, to_device
 from ballast.models.state import LayerState, allocate_states, build_states, dtype_bytes, kv_store_for
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel

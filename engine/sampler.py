@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from ballast.engine.grammar import SlotMatchers
 from ballast.engine.plan import SamplingParams
-from ballast.engine.staging import column, to_device
+from ballast.models.base import column, to_device
 
 _MASK64 = (1 << 64) - 1
 

@@ -344,6 +344,27 @@ def _index_tensors(slots_list: list[int], starts_list: list[int], lens_list: lis
     }
 
 
+def to_device(
+    values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A 1-D tensor of `values` on `device`, queued on its stream (no host sync on CUDA).
+
+    `torch.tensor(values, device="cuda")` copies from pageable memory with a blocking copy, which
+    waits for every kernel already queued on the stream: one such call in a step's preparation
+    stalls the host until the previous step has finished on the GPU, and the two can no longer
+    overlap. Staging the values in pinned memory and copying with `non_blocking=True` queues the
+    copy behind those kernels instead; the caching host allocator keeps the pinned buffer alive
+    until the copy has run, so the values may be dropped at once."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
+def column(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a [len, 1] column on `device` (per-row sampling knobs), queued like `to_device`."""
+    return to_device(values, dtype, device).unsqueeze(-1)
+
+
 def to_device_packed(host: dict[str, Tensor], dev: torch.device) -> dict[str, Any]:
     """1-D int64 host tensors on `dev`, moved in one copy (views of one packed tensor, each
     starting on a 16-byte boundary)."""

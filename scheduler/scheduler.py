@@ -7,7 +7,7 @@ thing: the admission gate (`ballast.scheduler.gate`) who gets in and when, the p
 where each request is and how a step's result changes it.
 
 While every running request decodes, the plan of step N+1 is submitted before step N's tokens are
-back (`ballast.scheduler.lookahead`): the engine queues N+1 behind N and the GPU does not wait for
+back (`StepPlanner.lookahead`): the engine queues N+1 behind N and the GPU does not wait for
 the host between steps. Two plans are then in flight; anything else (a new request, a release, a
 ladder change) waits for the step in flight and is planned from its result, as without overlap.
 """
