@@ -8,19 +8,18 @@ are computed once per step here so the layers never synchronise with the device 
 
 from __future__ import annotations
 
+import abc
 import operator
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
-from typing import TYPE_CHECKING, Any, Protocol, overload
+from typing import Any, Protocol, overload
 
 import torch
 from ballast.memory.specs import LayerSpec
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from ballast.models.layer_state import LayerState
 
 class ModelError(Exception):
     """Base of the models layer's errors."""
@@ -394,6 +393,28 @@ def pack_aligned(tensors: Iterable[Tensor]) -> tuple[Tensor, list[int]]:
             parts.append(t.new_zeros(1))
         at += t.shape[0] + t.shape[0] % 2
     return torch.cat(parts), starts
+
+
+class LayerState(abc.ABC):
+    """One decoder layer's state for every slot."""
+
+    @abc.abstractmethod
+    def reset(self, slots: Tensor) -> None:
+        """Sequences start at position 0 in these slots."""
+
+    @abc.abstractmethod
+    def slot_views(self, slot: int) -> tuple[Tensor, ...]:
+        """Views (no copy) of the slot's own state: what a checkpoint must copy to resume the slot
+        later (empty where the state is shared by reference, as attention blocks are)."""
+
+    @abc.abstractmethod
+    def load(self, slot: int, saved: Sequence[Tensor]) -> None:
+        """Put tensors shaped like `slot_views` (from any slot) into this slot."""
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes this state holds on its device."""
 
 
 class CausalLM(Protocol):

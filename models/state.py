@@ -14,10 +14,9 @@ from collections.abc import Sequence
 import torch
 from ballast.memory.specs import AttentionSpec, LayerSpec, RecurrentStateSpec
 from ballast.models.attention import PagedAttentionBackend
-from ballast.models.base import ForwardBatch
+from ballast.models.base import ForwardBatch, LayerState
 from ballast.models.cpu_attention import TorchPagedAttention
 from ballast.models.kv_store import SCALE_BYTES, SINK_BLOCK, KVStore, plan_layout
-from ballast.models.layer_state import LayerState
 from torch import Tensor
 
 
