@@ -249,7 +249,7 @@ class ModelRunner:
             scratch_slot,
             self._run,
             self.sampler.feed,
-            prefill_safe=main is not None and getattr(model, "prefill_graphs_safe", False),
+            prefill_safe=main is not None and as_causal_lm(model).prefill_graphs_safe,
             kv_per_weight=kv_bytes_per_token(specs) / max(1, weights_bytes(model)) if scratch_slot else 0.0,
         )
 

@@ -422,6 +422,9 @@ class CausalLM(Protocol):
     Hugging Face checkpoint names, so `load_state_dict` of HF tensors works as is."""
 
     config: Any  # the model's frozen config dataclass
+    # Whether a prefill graph may pad a lone prompt chunk to its bucket: only where a step's rows
+    # meet nowhere but in attention (padding rows could otherwise change a real row).
+    prefill_graphs_safe: bool
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
         """One spec per decoder layer: what that layer's per-slot state costs."""

@@ -347,6 +347,9 @@ class Qwen3NextForCausalLM(nn.Module):
     linear_attention_class: type[GatedDeltaNet] = FusedGatedDeltaNet
     model_types: tuple[str, ...] = ("qwen3_next",)
     all_sparse = False
+    # The gated-delta layers carry a chunk's rows through a recurrent state: padding rows would
+    # run through it too, so no prefill graph.
+    prefill_graphs_safe = False
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
