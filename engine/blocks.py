@@ -79,7 +79,6 @@ class BlockAllocator:
         return list(self._tables.get(slot, ()))
 
     def count(self, slot: int) -> int:
-        """Blocks in the slot's table."""
         return len(self._tables.get(slot, ()))
 
     def refs(self, block: int) -> int:

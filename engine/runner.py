@@ -52,7 +52,6 @@ def weights_bytes(model: nn.Module) -> int:
 
 
 def as_causal_lm(model: nn.Module) -> CausalLM:
-    """The model seen through the interface every architecture implements."""
     return cast(CausalLM, model)
 
 

@@ -67,7 +67,6 @@ class SlotKV:
         self._kv.place(slots, int8)
 
     def restored(self, slot: int, prefix: Sequence[int]) -> None:
-        """The slot's sequence was restored with these tokens fed."""
         self._fed[slot] = array("q", prefix)
 
     def fed_at(self, slot: int, pos: int, token: int) -> None:

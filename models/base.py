@@ -122,7 +122,6 @@ class StepBatch(Sequence[Row]):
     @overload
     def __getitem__(self, b: slice) -> Sequence[Row]: ...
     def __getitem__(self, b: int | slice) -> Row | Sequence[Row]:
-        """Sequence b's row (slot, token ids, start)."""
         rows = list(self)
         return rows[b]
 

@@ -232,7 +232,6 @@ class GatedAttention(nn.Module):
 
 
 def delta_net_dims(cfg: HybridConfig) -> tuple[int, int, int, int, int, int, float]:
-    """GatedDeltaNet's constructor arguments from the config."""
     return (
         cfg.hidden_size,
         cfg.linear_num_key_heads,

@@ -167,7 +167,6 @@ class Governor:
     # --- figures --------------------------------------------------------------------------
     @property
     def ladder(self) -> LadderPlan:
-        """The degradation ladder's plan for the current level."""
         return self._plan
 
     @property

@@ -165,7 +165,6 @@ class WaitingQueue:
         return self._items.popleft()
 
     def remove(self, item: Seq) -> None:
-        """Take a waiting item out of the queue, wherever it stands."""
         self._items.remove(item)
 
     def __len__(self) -> int:
