@@ -16,11 +16,10 @@ from dataclasses import replace
 
 import psutil
 import torch
-from ballast.engine.config import EngineConfig
+from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.executor import needs_host_tokens
 from ballast.engine.pipeline import LaunchedStep, StepPipeline
 from ballast.engine.plan import EngineUnhealthy, KVFigures, PlanError, StepPlan, StepResult
-from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.engine.served_model import ServedModel
 from ballast.engine.startup import Parts, assemble, bring_up
 from ballast.memory.pool import CheckpointPool

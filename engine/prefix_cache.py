@@ -50,9 +50,9 @@ from ballast.engine.checkpoint_buffers import (
     layout,
     segment,
 )
+from ballast.engine.config import MIN_INTERVAL, PrefixCacheConfig, auto_interval
 from ballast.engine.kv_pool import KVPool
 from ballast.engine.parked import CheckpointMissing, ParkedSequences
-from ballast.engine.prefix_cache_config import MIN_INTERVAL, PrefixCacheConfig, auto_interval
 from ballast.engine.prefix_keys import CacheListener, PrefixKey, forget_length, longest, prefix_key
 from ballast.engine.state_copies import STAGING_BYTES, StateCopies
 from ballast.memory.pool import CheckpointPool
