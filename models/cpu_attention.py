@@ -151,7 +151,7 @@ def attend_in_place(
     for start, n, runs in runs_of if runs_of is not None else table_runs(store, batch):
         ctx = start + n
         source = kv_layer
-        if len(runs) > MAX_RUNS:
+        if len(runs) > MAX_RUNS or (n == 1 and len(runs) > 1 and ctx <= DECODE_GATHER_MAX):
             # A table in many pieces: one call per piece costs more than a copy of its blocks
             # (bench/cpu_attention.py), so this sequence's blocks are gathered, once a layer.
             ids = torch.tensor([blk + k for _, blk, count in runs for k in range(count)])
@@ -159,6 +159,8 @@ def attend_in_place(
         n_kv = store.layout.num_kv_heads
         if n == 1 and len(runs) == 1:  # a decode token over blocks in order: no parts to merge
             out[first] = _decode_one(_run_view(source, runs[0], ctx)[1], q[first], n_kv)
+        elif n == 1:
+            out[first] = _decode_runs([_run_view(source, run, ctx)[1] for run in runs], q[first], n_kv)
         else:
             keys = [_run_view(source, run, ctx) for run in runs]
             out[first : first + n] = _attend_one(keys, q[first : first + n], start, n_kv)
@@ -168,6 +170,11 @@ def attend_in_place(
 
 # Runs of blocks attended in place, one kernel call each; a table in more pieces is gathered.
 MAX_RUNS = 2
+# A decode token whose blocks are not in order (every sequence of a batch past its prompt's
+# blocks: the batch's blocks interleave) is gathered up to this context: one flash call over a
+# copy beats a call per run plus their merge there (one layer, 2 runs, 1 thread: 33 against
+# 63 us at 43 positions, 91 against 110 at 512, even at 1k). Past it the runs merge in place.
+DECODE_GATHER_MAX = 512
 
 
 def _run_view(kv_layer: Tensor, run: tuple[int, int, int], ctx: int) -> tuple[int, Tensor]:
@@ -199,6 +206,22 @@ def _decode_one(kv: Tensor, q: Tensor, n_kv: int) -> Tensor:
         q.view(1, n_kv, heads // n_kv, dim), k.unsqueeze(0), v.unsqueeze(0), scale=dim**-0.5
     )
     return out.reshape(heads, dim)
+
+
+def _decode_runs(kvs: list[Tensor], q: Tensor, n_kv: int) -> Tensor:
+    """`_decode_one` over several runs of keys [S_i, 2 * n_kv, D], merged by their log-sum-exp:
+    the sums `_attend_one` forms for one token, in half its ops."""
+    heads, dim = q.shape
+    outs, lses = [], []
+    for kv in kvs:
+        k, v = kv.permute(1, 0, 2).split(n_kv)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.view(1, n_kv, heads // n_kv, dim), k.unsqueeze(0), v.unsqueeze(0), scale=dim**-0.5
+        )
+        outs.append(o)
+        lses.append(lse)
+    weight = torch.softmax(torch.stack(lses), dim=0)  # [runs, 1, n_kv, group]
+    return (torch.stack(outs) * weight[..., None]).sum(0).reshape(heads, dim)
 
 
 def _attend_one(keys: list[tuple[int, Tensor]], q: Tensor, start: int, n_kv: int) -> Tensor:

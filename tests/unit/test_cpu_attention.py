@@ -10,6 +10,7 @@ import torch
 from ballast.memory.specs import AttentionSpec
 from ballast.models.attention import attend_gathered, gather, padded_groups, write_rows
 from ballast.models.base import ForwardBatch
+from ballast.models import cpu_attention
 from ballast.models.cpu_attention import attend_in_place, block_runs
 from ballast.models.kv_store import SINK_BLOCK
 from ballast.models.state import PagedKV, allocate_states
@@ -30,8 +31,10 @@ def reference(store: object, q: torch.Tensor, batch: ForwardBatch) -> torch.Tens
     return out
 
 
-@pytest.mark.parametrize("tables", ["in order", "two runs", "shuffled"])
-def test_in_place_equals_the_gathered_reference(tables: str) -> None:
+@pytest.mark.parametrize("tables", ["in order", "two runs", "two runs, merged", "shuffled"])
+def test_in_place_equals_the_gathered_reference(tables: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if tables == "two runs, merged":  # decode tokens over two runs merged in place, not gathered
+        monkeypatch.setattr(cpu_attention, "DECODE_GATHER_MAX", 0)
     spec = AttentionSpec(num_kv_heads=KV_HEADS, head_dim=DIM, dtype_bytes=4)
     state = allocate_states([spec], 3, 200, "cpu", torch.float32)[0]
     assert isinstance(state, PagedKV)
@@ -41,7 +44,7 @@ def test_in_place_equals_the_gathered_reference(tables: str) -> None:
         order = torch.randperm(3 * per, generator=torch.Generator().manual_seed(0)) + SINK_BLOCK + 1
         for slot in range(3):
             store.set_table(slot, 0, order[slot * per : (slot + 1) * per].tolist())
-    if tables == "two runs":  # each sequence's first two blocks in one place, the rest elsewhere
+    if tables.startswith("two runs"):  # each sequence's first two blocks in one place, the rest elsewhere
         for slot in range(3):
             rest = SINK_BLOCK + 7 + slot * per
             own = [SINK_BLOCK + 1 + 2 * slot, SINK_BLOCK + 2 + 2 * slot]
@@ -59,5 +62,5 @@ def test_in_place_equals_the_gathered_reference(tables: str) -> None:
         q = torch.randn(t, HEADS, DIM, generator=gen)
         got, want = attend_in_place(store, 0, q, batch), reference(store, q, batch)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), step
-    if tables == "two runs":
+    if tables.startswith("two runs"):
         assert len(block_runs(store.block_table[0].tolist(), 141, store.layout.block_size)) == 2
