@@ -12,6 +12,13 @@ per output channel: 1.97), the same greedy choices, "Paris" kept; echo logprobs 
 nats, past the 1e-3 the lm-eval test holds float32 to, so float32 stays the default and this is
 `--cpu-weights fp16`.
 
+FBGEMM takes prompt chunks too: it is float32 FMA at float32 speed there, like the dense path,
+and no faster route keeps the tolerance. Widening the float16 weights per chunk into oneDNN's
+float32 GEMM was never faster (1 thread, 2026-12-02: 3072x576 at 64 / 256 / 512 rows 1.02 / 4.06 /
+8.08 ms against 1.37 / 4.55 / 8.80; 576x1536 at 512 4.20 against 4.44; unpacking FBGEMM's copy
+instead: 13.5 ms at 512). int4's prompt rows run 2x faster only because they round activations
+to bfloat16 (AVX512-BF16), which is what this form exists to avoid.
+
 The packed weights are FBGEMM's own allocation (a torch script object, not a tensor), so they
 are not among the model's parameters or buffers: `packed_bytes` counts them for the memory layer.
 """
