@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from ballast.memory.specs import AttentionSpec
+from ballast.models import cpu_attention
 from ballast.models.attention import attend_gathered, gather, padded_groups, write_rows
 from ballast.models.base import ForwardBatch
-from ballast.models import cpu_attention
 from ballast.models.cpu_attention import attend_in_place, block_runs
 from ballast.models.kv_store import SINK_BLOCK
 from ballast.models.state import PagedKV, allocate_states
