@@ -7,7 +7,8 @@ table is cut into such runs (one run where the allocator handed its blocks out i
 prompt's blocks are), every run is attended by torch's CPU flash kernel, which also returns each
 row's log-sum-exp, and the parts merge by those (the softmax over all keys, exactly). A table in
 more than MAX_RUNS pieces (sequences that grew in turns, block by block) is gathered for that
-sequence instead: a kernel call per block costs more than the copy.
+sequence instead: a kernel call per block costs more than the copy. So is a decode token's table in
+more than one run up to DECODE_GATHER_MAX positions, where one call over a copy beats a merge.
 
 The cached prefix is visible to every query of a chunk, so it needs no mask; grouped-query
 attention folds each KV head's group of query heads into the query rows there, so K and V are
