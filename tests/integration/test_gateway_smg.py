@@ -5,6 +5,7 @@ client seeing its 503s, and a replica killed mid-load. The kill runs last: it en
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +40,28 @@ class Setup:
         level_tree(self.roots[i], level, config=MemoryConfig(root=str(self.roots[i])))
 
 
+# As deploy/'s smg files run it: with smg's default threshold (0.3) a second turn whose shared
+# opening is a small share of its text is often routed by load instead (bench/gateway_multiturn:
+# 73% of later turns found their prefix at 0.3, 100% at 0.1), which made this test flaky.
+CACHE_AWARE = ("--cache-threshold", "0.1")
+WORDS = (
+    "river",
+    "stone",
+    "cloud",
+    "garden",
+    "window",
+    "silver",
+    "morning",
+    "bread",
+    "candle",
+    "forest",
+    "ocean",
+    "letter",
+    "music",
+    "summer",
+)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     try:
@@ -49,7 +72,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     for root in roots:
         level_tree(root, Level.OK, config=MemoryConfig(root=str(root)))
     per = [["--memory-root", str(root)] for root in roots]
-    with Fleet.start(REPLICAS, ARGS, per) as fleet, fleet.gateway("cache_aware") as url:
+    with Fleet.start(REPLICAS, ARGS, per) as fleet, fleet.gateway("cache_aware", CACHE_AWARE) as url:
         yield Setup(fleet, url, roots)
 
 
@@ -136,7 +159,10 @@ def test_a_critical_replica_leaves_the_rotation_and_rejoins_at_ok(setup: Setup) 
         lambda: target.url in Fleet.routable(setup.gateway), 4 * PROBE_INTERVAL_S + 5, "smg re-adds replica 0"
     )
     for k in range(10):  # cache-aware routing sends a new prefix to the least-used replica: this one
-        _burst(setup, 3, f"back {k}")
+        # (a long new text, so what it shares with earlier prompts, the chat template's lead, is
+        # under the cache threshold's share of it and smg routes it by load)
+        words = random.Random(k).choices(WORDS, k=200)  # ~1,200 characters, ~250 tokens
+        _burst(setup, 3, f"back {k}: " + " ".join(words))
         if _requests_seen(setup, 0) > seen:
             break
     assert _requests_seen(setup, 0) > seen, "replica 0 got no traffic back at OK"
