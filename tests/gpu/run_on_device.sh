@@ -4,7 +4,8 @@
 # the machine is warm. Usage: tests/gpu/run_on_device.sh squeeze|suite-a|suite-b [pytest args]
 #   tests/gpu/run_on_device.sh compare BASE profile|paged|serve: one bench on the package root BASE
 #   (another commit: mkdir BASE && git archive COMMIT | tar -x -C BASE), then on this tree, in one
-#   call; each side's JSON under $OUT as BENCH_base.json / BENCH_new.json
+#   call; each side's JSON under $OUT as BENCH_base.json / BENCH_new.json (PROFILE_MODELS: the
+#   profile's models, default llama-8b qwen3-next-6b)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 3; }
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
@@ -35,7 +36,7 @@ case "$mode" in
     for name in base new; do  # each side from its own tree (the cwd is first on sys.path)
       dir=$PWD; [ $name = base ] && dir=$PWD/$base
       case "$what" in
-        profile) set -- decode_profile --models llama-8b qwen3-next-6b --batch 1 32 --no-eager ;;
+        profile) set -- decode_profile --models ${PROFILE_MODELS:-llama-8b qwen3-next-6b} --batch 1 32 --no-eager ;;
         paged) set -- paged_decode --quick --models llama-8b qwen3-next --no-reference ;;
         serve) set -- gpu_serve --quick --shape llama-3b --reference none --no-engine-rate ;;
       esac
