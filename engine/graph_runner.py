@@ -28,9 +28,6 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-# Fills, in place, the token ids a step feeds from the device: (token ids, their slots, which).
-Feed = Callable[[Tensor, Tensor, Tensor], None]
-
 
 class Lockstep:
     """What one rank's graphs agree on with the other ranks of a tensor-parallel group: here, on
@@ -61,7 +58,6 @@ class GraphRunner:
         max_model_len: int,
         scratch_slot: bool,
         run: Forward,
-        feed: Feed,
         prefill_safe: bool = False,
         kv_per_weight: float = 0.0,
     ) -> None:
@@ -74,7 +70,6 @@ class GraphRunner:
         self.max_model_len = max_model_len
         self._scratch = scratch_slot
         self._run = run
-        self._feed = feed
         self._prefill_safe = prefill_safe
         self._kv_per_weight = kv_per_weight
         self.lockstep = Lockstep()
@@ -117,14 +112,10 @@ class GraphRunner:
         return (head, rest) if pays else None
 
     def _replay(self, batch: StepBatch, mixed: bool) -> Tensor:
-        """A decode graph's replay, its rows fed from the device filled in stream order first."""
         graphs = self.graphs
         assert graphs is not None
         key = graphs.stage(batch, mixed)
-        n = batch.num_seqs
-        if batch.any_from_device:
-            self._feed(*graphs.fed_inputs(n))
-        return self.lockstep.replay((key[0], key[1]), lambda: graphs.launch(key, n))
+        return self.lockstep.replay((key[0], key[1]), lambda: graphs.launch(key, batch.num_seqs))
 
     # --- capture and release ---------------------------------------------------------------
 

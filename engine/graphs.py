@@ -140,8 +140,7 @@ class DecodeGraphs:
             self.batch_buckets, self.context_buckets, read_bytes_per_position, budget_bytes
         )
         width = self.batch_buckets[-1]
-        # token, position, slot, fed from the device (1: the token is the slot's last sample)
-        self._inputs = torch.zeros((4, width), dtype=torch.int64, device=device)
+        self._inputs = torch.zeros((3, width), dtype=torch.int64, device=device)  # token, position, slot
         self._arange = torch.arange(width + 1, dtype=torch.int64, device=device)
         self._ones = torch.ones(width, dtype=torch.int64, device=device)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (batch, context, mixed)
@@ -293,17 +292,11 @@ class DecodeGraphs:
 
     def stage(self, batch: StepBatch, mixed: bool = False) -> tuple[int, int, bool]:
         """Write the step's rows into the static inputs (call only where `can_use`); the key of
-        the graph that serves it. Then fill the rows fed from the device (`fed_inputs`), then
-        `launch`."""
+        the graph that serves it, to `launch`."""
         key = self.key_of(batch, mixed)
         assert key in self._graphs and self._logits is not None, "replay needs can_use(seqs)"
         self._stage(batch, key[0])
         return key
-
-    def fed_inputs(self, n: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The staged token ids, their slots and which of them are fed from the device, of the
-        first n rows: what is filled from the last draw before `launch`, in stream order."""
-        return self._inputs[0, :n], self._inputs[2, :n], self._inputs[3, :n]
 
     def launch(self, key: tuple[int, int, bool], n: int) -> Tensor:
         """Replay the staged step's graph: logits [n, vocab], valid until the next replay."""
@@ -320,20 +313,21 @@ class DecodeGraphs:
         return None if b is None or c is None else (b, c, mixed)
 
     def _stage(self, seqs: StepBatch | Rows, width: int | None = None) -> None:
-        """Write the step's rows into the static inputs (padding the rest), one copy."""
+        """Write the step's rows into the static inputs (padding the rest), one copy, and fill
+        the token ids the host does not hold there."""
         width = width or self.batch_buckets[-1]
-        rows: list[list[int]] = [[], [], [], []]
-        if seqs:
-            b = as_batch(seqs)
-            rows = [list(b.tokens), b.starts_list, b.slots_list, list(b.from_device) or [0] * b.num_seqs]
+        b = as_batch(seqs) if seqs else None
+        rows: list[list[int]] = [[], [], []] if b is None else [list(b.tokens), b.starts_list, b.slots_list]
         pad = width - len(rows[0])
-        fill = (PAD_TOKEN, PAD_POSITION, self.scratch_slot, 0)
+        fill = (PAD_TOKEN, PAD_POSITION, self.scratch_slot)
         host = torch.tensor([row + [v] * pad for row, v in zip(rows, fill, strict=True)], dtype=torch.int64)
         # Pinned and non-blocking: a pageable copy would wait for the step still on the GPU.
         on_gpu = self._inputs.is_cuda
         self._inputs[:, :width].copy_(host.pin_memory() if on_gpu else host, non_blocking=on_gpu)
+        if b is not None and b.fill_tokens is not None:
+            b.fill_tokens(self._inputs[0, : b.num_seqs], self._inputs[2, : b.num_seqs])
 
-    def _static_batch(self, b: int, c: int, int8_kv: bool = False) -> ForwardBatch:
+    def _static_batch(self, b: int, c: int, mixed: bool = False) -> ForwardBatch:
         """The batch a graph is captured with: views of the static inputs. For a decode token the
         start is its position; the host-side lists only fix shapes and branch choices (one token
         per sequence, none starting at 0)."""
@@ -351,7 +345,7 @@ class DecodeGraphs:
             "slot_of_token": inp[2, :b],
             "pad_index": ar[:b],
         }
-        return StepBatch.over(tensors, [self.scratch_slot] * b, [PAD_POSITION] * b, [1] * b, c, int8_kv)
+        return StepBatch.over(tensors, [self.scratch_slot] * b, [PAD_POSITION] * b, [1] * b, c, mixed)
 
 
 def as_batch(seqs: StepBatch | Rows) -> StepBatch:

@@ -247,7 +247,6 @@ class ModelRunner:
             max_model_len,
             scratch_slot,
             self._run,
-            self.sampler.feed,
             prefill_safe=main is not None and as_causal_lm(model).prefill_graphs_safe,
             kv_per_weight=kv_bytes_per_token(specs) / max(1, weights_bytes(model)) if scratch_slot else 0.0,
         )
@@ -338,16 +337,20 @@ class ModelRunner:
                 raise ValueError(
                     f"slots {bare} have no KV blocks for this step's positions (KVPool.ensure first)"
                 )
-        batch.int8_kv = kv is not None and kv.holds_int8(batch.slots_list)
-        return self.graph_runner.forward(batch, batch.int8_kv, self._eager)
+        return self.graph_runner.forward(batch, self.mark_kv(batch), self._eager)
+
+    def mark_kv(self, batch: StepBatch) -> bool:
+        """Mark the batch with whether a sequence of it lives in the int8 KV store (the KV
+        manager's answer, what attention and the graphs' variant follow); returns it."""
+        kv = self.kv_manager
+        batch.uses_int8_kv = kv is not None and kv.holds_int8(batch.slots_list)
+        return batch.uses_int8_kv
 
     def _eager(self, batch: StepBatch) -> Tensor:
-        batch.place(self.device)
-        if batch.from_device_mask is not None:  # decodes planned before their token reached the host
-            self.sampler.feed(batch.token_ids, batch.slot_of_token, batch.from_device_mask)
         return self._run(batch)
 
     def _run(self, batch: ForwardBatch) -> Tensor:
+        batch.place(self.device)  # a graph's static batch is placed already
         with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):
             logits: Tensor = self.model(batch, self.states)
         return logits

@@ -280,6 +280,6 @@ def step(
         return
     # Not runner.forward: its check that each slot holds blocks asks this rank's allocator,
     # which never allocates (rank 0's does; its tables came with the message).
-    kv = runner.kv_manager
-    int8_kv = kv is not None and kv.holds_int8(slot for slot, _, _ in msg.rows)
-    runner._run(ForwardBatch.build(msg.rows, runner.device, all_logits=msg.all_logits, int8_kv=int8_kv))
+    batch = ForwardBatch.of(msg.rows, all_logits=msg.all_logits)
+    runner.mark_kv(batch)
+    runner._run(batch)

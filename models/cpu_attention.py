@@ -110,7 +110,8 @@ class TorchPagedAttention(PagedAttentionBackend):
     def read(self, layer: int, batch: ForwardBatch) -> Tensor:
         """[B, max_ctx, 2 * n_kv, head_dim]: each sequence's K and V, gathered from its store."""
         kv = gather(self.main, layer, batch)
-        if batch.int8_kv and self.int8 is not None and self.int8_slots is not None:
+        if len(self.step_stores(batch)) == 2:
+            assert self.int8 is not None and self.int8_slots is not None
             in_int8 = self.int8_slots[batch.slots].view(-1, 1, 1, 1)
             kv = torch.where(in_int8, gather(self.int8, layer, batch), kv)
         return kv
