@@ -351,4 +351,3 @@ class DecodeGraphs:
 def as_batch(seqs: StepBatch | Rows) -> StepBatch:
     """The host half of a step given as rows (tests, tensor-parallel workers), or the batch itself."""
     return seqs if isinstance(seqs, StepBatch) else StepBatch.of(seqs)
-
