@@ -195,7 +195,7 @@ class StepExecutor:
     def close(self) -> None:
         """Once the engine thread is done: let go of the graphs, the cache's buffers, the KV
         segments, the leases and the runner."""
-        self._runner.release_graphs()
+        self._runner.graph_runner.release_graphs()
         self._cache.shed()  # buffers back to the pool, which the owner trims
         self._cache.unpark_all()
         if self._pool is not None:

@@ -14,14 +14,11 @@ from typing import Any, cast
 
 import torch
 from ballast.engine.graph_runner import GraphRunner
-from ballast.engine.graphs import PAD_POSITION, DecodeGraphs
+from ballast.engine.graphs import PAD_POSITION
 from ballast.engine.kv_pool import Acquire, KVManager, KVPool
-from ballast.engine.prefill_graphs import PrefillGraphs
 from ballast.engine.sampler import Sampler
-from ballast.memory.ledger import Lease
 from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import CostModel
-from ballast.memory.watch import MemWatch
 from ballast.models.base import CausalLM, ForwardBatch, Rows, StepBatch, to_device
 from ballast.models.state import LayerState, allocate_states, build_states, dtype_bytes, kv_store_for
 from torch import Tensor, nn
@@ -247,6 +244,7 @@ class ModelRunner:
             max_model_len,
             scratch_slot,
             self._run,
+            self._scratch_block,
             prefill_safe=main is not None and as_causal_lm(model).prefill_graphs_safe,
             kv_per_weight=kv_bytes_per_token(specs) / max(1, weights_bytes(model)) if scratch_slot else 0.0,
         )
@@ -288,35 +286,9 @@ class ModelRunner:
             state.reset(index)
         self.sampler.reset(slots)
 
-    # The graphs are the graph runner's; these are what the engine, the benches and the tests see.
-    @property
-    def graphs(self) -> DecodeGraphs | None:
-        return self.graph_runner.graphs
-
-    @property
-    def prefill_graphs(self) -> PrefillGraphs | None:
-        return self.graph_runner.prefill_graphs
-
-    @property
-    def split_replays(self) -> int:
-        return self.graph_runner.split_replays
-
-    @property
-    def graph_bytes_per_rank(self) -> list[int]:
-        return self.graph_runner.graph_bytes_per_rank
-
-    def capture_graphs(self) -> int:
-        """`GraphRunner.capture_graphs`, the scratch slot's KV block taken first."""
-        return self.graph_runner.capture_graphs(self._scratch_block)
-
     def _scratch_block(self) -> bool:
+        """Give the graphs' scratch slot its KV block (padding rows write there)."""
         return self.kv is None or self.kv.ensure(self.num_slots, PAD_POSITION + 1)
-
-    def capture_at_start(self, watch: MemWatch | None, dies: list[int], prefill_tokens: int) -> list[Lease]:
-        return self.graph_runner.capture_at_start(watch, dies, prefill_tokens, self._scratch_block)
-
-    def release_graphs(self) -> None:
-        self.graph_runner.release_graphs()
 
     def forward(self, seqs: StepBatch | Rows, all_logits: Sequence[bool] = ()) -> Tensor:
         """Logits at each sequence's last token (at every token of the sequences all_logits marks),

@@ -261,7 +261,7 @@ def serve(runner: ModelRunner, conn: Connection, faults: FaultInjector | None = 
             apply_ops(runner, checkpoints, msg.ops)  # the scratch slot's blocks first
             capture_as_worker(runner.graph_runner, conn)
         elif isinstance(msg, ReleaseGraphs):
-            runner.release_graphs()
+            runner.graph_runner.release_graphs()
         elif isinstance(msg, ReportGraphs):
             conn.send(report(runner.graph_runner))
         else:
