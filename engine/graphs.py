@@ -7,9 +7,7 @@ for ~0.6 ms of GPU work. A graph replays the whole forward with one launch.
 
 Shapes are fixed inside a graph, so one is captured per (batch bucket, context bucket): a decode
 step of n sequences reading up to c cache positions replays the graph of the smallest batch
-bucket >= n and the smallest context bucket >= c, if that pair was captured: pairs whose
-attention reads would pass a memory budget (the profiled prefill peak) are not, and run eagerly.
-Padding rows feed token 0 at position 1 of a
+bucket >= n and the smallest context bucket >= c. Padding rows feed token 0 at position 1 of a
 scratch slot (one slot more than the scheduler is told of), so they write nothing a real
 sequence reads. Inputs enter through one static [3, batch] buffer (token, position, slot rows)
 with one host-to-device copy per step; logits come out in one static [batch, vocab] buffer that
@@ -24,9 +22,8 @@ has no memory to capture against). Without it a squeezed GPU decoded eagerly: me
 (Llama-1B shape, 16 streams at TIGHT), no request finished for a minute, ~7x slower than the
 graphs. A late capture asks the memory layer first and then holds what the graphs' pool grew by
 under its grant (tag cuda-graphs-int8); one that is refused or fails leaves that bucket eager.
-Steps that carry a prefill chunk are not these graphs': a lone prompt's chunk replays a padded
-prefill graph (`prefill_graphs`), and the rest (several prompts, prompts beside decodes) run
-eagerly: their shapes vary over decodes, chunk tokens and sequences at once.
+Steps that carry a prefill chunk are not these graphs' alone: a lone prompt's chunk replays a
+padded prefill graph (`prefill_graphs`), and `GraphRunner` chooses for the rest.
 
 Under tensor parallel every rank captures the same graphs (same buckets, same order) in lockstep,
 the collectives of each capture recorded on every rank, and after each bucket the ranks agree
@@ -110,10 +107,7 @@ def bucket_pairs(
 
 def bucket_for(buckets: Sequence[int], n: int) -> int | None:
     """The smallest bucket >= n, or None when n is beyond the largest."""
-    for b in buckets:
-        if b >= n:
-            return b
-    return None
+    return next((b for b in buckets if b >= n), None)
 
 
 class DecodeGraphs:
@@ -125,20 +119,15 @@ class DecodeGraphs:
         scratch_slot: int,
         max_batch: int,
         max_context: int,
-        read_bytes_per_position: int = 0,
-        budget_bytes: int = 0,
         late_mixed: bool = True,
     ) -> None:
-        """read_bytes_per_position / budget_bytes: see `bucket_pairs` (0 bytes: capture them all).
-        late_mixed: capture the int8-KV variant of a bucket at its first use (one GPU only)."""
+        """late_mixed: capture the int8-KV variant of a bucket at its first use (one GPU only)."""
         self.device = device
         self.late_mixed = late_mixed
         self.scratch_slot = scratch_slot
         self.batch_buckets = doubling_buckets(1, max_batch)
         self.context_buckets = doubling_buckets(SMALLEST_CONTEXT_BUCKET, max_context)
-        self.pairs = bucket_pairs(
-            self.batch_buckets, self.context_buckets, read_bytes_per_position, budget_bytes
-        )
+        self.pairs = bucket_pairs(self.batch_buckets, self.context_buckets, 0, 0)  # every pair
         width = self.batch_buckets[-1]
         self._inputs = torch.zeros((3, width), dtype=torch.int64, device=device)  # token, position, slot
         self._arange = torch.arange(width + 1, dtype=torch.int64, device=device)
@@ -162,8 +151,6 @@ class DecodeGraphs:
         """Capture a graph for each of `pairs`, largest first so later graphs fit in the pool the
         first one sized. Returns the bytes the device allocator holds more than before.
         agree (tensor parallel): asked after every bucket, so all ranks stop at the same one."""
-        if not self.pairs:
-            raise GraphCaptureError("no decode graph fits the memory budget")
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
         self._pool = torch.cuda.graph_pool_handle()

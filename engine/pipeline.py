@@ -4,9 +4,8 @@ A step has two halves. `launch` does everything on the host (releases, restores,
 the batch, the forward and the sampler's kernels, the copy of the sampled tokens to pinned memory)
 and returns with the tokens still on their way; `finish` waits for that one copy and builds the
 `StepResult`. When the scheduler submits plan N+1 before N's tokens are back (its decodes are then
-fed from the device, `step_batch`), the engine thread launches N+1 first
-and only then finishes N, so the GPU finds N+1's kernels queued behind N's and never idles while
-the host prepares a step.
+fed from the device, `step_batch`), the engine thread launches N+1 first and only then finishes N,
+so the GPU finds N+1's kernels queued behind N's and never idles while the host prepares a step.
 
 Order of work on the engine thread, for each submitted plan:
   1. finish the step in flight first if this plan needs host tokens (a grammar row's matcher must

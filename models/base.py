@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
-from typing import Any, Protocol, overload
+from typing import Any, Protocol
 
 import torch
 from ballast.memory.specs import LayerSpec
@@ -113,13 +113,8 @@ class StepBatch(Sequence[Row]):
     def __len__(self) -> int:
         return len(self.slots_list)
 
-    @overload
-    def __getitem__(self, b: int) -> Row: ...
-    @overload
-    def __getitem__(self, b: slice) -> Sequence[Row]: ...
-    def __getitem__(self, b: int | slice) -> Row | Sequence[Row]:
-        rows = list(self)
-        return rows[b]
+    def __getitem__(self, b: Any) -> Any:  # a row, or a list of rows
+        return list(self)[b]
 
     def __iter__(self) -> Iterator[Row]:
         """The rows (slot, token ids, start): for callers that look at a step's sequences."""
@@ -287,16 +282,8 @@ class StepBatch(Sequence[Row]):
         moved = to_device_packed(host, self.device)
         token_index = moved.pop("token_index")
         moved["token_ids"] = self.token_ids.index_select(0, token_index)
-        sub = StepBatch(
-            slots_list,
-            starts_list,
-            lens_list,
-            array("q"),
-            max(lens_list),
-            max(st + n for st, n in zip(starts_list, lens_list, strict=True)),
-            uses_int8_kv=self.uses_int8_kv,
-        )
-        sub._set(moved, self.device)
+        max_ctx = max(map(operator.add, starts_list, lens_list))
+        sub = StepBatch.over(moved, slots_list, starts_list, lens_list, max_ctx, self.uses_int8_kv)
         return sub, token_index
 
 
