@@ -76,7 +76,7 @@ def main() -> None:
             engine = Engine.load(cfg)
             load_s = time.perf_counter() - t0
             try:
-                dg = engine.runner.graphs
+                dg = engine.runner.graph_runner.graphs
                 captured, held = (dg.captured, dg.held_bytes) if dg is not None else (0, 0)
                 for batch in args.batches:
                     decode_ms(engine, batch, 4)  # warm-up (first-call costs out of the timing)

@@ -78,9 +78,9 @@ def profile_steps(
 
     for _ in range(WARMUP):
         step()
-    split_before = engine.runner.split_replays
+    split_before = engine.runner.graph_runner.split_replays
     result = _timed(step, steps, device)
-    result["split_replays"] = engine.runner.split_replays - split_before
+    result["split_replays"] = engine.runner.graph_runner.split_replays - split_before
     result["mixed_steps"] = 2 * steps  # _timed runs them twice: unprofiled, then profiled
     engine.submit(StepPlan(release=tuple(range(batch)))).result()
     return result
@@ -231,7 +231,7 @@ def profile_batch(
     if args.prefill:
         flops = 2 * active_parameters(engine, cfg) * batch * args.prefill
         for chunk in args.chunk:
-            with_graph = graphs and engine.runner.prefill_graphs is not None
+            with_graph = graphs and engine.runner.graph_runner.prefill_graphs is not None
             mode = f"prefill in chunks of {chunk}, {'prefill graphs' if with_graph else 'eager'}{suffix}"
             if mode in out:  # no prefill graph on either engine (the CPU, a hybrid model)
                 continue
@@ -240,7 +240,7 @@ def profile_batch(
             report(args, results, out, mode)
         return
     if args.mixed:
-        split = engine.runner.prefill_graphs is not None
+        split = engine.runner.graph_runner.prefill_graphs is not None
         mode = f"decode + {args.mixed}-token prefill, {'prefill graphs' if split else 'eager'}"
     else:
         mode = "graphs" if graphs else "eager"

@@ -218,7 +218,7 @@ def ours(engine: Engine, prompts: torch.Tensor, steps: int, chunk: int) -> dict[
     last = prefill(engine, prompts, chunk)
     prefill_s = time.perf_counter() - t0
     tokens = [[t] for t in last]
-    graphs = engine.runner.graphs
+    graphs = engine.runner.graph_runner.graphs
     replays_before = graphs.replays if graphs is not None else 0
     pos = context
     step_s = 0.0
@@ -326,7 +326,7 @@ def bench_model(
                 rm = read_model(engine, cfg)
                 kv = engine.runner.kv
                 block = kv.layout.block_size if kv is not None else 1
-                g = engine.runner.graphs
+                g = engine.runner.graph_runner.graphs
                 print(
                     f"{name}: built + saved in {built_s:.1f}s, engine load {engine.load_report.load_s:.1f}s "
                     f"(compile {'on' if compiled else 'off'}), weights {rm.weights_bytes / GiB:.2f} GiB, "

@@ -187,7 +187,7 @@ def main() -> None:
                 for b in args.batches:
                     rates[label][b] = decode_rate(engine, b, args.context, args.steps, cfg["vocab_size"])
                     print(f"  {label} batch {b}: {rates[label][b]:.1f} tok/s", flush=True)
-                g = engine.runner.graphs
+                g = engine.runner.graph_runner.graphs
                 replayed[label] = 0 if g is None else g.replays
                 if graphs and g is None:
                     print(f"  {label}: no decode graphs captured (see the log): eager figures", flush=True)

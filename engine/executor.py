@@ -17,7 +17,7 @@ import torch
 from ballast.engine.checkpoint_orders import CheckpointExecutor
 from ballast.engine.faults import is_device_fault, is_memory_fault
 from ballast.engine.injected_faults import FaultInjector
-from ballast.engine.pipeline import DeviceFed, DrawnRow, LaunchedStep
+from ballast.engine.pipeline import DrawnRow, LaunchedStep
 from ballast.engine.plan import (
     KVFigures,
     PlanError,
@@ -33,7 +33,7 @@ from ballast.engine.prefix_cache import PrefixCache
 from ballast.engine.runner import ModelRunner
 from ballast.engine.sampler import Draw, Sampler
 from ballast.engine.slot_kv import SlotKV
-from ballast.engine.step_batch import build_batch, check_slots
+from ballast.engine.step_batch import DeviceFed, build_batch, check_slots
 from ballast.memory.ledger import Lease
 from ballast.memory.pool import CheckpointPool
 from ballast.models.base import StepBatch, to_device
@@ -195,7 +195,7 @@ class StepExecutor:
     def close(self) -> None:
         """Once the engine thread is done: let go of the graphs, the cache's buffers, the KV
         segments, the leases and the runner."""
-        self._runner.release_graphs()
+        self._runner.graph_runner.release_graphs()
         self._cache.shed()  # buffers back to the pool, which the owner trims
         self._cache.unpark_all()
         if self._pool is not None:
@@ -261,8 +261,7 @@ class StepExecutor:
         return batch
 
     def _build(self, plan: StepPlan, skip: frozenset[int]) -> StepBatch | None:
-        vocab, drawn = self._sampler.vocab_size, self._sampler.has_drawn
-        return build_batch(plan, skip, self.num_slots, self.max_model_len, vocab, drawn)
+        return build_batch(plan, skip, self.num_slots, self.max_model_len, self._sampler)
 
     def _draw(
         self, batch: StepBatch, logits: torch.Tensor, sampling: dict[int, SamplingParams]

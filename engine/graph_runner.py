@@ -28,9 +28,6 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-# Fills, in place, the token ids a step feeds from the device: (token ids, their slots, which).
-Feed = Callable[[Tensor, Tensor, Tensor], None]
-
 
 class Lockstep:
     """What one rank's graphs agree on with the other ranks of a tensor-parallel group: here, on
@@ -43,8 +40,8 @@ class Lockstep:
         """Run this rank's capture, given how to agree after each bucket; its bytes held."""
         return capture(None)
 
-    def replay(self, graph: tuple[int, int], launch: Callable[[], Tensor]) -> Tensor:
-        """Launch this rank's replay of the (batch, context) graph, the other ranks theirs."""
+    def replay(self, batch: StepBatch, graph: tuple[int, int], launch: Callable[[], Tensor]) -> Tensor:
+        """Launch this rank's replay of the batch's (batch, context) graph, the other ranks theirs."""
         return launch()
 
     def released(self) -> None:
@@ -61,12 +58,13 @@ class GraphRunner:
         max_model_len: int,
         scratch_slot: bool,
         run: Forward,
-        feed: Feed,
+        scratch_block: Callable[[], bool] = lambda: True,
         prefill_safe: bool = False,
         kv_per_weight: float = 0.0,
     ) -> None:
         """scratch_slot: the states hold a slot past num_slots for the graphs' padding rows. run:
-        the eager forward the graphs capture. prefill_safe: the model's rows meet only in
+        the eager forward the graphs capture. scratch_block: give the scratch slot its KV block
+        (False: none to be had). prefill_safe: the model's rows meet only in
         attention (prefill graphs may serve it). kv_per_weight: KV bytes of one token over the
         weights' bytes (what a split step's decode replay reads besides the weights)."""
         self.device = device
@@ -74,7 +72,7 @@ class GraphRunner:
         self.max_model_len = max_model_len
         self._scratch = scratch_slot
         self._run = run
-        self._feed = feed
+        self._scratch_block = scratch_block
         self._prefill_safe = prefill_safe
         self._kv_per_weight = kv_per_weight
         self.lockstep = Lockstep()
@@ -117,14 +115,10 @@ class GraphRunner:
         return (head, rest) if pays else None
 
     def _replay(self, batch: StepBatch, mixed: bool) -> Tensor:
-        """A decode graph's replay, its rows fed from the device filled in stream order first."""
         graphs = self.graphs
         assert graphs is not None
         key = graphs.stage(batch, mixed)
-        n = batch.num_seqs
-        if batch.any_from_device:
-            self._feed(*graphs.fed_inputs(n))
-        return self.lockstep.replay((key[0], key[1]), lambda: graphs.launch(key, n))
+        return self.lockstep.replay(batch, (key[0], key[1]), lambda: graphs.launch(key, batch.num_seqs))
 
     # --- capture and release ---------------------------------------------------------------
 
@@ -132,14 +126,13 @@ class GraphRunner:
         if self.device.type != "cuda" or not self._scratch:
             raise GraphCaptureError("decode graphs need CUDA and a scratch slot")
 
-    def capture_graphs(self, scratch_block: Callable[[], bool] = lambda: True) -> int:
+    def capture_graphs(self) -> int:
         """Capture decode graphs for batches up to num_slots (CUDA, with a scratch slot) and every
         context bucket (attention reads the blocks in place, so a graph's memory does not grow with
-        its context), on every rank. scratch_block: give the scratch slot its KV block. Returns the
-        bytes they hold here; raises GraphCaptureError (the engine then runs eagerly) if the model
-        cannot be captured."""
+        its context), on every rank. Returns the bytes they hold here; raises GraphCaptureError
+        (the engine then runs eagerly) if the model cannot be captured."""
         self.check_capturable()
-        if not scratch_block():
+        if not self._scratch_block():
             raise GraphCaptureError("no KV block for the graphs' scratch slot")
         return self.lockstep.capture(self.capture_in_lockstep)
 
@@ -187,22 +180,17 @@ class GraphRunner:
             self.graphs = None
             self.lockstep.released()
 
-    def capture_at_start(
-        self, watch: MemWatch | None, dies: list[int], prefill_tokens: int, scratch_block: Callable[[], bool]
-    ) -> list[Lease]:
+    def capture_at_start(self, watch: MemWatch | None, dies: list[int], prefill_tokens: int) -> list[Lease]:
         """The decode graphs, then the prefill graphs, each under its leases (returned)."""
-        leases = capture_graphs(self, watch, dies, scratch_block)
-        return leases + capture_prefill_graphs(self, watch, dies, prefill_tokens)
+        return capture_graphs(self, watch, dies) + capture_prefill_graphs(self, watch, dies, prefill_tokens)
 
 
-def capture_graphs(
-    graphs: GraphRunner, watch: MemWatch | None, dies: Sequence[int], scratch_block: Callable[[], bool]
-) -> list[Lease]:
+def capture_graphs(graphs: GraphRunner, watch: MemWatch | None, dies: Sequence[int]) -> list[Lease]:
     """Decode graphs, or none where the model cannot be captured (on any rank) or a ledger has no
     room for them (on any die): decode then runs eagerly (logged). Returns their leases, one per
     die (rank r's graphs on dies[r])."""
     try:
-        held = graphs.capture_graphs(scratch_block)
+        held = graphs.capture_graphs()
     except GraphCaptureError as e:
         log.warning("%s; decode runs eagerly", e)
         return []

@@ -7,9 +7,7 @@ for ~0.6 ms of GPU work. A graph replays the whole forward with one launch.
 
 Shapes are fixed inside a graph, so one is captured per (batch bucket, context bucket): a decode
 step of n sequences reading up to c cache positions replays the graph of the smallest batch
-bucket >= n and the smallest context bucket >= c, if that pair was captured: pairs whose
-attention reads would pass a memory budget (the profiled prefill peak) are not, and run eagerly.
-Padding rows feed token 0 at position 1 of a
+bucket >= n and the smallest context bucket >= c. Padding rows feed token 0 at position 1 of a
 scratch slot (one slot more than the scheduler is told of), so they write nothing a real
 sequence reads. Inputs enter through one static [3, batch] buffer (token, position, slot rows)
 with one host-to-device copy per step; logits come out in one static [batch, vocab] buffer that
@@ -24,9 +22,8 @@ has no memory to capture against). Without it a squeezed GPU decoded eagerly: me
 (Llama-1B shape, 16 streams at TIGHT), no request finished for a minute, ~7x slower than the
 graphs. A late capture asks the memory layer first and then holds what the graphs' pool grew by
 under its grant (tag cuda-graphs-int8); one that is refused or fails leaves that bucket eager.
-Steps that carry a prefill chunk are not these graphs': a lone prompt's chunk replays a padded
-prefill graph (`prefill_graphs`), and the rest (several prompts, prompts beside decodes) run
-eagerly: their shapes vary over decodes, chunk tokens and sequences at once.
+Steps that carry a prefill chunk are not these graphs' alone: a lone prompt's chunk replays a
+padded prefill graph (`prefill_graphs`), and `GraphRunner` chooses for the rest.
 
 Under tensor parallel every rank captures the same graphs (same buckets, same order) in lockstep,
 the collectives of each capture recorded on every rank, and after each bucket the ranks agree
@@ -110,10 +107,7 @@ def bucket_pairs(
 
 def bucket_for(buckets: Sequence[int], n: int) -> int | None:
     """The smallest bucket >= n, or None when n is beyond the largest."""
-    for b in buckets:
-        if b >= n:
-            return b
-    return None
+    return next((b for b in buckets if b >= n), None)
 
 
 class DecodeGraphs:
@@ -125,23 +119,17 @@ class DecodeGraphs:
         scratch_slot: int,
         max_batch: int,
         max_context: int,
-        read_bytes_per_position: int = 0,
-        budget_bytes: int = 0,
         late_mixed: bool = True,
     ) -> None:
-        """read_bytes_per_position / budget_bytes: see `bucket_pairs` (0 bytes: capture them all).
-        late_mixed: capture the int8-KV variant of a bucket at its first use (one GPU only)."""
+        """late_mixed: capture the int8-KV variant of a bucket at its first use (one GPU only)."""
         self.device = device
         self.late_mixed = late_mixed
         self.scratch_slot = scratch_slot
         self.batch_buckets = doubling_buckets(1, max_batch)
         self.context_buckets = doubling_buckets(SMALLEST_CONTEXT_BUCKET, max_context)
-        self.pairs = bucket_pairs(
-            self.batch_buckets, self.context_buckets, read_bytes_per_position, budget_bytes
-        )
+        self.pairs = bucket_pairs(self.batch_buckets, self.context_buckets, 0, 0)  # every pair
         width = self.batch_buckets[-1]
-        # token, position, slot, fed from the device (1: the token is the slot's last sample)
-        self._inputs = torch.zeros((4, width), dtype=torch.int64, device=device)
+        self._inputs = torch.zeros((3, width), dtype=torch.int64, device=device)  # token, position, slot
         self._arange = torch.arange(width + 1, dtype=torch.int64, device=device)
         self._ones = torch.ones(width, dtype=torch.int64, device=device)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (batch, context, mixed)
@@ -163,8 +151,6 @@ class DecodeGraphs:
         """Capture a graph for each of `pairs`, largest first so later graphs fit in the pool the
         first one sized. Returns the bytes the device allocator holds more than before.
         agree (tensor parallel): asked after every bucket, so all ranks stop at the same one."""
-        if not self.pairs:
-            raise GraphCaptureError("no decode graph fits the memory budget")
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
         self._pool = torch.cuda.graph_pool_handle()
@@ -293,17 +279,11 @@ class DecodeGraphs:
 
     def stage(self, batch: StepBatch, mixed: bool = False) -> tuple[int, int, bool]:
         """Write the step's rows into the static inputs (call only where `can_use`); the key of
-        the graph that serves it. Then fill the rows fed from the device (`fed_inputs`), then
-        `launch`."""
+        the graph that serves it, to `launch`."""
         key = self.key_of(batch, mixed)
         assert key in self._graphs and self._logits is not None, "replay needs can_use(seqs)"
         self._stage(batch, key[0])
         return key
-
-    def fed_inputs(self, n: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The staged token ids, their slots and which of them are fed from the device, of the
-        first n rows: what is filled from the last draw before `launch`, in stream order."""
-        return self._inputs[0, :n], self._inputs[2, :n], self._inputs[3, :n]
 
     def launch(self, key: tuple[int, int, bool], n: int) -> Tensor:
         """Replay the staged step's graph: logits [n, vocab], valid until the next replay."""
@@ -320,20 +300,21 @@ class DecodeGraphs:
         return None if b is None or c is None else (b, c, mixed)
 
     def _stage(self, seqs: StepBatch | Rows, width: int | None = None) -> None:
-        """Write the step's rows into the static inputs (padding the rest), one copy."""
+        """Write the step's rows into the static inputs (padding the rest), one copy, and fill
+        the token ids the host does not hold there."""
         width = width or self.batch_buckets[-1]
-        rows: list[list[int]] = [[], [], [], []]
-        if seqs:
-            b = as_batch(seqs)
-            rows = [list(b.tokens), b.starts_list, b.slots_list, list(b.from_device) or [0] * b.num_seqs]
+        b = as_batch(seqs) if seqs else None
+        rows: list[list[int]] = [[], [], []] if b is None else [list(b.tokens), b.starts_list, b.slots_list]
         pad = width - len(rows[0])
-        fill = (PAD_TOKEN, PAD_POSITION, self.scratch_slot, 0)
+        fill = (PAD_TOKEN, PAD_POSITION, self.scratch_slot)
         host = torch.tensor([row + [v] * pad for row, v in zip(rows, fill, strict=True)], dtype=torch.int64)
         # Pinned and non-blocking: a pageable copy would wait for the step still on the GPU.
         on_gpu = self._inputs.is_cuda
         self._inputs[:, :width].copy_(host.pin_memory() if on_gpu else host, non_blocking=on_gpu)
+        if b is not None and b.fill_tokens is not None:
+            b.fill_tokens(self._inputs[0, : b.num_seqs], self._inputs[2, : b.num_seqs])
 
-    def _static_batch(self, b: int, c: int, int8_kv: bool = False) -> ForwardBatch:
+    def _static_batch(self, b: int, c: int, mixed: bool = False) -> ForwardBatch:
         """The batch a graph is captured with: views of the static inputs. For a decode token the
         start is its position; the host-side lists only fix shapes and branch choices (one token
         per sequence, none starting at 0)."""
@@ -351,10 +332,9 @@ class DecodeGraphs:
             "slot_of_token": inp[2, :b],
             "pad_index": ar[:b],
         }
-        return StepBatch.over(tensors, [self.scratch_slot] * b, [PAD_POSITION] * b, [1] * b, c, int8_kv)
+        return StepBatch.over(tensors, [self.scratch_slot] * b, [PAD_POSITION] * b, [1] * b, c, mixed)
 
 
 def as_batch(seqs: StepBatch | Rows) -> StepBatch:
     """The host half of a step given as rows (tests, tensor-parallel workers), or the batch itself."""
     return seqs if isinstance(seqs, StepBatch) else StepBatch.of(seqs)
-

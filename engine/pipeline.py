@@ -4,9 +4,8 @@ A step has two halves. `launch` does everything on the host (releases, restores,
 the batch, the forward and the sampler's kernels, the copy of the sampled tokens to pinned memory)
 and returns with the tokens still on their way; `finish` waits for that one copy and builds the
 `StepResult`. When the scheduler submits plan N+1 before N's tokens are back (its decodes are then
-fed from the device, `DecodeToken.from_device`), the engine thread launches N+1 first
-and only then finishes N, so the GPU finds N+1's kernels queued behind N's and never idles while
-the host prepares a step.
+fed from the device, `step_batch`), the engine thread launches N+1 first and only then finishes N,
+so the GPU finds N+1's kernels queued behind N's and never idles while the host prepares a step.
 
 Order of work on the engine thread, for each submitted plan:
   1. finish the step in flight first if this plan needs host tokens (a grammar row's matcher must
@@ -24,7 +23,7 @@ flight is always finished first so its requests are answered in order.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -143,52 +142,3 @@ class StepPipeline:
         while not self._plan_waiting() and not launched.copied:
             self._arrived.wait(POLL_S)
             self._arrived.clear()
-
-
-class DeviceFed:
-    """The host's side of decode rows fed from the device (`DecodeToken.from_device`: planned
-    before the slot's previous step returned its token): which of them a step skips, and when the
-    slot's fed record (`SlotKV`, which parks by it) learns the token it holds a placeholder for.
-    One owner, on the engine thread."""
-
-    def __init__(self, fed_at: Callable[[int, int, int], None]) -> None:
-        self._fed_at = fed_at
-        # Slots whose sequence the last launched step preempted or dropped: a next plan built
-        # before that step's result came back may still decode them from the device; skipped.
-        self.gone: frozenset[int] = frozenset()
-        # slot -> (position, token) of the last finished step's draws: a plan launched after that
-        # finish feeds them from the device, and the slot's fed record takes the token at once.
-        self._settled: dict[int, tuple[int, int]] = {}
-        # slot -> position a launched step fed from the device before its token was collected.
-        self._waiting: dict[int, int] = {}
-
-    def skipped(self, plan: StepPlan) -> frozenset[int]:
-        """The plan's device-fed decodes of slots the last step dropped."""
-        return frozenset(d.slot for d in plan.decodes if d.from_device and d.slot in self.gone)
-
-    def launched(self, plan: StepPlan, gone: frozenset[int]) -> None:
-        """The plan's step runs without the slots in `gone` (preempted or skipped)."""
-        self.gone = gone
-        settled, self._settled = self._settled, {}
-        for d in plan.decodes:
-            if not d.from_device or d.slot in gone:
-                continue
-            drawn = settled.get(d.slot)
-            if drawn is not None and drawn[0] == d.pos:
-                self._fed_at(d.slot, d.pos, drawn[1])
-            else:
-                self._waiting[d.slot] = d.pos
-
-    def finished(self, rows: Sequence[DrawnRow], tokens: Sequence[int]) -> None:
-        """A step's draws reached the host: a step launched before fed them from the device."""
-        waiting, self._waiting = self._waiting, {}
-        self._settled = {}
-        for (slot, pos, _), token in zip(rows, tokens, strict=True):
-            if waiting.get(slot) == pos:
-                self._fed_at(slot, pos, token)
-            self._settled[slot] = (pos, token)
-
-    def dropped(self, slots: frozenset[int]) -> None:
-        """A failed step's slots lost their sequences."""
-        self.gone = slots
-        self._waiting = {s: p for s, p in self._waiting.items() if s not in slots}

@@ -1,9 +1,9 @@
 """CUDA graphs of a lone prompt's prefill, padded to a multiple of `GRANULE` tokens.
 
-Why: an eager prefill step is bound by the host, not by the GPU. Measured on an H200 (session 13,
-Llama-3B shape, bf16, a 945-token prompt): the engine thread took 18-26 ms to launch the step's
-~450 kernels inside `ballast serve`, for 11 ms of GPU work, and the idle server's time to first
-token (31-41 ms at the client) was mostly that launch. A graph replays the whole forward with one
+Why: an eager prefill step is bound by the host, not by the GPU. Measured on an H200 (Llama-3B
+shape, bf16, a 945-token prompt): the engine thread took 18-26 ms to launch the step's ~450
+kernels inside `ballast serve`, for 11 ms of GPU work, and the idle server's time to first token
+(31-41 ms at the client) was mostly that launch. A graph replays the whole forward with one
 launch; the cost is up to GRANULE - 1 padding tokens of GPU work.
 
 What is captured: one sequence of up to `max_tokens` new tokens (a prompt, or a chunk of one after
@@ -36,15 +36,13 @@ from __future__ import annotations
 import statistics
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from ballast.engine.graphs import PAD_POSITION, PAD_TOKEN, GraphCaptureError, as_batch
+from ballast.engine.graphs import PAD_POSITION, PAD_TOKEN, Forward, GraphCaptureError, as_batch
 from ballast.models.base import ForwardBatch, Rows, StepBatch
 from torch import Tensor
-
-Forward = Callable[[ForwardBatch], Tensor]
 
 GRANULE = 128  # tokens between two captured sizes
 # Where each sequence field sits in the static buffer after its three token rows; every field

@@ -14,14 +14,11 @@ from typing import Any, cast
 
 import torch
 from ballast.engine.graph_runner import GraphRunner
-from ballast.engine.graphs import PAD_POSITION, DecodeGraphs
+from ballast.engine.graphs import PAD_POSITION
 from ballast.engine.kv_pool import Acquire, KVManager, KVPool
-from ballast.engine.prefill_graphs import PrefillGraphs
 from ballast.engine.sampler import Sampler
-from ballast.memory.ledger import Lease
 from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import CostModel
-from ballast.memory.watch import MemWatch
 from ballast.models.base import CausalLM, ForwardBatch, Rows, StepBatch, to_device
 from ballast.models.state import LayerState, allocate_states, build_states, dtype_bytes, kv_store_for
 from torch import Tensor, nn
@@ -247,7 +244,7 @@ class ModelRunner:
             max_model_len,
             scratch_slot,
             self._run,
-            self.sampler.feed,
+            self._scratch_block,
             prefill_safe=main is not None and as_causal_lm(model).prefill_graphs_safe,
             kv_per_weight=kv_bytes_per_token(specs) / max(1, weights_bytes(model)) if scratch_slot else 0.0,
         )
@@ -289,35 +286,9 @@ class ModelRunner:
             state.reset(index)
         self.sampler.reset(slots)
 
-    # The graphs are the graph runner's; these are what the engine, the benches and the tests see.
-    @property
-    def graphs(self) -> DecodeGraphs | None:
-        return self.graph_runner.graphs
-
-    @property
-    def prefill_graphs(self) -> PrefillGraphs | None:
-        return self.graph_runner.prefill_graphs
-
-    @property
-    def split_replays(self) -> int:
-        return self.graph_runner.split_replays
-
-    @property
-    def graph_bytes_per_rank(self) -> list[int]:
-        return self.graph_runner.graph_bytes_per_rank
-
-    def capture_graphs(self) -> int:
-        """`GraphRunner.capture_graphs`, the scratch slot's KV block taken first."""
-        return self.graph_runner.capture_graphs(self._scratch_block)
-
     def _scratch_block(self) -> bool:
+        """Give the graphs' scratch slot its KV block (padding rows write there)."""
         return self.kv is None or self.kv.ensure(self.num_slots, PAD_POSITION + 1)
-
-    def capture_at_start(self, watch: MemWatch | None, dies: list[int], prefill_tokens: int) -> list[Lease]:
-        return self.graph_runner.capture_at_start(watch, dies, prefill_tokens, self._scratch_block)
-
-    def release_graphs(self) -> None:
-        self.graph_runner.release_graphs()
 
     def forward(self, seqs: StepBatch | Rows, all_logits: Sequence[bool] = ()) -> Tensor:
         """Logits at each sequence's last token (at every token of the sequences all_logits marks),
@@ -338,16 +309,20 @@ class ModelRunner:
                 raise ValueError(
                     f"slots {bare} have no KV blocks for this step's positions (KVPool.ensure first)"
                 )
-        batch.int8_kv = kv is not None and kv.holds_int8(batch.slots_list)
-        return self.graph_runner.forward(batch, batch.int8_kv, self._eager)
+        return self.graph_runner.forward(batch, self.mark_kv(batch), self._eager)
+
+    def mark_kv(self, batch: StepBatch) -> bool:
+        """Mark the batch with whether a sequence of it lives in the int8 KV store (the KV
+        manager's answer, what attention and the graphs' variant follow); returns it."""
+        kv = self.kv_manager
+        batch.uses_int8_kv = kv is not None and kv.holds_int8(batch.slots_list)
+        return batch.uses_int8_kv
 
     def _eager(self, batch: StepBatch) -> Tensor:
-        batch.place(self.device)
-        if batch.from_device_mask is not None:  # decodes planned before their token reached the host
-            self.sampler.feed(batch.token_ids, batch.slot_of_token, batch.from_device_mask)
         return self._run(batch)
 
     def _run(self, batch: ForwardBatch) -> Tensor:
+        batch.place(self.device)  # a graph's static batch is placed already
         with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):
             logits: Tensor = self.model(batch, self.states)
         return logits

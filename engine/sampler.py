@@ -256,14 +256,6 @@ class Sampler:
         self._draws.index_add_(0, slot_index, torch.ones_like(slot_index))
         self.last_tokens.index_copy_(0, slot_index, tokens)
 
-    def feed(self, token_ids: torch.Tensor, slots: torch.Tensor, from_device: torch.Tensor) -> None:
-        """Replace, in place, each entry of `token_ids` that `from_device` marks (1) by the last
-        token its slot drew: the one place a step's rows fed from the device are filled. `slots`
-        gives each entry's slot (a slot past the table, such as the graphs' scratch slot, is never
-        marked)."""
-        drawn = self.last_tokens[slots.clamp(max=self.num_slots - 1)]
-        token_ids.copy_(torch.where(from_device.bool(), drawn, token_ids))
-
 
 def filter_logits(
     logits: torch.Tensor,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from ballast.engine import tp_graphs
@@ -22,8 +22,11 @@ from ballast.engine.graph_runner import Lockstep
 from ballast.engine.graphs import Agree
 from ballast.engine.runner import ModelRunner
 from ballast.engine.tp_worker import StepMessage
-from ballast.models.base import Rows, StepBatch
+from ballast.models.base import StepBatch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ballast.engine.tensor_parallel import TPWorkers
 
 # How long rank 0 waits for a worker's answer during the capture: the ranks capture in lockstep
 # (their collectives pair), so a live worker answers moments after rank 0 finishes a bucket; the
@@ -31,30 +34,12 @@ from torch import Tensor
 CAPTURE_REPLY_TIMEOUT_S = 300.0
 
 
-class Workers(Protocol):
-    """What rank 0's runner uses of its workers (`tensor_parallel.TPWorkers`)."""
-
-    @property
-    def pids(self) -> list[int]: ...
-
-    def lost(self) -> str | None: ...
-
-    def send(self, msg: object) -> None: ...
-
-    def recv_each(self, timeout_s: float) -> list[Any]: ...
-
-    def close(self) -> None: ...
-
-    def kill(self) -> None: ...
-
-
 class ShardedRunner(ModelRunner):
     """Rank 0's runner: each forward goes to every worker first (see the module doc)."""
 
-    def __init__(self, *args: Any, workers: Workers, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, workers: TPWorkers, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.workers = workers
-        self._pending: StepBatch | None = None
         # Every change the workers must make before the next forward, in the order made here: the
         # KV stores' and (once the engine hands it to its prefix cache) slot-state copies.
         self.journal: list[Any] = []
@@ -66,13 +51,8 @@ class ShardedRunner(ModelRunner):
     def sound(self) -> bool:
         return self.workers.lost() is None
 
-    def forward(self, seqs: StepBatch | Rows, all_logits: Sequence[bool] = ()) -> Tensor:
-        batch = seqs if isinstance(seqs, StepBatch) else StepBatch.of(seqs, all_logits=all_logits)
-        self._pending = batch
-        return super().forward(batch)
-
     def _eager(self, batch: StepBatch) -> Tensor:
-        self.send_step(None)
+        self.send_step(batch, None)
         eager = super()._eager
         return self.checked(lambda: eager(batch))
 
@@ -87,9 +67,7 @@ class ShardedRunner(ModelRunner):
         self.journal.clear()  # the same list object: the stores and the cache append to it
         return ops
 
-    def send_step(self, graph: tuple[int, int] | None) -> None:
-        assert self._pending is not None, "a tensor-parallel forward goes through forward()"
-        batch, self._pending = self._pending, None
+    def send_step(self, batch: StepBatch, graph: tuple[int, int] | None) -> None:
         int8_slots = self.kv_manager.int8_list if self.kv_manager is not None else []
         rows, every = [(slot, tuple(t), start) for slot, t, start in batch], list(batch.all_logits)
         self.workers.send(StepMessage(rows, every, self.drain_journal(), int8_slots, graph))
@@ -148,8 +126,8 @@ class Rank0Lockstep(Lockstep):
         self.worker_bytes = [r.nbytes for r in replies]
         return held
 
-    def replay(self, graph: tuple[int, int], launch: Callable[[], Tensor]) -> Tensor:
-        self._rank0.send_step(graph)
+    def replay(self, batch: StepBatch, graph: tuple[int, int], launch: Callable[[], Tensor]) -> Tensor:
+        self._rank0.send_step(batch, graph)
         return self._rank0.checked(launch)
 
     def released(self) -> None:

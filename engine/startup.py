@@ -98,7 +98,7 @@ def bring_up(
             else ModelRunner(*args, cfg.seed, **kwargs)
         )
         if graphs:
-            leases.extend(runner.capture_at_start(watch, dies, cfg.prefill_graph_tokens(device)))
+            leases.extend(runner.graph_runner.capture_at_start(watch, dies, cfg.prefill_graph_tokens(device)))
     except BaseException:
         for lease in leases:
             lease.release()

@@ -180,13 +180,6 @@ def apply_ops(runner: ModelRunner, checkpoints: ShardCheckpoints, ops: list[Stor
             kv.stores[op.store].replay(op)
 
 
-def apply_changes(runner: ModelRunner, checkpoints: ShardCheckpoints, msg: StepMessage) -> None:
-    """A step's changes: rank 0's ops, then which slots live in the int8 store."""
-    apply_ops(runner, checkpoints, msg.ops)
-    if runner.kv_manager is not None:
-        runner.kv_manager.set_int8(msg.int8_slots)
-
-
 def worker_main(
     rank: int,
     world: int,
@@ -239,17 +232,13 @@ def worker_main(
     dist.destroy_process_group()
 
 
-def shard_checkpoints(runner: ModelRunner) -> ShardCheckpoints:
-    """Where this rank keeps its shard of rank 0's checkpoints and parked sequences."""
-    stores = runner.kv_manager.stores if runner.kv_manager is not None else []
-    return ShardCheckpoints(runner.states, stores, runner.device)
-
-
 def serve(runner: ModelRunner, conn: Connection, faults: FaultInjector | None = None) -> None:
     """Run rank 0's forwards until it says Stop or goes away. A failure here ends the process:
     rank 0 sees its peer gone in the next collective and calls the engine unsound. `faults`:
     what BALLAST_FAULTS injects into this rank's steps."""
-    checkpoints = shard_checkpoints(runner)
+    # where this rank keeps its shard of rank 0's checkpoints and parked sequences
+    stores = runner.kv_manager.stores if runner.kv_manager is not None else []
+    checkpoints = ShardCheckpoints(runner.states, stores, runner.device)
     while True:
         try:
             msg = conn.recv()
@@ -261,7 +250,7 @@ def serve(runner: ModelRunner, conn: Connection, faults: FaultInjector | None = 
             apply_ops(runner, checkpoints, msg.ops)  # the scratch slot's blocks first
             capture_as_worker(runner.graph_runner, conn)
         elif isinstance(msg, ReleaseGraphs):
-            runner.release_graphs()
+            runner.graph_runner.release_graphs()
         elif isinstance(msg, ReportGraphs):
             conn.send(report(runner.graph_runner))
         else:
@@ -271,8 +260,11 @@ def serve(runner: ModelRunner, conn: Connection, faults: FaultInjector | None = 
 def step(
     runner: ModelRunner, checkpoints: ShardCheckpoints, msg: StepMessage, faults: FaultInjector | None = None
 ) -> None:
-    """Rank 0's forward on this shard: the graph it replays, or eagerly."""
-    apply_changes(runner, checkpoints, msg)
+    """Rank 0's forward on this shard (its ops, then which slots live in the int8 store, made
+    first): the graph it replays, or eagerly."""
+    apply_ops(runner, checkpoints, msg.ops)
+    if runner.kv_manager is not None:
+        runner.kv_manager.set_int8(msg.int8_slots)
     if faults is not None and msg.rows:
         faults.before_forward(prefill=any(len(tokens) > 1 for _, tokens, _ in msg.rows))
     if msg.graph is not None:
@@ -280,6 +272,6 @@ def step(
         return
     # Not runner.forward: its check that each slot holds blocks asks this rank's allocator,
     # which never allocates (rank 0's does; its tables came with the message).
-    kv = runner.kv_manager
-    int8_kv = kv is not None and kv.holds_int8(slot for slot, _, _ in msg.rows)
-    runner._run(ForwardBatch.build(msg.rows, runner.device, all_logits=msg.all_logits, int8_kv=int8_kv))
+    batch = ForwardBatch.of(msg.rows, all_logits=msg.all_logits)
+    runner.mark_kv(batch)
+    runner._run(batch)

@@ -15,7 +15,7 @@ K/V and queries with the step's `ForwardBatch`, and gets each token's attention 
   mixes decode tokens with prefill chunks attends them as two groups, each padded to its own
   longest run, so a decode token never pays for a whole chunk's padding.
 
-A step whose batch holds a sequence of each KV format (`ForwardBatch.int8_kv`: the ladder's int8
+A step whose batch holds a sequence of each KV format (`ForwardBatch.uses_int8_kv`: the ladder's int8
 rung) writes every token to both stores and attends both: each slot's row in the store its
 sequence does not use points at the sink block, whose contents nobody reads as KV, and each token
 keeps the result of its own sequence's store (`int8_slots`, written by the engine, says which).
@@ -56,7 +56,7 @@ class PagedAttentionBackend(abc.ABC):
 
     def step_stores(self, batch: ForwardBatch) -> list[KVStore]:
         """The stores this step writes and reads: both where its batch holds int8 sequences."""
-        return self.stores if batch.int8_kv else [self.main]
+        return self.stores if batch.uses_int8_kv else [self.main]
 
     def first_layer(self, layer: int) -> bool:
         """Whether `layer` is the first of this backend's layers (the one that prepares a step)."""

@@ -11,10 +11,10 @@ from __future__ import annotations
 import abc
 import operator
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
-from typing import Any, Protocol, overload
+from typing import Any, Protocol
 
 import torch
 from ballast.memory.specs import LayerSpec
@@ -50,15 +50,15 @@ class StepBatch(Sequence[Row]):
     starts[b] + lens[b] - 1 of slot slots[b]. A prefill chunk attends to the slot's cached
     positions < start and causally within itself; a decode token is a chunk of length 1.
 
-    The host half (the lists, the flat `tokens`, and per sequence whether it samples, wants every
-    token's logits, or feeds the token its slot last sampled, still on the device) is set when it
-    is built; the device half (the index tensors the layers read) by `place`, in one copy, only
-    on the paths that read it (a replayed graph stages the lists into its own buffers)."""
+    The host half (the lists, the flat `tokens`, and per sequence whether it samples or wants
+    every token's logits) is set when it is built; the device half (the index tensors the layers
+    read) by `place`, in one copy, only on the paths that read it (a replayed graph stages the
+    lists into its own buffers)."""
 
     slots_list: list[int]
     starts_list: list[int]
     lens_list: list[int]
-    tokens: array[int]  # flat host token ids; a row fed from the device holds PAD (0) here
+    tokens: array[int]  # flat host token ids (what `fill_tokens` completes may hold a placeholder)
     max_len: int  # longest new-token run of any sequence
     max_ctx: int  # longest start + len: the cache positions any sequence may read
     # A step of prompt chunks and then single tokens (the engine lays out prefills first): from
@@ -68,13 +68,14 @@ class StepBatch(Sequence[Row]):
     tail_max_ctx: int = 0  # the longest of tail_ctx
     all_logits: tuple[bool, ...] = ()  # per sequence: logits at every token (prompt logprobs)
     sampled: tuple[bool, ...] = ()  # per sequence: a token is drawn from its logits
-    # Per sequence: its one token is the one its slot sampled in the previous step, which the
-    # host has not seen yet (an overlapped step): `from_device_mask` marks it on the device.
-    from_device: tuple[bool, ...] = ()
+    # Completes, in place on the device, token ids the host does not hold yet, given the step's
+    # token ids and each one's slot; called once they are where the forward reads them (by
+    # `place`, or by a graph's staging). None: every token id is on the host.
+    fill_tokens: Callable[[Tensor, Tensor], None] | None = None
     # Some sequence of this step keeps its KV in int8 blocks beside others in the model dtype
     # (the ladder's int8 rung): attention then writes and reads both stores, each sequence keeping
     # its own store's result. Which sequence is which the attention backend reads through slots.
-    int8_kv: bool = False
+    uses_int8_kv: bool = False
     token_ids: Tensor = field(init=False)  # [T] int64
     positions: Tensor = field(init=False)  # [T] int64, absolute position in the slot's sequence
     slots: Tensor = field(init=False)  # [B] int64
@@ -90,7 +91,6 @@ class StepBatch(Sequence[Row]):
     pad_index: Tensor = field(init=False)  # [T] index of each token in a padded [B, max_len] layout
     tail_slots: Tensor | None = field(init=False, default=None)  # [B - tail_from], slots[tail_from:]
     tail_ctx: Tensor | None = field(init=False, default=None)  # [B - tail_from], starts[tail_from:] + 1
-    from_device_mask: Tensor | None = field(init=False, default=None)  # [T] int64, 1: fed from the device
     placed_on: torch.device | None = field(init=False, default=None)
 
     @property
@@ -110,20 +110,11 @@ class StepBatch(Sequence[Row]):
     def device(self) -> torch.device:
         return self.token_ids.device
 
-    @property
-    def any_from_device(self) -> bool:
-        return self.from_device_mask is not None or any(self.from_device)
-
     def __len__(self) -> int:
         return len(self.slots_list)
 
-    @overload
-    def __getitem__(self, b: int) -> Row: ...
-    @overload
-    def __getitem__(self, b: slice) -> Sequence[Row]: ...
-    def __getitem__(self, b: int | slice) -> Row | Sequence[Row]:
-        rows = list(self)
-        return rows[b]
+    def __getitem__(self, b: Any) -> Any:  # a row, or a list of rows
+        return list(self)[b]
 
     def __iter__(self) -> Iterator[Row]:
         """The rows (slot, token ids, start): for callers that look at a step's sequences."""
@@ -165,7 +156,7 @@ class StepBatch(Sequence[Row]):
         max_ctx: int | None = None,
         all_logits: tuple[bool, ...] = (),
         sampled: tuple[bool, ...] = (),
-        from_device: tuple[bool, ...] = (),
+        fill_tokens: Callable[[Tensor, Tensor], None] | None = None,
     ) -> StepBatch:
         """The host half from its lists (the engine's builder); checks what every layer relies on."""
         if not slots_list:
@@ -193,7 +184,7 @@ class StepBatch(Sequence[Row]):
             max(starts_list[tail_from:]) + 1 if tail_from else 0,
             all_logits,
             sampled,
-            from_device,
+            fill_tokens,
         )
 
     @classmethod
@@ -203,12 +194,9 @@ class StepBatch(Sequence[Row]):
         device: torch.device | str,
         max_ctx: int | None = None,
         all_logits: Sequence[bool] = (),
-        int8_kv: bool = False,
     ) -> StepBatch:
-        """`of` and `place`: a batch the layers can read at once. int8_kv: see the field."""
-        batch = cls.of(seqs, max_ctx, all_logits)
-        batch.int8_kv = int8_kv
-        return batch.place(torch.device(device))
+        """`of` and `place`: a batch the layers can read at once."""
+        return cls.of(seqs, max_ctx, all_logits).place(torch.device(device))
 
     @classmethod
     def over(
@@ -218,16 +206,18 @@ class StepBatch(Sequence[Row]):
         starts_list: list[int],
         lens_list: list[int],
         max_ctx: int,
-        int8_kv: bool = False,
+        uses_int8_kv: bool = False,
     ) -> StepBatch:
         """A batch over index tensors already on the device (a graph's static inputs). Its lists
         fix shapes and branch choices only."""
-        batch = cls(slots_list, starts_list, lens_list, array("q"), max(lens_list), max_ctx, int8_kv=int8_kv)
+        batch = cls(slots_list, starts_list, lens_list, array("q"), max(lens_list), max_ctx)
+        batch.uses_int8_kv = uses_int8_kv
         batch._set(tensors, tensors["token_ids"].device)
         return batch
 
     def place(self, device: torch.device) -> StepBatch:
-        """Put the index tensors on `device`, in one copy (once: a placed batch is returned as is)."""
+        """Put the index tensors on `device`, in one copy, and fill the token ids the host does not
+        hold (once: a placed batch is returned as is)."""
         if self.placed_on is not None:
             return self
         host = _index_tensors(self.slots_list, self.starts_list, self.lens_list)
@@ -247,11 +237,9 @@ class StepBatch(Sequence[Row]):
                 ],
                 dtype=torch.int64,
             )
-        if any(self.from_device):
-            mask = torch.zeros(len(self.tokens), dtype=torch.int64)
-            mask[host["cu_lens"][:-1][torch.tensor(self.from_device)]] = 1
-            host["from_device_mask"] = mask
         self._set(to_device_packed(host, device), device)
+        if self.fill_tokens is not None:
+            self.fill_tokens(self.token_ids, self.slot_of_token)
         return self
 
     def _set(self, tensors: dict[str, Tensor], device: torch.device) -> None:
@@ -271,9 +259,9 @@ class StepBatch(Sequence[Row]):
             None,
             self.all_logits[lo:hi],
             self.sampled[lo:hi],
-            self.from_device[lo:hi],
+            self.fill_tokens,
         )
-        part.int8_kv = self.int8_kv
+        part.uses_int8_kv = self.uses_int8_kv
         return part
 
     def subset(self, seq_index: Sequence[int]) -> tuple[StepBatch, Tensor]:
@@ -294,16 +282,8 @@ class StepBatch(Sequence[Row]):
         moved = to_device_packed(host, self.device)
         token_index = moved.pop("token_index")
         moved["token_ids"] = self.token_ids.index_select(0, token_index)
-        sub = StepBatch(
-            slots_list,
-            starts_list,
-            lens_list,
-            array("q"),
-            max(lens_list),
-            max(st + n for st, n in zip(starts_list, lens_list, strict=True)),
-            int8_kv=self.int8_kv,
-        )
-        sub._set(moved, self.device)
+        max_ctx = max(map(operator.add, starts_list, lens_list))
+        sub = StepBatch.over(moved, slots_list, starts_list, lens_list, max_ctx, self.uses_int8_kv)
         return sub, token_index
 
 

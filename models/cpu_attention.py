@@ -110,7 +110,8 @@ class TorchPagedAttention(PagedAttentionBackend):
     def read(self, layer: int, batch: ForwardBatch) -> Tensor:
         """[B, max_ctx, 2 * n_kv, head_dim]: each sequence's K and V, gathered from its store."""
         kv = gather(self.main, layer, batch)
-        if batch.int8_kv and self.int8 is not None and self.int8_slots is not None:
+        if len(self.step_stores(batch)) == 2:
+            assert self.int8 is not None and self.int8_slots is not None
             in_int8 = self.int8_slots[batch.slots].view(-1, 1, 1, 1)
             kv = torch.where(in_int8, gather(self.int8, layer, batch), kv)
         return kv
@@ -202,27 +203,16 @@ def _decode_one(kv: Tensor, q: Tensor, n_kv: int) -> Tensor:
     call, each KV head's group of query heads as its query rows (already in head order for one
     token), no mask. The same maths as `_attend_one` in a third of its ops (30 layers a step)."""
     heads, dim = q.shape
-    k, v = kv.permute(1, 0, 2).split(n_kv)  # [n_kv, S, D] views
-    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.view(1, n_kv, heads // n_kv, dim), k.unsqueeze(0), v.unsqueeze(0), scale=dim**-0.5
-    )
-    return out.reshape(heads, dim)
+    return _flash(q.view(1, n_kv, heads // n_kv, dim), kv, n_kv, causal=False)[0].reshape(heads, dim)
 
 
 def _decode_runs(kvs: list[Tensor], q: Tensor, n_kv: int) -> Tensor:
     """`_decode_one` over several runs of keys [S_i, 2 * n_kv, D], merged by their log-sum-exp:
     the sums `_attend_one` forms for one token, in half its ops."""
     heads, dim = q.shape
-    outs, lses = [], []
-    for kv in kvs:
-        k, v = kv.permute(1, 0, 2).split(n_kv)
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.view(1, n_kv, heads // n_kv, dim), k.unsqueeze(0), v.unsqueeze(0), scale=dim**-0.5
-        )
-        outs.append(o)
-        lses.append(lse)
-    weight = torch.softmax(torch.stack(lses), dim=0)  # [runs, 1, n_kv, group]
-    return (torch.stack(outs) * weight[..., None]).sum(0).reshape(heads, dim)
+    parts = [_flash(q.view(1, n_kv, heads // n_kv, dim), kv, n_kv, causal=False) for kv in kvs]
+    weight = torch.softmax(torch.stack([lse for _, lse in parts]), dim=0)  # [runs, 1, n_kv, group]
+    return (torch.stack([o for o, _ in parts]) * weight[..., None]).sum(0).reshape(heads, dim)
 
 
 def _attend_one(keys: list[tuple[int, Tensor]], q: Tensor, start: int, n_kv: int) -> Tensor:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 
 class TritonPagedAttention(PagedAttentionBackend):
-    """The CUDA backend. Over both stores (`ForwardBatch.int8_kv`) each store is attended with the
+    """The CUDA backend. Over both stores (`step_stores`) each store is attended with the
     other store's sequences cut to their first position (in the sink), and each token keeps the
     result of its own sequence's store."""
 

@@ -52,9 +52,9 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, Engine, str]]
 
 def test_replayed_decode_matches_eager(pair: tuple[Engine, Engine, str]) -> None:
     with_graphs, eager, dtype = pair
-    graphs = with_graphs.runner.graphs
+    graphs = with_graphs.runner.graph_runner.graphs
     assert graphs is not None and graphs.captured == len(graphs.batch_buckets) * len(graphs.context_buckets)
-    assert eager.runner.graphs is None
+    assert eager.runner.graph_runner.graphs is None
     tol = 1e-4 if dtype == "float32" else 5e-2
     for e in (with_graphs, eager):
         e.runner.reset(list(PROMPTS))
@@ -102,7 +102,8 @@ def test_engine_tokens_equal_with_and_without_graphs(pair: tuple[Engine, Engine,
         return [out[s] for s in sorted(out)]
 
     assert run(with_graphs) == run(eager)
-    assert with_graphs.runner.graphs is not None and with_graphs.runner.graphs.replays >= 16
+    graphs = with_graphs.runner.graph_runner.graphs
+    assert graphs is not None and graphs.replays >= 16
 
 
 def test_steps_with_int8_sequences_replay_their_own_graphs(pair: tuple[Engine, Engine, str]) -> None:
@@ -125,7 +126,7 @@ def test_steps_with_int8_sequences_replay_their_own_graphs(pair: tuple[Engine, E
         e.step(StepPlan(release=tuple(PROMPTS)))
         return [out[s] for s in sorted(out)]
 
-    graphs = with_graphs.runner.graphs
+    graphs = with_graphs.runner.graph_runner.graphs
     assert graphs is not None and with_graphs.runner.kv_int8 is not None
     before = graphs.replays
     assert run(with_graphs) == run(eager)
@@ -143,7 +144,7 @@ def test_the_int8_variant_is_captured_under_the_ledger() -> None:
         e = Engine.load(cfg, watch)
         die = torch.cuda.current_device()
         try:
-            graphs = e.runner.graphs
+            graphs = e.runner.graph_runner.graphs
             assert graphs is not None and graphs.acquire is not None
             plain = graphs.held_bytes
             greedy = SamplingParams(temperature=0.0)

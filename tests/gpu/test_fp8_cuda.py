@@ -124,7 +124,7 @@ def test_kept_fp8_model_on_gpu_matches_its_dequantized_twin(tmp_path: Path, name
         )
         try:
             tokens = greedy_run(engine, 24)
-            graphs = engine.runner.graphs
+            graphs = engine.runner.graph_runner.graphs
             runs[mode] = (engine.load_report.weights_bytes, tokens, graphs.replays if graphs else 0)
         finally:
             engine.shutdown()

@@ -56,12 +56,12 @@ def test_buckets_are_captured_and_leased_under_the_ledger() -> None:
     with MemWatch(MemoryConfig()) as watch:
         e = Engine.load(config("bfloat16"), watch)
         try:
-            graphs, decode = e.runner.prefill_graphs, e.runner.graphs
+            graphs, decode = e.runner.graph_runner.prefill_graphs, e.runner.graph_runner.graphs
             assert graphs is not None and decode is not None
             assert graphs.buckets == (128, 256, 384, 512) and graphs.captured == 4
             held = dict(watch.ledger.leases(die))
             assert graphs.held_bytes > 0 and held["cuda-graphs-prefill"] == graphs.held_bytes
-            assert e.runner.graph_bytes_per_rank == [decode.held_bytes]
+            assert e.runner.graph_runner.graph_bytes_per_rank == [decode.held_bytes]
         finally:
             e.shutdown()
         assert not any(tag.startswith("cuda-graphs") for tag, _ in watch.ledger.leases(die))
@@ -69,14 +69,14 @@ def test_buckets_are_captured_and_leased_under_the_ledger() -> None:
 
 def test_an_engine_without_them_has_none(pair: tuple[Engine, Engine, str]) -> None:
     with_graphs, eager, _ = pair
-    assert with_graphs.runner.prefill_graphs is not None
-    assert eager.runner.prefill_graphs is None and eager.runner.graphs is not None
+    assert with_graphs.runner.graph_runner.prefill_graphs is not None
+    assert eager.runner.graph_runner.prefill_graphs is None and eager.runner.graph_runner.graphs is not None
 
 
 @pytest.mark.parametrize("n", [2, 127, 128, 129, 300, 512])
 def test_replayed_prefill_matches_eager(pair: tuple[Engine, Engine, str], n: int) -> None:
     with_graphs, eager, dtype = pair
-    graphs = with_graphs.runner.prefill_graphs
+    graphs = with_graphs.runner.graph_runner.prefill_graphs
     assert graphs is not None
     tol = 1e-4 if dtype == "float32" else 5e-2
 
@@ -98,7 +98,7 @@ def test_replayed_prefill_matches_eager(pair: tuple[Engine, Engine, str], n: int
 
 def test_graphs_serve_only_a_lone_prompt_within_the_largest_bucket(pair: tuple[Engine, Engine, str]) -> None:
     with_graphs, _, _ = pair
-    graphs = with_graphs.runner.prefill_graphs
+    graphs = with_graphs.runner.graph_runner.prefill_graphs
     assert graphs is not None
     one = [(0, prompt(40, 1), 0)]
     assert graphs.can_use(one)
@@ -148,7 +148,7 @@ def test_engine_tokens_equal_with_and_without_prefill_graphs(pair: tuple[Engine,
             take(e.step(StepPlan(decodes=d, sampling=dict.fromkeys((0, 1), greedy))))
         return [out[0], out[1]]
 
-    graphs = with_graphs.runner.prefill_graphs
+    graphs = with_graphs.runner.graph_runner.prefill_graphs
     assert graphs is not None
     before = graphs.replays
     assert run(with_graphs) == run(eager)
@@ -162,7 +162,7 @@ def test_a_prompt_beside_decodes_replays_both_graphs(pair: tuple[Engine, Engine,
     GPU). Its logits are those of the eager step, and in float32 the engine's greedy tokens too
     (in bf16 a padded product may round differently and flip a near-tie of random weights)."""
     with_graphs, eager, dtype = pair
-    graphs = with_graphs.runner.prefill_graphs
+    graphs = with_graphs.runner.graph_runner.prefill_graphs
     assert graphs is not None and set(graphs.replay_s) == set(graphs.buckets)
     assert all(t > 0 for t in graphs.replay_s.values()) and graphs.eager_host_s > 0
     assert graphs.split_pays(100, 1.0) and not graphs.split_pays(CHUNK + 1, 1.0)
@@ -202,12 +202,12 @@ def test_a_prompt_beside_decodes_replays_both_graphs(pair: tuple[Engine, Engine,
         return runner.forward([(2, p2, 0), (0, [5], len(p0)), (1, [6], len(p1))]).float().cpu()
 
     got = tokens(with_graphs)
-    assert with_graphs.runner.split_replays == 1
+    assert with_graphs.runner.graph_runner.split_replays == 1
     want = tokens(eager)
-    assert eager.runner.split_replays == 0
+    assert eager.runner.graph_runner.split_replays == 0
     if dtype == "float32":
         assert got == want
     got_logits, want_logits = logits(with_graphs), logits(eager)
-    assert with_graphs.runner.split_replays == 2
+    assert with_graphs.runner.graph_runner.split_replays == 2
     tol = 1e-3 if dtype == "float32" else 5e-2
     torch.testing.assert_close(got_logits, want_logits, atol=tol, rtol=tol)

@@ -90,7 +90,7 @@ def test_a_decode_of_every_batch_up_to_max_num_seqs_replays_a_graph(
     engines: tuple[Engine, Engine], batch: int
 ) -> None:
     with_graphs, eager = engines
-    graphs = with_graphs.runner.graphs
+    graphs = with_graphs.runner.graph_runner.graphs
     assert graphs is not None and graphs.batch_buckets[-1] == SLOTS
     assert all((SLOTS, c) in graphs.pairs for c in graphs.context_buckets)
     slots = list(range(batch))
@@ -117,12 +117,12 @@ def test_a_step_no_graph_can_serve_runs_eagerly(engines: tuple[Engine, Engine]) 
     products, not by kernel launches. The step's tokens are the eager engine's."""
     with_graphs, eager = engines
     runner = with_graphs.runner
-    graphs, prefill_graphs = runner.graphs, runner.prefill_graphs
+    graphs, prefill_graphs = runner.graph_runner.graphs, runner.graph_runner.prefill_graphs
     assert graphs is not None and prefill_graphs is not None  # both kinds captured: neither serves it
     tokens = []
     for engine in (with_graphs, eager):
         last = prefill(engine, [0])
-        replays = (graphs.replays, prefill_graphs.replays, runner.split_replays)
+        replays = (graphs.replays, prefill_graphs.replays, runner.graph_runner.split_replays)
         plan = StepPlan(
             prefills=(PrefillChunk(1, prompt(1), 0, True), PrefillChunk(2, prompt(2), 0, True)),
             decodes=(DecodeToken(0, last[0], PROMPT),),
@@ -131,7 +131,7 @@ def test_a_step_no_graph_can_serve_runs_eagerly(engines: tuple[Engine, Engine]) 
         out = {o.slot: o.token_id for o in engine.step(plan).outputs}
         assert set(out) == {0, 1, 2}
         if engine is with_graphs:
-            assert (graphs.replays, prefill_graphs.replays, runner.split_replays) == replays
+            assert (graphs.replays, prefill_graphs.replays, runner.graph_runner.split_replays) == replays
         tokens.append((last[0], out))
         release(engine, [0, 1, 2])
     assert tokens[0] == tokens[1]
@@ -141,7 +141,7 @@ def test_launching_a_graph_decode_step_waits_for_nothing(engines: tuple[Engine, 
     """With CUDA's sync debug mode set to error, any host wait in the launch half of a step
     (a blocking copy, .item(), .tolist(), nonzero) raises; finishing it is the one wait."""
     engine, _ = engines
-    graphs = engine.runner.graphs
+    graphs = engine.runner.graph_runner.graphs
     assert graphs is not None
     slots = list(range(8))
     prefill(engine, slots, EVERY_OPTION)

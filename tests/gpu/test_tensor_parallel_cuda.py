@@ -115,14 +115,14 @@ def test_graphs_on_every_rank_decode_the_tokens_of_eager(model: str, dtype: str)
     order may flip a near tie), and each die's ledger holds its graphs' lease until shutdown."""
     eager = engine(2, model=model, dtype=dtype)
     try:
-        assert eager.runner.graphs is None  # tensor parallel without --tp-cuda-graphs
+        assert eager.runner.graph_runner.graphs is None  # tensor parallel without --tp-cuda-graphs
         want = greedy_tokens(eager, PROMPTS, 16)
     finally:
         eager.shutdown()
     if dtype == "float32":
         one = engine(1, model=model, dtype=dtype)
         try:
-            assert one.runner.graphs is not None
+            assert one.runner.graph_runner.graphs is not None
             assert greedy_tokens(one, PROMPTS, 16) == want
         finally:
             one.shutdown()
@@ -131,7 +131,7 @@ def test_graphs_on_every_rank_decode_the_tokens_of_eager(model: str, dtype: str)
         try:
             runner = two.runner
             assert isinstance(runner, ShardedRunner)
-            graphs = runner.graphs
+            graphs = runner.graph_runner.graphs
             assert graphs is not None and graphs.captured == len(graphs.pairs) > 0
             [worker] = runner.worker_graphs()
             assert worker == GraphsReport(captured=graphs.captured, replays=0)
@@ -158,13 +158,14 @@ def test_a_capture_failing_on_every_rank_leaves_every_rank_eager() -> None:
         runner = two.runner
         assert isinstance(runner, ShardedRunner)
         [worker] = runner.worker_graphs()
-        captured = 0 if runner.graphs is None else runner.graphs.captured
+        captured = 0 if runner.graph_runner.graphs is None else runner.graph_runner.graphs.captured
         assert worker.captured == captured
         if not grouped_mm_supported("cuda", torch.float32):
             assert captured == 0
         assert greedy_tokens(two, PROMPTS, 16) == want
         [worker] = runner.worker_graphs()
-        assert worker.replays == (0 if runner.graphs is None else runner.graphs.replays)
+        graphs = runner.graph_runner.graphs
+        assert worker.replays == (0 if graphs is None else graphs.replays)
         assert two.healthy
     finally:
         two.shutdown()

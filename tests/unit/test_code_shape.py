@@ -110,3 +110,61 @@ def test_no_class_in_the_execution_wing_is_over_300_lines() -> None:
 def test_the_engine_module_imports_few_engine_modules() -> None:
     engine_deps = sorted(m for m in IMPORTS["engine.engine"] if m.startswith("engine."))
     assert len(engine_deps) <= MAX_ENGINE_IMPORTS, engine_deps
+
+
+# A decode row fed from the device (its token is the slot's previous sample, not yet on the host):
+# the successor of LAST_SAMPLED, named by these (`ahead` as `DecodeToken.ahead`). The runner, the
+# graphs and the models know only the batch's neutral `fill_tokens`.
+DEVICE_FED_NAMES = {"LAST_SAMPLED", "from_device"}
+DEVICE_FED_ATTRIBUTES = {"ahead"}
+# The step's KV-format flag (a sequence of the batch lives in the int8 store): marked where the
+# KV manager answers, read by attention's backend. The plan's per-sequence `int8_kv` (the ladder's
+# choice for a new sequence) is the sequence's property, not this flag.
+INT8_BATCH_FLAG = {"uses_int8_kv"}
+MAX_FILES_NAMING = 3
+
+
+def _files_naming(
+    names: set[str], packages: tuple[str, ...], attributes: frozenset[str] = frozenset()
+) -> list[str]:
+    """Modules of these packages whose code names any of `names` (a variable, attribute, argument,
+    keyword, function or import; comments and docstrings aside) or reads any of `attributes`."""
+    found = set()
+    for module, tree in MODULES.items():
+        if module.split(".")[0] not in packages:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                idents = [node.id]
+            elif isinstance(node, ast.Attribute):
+                idents = [node.attr]
+                if node.attr in attributes:
+                    found.add(module)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                idents = [node.name]
+            elif isinstance(node, ast.arg):
+                idents = [node.arg]
+            elif isinstance(node, ast.keyword):
+                idents = [node.arg or ""]
+            elif isinstance(node, ast.ImportFrom):
+                idents = [a.name for a in node.names]
+            else:
+                continue
+            if names.intersection(idents):
+                found.add(module)
+    return sorted(found)
+
+
+def test_decodes_fed_from_the_device_are_known_to_three_files_at_most() -> None:
+    files = _files_naming(
+        DEVICE_FED_NAMES, ("engine", "models", "scheduler"), frozenset(DEVICE_FED_ATTRIBUTES)
+    )
+    assert len(files) <= MAX_FILES_NAMING, files
+    assert not [f for f in files if f.startswith("models.")], files
+
+
+def test_the_int8_batch_flag_is_named_in_three_files_at_most() -> None:
+    files = _files_naming(INT8_BATCH_FLAG, ("engine", "models", "scheduler"))
+    assert "models.base" in files and len(files) <= MAX_FILES_NAMING, files
+    # the plan's per-sequence choice is read where a new sequence is placed, and nowhere else
+    assert _files_naming({"int8_kv"}, ("engine", "models")) == ["engine.executor", "engine.plan"]

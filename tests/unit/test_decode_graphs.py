@@ -99,6 +99,6 @@ def test_the_scratch_slot_is_allocated_and_planned_alike(scratch: bool) -> None:
     assert all(t.shape[0] == 3 + scratch for s in runner.states for t in _tensors(s))
     assert runner.kv is not None and runner.kv.layout.table_rows == 3 + scratch
     assert runner.state_bytes == planned_state_bytes(model, torch.float32, 3, scratch_slot=scratch)
-    assert runner.graphs is None
+    assert runner.graph_runner.graphs is None
     with pytest.raises(GraphCaptureError, match="CUDA"):  # graphs are captured on CUDA only
-        runner.capture_graphs()
+        runner.graph_runner.capture_graphs()

@@ -168,7 +168,7 @@ def test_rank_0_asks_live_workers_for_their_graphs_and_a_dead_one_fails_at_once(
     engine = Engine.load(cfg)
     try:
         runner = engine.runner
-        assert isinstance(runner, ShardedRunner) and runner.graphs is None
+        assert isinstance(runner, ShardedRunner) and runner.graph_runner.graphs is None
         assert runner.worker_graphs() == [GraphsReport(captured=0, replays=0)]
         [pid] = runner.workers.pids
         os.kill(pid, signal.SIGKILL)
