@@ -72,8 +72,8 @@ class EngineLike(Protocol):
     recurrent_state: bool
     cost_model: CostModel
     quantized_kv: bool  # the main KV pool holds int8 (--kv-quant int8)
-    # It runs a decode plan submitted before the last step's tokens are back (LAST_SAMPLED): not
-    # under tensor parallel, where the other ranks would need the sampled tokens first.
+    # It runs a decode plan submitted before the last step's tokens are back (a decode fed from the
+    # device): not under tensor parallel, where the other ranks would need the sampled tokens first.
     decodes_ahead: bool
 
     @property
