@@ -167,7 +167,7 @@ class Scheduler(_Figures):
         self._turns = TurnSaves(checkpoints, engine.tokenizer)
         self.service = ServiceRate()  # slots turning over under backlog: the queue-wait estimate
         eos = engine.tokenizer.eos_token_ids
-        self._roster = roster = Roster(engine.num_slots, config.max_queue, self._turns, self.service, eos)
+        self._roster = roster = Roster(engine.num_slots, self._turns, self.service, eos)
         # The pools after the last step, and the decisions made from them under the ladder.
         self._kv = KVPolicy(gov, KVRoom(engine.kv_figures(), engine.kv_figures(int8=True)))
         self._gate = AdmissionGate(roster, gov, self._kv, config, limits, engine)
