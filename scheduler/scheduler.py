@@ -257,7 +257,8 @@ class Scheduler(_Figures):
             # The engine (or a step's bookkeeping) is unsound: every request gets an error event,
             # `healthy` turns false, and the cause is logged and kept in `failure`.
             log.exception("scheduler loop stopped: engine step failed")
-            self._fail(exc)
+            self.failure = EngineFailed(exc)
+            self._unsound("engine_failed", self.failure)
 
     def _send(self, plan: StepPlan | None) -> _InFlight | None:
         """Hand a plan to the engine (`submit` takes requests, this sends steps); None: nothing to run."""
@@ -309,10 +310,6 @@ class Scheduler(_Figures):
         self._unsound("engine_stalled", self.stalled)
         return True
 
-    def _fail(self, exc: Exception) -> None:
-        self.failure = EngineFailed(exc)
-        self._unsound("engine_failed", self.failure)
-
     def _unsound(self, code: str, error: EngineFailed | EngineStalled) -> None:
         self._end_all("error", error)
         if self._on_unsound is not None:
@@ -330,20 +327,16 @@ class Scheduler(_Figures):
         pressure, re-read memory every hold_poll_s instead. Never a busy loop."""
         self._wake.clear()
         if self.idle:
-            self._run_idle_hook()
+            if self._on_idle is not None:
+                try:
+                    self._on_idle()
+                except Exception:
+                    # Trimming a cache is housekeeping: its failure must not stop serving, but it
+                    # is logged, never dropped.
+                    log.exception("on_idle callback failed")
             timeout = self._cfg.idle_tick_s if self._on_idle is not None else None
         else:
             timeout = self._cfg.hold_poll_s
         # A timeout is a tick, not an error: go round, re-read the snapshot, maybe trim again.
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
-
-    def _run_idle_hook(self) -> None:
-        if self._on_idle is None:
-            return
-        try:
-            self._on_idle()
-        except Exception:
-            # Trimming a cache is housekeeping: its failure must not stop serving, but it is
-            # logged, never dropped.
-            log.exception("on_idle callback failed")
