@@ -15,15 +15,11 @@ from collections.abc import Callable, Sequence
 import psutil
 import torch
 from ballast.engine import tensor_parallel
-from ballast.engine.config import EngineConfig
+from ballast.engine.checkpoint_buffers import checkpoint_bytes
+from ballast.engine.config import EngineConfig, PrefixCacheConfig, auto_interval
+from ballast.engine.parked import CheckpointMissing
 from ballast.engine.plan import PlanError, StepPlan
-from ballast.engine.prefix_cache import (
-    CheckpointMissing,
-    PrefixCache,
-    PrefixCacheConfig,
-    auto_interval,
-    checkpoint_bytes,
-)
+from ballast.engine.prefix_cache import PrefixCache
 from ballast.engine.runner import ModelRunner
 from ballast.engine.slot_kv import SlotKV
 from ballast.memory.errors import LedgerFull

@@ -19,13 +19,11 @@ import torch
 from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.executor import needs_host_tokens
 from ballast.engine.pipeline import LaunchedStep, StepPipeline
-from ballast.engine.plan import EngineUnhealthy, KVFigures, PlanError, StepPlan, StepResult
+from ballast.engine.plan import EngineUnhealthy, KVFigures, StepPlan, StepResult
 from ballast.engine.served_model import ServedModel
 from ballast.engine.startup import Parts, assemble, bring_up
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.watch import MemWatch
-
-__all__ = ["Engine", "EngineUnhealthy", "PlanError"]
 
 log = logging.getLogger(__name__)
 
@@ -152,15 +150,6 @@ class Engine(ServedModel):
         return self.slot_kv.parked
 
     @property
-    def step_failures(self) -> int:
-        """Steps that failed and were recovered (their requests lost)."""
-        return self._steps.step_failures
-
-    @property
-    def last_step_failure(self) -> str | None:
-        return self._steps.last_step_failure
-
-    @property
     def prefilled_tokens(self) -> int:
         """Prompt tokens run through the model so far (`reused_tokens`: restored instead)."""
         return self._steps.prefilled_tokens
@@ -186,16 +175,12 @@ class Engine(ServedModel):
         return self._pipeline.overlapped
 
     def match_parked(self, tokens: Sequence[int]) -> int:
-        """Tokens of `tokens` a parked (preempted) sequence holds: restore them to resume it."""
         return self._cache.match_parked(tokens)
 
     def match_prefix(self, prompt_ids: Sequence[int]) -> int:
-        """Prompt tokens a restore would cover now (0: none, or prefix caching is off)."""
         return self.prefix_cache.match(prompt_ids) if self.prefix_cache is not None else 0
 
     def kv_figures(self, int8: bool = False) -> KVFigures | None:
-        """A KV pool's figures now: the main one, or the int8 one new sequences use under pressure
-        (None where there is none: no attention layers, or the main pool is int8 already)."""
         return self._steps.kv_figures(int8)
 
     def abandon(self) -> None:

@@ -50,7 +50,6 @@ from ballast.engine.checkpoint_buffers import (
     layout,
     segment,
 )
-from ballast.engine.config import MIN_INTERVAL, PrefixCacheConfig, auto_interval
 from ballast.engine.kv_pool import KVPool
 from ballast.engine.parked import CheckpointMissing, ParkedSequences
 from ballast.engine.prefix_keys import CacheListener, PrefixKey, forget_length, longest, prefix_key
@@ -60,15 +59,6 @@ from ballast.models.state import LayerState
 from torch import Tensor
 
 log = logging.getLogger(__name__)
-
-__all__ = [
-    "MIN_INTERVAL",
-    "CheckpointMissing",
-    "PrefixCache",
-    "PrefixCacheConfig",
-    "auto_interval",
-    "checkpoint_bytes",
-]
 
 
 @dataclass(frozen=True)

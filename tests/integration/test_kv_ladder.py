@@ -262,7 +262,7 @@ async def test_a_scheduler_states_its_slot_limit_to_an_engine_another_one_narrow
             ]
             finishes = [f for _, _, f in await asyncio.gather(*(h.collect() for h in handles))]
             assert [f.reason for f in finishes] == ["length", "length"]
-            assert engine._steps.slot_limit == 2 and engine.healthy and engine.step_failures == 0
+            assert engine._steps.slot_limit == 2 and engine.healthy and engine._steps.step_failures == 0
         finally:
             await second.stop()
     finally:

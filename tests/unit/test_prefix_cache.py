@@ -9,18 +9,18 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from ballast.engine.config import EngineConfig
-from ballast.engine.engine import Engine, PlanError
+from ballast.engine.config import MIN_INTERVAL, EngineConfig, PrefixCacheConfig, auto_interval
+from ballast.engine.engine import Engine
 from ballast.engine.plan import (
     CheckpointRestore,
     CheckpointSave,
     DecodeToken,
+    PlanError,
     PrefillChunk,
     SamplingParams,
     StepFailed,
     StepPlan,
 )
-from ballast.engine.prefix_cache import MIN_INTERVAL, PrefixCacheConfig, auto_interval
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import MiB
 
