@@ -129,7 +129,8 @@ class KVPool:
         """Pack the blocks in use into the lowest segments (contents copied, tables rewritten) so
         that `shrink` can give back segments that only a few scattered blocks kept. Returns the
         moves; holders of block ids outside the tables (the prefix cache) must follow them."""
-        slots_before = {slot: self.alloc.table(slot) for slot in self._slots()}
+        rows = range(self.layout.table_rows)
+        slots_before = {slot: self.alloc.table(slot) for slot in rows if self.alloc.count(slot)}
         moves = self.alloc.compact()
         for src, dst in moves.items():
             self.store.copy_block(src, dst)
@@ -139,18 +140,15 @@ class KVPool:
                 self.store.set_table(slot, 0, after)
         return moves
 
-    def _slots(self) -> list[int]:
-        return [slot for slot in range(self.layout.table_rows) if self.alloc.count(slot)]
-
     def has_surplus(self, keep_free_blocks: int) -> bool:
         """The free blocks beyond `keep_free_blocks` fill a whole segment: shrinking could give
         one back (after `compact`)."""
         return self.alloc.free_blocks - keep_free_blocks >= self.layout.seg_blocks
 
-    def shrink(self, keep_segments: int = 0, keep_free_blocks: int = 0) -> int:
-        """Give back every segment with no block in use, keeping `keep_segments` live at least and
-        `keep_free_blocks` free blocks at least; returns the bytes released."""
-        gone = self.alloc.remove_free_segments(keep_segments, keep_free_blocks)
+    def shrink(self, keep_free_blocks: int = 0) -> int:
+        """Give back every segment with no block in use, keeping `keep_free_blocks` free blocks at
+        least; returns the bytes released."""
+        gone = self.alloc.remove_free_segments(keep_free=keep_free_blocks)
         if not gone:
             return 0
         self.store.release_segments(gone)
