@@ -1,11 +1,6 @@
-"""The engine's side of a plan's checkpoint orders, and the cache they go to.
-
-One `PrefixCache` holds the prefix checkpoints (when prefix caching is on) and the sequences parked
-by preemption (always): both are slot states kept in pool buffers. Per step, on the engine thread:
-`shed` (the ladder's first rung, and parked sequences the scheduler gave up on), `restore` before
-the forward (a slot starts from a checkpoint or its parked sequence), `save` after it (a slot that
-has consumed exactly a prefix keeps a copy of its state).
-"""
+"""The engine's side of a plan's checkpoint orders (`CheckpointExecutor`), and the cache they go
+to (`build_cache`): one `PrefixCache` holds the prefix checkpoints (when prefix caching is on) and
+the sequences parked by preemption (always)."""
 
 from __future__ import annotations
 

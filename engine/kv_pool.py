@@ -7,11 +7,8 @@ from them (`attach`, copying the last block if it is partly filled, since the ne
 write into it). When the free blocks run out the pool adds a segment, if the memory layer grants
 one (`acquire`: a VRAM ledger lease on CUDA, the host budget on the CPU); `shrink` gives whole
 free segments back. Nothing here runs while a step is in flight: the engine calls it between steps,
-so no block an executing kernel reads is ever freed or moved.
-
-`KVManager` is the one owner of a model's pools (the main one and the int8 one beside it) and of
-which pool each slot's sequence lives in; the models see only the attention backend it builds
-over the stores (their blocks, block tables and that per-slot table).
+so no block an executing kernel reads is ever freed or moved. `KVManager` owns a model's pools;
+the models see only the attention backend it builds over their stores.
 """
 
 from __future__ import annotations

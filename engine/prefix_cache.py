@@ -10,16 +10,12 @@ shared by reference with the slot (the pool's own blocks, not a copy; a slot res
 copies only a partly filled last block), and a copy of every recurrent layer's conv + recurrent
 state.
 
-Recurrent copies live in buffers from the memory layer's `CheckpointPool` (pinned on CUDA, so the
-copies run at full speed, and recycled, so a new checkpoint does not page-fault a fresh mmap; the
-saves of a full batch of requests find their buffers there from load on, so a burst of saves
-allocates nothing inside a step). On CUDA neither a save nor a restore waits on the host: the
-copies run on a side stream and are ordered against later users on the device (`state_copies`). The
-cache is bounded by a live byte budget (a fraction of the effective, cgroup-aware host memory)
-that counts the buffers it holds and the KV blocks it keeps alive; it evicts least recently used
-entries to fit (and when the KV pool runs short of blocks), and is emptied by `shed()` when the
-ladder reaches WATCH: cached state is the cheapest memory to give back, since nothing running
-depends on it.
+Recurrent copies live in buffers from the memory layer's `CheckpointPool` (pinned on CUDA so the
+copies run at full speed, recycled so a new checkpoint does not page-fault a fresh mmap); on CUDA
+they run on a side stream ordered on the device (`state_copies`), so neither a save nor a restore
+waits on the host. A live byte budget (a fraction of the effective, cgroup-aware host memory)
+bounds the buffers and the KV blocks held: least recently used entries are evicted to fit, and
+`shed()` empties the cache at WATCH, since cached state is the cheapest memory to give back.
 
 Threads: `match` runs on the event loop (the scheduler asks it while building a plan); every other
 method runs on the engine thread. The index is guarded by a lock. Entries change only inside a step

@@ -3,8 +3,7 @@
 The roster is the one place a request changes place (admitted to a slot, sent back to the queue)
 or ends, and the one that applies a step's result to requests. Per-request state (`Seq`) changes
 only here and in the planner that chunks its prompt: the field-tested failure mode is a request
-object mutated by scheduler, allocator and runner at once. A slot freed by a finished or aborted
-request is released in the next plan and reused only after that plan has run.
+object mutated by scheduler, allocator and runner at once.
 """
 
 from __future__ import annotations

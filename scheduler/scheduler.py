@@ -4,12 +4,8 @@ Everything here runs on the event loop thread; the engine runs plans on its own 
 only things crossing are a frozen `StepPlan` and a `StepResult`. The loop's parts each own one
 thing: the admission gate (`ballast.scheduler.gate`) who gets in and when, the planner
 (`ballast.scheduler.planner`) what the next step runs, the roster (`ballast.scheduler.roster`)
-where each request is and how a step's result changes it.
-
-While every running request decodes, the plan of step N+1 is submitted before step N's tokens are
-back (`StepPlanner.lookahead`): the engine queues N+1 behind N and the GPU does not wait for
-the host between steps. Two plans are then in flight; anything else (a new request, a release, a
-ladder change) waits for the step in flight and is planned from its result, as without overlap.
+where each request is and how a step's result changes it. While every running request decodes,
+two plans are in flight (`StepPlanner.lookahead`); anything else waits for the step in flight.
 """
 
 from __future__ import annotations
