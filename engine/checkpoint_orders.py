@@ -83,11 +83,9 @@ def staging_bytes(
     A save stages the slot's recurrent states on the device and moves them to the host on a side
     stream; a save that finds no staging room copies from the slot itself, and the slot's next
     forward (so the whole next step) waits for that transfer over PCIe. A batch of new
-    conversations ends its prompts together: on an H200, 32 first turns of the 6.2B hybrid (73.7
-    MiB of state each) with room for three took 1.44x as long as with the cache off (TTFT p50,
-    `bench/gpu_prefix.py`, session 11). So room for `checkpoints` of them (a step saves at most
-    one per sequence); where the ledger cannot spare that, room for one; where not even that,
-    none (direct copies)."""
+    conversations ends its prompts together (on an H200, 32 first turns of the 6.2B hybrid with
+    room for three took 1.44x the TTFT p50 of the cache off). So room for `checkpoints` of them (a
+    step saves at most one per sequence), else for one, else none (direct copies)."""
     one = checkpoint_bytes(states)
     if device.type != "cuda" or one == 0:
         return 0  # CPU copies are synchronous; attention-only checkpoints copy no state

@@ -7,6 +7,7 @@ are returned by the engine, never written back here.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -192,7 +193,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check(self)
         parse_faults(self.faults)  # a bad value is a start-up error, never ignored
-        if not _valid_device(self.device):
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise ConfigError(f"--device (BALLAST_DEVICE)={self.device!r}: accepted auto, cpu, cuda, cuda:N")
         if self.expert_parallel and self.tensor_parallel_size < 2:
             raise ConfigError(
@@ -277,13 +278,6 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
-
-
-def _valid_device(device: str) -> bool:
-    if device in ("auto", "cpu", "cuda"):
-        return True
-    head, _, index = device.partition(":")
-    return head == "cuda" and index.isdigit()
 
 
 # Checkpoints closer than this are never worth a split prefill chunk (each split costs a step).

@@ -1,10 +1,9 @@
 """The Engine: owns the device, the model runner and the one engine thread.
 
 Every tensor operation (loading, profiling, allocation, each step) runs on a single-worker
-executor, so no allocation or free can race a step in flight (the hazard the seed engine
-catalogued). The scheduler talks to it only through frozen `StepPlan` / `StepResult` values. The
-engine keeps the thread, its health and `submit`; a step itself is the `StepExecutor`'s, built
-around the runner at load (`startup.assemble`).
+executor, so no allocation or free can race a step in flight. The scheduler talks to it only
+through frozen `StepPlan` / `StepResult` values. The engine keeps the thread, its health and
+`submit`; a step itself is the `StepExecutor`'s, built around the runner (`startup.assemble`).
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class Governor:
     ) -> Verdict:
         """What `admit` would decide now, without counting it or acting on it."""
         window = self._plan.context_window
-        if self._state is None:  # no memory signals: only the window applies (fail open, as the seed does)
+        if self._state is None:  # no memory signals: only the window applies (fail open)
             fit = min(n_prompt + max_tokens, window)
             kind = VerdictKind.ADMIT if fit == n_prompt + max_tokens else VerdictKind.CAP
             if fit > n_prompt:
