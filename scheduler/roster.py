@@ -113,10 +113,6 @@ class SlotTable:
         return bool(self._unsent_releases())
 
     @property
-    def free(self) -> int:
-        return self._state.count(SlotState.FREE)
-
-    @property
     def highest_held(self) -> int:
         """1 + the highest slot not free (0 if all free): the engine may not shrink below it."""
         for slot in range(self.capacity - 1, -1, -1):
@@ -126,7 +122,7 @@ class SlotTable:
 
     @property
     def idle(self) -> bool:
-        return self.free == self.capacity
+        return all(st is SlotState.FREE for st in self._state)
 
 
 class Roster:
