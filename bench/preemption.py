@@ -102,7 +102,7 @@ def bench(name: str, n_tokens: int, repeats: int, chunk: int, work_dir: str | No
             prefill(engine, 0, fed, chunk)
             sync()
             t0 = time.perf_counter()
-            assert engine._cache.park(0, fed, kv)
+            assert engine._cache.parked.park(0, fed, kv)
             park_s.append(time.perf_counter() - t0)
             engine.step(StepPlan(release=(0,)))
             sync()

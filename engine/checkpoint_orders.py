@@ -131,7 +131,7 @@ class CheckpointExecutor:
         """The ladder's first rung (WATCH): cached state goes back before anything else shrinks.
         Parked sequences stay: they are running work, not cache (only those the plan unparks go)."""
         for tokens in plan.unpark:
-            self._cache.unpark(tokens)
+            self._cache.parked.unpark(tokens)
         if self._prefix is None:
             if plan.saves:
                 raise PlanError("checkpoint saves sent to an engine whose prefix cache is off")
@@ -162,7 +162,7 @@ class CheckpointExecutor:
                 raise PlanError(
                     f"slot {r.slot}: a restore of {len(r.prefix)} tokens needs a prefill chunk starting there"
                 )
-            home = cache.parked_pool(r.prefix)
+            home = cache.parked.pool_of(r.prefix)
             # A new sequence: what the slot held goes; it lives where its blocks are (a parked one
             # in the pool it was parked from, a checkpoint's in the main pool).
             slot_kv.start([r.slot], [home is not None and home is self._runner.kv_int8])

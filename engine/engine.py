@@ -174,7 +174,7 @@ class Engine(ServedModel):
         return self._pipeline.overlapped
 
     def match_parked(self, tokens: Sequence[int]) -> int:
-        return self._cache.match_parked(tokens)
+        return self._cache.parked.match(tokens)
 
     def match_prefix(self, prompt_ids: Sequence[int]) -> int:
         return self.prefix_cache.match(prompt_ids) if self.prefix_cache is not None else 0

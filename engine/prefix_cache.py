@@ -113,7 +113,7 @@ class PrefixCache:
         self._copies = StateCopies(self._device, staging_bytes)
         # Tensor parallel: where the copies are recorded for the other ranks (`ops` None: one rank).
         self.journal = CheckpointJournal()
-        self._parked = ParkedSequences(self._states, kv, pool, self._device, self.journal)
+        self.parked = ParkedSequences(self._states, kv, pool, self._device, self.journal)
         # Told of every entry stored, evicted or shed (the KV-event publisher; None: nobody).
         self.listener: CacheListener | None = None
 
@@ -124,23 +124,20 @@ class PrefixCache:
         with self._lock:
             return longest(self._lengths, self._entries, prompt)
 
-    def match_parked(self, tokens: Sequence[int]) -> int:
-        return self._parked.match(tokens)
-
     def entry_keys(self) -> frozenset[PrefixKey]:
         """The names (`prefix_key`) of the checkpoints held now."""
         with self._lock:
             return frozenset(self._entries)
 
     def stats(self) -> PrefixCacheStats:
-        parked, parked_bytes = self._parked.held()
+        parked, parked_bytes = self.parked.held()
         with self._lock:
             return PrefixCacheStats(
                 len(self._entries),
                 self._held,
                 self._saves,
                 self._duplicates,
-                self._declined + self._parked.declined,
+                self._declined + self.parked.declined,
                 self._restores,
                 self._evictions,
                 self._sheds,
@@ -192,28 +189,11 @@ class PrefixCache:
             self.listener.stored(key, prefix)
         return True
 
-    def park(self, slot: int, tokens: Sequence[int], kv: KVPool) -> bool:
-        """Move a sequence the engine is preempting out of `kv` (`ParkedSequences.park`); `restore`
-        of the same tokens brings it back without a recompute."""
-        return self._parked.park(slot, tokens, kv)
-
-    def unpark(self, tokens: Sequence[int]) -> bool:
-        return self._parked.unpark(tokens)
-
-    def drop_parked(self, tokens: Sequence[int]) -> bool:
-        return self._parked.drop(tokens)
-
-    def unpark_all(self) -> None:
-        self._parked.drop_all()
-
-    def parked_pool(self, prefix: Sequence[int]) -> KVPool | None:
-        return self._parked.pool_of(prefix)
-
     def restore(self, slot: int, prefix: Sequence[int]) -> int:
         """Start the (empty) slot from the parked sequence or the checkpoint of exactly `prefix`;
         returns its token count. A parked sequence needs fresh blocks in its pool: CheckpointMissing
         when they cannot be had (it stays parked)."""
-        resumed = self._parked.resume(slot, prefix, self.evict_for_blocks)
+        resumed = self.parked.resume(slot, prefix, self.evict_for_blocks)
         if resumed is not None:
             with self._lock:
                 self._restores += 1

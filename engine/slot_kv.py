@@ -150,7 +150,7 @@ class SlotKV:
             grant = watch.host_book.take(need, lambda: watch.exact().host_budget_bytes)
             if grant is None:
                 return
-        if self._cache.park(slot, fed, pool):
+        if self._cache.parked.park(slot, fed, pool):
             self.parked += 1
             self._parked_in_step.append(tuple(fed))
             if grant is not None:

@@ -69,7 +69,7 @@ async def test_preempted_sequences_resume_with_the_same_tokens(
 
         def park_always(self: SlotKV, slot: int) -> None:  # the GPU's choice, without its device check
             fed, pool = self._fed.get(slot), self.pool_of(slot)
-            if fed and self._cache.park(slot, fed, pool):
+            if fed and self._cache.parked.park(slot, fed, pool):
                 self.parked += 1
 
         monkeypatch.setattr(SlotKV, "_park", park_always)

@@ -338,7 +338,7 @@ def test_a_parked_sequence_resumes_exactly_where_it_stopped(model: str) -> None:
         kv = eng.runner.kv
         assert kv is not None and eng.prefix_cache is None
         fed = p + tuple(first[:-1])
-        assert eng._cache.park(0, fed, kv) and eng.match_parked(fed + (first[-1],)) == len(fed)
+        assert eng._cache.parked.park(0, fed, kv) and eng.match_parked(fed + (first[-1],)) == len(fed)
         eng.step(StepPlan(release=(0,)))
         assert kv.figures().used_blocks == 0
         res = eng.step(
@@ -359,7 +359,7 @@ def test_a_parked_sequence_resumes_exactly_where_it_stopped(model: str) -> None:
         assert eng._cache.stats().parked == 0
         eng.step(StepPlan(release=(2,)))
         greedy(eng, 0, p, 2)
-        assert eng._cache.park(0, p, kv) and eng._cache.stats().parked == 1
+        assert eng._cache.parked.park(0, p, kv) and eng._cache.stats().parked == 1
         eng.step(StepPlan(release=(0,), unpark=(p + (1,),)))
         assert eng._cache.stats().parked == 0 and eng.match_parked(p + (1,)) == 0
     finally:
