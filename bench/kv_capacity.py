@@ -377,7 +377,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "refusals": tally.refusals,
         "capped": tally.capped,
         "completion_tokens": tally.tokens,
-        "preemptions": engine.preemptions,
+        "preemptions": engine.slot_kv.preemptions,
         "wall_s": wall,
     }
 

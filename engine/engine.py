@@ -139,16 +139,6 @@ class Engine(ServedModel):
     # --- EngineLike ------------------------------------------------------------------------
 
     @property
-    def preemptions(self) -> int:
-        """Sequences moved out of the KV pool for want of blocks (each resumed later)."""
-        return self.slot_kv.preemptions
-
-    @property
-    def parked(self) -> int:
-        """Of the preemptions, those parked in host buffers rather than recomputed."""
-        return self.slot_kv.parked
-
-    @property
     def prefilled_tokens(self) -> int:
         """Prompt tokens run through the model so far (`reused_tokens`: restored instead)."""
         return self._steps.prefilled_tokens

@@ -80,8 +80,8 @@ async def test_preempted_sequences_resume_with_the_same_tokens(
         need = 4 * -(-(40 + NEW) // kv.layout.block_size)  # blocks all four need at the end
         kv._acquire = limited_grants((2 * need) // (3 * (kv.layout.seg_blocks - 1)))  # about two thirds of it
         got = await generate(engine)
-        assert engine.preemptions > 0
-        assert engine.parked == (engine.preemptions if park else 0)
+        assert engine.slot_kv.preemptions > 0
+        assert engine.slot_kv.parked == (engine.slot_kv.preemptions if park else 0)
         assert got == calm
         assert engine._cache.stats().parked == 0  # every parked sequence came back
     finally:

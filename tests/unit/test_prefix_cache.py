@@ -481,6 +481,6 @@ def test_a_sequence_short_of_blocks_evicts_cached_prefixes_before_anyone_is_pree
         prompt = ids(500, (kv.free_blocks + 1) * kv.block_size)  # one block more than is free
         res = eng.step(StepPlan(prefills=(PrefillChunk(0, prompt, 0, True),), sampling={0: GREEDY}))
         assert not res.preempted and [o.slot for o in res.outputs] == [0]
-        assert eng.preemptions == 0
+        assert eng.slot_kv.preemptions == 0
     finally:
         eng.shutdown()
