@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 from ballast.bench.paged_decode import hf_random_model, model_config
-from ballast.engine.config import EngineConfig
+from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import CheckpointRestore, PrefillChunk, SamplingParams, StepPlan
-from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.memory.types import MiB
 
 RESULTS = Path(__file__).parent / "results" / "preemption.json"
