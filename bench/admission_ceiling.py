@@ -130,7 +130,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "verdicts": verdicts.kinds,
         "outcomes": {k: outcomes.count(k) for k in sorted(set(outcomes))},
         "refused_segment_grants": refused_grants,
-        "preemptions": engine.preemptions,
+        "preemptions": engine.slot_kv.preemptions,
         "wall_s": round(wall, 1),
     }
     held_back.release()

@@ -35,10 +35,9 @@ import torch
 from ballast.bench.checkpoint_dir import write_dir
 from ballast.bench.http_load import pct
 from ballast.bench.paged_decode import free_device_memory
-from ballast.engine.config import EngineConfig
+from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import SamplingParams
-from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.memory.config import MemoryConfig
 from ballast.memory.pool import CheckpointPool
 from ballast.scheduler.config import SchedulerConfig

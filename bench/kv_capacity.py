@@ -47,10 +47,9 @@ from typing import Any
 import torch
 from ballast.bench.http_load import write_meminfo
 from ballast.engine.blocks import blocks_for
-from ballast.engine.config import EngineConfig
+from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import SamplingParams
-from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader
 from ballast.memory.specs import kv_bytes_per_token, state_bytes_per_slot
@@ -377,7 +376,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "refusals": tally.refusals,
         "capped": tally.capped,
         "completion_tokens": tally.tokens,
-        "preemptions": engine.preemptions,
+        "preemptions": engine.slot_kv.preemptions,
         "wall_s": wall,
     }
 

@@ -212,7 +212,7 @@ async def walk(args: argparse.Namespace, work: Path | None) -> dict[str, Any]:
             "int8_blocks": int8.figures().used_blocks if int8 else 0,
             "prefix_cache_mib": (cache.bytes_held if cache else 0) / MiB,
             "checkpoint_pool_mib": pool.stats().bytes_held / MiB,
-            "preemptions": engine.preemptions,
+            "preemptions": engine.slot_kv.preemptions,
             "running": sched.active_slots,
             "queued": sched.queue_depth,
         }

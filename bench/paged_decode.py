@@ -53,10 +53,9 @@ from typing import Any
 import torch
 from ballast.bench.hybrid_decode import SMALL_HYBRID_MOE, hf_decode
 from ballast.bench.kv_capacity import LLAMA3_8B, qwen3_next_80b
-from ballast.engine.config import EngineConfig
+from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import LAST_SAMPLED, DecodeToken, PrefillChunk, SamplingParams, StepPlan
-from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.memory.types import GiB
 from ballast.models.builtin import builtin_config
 from ballast.models.gated_delta import fla_installed

@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 from ballast.bench.paged_decode import hf_random_model, model_config
-from ballast.engine.config import EngineConfig
+from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import CheckpointRestore, PrefillChunk, SamplingParams, StepPlan
-from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.memory.types import MiB
 
 RESULTS = Path(__file__).parent / "results" / "preemption.json"
@@ -102,7 +101,7 @@ def bench(name: str, n_tokens: int, repeats: int, chunk: int, work_dir: str | No
             prefill(engine, 0, fed, chunk)
             sync()
             t0 = time.perf_counter()
-            assert engine._cache.park(0, fed, kv)
+            assert engine._cache.parked.park(0, fed, kv)
             park_s.append(time.perf_counter() - t0)
             engine.step(StepPlan(release=(0,)))
             sync()

@@ -1,11 +1,6 @@
-"""The engine's side of a plan's checkpoint orders, and the cache they go to.
-
-One `PrefixCache` holds the prefix checkpoints (when prefix caching is on) and the sequences parked
-by preemption (always): both are slot states kept in pool buffers. Per step, on the engine thread:
-`shed` (the ladder's first rung, and parked sequences the scheduler gave up on), `restore` before
-the forward (a slot starts from a checkpoint or its parked sequence), `save` after it (a slot that
-has consumed exactly a prefix keeps a copy of its state).
-"""
+"""The engine's side of a plan's checkpoint orders (`CheckpointExecutor`), and the cache they go
+to (`build_cache`): one `PrefixCache` holds the prefix checkpoints (when prefix caching is on) and
+the sequences parked by preemption (always)."""
 
 from __future__ import annotations
 
@@ -15,15 +10,11 @@ from collections.abc import Callable, Sequence
 import psutil
 import torch
 from ballast.engine import tensor_parallel
-from ballast.engine.config import EngineConfig
+from ballast.engine.checkpoint_buffers import checkpoint_bytes
+from ballast.engine.config import EngineConfig, PrefixCacheConfig, auto_interval
+from ballast.engine.parked import CheckpointMissing
 from ballast.engine.plan import PlanError, StepPlan
-from ballast.engine.prefix_cache import (
-    CheckpointMissing,
-    PrefixCache,
-    PrefixCacheConfig,
-    auto_interval,
-    checkpoint_bytes,
-)
+from ballast.engine.prefix_cache import PrefixCache
 from ballast.engine.runner import ModelRunner
 from ballast.engine.slot_kv import SlotKV
 from ballast.memory.errors import LedgerFull
@@ -92,11 +83,9 @@ def staging_bytes(
     A save stages the slot's recurrent states on the device and moves them to the host on a side
     stream; a save that finds no staging room copies from the slot itself, and the slot's next
     forward (so the whole next step) waits for that transfer over PCIe. A batch of new
-    conversations ends its prompts together: on an H200, 32 first turns of the 6.2B hybrid (73.7
-    MiB of state each) with room for three took 1.44x as long as with the cache off (TTFT p50,
-    `bench/gpu_prefix.py`, session 11). So room for `checkpoints` of them (a step saves at most
-    one per sequence); where the ledger cannot spare that, room for one; where not even that,
-    none (direct copies)."""
+    conversations ends its prompts together (on an H200, 32 first turns of the 6.2B hybrid with
+    room for three took 1.44x the TTFT p50 of the cache off). So room for `checkpoints` of them (a
+    step saves at most one per sequence), else for one, else none (direct copies)."""
     one = checkpoint_bytes(states)
     if device.type != "cuda" or one == 0:
         return 0  # CPU copies are synchronous; attention-only checkpoints copy no state
@@ -142,7 +131,7 @@ class CheckpointExecutor:
         """The ladder's first rung (WATCH): cached state goes back before anything else shrinks.
         Parked sequences stay: they are running work, not cache (only those the plan unparks go)."""
         for tokens in plan.unpark:
-            self._cache.unpark(tokens)
+            self._cache.parked.unpark(tokens)
         if self._prefix is None:
             if plan.saves:
                 raise PlanError("checkpoint saves sent to an engine whose prefix cache is off")
@@ -173,7 +162,7 @@ class CheckpointExecutor:
                 raise PlanError(
                     f"slot {r.slot}: a restore of {len(r.prefix)} tokens needs a prefill chunk starting there"
                 )
-            home = cache.parked_pool(r.prefix)
+            home = cache.parked.pool_of(r.prefix)
             # A new sequence: what the slot held goes; it lives where its blocks are (a parked one
             # in the pool it was parked from, a checkpoint's in the main pool).
             slot_kv.start([r.slot], [home is not None and home is self._runner.kv_int8])

@@ -7,6 +7,7 @@ are returned by the engine, never written back here.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -192,7 +193,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check(self)
         parse_faults(self.faults)  # a bad value is a start-up error, never ignored
-        if not _valid_device(self.device):
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise ConfigError(f"--device (BALLAST_DEVICE)={self.device!r}: accepted auto, cpu, cuda, cuda:N")
         if self.expert_parallel and self.tensor_parallel_size < 2:
             raise ConfigError(
@@ -244,12 +245,7 @@ class EngineConfig:
         """Whether a GGUF's 4-bit linears stay 4-bit (models/cpu_int4.py): a float32 CPU engine on
         one device, unless --cpu-weights dense; --cpu-weights int4 where that cannot hold is an
         error, not a silent dense load."""
-        possible = (
-            device.type == "cpu"
-            and self.resolved_dtype(device) == torch.float32
-            and self.tensor_parallel_size == 1
-            and cpu_int4.kernels_available()
-        )
+        possible = self._one_float32_cpu(device) and cpu_int4.kernels_available()
         if self.cpu_weights == "int4" and not possible:
             raise ConfigError(
                 "--cpu-weights (BALLAST_CPU_WEIGHTS)=int4 needs a float32 engine on the CPU, one device, "
@@ -263,29 +259,25 @@ class EngineConfig:
         a silent dense load)."""
         if self.cpu_weights != "fp16":
             return False
-        if not (
-            device.type == "cpu"
-            and self.resolved_dtype(device) == torch.float32
-            and self.tensor_parallel_size == 1
-            and cpu_linear.fp16_available()
-        ):
+        if not (self._one_float32_cpu(device) and cpu_linear.fp16_available()):
             raise ConfigError(
                 "--cpu-weights (BALLAST_CPU_WEIGHTS)=fp16 needs a float32 engine on the CPU, one device, "
                 "and torch's FBGEMM fp16 GEMM (x86); use dense here"
             )
         return True
 
+    def _one_float32_cpu(self, device: torch.device) -> bool:
+        """A float32 engine on the CPU, on one device: where a GGUF's linears may stay packed."""
+        return (
+            device.type == "cpu"
+            and self.resolved_dtype(device) == torch.float32
+            and self.tensor_parallel_size == 1
+        )
+
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
-
-
-def _valid_device(device: str) -> bool:
-    if device in ("auto", "cpu", "cuda"):
-        return True
-    head, _, index = device.partition(":")
-    return head == "cuda" and index.isdigit()
 
 
 # Checkpoints closer than this are never worth a split prefill chunk (each split costs a step).

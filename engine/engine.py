@@ -1,10 +1,9 @@
 """The Engine: owns the device, the model runner and the one engine thread.
 
 Every tensor operation (loading, profiling, allocation, each step) runs on a single-worker
-executor, so no allocation or free can race a step in flight (the hazard the seed engine
-catalogued). The scheduler talks to it only through frozen `StepPlan` / `StepResult` values. The
-engine keeps the thread, its health and `submit`; a step itself is the `StepExecutor`'s, built
-around the runner at load (`startup.assemble`).
+executor, so no allocation or free can race a step in flight. The scheduler talks to it only
+through frozen `StepPlan` / `StepResult` values. The engine keeps the thread, its health and
+`submit`; a step itself is the `StepExecutor`'s, built around the runner (`startup.assemble`).
 """
 
 from __future__ import annotations
@@ -19,13 +18,11 @@ import torch
 from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.executor import needs_host_tokens
 from ballast.engine.pipeline import LaunchedStep, StepPipeline
-from ballast.engine.plan import EngineUnhealthy, KVFigures, PlanError, StepPlan, StepResult
+from ballast.engine.plan import EngineUnhealthy, KVFigures, StepPlan, StepResult
 from ballast.engine.served_model import ServedModel
 from ballast.engine.startup import Parts, assemble, bring_up
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.watch import MemWatch
-
-__all__ = ["Engine", "EngineUnhealthy", "PlanError"]
 
 log = logging.getLogger(__name__)
 
@@ -142,25 +139,6 @@ class Engine(ServedModel):
     # --- EngineLike ------------------------------------------------------------------------
 
     @property
-    def preemptions(self) -> int:
-        """Sequences moved out of the KV pool for want of blocks (each resumed later)."""
-        return self.slot_kv.preemptions
-
-    @property
-    def parked(self) -> int:
-        """Of the preemptions, those parked in host buffers rather than recomputed."""
-        return self.slot_kv.parked
-
-    @property
-    def step_failures(self) -> int:
-        """Steps that failed and were recovered (their requests lost)."""
-        return self._steps.step_failures
-
-    @property
-    def last_step_failure(self) -> str | None:
-        return self._steps.last_step_failure
-
-    @property
     def prefilled_tokens(self) -> int:
         """Prompt tokens run through the model so far (`reused_tokens`: restored instead)."""
         return self._steps.prefilled_tokens
@@ -186,16 +164,12 @@ class Engine(ServedModel):
         return self._pipeline.overlapped
 
     def match_parked(self, tokens: Sequence[int]) -> int:
-        """Tokens of `tokens` a parked (preempted) sequence holds: restore them to resume it."""
-        return self._cache.match_parked(tokens)
+        return self._cache.parked.match(tokens)
 
     def match_prefix(self, prompt_ids: Sequence[int]) -> int:
-        """Prompt tokens a restore would cover now (0: none, or prefix caching is off)."""
         return self.prefix_cache.match(prompt_ids) if self.prefix_cache is not None else 0
 
     def kv_figures(self, int8: bool = False) -> KVFigures | None:
-        """A KV pool's figures now: the main one, or the int8 one new sequences use under pressure
-        (None where there is none: no attention layers, or the main pool is int8 already)."""
         return self._steps.kv_figures(int8)
 
     def abandon(self) -> None:

@@ -173,9 +173,9 @@ class StepExecutor:
         touched = sorted(s for s in slots | set(plan.release) if 0 <= s < self.num_slots)
         self._fed.dropped(frozenset(touched))
         for tokens in plan.unpark:
-            self._cache.unpark(tokens)
+            self._cache.parked.unpark(tokens)
         for fed in self._slot_kv.take_parked_in_step():  # parked under exactly what it was fed
-            self._cache.drop_parked(fed)
+            self._cache.parked.drop(fed)
         if plan.shed_prefix_cache and self._prefix_cache is not None:
             self._prefix_cache.shed()
         self._apply_slot_limit(plan)
@@ -197,7 +197,7 @@ class StepExecutor:
         segments, the leases and the runner."""
         self._runner.graph_runner.release_graphs()
         self._cache.shed()  # buffers back to the pool, which the owner trims
-        self._cache.unpark_all()
+        self._cache.parked.drop_all()
         if self._pool is not None:
             self._pool.free_copied(wait=True)  # nothing runs any more: wait for the last copies
         for pool in self._runner.pools:

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         tok = engine.tokenizer
-        use_chat = not args.raw and tok.has_chat_template
+        use_chat = not args.raw and tok.chat_template is not None
         ids = (
             tok.apply_chat_template([{"role": "user", "content": args.prompt}])
             if use_chat

@@ -7,11 +7,8 @@ from them (`attach`, copying the last block if it is partly filled, since the ne
 write into it). When the free blocks run out the pool adds a segment, if the memory layer grants
 one (`acquire`: a VRAM ledger lease on CUDA, the host budget on the CPU); `shrink` gives whole
 free segments back. Nothing here runs while a step is in flight: the engine calls it between steps,
-so no block an executing kernel reads is ever freed or moved.
-
-`KVManager` is the one owner of a model's pools (the main one and the int8 one beside it) and of
-which pool each slot's sequence lives in; the models see only the attention backend it builds
-over the stores (their blocks, block tables and that per-slot table).
+so no block an executing kernel reads is ever freed or moved. `KVManager` owns a model's pools;
+the models see only the attention backend it builds over their stores.
 """
 
 from __future__ import annotations
@@ -129,7 +126,8 @@ class KVPool:
         """Pack the blocks in use into the lowest segments (contents copied, tables rewritten) so
         that `shrink` can give back segments that only a few scattered blocks kept. Returns the
         moves; holders of block ids outside the tables (the prefix cache) must follow them."""
-        slots_before = {slot: self.alloc.table(slot) for slot in self._slots()}
+        rows = range(self.layout.table_rows)
+        slots_before = {slot: self.alloc.table(slot) for slot in rows if self.alloc.count(slot)}
         moves = self.alloc.compact()
         for src, dst in moves.items():
             self.store.copy_block(src, dst)
@@ -139,18 +137,15 @@ class KVPool:
                 self.store.set_table(slot, 0, after)
         return moves
 
-    def _slots(self) -> list[int]:
-        return [slot for slot in range(self.layout.table_rows) if self.alloc.count(slot)]
-
     def has_surplus(self, keep_free_blocks: int) -> bool:
         """The free blocks beyond `keep_free_blocks` fill a whole segment: shrinking could give
         one back (after `compact`)."""
         return self.alloc.free_blocks - keep_free_blocks >= self.layout.seg_blocks
 
-    def shrink(self, keep_segments: int = 0, keep_free_blocks: int = 0) -> int:
-        """Give back every segment with no block in use, keeping `keep_segments` live at least and
-        `keep_free_blocks` free blocks at least; returns the bytes released."""
-        gone = self.alloc.remove_free_segments(keep_segments, keep_free_blocks)
+    def shrink(self, keep_free_blocks: int = 0) -> int:
+        """Give back every segment with no block in use, keeping `keep_free_blocks` free blocks at
+        least; returns the bytes released."""
+        gone = self.alloc.remove_free_segments(keep_free=keep_free_blocks)
         if not gone:
             return 0
         self.store.release_segments(gone)

@@ -27,7 +27,6 @@ from ballast.engine.sampler import Sampler
 from ballast.engine.sampling_defaults import GenerationConfigError
 from ballast.engine.tokenizer import Tokenizer, TokenizerError
 from ballast.memory.admission import admit_load_spike, admit_model_load
-from ballast.memory.config import MemoryConfig
 from ballast.memory.errors import MemoryRefused
 from ballast.memory.ledger import Lease
 from ballast.memory.specs import kv_bytes_per_token, state_bytes_per_slot
@@ -155,17 +154,21 @@ def planned_weights_bytes(hf_config: dict[str, Any], dtype: torch.dtype) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def slot_bytes_at_load(
+def bytes_beside_weights(
     hf_config: Mapping[str, Any], config: EngineConfig, dtype: torch.dtype
-) -> tuple[int, int]:
-    """(bytes allocated for the slots at load: recurrent states and sampler buffers, bytes of KV
-    for one sequence at max_model_len: the least a pool must be able to hold to serve it)."""
+) -> tuple[int, int, int]:
+    """What a load needs besides the weights: (bytes allocated for the slots at load: recurrent
+    states and sampler buffers, bytes of KV for one sequence at max_model_len: the least a pool
+    must be able to hold to serve it, the prefill activations)."""
     with torch.device("meta"):
         specs = model_class(hf_config).from_hf_config(hf_config).layer_specs(dtype_bytes(dtype))
     slots = config.max_num_seqs + 1  # the decode graphs' scratch slot
     vocab = int(hf_config.get("vocab_size", 0))
     fixed = slots * state_bytes_per_slot(specs) + Sampler.planned_bytes(config.max_num_seqs, vocab)
-    return fixed, kv_bytes_per_token(specs) * config.max_model_len
+    activations = analytic_activation_bytes(
+        hf_config, config.prefill_chunk_tokens, config.max_model_len, dtype_bytes(dtype)
+    )
+    return fixed, kv_bytes_per_token(specs) * config.max_model_len, activations
 
 
 def admit_load(
@@ -175,7 +178,6 @@ def admit_load(
     dtype: torch.dtype,
     weights: int,
     watch: MemWatch | None,
-    mem_config: MemoryConfig,
     *,
     host_staging: int = 0,
 ) -> None:
@@ -186,11 +188,9 @@ def admit_load(
     dequantized whole, safetensors read ahead), checked against the host with the load spike."""
     if watch is None:
         return  # tests and tools without a memory layer
+    mem_config = watch.config
     state: MemState = watch.poll_now()
-    fixed, one_seq = slot_bytes_at_load(hf_config, config, dtype)
-    activations = analytic_activation_bytes(
-        hf_config, config.prefill_chunk_tokens, config.max_model_len, dtype_bytes(dtype)
-    )
+    fixed, one_seq, activations = bytes_beside_weights(hf_config, config, dtype)
     resident = weights + fixed + one_seq + activations
     host = resident + host_staging if device.type == "cpu" else host_staging
     spike = admit_load_spike(mem_config.load_spike_bytes, state, host_weights_bytes=host)
@@ -199,7 +199,7 @@ def admit_load(
     if device.type != "cuda":
         return
     free, total = torch.cuda.mem_get_info(device)
-    ceiling = watch.ledger.register_die(_die(device), total, free)
+    ceiling = watch.ledger.register_die(die_index(device), total, free)
     verdict = admit_model_load(
         weights + fixed,
         one_seq,
@@ -211,7 +211,8 @@ def admit_load(
         raise ModelLoadRefused(verdict)
 
 
-def _die(device: torch.device) -> int:
+def die_index(device: torch.device) -> int:
+    """The CUDA device's index (the current one where it names none)."""
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
@@ -219,7 +220,6 @@ def load(
     config: EngineConfig, device: torch.device, dtype: torch.dtype, watch: MemWatch | None = None
 ) -> LoadedModel:
     """Load the model config.model names onto device in dtype, after the memory layer agrees."""
-    mem_config = watch.config if watch is not None else MemoryConfig()
     source = resolve(config.model)
     tok_dir = None if config.tokenizer is None else Path(config.tokenizer)
     if tok_dir is not None and not tok_dir.is_dir():
@@ -228,7 +228,7 @@ def load(
     if source.kind == "builtin":
         hf_config = builtin.builtin_config(source.name)
         weights = planned_weights_bytes(hf_config, dtype)
-        admit_load(hf_config, config, device, dtype, weights, watch, mem_config)
+        admit_load(hf_config, config, device, dtype, weights, watch)
         model = builtin.build_builtin(source.name, dtype=dtype, device=device)
         tokenizer = LazyTokenizer(
             lambda: Tokenizer(build_tokenizer(read_gguf(default_model_path()).metadata))
@@ -239,16 +239,8 @@ def load(
         hf_config = gguf_config(gf)
         weights = sum(math.prod(t.shape) for t in gf.tensors.values()) * dtype_bytes(dtype)
         # The GGUF is dequantized whole in host memory before it moves to a GPU.
-        admit_load(
-            hf_config,
-            config,
-            device,
-            dtype,
-            weights,
-            watch,
-            mem_config,
-            host_staging=weights if device.type == "cuda" else 0,
-        )
+        staging = weights if device.type == "cuda" else 0
+        admit_load(hf_config, config, device, dtype, weights, watch, host_staging=staging)
         q4 = _int4_weights(gf, hf_config) if config.cpu_int4(device) else {}
         model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype, skip=q4), device)
         if q4:
@@ -263,9 +255,7 @@ def load(
         hf_config = ckpt.config
         keep_fp8 = config.keeps_fp8(device)
         weights = ckpt.weights_bytes(dtype, keep_fp8)
-        admit_load(
-            hf_config, config, device, dtype, weights, watch, mem_config, host_staging=ckpt.transient_bytes()
-        )
+        admit_load(hf_config, config, device, dtype, weights, watch, host_staging=ckpt.transient_bytes())
         model = load_hf_model(ckpt, dtype=dtype, device=device, keep_fp8=keep_fp8)
         path = source.path
         tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(path))
@@ -274,7 +264,7 @@ def load(
     leases: list[Lease] = []
     held = weights_bytes(model) + packed_bytes(model)  # FBGEMM's packed fp16 weights are not tensors
     if watch is not None and device.type == "cuda":
-        leases.append(watch.ledger.lease(_die(device), held, f"weights:{source.name}"))
+        leases.append(watch.ledger.lease(die_index(device), held, f"weights:{source.name}"))
     return LoadedModel(
         source, model.eval(), dict(hf_config), tokenizer, held, time.perf_counter() - t0, leases
     )

@@ -140,10 +140,7 @@ class ParkedSequences:
     def unpark(self, tokens: Sequence[int]) -> bool:
         """Drop the parked sequence that `tokens` would resume (its request ended while it waited)."""
         n = self.match(tokens)
-        if n == 0:
-            return False
-        self._release(self._take(prefix_key(tokens[:n])))
-        return True
+        return n > 0 and self.drop(tokens[:n])
 
     def drop(self, tokens: Sequence[int]) -> bool:
         """Drop the sequence parked with exactly these tokens (a step that parked it failed, so

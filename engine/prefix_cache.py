@@ -10,16 +10,12 @@ shared by reference with the slot (the pool's own blocks, not a copy; a slot res
 copies only a partly filled last block), and a copy of every recurrent layer's conv + recurrent
 state.
 
-Recurrent copies live in buffers from the memory layer's `CheckpointPool` (pinned on CUDA, so the
-copies run at full speed, and recycled, so a new checkpoint does not page-fault a fresh mmap; the
-saves of a full batch of requests find their buffers there from load on, so a burst of saves
-allocates nothing inside a step). On CUDA neither a save nor a restore waits on the host: the
-copies run on a side stream and are ordered against later users on the device (`state_copies`). The
-cache is bounded by a live byte budget (a fraction of the effective, cgroup-aware host memory)
-that counts the buffers it holds and the KV blocks it keeps alive; it evicts least recently used
-entries to fit (and when the KV pool runs short of blocks), and is emptied by `shed()` when the
-ladder reaches WATCH: cached state is the cheapest memory to give back, since nothing running
-depends on it.
+Recurrent copies live in buffers from the memory layer's `CheckpointPool` (pinned on CUDA so the
+copies run at full speed, recycled so a new checkpoint does not page-fault a fresh mmap); on CUDA
+they run on a side stream ordered on the device (`state_copies`), so neither a save nor a restore
+waits on the host. A live byte budget (a fraction of the effective, cgroup-aware host memory)
+bounds the buffers and the KV blocks held: least recently used entries are evicted to fit, and
+`shed()` empties the cache at WATCH, since cached state is the cheapest memory to give back.
 
 Threads: `match` runs on the event loop (the scheduler asks it while building a plan); every other
 method runs on the engine thread. The index is guarded by a lock. Entries change only inside a step
@@ -50,7 +46,6 @@ from ballast.engine.checkpoint_buffers import (
     layout,
     segment,
 )
-from ballast.engine.config import MIN_INTERVAL, PrefixCacheConfig, auto_interval
 from ballast.engine.kv_pool import KVPool
 from ballast.engine.parked import CheckpointMissing, ParkedSequences
 from ballast.engine.prefix_keys import CacheListener, PrefixKey, forget_length, longest, prefix_key
@@ -60,15 +55,6 @@ from ballast.models.state import LayerState
 from torch import Tensor
 
 log = logging.getLogger(__name__)
-
-__all__ = [
-    "MIN_INTERVAL",
-    "CheckpointMissing",
-    "PrefixCache",
-    "PrefixCacheConfig",
-    "auto_interval",
-    "checkpoint_bytes",
-]
 
 
 @dataclass(frozen=True)
@@ -127,7 +113,7 @@ class PrefixCache:
         self._copies = StateCopies(self._device, staging_bytes)
         # Tensor parallel: where the copies are recorded for the other ranks (`ops` None: one rank).
         self.journal = CheckpointJournal()
-        self._parked = ParkedSequences(self._states, kv, pool, self._device, self.journal)
+        self.parked = ParkedSequences(self._states, kv, pool, self._device, self.journal)
         # Told of every entry stored, evicted or shed (the KV-event publisher; None: nobody).
         self.listener: CacheListener | None = None
 
@@ -138,23 +124,20 @@ class PrefixCache:
         with self._lock:
             return longest(self._lengths, self._entries, prompt)
 
-    def match_parked(self, tokens: Sequence[int]) -> int:
-        return self._parked.match(tokens)
-
     def entry_keys(self) -> frozenset[PrefixKey]:
         """The names (`prefix_key`) of the checkpoints held now."""
         with self._lock:
             return frozenset(self._entries)
 
     def stats(self) -> PrefixCacheStats:
-        parked, parked_bytes = self._parked.held()
+        parked, parked_bytes = self.parked.held()
         with self._lock:
             return PrefixCacheStats(
                 len(self._entries),
                 self._held,
                 self._saves,
                 self._duplicates,
-                self._declined + self._parked.declined,
+                self._declined + self.parked.declined,
                 self._restores,
                 self._evictions,
                 self._sheds,
@@ -206,28 +189,11 @@ class PrefixCache:
             self.listener.stored(key, prefix)
         return True
 
-    def park(self, slot: int, tokens: Sequence[int], kv: KVPool) -> bool:
-        """Move a sequence the engine is preempting out of `kv` (`ParkedSequences.park`); `restore`
-        of the same tokens brings it back without a recompute."""
-        return self._parked.park(slot, tokens, kv)
-
-    def unpark(self, tokens: Sequence[int]) -> bool:
-        return self._parked.unpark(tokens)
-
-    def drop_parked(self, tokens: Sequence[int]) -> bool:
-        return self._parked.drop(tokens)
-
-    def unpark_all(self) -> None:
-        self._parked.drop_all()
-
-    def parked_pool(self, prefix: Sequence[int]) -> KVPool | None:
-        return self._parked.pool_of(prefix)
-
     def restore(self, slot: int, prefix: Sequence[int]) -> int:
         """Start the (empty) slot from the parked sequence or the checkpoint of exactly `prefix`;
         returns its token count. A parked sequence needs fresh blocks in its pool: CheckpointMissing
         when they cannot be had (it stays parked)."""
-        resumed = self._parked.resume(slot, prefix, self.evict_for_blocks)
+        resumed = self.parked.resume(slot, prefix, self.evict_for_blocks)
         if resumed is not None:
             with self._lock:
                 self._restores += 1

@@ -150,7 +150,7 @@ class SlotKV:
             grant = watch.host_book.take(need, lambda: watch.exact().host_budget_bytes)
             if grant is None:
                 return
-        if self._cache.park(slot, fed, pool):
+        if self._cache.parked.park(slot, fed, pool):
             self.parked += 1
             self._parked_in_step.append(tuple(fed))
             if grant is not None:
@@ -160,8 +160,7 @@ class SlotKV:
 
 
 def _lacking(kv: KVPool, slot: int, n_tokens: int) -> int:
-    """Blocks the slot's table lacks to hold n_tokens: the free blocks it needs. (Counting only
-    what the free blocks lack, as this once did, asked the cache to evict until that many were
-    free: with some blocks free but too few, it evicted nothing and a sequence was preempted
-    beside thousands of evictable cached blocks; the soak saw it.)"""
+    """Blocks the slot's table lacks to hold n_tokens: the free blocks it needs (not what the free
+    blocks lack: with some free but too few, that evicts nothing and preempts a sequence beside
+    evictable cached blocks)."""
     return max(0, -(-n_tokens // kv.layout.block_size) - len(kv.table(slot)))

@@ -16,13 +16,11 @@ from typing import Any
 
 import torch
 from ballast.engine.config import EngineConfig
-from ballast.engine.loading import ModelLoadRefused, slot_bytes_at_load
-from ballast.engine.runner import analytic_activation_bytes
+from ballast.engine.loading import ModelLoadRefused, bytes_beside_weights
 from ballast.memory.admission import DieSlice, admit_load_spike, admit_model_load_split
 from ballast.memory.config import MemoryConfig
 from ballast.memory.types import Verdict
 from ballast.memory.watch import MemWatch
-from ballast.models.state import dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -50,10 +48,7 @@ def die_need(
     shard_weights: int,
     mem_config: MemoryConfig,
 ) -> DieNeed:
-    fixed, one_seq = slot_bytes_at_load(hf_shard, config, dtype)
-    activations = analytic_activation_bytes(
-        hf_shard, config.prefill_chunk_tokens, config.max_model_len, dtype_bytes(dtype)
-    )
+    fixed, one_seq, activations = bytes_beside_weights(hf_shard, config, dtype)
     return DieNeed(
         shard_weights + fixed,
         one_seq,

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import torch
 from ballast.engine import tensor_parallel, threads
 from ballast.engine.checkpoint_orders import CheckpointExecutor, build_cache
-from ballast.engine.config import EngineConfig
+from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.executor import StepExecutor
 from ballast.engine.injected_faults import FaultInjector
 from ballast.engine.kv_budget import capacity_line, segment_grant
 from ballast.engine.loading import LoadedModel, load
-from ballast.engine.prefix_cache import PrefixCache, PrefixCacheConfig
+from ballast.engine.prefix_cache import PrefixCache
 from ballast.engine.runner import (
     ModelRunner,
     Profile,

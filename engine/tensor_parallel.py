@@ -44,6 +44,7 @@ from ballast.engine.loading import (
     ModelSource,
     ModelSpecError,
     admit_load,
+    die_index,
     resolve,
 )
 from ballast.engine.runner import weights_bytes
@@ -243,7 +244,7 @@ def load_sharded(
         hf, fp8 = ckpt.config, kept_fp8(ckpt, config, device)
     check_tensor_parallel(hf, config.tensor_parallel_size, config.expert_parallel)
     if device.type == "cuda":
-        first, have = _die(device), torch.cuda.device_count()
+        first, have = die_index(device), torch.cuda.device_count()
         if first + config.tensor_parallel_size > have:
             raise ModelSpecError(
                 f"tensor-parallel size {config.tensor_parallel_size} needs GPUs {first}.."
@@ -259,7 +260,7 @@ def load_sharded(
         )
     # Rank 0's die (or, on the CPU, the host that holds every rank) must fit its share.
     ranks_here = 1 if device.type == "cuda" else config.tensor_parallel_size
-    admit_load(hf_shard, config, device, dtype, shard_weights * ranks_here, watch, mem_config)
+    admit_load(hf_shard, config, device, dtype, shard_weights * ranks_here, watch)
     # A timed-out NCCL collective aborts its communicators and raises, rather than the default
     # of taking the whole process (the server) down. NVLink SHARP (multicast) stays off unless
     # the operator turns it on: the hosts we run on do not lend it. Set before the workers are
@@ -275,7 +276,7 @@ def load_sharded(
         workers.watch(nccl=device.type == "cuda")
         if device.type == "cuda" and watch is not None:
             leases.append(
-                watch.ledger.lease(_die(device), weights_bytes(model), f"weights:{source.name}:tp0")
+                watch.ledger.lease(die_index(device), weights_bytes(model), f"weights:{source.name}:tp0")
             )
             for r in ready:
                 assert r.die is not None
@@ -304,10 +305,6 @@ def load_sharded(
 def _path(source: ModelSource) -> Path:
     assert source.path is not None
     return source.path
-
-
-def _die(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def dies_of(config: EngineConfig) -> list[int]:

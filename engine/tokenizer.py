@@ -91,10 +91,6 @@ class Tokenizer:
         return len(self.hf)
 
     @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
-
-    @property
     def chat_template(self) -> str | None:
         template = getattr(self.hf, "chat_template", None)
         return str(template) if template else None
@@ -105,15 +101,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # add_special_tokens adds a BOS where the tokenizer wants one (llama-style); split_special
         # keeps a user's literal "<|im_end|>" as plain text instead of a control token.
-        ids = self.hf(_unicode(text), add_special_tokens=add_special_tokens, split_special_tokens=True)[
-            "input_ids"
-        ]
-        return [int(i) for i in ids]
+        return self._ids(text, special=False, bos=add_special_tokens)
 
     @property
     def template_knows_tools(self) -> bool:
         """The chat template renders a `tools` list (else a caller must describe tools itself)."""
-        return "tools" in str(getattr(self.hf, "chat_template", "") or "")
+        return "tools" in (self.chat_template or "")
 
     def apply_chat_template(
         self,
@@ -123,17 +116,16 @@ class Tokenizer:
         special_tokens_in_content: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        if not self.has_chat_template:
+        if self.chat_template is None:
             raise TokenizerError("this model's tokenizer has no chat template; use a raw completion")
-        if special_tokens_in_content or self._special_re is None:
-            return self._ids(self.render_chat(messages, tools, template_kwargs), special=True)
         # Every string the client sent (content, names, tool descriptions and schemas, a call's
         # arguments: the template may render any of them, often through `tojson`) has each
         # special-token spelling swapped for a placeholder; the template's own markers are then
         # parsed, and each placeholder becomes its spelling tokenized as text.
         spelled: list[str] = []
-        marked_messages = [self._mask(m, spelled) for m in messages]
-        marked_tools = [self._mask(t, spelled) for t in tools] if tools else None
+        if not special_tokens_in_content and self._special_re is not None:
+            marked_messages = [self._mask(m, spelled) for m in messages]
+            marked_tools = [self._mask(t, spelled) for t in tools] if tools else None
         if not spelled:  # the common case: nothing to keep apart
             return self._ids(self.render_chat(messages, tools, template_kwargs), special=True)
         pieces = _PLACEHOLDER.split(self.render_chat(marked_messages, marked_tools, template_kwargs))
@@ -189,10 +181,10 @@ class Tokenizer:
             raise TokenizerError(f"chat template rendered {type(text).__name__}, expected text")
         return text
 
-    def _ids(self, text: str, *, special: bool) -> list[int]:
-        if not text:
+    def _ids(self, text: str, *, special: bool, bos: bool = False) -> list[int]:
+        if not text and not bos:
             return []
-        ids = self.hf(_unicode(text), add_special_tokens=False, split_special_tokens=not special)["input_ids"]
+        ids = self.hf(_unicode(text), add_special_tokens=bos, split_special_tokens=not special)["input_ids"]
         return [int(i) for i in ids]
 
     def token_bytes(self, token_id: int) -> bytes:

@@ -56,8 +56,8 @@ class AdmissionGate:
         if len(req.prompt_ids) + req.max_tokens > self.context_window:
             raise ContextTooLong(len(req.prompt_ids), req.max_tokens, self.context_window)
         self._gov.check_submit()
-        if roster.queue.full:
-            raise QueueFull(self._cfg.retry_after_s, roster.queue.max_size)
+        if len(roster.queue) >= self._cfg.max_queue:
+            raise QueueFull(self._cfg.retry_after_s, self._cfg.max_queue)
         slot_free = roster.slots.has_free(self.slot_limit)
         if (late := self._wait_bound.late(len(roster.queue), 0.0, slot_free)) is not None:
             raise late
@@ -70,7 +70,7 @@ class AdmissionGate:
         # While a REJECT holds the queue, a request no wait would serve learns it now, not after it.
         if self._gov.holding and (unservable := self._unservable(seq)) is not None:
             raise unservable
-        roster.queue.push(seq)
+        roster.queue.append(seq)
         return seq
 
     # --- while requests wait ------------------------------------------------------------------
@@ -128,7 +128,8 @@ class AdmissionGate:
     def admit_head(self) -> Seq | None:
         """Give the queue head a slot if memory and the ladder allow; FCFS: never skip the head."""
         roster = self._roster
-        while (seq := roster.queue.head()) is not None:
+        while roster.queue:
+            seq = roster.queue[0]
             if (
                 self._gov.holding
                 or not roster.slots.has_free(self.slot_limit)

@@ -84,7 +84,6 @@ class Governor:
         # Steps failing for want of memory raise the level too; it calms one rung per retry-after
         # (at least a second), so a client that retries as told finds the server a rung calmer.
         self._faults = FaultPressure(max(1.0, settings.retry_after_s))
-        self._planned = Level.OK  # the level the ladder plan was made for
         self.denials = 0
 
     # --- per step -------------------------------------------------------------------------
@@ -94,8 +93,7 @@ class Governor:
         self._stale = self._staleness(state)
         self._state = state
         level = max(self.snapshot_level, self.fault_level)
-        if level != self._planned:
-            self._planned = level
+        if level != self._plan.level:
             self._plan = plan_for(level, self._s.ladder, disabled=self._s.ladder_disable)
         self._decay(state)
 
@@ -126,7 +124,7 @@ class Governor:
     ) -> Verdict:
         """What `admit` would decide now, without counting it or acting on it."""
         window = self._plan.context_window
-        if self._state is None:  # no memory signals: only the window applies (fail open, as the seed does)
+        if self._state is None:  # no memory signals: only the window applies (fail open)
             fit = min(n_prompt + max_tokens, window)
             kind = VerdictKind.ADMIT if fit == n_prompt + max_tokens else VerdictKind.CAP
             if fit > n_prompt:
@@ -183,15 +181,10 @@ class Governor:
         return self._faults.level(time.monotonic())
 
     @property
-    def fault_reason(self) -> str | None:
-        """Why steps failing on memory raise the level now, or None."""
-        return self._faults.reason(time.monotonic())
-
-    @property
     def failing_steps(self) -> str | None:
         """Why new work should go elsewhere while steps keep failing for want of memory (the level
         they raised is TIGHT or worse); None when they are calm."""
-        return self.fault_reason if self.fault_level >= Level.TIGHT else None
+        return self._faults.reason(time.monotonic()) if self.fault_level >= Level.TIGHT else None
 
     @property
     def pressure_level(self) -> Level:
@@ -230,7 +223,7 @@ class Governor:
     def _pressure_reason(self) -> str:
         if self._stale:
             return self._stale
-        faults = self.fault_reason
+        faults = self._faults.reason(time.monotonic())
         if faults is not None and self.snapshot_level < Level.CRITICAL and self._pin <= self.fault_level:
             return faults
         return f"memory pressure {self.pressure_level.name}"
@@ -245,20 +238,13 @@ class Governor:
     def _decay(self, state: MemState | None) -> None:
         if self._pin is Level.OK:
             return
-        if state is None:
-            # No signals to wait for: the reject was about the window alone, nothing to hold.
-            self._clear_pin()
-        elif state.seq != self._pin_seq and state.level <= self._pin_snapshot_level:
-            self._clear_pin()
+        # Without signals the reject was about the window alone: nothing to hold.
+        if state is None or (state.seq != self._pin_seq and state.level <= self._pin_snapshot_level):
+            self._pin, self._pin_seq, self._pin_snapshot_level = Level.OK, -1, Level.OK
         elif state.level > self._pin_snapshot_level:
             # Worse than when we were refused: follow it up (CRITICAL refuses the queue).
             self._pin = max(self._pin, state.level)
             self._pin_snapshot_level = state.level
-
-    def _clear_pin(self) -> None:
-        self._pin = Level.OK
-        self._pin_seq = -1
-        self._pin_snapshot_level = Level.OK
 
 
 class FaultPressure:

@@ -99,20 +99,19 @@ class KVPolicy:
         self._shrink_sent = False  # the engine was told to give free KV segments back
         self._keep = KVKeep()  # the free blocks the last plan's shrink would keep
 
-    def starts_in_int8(self, n_tokens: int, running: list[Charge]) -> bool:
-        """The quantized-KV rung (WATCH) puts a new sequence in int8 blocks so that the KV memory it
-        adds costs fewer bytes. Free blocks the main pool already holds cost no new memory at all,
-        so a sequence they hold whole starts there: the int8 pool would otherwise have to grow just
-        when memory is short (measured on an H200: another process taking the die's free VRAM held
-        every new request for the whole squeeze, beside a main pool with blocks to spare)."""
+    def in_int8(self, seq: Seq, n_tokens: int, running: list[Charge]) -> bool:
+        """Whether `seq` (n_tokens: what it would be charged) lives in int8 blocks: as decided at its
+        first admission, else as it would start now. The quantized-KV rung (WATCH) puts a new
+        sequence in int8 blocks so that the KV memory it adds costs fewer bytes. Free blocks the main
+        pool already holds cost no new memory at all, so a sequence they hold whole starts there:
+        the int8 pool would otherwise have to grow just when memory is short (measured on an H200:
+        another process taking the die's free VRAM held every new request for the whole squeeze,
+        beside a main pool with blocks to spare)."""
+        if seq.int8_kv is not None:
+            return seq.int8_kv
         if not self._gov.ladder.force_quantized_kv or self.room.int8 is None:
             return False
         return not self.room.holds(False, n_tokens, running)
-
-    def in_int8(self, seq: Seq, n_tokens: int, running: list[Charge]) -> bool:
-        """Whether `seq` (n_tokens: what it would be charged) lives in int8 blocks: as decided at its
-        first admission, else as it would start now."""
-        return seq.int8_kv if seq.int8_kv is not None else self.starts_in_int8(n_tokens, running)
 
     def waits_for_blocks(
         self, n_prompt: int, max_tokens: int, int8: bool, running: list[Charge], busy: bool

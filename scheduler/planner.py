@@ -18,8 +18,6 @@ end is known to finish, and is left out.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
-from dataclasses import dataclass
 
 from ballast.engine.interface import EngineLike
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
@@ -35,37 +33,6 @@ from ballast.scheduler.sequence import Phase, Seq
 # Tokens per prefill chunk of a request that scores its prompt: the model returns a row of
 # logits (vocabulary-sized, float32) for every one of them.
 PROMPT_LOGPROBS_CHUNK = 256
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """What the lookahead needs of a running request: tokens generated so far (N's not counted),
-    its limit and its sampling parameters."""
-
-    generated: int
-    max_tokens: int
-    params: SamplingParams
-
-
-def next_decodes(plan: StepPlan, running: Mapping[int, Decoding], max_model_len: int) -> StepPlan | None:
-    """The decode-only plan that follows `plan` for the requests in `running` (by slot), or None
-    when it cannot be built ahead: a running request samples nothing in `plan` (it is still
-    prefilling), or no request goes on."""
-    rows = [(d.slot, d.pos + 1) for d in plan.decodes]
-    rows += [(p.slot, p.start_pos + len(p.token_ids)) for p in plan.prefills if p.sample]
-    if {slot for slot, _ in rows} != set(running):
-        return None
-    decodes = []
-    sampling: dict[int, SamplingParams] = {}
-    for slot, pos in rows:
-        req = running[slot]
-        if req.generated + 1 >= req.max_tokens or pos >= max_model_len:
-            continue  # plan's token is its last
-        decodes.append(DecodeToken.ahead(slot, pos))
-        sampling[slot] = req.params
-    if not decodes:
-        return None
-    return StepPlan(decodes=tuple(decodes), sampling=sampling)
 
 
 class StepPlanner:
@@ -167,8 +134,10 @@ class StepPlanner:
         return chunk
 
     def lookahead(self, plan: StepPlan, closing: bool) -> StepPlan | None:
-        """The plan after `plan`, built before its tokens are back, where nothing but decoding is
-        going on: no queue, no release or checkpoint to send, the ladder at rest."""
+        """The decode-only plan after `plan`, built before its tokens are back, where nothing but
+        decoding is going on: no queue, no release or checkpoint to send, the ladder at rest, every
+        running request sampling in `plan` (none still prefilling) and one at least going on
+        (`plan`'s token is not the last of each: its max_tokens, or the context's end)."""
         roster = self._roster
         if (
             not self._overlap
@@ -180,12 +149,19 @@ class StepPlanner:
             or self.engine_slots_wanted != self._engine_slots
         ):
             return None
-        running = {
-            seq.slot: Decoding(len(seq.output), seq.max_tokens, seq.req.params)
-            for seq in roster.running
-            if seq.slot is not None
-        }
-        return next_decodes(plan, running, self._engine.max_model_len)
+        running = {seq.slot: seq for seq in roster.running if seq.slot is not None}
+        rows = [(d.slot, d.pos + 1) for d in plan.decodes]
+        rows += [(p.slot, p.start_pos + len(p.token_ids)) for p in plan.prefills if p.sample]
+        if {slot for slot, _ in rows} != set(running):
+            return None
+        decodes = []
+        sampling: dict[int, SamplingParams] = {}
+        for slot, pos in rows:
+            seq = running[slot]  # its output does not count plan's token yet
+            if len(seq.output) + 1 < seq.max_tokens and pos < self._engine.max_model_len:
+                decodes.append(DecodeToken.ahead(slot, pos))
+                sampling[slot] = seq.req.params
+        return StepPlan(decodes=tuple(decodes), sampling=sampling) if decodes else None
 
     @property
     def engine_slots_wanted(self) -> int:

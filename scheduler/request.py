@@ -134,10 +134,6 @@ class RequestHandle:
         self.finish: FinishEvent | None = None  # set once the reader has received it
 
     @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
     def finished(self) -> bool:
         """The scheduler is done with the request (its FinishEvent is in the mailbox or read)."""
         return self._mailbox.closed

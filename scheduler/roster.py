@@ -3,8 +3,7 @@
 The roster is the one place a request changes place (admitted to a slot, sent back to the queue)
 or ends, and the one that applies a step's result to requests. Per-request state (`Seq`) changes
 only here and in the planner that chunks its prompt: the field-tested failure mode is a request
-object mutated by scheduler, allocator and runner at once. A slot freed by a finished or aborted
-request is released in the next plan and reused only after that plan has run.
+object mutated by scheduler, allocator and runner at once.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
 
 from ballast.engine.plan import SlotOutput, StepFailed, StepPlan, StepResult
 from ballast.scheduler.checkpoints import TurnSaves
@@ -115,10 +113,6 @@ class SlotTable:
         return bool(self._unsent_releases())
 
     @property
-    def free(self) -> int:
-        return self._state.count(SlotState.FREE)
-
-    @property
     def highest_held(self) -> int:
         """1 + the highest slot not free (0 if all free): the engine may not shrink below it."""
         for slot in range(self.capacity - 1, -1, -1):
@@ -128,58 +122,17 @@ class SlotTable:
 
     @property
     def idle(self) -> bool:
-        return self.free == self.capacity
-
-
-class WaitingQueue:
-    """The bounded waiting queue: accepted requests that hold no slot yet. First come, first
-    served. Only the head is ever admitted, so a request can never be overtaken by a later one (no
-    starvation); removal from the middle (abort, deadline, refusal at CRITICAL) goes through
-    `remove`."""
-
-    def __init__(self, max_size: int) -> None:
-        if max_size < 0:
-            raise ValueError("queue size must be >= 0")
-        self.max_size = max_size
-        self._items: deque[Seq] = deque()
-
-    @property
-    def full(self) -> bool:
-        return len(self._items) >= self.max_size
-
-    def push(self, item: Seq) -> None:
-        """The caller checks `full` first and raises its typed refusal; this is the guard."""
-        if self.full:
-            raise OverflowError(f"waiting queue is full ({self.max_size})")
-        self._items.append(item)
-
-    def push_front(self, item: Seq) -> None:
-        """Put back a request that already held a slot (preempted), ahead of everyone: it was
-        admitted before any of them. It may exceed max_size by the requests preempted at once."""
-        self._items.appendleft(item)
-
-    def head(self) -> Seq | None:
-        return self._items[0] if self._items else None
-
-    def pop_head(self) -> Seq:
-        return self._items.popleft()
-
-    def remove(self, item: Seq) -> None:
-        self._items.remove(item)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator[Seq]:
-        return iter(self._items)
+        return all(st is SlotState.FREE for st in self._state)
 
 
 class Roster:
-    def __init__(
-        self, num_slots: int, max_queue: int, turns: TurnSaves, service: ServiceRate, eos: frozenset[int]
-    ) -> None:
+    def __init__(self, num_slots: int, turns: TurnSaves, service: ServiceRate, eos: frozenset[int]) -> None:
         self.slots = SlotTable(num_slots)
-        self.queue = WaitingQueue(max_queue)
+        # Accepted requests that hold no slot yet, first come first served: only the head is ever
+        # admitted, so no request is overtaken by a later one (removal from the middle is an abort,
+        # a deadline or a refusal at CRITICAL). The gate bounds it at max_queue; preempted requests
+        # go back in front, ahead of everyone, and may exceed the bound by those preempted at once.
+        self.queue: deque[Seq] = deque()
         self.running: list[Seq] = []  # admission order: the FCFS order of prefill chunks
         self.by_slot: dict[int, Seq] = {}
         self._turns = turns
@@ -198,7 +151,7 @@ class Roster:
         """The queue head `seq` has been admitted: it takes the lowest free slot below the limit."""
         slot = self.slots.acquire(slot_limit)
         assert slot is not None  # the gate saw a free one, and nothing ran in between
-        self.queue.pop_head()
+        self.queue.popleft()
         seq.slot, seq.phase = slot, Phase.PREFILLING
         self.running.append(seq)
         self.by_slot[slot] = seq
@@ -217,7 +170,7 @@ class Roster:
         self.preemptions += preemption
         seq.slot, seq.phase, seq.prefilled, seq.kv_held = None, Phase.WAITING, 0, 0
         seq.resumed, seq.preempted = tuple(seq.output), True
-        self.queue.push_front(seq)
+        self.queue.appendleft(seq)
 
     def charges(self) -> list[Charge]:
         """What each running request holds and may still take of the KV pools."""

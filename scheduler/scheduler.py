@@ -4,12 +4,8 @@ Everything here runs on the event loop thread; the engine runs plans on its own 
 only things crossing are a frozen `StepPlan` and a `StepResult`. The loop's parts each own one
 thing: the admission gate (`ballast.scheduler.gate`) who gets in and when, the planner
 (`ballast.scheduler.planner`) what the next step runs, the roster (`ballast.scheduler.roster`)
-where each request is and how a step's result changes it.
-
-While every running request decodes, the plan of step N+1 is submitted before step N's tokens are
-back (`StepPlanner.lookahead`): the engine queues N+1 behind N and the GPU does not wait for
-the host between steps. Two plans are then in flight; anything else (a new request, a release, a
-ladder change) waits for the step in flight and is planned from its result, as without overlap.
+where each request is and how a step's result changes it. While every running request decodes,
+two plans are in flight (`StepPlanner.lookahead`); anything else waits for the step in flight.
 """
 
 from __future__ import annotations
@@ -167,7 +163,7 @@ class Scheduler(_Figures):
         self._turns = TurnSaves(checkpoints, engine.tokenizer)
         self.service = ServiceRate()  # slots turning over under backlog: the queue-wait estimate
         eos = engine.tokenizer.eos_token_ids
-        self._roster = roster = Roster(engine.num_slots, config.max_queue, self._turns, self.service, eos)
+        self._roster = roster = Roster(engine.num_slots, self._turns, self.service, eos)
         # The pools after the last step, and the decisions made from them under the ladder.
         self._kv = KVPolicy(gov, KVRoom(engine.kv_figures(), engine.kv_figures(int8=True)))
         self._gate = AdmissionGate(roster, gov, self._kv, config, limits, engine)
@@ -257,7 +253,8 @@ class Scheduler(_Figures):
             # The engine (or a step's bookkeeping) is unsound: every request gets an error event,
             # `healthy` turns false, and the cause is logged and kept in `failure`.
             log.exception("scheduler loop stopped: engine step failed")
-            self._fail(exc)
+            self.failure = EngineFailed(exc)
+            self._unsound("engine_failed", self.failure)
 
     def _send(self, plan: StepPlan | None) -> _InFlight | None:
         """Hand a plan to the engine (`submit` takes requests, this sends steps); None: nothing to run."""
@@ -309,10 +306,6 @@ class Scheduler(_Figures):
         self._unsound("engine_stalled", self.stalled)
         return True
 
-    def _fail(self, exc: Exception) -> None:
-        self.failure = EngineFailed(exc)
-        self._unsound("engine_failed", self.failure)
-
     def _unsound(self, code: str, error: EngineFailed | EngineStalled) -> None:
         self._end_all("error", error)
         if self._on_unsound is not None:
@@ -330,20 +323,16 @@ class Scheduler(_Figures):
         pressure, re-read memory every hold_poll_s instead. Never a busy loop."""
         self._wake.clear()
         if self.idle:
-            self._run_idle_hook()
+            if self._on_idle is not None:
+                try:
+                    self._on_idle()
+                except Exception:
+                    # Trimming a cache is housekeeping: its failure must not stop serving, but it
+                    # is logged, never dropped.
+                    log.exception("on_idle callback failed")
             timeout = self._cfg.idle_tick_s if self._on_idle is not None else None
         else:
             timeout = self._cfg.hold_poll_s
         # A timeout is a tick, not an error: go round, re-read the snapshot, maybe trim again.
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
-
-    def _run_idle_hook(self) -> None:
-        if self._on_idle is None:
-            return
-        try:
-            self._on_idle()
-        except Exception:
-            # Trimming a cache is housekeeping: its failure must not stop serving, but it is
-            # logged, never dropped.
-            log.exception("on_idle callback failed")

@@ -19,8 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from ballast.engine.config import EngineConfig
-from ballast.engine.prefix_cache import PrefixCacheConfig
+from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.memory.config import MemoryConfig
 from ballast.memory.ladder import LadderConfig, plan_for
 from ballast.memory.report import render

@@ -8,10 +8,9 @@ import asyncio
 from collections.abc import Sequence
 
 import torch
-from ballast.engine.config import EngineConfig
+from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import SamplingParams
-from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.request import GenerationRequest, TokenEvent
 from ballast.scheduler.scheduler import Scheduler

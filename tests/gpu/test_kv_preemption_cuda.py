@@ -96,7 +96,8 @@ async def test_preempted_sequences_park_and_resume_with_the_same_tokens(model: s
         kv._acquire = limited_grants(max(2, (2 * need) // (3 * (kv.layout.seg_blocks - 1))))
         got = await generate(engine)
         assert sum(len(t) for t, _ in got) > 200  # long enough to need more blocks than granted
-        assert engine.preemptions > 0 and engine.parked == engine.preemptions  # parked, not recomputed
+        slot_kv = engine.slot_kv
+        assert slot_kv.preemptions > 0 and slot_kv.parked == slot_kv.preemptions  # parked, not recomputed
         assert got == want
         stats = engine._cache.stats()
         assert stats.parked == 0  # every parked sequence came back

@@ -46,8 +46,8 @@ async def test_two_parks_between_polls_do_not_share_one_snapshot(tmp_path: Path)
         # two thirds, one victim's blocks were enough for the other three and only one was).
         kv._acquire = limited_grants(max(2, need // (2 * (kv.layout.seg_blocks - 1))))
         got = await generate(engine)
-        assert engine.preemptions > 1
-        assert engine.parked == 1  # the first took the room; the others were recomputed
+        assert engine.slot_kv.preemptions > 1
+        assert engine.slot_kv.parked == 1  # the first took the room; the others were recomputed
         assert got == want
     finally:
         engine.shutdown()

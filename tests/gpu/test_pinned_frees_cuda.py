@@ -10,10 +10,10 @@ import weakref
 
 import pytest
 import torch
-from ballast.engine.config import EngineConfig
+from ballast.engine.checkpoint_buffers import checkpoint_bytes
+from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import PrefillChunk, SamplingParams, StepPlan
-from ballast.engine.prefix_cache import PrefixCacheConfig, checkpoint_bytes
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import GiB, MiB
 

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ballast.engine.config import EngineConfig
+from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
-from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import GiB
 

@@ -42,7 +42,8 @@ async def test_sequences_preempted_on_two_gpus_park_and_resume_with_the_calm_tok
     try:
         got = await generate(engine, limit_blocks=True)
         assert engine.healthy
-        assert engine.preemptions > 0 and engine.parked == engine.preemptions  # parked, not recomputed
+        slot_kv = engine.slot_kv
+        assert slot_kv.preemptions > 0 and slot_kv.parked == slot_kv.preemptions  # parked, not recomputed
         assert engine._cache.stats().parked == 0
     finally:
         engine.shutdown()

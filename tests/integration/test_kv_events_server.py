@@ -17,9 +17,8 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from ballast.engine.config import EngineConfig
+from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
-from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.engine.prefix_keys import prefix_key
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader

@@ -118,7 +118,8 @@ async def test_ladder_walk_gives_kv_memory_back_and_every_request_completes(tmp_
         assert (
             seen[Level.WATCH]["cache"] > 0 and seen[Level.TIGHT]["cache"] == 0
         )  # WATCH shed the prefix cache
-        assert engine.preemptions > 0 and sched.preemptions == engine.preemptions  # CRITICAL: no new segment
+        preempted = engine.slot_kv.preemptions
+        assert preempted > 0 and sched.preemptions == preempted  # CRITICAL: no new segment
         assert seen[Level.OK]["kv"] < peak["kv"]  # TIGHT and CRITICAL gave segments back
         assert kv.figures().used_blocks == 0 or cache.bytes_held > 0  # only the prefix cache may hold blocks
         cache.shed()
@@ -237,7 +238,7 @@ async def test_tight_keeps_the_free_blocks_that_queued_requests_need(tmp_path: P
         engine.shutdown()
     assert [r for _, r in calm] == ["length"] * 4 and [r for _, r in tight] == ["length"] * 4
     assert [t for t, _ in tight] == [t[:48] for t, _ in calm]
-    assert engine.preemptions == 0 and int8_used[0] == 0
+    assert engine.slot_kv.preemptions == 0 and int8_used[0] == 0
     assert min(held) < grown  # the surplus went back
     assert all(b <= a for a, b in itertools.pairwise(held)), held  # and the pool never grew again
 
@@ -262,7 +263,7 @@ async def test_a_scheduler_states_its_slot_limit_to_an_engine_another_one_narrow
             ]
             finishes = [f for _, _, f in await asyncio.gather(*(h.collect() for h in handles))]
             assert [f.reason for f in finishes] == ["length", "length"]
-            assert engine._steps.slot_limit == 2 and engine.healthy and engine.step_failures == 0
+            assert engine._steps.slot_limit == 2 and engine.healthy and engine._steps.step_failures == 0
         finally:
             await second.stop()
     finally:

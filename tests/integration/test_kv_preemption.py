@@ -69,7 +69,7 @@ async def test_preempted_sequences_resume_with_the_same_tokens(
 
         def park_always(self: SlotKV, slot: int) -> None:  # the GPU's choice, without its device check
             fed, pool = self._fed.get(slot), self.pool_of(slot)
-            if fed and self._cache.park(slot, fed, pool):
+            if fed and self._cache.parked.park(slot, fed, pool):
                 self.parked += 1
 
         monkeypatch.setattr(SlotKV, "_park", park_always)
@@ -80,8 +80,8 @@ async def test_preempted_sequences_resume_with_the_same_tokens(
         need = 4 * -(-(40 + NEW) // kv.layout.block_size)  # blocks all four need at the end
         kv._acquire = limited_grants((2 * need) // (3 * (kv.layout.seg_blocks - 1)))  # about two thirds of it
         got = await generate(engine)
-        assert engine.preemptions > 0
-        assert engine.parked == (engine.preemptions if park else 0)
+        assert engine.slot_kv.preemptions > 0
+        assert engine.slot_kv.parked == (engine.slot_kv.preemptions if park else 0)
         assert got == calm
         assert engine._cache.stats().parked == 0  # every parked sequence came back
     finally:

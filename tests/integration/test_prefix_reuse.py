@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from ballast.engine.config import EngineConfig
+from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
 from ballast.engine.interface import EngineLike
 from ballast.engine.plan import SamplingParams, StepPlan
-from ballast.engine.prefix_cache import PrefixCacheConfig
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader
 from ballast.memory.pool import CheckpointPool

@@ -41,13 +41,13 @@ async def test_sequences_preempted_on_two_ranks_park_and_resume_with_the_calm_to
     calm_engine = preempt_engine(1)
     try:
         calm = await generate(calm_engine, limit_blocks=False)
-        assert calm_engine.preemptions == 0
+        assert calm_engine.slot_kv.preemptions == 0
     finally:
         calm_engine.shutdown()
 
     def park_always(self: SlotKV, slot: int) -> None:  # the GPU's choice, without its device check
         fed, pool = self._fed.get(slot), self.pool_of(slot)
-        if fed and self._cache.park(slot, fed, pool):
+        if fed and self._cache.parked.park(slot, fed, pool):
             self.parked += 1
 
     monkeypatch.setattr(SlotKV, "_park", park_always)  # rank 0 decides; the workers follow its journal
@@ -55,7 +55,7 @@ async def test_sequences_preempted_on_two_ranks_park_and_resume_with_the_calm_to
     try:
         got = await generate(engine, limit_blocks=True)
         assert engine.healthy
-        assert engine.preemptions > 0 and engine.parked == engine.preemptions
+        assert engine.slot_kv.preemptions > 0 and engine.slot_kv.parked == engine.slot_kv.preemptions
         assert engine._cache.stats().parked == 0  # every parked sequence came back
     finally:
         engine.shutdown()

@@ -10,9 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 from ballast.engine.config import EngineConfig
-from ballast.engine.engine import Engine, EngineUnhealthy, PlanError
+from ballast.engine.engine import Engine
 from ballast.engine.loading import ModelLoadRefused, ModelSpecError, resolve
-from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepFailed, StepPlan, StepResult
+from ballast.engine.plan import (
+    DecodeToken,
+    EngineUnhealthy,
+    PlanError,
+    PrefillChunk,
+    SamplingParams,
+    StepFailed,
+    StepPlan,
+    StepResult,
+)
 from ballast.engine.runner import planned_state_bytes
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader

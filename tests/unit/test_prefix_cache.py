@@ -9,18 +9,18 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from ballast.engine.config import EngineConfig
-from ballast.engine.engine import Engine, PlanError
+from ballast.engine.config import MIN_INTERVAL, EngineConfig, PrefixCacheConfig, auto_interval
+from ballast.engine.engine import Engine
 from ballast.engine.plan import (
     CheckpointRestore,
     CheckpointSave,
     DecodeToken,
+    PlanError,
     PrefillChunk,
     SamplingParams,
     StepFailed,
     StepPlan,
 )
-from ballast.engine.prefix_cache import MIN_INTERVAL, PrefixCacheConfig, auto_interval
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import MiB
 
@@ -338,7 +338,7 @@ def test_a_parked_sequence_resumes_exactly_where_it_stopped(model: str) -> None:
         kv = eng.runner.kv
         assert kv is not None and eng.prefix_cache is None
         fed = p + tuple(first[:-1])
-        assert eng._cache.park(0, fed, kv) and eng.match_parked(fed + (first[-1],)) == len(fed)
+        assert eng._cache.parked.park(0, fed, kv) and eng.match_parked(fed + (first[-1],)) == len(fed)
         eng.step(StepPlan(release=(0,)))
         assert kv.figures().used_blocks == 0
         res = eng.step(
@@ -359,7 +359,7 @@ def test_a_parked_sequence_resumes_exactly_where_it_stopped(model: str) -> None:
         assert eng._cache.stats().parked == 0
         eng.step(StepPlan(release=(2,)))
         greedy(eng, 0, p, 2)
-        assert eng._cache.park(0, p, kv) and eng._cache.stats().parked == 1
+        assert eng._cache.parked.park(0, p, kv) and eng._cache.stats().parked == 1
         eng.step(StepPlan(release=(0,), unpark=(p + (1,),)))
         assert eng._cache.stats().parked == 0 and eng.match_parked(p + (1,)) == 0
     finally:
@@ -481,6 +481,6 @@ def test_a_sequence_short_of_blocks_evicts_cached_prefixes_before_anyone_is_pree
         prompt = ids(500, (kv.free_blocks + 1) * kv.block_size)  # one block more than is free
         res = eng.step(StepPlan(prefills=(PrefillChunk(0, prompt, 0, True),), sampling={0: GREEDY}))
         assert not res.preempted and [o.slot for o in res.outputs] == [0]
-        assert eng.preemptions == 0
+        assert eng.slot_kv.preemptions == 0
     finally:
         eng.shutdown()
