@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ballast.models import gated_delta_triton, pointwise
 from ballast.models.base import ForwardBatch, to_device_packed
 from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
-from ballast.models.layers import Rope
+from ballast.models.layers import LayerStep, Rope
 from ballast.models.state import LayerState, RecurrentState
 from torch import Tensor, nn
 
@@ -297,11 +297,9 @@ class GatedRMSNorm(nn.Module):
 
 
 @dataclass(frozen=True)
-class HybridStep:
-    """What every layer of one forward shares, computed once per step."""
+class HybridStep(LayerStep):
+    """A hybrid model's `LayerStep`: also what its linear-attention layers share."""
 
-    batch: ForwardBatch
-    rope: Rope  # the full-attention layers' rotary tables
     # conv taps of every token (all linear layers share the kernel size); None where the conv
     # runs in place (`conv_in_place`)
     windows: ConvWindows | None

@@ -333,6 +333,14 @@ class Rope:
         torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin, out=x)
 
 
+@dataclass(frozen=True)
+class LayerStep:
+    """What every layer of one forward shares, computed once per step."""
+
+    batch: ForwardBatch
+    rope: Rope  # the attention layers' rotary tables
+
+
 class SlotAttention(nn.Module):
     """Grouped-query attention reading and writing a `PagedKV`. Names follow HF (`self_attn.*`)."""
 
@@ -371,8 +379,8 @@ class SlotAttention(nn.Module):
         self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         drop_dense(self.q_proj, self.k_proj, self.v_proj, self.o_proj)
 
-    def forward(self, x: Tensor, batch: ForwardBatch, rope: Rope, state: PagedKV) -> Tensor:
-        hq, hkv = self.num_heads, self.num_kv_heads
+    def forward(self, x: Tensor, step: LayerStep, state: PagedKV) -> Tensor:
+        hq, hkv, rope = self.num_heads, self.num_kv_heads, step.rope
         q_ = self.quantized
         project, out = (self.qkv, self.o_proj) if q_ is None else (q_.first, q_.second)
         qkv = project(x).view(x.shape[0], hq + 2 * hkv, self.head_dim)
@@ -385,8 +393,8 @@ class SlotAttention(nn.Module):
             else:
                 qk = rope(qk)  # q and k heads turned in one go
             q, k = qk.split((hq, hkv), dim=1)
-        state.write(batch, k, v)
-        return out(state.attend(q, batch))
+        state.write(step.batch, k, v)
+        return out(state.attend(q, step.batch))
 
     def fuse(self, keep_values: bool = True) -> None:
         self.qkv.fuse(keep_values)
