@@ -4,7 +4,7 @@ slices (`parallel.ShardPlan` says which)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,16 +16,6 @@ from ballast.models.moe import per_expert_target, place_expert_tensor
 from ballast.models.parallel import ShardPlan, apply_cut
 from safetensors import safe_open
 from torch import Tensor, nn
-
-
-def _indexer(source: Any) -> Callable[[tuple[slice, ...]], Tensor]:
-    """Reads source[index]: a tensor, or a safetensors slice (which reads only those bytes)."""
-
-    def read(index: tuple[slice, ...]) -> Tensor:
-        out: Tensor = source[index]
-        return out
-
-    return read
 
 
 def _tied(model: nn.Module) -> set[str]:
@@ -41,7 +31,7 @@ def load_full_into_shard(model: nn.Module, full: Mapping[str, Tensor], plan: Sha
                 continue
             src = full[name]
             cut = plan.cut(name, tuple(src.shape))
-            part = apply_cut(cut, _indexer(src), tuple(src.shape))
+            part = apply_cut(cut, src.__getitem__, tuple(src.shape))
             if cut.rank0_only and plan.rank != 0:
                 part = torch.zeros_like(part)
             param.copy_(part)
@@ -65,11 +55,11 @@ def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None
                     key = plan.local_name(info.key)
                     if key is None or key in tied:  # another rank's expert, or the tied head
                         continue
-                    sl = f.get_slice(name)
+                    read = f.get_slice(name).__getitem__  # a safetensors slice reads only those bytes
                     cut = plan.cut(key, info.shape)
                     scale = ckpt.scales.get(name)
                     if scale is None:
-                        part = apply_cut(cut, _indexer(sl), info.shape)
+                        part = apply_cut(cut, read, info.shape)
                         if cut.rank0_only and plan.rank != 0:
                             part = torch.zeros_like(part)
                         _place(params, key, part, name, filled, ckpt)
@@ -77,7 +67,7 @@ def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None
                     keep = _param_of(params, key).dtype == FP8
                     scale_name = name + "_scale_inv"
                     part, scales = fp8_part(
-                        cut, (info, name, _indexer(sl)), (scale, scale_name), ckpt.fp8_block, keep
+                        cut, (info, name, read), (scale, scale_name), ckpt.fp8_block, keep
                     )
                     _place(params, key, part, name, filled, ckpt)
                     if scales is not None:
@@ -104,16 +94,14 @@ def _place(
     into its expert's place in a fused expert parameter."""
     target = per_expert_target(key)
     if key in params:
-        _fill(params[key], part, name)
+        if params[key].shape != part.shape:
+            raise WeightLoadError(
+                f"{name}: shard shape {tuple(part.shape)}, model expects {tuple(params[key].shape)}"
+            )
+        params[key].copy_(part)
         filled.add(key)
     elif target is not None and target[0] in params:
         place_expert_tensor(params[target[0]], target[1], target[2], part)
         filled.add(target[0])
     else:
         raise WeightLoadError(f"{ckpt.path}: tensor {name} has no place in the model")
-
-
-def _fill(param: Tensor, part: Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(part.shape):
-        raise WeightLoadError(f"{name}: shard shape {tuple(part.shape)}, model expects {tuple(param.shape)}")
-    param.copy_(part)
