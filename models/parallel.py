@@ -36,9 +36,8 @@ import torch.nn.functional as F
 from ballast.models.base import ModelConfigError, UnsupportedModel
 from ballast.models.expert_parallel import LocalExperts, check_expert_parallel, hold_local_experts
 from ballast.models.fp8 import Block
-from ballast.models.fp8_convert import convert_model
 from ballast.models.layers import linear
-from ballast.models.registry import model_class
+from ballast.models.registry import convert_model, materialize, model_class
 from torch import Tensor, nn
 
 
@@ -296,15 +295,9 @@ def build_shard(
     """Rank tp.rank's shard of the model, parameters uninitialised (fill with `load_*_shard`);
     fp8: the parameters an FP8 checkpoint's float8 weights stay float8 in; expert_parallel:
     whole routed experts, E / world of them."""
-    model = shard_on_meta(hf, tp, dtype, fp8, expert_parallel).to_empty(device=device)
-    tie = getattr(model, "tie_weights", None)
-    if tie is not None:
-        tie()
-    fuse = getattr(model, "fuse_projections", None)
-    if fuse is not None:
-        fuse(keep_values=False)
+    model = materialize(shard_on_meta(hf, tp, dtype, fp8, expert_parallel), device)
     _reduce_partial_sums(model, tp)
-    return model.eval()
+    return model
 
 
 def _reduce_partial_sums(model: nn.Module, tp: TPGroup) -> None:
