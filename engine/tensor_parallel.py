@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -140,12 +140,7 @@ class TPWorkers:
 
     def wait_loaded(self, timeout_s: float = LOAD_TIMEOUT_S) -> list[WorkerReady]:
         """Each worker's report once its shard is loaded; raises WorkerLost if one failed."""
-        deadline = time.monotonic() + timeout_s
-        for conn, proc in zip(self._conns, self._procs, strict=True):
-            while not conn.poll(0.2):
-                if not proc.is_alive() or time.monotonic() > deadline:
-                    raise WorkerLost(self.lost() or f"{proc.name} did not load its shard in {timeout_s:.0f}s")
-            msg = conn.recv()
+        for msg in self._each(timeout_s):
             if isinstance(msg, WorkerFailed):
                 raise WorkerLost(f"tensor-parallel rank {msg.rank} failed to load: {msg.error}")
             self.ready.append(msg)
@@ -153,17 +148,18 @@ class TPWorkers:
 
     def recv_each(self, timeout_s: float = LOAD_TIMEOUT_S) -> list[Any]:
         """One message from every worker, in rank order; WorkerLost if one exits or stays silent."""
+        return list(self._each(timeout_s))
+
+    def _each(self, timeout_s: float) -> Iterator[Any]:
         deadline = time.monotonic() + timeout_s
-        out = []
         for conn, proc in zip(self._conns, self._procs, strict=True):
             while not conn.poll(0.2):
                 if not proc.is_alive() or time.monotonic() > deadline:
                     raise WorkerLost(self.lost() or f"{proc.name} did not answer in {timeout_s:.0f}s")
             try:
-                out.append(conn.recv())
+                yield conn.recv()
             except (EOFError, OSError) as e:
                 raise WorkerLost(self.lost() or f"{proc.name} is gone: {e}") from e
-        return out
 
     def send(self, msg: object) -> None:
         why = self.lost()
