@@ -65,7 +65,7 @@ class ConvWindows:
 
 
 def causal_conv1d_varlen(
-    x: Tensor, state: Tensor, weight: Tensor, windows: ConvWindows, activation: bool = True
+    x: Tensor, state: Tensor, weight: Tensor, windows: ConvWindows
 ) -> tuple[Tensor, Tensor]:
     """Depthwise causal conv of a flat batch.
 
@@ -79,7 +79,7 @@ def causal_conv1d_varlen(
             f"kernel mismatch: weight {tuple(weight.shape)}, state {tuple(state.shape)}, {kernel}"
         )
     if windows.decode_only:
-        return _conv_decode(x, state, weight, activation)
+        return _conv_decode(x, state, weight)
     assert windows.token_taps is not None and windows.state_taps is not None
     channels = x.shape[-1]
     source = torch.cat([state.transpose(1, 2).reshape(-1, channels).to(x.dtype), x], dim=0)
@@ -87,13 +87,11 @@ def causal_conv1d_varlen(
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for j in range(kernel):  # the kernel taps, not the tokens
         out.addcmul_(source.index_select(0, windows.token_taps[j]).float(), w[:, j])
-    if activation:
-        out = F.silu(out)
     new_state = source[windows.state_taps.reshape(-1)].reshape(kernel - 1, -1, channels).permute(1, 2, 0)
-    return out.to(x.dtype), new_state.to(state.dtype)
+    return F.silu(out).to(x.dtype), new_state.to(state.dtype)
 
 
-def _conv_decode(x: Tensor, state: Tensor, weight: Tensor, activation: bool) -> tuple[Tensor, Tensor]:
+def _conv_decode(x: Tensor, state: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     # One token per sequence: the window is [state, x]. Same accumulation order as the gathered
     # form (taps oldest first into float32 zeros), so a decode step gives the same bits either way;
     # half the kernel launches, which is what a decode step on a GPU is bound by.
@@ -103,6 +101,4 @@ def _conv_decode(x: Tensor, state: Tensor, weight: Tensor, activation: bool) -> 
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for j in range(w.shape[-1]):
         out.addcmul_(src[..., j], w[:, j])
-    if activation:
-        out = F.silu(out)
-    return out.to(x.dtype), window[..., 1:].to(state.dtype)
+    return F.silu(out).to(x.dtype), window[..., 1:].to(state.dtype)

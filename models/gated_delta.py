@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,9 @@ from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
 from ballast.models.layers import LayerStep, Rope
 from ballast.models.state import LayerState, RecurrentState
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from ballast.models.qwen3_next import HybridConfig
 
 CHUNK = 64
 
@@ -197,28 +201,20 @@ def gated_delta_varlen(
     Returns (o [T, Hv, Dv] in v's dtype, new state [B, Hv, Dk, Dv] float32).
     use_fla None picks fla when it applies (CUDA, half precision, installed)."""
     fla = use_fla_for(v) if use_fla is None else use_fla
+    decode = _fla_decode if fla else recurrent_gated_delta_step
+    prefill = partial(_fla_prefill if fla else _padded_prefill, plan=plan)
     if plan.all_decode:  # the common decode step: sequences are already in order, one token each
-        return (_fla_decode if fla else recurrent_gated_delta_step)(q, k, v, g, beta, state)
+        return decode(q, k, v, g, beta, state)
     if plan.all_prefill:  # prompt chunks alone: they too are in order already
-        if fla:
-            return _fla_prefill(q, k, v, g, beta, state, plan.prefill_cu_lens)
-        return _padded_prefill(q, k, v, g, beta, state, plan)
+        return prefill(q, k, v, g, beta, state)
     out = torch.empty_like(v)
     new_state = torch.empty(state.shape, dtype=torch.float32, device=state.device)
-    if plan.decode_seqs.numel():
-        idx, seqs = plan.decode_tokens, plan.decode_seqs
-        step = _fla_decode if fla else recurrent_gated_delta_step
-        o, s = step(q[idx], k[idx], v[idx], g[idx], beta[idx], state[seqs])
-        out[idx] = o
-        new_state[seqs] = s
-    if plan.prefill_seqs.numel():
-        idx, seqs = plan.prefill_tokens, plan.prefill_seqs
-        if fla:
-            o, s = _fla_prefill(q[idx], k[idx], v[idx], g[idx], beta[idx], state[seqs], plan.prefill_cu_lens)
-        else:
-            o, s = _padded_prefill(q[idx], k[idx], v[idx], g[idx], beta[idx], state[seqs], plan)
-        out[idx] = o
-        new_state[seqs] = s
+    for idx, seqs, form in (
+        (plan.decode_tokens, plan.decode_seqs, decode),
+        (plan.prefill_tokens, plan.prefill_seqs, prefill),
+    ):
+        if seqs.numel():
+            out[idx], new_state[seqs] = form(q[idx], k[idx], v[idx], g[idx], beta[idx], state[seqs])
     return out, new_state
 
 
@@ -239,7 +235,7 @@ def _padded_prefill(
 
 
 def _fla_prefill(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, cu_lens: Tensor
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, plan: DeltaPlan
 ) -> tuple[Tensor, Tensor]:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -256,7 +252,7 @@ def _fla_prefill(
         initial_state=state.float().contiguous(),
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_lens,
+        cu_seqlens=plan.prefill_cu_lens,
     )
     return o.squeeze(0).to(v.dtype), s.float()
 
@@ -281,7 +277,7 @@ def _fla_decode(
 
 
 class GatedRMSNorm(nn.Module):
-    """Per-head RMSNorm of the delta-rule output, then multiplied by silu(z)."""
+    """Per-head RMSNorm of the delta-rule output, then multiplied by silu(z) (one kernel on CUDA)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -289,11 +285,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        if x.is_cuda:
-            return pointwise.gated_rms_norm(x, gate, self.weight, self.eps)  # one kernel
-        dtype = x.dtype
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (self.weight * h.to(dtype) * F.silu(gate.float())).to(dtype)
+        return pointwise.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -337,12 +329,11 @@ class GatedDeltaNet(nn.Module):
     """Gated DeltaNet linear attention over a `RecurrentState`. Subclasses supply the input
     projections (fused in Qwen3-Next, separate in Qwen3.5)."""
 
-    def __init__(
-        self, hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, kernel: int, eps: float
-    ) -> None:
+    def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
-        self.k_heads, self.v_heads = k_heads, v_heads
-        self.k_dim, self.v_dim = k_dim, v_dim
+        self.k_heads, self.v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        kernel = cfg.linear_conv_kernel_dim
         self.key_width = self.k_heads * self.k_dim
         self.value_width = self.v_heads * self.v_dim
         self.conv_channels = 2 * self.key_width + self.value_width
@@ -356,8 +347,8 @@ class GatedDeltaNet(nn.Module):
         )
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
-        self.norm = GatedRMSNorm(self.v_dim, eps)
-        self.out_proj = nn.Linear(self.value_width, hidden, bias=False)
+        self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_width, cfg.hidden_size, bias=False)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x [T, H] -> (q|k|v [T, conv_channels], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""

@@ -260,19 +260,6 @@ def place_expert_tensor(fused: Tensor, expert: int, part: str, tensor: Tensor) -
     dst.copy_(tensor)
 
 
-class Router(nn.Linear):
-    """The router: a linear layer giving logits over the experts (HF's `gate.weight` [E, H]; it
-    runs fused with the shared expert's gate) and `route` over them."""
-
-    def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool) -> None:
-        super().__init__(hidden, num_experts, bias=False)
-        self.top_k = top_k
-        self.normalize = normalize
-
-    def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        return route(logits, self.top_k, self.normalize)
-
-
 class Experts(nn.Module):
     # float8 weights' scale block (rows, cols) and scales, once `fp8.convert_experts` made them float8
     block: tuple[int, int] = (128, 128)
@@ -319,7 +306,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-        self.gate = Router(hidden, num_experts, top_k, normalize)
+        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
+        self.top_k, self.normalize = top_k, normalize
         self.experts = Experts(hidden, expert_intermediate, num_experts)
         self.shared_expert = SwiGLU(hidden, shared_intermediate)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
@@ -333,7 +321,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         logits, shared_gate = self.gates.outputs(x)
-        weights, experts = self.gate.route(logits)
+        weights, experts = route(logits, self.top_k, self.normalize)
         return self.experts(x, experts, weights, Shared(self.shared_expert, shared_gate))
 
 

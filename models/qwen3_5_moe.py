@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from ballast.models.gated_delta import GatedDeltaNet
 from ballast.models.layers import FusedLinears
-from ballast.models.qwen3_next import HybridConfig, Qwen3NextForCausalLM, delta_net_dims
+from ballast.models.qwen3_next import HybridConfig, Qwen3NextForCausalLM
 from torch import Tensor, nn
 
 
 class SplitGatedDeltaNet(GatedDeltaNet):
     def __init__(self, cfg: HybridConfig) -> None:
-        super().__init__(*delta_net_dims(cfg))
+        super().__init__(cfg)
         self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.conv_channels, bias=False)
         self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_width, bias=False)
         self.in_proj_b = nn.Linear(cfg.hidden_size, self.v_heads, bias=False)

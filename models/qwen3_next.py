@@ -197,24 +197,12 @@ class GatedAttention(nn.Module):
         return self.o_proj(out)
 
 
-def delta_net_dims(cfg: HybridConfig) -> tuple[int, int, int, int, int, int, float]:
-    return (
-        cfg.hidden_size,
-        cfg.linear_num_key_heads,
-        cfg.linear_num_value_heads,
-        cfg.linear_key_head_dim,
-        cfg.linear_value_head_dim,
-        cfg.linear_conv_kernel_dim,
-        cfg.rms_norm_eps,
-    )
-
-
 class FusedGatedDeltaNet(GatedDeltaNet):
     """Qwen3-Next: in_proj_qkvz and in_proj_ba, laid out per key head as
     [q (Dk), k (Dk), v (r*Dv), z (r*Dv)] and [b (r), a (r)], r = value heads per key head."""
 
     def __init__(self, cfg: HybridConfig) -> None:
-        super().__init__(*delta_net_dims(cfg))
+        super().__init__(cfg)
         self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.key_width + 2 * self.value_width, bias=False)
         self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.v_heads, bias=False)
         self.in_proj = FusedLinears(self.in_proj_qkvz, self.in_proj_ba)
