@@ -21,7 +21,7 @@ runs unchanged, and its `layer_specs` describe the per-rank caches.
 
 Weights arrive as shards: `ShardPlan.cut` says which rows / columns of a full checkpoint tensor a
 rank keeps, and `shard_loading.load_hf_shard` reads only those through safetensors slices. An FP8
-checkpoint's float8 weights come with the block scales of their part (`fp8_shards`).
+checkpoint's float8 weights come with the block scales of their part.
 """
 
 from __future__ import annotations
@@ -154,12 +154,13 @@ class VocabParallelHead(nn.Module):
 @dataclass(frozen=True)
 class Cut:
     """Keep `ranges` (start, stop) of dim `dim`, concatenated; pad_rows: zero rows appended up to
-    this many (the vocabulary's last shard); rank0_only: other ranks hold zeros (row-parallel bias)."""
+    this many (the vocabulary's last shard); zeros: this rank holds zeros (a row-parallel bias: rank
+    0 holds it, so it is added once)."""
 
     dim: int = 0
     ranges: tuple[tuple[int, int], ...] = ()
     pad_rows: int = 0
-    rank0_only: bool = False
+    zeros: bool = False
 
 
 REPLICATE = Cut()
@@ -211,7 +212,7 @@ class ShardPlan:
         if self.experts is not None and owner != "experts" and ".mlp.experts." in name:
             return REPLICATE  # one of this rank's experts' tensors (see local_name): whole
         if leaf == "bias" and owner in ("o_proj", "down_proj", "out_proj"):
-            return Cut(rank0_only=True)
+            return Cut(zeros=self.rank != 0)
         if owner == "q_proj":
             return self._even(shape[0], 0)
         if owner in ("k_proj", "v_proj"):
@@ -237,8 +238,9 @@ class ShardPlan:
 
 def apply_cut(cut: Cut, read: Callable[[tuple[slice, ...]], Tensor], shape: tuple[int, ...]) -> Tensor:
     """The rank's part of a tensor of `shape`, reading only its ranges through read(index)."""
-    if cut.rank0_only or not cut.ranges:
-        return read(tuple(slice(None) for _ in shape))
+    if not cut.ranges:
+        whole = read(tuple(slice(None) for _ in shape))
+        return torch.zeros_like(whole) if cut.zeros else whole
     pieces = []
     for lo, hi in cut.ranges:
         index = tuple(slice(lo, hi) if d == cut.dim else slice(None) for d in range(len(shape)))

@@ -1,21 +1,33 @@
 """Filling a tensor-parallel shard (built by `parallel.build_shard`) with its part of each tensor:
 from a whole model's state dict, or from an HF safetensors directory, reading only the rank's
-slices (`parallel.ShardPlan` says which)."""
+slices (`parallel.ShardPlan` says which).
+
+An FP8 checkpoint's float8 weight [..., rows, cols] carries one float32 scale per (bn x bk) block
+of its last two dims. A rank keeps some ranges of one dim of the weight (`parallel.Cut`), and the
+scales that cover exactly those ranges: a column-parallel split of out_features (rows) must fall
+on whole blocks of bn rows, a row-parallel split of in_features (cols) on whole blocks of bk
+columns (a range may end at the dim's end, inside its last, partial block). Where a rank keeps the
+weight in float8 a split that cuts a block is refused (`UnsupportedModel`, naming the tensor);
+where it dequantizes at load (the CPU's default, `--fp8-weights dequantize`), such a weight is
+read whole, dequantized and then cut.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
-from ballast.models.base import WeightLoadError
-from ballast.models.fp8 import FP8
-from ballast.models.fp8_shards import fp8_part
-from ballast.models.hf_loader import HFCheckpoint
+from ballast.models.base import UnsupportedModel, WeightLoadError
+from ballast.models.fp8 import FP8, Block, dequantize_blocks
+from ballast.models.hf_loader import HFCheckpoint, TensorInfo
 from ballast.models.moe import per_expert_target, place_expert_tensor
-from ballast.models.parallel import ShardPlan, apply_cut
+from ballast.models.parallel import Cut, ShardPlan, apply_cut
 from safetensors import safe_open
 from torch import Tensor, nn
+
+Read = Callable[[tuple[slice, ...]], Tensor]
 
 
 def _tied(model: nn.Module) -> set[str]:
@@ -31,10 +43,7 @@ def load_full_into_shard(model: nn.Module, full: Mapping[str, Tensor], plan: Sha
                 continue
             src = full[name]
             cut = plan.cut(name, tuple(src.shape))
-            part = apply_cut(cut, src.__getitem__, tuple(src.shape))
-            if cut.rank0_only and plan.rank != 0:
-                part = torch.zeros_like(part)
-            param.copy_(part)
+            param.copy_(apply_cut(cut, src.__getitem__, tuple(src.shape)))
 
 
 def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None:
@@ -59,21 +68,15 @@ def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None
                     cut = plan.cut(key, info.shape)
                     scale = ckpt.scales.get(name)
                     if scale is None:
-                        part = apply_cut(cut, read, info.shape)
-                        if cut.rank0_only and plan.rank != 0:
-                            part = torch.zeros_like(part)
-                        _place(params, key, part, name, filled, ckpt)
+                        _place(params, key, apply_cut(cut, read, info.shape), name, filled, ckpt)
                         continue
                     keep = _param_of(params, key).dtype == FP8
-                    scale_name = name + "_scale_inv"
-                    part, scales = fp8_part(
-                        cut, (info, name, read), (scale, scale_name), ckpt.fp8_block, keep
-                    )
+                    part, scales = fp8_part(cut, info, name, read, scale, ckpt.fp8_block, keep)
                     _place(params, key, part, name, filled, ckpt)
                     if scales is not None:
                         scale_key = plan.local_name(scale.key)
                         assert scale_key is not None  # the same expert as its weight
-                        _place(params, scale_key, scales, scale_name, filled, ckpt)
+                        _place(params, scale_key, scales, name + "_scale_inv", filled, ckpt)
     missing = sorted(params.keys() - tied - filled)
     if missing:
         raise WeightLoadError(f"{ckpt.path}: checkpoint lacks {missing[:8]}")
@@ -105,3 +108,46 @@ def _place(
         filled.add(target[0])
     else:
         raise WeightLoadError(f"{ckpt.path}: tensor {name} has no place in the model")
+
+
+def scale_ranges(
+    dim: int, ranges: tuple[tuple[int, int], ...], shape: tuple[int, ...], block: Block
+) -> tuple[tuple[int, int], ...] | None:
+    """The ranges of the scale grid that cover `ranges` of the weight's dim `dim` exactly; None
+    when a range starts or ends inside a block (a leading dim, e.g. the experts', is one scale
+    per index: any range maps to itself)."""
+    nd = len(shape)
+    b = block[0] if dim == nd - 2 else block[1] if dim == nd - 1 else 1
+    out = []
+    for lo, hi in ranges:
+        if lo % b or (hi % b and hi != shape[dim]):
+            return None
+        out.append((lo // b, -(-hi // b)))
+    return tuple(out)
+
+
+def fp8_part(
+    cut: Cut, info: TensorInfo, name: str, read_weight: Read, scale_info: TensorInfo, block: Block, keep: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The rank's part of float8 weight `name` (its checkpoint entry, a reader of its slices) and
+    of its scales (their entry): (float8 part, its scales) when `keep`, else (the part dequantized
+    to float32, None)."""
+    covering = scale_ranges(cut.dim, cut.ranges, info.shape, block) if cut.ranges else ()
+    with safe_open(str(scale_info.file), framework="pt", device="cpu") as f:
+        scale_slice = f.get_slice(name + "_scale_inv")
+        if covering is None:
+            if keep:
+                raise UnsupportedModel(
+                    f"tensor parallel: {name} {info.shape} would be split at {cut.ranges} of dim "
+                    f"{cut.dim}, inside its {block[0]} x {block[1]} FP8 scale blocks; choose a "
+                    "tensor-parallel size that splits it on whole blocks, or --fp8-weights dequantize"
+                )
+            everything = tuple(slice(None) for _ in info.shape)
+            whole = dequantize_blocks(read_weight(everything), scale_slice[everything], block, torch.float32)
+            return apply_cut(cut, lambda index: whole[index], info.shape), None
+        part = apply_cut(cut, read_weight, info.shape)
+        scale_cut = replace(cut, ranges=covering)
+        scales: Tensor = apply_cut(scale_cut, lambda index: scale_slice[index], scale_info.shape)
+    if keep:
+        return part, scales
+    return dequantize_blocks(part, scales, block, torch.float32), None
