@@ -266,7 +266,7 @@ class Experts(nn.Module):
     gate_up_proj_scale_inv: Tensor
     down_proj_scale_inv: Tensor
     # Expert parallel: this module holds only experts [first, first + its count) of the router's
-    # (`expert_parallel.hold_local_experts` sets it); the others' pairs add 0 here.
+    # (`parallel.hold_local_experts` sets it); the others' pairs add 0 here.
     first: int | None = None
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int) -> None:

@@ -10,7 +10,7 @@ Each rank holds a shard and runs the same forward on the same batch:
 - dense MLP and shared expert: gate/up column-parallel, down row-parallel;
 - routed experts: every expert's intermediate dim is split (inside the fused `gate_up_proj`
   [E, 2I, H] and `down_proj` [E, H, I]), or with `expert_parallel` each rank holds E / N whole
-  experts (models/expert_parallel.py); the router is replicated, so every rank routes alike;
+  experts (below); the router is replicated, so every rank routes alike;
 - embedding and lm_head: vocabulary-parallel (rows padded to a multiple of N), logits gathered.
 
 A decoder layer's mixer and MLP each end in a row-parallel projection whose output is a partial
@@ -26,6 +26,7 @@ checkpoint's float8 weights come with the block scales of their part.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ballast.models.base import ModelConfigError, UnsupportedModel
-from ballast.models.expert_parallel import LocalExperts, check_expert_parallel, hold_local_experts
 from ballast.models.fp8 import Block
 from ballast.models.layers import linear
+from ballast.models.moe import Experts
 from ballast.models.registry import convert_model, materialize, model_class
 from torch import Tensor, nn
 
@@ -174,12 +175,19 @@ class ShardPlan:
         self.cfg = _parsed(hf)
         self.rank, self.world = rank, world
         num_experts = int(getattr(self.cfg, "num_experts", 0) or 0)
-        self.experts = LocalExperts(num_experts, rank, world) if expert_parallel else None
+        # expert parallel: (first, count) of the routed experts this rank holds whole
+        self.experts = expert_range(num_experts, rank, world) if expert_parallel else None
 
     def local_name(self, name: str) -> str | None:
         """The name a checkpoint tensor has in this rank's shard: under expert parallel a
-        per-expert tensor's expert index becomes the local one, None for another rank's expert."""
-        return name if self.experts is None else self.experts.local_name(name)
+        per-expert `....mlp.experts.{e}.*` tensor's expert index becomes the local one, None for
+        another rank's expert; any other name unchanged."""
+        m = None if self.experts is None else _EXPERT_INDEX.search(name)
+        if m is None or self.experts is None:
+            return name
+        first, count = self.experts
+        local = int(m[1]) - first
+        return name[: m.start()] + str(local) + name[m.end() :] if 0 <= local < count else None
 
     def _even(self, size: int, dim: int) -> Cut:
         n = size // self.world
@@ -224,7 +232,7 @@ class ShardPlan:
         if owner == "in_proj_a" or leaf in ("dt_bias", "A_log"):
             return self._even(shape[0], 0)
         if owner == "experts" and self.experts is not None:  # [E, ...]: this rank's experts, whole
-            return Cut(0, self.experts.fused_rows())
+            return Cut(0, ((self.experts[0], sum(self.experts)),))
         if owner == "experts" and leaf == "gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
             half = shape[1] // 2
             return self._segments((half, half), 1)
@@ -249,6 +257,58 @@ def apply_cut(cut: Cut, read: Callable[[tuple[slice, ...]], Tensor], shape: tupl
     if cut.pad_rows > out.shape[0]:
         out = torch.cat([out, out.new_zeros((cut.pad_rows - out.shape[0], *out.shape[1:]))])
     return out
+
+
+# --- expert parallel --------------------------------------------------------------------------
+
+# Expert parallel: under tensor parallel, rank r of N holds whole routed experts
+# [r * E / N, (r + 1) * E / N) instead of a 1/N slice of every expert's intermediate dim.
+#
+# The router stays replicated, so every rank picks the same top-k of all E experts for a token;
+# each rank computes only the (token, expert) pairs whose expert it holds (the others add zero,
+# `moe.local_expert_ids`) and the all-reduce that already ends the MoE block (the shared expert's
+# row-parallel partial sum) adds the ranks' routed parts too. No extra collective, no host sync.
+#
+# Why have both splits: sharding every expert makes each rank's expert GEMMs N times thinner (for
+# Qwen3-Next's 512 experts of intermediate 512 at N = 8: 64 columns, which also cuts every FP8
+# 128 x 128 scale block, so a float8 load is refused), while whole experts keep the GEMMs and the
+# scale blocks whole; the price is load imbalance (a rank's share of a batch's pairs varies).
+#
+# A checkpoint's experts come fused ([E, ...] tensors: a rank reads rows [first, first + count)
+# of dim 0, with the scales of those experts) or one tensor per expert (`experts.{e}.*`: a rank
+# reads only its own experts' tensors, whole, renamed to their local index).
+
+_EXPERT_INDEX = re.compile(r"(?<=\.mlp\.experts\.)(\d+)(?=\.)")
+
+
+def expert_range(num_experts: int, rank: int, world: int) -> tuple[int, int]:
+    """(first, count): the routed experts rank `rank` of `world` holds."""
+    count = num_experts // world
+    return rank * count, count
+
+
+def check_expert_parallel(num_experts: int, world: int) -> None:
+    """Raise UnsupportedModel unless num_experts routed experts split evenly over world ranks."""
+    if num_experts <= 0:
+        raise UnsupportedModel("--expert-parallel: this model has no routed experts")
+    if num_experts % world:
+        raise UnsupportedModel(
+            f"--expert-parallel over {world} ranks: num_experts ({num_experts}) is not a multiple of "
+            "the tensor-parallel size"
+        )
+
+
+def hold_local_experts(model: nn.Module, rank: int, world: int) -> None:
+    """On the meta device, give every `Experts` module only this rank's experts: fused tensors of
+    E / world experts (whole intermediate dims) and the index of its first one."""
+    for module in model.modules():
+        if not isinstance(module, Experts):
+            continue
+        first, count = expert_range(module.gate_up_proj.shape[0], rank, world)
+        for name in ("gate_up_proj", "down_proj"):
+            full: Tensor = getattr(module, name)
+            setattr(module, name, nn.Parameter(full.new_empty((count, *full.shape[1:]))))
+        module.first = first
 
 
 # --- building and filling a shard --------------------------------------------------------------
