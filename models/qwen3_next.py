@@ -1,6 +1,15 @@
 """Qwen3-Next: gated DeltaNet linear-attention layers interleaved with gated full attention, and
-sparse MoE MLPs with a shared expert. Qwen3.5-MoE (models/qwen3_5_moe.py) reuses everything here
-except the linear-attention input projections.
+sparse MoE MLPs with a shared expert.
+
+Qwen3.5-MoE (text model) is the same architecture with two differences (`Qwen3_5MoeForCausalLM`):
+its linear-attention input projections are separate tensors (`in_proj_qkv`, `in_proj_z`,
+`in_proj_b`, `in_proj_a`) in plain q|k|v order instead of Qwen3-Next's per-key-head interleaved
+`in_proj_qkvz` / `in_proj_ba`, and every layer is a sparse MoE layer with normalised top-k. Its
+rotary embedding is multimodal (mrope) in the reference, but for text every position axis carries
+the same index, which reduces exactly to the ordinary partial rotary used here. A text-only
+checkpoint says `model_type: qwen3_5_moe_text`; the full multimodal one says `qwen3_5_moe` and
+nests the text config under `text_config`, with the language model's tensors under
+`model.language_model.*`.
 
 Per-layer state follows the layer's kind: full-attention layers read and write a `PagedKV`,
 linear-attention layers a `RecurrentState` (conv window + float32 delta-rule state). The engine
@@ -35,8 +44,6 @@ from ballast.models.state import LayerState, PagedKV, attention_spec, dtype_byte
 from torch import Tensor, nn
 
 LINEAR, FULL = "linear_attention", "full_attention"
-# Older configs name the layer kinds after the architecture they came from.
-_LEGACY_KINDS = {"mamba": LINEAR, "conv": LINEAR, "attention": FULL}
 
 
 @dataclass(frozen=True)
@@ -128,7 +135,7 @@ class HybridConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=hf_int(hf, "max_position_embeddings", 32768),
             rope=RopeParams.from_hf(rope_src),
-            layer_types=tuple(_LEGACY_KINDS.get(k, k) for k in kinds),
+            layer_types=tuple(kinds),
             linear_conv_kernel_dim=hf_int(hf, "linear_conv_kernel_dim", 4),
             linear_key_head_dim=hf_int(hf, "linear_key_head_dim", 128),
             linear_value_head_dim=hf_int(hf, "linear_value_head_dim", 128),
@@ -348,3 +355,36 @@ class Qwen3NextForCausalLM(DecoderLM):
                     a = torch.empty(module.v_heads, device=gen.device).uniform_(0.01, 16.0, generator=gen)
                     module.A_log.copy_(a.log())
                     module.dt_bias.fill_(1.0)
+
+
+class SplitGatedDeltaNet(GatedDeltaNet):
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__(cfg)
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.conv_channels, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_width, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, self.v_heads, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, self.v_heads, bias=False)
+        self.in_proj = FusedLinears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+
+    def fuse(self, keep_values: bool = True) -> None:
+        self.in_proj.fuse(keep_values)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        qkv, z, b, a = self.in_proj.outputs(x)
+        return qkv, z.view(x.shape[0], self.v_heads, self.v_dim), b, a
+
+
+class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+    linear_attention_class = SplitGatedDeltaNet
+    model_types = ("qwen3_5_moe_text", "qwen3_5_moe")
+    all_sparse = True
+
+    @staticmethod
+    def checkpoint_key(hf_key: str) -> str | None:
+        """Our parameter name for a tensor of a Qwen3.5-MoE checkpoint, None for tensors this text
+        model does not use (vision tower, multi-token-prediction head)."""
+        if hf_key.startswith(("model.visual.", "mtp.")):
+            return None
+        if hf_key.startswith("model.language_model."):
+            return "model." + hf_key.removeprefix("model.language_model.")
+        return hf_key

@@ -11,8 +11,7 @@ from ballast.models.base import UnsupportedModel
 from ballast.models.fp8 import Block, convert_experts, convert_linear
 from ballast.models.llama import LlamaForCausalLM
 from ballast.models.moe import Experts
-from ballast.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
-from ballast.models.qwen3_next import Qwen3NextForCausalLM
+from ballast.models.qwen3_next import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from torch import nn
 
 # Every class here has `from_hf_config(hf: Mapping[str, Any]) -> instance`, `layer_specs`,
