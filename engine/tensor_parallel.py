@@ -41,7 +41,6 @@ from ballast.engine.kv_pool import Acquire
 from ballast.engine.loading import (
     LazyTokenizer,
     LoadedModel,
-    ModelSource,
     ModelSpecError,
     admit_load,
     resolve,
@@ -181,9 +180,7 @@ class TPWorkers:
                 self.send(Stop())
         for proc in self._procs:
             proc.join(timeout_s)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout_s)
+        self.kill(timeout_s)  # any that linger
         for conn in self._conns:
             conn.close()
         if self.lost() is not None and self._watchdog is not None:
@@ -223,8 +220,9 @@ def load_sharded(
     source = resolve(config.model)
     if source.kind not in ("builtin", "hf"):
         raise ModelSpecError(f"tensor parallel serves built-in and Hugging Face models, not {source.kind}")
-    tok_dir = None if config.tokenizer is None else Path(config.tokenizer)
-    if tok_dir is not None and not tok_dir.is_dir():
+    # the tokenizer's directory: --tokenizer's, else the model's (a built-in's is the default model's)
+    tok_dir = source.path if config.tokenizer is None else Path(config.tokenizer)
+    if config.tokenizer is not None and not Path(config.tokenizer).is_dir():
         raise ModelSpecError(f"--tokenizer {tok_dir} is not a directory")
     t0 = time.perf_counter()
     fp8 = None
@@ -235,7 +233,8 @@ def load_sharded(
                 "tensor parallel serves FP8 checkpoints from a Hugging Face directory, not FP8 built-ins"
             )
     else:
-        ckpt = inspect_hf_dir(_path(source))  # headers only
+        assert source.path is not None
+        ckpt = inspect_hf_dir(source.path)  # headers only
         hf, fp8 = ckpt.config, kept_fp8(ckpt, config, device)
     check_tensor_parallel(hf, config.tensor_parallel_size, config.expert_parallel)
     if device.type == "cuda":
@@ -282,24 +281,16 @@ def load_sharded(
             lease.release()
         workers.close(timeout_s=2.0)
         raise
-    if tok_dir is not None:
-        tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(tok_dir))
-    elif source.kind == "builtin":
+    if tok_dir is None:
         tokenizer = LazyTokenizer(
             lambda: Tokenizer(build_tokenizer(read_gguf(default_model_path()).metadata))
         )
     else:
-        path = _path(source)
-        tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(path))
+        tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(tok_dir))
     held = weights_bytes(model) * ranks_here
     loaded = LoadedModel(source, model, hf, tokenizer, held, time.perf_counter() - t0, leases)
     log.info("tensor parallel %d: rank 0 on %s, workers pids %s", workers.world, device, workers.pids)
     return loaded, workers
-
-
-def _path(source: ModelSource) -> Path:
-    assert source.path is not None
-    return source.path
 
 
 def _die(device: torch.device) -> int:

@@ -37,7 +37,7 @@ import torch
 from ballast.memory.types import MiB
 from ballast.models.base import ModelConfigError, UnsupportedModel, WeightLoadError
 from ballast.models.fp8 import FP8, dequantize_blocks
-from ballast.models.moe import per_expert_target, place_expert_tensor
+from ballast.models.moe import fused_param, per_expert_target, place_expert_tensor
 from ballast.models.registry import build_model, model_class
 from safetensors import safe_open
 from torch import Tensor, nn
@@ -111,12 +111,7 @@ class HFCheckpoint:
 
     def fp8_params(self) -> set[str]:
         """The model parameters (fused expert names included) that hold float8 checkpoint weights."""
-        names = set()
-        for name in self.scales:
-            key = self.tensors[name].key
-            target = per_expert_target(key)
-            names.add(key if target is None else target[0])
-        return names
+        return {fused_param(self.tensors[name].key) for name in self.scales}
 
     def transient_bytes(self) -> int:
         """The extra a load holds at its peak besides the model: the source tensors read ahead
@@ -320,8 +315,7 @@ def _plan_copies(ckpt: HFCheckpoint, model: nn.Module) -> list[_Copy]:
 
 def _is_fp8(key: str, params: dict[str, Tensor]) -> bool:
     """Whether the parameter a checkpoint tensor fills holds float8."""
-    target = per_expert_target(key)
-    param = params.get(key if target is None else target[0])
+    param = params.get(fused_param(key))
     return param is not None and param.dtype == FP8
 
 

@@ -236,6 +236,12 @@ _PER_EXPERT = re.compile(
 )
 
 
+def fused_param(name: str) -> str:
+    """The parameter a checkpoint tensor fills: its own name, or a per-expert tensor's fused one."""
+    target = per_expert_target(name)
+    return name if target is None else target[0]
+
+
 def per_expert_target(name: str) -> tuple[str, int, str] | None:
     """For an unfused checkpoint tensor `....mlp.experts.{e}.{gate,up,down}_proj.weight` (or its FP8
     `weight_scale_inv`): (our fused parameter's name, e, part). None for any other name."""
@@ -275,19 +281,15 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, intermediate))
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor, shared: Shared | None = None) -> Tensor:
-        outside = self.first is not None
+        gate_up, down, outside, scales = self.gate_up_proj, self.down_proj, self.first is not None, None
         if self.first is not None:
-            experts = local_expert_ids(experts, self.first, self.gate_up_proj.shape[0])
-        if self.gate_up_proj.dtype == fp8.FP8:
+            experts = local_expert_ids(experts, self.first, gate_up.shape[0])
+        if gate_up.dtype == fp8.FP8:
             scales = Fp8Scales(self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.block)
-            if moe_experts_triton.fused_ok(x, self.gate_up_proj, experts.numel(), scales):
-                return experts_forward(
-                    x, experts, weights, self.gate_up_proj, self.down_proj, outside=outside, shared=shared,
-                    scales=scales,
-                )  # fmt: skip
-            return plus_shared(fp8_experts_forward(self, x, experts, weights, outside), x, shared)
+            if not moe_experts_triton.fused_ok(x, gate_up, experts.numel(), scales):
+                return plus_shared(fp8_experts_forward(self, x, experts, weights, outside), x, shared)
         return experts_forward(
-            x, experts, weights, self.gate_up_proj, self.down_proj, outside=outside, shared=shared
+            x, experts, weights, gate_up, down, outside=outside, shared=shared, scales=scales
         )
 
 

@@ -22,7 +22,7 @@ import torch
 from ballast.models.base import UnsupportedModel, WeightLoadError
 from ballast.models.fp8 import FP8, Block, dequantize_blocks
 from ballast.models.hf_loader import HFCheckpoint, TensorInfo
-from ballast.models.moe import per_expert_target, place_expert_tensor
+from ballast.models.moe import fused_param, per_expert_target, place_expert_tensor
 from ballast.models.parallel import Cut, ShardPlan, apply_cut
 from safetensors import safe_open
 from torch import Tensor, nn
@@ -83,11 +83,9 @@ def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None
 
 
 def _param_of(params: Mapping[str, Tensor], key: str) -> Tensor:
-    target = per_expert_target(key)
-    name = key if target is None else target[0]
-    if name not in params:
+    if fused_param(key) not in params:
         raise WeightLoadError(f"tensor {key} has no place in the model")
-    return params[name]
+    return params[fused_param(key)]
 
 
 def _place(
