@@ -43,6 +43,19 @@ _TINY_HYBRID: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+_TINY_LLAMA: dict[str, Any] = {
+    "model_type": "llama",
+    **_COMMON,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "tie_word_embeddings": True,
+}
 _LLAMA_8B: dict[str, Any] = {
     "model_type": "llama",
     **_COMMON,
@@ -88,32 +101,13 @@ _QWEN3_NEXT_80B: dict[str, Any] = {
 DEVICE_INIT_PARAMS = 2_000_000_000
 
 BUILTIN: dict[str, dict[str, Any]] = {
-    "tiny-llama": {
-        "model_type": "llama",
-        **_COMMON,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "tie_word_embeddings": True,
-    },
+    "tiny-llama": _TINY_LLAMA,
     "tiny-qwen3": {
+        **_TINY_LLAMA,
         "model_type": "qwen3",
-        **_COMMON,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
         "head_dim": 32,
-        "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-        "tie_word_embeddings": True,
     },
     "tiny-qwen3-next": {
         # Hybrid: three gated-DeltaNet layers per full-attention layer, MoE everywhere but layer 1.
@@ -125,17 +119,11 @@ BUILTIN: dict[str, dict[str, Any]] = {
     },
     # Llama-3.2-1B's shape: big enough that KV and the GPU's memory matter (32 KiB of KV a token).
     "llama-1b": {
-        "model_type": "llama",
-        **_COMMON,
+        **_LLAMA_8B,
         "hidden_size": 2048,
         "intermediate_size": 8192,
         "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
         "head_dim": 64,
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
         "tie_word_embeddings": True,
     },
     # Llama-3.1-8B's shape (SmolLM2's vocabulary: 7.5B parameters), for benchmarks; -fp8 holds its
