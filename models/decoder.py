@@ -42,6 +42,21 @@ def check_hf(hf: Mapping[str, Any], model_type: str, supported: Sequence[str]) -
 POSITIVE = {"positive": True}  # the metadata of a config field that must be > 0
 
 
+def hf_key(default: int | None = None, positive: bool = True) -> dict[str, Any]:
+    """The metadata of a config field `hf_ints` reads from the HF key of its name (default None:
+    the key is required); positive: `check_dims` checks it is > 0."""
+    return {"hf_default": default, "positive": positive}
+
+
+def hf_ints(cls: Any, hf: Mapping[str, Any]) -> dict[str, int]:
+    """Every `hf_key` field of the config dataclass cls, read from hf."""
+    return {
+        f.name: hf_int(hf, f.name, f.metadata["hf_default"])
+        for f in fields(cls)
+        if "hf_default" in f.metadata
+    }
+
+
 def check_dims(cfg: Any) -> None:
     """Every POSITIVE field of the config dataclass is > 0, and the query heads are whole KV groups."""
     for f in fields(cfg):

@@ -19,7 +19,8 @@ from ballast.models.decoder import (
     check_dims,
     check_hf,
     eos_ids,
-    hf_int,
+    hf_ints,
+    hf_key,
 )
 from ballast.models.layers import (
     LayerStep,
@@ -39,15 +40,15 @@ LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
 @dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
-    vocab_size: int = field(metadata=POSITIVE)
-    hidden_size: int = field(metadata=POSITIVE)
-    intermediate_size: int = field(metadata=POSITIVE)
-    num_hidden_layers: int = field(metadata=POSITIVE)
-    num_attention_heads: int = field(metadata=POSITIVE)
+    vocab_size: int = field(metadata=hf_key())
+    hidden_size: int = field(metadata=hf_key())
+    intermediate_size: int = field(metadata=hf_key())
+    num_hidden_layers: int = field(metadata=hf_key())
+    num_attention_heads: int = field(metadata=hf_key())
     num_key_value_heads: int = field(metadata=POSITIVE)
     head_dim: int = field(metadata=POSITIVE)
     rms_norm_eps: float
-    max_position_embeddings: int = field(metadata=POSITIVE)
+    max_position_embeddings: int = field(metadata=hf_key(2048))
     rope: RopeParams
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -70,19 +71,15 @@ class LlamaConfig:
             raise UnsupportedModel(
                 f"sliding-window attention ({model_type}, window {hf['sliding_window']}) is not supported"
             )
-        heads, hidden = hf_int(hf, "num_attention_heads"), hf_int(hf, "hidden_size")
+        ints = hf_ints(cls, hf)
+        heads, hidden = ints["num_attention_heads"], ints["hidden_size"]
         attention_bias = bool(hf.get("attention_bias", False))
         return cls(
             model_type=model_type,
-            vocab_size=hf_int(hf, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=hf_int(hf, "intermediate_size"),
-            num_hidden_layers=hf_int(hf, "num_hidden_layers"),
-            num_attention_heads=heads,
+            **ints,
             num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or hidden // heads),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             rope=RopeParams.from_hf(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # qwen2 always has q/k/v bias and none on o; llama's attention_bias covers all four.

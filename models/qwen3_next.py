@@ -28,7 +28,6 @@ from ballast.memory.specs import LayerSpec, RecurrentStateSpec
 from ballast.models import pointwise
 from ballast.models.base import ForwardBatch, ModelConfigError
 from ballast.models.decoder import (
-    POSITIVE,
     DecoderLayer,
     DecoderLM,
     DecoderModel,
@@ -36,6 +35,8 @@ from ballast.models.decoder import (
     check_hf,
     eos_ids,
     hf_int,
+    hf_ints,
+    hf_key,
 )
 from ballast.models.gated_delta import GatedDeltaNet, HybridStep
 from ballast.models.layers import FusedLinears, LayerStep, RMSNorm, Rope, RopeParams, RotaryEmbedding, SwiGLU
@@ -51,28 +52,28 @@ class HybridConfig:
     """The Qwen3-Next / Qwen3.5-MoE text config; defaults are the reference configs' defaults."""
 
     model_type: str
-    vocab_size: int = field(metadata=POSITIVE)
-    hidden_size: int = field(metadata=POSITIVE)
-    num_hidden_layers: int = field(metadata=POSITIVE)
-    num_attention_heads: int = field(metadata=POSITIVE)
-    num_key_value_heads: int = field(metadata=POSITIVE)
-    head_dim: int = field(metadata=POSITIVE)
+    vocab_size: int = field(metadata=hf_key())
+    hidden_size: int = field(metadata=hf_key())
+    num_hidden_layers: int = field(metadata=hf_key())
+    num_attention_heads: int = field(metadata=hf_key())
+    num_key_value_heads: int = field(metadata=hf_key(2))
+    head_dim: int = field(metadata=hf_key(256))
     rms_norm_eps: float
-    max_position_embeddings: int
+    max_position_embeddings: int = field(metadata=hf_key(32768, positive=False))
     rope: RopeParams
     layer_types: tuple[str, ...]
-    linear_conv_kernel_dim: int = field(metadata=POSITIVE)
-    linear_key_head_dim: int = field(metadata=POSITIVE)
-    linear_value_head_dim: int = field(metadata=POSITIVE)
-    linear_num_key_heads: int = field(metadata=POSITIVE)
-    linear_num_value_heads: int = field(metadata=POSITIVE)
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
+    linear_conv_kernel_dim: int = field(metadata=hf_key(4))
+    linear_key_head_dim: int = field(metadata=hf_key(128))
+    linear_value_head_dim: int = field(metadata=hf_key(128))
+    linear_num_key_heads: int = field(metadata=hf_key(16))
+    linear_num_value_heads: int = field(metadata=hf_key(32))
+    num_experts: int = field(metadata=hf_key(512, positive=False))
+    num_experts_per_tok: int = field(metadata=hf_key(10, positive=False))
+    moe_intermediate_size: int = field(metadata=hf_key(512, positive=False))
+    shared_expert_intermediate_size: int = field(metadata=hf_key(512, positive=False))
     norm_topk_prob: bool
-    intermediate_size: int  # dense-MLP layers only (0 when every layer is sparse)
-    decoder_sparse_step: int = field(metadata=POSITIVE)
+    intermediate_size: int = field(metadata=hf_key(5632, positive=False))  # dense-MLP layers (0: none)
+    decoder_sparse_step: int = field(metadata=hf_key(1))
     mlp_only_layers: tuple[int, ...]
     attention_bias: bool = False
     tie_word_embeddings: bool = False
@@ -114,11 +115,13 @@ class HybridConfig:
             hf.setdefault("tie_word_embeddings", outer.get("tie_word_embeddings", False))
         model_type = str(hf.get("model_type"))
         check_hf(hf, model_type, model_types)
-        layers = hf_int(hf, "num_hidden_layers")
+        ints = hf_ints(cls, hf)
+        if all_sparse:
+            ints.update(intermediate_size=0, decoder_sparse_step=1)
         kinds = hf.get("layer_types")
         if kinds is None:
             interval = hf_int(hf, "full_attention_interval", 4)
-            kinds = [LINEAR if (i + 1) % interval else FULL for i in range(layers)]
+            kinds = [LINEAR if (i + 1) % interval else FULL for i in range(ints["num_hidden_layers"])]
         rope_src = dict(hf)
         if "partial_rotary_factor" not in hf and "partial_rotary_factor" not in (
             hf.get("rope_parameters") or {}
@@ -126,28 +129,11 @@ class HybridConfig:
             rope_src["partial_rotary_factor"] = 0.25  # the reference's default for these models
         return cls(
             model_type=model_type,
-            vocab_size=hf_int(hf, "vocab_size"),
-            hidden_size=hf_int(hf, "hidden_size"),
-            num_hidden_layers=layers,
-            num_attention_heads=hf_int(hf, "num_attention_heads"),
-            num_key_value_heads=hf_int(hf, "num_key_value_heads", 2),
-            head_dim=hf_int(hf, "head_dim", 256),
+            **ints,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=hf_int(hf, "max_position_embeddings", 32768),
             rope=RopeParams.from_hf(rope_src),
             layer_types=tuple(kinds),
-            linear_conv_kernel_dim=hf_int(hf, "linear_conv_kernel_dim", 4),
-            linear_key_head_dim=hf_int(hf, "linear_key_head_dim", 128),
-            linear_value_head_dim=hf_int(hf, "linear_value_head_dim", 128),
-            linear_num_key_heads=hf_int(hf, "linear_num_key_heads", 16),
-            linear_num_value_heads=hf_int(hf, "linear_num_value_heads", 32),
-            num_experts=hf_int(hf, "num_experts", 512),
-            num_experts_per_tok=hf_int(hf, "num_experts_per_tok", 10),
-            moe_intermediate_size=hf_int(hf, "moe_intermediate_size", 512),
-            shared_expert_intermediate_size=hf_int(hf, "shared_expert_intermediate_size", 512),
             norm_topk_prob=True if all_sparse else bool(hf.get("norm_topk_prob", True)),
-            intermediate_size=0 if all_sparse else hf_int(hf, "intermediate_size", 5632),
-            decoder_sparse_step=1 if all_sparse else hf_int(hf, "decoder_sparse_step", 1),
             mlp_only_layers=() if all_sparse else tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
             attention_bias=bool(hf.get("attention_bias", False)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
