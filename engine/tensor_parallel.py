@@ -237,21 +237,20 @@ def load_sharded(
         ckpt = inspect_hf_dir(source.path)  # headers only
         hf, fp8 = ckpt.config, kept_fp8(ckpt, config, device)
     check_tensor_parallel(hf, config.tensor_parallel_size, config.expert_parallel)
+    dies: list[int] = []  # the GPUs of every rank: rank r on the r-th after rank 0's
     if device.type == "cuda":
         first, have = _die(device), torch.cuda.device_count()
-        if first + config.tensor_parallel_size > have:
+        dies = list(range(first, first + config.tensor_parallel_size))
+        if dies[-1] >= have:
             raise ModelSpecError(
-                f"tensor-parallel size {config.tensor_parallel_size} needs GPUs {first}.."
-                f"{first + config.tensor_parallel_size - 1}; this host has {have}"
+                f"tensor-parallel size {len(dies)} needs GPUs {first}..{dies[-1]}; this host has {have}"
             )
     shard_weights = shard_weights_bytes(hf, config.tensor_parallel_size, dtype, fp8, config.expert_parallel)
     mem_config = watch.config if watch is not None else MemoryConfig()
     hf_shard = shard_hf_config(hf, config.tensor_parallel_size, config.expert_parallel)
     need = die_need(hf_shard, config, dtype, shard_weights, mem_config)
     if watch is not None:  # every die (NVML's view) and every worker's load spike, before any spawns
-        admit_split(
-            need, config.tensor_parallel_size, dies_of(config) if device.type == "cuda" else [], watch
-        )
+        admit_split(need, config.tensor_parallel_size, dies, watch)
     # Rank 0's die (or, on the CPU, the host that holds every rank) must fit its share.
     ranks_here = 1 if device.type == "cuda" else config.tensor_parallel_size
     admit_load(hf_shard, config, device, dtype, shard_weights * ranks_here, watch, mem_config)
@@ -295,13 +294,6 @@ def load_sharded(
 
 def _die(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def dies_of(config: EngineConfig) -> list[int]:
-    """The GPUs of every rank (rank r on the r-th after rank 0's)."""
-    base = config.resolved_device()
-    first = base.index or 0
-    return [first + r for r in range(config.tensor_parallel_size)]
 
 
 def lease_everywhere(watch: MemWatch, dies: Sequence[int], nbytes: int, tag: str) -> list[Lease]:

@@ -181,11 +181,6 @@ def fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def use_fla_for(x: Tensor) -> bool:
-    """fla's chunk kernel is CUDA-only and refuses float32 inputs."""
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and fla_installed()
-
-
 def gated_delta_varlen(
     q: Tensor,
     k: Tensor,
@@ -200,9 +195,10 @@ def gated_delta_varlen(
     [B, Hv, Dk, Dv] each sequence's state before this step (zeros for a fresh sequence).
     Returns (o [T, Hv, Dv] in v's dtype, new state [B, Hv, Dk, Dv] float32).
     use_fla None picks fla when it applies (CUDA, half precision, installed)."""
-    fla = use_fla_for(v) if use_fla is None else use_fla
-    decode = _fla_decode if fla else recurrent_gated_delta_step
-    prefill = partial(_fla_prefill if fla else _padded_prefill, plan=plan)
+    if use_fla is None:  # fla's chunk kernel is CUDA-only and refuses float32 inputs
+        use_fla = v.is_cuda and v.dtype in (torch.bfloat16, torch.float16) and fla_installed()
+    decode = _fla_decode if use_fla else recurrent_gated_delta_step
+    prefill = partial(_fla_prefill if use_fla else _padded_prefill, plan=plan)
     if plan.all_decode:  # the common decode step: sequences are already in order, one token each
         return decode(q, k, v, g, beta, state)
     if plan.all_prefill:  # prompt chunks alone: they too are in order already

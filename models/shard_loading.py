@@ -70,7 +70,7 @@ def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None
                     if scale is None:
                         _place(params, key, apply_cut(cut, read, info.shape), name, filled, ckpt)
                         continue
-                    keep = _param_of(params, key).dtype == FP8
+                    keep = fused_param(key) in params and params[fused_param(key)].dtype == FP8
                     part, scales = fp8_part(cut, info, name, read, scale, ckpt.fp8_block, keep)
                     _place(params, key, part, name, filled, ckpt)
                     if scales is not None:
@@ -80,12 +80,6 @@ def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None
     missing = sorted(params.keys() - tied - filled)
     if missing:
         raise WeightLoadError(f"{ckpt.path}: checkpoint lacks {missing[:8]}")
-
-
-def _param_of(params: Mapping[str, Tensor], key: str) -> Tensor:
-    if fused_param(key) not in params:
-        raise WeightLoadError(f"tensor {key} has no place in the model")
-    return params[fused_param(key)]
 
 
 def _place(
