@@ -270,10 +270,7 @@ def _plan_copies(ckpt: HFCheckpoint, model: nn.Module) -> list[_Copy]:
     """Where each checkpoint tensor goes, after checking that every parameter is filled exactly
     once, nothing is unexpected and every shape fits."""
     params = dict(model.state_dict(keep_vars=True))
-    # The head shares the embedding; if the checkpoint also stores it, the embedding wins.
-    tied = (
-        {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
-    )
+    tied = tied_params(model)
     copies: list[_Copy] = []
     unexpected: list[str] = []
     # A float8 weight kept in float8 (its parameter is float8) brings its scale along.
@@ -311,6 +308,13 @@ def _plan_copies(ckpt: HFCheckpoint, model: nn.Module) -> list[_Copy]:
             f"{_few(unexpected)}" + (f", filled twice {_few(twice)}" if twice else "")
         )
     return copies
+
+
+def tied_params(model: nn.Module) -> set[str]:
+    """The head where it shares the embedding: if the checkpoint also stores it, the embedding wins."""
+    return (
+        {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
+    )
 
 
 def _is_fp8(key: str, params: dict[str, Tensor]) -> bool:

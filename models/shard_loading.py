@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from ballast.models.base import UnsupportedModel, WeightLoadError
 from ballast.models.fp8 import FP8, Block, dequantize_blocks
-from ballast.models.hf_loader import HFCheckpoint, TensorInfo
+from ballast.models.hf_loader import HFCheckpoint, TensorInfo, tied_params
 from ballast.models.moe import fused_param, per_expert_target, place_expert_tensor
 from ballast.models.parallel import Cut, ShardPlan, apply_cut
 from safetensors import safe_open
@@ -30,16 +30,12 @@ from torch import Tensor, nn
 Read = Callable[[tuple[slice, ...]], Tensor]
 
 
-def _tied(model: nn.Module) -> set[str]:
-    return {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-
-
 def load_full_into_shard(model: nn.Module, full: Mapping[str, Tensor], plan: ShardPlan) -> None:
     """Fill a shard from a whole model's state dict (built-in random models: small by design)."""
     params = dict(model.state_dict(keep_vars=True))
     with torch.no_grad():
         for name, param in params.items():
-            if name in _tied(model):
+            if name in tied_params(model):
                 continue
             src = full[name]
             cut = plan.cut(name, tuple(src.shape))
@@ -51,7 +47,7 @@ def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None
     weight fills a float8 parameter with its scales (the shard was built with `fp8`), or is
     dequantized into the model's dtype."""
     params = dict(model.state_dict(keep_vars=True))
-    tied = _tied(model)
+    tied = tied_params(model)
     filled: set[str] = set()
     by_file: dict[Any, list[str]] = {}
     for name, info in ckpt.tensors.items():
