@@ -198,7 +198,7 @@ def admit_load(
     if device.type != "cuda":
         return
     free, total = torch.cuda.mem_get_info(device)
-    ceiling = watch.ledger.register_die(_die(device), total, free)
+    ceiling = watch.ledger.register_die(die_of(device), total, free)
     verdict = admit_model_load(
         weights + fixed,
         one_seq,
@@ -210,7 +210,8 @@ def admit_load(
         raise ModelLoadRefused(verdict)
 
 
-def _die(device: torch.device) -> int:
+def die_of(device: torch.device) -> int:
+    """The GPU index of a CUDA device (the current one where it names none)."""
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
@@ -273,7 +274,7 @@ def load(
     leases: list[Lease] = []
     held = weights_bytes(model) + packed_bytes(model)  # FBGEMM's packed fp16 weights are not tensors
     if watch is not None and device.type == "cuda":
-        leases.append(watch.ledger.lease(_die(device), held, f"weights:{source.name}"))
+        leases.append(watch.ledger.lease(die_of(device), held, f"weights:{source.name}"))
     return LoadedModel(
         source, model.eval(), dict(hf_config), tokenizer, held, time.perf_counter() - t0, leases
     )

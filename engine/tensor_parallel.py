@@ -43,6 +43,7 @@ from ballast.engine.loading import (
     LoadedModel,
     ModelSpecError,
     admit_load,
+    die_of,
     resolve,
 )
 from ballast.engine.runner import weights_bytes
@@ -239,7 +240,7 @@ def load_sharded(
     check_tensor_parallel(hf, config.tensor_parallel_size, config.expert_parallel)
     dies: list[int] = []  # the GPUs of every rank: rank r on the r-th after rank 0's
     if device.type == "cuda":
-        first, have = _die(device), torch.cuda.device_count()
+        first, have = die_of(device), torch.cuda.device_count()
         dies = list(range(first, first + config.tensor_parallel_size))
         if dies[-1] >= have:
             raise ModelSpecError(
@@ -269,7 +270,7 @@ def load_sharded(
         workers.watch(nccl=device.type == "cuda")
         if device.type == "cuda" and watch is not None:
             leases.append(
-                watch.ledger.lease(_die(device), weights_bytes(model), f"weights:{source.name}:tp0")
+                watch.ledger.lease(die_of(device), weights_bytes(model), f"weights:{source.name}:tp0")
             )
             for r in ready:
                 assert r.die is not None
@@ -290,10 +291,6 @@ def load_sharded(
     loaded = LoadedModel(source, model, hf, tokenizer, held, time.perf_counter() - t0, leases)
     log.info("tensor parallel %d: rank 0 on %s, workers pids %s", workers.world, device, workers.pids)
     return loaded, workers
-
-
-def _die(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def lease_everywhere(watch: MemWatch, dies: Sequence[int], nbytes: int, tag: str) -> list[Lease]:

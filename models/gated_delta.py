@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ballast.models import gated_delta_triton, pointwise
 from ballast.models.base import ForwardBatch, to_device_packed
 from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
-from ballast.models.layers import LayerStep, Rope
+from ballast.models.layers import FusedLinears, LayerStep, Rope
 from ballast.models.state import LayerState, RecurrentState
 from torch import Tensor, nn
 
@@ -305,9 +305,8 @@ class HybridStep(LayerStep):
     def build(cls, batch: ForwardBatch, rope: Rope, conv_kernel: int, use_fla: bool | None) -> HybridStep:
         plan = DeltaPlan.build(batch.lens_list, batch.device)
         kernels = use_fla is not False and gated_delta_triton.available(batch.starts)
-        windows = None
-        if not kernels:
-            windows = ConvWindows.build(batch.cu_lens, batch.lens, batch.seq_of_token, conv_kernel)
+        b = batch
+        windows = None if kernels else ConvWindows.build(b.cu_lens, b.lens, b.seq_of_token, conv_kernel)
         return cls(
             batch=batch,
             rope=rope,
@@ -323,7 +322,9 @@ class HybridStep(LayerStep):
 
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet linear attention over a `RecurrentState`. Subclasses supply the input
-    projections (fused in Qwen3-Next, separate in Qwen3.5)."""
+    projections (fused in Qwen3-Next, separate in Qwen3.5), run as one matmul (`in_proj`)."""
+
+    in_proj: FusedLinears
 
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
@@ -352,7 +353,7 @@ class GatedDeltaNet(nn.Module):
 
     def fuse(self, keep_values: bool = True) -> None:
         """Make the input projections one matmul (`FusedLinears.fuse`)."""
-        raise NotImplementedError
+        self.in_proj.fuse(keep_values)
 
     def forward(self, x: Tensor, step: HybridStep, state: LayerState) -> Tensor:
         if not isinstance(state, RecurrentState):

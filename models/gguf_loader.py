@@ -25,13 +25,6 @@ from torch import Tensor
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-# GGUFError, read_gguf and build_tokenizer are re-exported: engine/loading.py and bench/load_time.py
-# import them from here
-__all__ = [
-    "GGUFError", "GGUFModel", "build_tokenizer", "gguf_config", "gguf_q4_weights", "gguf_tensors",
-    "gguf_tokenizer", "hf_tensor_name", "load_gguf", "qk_row_order", "read_gguf",
-]  # fmt: skip
-
 # a progress bar only when the load is long enough to wonder about
 _PROGRESS_MIN_BYTES = 512 * 2**20
 

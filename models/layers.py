@@ -348,11 +348,7 @@ class SlotAttention(nn.Module):
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
     ) -> None:
-        super().__init__()
-        if num_heads % num_kv_heads:
-            raise ModelConfigError(
-                f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
-            )
+        super().__init__()  # heads are whole KV groups: the config checked it (`decoder.check_dims`)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = Linear(hidden, num_heads * head_dim, bias=qkv_bias)
         self.k_proj = Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)

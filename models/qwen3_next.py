@@ -201,9 +201,6 @@ class FusedGatedDeltaNet(GatedDeltaNet):
         self.in_proj = FusedLinears(self.in_proj_qkvz, self.in_proj_ba)
         self._order: Tensor | None = None
 
-    def fuse(self, keep_values: bool = True) -> None:
-        self.in_proj.fuse(keep_values)
-
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """One gather puts the per-key-head columns in q|k|v|z|b|a order, so every part is a view
         (the split, reshape and cat of the per-head layout were seven kernels a layer)."""
@@ -351,9 +348,6 @@ class SplitGatedDeltaNet(GatedDeltaNet):
         self.in_proj_b = nn.Linear(cfg.hidden_size, self.v_heads, bias=False)
         self.in_proj_a = nn.Linear(cfg.hidden_size, self.v_heads, bias=False)
         self.in_proj = FusedLinears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-
-    def fuse(self, keep_values: bool = True) -> None:
-        self.in_proj.fuse(keep_values)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         qkv, z, b, a = self.in_proj.outputs(x)
