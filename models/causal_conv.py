@@ -38,8 +38,6 @@ class ConvWindows:
     @classmethod
     def build(cls, cu_lens: Tensor, lens: Tensor, seq_of_token: Tensor, kernel: int) -> ConvWindows:
         """cu_lens [B+1], lens [B], seq_of_token [T] (all int64, on the compute device)."""
-        if kernel < 1:
-            raise ValueError(f"conv kernel must be >= 1, got {kernel}")
         if seq_of_token.shape[0] == lens.shape[0]:  # T == B and every len >= 1: one token each
             return cls(kernel=kernel, token_taps=None, state_taps=None, decode_only=True)
         hist = kernel - 1

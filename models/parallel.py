@@ -61,11 +61,6 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
 
-def _text(hf: Mapping[str, Any]) -> Mapping[str, Any]:
-    inner = hf.get("text_config")
-    return inner if isinstance(inner, Mapping) else hf
-
-
 def _parsed(hf: Mapping[str, Any]) -> Any:
     """The architecture's own (frozen) config of the whole model."""
     with torch.device("meta"):
@@ -86,7 +81,8 @@ def shard_hf_config(hf: Mapping[str, Any], world: int, expert_parallel: bool = F
     head are swapped for vocabulary-parallel ones after the build); so do the routed experts under
     expert_parallel (`hold_local_experts` cuts them to the rank's after the build)."""
     cfg = _parsed(hf)
-    text = dict(_text(hf))
+    nested = isinstance(hf.get("text_config"), Mapping)  # a multimodal config: the text model's is inside
+    text = dict(hf["text_config"] if nested else hf)
     text["num_attention_heads"] = _divide("num_attention_heads", cfg.num_attention_heads, world)
     kv = cfg.num_key_value_heads
     if kv >= world:
@@ -109,9 +105,7 @@ def shard_hf_config(hf: Mapping[str, Any], world: int, expert_parallel: bool = F
     if hasattr(cfg, "linear_num_key_heads"):
         text["linear_num_key_heads"] = _divide("linear_num_key_heads", cfg.linear_num_key_heads, world)
         text["linear_num_value_heads"] = _divide("linear_num_value_heads", cfg.linear_num_value_heads, world)
-    if "text_config" in hf and isinstance(hf["text_config"], Mapping):
-        return {**hf, "text_config": text}
-    return text
+    return {**hf, "text_config": text} if nested else text
 
 
 # --- vocabulary-parallel embedding and head ------------------------------------------------------
