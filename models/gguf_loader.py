@@ -37,17 +37,16 @@ class GGUFModel:
 
 
 @dataclass(frozen=True)
-class _Arch:
-    model_type: str
+class _Arch:  # by general.architecture, which is also the HF model_type
     hf_class: str
     # llama.cpp's converter reorders q/k rows (rotate-half -> interleaved rope) for these only
     permuted_qk: bool
 
 
 _ARCHS = {
-    "llama": _Arch("llama", "LlamaForCausalLM", True),
-    "qwen2": _Arch("qwen2", "Qwen2ForCausalLM", False),
-    "qwen3": _Arch("qwen3", "Qwen3ForCausalLM", False),
+    "llama": _Arch("LlamaForCausalLM", True),
+    "qwen2": _Arch("Qwen2ForCausalLM", False),
+    "qwen3": _Arch("Qwen3ForCausalLM", False),
 }
 _ROPE_FREQS = "rope_freqs.weight"  # configuration stored as a tensor: read into the config
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -109,7 +108,7 @@ def gguf_config(gf: GGUFFile) -> dict[str, Any]:
         raise GGUFError(f"{gf.path}: no token_embd.weight tensor")
     config: dict[str, Any] = {
         "architectures": [arch.hf_class],
-        "model_type": arch.model_type,
+        "model_type": name,
         "vocab_size": embd.shape[0],
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),
