@@ -37,7 +37,6 @@ from ballast.models.base import ModelError
 from ballast.models.cpu_int4 import Q4Weight
 from ballast.models.cpu_linear import packed_bytes
 from ballast.models.default_model import DefaultModelError, default_model_path
-from ballast.models.fp8_convert import convert_model
 from ballast.models.gguf_loader import (
     GGUFError,
     build_tokenizer,
@@ -50,7 +49,7 @@ from ballast.models.gguf_loader import (
 from ballast.models.gguf_reader import GGUFFile
 from ballast.models.hf_loader import inspect_hf_dir, load_hf_model
 from ballast.models.llama import LlamaForCausalLM, int4_blocks
-from ballast.models.registry import model_class
+from ballast.models.registry import convert_model, model_class
 from ballast.models.state import dtype_bytes
 from torch import nn
 
@@ -212,7 +211,7 @@ def admit_load(
 
 
 def die_index(device: torch.device) -> int:
-    """The CUDA device's index (the current one where it names none)."""
+    """The GPU index of a CUDA device (the current one where it names none)."""
     return device.index if device.index is not None else torch.cuda.current_device()
 
 

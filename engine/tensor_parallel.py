@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,6 @@ from ballast.engine.kv_pool import Acquire
 from ballast.engine.loading import (
     LazyTokenizer,
     LoadedModel,
-    ModelSource,
     ModelSpecError,
     admit_load,
     die_index,
@@ -141,12 +140,7 @@ class TPWorkers:
 
     def wait_loaded(self, timeout_s: float = LOAD_TIMEOUT_S) -> list[WorkerReady]:
         """Each worker's report once its shard is loaded; raises WorkerLost if one failed."""
-        deadline = time.monotonic() + timeout_s
-        for conn, proc in zip(self._conns, self._procs, strict=True):
-            while not conn.poll(0.2):
-                if not proc.is_alive() or time.monotonic() > deadline:
-                    raise WorkerLost(self.lost() or f"{proc.name} did not load its shard in {timeout_s:.0f}s")
-            msg = conn.recv()
+        for msg in self._each(timeout_s):
             if isinstance(msg, WorkerFailed):
                 raise WorkerLost(f"tensor-parallel rank {msg.rank} failed to load: {msg.error}")
             self.ready.append(msg)
@@ -154,17 +148,18 @@ class TPWorkers:
 
     def recv_each(self, timeout_s: float = LOAD_TIMEOUT_S) -> list[Any]:
         """One message from every worker, in rank order; WorkerLost if one exits or stays silent."""
+        return list(self._each(timeout_s))
+
+    def _each(self, timeout_s: float) -> Iterator[Any]:
         deadline = time.monotonic() + timeout_s
-        out = []
         for conn, proc in zip(self._conns, self._procs, strict=True):
             while not conn.poll(0.2):
                 if not proc.is_alive() or time.monotonic() > deadline:
                     raise WorkerLost(self.lost() or f"{proc.name} did not answer in {timeout_s:.0f}s")
             try:
-                out.append(conn.recv())
+                yield conn.recv()
             except (EOFError, OSError) as e:
                 raise WorkerLost(self.lost() or f"{proc.name} is gone: {e}") from e
-        return out
 
     def send(self, msg: object) -> None:
         why = self.lost()
@@ -186,9 +181,7 @@ class TPWorkers:
                 self.send(Stop())
         for proc in self._procs:
             proc.join(timeout_s)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout_s)
+        self.kill(timeout_s)  # any that linger
         for conn in self._conns:
             conn.close()
         if self.lost() is not None and self._watchdog is not None:
@@ -228,8 +221,9 @@ def load_sharded(
     source = resolve(config.model)
     if source.kind not in ("builtin", "hf"):
         raise ModelSpecError(f"tensor parallel serves built-in and Hugging Face models, not {source.kind}")
-    tok_dir = None if config.tokenizer is None else Path(config.tokenizer)
-    if tok_dir is not None and not tok_dir.is_dir():
+    # the tokenizer's directory: --tokenizer's, else the model's (a built-in's is the default model's)
+    tok_dir = source.path if config.tokenizer is None else Path(config.tokenizer)
+    if config.tokenizer is not None and not Path(config.tokenizer).is_dir():
         raise ModelSpecError(f"--tokenizer {tok_dir} is not a directory")
     t0 = time.perf_counter()
     fp8 = None
@@ -240,24 +234,24 @@ def load_sharded(
                 "tensor parallel serves FP8 checkpoints from a Hugging Face directory, not FP8 built-ins"
             )
     else:
-        ckpt = inspect_hf_dir(_path(source))  # headers only
+        assert source.path is not None
+        ckpt = inspect_hf_dir(source.path)  # headers only
         hf, fp8 = ckpt.config, kept_fp8(ckpt, config, device)
     check_tensor_parallel(hf, config.tensor_parallel_size, config.expert_parallel)
+    dies: list[int] = []  # the GPUs of every rank: rank r on the r-th after rank 0's
     if device.type == "cuda":
         first, have = die_index(device), torch.cuda.device_count()
-        if first + config.tensor_parallel_size > have:
+        dies = list(range(first, first + config.tensor_parallel_size))
+        if dies[-1] >= have:
             raise ModelSpecError(
-                f"tensor-parallel size {config.tensor_parallel_size} needs GPUs {first}.."
-                f"{first + config.tensor_parallel_size - 1}; this host has {have}"
+                f"tensor-parallel size {len(dies)} needs GPUs {first}..{dies[-1]}; this host has {have}"
             )
     shard_weights = shard_weights_bytes(hf, config.tensor_parallel_size, dtype, fp8, config.expert_parallel)
     mem_config = watch.config if watch is not None else MemoryConfig()
     hf_shard = shard_hf_config(hf, config.tensor_parallel_size, config.expert_parallel)
     need = die_need(hf_shard, config, dtype, shard_weights, mem_config)
     if watch is not None:  # every die (NVML's view) and every worker's load spike, before any spawns
-        admit_split(
-            need, config.tensor_parallel_size, dies_of(config) if device.type == "cuda" else [], watch
-        )
+        admit_split(need, config.tensor_parallel_size, dies, watch)
     # Rank 0's die (or, on the CPU, the host that holds every rank) must fit its share.
     ranks_here = 1 if device.type == "cuda" else config.tensor_parallel_size
     admit_load(hf_shard, config, device, dtype, shard_weights * ranks_here, watch)
@@ -287,31 +281,16 @@ def load_sharded(
             lease.release()
         workers.close(timeout_s=2.0)
         raise
-    if tok_dir is not None:
-        tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(tok_dir))
-    elif source.kind == "builtin":
+    if tok_dir is None:
         tokenizer = LazyTokenizer(
             lambda: Tokenizer(build_tokenizer(read_gguf(default_model_path()).metadata))
         )
     else:
-        path = _path(source)
-        tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(path))
+        tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(tok_dir))
     held = weights_bytes(model) * ranks_here
     loaded = LoadedModel(source, model, hf, tokenizer, held, time.perf_counter() - t0, leases)
     log.info("tensor parallel %d: rank 0 on %s, workers pids %s", workers.world, device, workers.pids)
     return loaded, workers
-
-
-def _path(source: ModelSource) -> Path:
-    assert source.path is not None
-    return source.path
-
-
-def dies_of(config: EngineConfig) -> list[int]:
-    """The GPUs of every rank (rank r on the r-th after rank 0's)."""
-    base = config.resolved_device()
-    first = base.index or 0
-    return [first + r for r in range(config.tensor_parallel_size)]
 
 
 def lease_everywhere(watch: MemWatch, dies: Sequence[int], nbytes: int, tag: str) -> list[Lease]:

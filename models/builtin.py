@@ -16,11 +16,12 @@ from ballast.models.registry import build_model
 from torch import nn
 
 PREFIX = "builtin:"
-_SMOLLM2_VOCAB = 49152
+# What every entry shares: SmolLM2's vocabulary and special ids, and the seed of its weights.
+_COMMON: dict[str, Any] = {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "seed": 0}
 
 # What the two tiny hybrid models share (a mix of layer types, MoE, partial rotary).
 _TINY_HYBRID: dict[str, Any] = {
-    "vocab_size": _SMOLLM2_VOCAB,
+    **_COMMON,
     "hidden_size": 64,
     "num_hidden_layers": 4,
     "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
@@ -40,14 +41,24 @@ _TINY_HYBRID: dict[str, Any] = {
     "rms_norm_eps": 1e-06,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "seed": 0,
 }
 
+_TINY_LLAMA: dict[str, Any] = {
+    "model_type": "llama",
+    **_COMMON,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "tie_word_embeddings": True,
+}
 _LLAMA_8B: dict[str, Any] = {
     "model_type": "llama",
-    "vocab_size": _SMOLLM2_VOCAB,
+    **_COMMON,
     "hidden_size": 4096,
     "intermediate_size": 14336,
     "num_hidden_layers": 32,
@@ -57,13 +68,10 @@ _LLAMA_8B: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
     "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
     "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "seed": 0,
 }
 _QWEN3_NEXT_80B: dict[str, Any] = {
     "model_type": "qwen3_next",
-    "vocab_size": _SMOLLM2_VOCAB,
+    **_COMMON,
     "hidden_size": 2048,
     "intermediate_size": 5120,
     "num_hidden_layers": 48,
@@ -87,47 +95,19 @@ _QWEN3_NEXT_80B: dict[str, Any] = {
     "rms_norm_eps": 1e-06,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "seed": 0,
 }
 # Above this many parameters a built-in model is initialised by the generator of its own device:
 # the CPU generator would take minutes for an 8B model and hours for an 80B one.
 DEVICE_INIT_PARAMS = 2_000_000_000
 
 BUILTIN: dict[str, dict[str, Any]] = {
-    "tiny-llama": {
-        "model_type": "llama",
-        "vocab_size": _SMOLLM2_VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "tie_word_embeddings": True,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "seed": 0,
-    },
+    "tiny-llama": _TINY_LLAMA,
     "tiny-qwen3": {
+        **_TINY_LLAMA,
         "model_type": "qwen3",
-        "vocab_size": _SMOLLM2_VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
         "head_dim": 32,
-        "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-        "tie_word_embeddings": True,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "seed": 0,
     },
     "tiny-qwen3-next": {
         # Hybrid: three gated-DeltaNet layers per full-attention layer, MoE everywhere but layer 1.
@@ -139,21 +119,12 @@ BUILTIN: dict[str, dict[str, Any]] = {
     },
     # Llama-3.2-1B's shape: big enough that KV and the GPU's memory matter (32 KiB of KV a token).
     "llama-1b": {
-        "model_type": "llama",
-        "vocab_size": _SMOLLM2_VOCAB,
+        **_LLAMA_8B,
         "hidden_size": 2048,
         "intermediate_size": 8192,
         "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
         "head_dim": 64,
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
         "tie_word_embeddings": True,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "seed": 0,
     },
     # Llama-3.1-8B's shape (SmolLM2's vocabulary: 7.5B parameters), for benchmarks; -fp8 holds its
     # decoder projections in float8 with 128 x 128 block scales.

@@ -38,8 +38,6 @@ class ConvWindows:
     @classmethod
     def build(cls, cu_lens: Tensor, lens: Tensor, seq_of_token: Tensor, kernel: int) -> ConvWindows:
         """cu_lens [B+1], lens [B], seq_of_token [T] (all int64, on the compute device)."""
-        if kernel < 1:
-            raise ValueError(f"conv kernel must be >= 1, got {kernel}")
         if seq_of_token.shape[0] == lens.shape[0]:  # T == B and every len >= 1: one token each
             return cls(kernel=kernel, token_taps=None, state_taps=None, decode_only=True)
         hist = kernel - 1
@@ -65,7 +63,7 @@ class ConvWindows:
 
 
 def causal_conv1d_varlen(
-    x: Tensor, state: Tensor, weight: Tensor, windows: ConvWindows, activation: bool = True
+    x: Tensor, state: Tensor, weight: Tensor, windows: ConvWindows
 ) -> tuple[Tensor, Tensor]:
     """Depthwise causal conv of a flat batch.
 
@@ -79,7 +77,7 @@ def causal_conv1d_varlen(
             f"kernel mismatch: weight {tuple(weight.shape)}, state {tuple(state.shape)}, {kernel}"
         )
     if windows.decode_only:
-        return _conv_decode(x, state, weight, activation)
+        return _conv_decode(x, state, weight)
     assert windows.token_taps is not None and windows.state_taps is not None
     channels = x.shape[-1]
     source = torch.cat([state.transpose(1, 2).reshape(-1, channels).to(x.dtype), x], dim=0)
@@ -87,13 +85,11 @@ def causal_conv1d_varlen(
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for j in range(kernel):  # the kernel taps, not the tokens
         out.addcmul_(source.index_select(0, windows.token_taps[j]).float(), w[:, j])
-    if activation:
-        out = F.silu(out)
     new_state = source[windows.state_taps.reshape(-1)].reshape(kernel - 1, -1, channels).permute(1, 2, 0)
-    return out.to(x.dtype), new_state.to(state.dtype)
+    return F.silu(out).to(x.dtype), new_state.to(state.dtype)
 
 
-def _conv_decode(x: Tensor, state: Tensor, weight: Tensor, activation: bool) -> tuple[Tensor, Tensor]:
+def _conv_decode(x: Tensor, state: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     # One token per sequence: the window is [state, x]. Same accumulation order as the gathered
     # form (taps oldest first into float32 zeros), so a decode step gives the same bits either way;
     # half the kernel launches, which is what a decode step on a GPU is bound by.
@@ -103,6 +99,4 @@ def _conv_decode(x: Tensor, state: Tensor, weight: Tensor, activation: bool) -> 
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for j in range(w.shape[-1]):
         out.addcmul_(src[..., j], w[:, j])
-    if activation:
-        out = F.silu(out)
-    return out.to(x.dtype), window[..., 1:].to(state.dtype)
+    return F.silu(out).to(x.dtype), window[..., 1:].to(state.dtype)

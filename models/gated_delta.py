@@ -25,16 +25,20 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from ballast.models import gated_delta_triton, pointwise
 from ballast.models.base import ForwardBatch, to_device_packed
 from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
-from ballast.models.layers import Rope
+from ballast.models.layers import FusedLinears, LayerStep, Rope
 from ballast.models.state import LayerState, RecurrentState
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from ballast.models.qwen3_next import HybridConfig
 
 CHUNK = 64
 
@@ -177,11 +181,6 @@ def fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def use_fla_for(x: Tensor) -> bool:
-    """fla's chunk kernel is CUDA-only and refuses float32 inputs."""
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and fla_installed()
-
-
 def gated_delta_varlen(
     q: Tensor,
     k: Tensor,
@@ -196,29 +195,22 @@ def gated_delta_varlen(
     [B, Hv, Dk, Dv] each sequence's state before this step (zeros for a fresh sequence).
     Returns (o [T, Hv, Dv] in v's dtype, new state [B, Hv, Dk, Dv] float32).
     use_fla None picks fla when it applies (CUDA, half precision, installed)."""
-    fla = use_fla_for(v) if use_fla is None else use_fla
+    if use_fla is None:  # fla's chunk kernel is CUDA-only and refuses float32 inputs
+        use_fla = v.is_cuda and v.dtype in (torch.bfloat16, torch.float16) and fla_installed()
+    decode = _fla_decode if use_fla else recurrent_gated_delta_step
+    prefill = partial(_fla_prefill if use_fla else _padded_prefill, plan=plan)
     if plan.all_decode:  # the common decode step: sequences are already in order, one token each
-        return (_fla_decode if fla else recurrent_gated_delta_step)(q, k, v, g, beta, state)
+        return decode(q, k, v, g, beta, state)
     if plan.all_prefill:  # prompt chunks alone: they too are in order already
-        if fla:
-            return _fla_prefill(q, k, v, g, beta, state, plan.prefill_cu_lens)
-        return _padded_prefill(q, k, v, g, beta, state, plan)
+        return prefill(q, k, v, g, beta, state)
     out = torch.empty_like(v)
     new_state = torch.empty(state.shape, dtype=torch.float32, device=state.device)
-    if plan.decode_seqs.numel():
-        idx, seqs = plan.decode_tokens, plan.decode_seqs
-        step = _fla_decode if fla else recurrent_gated_delta_step
-        o, s = step(q[idx], k[idx], v[idx], g[idx], beta[idx], state[seqs])
-        out[idx] = o
-        new_state[seqs] = s
-    if plan.prefill_seqs.numel():
-        idx, seqs = plan.prefill_tokens, plan.prefill_seqs
-        if fla:
-            o, s = _fla_prefill(q[idx], k[idx], v[idx], g[idx], beta[idx], state[seqs], plan.prefill_cu_lens)
-        else:
-            o, s = _padded_prefill(q[idx], k[idx], v[idx], g[idx], beta[idx], state[seqs], plan)
-        out[idx] = o
-        new_state[seqs] = s
+    for idx, seqs, form in (
+        (plan.decode_tokens, plan.decode_seqs, decode),
+        (plan.prefill_tokens, plan.prefill_seqs, prefill),
+    ):
+        if seqs.numel():
+            out[idx], new_state[seqs] = form(q[idx], k[idx], v[idx], g[idx], beta[idx], state[seqs])
     return out, new_state
 
 
@@ -239,7 +231,7 @@ def _padded_prefill(
 
 
 def _fla_prefill(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, cu_lens: Tensor
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, plan: DeltaPlan
 ) -> tuple[Tensor, Tensor]:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -256,7 +248,7 @@ def _fla_prefill(
         initial_state=state.float().contiguous(),
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_lens,
+        cu_seqlens=plan.prefill_cu_lens,
     )
     return o.squeeze(0).to(v.dtype), s.float()
 
@@ -281,7 +273,7 @@ def _fla_decode(
 
 
 class GatedRMSNorm(nn.Module):
-    """Per-head RMSNorm of the delta-rule output, then multiplied by silu(z)."""
+    """Per-head RMSNorm of the delta-rule output, then multiplied by silu(z) (one kernel on CUDA)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -289,19 +281,13 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        if x.is_cuda:
-            return pointwise.gated_rms_norm(x, gate, self.weight, self.eps)  # one kernel
-        dtype = x.dtype
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (self.weight * h.to(dtype) * F.silu(gate.float())).to(dtype)
+        return pointwise.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
-class HybridStep:
-    """What every layer of one forward shares, computed once per step."""
+class HybridStep(LayerStep):
+    """A hybrid model's `LayerStep`: also what its linear-attention layers share."""
 
-    batch: ForwardBatch
-    rope: Rope  # the full-attention layers' rotary tables
     # conv taps of every token (all linear layers share the kernel size); None where the conv
     # runs in place (`conv_in_place`)
     windows: ConvWindows | None
@@ -319,9 +305,8 @@ class HybridStep:
     def build(cls, batch: ForwardBatch, rope: Rope, conv_kernel: int, use_fla: bool | None) -> HybridStep:
         plan = DeltaPlan.build(batch.lens_list, batch.device)
         kernels = use_fla is not False and gated_delta_triton.available(batch.starts)
-        windows = None
-        if not kernels:
-            windows = ConvWindows.build(batch.cu_lens, batch.lens, batch.seq_of_token, conv_kernel)
+        b = batch
+        windows = None if kernels else ConvWindows.build(b.cu_lens, b.lens, b.seq_of_token, conv_kernel)
         return cls(
             batch=batch,
             rope=rope,
@@ -337,14 +322,15 @@ class HybridStep:
 
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet linear attention over a `RecurrentState`. Subclasses supply the input
-    projections (fused in Qwen3-Next, separate in Qwen3.5)."""
+    projections (fused in Qwen3-Next, separate in Qwen3.5), run as one matmul (`in_proj`)."""
 
-    def __init__(
-        self, hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, kernel: int, eps: float
-    ) -> None:
+    in_proj: FusedLinears
+
+    def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
-        self.k_heads, self.v_heads = k_heads, v_heads
-        self.k_dim, self.v_dim = k_dim, v_dim
+        self.k_heads, self.v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        kernel = cfg.linear_conv_kernel_dim
         self.key_width = self.k_heads * self.k_dim
         self.value_width = self.v_heads * self.v_dim
         self.conv_channels = 2 * self.key_width + self.value_width
@@ -358,8 +344,8 @@ class GatedDeltaNet(nn.Module):
         )
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
-        self.norm = GatedRMSNorm(self.v_dim, eps)
-        self.out_proj = nn.Linear(self.value_width, hidden, bias=False)
+        self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_width, cfg.hidden_size, bias=False)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x [T, H] -> (q|k|v [T, conv_channels], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
@@ -367,7 +353,7 @@ class GatedDeltaNet(nn.Module):
 
     def fuse(self, keep_values: bool = True) -> None:
         """Make the input projections one matmul (`FusedLinears.fuse`)."""
-        raise NotImplementedError
+        self.in_proj.fuse(keep_values)
 
     def forward(self, x: Tensor, step: HybridStep, state: LayerState) -> Tensor:
         if not isinstance(state, RecurrentState):

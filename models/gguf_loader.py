@@ -25,13 +25,6 @@ from torch import Tensor
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-# GGUFError, read_gguf and build_tokenizer are re-exported: engine/loading.py and bench/load_time.py
-# import them from here
-__all__ = [
-    "GGUFError", "GGUFModel", "build_tokenizer", "gguf_config", "gguf_q4_weights", "gguf_tensors",
-    "gguf_tokenizer", "hf_tensor_name", "load_gguf", "qk_row_order", "read_gguf",
-]  # fmt: skip
-
 # a progress bar only when the load is long enough to wonder about
 _PROGRESS_MIN_BYTES = 512 * 2**20
 
@@ -44,17 +37,16 @@ class GGUFModel:
 
 
 @dataclass(frozen=True)
-class _Arch:
-    model_type: str
+class _Arch:  # by general.architecture, which is also the HF model_type
     hf_class: str
     # llama.cpp's converter reorders q/k rows (rotate-half -> interleaved rope) for these only
     permuted_qk: bool
 
 
 _ARCHS = {
-    "llama": _Arch("llama", "LlamaForCausalLM", True),
-    "qwen2": _Arch("qwen2", "Qwen2ForCausalLM", False),
-    "qwen3": _Arch("qwen3", "Qwen3ForCausalLM", False),
+    "llama": _Arch("LlamaForCausalLM", True),
+    "qwen2": _Arch("Qwen2ForCausalLM", False),
+    "qwen3": _Arch("Qwen3ForCausalLM", False),
 }
 _ROPE_FREQS = "rope_freqs.weight"  # configuration stored as a tensor: read into the config
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -116,7 +108,7 @@ def gguf_config(gf: GGUFFile) -> dict[str, Any]:
         raise GGUFError(f"{gf.path}: no token_embd.weight tensor")
     config: dict[str, Any] = {
         "architectures": [arch.hf_class],
-        "model_type": arch.model_type,
+        "model_type": name,
         "vocab_size": embd.shape[0],
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),

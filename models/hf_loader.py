@@ -24,7 +24,9 @@ float32, and the scales are not kept.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,7 +37,7 @@ import torch
 from ballast.memory.types import MiB
 from ballast.models.base import ModelConfigError, UnsupportedModel, WeightLoadError
 from ballast.models.fp8 import FP8, dequantize_blocks
-from ballast.models.moe import per_expert_target, place_expert_tensor
+from ballast.models.moe import fused_param, per_expert_target, place_expert_tensor
 from ballast.models.registry import build_model, model_class
 from safetensors import safe_open
 from torch import Tensor, nn
@@ -52,20 +54,11 @@ _PROGRESS_MIN_BYTES = 256 * MiB
 _LOAD_THREADS = 8
 _READ_AHEAD = 2 * _LOAD_THREADS  # source tensors held at once, at most
 
-_ST_DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-}
+
+def _st_dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a safetensors dtype name ("BF16", "F8_E4M3", "BOOL", ...)."""
+    bits = re.search(r"\d+", dtype)
+    return max(1, int(bits[0]) // 8) if bits else 1
 
 
 @dataclass(frozen=True)
@@ -77,10 +70,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -109,7 +99,7 @@ class HFCheckpoint:
 
     def kept_fp8(self) -> set[str]:
         """The float8 weights (checkpoint names) a keep_fp8 load keeps in float8: all but experts
-        whose gate and up halves would split a scale block (`fp8_convert.convert_model`'s rule)."""
+        whose gate and up halves would split a scale block (`registry.convert_model`'s rule)."""
         kept = set()
         for name in self.scales:
             info = self.tensors[name]
@@ -121,12 +111,7 @@ class HFCheckpoint:
 
     def fp8_params(self) -> set[str]:
         """The model parameters (fused expert names included) that hold float8 checkpoint weights."""
-        names = set()
-        for name in self.scales:
-            key = self.tensors[name].key
-            target = per_expert_target(key)
-            names.add(key if target is None else target[0])
-        return names
+        return {fused_param(self.tensors[name].key) for name in self.scales}
 
     def transient_bytes(self) -> int:
         """The extra a load holds at its peak besides the model: the source tensors read ahead
@@ -134,7 +119,7 @@ class HFCheckpoint:
         dequantized copy while it is copied)."""
         sizes = sorted(
             (
-                t.numel * (_ST_DTYPE_BYTES.get(t.dtype, 4) + (4 if name in self.scales else 0))
+                t.numel * (_st_dtype_bytes(t.dtype) + (4 if name in self.scales else 0))
                 for name, t in self.tensors.items()
             ),
             reverse=True,
@@ -206,11 +191,7 @@ def inspect_hf_dir(path: str | Path) -> HFCheckpoint:
                         scales[name.removesuffix("_scale_inv")] = info
                     elif fp8_block is None or not name.endswith(_FP8_ACTIVATION_SUFFIXES):
                         tensors[name] = info
-        except (
-            OSError,
-            ValueError,
-            RuntimeError,
-        ) as e:  # safetensors raises SafetensorError(ValueError-like)
+        except (OSError, ValueError, RuntimeError) as e:  # safetensors' SafetensorError is ValueError-like
             raise WeightLoadError(f"cannot read {file}: {e}") from e
     if fp8_block is None:
         return HFCheckpoint(root, config, tensors)
@@ -289,10 +270,7 @@ def _plan_copies(ckpt: HFCheckpoint, model: nn.Module) -> list[_Copy]:
     """Where each checkpoint tensor goes, after checking that every parameter is filled exactly
     once, nothing is unexpected and every shape fits."""
     params = dict(model.state_dict(keep_vars=True))
-    # The head shares the embedding; if the checkpoint also stores it, the embedding wins.
-    tied = (
-        {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
-    )
+    tied = tied_params(model)
     copies: list[_Copy] = []
     unexpected: list[str] = []
     # A float8 weight kept in float8 (its parameter is float8) brings its scale along.
@@ -332,10 +310,16 @@ def _plan_copies(ckpt: HFCheckpoint, model: nn.Module) -> list[_Copy]:
     return copies
 
 
+def tied_params(model: nn.Module) -> set[str]:
+    """The head where it shares the embedding: if the checkpoint also stores it, the embedding wins."""
+    return (
+        {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
+    )
+
+
 def _is_fp8(key: str, params: dict[str, Tensor]) -> bool:
     """Whether the parameter a checkpoint tensor fills holds float8."""
-    target = per_expert_target(key)
-    param = params.get(key if target is None else target[0])
+    param = params.get(fused_param(key))
     return param is not None and param.dtype == FP8
 
 
@@ -378,14 +362,13 @@ def load_hf_model(
                     for c in file_copies:
                         if len(pending) >= min(_READ_AHEAD, 2 * workers):  # bound what is read ahead
                             bar.update(pending.popleft().result())
-                        src = f.get_tensor(c.name)
-                        if c.name in ckpt.scales and params[c.param].dtype != FP8:
-                            scale = _read_tensor(ckpt.scales[c.name], c.name + "_scale_inv")
-                            pending.append(
-                                pool.submit(_copy_fp8_into, params[c.param], c, src, scale, ckpt.fp8_block)
-                            )
-                        else:
-                            pending.append(pool.submit(_copy_into, params[c.param], c, src))
+                        src, scale = f.get_tensor(c.name), None
+                        if c.name in ckpt.scales and params[c.param].dtype != FP8:  # dequantized as copied
+                            with safe_open(str(ckpt.scales[c.name].file), framework="pt", device="cpu") as sf:
+                                scale = sf.get_tensor(c.name + "_scale_inv")
+                        pending.append(
+                            pool.submit(_copy_into, params[c.param], c, src, scale, ckpt.fp8_block)
+                        )
                     while pending:
                         bar.update(pending.popleft().result())
             except (OSError, ValueError, RuntimeError) as e:
@@ -393,25 +376,20 @@ def load_hf_model(
     return model
 
 
-def _copy_into(param: Tensor, copy: _Copy, src: Tensor) -> int:
-    """Copy (casting, no intermediate tensor) src into its place; returns the bytes written."""
+def _copy_into(
+    param: Tensor, copy: _Copy, src: Tensor, scale_inv: Tensor | None, block: tuple[int, int]
+) -> int:
+    """Copy (casting, no intermediate tensor but a float8 weight's dequantized one) src into its
+    place; returns the bytes written."""
+    nbytes = src.numel() * param.element_size()
+    if scale_inv is not None:
+        src = dequantize_blocks(src, scale_inv, block, torch.float32)
     with torch.no_grad():
         if copy.expert is None:
             param.copy_(src)
         else:
             place_expert_tensor(param, copy.expert, copy.part, src)
-    return src.numel() * param.element_size()
-
-
-def _copy_fp8_into(param: Tensor, copy: _Copy, src: Tensor, scale_inv: Tensor, block: tuple[int, int]) -> int:
-    _copy_into(param, copy, dequantize_blocks(src, scale_inv, block, torch.float32))
-    return src.numel() * param.element_size()
-
-
-def _read_tensor(info: TensorInfo, name: str) -> Tensor:
-    with safe_open(str(info.file), framework="pt", device="cpu") as f:
-        tensor: Tensor = f.get_tensor(name)
-        return tensor
+    return nbytes
 
 
 def load_hf_dir(

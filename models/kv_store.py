@@ -28,8 +28,8 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -50,9 +50,13 @@ class StoreOp:
     """One change a `KVStore` made to its segments, tables or blocks, recorded so that another
     store of the same layout (a tensor-parallel rank's) can make the same change: `replay`."""
 
-    kind: str  # add_segment | release_segments | clear_table | set_table | copy_block
+    change: Callable[..., None]  # the KVStore method that made it (add_segment, set_table, ...)
     args: tuple[Any, ...]
     store: int = 0  # which of the model's stores made it (its `journal_index`)
+
+    @property
+    def kind(self) -> str:
+        return self.change.__name__
 
 
 @dataclass(frozen=True)
@@ -71,19 +75,7 @@ class KVLayout:
     max_blocks_per_seq: int
 
     def __post_init__(self) -> None:
-        if (
-            min(
-                self.num_layers,
-                self.num_kv_heads,
-                self.head_dim,
-                self.block_size,
-                self.seg_blocks,
-                self.max_segments,
-                self.table_rows,
-                self.max_blocks_per_seq,
-            )
-            < 1
-        ):
+        if min(getattr(self, f.name) for f in fields(self) if f.type == "int") < 1:  # every count
             raise ValueError(f"invalid KVLayout {self}")
 
     @property
@@ -96,12 +88,16 @@ class KVLayout:
         return 2 * self.num_kv_heads
 
     @property
-    def block_layer_bytes(self) -> int:
-        """One block of one layer, scales included."""
+    def block_layer_parts(self) -> list[int]:
+        """Bytes of one block of one layer in each tensor: K/V data, and scales when int8."""
         rows = self.block_size * self.row_width
-        return rows * self.head_dim * self.storage_dtype.itemsize + (
-            rows * SCALE_BYTES if self.quantized else 0
+        return [rows * self.head_dim * self.storage_dtype.itemsize] + (
+            [rows * SCALE_BYTES] if self.quantized else []
         )
+
+    @property
+    def block_layer_bytes(self) -> int:
+        return sum(self.block_layer_parts)
 
     @property
     def block_bytes(self) -> int:
@@ -138,31 +134,11 @@ def plan_layout(
     seg_blocks = max(2, target // probe.block_bytes)  # at least one block besides the sink
     if device.type == "cpu":
         # madvise works on whole pages: every layer's share of a segment must be page aligned.
-        unit = math.lcm(*(_PAGE // math.gcd(n, _PAGE) for n in _cpu_block_parts(probe)))
+        unit = math.lcm(*(_PAGE // math.gcd(n, _PAGE) for n in probe.block_layer_parts))
         seg_blocks = -(-seg_blocks // unit) * unit
     per_seq = -(-max_model_len // block_size)
     max_segments = max(1, -(-(per_seq * table_rows + 1) // seg_blocks))  # + the sink
-    return KVLayout(
-        num_layers,
-        num_kv_heads,
-        head_dim,
-        dtype,
-        quantized,
-        block_size,
-        seg_blocks,
-        max_segments,
-        table_rows,
-        per_seq,
-    )
-
-
-def _cpu_block_parts(layout: KVLayout) -> list[int]:
-    """Bytes of one block of one layer in each CPU tensor (K/V data, and scales when int8)."""
-    rows = layout.block_size * layout.row_width
-    parts = [rows * layout.head_dim * layout.storage_dtype.itemsize]
-    if layout.quantized:
-        parts.append(rows * SCALE_BYTES)
-    return parts
+    return replace(probe, seg_blocks=seg_blocks, max_segments=max_segments, max_blocks_per_seq=per_seq)
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -280,47 +256,36 @@ class KVStore:
         self.journal: list[Any] | None = None
         self.journal_index = 0
 
-    def _record(self, kind: str, *args: Any) -> None:
+    def _record(self, change: Callable[..., None], *args: Any) -> None:
         if self.journal is not None:
-            self.journal.append(StoreOp(kind, args, self.journal_index))
+            self.journal.append(StoreOp(change, args, self.journal_index))
 
     def replay(self, op: StoreOp) -> None:
         """Make the change another store recorded (same layout, same block ids)."""
-        if op.kind == "add_segment":
-            self.add_segment(op.args[0])
-        elif op.kind == "release_segments":
-            self.release_segments(op.args[0])
-        elif op.kind == "clear_table":
-            self.clear_table(op.args[0])
-        elif op.kind == "set_table":
-            self.set_table(op.args[0], op.args[1], op.args[2])
-        elif op.kind == "copy_block":
-            self.copy_block(op.args[0], op.args[1])
-        else:
-            raise ValueError(f"unknown KV store change {op.kind!r}")
+        op.change(self, *op.args)
 
     @property
     def bytes_held(self) -> int:
         return len(self.live_segments) * self.layout.segment_bytes
 
     def add_segment(self, seg: int) -> None:
-        self._record("add_segment", seg)
+        self._record(KVStore.add_segment, seg)
         self._memory.add_segment(seg)
         self.live_segments.add(seg)
 
     def release_segments(self, segs: Sequence[int]) -> None:
-        self._record("release_segments", tuple(segs))
+        self._record(KVStore.release_segments, tuple(segs))
         self.live_segments.difference_update(segs)
         self._memory.release_segments(segs)
 
     def clear_table(self, slot: int) -> None:
         """The slot holds no block here: its row points at the sink block (see `SINK_BLOCK`)."""
-        self._record("clear_table", slot)
+        self._record(KVStore.clear_table, slot)
         self.block_table[slot].zero_()
 
     def set_table(self, slot: int, start: int, blocks: Sequence[int]) -> None:
         """Table entries start.. of the slot's row become `blocks` (one small host-to-device copy)."""
-        self._record("set_table", slot, start, tuple(blocks))
+        self._record(KVStore.set_table, slot, start, tuple(blocks))
         if blocks:
             host = torch.tensor(blocks, dtype=torch.int32)
             # Pinned and non-blocking on CUDA: a pageable copy would wait for the step on the GPU.
@@ -336,7 +301,7 @@ class KVStore:
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy a whole block (every layer), e.g. copy on write of a shared partial block."""
-        self._record("copy_block", src, dst)
+        self._record(KVStore.copy_block, src, dst)
         for d, s in zip(self._memory.block(dst), self._memory.block(src), strict=True):
             d.copy_(s)
 

@@ -89,19 +89,13 @@ class RMSNorm(nn.Module):
         return s, self(s)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.is_cuda:
-            return pointwise.rms_norm(x, self.weight, self.eps)  # one kernel
-        dtype = x.dtype
-        weight = self.weight
-        if dtype == torch.float32 and weight.dtype == torch.float32:
-            # The reference's maths bit for bit (x * x is pow(2); products commute), written with
-            # in-place steps: F.rms_norm's CPU composite took 27 us a 576-wide row against 16 here,
-            # 61 times a decode step.
-            r = torch.mean(x * x, -1, keepdim=True).add_(self.eps).rsqrt_()
-            return torch.mul(x, r).mul_(weight)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        if x.is_cuda or x.dtype != torch.float32 or self.weight.dtype != torch.float32:
+            return pointwise.rms_norm(x, self.weight, self.eps)  # one kernel on CUDA
+        # float32 on the CPU: the reference's maths bit for bit (x * x is pow(2); products commute),
+        # written with in-place steps: F.rms_norm's CPU composite took 27 us a 576-wide row
+        # against 16 here, 61 times a decode step.
+        r = torch.mean(x * x, -1, keepdim=True).add_(self.eps).rsqrt_()
+        return torch.mul(x, r).mul_(self.weight)
 
 
 @dataclass(frozen=True)
@@ -333,6 +327,14 @@ class Rope:
         torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin, out=x)
 
 
+@dataclass(frozen=True)
+class LayerStep:
+    """What every layer of one forward shares, computed once per step."""
+
+    batch: ForwardBatch
+    rope: Rope  # the attention layers' rotary tables
+
+
 class SlotAttention(nn.Module):
     """Grouped-query attention reading and writing a `PagedKV`. Names follow HF (`self_attn.*`)."""
 
@@ -346,11 +348,7 @@ class SlotAttention(nn.Module):
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
     ) -> None:
-        super().__init__()
-        if num_heads % num_kv_heads:
-            raise ModelConfigError(
-                f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
-            )
+        super().__init__()  # heads are whole KV groups: the config checked it (`decoder.check_dims`)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = Linear(hidden, num_heads * head_dim, bias=qkv_bias)
         self.k_proj = Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
@@ -371,8 +369,8 @@ class SlotAttention(nn.Module):
         self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         drop_dense(self.q_proj, self.k_proj, self.v_proj, self.o_proj)
 
-    def forward(self, x: Tensor, batch: ForwardBatch, rope: Rope, state: PagedKV) -> Tensor:
-        hq, hkv = self.num_heads, self.num_kv_heads
+    def forward(self, x: Tensor, step: LayerStep, state: PagedKV) -> Tensor:
+        hq, hkv, rope = self.num_heads, self.num_kv_heads, step.rope
         q_ = self.quantized
         project, out = (self.qkv, self.o_proj) if q_ is None else (q_.first, q_.second)
         qkv = project(x).view(x.shape[0], hq + 2 * hkv, self.head_dim)
@@ -385,8 +383,8 @@ class SlotAttention(nn.Module):
             else:
                 qk = rope(qk)  # q and k heads turned in one go
             q, k = qk.split((hq, hkv), dim=1)
-        state.write(batch, k, v)
-        return out(state.attend(q, batch))
+        state.write(step.batch, k, v)
+        return out(state.attend(q, step.batch))
 
     def fuse(self, keep_values: bool = True) -> None:
         self.qkv.fuse(keep_values)

@@ -3,56 +3,52 @@ norms), over the slot state. Parameter names equal the HF checkpoints' names."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ballast.memory.specs import LayerSpec
-from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
+from ballast.models.base import UnsupportedModel
 from ballast.models.cpu_int4 import Int4Linear, Int8Linear, Q4Weight, QuantizedPair, drop_dense
 from ballast.models.cpu_linear import Fp16Linear
+from ballast.models.decoder import (
+    POSITIVE,
+    DecoderLayer,
+    DecoderLM,
+    DecoderModel,
+    check_dims,
+    check_hf,
+    eos_ids,
+    hf_ints,
+    hf_key,
+)
 from ballast.models.layers import (
+    LayerStep,
     Linear,
     RMSNorm,
-    Rope,
     RopeParams,
     RotaryEmbedding,
     SlotAttention,
     SwiGLU,
-    token_embedding,
 )
 from ballast.models.state import LayerState, PagedKV, attention_spec
-from torch import Tensor, nn
+from torch import Tensor
 
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
-
-
-def _required(hf: Mapping[str, Any], key: str) -> Any:
-    if hf.get(key) is None:
-        raise ModelConfigError(f"model config lacks {key!r}")
-    return hf[key]
-
-
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
 
 
 @dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+    vocab_size: int = field(metadata=hf_key())
+    hidden_size: int = field(metadata=hf_key())
+    intermediate_size: int = field(metadata=hf_key())
+    num_hidden_layers: int = field(metadata=hf_key())
+    num_attention_heads: int = field(metadata=hf_key())
+    num_key_value_heads: int = field(metadata=POSITIVE)
+    head_dim: int = field(metadata=POSITIVE)
     rms_norm_eps: float
-    max_position_embeddings: int
+    max_position_embeddings: int = field(metadata=hf_key(2048))
     rope: RopeParams
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -62,29 +58,12 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            if getattr(self, name) <= 0:
-                raise ModelConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        check_dims(self)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
         model_type = str(hf.get("model_type", "llama"))
-        if model_type not in LLAMA_FAMILY:
-            raise UnsupportedModel(f"{model_type!r} is not a Llama-family model ({', '.join(LLAMA_FAMILY)})")
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModel(f"hidden_act {act!r} is not supported (only silu)")
+        check_hf(hf, model_type, LLAMA_FAMILY)
         # A sliding window that is configured but switched off (qwen2/3: use_sliding_window false,
         # mistral: sliding_window null) is plain causal attention; an active one we do not implement.
         window_on = hf.get("use_sliding_window", model_type == "mistral") and hf.get("sliding_window")
@@ -92,20 +71,15 @@ class LlamaConfig:
             raise UnsupportedModel(
                 f"sliding-window attention ({model_type}, window {hf['sliding_window']}) is not supported"
             )
-        heads = int(_required(hf, "num_attention_heads"))
-        hidden = int(_required(hf, "hidden_size"))
+        ints = hf_ints(cls, hf)
+        heads, hidden = ints["num_attention_heads"], ints["hidden_size"]
         attention_bias = bool(hf.get("attention_bias", False))
         return cls(
             model_type=model_type,
-            vocab_size=int(_required(hf, "vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(_required(hf, "intermediate_size")),
-            num_hidden_layers=int(_required(hf, "num_hidden_layers")),
-            num_attention_heads=heads,
+            **ints,
             num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or hidden // heads),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             rope=RopeParams.from_hf(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # qwen2 always has q/k/v bias and none on o; llama's attention_bias covers all four.
@@ -113,7 +87,7 @@ class LlamaConfig:
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
-            eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+            eos_token_ids=eos_ids(hf.get("eos_token_id")),
         )
 
 
@@ -135,7 +109,9 @@ def int4_blocks(q4: Collection[str], names: Collection[str]) -> list[tuple[int, 
     return out
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DecoderLayer):
+    mlp: SwiGLU
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.self_attn = SlotAttention(
@@ -151,52 +127,27 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, h: Tensor, pending: Tensor | None, batch: ForwardBatch, rope: Rope, state: LayerState
-    ) -> tuple[Tensor, Tensor]:
-        """(residual stream, this layer's MLP output still to add): each residual add runs with
-        the norm after it (`add_norm`); pending is the last layer's MLP output (None first)."""
+    def mix(self, x: Tensor, step: LayerStep, state: LayerState) -> Tensor:
         if not isinstance(state, PagedKV):
             raise TypeError(f"a Llama layer needs a PagedKV, got {type(state).__name__}")
-        if pending is None:
-            x = self.input_layernorm(h)
-        else:
-            h, x = self.input_layernorm.add_norm(h, pending)
-        h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, batch, rope, state))
-        return h, self.mlp(x)
+        return self.self_attn(x, step, state)
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim)
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderLM):
     # A step's rows meet only in attention, which reads real tokens only: padding rows of a prefill
     # graph cannot change a real row (`engine/prefill_graphs`).
     prefill_graphs_safe = True
 
     def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.quantized_head: nn.Module | None = None  # the CPU's int8 or fp16 head, where held
-        self.tie_weights()
+        c = config
+        layers = (LlamaDecoderLayer(c) for _ in range(c.num_hidden_layers))
+        norm, rope = RMSNorm(c.hidden_size, c.rms_norm_eps), RotaryEmbedding(c.rope, c.head_dim)
+        model = DecoderModel(c.vocab_size, c.hidden_size, layers, norm, rope)
+        super().__init__(c, model, Linear(c.hidden_size, c.vocab_size, bias=False))
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> LlamaForCausalLM:
         return cls(LlamaConfig.from_hf(hf))
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the output head when the config says so (call after loading
-        weights with assign=True, which replaces the embedding's parameter)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def fuse_projections(self, keep_values: bool = True) -> None:
         """Run q/k/v and gate/up as one matmul each (see `FusedLinears`). build_model does this
@@ -253,21 +204,3 @@ class LlamaForCausalLM(nn.Module):
             attention_spec(c.num_key_value_heads, c.head_dim, kv_dtype_bytes)
             for _ in range(c.num_hidden_layers)
         ]
-
-    def forward(self, batch: ForwardBatch, states: Sequence[LayerState]) -> Tensor:
-        """Logits [B, vocab] (float32) at each sequence's last token."""
-        if len(states) != len(self.model.layers):
-            raise ValueError(f"{len(states)} layer states for {len(self.model.layers)} layers")
-        h = self.model.embed_tokens(batch.token_ids)
-        rope = Rope(*self.model.rotary_emb(batch.positions, h.dtype))
-        pending: Tensor | None = None
-        for layer, state in zip(self.model.layers, states, strict=True):
-            h, pending = layer(h, pending, batch, rope, state)
-        if pending is not None:
-            h = h + pending
-        # Only the rows asked for (each sequence's last token, or every token where prompt logprobs
-        # are asked) need the final norm and the (large) head.
-        if not batch.decode_only:
-            h = h.index_select(0, batch.logit_index)
-        head = self.lm_head if self.quantized_head is None else self.quantized_head
-        return head(self.model.norm(h)).float()

@@ -236,6 +236,12 @@ _PER_EXPERT = re.compile(
 )
 
 
+def fused_param(name: str) -> str:
+    """The parameter a checkpoint tensor fills: its own name, or a per-expert tensor's fused one."""
+    target = per_expert_target(name)
+    return name if target is None else target[0]
+
+
 def per_expert_target(name: str) -> tuple[str, int, str] | None:
     """For an unfused checkpoint tensor `....mlp.experts.{e}.{gate,up,down}_proj.weight` (or its FP8
     `weight_scale_inv`): (our fused parameter's name, e, part). None for any other name."""
@@ -260,26 +266,13 @@ def place_expert_tensor(fused: Tensor, expert: int, part: str, tensor: Tensor) -
     dst.copy_(tensor)
 
 
-class Router(nn.Linear):
-    """The router: a linear layer giving logits over the experts (HF's `gate.weight` [E, H]; it
-    runs fused with the shared expert's gate) and `route` over them."""
-
-    def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool) -> None:
-        super().__init__(hidden, num_experts, bias=False)
-        self.top_k = top_k
-        self.normalize = normalize
-
-    def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        return route(logits, self.top_k, self.normalize)
-
-
 class Experts(nn.Module):
     # float8 weights' scale block (rows, cols) and scales, once `fp8.convert_experts` made them float8
     block: tuple[int, int] = (128, 128)
     gate_up_proj_scale_inv: Tensor
     down_proj_scale_inv: Tensor
     # Expert parallel: this module holds only experts [first, first + its count) of the router's
-    # (`expert_parallel.hold_local_experts` sets it); the others' pairs add 0 here.
+    # (`parallel.hold_local_experts` sets it); the others' pairs add 0 here.
     first: int | None = None
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int) -> None:
@@ -288,19 +281,15 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, intermediate))
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor, shared: Shared | None = None) -> Tensor:
-        outside = self.first is not None
+        gate_up, down, outside, scales = self.gate_up_proj, self.down_proj, self.first is not None, None
         if self.first is not None:
-            experts = local_expert_ids(experts, self.first, self.gate_up_proj.shape[0])
-        if self.gate_up_proj.dtype == fp8.FP8:
+            experts = local_expert_ids(experts, self.first, gate_up.shape[0])
+        if gate_up.dtype == fp8.FP8:
             scales = Fp8Scales(self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.block)
-            if moe_experts_triton.fused_ok(x, self.gate_up_proj, experts.numel(), scales):
-                return experts_forward(
-                    x, experts, weights, self.gate_up_proj, self.down_proj, outside=outside, shared=shared,
-                    scales=scales,
-                )  # fmt: skip
-            return plus_shared(fp8_experts_forward(self, x, experts, weights, outside), x, shared)
+            if not moe_experts_triton.fused_ok(x, gate_up, experts.numel(), scales):
+                return plus_shared(fp8_experts_forward(self, x, experts, weights, outside), x, shared)
         return experts_forward(
-            x, experts, weights, self.gate_up_proj, self.down_proj, outside=outside, shared=shared
+            x, experts, weights, gate_up, down, outside=outside, shared=shared, scales=scales
         )
 
 
@@ -319,7 +308,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-        self.gate = Router(hidden, num_experts, top_k, normalize)
+        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
+        self.top_k, self.normalize = top_k, normalize
         self.experts = Experts(hidden, expert_intermediate, num_experts)
         self.shared_expert = SwiGLU(hidden, shared_intermediate)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
@@ -333,7 +323,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         logits, shared_gate = self.gates.outputs(x)
-        weights, experts = self.gate.route(logits)
+        weights, experts = route(logits, self.top_k, self.normalize)
         return self.experts(x, experts, weights, Shared(self.shared_expert, shared_gate))
 
 

@@ -10,7 +10,7 @@ Each rank holds a shard and runs the same forward on the same batch:
 - dense MLP and shared expert: gate/up column-parallel, down row-parallel;
 - routed experts: every expert's intermediate dim is split (inside the fused `gate_up_proj`
   [E, 2I, H] and `down_proj` [E, H, I]), or with `expert_parallel` each rank holds E / N whole
-  experts (models/expert_parallel.py); the router is replicated, so every rank routes alike;
+  experts (below); the router is replicated, so every rank routes alike;
 - embedding and lm_head: vocabulary-parallel (rows padded to a multiple of N), logits gathered.
 
 A decoder layer's mixer and MLP each end in a row-parallel projection whose output is a partial
@@ -21,11 +21,12 @@ runs unchanged, and its `layer_specs` describe the per-rank caches.
 
 Weights arrive as shards: `ShardPlan.cut` says which rows / columns of a full checkpoint tensor a
 rank keeps, and `shard_loading.load_hf_shard` reads only those through safetensors slices. An FP8
-checkpoint's float8 weights come with the block scales of their part (`fp8_shards`).
+checkpoint's float8 weights come with the block scales of their part.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +35,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ballast.models.base import ModelConfigError, UnsupportedModel
-from ballast.models.expert_parallel import LocalExperts, check_expert_parallel, hold_local_experts
 from ballast.models.fp8 import Block
-from ballast.models.fp8_convert import convert_model
 from ballast.models.layers import linear
-from ballast.models.registry import model_class
+from ballast.models.moe import Experts
+from ballast.models.registry import convert_model, materialize, model_class
 from torch import Tensor, nn
 
 
@@ -61,11 +61,6 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
 
-def _text(hf: Mapping[str, Any]) -> Mapping[str, Any]:
-    inner = hf.get("text_config")
-    return inner if isinstance(inner, Mapping) else hf
-
-
 def _parsed(hf: Mapping[str, Any]) -> Any:
     """The architecture's own (frozen) config of the whole model."""
     with torch.device("meta"):
@@ -86,7 +81,8 @@ def shard_hf_config(hf: Mapping[str, Any], world: int, expert_parallel: bool = F
     head are swapped for vocabulary-parallel ones after the build); so do the routed experts under
     expert_parallel (`hold_local_experts` cuts them to the rank's after the build)."""
     cfg = _parsed(hf)
-    text = dict(_text(hf))
+    nested = isinstance(hf.get("text_config"), Mapping)  # a multimodal config: the text model's is inside
+    text = dict(hf["text_config"] if nested else hf)
     text["num_attention_heads"] = _divide("num_attention_heads", cfg.num_attention_heads, world)
     kv = cfg.num_key_value_heads
     if kv >= world:
@@ -109,9 +105,7 @@ def shard_hf_config(hf: Mapping[str, Any], world: int, expert_parallel: bool = F
     if hasattr(cfg, "linear_num_key_heads"):
         text["linear_num_key_heads"] = _divide("linear_num_key_heads", cfg.linear_num_key_heads, world)
         text["linear_num_value_heads"] = _divide("linear_num_value_heads", cfg.linear_num_value_heads, world)
-    if "text_config" in hf and isinstance(hf["text_config"], Mapping):
-        return {**hf, "text_config": text}
-    return text
+    return {**hf, "text_config": text} if nested else text
 
 
 # --- vocabulary-parallel embedding and head ------------------------------------------------------
@@ -155,12 +149,13 @@ class VocabParallelHead(nn.Module):
 @dataclass(frozen=True)
 class Cut:
     """Keep `ranges` (start, stop) of dim `dim`, concatenated; pad_rows: zero rows appended up to
-    this many (the vocabulary's last shard); rank0_only: other ranks hold zeros (row-parallel bias)."""
+    this many (the vocabulary's last shard); zeros: this rank holds zeros (a row-parallel bias: rank
+    0 holds it, so it is added once)."""
 
     dim: int = 0
     ranges: tuple[tuple[int, int], ...] = ()
     pad_rows: int = 0
-    rank0_only: bool = False
+    zeros: bool = False
 
 
 REPLICATE = Cut()
@@ -174,12 +169,19 @@ class ShardPlan:
         self.cfg = _parsed(hf)
         self.rank, self.world = rank, world
         num_experts = int(getattr(self.cfg, "num_experts", 0) or 0)
-        self.experts = LocalExperts(num_experts, rank, world) if expert_parallel else None
+        # expert parallel: (first, count) of the routed experts this rank holds whole
+        self.experts = expert_range(num_experts, rank, world) if expert_parallel else None
 
     def local_name(self, name: str) -> str | None:
         """The name a checkpoint tensor has in this rank's shard: under expert parallel a
-        per-expert tensor's expert index becomes the local one, None for another rank's expert."""
-        return name if self.experts is None else self.experts.local_name(name)
+        per-expert `....mlp.experts.{e}.*` tensor's expert index becomes the local one, None for
+        another rank's expert; any other name unchanged."""
+        m = None if self.experts is None else _EXPERT_INDEX.search(name)
+        if m is None or self.experts is None:
+            return name
+        first, count = self.experts
+        local = int(m[1]) - first
+        return name[: m.start()] + str(local) + name[m.end() :] if 0 <= local < count else None
 
     def _even(self, size: int, dim: int) -> Cut:
         n = size // self.world
@@ -212,7 +214,7 @@ class ShardPlan:
         if self.experts is not None and owner != "experts" and ".mlp.experts." in name:
             return REPLICATE  # one of this rank's experts' tensors (see local_name): whole
         if leaf == "bias" and owner in ("o_proj", "down_proj", "out_proj"):
-            return Cut(rank0_only=True)
+            return Cut(zeros=self.rank != 0)
         if owner == "q_proj":
             return self._even(shape[0], 0)
         if owner in ("k_proj", "v_proj"):
@@ -224,7 +226,7 @@ class ShardPlan:
         if owner == "in_proj_a" or leaf in ("dt_bias", "A_log"):
             return self._even(shape[0], 0)
         if owner == "experts" and self.experts is not None:  # [E, ...]: this rank's experts, whole
-            return Cut(0, self.experts.fused_rows())
+            return Cut(0, ((self.experts[0], sum(self.experts)),))
         if owner == "experts" and leaf == "gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
             half = shape[1] // 2
             return self._segments((half, half), 1)
@@ -238,8 +240,9 @@ class ShardPlan:
 
 def apply_cut(cut: Cut, read: Callable[[tuple[slice, ...]], Tensor], shape: tuple[int, ...]) -> Tensor:
     """The rank's part of a tensor of `shape`, reading only its ranges through read(index)."""
-    if cut.rank0_only or not cut.ranges:
-        return read(tuple(slice(None) for _ in shape))
+    if not cut.ranges:
+        whole = read(tuple(slice(None) for _ in shape))
+        return torch.zeros_like(whole) if cut.zeros else whole
     pieces = []
     for lo, hi in cut.ranges:
         index = tuple(slice(lo, hi) if d == cut.dim else slice(None) for d in range(len(shape)))
@@ -248,6 +251,58 @@ def apply_cut(cut: Cut, read: Callable[[tuple[slice, ...]], Tensor], shape: tupl
     if cut.pad_rows > out.shape[0]:
         out = torch.cat([out, out.new_zeros((cut.pad_rows - out.shape[0], *out.shape[1:]))])
     return out
+
+
+# --- expert parallel --------------------------------------------------------------------------
+
+# Expert parallel: under tensor parallel, rank r of N holds whole routed experts
+# [r * E / N, (r + 1) * E / N) instead of a 1/N slice of every expert's intermediate dim.
+#
+# The router stays replicated, so every rank picks the same top-k of all E experts for a token;
+# each rank computes only the (token, expert) pairs whose expert it holds (the others add zero,
+# `moe.local_expert_ids`) and the all-reduce that already ends the MoE block (the shared expert's
+# row-parallel partial sum) adds the ranks' routed parts too. No extra collective, no host sync.
+#
+# Why have both splits: sharding every expert makes each rank's expert GEMMs N times thinner (for
+# Qwen3-Next's 512 experts of intermediate 512 at N = 8: 64 columns, which also cuts every FP8
+# 128 x 128 scale block, so a float8 load is refused), while whole experts keep the GEMMs and the
+# scale blocks whole; the price is load imbalance (a rank's share of a batch's pairs varies).
+#
+# A checkpoint's experts come fused ([E, ...] tensors: a rank reads rows [first, first + count)
+# of dim 0, with the scales of those experts) or one tensor per expert (`experts.{e}.*`: a rank
+# reads only its own experts' tensors, whole, renamed to their local index).
+
+_EXPERT_INDEX = re.compile(r"(?<=\.mlp\.experts\.)(\d+)(?=\.)")
+
+
+def expert_range(num_experts: int, rank: int, world: int) -> tuple[int, int]:
+    """(first, count): the routed experts rank `rank` of `world` holds."""
+    count = num_experts // world
+    return rank * count, count
+
+
+def check_expert_parallel(num_experts: int, world: int) -> None:
+    """Raise UnsupportedModel unless num_experts routed experts split evenly over world ranks."""
+    if num_experts <= 0:
+        raise UnsupportedModel("--expert-parallel: this model has no routed experts")
+    if num_experts % world:
+        raise UnsupportedModel(
+            f"--expert-parallel over {world} ranks: num_experts ({num_experts}) is not a multiple of "
+            "the tensor-parallel size"
+        )
+
+
+def hold_local_experts(model: nn.Module, rank: int, world: int) -> None:
+    """On the meta device, give every `Experts` module only this rank's experts: fused tensors of
+    E / world experts (whole intermediate dims) and the index of its first one."""
+    for module in model.modules():
+        if not isinstance(module, Experts):
+            continue
+        first, count = expert_range(module.gate_up_proj.shape[0], rank, world)
+        for name in ("gate_up_proj", "down_proj"):
+            full: Tensor = getattr(module, name)
+            setattr(module, name, nn.Parameter(full.new_empty((count, *full.shape[1:]))))
+        module.first = first
 
 
 # --- building and filling a shard --------------------------------------------------------------
@@ -296,15 +351,9 @@ def build_shard(
     """Rank tp.rank's shard of the model, parameters uninitialised (fill with `load_*_shard`);
     fp8: the parameters an FP8 checkpoint's float8 weights stay float8 in; expert_parallel:
     whole routed experts, E / world of them."""
-    model = shard_on_meta(hf, tp, dtype, fp8, expert_parallel).to_empty(device=device)
-    tie = getattr(model, "tie_weights", None)
-    if tie is not None:
-        tie()
-    fuse = getattr(model, "fuse_projections", None)
-    if fuse is not None:
-        fuse(keep_values=False)
+    model = materialize(shard_on_meta(hf, tp, dtype, fp8, expert_parallel), device)
     _reduce_partial_sums(model, tp)
-    return model.eval()
+    return model
 
 
 def _reduce_partial_sums(model: nn.Module, tp: TPGroup) -> None:

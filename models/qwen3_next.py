@@ -1,6 +1,15 @@
 """Qwen3-Next: gated DeltaNet linear-attention layers interleaved with gated full attention, and
-sparse MoE MLPs with a shared expert. Qwen3.5-MoE (models/qwen3_5_moe.py) reuses everything here
-except the linear-attention input projections.
+sparse MoE MLPs with a shared expert.
+
+Qwen3.5-MoE (text model) is the same architecture with two differences (`Qwen3_5MoeForCausalLM`):
+its linear-attention input projections are separate tensors (`in_proj_qkv`, `in_proj_z`,
+`in_proj_b`, `in_proj_a`) in plain q|k|v order instead of Qwen3-Next's per-key-head interleaved
+`in_proj_qkvz` / `in_proj_ba`, and every layer is a sparse MoE layer with normalised top-k. Its
+rotary embedding is multimodal (mrope) in the reference, but for text every position axis carries
+the same index, which reduces exactly to the ordinary partial rotary used here. A text-only
+checkpoint says `model_type: qwen3_5_moe_text`; the full multimodal one says `qwen3_5_moe` and
+nests the text config under `text_config`, with the language model's tensors under
+`model.language_model.*`.
 
 Per-layer state follows the layer's kind: full-attention layers read and write a `PagedKV`,
 linear-attention layers a `RecurrentState` (conv window + float32 delta-rule state). The engine
@@ -10,38 +19,32 @@ hybrid. Parameter names equal the Hugging Face checkpoint names.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from ballast.memory.specs import LayerSpec, RecurrentStateSpec
 from ballast.models import pointwise
-from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
-from ballast.models.gated_delta import GatedDeltaNet, HybridStep
-from ballast.models.layers import (
-    FusedLinears,
-    Rope,
-    RopeParams,
-    RotaryEmbedding,
-    SwiGLU,
-    token_embedding,
+from ballast.models.base import ForwardBatch, ModelConfigError
+from ballast.models.decoder import (
+    DecoderLayer,
+    DecoderLM,
+    DecoderModel,
+    check_dims,
+    check_hf,
+    eos_ids,
+    hf_int,
+    hf_ints,
+    hf_key,
 )
+from ballast.models.gated_delta import GatedDeltaNet, HybridStep
+from ballast.models.layers import FusedLinears, LayerStep, RMSNorm, Rope, RopeParams, RotaryEmbedding, SwiGLU
 from ballast.models.moe import SparseMoeBlock
 from ballast.models.state import LayerState, PagedKV, attention_spec, dtype_bytes
 from torch import Tensor, nn
 
 LINEAR, FULL = "linear_attention", "full_attention"
-# Older configs name the layer kinds after the architecture they came from.
-_LEGACY_KINDS = {"mamba": LINEAR, "conv": LINEAR, "attention": FULL}
-
-
-def _int(hf: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    value = hf.get(key, default)
-    if value is None:
-        raise ModelConfigError(f"model config lacks {key!r}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -49,56 +52,39 @@ class HybridConfig:
     """The Qwen3-Next / Qwen3.5-MoE text config; defaults are the reference configs' defaults."""
 
     model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+    vocab_size: int = field(metadata=hf_key())
+    hidden_size: int = field(metadata=hf_key())
+    num_hidden_layers: int = field(metadata=hf_key())
+    num_attention_heads: int = field(metadata=hf_key())
+    num_key_value_heads: int = field(metadata=hf_key(2))
+    head_dim: int = field(metadata=hf_key(256))
     rms_norm_eps: float
-    max_position_embeddings: int
+    max_position_embeddings: int = field(metadata=hf_key(32768, positive=False))
     rope: RopeParams
     layer_types: tuple[str, ...]
-    linear_conv_kernel_dim: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
+    linear_conv_kernel_dim: int = field(metadata=hf_key(4))
+    linear_key_head_dim: int = field(metadata=hf_key(128))
+    linear_value_head_dim: int = field(metadata=hf_key(128))
+    linear_num_key_heads: int = field(metadata=hf_key(16))
+    linear_num_value_heads: int = field(metadata=hf_key(32))
+    num_experts: int = field(metadata=hf_key(512, positive=False))
+    num_experts_per_tok: int = field(metadata=hf_key(10, positive=False))
+    moe_intermediate_size: int = field(metadata=hf_key(512, positive=False))
+    shared_expert_intermediate_size: int = field(metadata=hf_key(512, positive=False))
     norm_topk_prob: bool
-    intermediate_size: int  # dense-MLP layers only (0 when every layer is sparse)
-    decoder_sparse_step: int
+    intermediate_size: int = field(metadata=hf_key(5632, positive=False))  # dense-MLP layers (0: none)
+    decoder_sparse_step: int = field(metadata=hf_key(1))
     mlp_only_layers: tuple[int, ...]
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "linear_conv_kernel_dim",
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_num_key_heads",
-            "linear_num_value_heads",
-            "decoder_sparse_step",
-        ):
-            if getattr(self, name) <= 0:
-                raise ModelConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_dims(self)
         if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {LINEAR, FULL}:
             raise ModelConfigError(
                 f"layer_types must name {self.num_hidden_layers} layers of {LINEAR!r} / {FULL!r}"
             )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelConfigError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ModelConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if any(self.is_sparse(i) for i in range(self.num_hidden_layers)) and not (
@@ -128,73 +114,46 @@ class HybridConfig:
             hf = {**hf["text_config"]}
             hf.setdefault("tie_word_embeddings", outer.get("tie_word_embeddings", False))
         model_type = str(hf.get("model_type"))
-        if model_type not in model_types:
-            raise UnsupportedModel(f"model_type {model_type!r} is not one of {', '.join(model_types)}")
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModel(f"hidden_act {act!r} is not supported (only silu)")
-        layers = _int(hf, "num_hidden_layers")
+        check_hf(hf, model_type, model_types)
+        ints = hf_ints(cls, hf)
+        if all_sparse:
+            ints.update(intermediate_size=0, decoder_sparse_step=1)
         kinds = hf.get("layer_types")
         if kinds is None:
-            interval = _int(hf, "full_attention_interval", 4)
-            kinds = [LINEAR if (i + 1) % interval else FULL for i in range(layers)]
+            interval = hf_int(hf, "full_attention_interval", 4)
+            kinds = [LINEAR if (i + 1) % interval else FULL for i in range(ints["num_hidden_layers"])]
         rope_src = dict(hf)
         if "partial_rotary_factor" not in hf and "partial_rotary_factor" not in (
             hf.get("rope_parameters") or {}
         ):
             rope_src["partial_rotary_factor"] = 0.25  # the reference's default for these models
-        eos = hf.get("eos_token_id")
         return cls(
             model_type=model_type,
-            vocab_size=_int(hf, "vocab_size"),
-            hidden_size=_int(hf, "hidden_size"),
-            num_hidden_layers=layers,
-            num_attention_heads=_int(hf, "num_attention_heads"),
-            num_key_value_heads=_int(hf, "num_key_value_heads", 2),
-            head_dim=_int(hf, "head_dim", 256),
+            **ints,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=_int(hf, "max_position_embeddings", 32768),
             rope=RopeParams.from_hf(rope_src),
-            layer_types=tuple(_LEGACY_KINDS.get(k, k) for k in kinds),
-            linear_conv_kernel_dim=_int(hf, "linear_conv_kernel_dim", 4),
-            linear_key_head_dim=_int(hf, "linear_key_head_dim", 128),
-            linear_value_head_dim=_int(hf, "linear_value_head_dim", 128),
-            linear_num_key_heads=_int(hf, "linear_num_key_heads", 16),
-            linear_num_value_heads=_int(hf, "linear_num_value_heads", 32),
-            num_experts=_int(hf, "num_experts", 512),
-            num_experts_per_tok=_int(hf, "num_experts_per_tok", 10),
-            moe_intermediate_size=_int(hf, "moe_intermediate_size", 512),
-            shared_expert_intermediate_size=_int(hf, "shared_expert_intermediate_size", 512),
+            layer_types=tuple(kinds),
             norm_topk_prob=True if all_sparse else bool(hf.get("norm_topk_prob", True)),
-            intermediate_size=0 if all_sparse else _int(hf, "intermediate_size", 5632),
-            decoder_sparse_step=1 if all_sparse else _int(hf, "decoder_sparse_step", 1),
             mlp_only_layers=() if all_sparse else tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
             attention_bias=bool(hf.get("attention_bias", False)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_token_ids=(int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos or ()),
+            eos_token_ids=eos_ids(hf.get("eos_token_id")),
         )
 
 
-class CenteredRMSNorm(nn.Module):
-    """RMSNorm whose weight is stored around 0 and applied as (1 + weight), in float32."""
+class CenteredRMSNorm(RMSNorm):
+    """RMSNorm whose weight is stored around 0 and applied as (1 + weight), in float32 (one kernel
+    on CUDA, `pointwise`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
 
     def add_norm(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
-        """(x + delta, the norm of it): a residual add with the norm after it."""
-        if x.is_cuda:
-            return pointwise.centered_add_rms_norm(x, delta, self.weight, self.eps)  # one kernel
-        s = x + delta
-        return s, self(s)
+        return pointwise.centered_add_rms_norm(x, delta, self.weight, self.eps)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.is_cuda:
-            return pointwise.centered_rms_norm(x, self.weight, self.eps)  # one kernel
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # fused: one kernel, not five
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return pointwise.centered_rms_norm(x, self.weight, self.eps)
 
 
 class GatedAttention(nn.Module):
@@ -217,7 +176,7 @@ class GatedAttention(nn.Module):
         self.k_norm = CenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x: Tensor, step: HybridStep, state: LayerState) -> Tensor:
+    def forward(self, x: Tensor, step: LayerStep, state: LayerState) -> Tensor:
         if not isinstance(state, PagedKV):
             raise TypeError(f"a full-attention layer needs a PagedKV, got {type(state).__name__}")
         t = x.shape[0]
@@ -231,31 +190,16 @@ class GatedAttention(nn.Module):
         return self.o_proj(out)
 
 
-def delta_net_dims(cfg: HybridConfig) -> tuple[int, int, int, int, int, int, float]:
-    return (
-        cfg.hidden_size,
-        cfg.linear_num_key_heads,
-        cfg.linear_num_value_heads,
-        cfg.linear_key_head_dim,
-        cfg.linear_value_head_dim,
-        cfg.linear_conv_kernel_dim,
-        cfg.rms_norm_eps,
-    )
-
-
 class FusedGatedDeltaNet(GatedDeltaNet):
     """Qwen3-Next: in_proj_qkvz and in_proj_ba, laid out per key head as
     [q (Dk), k (Dk), v (r*Dv), z (r*Dv)] and [b (r), a (r)], r = value heads per key head."""
 
     def __init__(self, cfg: HybridConfig) -> None:
-        super().__init__(*delta_net_dims(cfg))
+        super().__init__(cfg)
         self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.key_width + 2 * self.value_width, bias=False)
         self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.v_heads, bias=False)
         self.in_proj = FusedLinears(self.in_proj_qkvz, self.in_proj_ba)
         self._order: Tensor | None = None
-
-    def fuse(self, keep_values: bool = True) -> None:
-        self.in_proj.fuse(keep_values)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """One gather puts the per-key-head columns in q|k|v|z|b|a order, so every part is a view
@@ -292,7 +236,7 @@ class FusedGatedDeltaNet(GatedDeltaNet):
         )
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(DecoderLayer):
     def __init__(self, cfg: HybridConfig, index: int, linear_cls: type[GatedDeltaNet]) -> None:
         super().__init__()
         self.linear_attn: GatedDeltaNet | None = None
@@ -316,33 +260,15 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, h: Tensor, pending: Tensor | None, step: HybridStep, state: LayerState
-    ) -> tuple[Tensor, Tensor]:
-        """(residual stream, this layer's MLP output still to add): each residual add runs with
-        the norm after it (`add_norm`); pending is the last layer's MLP output (None first)."""
-        mixer = self.linear_attn if self.linear_attn is not None else self.self_attn
-        assert mixer is not None
-        if pending is None:
-            x = self.input_layernorm(h)
-        else:
-            h, x = self.input_layernorm.add_norm(h, pending)
-        h, x = self.post_attention_layernorm.add_norm(h, mixer(x, step, state))
-        return h, self.mlp(x)
+    def mix(self, x: Tensor, step: LayerStep, state: LayerState) -> Tensor:
+        if self.linear_attn is not None:
+            assert isinstance(step, HybridStep)
+            return self.linear_attn(x, step, state)
+        assert self.self_attn is not None
+        return self.self_attn(x, step, state)
 
 
-class HybridModel(nn.Module):
-    def __init__(self, cfg: HybridConfig, linear_cls: type[GatedDeltaNet]) -> None:
-        super().__init__()
-        self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            HybridDecoderLayer(cfg, i, linear_cls) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim)
-
-
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(DecoderLM):
     linear_attention_class: type[GatedDeltaNet] = FusedGatedDeltaNet
     model_types: tuple[str, ...] = ("qwen3_next",)
     all_sparse = False
@@ -351,14 +277,14 @@ class Qwen3NextForCausalLM(nn.Module):
     prefill_graphs_safe = False
 
     def __init__(self, config: HybridConfig) -> None:
-        super().__init__()
-        self.config = config
+        c = config
+        layers = (HybridDecoderLayer(c, i, self.linear_attention_class) for i in range(c.num_hidden_layers))
+        norm, rope = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps), RotaryEmbedding(c.rope, c.head_dim)
+        model = DecoderModel(c.vocab_size, c.hidden_size, layers, norm, rope)
+        super().__init__(c, model, nn.Linear(c.hidden_size, c.vocab_size, bias=False))
         # Which gated-delta kernels to use: None picks fla where it applies; False forces the
         # pure-torch forms (e.g. to compare the two on one set of weights).
         self.use_fla: bool | None = None
-        self.model = HybridModel(config, self.linear_attention_class)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> Qwen3NextForCausalLM:
@@ -369,10 +295,6 @@ class Qwen3NextForCausalLM(nn.Module):
         """Our parameter name for a checkpoint tensor; None for the multi-token-prediction head
         (`mtp.*`), which published checkpoints carry and this model does not use."""
         return None if hf_key.startswith("mtp.") else hf_key
-
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def fuse_projections(self, keep_values: bool = True) -> None:
         """Run each attention layer's q/k/v and each linear-attention layer's input projections as
@@ -401,21 +323,8 @@ class Qwen3NextForCausalLM(nn.Module):
         full = attention_spec(c.num_key_value_heads, c.head_dim, kv_dtype_bytes)
         return [linear if kind == LINEAR else full for kind in c.layer_types]
 
-    def forward(self, batch: ForwardBatch, states: Sequence[LayerState]) -> Tensor:
-        """Logits [B, vocab] (float32) at each sequence's last token; updates states in place."""
-        if len(states) != len(self.model.layers):
-            raise ValueError(f"{len(states)} layer states for {len(self.model.layers)} layers")
-        h = self.model.embed_tokens(batch.token_ids)
-        rope = Rope(*self.model.rotary_emb(batch.positions, h.dtype))
-        step = HybridStep.build(batch, rope, self.config.linear_conv_kernel_dim, self.use_fla)
-        pending: Tensor | None = None
-        for layer, state in zip(self.model.layers, states, strict=True):
-            h, pending = layer(h, pending, step, state)
-        if pending is not None:
-            h = h + pending
-        if not batch.decode_only:
-            h = h.index_select(0, batch.logit_index)
-        return self.lm_head(self.model.norm(h)).float()
+    def layer_step(self, batch: ForwardBatch, rope: Rope) -> HybridStep:
+        return HybridStep.build(batch, rope, self.config.linear_conv_kernel_dim, self.use_fla)
 
     def init_random_weights(self, gen: torch.Generator) -> None:
         """Called by builtin.init_random after its generic pass (which sets every norm to 1):
@@ -429,3 +338,33 @@ class Qwen3NextForCausalLM(nn.Module):
                     a = torch.empty(module.v_heads, device=gen.device).uniform_(0.01, 16.0, generator=gen)
                     module.A_log.copy_(a.log())
                     module.dt_bias.fill_(1.0)
+
+
+class SplitGatedDeltaNet(GatedDeltaNet):
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__(cfg)
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.conv_channels, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_width, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, self.v_heads, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, self.v_heads, bias=False)
+        self.in_proj = FusedLinears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        qkv, z, b, a = self.in_proj.outputs(x)
+        return qkv, z.view(x.shape[0], self.v_heads, self.v_dim), b, a
+
+
+class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+    linear_attention_class = SplitGatedDeltaNet
+    model_types = ("qwen3_5_moe_text", "qwen3_5_moe")
+    all_sparse = True
+
+    @staticmethod
+    def checkpoint_key(hf_key: str) -> str | None:
+        """Our parameter name for a tensor of a Qwen3.5-MoE checkpoint, None for tensors this text
+        model does not use (vision tower, multi-token-prediction head)."""
+        if hf_key.startswith(("model.visual.", "mtp.")):
+            return None
+        if hf_key.startswith("model.language_model."):
+            return "model." + hf_key.removeprefix("model.language_model.")
+        return hf_key

@@ -1,5 +1,5 @@
-"""HF `model_type` -> our model class. Keep `MODEL_CLASSES` a plain dict literal: each
-architecture adds one import and one entry."""
+"""HF `model_type` -> our model class, and building it. Keep `MODEL_CLASSES` a plain dict literal:
+each architecture adds one import and one entry."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 from ballast.models.base import UnsupportedModel
-from ballast.models.fp8 import Block
-from ballast.models.fp8_convert import convert_model
+from ballast.models.fp8 import Block, convert_experts, convert_linear
 from ballast.models.llama import LlamaForCausalLM
-from ballast.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
-from ballast.models.qwen3_next import Qwen3NextForCausalLM
+from ballast.models.moe import Experts
+from ballast.models.qwen3_next import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from torch import nn
 
 # Every class here has `from_hf_config(hf: Mapping[str, Any]) -> instance`, `layer_specs`,
@@ -29,16 +28,12 @@ MODEL_CLASSES: dict[str, Any] = {
 }
 
 
-def supported_types() -> list[str]:
-    return sorted(MODEL_CLASSES)
-
-
 def model_class(hf_config: Mapping[str, Any]) -> Any:
     model_type = hf_config.get("model_type")
     cls = MODEL_CLASSES.get(str(model_type))
     if cls is None:
         raise UnsupportedModel(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(supported_types())}"
+            f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(MODEL_CLASSES))}"
         )
     return cls
 
@@ -59,6 +54,11 @@ def build_model(
         model: nn.Module = cls.from_hf_config(hf_config).to(dtype)
     if fp8 is not None:
         convert_model(model, *fp8)
+    return materialize(model, device)
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """A model built on the meta device with real (still uninitialised) storage on device."""
     model = model.to_empty(device=device)
     tie = getattr(model, "tie_weights", None)
     if tie is not None:
@@ -67,3 +67,21 @@ def build_model(
     if fuse is not None:
         fuse(keep_values=False)  # the parameters hold nothing yet
     return model.eval()
+
+
+def convert_model(model: nn.Module, quantized: Callable[[str], bool], block: Block) -> None:
+    """Turn float8 in place, on the meta device, the modules whose weights `quantized` accepts
+    (model parameter names of float8 checkpoint tensors: `...q_proj.weight`,
+    `...mlp.experts.gate_up_proj`), as the loaders do before the checkpoint's float8 tensors are
+    read. Experts whose gate and up halves would split a scale block stay in the model's dtype
+    (the loader dequantizes them)."""
+    for name, module in model.named_modules():
+        prefix = name + "." if name else ""
+        if isinstance(module, nn.Linear) and quantized(prefix + "weight"):
+            convert_linear(module, block)
+        elif (
+            isinstance(module, Experts)
+            and quantized(prefix + "gate_up_proj")
+            and (module.gate_up_proj.shape[1] // 2) % block[0] == 0
+        ):
+            convert_experts(module, block)

@@ -1,35 +1,33 @@
 """Filling a tensor-parallel shard (built by `parallel.build_shard`) with its part of each tensor:
 from a whole model's state dict, or from an HF safetensors directory, reading only the rank's
-slices (`parallel.ShardPlan` says which)."""
+slices (`parallel.ShardPlan` says which).
+
+An FP8 checkpoint's float8 weight [..., rows, cols] carries one float32 scale per (bn x bk) block
+of its last two dims. A rank keeps some ranges of one dim of the weight (`parallel.Cut`), and the
+scales that cover exactly those ranges: a column-parallel split of out_features (rows) must fall
+on whole blocks of bn rows, a row-parallel split of in_features (cols) on whole blocks of bk
+columns (a range may end at the dim's end, inside its last, partial block). Where a rank keeps the
+weight in float8 a split that cuts a block is refused (`UnsupportedModel`, naming the tensor);
+where it dequantizes at load (the CPU's default, `--fp8-weights dequantize`), such a weight is
+read whole, dequantized and then cut.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
-from ballast.models.base import WeightLoadError
-from ballast.models.fp8 import FP8
-from ballast.models.fp8_shards import fp8_part
-from ballast.models.hf_loader import HFCheckpoint
-from ballast.models.moe import per_expert_target, place_expert_tensor
-from ballast.models.parallel import ShardPlan, apply_cut
+from ballast.models.base import UnsupportedModel, WeightLoadError
+from ballast.models.fp8 import FP8, Block, dequantize_blocks
+from ballast.models.hf_loader import HFCheckpoint, TensorInfo, tied_params
+from ballast.models.moe import fused_param, per_expert_target, place_expert_tensor
+from ballast.models.parallel import Cut, ShardPlan, apply_cut
 from safetensors import safe_open
 from torch import Tensor, nn
 
-
-def _indexer(source: Any) -> Callable[[tuple[slice, ...]], Tensor]:
-    """Reads source[index]: a tensor, or a safetensors slice (which reads only those bytes)."""
-
-    def read(index: tuple[slice, ...]) -> Tensor:
-        out: Tensor = source[index]
-        return out
-
-    return read
-
-
-def _tied(model: nn.Module) -> set[str]:
-    return {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+Read = Callable[[tuple[slice, ...]], Tensor]
 
 
 def load_full_into_shard(model: nn.Module, full: Mapping[str, Tensor], plan: ShardPlan) -> None:
@@ -37,14 +35,11 @@ def load_full_into_shard(model: nn.Module, full: Mapping[str, Tensor], plan: Sha
     params = dict(model.state_dict(keep_vars=True))
     with torch.no_grad():
         for name, param in params.items():
-            if name in _tied(model):
+            if name in tied_params(model):
                 continue
             src = full[name]
             cut = plan.cut(name, tuple(src.shape))
-            part = apply_cut(cut, _indexer(src), tuple(src.shape))
-            if cut.rank0_only and plan.rank != 0:
-                part = torch.zeros_like(part)
-            param.copy_(part)
+            param.copy_(apply_cut(cut, src.__getitem__, tuple(src.shape)))
 
 
 def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None:
@@ -52,7 +47,7 @@ def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None
     weight fills a float8 parameter with its scales (the shard was built with `fp8`), or is
     dequantized into the model's dtype."""
     params = dict(model.state_dict(keep_vars=True))
-    tied = _tied(model)
+    tied = tied_params(model)
     filled: set[str] = set()
     by_file: dict[Any, list[str]] = {}
     for name, info in ckpt.tensors.items():
@@ -65,36 +60,22 @@ def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None
                     key = plan.local_name(info.key)
                     if key is None or key in tied:  # another rank's expert, or the tied head
                         continue
-                    sl = f.get_slice(name)
+                    read = f.get_slice(name).__getitem__  # a safetensors slice reads only those bytes
                     cut = plan.cut(key, info.shape)
                     scale = ckpt.scales.get(name)
                     if scale is None:
-                        part = apply_cut(cut, _indexer(sl), info.shape)
-                        if cut.rank0_only and plan.rank != 0:
-                            part = torch.zeros_like(part)
-                        _place(params, key, part, name, filled, ckpt)
+                        _place(params, key, apply_cut(cut, read, info.shape), name, filled, ckpt)
                         continue
-                    keep = _param_of(params, key).dtype == FP8
-                    scale_name = name + "_scale_inv"
-                    part, scales = fp8_part(
-                        cut, (info, name, _indexer(sl)), (scale, scale_name), ckpt.fp8_block, keep
-                    )
+                    keep = fused_param(key) in params and params[fused_param(key)].dtype == FP8
+                    part, scales = fp8_part(cut, info, name, read, scale, ckpt.fp8_block, keep)
                     _place(params, key, part, name, filled, ckpt)
                     if scales is not None:
                         scale_key = plan.local_name(scale.key)
                         assert scale_key is not None  # the same expert as its weight
-                        _place(params, scale_key, scales, scale_name, filled, ckpt)
+                        _place(params, scale_key, scales, name + "_scale_inv", filled, ckpt)
     missing = sorted(params.keys() - tied - filled)
     if missing:
         raise WeightLoadError(f"{ckpt.path}: checkpoint lacks {missing[:8]}")
-
-
-def _param_of(params: Mapping[str, Tensor], key: str) -> Tensor:
-    target = per_expert_target(key)
-    name = key if target is None else target[0]
-    if name not in params:
-        raise WeightLoadError(f"tensor {key} has no place in the model")
-    return params[name]
 
 
 def _place(
@@ -104,7 +85,11 @@ def _place(
     into its expert's place in a fused expert parameter."""
     target = per_expert_target(key)
     if key in params:
-        _fill(params[key], part, name)
+        if params[key].shape != part.shape:
+            raise WeightLoadError(
+                f"{name}: shard shape {tuple(part.shape)}, model expects {tuple(params[key].shape)}"
+            )
+        params[key].copy_(part)
         filled.add(key)
     elif target is not None and target[0] in params:
         place_expert_tensor(params[target[0]], target[1], target[2], part)
@@ -113,7 +98,44 @@ def _place(
         raise WeightLoadError(f"{ckpt.path}: tensor {name} has no place in the model")
 
 
-def _fill(param: Tensor, part: Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(part.shape):
-        raise WeightLoadError(f"{name}: shard shape {tuple(part.shape)}, model expects {tuple(param.shape)}")
-    param.copy_(part)
+def scale_ranges(
+    dim: int, ranges: tuple[tuple[int, int], ...], shape: tuple[int, ...], block: Block
+) -> tuple[tuple[int, int], ...] | None:
+    """The ranges of the scale grid that cover `ranges` of the weight's dim `dim` exactly; None
+    when a range starts or ends inside a block (a leading dim, e.g. the experts', is one scale
+    per index: any range maps to itself)."""
+    nd = len(shape)
+    b = block[0] if dim == nd - 2 else block[1] if dim == nd - 1 else 1
+    out = []
+    for lo, hi in ranges:
+        if lo % b or (hi % b and hi != shape[dim]):
+            return None
+        out.append((lo // b, -(-hi // b)))
+    return tuple(out)
+
+
+def fp8_part(
+    cut: Cut, info: TensorInfo, name: str, read_weight: Read, scale_info: TensorInfo, block: Block, keep: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The rank's part of float8 weight `name` (its checkpoint entry, a reader of its slices) and
+    of its scales (their entry): (float8 part, its scales) when `keep`, else (the part dequantized
+    to float32, None)."""
+    covering = scale_ranges(cut.dim, cut.ranges, info.shape, block) if cut.ranges else ()
+    with safe_open(str(scale_info.file), framework="pt", device="cpu") as f:
+        scale_slice = f.get_slice(name + "_scale_inv")
+        if covering is None:
+            if keep:
+                raise UnsupportedModel(
+                    f"tensor parallel: {name} {info.shape} would be split at {cut.ranges} of dim "
+                    f"{cut.dim}, inside its {block[0]} x {block[1]} FP8 scale blocks; choose a "
+                    "tensor-parallel size that splits it on whole blocks, or --fp8-weights dequantize"
+                )
+            everything = tuple(slice(None) for _ in info.shape)
+            whole = dequantize_blocks(read_weight(everything), scale_slice[everything], block, torch.float32)
+            return apply_cut(cut, lambda index: whole[index], info.shape), None
+        part = apply_cut(cut, read_weight, info.shape)
+        scale_cut = replace(cut, ranges=covering)
+        scales: Tensor = apply_cut(scale_cut, lambda index: scale_slice[index], scale_info.shape)
+    if keep:
+        return part, scales
+    return dequantize_blocks(part, scales, block, torch.float32), None

@@ -56,10 +56,6 @@ class PagedKV(LayerState):
         self._prepares = self.attention.first_layer(layer)
 
     @property
-    def num_kv_heads(self) -> int:
-        return self.layout.num_kv_heads
-
-    @property
     def nbytes(self) -> int:
         return sum(s.bytes_held for s in self.attention.stores) // self.layout.num_layers
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ballast.models import fp8, fp8_convert, moe, moe_experts_triton, moe_triton
+from ballast.models import fp8, moe, moe_experts_triton, moe_triton, registry
 from ballast.models.fp8 import dequantize_blocks, quantize_blocks
 from ballast.models.moe_experts_triton import Fp8Scales, SharedExpert
 from triton_kernels import DEVICE, marks
@@ -140,7 +140,7 @@ def fp8_moe_block(block: tuple[int, int], shared_inter: int) -> moe.SparseMoeBlo
     for p in layer.parameters():
         p.data = torch.randn(p.shape, generator=gen) * 0.1
     quantized = ("proj.weight", "experts.gate_up_proj")
-    fp8_convert.convert_model(layer, lambda name: name.endswith(quantized), block)
+    registry.convert_model(layer, lambda name: name.endswith(quantized), block)
     fp8.init_random_fp8(layer, gen, std=0.05)
     layer.fuse()
     return layer.to(DEVICE)
