@@ -314,7 +314,11 @@ def test_ballast_serve_publishes_when_given_an_endpoint(tmp_path: Path) -> None:
         "--kv-events-format",
         "array",
     ]
-    with serve_subprocess(args) as (url, _):
+    # The host as the server reads it is a tree at OK: on a shared box the real one may sit at
+    # WATCH, where the ladder sheds the prefix cache and nothing is stored to publish.
+    root = tmp_path / "host"
+    level_tree(root, Level.OK)
+    with serve_subprocess(args, {"BALLAST_MEMORY_ROOT": str(root)}) as (url, _):
         body = {"model": "builtin:tiny-llama", "prompt": list(range(5, 105)), "max_tokens": 2}
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
         ctx = zmq.Context()
@@ -322,7 +326,12 @@ def test_ballast_serve_publishes_when_given_an_endpoint(tmp_path: Path) -> None:
         dealer.connect(replay)
         stored: list[list[Any]] = []
         try:
-            assert wait_for(lambda: metric_value(url, 'ballast_kv_events_total{type="BlockStored"}') >= 1)
+            stored_metric = 'ballast_kv_events_total{type="BlockStored"}'
+            assert wait_for(lambda: metric_value(url, stored_metric) >= 1), [
+                line
+                for line in httpx.get(url + "/metrics").text.splitlines()
+                if line.startswith(("ballast_ladder", "ballast_memory", "ballast_prefix", "ballast_kv_"))
+            ]
             dealer.send_multipart([b"", (0).to_bytes(8, "big")])
             while True:
                 assert dealer.poll(5000)
