@@ -1,11 +1,13 @@
 """The default model served on the CPU, side by side in one run: `ballast serve` (one server per
---weights form: --cpu-weights dense, the default, fp16, int4), llama.cpp's server on the same GGUF
+--weights form: --cpu-weights dense, the default, dense with --cpu-prefill bfloat16, fp16, int4),
+llama.cpp's server on the same GGUF
 (--llama-server: a `llama-server` binary, one side per --llama-threads value; --llama-python: a
 Python with llama-cpp-python[server]), and transformers' `generate` (batch 1, the same weights in
 float32, in this process).
 
     python -m ballast.bench.cpu_serve [--rounds 3] [--new-tokens 128] [--llama-server PATH]
-        [--llama-python PATH] [--llama-threads 2] [--long-prompt-words 1500] [--weights dense fp16 int4]
+        [--llama-python PATH] [--llama-threads 2] [--long-prompt-words 1500]
+        [--weights dense dense+bf16 fp16 int4]
 
 llama-server runs as `-m GGUF --host 127.0.0.1 --port P -t THREADS -c 32768 -np 8 -kvu`: 8 slots
 over one KV buffer of 8 x 4,096 positions, as each ballast server's `--max-num-seqs 8
@@ -43,6 +45,13 @@ from ballast.bench.http_load import Outcome, free_port, one_stream, serve_comman
 from openai import AsyncOpenAI
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_serve.json"
+# --weights: the flags of each ballast side
+FORMS = {
+    "dense": ["--cpu-weights", "dense"],
+    "dense+bf16": ["--cpu-weights", "dense", "--cpu-prefill", "bfloat16"],
+    "fp16": ["--cpu-weights", "fp16"],
+    "int4": ["--cpu-weights", "int4"],
+}
 WORDS = ["river", "stone", "lantern", "orchard", "harbor", "meadow"]
 WORDS += ["copper", "violin", "glacier", "ember", "thistle", "compass"]
 
@@ -165,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--weights",
         nargs="+",
-        choices=("dense", "fp16", "int4"),
+        choices=tuple(FORMS),
         default=["dense", "fp16"],
-        help="the --cpu-weights forms to serve, a server each",
+        help="the --cpu-weights forms to serve, a server each (dense+bf16: with --cpu-prefill bfloat16)",
     )
     p.add_argument(
         "--baseline",
@@ -186,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         sides: dict[str, tuple[str, str]] = {}  # name -> (base url, model name)
         variants: list[tuple[str, list[str], dict[str, str]]] = [
-            (f"ballast ({form})", ["--cpu-weights", form], {}) for form in args.weights
+            (f"ballast ({form})", FORMS[form], {}) for form in args.weights
         ]
         if args.baseline is not None:
             env = {"PYTHONPATH": str(args.baseline.resolve())}
