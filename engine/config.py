@@ -116,8 +116,8 @@ class EngineConfig:
         default="float32",
         metadata=setting(
             "BALLAST_CPU_PREFILL",
-            "arithmetic of a CPU engine's prompt chunks (steps of more than 64 rows) over dense "
-            "weights: bfloat16 rounds their linears' and attention's inputs to bfloat16 (float32 sums; "
+            "arithmetic of a CPU engine's prompt chunks (steps of more than 64 rows), --cpu-weights "
+            "dense or int4: bfloat16 rounds their linears' and attention's inputs to bfloat16 (float32 sums; "
             "AMX / AVX512-BF16 through oneDNN, several times faster on long prompts, logits within the "
             "tolerance docs/BENCHMARKS.md gives); decode steps stay float32",
             choices=("float32", "bfloat16"),
@@ -294,21 +294,22 @@ class EngineConfig:
 
     def cpu_prompt_bf16(self, device: torch.device) -> bool:
         """Whether prompt chunks run in bfloat16 (models/cpu_linear.py): --cpu-prefill bfloat16,
-        which needs a float32 CPU engine on one device whose weights stay dense (int4 already
-        computes prompt rows in bfloat16; fp16 keeps no float32 weights) and a CPU with bfloat16
-        arithmetic; an error otherwise, not a silent float32 prefill."""
+        which needs a float32 CPU engine on one device with dense or int4 weights (fp16 keeps no
+        float32 weights) and a CPU with bfloat16 arithmetic; an error otherwise, not a silent
+        float32 prefill."""
         if self.cpu_prefill != "bfloat16":
             return False
         if not (
             device.type == "cpu"
             and self.resolved_dtype(device) == torch.float32
             and self.tensor_parallel_size == 1
-            and self.cpu_weights == "dense"
+            and self.cpu_weights != "fp16"
             and cpu_linear.bf16_available()
         ):
             raise ConfigError(
                 "--cpu-prefill (BALLAST_CPU_PREFILL)=bfloat16 needs a float32 engine on the CPU, one "
-                "device, --cpu-weights dense, and a CPU with bfloat16 arithmetic (AVX512-BF16 or AMX)"
+                "device, --cpu-weights dense or int4, and a CPU with bfloat16 arithmetic (AVX512-BF16 "
+                "or AMX)"
             )
         return True
 

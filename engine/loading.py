@@ -255,7 +255,7 @@ def load(
             cast(LlamaForCausalLM, model).quantize_cpu(q4)
         elif config.cpu_fp16(device) and isinstance(model, LlamaForCausalLM):
             model.hold_fp16()
-        elif config.cpu_prompt_bf16(device):
+        if config.cpu_prompt_bf16(device):
             hold_prompt_bf16(model)
         hf_tok = build_tokenizer(gf.metadata)
         tokenizer = LazyTokenizer(lambda: Tokenizer(hf_tok))

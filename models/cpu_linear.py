@@ -30,7 +30,8 @@ float32 sums and outputs (oneDNN's bf16 "fpmath" mode over the float32 weights: 
 held); the q/k/v projection's output is left in bfloat16, so the layer's attention runs in
 bfloat16 too (models/cpu_attention.py follows its queries' dtype). Decode steps and short prompts
 keep float32 bit for bit. The cost is accuracy, measured against float32 over a 2k-token prompt
-(bench/cpu_weight_tolerance.py): opt-in.
+(bench/cpu_weight_tolerance.py): opt-in. Under --cpu-weights int4, whose prompt rows already
+run through bfloat16 copies of the weights, it adds attention in bfloat16.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from ballast.models.cpu_int4 import QuantizedPair
+from ballast.models.cpu_int4 import Int4Linear, QuantizedPair
 from ballast.models.layers import SlotAttention, SwiGLU, linear
 from torch import Tensor, nn
 
@@ -132,12 +133,17 @@ class PromptLinear(nn.Module):
 
 def hold_prompt_bf16(model: nn.Module) -> int:
     """Run every dense attention and MLP block's linears as PromptLinears (q/k/v with bfloat16
-    outputs for prompt rows, so their attention runs in bfloat16); blocks held quantized stay as
-    they are, and so does the output head (a prompt's logits are one row per sequence, and echo
-    logprobs keep float32's head). Returns the blocks changed."""
+    outputs for prompt rows, so their attention runs in bfloat16). Blocks held int4 already run
+    prompt rows through bfloat16 copies: their q/k/v keeps its bfloat16 output for prompt rows
+    alike. The output head stays as it is (a prompt's logits are one row per sequence, and echo
+    logprobs keep its arithmetic). Returns the blocks changed."""
     changed = 0
     for block in model.modules():
-        if isinstance(block, SlotAttention) and block.quantized is None:
+        if isinstance(block, SlotAttention) and block.quantized is not None:
+            if isinstance(block.quantized.first, Int4Linear):
+                block.quantized.first.bf16_out_rows = PROMPT_BF16_MIN_ROWS
+                changed += 1
+        elif isinstance(block, SlotAttention):
             qkv, o = block.qkv, block.o_proj
             qkv.fuse()  # from the parameters as loaded (assign=True replaced the fused views)
             assert qkv.weight is not None

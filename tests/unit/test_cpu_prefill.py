@@ -13,10 +13,12 @@ import torch.nn.functional as F
 from ballast.engine.config import EngineConfig
 from ballast.engine.loading import load
 from ballast.models.base import ForwardBatch
+from ballast.models.cpu_int4 import Int4Linear
 from ballast.models.cpu_linear import PROMPT_BF16_MIN_ROWS, PromptLinear, bf16_available
 from ballast.models.layers import linear
 from ballast.models.llama import LlamaForCausalLM
 from ballast.models.state import allocate_states
+from gguf import GGMLQuantizationType as QT
 from test_gguf_loader import write_tiny_llama
 
 from ballast.settings import ConfigError
@@ -59,10 +61,11 @@ def test_few_rows_stay_float32_bit_for_bit() -> None:
     assert PromptLinear(w)(torch.randn(2, 3, 32)).shape == (2, 3, 64)  # leading dims kept
 
 
-def _logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
-    """Every position's logits of a prompt, then a decode step's."""
+def _logits(model: torch.nn.Module, tokens: list[int], int8_kv: bool = False) -> torch.Tensor:
+    """Every position's logits of a prompt, then a decode step's (int8_kv: K/V in int8 blocks,
+    which attention reads gathered, not in place)."""
     assert isinstance(model, LlamaForCausalLM)
-    states = allocate_states(model.layer_specs(4), 1, 256, "cpu", torch.float32)
+    states = allocate_states(model.layer_specs(1 if int8_kv else 4), 1, 256, "cpu", torch.float32, int8_kv)
     cpu = torch.device("cpu")
     with torch.inference_mode():
         first = model(ForwardBatch.build([(0, tokens, 0)], cpu, all_logits=[True]), states)
@@ -70,7 +73,8 @@ def _logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     return torch.cat((first, step))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases through the fused linear
+# qwen2: q/k/v biases through the fused linear; qwen3: q/k norms (which widen q and k to float32)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gguf_load_runs_prompts_in_bf16_and_decode_in_float32(tmp_path: Path, arch: str) -> None:
     tiny = write_tiny_llama(tmp_path / "tiny.gguf", arch=arch)
     cpu = torch.device("cpu")
@@ -99,16 +103,52 @@ def test_gguf_load_runs_prompts_in_bf16_and_decode_in_float32(tmp_path: Path, ar
     per_row = (ours - ref).abs().amax(-1)
     assert float(per_row.median()) < 2e-2 * float(ref.abs().max())
     assert not torch.equal(ours, ref)
+    # int8 K/V blocks: bfloat16 queries attend the gathered (float32) K/V
+    ours, ref = _logits(m, long, int8_kv=True), _logits(dense.model, long, int8_kv=True)
+    assert float((ours - ref).abs().amax(-1).median()) < 2e-2 * float(ref.abs().max())
 
 
 def test_bf16_prefill_needs_dense_float32_cpu_weights() -> None:
     cpu = torch.device("cpu")
     assert EngineConfig(device="cpu", cpu_weights="dense", cpu_prefill="bfloat16").cpu_prompt_bf16(cpu)
     assert not EngineConfig(device="cpu").cpu_prompt_bf16(cpu)  # float32 by default
+    assert EngineConfig(device="cpu", cpu_weights="int4", cpu_prefill="bfloat16").cpu_prompt_bf16(cpu)
     for bad in (
         EngineConfig(device="cpu", cpu_weights="fp16", cpu_prefill="bfloat16"),
-        EngineConfig(device="cpu", cpu_weights="int4", cpu_prefill="bfloat16"),
         EngineConfig(device="cpu", dtype="bfloat16", cpu_weights="dense", cpu_prefill="bfloat16"),
     ):
         with pytest.raises(ConfigError, match="cpu-prefill"):
             bad.cpu_prompt_bf16(cpu)
+
+
+def test_int4_weights_keep_their_prompt_path_and_attend_in_bf16(tmp_path: Path) -> None:
+    # layer 0: every linear 4-bit; layer 1: attention has a Q8_0 part (dense), the MLP 4-bit
+    types = [
+        {"attn_q": QT.Q4_1, "attn_k": QT.Q4_0, "attn_v": QT.Q4_1, "attn_output": QT.Q4_1,
+         "ffn_gate": QT.Q4_1, "ffn_up": QT.Q4_0, "ffn_down": QT.Q4_1},
+        {"attn_q": QT.Q4_1, "attn_k": QT.Q8_0, "attn_v": QT.Q4_1, "attn_output": QT.Q4_1,
+         "ffn_gate": QT.Q4_1, "ffn_up": QT.Q4_1, "ffn_down": QT.Q4_1},
+    ]  # fmt: skip
+    tiny = write_tiny_llama(tmp_path / "q4.gguf", layer_types=types)
+    cpu = torch.device("cpu")
+    int4 = load(EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="int4"), cpu, torch.float32)
+    both = load(
+        EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="int4", cpu_prefill="bfloat16"),
+        cpu,
+        torch.float32,
+    )
+    m = both.model
+    assert isinstance(m, LlamaForCausalLM)
+    first, second = m.model.layers
+    assert first.self_attn.quantized is not None and isinstance(first.self_attn.quantized.first, Int4Linear)
+    assert first.self_attn.quantized.first.bf16_out_rows == PROMPT_BF16_MIN_ROWS
+    assert second.self_attn.quantized is not None  # the dense attention: prompt linears
+    assert isinstance(second.self_attn.quantized.first, PromptLinear)
+    assert both.weights_bytes == int4.weights_bytes
+    short = [3, 17, 42, 99, 7]
+    assert torch.equal(_logits(m, short), _logits(int4.model, short))
+    gen = torch.Generator().manual_seed(4)
+    long = torch.randint(3, 200, (PROMPT_BF16_MIN_ROWS + 60,), generator=gen).tolist()
+    ours, ref = _logits(m, long), _logits(int4.model, long)
+    assert float((ours - ref).abs().amax(-1).median()) < 2e-2 * float(ref.abs().max())
+    assert not torch.equal(ours, ref)
