@@ -1,5 +1,6 @@
 """The default model served on the CPU, side by side in one run: `ballast serve` (one server per
---weights form: --cpu-weights dense, the default, dense with --cpu-prefill bfloat16, fp16, int4),
+--weights form: --cpu-weights dense, the default, fp16, int4; dense+bf16 and int4+bf16 with
+--cpu-prefill bfloat16),
 llama.cpp's server on the same GGUF
 (--llama-server: a `llama-server` binary, one side per --llama-threads value; --llama-python: a
 Python with llama-cpp-python[server]), and transformers' `generate` (batch 1, the same weights in
@@ -7,7 +8,7 @@ float32, in this process).
 
     python -m ballast.bench.cpu_serve [--rounds 3] [--new-tokens 128] [--llama-server PATH]
         [--llama-python PATH] [--llama-threads 2] [--long-prompt-words 1500]
-        [--weights dense dense+bf16 fp16 int4]
+        [--weights dense dense+bf16 fp16 int4 int4+bf16]
 
 llama-server runs as `-m GGUF --host 127.0.0.1 --port P -t THREADS -c 32768 -np 8 -kvu`: 8 slots
 over one KV buffer of 8 x 4,096 positions, as each ballast server's `--max-num-seqs 8
@@ -51,6 +52,7 @@ FORMS = {
     "dense+bf16": ["--cpu-weights", "dense", "--cpu-prefill", "bfloat16"],
     "fp16": ["--cpu-weights", "fp16"],
     "int4": ["--cpu-weights", "int4"],
+    "int4+bf16": ["--cpu-weights", "int4", "--cpu-prefill", "bfloat16"],
 }
 WORDS = ["river", "stone", "lantern", "orchard", "harbor", "meadow"]
 WORDS += ["copper", "violin", "glacier", "ember", "thistle", "compass"]
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=tuple(FORMS),
         default=["dense", "fp16"],
-        help="the --cpu-weights forms to serve, a server each (dense+bf16: with --cpu-prefill bfloat16)",
+        help="the --cpu-weights forms to serve, a server each (+bf16: with --cpu-prefill bfloat16)",
     )
     p.add_argument(
         "--baseline",

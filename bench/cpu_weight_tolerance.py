@@ -1,8 +1,9 @@
 """What each CPU weight form of the default model costs in accuracy and gains in speed, one run:
---cpu-weights dense (float32), dense with --cpu-prefill bfloat16 (prompt chunks' linears and
-attention in bfloat16), fp16 (FBGEMM, float32 activations), int4 (the GGUF's 4-bit blocks,
-bfloat16 activations), and int8 with one scale per output channel (`_weight_int8pack_mm`,
-bfloat16 activations; built here from the float32 weights: measured, not shipped).
+--cpu-weights dense (float32), fp16 (FBGEMM, float32 activations), int4 (the GGUF's 4-bit
+blocks, bfloat16 activations), dense+bf16 and int4+bf16 (with --cpu-prefill bfloat16: prompt
+chunks' linears and attention in bfloat16), and int8 with one scale per output channel
+(`_weight_int8pack_mm`, bfloat16 activations; built here from the float32 weights: measured,
+not shipped).
 
 Against transformers on the float32 weights:
 - max |d logit| and greedy choices changed, teacher-forced over the parity prompts
@@ -17,7 +18,8 @@ Against transformers on the float32 weights:
 - a batch-1 decode step (Engine.step at 1 thread, median of --steps; the engine's thread time
   too, which another process's burst on the shared box does not inflate), and weights held.
 
-    python -m ballast.bench.cpu_weight_tolerance [--steps 40] [--forms dense dense+bf16 fp16 int4 int8]
+    python -m ballast.bench.cpu_weight_tolerance [--steps 40]
+        [--forms dense dense+bf16 fp16 int4 int4+bf16 int8]
 
 Table on stdout, JSON to bench/results/cpu_weight_tolerance.json.
 """
@@ -44,7 +46,7 @@ from ballast.models.cpu_linear import packed_bytes
 from ballast.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 RESULTS = Path(__file__).parent / "results" / "cpu_weight_tolerance.json"
-FORMS = ("dense", "dense+bf16", "fp16", "int4", "int8")
+FORMS = ("dense", "dense+bf16", "fp16", "int4", "int4+bf16", "int8")
 LONG_TOKENS = 2000
 CHUNK = 512  # the CPU's default prefill chunk
 GREEDY = SamplingParams(temperature=0.0)
@@ -57,14 +59,14 @@ ECHO = [
 
 
 def engine(form: str) -> Engine:
-    weights = "dense" if form in ("int8", "dense+bf16") else form
+    weights = "dense" if form == "int8" else form.removesuffix("+bf16")
     return Engine.load(
         EngineConfig(
             model="default",
             device="cpu",
             dtype="float32",
             cpu_weights=weights,
-            cpu_prefill="bfloat16" if form == "dense+bf16" else "float32",
+            cpu_prefill="bfloat16" if form.endswith("+bf16") else "float32",
             cpu_threads=1,
             max_num_seqs=4,
             max_model_len=LONG_TOKENS + 64,
