@@ -118,8 +118,8 @@ class EngineConfig:
             "BALLAST_CPU_PREFILL",
             "arithmetic of a CPU engine's prompt chunks (steps of more than 64 rows), --cpu-weights "
             "dense or int4: bfloat16 rounds their linears' and attention's inputs to bfloat16 (float32 sums; "
-            "AMX / AVX512-BF16 through oneDNN, several times faster on long prompts, logits within the "
-            "tolerance docs/BENCHMARKS.md gives); decode steps stay float32",
+            "AMX / AVX512-BF16 through oneDNN, a long prompt's prefill about 2x faster, logits within "
+            "the tolerance docs/BENCHMARKS.md gives); decode steps stay float32",
             choices=("float32", "bfloat16"),
         ),
     )
