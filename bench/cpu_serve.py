@@ -1,10 +1,18 @@
 """The default model served on the CPU, side by side in one run: `ballast serve` (one server per
---weights form: --cpu-weights dense, the default, fp16, int4), llama.cpp's server (through llama-cpp-python,
-where --llama-python names a Python that has it) on the same GGUF, and transformers' `generate`
-(batch 1, the same weights in float32, in this process).
+--weights form: --cpu-weights dense, the default, fp16, int4; dense+bf16 and int4+bf16 with
+--cpu-prefill bfloat16),
+llama.cpp's server on the same GGUF
+(--llama-server: a `llama-server` binary, one side per --llama-threads value; --llama-python: a
+Python with llama-cpp-python[server]), and transformers' `generate` (batch 1, the same weights in
+float32, in this process).
 
-    python -m ballast.bench.cpu_serve [--rounds 3] [--new-tokens 128] [--llama-python PATH]
-        [--llama-threads 2] [--long-prompt-words 1500] [--weights dense fp16 int4]
+    python -m ballast.bench.cpu_serve [--rounds 3] [--new-tokens 128] [--llama-server PATH]
+        [--llama-python PATH] [--llama-threads 2] [--long-prompt-words 1500]
+        [--weights dense dense+bf16 fp16 int4 int4+bf16]
+
+llama-server runs as `-m GGUF --host 127.0.0.1 --port P -t THREADS -c 32768 -np 8 -kvu`: 8 slots
+over one KV buffer of 8 x 4,096 positions, as each ballast server's `--max-num-seqs 8
+--max-model-len 4096`; its chat template is the one in the GGUF (jinja, its default).
 
 Every server is started once, then each round measures every side in turn (interleaved, so a
 burst of load from other processes on a shared box hits all of them alike), and the table gives
@@ -38,6 +46,14 @@ from ballast.bench.http_load import Outcome, free_port, one_stream, serve_comman
 from openai import AsyncOpenAI
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_serve.json"
+# --weights: the flags of each ballast side
+FORMS = {
+    "dense": ["--cpu-weights", "dense"],
+    "dense+bf16": ["--cpu-weights", "dense", "--cpu-prefill", "bfloat16"],
+    "fp16": ["--cpu-weights", "fp16"],
+    "int4": ["--cpu-weights", "int4"],
+    "int4+bf16": ["--cpu-weights", "int4", "--cpu-prefill", "bfloat16"],
+}
 WORDS = ["river", "stone", "lantern", "orchard", "harbor", "meadow"]
 WORDS += ["copper", "violin", "glacier", "ember", "thistle", "compass"]
 
@@ -152,14 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--long-prompt-words", type=int, default=1500)
+    p.add_argument("--llama-server", type=Path, default=None, help="a llama.cpp `llama-server` binary")
     p.add_argument("--llama-python", type=Path, default=None, help="a Python with llama-cpp-python[server]")
-    p.add_argument("--llama-threads", type=int, default=2)
+    p.add_argument(
+        "--llama-threads", type=int, nargs="+", default=[2], help="llama.cpp's -t; several: a side each"
+    )
     p.add_argument(
         "--weights",
         nargs="+",
-        choices=("dense", "fp16", "int4"),
+        choices=tuple(FORMS),
         default=["dense", "fp16"],
-        help="the --cpu-weights forms to serve, a server each",
+        help="the --cpu-weights forms to serve, a server each (+bf16: with --cpu-prefill bfloat16)",
     )
     p.add_argument(
         "--baseline",
@@ -178,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         sides: dict[str, tuple[str, str]] = {}  # name -> (base url, model name)
         variants: list[tuple[str, list[str], dict[str, str]]] = [
-            (f"ballast ({form})", ["--cpu-weights", form], {}) for form in args.weights
+            (f"ballast ({form})", FORMS[form], {}) for form in args.weights
         ]
         if args.baseline is not None:
             env = {"PYTHONPATH": str(args.baseline.resolve())}
@@ -191,9 +210,15 @@ def main(argv: list[str] | None = None) -> int:
             if env:  # -P: the baseline's tree, not this working directory, comes first on the path
                 cmd = [cmd[0], "-P", *cmd[1:]]
             sides[name] = (stack.enter_context(server(cmd, env, "/ready", port)), gguf.stem)
+        for threads in map(str, args.llama_threads if args.llama_server is not None else ()):
+            port = free_port()
+            cmd = [str(args.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                   "-t", threads, "-c", str(8 * 4096), "-np", "8", "-kvu"]  # fmt: skip
+            base = stack.enter_context(server(cmd, {}, "/health", port))
+            sides[f"llama-server -t {threads}"] = (base, gguf.stem)
         if args.llama_python is not None:
             port = free_port()
-            threads = str(args.llama_threads)
+            threads = str(args.llama_threads[0])
             cmd = [str(args.llama_python), "-m", "llama_cpp.server", "--model", str(gguf),
                    "--port", str(port), "--n_threads", threads, "--n_threads_batch", threads,
                    "--n_ctx", "4096", "--chat_format", "chatml"]  # fmt: skip
@@ -246,7 +271,8 @@ def write_report(
         "new_tokens": args.new_tokens,
         "long_prompt_words": args.long_prompt_words,
         "cpu_weights": args.weights,
-        "llama_threads": args.llama_threads if args.llama_python else None,
+        "llama_server": str(args.llama_server) if args.llama_server else None,
+        "llama_threads": args.llama_threads if args.llama_server or args.llama_python else None,
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "torch": torch.__version__,

@@ -1,7 +1,9 @@
 """What each CPU weight form of the default model costs in accuracy and gains in speed, one run:
---cpu-weights dense (float32), fp16 (FBGEMM, float32 activations), int4 (the GGUF's 4-bit blocks,
-bfloat16 activations), and int8 with one scale per output channel (`_weight_int8pack_mm`,
-bfloat16 activations; built here from the float32 weights: measured, not shipped).
+--cpu-weights dense (float32), fp16 (FBGEMM, float32 activations), int4 (the GGUF's 4-bit
+blocks, bfloat16 activations), dense+bf16 and int4+bf16 (with --cpu-prefill bfloat16: prompt
+chunks' linears and attention in bfloat16), and int8 with one scale per output channel
+(`_weight_int8pack_mm`, bfloat16 activations; built here from the float32 weights: measured,
+not shipped).
 
 Against transformers on the float32 weights:
 - max |d logit| and greedy choices changed, teacher-forced over the parity prompts
@@ -9,10 +11,15 @@ Against transformers on the float32 weights:
 - echo logprobs (every prompt token's logprob, as lm-eval's loglikelihood reads them) of four
   question/answer texts: max |d| in nats (the lm-eval test holds float32 to 1e-3);
 - the chat answer to "What is the capital of France?" (greedy, 48 tokens): Paris or not;
+- a long prompt (the first LONG_TOKENS tokens of ballast's own module docstrings, English prose),
+  prefilled in the server's 512-token chunks: every token's logprob against the reference's
+  (max and mean |d| in nats, next-token choices changed), and the prefill's wall time (the
+  TTFT of that prompt in process, best of 2);
 - a batch-1 decode step (Engine.step at 1 thread, median of --steps; the engine's thread time
   too, which another process's burst on the shared box does not inflate), and weights held.
 
     python -m ballast.bench.cpu_weight_tolerance [--steps 40]
+        [--forms dense dense+bf16 fp16 int4 int4+bf16 int8]
 
 Table on stdout, JSON to bench/results/cpu_weight_tolerance.json.
 """
@@ -20,6 +27,7 @@ Table on stdout, JSON to bench/results/cpu_weight_tolerance.json.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import statistics
@@ -38,6 +46,9 @@ from ballast.models.cpu_linear import packed_bytes
 from ballast.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 RESULTS = Path(__file__).parent / "results" / "cpu_weight_tolerance.json"
+FORMS = ("dense", "dense+bf16", "fp16", "int4", "int4+bf16", "int8")
+LONG_TOKENS = 2000
+CHUNK = 512  # the CPU's default prefill chunk
 GREEDY = SamplingParams(temperature=0.0)
 ECHO = [
     "Question: What is 9 - 3?\nAnswer: 6",
@@ -48,18 +59,61 @@ ECHO = [
 
 
 def engine(form: str) -> Engine:
+    weights = "dense" if form == "int8" else form.removesuffix("+bf16")
     return Engine.load(
         EngineConfig(
             model="default",
             device="cpu",
             dtype="float32",
-            cpu_weights="dense" if form == "int8" else form,
+            cpu_weights=weights,
+            cpu_prefill="bfloat16" if form.endswith("+bf16") else "float32",
             cpu_threads=1,
             max_num_seqs=4,
-            max_model_len=512,
-            prefill_chunk_tokens=128,
+            max_model_len=LONG_TOKENS + 64,
+            prefill_chunk_tokens=CHUNK,
         )
     )
+
+
+def long_text() -> str:
+    """English prose that ships with ballast: its modules' docstrings, in a fixed order."""
+    root = Path(__file__).resolve().parent.parent
+    docs = []
+    for sub in ("models", "engine", "memory", "scheduler", "server"):
+        for path in sorted((root / sub).glob("*.py")):
+            doc = ast.get_docstring(ast.parse(path.read_text()))
+            if doc:
+                docs.append(doc)
+    return "\n\n".join(docs)
+
+
+def long_logprobs(eng: Engine, ids: list[int]) -> torch.Tensor:
+    """Every token's logprob over ids prefilled in CHUNK-token steps (the next token's, from
+    each position's logits)."""
+    kv = eng.runner.kv
+    assert kv is not None
+    kv.release(0)
+    assert kv.ensure(0, len(ids))
+    chunks = range(0, len(ids), CHUNK)
+    logits = torch.cat([forward(eng, 0, ids[s : s + CHUNK], s, every=True) for s in chunks])
+    kv.release(0)
+    return logits.log_softmax(-1)
+
+
+def prefill_s(eng: Engine, ids: list[int]) -> float:
+    """Wall seconds of the prompt's prefill in CHUNK-token steps (last logits only), best of 2."""
+    kv = eng.runner.kv
+    assert kv is not None
+    best = float("inf")
+    for _ in range(2):
+        kv.release(0)
+        assert kv.ensure(0, len(ids))
+        t0 = time.perf_counter()
+        for s in range(0, len(ids), CHUNK):
+            forward(eng, 0, ids[s : s + CHUNK], s)
+        best = min(best, time.perf_counter() - t0)
+    kv.release(0)
+    return best
 
 
 def hold_int8(model: LlamaForCausalLM) -> None:
@@ -142,6 +196,7 @@ def decode_step_ms(eng: Engine, steps: int) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -160,9 +215,13 @@ def main() -> None:
         for ids in echo_ids:
             logp = ref(torch.tensor([ids])).logits[0].log_softmax(-1)
             ref_echo.append(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0])
+        long_ids = dense.tokenizer.encode(long_text())[:LONG_TOKENS]
+        ref_long = ref(torch.tensor([long_ids])).logits[0].log_softmax(-1)
+    targets = torch.tensor(long_ids[1:])[:, None]
+    ref_long_lp = ref_long[:-1].gather(1, targets)[:, 0]
     rows = []
     load_before = os.getloadavg()[0]
-    for form in ("dense", "fp16", "int4", "int8"):
+    for form in args.forms:
         eng = dense if form == "dense" else engine(form)
         model = eng.runner.model
         assert isinstance(model, LlamaForCausalLM)
@@ -177,6 +236,9 @@ def main() -> None:
         pairs = zip(echo_ids, ref_echo, strict=True)
         nats = max(float((echo_logprobs(eng, ids) - r).abs().max()) for ids, r in pairs)
         text = answer(eng)
+        long_lp = long_logprobs(eng, long_ids)
+        long_d = (long_lp[:-1].gather(1, targets)[:, 0] - ref_long_lp).abs()
+        long_flips = int((long_lp.argmax(-1) != ref_long.argmax(-1)).sum())
         wall, cpu = decode_step_ms(eng, args.steps)
         rows.append(
             {
@@ -187,6 +249,11 @@ def main() -> None:
                 "echo_max_abs_d_logprob_nats": nats,
                 "paris": "Paris" in text,
                 "answer": text,
+                "long_prompt_tokens": len(long_ids),
+                "long_max_abs_d_logprob_nats": float(long_d.max()),
+                "long_mean_abs_d_logprob_nats": float(long_d.mean()),
+                "long_next_token_changed": long_flips,
+                "long_prefill_s": prefill_s(eng, long_ids),
                 "decode_step_ms": wall,
                 "decode_step_thread_cpu_ms": cpu,
                 "weights_mb": (weights_bytes(model) + packed_bytes(model)) / 1e6,
@@ -200,13 +267,16 @@ def main() -> None:
         f"default model, CPU weight forms against transformers on the float32 weights; 1 thread, "
         f"{os.cpu_count()} CPUs, load average {load_before:.1f} -> {load_after:.1f}"
     )
-    print(f"{'form':6s} {'max|dlogit|':>12s} {'greedy changed':>15s} {'echo nats':>10s} {'Paris':>6s} "
-          f"{'step ms':>8s} {'thread ms':>10s} {'weights MB':>11s}")  # fmt: skip
+    print(f"{'form':10s} {'max|dlogit|':>12s} {'greedy changed':>15s} {'echo nats':>10s} {'Paris':>6s} "
+          f"{'step ms':>8s} {'thread ms':>10s} {'weights MB':>11s} {'long max / mean nats':>21s} "
+          f"{'long changed':>13s} {'prefill s':>10s}")  # fmt: skip
     for r in rows:
         print(
-            f"{r['form']:6s} {r['max_abs_d_logit']:>12.4f} {r['greedy_changed']:>9d} / {r['steps']:<3d} "
+            f"{r['form']:10s} {r['max_abs_d_logit']:>12.4f} {r['greedy_changed']:>9d} / {r['steps']:<3d} "
             f"{r['echo_max_abs_d_logprob_nats']:>10.5f} {str(r['paris']):>6s} {r['decode_step_ms']:>8.1f} "
-            f"{r['decode_step_thread_cpu_ms']:>10.1f} {r['weights_mb']:>11.0f}"
+            f"{r['decode_step_thread_cpu_ms']:>10.1f} {r['weights_mb']:>11.0f} "
+            f"{r['long_max_abs_d_logprob_nats']:>12.4f} / {r['long_mean_abs_d_logprob_nats']:.5f} "
+            f"{r['long_next_token_changed']:>6d} / {r['long_prompt_tokens']:<5d} {r['long_prefill_s']:>10.2f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"bench": "cpu_weight_tolerance", "torch": torch.__version__, "cpus": os.cpu_count(),

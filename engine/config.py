@@ -112,6 +112,18 @@ class EngineConfig:
             choices=CPU_WEIGHT_MODES,
         ),
     )
+    cpu_prefill: str = field(
+        # float32 by default: bfloat16 prompts moved the default model's logprobs (docs/BENCHMARKS.md).
+        default="float32",
+        metadata=setting(
+            "BALLAST_CPU_PREFILL",
+            "arithmetic of a CPU engine's prompt chunks (steps of more than 64 rows), --cpu-weights "
+            "dense or int4: bfloat16 rounds their linears' and attention's inputs to bfloat16 (float32 sums; "
+            "AMX / AVX512-BF16 through oneDNN, a long prompt's prefill about 2x faster, logits within "
+            "the tolerance docs/BENCHMARKS.md gives); decode steps stay float32",
+            choices=("float32", "bfloat16"),
+        ),
+    )
     cpu_threads: int = field(
         default=0,
         metadata=setting(
@@ -278,6 +290,27 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    def cpu_prompt_bf16(self, device: torch.device) -> bool:
+        """Whether prompt chunks run in bfloat16 (models/cpu_linear.py): --cpu-prefill bfloat16,
+        which needs a float32 CPU engine on one device with dense or int4 weights (fp16 keeps no
+        float32 weights) and a CPU with bfloat16 arithmetic; an error otherwise, not a silent
+        float32 prefill."""
+        if self.cpu_prefill != "bfloat16":
+            return False
+        if not (
+            device.type == "cpu"
+            and self.resolved_dtype(device) == torch.float32
+            and self.tensor_parallel_size == 1
+            and self.cpu_weights != "fp16"
+            and cpu_linear.bf16_available()
+        ):
+            raise ConfigError(
+                "--cpu-prefill (BALLAST_CPU_PREFILL)=bfloat16 needs a float32 engine on the CPU, one "
+                "device, --cpu-weights dense or int4, and a CPU with bfloat16 arithmetic (AVX512-BF16 "
+                "or AMX)"
+            )
+        return True
 
 
 # Checkpoints closer than this are never worth a split prefill chunk (each split costs a step).

@@ -35,7 +35,7 @@ from ballast.memory.watch import MemWatch
 from ballast.models import builtin
 from ballast.models.base import ModelError
 from ballast.models.cpu_int4 import Q4Weight
-from ballast.models.cpu_linear import packed_bytes
+from ballast.models.cpu_linear import hold_prompt_bf16, packed_bytes
 from ballast.models.default_model import DefaultModelError, default_model_path
 from ballast.models.gguf_loader import (
     GGUFError,
@@ -246,6 +246,8 @@ def load(
             cast(LlamaForCausalLM, model).quantize_cpu(q4)
         elif config.cpu_fp16(device) and isinstance(model, LlamaForCausalLM):
             model.hold_fp16()
+        if config.cpu_prompt_bf16(device):
+            hold_prompt_bf16(model)
         hf_tok = build_tokenizer(gf.metadata)
         tokenizer = LazyTokenizer(lambda: Tokenizer(hf_tok))
     else:

@@ -89,6 +89,7 @@ class TorchPagedAttention(PagedAttentionBackend):
         step = self._prepared(batch)
         if step.runs is not None:
             return attend_in_place(self.main, layer, q, batch, step.runs)
+        q = q.to(self.layout.dtype)  # gathered K/V come in the model dtype (a bf16 prompt's too)
         if len(step.groups) == 1:
             return attend_gathered(q, self._gather(layer, step, 0), step.groups[0])
         out = torch.empty_like(q)
@@ -158,6 +159,8 @@ def attend_in_place(
             # (bench/cpu_attention.py), so this sequence's blocks are gathered, once a layer.
             ids = torch.tensor([blk + k for _, blk, count in runs for k in range(count)])
             source, runs = kv_layer.index_select(0, ids), [(0, 0, len(ids))]
+        if q.dtype != source.dtype:
+            source, runs = _in_dtype(source, runs, q.dtype)
         n_kv = store.layout.num_kv_heads
         if n == 1 and len(runs) == 1:  # a decode token over blocks in order: no parts to merge
             out[first] = _decode_one(_run_view(source, runs[0], ctx)[1], q[first], n_kv)
@@ -177,6 +180,16 @@ MAX_RUNS = 2
 # copy beats a call per run plus their merge there (one layer, 2 runs, 1 thread: 33 against
 # 63 us at 43 positions, 91 against 110 at 512, even at 1k). Past it the runs merge in place.
 DECODE_GATHER_MAX = 512
+
+
+def _in_dtype(
+    source: Tensor, runs: list[tuple[int, int, int]], dtype: torch.dtype
+) -> tuple[Tensor, list[tuple[int, int, int]]]:
+    """A sequence's blocks as one copy in `dtype`, for queries of another dtype than the store's
+    (bfloat16 prompt chunks, models/cpu_linear.py): attention computes in its queries' dtype."""
+    blocks = [source[blk : blk + count] for _, blk, count in runs]
+    copy = (blocks[0] if len(blocks) == 1 else torch.cat(blocks)).to(dtype)
+    return copy, [(0, 0, copy.shape[0])]
 
 
 def _run_view(kv_layer: Tensor, run: tuple[int, int, int], ctx: int) -> tuple[int, Tensor]:

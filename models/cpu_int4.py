@@ -96,6 +96,9 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_zeros", scales_zeros.transpose(0, 1).contiguous().bfloat16())
         self.wide: Tensor
         self.register_buffer("wide", torch.cat([p.dequantize() for p in parts]).bfloat16())
+        # Steps of more than this many rows keep the bfloat16 output (the q/k/v projection under
+        # --cpu-prefill bfloat16: its attention then runs in bfloat16); 0 = always widened.
+        self.bf16_out_rows = 0
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -104,7 +107,9 @@ class Int4Linear(nn.Module):
             y = F.linear(flat, self.wide)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
-        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+        if not 0 < self.bf16_out_rows < flat.shape[0]:
+            y = y.to(x.dtype)
+        return y.view(*shape[:-1], self.out_features)
 
 
 class Int8Linear(nn.Module):

@@ -21,12 +21,32 @@ to bfloat16 (AVX512-BF16), which is what this form exists to avoid.
 
 The packed weights are FBGEMM's own allocation (a torch script object, not a tensor), so they
 are not among the model's parameters or buffers: `packed_bytes` counts them for the memory layer.
+
+Prompt chunks in bfloat16 (`--cpu-prefill bfloat16`, `hold_prompt_bf16`): a prompt's many rows
+make its linears compute-bound, and a CPU with AMX (or AVX512-BF16) multiplies bfloat16 several
+times faster than float32 (oneDNN, 1 thread, 3072x576 at 512 rows: 1.6 ms against 11.4). Steps of
+more than PROMPT_BF16_MIN_ROWS rows round each linear's inputs and weights to bfloat16 and keep
+float32 sums and outputs (oneDNN's bf16 "fpmath" mode over the float32 weights: no second copy
+held); the q/k/v projection's output is left in bfloat16, so the layer's attention runs in
+bfloat16 too (models/cpu_attention.py follows its queries' dtype). Decode steps and short prompts
+keep float32 bit for bit. The cost is accuracy, measured against float32 over a 2k-token prompt
+(bench/cpu_weight_tolerance.py): opt-in. Under --cpu-weights int4, whose prompt rows already
+run through bfloat16 copies of the weights, it adds attention in bfloat16.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+from ballast.models.cpu_int4 import Int4Linear, QuantizedPair
+from ballast.models.layers import SlotAttention, SwiGLU, linear
 from torch import Tensor, nn
+
+# Steps of more rows than this run their linears in bfloat16 under `hold_prompt_bf16`: prompt
+# chunks, not decode batches of up to 64 sequences (which keep float32's exact sums).
+PROMPT_BF16_MIN_ROWS = 64
 
 
 def fp16_available() -> bool:
@@ -34,6 +54,12 @@ def fp16_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
         torch.ops.quantized, "linear_prepack_fp16"
     )
+
+
+def bf16_available() -> bool:
+    """Whether oneDNN runs bfloat16 matmuls natively on this CPU (AVX512-BF16 or AMX), not emulated."""
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.backends.mkldnn.is_available() and native
 
 
 class Fp16Linear(nn.Module):
@@ -60,3 +86,75 @@ class Fp16Linear(nn.Module):
 def packed_bytes(model: nn.Module) -> int:
     """Bytes the model's fp16 linears hold outside its parameters and buffers."""
     return sum(m.nbytes for m in model.modules() if isinstance(m, Fp16Linear))
+
+
+@contextmanager
+def bf16_matmuls() -> Iterator[None]:
+    """oneDNN's float32 matmuls with bfloat16 inputs and float32 accumulation and outputs, for the
+    block. The mode is process-wide, not per thread: only the engine thread computes, and the
+    block holds one matmul."""
+    mode = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]  # not in torch's stubs
+    before = mode.fp32_precision
+    mode.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        mode.fp32_precision = before
+
+
+class PromptLinear(nn.Module):
+    """y = x W^T + b over a dense float32 W: rows past PROMPT_BF16_MIN_ROWS in bfloat16 (float32
+    sums, and float32 out unless bf16_out), fewer rows as `layers.linear`, float32 exactly."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, bf16_out: bool = False) -> None:
+        super().__init__()
+        self.weight: Tensor
+        self.bias: Tensor | None
+        self.register_buffer("weight", weight.detach())  # the loaded tensor itself, no copy
+        self.register_buffer("bias", None if bias is None else bias.detach())
+        self.out_features = int(weight.shape[0])
+        self.bf16_out = bf16_out
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        if flat.shape[0] <= PROMPT_BF16_MIN_ROWS and flat.dtype == self.weight.dtype:
+            y = linear(flat, self.weight, self.bias)
+        else:
+            with bf16_matmuls():
+                if self.bias is None:
+                    y = torch.mm(flat.float(), self.weight.t())
+                else:
+                    y = torch.addmm(self.bias, flat.float(), self.weight.t())
+            if self.bf16_out and flat.shape[0] > PROMPT_BF16_MIN_ROWS:
+                y = y.to(torch.bfloat16)
+        return y.view(*shape[:-1], self.out_features)
+
+
+def hold_prompt_bf16(model: nn.Module) -> int:
+    """Run every dense attention and MLP block's linears as PromptLinears (q/k/v with bfloat16
+    outputs for prompt rows, so their attention runs in bfloat16). Blocks held int4 already run
+    prompt rows through bfloat16 copies: their q/k/v keeps its bfloat16 output for prompt rows
+    alike. The output head stays as it is (a prompt's logits are one row per sequence, and echo
+    logprobs keep its arithmetic). Returns the blocks changed."""
+    changed = 0
+    for block in model.modules():
+        if isinstance(block, SlotAttention) and block.quantized is not None:
+            if isinstance(block.quantized.first, Int4Linear):
+                block.quantized.first.bf16_out_rows = PROMPT_BF16_MIN_ROWS
+                changed += 1
+        elif isinstance(block, SlotAttention):
+            qkv, o = block.qkv, block.o_proj
+            qkv.fuse()  # from the parameters as loaded (assign=True replaced the fused views)
+            assert qkv.weight is not None
+            first = PromptLinear(qkv.weight, qkv.bias, bf16_out=True)
+            block.quantize(QuantizedPair(first, PromptLinear(o.weight, o.bias)))
+            changed += 1
+        elif isinstance(block, SwiGLU) and block.quantized is None:
+            gate_up, down = block.gate_up, block.down_proj
+            gate_up.fuse()
+            assert gate_up.weight is not None
+            first = PromptLinear(gate_up.weight, gate_up.bias)
+            block.quantize(QuantizedPair(first, PromptLinear(down.weight, down.bias)))
+            changed += 1
+    return changed
