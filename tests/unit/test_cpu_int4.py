@@ -20,7 +20,7 @@ from ballast.models.state import allocate_states
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from ggufdata import random_blocks
-from test_gguf_loader import write_tiny_llama
+from test_gguf_loader import MIXED_Q4_LAYERS, write_tiny_llama
 
 from ballast.settings import ConfigError
 
@@ -80,14 +80,7 @@ def _logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 
 def test_gguf_load_keeps_whole_q4_blocks_int4_and_the_rest_dense(tmp_path: Path) -> None:
-    # layer 0: every linear 4-bit; layer 1: attention has one Q8_0 part (dense), the MLP is 4-bit
-    types = [
-        {"attn_q": QT.Q4_1, "attn_k": QT.Q4_0, "attn_v": QT.Q4_1, "attn_output": QT.Q4_1,
-         "ffn_gate": QT.Q4_1, "ffn_up": QT.Q4_0, "ffn_down": QT.Q4_1},
-        {"attn_q": QT.Q4_1, "attn_k": QT.Q8_0, "attn_v": QT.Q4_1, "attn_output": QT.Q4_1,
-         "ffn_gate": QT.Q4_1, "ffn_up": QT.Q4_1, "ffn_down": QT.Q4_1},
-    ]  # fmt: skip
-    tiny = write_tiny_llama(tmp_path / "q4.gguf", layer_types=types)
+    tiny = write_tiny_llama(tmp_path / "q4.gguf", layer_types=MIXED_Q4_LAYERS)
     dense = load(
         EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="dense"),
         torch.device("cpu"),

@@ -18,8 +18,7 @@ from ballast.models.cpu_linear import PROMPT_BF16_MIN_ROWS, PromptLinear, bf16_a
 from ballast.models.layers import linear
 from ballast.models.llama import LlamaForCausalLM
 from ballast.models.state import allocate_states
-from gguf import GGMLQuantizationType as QT
-from test_gguf_loader import write_tiny_llama
+from test_gguf_loader import MIXED_Q4_LAYERS, write_tiny_llama
 
 from ballast.settings import ConfigError
 
@@ -122,14 +121,7 @@ def test_bf16_prefill_needs_dense_float32_cpu_weights() -> None:
 
 
 def test_int4_weights_keep_their_prompt_path_and_attend_in_bf16(tmp_path: Path) -> None:
-    # layer 0: every linear 4-bit; layer 1: attention has a Q8_0 part (dense), the MLP 4-bit
-    types = [
-        {"attn_q": QT.Q4_1, "attn_k": QT.Q4_0, "attn_v": QT.Q4_1, "attn_output": QT.Q4_1,
-         "ffn_gate": QT.Q4_1, "ffn_up": QT.Q4_0, "ffn_down": QT.Q4_1},
-        {"attn_q": QT.Q4_1, "attn_k": QT.Q8_0, "attn_v": QT.Q4_1, "attn_output": QT.Q4_1,
-         "ffn_gate": QT.Q4_1, "ffn_up": QT.Q4_1, "ffn_down": QT.Q4_1},
-    ]  # fmt: skip
-    tiny = write_tiny_llama(tmp_path / "q4.gguf", layer_types=types)
+    tiny = write_tiny_llama(tmp_path / "q4.gguf", layer_types=MIXED_Q4_LAYERS)
     cpu = torch.device("cpu")
     int4 = load(EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="int4"), cpu, torch.float32)
     both = load(
