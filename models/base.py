@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import torch
 from ballast.memory.specs import LayerSpec
@@ -113,7 +113,11 @@ class StepBatch(Sequence[Row]):
     def __len__(self) -> int:
         return len(self.slots_list)
 
-    def __getitem__(self, b: Any) -> Any:  # a row, or a list of rows
+    @overload
+    def __getitem__(self, b: int) -> Row: ...
+    @overload
+    def __getitem__(self, b: slice) -> Sequence[Row]: ...
+    def __getitem__(self, b: int | slice) -> Row | Sequence[Row]:
         return list(self)[b]
 
     def __iter__(self) -> Iterator[Row]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ballast.engine.config import EngineConfig
-from ballast.engine.loading import load
+from ballast.engine.loading import LoadedModel, load
 from ballast.models.base import ForwardBatch
 from ballast.models.cpu_int4 import Int4Linear
 from ballast.models.cpu_linear import PROMPT_BF16_MIN_ROWS, PromptLinear, bf16_available
@@ -72,17 +72,20 @@ def _logits(model: torch.nn.Module, tokens: list[int], int8_kv: bool = False) ->
     return torch.cat((first, step))
 
 
+def _loaded_twice(path: Path, weights: str) -> tuple[LoadedModel, LoadedModel]:
+    """The GGUF at path with these CPU weights, as loaded plain and with bfloat16 prompts."""
+    cpu = torch.device("cpu")
+    plain, bf16 = (
+        load(EngineConfig(model=str(path), device="cpu", cpu_weights=weights, **more), cpu, torch.float32)
+        for more in ({}, {"cpu_prefill": "bfloat16"})
+    )
+    return plain, bf16
+
+
 # qwen2: q/k/v biases through the fused linear; qwen3: q/k norms (which widen q and k to float32)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gguf_load_runs_prompts_in_bf16_and_decode_in_float32(tmp_path: Path, arch: str) -> None:
-    tiny = write_tiny_llama(tmp_path / "tiny.gguf", arch=arch)
-    cpu = torch.device("cpu")
-    dense = load(EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="dense"), cpu, torch.float32)
-    bf16 = load(
-        EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="dense", cpu_prefill="bfloat16"),
-        cpu,
-        torch.float32,
-    )
+    dense, bf16 = _loaded_twice(write_tiny_llama(tmp_path / "tiny.gguf", arch=arch).path, "dense")
     m = bf16.model
     assert isinstance(m, LlamaForCausalLM)
     for layer in m.model.layers:
@@ -121,13 +124,8 @@ def test_bf16_prefill_needs_dense_float32_cpu_weights() -> None:
 
 
 def test_int4_weights_keep_their_prompt_path_and_attend_in_bf16(tmp_path: Path) -> None:
-    tiny = write_tiny_llama(tmp_path / "q4.gguf", layer_types=MIXED_Q4_LAYERS)
-    cpu = torch.device("cpu")
-    int4 = load(EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="int4"), cpu, torch.float32)
-    both = load(
-        EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="int4", cpu_prefill="bfloat16"),
-        cpu,
-        torch.float32,
+    int4, both = _loaded_twice(
+        write_tiny_llama(tmp_path / "q4.gguf", layer_types=MIXED_Q4_LAYERS).path, "int4"
     )
     m = both.model
     assert isinstance(m, LlamaForCausalLM)
