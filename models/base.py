@@ -137,8 +137,6 @@ class StepBatch(Sequence[Row]):
         """The host half of a batch of these rows. A slot may appear at most once per step.
         max_ctx: read this many cache positions (>= every start + len; at most the cache length)
         instead of the least that serves, so shapes stay fixed from step to step (CUDA graphs)."""
-        if not seqs:
-            raise ValueError("a StepBatch needs at least one sequence")
         # array('q') fills from the ids in C: 5x a Python list for 32 prompts of 2k tokens
         tokens = array("q", chain.from_iterable(toks for _, toks, _ in seqs))
         return cls.of_lists(
@@ -227,8 +225,7 @@ class StepBatch(Sequence[Row]):
         host = _index_tensors(self.slots_list, self.starts_list, self.lens_list)
         host["token_ids"] = torch.frombuffer(self.tokens, dtype=torch.int64)
         if self.tail_from:
-            # Packed as tensors of their own (to_device_packed aligns each), not views at an odd
-            # offset of slots: Triton compiles a kernel again for each 16-byte pointer alignment.
+            # Tensors of their own, which to_device_packed aligns (not views at an odd offset of slots).
             host["tail_slots"] = host["slots"][self.tail_from :]
             host["tail_ctx"] = host["starts"][self.tail_from :] + 1
         if any(self.all_logits):
@@ -331,12 +328,9 @@ def to_device(
 ) -> torch.Tensor:
     """A 1-D tensor of `values` on `device`, queued on its stream (no host sync on CUDA).
 
-    `torch.tensor(values, device="cuda")` copies from pageable memory with a blocking copy, which
-    waits for every kernel already queued on the stream: one such call in a step's preparation
-    stalls the host until the previous step has finished on the GPU, and the two can no longer
-    overlap. Staging the values in pinned memory and copying with `non_blocking=True` queues the
-    copy behind those kernels instead; the caching host allocator keeps the pinned buffer alive
-    until the copy has run, so the values may be dropped at once."""
+    A pageable copy waits for every kernel already queued (the previous step), so the host could
+    not prepare a step while the GPU runs one; a pinned, non-blocking copy queues behind them
+    instead (the caching host allocator keeps the pinned buffer alive until the copy has run)."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
@@ -352,9 +346,7 @@ def to_device_packed(host: dict[str, Tensor], dev: torch.device) -> dict[str, An
     starting on a 16-byte boundary)."""
     if dev.type == "cpu":
         return dict(host)
-    # One host-to-device copy instead of ten: each small copy costs a launch and a sync.
-    # Pinned and non-blocking: a pageable copy would first wait for every kernel queued before it
-    # (the previous step), and the host could not prepare a step while the GPU runs one.
+    # One host-to-device copy instead of ten, pinned and non-blocking as in `to_device`.
     packed, starts = pack_aligned(host.values())
     moved = packed.pin_memory().to(dev, non_blocking=True)
     return {name: moved[at : at + v.shape[0]] for (name, v), at in zip(host.items(), starts, strict=True)}

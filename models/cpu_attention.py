@@ -14,10 +14,9 @@ The cached prefix is visible to every query of a chunk, so it needs no mask; gro
 attention folds each KV head's group of query heads into the query rows there, so K and V are
 read once per KV head and never expanded. The chunk's own keys are attended causally.
 
-The reference it replaces gathered every cached block of the prefix for every chunk and layer:
-a 2k-token prompt in 512-token chunks copied 2.5 prefixes' worth of KV per layer. It still serves
-int8 blocks (dequantized into a copy anyway) and steps over both stores: `TorchPagedAttention`,
-the CPU's attention backend, picks one or the other per step.
+The gathering reference (a 2k-token prompt in 512-token chunks copied 2.5 prefixes' worth of KV
+per layer) still serves int8 blocks and steps over both stores; `TorchPagedAttention` picks one
+or the other per step.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The Llama family (llama, and qwen2 / qwen3, which differ only in q/k/v bias and per-head q/k
-norms), over the slot state. Parameter names equal the HF checkpoints' names."""
+norms), over the slot state."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ nests the text config under `text_config`, with the language model's tensors und
 Per-layer state follows the layer's kind: full-attention layers read and write a `PagedKV`,
 linear-attention layers a `RecurrentState` (conv window + float32 delta-rule state). The engine
 sees only `layer_specs` and `forward(batch, states)`; nothing outside this file knows the model is
-hybrid. Parameter names equal the Hugging Face checkpoint names.
+hybrid.
 """
 
 from __future__ import annotations
