@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -457,16 +456,11 @@ def test_int8_and_main_pool_sequences_run_side_by_side(model: str) -> None:
     assert out[1] == alone("int8", b)
 
 
-def test_the_default_prefill_chunk_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """0 (the default) is 8192 tokens a step on a GPU of 70 GiB or more, 2048 on a smaller one,
-    512 on the CPU, never past max_model_len; a chunk that is set is kept."""
+def test_the_default_prefill_chunk_follows_the_device() -> None:
+    """0 (the default) is 2048 tokens a step on CUDA, 512 on the CPU, never past max_model_len;
+    a chunk that is set is kept."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    gpu_bytes = {"total_memory": 141 << 30}
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _d: SimpleNamespace(**gpu_bytes))
-    assert EngineConfig().resolved_prefill_chunk(cuda) == 2048  # max_model_len's default is 2048
-    assert EngineConfig(max_model_len=32768).resolved_prefill_chunk(cuda) == 8192
-    gpu_bytes["total_memory"] = 24 << 30
-    assert EngineConfig(max_model_len=32768).resolved_prefill_chunk(cuda) == 2048
+    assert EngineConfig().resolved_prefill_chunk(cuda) == 2048
     assert EngineConfig().resolved_prefill_chunk(cpu) == 512
     assert EngineConfig(max_model_len=300).resolved_prefill_chunk(cuda) == 300
     assert EngineConfig(prefill_chunk_tokens=700).resolved_prefill_chunk(cpu) == 700
