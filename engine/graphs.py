@@ -1,47 +1,32 @@
-"""CUDA graphs of decode steps. One class owns them: capture per bucket, static inputs, explicit
-`can_use` / `replay`.
+"""CUDA graphs of decode steps: captured per (batch bucket, context bucket), static inputs,
+explicit `can_use` / `replay`. A decode step is bound by kernel launches, not by the GPU (a
+4-layer hybrid's step measured on an H200: ~360 launches, ~9 ms of host time for ~0.6 ms of GPU
+work); a graph replays the whole forward with one launch.
 
-Why: a decode step on a GPU is bound by kernel launches, not by the GPU. Measured on an H200
-(torch 2.11, bf16): a 4-layer hybrid model's decode step issues ~360 launches, ~9 ms of host time
-for ~0.6 ms of GPU work. A graph replays the whole forward with one launch.
+A step of n sequences reading up to c positions replays the graph of the smallest batch bucket >= n
+(1, 2, 4, ... and `--max-num-seqs` itself) and context bucket >= c. Padding rows feed token 0 at
+position 1 of a scratch slot (one past the scheduler's), so they write nothing a sequence reads.
+Inputs enter through one static [3, batch] buffer (one host-to-device copy a step); every graph
+writes one static [batch, vocab] logits buffer, valid until the next replay.
 
-Shapes are fixed inside a graph, so one is captured per (batch bucket, context bucket): a decode
-step of n sequences reading up to c cache positions replays the graph of the smallest batch
-bucket >= n and the smallest context bucket >= c. Padding rows feed token 0 at position 1 of a
-scratch slot (one slot more than the scheduler is told of), so they write nothing a real
-sequence reads. Inputs enter through one static [3, batch] buffer (token, position, slot rows)
-with one host-to-device copy per step; logits come out in one static [batch, vocab] buffer that
-every graph writes, valid until the next replay.
+A step holding a sequence of the int8 KV store (the ladder's quantized-KV rung) runs another kernel
+sequence: the "mixed" variant, captured per bucket at its first use under a grant from the memory
+layer (tag cuda-graphs-int8; a refusal or failure leaves that bucket eager). Without it a squeezed
+GPU decoded ~7x slower (Llama-1B shape, 16 streams at TIGHT, on an H200).
 
-Batch buckets run up to the engine's slot count (`--max-num-seqs`) whatever it is: 1, 2, 4, ...
-and the count itself, so a server of 128 or 100 slots replays a graph at every batch it can run.
-While a step holds a sequence of the int8 KV store (the ladder's quantized-KV rung) every layer reads and
-writes both stores: a different kernel sequence, so those steps replay a second set of graphs, the
-"mixed" variant, captured per bucket the first time such a step needs it (at load the int8 store
-has no memory to capture against). Without it a squeezed GPU decoded eagerly: measured on an H200
-(Llama-1B shape, 16 streams at TIGHT), no request finished for a minute, ~7x slower than the
-graphs. A late capture asks the memory layer first and then holds what the graphs' pool grew by
-under its grant (tag cuda-graphs-int8); one that is refused or fails leaves that bucket eager.
-Steps that carry a prefill chunk are not these graphs' alone: a lone prompt's chunk replays a
-padded prefill graph (`prefill_graphs`), and `GraphRunner` chooses for the rest.
-
-Under tensor parallel every rank captures the same graphs (same buckets, same order) in lockstep,
-the collectives of each capture recorded on every rank, and after each bucket the ranks agree
-(`Agree`: over the pipes, not a collective) whether every one of them captured it; one failure
-and all release. The mixed variant is not captured late there (`late_mixed=False`: one rank
-capturing alone would wait in its warm-up's collectives), so such steps run eagerly on every rank.
-
-Capture runs on the engine thread at load, after the slot states exist. The memory the graphs
-keep (their shared private pool) is measured and handed to the caller to lease from the VRAM
-ledger. A capture that fails (an op that waits on the host, such as the MoE fallback used where
-grouped GEMM does not run) raises `GraphCaptureError`; the engine then runs eagerly.
+Under tensor parallel every rank captures the same buckets in the same order, the collectives
+recorded on each, and after each bucket the ranks agree over the pipes (`Agree`) that all
+captured it; one failure and all release. The mixed variant is not captured late there (one rank
+capturing alone would wait in its warm-up's collectives). A capture that fails (an op that waits
+on the host) raises `GraphCaptureError`: the engine runs eagerly. What the graphs' shared pool
+holds is measured and leased from the VRAM ledger by the caller.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from ballast.engine.kv_pool import Acquire
@@ -64,6 +49,7 @@ SMALLEST_CONTEXT_BUCKET = 256
 LATE_CAPTURE_GRANT = 64 * MiB
 PAD_TOKEN = 0
 PAD_POSITION = 1
+K = TypeVar("K")
 
 
 class GraphCaptureError(RuntimeError):
@@ -110,7 +96,50 @@ def bucket_for(buckets: Sequence[int], n: int) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-class DecodeGraphs:
+class GraphSet(Generic[K]):
+    """Graphs of one forward, keyed by K, sharing one memory pool and one logits buffer."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._graphs: dict[K, torch.cuda.CUDAGraph] = {}
+        self._pool: Any = None  # torch.cuda.graph_pool_handle(), from the first capture
+        self._logits: Tensor | None = None  # every graph writes its rows here
+        self.held_bytes = 0
+        self.replays = 0
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
+    def _reserved(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_reserved(self.device)
+
+    def _record(self, key: K, forward: Forward, batch: ForwardBatch, eager: Tensor, rows: int) -> None:
+        """Capture `forward(batch)` after its eager run (kernels compiled and tuned outside the
+        capture). One shared output: a graph's own logits are freed at the end of its capture, so
+        the graphs together keep one [rows, vocab] buffer, not one each."""
+        if self._logits is None:
+            self._logits = eager.new_empty((rows, *eager.shape[1:]))
+        out = self._logits[: eager.shape[0]]
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out.copy_(forward(batch))
+        torch.cuda.synchronize(self.device)
+        self._graphs[key] = graph
+
+    def _drop(self) -> None:
+        """Drop every graph and the output; the pool's memory goes back to the allocator's cache."""
+        self._graphs.clear()
+        self._logits = None
+        self.held_bytes = 0
+        if self.device.type == "cuda":  # CPU sets exist in tests of the choices alone
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+
+class DecodeGraphs(GraphSet[tuple[int, int, bool]]):
     """Decode-step graphs over a model's slot states."""
 
     def __init__(
@@ -122,7 +151,7 @@ class DecodeGraphs:
         late_mixed: bool = True,
     ) -> None:
         """late_mixed: capture the int8-KV variant of a bucket at its first use (one GPU only)."""
-        self.device = device
+        super().__init__(device)
         self.late_mixed = late_mixed
         self.scratch_slot = scratch_slot
         self.batch_buckets = doubling_buckets(1, max_batch)
@@ -132,27 +161,17 @@ class DecodeGraphs:
         self._inputs = torch.zeros((3, width), dtype=torch.int64, device=device)  # token, position, slot
         self._arange = torch.arange(width + 1, dtype=torch.int64, device=device)
         self._ones = torch.ones(width, dtype=torch.int64, device=device)
-        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (batch, context, mixed)
         self._failed: set[tuple[int, int, bool]] = set()  # late captures that failed: eager
         # The memory layer's grants for late captures (the mixed variant), set by the engine.
         self.acquire: Acquire | None = None
         self._late_grants: list[Callable[[], None]] = []
         self._forward: Forward | None = None
-        self._pool: Any = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle)
-        self._logits: Tensor | None = None  # [batch, vocab]: every graph writes its rows here
-        self.held_bytes = 0
-        self.replays = 0
-
-    @property
-    def captured(self) -> int:
-        return len(self._graphs)
 
     def capture(self, forward: Forward, agree: Agree | None = None) -> int:
         """Capture a graph for each of `pairs`, largest first so later graphs fit in the pool the
         first one sized. Returns the bytes the device allocator holds more than before.
         agree (tensor parallel): asked after every bucket, so all ranks stop at the same one."""
-        torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_reserved(self.device)
+        before = self._reserved()
         self._pool = torch.cuda.graph_pool_handle()
         self._forward = forward
         try:
@@ -168,7 +187,7 @@ class DecodeGraphs:
         except BaseException:
             self.release()
             raise
-        self.held_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
+        self.held_bytes = max(0, self._reserved() - before)
         return self.held_bytes
 
     def _try_capture(self, key: tuple[int, int, bool], lockstep: bool) -> str | None:
@@ -194,18 +213,7 @@ class DecodeGraphs:
                 eager = self._forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
             except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
                 raise WarmupFailed(f"warm-up forward of batch {b}, context {c} failed: {e}") from e
-            if self._logits is None:
-                width = max(w for w, _ in self.pairs)
-                self._logits = eager.new_empty((width, *eager.shape[1:]))
-            out = self._logits[:b]
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                # One shared output: a graph's own logits are freed at the end of its capture, so the
-                # graphs together keep one [batch, vocab] buffer, not one per graph.
-                out.copy_(self._forward(batch))
-            torch.cuda.synchronize(self.device)
-        self._graphs[key] = graph
+            self._record(key, self._forward, batch, eager, max(w for w, _ in self.pairs))
 
     def _capture_late(self, key: tuple[int, int, bool]) -> bool:
         """Capture the mixed variant of a bucket whose plain graph exists, at its first use. The
@@ -252,16 +260,13 @@ class DecodeGraphs:
         return False
 
     def release(self) -> None:
-        """Drop every graph and its output; the pool's memory goes back to the allocator's cache."""
-        self._graphs.clear()
+        """Drop every graph, its output and the late captures' grants."""
         self._failed.clear()
         self._forward = None
-        self._logits = None
-        for give_back in self._late_grants:
+        self._drop()
+        for give_back in self._late_grants:  # after the memory went back
             give_back()
         self._late_grants.clear()
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
 
     def can_use(self, seqs: StepBatch | Rows, mixed: bool = False) -> bool:
         """A graph serves this step: every sequence feeds one token, and the batch and the cache

@@ -1,34 +1,20 @@
-"""CUDA graphs of a lone prompt's prefill, padded to a multiple of `GRANULE` tokens.
+"""CUDA graphs of a lone prompt's prefill, padded to a multiple of `GRANULE` tokens. An eager
+prefill is bound by the host: measured on an H200 (Llama-3B shape, bf16, a 945-token prompt) the
+engine thread took 18-26 ms to launch its ~450 kernels for 11 ms of GPU work, most of an idle
+server's time to first token. A graph launches once, for up to GRANULE - 1 padding tokens of work.
 
-Why: an eager prefill step is bound by the host, not by the GPU. Measured on an H200 (Llama-3B
-shape, bf16, a 945-token prompt): the engine thread took 18-26 ms to launch the step's ~450
-kernels inside `ballast serve`, for 11 ms of GPU work, and the idle server's time to first token
-(31-41 ms at the client) was mostly that launch. A graph replays the whole forward with one
-launch; the cost is up to GRANULE - 1 padding tokens of GPU work.
+A graph of T tokens serves one sequence's chunk of n <= T new tokens at any start, alone in its
+step, for models whose rows meet only in attention (`prefill_graphs_safe`: dense attention-only
+models): the length, start, slot and last row come from a static device buffer the attention
+kernel reads. The T - n padding rows feed token 0 at `PAD_POSITION` of the decode graphs' scratch
+slot, whose one block nothing real reads. Longer chunks, batches of prompts, prompt logprobs and
+steps that read the int8 KV store run eagerly: a chunk of thousands of tokens is bound by its
+matrix products, not its launches.
 
-What is captured: one sequence of up to `max_tokens` new tokens (a prompt, or a chunk of one after
-a restored prefix) and nothing else in the step, for models whose rows of a step meet only in
-attention (`prefill_graphs_safe`: dense attention-only models). A graph of T tokens serves any
-chunk of n <= T tokens at any start: the sequence's length, start, slot and last row come from a
-static device buffer, and the attention kernel reads them there (its grid covers T query rows;
-tiles past n load nothing and store nothing). The T - n padding rows feed token 0 at position 1 of
-the decode graphs' scratch slot (`PAD_POSITION`), so their K/V rows land in its one block and no
-real sequence reads them; their other outputs stay in their own rows, which nothing reads.
-
-Buckets: every multiple of GRANULE up to max_tokens (a 945-token prompt replays the 1,024-token
-graph: 8% more GPU work, no host work). Longer chunks, batches of prompts, prompt logprobs and steps
-that read the int8 KV store run eagerly: their shapes vary more, and a chunk of thousands of tokens
-is bound by its matrix products, not its launches.
-
-A step of one such chunk beside decode tokens (a request arriving at a busy server) may replay this
-graph for the chunk and a decode graph for the rest: two reads of the weights where the eager step
-makes one, so it pays only where launching the step eagerly takes the host longer than both replays
-take the GPU. `split_pays` decides from times measured at capture: the host time of the eager
-forwards that precede each capture, and each graph's GPU time.
-
-The graphs share one memory pool, sized by the largest (captured first); the engine leases what the
-pool holds from the memory layer (tag cuda-graphs-prefill), and where the ledger has no room for
-it drops them: prefill then runs eagerly, the decode graphs untouched.
+A chunk beside decode tokens may replay this graph and a decode graph: two reads of the weights
+where the eager step makes one, so `split_pays` allows it only where the eager launch, timed at
+capture, takes the host longer than both replays take the GPU. The engine leases what the shared
+pool holds (tag cuda-graphs-prefill); without room it drops them and prefill runs eagerly.
 """
 
 from __future__ import annotations
@@ -37,10 +23,9 @@ import statistics
 import time
 from array import array
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from ballast.engine.graphs import PAD_POSITION, PAD_TOKEN, Forward, GraphCaptureError, as_batch
+from ballast.engine.graphs import PAD_POSITION, PAD_TOKEN, Forward, GraphCaptureError, GraphSet, as_batch
 from ballast.models.base import ForwardBatch, Rows, StepBatch
 from torch import Tensor
 
@@ -58,14 +43,14 @@ def token_buckets(max_tokens: int, granule: int = GRANULE) -> tuple[int, ...]:
     return tuple(range(granule, max_tokens + 1, granule))
 
 
-class PrefillGraphs:
+class PrefillGraphs(GraphSet[int]):
     """Prefill graphs of one sequence, per token bucket."""
 
     def __init__(
         self, device: torch.device, scratch_slot: int, max_tokens: int, granule: int = GRANULE
     ) -> None:
         """scratch_slot: the decode graphs' padding slot (it must hold a KV block for PAD_POSITION)."""
-        self.device = device
+        super().__init__(device)
         self.scratch_slot = scratch_slot
         self.buckets = token_buckets(max_tokens, granule)
         if not self.buckets:
@@ -75,27 +60,18 @@ class PrefillGraphs:
         self._inputs = torch.zeros(3 * self._width + _SEQ_FIELDS, dtype=torch.int64, device=device)
         self._zeros = torch.zeros(self._width, dtype=torch.int64, device=device)
         self._arange = torch.arange(self._width, dtype=torch.int64, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: Tensor | None = None  # [1, vocab]: every graph writes its row here
-        self.held_bytes = 0
-        self.replays = 0
         self.replay_s: dict[int, float] = {}  # each graph's GPU time, measured after capture
         self.eager_host_s = 0.0  # the host's time to launch an eager forward (0: not measured)
         self._host_s: list[float] = []
 
-    @property
-    def captured(self) -> int:
-        return len(self._graphs)
-
     def capture(self, forward: Forward) -> int:
         """Capture every bucket, largest first so the others fit in the pool it sized. Returns the
         bytes the device allocator holds more than before; raises GraphCaptureError (nothing kept)."""
-        torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_reserved(self.device)
-        pool = torch.cuda.graph_pool_handle()
+        before = self._reserved()
+        self._pool = torch.cuda.graph_pool_handle()
         try:
             for tokens in reversed(self.buckets):
-                self._capture_one(forward, tokens, pool)
+                self._capture_one(forward, tokens)
             self._time_replays()
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self.release()
@@ -103,10 +79,10 @@ class PrefillGraphs:
         # The first eager forward compiled and tuned kernels: the others time the launches alone.
         later = self._host_s[1:]
         self.eager_host_s = statistics.median(later) if later else 0.0
-        self.held_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
+        self.held_bytes = max(0, self._reserved() - before)
         return self.held_bytes
 
-    def _capture_one(self, forward: Forward, tokens: int, pool: Any) -> None:
+    def _capture_one(self, forward: Forward, tokens: int) -> None:
         # Captured over a one-token "prompt" in the scratch slot at PAD_POSITION: the kernels see
         # a real length on the device and read only that slot's block.
         self._stage(self.scratch_slot, [PAD_TOKEN], PAD_POSITION, tokens)
@@ -115,14 +91,7 @@ class PrefillGraphs:
         started = time.perf_counter()
         eager = forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
         self._host_s.append(time.perf_counter() - started)  # launching only: no sync inside
-        if self._logits is None:
-            self._logits = eager.new_empty((1, *eager.shape[1:]))
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._logits.copy_(forward(batch))
-        torch.cuda.synchronize(self.device)
-        self._graphs[tokens] = graph
+        self._record(tokens, forward, batch, eager, 1)
 
     def _time_replays(self) -> None:
         """Each graph's GPU time: one replay timed by events after one untimed, over the scratch
@@ -151,15 +120,10 @@ class PrefillGraphs:
         return gpu_s < self.eager_host_s
 
     def release(self) -> None:
-        """Drop every graph and its output; the pool's memory goes back to the device."""
-        self._graphs.clear()
-        self._logits = None
-        self.held_bytes = 0
+        """Drop every graph, its output and its timings."""
         self.replay_s.clear()
         self.eager_host_s = 0.0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+        self._drop()
 
     def bucket_of(self, n: int) -> int | None:
         """The smallest captured size >= n tokens, or None."""
