@@ -30,8 +30,7 @@ class CheckpointPlanner:
         shedding: Callable[[], bool],
         recurrent: bool = True,
     ) -> None:
-        """interval: 0 when the engine's prefix cache is off; match_prefix: the prompt tokens a
-        restore would cover now; shedding: the ladder's plan sheds the cache now."""
+        """interval: 0 when the prefix cache is off; match_prefix: what a restore would cover now."""
         self.interval = interval
         self.recurrent = recurrent
         self._match = match_prefix

@@ -116,8 +116,7 @@ class EngineStalled(RetryLater):
         self.deadline_s = deadline_s
 
 
-# The label each refusal kind is counted under in the scheduler's `outcomes` counters (requests by
-# outcome); any other refusal (EngineFailed) counts as "failed".
+# The `outcomes` label of each refusal kind; any other (EngineFailed) counts as "failed".
 _OUTCOME_LABELS: tuple[tuple[type[Refused], str], ...] = (
     (RequestTimeout, "timeout"),
     (Overloaded, "overloaded"),
@@ -132,5 +131,4 @@ REFUSAL_OUTCOMES = (*(label for _, label in _OUTCOME_LABELS), "failed")
 
 
 def outcome_of(error: Refused) -> str:
-    """The `outcomes` label a refusal is counted under."""
     return next((label for kind, label in _OUTCOME_LABELS if isinstance(error, kind)), "failed")

@@ -1,6 +1,5 @@
-"""Who gets in, and when: the checks a request meets on arrival, the governance of the queue
-while it waits (deadlines, the queue-wait bound, refusals at CRITICAL and of what no wait would
-serve), and the admission of the queue head into a slot when memory and the ladder allow.
+"""Who gets in, and when: the checks on arrival, the queue's governance while requests wait
+(deadlines, the queue-wait bound, refusals), and the admission of the queue head into a slot.
 """
 
 from __future__ import annotations

@@ -57,8 +57,7 @@ class GovernorSettings:
     retry_after_s: float
     gpu_die: int | None  # the die a GPU-resident engine's caches live on; None = host path
     quantized_kv: bool = False  # the engine's main KV pool holds int8 (--kv-quant, fixed at load)
-    # A polled snapshot older than this counts as unknown (0 = never): see `stale_reason`.
-    stale_snapshot_s: float = 0.0
+    stale_snapshot_s: float = 0.0  # a polled snapshot older than this is unknown (0 = never)
 
 
 class Governor:
@@ -79,14 +78,12 @@ class Governor:
         self._pin_seq = -1  # snapshot seq the reject was decided on
         self._pin_snapshot_level = Level.OK
         self._stale: str | None = None  # why the snapshot read last counts as unknown
-        # Steps failing for want of memory raise the level too; it calms one rung per retry-after
-        # (at least a second), so a client that retries as told finds the server a rung calmer.
+        # It calms a rung per retry-after (at least 1 s): a client retrying as told finds it calmer.
         self._faults = FaultPressure(max(1.0, settings.retry_after_s))
         self.denials = 0
 
     # --- per step -------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Read the latest snapshot, re-plan the ladder, let a reject's pin decay."""
         state = self._read()
         self._stale = self._staleness(state)
         self._state = state
@@ -96,7 +93,6 @@ class Governor:
         self._decay(state)
 
     def step_failed_on_memory(self) -> None:
-        """A step failed for want of memory: the level steps up a rung (see `FaultPressure`)."""
         self._faults.failed(time.monotonic(), self.snapshot_level)
         self.refresh()
 
@@ -173,13 +169,11 @@ class Governor:
 
     @property
     def fault_level(self) -> Level:
-        """The level that steps failing for want of memory have raised (OK once they calm)."""
         return self._faults.level(time.monotonic())
 
     @property
     def failing_steps(self) -> str | None:
-        """Why new work should go elsewhere while steps keep failing for want of memory (TIGHT or
-        worse); None when they are calm."""
+        """Why new work should go elsewhere while steps fail for want of memory (TIGHT+), else None."""
         return self._faults.reason(time.monotonic()) if self.fault_level >= Level.TIGHT else None
 
     @property
@@ -257,7 +251,6 @@ class FaultPressure:
         self.memory_failures = 0
 
     def failed(self, now: float, snapshot_level: Level) -> None:
-        """A step failed for want of memory at `now`."""
         self.memory_failures += 1
         base = max(self.level(now), snapshot_level)
         self._level = Level(min(Level.CRITICAL, base + 1))
@@ -270,7 +263,6 @@ class FaultPressure:
         return Level(max(Level.OK, self._level - calmed))
 
     def reason(self, now: float) -> str | None:
-        """Why the level is raised, or None at OK."""
         level = self.level(now)
         if level is Level.OK:
             return None

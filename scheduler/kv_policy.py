@@ -69,8 +69,7 @@ class KVRoom:
         return spare >= blocks_for(n_tokens, kv.block_size)
 
     def keep(self, charges: Iterable[Charge]) -> KVKeep:
-        """The free blocks each pool keeps when the ladder shrinks it: what the charged requests will
-        still take, with the watermark of `room`."""
+        """The free blocks each pool keeps when the ladder shrinks it (with `room`'s watermark)."""
         charges = list(charges)
         main, int8 = self.main, self.int8
         return KVKeep(

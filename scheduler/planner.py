@@ -92,8 +92,7 @@ class StepPlanner:
         )
 
     def _next_chunk(self, seq: Seq, budget: int) -> PrefillChunk:
-        """The seq's next prefill chunk, at most `budget` tokens (its first one restores the longest
-        cached prefix)."""
+        """The seq's next prefill chunk, at most `budget` tokens (the first restores a cached prefix)."""
         assert seq.slot is not None
         prompt = seq.feed
         # The prefix cache holds main-pool blocks: int8 sequences neither save nor restore; nor do
@@ -161,7 +160,6 @@ class StepPlanner:
         return max(self._gate.slot_limit, self._roster.slots.highest_held)
 
     def _engine_slot_change(self) -> int | None:
-        """The slot limit the next plan carries, when it changes."""
         want = self.engine_slots_wanted
         if want == self._engine_slots:
             return None

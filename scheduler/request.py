@@ -129,7 +129,7 @@ class RequestHandle:
 
     @property
     def finished(self) -> bool:
-        """The scheduler is done with the request (its FinishEvent is in the mailbox or read)."""
+        """Its FinishEvent is in the mailbox or read."""
         return self._mailbox.closed
 
     def abort(self) -> None:

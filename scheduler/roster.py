@@ -71,7 +71,7 @@ class SlotTable:
         self._state[slot] = SlotState.DRAINING
 
     def take_releases(self) -> tuple[int, ...]:
-        """Draining slots not yet sent to the engine; they go into the plan being built."""
+        """Draining slots not yet sent: they go into the plan being built."""
         out = self._unsent_releases()
         self._in_release.update(out)
         return out
@@ -93,7 +93,6 @@ class SlotTable:
             found = "out of range" if actual is None else actual.value
             raise SlotError(f"slot {slot} is {found}, expected {state.value}")
 
-    # Figures (read-only).
     @property
     def busy(self) -> int:
         return self._state.count(SlotState.BUSY)
@@ -104,7 +103,6 @@ class SlotTable:
 
     @property
     def releases_pending(self) -> bool:
-        """Draining slots whose release is in no plan yet."""
         return bool(self._unsent_releases())
 
     @property
@@ -140,7 +138,6 @@ class Roster:
 
     # --- where requests are -----------------------------------------------------------------
     def place(self, seq: Seq, slot_limit: int) -> None:
-        """The queue head `seq` has been admitted: it takes the lowest free slot below the limit."""
         slot = self.slots.acquire(slot_limit)
         assert slot is not None  # the gate saw a free one, and nothing ran in between
         self.queue.popleft()
@@ -176,7 +173,6 @@ class Roster:
 
     # --- how requests end -------------------------------------------------------------------
     def count(self, refusal: Refused) -> None:
-        """A request refused before it was queued."""
         self.outcomes[outcome_of(refusal)] += 1
 
     def finish(self, seq: Seq, reason: FinishReason, error: Refused | None = None) -> None:
@@ -206,7 +202,6 @@ class Roster:
             self.finish(seq, reason, error)
 
     def _leave_slot(self, seq: Seq, completed: bool) -> None:
-        """Out of its slot (released in the next plan); one that completed decoding saves first."""
         self.running.remove(seq)
         self.service.left_slot(time.monotonic(), backlog=bool(self.queue))
         if seq.slot is None:
@@ -229,7 +224,6 @@ class Roster:
             seq.kv_held = seq.consumed_tokens
 
     def _record_prompt_logprobs(self, result: StepResult) -> None:
-        """Keep the prompt positions the step scored on their request, for its FinishEvent."""
         for scored in result.prompt_logprobs:
             if (owner := self.by_slot.get(scored.slot)) is not None:
                 tops = scored.top or ((),) * len(scored.logprobs)
@@ -237,7 +231,6 @@ class Roster:
                     owner.prompt_logprobs[pos] = TokenLogprob(owner.req.prompt_ids[pos], lp, top)
 
     def _deliver_tokens(self, plan: StepPlan, result: StepResult) -> None:
-        """Hand each request the token the step sampled for it."""
         outputs = {out.slot: out for out in result.outputs}
         for slot in [d.slot for d in plan.decodes] + [p.slot for p in plan.prefills if p.sample]:
             seq = self.by_slot.get(slot)
@@ -275,13 +268,11 @@ class Roster:
             self.finish(seq, "length")
 
     def step_failed(self, plan: StepPlan, failed: StepFailed, retry_after_s: float) -> None:
-        """The engine failed the step and recovered: it dropped the sequences of `failed.slots`
-        (a preempted one among them) and applied the releases; everything else goes on.
-
-        After a failure for want of memory they run again from their prompt, a prompt whose chunk
-        was in the step with half the chunk, so one prompt too big costs only itself. A chunk
-        already MIN_RETRY_CHUNK, a decode-only step failing twice, and any other failure (a bug hit
-        by this batch) end with a retryable error."""
+        """The engine failed the step, dropped the sequences of `failed.slots` (a preempted one
+        among them) and applied the releases. After a failure for want of memory they run again
+        from their prompt, a prompt whose chunk was in the step with half the chunk, so one prompt
+        too big costs only itself. A chunk already MIN_RETRY_CHUNK, a decode-only step failing
+        twice, and any other failure (a bug hit by this batch) end with a retryable error."""
         self.slots.released(plan.release)
         self._turns.failed(plan)
         chunks = {p.slot: len(p.token_ids) for p in plan.prefills}
@@ -295,8 +286,7 @@ class Roster:
 
 
 def _retries(seq: Seq, chunk: int | None, step_had_prompt: bool) -> bool:
-    """Whether a request of a step that failed for want of memory runs again (see `step_failed`);
-    a prompt's chunk that failed halves its next ones."""
+    """Whether a request of a step that failed for want of memory runs again (see `step_failed`)."""
     if chunk is not None:  # its prompt chunk was in the step: the likely cause
         if chunk <= MIN_RETRY_CHUNK:
             return False

@@ -130,9 +130,8 @@ class Scheduler:
 
     @property
     def unsound_reason(self) -> str | None:
-        if self.stalled is not None:
-            return str(self.stalled)
-        return str(self.failure) if self.failure is not None else None
+        error = self.stalled or self.failure
+        return None if error is None else str(error)
 
     # --- figures: what the server, /metrics and the dashboard read (live views, never copies) ---
     @property
@@ -230,8 +229,7 @@ class Scheduler:
             self._end_all("abort")
             raise
         except Exception as exc:
-            # The engine (or a step's bookkeeping) is unsound: every request gets an error event,
-            # `healthy` turns false, and the cause is logged and kept in `failure`.
+            # The engine (or a step's bookkeeping) is unsound: every request gets an error event.
             log.exception("scheduler loop stopped: engine step failed")
             self.failure = EngineFailed(exc)
             self._unsound("engine_failed", self.failure)
@@ -275,8 +273,7 @@ class Scheduler:
         self._roster.step_failed(plan, failed, self._cfg.retry_after_s)
 
     def _stall_check(self, step: _InFlight) -> bool:
-        """End everything when the step has run past the watchdog's deadline (a step queued
-        behind another runs from that one's end)."""
+        """End everything when the step has run past the watchdog's deadline."""
         if (overdue := self._watchdog.overdue(step.shape, step.sent_at)) is None:
             return False
         ran, deadline = overdue
@@ -291,7 +288,6 @@ class Scheduler:
             self._on_unsound(code, str(error))
 
     def _end_all(self, reason: FinishReason, error: Refused | None = None) -> None:
-        """Close to new work and end every request, queued or running."""
         self._closing = True
         self._roster.end_all(reason, error)
 
@@ -305,8 +301,7 @@ class Scheduler:
                 try:
                     self._on_idle()
                 except Exception:
-                    # Trimming a cache is housekeeping: its failure must not stop serving, but it
-                    # is logged, never dropped.
+                    # Housekeeping: its failure must not stop serving, but it is logged.
                     log.exception("on_idle callback failed")
             timeout = self._cfg.idle_tick_s if self._on_idle is not None else None
         else:

@@ -1,5 +1,4 @@
-"""A request as the scheduler tracks it, from the queue to its finish: its phase, slot, what its
-slot holds and what it has produced."""
+"""A request as the scheduler tracks it, from the queue to its finish."""
 
 from __future__ import annotations
 

@@ -62,7 +62,6 @@ class StepWatchdog:
         return max(self.floor_s, STEP_P99_FACTOR * seen.p99)
 
     def completed(self, shape: int, seconds: float) -> None:
-        """A step of `shape` returned after `seconds`."""
         seen = self._classes.get(shape)
         if seen is None:  # its first step: compiling, maybe; known from now on, not yet timed
             self._classes[shape] = _Times()
