@@ -1,20 +1,14 @@
 """The scheduler's side of prefix reuse: which checkpoints the next plan saves and restores.
 
-A recurrent state exists only where a prefill chunk ends and cannot be cut back, and each save
-copies a whole state, so saves go only where a later request can start:
-- a finished request saves prompt + output[:-1] (the last token was sampled, never fed): what the
-  next turn of a chat starts with;
-- each prompt's end: a regenerated answer starts there, and so does the next turn when the
-  client's re-rendered answer does not tokenize back to the same ids;
-- multiples of the engine's checkpoint interval inside a cold prompt (a long system prompt or
-  document that other conversations share). With recurrent layers a chunk of a cold prompt ends
-  at each of them, the only place that state exists; an attention-only model's checkpoint is the
-  KV blocks of the prefix, saved after the step that wrote them, so its prompt is not split (the
-  split cost an idle server's 1k-token prompt a second step: 15 ms of its TTFT on an H200). A
-  prompt that continues a restored checkpoint (a chat's next turn) is this conversation's own,
-  whose next turn starts at its end or its answer's: it is neither split nor saved inside.
-While the ladder sheds the prefix cache (WATCH and above) nothing is saved or restored, and the
-engine is told to shed once.
+A recurrent state exists only where a prefill chunk ends, and each save copies a whole state, so
+saves go only where a later request can start: a finished turn (prompt + output[:-1], the last
+token never fed), each prompt's end (a regenerated answer, or a next turn whose re-rendered answer
+tokenizes differently), and interval multiples inside a cold prompt (a shared system prompt). With
+recurrent layers a cold prompt's chunk ends at each multiple, the only place that state exists; an
+attention-only model saves the prefix's KV blocks after the step, so its prompt is not split (the
+split cost a 1k-token prompt 15 ms of TTFT on an H200). A prompt continuing a restored checkpoint
+is one conversation's own: neither split nor saved inside. While the ladder sheds the prefix cache
+nothing is saved or restored, and the engine is told to shed once.
 """
 
 from __future__ import annotations
@@ -27,8 +21,7 @@ from ballast.scheduler.sequence import Seq
 
 
 class CheckpointPlanner:
-    """Decides which checkpoint orders the next plan carries (the engine's `CheckpointExecutor`
-    carries them out)."""
+    """The checkpoint orders the next plan carries (the engine's `CheckpointExecutor` runs them)."""
 
     def __init__(
         self,
@@ -37,9 +30,7 @@ class CheckpointPlanner:
         shedding: Callable[[], bool],
         recurrent: bool = True,
     ) -> None:
-        """interval: the engine's checkpoint interval (0: its prefix cache is off); match_prefix:
-        prompt tokens a restore would cover now; shedding: the ladder's plan sheds the cache now;
-        recurrent: the model has recurrent state (chunks end where checkpoints go)."""
+        """interval: 0 when the prefix cache is off; match_prefix: what a restore would cover now."""
         self.interval = interval
         self.recurrent = recurrent
         self._match = match_prefix
@@ -61,17 +52,15 @@ class CheckpointPlanner:
         return n
 
     def queue_resume(self, slot: int, prefix: tuple[int, ...]) -> None:
-        """Order a preempted sequence's parked state back into slot: always, shedding or not
-        (it is running work, not cache)."""
+        """Order a preempted sequence's parked state back: even while shedding (it is running work)."""
         self._resumes.append(CheckpointRestore(slot, prefix))
 
     def end_chunk_at_checkpoint(
         self, slot: int, prompt: tuple[int, ...], start: int, end: int, restored: int = 0
     ) -> int:
-        """Where a chunk [start, end) of prompt may end: at the prompt's end, and for a cold prompt
-        (`restored`: the tokens its first chunk restored, 0 if none) of a recurrent model at the
-        next interval multiple at the latest; a save is ordered there. Without recurrent state a
-        cold chunk is not cut: a save is ordered at every interval multiple it passes."""
+        """Where a chunk [start, end) may end, with a save ordered there: the prompt's end, and for a
+        cold prompt (`restored` 0) of a recurrent model the next interval multiple at the latest.
+        Without recurrent state a cold chunk is not cut: it saves at every multiple it passes."""
         if not self.active:
             return end
         if not restored:
@@ -86,7 +75,7 @@ class CheckpointPlanner:
         return end
 
     def queue_final_save(self, slot: int, consumed: tuple[int, ...]) -> None:
-        """A request ended normally in slot, which has consumed exactly these tokens: save them."""
+        """A request ended normally in slot, which has consumed exactly `consumed`."""
         if self.active:
             self._saves.append(CheckpointSave(slot, consumed))
 
@@ -103,22 +92,20 @@ class CheckpointPlanner:
 
 
 class TurnSaves:
-    """The checkpoint a finished turn leaves: what its slot consumed, where the next turn starts.
-    A request that completed while decoding saves prompt + answer minus the last token (sampled,
-    never fed), before its slot's release; when the plan submitted ahead already feeds that last
-    token, the save waits for that plan to have run: the slot has then consumed the whole answer."""
+    """The checkpoint a finished turn leaves, where the next turn starts: prompt + answer less the
+    last token (sampled, never fed), before the slot's release; when the plan submitted ahead feeds
+    that token, the save waits for that plan to have run and covers the whole answer."""
 
     def __init__(self, checkpoints: CheckpointPlanner, tokenizer: TokenizerLike) -> None:
         self._checkpoints = checkpoints
         self._tokenizer = tokenizer
-        # Slots the plan submitted ahead feeds the token of the step being applied (from the device),
-        # and final checkpoints that wait for that plan: its slot will have consumed one more token.
+        # Slots the plan submitted ahead feeds from the device, and the saves that wait for it.
         self.fed_ahead: frozenset[int] = frozenset()
         self.after_ahead: dict[int, tuple[int, ...]] = {}
 
     def completed(self, seq: Seq) -> None:
-        """`seq` completed while decoding and still holds its slot: order the checkpoint of what
-        the slot consumed (int8 sequences do not: the prefix cache holds main-pool blocks)."""
+        """`seq` completed while decoding and still holds its slot (int8 sequences save nothing:
+        the prefix cache holds main-pool blocks)."""
         if seq.slot is None or seq.int8_kv or not self._checkpoints.active:
             return
         ahead = seq.slot in self.fed_ahead
@@ -143,12 +130,10 @@ class TurnSaves:
             self.after_ahead.pop(d.slot, None)
 
     def _comes_back(self, output: Sequence[int], saved: tuple[int, ...]) -> bool:
-        """Whether a next turn that resends this answer as text starts with the `saved` part of it:
-        the tokens of its text begin with them (end-of-sequence tokens aside, which the chat
-        template writes back). Measured on an H200 (`bench/gpu_prefix.py`, random weights, whose
-        answers seldom tokenize back): every finished turn saved a 150 MB checkpoint no later
-        turn could use, and the budget's LRU evicted the prompt-end ones that next turns do use
-        (4 restores of 258 saves)."""
+        """Whether a next turn resending this answer as text starts with its `saved` tokens (EOS
+        aside, which the chat template writes back). Without this check, on an H200 with answers
+        that seldom tokenize back, every turn saved a 150 MB checkpoint no turn could use and the
+        LRU evicted the prompt-end ones next turns do use (4 restores of 258 saves)."""
         tok = self._tokenizer
         eos = tok.eos_token_ids
         answer = [t for t in output if t not in eos]

@@ -1,8 +1,6 @@
-"""The scheduler's configuration: one frozen dataclass, validated when built.
+"""The scheduler's configuration: one frozen dataclass, validated when built (`ballast.settings`).
 
-Each setting field's metadata declares it (variable, range, doc; see `ballast.settings`). Values
-found at run time (the engine's slot count, its max_model_len) are never written back here: the
-scheduler combines them with these values when it starts.
+Values found at run time (the engine's slot count, its max_model_len) are never written back here.
 """
 
 from __future__ import annotations

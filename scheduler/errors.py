@@ -1,12 +1,6 @@
 """Typed refusals the scheduler raises (synchronously from `submit`) or puts in a `FinishEvent`.
 
-They are mapped to HTTP status codes and OpenAI error bodies in ONE place, `ballast.server.errors`:
-`Overloaded` -> 503 + Retry-After (type "server_overloaded"), `QueueFull` -> 429 + Retry-After,
-`QueueWaitTooLong` -> 429 + Retry-After (code "queue_wait_exceeded"), `ContextTooLong` -> 400
-(code "context_length_exceeded"), `RequestTimeout` -> an error event (or 504 before the first
-byte), `StepAborted` -> 503 + Retry-After (code "engine_step_failed": the server is sound),
-`EngineStalled` -> 503 + Retry-After (code "engine_stalled": a step never returned, the process
-exits so a supervisor restarts it), `EngineFailed` -> 500 (the engine is unsound).
+They are mapped to HTTP status codes and OpenAI error bodies in one place, `ballast.server.errors`.
 """
 
 from __future__ import annotations
@@ -18,27 +12,31 @@ class Refused(Exception):
     retryable: bool = False
 
 
-class Overloaded(Refused):
-    """Memory pressure (CRITICAL, or an admission REJECT) or a scheduler that is not running:
-    come back after `retry_after_s`."""
+class RetryLater(Refused):
+    """A refusal the client may retry, here or elsewhere, after `retry_after_s` (Retry-After)."""
 
     retryable = True
 
-    def __init__(self, retry_after_s: float, reason: str) -> None:
-        super().__init__(f"server overloaded: {reason} (retry after {retry_after_s:g} s)")
+    def __init__(self, retry_after_s: float, message: str) -> None:
+        super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class Overloaded(RetryLater):
+    """Memory pressure (CRITICAL, or an admission REJECT) or a scheduler that is not running."""
+
+    def __init__(self, retry_after_s: float, reason: str) -> None:
+        super().__init__(retry_after_s, f"server overloaded: {reason} (retry after {retry_after_s:g} s)")
         self.reason = reason
 
 
-class QueueFull(Refused):
+class QueueFull(RetryLater):
     """The bounded waiting queue is full."""
 
-    retryable = True
-
     def __init__(self, retry_after_s: float, max_queue: int = 0) -> None:
-        super().__init__(f"request queue is full ({max_queue} waiting); retry after {retry_after_s:g} s")
-        self.retry_after_s = retry_after_s
-        self.max_queue = max_queue
+        super().__init__(
+            retry_after_s, f"request queue is full ({max_queue} waiting); retry after {retry_after_s:g} s"
+        )
 
 
 class ContextTooLong(Refused):
@@ -51,7 +49,6 @@ class ContextTooLong(Refused):
             "completion). Please reduce the prompt or the completion length."
         )
         self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
         self.limit = limit
 
 
@@ -60,41 +57,32 @@ class RequestTimeout(Refused):
 
     def __init__(self, timeout_s: float, completion_tokens: int = 0) -> None:
         super().__init__(f"request timed out after {timeout_s:.3g} s ({completion_tokens} tokens generated)")
-        self.timeout_s = timeout_s
-        self.completion_tokens = completion_tokens
 
 
-class StepAborted(Refused):
+class StepAborted(RetryLater):
     """The engine step running this request failed and was recovered (an out-of-memory error, a
     bug hit by this batch): the request is lost, the server is sound, and trying again may work."""
 
-    retryable = True
-
     def __init__(self, retry_after_s: float, cause: str, completion_tokens: int = 0) -> None:
         super().__init__(
+            retry_after_s,
             f"the engine step running this request failed ({cause}); "
-            f"{completion_tokens} tokens had been generated; retry after {retry_after_s:g} s"
+            f"{completion_tokens} tokens had been generated; retry after {retry_after_s:g} s",
         )
-        self.retry_after_s = retry_after_s
-        self.cause = cause
-        self.completion_tokens = completion_tokens
 
 
-class QueueWaitTooLong(Refused):
+class QueueWaitTooLong(RetryLater):
     """The request would not (or did not) get a slot within the queue-wait bound: refused at
     once instead of waiting, so a client or load balancer can go elsewhere."""
-
-    retryable = True
 
     def __init__(self, retry_after_s: float, wait_s: float, bound_s: float, estimated: bool) -> None:
         how = "estimated wait" if estimated else "waited"
         super().__init__(
+            retry_after_s,
             f"no slot free in time: {how} {wait_s:.3g} s > max queue wait {bound_s:g} s; "
-            f"retry after {retry_after_s:g} s"
+            f"retry after {retry_after_s:g} s",
         )
-        self.retry_after_s = retry_after_s
         self.wait_s = wait_s
-        self.bound_s = bound_s
 
 
 class RequestFailed(Refused):
@@ -103,7 +91,6 @@ class RequestFailed(Refused):
 
     def __init__(self, cause: BaseException) -> None:
         super().__init__(f"request failed: {type(cause).__name__}: {cause}")
-        self.cause = cause
 
 
 class EngineFailed(Refused):
@@ -115,25 +102,21 @@ class EngineFailed(Refused):
         self.cause = cause
 
 
-class EngineStalled(Refused):
+class EngineStalled(RetryLater):
     """A step did not return within the watchdog's deadline (a stuck kernel, a deadlocked
     collective): every request ends with this, the server reports itself unsound and exits. The
     request may succeed on another replica, or on this one once restarted."""
 
-    retryable = True
-
     def __init__(self, retry_after_s: float, waited_s: float, deadline_s: float) -> None:
         super().__init__(
+            retry_after_s,
             f"the engine stalled: a step has not returned after {waited_s:.1f} s (deadline "
-            f"{deadline_s:.1f} s); the server is restarting; retry after {retry_after_s:g} s"
+            f"{deadline_s:.1f} s); the server is restarting; retry after {retry_after_s:g} s",
         )
-        self.retry_after_s = retry_after_s
-        self.waited_s = waited_s
         self.deadline_s = deadline_s
 
 
-# The label each refusal kind is counted under in the scheduler's `outcomes` counters (requests by
-# outcome); any other refusal (EngineFailed) counts as "failed".
+# The `outcomes` label of each refusal kind; any other (EngineFailed) counts as "failed".
 _OUTCOME_LABELS: tuple[tuple[type[Refused], str], ...] = (
     (RequestTimeout, "timeout"),
     (Overloaded, "overloaded"),
@@ -148,5 +131,4 @@ REFUSAL_OUTCOMES = (*(label for _, label in _OUTCOME_LABELS), "failed")
 
 
 def outcome_of(error: Refused) -> str:
-    """The `outcomes` label a refusal is counted under."""
     return next((label for kind, label in _OUTCOME_LABELS if isinstance(error, kind)), "failed")

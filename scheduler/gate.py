@@ -1,6 +1,5 @@
-"""Who gets in, and when: the checks a request meets on arrival, the governance of the queue
-while it waits (deadlines, the queue-wait bound, refusals at CRITICAL and of what no wait would
-serve), and the admission of the queue head into a slot when memory and the ladder allow.
+"""Who gets in, and when: the checks on arrival, the queue's governance while requests wait
+(deadlines, the queue-wait bound, refusals), and the admission of the queue head into a slot.
 """
 
 from __future__ import annotations
@@ -90,10 +89,9 @@ class AdmissionGate:
                     roster.finish(seq, "error", self._gov.overloaded("queued request refused"))
 
     def _refuse_late(self, now: float) -> None:
-        """The queue-wait bound for requests already queued: one that has waited max_queue_wait_s,
-        or that the measured service rate says cannot start before then (a burst that arrived
-        before the rate was known), is refused now rather than at its deadline. A preempted
-        request is running work and is never refused."""
+        """The queue-wait bound for queued requests: one that has waited max_queue_wait_s, or that
+        the measured rate says cannot start before then (a burst that came before the rate was
+        known), is refused now, not at its deadline; a preempted one (running work) never is."""
         slot_free = self._roster.slots.has_free(self.slot_limit)
         ahead = 0
         for seq in list(self._roster.queue):
@@ -104,8 +102,7 @@ class AdmissionGate:
                 self._roster.finish(seq, "error", late)
 
     def _unservable(self, seq: Seq) -> Overloaded | None:
-        """The refusal for a request that would not be admitted even once every running request
-        has ended (its memory verdict against the pool's idle room is REJECT), else None."""
+        """The refusal for a request not admitted even once all running ones end, else None."""
         asked = seq.req.max_tokens - len(seq.resumed)
         int8 = self._kv.in_int8(seq, len(seq.feed) + asked, self._roster.charges())
         verdict = self._gov.verdict(len(seq.feed), asked, self._kv.room.room_when_idle(int8), int8)
@@ -114,11 +111,9 @@ class AdmissionGate:
         return self._gov.overloaded(verdict.reason or "admission refused")
 
     def _refuse_unservable(self) -> None:
-        """After a REJECT holds the queue, every queued request that no wait here would serve is
-        refused at once, on the same snapshot. Left to wait, they would be refused one per memory
-        poll as the hold lifts and falls again (measured on an H200 under a co-tenant's squeeze:
-        503s after 12.3 s p50, 16.1 s p99). Those that fit once running work ends wait, within the
-        queue-wait bound."""
+        """After a REJECT holds the queue, refuse every queued request no wait would serve, on the
+        same snapshot. Left to wait they are refused one per memory poll as the hold lifts and
+        falls (on an H200 under a co-tenant's squeeze: 503s after 12.3 s p50, 16.1 s p99)."""
         for seq in list(self._roster.queue):
             if not seq.preempted and (refusal := self._unservable(seq)) is not None:
                 _log_verdict(seq, "reject", 0, refusal.reason)

@@ -1,14 +1,12 @@
-"""Memory governance for the scheduler, once per step: snapshot -> ladder plan -> admission ->
-pressure level (backpressure). Pure bookkeeping over the memory layer's pure functions; it never
-blocks (MemWatch.read() is one reference read) and never touches the engine.
+"""Memory governance once per step: snapshot -> ladder plan -> admission -> pressure level.
+It never blocks (MemWatch.read() is one reference read) and never touches the engine.
 
-Backpressure: a snapshot at TIGHT alone does not hold new work (a small box
-sits at TIGHT at rest, and the ladder already halves the slots there); what raises the pressure
-level is an admission REJECT. A reject pins the level at max(TIGHT, snapshot level) until a
-fresher snapshot arrives that is no worse than the one that was refused, so the queue is held (at
-TIGHT) or refused (at CRITICAL) until memory has been looked at again, and retried then. A
-CRITICAL snapshot counts directly: at the reserve line admission refuses everything anyway, and
-answering 503 before a request queues is what lets a client back off in microseconds.
+A TIGHT snapshot alone does not hold new work (a small box sits at TIGHT at rest, and the ladder
+already halves the slots there); an admission REJECT does: it pins the level at max(TIGHT,
+snapshot level) until a fresher snapshot no worse than the refused one arrives, so the queue is
+held (TIGHT) or refused (CRITICAL) until memory has been looked at again. A CRITICAL snapshot
+counts directly: admission refuses everything there anyway, and a 503 before queueing lets a
+client back off in microseconds.
 """
 
 from __future__ import annotations
@@ -59,8 +57,7 @@ class GovernorSettings:
     retry_after_s: float
     gpu_die: int | None  # the die a GPU-resident engine's caches live on; None = host path
     quantized_kv: bool = False  # the engine's main KV pool holds int8 (--kv-quant, fixed at load)
-    # A polled snapshot older than this counts as unknown (0 = never): see `stale_reason`.
-    stale_snapshot_s: float = 0.0
+    stale_snapshot_s: float = 0.0  # a polled snapshot older than this is unknown (0 = never)
 
 
 class Governor:
@@ -81,14 +78,12 @@ class Governor:
         self._pin_seq = -1  # snapshot seq the reject was decided on
         self._pin_snapshot_level = Level.OK
         self._stale: str | None = None  # why the snapshot read last counts as unknown
-        # Steps failing for want of memory raise the level too; it calms one rung per retry-after
-        # (at least a second), so a client that retries as told finds the server a rung calmer.
+        # It calms a rung per retry-after (at least 1 s): a client retrying as told finds it calmer.
         self._faults = FaultPressure(max(1.0, settings.retry_after_s))
         self.denials = 0
 
     # --- per step -------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Read the latest snapshot, re-plan the ladder, let a reject's pin decay."""
         state = self._read()
         self._stale = self._staleness(state)
         self._state = state
@@ -98,18 +93,15 @@ class Governor:
         self._decay(state)
 
     def step_failed_on_memory(self) -> None:
-        """A step failed for want of memory: the level steps up a rung (see `FaultPressure`)."""
         self._faults.failed(time.monotonic(), self.snapshot_level)
         self.refresh()
 
     def admit(
         self, n_prompt: int, max_tokens: int, pool: PoolRoom | None = None, quantized: bool = False
     ) -> Admission:
-        """Ask the memory layer whether a request may take a slot now. Raises Overloaded (and
-        raises the pressure level) on REJECT. The window is the ladder's: a CAP shortens
-        max_tokens so prompt + new tokens fit; a prompt that cannot fit is refused, not cut.
-        pool: the KV pool's room (its spare blocks count before new memory); quantized: the
-        request's KV will be int8 (the engine's format, or the ladder's int8 rung)."""
+        """Whether a request may take a slot now; a REJECT raises Overloaded and the level. A CAP
+        shortens max_tokens to the ladder's window; a prompt that cannot fit is refused, not cut.
+        pool: the KV pool's room (spare blocks count before new memory); quantized: int8 KV."""
         verdict = self.verdict(n_prompt, max_tokens, pool, quantized)
         if self._recorder is not None:
             self._recorder.record(verdict)
@@ -177,13 +169,11 @@ class Governor:
 
     @property
     def fault_level(self) -> Level:
-        """The level that steps failing for want of memory have raised (OK once they calm)."""
         return self._faults.level(time.monotonic())
 
     @property
     def failing_steps(self) -> str | None:
-        """Why new work should go elsewhere while steps keep failing for want of memory (the level
-        they raised is TIGHT or worse); None when they are calm."""
+        """Why new work should go elsewhere while steps fail for want of memory (TIGHT+), else None."""
         return self._faults.reason(time.monotonic()) if self.fault_level >= Level.TIGHT else None
 
     @property
@@ -208,11 +198,10 @@ class Governor:
         return self._source.read() if self._source is not None else None
 
     def _staleness(self, state: MemState | None) -> str | None:
-        """A snapshot MemWatch polled (taken_at > 0) that is older than stale_snapshot_s means its
-        polls keep failing or its thread is stuck: the figures may be long wrong, so memory counts
-        as unknown. Waiting for a fresh one would hold queued requests until their deadline;
-        refusing at once lets clients go elsewhere, and serving resumes with the next good poll.
-        Running requests are never ended for it."""
+        """A polled snapshot (taken_at > 0) older than stale_snapshot_s: MemWatch's polls keep
+        failing, so memory counts as unknown. Refusing at once (not holding the queue until
+        deadlines) lets clients go elsewhere; the next good poll resumes serving. Running requests
+        are never ended for it."""
         limit = self._s.stale_snapshot_s
         if state is None or limit <= 0 or state.taken_at <= 0:
             return None
@@ -250,14 +239,10 @@ class Governor:
 class FaultPressure:
     """Steps that fail for want of memory, as a pressure level the governor adds to the snapshot's.
 
-    An out-of-memory error inside a step is a memory signal the snapshot may not show (a co-tenant
-    took the VRAM the activations need between two polls, or fragmentation): each one raises the
-    level one rung above the worst of it and the snapshot's, so the ladder shrinks the work (WATCH
-    sheds the prefix cache, TIGHT halves the slots and the prefill window, CRITICAL leaves one
-    slot; from TIGHT on new work is refused at once and /ready takes the server out of the load
-    balancer's rotation). The level steps down one rung per `calm_s` without such a failure: a
-    refused client told to retry after `calm_s` finds the server one rung calmer, and when the
-    failures stop it is back at OK after three of them."""
+    An out-of-memory error in a step is a signal the snapshot may not show (a co-tenant took VRAM
+    between two polls, fragmentation): each raises the level one rung above the worst of it and the
+    snapshot's, so the ladder shrinks the work. It steps down a rung per `calm_s` without one: a
+    client told to retry after `calm_s` finds the server one rung calmer."""
 
     def __init__(self, calm_s: float) -> None:
         self._calm_s = calm_s
@@ -266,7 +251,6 @@ class FaultPressure:
         self.memory_failures = 0
 
     def failed(self, now: float, snapshot_level: Level) -> None:
-        """A step failed for want of memory at `now`."""
         self.memory_failures += 1
         base = max(self.level(now), snapshot_level)
         self._level = Level(min(Level.CRITICAL, base + 1))
@@ -279,7 +263,6 @@ class FaultPressure:
         return Level(max(Level.OK, self._level - calmed))
 
     def reason(self, now: float) -> str | None:
-        """Why the level is raised, or None at OK."""
         level = self.level(now)
         if level is Level.OK:
             return None

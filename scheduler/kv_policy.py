@@ -1,12 +1,9 @@
-"""The scheduler's KV decisions under the degradation ladder, from the pools' figures after the
-last step (`KVRoom`) and the governor's plan: which pool a new sequence starts in, whether the
-queue head waits for blocks that running requests are about to free, whether a preempted request
-can come back, and what the pools keep when the ladder evicts KV. Decisions only: the scheduler
-owns the requests and passes what running ones hold (`Charge`s) and who is next in the queue.
+"""The scheduler's KV decisions under the ladder, from the pools' figures after the last step:
+which pool a new sequence starts in, whether the queue head waits for blocks about to be freed,
+whether a preempted request can come back, what the pools keep when the ladder evicts KV.
 
-The engine reports each pool's figures after every step; the scheduler knows what every running
-request was charged (its whole window: prompt + max_tokens, in whole blocks) and what the pool
-held for it at that step. The difference is promised: blocks those requests will still take.
+A running request was charged its whole window (prompt + max_tokens, in whole blocks); what the
+pool has not yet given it is promised: blocks it will still take.
 """
 
 from __future__ import annotations
@@ -72,9 +69,7 @@ class KVRoom:
         return spare >= blocks_for(n_tokens, kv.block_size)
 
     def keep(self, charges: Iterable[Charge]) -> KVKeep:
-        """The free blocks each pool keeps when the ladder shrinks it: what the charged requests
-        (running, and queued ones charged as if they started now) will still take, with the
-        watermark of `room`."""
+        """The free blocks each pool keeps when the ladder shrinks it (with `room`'s watermark)."""
         charges = list(charges)
         main, int8 = self.main, self.int8
         return KVKeep(
@@ -100,13 +95,11 @@ class KVPolicy:
         self._keep = KVKeep()  # the free blocks the last plan's shrink would keep
 
     def in_int8(self, seq: Seq, n_tokens: int, running: list[Charge]) -> bool:
-        """Whether `seq` (n_tokens: what it would be charged) lives in int8 blocks: as decided at its
-        first admission, else as it would start now. The quantized-KV rung (WATCH) puts a new
-        sequence in int8 blocks so that the KV memory it adds costs fewer bytes. Free blocks the main
-        pool already holds cost no new memory at all, so a sequence they hold whole starts there:
-        the int8 pool would otherwise have to grow just when memory is short (measured on an H200:
-        another process taking the die's free VRAM held every new request for the whole squeeze,
-        beside a main pool with blocks to spare)."""
+        """Whether `seq` (charged n_tokens) lives in int8 blocks: as decided at its first admission,
+        else as it would start now. The quantized-KV rung (WATCH) puts new sequences in int8 to add
+        fewer bytes, but free main-pool blocks cost no new memory, so a sequence they hold whole
+        starts there (else the int8 pool grows just when memory is short: on an H200 a co-tenant's
+        squeeze held every new request beside a main pool with blocks to spare)."""
         if seq.int8_kv is not None:
             return seq.int8_kv
         if not self._gov.ladder.force_quantized_kv or self.room.int8 is None:
@@ -117,10 +110,8 @@ class KVPolicy:
         self, n_prompt: int, max_tokens: int, int8: bool, running: list[Charge], busy: bool
     ) -> bool:
         """The head would be admitted whole once running requests give their blocks back, but not
-        now: it waits at the head of the queue (as a peer server queues it) instead of being refused
-        or cut short because of work that is about to end. Memory pressure is not involved, so
-        nothing is counted and the pressure level does not move. busy: requests are running or
-        slots are draining (something will come back)."""
+        now: it waits instead of being refused or cut short for work about to end (not pressure:
+        nothing is counted, the level does not move). busy: something will come back."""
         room, idle = self.room.room(int8, running), self.room.room_when_idle(int8)
         if not busy or room is None or idle is None:
             return False  # nothing will come back: decide now
@@ -130,17 +121,14 @@ class KVPolicy:
 
     def resumable(self, n_tokens: int, int8: bool, running: list[Charge]) -> bool:
         """A preempted request (n_tokens: what it had and its next token) comes back only when its
-        pool holds free blocks for them beyond what running requests will still take: it was
-        preempted because blocks could not be had, so counting on new memory would preempt it
-        again at once. With a memory snapshot, admission also weighs new memory (the pressure that
-        caused the preemption shows there); without one the free blocks decide alone."""
+        pool's free blocks, beyond what running requests will take, hold it: counting on new memory
+        would preempt it again at once. With a snapshot, admission weighs new memory instead."""
         return self._gov.snapshot is not None or self.room.holds(int8, n_tokens, running)
 
     def shrink(self, releasing: bool, running: list[Charge], upcoming: Iterable[Seq]) -> tuple[bool, KVKeep]:
-        """Whether the next plan asks the engine to give free KV segments back, and the free blocks
-        to keep: while the ladder evicts KV (TIGHT and worse), once when the rung engages, then with
-        every plan that frees blocks (`releasing`) or that needs fewer kept (a queued request
-        left). upcoming: the queue's next `slot_limit` requests."""
+        """Whether the next plan asks the engine to give free KV segments back, and the blocks to
+        keep: while the ladder evicts KV, once when the rung engages, then with every plan that
+        frees blocks (`releasing`) or needs fewer kept. upcoming: the queue's next requests."""
         evict = self._gov.ladder.kv_evict
         keep = self._keep_now(running, upcoming) if evict else KVKeep()
         fewer = keep.main < self._keep.main or keep.int8 < self._keep.int8
@@ -149,12 +137,10 @@ class KVPolicy:
         return send, keep
 
     def _keep_now(self, running: list[Charge], upcoming: Iterable[Seq]) -> KVKeep:
-        """At TIGHT the pools keep the free blocks that running requests will still take and that
-        the queue's next requests would take if they started now; only the surplus goes back.
-        Giving back more helps only if the pressure is ours: measured on an H200, when another
-        process held the die's free VRAM, segments given back at TIGHT were not taken by anyone
-        (free VRAM rose 1 GiB and stayed unused), the pool could not grow again, and every new
-        request stalled until the queue bound refused it. At CRITICAL everything free goes back."""
+        """At TIGHT the pools keep what running requests and the queue's next ones would still take;
+        only the surplus goes back. More helps only if the pressure is ours: on an H200 under a
+        co-tenant, segments given back were taken by no one, the pool could not grow again, and new
+        requests stalled until the queue bound refused them. At CRITICAL all free blocks go back."""
         if self._gov.ladder.level >= Level.CRITICAL:
             return KVKeep()
         charges = list(running)

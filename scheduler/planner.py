@@ -1,18 +1,12 @@
-"""The next step's plan: one decode token for each decoding request, then prefill chunks of the
-oldest admitted requests and of new admissions, within the step's token budget; with them the
-checkpoint orders, the slot releases and the ladder's KV and slot changes.
+"""The next step's plan: a decode token per decoding request, then prefill chunks of admitted
+and newly admitted requests within the token budget; with them the checkpoint orders, the slot
+releases and the ladder's KV and slot changes.
 
-The lookahead: while every running request decodes, the plan of step N+1 is built while step N
-runs and before its tokens are back. Step N+1 is known before N ends except for the tokens N
-samples: each request that samples in N feeds its new token at the next position. Those decodes
-are planned ahead (`DecodeToken.ahead`: their token is fed from the device), so the scheduler can
-submit N+1 at once and the GPU goes from N to N+1 without waiting for the host (the host applies
-N's tokens, detokenizes and streams them while N+1 runs).
-
-What is not known is whether N's token ends its request (end of sequence, a stop string, an
-abort). Such a request's N+1 token is computed and dropped: one wasted row, against a host round
-trip saved on every step. A request that N's token brings to its max_tokens or to the context's
-end is known to finish, and is left out.
+The lookahead: while every running request decodes, step N+1 is planned before N's tokens are
+back, each decode fed from the device (`DecodeToken.ahead`), so the GPU goes from N to N+1 without
+waiting for the host. A request whose N token ends it (EOS, a stop string, an abort) has its N+1
+row computed and dropped: one wasted row against a host round trip saved every step. One that N
+brings to max_tokens or the context's end is known to finish and is left out.
 """
 
 from __future__ import annotations
@@ -61,9 +55,8 @@ class StepPlanner:
         self._engine_slots = 0
 
     def plan(self, admit: bool) -> StepPlan:
-        """Decodes first (one token each), then prefill chunks of the oldest admitted requests,
-        then new admissions from the queue head (when `admit`) while token budget and slots
-        remain."""
+        """Decodes, then prefill chunks of the oldest admitted requests, then admissions from the
+        queue head (when `admit`) while budget and slots remain."""
         roster = self._roster
         decodes = tuple(  # each feeds its last sampled token, at the position after what it consumed
             DecodeToken(seq.slot, seq.output[-1], seq.consumed_tokens)
@@ -99,8 +92,7 @@ class StepPlanner:
         )
 
     def _next_chunk(self, seq: Seq, budget: int) -> PrefillChunk:
-        """The seq's next prefill chunk, at most `budget` tokens (its first one restores the longest
-        cached prefix)."""
+        """The seq's next prefill chunk, at most `budget` tokens (the first restores a cached prefix)."""
         assert seq.slot is not None
         prompt = seq.feed
         # The prefix cache holds main-pool blocks: int8 sequences neither save nor restore; nor do
@@ -134,10 +126,9 @@ class StepPlanner:
         return chunk
 
     def lookahead(self, plan: StepPlan, closing: bool) -> StepPlan | None:
-        """The decode-only plan after `plan`, built before its tokens are back, where nothing but
-        decoding is going on: no queue, no release or checkpoint to send, the ladder at rest, every
-        running request sampling in `plan` (none still prefilling) and one at least going on
-        (`plan`'s token is not the last of each: its max_tokens, or the context's end)."""
+        """The decode-only plan after `plan`, built before its tokens are back; None unless only
+        decoding goes on (no queue, release or checkpoint to send, the ladder at rest, every
+        running request sampling in `plan`) and one request at least goes on past it."""
         roster = self._roster
         if (
             not self._overlap
@@ -169,7 +160,6 @@ class StepPlanner:
         return max(self._gate.slot_limit, self._roster.slots.highest_held)
 
     def _engine_slot_change(self) -> int | None:
-        """The slot limit the next plan carries, when it changes."""
         want = self.engine_slots_wanted
         if want == self._engine_slots:
             return None

@@ -1,8 +1,7 @@
 """A generation request as the server hands it in, and the events its handle yields back.
 
-`GenerationRequest` is frozen input. The scheduler keeps its own mutable per-request state
-privately; the only shared object is the `RequestHandle`, whose mailbox the scheduler fills and the
-HTTP handler drains. Everything here lives on the event loop thread (not thread-safe by design).
+The only shared object is the `RequestHandle`, whose mailbox the scheduler fills and the HTTP
+handler drains, all on the event loop thread (not thread-safe by design).
 """
 
 from __future__ import annotations
@@ -26,16 +25,13 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
-    # Absolute time.monotonic() after which the request is ended with RequestTimeout.
-    # None: the scheduler applies SchedulerConfig.request_timeout_s from submission (if set).
+    # Absolute time.monotonic() to end it with RequestTimeout; None: request_timeout_s applies.
     deadline_s: float | None = None
-    # The prompt's own logprobs (completions' echo with logprobs): None for none, else how many
-    # most likely alternatives to give with each prompt token. Its prompt is prefilled, never
-    # restored from the prefix cache (every position's logits are needed).
+    # The prompt's own logprobs (echo with logprobs): how many alternatives per prompt token. Such
+    # a prompt is prefilled, never restored from the prefix cache (every position is scored).
     prompt_logprobs: int | None = None
-    # The client sends a conversation's next turn as text (a chat, a text completion), so that turn
-    # holds the tokens of this answer's text, not its ids: the checkpoint at the answer's end is
-    # saved only where they are the same (`TurnSaves` checks once it ends).
+    # The next turn resends this answer as text, not ids: the checkpoint at the answer's end is
+    # saved only where they tokenize the same (`TurnSaves` checks).
     resent_as_text: bool = False
 
     def __post_init__(self) -> None:
@@ -56,8 +52,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """New text (possibly "" while a stop-string prefix or a partial character is held back) and
-    the token ids that produced it. Several tokens may arrive in one event when the reader is slow."""
+    """New text ("" while a stop-string prefix or a partial character is held back) and the token
+    ids that produced it: several in one event when the reader is slow."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -80,9 +76,8 @@ Event = TokenEvent | FinishEvent
 
 
 class Mailbox:
-    """Bounded per-request output. The scheduler must never block on a slow reader, so when the
-    mailbox is full a new TokenEvent is merged into the last pending one: memory stays bounded by
-    the request's own text, and the reader still sees every token, in order."""
+    """Bounded per-request output. The scheduler never blocks on a slow reader: when full, a new
+    TokenEvent merges into the last pending one, so the reader still sees every token, in order."""
 
     def __init__(self, capacity: int = 64) -> None:
         if capacity < 2:
@@ -122,9 +117,8 @@ def _merge(a: TokenEvent, b: TokenEvent) -> TokenEvent:
 
 
 class RequestHandle:
-    """What `Scheduler.submit` returns. `async for event in handle` yields TokenEvents and ends
-    after the FinishEvent. `abort()` (a client disconnect) frees the slot within one step; using the
-    handle as `async with handle:` aborts on exit unless the request finished."""
+    """What `Scheduler.submit` returns: `async for` yields TokenEvents, then the FinishEvent.
+    `abort()` (a client disconnect) frees the slot within one step; `async with` aborts on exit."""
 
     def __init__(self, request: GenerationRequest, mailbox: Mailbox, on_abort: Callable[[], None]) -> None:
         self.request = request
@@ -135,7 +129,7 @@ class RequestHandle:
 
     @property
     def finished(self) -> bool:
-        """The scheduler is done with the request (its FinishEvent is in the mailbox or read)."""
+        """Its FinishEvent is in the mailbox or read."""
         return self._mailbox.closed
 
     def abort(self) -> None:

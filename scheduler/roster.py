@@ -1,9 +1,8 @@
 """Every request the scheduler holds and where it is: waiting in the queue or running in a slot.
 
-The roster is the one place a request changes place (admitted to a slot, sent back to the queue)
-or ends, and the one that applies a step's result to requests. Per-request state (`Seq`) changes
-only here and in the planner that chunks its prompt: the field-tested failure mode is a request
-object mutated by scheduler, allocator and runner at once.
+The one place a request changes place or ends, and that applies a step's result. A `Seq` changes
+only here and in the planner that chunks its prompt: a request object mutated by scheduler,
+allocator and runner at once is the field-tested failure mode.
 """
 
 from __future__ import annotations
@@ -41,11 +40,9 @@ class SlotError(RuntimeError):
 
 
 class SlotTable:
-    """The one owner of the engine's slots on the scheduler side. A slot is FREE, BUSY (a request
-    holds it) or DRAINING (its request ended; the release travels in the next StepPlan). A draining
-    slot becomes free only after the plan that carried its release has run, so a slot is never
-    handed to a new request while the engine may still hold the old one's state; reuse therefore
-    always starts from a clean slot."""
+    """The one owner of the engine's slots on the scheduler side: FREE, BUSY, or DRAINING (its
+    request ended; the release travels in the next StepPlan). A draining slot is free only once
+    that plan has run, so a slot is never reused while the engine may hold the old state."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
@@ -58,8 +55,8 @@ class SlotTable:
         return len(self._state)
 
     def acquire(self, limit: int) -> int | None:
-        """The lowest free slot below `limit`, now busy; None if there is none. Lowest-first keeps
-        live slots packed at the bottom so a lowered ceiling is reached as requests finish."""
+        """The lowest free slot below `limit`, now busy, or None. Lowest-first packs live slots at
+        the bottom so a lowered ceiling is reached as requests finish."""
         for slot in range(min(limit, self.capacity)):
             if self._state[slot] is SlotState.FREE:
                 self._state[slot] = SlotState.BUSY
@@ -70,18 +67,16 @@ class SlotTable:
         return any(st is SlotState.FREE for st in self._state[: max(0, limit)])
 
     def retire(self, slot: int) -> None:
-        """The request in `slot` ended: release it in the next plan."""
         self._expect(slot, SlotState.BUSY)
         self._state[slot] = SlotState.DRAINING
 
     def take_releases(self) -> tuple[int, ...]:
-        """Draining slots not yet sent to the engine; they go into the plan being built."""
+        """Draining slots not yet sent: they go into the plan being built."""
         out = self._unsent_releases()
         self._in_release.update(out)
         return out
 
     def released(self, slots: tuple[int, ...]) -> None:
-        """The plan carrying these releases has run: the slots are free again."""
         for slot in slots:
             self._expect(slot, SlotState.DRAINING)
             self._in_release.discard(slot)
@@ -98,7 +93,6 @@ class SlotTable:
             found = "out of range" if actual is None else actual.value
             raise SlotError(f"slot {slot} is {found}, expected {state.value}")
 
-    # Figures (read-only).
     @property
     def busy(self) -> int:
         return self._state.count(SlotState.BUSY)
@@ -109,7 +103,6 @@ class SlotTable:
 
     @property
     def releases_pending(self) -> bool:
-        """Draining slots whose release is in no plan yet."""
         return bool(self._unsent_releases())
 
     @property
@@ -128,10 +121,8 @@ class SlotTable:
 class Roster:
     def __init__(self, num_slots: int, turns: TurnSaves, service: ServiceRate, eos: frozenset[int]) -> None:
         self.slots = SlotTable(num_slots)
-        # Accepted requests that hold no slot yet, first come first served: only the head is ever
-        # admitted, so no request is overtaken by a later one (removal from the middle is an abort,
-        # a deadline or a refusal at CRITICAL). The gate bounds it at max_queue; preempted requests
-        # go back in front, ahead of everyone, and may exceed the bound by those preempted at once.
+        # FCFS: only the head is ever admitted (removal from the middle is an abort, a deadline or a
+        # refusal). Preempted requests go back in front and may exceed the gate's max_queue.
         self.queue: deque[Seq] = deque()
         self.running: list[Seq] = []  # admission order: the FCFS order of prefill chunks
         self.by_slot: dict[int, Seq] = {}
@@ -141,14 +132,12 @@ class Roster:
         self.service = service
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.preemptions = 0
-        # Every token a request was handed, counted as it is handed: a live counter (/metrics
-        # reads it while long answers stream) whose share for each request is that request's
+        # Counted as each token is handed (/metrics reads it live); each request's share is its
         # completion_tokens, however it ended.
         self.generated_tokens = 0
 
     # --- where requests are -----------------------------------------------------------------
     def place(self, seq: Seq, slot_limit: int) -> None:
-        """The queue head `seq` has been admitted: it takes the lowest free slot below the limit."""
         slot = self.slots.acquire(slot_limit)
         assert slot is not None  # the gate saw a free one, and nothing ran in between
         self.queue.popleft()
@@ -157,11 +146,9 @@ class Roster:
         self.by_slot[slot] = seq
 
     def requeue(self, slot: int, preemption: bool = True) -> None:
-        """The engine preempted the sequence in slot (its blocks are gone), or dropped it in a
-        step that failed for want of memory (`preemption` False): the request goes back to the
-        queue head and, when blocks are free again, prefills prompt + what it generated and goes
-        on. Its client sees no gap but the wait; like a preempted one, it is never refused while
-        it waits."""
+        """The engine preempted the sequence in slot, or dropped it in a step that failed for want
+        of memory (`preemption` False): it goes back to the queue head, later prefills prompt +
+        output and goes on. Its client sees only the wait; it is never refused while waiting."""
         seq = self.by_slot.pop(slot, None)
         if seq is None:  # it finished while the step ran; its release is already on its way
             return
@@ -186,7 +173,6 @@ class Roster:
 
     # --- how requests end -------------------------------------------------------------------
     def count(self, refusal: Refused) -> None:
-        """A request refused before it was queued."""
         self.outcomes[outcome_of(refusal)] += 1
 
     def finish(self, seq: Seq, reason: FinishReason, error: Refused | None = None) -> None:
@@ -216,8 +202,6 @@ class Roster:
             self.finish(seq, reason, error)
 
     def _leave_slot(self, seq: Seq, completed: bool) -> None:
-        """Take a running request out of its slot, released in the next plan. One that completed
-        while decoding first orders a checkpoint of what its slot consumed."""
         self.running.remove(seq)
         self.service.left_slot(time.monotonic(), backlog=bool(self.queue))
         if seq.slot is None:
@@ -240,7 +224,6 @@ class Roster:
             seq.kv_held = seq.consumed_tokens
 
     def _record_prompt_logprobs(self, result: StepResult) -> None:
-        """Keep the prompt positions the step scored on their request, for its FinishEvent."""
         for scored in result.prompt_logprobs:
             if (owner := self.by_slot.get(scored.slot)) is not None:
                 tops = scored.top or ((),) * len(scored.logprobs)
@@ -248,7 +231,6 @@ class Roster:
                     owner.prompt_logprobs[pos] = TokenLogprob(owner.req.prompt_ids[pos], lp, top)
 
     def _deliver_tokens(self, plan: StepPlan, result: StepResult) -> None:
-        """Hand each request the token the step sampled for it."""
         outputs = {out.slot: out for out in result.outputs}
         for slot in [d.slot for d in plan.decodes] + [p.slot for p in plan.prefills if p.sample]:
             seq = self.by_slot.get(slot)
@@ -286,17 +268,11 @@ class Roster:
             self.finish(seq, "length")
 
     def step_failed(self, plan: StepPlan, failed: StepFailed, retry_after_s: float) -> None:
-        """The engine failed the step and recovered: it dropped the sequences of `failed.slots`
-        and applied the plan's releases. Everything not in the step, queued or running, goes on. A
-        preemption in the failed step never reached us: the engine dropped what it parked, and the
-        preempted request is among the failed ones.
-
-        After a failure for want of memory the step's requests go back to the queue to run again
-        from their prompt: a prompt whose chunk was in the step with half the chunk, the others
-        (decodes beside it) as they were, so one prompt too big for the memory left costs only
-        itself. A prompt whose chunk was already MIN_RETRY_CHUNK, a decode whose decode-only step
-        failed a second time, and every request of a step that failed otherwise (a bug hit by
-        this batch) end with a retryable error."""
+        """The engine failed the step, dropped the sequences of `failed.slots` (a preempted one
+        among them) and applied the releases. After a failure for want of memory they run again
+        from their prompt, a prompt whose chunk was in the step with half the chunk, so one prompt
+        too big costs only itself. A chunk already MIN_RETRY_CHUNK, a decode-only step failing
+        twice, and any other failure (a bug hit by this batch) end with a retryable error."""
         self.slots.released(plan.release)
         self._turns.failed(plan)
         chunks = {p.slot: len(p.token_ids) for p in plan.prefills}
@@ -310,8 +286,7 @@ class Roster:
 
 
 def _retries(seq: Seq, chunk: int | None, step_had_prompt: bool) -> bool:
-    """Whether a request of a step that failed for want of memory runs again (see `step_failed`);
-    a prompt's chunk that failed halves its next ones."""
+    """Whether a request of a step that failed for want of memory runs again (see `step_failed`)."""
     if chunk is not None:  # its prompt chunk was in the step: the likely cause
         if chunk <= MIN_RETRY_CHUNK:
             return False

@@ -1,11 +1,8 @@
 """The asyncio continuous-batching loop: govern, plan, execute, apply.
 
-Everything here runs on the event loop thread; the engine runs plans on its own thread and the
-only things crossing are a frozen `StepPlan` and a `StepResult`. The loop's parts each own one
-thing: the admission gate (`ballast.scheduler.gate`) who gets in and when, the planner
-(`ballast.scheduler.planner`) what the next step runs, the roster (`ballast.scheduler.roster`)
-where each request is and how a step's result changes it. While every running request decodes,
-two plans are in flight (`StepPlanner.lookahead`); anything else waits for the step in flight.
+Runs on the event loop thread; only a frozen `StepPlan` and a `StepResult` cross to the engine's
+thread. The gate owns who gets in, the planner what the next step runs, the roster where each
+request is. While every running request decodes, two plans are in flight (`StepPlanner.lookahead`).
 """
 
 from __future__ import annotations
@@ -53,75 +50,7 @@ class _InFlight:
         return shape_of(sum(len(p.token_ids) for p in self.plan.prefills))
 
 
-class _Figures:
-    """What the server, /metrics and the dashboard read of a scheduler: live views of its parts
-    (the `Scheduler` below builds them), never copies."""
-
-    _roster: Roster
-    _gate: AdmissionGate
-    _gov: Governor
-    _kv: KVPolicy
-
-    @property
-    def kv_pools(self) -> list[tuple[str, KVFigures]]:
-        """The KV pools' figures after the last step, by name."""
-        return self._kv.room.pools()
-
-    @property
-    def queue_depth(self) -> int:
-        return len(self._roster.queue)
-
-    @property
-    def active_slots(self) -> int:
-        return self._roster.slots.busy
-
-    @property
-    def slot_limit(self) -> int:
-        return self._gate.slot_limit
-
-    @property
-    def preemptions(self) -> int:
-        return self._roster.preemptions
-
-    @property
-    def generated_tokens(self) -> int:
-        """Every token a request was handed so far (live: /metrics reads it while answers stream)."""
-        return self._roster.generated_tokens
-
-    @property
-    def pressure_level(self) -> Level:
-        return self._gov.pressure_level
-
-    @property
-    def ladder(self) -> LadderPlan:
-        """The degradation ladder's plan the scheduler applies now (not a step: see StepPlan)."""
-        return self._gov.ladder
-
-    @property
-    def fault_level(self) -> Level:
-        """The level steps failing for want of memory have raised, read now (OK once calm)."""
-        return self._gov.fault_level
-
-    @property
-    def failing_steps(self) -> str | None:
-        """Why new work should go elsewhere while steps keep failing for want of memory."""
-        return self._gov.failing_steps
-
-    @property
-    def memory_stale(self) -> str | None:
-        """Why the memory snapshot counts as unknown now (MemWatch stopped publishing); else None."""
-        return self._gov.stale_reason()
-
-    @property
-    def idle(self) -> bool:
-        return self._roster.idle
-
-    @property
-    def outcomes(self) -> dict[str, int]:
-        return dict(self._roster.outcomes)
-
-
-class Scheduler(_Figures):
+class Scheduler:
     def __init__(
         self,
         engine: EngineLike,
@@ -132,12 +61,9 @@ class Scheduler(_Figures):
         on_idle: Callable[[], None] | None = None,
         on_unsound: Callable[[str, str], None] | None = None,
     ) -> None:
-        """memwatch: the snapshot source (None: no memory governance beyond the window).
-        admission_metrics: counts every verdict. Admission reads where the engine's memory lives
-        and its KV format from the engine itself. on_idle: runs when the scheduler goes idle and every
-        idle_tick_s while it stays idle (pool trim). on_unsound: called once with a code
-        ("engine_stalled", "engine_failed") and the reason when the engine stalled or failed (the
-        server then reports unsound and exits)."""
+        """memwatch: None for no memory governance beyond the window. on_idle: runs on going idle
+        and every idle_tick_s while idle (pool trim). on_unsound: called once with a code
+        ("engine_stalled", "engine_failed") and the reason (the server then exits)."""
         self._engine = engine
         self._cfg = config
         self._on_idle = on_idle
@@ -204,14 +130,67 @@ class Scheduler(_Figures):
 
     @property
     def unsound_reason(self) -> str | None:
-        if self.stalled is not None:
-            return str(self.stalled)
-        return str(self.failure) if self.failure is not None else None
+        error = self.stalled or self.failure
+        return None if error is None else str(error)
+
+    # --- figures: what the server, /metrics and the dashboard read (live views, never copies) ---
+    @property
+    def kv_pools(self) -> list[tuple[str, KVFigures]]:
+        """After the last step, by name."""
+        return self._kv.room.pools()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._roster.queue)
+
+    @property
+    def active_slots(self) -> int:
+        return self._roster.slots.busy
+
+    @property
+    def slot_limit(self) -> int:
+        return self._gate.slot_limit
+
+    @property
+    def preemptions(self) -> int:
+        return self._roster.preemptions
+
+    @property
+    def generated_tokens(self) -> int:
+        return self._roster.generated_tokens
+
+    @property
+    def pressure_level(self) -> Level:
+        return self._gov.pressure_level
+
+    @property
+    def ladder(self) -> LadderPlan:
+        return self._gov.ladder
+
+    @property
+    def fault_level(self) -> Level:
+        return self._gov.fault_level
+
+    @property
+    def failing_steps(self) -> str | None:
+        return self._gov.failing_steps
+
+    @property
+    def memory_stale(self) -> str | None:
+        """Why the memory snapshot counts as unknown now (MemWatch stopped publishing); else None."""
+        return self._gov.stale_reason()
+
+    @property
+    def idle(self) -> bool:
+        return self._roster.idle
+
+    @property
+    def outcomes(self) -> dict[str, int]:
+        return dict(self._roster.outcomes)
 
     # --- intake ---------------------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> RequestHandle:
-        """Queue a request; raises ContextTooLong, Overloaded or QueueFull at once. Call from the
-        event loop thread."""
+        """Queue a request; raises a `Refused` (ContextTooLong, Overloaded, ...) at once."""
         try:
             if self.failure is not None:
                 raise EngineFailed(self.failure.cause)
@@ -250,8 +229,7 @@ class Scheduler(_Figures):
             self._end_all("abort")
             raise
         except Exception as exc:
-            # The engine (or a step's bookkeeping) is unsound: every request gets an error event,
-            # `healthy` turns false, and the cause is logged and kept in `failure`.
+            # The engine (or a step's bookkeeping) is unsound: every request gets an error event.
             log.exception("scheduler loop stopped: engine step failed")
             self.failure = EngineFailed(exc)
             self._unsound("engine_failed", self.failure)
@@ -264,7 +242,7 @@ class Scheduler(_Figures):
 
     async def _complete(self, step: _InFlight) -> bool:
         """Wait for a step and apply it; False when it outlived the watchdog (everything ended).
-        While it runs, the loop wakes every tick: deadlines and the queue-wait bound hold."""
+        The loop wakes every tick meanwhile, so deadlines and the queue-wait bound hold."""
         waiting = asyncio.wrap_future(step.result)
         while not (await asyncio.wait({waiting}, timeout=STEP_TICK_S))[0]:
             if self._stall_check(step):
@@ -286,8 +264,7 @@ class Scheduler(_Figures):
         self._roster.apply(plan, result)
 
     def _step_failed(self, plan: StepPlan, failed: StepFailed) -> None:
-        """The engine failed the step and recovered (see `Roster.step_failed`). A step that failed
-        for want of memory is a pressure signal: the governor steps the level up."""
+        """The engine failed the step and recovered; failing for want of memory raises the level."""
         self.step_failures += 1
         # A code, never the exception's text (it can name tensors, shapes, paths): the log has it.
         self.last_step_failure = "out_of_memory" if failed.memory else "step_error"
@@ -296,8 +273,7 @@ class Scheduler(_Figures):
         self._roster.step_failed(plan, failed, self._cfg.retry_after_s)
 
     def _stall_check(self, step: _InFlight) -> bool:
-        """End everything when the step has run past the watchdog's deadline (a step queued
-        behind another runs from that one's end)."""
+        """End everything when the step has run past the watchdog's deadline."""
         if (overdue := self._watchdog.overdue(step.shape, step.sent_at)) is None:
             return False
         ran, deadline = overdue
@@ -312,23 +288,20 @@ class Scheduler(_Figures):
             self._on_unsound(code, str(error))
 
     def _end_all(self, reason: FinishReason, error: Refused | None = None) -> None:
-        """Close to new work and end every request, queued or running."""
         self._closing = True
         self._roster.end_all(reason, error)
 
     async def _wait_for_work(self) -> None:
-        """Sleep on the wake event. While idle, run the idle hook (trim the checkpoint pool) on
-        entering idleness and again every idle_tick_s, so buffers that age past the pool's idle
-        limit during a long quiet spell are still given back; while the queue is held by
-        pressure, re-read memory every hold_poll_s instead. Never a busy loop."""
+        """Sleep on the wake event. While idle, run the idle hook on entering idleness and every
+        idle_tick_s, so buffers that age past the pool's idle limit in a long quiet spell are still
+        given back; while pressure holds the queue, wake every hold_poll_s to re-read memory."""
         self._wake.clear()
         if self.idle:
             if self._on_idle is not None:
                 try:
                     self._on_idle()
                 except Exception:
-                    # Trimming a cache is housekeeping: its failure must not stop serving, but it
-                    # is logged, never dropped.
+                    # Housekeeping: its failure must not stop serving, but it is logged.
                     log.exception("on_idle callback failed")
             timeout = self._cfg.idle_tick_s if self._on_idle is not None else None
         else:

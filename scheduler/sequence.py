@@ -1,5 +1,4 @@
-"""A request as the scheduler tracks it, from the queue to its finish: its phase, slot, what its
-slot holds and what it has produced."""
+"""A request as the scheduler tracks it, from the queue to its finish."""
 
 from __future__ import annotations
 
@@ -32,16 +31,14 @@ class Seq:
     max_tokens: int = 0  # after admission (a CAP lowers it)
     capped: bool = False
     output: list[int] = field(default_factory=list)
-    # Output tokens generated before the engine preempted the sequence: prefilled again after the
-    # prompt when it resumes, so generation continues where it stopped.
+    # Output generated before a preemption: prefilled after the prompt when it resumes.
     resumed: tuple[int, ...] = ()
     preempted: bool = False
-    # Its KV lives in int8 blocks: decided at its first admission (the ladder at WATCH or worse)
-    # and kept when it resumes, so a level change never changes an admitted request's tokens.
+    # Its KV lives in int8 blocks: decided at first admission and kept on resume, so a level
+    # change never changes an admitted request's tokens.
     int8_kv: bool | None = None
     kv_held: int = 0  # positions the engine held for it after the last step (what its figures count)
-    # Prompt logprobs by position (1 .. len(prompt) - 1), when the request asked for them; a
-    # recompute after a preemption scores positions again, to the same values.
+    # Prompt logprobs by position (1 .. len(prompt) - 1); a recompute rescores to the same values.
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     # After a step failed for want of memory: the largest prefill chunk it gets (0 = no cap), and
     # how many decode-only steps it was in that failed so.

@@ -1,9 +1,8 @@
-"""How fast the slots turn over while work waits: the measured service rate behind the queue-wait
-bound (`max_queue_wait_s`).
+"""How fast the slots turn over while work waits: the service rate behind `max_queue_wait_s`.
 
-Only the intervals between requests leaving their slots while others were waiting count: that is
-the rate at which the queue moves. An interval that spans a quiet spell (no backlog) would make
-the server look slow and refuse work it could do, so a spell without backlog breaks the chain.
+Only intervals between requests leaving slots while others waited count: one spanning a quiet spell
+would make the server look slow and refuse work it could do, so a spell without backlog breaks the
+chain.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ ESTIMATE_MARGIN = 1.25
 
 class ServiceRate:
     def __init__(self, window: int = 64, min_samples: int = 16) -> None:
-        """window: the intervals the rate averages over; min_samples: intervals needed before
-        the rate is trusted (until then no request is refused on an estimate)."""
+        """min_samples: intervals needed before the rate is trusted (and a request refused on it)."""
         if window < 1 or not 1 <= min_samples <= window:
             raise ValueError("need window >= 1 and 1 <= min_samples <= window")
         self._intervals: deque[float] = deque(maxlen=window)
@@ -44,15 +42,13 @@ class ServiceRate:
         return len(self._intervals) / span if span > 0 else None
 
     def wait_s(self, ahead: int) -> float | None:
-        """Seconds until a request with `ahead` requests queued before it gets a slot, when every
-        slot is busy now; None when the rate is not known yet."""
+        """Seconds until a request with `ahead` queued before it gets a slot, all slots busy now."""
         rate = self.per_s
         return None if rate is None else (ahead + 1) / rate
 
 
 class QueueWaitBound:
-    """`max_queue_wait_s` applied: whether a request, with `ahead` requests queued before it and
-    `waited` seconds in the queue, should be refused now rather than wait."""
+    """`max_queue_wait_s` applied: whether a queued request should be refused now rather than wait."""
 
     def __init__(self, bound_s: float, retry_after_s: float, rate: ServiceRate) -> None:
         self.bound_s = bound_s
@@ -60,8 +56,7 @@ class QueueWaitBound:
         self.rate = rate
 
     def late(self, ahead: int, waited: float, slot_free: bool) -> QueueWaitTooLong | None:
-        """The refusal, or None to let it wait. With a slot free the request starts next step; the
-        estimate needs a measured rate; the bound itself always holds."""
+        """The refusal, or None to let it wait (with a slot free it starts next step)."""
         bound = self.bound_s
         if bound <= 0:
             return None

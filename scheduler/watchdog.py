@@ -1,13 +1,10 @@
 """The step watchdog: how long the step in flight may take before the engine counts as stalled.
 
-A step that never returns (a kernel spinning, a deadlocked collective, a driver hang) would
-otherwise hold every request forever while the probes stay green. The deadline is derived from
-measured step times, per size class of the step's prefill (decode-only steps are one class: a
-prefill of 2k tokens and a decode step differ a hundredfold): max(floor, STEP_P99_FACTOR x the
-p99 of that class's recent steps). The first step of a class may compile kernels (Triton,
-torch.compile) and gets NEW_SHAPE_FACTOR x the floor instead; its time is not counted, as it is no
-measure of the steps after it. A step's time runs from when it could start (its submission, or the
-previous step's end when it was queued behind one) to its result.
+A step that never returns (a spinning kernel, a deadlocked collective) would hold every request
+forever while the probes stay green. The deadline per size class of the step's prefill (a 2k
+prefill and a decode differ a hundredfold) is max(floor, STEP_P99_FACTOR x the class's recent
+p99). A class's first step may compile kernels: it gets NEW_SHAPE_FACTOR x the floor and is not
+timed. A step's time runs from when it could start (submission, or the previous step's end).
 """
 
 from __future__ import annotations
@@ -65,7 +62,6 @@ class StepWatchdog:
         return max(self.floor_s, STEP_P99_FACTOR * seen.p99)
 
     def completed(self, shape: int, seconds: float) -> None:
-        """A step of `shape` returned after `seconds`."""
         seen = self._classes.get(shape)
         if seen is None:  # its first step: compiling, maybe; known from now on, not yet timed
             self._classes[shape] = _Times()
