@@ -8,10 +8,12 @@ through frozen `StepPlan` / `StepResult` values. The engine keeps the thread, it
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -19,15 +21,19 @@ from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.executor import needs_host_tokens
 from ballast.engine.pipeline import LaunchedStep, StepPipeline
 from ballast.engine.plan import EngineUnhealthy, KVFigures, StepPlan, StepResult
-from ballast.engine.served_model import ServedModel
+from ballast.engine.sampling_defaults import sampling_defaults as defaults_for
 from ballast.engine.startup import Parts, assemble, bring_up
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.watch import MemWatch
 
+if TYPE_CHECKING:
+    from ballast.engine.detok import Detokenizer
+    from ballast.engine.tokenizer import Tokenizer
+
 log = logging.getLogger(__name__)
 
 
-class Engine(ServedModel):
+class Engine:
     """Implements `ballast.engine.interface.EngineLike`. Build it with `Engine.load(config)`."""
 
     def __init__(
@@ -146,6 +152,23 @@ class Engine(ServedModel):
     @property
     def reused_tokens(self) -> int:
         return self._steps.reused_tokens
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._loaded.tokenizer.get()
+
+    @property
+    def hf_config(self) -> dict[str, object]:
+        """The model's Hugging Face-style config dict (from config.json, the GGUF, or built in)."""
+        return dict(self._loaded.hf_config)
+
+    @functools.cached_property
+    def sampling_defaults(self) -> dict[str, float]:
+        source = self._loaded.source
+        return defaults_for(source.kind, source.path)
+
+    def new_detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> Detokenizer:
+        return self.tokenizer.new_detokenizer(prompt_ids, stop)
 
     @property
     def healthy(self) -> bool:
