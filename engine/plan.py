@@ -1,9 +1,6 @@
-"""The plain data that crosses the scheduler/engine boundary.
-
-The scheduler builds a frozen `StepPlan`; the engine thread executes it and returns a
-`StepResult`. Neither side reaches into the other's state, which is what lets scheduler tests run
-on CPU against a fake engine with the same `submit(plan)` interface.
-"""
+"""The plain data that crosses the scheduler/engine boundary: a frozen `StepPlan` in, a
+`StepResult` out. Neither side reaches into the other's state, which is what lets scheduler tests
+run on CPU against a fake engine."""
 
 from __future__ import annotations
 
@@ -109,10 +106,8 @@ class DecodeToken:
 
 @dataclass(frozen=True)
 class CheckpointSave:
-    """After this step's forward, copy the slot's state into the prefix cache. The slot has then
-    consumed exactly the tokens of `prefix` (a recurrent state cannot be cut back, so the scheduler
-    ends a prefill chunk at the position, or saves a finished request's prompt + output[:-1]); the
-    engine keys the checkpoint by those tokens."""
+    """After this step's forward, copy the slot's state, which has then consumed exactly
+    `prefix`, into the prefix cache, keyed by those tokens (a recurrent state cannot be cut back)."""
 
     slot: int
     prefix: tuple[int, ...]
@@ -230,10 +225,9 @@ class StepResult:
 
 
 class StepFailed(Exception):
-    """A step raised, but the engine is still sound: it has dropped every sequence the plan
-    touched (their KV blocks, states and sampler history) and applied the plan's releases, so
-    only the requests in `slots` are lost; the scheduler fails them with a retryable error and goes
-    on. A fault that leaves the device unsound is raised as itself instead, never as this.
+    """A step raised, but the engine is still sound: it dropped every sequence the plan touched
+    and applied its releases, so only the requests in `slots` are lost (the scheduler fails them,
+    retryable). A fault that leaves the device unsound is raised as itself, never as this.
     `memory`: the step failed for want of memory (its requests may succeed in smaller steps)."""
 
     def __init__(self, cause: Exception, slots: frozenset[int], *, memory: bool = False) -> None:
