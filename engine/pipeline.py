@@ -1,11 +1,8 @@
 """Steps on the engine thread, one ahead: step N+1 is prepared and queued while the GPU runs N.
 
-A step has two halves. `launch` does everything on the host (releases, restores, block tables,
-the batch, the forward and the sampler's kernels, the copy of the sampled tokens to pinned memory)
-and returns with the tokens still on their way; `finish` waits for that one copy and builds the
-`StepResult`. When the scheduler submits plan N+1 before N's tokens are back (its decodes are then
-fed from the device, `step_batch`), the engine thread launches N+1 first and only then finishes N,
-so the GPU finds N+1's kernels queued behind N's and never idles while the host prepares a step.
+`launch` does a step's host work and returns with its sampled tokens still on their way; `finish`
+waits for that copy. When plan N+1 comes before N's tokens are back (its decodes fed from the
+device), the engine thread launches N+1 before finishing N, so the GPU never idles on the host.
 
 Order of work on the engine thread, for each submitted plan:
   1. finish the step in flight first if this plan needs host tokens (a grammar row's matcher must
@@ -15,9 +12,8 @@ Order of work on the engine thread, for each submitted plan:
   4. wait until either the next plan arrives or this step's copy is done; if no plan came, finish
      this one too, so a step is never left in flight with nothing queued behind it.
 
-Failures keep the engine's contract: a step that raises while launching or finishing goes through
-the engine's failure handler (StepFailed for the plan's requests, or unsound), and the step in
-flight is always finished first so its requests are answered in order.
+A step that raises goes through the engine's failure handler, and the step in flight is always
+finished first so its requests are answered in order.
 """
 
 from __future__ import annotations
