@@ -1,9 +1,8 @@
 """The Engine: owns the device, the model runner and the one engine thread.
 
 Every tensor operation (loading, profiling, allocation, each step) runs on a single-worker
-executor, so no allocation or free can race a step in flight. The scheduler talks to it only
-through frozen `StepPlan` / `StepResult` values. The engine keeps the thread, its health and
-`submit`; a step itself is the `StepExecutor`'s, built around the runner (`startup.assemble`).
+executor, so no allocation or free can race a step in flight. The engine keeps the thread, its
+health and `submit`; a step itself is the `StepExecutor`'s (`startup.assemble`).
 """
 
 from __future__ import annotations
@@ -73,9 +72,8 @@ class Engine:
         prefix_cache: PrefixCacheConfig | None = None,
         pool: CheckpointPool | None = None,
     ) -> Engine:
-        """Load the model, profile a prefill, allocate slot states (the main KV pool in
-        config.kv_quant's format). prefix_cache: the checkpoint cache's settings (default: on);
-        pool: where its buffers come from and go back to."""
+        """Load the model, profile a prefill, allocate slot states. prefix_cache: the checkpoint
+        cache's settings (default: on); pool: where its buffers come from and go back to."""
         return cls(config, watch, prefix_cache=prefix_cache, pool=pool)
 
     def _load(self) -> Parts:
@@ -101,9 +99,8 @@ class Engine:
 
     @property
     def gpu_die(self) -> int | None:
-        """The GPU whose ledger admission checks (None: it runs on the host). Under tensor
-        parallel every die gets the same leases, so the die with the lowest ledger ceiling is the
-        one that fills first: checking it checks every die."""
+        """The GPU whose ledger admission checks (None: the host). Under tensor parallel every die
+        gets the same leases, so the one with the lowest ceiling fills first: it speaks for all."""
         dies = self.dies
         if len(dies) > 1 and self._watch is not None:
             return min(dies, key=self._watch.ledger.ceiling)
@@ -220,8 +217,7 @@ class Engine:
         return self._steps.finish(launched)
 
     def _on_step_failure(self, plan: StepPlan, exc: BaseException) -> None:
-        """A step raised: the engine is unsound (`StepExecutor.failed` says why), or the plan's
-        sequences are dropped and StepFailed names them."""
+        """A step raised: the engine is unsound, or StepFailed names the sequences dropped."""
         if isinstance(exc, EngineUnhealthy):
             return  # a plan queued behind the step that made the engine unsound
         outcome = self._steps.failed(plan, exc)
