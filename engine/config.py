@@ -1,7 +1,5 @@
 """The engine's configuration and its prefix cache's: frozen dataclasses, validated when built.
-
-Values found at load time (the slot count the memory layer allows, the profiled activation bytes)
-are returned by the engine, never written back here.
+Values found at load time are returned by the engine, never written back here.
 """
 
 from __future__ import annotations
@@ -253,9 +251,8 @@ class EngineConfig:
         return min(2048 if device.type == "cuda" else 512, self.max_model_len)
 
     def cpu_int4(self, device: torch.device) -> bool:
-        """Whether a GGUF's 4-bit linears stay 4-bit (models/cpu_int4.py): a float32 CPU engine on
-        one device, unless --cpu-weights dense; --cpu-weights int4 where that cannot hold is an
-        error, not a silent dense load."""
+        """Whether a GGUF's 4-bit linears stay 4-bit (models/cpu_int4.py); --cpu-weights int4 where
+        that cannot hold is an error, not a silent dense load."""
         possible = self._one_float32_cpu(device) and cpu_int4.kernels_available()
         if self.cpu_weights == "int4" and not possible:
             raise ConfigError(
@@ -266,8 +263,7 @@ class EngineConfig:
 
     def cpu_fp16(self, device: torch.device) -> bool:
         """Whether a GGUF's linears are held float16 (models/cpu_linear.py): --cpu-weights fp16,
-        which needs a float32 engine on the CPU, one device, and FBGEMM (an error otherwise, not
-        a silent dense load)."""
+        where it cannot hold an error, not a silent dense load."""
         if self.cpu_weights != "fp16":
             return False
         if not (self._one_float32_cpu(device) and cpu_linear.fp16_available()):

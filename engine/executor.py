@@ -137,8 +137,7 @@ class StepExecutor:
         return result
 
     def failed(self, plan: StepPlan, exc: BaseException) -> str | StepFailed:
-        """A step raised: why the engine is unsound now (a device fault, anything that is not an
-        Exception, a fault that recurs, a failed recovery), or, once the plan's sequences are
+        """A step raised: why the engine is unsound now, or, once the plan's sequences are
         dropped, the StepFailed that names them."""
         if is_device_fault(exc) or not isinstance(exc, Exception):
             return f"device fault: {type(exc).__name__}"

@@ -4,16 +4,11 @@
 waits for that copy. When plan N+1 comes before N's tokens are back (its decodes fed from the
 device), the engine thread launches N+1 before finishing N, so the GPU never idles on the host.
 
-Order of work on the engine thread, for each submitted plan:
-  1. finish the step in flight first if this plan needs host tokens (a grammar row's matcher must
-     consume the previous token before the mask is built);
-  2. launch the plan;
-  3. finish the step that was in flight (its future gets the result);
-  4. wait until either the next plan arrives or this step's copy is done; if no plan came, finish
-     this one too, so a step is never left in flight with nothing queued behind it.
-
-A step that raises goes through the engine's failure handler, and the step in flight is always
-finished first so its requests are answered in order.
+For each plan: finish the step in flight first if the plan needs host tokens (a grammar row's
+matcher must consume the previous token); launch it; finish the step in flight; then wait for the
+next plan or this step's copy, and if no plan came finish this one too, so a step is never left
+in flight with nothing queued behind it. The step in flight is always finished first, also when
+one raises, so requests are answered in order.
 """
 
 from __future__ import annotations

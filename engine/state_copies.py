@@ -39,9 +39,8 @@ class StateCopies:
     def copy_out(
         self, slot: int, pairs: Sequence[tuple[Tensor, Tensor]], buf: Tensor, nbytes: int
     ) -> torch.cuda.Event | None:
-        """Copy each (device source, host destination: a view into `buf`, within its first
-        `nbytes`) of the slot's state; returns the event that marks them done (None on the CPU,
-        where they are done on return)."""
+        """Copy each (device source, host view into `buf`'s first `nbytes`) of the slot's state;
+        returns the event that marks them done (None on the CPU: done on return)."""
         if self._stream is None:
             for src, dst in pairs:
                 dst.copy_(src)
@@ -107,10 +106,9 @@ class StateCopies:
             torch.cuda.current_stream(self.device).wait_event(done)
 
     def fence(self) -> torch.cuda.Event | None:
-        """An event behind everything the step's stream has queued: the copies `after` made it
-        wait for, and every restore that read a buffer. A buffer given back with it is freed only
-        once it completes (`CheckpointPool.free_copied`): unpinning a buffer a copy still uses
-        would block the engine thread until the copy ran. None on the CPU (copies are done)."""
+        """An event behind everything the step's stream has queued (the copies `after` waited for,
+        every restore that read a buffer). A buffer given back with it is freed only once it
+        completes: unpinning one a copy still uses would block the engine thread. None on the CPU."""
         if not self._cuda:
             return None
         fence = torch.cuda.Event()
