@@ -89,9 +89,8 @@ class KVPool:
             self.store.clear_table(slot)
 
     def attach(self, slot: int, blocks: Sequence[int], n_tokens: int) -> bool:
-        """Start the (empty) slot on `blocks` (its first n_tokens positions), shared by reference;
-        a partly filled last block is copied, since the slot will write the rest of it. False,
-        with nothing attached, when that copy finds no free block."""
+        """Start the (empty) slot on `blocks` (its first n_tokens positions) by reference, copying a
+        partly filled last block the slot will write into; False (nothing attached) if none is free."""
         bs = self.layout.block_size
         if len(blocks) != blocks_for(n_tokens, bs):
             raise ValueError(f"{len(blocks)} blocks for {n_tokens} tokens of block size {bs}")

@@ -84,8 +84,7 @@ class ModelSource:
 
 
 def check_spec(spec: str) -> None:
-    """Fail fast on a model that names no file, directory or built-in model (before anything
-    loads); the default model is fetched at load, not here."""
+    """Fail fast on a model that names nothing loadable; the default model is fetched at load."""
     if spec != "default":
         resolve(spec)
 
@@ -146,8 +145,7 @@ def lazy_tokenizer(hf_dir: Path | None) -> LazyTokenizer:
 
 
 def planned_weights_bytes(hf_config: dict[str, Any], dtype: torch.dtype) -> int:
-    """Bytes a built-in model will hold, from its config alone (built on the meta device: no
-    memory), float8 weights and their scales included."""
+    """Bytes a built-in model will hold, float8 weights and scales included (built on meta)."""
     with torch.device("meta"):
         model = model_class(hf_config).from_hf_config(hf_config).to(dtype)
     fp8_weights = builtin.fp8_weights(hf_config)

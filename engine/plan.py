@@ -85,9 +85,8 @@ LAST_SAMPLED = -1
 
 @dataclass(frozen=True)
 class DecodeToken:
-    """Feed one token at position pos of a slot and sample the next: the last sampled one, or,
-    for a decode planned ahead (`ahead`), the one the slot's previous step is sampling, which the
-    engine takes from the device."""
+    """Feed one token at position pos of a slot and sample the next: the last sampled one, or for
+    a decode planned `ahead`, the one the slot's previous step is sampling, taken on the device."""
 
     slot: int
     token_id: int
@@ -115,9 +114,8 @@ class CheckpointSave:
 
 @dataclass(frozen=True)
 class CheckpointRestore:
-    """Before this step's forward, load the checkpoint of exactly `prefix` (one the engine's
-    `match_prefix` reported while this plan was built) into the slot. The same plan carries the
-    slot's prefill chunk starting at len(prefix); the engine does not reset the slot for it."""
+    """Before this step's forward, load the checkpoint of exactly `prefix` (as `match_prefix`
+    reported it) into the slot; the plan's prefill chunk for the slot starts at len(prefix)."""
 
     slot: int
     prefix: tuple[int, ...]

@@ -64,9 +64,8 @@ class SlotKV:
         self._fed[slot] = array("q", prefix)
 
     def fed_at(self, slot: int, pos: int, token: int) -> None:
-        """The token at `pos` of the slot's sequence is now known on the host: a step launched
-        before it was, which fed it from the device, recorded a placeholder there (the engine
-        names only such positions)."""
+        """The token at `pos`, fed from the device by a step launched before it was known, is now
+        known on the host: it replaces the placeholder recorded there."""
         fed = self._fed.get(slot)
         if fed is not None and pos < len(fed):
             fed[pos] = token

@@ -51,8 +51,7 @@ def bring_up(
     gpu_die: Callable[[], int | None],
 ) -> Parts:
     """dies: every GPU the engine's ranks use (empty on the host); gpu_die: the one admission
-    checks, asked once the model is loaded (under tensor parallel, the die with the lowest
-    ceiling)."""
+    checks, asked once the model is loaded."""
     pointwise.set_enabled(cfg.compile)  # the decode graphs' capture compiles them
     if device.type == "cpu":
         set_cpu_threads(cfg.cpu_threads)

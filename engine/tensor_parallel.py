@@ -97,9 +97,8 @@ class TPWorkers:
         self._aborted = False
 
     def watch(self, nccl: bool) -> None:
-        """Once the group runs: on NCCL a collective waiting for a dead peer would wait out the
-        timeout (a GPU kernel spinning), so a watchdog aborts the group as soon as a worker exits
-        and the waiting step fails at once. (gloo fails it by itself: the peer's socket closes.)"""
+        """Once the group runs: on NCCL a collective waiting for a dead peer would spin out the
+        timeout, so a watchdog aborts the group once a worker exits (gloo sees the socket close)."""
         if not nccl or self._watchdog is not None:
             return
 

@@ -94,8 +94,6 @@ class Tokenizer:
         return GrammarCompiler(self.hf, vocab_size, self.eos_token_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # add_special_tokens adds a BOS where the tokenizer wants one (llama-style); split_special
-        # keeps a user's literal "<|im_end|>" as plain text instead of a control token.
         return self._ids(text, special=False, bos=add_special_tokens)
 
     @property
