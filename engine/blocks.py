@@ -1,16 +1,10 @@
 """The KV block allocator: which fixed-size blocks exist, who holds each, and every slot's block table.
 
-Pure bookkeeping (no tensors), so a property test can run thousands of random histories. The
-memory behind the blocks is the `KVStore`'s; `KVPool` keeps the two in step.
-
-Blocks live in segments of `seg_blocks` consecutive ids (segment s holds ids s*seg_blocks ..).
-Segments are added when the free blocks run out and removed when every block in them is free, so
-the pool's memory grows and shrinks in whole segments. Free blocks are handed out lowest id first:
-live blocks pack into the low segments and the high ones empty out, ready to be given back.
-
-A block is held by reference: once per slot table that lists it and once per `hold` (the prefix
-cache keeps a finished prompt's blocks that way, shared by reference with the slots that reuse
-them). A block with no reference is free.
+Pure bookkeeping (no tensors), so a property test can run thousands of random histories.
+Blocks live in segments of `seg_blocks` consecutive ids, added when the free blocks run out and
+removed when all their blocks are free. Free blocks go out lowest id first, so live blocks pack
+into the low segments and the high ones empty out, ready to be given back. A block is referenced
+once per slot table listing it and once per `hold` (the prefix cache's); with none it is free.
 """
 
 from __future__ import annotations
@@ -119,9 +113,8 @@ class BlockAllocator:
         return gone
 
     def compact(self) -> dict[int, int]:
-        """Move blocks in use out of the highest segments into free blocks of the lowest ones, so
-        the high segments empty and can be given back; every table and reference follows. Returns
-        the moves (old block -> new block) for the caller to copy the contents."""
+        """Move blocks in use out of the highest segments into free blocks of the lowest, tables and
+        references following. Returns the moves (old -> new) for the caller to copy the contents."""
         if not self._refs:
             return {}
         needed = -(-(len(self._refs) + self.reserved) // self.seg_blocks)
@@ -183,9 +176,8 @@ class BlockAllocator:
         self._tables[slot] = list(blocks)
 
     def replace(self, slot: int, index: int, block: int) -> int:
-        """Put `block` (already referenced by the caller, e.g. fresh from `grow` of a scratch
-        table) at position `index` of the slot's table; the old block loses the slot's reference.
-        Returns the old block. Used for copy on write of a shared block."""
+        """Copy on write: put `block` (already referenced by the caller, e.g. from `take`) at
+        `index` of the slot's table; the old block, returned, loses the slot's reference."""
         table = self._tables[slot]
         old = table[index]
         table[index] = block

@@ -1,9 +1,8 @@
 """Slot states in one host buffer: where each tensor lies in it, and the journal that tells the other
 tensor-parallel ranks to make the same copies of their shards.
 
-A buffer comes from the memory layer's `CheckpointPool` (pinned on CUDA, recycled) or, without a
-pool, from a fresh allocation. Each tensor gets a segment at an aligned offset, so any dtype can be
-viewed there and CUDA copies stay on their fast path.
+Each tensor gets a segment at an aligned offset, so any dtype can be viewed there and CUDA copies
+stay on their fast path.
 """
 
 from __future__ import annotations

@@ -78,14 +78,11 @@ def staging_bytes(
     checkpoints: int,
 ) -> int:
     """Device memory for checkpoint copies in flight (`StateCopies`), leased from the ledger
-    (appended to `leases`).
+    (appended to `leases`): room for `checkpoints` of them, else for one, else none.
 
-    A save stages the slot's recurrent states on the device and moves them to the host on a side
-    stream; a save that finds no staging room copies from the slot itself, and the slot's next
-    forward (so the whole next step) waits for that transfer over PCIe. A batch of new
-    conversations ends its prompts together (on an H200, 32 first turns of the 6.2B hybrid with
-    room for three took 1.44x the TTFT p50 of the cache off). So room for `checkpoints` of them (a
-    step saves at most one per sequence), else for one, else none (direct copies)."""
+    A save without staging room copies from the slot itself, and the whole next step waits for
+    that transfer over PCIe; new conversations end their prompts together (32 first turns of the
+    6.2B hybrid on an H200 with room for three: 1.44x the TTFT p50 of the cache off)."""
     one = checkpoint_bytes(states)
     if device.type != "cuda" or one == 0:
         return 0  # CPU copies are synchronous; attention-only checkpoints copy no state
@@ -116,9 +113,8 @@ class CheckpointExecutor:
         check_slots: Callable[[Sequence[int]], None],
         max_model_len: int,
     ) -> None:
-        """cache: checkpoints and parked sequences; prefix_cache: the same object when prefix
-        caching is on, else None (parking only); check_slots raises PlanError for slots out of range;
-        max_model_len bounds a checkpoint's length."""
+        """prefix_cache: `cache` itself when prefix caching is on, else None (parking only);
+        check_slots raises PlanError for slots out of range."""
         self._cache = cache
         self._prefix = prefix_cache
         self._pool = pool
@@ -147,11 +143,9 @@ class CheckpointExecutor:
     def restore(self, plan: StepPlan) -> tuple[int, frozenset[int]]:
         """Start each restore's slot from its parked sequence or checkpoint, before any forward.
         Returns the prompt tokens restored from checkpoints, and the slots the step skips like
-        preempted ones (the scheduler queues them again): a parked sequence that found no blocks to
-        come back to (it stays parked), and a checkpoint that is gone. The scheduler plans step N+1
-        while step N runs, so N's saves or block needs can evict the entry N+1 restores (measured on
-        an H200, 32 chats: one such step failed and took 29 sequences with it); the request then
-        prefills again, restoring what is still cached."""
+        preempted ones: a parked sequence that found no blocks (it stays parked), or a checkpoint
+        gone. A gone checkpoint is normal: step N's saves or block needs can evict what step N+1,
+        planned while N ran, restores; failing the step instead once took 29 sequences with it."""
         cache, slot_kv, sampler = self._cache, self._slot_kv, self._runner.sampler
         starts = {p.slot: p.start_pos for p in plan.prefills}
         reused = 0

@@ -1,7 +1,5 @@
 """The engine's configuration and its prefix cache's: frozen dataclasses, validated when built.
-
-Values found at load time (the slot count the memory layer allows, the profiled activation bytes)
-are returned by the engine, never written back here.
+Values found at load time are returned by the engine, never written back here.
 """
 
 from __future__ import annotations
@@ -245,18 +243,16 @@ class EngineConfig:
 
     def resolved_prefill_chunk(self, device: torch.device) -> int:
         """--prefill-chunk-tokens, or where 0 the device's default (never past max_model_len). On
-        a GPU fewer, bigger steps carry a burst of prompts sooner (an H200 serving a 3B model 128
-        streams of 1k-token prompts: TTFT p99 4.1 s at 2,048 tokens a step, 10.4 s at 512; an 8B
-        1k-token prefill: 35.9 ms in one step, 37.6 in two); on the CPU a step is compute-bound
-        and a big chunk only stalls the running streams longer."""
+        a GPU fewer, bigger steps carry a burst of prompts sooner (128 streams of 1k-token prompts
+        on a 3B model: TTFT p99 4.1 s at 2,048 tokens a step, 10.4 s at 512); on the CPU a step is
+        compute-bound and a big chunk only stalls the running streams longer."""
         if self.prefill_chunk_tokens:
             return self.prefill_chunk_tokens
         return min(2048 if device.type == "cuda" else 512, self.max_model_len)
 
     def cpu_int4(self, device: torch.device) -> bool:
-        """Whether a GGUF's 4-bit linears stay 4-bit (models/cpu_int4.py): a float32 CPU engine on
-        one device, unless --cpu-weights dense; --cpu-weights int4 where that cannot hold is an
-        error, not a silent dense load."""
+        """Whether a GGUF's 4-bit linears stay 4-bit (models/cpu_int4.py); --cpu-weights int4 where
+        that cannot hold is an error, not a silent dense load."""
         possible = self._one_float32_cpu(device) and cpu_int4.kernels_available()
         if self.cpu_weights == "int4" and not possible:
             raise ConfigError(
@@ -267,8 +263,7 @@ class EngineConfig:
 
     def cpu_fp16(self, device: torch.device) -> bool:
         """Whether a GGUF's linears are held float16 (models/cpu_linear.py): --cpu-weights fp16,
-        which needs a float32 engine on the CPU, one device, and FBGEMM (an error otherwise, not
-        a silent dense load)."""
+        where it cannot hold an error, not a silent dense load."""
         if self.cpu_weights != "fp16":
             return False
         if not (self._one_float32_cpu(device) and cpu_linear.fp16_available()):
@@ -293,18 +288,11 @@ class EngineConfig:
 
     def cpu_prompt_bf16(self, device: torch.device) -> bool:
         """Whether prompt chunks run in bfloat16 (models/cpu_linear.py): --cpu-prefill bfloat16,
-        which needs a float32 CPU engine on one device with dense or int4 weights (fp16 keeps no
-        float32 weights) and a CPU with bfloat16 arithmetic; an error otherwise, not a silent
-        float32 prefill."""
+        which needs float32 weights to hold (not --cpu-weights fp16) and a CPU with bfloat16
+        arithmetic; an error otherwise, not a silent float32 prefill."""
         if self.cpu_prefill != "bfloat16":
             return False
-        if not (
-            device.type == "cpu"
-            and self.resolved_dtype(device) == torch.float32
-            and self.tensor_parallel_size == 1
-            and self.cpu_weights != "fp16"
-            and cpu_linear.bf16_available()
-        ):
+        if not (self._one_float32_cpu(device) and self.cpu_weights != "fp16" and cpu_linear.bf16_available()):
             raise ConfigError(
                 "--cpu-prefill (BALLAST_CPU_PREFILL)=bfloat16 needs a float32 engine on the CPU, one "
                 "device, --cpu-weights dense or int4, and a CPU with bfloat16 arithmetic (AVX512-BF16 "
@@ -359,11 +347,9 @@ class PrefixCacheConfig:
 
 
 def auto_interval(state_bytes_per_slot: int, kv_bytes_per_token: int) -> int:
-    """Tokens between checkpoints, from the model's costs. A checkpoint's fixed part (the recurrent
-    state) costs as much as state/kv tokens of KV; placing checkpoints at least that far apart keeps
-    the recurrent copies from costing more than the KV they let a later prompt skip, so interval
-    checkpoints at most double the cache's bytes. Never below MIN_INTERVAL: each split prefill chunk
-    costs a step."""
+    """Tokens between checkpoints: at least state/kv tokens apart, so the recurrent copies cost no
+    more than the KV they let a later prompt skip (interval checkpoints at most double the cache's
+    bytes), and never below MIN_INTERVAL."""
     if kv_bytes_per_token <= 0:  # no attention layers: nothing to weigh the state against
         return MIN_INTERVAL
     tokens = math.ceil(state_bytes_per_slot / kv_bytes_per_token)

@@ -1,13 +1,9 @@
 """Incremental detokenization: token ids in, exact text deltas out.
 
-Decoding each new token alone is wrong for byte-level and SentencePiece tokenizers: a character
-can span several tokens, and a token's leading space depends on what precedes it. So we decode a
-small window twice, as vLLM and TGI do: the tokens from `prefix_offset` up to `read_offset` (text
-already emitted) and up to the newest token; the delta is the difference. While the new tail
-decodes to U+FFFD (an incomplete UTF-8 sequence) we hold it back and wait for the next token.
-
-Stop strings may also span tokens. We hold back the longest tail of the text that could still
-become a stop string, and cut at the first full match.
+A character can span tokens and a token's leading space depends on what precedes it, so (as vLLM
+and TGI do) a small window is decoded twice, up to `read_offset` and up to the newest token, and
+the delta is the difference; a tail that decodes to U+FFFD waits for the next token. Text that
+could still become a stop string is held back too; the first full match cuts.
 """
 
 from __future__ import annotations

@@ -1,17 +1,18 @@
 """The Engine: owns the device, the model runner and the one engine thread.
 
 Every tensor operation (loading, profiling, allocation, each step) runs on a single-worker
-executor, so no allocation or free can race a step in flight. The scheduler talks to it only
-through frozen `StepPlan` / `StepResult` values. The engine keeps the thread, its health and
-`submit`; a step itself is the `StepExecutor`'s, built around the runner (`startup.assemble`).
+executor, so no allocation or free can race a step in flight. The engine keeps the thread, its
+health and `submit`; a step itself is the `StepExecutor`'s (`startup.assemble`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -19,15 +20,19 @@ from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.executor import needs_host_tokens
 from ballast.engine.pipeline import LaunchedStep, StepPipeline
 from ballast.engine.plan import EngineUnhealthy, KVFigures, StepPlan, StepResult
-from ballast.engine.served_model import ServedModel
+from ballast.engine.sampling_defaults import sampling_defaults as defaults_for
 from ballast.engine.startup import Parts, assemble, bring_up
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.watch import MemWatch
 
+if TYPE_CHECKING:
+    from ballast.engine.detok import Detokenizer
+    from ballast.engine.tokenizer import Tokenizer
+
 log = logging.getLogger(__name__)
 
 
-class Engine(ServedModel):
+class Engine:
     """Implements `ballast.engine.interface.EngineLike`. Build it with `Engine.load(config)`."""
 
     def __init__(
@@ -67,9 +72,8 @@ class Engine(ServedModel):
         prefix_cache: PrefixCacheConfig | None = None,
         pool: CheckpointPool | None = None,
     ) -> Engine:
-        """Load the model, profile a prefill, allocate slot states (the main KV pool in
-        config.kv_quant's format). prefix_cache: the checkpoint cache's settings (default: on);
-        pool: where its buffers come from and go back to."""
+        """Load the model, profile a prefill, allocate slot states. prefix_cache: the checkpoint
+        cache's settings (default: on); pool: where its buffers come from and go back to."""
         return cls(config, watch, prefix_cache=prefix_cache, pool=pool)
 
     def _load(self) -> Parts:
@@ -95,9 +99,8 @@ class Engine(ServedModel):
 
     @property
     def gpu_die(self) -> int | None:
-        """The GPU whose ledger admission checks (None: it runs on the host). Under tensor
-        parallel every die gets the same leases, so the die with the lowest ledger ceiling is the
-        one that fills first: checking it checks every die."""
+        """The GPU whose ledger admission checks (None: the host). Under tensor parallel every die
+        gets the same leases, so the one with the lowest ceiling fills first: it speaks for all."""
         dies = self.dies
         if len(dies) > 1 and self._watch is not None:
             return min(dies, key=self._watch.ledger.ceiling)
@@ -146,6 +149,23 @@ class Engine(ServedModel):
     @property
     def reused_tokens(self) -> int:
         return self._steps.reused_tokens
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._loaded.tokenizer.get()
+
+    @property
+    def hf_config(self) -> dict[str, object]:
+        """The model's Hugging Face-style config dict (from config.json, the GGUF, or built in)."""
+        return dict(self._loaded.hf_config)
+
+    @functools.cached_property
+    def sampling_defaults(self) -> dict[str, float]:
+        source = self._loaded.source
+        return defaults_for(source.kind, source.path)
+
+    def new_detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> Detokenizer:
+        return self.tokenizer.new_detokenizer(prompt_ids, stop)
 
     @property
     def healthy(self) -> bool:
@@ -197,8 +217,7 @@ class Engine(ServedModel):
         return self._steps.finish(launched)
 
     def _on_step_failure(self, plan: StepPlan, exc: BaseException) -> None:
-        """A step raised: the engine is unsound (`StepExecutor.failed` says why), or the plan's
-        sequences are dropped and StepFailed names them."""
+        """A step raised: the engine is unsound, or StepFailed names the sequences dropped."""
         if isinstance(exc, EngineUnhealthy):
             return  # a plan queued behind the step that made the engine unsound
         outcome = self._steps.failed(plan, exc)

@@ -1,10 +1,7 @@
 """One plan's step on the engine thread, in two halves (`StepPipeline` overlaps them): `launch`
 does everything on the host up to the sampled tokens' copy (housekeeping, restores, blocks, the
 batch, the forward, the draw), `finish` waits for that copy and completes the result. A step that
-raises is undone by `failed`, which says whether the engine is still sound.
-
-The executor talks to the runner (forward, slot states), the sampler and the KV side (`SlotKV`,
-the prefix cache and its checkpoint orders) through their own methods; it holds no tensors.
+raises is undone by `failed`, which says whether the engine is still sound. It holds no tensors.
 """
 
 from __future__ import annotations
@@ -88,8 +85,7 @@ class StepExecutor:
         return self._sampler.vocab_size
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
-        """Everything of a step up to its sampled tokens' copy to the host, without waiting for the
-        device: housekeeping, restores, blocks, the forward, the draw."""
+        """A step up to its sampled tokens' copy to the host, without waiting for the device."""
         self._slot_kv.begin_step()
         if self._pool is not None:
             self._pool.free_copied()  # checkpoint buffers let go of whose copies have run since
@@ -141,8 +137,7 @@ class StepExecutor:
         return result
 
     def failed(self, plan: StepPlan, exc: BaseException) -> str | StepFailed:
-        """A step raised: why the engine is unsound now (a device fault, anything that is not an
-        Exception, a fault that recurs, a failed recovery), or, once the plan's sequences are
+        """A step raised: why the engine is unsound now, or, once the plan's sequences are
         dropped, the StepFailed that names them."""
         if is_device_fault(exc) or not isinstance(exc, Exception):
             return f"device fault: {type(exc).__name__}"
@@ -165,10 +160,9 @@ class StepExecutor:
         return StepFailed(exc, slots, memory=is_memory_fault(exc))
 
     def _recover(self, plan: StepPlan) -> frozenset[int]:
-        """Undo what a failed step may have half done: every slot the plan named loses its
-        sequence (blocks, states, sampler history; a sequence parked by a preemption in this step
-        is dropped with it), and the plan's housekeeping (releases, unparks, shed) is applied so
-        no buffer or block is left behind. Each of these is idempotent."""
+        """Undo what a failed step may have half done: every slot the plan named loses its sequence
+        (one parked in this step too), and the plan's releases, unparks and shed are applied so no
+        buffer or block is left behind. Each of these is idempotent."""
         slots = written_slots(plan)
         touched = sorted(s for s in slots | set(plan.release) if 0 <= s < self.num_slots)
         self._fed.dropped(frozenset(touched))
@@ -193,8 +187,7 @@ class StepExecutor:
         return pool.figures() if pool is not None else None
 
     def close(self) -> None:
-        """Once the engine thread is done: let go of the graphs, the cache's buffers, the KV
-        segments, the leases and the runner."""
+        """Once the engine thread is done: let go of everything the steps held."""
         self._runner.graph_runner.release_graphs()
         self._cache.shed()  # buffers back to the pool, which the owner trims
         self._cache.parked.drop_all()
@@ -249,8 +242,7 @@ class StepExecutor:
             self._slot_kv.shrink(plan.kv_keep)
 
     def _batch(self, plan: StepPlan, skip: frozenset[int]) -> StepBatch | None:
-        """The step's batch (`build_batch`; slots in `skip` left out). Slots starting a new
-        sequence are reset first."""
+        """The step's batch, slots in `skip` left out; slots starting a new sequence are reset."""
         batch = self._build(plan, skip)
         fresh = [p for p in plan.prefills if p.start_pos == 0]
         self._slot_kv.start([p.slot for p in fresh], [p.int8_kv for p in fresh])

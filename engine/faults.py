@@ -1,10 +1,8 @@
 """Which failures inside an engine step the engine survives.
 
-A step runs on one thread and touches only the slots its plan names, so a Python exception or an
-out-of-memory error (host `MemoryError`, `torch.cuda.OutOfMemoryError`, a ledger refusal) costs
-exactly those sequences: the engine drops them and serves on. A CUDA error that is not an
-allocation failure (an illegal address, a device-side assert, a launch failure) poisons the
-context: every later kernel fails too, so only a restart helps, and the process must say so.
+A step touches only the slots its plan names, so a Python exception or an out-of-memory error
+costs exactly those sequences: the engine drops them and serves on. A CUDA error that is not an
+allocation failure poisons the context (every later kernel fails too): only a restart helps.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 No scheduler here: one slot, the prompt prefilled in chunks of the engine's profiled size, then
 one decode step per token until an end-of-turn token, the token limit or the slot's capacity.
-`generate_stream` is also what the bench and the default-model test drive.
 """
 
 from __future__ import annotations

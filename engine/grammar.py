@@ -1,17 +1,12 @@
 """Constrained decoding: a grammar per request, a matcher per slot, one token mask per step.
 
-llguidance is the grammar engine. It was chosen over xgrammar by measurement (bench/grammar_mask:
-the mask fill per step on CPU with the default model's 49k vocabulary was 2-11x cheaper at batch
-32, depending on the schema) and because it has no dependencies, where xgrammar pulls triton and a
-second FFI runtime into a CPU install.
+llguidance is the grammar engine, over xgrammar: its mask fill was 2-11x cheaper at batch 32 on
+the default model's 49k vocabulary (bench/grammar_mask), and it pulls no triton into a CPU install.
 
-The server turns a request's `response_format` or forced tool call into a `Constraint`: the
-grammar text, checked once (an invalid schema is a 400 before any work), and a matcher built from
-it that the engine only copies. The sampler keeps one matcher per constrained slot
-(`SlotMatchers`): before sampling it writes each constrained row's allowed-token bitmask into one
-host buffer, the buffer crosses to the device in one copy, and the mask is applied to the batch
-in one operation, so there is no host sync per sequence. After sampling, each matcher consumes
-the token its row drew.
+A `Constraint` is checked once, when the server builds it (an invalid schema is a 400 before any
+work). The sampler keeps one matcher per constrained slot (`SlotMatchers`): every row's bitmask is
+written into one host buffer that crosses to the device in one copy, so there is no host sync per
+sequence; after sampling, each matcher consumes the token its row drew.
 """
 
 from __future__ import annotations
@@ -37,11 +32,9 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class Constraint:
-    """What the sampler enforces for one request: output tokens must follow the grammar.
-
-    `prompt_tokens` is where the constrained output starts in the slot's sequence: a sequence
-    resumed after preemption is fed prompt and output again, and its new matcher replays the
-    output part."""
+    """Output tokens must follow the grammar. `prompt_tokens`: where the constrained output starts
+    (a sequence resumed after preemption is fed prompt and output again; its matcher replays the
+    output part)."""
 
     grammar: str  # llguidance's grammar text (for logs and equality)
     prompt_tokens: int

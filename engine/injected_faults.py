@@ -1,21 +1,11 @@
 """Faults an operator injects into engine steps (`BALLAST_FAULTS`), to test from outside the
 process what the server does when a step hangs, runs out of memory, poisons the device or crawls.
 
-Off unless set. The setting is a JSON list of objects, e.g.
-`[{"kind": "hang", "after_steps": 20, "seconds": 600}]`:
-
-- `kind`: `hang` (the step sleeps `seconds`, default 3600), `oom` (`torch.cuda.OutOfMemoryError`
-  on a GPU, `MemoryError` on the CPU), `device_error` (a context-poisoning CUDA error: the engine
-  becomes unsound), `slow` (the step sleeps `seconds`, default 0.1, then runs);
-- `after_steps`: steps with work (a forward) that run clean first, default 0;
-- `count`: how many steps it hits, default 1; -1 = every matching step from then on;
-- `when`: `prefill` (a step carrying a prompt chunk), `decode` (a step of decode tokens only)
-  or `any` (default);
-- `rank`: under tensor parallel, the rank whose steps it hits (default 0, the server's own; a
-  worker's `oom` or `device_error` ends that worker, which rank 0 sees as a lost peer).
-
-The faults fire on the engine thread right before the model's forward, where a real stuck kernel
-or a failed activation allocation would.
+Off unless set; the value is a JSON list of objects (the fields are the flag's help). `hang` and
+`slow` sleep `seconds` (default 3600 and 0.1), `oom` raises the device's out-of-memory error,
+`device_error` a context-poisoning CUDA error (the engine becomes unsound). `after_steps` counts
+steps with work; `rank` picks a tensor-parallel rank (a worker's oom or device_error ends it).
+Faults fire right before the model's forward, where a stuck kernel or a failed allocation would.
 """
 
 from __future__ import annotations

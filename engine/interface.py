@@ -24,8 +24,8 @@ class TokenizerLike(Protocol):
         ...
 
     def grammar_compiler(self, vocab_size: int) -> GrammarCompiler | None:
-        """A new compiler of grammars over this vocabulary, for logits `vocab_size` wide (about
-        0.3 s to build: the server keeps one), or None where it cannot constrain sampling."""
+        """A compiler of grammars for logits `vocab_size` wide (0.3 s to build: the server keeps
+        one), or None where it cannot constrain sampling."""
         ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -97,17 +97,15 @@ class EngineLike(Protocol):
         ...
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
-        """Queue a plan on the engine thread. Plans run one at a time, in submission order.
-        The future raises `StepFailed` if the step failed but the engine recovered (the named
-        slots' sequences are gone, the plan's releases applied); any other exception means the
-        engine is unsound (see `healthy`)."""
+        """Queue a plan on the engine thread; plans run in submission order. The future raises
+        `StepFailed` if the engine recovered from the step's failure; any other exception means
+        the engine is unsound (see `healthy`)."""
         ...
 
     def match_prefix(self, prompt_ids: Sequence[int]) -> int:
         """How many leading tokens of this prompt a `CheckpointRestore` could cover in the next
-        plan (always fewer than the prompt's length; 0 = none). Called on the event loop while no
-        plan is in flight: checkpoints change only inside steps, so the answer holds for the next
-        plan."""
+        plan (fewer than the prompt's length; 0 = none). Called on the event loop: checkpoints
+        change only inside steps, so the answer holds for the next plan."""
         ...
 
     def match_parked(self, tokens: Sequence[int]) -> int:

@@ -1,9 +1,8 @@
 """Where the KV pool's memory comes from, and what it adds up to.
 
 A segment is granted by the memory layer before it is allocated: on CUDA as a VRAM ledger lease
-(so the ledger refuses before the driver would OOM), on the CPU against the host budget (effective
-available memory above the reserve, from the latest MemWatch snapshot, less what the host book
-holds that the snapshot does not show: see memory/host_book.py).
+(so the ledger refuses before the driver would OOM), on the CPU against the host budget less what
+the host book holds that the latest snapshot does not show yet.
 """
 
 from __future__ import annotations
@@ -37,10 +36,8 @@ def segment_grant(watch: MemWatch, die: int | None, tag: str = "kv-segment") -> 
 
 
 def _host_grant(watch: MemWatch) -> Acquire:
-    """Grants against the host budget, held in the host book until released: a grant counts
-    against every snapshot read before its pages were committed (the pool commits a segment when
-    it adds it), so the same bytes are never granted twice, and a released segment stops counting
-    at once."""
+    """Grants held in the host book until released: a grant counts against every snapshot read
+    before its pages were committed, so the same bytes are never granted twice."""
 
     def grant(nbytes: int) -> HostGrant | None:
         return watch.host_book.take(nbytes, lambda: watch.exact().host_budget_bytes)
@@ -57,10 +54,8 @@ def capacity_line(
     max_model_len: int,
     workspace: StepWorkspace | None = None,
 ) -> str:
-    """The start-up report: what the memory left after loading holds, in tokens and sequences. Every
-    per-slot cost is in it (a hybrid model's recurrent states are allocated for every slot at load
-    and are often larger than a short sequence's KV), so the figures are what admission will find;
-    so is each step's workspace beside the activations (leased at load on CUDA)."""
+    """The start-up report: what the memory left after loading holds, in tokens and sequences, with
+    every per-slot cost and each step's workspace in it, so the figures are what admission finds."""
     return _kv_line(cost, fixed_bytes, kv_room_bytes, quantized, max_seqs, max_model_len) + (
         f"; activations {cost.extra.get('profile_peak_bytes', 0) / MiB:.1f} MiB a prefill chunk, "
         f"{workspace.report()}"
@@ -80,8 +75,7 @@ def _kv_line(
     if per_tok <= 0:
         return (
             f"capacity: no attention KV; {max_seqs} slots of recurrent state hold {fixed_bytes / MiB:.1f} "
-            "MiB; "
-            f"{kv_room_bytes / GiB:.2f} GiB left"
+            f"MiB; {kv_room_bytes / GiB:.2f} GiB left"
         )
     tokens = kv_room_bytes // per_tok
     seqs = min(max_seqs, tokens // max_model_len)

@@ -1,14 +1,9 @@
-"""The KV block pool: the allocator's bookkeeping and the store's memory, kept in step, on the
-engine thread.
+"""The KV block pool: the allocator's bookkeeping and the store's memory, kept in step.
 
-A slot takes blocks as its sequence grows (`ensure`) and gives them back when it ends (`release`);
-the prefix cache holds a prompt's blocks by reference (`hold` / `drop`) and a later slot starts
-from them (`attach`, copying the last block if it is partly filled, since the new sequence will
-write into it). When the free blocks run out the pool adds a segment, if the memory layer grants
-one (`acquire`: a VRAM ledger lease on CUDA, the host budget on the CPU); `shrink` gives whole
-free segments back. Nothing here runs while a step is in flight: the engine calls it between steps,
-so no block an executing kernel reads is ever freed or moved. `KVManager` owns a model's pools;
-the models see only the attention backend it builds over their stores.
+Slots take blocks as they grow (`ensure`) and give them back (`release`); the prefix cache holds
+blocks by reference (`hold` / `drop`) and a later slot starts from them (`attach`). Segments are
+added as the memory layer grants them (`acquire`) and given back whole (`shrink`). Everything runs
+on the engine thread between steps, so no block an executing kernel reads is freed or moved.
 """
 
 from __future__ import annotations
@@ -94,9 +89,8 @@ class KVPool:
             self.store.clear_table(slot)
 
     def attach(self, slot: int, blocks: Sequence[int], n_tokens: int) -> bool:
-        """Start the (empty) slot's sequence on `blocks`, which hold its first n_tokens positions,
-        shared by reference. A partly filled last block is copied first (the slot will write the
-        rest of it). False, with nothing attached, when that copy finds no free block."""
+        """Start the (empty) slot on `blocks` (its first n_tokens positions) by reference, copying a
+        partly filled last block the slot will write into; False (nothing attached) if none is free."""
         bs = self.layout.block_size
         if len(blocks) != blocks_for(n_tokens, bs):
             raise ValueError(f"{len(blocks)} blocks for {n_tokens} tokens of block size {bs}")
@@ -123,9 +117,8 @@ class KVPool:
 
     # --- segments -------------------------------------------------------------------------
     def compact(self) -> dict[int, int]:
-        """Pack the blocks in use into the lowest segments (contents copied, tables rewritten) so
-        that `shrink` can give back segments that only a few scattered blocks kept. Returns the
-        moves; holders of block ids outside the tables (the prefix cache) must follow them."""
+        """Pack the blocks in use into the lowest segments so `shrink` can give back the rest.
+        Returns the moves: holders of block ids outside the tables (the prefix cache) follow them."""
         rows = range(self.layout.table_rows)
         slots_before = {slot: self.alloc.table(slot) for slot in rows if self.alloc.count(slot)}
         moves = self.alloc.compact()
@@ -138,8 +131,7 @@ class KVPool:
         return moves
 
     def has_surplus(self, keep_free_blocks: int) -> bool:
-        """The free blocks beyond `keep_free_blocks` fill a whole segment: shrinking could give
-        one back (after `compact`)."""
+        """The free blocks beyond `keep_free_blocks` fill a segment `shrink` could give back."""
         return self.alloc.free_blocks - keep_free_blocks >= self.layout.seg_blocks
 
     def shrink(self, keep_free_blocks: int = 0) -> int:
@@ -190,11 +182,9 @@ class KVPool:
 
 
 class KVManager:
-    """Every KV block of a model, on the engine side: the main pool (the format chosen at load)
-    and, where that is not int8 already, an int8 pool for sequences the ladder starts quantized
-    at WATCH and worse (address space only until one needs it), so the int8 rung applies to new
-    sequences while running ones keep their format. Which pool each slot's sequence lives in is
-    kept here, on the host and as the device table (`int8_slots`) attention reads."""
+    """A model's KV pools: the main one and, unless that is int8 already, an int8 pool for the
+    sequences the ladder starts quantized at WATCH and worse (running ones keep their format).
+    Which pool each slot lives in is kept here and in the device table (`int8_slots`)."""
 
     def __init__(self, main: KVPool, int8: KVPool | None = None) -> None:
         self.main = main
@@ -242,8 +232,7 @@ class KVManager:
         return sum(p.alloc.count(slot) for p in self.pools)
 
     def place(self, slots: Sequence[int], int8: Sequence[bool]) -> None:
-        """New sequences in these (empty) slots: each lives in the int8 pool if asked and there
-        is one, else in the main pool."""
+        """New sequences in these (empty) slots: in the int8 pool where asked and there is one."""
         if self.int8 is not None:
             self.set_int8(self._in_int8 | {s for s, q in zip(slots, int8, strict=False) if q})
 

@@ -1,13 +1,9 @@
 """Resolve a model spec, ask the memory layer, and load weights and tokenizer.
 
 Specs: `default` (the embedded SmolLM2 GGUF), `builtin:NAME` (seeded random init), a `.gguf` file,
-or a Hugging Face directory (config.json + safetensors + tokenizer files). The spec's form picks
-the loader; nothing is guessed from file contents beyond that.
-
-The memory layer is asked before any weight is read: the host must have room for the load's
-staging burst (and for the weights themselves on a CPU load), and a GPU must have room for the
-weights plus KV at max context plus the activation reserve. What lands on a GPU is then held as a
-VRAM ledger lease, so the ledger refuses the next big allocation before the driver would OOM.
+or a Hugging Face directory; the spec's form alone picks the loader. The memory layer is asked
+before any weight is read, and what lands on a GPU is held as a VRAM ledger lease, so the ledger
+refuses the next big allocation before the driver would OOM.
 """
 
 from __future__ import annotations
@@ -88,8 +84,7 @@ class ModelSource:
 
 
 def check_spec(spec: str) -> None:
-    """Fail fast on a model that names no file, directory or built-in model (before anything
-    loads); the default model is fetched at load, not here."""
+    """Fail fast on a model that names nothing loadable; the default model is fetched at load."""
     if spec != "default":
         resolve(spec)
 
@@ -126,8 +121,7 @@ class LoadedModel:
 
 
 class LazyTokenizer:
-    """Loads the tokenizer on first use. A built-in model borrows the default model's tokenizer
-    (same vocabulary); tests that drive it with token ids never pay for fetching it."""
+    """Loads the tokenizer on first use: tests that drive a model with token ids never pay for it."""
 
     def __init__(self, factory: Callable[[], Tokenizer]) -> None:
         self._factory = factory
@@ -141,9 +135,17 @@ class LazyTokenizer:
             return self._value
 
 
+def lazy_tokenizer(hf_dir: Path | None) -> LazyTokenizer:
+    """A Hugging Face directory's tokenizer or, for None, the default model's (a built-in model
+    borrows it: same vocabulary)."""
+    if hf_dir is None:
+        return LazyTokenizer(lambda: Tokenizer(build_tokenizer(read_gguf(default_model_path()).metadata)))
+    path: Path = hf_dir
+    return LazyTokenizer(lambda: Tokenizer.from_hf_dir(path))
+
+
 def planned_weights_bytes(hf_config: dict[str, Any], dtype: torch.dtype) -> int:
-    """Bytes a built-in model will hold, from its config alone (built on the meta device: no
-    memory), float8 weights and their scales included."""
+    """Bytes a built-in model will hold, float8 weights and scales included (built on meta)."""
     with torch.device("meta"):
         model = model_class(hf_config).from_hf_config(hf_config).to(dtype)
     fp8_weights = builtin.fp8_weights(hf_config)
@@ -156,9 +158,8 @@ def planned_weights_bytes(hf_config: dict[str, Any], dtype: torch.dtype) -> int:
 def bytes_beside_weights(
     hf_config: Mapping[str, Any], config: EngineConfig, dtype: torch.dtype
 ) -> tuple[int, int, int]:
-    """What a load needs besides the weights: (bytes allocated for the slots at load: recurrent
-    states and sampler buffers, bytes of KV for one sequence at max_model_len: the least a pool
-    must be able to hold to serve it, the prefill activations)."""
+    """What a load needs besides the weights: (the slots' recurrent states and sampler buffers,
+    one max_model_len sequence's KV, the prefill activations), in bytes."""
     with torch.device("meta"):
         specs = model_class(hf_config).from_hf_config(hf_config).layer_specs(dtype_bytes(dtype))
     slots = config.max_num_seqs + 1  # the decode graphs' scratch slot
@@ -180,11 +181,10 @@ def admit_load(
     *,
     host_staging: int = 0,
 ) -> None:
-    """Raise ModelLoadRefused unless the memory this load allocates fits: the weights, the slots'
-    fixed states, the KV of one max-length sequence and the prefill activations, on the host for a
-    CPU engine or on the die (under the ledger's ceiling, the limit every later lease meets) for a
-    GPU engine; host_staging is host memory the load passes through on its way to a GPU (a GGUF
-    dequantized whole, safetensors read ahead), checked against the host with the load spike."""
+    """Raise ModelLoadRefused unless the weights, the slots' fixed states, one max-length
+    sequence's KV and the prefill activations fit: on the host for a CPU engine, under the die's
+    ledger ceiling for a GPU one. host_staging: host memory the load passes through on its way to
+    a GPU (a GGUF dequantized whole, safetensors read ahead), checked with the load spike."""
     if watch is None:
         return  # tests and tools without a memory layer
     mem_config = watch.config
@@ -229,9 +229,7 @@ def load(
         weights = planned_weights_bytes(hf_config, dtype)
         admit_load(hf_config, config, device, dtype, weights, watch)
         model = builtin.build_builtin(source.name, dtype=dtype, device=device)
-        tokenizer = LazyTokenizer(
-            lambda: Tokenizer(build_tokenizer(read_gguf(default_model_path()).metadata))
-        )
+        tokenizer = lazy_tokenizer(None)
     elif source.kind == "gguf":
         assert source.path is not None
         gf = read_gguf(source.path)
@@ -258,10 +256,9 @@ def load(
         weights = ckpt.weights_bytes(dtype, keep_fp8)
         admit_load(hf_config, config, device, dtype, weights, watch, host_staging=ckpt.transient_bytes())
         model = load_hf_model(ckpt, dtype=dtype, device=device, keep_fp8=keep_fp8)
-        path = source.path
-        tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(path))
+        tokenizer = lazy_tokenizer(source.path)
     if tok_dir is not None:
-        tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(tok_dir))
+        tokenizer = lazy_tokenizer(tok_dir)
     leases: list[Lease] = []
     held = weights_bytes(model) + packed_bytes(model)  # FBGEMM's packed fp16 weights are not tensors
     if watch is not None and device.type == "cuda":
@@ -272,8 +269,7 @@ def load(
 
 
 def _int4_weights(gf: GGUFFile, hf_config: dict[str, Any]) -> dict[str, Q4Weight]:
-    """The GGUF's 4-bit weights the CPU keeps 4-bit: whole blocks of a Llama-family model (the
-    rest are dequantized as usual; these are never dequantized)."""
+    """The GGUF's 4-bit weights the CPU keeps 4-bit (whole blocks of a Llama-family model)."""
     if model_class(hf_config) is not LlamaForCausalLM:
         return {}
     q4 = gguf_q4_weights(gf, hf_config)

@@ -1,13 +1,9 @@
 """Sequences the engine preempted, moved out of the KV pool into host buffers until they resume.
 
-Preemption frees a running sequence's KV blocks for others without recomputing it later: its
-blocks' contents and its recurrent states are copied into one host buffer (pinned on CUDA, from the
-checkpoint pool), and the blocks go back to their pool. Resuming takes fresh blocks in the pool the
-sequence came from and copies everything back. Parked sequences are running work, not cache: the
-ladder's shed leaves them alone; they go when they resume or when their request ends.
-
-Threads: `match` runs on the event loop (the scheduler asks it while building a plan); every other
-method on the engine thread. The index is guarded by a lock.
+Preemption frees a sequence's KV blocks without recomputing it later: its blocks and recurrent
+states are copied into one host buffer from the checkpoint pool, and resuming copies them back
+into fresh blocks of the pool it came from. Parked sequences are running work, not cache: the
+ladder's shed leaves them alone. `match` runs on the event loop, the rest on the engine thread.
 """
 
 from __future__ import annotations
@@ -84,9 +80,8 @@ class ParkedSequences:
             return parked.kv if parked is not None else None
 
     def park(self, slot: int, tokens: Sequence[int], kv: KVPool) -> bool:
-        """Copy the slot's sequence out of `kv` (the pool it lives in): the KV blocks holding its
-        tokens and its recurrent states, into a host buffer. The caller then releases its blocks.
-        False (nothing held) when no host buffer can be had: it is recomputed then."""
+        """Copy the slot's sequence out of `kv`, the pool it lives in, into a host buffer (the caller
+        then releases its blocks). False when no buffer can be had: it is recomputed then."""
         n = len(tokens)
         blocks = kv.table(slot)[: -(-n // kv.layout.block_size)]
         views = self._sequence_views(slot, kv, blocks)
@@ -111,9 +106,9 @@ class ParkedSequences:
     def resume(
         self, slot: int, prefix: Sequence[int], evict_for_blocks: Callable[[int], object]
     ) -> int | None:
-        """Start the (empty) slot from the sequence parked with exactly `prefix`; its token count, or
-        None if none is parked so. It needs fresh blocks in its pool (the prefix cache gives way
-        first, `evict_for_blocks`): CheckpointMissing when they cannot be had (it stays parked)."""
+        """Start the (empty) slot from the sequence parked with exactly `prefix`: its token count, or
+        None if none is. Its fresh blocks come first from evicting cached prefixes; CheckpointMissing
+        when they cannot be had (it stays parked)."""
         key = prefix_key(prefix)
         with self._lock:
             parked = self._parked.get(key)
@@ -167,8 +162,7 @@ class ParkedSequences:
         return parked
 
     def _sequence_views(self, slot: int, kv: KVPool, blocks: Sequence[int]) -> list[Tensor]:
-        """What a parked sequence's buffer holds, in order: the slot's recurrent layers' tensors,
-        then the tensors of its KV blocks."""
+        """What a parked sequence's buffer holds: recurrent layers' tensors, then its blocks'."""
         views = [v for s in self._states for v in s.slot_views(slot)]
         return views + [v for b in blocks for v in kv.store.block_views(b)]
 

@@ -1,23 +1,14 @@
 """Steps on the engine thread, one ahead: step N+1 is prepared and queued while the GPU runs N.
 
-A step has two halves. `launch` does everything on the host (releases, restores, block tables,
-the batch, the forward and the sampler's kernels, the copy of the sampled tokens to pinned memory)
-and returns with the tokens still on their way; `finish` waits for that one copy and builds the
-`StepResult`. When the scheduler submits plan N+1 before N's tokens are back (its decodes are then
-fed from the device, `step_batch`), the engine thread launches N+1 first and only then finishes N,
-so the GPU finds N+1's kernels queued behind N's and never idles while the host prepares a step.
+`launch` does a step's host work and returns with its sampled tokens still on their way; `finish`
+waits for that copy. When plan N+1 comes before N's tokens are back (its decodes fed from the
+device), the engine thread launches N+1 before finishing N, so the GPU never idles on the host.
 
-Order of work on the engine thread, for each submitted plan:
-  1. finish the step in flight first if this plan needs host tokens (a grammar row's matcher must
-     consume the previous token before the mask is built);
-  2. launch the plan;
-  3. finish the step that was in flight (its future gets the result);
-  4. wait until either the next plan arrives or this step's copy is done; if no plan came, finish
-     this one too, so a step is never left in flight with nothing queued behind it.
-
-Failures keep the engine's contract: a step that raises while launching or finishing goes through
-the engine's failure handler (StepFailed for the plan's requests, or unsound), and the step in
-flight is always finished first so its requests are answered in order.
+For each plan: finish the step in flight first if the plan needs host tokens (a grammar row's
+matcher must consume the previous token); launch it; finish the step in flight; then wait for the
+next plan or this step's copy, and if no plan came finish this one too, so a step is never left
+in flight with nothing queued behind it. The step in flight is always finished first, also when
+one raises, so requests are answered in order.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The plain data that crosses the scheduler/engine boundary.
-
-The scheduler builds a frozen `StepPlan`; the engine thread executes it and returns a
-`StepResult`. Neither side reaches into the other's state, which is what lets scheduler tests run
-on CPU against a fake engine with the same `submit(plan)` interface.
-"""
+"""The plain data that crosses the scheduler/engine boundary: a frozen `StepPlan` in, a
+`StepResult` out. Neither side reaches into the other's state, which is what lets scheduler tests
+run on CPU against a fake engine."""
 
 from __future__ import annotations
 
@@ -88,9 +85,8 @@ LAST_SAMPLED = -1
 
 @dataclass(frozen=True)
 class DecodeToken:
-    """Feed one token at position pos of a slot and sample the next: the last sampled one, or,
-    for a decode planned ahead (`ahead`), the one the slot's previous step is sampling, which the
-    engine takes from the device."""
+    """Feed one token at position pos of a slot and sample the next: the last sampled one, or for
+    a decode planned `ahead`, the one the slot's previous step is sampling, taken on the device."""
 
     slot: int
     token_id: int
@@ -109,10 +105,8 @@ class DecodeToken:
 
 @dataclass(frozen=True)
 class CheckpointSave:
-    """After this step's forward, copy the slot's state into the prefix cache. The slot has then
-    consumed exactly the tokens of `prefix` (a recurrent state cannot be cut back, so the scheduler
-    ends a prefill chunk at the position, or saves a finished request's prompt + output[:-1]); the
-    engine keys the checkpoint by those tokens."""
+    """After this step's forward, copy the slot's state, which has then consumed exactly
+    `prefix`, into the prefix cache, keyed by those tokens (a recurrent state cannot be cut back)."""
 
     slot: int
     prefix: tuple[int, ...]
@@ -120,9 +114,8 @@ class CheckpointSave:
 
 @dataclass(frozen=True)
 class CheckpointRestore:
-    """Before this step's forward, load the checkpoint of exactly `prefix` (one the engine's
-    `match_prefix` reported while this plan was built) into the slot. The same plan carries the
-    slot's prefill chunk starting at len(prefix); the engine does not reset the slot for it."""
+    """Before this step's forward, load the checkpoint of exactly `prefix` (as `match_prefix`
+    reported it) into the slot; the plan's prefill chunk for the slot starts at len(prefix)."""
 
     slot: int
     prefix: tuple[int, ...]
@@ -230,10 +223,9 @@ class StepResult:
 
 
 class StepFailed(Exception):
-    """A step raised, but the engine is still sound: it has dropped every sequence the plan
-    touched (their KV blocks, states and sampler history) and applied the plan's releases, so
-    only the requests in `slots` are lost; the scheduler fails them with a retryable error and goes
-    on. A fault that leaves the device unsound is raised as itself instead, never as this.
+    """A step raised, but the engine is still sound: it dropped every sequence the plan touched
+    and applied its releases, so only the requests in `slots` are lost (the scheduler fails them,
+    retryable). A fault that leaves the device unsound is raised as itself, never as this.
     `memory`: the step failed for want of memory (its requests may succeed in smaller steps)."""
 
     def __init__(self, cause: Exception, slots: frozenset[int], *, memory: bool = False) -> None:

@@ -1,32 +1,22 @@
 """The prefix cache: slot states saved at chosen prompt positions, restored for a later prompt that
 starts with the same tokens, so only the rest is prefilled.
 
-KV can be truncated, a recurrent (linear-attention / SSM) state cannot: the state after n tokens
-exists only at the moment the slot has consumed exactly n tokens. So a checkpoint is taken at the
-end of a step whose prefill chunk ends at n (the scheduler splits chunks at `checkpoint_interval`
-multiples and at the end of each prompt) or when a request finishes (its slot holds prompt +
-output[:-1]). One entry holds everything needed to resume at n: the KV blocks of positions [0, n),
-shared by reference with the slot (the pool's own blocks, not a copy; a slot restoring the entry
-copies only a partly filled last block), and a copy of every recurrent layer's conv + recurrent
-state.
+KV can be truncated, a recurrent state cannot: the state after n tokens exists only when the slot
+has consumed exactly n. So a checkpoint is taken where a prefill chunk ends (the scheduler splits
+chunks at `checkpoint_interval` multiples and prompt ends) or when a request finishes. An entry
+holds the KV blocks of [0, n) by reference (a restore copies only a partly filled last block) and
+a copy of every recurrent layer's state, in `CheckpointPool` buffers (pinned on CUDA, recycled so
+a save does not page-fault a fresh mmap), copied on a side stream (`state_copies`) so neither a
+save nor a restore waits on the host. A live byte budget bounds what it holds (LRU eviction), and
+`shed()` empties it at WATCH: cached state is the cheapest memory to give back.
 
-Recurrent copies live in buffers from the memory layer's `CheckpointPool` (pinned on CUDA so the
-copies run at full speed, recycled so a new checkpoint does not page-fault a fresh mmap); on CUDA
-they run on a side stream ordered on the device (`state_copies`), so neither a save nor a restore
-waits on the host. A live byte budget (a fraction of the effective, cgroup-aware host memory)
-bounds the buffers and the KV blocks held: least recently used entries are evicted to fit, and
-`shed()` empties the cache at WATCH, since cached state is the cheapest memory to give back.
+Threads: `match` runs on the event loop, everything else on the engine thread, the index under a
+lock. Entries change only inside a step and the scheduler has one plan in flight, so an entry it
+matched while building plan P is still there when P's restores run (restores run first).
 
-Threads: `match` runs on the event loop (the scheduler asks it while building a plan); every other
-method runs on the engine thread. The index is guarded by a lock. Entries change only inside a step
-(saves insert and evict, a plan's shed empties), and the scheduler has one plan in flight, so an
-entry it matched while building plan P is still there when P's restores run (restores run first).
-
-Under tensor parallel each rank holds its own shard of every slot state: each copy made here is
-also recorded in `journal` (`checkpoint_buffers.CheckpointJournal`), and the other ranks make the same
-copy of theirs (`shard_checkpoints`). Every decision (what is kept, evicted, restored) stays here, on
-rank 0. The same object holds the sequences preemption parked (`parked.ParkedSequences`, their own
-owner): a restore of exactly a parked sequence's tokens resumes it.
+Under tensor parallel every decision stays here, on rank 0; each copy is recorded in `journal`
+and the other ranks repeat it on their shards (`shard_checkpoints`). Sequences preemption parked
+live alongside (`parked.ParkedSequences`): a restore of exactly their tokens resumes them.
 """
 
 from __future__ import annotations
@@ -147,9 +137,8 @@ class PrefixCache:
 
     # --- engine thread ---------------------------------------------------------------------
     def save(self, slot: int, prefix: Sequence[int]) -> bool:
-        """Keep the slot's state, which has consumed exactly `prefix`: its KV blocks by reference,
-        its recurrent states copied. False if the checkpoint does not fit the budget at all
-        (nothing is evicted for it then)."""
+        """Keep the slot's state, which has consumed exactly `prefix`. False if it cannot fit the
+        budget at all (nothing is evicted for it then)."""
         n = len(prefix)
         key = prefix_key(prefix)
         with self._lock:
@@ -228,9 +217,8 @@ class PrefixCache:
         self._copies.settle(slots)
 
     def prewarm(self, count: int) -> int:
-        """Put up to `count` buffers of one checkpoint's size into the pool now (at load), so a
-        burst of saves finds them there instead of allocating, and on CUDA pinning, a fresh one
-        each inside a step; the pool keeps them through idle trims. Returns the buffers added."""
+        """Put up to `count` checkpoint-sized buffers into the pool at load, so a burst of saves
+        does not allocate (and pin) a fresh one each inside a step. Returns the buffers added."""
         if self._pool is None or count < 1 or not self._states:
             return 0
         nbytes = checkpoint_bytes(self._states)
@@ -263,9 +251,9 @@ class PrefixCache:
                 e.blocks = tuple(moves.get(b, b) for b in e.blocks)
 
     def evict_for_blocks(self, n_blocks: int, keep: PrefixKey | None = None) -> bool:
-        """Evict least recently used entries until the KV pool has n_blocks free (blocks are worth
-        more to a running sequence than to a prompt that may come back); False if even an empty
-        cache leaves too few. `keep`: an entry never evicted (its blocks are about to be attached)."""
+        """Evict LRU entries until the KV pool has n_blocks free (a running sequence needs blocks
+        more than a prompt that may come back); False if even an empty cache leaves too few.
+        `keep`: an entry never evicted (its blocks are about to be attached)."""
         kv = self._kv
         if kv is None:
             return False

@@ -38,11 +38,9 @@ def longest(lengths: Counter[int], entries: Mapping[PrefixKey, object], tokens: 
 
 
 class CacheListener(Protocol):
-    """What the prefix cache tells a listener about its entries (named by `prefix_key`), so a
-    router outside the process can know which prefixes this replica holds (the server's KV-event
-    publisher listens). The calls come on the engine thread, inside a step, some under the cache's
-    lock: a listener must return at once (queue the change, never wait on a socket or another
-    thread)."""
+    """What the prefix cache tells a listener (the server's KV-event publisher) about its entries.
+    The calls come on the engine thread, some under the cache's lock: a listener must return at
+    once (queue the change, never wait on a socket or another thread)."""
 
     def stored(self, key: PrefixKey, tokens: Sequence[int]) -> None:
         """A checkpoint of exactly `tokens` is held now (KV of every position, and on a hybrid

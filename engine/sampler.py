@@ -1,28 +1,16 @@
 """Batched sampling over [B, vocab] logits, one row per slot that needs a token this step.
 
-Order of operations follows Hugging Face's logits processors: penalties on the raw logits, then
-temperature, top-k, top-p, min-p, then a draw. Logprobs are those of the model's own distribution
-(log-softmax of the raw logits, before any bias, penalty, grammar or filter), as vLLM reports by
-default: they say what the model believed, whatever the request's sampling knobs were.
+Order follows Hugging Face's logits processors: `logit_bias` (OpenAI's order), penalties,
+the grammar's -inf mask, then temperature, top-k, top-p, min-p and a draw. Logprobs are those of
+the raw logits (before bias, penalty, grammar or filter), as vLLM reports: what the model believed.
 
-`logit_bias` is added to the raw logits first (OpenAI's order: the bias shifts what the model
-said, the rest of sampling works on the shifted values). A request with a `constraint` then has
-every token its grammar forbids set to -inf (`ballast.engine.grammar.SlotMatchers`), so neither
-greedy nor random choice can leave the grammar.
+The host waits for nothing: which filters run is decided from host-side knobs, and the step's one
+device-to-host copy carries the tokens (with packed logprobs where asked). `draw` queues it all,
+`collect` waits for that copy; the engine launches the next forward between the two.
 
-Everything runs on the device, batched over rows, and the host waits for nothing: which filters
-run is decided from the requests' knobs (host values), the knobs reach the device through pinned
-non-blocking copies (`ballast.engine.staging`), and the step's one device-to-host transfer carries
-the sampled tokens, with their logprobs packed beside them when a row asked. `draw` queues all of
-it and returns at once; `collect` waits for that one copy. The engine launches the next step's
-forward between the two.
-
-Reproducibility: a draw is an exponential race, argmax(p / E) with E ~ Exp(1) per token, and E
-comes from a counter-based hash of (row key, token index) rather than a stateful generator. A
-seeded request's row key is its seed and the number of tokens its slot has drawn so far (a device
-counter), so the same seed and prompt give the same tokens whatever else shares the batch, with no
-per-row generator call. Unseeded rows draw from one shared generator in one kernel (the hash costs
-about a dozen elementwise passes over [rows, vocab], paid only by seeded rows).
+A draw is an exponential race, argmax(p / E) with E ~ Exp(1). A seeded row's E is a counter-based
+hash of (seed, tokens its slot has drawn, token index), so a seed and prompt give the same tokens
+whatever shares the batch; unseeded rows share one generator (one kernel, no hash passes).
 """
 
 from __future__ import annotations
@@ -47,10 +35,8 @@ class SampledToken:
 
 @dataclass(frozen=True)
 class Draw:
-    """One step's tokens on their way to the host: `Sampler.collect` turns it into SampledTokens.
-
-    `tokens` stays on the device (the next step may feed it without a round trip); `host` is the
-    pinned copy in flight, ready once `ready` (a CUDA event; None on the host) has completed."""
+    """One step's tokens on their way to the host. `tokens` stays on the device (the next step
+    may feed it without a round trip); `host` is the pinned copy, done once `ready` is."""
 
     slots: tuple[int, ...]
     params: tuple[SamplingParams, ...]
@@ -92,8 +78,7 @@ class Sampler:
 
     @staticmethod
     def planned_bytes(num_slots: int, vocab_size: int) -> int:
-        """What `state_bytes` will be: int32 counts and bool marks per slot and token, an int64
-        draw counter and last token per slot, and the int64 hash lanes per token."""
+        """What `state_bytes` will be, before the sampler exists."""
         return num_slots * vocab_size * (4 + 1) + num_slots * 16 + vocab_size * 8
 
     def reset(self, slots: Sequence[int]) -> None:
@@ -127,9 +112,8 @@ class Sampler:
         return self.collect(self.draw(logits, slots, params))
 
     def draw(self, logits: torch.Tensor, slots: Sequence[int], params: Sequence[SamplingParams]) -> Draw:
-        """Queue the sampling of one token per row of `logits` [B, vocab] and its copy to the host;
-        returns without waiting for the device. Rows under a grammar need the previous draw
-        collected first (its tokens advance their matchers)."""
+        """Queue one token per row and its copy to the host, without waiting for the device. Rows
+        under a grammar need the previous draw collected first (its tokens advance the matchers)."""
         if logits.dim() != 2 or logits.shape[0] != len(slots) or len(slots) != len(params):
             raise ValueError(
                 f"logits {tuple(logits.shape)} do not match {len(slots)} slots / {len(params)} params"
@@ -226,9 +210,8 @@ class Sampler:
     def _noise(
         self, probs: torch.Tensor, params: Sequence[SamplingParams], slots: torch.Tensor
     ) -> torch.Tensor:
-        """Exp(1) values [B, vocab] for the race: unseeded rows from the shared generator (one
-        kernel), seeded rows from the hash of their seed and draw count (about a dozen elementwise
-        kernels, paid only for the rows that asked for reproducibility)."""
+        """Exp(1) values [B, vocab] for the race: the shared generator's, or for seeded rows the
+        hash of their seed and draw count (a dozen elementwise kernels, paid only by them)."""
         seeded = [k for k, p in enumerate(params) if p.seed is not None]
         if not seeded:
             return torch.empty_like(probs).exponential_(generator=self._shared)
@@ -264,12 +247,8 @@ def filter_logits(
     top_p: Sequence[float],
     min_p: Sequence[float],
 ) -> torch.Tensor:
-    """Temperature-scaled logits [B, V] with the tokens top-k / top-p / min-p exclude set to -inf.
-
-    One knob value per row; top_k 0 means off. Which filters run is decided from these host values,
-    so the device is never asked. Ties at the top-k boundary keep every token whose logit equals
-    the k-th largest, as a threshold filter does.
-    """
+    """Temperature-scaled logits [B, V] with what top-k / top-p / min-p exclude set to -inf (one
+    knob per row; top_k 0 is off). Ties at the k-th largest logit are all kept, as a threshold is."""
     dtype, device = logits.dtype, logits.device
     logits = logits / column(temperature, dtype, device).clamp_min(1e-5)
     vocab = logits.shape[-1]

@@ -1,11 +1,9 @@
 """Sampling parameters a request gets for the ones it omits, from what the model ships.
 
-A Hugging Face directory's `generation_config.json` states what its makers sample with (vLLM
-applies it the same way); its temperature, top_p, top_k, min_p and repetition_penalty become the
-defaults. A GGUF carries no such file, so GGUF models get llama.cpp's server defaults
-(`GGUF_DEFAULTS`), the values GGUF users already know: at temperature 1 with no truncation a small
-model such as the embedded SmolLM2-135M wanders into gibberish within a sentence. Built-in test
-models (random weights) keep the plain defaults. A request's own values always win.
+A Hugging Face directory's `generation_config.json` gives them (as vLLM applies it). A GGUF has
+no such file, so it gets llama.cpp's server defaults (`GGUF_DEFAULTS`): at temperature 1 with no
+truncation the embedded SmolLM2-135M wanders into gibberish within a sentence. Built-in models
+keep the plain defaults. A request's own values always win.
 """
 
 from __future__ import annotations

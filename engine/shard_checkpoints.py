@@ -1,16 +1,11 @@
 """Prefix checkpoints and parked sequences on the other ranks of a tensor-parallel engine.
 
-Rank 0's `PrefixCache` decides everything (what to save, restore, park, resume, evict, under
-which budget); each copy it makes of a slot's state (recurrent + conv state, and for a parked
-sequence its KV blocks' contents) is recorded as a `CheckpointOp` in the same journal as the KV
-stores' changes, and every worker makes the same copy of its own shard with `ShardCheckpoints`,
-in journal order, before the next forward. One ordered journal matters: a parked sequence's
-blocks must be read before a later change in that journal (a block copy, a compaction) reuses
-them.
-
-On CUDA the worker's copies run on its step stream, between the previous forward and the next:
-no host wait, and the pinned host buffers are torch's cached host allocations, which are not
-handed out again before the copies that used them have run.
+Rank 0's `PrefixCache` decides everything; each slot-state copy it makes is recorded as a
+`CheckpointOp` in the same journal as the KV stores' changes, and every worker makes the same copy
+of its shard, in journal order, before the next forward. One ordered journal matters: a parked
+sequence's blocks must be read before a later change in it (a block copy, a compaction) reuses them.
+On CUDA the copies run on the step stream, with no host wait: the pinned buffers are torch's cached
+host allocations, not handed out again before the copies that used them have run.
 """
 
 from __future__ import annotations
@@ -45,15 +40,6 @@ class ShardCheckpoints:
         self._stores = list(stores)
         self._pin = device.type == "cuda"
         self._held: dict[int, list[Tensor]] = {}
-
-    @property
-    def held(self) -> int:
-        """Checkpoints and parked sequences held now."""
-        return len(self._held)
-
-    @property
-    def bytes_held(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in self._held.values() for t in ts)
 
     def apply(self, op: CheckpointOp) -> None:
         if op.kind == "save":

@@ -1,12 +1,7 @@
-"""The engine's KV policy between steps: what each slot has been fed, and what a step needs before
-its forward (blocks for every position it writes). The pools, and which one each slot's sequence
-lives in (the main pool, or the int8 pool when it started under memory pressure), are the
-runner's `KVManager`.
-
-On the engine thread. Before a step, every sequence's table grows to cover its
-positions; blocks that cannot be had are found by evicting prefix-cache entries first, then by
-preempting sequences youngest first (new prefills, then decodes from the last admitted): on CUDA
-a preempted sequence is parked (blocks and recurrent state copied to pinned host buffers) so it
+"""The engine's KV policy between steps (engine thread): what each slot has been fed, and the
+blocks a step needs before its forward. Blocks that cannot be had are found by evicting
+prefix-cache entries first, then by preempting sequences youngest first (new prefills, then the
+last admitted decodes): on CUDA a preempted sequence is parked in pinned host buffers so it
 resumes without a recompute; on the CPU, or when the host is short too, it is recomputed.
 """
 
@@ -59,8 +54,7 @@ class SlotKV:
         return self._kv is not None and self._kv.in_int8(slot)
 
     def start(self, slots: Sequence[int], int8: Sequence[bool] = ()) -> None:
-        """New sequences start in these slots: whatever they held goes back, and each lives in the
-        int8 pool if asked (and there is one), else in the main pool."""
+        """New sequences start in these slots: whatever they held goes back (`KVManager.place`)."""
         if self._kv is None:
             return
         self.drop(slots)
@@ -70,9 +64,8 @@ class SlotKV:
         self._fed[slot] = array("q", prefix)
 
     def fed_at(self, slot: int, pos: int, token: int) -> None:
-        """The token at `pos` of the slot's sequence is now known on the host: a step launched
-        before it was, which fed it from the device, recorded a placeholder there (the engine
-        names only such positions)."""
+        """The token at `pos`, fed from the device by a step launched before it was known, is now
+        known on the host: it replaces the placeholder recorded there."""
         fed = self._fed.get(slot)
         if fed is not None and pos < len(fed):
             fed[pos] = token
@@ -85,9 +78,8 @@ class SlotKV:
             self._kv.release(slots)
 
     def shrink(self, keep: KVKeep = KVKeep()) -> None:
-        """Give memory back (the ladder at TIGHT and worse): blocks in use are packed into the
-        lowest segments, then the segments left empty go back to the device / host, all but those
-        holding `keep`'s free blocks. A pool with no whole segment beyond them is not compacted."""
+        """Give memory back (the ladder at TIGHT and worse): compact, then return the empty
+        segments beyond `keep`'s free blocks. A pool with no whole segment to spare is left alone."""
         if self._kv is None:
             return
         for pool in self._kv.pools:
@@ -131,9 +123,8 @@ class SlotKV:
         return frozenset(preempted)
 
     def _park(self, slot: int) -> None:
-        """Move a preempted sequence from the GPU to pinned host buffers. On the CPU its blocks
-        already are host memory: moving them would free nothing, so it is recomputed instead, as it
-        is when the host is short too."""
+        """Move a preempted sequence from the GPU to pinned host buffers. On the CPU its blocks are
+        host memory already (moving them frees nothing), so it is recomputed, as when the host is short."""
         fed = self._fed.get(slot)
         pool = self.pool_of(slot)
         if not fed or pool.store.device.type != "cuda":

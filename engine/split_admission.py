@@ -1,11 +1,9 @@
 """Admission of a model split over several GPUs (tensor parallel), before any weights move.
 
-Every rank's die must hold its shard: the shard's weights and slot states, one max-length
-sequence's KV, the prefill activations, and a scratch the ledger never sees (the worker's own
-CUDA context, NCCL's buffers: MemoryConfig.die_scratch_bytes). Rank 0 checks every die NVML
-reports before it spawns a worker, and each worker checks its own die again, with the driver's
-free figure, before it loads (a die NVML cannot see is checked there only). The host must hold
-every rank's load spike: each worker process stages its own shard at the same time.
+Every rank's die must hold its shard's load needs plus a scratch the ledger never sees (the
+worker's CUDA context, NCCL's buffers). Rank 0 checks every die NVML reports before it spawns a
+worker, and each worker checks its own again with the driver's free figure before it loads. The
+host must hold every rank's load spike at once: each worker stages its own shard.
 """
 
 from __future__ import annotations

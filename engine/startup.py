@@ -1,8 +1,7 @@
-"""Bringing an engine up, on the engine thread: load the model (on one device, or sharded over the
-GPUs of a tensor-parallel group), profile a prefill, lease the slot states and activations on
-every die before allocating them, build the runner and capture its graphs (`GraphRunner`).
-Whatever was leased is given back if any step fails. Then `assemble` puts the step's owners
-together around the runner: the prefix cache, the KV side, the checkpoint orders, the executor.
+"""Bringing an engine up, on the engine thread: load the model (or its shards), profile a prefill,
+lease slot states and activations on every die before allocating them, build the runner and
+capture its graphs, giving back whatever was leased if any of it fails. `assemble` then puts the
+step's owners together around the runner.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ def bring_up(
     gpu_die: Callable[[], int | None],
 ) -> Parts:
     """dies: every GPU the engine's ranks use (empty on the host); gpu_die: the one admission
-    checks, asked once the model is loaded (under tensor parallel, the die with the lowest
-    ceiling)."""
+    checks, asked once the model is loaded."""
     pointwise.set_enabled(cfg.compile)  # the decode graphs' capture compiles them
     if device.type == "cpu":
         set_cpu_threads(cfg.cpu_threads)

@@ -1,23 +1,16 @@
 """Checkpoint copies of slot states, kept off the step's critical path.
 
 On CUDA a checkpoint's device-to-host copy runs on a side stream and the host never waits:
-- Staged (the usual case): the step's stream copies the slot's state into one device staging
-  buffer laid out like the host buffer (tens of microseconds on HBM), and the side stream, after
-  an event recorded behind that copy, moves it to the pinned buffer in one transfer and records
-  `done`. The slot is free for the next step at once. Staging buffers in flight are bounded
-  (`staging_bytes`: the engine leases a step's worth of checkpoints from the memory ledger at
-  load, `checkpoint_orders.staging_bytes`; the caching allocator reuses their memory once the
-  side stream is past them), so a burst of saves takes no device memory the ledger did not grant.
-- Direct (staging full): the side stream waits for an event behind the forward that produced the
-  state and copies it tensor by tensor; a later write to that slot (the next forward, a reset, a
-  restore into it) must wait for `done`: `settle(slots)` makes the step's stream wait for those
-  slots' copies only, so other sequences' saves hold nothing up.
-Either way two more users order themselves after `done`, on the device: a restore from the buffer
-(the step's stream waits for that checkpoint's `done`), and the buffer going back to the pool (the
-step's stream waits first, so its next owner - a save, ordered after the step's stream by its own
-event, or a parked sequence's copy on the step's stream - finds the copy complete; and it goes back
-with a `fence` behind that wait, so the pool frees it only once no copy can touch it).
-On the CPU the copies are plain synchronous copies and there is no event.
+- Staged (usual): the step's stream copies the slot's state into a device staging buffer laid out
+  like the host one, and the side stream, after an event behind that copy, moves it to the pinned
+  buffer in one transfer and records `done`; the slot is free for the next step at once. Staging
+  in flight is bounded by what the ledger granted at load (`checkpoint_orders.staging_bytes`).
+- Direct (staging full): the side stream copies from the slot itself, after the forward that
+  produced the state, so a later write to that slot must wait for `done`: `settle(slots)` makes
+  the step's stream wait for those slots' copies only.
+A restore from the buffer, and the buffer's return to the pool, order themselves after `done` on
+the device; the buffer goes back with a `fence` behind that wait, so the pool frees it only once
+no copy can touch it. On the CPU the copies are plain synchronous copies and there is no event.
 """
 
 from __future__ import annotations
@@ -46,9 +39,8 @@ class StateCopies:
     def copy_out(
         self, slot: int, pairs: Sequence[tuple[Tensor, Tensor]], buf: Tensor, nbytes: int
     ) -> torch.cuda.Event | None:
-        """Copy each (device source, host destination: a view into `buf`, within its first
-        `nbytes`) of the slot's state; returns the event that marks them done (None on the CPU,
-        where they are done on return)."""
+        """Copy each (device source, host view into `buf`'s first `nbytes`) of the slot's state;
+        returns the event that marks them done (None on the CPU: done on return)."""
         if self._stream is None:
             for src, dst in pairs:
                 dst.copy_(src)
@@ -114,10 +106,9 @@ class StateCopies:
             torch.cuda.current_stream(self.device).wait_event(done)
 
     def fence(self) -> torch.cuda.Event | None:
-        """An event behind everything the step's stream has queued: the copies `after` made it
-        wait for, and every restore that read a buffer. A buffer given back with it is freed only
-        once it completes (`CheckpointPool.free_copied`): unpinning a buffer a copy still uses
-        would block the engine thread until the copy ran. None on the CPU (copies are done)."""
+        """An event behind everything the step's stream has queued (the copies `after` waited for,
+        every restore that read a buffer). A buffer given back with it is freed only once it
+        completes: unpinning one a copy still uses would block the engine thread. None on the CPU."""
         if not self._cuda:
             return None
         fence = torch.cuda.Event()

@@ -1,9 +1,7 @@
-"""The one builder of a step's `StepBatch`, from its plan: the rows the step runs, in plan order
-(prefill chunks, then decode tokens), with what each row asks (a sampled token, every token's
-logits), checked against what the engine can run; and the one owner of decode rows fed from the
-device (`DecodeToken.from_device`: planned before the slot's previous step returned its token).
-Such a row holds LAST_SAMPLED on the host; the batch's `fill_tokens` puts the slot's last draw in
-its place on the device, and `DeviceFed` keeps the host's side."""
+"""The one builder of a step's `StepBatch` from its plan (prefill chunks, then decodes, checked),
+and the owner of decode rows fed from the device (`DecodeToken.from_device`): such a row holds
+LAST_SAMPLED on the host, `fill_tokens` puts the slot's last draw in its place on the device, and
+`DeviceFed` keeps the host's side."""
 
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
-"""Rank 0 of a tensor-parallel engine: the workers it spawns, its shard, and its runner.
+"""Rank 0 of a tensor-parallel engine: the workers it spawns (`TPWorkers`, ranks 1..N-1 in
+`tp_worker`), its shard, and its runner (`ShardedRunner`, which sends each step and the KV and
+checkpoint journal to every worker, so all ranks run the same forward on the same block tables).
 
-`TPWorkers` spawns ranks 1..N-1 (engine/tp_worker.py), joins the process group with them and
-watches that they live. `ShardedRunner` (engine/sharded_runner.py) is the `ModelRunner` of rank
-0: before each forward it sends the step (rows, and the KV stores' changes since the last one) to
-every worker, so all ranks run the same forward on the same block tables. The prefix cache's
-copies of slot state (checkpoints, parked sequences) travel in the same ordered journal, and each
-worker makes them on its own shard (`shard_checkpoints`). With `--tp-cuda-graphs` every rank
-captures the same decode graphs at load and a step rank 0 replays is replayed by every worker
-(`tp_graphs`); otherwise, and for every step no graph serves, all ranks run eagerly.
-
-Every die is governed from rank 0: what a worker's die holds (its shard's weights, the same slot
-states, activation reserve and KV segments as rank 0's) is leased on that die's ledger by rank 0,
-and a KV segment is granted only when every die's ledger has room for it.
-
-A worker that dies (or a collective that fails) makes the engine unsound: the forward raises
-`WorkerLost` (a device fault: the step's requests fail with a 5xx and /health turns red), and
-`sound` is False as soon as the watchdog sees a worker gone, even while idle.
+Every die is governed from rank 0: it leases what each worker's die holds on that die's ledger,
+and grants a KV segment only when every die has room. A worker that dies (or a failed collective)
+makes the engine unsound: the forward raises `WorkerLost`, and `sound` turns False as soon as the
+watchdog sees a worker gone, even while idle.
 """
 
 from __future__ import annotations
@@ -39,17 +29,16 @@ from ballast.engine.faults import WorkerLost
 from ballast.engine.kv_budget import segment_grant
 from ballast.engine.kv_pool import Acquire
 from ballast.engine.loading import (
-    LazyTokenizer,
     LoadedModel,
     ModelSpecError,
     admit_load,
     die_index,
+    lazy_tokenizer,
     resolve,
 )
 from ballast.engine.runner import weights_bytes
 from ballast.engine.sharded_runner import ShardedRunner as ShardedRunner  # rank 0's runner
 from ballast.engine.split_admission import DieNeed, admit_split, die_need
-from ballast.engine.tokenizer import Tokenizer
 from ballast.engine.tp_worker import (
     Stop,
     WorkerFailed,
@@ -66,8 +55,6 @@ from ballast.memory.ledger import Lease
 from ballast.memory.watch import MemWatch
 from ballast.models import builtin
 from ballast.models.base import UnsupportedModel
-from ballast.models.default_model import default_model_path
-from ballast.models.gguf_loader import build_tokenizer, read_gguf
 from ballast.models.hf_loader import inspect_hf_dir
 from ballast.models.parallel import check_tensor_parallel, shard_hf_config, shard_weights_bytes
 
@@ -110,9 +97,8 @@ class TPWorkers:
         self._aborted = False
 
     def watch(self, nccl: bool) -> None:
-        """Once the group runs: on NCCL a collective waiting for a dead peer would wait out the
-        timeout (a GPU kernel spinning), so a watchdog aborts the group as soon as a worker exits
-        and the waiting step fails at once. (gloo fails it by itself: the peer's socket closes.)"""
+        """Once the group runs: on NCCL a collective waiting for a dead peer would spin out the
+        timeout, so a watchdog aborts the group once a worker exits (gloo sees the socket close)."""
         if not nccl or self._watchdog is not None:
             return
 
@@ -191,8 +177,7 @@ class TPWorkers:
 
     def kill(self, grace_s: float = 2.0) -> None:
         """End every worker now, from any thread, without a Stop or a collective (rank 0's engine
-        thread is stuck in a step, maybe in a collective with them): no rank is left spinning
-        in one after this process exits."""
+        thread may be stuck in one with them), so no rank spins on after this process exits."""
         for proc in self._procs:
             if proc.is_alive():
                 proc.terminate()
@@ -281,14 +266,8 @@ def load_sharded(
             lease.release()
         workers.close(timeout_s=2.0)
         raise
-    if tok_dir is None:
-        tokenizer = LazyTokenizer(
-            lambda: Tokenizer(build_tokenizer(read_gguf(default_model_path()).metadata))
-        )
-    else:
-        tokenizer = LazyTokenizer(lambda: Tokenizer.from_hf_dir(tok_dir))
     held = weights_bytes(model) * ranks_here
-    loaded = LoadedModel(source, model, hf, tokenizer, held, time.perf_counter() - t0, leases)
+    loaded = LoadedModel(source, model, hf, lazy_tokenizer(tok_dir), held, time.perf_counter() - t0, leases)
     log.info("tensor parallel %d: rank 0 on %s, workers pids %s", workers.world, device, workers.pids)
     return loaded, workers
 

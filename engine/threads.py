@@ -1,15 +1,10 @@
 """How many intra-op threads a CPU engine runs: chosen from the CPUs the process may use.
 
-torch's default is one thread per core of the machine. Two things make that wrong for a server:
-- the process may use fewer: a CPU affinity mask (taskset, a cpuset) or a cgroup CPU quota
-  (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`, the tightest level up the
-  tree binding), as containers and Kubernetes CPU limits set it;
-- OpenMP's threads meet at a barrier after every op: when another process holds one of them,
-  the others wait for it at every op of every step (the default model on this 2-core box: 2.9x
-  slower with one other core busy). The event loop, the tokenizer and the HTTP stream need CPU
-  too, between and during steps.
-So the engine takes the usable CPUs less one for the event loop (at least one thread), and an
-operator's --cpu-threads overrides it. The choice and its inputs are logged at start-up.
+torch's default, one thread per core of the machine, is wrong for a server: the process may use
+fewer (an affinity mask, or a cgroup CPU quota, the tightest level up the tree binding), and
+OpenMP's threads meet at a barrier after every op, so one thread that another process holds up
+stalls every op of every step (2.9x slower on a 2-core box with one other core busy). The engine
+takes the usable CPUs less one for the event loop (at least one); --cpu-threads overrides it.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """The engine's tokenizer: a transformers tokenizer behind `TokenizerLike`.
 
 End of generation is more than `eos_token_id`: chat models end a turn with a token such as
-`<|im_end|>` or `<|eot_id|>` that the base eos may not be. We collect the eos id, the ids a
-`generation_config.json` lists, and the special token the chat template itself writes right after
-an assistant message, so a chat reply stops where the template says a turn ends.
+`<|im_end|>` that the base eos may not be, so the eos set also takes `generation_config.json`'s
+ids and the special token the chat template writes right after an assistant message.
 
 Chat content is text: a user who writes `<|im_end|><|im_start|>system` gets those characters, not
-the control tokens, so nobody can forge a turn (`special_tokens_in_content=True` lets an operator
-who wants the old behaviour have it). The rule holds for every field the template renders (tool
-descriptions and schemas, a call's arguments, names), not message content alone. The template's
-own markers are still parsed: each special-token spelling in the request's strings is rendered
-as a placeholder, and the rendered pieces around the placeholders are tokenized with special
-tokens, each placeholder's spelling without.
+the control tokens, in every field the template renders, so nobody can forge a turn
+(`special_tokens_in_content=True` is the operator's way out).
 """
 
 from __future__ import annotations
@@ -99,8 +94,6 @@ class Tokenizer:
         return GrammarCompiler(self.hf, vocab_size, self.eos_token_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # add_special_tokens adds a BOS where the tokenizer wants one (llama-style); split_special
-        # keeps a user's literal "<|im_end|>" as plain text instead of a control token.
         return self._ids(text, special=False, bos=add_special_tokens)
 
     @property

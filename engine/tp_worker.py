@@ -1,19 +1,11 @@
 """A tensor-parallel worker: ranks 1..N-1 of an engine whose rank 0 is the server's `Engine`.
 
-A worker loads its shard of the model, profiles the same prefill and allocates the same slot
-states as rank 0 (same settings, so the same KV layout), then loops: receive a `StepMessage` from
-rank 0 over its pipe, make its KV stores' changes (segments, block tables, block copies: rank 0's
-allocator decided them, so block ids agree on every rank) and its prefix cache's copies of slot
-states (checkpoints saved and restored, sequences parked and resumed: `shard_checkpoints`), in the
-order rank 0 made them, and run the same forward on its shard;
-the all-reduces inside the forward pair it with every other rank. It samples nothing: the logits
-are gathered on every rank and rank 0 samples. With decode graphs (`--tp-cuda-graphs`) it captures
-them in lockstep with rank 0 when told (`tp_graphs.CaptureGraphs`) and replays the bucket a step
-message names.
-
-Rank 0 and the workers take their steps in lockstep: a message is sent only for a forward rank 0
-runs too. Steps come over a pipe (not a collective) so an idle worker can wait for the next one
-without a timeout, and leaves when rank 0 goes (the pipe reads end of file).
+A worker loads its shard and allocates the same slot states as rank 0 (same settings, same KV
+layout), then loops: receive a `StepMessage`, replay rank 0's KV store changes and slot-state
+copies in rank 0's order (its allocator decided them, so block ids agree on every rank), and run
+the same forward on its shard (or replay the decode graph named). It samples nothing: rank 0 does.
+Steps come over a pipe, not a collective, so an idle worker waits without a timeout and leaves
+when rank 0 goes (the pipe reads end of file).
 """
 
 from __future__ import annotations
@@ -60,11 +52,9 @@ COLLECTIVE_TIMEOUT_S = 120
 
 @dataclass(frozen=True)
 class StepMessage:
-    """One forward, as rank 0 runs it: rows (slot, token ids, start) and which rows want every
-    token's logits; before it, the changes rank 0 made since the previous forward, in order (its
-    KV stores', each naming its store by `KVManager.stores` index, and its prefix cache's slot-state
-    copies), and which slots live in the int8 store. graph: the (batch, context) decode graph rank
-    0 replays for this step (None: it runs eagerly)."""
+    """One forward, as rank 0 runs it: rows (slot, token ids, start); `ops`, rank 0's changes since
+    the previous forward, in order (a store op names its store by `KVManager.stores` index); graph:
+    the (batch, context) decode graph rank 0 replays (None: eager)."""
 
     rows: list[tuple[int, tuple[int, ...], int]]
     all_logits: list[bool]
@@ -127,11 +117,9 @@ def init_group(rank: int, world: int, address: str, device: torch.device) -> TPG
 def load_shard(
     config: EngineConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """This rank's shard of config.model, filled with only its part of each tensor. A small
-    built-in model is generated whole on the CPU and cut, so it is the model one device serves; a
-    large one (the flagship shapes) cannot be generated whole, and each rank draws its shard's
-    random weights on its own device, all from the same seed (so the replicated ones agree). An
-    HF directory is read through safetensors slices, so a rank never holds the whole model."""
+    """This rank's shard of config.model. A small built-in model is generated whole and cut (so it
+    is the model one device serves); a large one is drawn shard by shard from one seed (so the
+    replicated weights agree); an HF directory is read in safetensors slices, never whole."""
     from ballast.engine.loading import resolve
 
     source = resolve(config.model)
@@ -234,8 +222,7 @@ def worker_main(
 
 def serve(runner: ModelRunner, conn: Connection, faults: FaultInjector | None = None) -> None:
     """Run rank 0's forwards until it says Stop or goes away. A failure here ends the process:
-    rank 0 sees its peer gone in the next collective and calls the engine unsound. `faults`:
-    what BALLAST_FAULTS injects into this rank's steps."""
+    rank 0 sees its peer gone in the next collective and calls the engine unsound."""
     # where this rank keeps its shard of rank 0's checkpoints and parked sequences
     stores = runner.kv_manager.stores if runner.kv_manager is not None else []
     checkpoints = ShardCheckpoints(runner.states, stores, runner.device)
@@ -260,8 +247,7 @@ def serve(runner: ModelRunner, conn: Connection, faults: FaultInjector | None = 
 def step(
     runner: ModelRunner, checkpoints: ShardCheckpoints, msg: StepMessage, faults: FaultInjector | None = None
 ) -> None:
-    """Rank 0's forward on this shard (its ops, then which slots live in the int8 store, made
-    first): the graph it replays, or eagerly."""
+    """Rank 0's forward on this shard, after its ops and int8 slots: its graph, or eagerly."""
     apply_ops(runner, checkpoints, msg.ops)
     if runner.kv_manager is not None:
         runner.kv_manager.set_int8(msg.int8_slots)

@@ -1,8 +1,6 @@
 """Device memory a step takes beside the model's activations: the sampler's [rows, vocab]
-temporaries and the prompt-logprob chunks' logits. Neither is in the load profile (it runs the
-model alone, whose last-token logits are one row), and the caching allocator keeps what they once
-took, so on CUDA they are bounded here and leased at load beside the activations; the capacity
-report names each. On the CPU they are transient allocations of a step, inside the host reserve.
+temporaries and the prompt-logprob chunks' logits. The load profile misses both and the caching
+allocator keeps what they once took, so on CUDA they are bounded here and leased at load.
 """
 
 from __future__ import annotations
