@@ -10,7 +10,7 @@ from dataclasses import fields
 from typing import Any
 
 from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
-from ballast.models.layers import LayerStep, RMSNorm, Rope, RotaryEmbedding, token_embedding
+from ballast.models.layers import FusedLinears, LayerStep, RMSNorm, Rope, RotaryEmbedding, token_embedding
 from ballast.models.state import LayerState
 from torch import Tensor, nn
 
@@ -119,6 +119,17 @@ class DecoderLM(nn.Module):
         weights with assign=True, which replaces the embedding's parameter)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self, keep_values: bool = True) -> None:
+        """Run every `FusedLinears` of the layers as one matmul (q/k/v, gate/up, a linear-attention
+        layer's input projections, a router with its shared-expert gate). build_model does this
+        before any weight is loaded (keep_values=False: nothing to copy, no transient second copy);
+        loading with copy_ keeps the fusion, and a forward re-fuses after anything re-creates
+        the parameters."""
+        for module in self.modules():
+            for fused in vars(module).values():
+                if isinstance(fused, FusedLinears):
+                    fused.fuse(keep_values)
 
     def layer_step(self, batch: ForwardBatch, rope: Rope) -> LayerStep:
         return LayerStep(batch, rope)

@@ -351,10 +351,6 @@ class GatedDeltaNet(nn.Module):
         """x [T, H] -> (q|k|v [T, conv_channels], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
         raise NotImplementedError
 
-    def fuse(self, keep_values: bool = True) -> None:
-        """Make the input projections one matmul (`FusedLinears.fuse`)."""
-        self.in_proj.fuse(keep_values)
-
     def forward(self, x: Tensor, step: HybridStep, state: LayerState) -> Tensor:
         if not isinstance(state, RecurrentState):
             raise TypeError(f"a linear-attention layer needs a RecurrentState, got {type(state).__name__}")

@@ -278,9 +278,6 @@ class SwiGLU(nn.Module):
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
         self.quantized: QuantizedPair | None = None
 
-    def fuse(self, keep_values: bool = True) -> None:
-        self.gate_up.fuse(keep_values)
-
     def quantize(self, pair: QuantizedPair) -> None:
         """Run gate/up and down through `pair` (the CPU's int4 or fp16 linears); the dense weights go."""
         self.quantized = pair
@@ -385,6 +382,3 @@ class SlotAttention(nn.Module):
             q, k = qk.split((hq, hkv), dim=1)
         state.write(step.batch, k, v)
         return out(state.attend(q, step.batch))
-
-    def fuse(self, keep_values: bool = True) -> None:
-        self.qkv.fuse(keep_values)

@@ -149,16 +149,6 @@ class LlamaForCausalLM(DecoderLM):
     def from_hf_config(cls, hf: Mapping[str, Any]) -> LlamaForCausalLM:
         return cls(LlamaConfig.from_hf(hf))
 
-    def fuse_projections(self, keep_values: bool = True) -> None:
-        """Run q/k/v and gate/up as one matmul each (see `FusedLinears`). build_model does this
-        before any weight is loaded (keep_values=False: nothing to copy, no transient second copy);
-        loading with copy_ keeps the fusion, and a forward re-fuses after anything re-creates
-        the parameters."""
-        for layer in self.model.layers:
-            if isinstance(layer, LlamaDecoderLayer):
-                layer.self_attn.fuse(keep_values)
-                layer.mlp.fuse(keep_values)
-
     def quantize_cpu(self, q4: Mapping[str, Q4Weight]) -> int:
         """Hold the blocks `int4_blocks` finds in `q4` (a GGUF's Q4 weights by HF name) as int4
         linears and the output head as int8, for the CPU's weight-only kernels

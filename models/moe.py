@@ -319,7 +319,7 @@ class SparseMoeBlock(nn.Module):
 
     def fuse(self, keep_values: bool = True) -> None:
         self.gates.fuse(keep_values)
-        self.shared_expert.fuse(keep_values)
+        self.shared_expert.gate_up.fuse(keep_values)
 
     def forward(self, x: Tensor) -> Tensor:
         logits, shared_gate = self.gates.outputs(x)

@@ -1,20 +1,10 @@
 """Qwen3-Next: gated DeltaNet linear-attention layers interleaved with gated full attention, and
-sparse MoE MLPs with a shared expert.
+sparse MoE MLPs with a shared expert. Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`) differs in separate
+plain q|k|v linear-attention projections instead of per-key-head interleaved ones, and MoE in every
+layer; its mrope reduces to ordinary partial rotary for text (every position axis is the same).
 
-Qwen3.5-MoE (text model) is the same architecture with two differences (`Qwen3_5MoeForCausalLM`):
-its linear-attention input projections are separate tensors (`in_proj_qkv`, `in_proj_z`,
-`in_proj_b`, `in_proj_a`) in plain q|k|v order instead of Qwen3-Next's per-key-head interleaved
-`in_proj_qkvz` / `in_proj_ba`, and every layer is a sparse MoE layer with normalised top-k. Its
-rotary embedding is multimodal (mrope) in the reference, but for text every position axis carries
-the same index, which reduces exactly to the ordinary partial rotary used here. A text-only
-checkpoint says `model_type: qwen3_5_moe_text`; the full multimodal one says `qwen3_5_moe` and
-nests the text config under `text_config`, with the language model's tensors under
-`model.language_model.*`.
-
-Per-layer state follows the layer's kind: full-attention layers read and write a `PagedKV`,
-linear-attention layers a `RecurrentState` (conv window + float32 delta-rule state). The engine
-sees only `layer_specs` and `forward(batch, states)`; nothing outside this file knows the model is
-hybrid.
+Full-attention layers read a `PagedKV`, linear-attention layers a `RecurrentState`; the engine sees
+only `layer_specs` and `forward(batch, states)`, so nothing outside this file knows it is hybrid.
 """
 
 from __future__ import annotations
@@ -295,17 +285,6 @@ class Qwen3NextForCausalLM(DecoderLM):
         """Our parameter name for a checkpoint tensor; None for the multi-token-prediction head
         (`mtp.*`), which published checkpoints carry and this model does not use."""
         return None if hf_key.startswith("mtp.") else hf_key
-
-    def fuse_projections(self, keep_values: bool = True) -> None:
-        """Run each attention layer's q/k/v and each linear-attention layer's input projections as
-        one matmul (see `FusedLinears`; 60 fewer GEMMs a decode step of the 48-layer Qwen3-Next)."""
-        for layer in self.model.layers:
-            assert isinstance(layer, HybridDecoderLayer)
-            if layer.self_attn is not None:
-                layer.self_attn.qkv.fuse(keep_values)
-            if layer.linear_attn is not None:
-                layer.linear_attn.fuse(keep_values)
-            layer.mlp.fuse(keep_values)
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
         c = self.config
