@@ -1,7 +1,6 @@
 """What the decoder-only architectures share: reading an HF config's common fields, and the forward
-over the layer states (embedding, layers, final norm and head at the rows asked for). Each
-architecture supplies its layers' mixers (`DecoderLayer.mix`) and what its layers share in a step
-(`DecoderLM.layer_step`)."""
+over the layer states. Each architecture supplies its layers' mixers (`DecoderLayer.mix`) and what
+its layers share in a step (`DecoderLM.layer_step`)."""
 
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ POSITIVE = {"positive": True}  # the metadata of a config field that must be > 0
 
 def hf_key(default: int | None = None, positive: bool = True) -> dict[str, Any]:
     """The metadata of a config field `hf_ints` reads from the HF key of its name (default None:
-    the key is required); positive: `check_dims` checks it is > 0."""
+    required); positive: `check_dims` checks it is > 0."""
     return {"hf_default": default, "positive": positive}
 
 
@@ -103,8 +102,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """A decoder-only language model over the slot states. Parameter names equal the HF
-    checkpoints' names."""
+    """A decoder-only language model over the slot states, under the HF checkpoints' names."""
 
     def __init__(self, config: Any, model: DecoderModel, lm_head: nn.Linear) -> None:
         super().__init__()
@@ -121,11 +119,9 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def fuse_projections(self, keep_values: bool = True) -> None:
-        """Run every `FusedLinears` of the layers as one matmul (q/k/v, gate/up, a linear-attention
-        layer's input projections, a router with its shared-expert gate). build_model does this
-        before any weight is loaded (keep_values=False: nothing to copy, no transient second copy);
-        loading with copy_ keeps the fusion, and a forward re-fuses after anything re-creates
-        the parameters."""
+        """Run every `FusedLinears` of the layers as one matmul. build_model does this before any
+        weight is loaded (keep_values=False: nothing to copy, no transient second copy); loading
+        with copy_ keeps the fusion, and a forward re-fuses after anything re-creates the parameters."""
         for module in self.modules():
             for fused in vars(module).values():
                 if isinstance(fused, FusedLinears):
