@@ -164,10 +164,9 @@ def builtin_config(name: str) -> dict[str, Any]:
 
 
 def init_random(model: nn.Module, seed: int) -> None:
-    """Seeded init: norms 1, biases 0, other tensors N(0, 0.02) like HF's initializer_range, FP8
-    weights by `fp8.init_random_fp8`. On the CPU generator (the same weights on any device) up to
-    DEVICE_INIT_PARAMS, on the device's own above. A model with parameters that need their own
-    rule (e.g. a decay's A_log) provides `init_random_weights(generator)`, called afterwards."""
+    """Seeded init: norms 1, biases 0, others N(0, 0.02) like HF's initializer_range, on the CPU
+    generator (the same weights on any device) up to DEVICE_INIT_PARAMS. A model's own rules
+    (e.g. a decay's A_log) come after, from its `init_random_weights(generator)`."""
     first = next(model.parameters())
     big = sum(p.numel() for p in model.parameters()) > DEVICE_INIT_PARAMS
     gen = torch.Generator(first.device if big else "cpu").manual_seed(seed)

@@ -97,8 +97,8 @@ class HybridConfig:
     def from_hf(
         cls, hf: Mapping[str, Any], model_types: tuple[str, ...], all_sparse: bool = False
     ) -> HybridConfig:
-        """From an HF config dict. A multimodal Qwen3.5 config nests the text model in text_config.
-        all_sparse: every layer is MoE with normalised top-k (Qwen3.5 has no dense layers)."""
+        """From an HF config dict (a multimodal Qwen3.5 one nests it in text_config). all_sparse:
+        every layer is MoE with normalised top-k (Qwen3.5)."""
         if isinstance(hf.get("text_config"), Mapping):
             outer = hf
             hf = {**hf["text_config"]}
@@ -193,7 +193,7 @@ class FusedGatedDeltaNet(GatedDeltaNet):
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """One gather puts the per-key-head columns in q|k|v|z|b|a order, so every part is a view
-        (the split, reshape and cat of the per-head layout were seven kernels a layer)."""
+        (splitting the per-head layout took seven kernels a layer)."""
         mixed = self.in_proj(x)
         if self._order is None or self._order.device != mixed.device:
             self._order = self.column_order(mixed.device)
@@ -282,8 +282,7 @@ class Qwen3NextForCausalLM(DecoderLM):
 
     @staticmethod
     def checkpoint_key(hf_key: str) -> str | None:
-        """Our parameter name for a checkpoint tensor; None for the multi-token-prediction head
-        (`mtp.*`), which published checkpoints carry and this model does not use."""
+        """Our parameter name for a checkpoint tensor; None for the unused multi-token-prediction head."""
         return None if hf_key.startswith("mtp.") else hf_key
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
@@ -306,9 +305,8 @@ class Qwen3NextForCausalLM(DecoderLM):
         return HybridStep.build(batch, rope, self.config.linear_conv_kernel_dim, self.use_fla)
 
     def init_random_weights(self, gen: torch.Generator) -> None:
-        """Called by builtin.init_random after its generic pass (which sets every norm to 1):
-        centred norms go back to 0 (scale 1), and the decay parameters get the reference's init
-        (A in U(0.01, 16), dt_bias 1)."""
+        """After builtin.init_random's generic pass: centred norms back to 0 (scale 1), the decay
+        parameters the reference's init (A in U(0.01, 16), dt_bias 1)."""
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, CenteredRMSNorm):
@@ -340,8 +338,8 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
 
     @staticmethod
     def checkpoint_key(hf_key: str) -> str | None:
-        """Our parameter name for a tensor of a Qwen3.5-MoE checkpoint, None for tensors this text
-        model does not use (vision tower, multi-token-prediction head)."""
+        """Our parameter name for a Qwen3.5-MoE checkpoint tensor; None for the vision tower and
+        the multi-token-prediction head."""
         if hf_key.startswith(("model.visual.", "mtp.")):
             return None
         if hf_key.startswith("model.language_model."):
