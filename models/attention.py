@@ -70,8 +70,7 @@ def row_index(store: KVStore, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
 def write_rows(
     store: KVStore, layer: int, batch: ForwardBatch, kv: Tensor, index: tuple[Tensor, Tensor] | None = None
 ) -> None:
-    """Store kv [T, 2 * n_kv, head_dim] at every token's (slot, position) in a CPU store (`index`:
-    its `row_index`, if computed already)."""
+    """Store kv [T, 2 * n_kv, head_dim] at every token's (slot, position) in a CPU store."""
     host = store.host
     assert host is not None, "on CUDA a Triton kernel writes the rows"
     index = index if index is not None else row_index(store, batch)

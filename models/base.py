@@ -330,8 +330,7 @@ def column(values: Sequence[float], dtype: torch.dtype, device: torch.device) ->
 
 
 def to_device_packed(host: dict[str, Tensor], dev: torch.device) -> dict[str, Any]:
-    """1-D int64 host tensors on `dev`, moved in one copy (views of one packed tensor, each
-    starting on a 16-byte boundary)."""
+    """1-D int64 host tensors on `dev` in one copy (16-byte aligned views of one packed tensor)."""
     if dev.type == "cpu":
         return dict(host)
     # One host-to-device copy instead of ten, pinned and non-blocking as in `to_device`.
@@ -379,8 +378,7 @@ class LayerState(abc.ABC):
 
 
 class CausalLM(Protocol):
-    """What the engine needs of a model: an `nn.Module` whose parameter names equal the HF
-    checkpoint names."""
+    """What the engine needs of a model: an `nn.Module` under the HF checkpoint names."""
 
     config: Any  # the model's frozen config dataclass
     # Whether a prefill graph may pad a lone prompt chunk to its bucket: only where a step's rows

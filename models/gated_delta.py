@@ -302,8 +302,7 @@ class HybridStep(LayerStep):
 
 
 class GatedDeltaNet(nn.Module):
-    """Gated DeltaNet linear attention over a `RecurrentState`; subclasses supply the input
-    projections as one matmul (`in_proj`)."""
+    """Gated DeltaNet over a `RecurrentState`; subclasses supply the input projections (`in_proj`)."""
 
     in_proj: FusedLinears
 

@@ -72,8 +72,7 @@ class HFCheckpoint:
     fp8_block: tuple[int, int] = (128, 128)
 
     def weights_bytes(self, dtype: torch.dtype, keep_fp8: bool = False) -> int:
-        """Bytes the model will hold: every tensor in dtype, or with keep_fp8 the float8 weights with
-        their float32 scales."""
+        """Bytes the model will hold: tensors in dtype, or keep_fp8's float8 weights and float32 scales."""
         size = torch.tensor([], dtype=dtype).element_size()
         kept = self.kept_fp8() if keep_fp8 else set()
         return sum(
@@ -362,8 +361,7 @@ def load_hf_model(
 def _copy_into(
     param: Tensor, copy: _Copy, src: Tensor, scale_inv: Tensor | None, block: tuple[int, int]
 ) -> int:
-    """Copy src into its place, casting (no intermediate but a float8 weight's dequantized one);
-    returns the bytes written."""
+    """Copy src into its place, casting; returns the bytes written."""
     nbytes = src.numel() * param.element_size()
     if scale_inv is not None:
         src = dequantize_blocks(src, scale_inv, block, torch.float32)

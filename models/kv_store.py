@@ -36,8 +36,7 @@ SCALE_BYTES = 4
 
 @dataclass(frozen=True)
 class StoreOp:
-    """One change a `KVStore` made, recorded so that a store of the same layout (another
-    tensor-parallel rank's) can `replay` it."""
+    """One change a `KVStore` made, recorded so another rank's store of its layout can `replay` it."""
 
     change: Callable[..., None]  # the KVStore method that made it (add_segment, set_table, ...)
     args: tuple[Any, ...]
@@ -280,8 +279,7 @@ class KVStore:
             )
 
     def block_views(self, block: int) -> list[Tensor]:
-        """Views of one block across every layer (K/V, and scales when int8): what parking a
-        sequence copies out and back."""
+        """Views of one block across every layer (K/V, and int8 scales): what parking copies."""
         return self._memory.block(block)
 
     def copy_block(self, src: int, dst: int) -> None:

@@ -280,8 +280,7 @@ class SwiGLU(nn.Module):
 
 
 class Rope:
-    """One step's rotary tables, [T, rotary_dim] each, for every layer (on the CPU also those
-    `turn_` reads)."""
+    """One step's rotary tables, [T, rotary_dim] each, for every layer (and on the CPU `turn_`'s)."""
 
     __slots__ = ("cos", "sin", "_in_place")
 

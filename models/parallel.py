@@ -259,8 +259,7 @@ def check_expert_parallel(num_experts: int, world: int) -> None:
 
 
 def hold_local_experts(model: nn.Module, rank: int, world: int) -> None:
-    """On the meta device, give every `Experts` module only this rank's experts: fused tensors of
-    E / world experts (whole intermediate dims) and the index of its first one."""
+    """On the meta device, cut every `Experts` module to this rank's whole experts."""
     for module in model.modules():
         if not isinstance(module, Experts):
             continue
@@ -281,8 +280,7 @@ def shard_on_meta(
     fp8: Fp8Spec | None = None,
     expert_parallel: bool = False,
 ) -> nn.Module:
-    """Rank tp.rank's shard on the meta device: vocabulary-parallel embedding and head,
-    parameters in dtype (those `fp8` names float8 with their scales)."""
+    """Rank tp.rank's shard on the meta device, parameters in dtype (`fp8` names in float8)."""
     cls = model_class(hf)
     with torch.device("meta"):
         model: nn.Module = cls.from_hf_config(shard_hf_config(hf, tp.world, expert_parallel))
@@ -310,8 +308,7 @@ def build_shard(
     fp8: Fp8Spec | None = None,
     expert_parallel: bool = False,
 ) -> nn.Module:
-    """Rank tp.rank's shard of the model on device, parameters uninitialised (fill with
-    `shard_loading`), each mixer and MLP ending in its all-reduce."""
+    """Rank tp.rank's shard on device, uninitialised, each mixer and MLP ending in its all-reduce."""
     model = materialize(shard_on_meta(hf, tp, dtype, fp8, expert_parallel), device)
     _reduce_partial_sums(model, tp)
     return model
@@ -337,8 +334,7 @@ def shard_weights_bytes(
     fp8: Fp8Spec | None = None,
     expert_parallel: bool = False,
 ) -> int:
-    """Bytes one rank's shard holds (from the configs alone, on the meta device), for admission
-    per die."""
+    """Bytes one rank's shard holds, from the configs alone (meta device), for admission per die."""
     model = shard_on_meta(hf, TPGroup(0, world), dtype, fp8, expert_parallel)
     # parameters() yields a tied parameter once
     return sum(p.numel() * p.element_size() for p in model.parameters())

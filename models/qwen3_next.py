@@ -97,8 +97,7 @@ class HybridConfig:
     def from_hf(
         cls, hf: Mapping[str, Any], model_types: tuple[str, ...], all_sparse: bool = False
     ) -> HybridConfig:
-        """From an HF config dict (a multimodal Qwen3.5 one nests it in text_config). all_sparse:
-        every layer is MoE with normalised top-k (Qwen3.5)."""
+        """From an HF config dict (Qwen3.5's may nest it in text_config); all_sparse: MoE everywhere."""
         if isinstance(hf.get("text_config"), Mapping):
             outer = hf
             hf = {**hf["text_config"]}
@@ -132,8 +131,7 @@ class HybridConfig:
 
 
 class CenteredRMSNorm(RMSNorm):
-    """RMSNorm whose weight is stored around 0 and applied as (1 + weight), in float32 (one kernel
-    on CUDA, `pointwise`)."""
+    """RMSNorm whose weight is stored around 0 and applied as (1 + weight), in float32."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__(dim, eps)
@@ -338,8 +336,7 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
 
     @staticmethod
     def checkpoint_key(hf_key: str) -> str | None:
-        """Our parameter name for a Qwen3.5-MoE checkpoint tensor; None for the vision tower and
-        the multi-token-prediction head."""
+        """Our name for a Qwen3.5-MoE checkpoint tensor; None for the vision tower and MTP head."""
         if hf_key.startswith(("model.visual.", "mtp.")):
             return None
         if hf_key.startswith("model.language_model."):

@@ -75,8 +75,7 @@ def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None
 def _place(
     params: Mapping[str, Tensor], key: str, part: Tensor, name: str, filled: set[str], ckpt: HFCheckpoint
 ) -> None:
-    """Copy a rank's part of checkpoint tensor `name` (model name `key`) into its parameter, or
-    into its expert's place in a fused expert parameter."""
+    """Copy a rank's part of `name` (model name `key`) into its parameter or its expert's place."""
     target = per_expert_target(key)
     if key in params:
         if params[key].shape != part.shape:
@@ -110,8 +109,7 @@ def scale_ranges(
 def fp8_part(
     cut: Cut, info: TensorInfo, name: str, read_weight: Read, scale_info: TensorInfo, block: Block, keep: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """The rank's part of float8 weight `name`: (float8 part, its scales) when `keep`, else (the
-    part dequantized to float32, None)."""
+    """The rank's part of float8 weight `name`: (part, its scales) if `keep`, else (dequantized, None)."""
     covering = scale_ranges(cut.dim, cut.ranges, info.shape, block) if cut.ranges else ()
     with safe_open(str(scale_info.file), framework="pt", device="cpu") as f:
         scale_slice = f.get_slice(name + "_scale_inv")

@@ -38,8 +38,7 @@ def paged_attention(
 
 
 class PagedKV(LayerState):
-    """One attention layer's view of the model's KV stores, through the model's one attention
-    backend (the first layer of a step prepares it)."""
+    """One attention layer's view of the KV stores, through the model's one attention backend."""
 
     def __init__(self, attention: PagedAttentionBackend | KVStore, layer: int) -> None:
         if not isinstance(attention, PagedAttentionBackend):
@@ -78,8 +77,7 @@ class PagedKV(LayerState):
         return self.attention.attend(self.layer, q, batch).view(q.shape[0], -1)
 
     def read(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
-        """K and V of each sequence, [B, max_ctx, n_kv, head_dim] gathered from the blocks (CPU
-        only); positions past a sequence's end are stale."""
+        """K and V [B, max_ctx, n_kv, head_dim] gathered from the blocks (CPU only; stale past the end)."""
         assert isinstance(self.attention, TorchPagedAttention), "on CUDA the blocks are read in place"
         kv = self.attention.read(self.layer, batch)
         h = self.layout.num_kv_heads
@@ -134,8 +132,7 @@ def build_states(
     device: torch.device | str,
     dtype: torch.dtype,
 ) -> list[LayerState]:
-    """One state per decoder layer, chosen by its spec: attention layers view `store` through one
-    backend, recurrent layers get num_slots fixed-size states."""
+    """One state per decoder layer by its spec: a `PagedKV` over one backend, or a `RecurrentState`."""
     states: list[LayerState] = []
     attn = 0
     for spec in specs:
