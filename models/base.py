@@ -54,20 +54,17 @@ class StepBatch(Sequence[Row]):
     tokens: array[int]  # flat host token ids (what `fill_tokens` completes may hold a placeholder)
     max_len: int  # longest new-token run of any sequence
     max_ctx: int  # longest start + len: the cache positions any sequence may read
-    # A step of prompt chunks and then single tokens (the engine lays out prefills first): from
-    # sequence `tail_from` on, every sequence feeds one token, and on CUDA those are attended by the
-    # decode kernel rather than each padded to a prefill tile of query rows. 0: no such tail.
+    # From sequence `tail_from` on (prefills come first) every sequence feeds one token, attended on
+    # CUDA by the decode kernel rather than each padded to a prefill tile. 0: no such tail.
     tail_from: int = 0
     tail_max_ctx: int = 0  # the longest of tail_ctx
     all_logits: tuple[bool, ...] = ()  # per sequence: logits at every token (prompt logprobs)
     sampled: tuple[bool, ...] = ()  # per sequence: a token is drawn from its logits
-    # Completes, in place on the device, token ids the host does not hold yet, given the step's
-    # token ids and each one's slot; called once they are where the forward reads them (by
-    # `place`, or by a graph's staging). None: every token id is on the host.
+    # Completes on the device, given the token ids and each one's slot, the ids the host does not
+    # hold yet, once they are where the forward reads them (`place`, a graph's staging); None: none.
     fill_tokens: Callable[[Tensor, Tensor], None] | None = None
-    # Some sequence of this step keeps its KV in int8 blocks beside others in the model dtype
-    # (the ladder's int8 rung): attention then writes and reads both stores, each sequence keeping
-    # its own store's result. Which sequence is which the attention backend reads through slots.
+    # Some sequence keeps its KV in int8 blocks beside others in the model dtype (the ladder's int8
+    # rung): attention writes and reads both stores, each sequence keeping its own store's result.
     uses_int8_kv: bool = False
     token_ids: Tensor = field(init=False)  # [T] int64
     positions: Tensor = field(init=False)  # [T] int64, absolute position in the slot's sequence

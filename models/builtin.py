@@ -133,10 +133,8 @@ BUILTIN: dict[str, dict[str, Any]] = {
         **_LLAMA_8B,
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
     },
-    # Qwen3-Next-80B-A3B's published config (48 layers, 512 experts top-10) but SmolLM2's
-    # vocabulary (0.6% of the weights) so the default tokenizer drives it. ~160 GB in bf16: two
-    # H200s with tensor parallel, or the -fp8 entry (its decoder projections and experts in float8
-    # with 128 x 128 block scales, as the FP8 release) on one.
+    # Qwen3-Next-80B-A3B's published config but SmolLM2's vocabulary (0.6% of the weights). ~160 GB
+    # in bf16: two H200s with tensor parallel, or the -fp8 entry (as the FP8 release) on one.
     "qwen3-next-80b-a3b": _QWEN3_NEXT_80B,
     # The same shapes with 26 of the 512 experts (5.8B parameters, 11.6 GB in bf16): fits one GPU,
     # so one GPU and a tensor-parallel pair can serve the same shape side by side.

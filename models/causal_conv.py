@@ -22,8 +22,7 @@ class ConvWindows:
     kernel: int
     token_taps: Tensor | None  # [K, T] int64: source row of tap j (oldest first) for token t
     state_taps: Tensor | None  # [K-1, B] int64: source row of the new state's column j for sequence b
-    # Every sequence feeds one token (a decode step): each token's window is its sequence's state
-    # followed by the token, so no taps are needed (None above).
+    # A decode step: each token's window is its sequence's state and itself, no taps (None above).
     decode_only: bool = False
 
     @classmethod
@@ -78,9 +77,8 @@ def causal_conv1d_varlen(
 
 
 def _conv_decode(x: Tensor, state: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-    # One token per sequence: the window is [state, x]. Same accumulation order as the gathered
-    # form (taps oldest first into float32 zeros), so a decode step gives the same bits either way;
-    # half the kernel launches, which is what a decode step on a GPU is bound by.
+    # One token per sequence: the window is [state, x], in the gathered form's accumulation order
+    # (the same bits), at half its kernel launches, which bound a decode step on a GPU.
     window = torch.cat([state.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, K]
     src = window.float()
     w = weight.float()

@@ -14,9 +14,8 @@ from ballast.models.moe import Experts
 from ballast.models.qwen3_next import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from torch import nn
 
-# Every class here has `from_hf_config(hf: Mapping[str, Any]) -> instance`, `layer_specs`,
-# `forward(batch, states)`; optionally `tie_weights()` and `fuse_projections(keep_values: bool)`,
-# which build_model calls once the parameters have real (still uninitialised) storage.
+# Every class here has `from_hf_config(hf)`, `layer_specs`, `forward(batch, states)`, and optionally
+# `tie_weights()` and `fuse_projections(keep_values)`, called once the parameters have storage.
 MODEL_CLASSES: dict[str, Any] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
