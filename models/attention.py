@@ -1,24 +1,10 @@
-"""Attention over the paged KV stores: the interface of its backends, and the CPU's gathering
-reference.
+"""Attention over the paged KV stores: the interface of its backends (Triton on CUDA,
+models/cpu_attention.py on the CPU) and the CPU's gathering helpers. Models never see the layout:
+a layer hands its `PagedKV` this step's K/V and queries and gets each token's output back.
 
-Models never see the layout: an attention layer hands its `PagedKV` (models/state.py) this step's
-K/V and queries with the step's `ForwardBatch`, and gets each token's attention output back. The
-`PagedKV` of every layer calls one `PagedAttentionBackend`, chosen once for the stores' device:
-
-- CUDA (models/triton_attention.py): a Triton kernel stores each token's K/V row into its block;
-  the attention kernels read every sequence's blocks in place through the block table (decode
-  split along the context, prefill chunks over the cached blocks plus the chunk, causally). int8
-  blocks are dequantized inside the kernels.
-- CPU (models/cpu_attention.py): blocks in the model dtype are read in place; int8 blocks, and
-  steps over both stores, are gathered here (one index_select per layer and store; a block is
-  contiguous, so one memcpy each) and attended by `scaled_dot_product_attention`. A step that
-  mixes decode tokens with prefill chunks attends them as two groups, each padded to its own
-  longest run, so a decode token never pays for a whole chunk's padding.
-
-A step whose batch holds a sequence of each KV format (`ForwardBatch.uses_int8_kv`: the ladder's int8
-rung) writes every token to both stores and attends both: each slot's row in the store its
-sequence does not use points at the sink block, whose contents nobody reads as KV, and each token
-keeps the result of its own sequence's store (`int8_slots`, written by the engine, says which).
+A step holding sequences of both KV formats (`ForwardBatch.uses_int8_kv`: the ladder's int8 rung)
+writes every token to both stores and attends both: a slot's row in the store it does not use
+points at the sink block, and each token keeps its own store's result (`int8_slots` says which).
 """
 
 from __future__ import annotations
@@ -35,11 +21,9 @@ from torch import Tensor
 
 class PagedAttentionBackend(abc.ABC):
     """How the attention layers of one model write and read its KV stores on one kind of device.
-
-    `prepare(batch)` computes once a step what every layer of the step shares (row indices, block
-    lists, the split between the stores). The step's first attention layer calls it (`PagedKV`):
-    models run from many places (the runner, graph capture, profiling, tests), and all of them
-    reach attention through their layers, in order."""
+    `prepare(batch)` computes once a step what the layers share; the step's first attention layer
+    calls it (`PagedKV`), since models run from many places (runner, graph capture, profiling,
+    tests) and all of them reach attention through their layers, in order."""
 
     def __init__(self, main: KVStore, int8: KVStore | None = None, int8_slots: Tensor | None = None) -> None:
         if (int8 is None) != (int8_slots is None):
@@ -77,9 +61,6 @@ class PagedAttentionBackend(abc.ABC):
         """q [T, Hq, D] over each token's own sequence's cache (this step's K/V written) -> [T, Hq, D]."""
 
 
-# --- writing this step's rows ---------------------------------------------------------------
-
-
 def row_index(store: KVStore, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
     """(block, offset) of every token's row in a CPU store: the same for every layer of a step."""
     bs = store.layout.block_size
@@ -89,8 +70,7 @@ def row_index(store: KVStore, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
 def write_rows(
     store: KVStore, layer: int, batch: ForwardBatch, kv: Tensor, index: tuple[Tensor, Tensor] | None = None
 ) -> None:
-    """Store kv [T, 2 * n_kv, head_dim] at (slot, position) of every token of batch in a CPU store
-    (`index`: its `row_index`, where the step computed it already)."""
+    """Store kv [T, 2 * n_kv, head_dim] at every token's (slot, position) in a CPU store."""
     host = store.host
     assert host is not None, "on CUDA a Triton kernel writes the rows"
     index = index if index is not None else row_index(store, batch)
@@ -102,18 +82,14 @@ def write_rows(
     host.scale[layer].index_put_(index, scale)
 
 
-# --- CPU: gather the blocks, then scaled_dot_product_attention --------------------------------
-
-
 def block_ids(store: KVStore, batch: ForwardBatch) -> Tensor:
     """The blocks each sequence of batch reads, its table's first ceil(max_ctx / block_size)."""
     return store.block_table[batch.slots, : -(-batch.max_ctx // store.layout.block_size)].reshape(-1).long()
 
 
 def gather(store: KVStore, layer: int, batch: ForwardBatch, ids: Tensor | None = None) -> Tensor:
-    """[B, max_ctx, 2 * n_kv, head_dim] in the model dtype, gathered from the store's blocks
-    (`ids`: their `block_ids`, where the step computed them already). Positions past a
-    sequence's own end hold stale data; attention masks them."""
+    """[B, max_ctx, 2 * n_kv, head_dim] in the model dtype from the store's blocks (`ids`: their
+    `block_ids`, if computed already). Positions past a sequence's end are stale; attention masks them."""
     host = store.host
     assert host is not None, "on CUDA attention reads the blocks in place"
     lay, b = store.layout, batch.num_seqs
@@ -136,8 +112,8 @@ class PaddedGroup:
 
 
 def padded_groups(batch: ForwardBatch) -> tuple[PaddedGroup, ...]:
-    """The groups a CPU step attends in: the whole batch, or its decode tokens and its prefill
-    chunks apart. The same for every layer of a step (the backend prepares them once)."""
+    """The groups a CPU step attends in: the whole batch, or its decode tokens and prefill chunks
+    apart, each padded to its own longest run (a decode token never pays a chunk's padding)."""
     decodes = [i for i, n in enumerate(batch.lens_list) if n == 1]
     if not decodes or len(decodes) == batch.num_seqs:
         return (PaddedGroup(batch, None, slot_attention_mask(batch)),)
@@ -164,8 +140,7 @@ def slot_attention_mask(batch: ForwardBatch) -> Tensor | None:
 
 
 def attend_gathered(q: Tensor, kv: Tensor, group: PaddedGroup) -> Tensor:
-    """q [T_g, Hq, D] of one group's tokens over its gathered kv [B_g, max_ctx, 2 * n_kv, D]
-    -> [T_g, Hq, D]."""
+    """q [T_g, Hq, D] of one group's tokens over its gathered kv [B_g, max_ctx, 2 * n_kv, D]."""
     batch = group.batch
     b, L = batch.num_seqs, batch.max_len
     heads, dim = q.shape[1], q.shape[2]

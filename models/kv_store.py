@@ -1,26 +1,15 @@
-"""Where attention KV lives: fixed-size blocks in segments that come and go, and a block table per slot.
+"""Where attention KV lives: fixed-size blocks, for every attention layer of a model, in segments
+that come and go, and a block table per slot (which block is whose, the engine's allocator decides).
 
-One `KVStore` serves every attention layer of a model. A block holds `block_size` consecutive
-positions of one sequence for all attention layers; a slot's block table (a row of `block_table`,
-indexed by slot) lists its blocks in position order. Which block belongs to whom is decided by the
-engine's allocator; this module only holds the memory and reads and writes it.
+Block size 32: a multiple of 16, so the CUDA kernels' tiles are whole blocks; a sequence wastes
+under 32 positions, and an 8k-token sequence's table is 256 entries.
 
-Block size 32: a multiple of 16, so the CUDA kernels' tiles are whole blocks and tensor-core
-shapes; a sequence wastes under 32 positions (under 2% of a 2k-token context), and a 8k-token
-sequence's table is 256 entries. Smaller blocks would only multiply table entries and gather
-indices; larger ones would waste more of each short sequence and share prefixes more coarsely.
-
-Memory comes in segments of whole blocks, so the pool grows and gives memory back while serving:
-- CPU: one anonymous mapping reserves the address space of every block the limits allow
-  (MAP_NORESERVE: no memory is committed); a segment's pages are committed when first written and
-  returned to the OS with madvise(MADV_DONTNEED) when the segment goes. Layout [layer, block, pos,
-  2 * kv_heads, head_dim], so one layer's blocks are one tensor and attention gathers a sequence's
-  blocks with one index_select.
-- CUDA: each segment is its own allocation [block, layer, pos, 2 * kv_heads, head_dim]; kernels
-  find it through `kv_ptrs` (segment -> base address), a device table that changes when segments
-  come and go, so captured CUDA graphs stay valid.
-Within a position, K heads come first, then V heads. int8 blocks carry a float32 scale per
-(position, head) row: value = int8 * scale.
+Segments let the pool grow and give memory back while serving. CPU: one MAP_NORESERVE mapping
+reserves every block the limits allow, [layer, block, pos, 2 * kv_heads, head_dim]; a segment's
+pages are committed when written and returned with madvise(MADV_DONTNEED). CUDA: one allocation
+per segment [block, layer, pos, ...], found by kernels through the device table `kv_ptrs`, so
+captured graphs stay valid as segments come and go. K heads come before V heads; int8 blocks
+carry a float32 scale per (position, head) row.
 """
 
 from __future__ import annotations
@@ -47,8 +36,7 @@ SCALE_BYTES = 4
 
 @dataclass(frozen=True)
 class StoreOp:
-    """One change a `KVStore` made to its segments, tables or blocks, recorded so that another
-    store of the same layout (a tensor-parallel rank's) can make the same change: `replay`."""
+    """One change a `KVStore` made, recorded so another rank's store of its layout can `replay` it."""
 
     change: Callable[..., None]  # the KVStore method that made it (add_segment, set_table, ...)
     args: tuple[Any, ...]
@@ -127,8 +115,7 @@ def plan_layout(
     segment_bytes: int = 0,
 ) -> KVLayout:
     """A layout whose segments hold about `segment_bytes` (default 64 MiB on CPU, 256 MiB on CUDA:
-    coarse enough that growing is rare, fine enough that a shrink gives back a useful share) and
-    whose capacity covers every slot at max_model_len, the most the limits could ever ask for."""
+    growing is rare, a shrink gives back a useful share), with room for every slot at max_model_len."""
     probe = KVLayout(num_layers, num_kv_heads, head_dim, dtype, quantized, block_size, 1, 1, table_rows, 1)
     target = segment_bytes or ((256 if device.type == "cuda" else 64) << 20)
     seg_blocks = max(2, target // probe.block_bytes)  # at least one block besides the sink
@@ -170,9 +157,8 @@ class _HostMemory:
         return [self.kv] if self.scale is None else [self.kv, self.scale]
 
     def add_segment(self, seg: int) -> None:
-        """Write a new segment's pages now: the mapping is MAP_NORESERVE, so until written they
-        are not memory at all, and the host's figures would show the grant only once sequences
-        filled it, long after the budget was asked (granting the same bytes again meanwhile)."""
+        """Write a new segment's pages now: under MAP_NORESERVE unwritten pages are no memory, so
+        the host's figures would show the grant only once filled (granting it again meanwhile)."""
         lo, hi = seg * self.layout.seg_blocks, (seg + 1) * self.layout.seg_blocks
         for t in self.tensors():
             t[:, lo:hi].zero_()
@@ -244,15 +230,13 @@ class KVStore:
         self.block_table = torch.zeros(
             (layout.table_rows, layout.max_blocks_per_seq), dtype=torch.int32, device=self.device
         )
-        # The memory's kind is chosen here, once; `host` / `cuda` name it for the backend that
-        # reads it (models/cpu_attention.py, models/triton_attention.py).
+        # The memory's kind is chosen once; `host` / `cuda` name it for the backend that reads it.
         self.cuda = _DeviceMemory(layout, self.device) if self.device.type == "cuda" else None
         self.host = None if self.cuda is not None else _HostMemory(layout)
         self._memory: _HostMemory | _DeviceMemory = self.cuda or self.host  # type: ignore[assignment]
         self.live_segments: set[int] = set()
         # Set (to a list) where other ranks mirror this store: every change is appended as a
-        # StoreOp tagged with journal_index. Stores may share one journal (with other changes the
-        # ranks must make in the same order).
+        # StoreOp tagged with journal_index (stores may share one journal, kept in order).
         self.journal: list[Any] | None = None
         self.journal_index = 0
 
@@ -295,8 +279,7 @@ class KVStore:
             )
 
     def block_views(self, block: int) -> list[Tensor]:
-        """Views of one block across every layer, one per tensor (K/V, and scales when int8),
-        each [num_layers, block_size, ...]: what parking a sequence copies out and back."""
+        """Views of one block across every layer (K/V, and int8 scales): what parking copies."""
         return self._memory.block(block)
 
     def copy_block(self, src: int, dst: int) -> None:

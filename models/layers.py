@@ -1,8 +1,5 @@
 """Building blocks shared by the architectures: RMSNorm, RoPE (default, linear, llama3; partial
-rotary), SwiGLU MLP, and GQA attention over the slot KV cache.
-
-Every layer works on the flat token layout of a `ForwardBatch` ([T, hidden]); attention hands its
-queries and K/V to the layer's `PagedKV`, which owns the cache layout (models/attention.py).
+rotary), SwiGLU MLP, and GQA attention over a `PagedKV`, all on the flat [T, hidden] token layout.
 """
 
 from __future__ import annotations
@@ -23,13 +20,10 @@ from torch import Tensor, nn
 DEFAULT_ROPE_THETA = 10000.0
 
 
-# oneDNN's JIT matmul picks its kernels by CPU features; MKL (torch's BLAS for float32) runs its
-# generic, non-AVX2 sgemm on AMD CPUs. Over the default model's weights on a 2-core AMD EPYC,
-# oneDNN measured 1.3-1.7x faster for decode-sized float32 inputs (bench/engine_decode.py) and
-# 2-3x faster for prompt chunks (1 and 2 threads, 3072x576 and 576x1536: 2.9 against 6.7 ms at
-# 128 rows, 10.0 against 26.4 ms at 512; the 49152-row head 226 against 445 ms at 512), so it
-# takes every chunk up to the CPU's default chunk of 512 tokens; past that (not measured) torch's
-# BLAS runs. Both are plain float32 FMA over the same dense weight; only the summation order differs.
+# oneDNN's JIT matmul picks its kernels by CPU features; MKL (torch's float32 BLAS) runs a generic
+# non-AVX2 sgemm on AMD CPUs. On a 2-core AMD EPYC over the default model's weights oneDNN measured
+# 1.3-1.7x faster for decode rows and 2-3x for prompt chunks up to 512 rows (the CPU's default
+# chunk; past that, not measured, torch's BLAS runs). Same float32 FMA, only the summation order differs.
 ONEDNN_MAX_ROWS = 512
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -65,9 +59,8 @@ class Linear(nn.Linear):
 
 
 def token_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
-    """An embedding table left uninitialised: loaders and `init_random` fill it. nn.Embedding's own
-    initialisation imports torch._dynamo (about 2 s of a model load on a 2-core box, even on the
-    meta device); passing the weight skips it."""
+    """An embedding table left uninitialised (loaders fill it): nn.Embedding's own init imports
+    torch._dynamo (about 2 s of a load on a 2-core box, even on the meta device)."""
     return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
 
 
@@ -80,9 +73,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def add_norm(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
-        """(x + delta, the norm of it): a residual add with the norm after it. On the CPU the sum
-        is written into x: the residual stream is a step's own tensor (the embedding's output,
-        then each add's), which nothing reads after the add."""
+        """(x + delta, its norm). On the CPU the sum is written into x: the residual stream is a
+        step's own tensor, which nothing reads after the add."""
         if x.is_cuda:
             return pointwise.add_rms_norm(x, delta, self.weight, self.eps)  # one kernel
         s = x.add_(delta)
@@ -91,9 +83,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.is_cuda or x.dtype != torch.float32 or self.weight.dtype != torch.float32:
             return pointwise.rms_norm(x, self.weight, self.eps)  # one kernel on CUDA
-        # float32 on the CPU: the reference's maths bit for bit (x * x is pow(2); products commute),
-        # written with in-place steps: F.rms_norm's CPU composite took 27 us a 576-wide row
-        # against 16 here, 61 times a decode step.
+        # float32 on the CPU: the reference's maths bit for bit, in place (F.rms_norm's CPU
+        # composite took 27 us a 576-wide row against 16 here, 61 times a decode step).
         r = torch.mean(x * x, -1, keepdim=True).add_(self.eps).rsqrt_()
         return torch.mul(x, r).mul_(self.weight)
 
@@ -162,10 +153,8 @@ def rope_inv_freq(params: RopeParams, head_dim: int) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin [T, rotary_dim] for the batch's absolute positions, computed once per forward.
-
-    inv_freq is a plain attribute, not a buffer: models are built on the meta device and filled by
-    `load_state_dict(assign=True)`, and a buffer would be left on meta."""
+    """cos/sin [T, rotary_dim] for the batch's positions, once per forward. inv_freq is a plain
+    attribute, not a buffer: models are built on the meta device and a buffer would stay there."""
 
     def __init__(self, params: RopeParams, head_dim: int) -> None:
         super().__init__()
@@ -189,20 +178,16 @@ def _empty_cat(tensors: Sequence[Tensor]) -> Tensor:
 
 
 class FusedLinears:
-    """Linears that read the same input, run as one matmul (fewer, larger GEMMs: decode on CPU is
-    dominated by per-op overhead). The parameters keep their HF names but, once fused, are views
-    into one weight, so loading into them with copy_ fills the fused weight as well. Anything that
-    re-creates them (`.to()`, `load_state_dict(assign=True)`) breaks the views; the next call
-    notices (data pointers) and fuses again from the current parameters, so a stale weight is
-    never used. FP8 linears fuse their block scales alike, where every part is whole blocks;
-    otherwise they run one by one. Deliberately not a Module: it owns no parameters of its own."""
+    """Linears that read the same input, run as one matmul. Once fused the parameters (HF names)
+    are views into one weight, so copy_ into them fills it; anything that re-creates them (`.to()`,
+    `load_state_dict(assign=True)`) breaks the views, and the next call notices (data pointers) and
+    fuses again, so a stale weight is never used. FP8 linears fuse their scales too where every
+    part is whole blocks, else run one by one. Not a Module: it owns no parameters."""
 
     def __init__(self, *linears: nn.Linear, transposed: bool = False) -> None:
         self.linears = linears
-        # Compute the output as the transpose of W . x^T (each output a column-major [T, n] view).
-        # For a narrow output whose width is not a multiple of 8 (a router's experts + 1 gate):
-        # cuBLAS writes rows of such a width with unvectorised kernels, and W . x^T's rows are
-        # the token count wide instead.
+        # Output as the transpose of W . x^T: for a narrow width not a multiple of 8 (a router's
+        # experts + 1 gate) cuBLAS writes rows unvectorised; W . x^T's rows are T wide instead.
         self.transposed = transposed
         self.weight: Tensor | None = None
         self.bias: Tensor | None = None
@@ -278,9 +263,6 @@ class SwiGLU(nn.Module):
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
         self.quantized: QuantizedPair | None = None
 
-    def fuse(self, keep_values: bool = True) -> None:
-        self.gate_up.fuse(keep_values)
-
     def quantize(self, pair: QuantizedPair) -> None:
         """Run gate/up and down through `pair` (the CPU's int4 or fp16 linears); the dense weights go."""
         self.quantized = pair
@@ -298,8 +280,7 @@ class SwiGLU(nn.Module):
 
 
 class Rope:
-    """One step's rotary tables, [T, rotary_dim] each: computed once, used by every layer. On the
-    CPU also the tables `turn_` reads, made once a step rather than once a layer."""
+    """One step's rotary tables, [T, rotary_dim] each, for every layer (and on the CPU `turn_`'s)."""
 
     __slots__ = ("cos", "sin", "_in_place")
 
@@ -320,8 +301,7 @@ class Rope:
 
     def turn_(self, x: Tensor) -> None:
         """x rotated in place, three ops where `__call__` takes ten: rotate_half(x) * sin is
-        roll(x, half) * [-sin | sin] (the halves swapped by one roll, the sign in the table; the
-        same products bit for bit), added to x * cos by one addcmul."""
+        roll(x, half) * [-sin | sin] (the same products bit for bit), added to x * cos by addcmul."""
         assert self._in_place is not None
         cos, signed_sin = self._in_place
         torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin, out=x)
@@ -385,6 +365,3 @@ class SlotAttention(nn.Module):
             q, k = qk.split((hq, hkv), dim=1)
         state.write(step.batch, k, v)
         return out(state.attend(q, step.batch))
-
-    def fuse(self, keep_values: bool = True) -> None:
-        self.qkv.fuse(keep_values)

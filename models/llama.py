@@ -149,20 +149,9 @@ class LlamaForCausalLM(DecoderLM):
     def from_hf_config(cls, hf: Mapping[str, Any]) -> LlamaForCausalLM:
         return cls(LlamaConfig.from_hf(hf))
 
-    def fuse_projections(self, keep_values: bool = True) -> None:
-        """Run q/k/v and gate/up as one matmul each (see `FusedLinears`). build_model does this
-        before any weight is loaded (keep_values=False: nothing to copy, no transient second copy);
-        loading with copy_ keeps the fusion, and a forward re-fuses after anything re-creates
-        the parameters."""
-        for layer in self.model.layers:
-            if isinstance(layer, LlamaDecoderLayer):
-                layer.self_attn.fuse(keep_values)
-                layer.mlp.fuse(keep_values)
-
     def quantize_cpu(self, q4: Mapping[str, Q4Weight]) -> int:
         """Hold the blocks `int4_blocks` finds in `q4` (a GGUF's Q4 weights by HF name) as int4
-        linears and the output head as int8, for the CPU's weight-only kernels
-        (models/cpu_int4.py). Returns the blocks converted."""
+        and the output head as int8, for the CPU's weight-only kernels; returns the blocks converted."""
         blocks = int4_blocks(q4, set())
         for i, where, names in blocks:
             layer = self.model.layers[i]
@@ -176,9 +165,8 @@ class LlamaForCausalLM(DecoderLM):
         return len(blocks)
 
     def hold_fp16(self) -> None:
-        """Hold every linear and the output head as float16 weights for FBGEMM's fp16 GEMM
-        (models/cpu_linear.py): half the bytes a decode step reads, activations still float32. A
-        tied head keeps its float32 embedding table for the token lookup."""
+        """Hold every linear and the output head as float16 for FBGEMM's fp16 GEMM (half the bytes a
+        decode step reads, activations still float32); a tied head keeps the float32 embedding."""
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp

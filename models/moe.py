@@ -1,13 +1,7 @@
-"""Sparse mixture of experts with a shared expert (Qwen3-Next / Qwen3.5-MoE layout).
-
-Parameter names and layouts follow the Hugging Face checkpoints: `gate.weight` [E, H] (router),
-`experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] (fused expert tensors),
-`shared_expert.{gate,up,down}_proj.weight`, `shared_expert_gate.weight` [1, H].
-
-Expert compute never loops over tokens: the (token, expert) pairs are sorted by expert so each
-expert's tokens are contiguous, then either `torch._grouped_mm` (one grouped GEMM per projection,
-where this torch build has it for the device and dtype) or, as a fallback, one `bmm` over the
-experts that received tokens, each padded to the busiest one's count.
+"""Sparse mixture of experts with a shared expert (Qwen3-Next / Qwen3.5-MoE layout, HF names; the
+experts fused as `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]). Expert compute never loops
+over tokens: the (token, expert) pairs are sorted by expert, then run as fused Triton kernels, one
+`torch._grouped_mm` per projection, or one `bmm` over the active experts padded to the busiest.
 """
 
 from __future__ import annotations
@@ -38,9 +32,8 @@ def route(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
 
 @lru_cache(maxsize=8)
 def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs here for this dtype. Older CPU builds lack the kernel and
-    CUDA builds restrict dtypes and architectures, so ask once with a tiny problem; the failure
-    is the answer, not an error to report."""
+    """Whether torch._grouped_mm runs here for this dtype, asked once with a tiny problem (builds
+    restrict devices, dtypes and architectures): the failure is the answer, not an error."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     device = torch.device(device_type)
@@ -61,19 +54,16 @@ def _grouped_ok(x: Tensor, gate_up: Tensor) -> bool:
 
 
 def local_expert_ids(experts: Tensor, first: int, count: int) -> Tensor:
-    """Expert parallel: the router's expert ids [T, k] -> ids among this rank's experts [first,
-    first + count), and `count` for a pair whose expert lives on another rank (a group that is
-    sorted last and never computed). Same shape, no host sync."""
+    """Expert parallel: the router's ids [T, k] -> ids among this rank's experts [first, first +
+    count), `count` for another rank's (sorted last, never computed). No host sync."""
     local = experts - first
     return local.masked_fill((local < 0) | (local >= count), count)
 
 
 class Routing(NamedTuple):
-    """The (token, expert) pairs grouped by expert, groups in expert order (within a group, pair
-    order on the torch path, no set order from CUDA's `moe_triton.align`): pair i of the grouped
-    order is `order[i]` of the flat [T * k] pairs, reading token `token[i]`; `counts[e]` pairs go
-    to expert e. kept: with pairs outside the experts (id num_experts, grouped last), how many
-    pairs come before them."""
+    """The (token, expert) pairs grouped by expert, in expert order: pair i is `order[i]` of the
+    flat [T * k] pairs, reading token `token[i]`; `counts[e]` pairs go to expert e. kept: with
+    pairs outside the experts (id num_experts, grouped last), how many come before them."""
 
     order: Tensor
     token: Tensor
@@ -100,11 +90,9 @@ class Routing(NamedTuple):
         return cls(order, token, counts, counts.sum())
 
     def combine(self, y: Tensor, weights: Tensor, num_tokens: int) -> Tensor:
-        """Per-pair expert outputs y [T * k, H] (sorted order) -> the weighted sum per token, in
-        float32 then y's dtype. Rows past `kept` count zero: no GEMM wrote them. Deterministic:
-        each token's k rows are gathered back to pair order and summed in k order (no atomic
-        adds, whose order varies run to run and can flip a bf16 rounding, then a greedy token).
-        On CUDA one kernel (`moe_triton.combine_pairs`) does all of it."""
+        """Per-pair outputs y [T * k, H] (sorted order) -> the weighted sum per token, in float32.
+        Rows past `kept` count zero: no GEMM wrote them. Deterministic: summed in k order, no
+        atomic adds (whose order varies run to run and can flip a bf16 rounding, then a token)."""
         back = torch.empty_like(self.order).scatter_(
             0, self.order, torch.arange(self.order.shape[0], device=y.device)
         )
@@ -118,8 +106,7 @@ class Routing(NamedTuple):
 
 
 class Shared(NamedTuple):
-    """A shared expert and its gate's logits [T, 1]: sigmoid(gate) * expert(x) joins the routed
-    experts' sum (in the fused kernels' own sum where `kernel_form` gives them its weights)."""
+    """A shared expert and its gate's logits [T, 1]: sigmoid(gate) * expert(x) joins the routed sum."""
 
     expert: SwiGLU
     gate: Tensor
@@ -130,10 +117,9 @@ class Shared(NamedTuple):
     def kernel_form(
         self, x: Tensor, gate_up: Tensor, scales: Fp8Scales | None = None
     ) -> moe_experts_triton.SharedExpert | None:
-        """The shared expert as one more expert of `moe_experts_triton.experts_mlp`: weights shaped
-        as one of the routed experts (`gate_up` [E, 2I, H]), of x's dtype, or float8 with the same
-        scale blocks where the routed experts are float8 (`scales`). None otherwise (another
-        intermediate size or weight kind, a bias): the torch form adds it then."""
+        """The shared expert as one more expert of `moe_experts_triton.experts_mlp`, where its
+        weights match the routed experts' shape and kind (float8 with the same scale blocks under
+        `scales`); None otherwise, and the torch form adds it."""
         mlp = self.expert
         fused = mlp.gate_up
         if fused.separate or fused.bias is not None or mlp.down_proj.bias is not None:
@@ -176,14 +162,10 @@ def experts_forward(
     shared: Shared | None = None,
     scales: Fp8Scales | None = None,
 ) -> Tensor:
-    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) for every token t, plus the gated
-    shared expert where given.
-
-    x [T, H]; experts, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I]. Returns [T, H] in x's
-    dtype, accumulated in float32. use_grouped_mm None picks grouped GEMM when it runs here.
-    outside: a pair may name expert E (one held elsewhere, see `local_expert_ids`): it adds 0.
-    scales: gate_up and down are float8 with these block scales; only the fused kernels take
-    them (`moe_experts_triton.fused_ok`; `fp8_experts_forward` serves the rest)."""
+    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) (+ the gated shared expert), [T, H] in
+    x's dtype, accumulated in float32. x [T, H]; experts, weights [T, k]. outside: a pair may name
+    expert E (held elsewhere), which adds 0. scales: float8 weights, for the fused kernels only.
+    use_grouped_mm None: grouped GEMM where it runs here."""
     if gate_up.shape[0] == 0:  # no expert here received a pair (the dequantizing FP8 path)
         return plus_shared(torch.zeros_like(x), x, shared)
     routing = Routing.sort(experts, gate_up.shape[0], outside)
@@ -253,8 +235,8 @@ def per_expert_target(name: str) -> tuple[str, int, str] | None:
 
 
 def place_expert_tensor(fused: Tensor, expert: int, part: str, tensor: Tensor) -> None:
-    """Copy one expert's projection into its fused parameter (gate rows first, then up, as the
-    reference concatenates them): gate -> gate_up_proj[e, :I], up -> [e, I:], down -> down_proj[e]."""
+    """Copy one expert's projection into its fused parameter: gate -> gate_up_proj[e, :I], up ->
+    [e, I:] (the reference's order), down -> down_proj[e]."""
     rows = tensor.shape[0]
     dst = {"gate_proj": fused[expert, :rows], "up_proj": fused[expert, rows:], "down_proj": fused[expert]}[
         part
@@ -319,7 +301,7 @@ class SparseMoeBlock(nn.Module):
 
     def fuse(self, keep_values: bool = True) -> None:
         self.gates.fuse(keep_values)
-        self.shared_expert.fuse(keep_values)
+        self.shared_expert.gate_up.fuse(keep_values)
 
     def forward(self, x: Tensor) -> Tensor:
         logits, shared_gate = self.gates.outputs(x)
@@ -330,9 +312,8 @@ class SparseMoeBlock(nn.Module):
 def fp8_experts_forward(
     module: Experts, x: Tensor, experts: Tensor, weights: Tensor, outside: bool = False
 ) -> Tensor:
-    """`experts_forward` for an `Experts` module holding float8 weights: one grouped FP8 GEMM per
-    projection where the kernels run; elsewhere only the experts that received tokens are
-    dequantized, then the dense path runs on them. outside: as in `moe.experts_forward`."""
+    """`experts_forward` over float8 weights: one grouped FP8 GEMM per projection where the kernels
+    run, else the dense path over only the experts that received tokens, dequantized."""
     num_experts = module.gate_up_proj.shape[0]
     if not fp8.kernels_available(x.device):
         active, local = experts.unique(return_inverse=True)

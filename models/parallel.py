@@ -1,27 +1,14 @@
-"""Tensor parallelism: one model split across N ranks (one process per device), Megatron style.
+"""Tensor parallelism, Megatron style: each of N ranks (one process per device) holds a shard and
+runs the same forward on the same batch. Attention, gated DeltaNet (by key heads), dense MLPs and
+the shared expert are column-parallel in, row-parallel out; fewer KV heads than ranks are
+replicated (a rank's query heads then fall inside one KV group); routed experts split their
+intermediate dim, or under `expert_parallel` each rank holds E / N whole experts; embedding and
+head are vocabulary-parallel. Each mixer and MLP ends in a partial sum, completed by one
+all-reduce (a forward hook); a row-parallel bias lives on rank 0 only so it is added once.
 
-Each rank holds a shard and runs the same forward on the same batch:
-- attention: q/k/v column-parallel by heads, o_proj row-parallel. KV heads are split across
-  ranks; with fewer KV heads than ranks each KV head is replicated on N / num_kv_heads ranks
-  (the query heads of a rank always fall inside one KV group then);
-- gated DeltaNet: split by key heads (and the value heads they serve): in-projections, conv
-  channels, decay parameters column-parallel, out_proj row-parallel; each rank keeps the conv
-  and recurrent state of its own heads;
-- dense MLP and shared expert: gate/up column-parallel, down row-parallel;
-- routed experts: every expert's intermediate dim is split (inside the fused `gate_up_proj`
-  [E, 2I, H] and `down_proj` [E, H, I]), or with `expert_parallel` each rank holds E / N whole
-  experts (below); the router is replicated, so every rank routes alike;
-- embedding and lm_head: vocabulary-parallel (rows padded to a multiple of N), logits gathered.
-
-A decoder layer's mixer and MLP each end in a row-parallel projection whose output is a partial
-sum: one all-reduce per mixer and per MLP (a forward hook on the module), and a row-parallel bias
-is kept on rank 0 only so it is added once. The shard is built from the per-rank config
-(`shard_hf_config`: heads and intermediate sizes divided by N), so the architectures' own code
-runs unchanged, and its `layer_specs` describe the per-rank caches.
-
-Weights arrive as shards: `ShardPlan.cut` says which rows / columns of a full checkpoint tensor a
-rank keeps, and `shard_loading.load_hf_shard` reads only those through safetensors slices. An FP8
-checkpoint's float8 weights come with the block scales of their part.
+The shard is built from a per-rank config (`shard_hf_config`), so the architectures' code runs
+unchanged and its `layer_specs` describe the per-rank caches. `ShardPlan.cut` says which part of
+each checkpoint tensor a rank keeps; `shard_loading` reads only that.
 """
 
 from __future__ import annotations
@@ -76,10 +63,9 @@ def _divide(what: str, value: int, world: int) -> int:
 
 
 def shard_hf_config(hf: Mapping[str, Any], world: int, expert_parallel: bool = False) -> dict[str, Any]:
-    """The config of one rank's shard: heads and intermediate sizes divided by world (a clear
-    UnsupportedModel when one does not divide). The vocabulary stays whole (the embedding and the
-    head are swapped for vocabulary-parallel ones after the build); so do the routed experts under
-    expert_parallel (`hold_local_experts` cuts them to the rank's after the build)."""
+    """The config of one rank's shard: heads and intermediate sizes divided by world
+    (UnsupportedModel when one does not divide). The vocabulary, and under expert_parallel the
+    routed experts, stay whole: they are cut after the build."""
     cfg = _parsed(hf)
     nested = isinstance(hf.get("text_config"), Mapping)  # a multimodal config: the text model's is inside
     text = dict(hf["text_config"] if nested else hf)
@@ -108,12 +94,9 @@ def shard_hf_config(hf: Mapping[str, Any], world: int, expert_parallel: bool = F
     return {**hf, "text_config": text} if nested else text
 
 
-# --- vocabulary-parallel embedding and head ------------------------------------------------------
-
-
 class VocabParallelEmbedding(nn.Module):
-    """Rows [rank * per_rank, (rank + 1) * per_rank) of the embedding; a token outside them gives
-    zeros here and its row on the rank that holds it, summed by one all-reduce."""
+    """This rank's rows of the embedding; a token outside them gives zeros here, and one
+    all-reduce sums in the row from the rank that holds it."""
 
     def __init__(self, vocab: int, hidden: int, tp: TPGroup) -> None:
         super().__init__()
@@ -130,8 +113,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """The head's rows for this rank's slice of the vocabulary; the logits of every rank are
-    gathered and the padding rows cut off, so every rank returns [T, vocab]."""
+    """The head's rows of this rank's vocabulary slice; every rank returns the gathered [T, vocab]."""
 
     def __init__(self, hidden: int, vocab: int, tp: TPGroup) -> None:
         super().__init__()
@@ -143,14 +125,10 @@ class VocabParallelHead(nn.Module):
         return self.tp.all_gather_last(linear(h, self.weight))[..., : self.vocab]
 
 
-# --- which part of each tensor a rank keeps ------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Cut:
-    """Keep `ranges` (start, stop) of dim `dim`, concatenated; pad_rows: zero rows appended up to
-    this many (the vocabulary's last shard); zeros: this rank holds zeros (a row-parallel bias: rank
-    0 holds it, so it is added once)."""
+    """Keep `ranges` (start, stop) of dim `dim`, concatenated; pad_rows: pad with zero rows to this
+    many (the vocabulary's last shard); zeros: this rank holds zeros (a row-parallel bias)."""
 
     dim: int = 0
     ranges: tuple[tuple[int, int], ...] = ()
@@ -173,9 +151,8 @@ class ShardPlan:
         self.experts = expert_range(num_experts, rank, world) if expert_parallel else None
 
     def local_name(self, name: str) -> str | None:
-        """The name a checkpoint tensor has in this rank's shard: under expert parallel a
-        per-expert `....mlp.experts.{e}.*` tensor's expert index becomes the local one, None for
-        another rank's expert; any other name unchanged."""
+        """A checkpoint tensor's name in this shard: under expert parallel a per-expert tensor's
+        index becomes the local one (None: another rank's expert); other names unchanged."""
         m = None if self.experts is None else _EXPERT_INDEX.search(name)
         if m is None or self.experts is None:
             return name
@@ -253,24 +230,13 @@ def apply_cut(cut: Cut, read: Callable[[tuple[slice, ...]], Tensor], shape: tupl
     return out
 
 
-# --- expert parallel --------------------------------------------------------------------------
-
-# Expert parallel: under tensor parallel, rank r of N holds whole routed experts
-# [r * E / N, (r + 1) * E / N) instead of a 1/N slice of every expert's intermediate dim.
-#
-# The router stays replicated, so every rank picks the same top-k of all E experts for a token;
-# each rank computes only the (token, expert) pairs whose expert it holds (the others add zero,
-# `moe.local_expert_ids`) and the all-reduce that already ends the MoE block (the shared expert's
-# row-parallel partial sum) adds the ranks' routed parts too. No extra collective, no host sync.
-#
-# Why have both splits: sharding every expert makes each rank's expert GEMMs N times thinner (for
-# Qwen3-Next's 512 experts of intermediate 512 at N = 8: 64 columns, which also cuts every FP8
-# 128 x 128 scale block, so a float8 load is refused), while whole experts keep the GEMMs and the
-# scale blocks whole; the price is load imbalance (a rank's share of a batch's pairs varies).
-#
-# A checkpoint's experts come fused ([E, ...] tensors: a rank reads rows [first, first + count)
-# of dim 0, with the scales of those experts) or one tensor per expert (`experts.{e}.*`: a rank
-# reads only its own experts' tensors, whole, renamed to their local index).
+# Expert parallel: rank r of N holds whole routed experts [r * E / N, (r + 1) * E / N). The router
+# stays replicated, so every rank picks the same top-k; a rank computes only the pairs of its own
+# experts (the others add zero, `moe.local_expert_ids`), and the all-reduce that already ends the
+# MoE block adds the ranks' parts: no extra collective, no host sync. Why both splits: slicing
+# every expert makes the GEMMs N times thinner (Qwen3-Next at N = 8: 64 columns, which also cuts
+# the FP8 128 x 128 scale blocks, so a float8 load is refused); whole experts keep GEMMs and scale
+# blocks whole, at the price of load imbalance.
 
 _EXPERT_INDEX = re.compile(r"(?<=\.mlp\.experts\.)(\d+)(?=\.)")
 
@@ -293,8 +259,7 @@ def check_expert_parallel(num_experts: int, world: int) -> None:
 
 
 def hold_local_experts(model: nn.Module, rank: int, world: int) -> None:
-    """On the meta device, give every `Experts` module only this rank's experts: fused tensors of
-    E / world experts (whole intermediate dims) and the index of its first one."""
+    """On the meta device, cut every `Experts` module to this rank's whole experts."""
     for module in model.modules():
         if not isinstance(module, Experts):
             continue
@@ -303,9 +268,6 @@ def hold_local_experts(model: nn.Module, rank: int, world: int) -> None:
             full: Tensor = getattr(module, name)
             setattr(module, name, nn.Parameter(full.new_empty((count, *full.shape[1:]))))
         module.first = first
-
-
-# --- building and filling a shard --------------------------------------------------------------
 
 
 Fp8Spec = tuple[Callable[[str], bool], Block]  # which parameters hold float8, and their scale block
@@ -318,9 +280,7 @@ def shard_on_meta(
     fp8: Fp8Spec | None = None,
     expert_parallel: bool = False,
 ) -> nn.Module:
-    """Rank tp.rank's shard on the meta device (no memory): vocabulary-parallel embedding and
-    head, parameters in dtype, those fp8 names in float8 with their scales; expert_parallel:
-    the rank's whole routed experts."""
+    """Rank tp.rank's shard on the meta device, parameters in dtype (`fp8` names in float8)."""
     cls = model_class(hf)
     with torch.device("meta"):
         model: nn.Module = cls.from_hf_config(shard_hf_config(hf, tp.world, expert_parallel))
@@ -348,17 +308,13 @@ def build_shard(
     fp8: Fp8Spec | None = None,
     expert_parallel: bool = False,
 ) -> nn.Module:
-    """Rank tp.rank's shard of the model, parameters uninitialised (fill with `load_*_shard`);
-    fp8: the parameters an FP8 checkpoint's float8 weights stay float8 in; expert_parallel:
-    whole routed experts, E / world of them."""
+    """Rank tp.rank's shard on device, uninitialised, each mixer and MLP ending in its all-reduce."""
     model = materialize(shard_on_meta(hf, tp, dtype, fp8, expert_parallel), device)
     _reduce_partial_sums(model, tp)
     return model
 
 
 def _reduce_partial_sums(model: nn.Module, tp: TPGroup) -> None:
-    """Each layer's mixer (attention / linear attention) and MLP end in a row-parallel projection:
-    their outputs are partial sums, completed by one all-reduce each."""
 
     def reduce(module: nn.Module, args: Any, out: Tensor) -> Tensor:
         return tp.all_reduce(out)
@@ -378,8 +334,7 @@ def shard_weights_bytes(
     fp8: Fp8Spec | None = None,
     expert_parallel: bool = False,
 ) -> int:
-    """Bytes one rank's shard holds (from the configs alone, on the meta device), for admission
-    per die; fp8: float8 weights (1 byte) and their float32 scales where they stay so."""
+    """Bytes one rank's shard holds, from the configs alone (meta device), for admission per die."""
     model = shard_on_meta(hf, TPGroup(0, world), dtype, fp8, expert_parallel)
     # parameters() yields a tied parameter once
     return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,20 +1,10 @@
 """Qwen3-Next: gated DeltaNet linear-attention layers interleaved with gated full attention, and
-sparse MoE MLPs with a shared expert.
+sparse MoE MLPs with a shared expert. Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`) differs in separate
+plain q|k|v linear-attention projections instead of per-key-head interleaved ones, and MoE in every
+layer; its mrope reduces to ordinary partial rotary for text (every position axis is the same).
 
-Qwen3.5-MoE (text model) is the same architecture with two differences (`Qwen3_5MoeForCausalLM`):
-its linear-attention input projections are separate tensors (`in_proj_qkv`, `in_proj_z`,
-`in_proj_b`, `in_proj_a`) in plain q|k|v order instead of Qwen3-Next's per-key-head interleaved
-`in_proj_qkvz` / `in_proj_ba`, and every layer is a sparse MoE layer with normalised top-k. Its
-rotary embedding is multimodal (mrope) in the reference, but for text every position axis carries
-the same index, which reduces exactly to the ordinary partial rotary used here. A text-only
-checkpoint says `model_type: qwen3_5_moe_text`; the full multimodal one says `qwen3_5_moe` and
-nests the text config under `text_config`, with the language model's tensors under
-`model.language_model.*`.
-
-Per-layer state follows the layer's kind: full-attention layers read and write a `PagedKV`,
-linear-attention layers a `RecurrentState` (conv window + float32 delta-rule state). The engine
-sees only `layer_specs` and `forward(batch, states)`; nothing outside this file knows the model is
-hybrid.
+Full-attention layers read a `PagedKV`, linear-attention layers a `RecurrentState`; the engine sees
+only `layer_specs` and `forward(batch, states)`, so nothing outside this file knows it is hybrid.
 """
 
 from __future__ import annotations
@@ -107,8 +97,7 @@ class HybridConfig:
     def from_hf(
         cls, hf: Mapping[str, Any], model_types: tuple[str, ...], all_sparse: bool = False
     ) -> HybridConfig:
-        """From an HF config dict. A multimodal Qwen3.5 config nests the text model in text_config.
-        all_sparse: every layer is MoE with normalised top-k (Qwen3.5 has no dense layers)."""
+        """From an HF config dict (Qwen3.5's may nest it in text_config); all_sparse: MoE everywhere."""
         if isinstance(hf.get("text_config"), Mapping):
             outer = hf
             hf = {**hf["text_config"]}
@@ -142,8 +131,7 @@ class HybridConfig:
 
 
 class CenteredRMSNorm(RMSNorm):
-    """RMSNorm whose weight is stored around 0 and applied as (1 + weight), in float32 (one kernel
-    on CUDA, `pointwise`)."""
+    """RMSNorm whose weight is stored around 0 and applied as (1 + weight), in float32."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__(dim, eps)
@@ -203,7 +191,7 @@ class FusedGatedDeltaNet(GatedDeltaNet):
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """One gather puts the per-key-head columns in q|k|v|z|b|a order, so every part is a view
-        (the split, reshape and cat of the per-head layout were seven kernels a layer)."""
+        (splitting the per-head layout took seven kernels a layer)."""
         mixed = self.in_proj(x)
         if self._order is None or self._order.device != mixed.device:
             self._order = self.column_order(mixed.device)
@@ -292,20 +280,8 @@ class Qwen3NextForCausalLM(DecoderLM):
 
     @staticmethod
     def checkpoint_key(hf_key: str) -> str | None:
-        """Our parameter name for a checkpoint tensor; None for the multi-token-prediction head
-        (`mtp.*`), which published checkpoints carry and this model does not use."""
+        """Our parameter name for a checkpoint tensor; None for the unused multi-token-prediction head."""
         return None if hf_key.startswith("mtp.") else hf_key
-
-    def fuse_projections(self, keep_values: bool = True) -> None:
-        """Run each attention layer's q/k/v and each linear-attention layer's input projections as
-        one matmul (see `FusedLinears`; 60 fewer GEMMs a decode step of the 48-layer Qwen3-Next)."""
-        for layer in self.model.layers:
-            assert isinstance(layer, HybridDecoderLayer)
-            if layer.self_attn is not None:
-                layer.self_attn.qkv.fuse(keep_values)
-            if layer.linear_attn is not None:
-                layer.linear_attn.fuse(keep_values)
-            layer.mlp.fuse(keep_values)
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
         c = self.config
@@ -327,9 +303,8 @@ class Qwen3NextForCausalLM(DecoderLM):
         return HybridStep.build(batch, rope, self.config.linear_conv_kernel_dim, self.use_fla)
 
     def init_random_weights(self, gen: torch.Generator) -> None:
-        """Called by builtin.init_random after its generic pass (which sets every norm to 1):
-        centred norms go back to 0 (scale 1), and the decay parameters get the reference's init
-        (A in U(0.01, 16), dt_bias 1)."""
+        """After builtin.init_random's generic pass: centred norms back to 0 (scale 1), the decay
+        parameters the reference's init (A in U(0.01, 16), dt_bias 1)."""
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, CenteredRMSNorm):
@@ -361,8 +336,7 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
 
     @staticmethod
     def checkpoint_key(hf_key: str) -> str | None:
-        """Our parameter name for a tensor of a Qwen3.5-MoE checkpoint, None for tensors this text
-        model does not use (vision tower, multi-token-prediction head)."""
+        """Our name for a Qwen3.5-MoE checkpoint tensor; None for the vision tower and MTP head."""
         if hf_key.startswith(("model.visual.", "mtp.")):
             return None
         if hf_key.startswith("model.language_model."):

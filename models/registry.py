@@ -14,9 +14,8 @@ from ballast.models.moe import Experts
 from ballast.models.qwen3_next import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from torch import nn
 
-# Every class here has `from_hf_config(hf: Mapping[str, Any]) -> instance`, `layer_specs`,
-# `forward(batch, states)`; optionally `tie_weights()` and `fuse_projections(keep_values: bool)`,
-# which build_model calls once the parameters have real (still uninitialised) storage.
+# Every class here has `from_hf_config(hf)`, `layer_specs`, `forward(batch, states)`, and optionally
+# `tie_weights()` and `fuse_projections(keep_values)`, called once the parameters have storage.
 MODEL_CLASSES: dict[str, Any] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
@@ -44,11 +43,9 @@ def build_model(
     device: torch.device | str = "cpu",
     fp8: tuple[Callable[[str], bool], Block] | None = None,
 ) -> nn.Module:
-    """The model for an HF config dict, with uninitialised parameters in dtype on device (fill them
-    with `load_state_dict`, or `builtin.init_random`). fp8: (which parameter names, block) of
-    weights held in float8 with block scales instead (models/fp8.py).
-
-    Built on the meta device first, so no time goes into an initialisation the weights overwrite."""
+    """The model for an HF config dict, parameters uninitialised in dtype on device (fp8: which
+    names, block: held in float8 with block scales). Built on the meta device first, so no time
+    goes into an initialisation the weights overwrite."""
     cls = model_class(hf_config)
     with torch.device("meta"):
         model: nn.Module = cls.from_hf_config(hf_config).to(dtype)
@@ -70,11 +67,9 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
 
 
 def convert_model(model: nn.Module, quantized: Callable[[str], bool], block: Block) -> None:
-    """Turn float8 in place, on the meta device, the modules whose weights `quantized` accepts
-    (model parameter names of float8 checkpoint tensors: `...q_proj.weight`,
-    `...mlp.experts.gate_up_proj`), as the loaders do before the checkpoint's float8 tensors are
-    read. Experts whose gate and up halves would split a scale block stay in the model's dtype
-    (the loader dequantizes them)."""
+    """Turn float8 in place, on the meta device, the modules whose weights `quantized` accepts.
+    Experts whose gate and up halves would split a scale block stay in the model's dtype (the
+    loader dequantizes them)."""
     for name, module in model.named_modules():
         prefix = name + "." if name else ""
         if isinstance(module, nn.Linear) and quantized(prefix + "weight"):

@@ -1,15 +1,10 @@
-"""Filling a tensor-parallel shard (built by `parallel.build_shard`) with its part of each tensor:
-from a whole model's state dict, or from an HF safetensors directory, reading only the rank's
-slices (`parallel.ShardPlan` says which).
+"""Filling a tensor-parallel shard with its part of each tensor (`parallel.ShardPlan`): from a whole
+model's state dict, or from an HF safetensors directory, reading only the rank's slices.
 
-An FP8 checkpoint's float8 weight [..., rows, cols] carries one float32 scale per (bn x bk) block
-of its last two dims. A rank keeps some ranges of one dim of the weight (`parallel.Cut`), and the
-scales that cover exactly those ranges: a column-parallel split of out_features (rows) must fall
-on whole blocks of bn rows, a row-parallel split of in_features (cols) on whole blocks of bk
-columns (a range may end at the dim's end, inside its last, partial block). Where a rank keeps the
-weight in float8 a split that cuts a block is refused (`UnsupportedModel`, naming the tensor);
-where it dequantizes at load (the CPU's default, `--fp8-weights dequantize`), such a weight is
-read whole, dequantized and then cut.
+A float8 weight's part keeps the scales that cover exactly its ranges, so a split must fall on
+whole scale blocks (a range may end inside the dim's last, partial block). Where the rank keeps
+float8 a split inside a block is refused (`UnsupportedModel`); where it dequantizes at load, such
+a weight is read whole, dequantized and then cut.
 """
 
 from __future__ import annotations
@@ -43,9 +38,8 @@ def load_full_into_shard(model: nn.Module, full: Mapping[str, Tensor], plan: Sha
 
 
 def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None:
-    """Fill a shard from an HF safetensors directory, reading only this rank's slices. A float8
-    weight fills a float8 parameter with its scales (the shard was built with `fp8`), or is
-    dequantized into the model's dtype."""
+    """Fill a shard from an HF safetensors directory, reading only this rank's slices (a float8
+    weight keeps its scales where its parameter is float8, else is dequantized)."""
     params = dict(model.state_dict(keep_vars=True))
     tied = tied_params(model)
     filled: set[str] = set()
@@ -81,8 +75,7 @@ def load_hf_shard(model: nn.Module, ckpt: HFCheckpoint, plan: ShardPlan) -> None
 def _place(
     params: Mapping[str, Tensor], key: str, part: Tensor, name: str, filled: set[str], ckpt: HFCheckpoint
 ) -> None:
-    """Copy a rank's part of checkpoint tensor `name` (model name `key`) into its parameter, or
-    into its expert's place in a fused expert parameter."""
+    """Copy a rank's part of `name` (model name `key`) into its parameter or its expert's place."""
     target = per_expert_target(key)
     if key in params:
         if params[key].shape != part.shape:
@@ -102,8 +95,7 @@ def scale_ranges(
     dim: int, ranges: tuple[tuple[int, int], ...], shape: tuple[int, ...], block: Block
 ) -> tuple[tuple[int, int], ...] | None:
     """The ranges of the scale grid that cover `ranges` of the weight's dim `dim` exactly; None
-    when a range starts or ends inside a block (a leading dim, e.g. the experts', is one scale
-    per index: any range maps to itself)."""
+    when a range starts or ends inside a block (a leading dim has one scale per index)."""
     nd = len(shape)
     b = block[0] if dim == nd - 2 else block[1] if dim == nd - 1 else 1
     out = []
@@ -117,9 +109,7 @@ def scale_ranges(
 def fp8_part(
     cut: Cut, info: TensorInfo, name: str, read_weight: Read, scale_info: TensorInfo, block: Block, keep: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """The rank's part of float8 weight `name` (its checkpoint entry, a reader of its slices) and
-    of its scales (their entry): (float8 part, its scales) when `keep`, else (the part dequantized
-    to float32, None)."""
+    """The rank's part of float8 weight `name`: (part, its scales) if `keep`, else (dequantized, None)."""
     covering = scale_ranges(cut.dim, cut.ranges, info.shape, block) if cut.ranges else ()
     with safe_open(str(scale_info.file), framework="pt", device="cpu") as f:
         scale_slice = f.get_slice(name + "_scale_inv")

@@ -1,10 +1,7 @@
-"""Per-layer, per-slot state behind one small interface ("hybrid is a strategy, not a branch").
-
-Each decoder layer gets the state object its spec asks for: attention layers a `PagedKV` (their
-K/V live in the blocks of one shared `KVStore`, reached through each slot's block table), linear
-attention / SSM layers a `RecurrentState` (a fixed-size state per slot). The engine builds them at
-load, resets slots when a new sequence starts in them, and copies the per-slot part out and back
-for checkpoints (`slot_views` / `load`); the model reads and writes them inside `forward`.
+"""Per-layer, per-slot state behind one small interface ("hybrid is a strategy, not a branch"):
+attention layers get a `PagedKV` (blocks of one shared `KVStore`), linear-attention / SSM layers a
+`RecurrentState` (fixed size per slot). The engine builds, resets and checkpoints them
+(`slot_views` / `load`); the model reads and writes them inside `forward`.
 """
 
 from __future__ import annotations
@@ -31,9 +28,8 @@ def attention_spec(num_kv_heads: int, head_dim: int, kv_dtype_bytes: int) -> Att
 def paged_attention(
     main: KVStore, int8: KVStore | None = None, int8_slots: Tensor | None = None
 ) -> PagedAttentionBackend:
-    """The attention backend for the stores' device, chosen once: the Triton kernels on CUDA, torch
-    on the CPU. `int8` (with `int8_slots`, the table of the slots that live there): the store of
-    sequences the ladder started in int8 beside a main store in the model dtype."""
+    """The attention backend for the stores' device (Triton on CUDA, torch on the CPU). `int8`
+    (with `int8_slots`, which slots live there): the ladder's int8 store beside the main one."""
     if main.device.type == "cuda":
         from ballast.models.triton_attention import TritonPagedAttention
 
@@ -42,9 +38,7 @@ def paged_attention(
 
 
 class PagedKV(LayerState):
-    """One attention layer's view of the model's KV stores: writes this step's K/V into the slots'
-    blocks and attends over them in place, through the model's attention backend (one for every
-    layer; the first layer of a step prepares it)."""
+    """One attention layer's view of the KV stores, through the model's one attention backend."""
 
     def __init__(self, attention: PagedAttentionBackend | KVStore, layer: int) -> None:
         if not isinstance(attention, PagedAttentionBackend):
@@ -72,21 +66,18 @@ class PagedKV(LayerState):
             raise ValueError("an attention layer's checkpoint holds no tensors (its blocks are shared)")
 
     def write(self, batch: ForwardBatch, k: Tensor, v: Tensor) -> None:
-        """Store this step's k, v [T, n_kv_heads, head_dim] at (slot, position) of every token; the
-        slot's table must already cover the position (the engine grows it before the step)."""
+        """Store this step's k, v [T, n_kv_heads, head_dim] at every token's (slot, position); the
+        engine grows the slot's table to cover it before the step."""
         if self._prepares:
             self.attention.prepare(batch)
         self.attention.write(self.layer, batch, torch.cat((k, v), dim=1))
 
     def attend(self, q: Tensor, batch: ForwardBatch) -> Tensor:
-        """q [T, Hq, D] attends to its sequence's cache (this step's K/V already written) ->
-        [T, Hq * D]."""
+        """q [T, Hq, D] over its sequence's cache (this step's K/V written) -> [T, Hq * D]."""
         return self.attention.attend(self.layer, q, batch).view(q.shape[0], -1)
 
     def read(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
-        """K and V of each sequence, positions [0, max_ctx): [B, max_ctx, n_kv, head_dim] in the
-        model dtype, gathered from the blocks (CPU only). Positions past a sequence's own end hold
-        stale data."""
+        """K and V [B, max_ctx, n_kv, head_dim] gathered from the blocks (CPU only; stale past the end)."""
         assert isinstance(self.attention, TorchPagedAttention), "on CUDA the blocks are read in place"
         kv = self.attention.read(self.layer, batch)
         h = self.layout.num_kv_heads
@@ -141,9 +132,7 @@ def build_states(
     device: torch.device | str,
     dtype: torch.dtype,
 ) -> list[LayerState]:
-    """One state per decoder layer, chosen by its spec: attention layers view `store` through one
-    backend (the i-th attention layer its layer i), recurrent layers get num_slots fixed-size
-    states."""
+    """One state per decoder layer by its spec: a `PagedKV` over one backend, or a `RecurrentState`."""
     states: list[LayerState] = []
     attn = 0
     for spec in specs:
@@ -197,10 +186,8 @@ def allocate_states(
     dtype: torch.dtype,
     quantized_kv: bool = False,
 ) -> list[LayerState]:
-    """States for num_slots sequences of up to max_len tokens with every slot's blocks assigned up
-    front (slot s owns blocks 1 + s * per_slot ..; block 0 is the sink): for tests, benchmarks and
-    the profiling pass, which run a model without the engine's allocator. quantized_kv stores
-    attention KV as int8."""
+    """States for num_slots sequences of up to max_len tokens, every slot's blocks assigned up front
+    (block 0 is the sink): for tests, benchmarks and profiling, which run without the allocator."""
     store = kv_store_for(specs, num_slots, max_len, device, dtype, quantized_kv)
     if store is not None:
         lay = store.layout
