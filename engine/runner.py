@@ -126,10 +126,10 @@ def profile_prefill(
     `analytic_activation_bytes`, and a short warm-up prefill checks the model runs."""
     start = max(0, max_model_len - chunk_tokens)
     specs = as_causal_lm(model).layer_specs(dtype_bytes(dtype))
+    # First forwards allocate one-time buffers (the cuBLAS workspace, ~32 MiB) that are not
+    # activations, and take first-call costs (kernel selection) out of the first request.
+    warm_kernels(model, specs, min(chunk_tokens, WARMUP_TOKENS), device, dtype)
     if device.type == "cuda":
-        # First forwards allocate one-time buffers (the cuBLAS workspace, ~32 MiB) that are
-        # not activations; keep them out of the per-token figure.
-        warm_kernels(model, specs, min(chunk_tokens, WARMUP_TOKENS), device, dtype)
         states = allocate_states(specs, 1, start + chunk_tokens, device, dtype)
         batch = ForwardBatch.build([(0, [0] * chunk_tokens, start)], device)
         torch.cuda.synchronize(device)
@@ -146,10 +146,8 @@ def profile_prefill(
             torch.cuda.max_memory_reserved(device) - reserved,
         )
         return Profile(chunk_tokens, int(peak), measured=True)
-    # On CPU the figure is analytic, so short prefills are enough to prove the model runs and to
-    # take first-call costs (kernel selection) out of the first request; a full chunk would add
-    # seconds to every load for nothing measured.
-    warm_kernels(model, specs, min(chunk_tokens, WARMUP_TOKENS), device, dtype)
+    # On CPU the figure is analytic: the short warm-up proved the model runs, and a full chunk
+    # would add seconds to every load for nothing measured.
     act_bytes = torch.empty((), dtype=dtype).element_size()
     return Profile(
         chunk_tokens,
@@ -319,6 +317,7 @@ class ModelRunner:
         return batch.uses_int8_kv
 
     def _eager(self, batch: StepBatch) -> Tensor:
+        """A step run eagerly (under tensor parallel, every rank's)."""
         return self._run(batch)
 
     def _run(self, batch: ForwardBatch) -> Tensor:

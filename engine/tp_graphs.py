@@ -1,29 +1,19 @@
-"""Decode CUDA graphs under tensor parallel: every rank captures the same graphs, and a decode step
-rank 0 replays is replayed by every worker.
-
-NCCL collectives can sit inside a CUDA graph when every rank captures the same sequence of them:
-each rank then replays its graph as its half of the same all-reduces. So the ranks capture in
-lockstep, bucket by bucket, in the same order (same `DecodeGraphs` buckets: same slot count and
-model length everywhere); the eager warm-up before each capture runs its collectives for real on
-every rank, and the capture records them.
-
-The protocol over each worker's pipe (rank 0 decides; its allocator gave the scratch slot's KV
-blocks, whose table changes ride in the first message, made before anything is captured):
+"""Decode CUDA graphs under tensor parallel. NCCL collectives can sit inside a graph when every
+rank captures the same sequence of them, so the ranks capture the same `DecodeGraphs` buckets in
+lockstep; the eager warm-up before each runs its collectives for real on every rank. Over each
+worker's pipe (rank 0 decides; the scratch slot's block-table changes ride in the first message):
 
     rank 0 -> workers  CaptureGraphs(ops)            workers apply ops, then capture
     per bucket:  workers -> rank 0  BucketCaptured(error | None)
                  rank 0 -> workers  CaptureVerdict(go)    go: every rank captured it
     if all went:  workers -> rank 0  GraphsHeld(bytes)    leased on each die's ledger
 
-One failed bucket anywhere and every rank stops at that bucket and releases its graphs: the engine
-decodes eagerly on all ranks (never one rank replaying while another runs eagerly, which would
-pair a graph's all-reduces with an eager step's and deadlock). The agreement goes over the pipes,
-not a collective, so a rank that failed mid-capture issues nothing the others could mis-pair. A
-warm-up forward that fails on one rank (`WarmupFailed`) is not agreed on: its collectives ran,
-the ranks may be out of step, and the load fails (the same forward would fail eager decode).
-
-A `StepMessage` whose `graph` names a bucket tells the worker to stage the same rows into its
-static inputs and replay that graph; rows without it run eagerly, as before.
+One failed bucket anywhere and every rank releases its graphs and decodes eagerly: one rank
+replaying while another runs eagerly would pair a graph's all-reduces with an eager step's and
+deadlock. The agreement goes over the pipes, not a collective, so a rank that failed mid-capture
+issues nothing the others could mis-pair. A failed warm-up (`WarmupFailed`) fails the load: its
+collectives ran, so the ranks may be out of step. A `StepMessage` naming a bucket in `graph`
+tells the worker to replay that graph for the same rows.
 """
 
 from __future__ import annotations
