@@ -1,13 +1,11 @@
-"""The one owner of a runner's CUDA graphs: the decode graphs (`DecodeGraphs`) and the prefill
-graphs (`PrefillGraphs`) with their variants, the choice of which serves a step, their capture at
-start-up (leased from the memory layer), and, under tensor parallel, the lockstep with the other
-ranks (`Lockstep`; rank 0's is `sharded_runner.Rank0Lockstep`).
+"""The one owner of a runner's CUDA graphs: decode (`DecodeGraphs`) and prefill (`PrefillGraphs`)
+graphs, the choice of which serves a step, their capture at start-up under leases from the memory
+layer, and the lockstep with the other ranks under tensor parallel (`Lockstep`).
 
-A step is served, in this order of preference, by a decode graph (every sequence feeds one
-token), a prefill graph (one prompt chunk alone), both (a prompt chunk then decode tokens, where
-`PrefillGraphs.split_pays`), or eagerly. Graphs are a speed-up, never a reason to fail: a capture
-that fails, on any rank, or a ledger without room for what the graphs hold, leaves that kind of
-step eager (logged).
+A step is served by a decode graph (every sequence feeds one token), else a prefill graph (one
+prompt chunk alone), else both (a chunk then decodes, where `PrefillGraphs.split_pays`), else
+eagerly. Graphs are a speed-up, never a reason to fail: a capture that fails on any rank, or a
+ledger without room for them, leaves that kind of step eager (logged).
 """
 
 from __future__ import annotations
@@ -62,11 +60,10 @@ class GraphRunner:
         prefill_safe: bool = False,
         kv_per_weight: float = 0.0,
     ) -> None:
-        """scratch_slot: the states hold a slot past num_slots for the graphs' padding rows. run:
-        the eager forward the graphs capture. scratch_block: give the scratch slot its KV block
-        (False: none to be had). prefill_safe: the model's rows meet only in
-        attention (prefill graphs may serve it). kv_per_weight: KV bytes of one token over the
-        weights' bytes (what a split step's decode replay reads besides the weights)."""
+        """scratch_slot: the states hold a slot past num_slots for padding rows; scratch_block gives
+        it its KV block (False: none to be had). run: the forward the graphs capture.
+        prefill_safe: the model's rows meet only in attention. kv_per_weight: one token's KV bytes
+        over the weights' bytes (what a split step's decode replay reads besides the weights)."""
         self.device = device
         self.num_slots = num_slots
         self.max_model_len = max_model_len
@@ -99,10 +96,9 @@ class GraphRunner:
         return eager(batch)
 
     def _split(self, batch: StepBatch, mixed: bool) -> tuple[StepBatch, StepBatch] | None:
-        """A prompt chunk then decode tokens, which a prefill graph and a decode graph serve, and
-        whose replays take the GPU less time than the eager step takes the host to launch
-        (`PrefillGraphs.split_pays`; the decode replay costs a read of the weights and of the KV
-        its sequences attend to): the two parts, or None."""
+        """The step as a prompt chunk and decode tokens where both graphs serve them and their
+        replays pay (`PrefillGraphs.split_pays`; the decode replay reads the weights and its
+        sequences' KV), or None."""
         prefill, decode = self.prefill_graphs, self.graphs
         n = batch.num_seqs
         if prefill is None or decode is None or n < 2 or mixed or any(batch.all_logits):
@@ -127,19 +123,18 @@ class GraphRunner:
             raise GraphCaptureError("decode graphs need CUDA and a scratch slot")
 
     def capture_graphs(self) -> int:
-        """Capture decode graphs for batches up to num_slots (CUDA, with a scratch slot) and every
-        context bucket (attention reads the blocks in place, so a graph's memory does not grow with
-        its context), on every rank. Returns the bytes they hold here; raises GraphCaptureError
-        (the engine then runs eagerly) if the model cannot be captured."""
+        """Capture decode graphs for batches up to num_slots and every context bucket (attention
+        reads blocks in place, so a graph's memory does not grow with its context), on every
+        rank. Returns the bytes they hold here; raises GraphCaptureError if the model cannot be
+        captured."""
         self.check_capturable()
         if not self._scratch_block():
             raise GraphCaptureError("no KV block for the graphs' scratch slot")
         return self.lockstep.capture(self.capture_in_lockstep)
 
     def capture_in_lockstep(self, agree: Agree | None) -> int:
-        """Capture the decode graphs over blocks the scratch slot already holds (under tensor
-        parallel rank 0's allocator gave them and every rank's tables say so), agreeing with the
-        other ranks after each bucket. Returns the bytes they hold on this device."""
+        """Capture the decode graphs over the scratch slot's blocks (under tensor parallel rank 0
+        gave them), agreeing with the other ranks after each bucket; the bytes held here."""
         graphs = DecodeGraphs(
             self.device, self.num_slots, self.num_slots, self.max_model_len, late_mixed=agree is None
         )
@@ -148,14 +143,11 @@ class GraphRunner:
         return held
 
     def capture_prefill_graphs(self, max_tokens: int) -> int | None:
-        """After the decode graphs (their scratch slot's block takes the padding rows): prefill
-        graphs of one prompt of up to max_tokens (`PrefillGraphs`). None where the model's rows
-        meet outside attention (recurrent state, expert routing), under tensor parallel, or where
-        max_tokens is under the smallest graph: prefill stays eager. Returns the bytes they hold;
-        raises GraphCaptureError if the capture fails (nothing kept)."""
-        if self.graphs is None or not self._prefill_safe or not self.lockstep.alone:
-            return None
-        if max_tokens < GRANULE:  # a context too short for the smallest graph: eager prefill
+        """After the decode graphs (whose scratch block takes the padding rows): prefill graphs of
+        one prompt of up to max_tokens; their bytes held. None (prefill stays eager) where rows
+        meet outside attention (recurrent state, expert routing), under tensor parallel, or below
+        the smallest graph; raises GraphCaptureError if the capture fails (nothing kept)."""
+        if self.graphs is None or not self._prefill_safe or not self.lockstep.alone or max_tokens < GRANULE:
             return None
         graphs = PrefillGraphs(self.device, self.num_slots, max_tokens)
         held = graphs.capture(self._run)
@@ -186,9 +178,8 @@ class GraphRunner:
 
 
 def capture_graphs(graphs: GraphRunner, watch: MemWatch | None, dies: Sequence[int]) -> list[Lease]:
-    """Decode graphs, or none where the model cannot be captured (on any rank) or a ledger has no
-    room for them (on any die): decode then runs eagerly (logged). Returns their leases, one per
-    die (rank r's graphs on dies[r])."""
+    """Decode graphs under one lease per die (rank r's on dies[r]), or none where the model cannot
+    be captured on a rank or a die's ledger has no room: decode then runs eagerly (logged)."""
     try:
         held = graphs.capture_graphs()
     except GraphCaptureError as e:
@@ -224,9 +215,8 @@ def capture_graphs(graphs: GraphRunner, watch: MemWatch | None, dies: Sequence[i
 def capture_prefill_graphs(
     graphs: GraphRunner, watch: MemWatch | None, dies: Sequence[int], max_tokens: int
 ) -> list[Lease]:
-    """Prefill graphs (one GPU, after the decode graphs), or none where a capture fails or the
-    ledger has no room for them: prefill stays eager (logged), the decode graphs as they are.
-    Returns their lease (tag cuda-graphs-prefill), if any."""
+    """Prefill graphs under their lease (tag cuda-graphs-prefill), or none where a capture fails or
+    the ledger has no room: prefill stays eager (logged), the decode graphs as they are."""
     if max_tokens <= 0 or graphs.graphs is None:
         return []
     try:
