@@ -1,27 +1,21 @@
-"""A decode step of a gated DeltaNet layer in two Triton kernels, in place in the slot-state pools.
+"""A decode step of a gated DeltaNet layer in Triton kernels, in place in the slot-state pools.
 
-The general path of a decode step (`GatedDeltaNet.forward`) gathers each slot's float32 state out
-of the pool, runs the recurrence (fla's kernel or the torch one) into a new state and scatters it
-back: three reads and three writes of 2 MiB a sequence and layer (Qwen3-Next's 32 value heads of
-128 x 128), plus a dozen small kernels for the gates, the q/k normalisation and the head
-expansion. On an H200 at batch 32 the gather and scatter alone took 3.3 ms of a 22 ms step of the
-Qwen3-Next-shaped 6B model. Here one program per (token, value head, block of value columns)
-reads its state tile from the pool row its slot names, applies the step and writes it back: the
-state crosses the memory bus once each way, and the gates (g = -exp(A_log) softplus(a + dt_bias),
-beta = sigmoid(b)) and the L2 norms are computed inside.
+The general path (`GatedDeltaNet.forward`) gathers each slot's float32 state out of the pool, runs
+the recurrence into a new state and scatters it back: three reads and three writes of 2 MiB a
+sequence and layer (Qwen3-Next's 32 value heads of 128 x 128), plus a dozen small kernels for the
+gates, q/k norms and head expansion; on an H200 at batch 32 the gather and scatter alone took 3.3 ms
+of a 22 ms step of the 6B model. Here one program per (token, value head, block of value columns)
+reads its state tile from its slot's pool row, applies the step (gates and L2 norms inside) and
+writes it back: the state crosses the memory bus once each way.
 
-The causal conv before it gets the same treatment (`conv_decode_in_place`: the window is the
-slot's saved K-1 inputs and the token; the new window is written back in place), replacing the
-gather, a dozen small kernels and the scatter of `causal_conv._conv_decode`. Any other step (prompt
-chunks, with or without decode tokens) takes `conv_in_place`: one kernel reads each token's window
-from the chunk and the slot's saved inputs, a second writes the slot's new last K-1 inputs back.
-It replaces, per tap, a gather, a widening copy and a multiply-add over the step's [T, C] inputs
-in float32 (`causal_conv.causal_conv1d_varlen`): on an H200, 32 prompts of 2k of the Qwen3-Next
-6B shape prefilled in 1.95 s with it (and `moe_triton.combine_pairs`) against 3.16 s.
+The causal conv before it likewise: `conv_decode_in_place` (one token a sequence: the window is the
+slot's saved K-1 inputs and the token, shifted back in place) and `conv_in_place` for any other step
+(one kernel reads each token's window from the chunk and the saved inputs, a second writes the new
+last K-1 back), where torch gathered, widened and multiply-added per tap: on an H200 32 prompts of 2k
+of the 6B shape prefilled in 1.95 s with it (and `moe_triton.combine_pairs`) against 3.16 s.
 
-Same arithmetic as `gated_delta.recurrent_gated_delta_step`, float32 throughout: state,
-recurrence and gates (the layer's torch path rounds beta to the model dtype first; here it is
-not rounded, a difference of at most half a bf16 unit in beta).
+Same arithmetic as `gated_delta.recurrent_gated_delta_step`, float32 throughout (the torch path
+rounds beta to the model dtype first; here it is not, at most half a bf16 unit of difference).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Triton paged attention over the segmented block pool: decode (one query token per sequence,
 flash-decoding splits plus a small reduce) and prefill (causal tiles of query tokens x KV tokens).
 
-The pool layout these kernels read: segment s is a contiguous tensor
-`[seg_blocks, num_layers, block_size, 2 * num_kv_heads, head_dim]` (K heads first, then V heads),
-global block g sits in segment g // seg_blocks at index g % seg_blocks, and int8 pools carry a
-float32 `[seg_blocks, num_layers, block_size, 2 * num_kv_heads]` scale per token-head row. Segment
-base addresses are read from `kv_ptrs` / `scale_ptrs` at run time, so a captured CUDA graph stays
-valid while segments are added and dropped: only the tables' contents change, never the launch.
-Every segment base and the `kv_ptrs` table itself must be SEGMENT_ALIGN (64) byte aligned, as
-allocator addresses are: the kernels rely on it to load K/V rows as 16-byte vectors.
-
-Imports without Triton (CPU machines, CI): the kernels are defined only when Triton imports.
+Segment s is one tensor `[seg_blocks, num_layers, block_size, 2 * num_kv_heads, head_dim]` (K heads,
+then V), global block g its index g % seg_blocks in segment g // seg_blocks; int8 pools add a float32
+`[seg_blocks, num_layers, block_size, 2 * num_kv_heads]` scale per row. Segment bases are read from
+`kv_ptrs` / `scale_ptrs` at run time, so a captured CUDA graph stays valid while segments come and
+go. Every base and `kv_ptrs` itself must be SEGMENT_ALIGN-byte aligned (allocator addresses are):
+K/V rows load as 16-byte vectors. The kernels are defined only when Triton imports.
 """
 
 from __future__ import annotations
@@ -34,11 +30,9 @@ except ImportError:  # CPU-only installs: the entry points raise, the rest of ba
 # partial results costs more than the parallelism the split buys.
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
-# Programs per SM the split count aims for. Measured on an H200 (bench/paged_attention.py --sweep):
-# the Llama-8B layer with 128-token steps reads KV at 90-100% of the copy bandwidth from batch 32 up
-# with one program per SM; Qwen3-Next's (2 KV heads, head dim 256: 64 programs at batch 32 before
-# any split) wanted 6 splits at batch 32 and a 2,080-token context (72 -> 51 us a layer, 44% -> 63%
-# of the copy bandwidth), which two per SM gives (5).
+# Programs per SM the split count aims for (H200, bench/paged_attention.py --sweep): one already
+# reads Llama-8B's KV at 90-100% of copy bandwidth from batch 32; Qwen3-Next's (2 KV heads, head dim
+# 256) wanted ~6 splits at batch 32 and 2k context (72 -> 51 us a layer), which two per SM gives.
 PROGRAMS_PER_SM = 2
 # Segment bases (and the kv_ptrs table itself) must sit on this many bytes: 16 elements of fp32.
 SEGMENT_ALIGN = 64
@@ -70,11 +64,10 @@ class PrefillTiling:
 
 
 def choose_prefill_tiling(head_dim: int, dtype: torch.dtype, smem_bytes: int = 228 * 1024) -> PrefillTiling:
-    """128 query tokens a tile where shared memory holds it (`bench/paged_prefill.py --sweep` on an
-    H200, session 10: Qwen3-Next's head dim 256 ran 3.3x faster at an 8k prompt in 128 x 64 tiles
-    with 8 warps than in 32 x 32 ones, the Llama-8B shape 1.4x faster in 128 x 64), smaller tiles
-    where it does not (smem_bytes: the device's shared memory per multiprocessor). Float32 rows
-    (the reference path of tests and CPU-sized models) keep 32 x 32."""
+    """128 query tokens a tile where shared memory (smem_bytes a multiprocessor) holds it, smaller
+    tiles where not; float32 (the tests' reference path) keeps 32 x 32. H200 (`bench/paged_prefill.py
+    --sweep`): head dim 256 ran 3.3x faster at an 8k prompt in 128 x 64 tiles with 8 warps than in
+    32 x 32, the Llama-8B shape 1.4x."""
     if dtype == torch.float32:
         return PrefillTiling(block_m=32, block_n=32, num_warps=4, num_stages=2)
     wide = head_dim > 128
@@ -143,9 +136,8 @@ def _check(q: Tensor, out: Tensor, kv_ptrs: Tensor, block_size: int, num_kv_head
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if q.stride(-1) != 1 or out.stride(-1) != 1 or out.shape != q.shape:
         raise ValueError("q and out must have the same shape and a contiguous last dimension")
-    # The kernels address segments as offsets from kv_ptrs' own address, promised to be whole
-    # 16-element vectors: true when it and every segment base are 64-byte aligned (allocator
-    # addresses are), false for a table sliced at an odd index.
+    # The kernels address segments as whole 16-element offsets from kv_ptrs' own address
+    # (`_kv_rows`): false for a table sliced at an odd index.
     if kv_ptrs.data_ptr() % SEGMENT_ALIGN:
         raise ValueError(f"kv_ptrs must start at a {SEGMENT_ALIGN}-byte aligned address")
     return heads // num_kv_heads, head_dim
