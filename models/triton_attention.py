@@ -1,12 +1,8 @@
-"""The CUDA attention backend: a Triton kernel stores this step's K/V rows into their blocks (here),
-and the paged attention kernels (models/paged_triton.py) read every sequence's blocks in place
-through the block table.
-
-Segments are separate allocations found through `kv_ptrs`, so the destination of a token is
-known only on the device: block = block_table[slot, pos // block_size], then the segment's base
-address from the table. One program per token copies its 2 * kv_heads * head_dim values (and, for
-int8 blocks, its 2 * kv_heads scales). Nothing here waits on the host or the device: `prepare` and
-every layer's calls only queue kernels, so a step is captured whole in a CUDA graph.
+"""The CUDA attention backend: a Triton kernel stores this step's K/V rows into their blocks, and
+models/paged_triton.py's kernels read every sequence's blocks in place through the block table.
+A token's destination is known only on the device (its block from the table, its segment's base
+from `kv_ptrs`), so one program per token copies its row (and an int8 block's scales). Nothing
+waits on the host or the device: a step is captured whole in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -170,10 +166,9 @@ def attend_kernels(
         if foreign is None
         else torch.where(foreign, torch.zeros_like(batch.starts), batch.starts)
     )
-    # Prompt chunks by the prefill kernel; a tail of one-token sequences (decodes beside a prompt)
-    # by the decode kernel. In the prefill kernel each of them took a tile of query rows, one real,
-    # over its whole context: Llama-8B shape, 32 decodes at 2k context beside a 1k prompt, 29.1 ms
-    # of attention a step, now 2.4 + 2.7 (bench/decode_profile.py --mixed).
+    # Prompt chunks by the prefill kernel, a tail of one-token sequences (decodes beside a prompt)
+    # by the decode kernel: in the prefill kernel each took a tile of query rows, one real (Llama-8B,
+    # 32 decodes at 2k beside a 1k prompt: 29.1 ms of attention a step, now 2.4 + 2.7).
     head = batch.tail_from or batch.num_seqs
     head_tokens = q.shape[0] - (batch.num_seqs - head)  # the tail's sequences: a token each
     paged_prefill(
