@@ -1,9 +1,7 @@
 """Load a GGUF file (llama.cpp's format) into an HF-style config dict, HF-named float tensors and a
-transformers fast tokenizer, reading the file once.
-
-The work is split by concern: models/gguf_reader.py parses the file, models/gguf_quants.py
-dequantizes, models/gguf_tokenizer.py builds the tokenizer; this module maps the architecture's
-metadata to a config.json-style dict and llama.cpp's tensor names to Hugging Face's.
+transformers fast tokenizer, reading the file once: gguf_reader.py parses, gguf_quants.py
+dequantizes, gguf_tokenizer.py builds the tokenizer, and this module maps the metadata to a
+config.json-style dict and llama.cpp's tensor names to Hugging Face's.
 """
 
 from __future__ import annotations
@@ -235,8 +233,7 @@ def _hf_rows(gf: GGUFFile, info: GGUFTensorInfo, config: dict[str, Any], scratch
     n_head = next((n for part, n in heads.items() if part in hf), None)
     if not (arch.permuted_qk and n_head is not None):
         return raw
-    # reorder whole rows of the packed bytes (a row is whole blocks), so the float result is
-    # written once, already in HF order
+    # whole rows of packed bytes (a row is whole blocks): the floats are written once, in HF order
     rows = raw.reshape(info.shape[0], -1)
     out = scratch.get("rows", rows.shape, np.uint8)
     np.take(rows, qk_row_order(info.shape[0], n_head), axis=0, out=out)

@@ -28,9 +28,8 @@ _QWEN2_SPLIT = (
 _GPT2_PRE = ("default", "gpt2", "mpt", "olmo", "jais")
 _DIGITS_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _SPLIT_PRE = {
-    "llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
 }  # fmt: skip
 # llama.cpp (and Llama 3's tokenizer.json) take a split piece that is a vocabulary entry whole,
 # without merging, and add BOS unless the file says otherwise
