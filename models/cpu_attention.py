@@ -133,9 +133,8 @@ def table_runs(store: KVStore, batch: ForwardBatch) -> Runs:
 def attend_in_place(
     store: KVStore, layer: int, q: Tensor, batch: ForwardBatch, runs_of: Runs | None = None
 ) -> Tensor:
-    """q [T, Hq, D] of batch's tokens, each over its own sequence's cache (this step's K/V
-    already written) -> [T, Hq, D] (`runs_of`: its `table_runs`, where the step computed them
-    already). The store holds K/V in the model dtype (not int8)."""
+    """q [T, Hq, D] of batch's tokens, each over its own sequence's cache (this step's K/V already
+    written, in the model dtype) -> [T, Hq, D]; `runs_of`: `table_runs`, where computed already."""
     host = store.host
     assert host is not None and host.scale is None, "in place only over unquantized CPU blocks"
     kv_layer = host.kv[layer]

@@ -97,9 +97,8 @@ def convert_linear(linear: nn.Linear, block: Block) -> None:
 
 
 def convert_experts(experts: Experts, block: Block) -> None:
-    """Give an `Experts` module float8 `gate_up_proj` / `down_proj` and their `*_scale_inv`.
-    Per-expert checkpoint tensors are placed gate rows then up rows, so a gate_up scale grid is
-    whole only when the expert intermediate size is a multiple of the block's rows."""
+    """Give an `Experts` module float8 `gate_up_proj` / `down_proj` and their `*_scale_inv` (a
+    gate_up scale grid is whole only when the intermediate size is whole blocks of rows)."""
     for name in ("gate_up_proj", "down_proj"):
         w: Tensor = getattr(experts, name)
         setattr(

@@ -86,13 +86,10 @@ def conv_in_place(
     cu_lens: Tensor,
     seq_of_token: Tensor,
 ) -> Tensor:
-    """silu(depthwise causal conv) of a flat batch of sequences of any lengths (prompt chunks and
-    decode tokens). x [T, C] (unit last stride), sequence b's tokens rows [cu_lens[b],
-    cu_lens[b+1]) and seq_of_token [T] each row's b; pool [S, C, K-1] the slots' last K-1 inputs
-    (oldest first) in x's dtype, rows `slots` [B] read, then replaced by each sequence's last K-1
-    inputs; keep [B] bool: False starts from zeros. Returns [T, C] in x's dtype, accumulated in
-    float32 over the taps oldest first (as `causal_conv.causal_conv1d_varlen`). A decode step (one
-    token a sequence) takes `conv_decode_in_place`: one kernel."""
+    """`conv_decode_in_place` for a flat batch of sequences of any lengths: x [T, C], sequence b's
+    tokens rows [cu_lens[b], cu_lens[b+1]), seq_of_token [T] each row's b; the slots' pool rows
+    are then replaced by each sequence's last K-1 inputs. Accumulated in float32 over the taps
+    oldest first (as `causal_conv.causal_conv1d_varlen`); a decode step takes the one kernel."""
     assert triton is not None
     tokens, channels = x.shape
     batch = slots.shape[0]

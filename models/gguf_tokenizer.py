@@ -95,11 +95,10 @@ def _skeleton(md: dict[str, Any], merges: list[str]) -> Tokenizer:
 
 
 def build_tokenizer(md: dict[str, Any]) -> PreTrainedTokenizerFast:
-    """A transformers fast tokenizer equal to the one the GGUF describes: vocab, merges, split
-    rules, control tokens kept whole, bos/eos/unk/pad, bos/eos insertion, chat template.
-
-    Built as tokenizer.json text that transformers parses once: handing it a Tokenizer object
-    instead costs a deep copy (serialise + parse) of the 49k-entry vocabulary and merges."""
+    """A transformers fast tokenizer equal to the one the GGUF describes (vocab, merges, split rules,
+    control tokens kept whole, special tokens and their insertion, chat template), built as
+    tokenizer.json text that transformers parses once: a Tokenizer object would cost a deep copy
+    (serialise + parse) of the 49k-entry vocabulary and merges."""
     if "tokenizer.ggml.tokens" not in md:
         raise GGUFError("GGUF has no tokenizer (tokenizer.ggml.tokens missing)")
     tokens: list[str] = md["tokenizer.ggml.tokens"]

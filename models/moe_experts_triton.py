@@ -105,8 +105,7 @@ def _converts_fp8(device: torch.device) -> bool:
 
 def fused_ok(x: Tensor, gate_up: Tensor, pairs: int, scales: Fp8Scales | None = None) -> bool:
     """Whether `experts_mlp` serves this batch: CUDA with Triton, the switch on, a decode-sized
-    batch (`MAX_FUSED_PAIRS`, `MAX_FUSED_FP8_PAIRS`), weights of x's dtype or float8 with their
-    scales (K blocks of 32 columns or more)."""
+    batch, weights of x's dtype or float8 with their scales (K blocks of 32 columns or more)."""
     if scales is None:
         weights_ok, most = gate_up.dtype == x.dtype, MAX_FUSED_PAIRS
     else:
@@ -140,12 +139,10 @@ def experts_mlp(
     scales: Fp8Scales | None = None,
 ) -> Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) for every token t, e the
-    pair's expert; x [T, H], weights [T, k]; (token, order, counts) the expert-grouped pairs of
-    `moe.Routing` (counts of the local experts only; with `outside`, the pairs past them, held on
-    another rank, add 0). gate_up [E, 2I, H], down [E, H, I] in x's dtype, or float8 with
-    `scales`. shared: a shared expert, one more program row of each launch (its rows: every token,
-    after the P routed pairs), its gated output in the same final sum. Returns [T, H] in x's
-    dtype."""
+    pair's expert -> [T, H] in x's dtype; x [T, H], weights [T, k]; (token, order, counts) the
+    expert-grouped pairs of `moe.Routing` (counts of the local experts only; with `outside`, the
+    pairs held on another rank add 0). gate_up [E, 2I, H], down [E, H, I] in x's dtype, or float8
+    with `scales`. shared: a shared expert, its rows every token after the P routed pairs."""
     assert triton is not None
     tiling = tiling or ExpertTiling()
     gu, dn = tiling.gate_up, tiling.down

@@ -86,10 +86,9 @@ def align(flat: Tensor, bins: int, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
 
 def combine_pairs(y: Tensor, back: Tensor, weights: Tensor, kept: Tensor | None) -> Tensor:
     """The grouped GEMM's combine: out[t] = sum_j weights[t, j] * y[back[t * k + j]] in j order,
-    float32 until the one rounding to weights' dtype; y [P, H] the pairs' expert outputs in the
-    expert-grouped order, back [P] each pair's row there, weights [T, k]; with `kept` (a device
-    scalar), rows from it on count zero (no GEMM wrote them). One kernel, reading each row once,
-    where the torch form gathers, widens, weights and sums [T, k, H] in float32."""
+    float32 until the one rounding to weights' dtype; y [P, H] the expert-grouped outputs, back [P]
+    each pair's row there, weights [T, k]; with `kept` (a device scalar), rows from it on count zero
+    (no GEMM wrote them). One kernel where the torch form gathers, widens, weights and sums."""
     assert triton is not None
     tokens, top_k = weights.shape
     hidden = y.shape[1]

@@ -178,10 +178,9 @@ def paged_decode(
     sm_scale: float,
     max_ctx: int,
 ) -> None:
-    """q, out: [B, Hq, D] (one query token per sequence). Sequence b attends to positions
-    0..ctx_lens[b]-1 of slot slots[b] (this step's K/V already written). max_ctx: a host-side upper
-    bound on ctx_lens (the engine passes the CUDA-graph context bucket), used to choose the number of
-    context splits. No host sync and no data-dependent host logic: capturable in a CUDA graph."""
+    """q, out: [B, Hq, D]; sequence b attends to positions 0..ctx_lens[b]-1 of slot slots[b] (this
+    step's K/V already written). max_ctx: a host-side bound on ctx_lens (a graph's context bucket)
+    that picks the split count. No host sync, no data-dependent host logic: CUDA-graph capturable."""
     tiling = choose_decode_tiling(q.shape[0], num_kv_heads, max_ctx, kv_dtype, _sm_count(q.device.index or 0))
     decode_with(
         tiling,
@@ -359,14 +358,12 @@ if triton is not None:
         """K and V rows [N, D] (and their int8 scales [N]) of the positions `pos` of one slot."""
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         seg = blk // seg_blocks
-        # Token row index inside its segment, in rows of HEAD_DIM elements; int64 because a large
-        # segment passes 2**31 elements.
+        # the token's row in its segment, in HEAD_DIM elements (int64: a segment passes 2**31)
         row = (((blk % seg_blocks) * num_layers + layer) * BLOCK_SIZE + pos % BLOCK_SIZE) * (2 * HKV) + kvh
-        # Segments are addressed as element offsets from one typed pointer (the table's own
-        # address) rather than by casting each loaded address to a pointer: Triton knows nothing of
-        # a pointer made from an integer and loads through it 2 bytes at a time (8% of copy
-        # bandwidth, measured), while an offset it is told is a multiple of 16 elements (every base
-        # SEGMENT_ALIGN-aligned) lets every K/V row load as 16-byte vectors.
+        # Segments are addressed as element offsets from one typed pointer (the table's own address),
+        # not by casting each loaded address: through a pointer made from an integer Triton loads 2
+        # bytes at a time (8% of copy bandwidth, measured), while an offset it is told is a multiple
+        # of 16 elements (SEGMENT_ALIGN bases) lets every K/V row load as 16-byte vectors.
         ref = kv_ptrs.to(tl.pointer_type(KV_DTYPE), bitcast=True)
         ref_addr = kv_ptrs.to(tl.int64)
         seg_off = (tl.load(kv_ptrs + seg, mask=valid, other=ref_addr) - ref_addr) // KV_BYTES
@@ -425,9 +422,8 @@ if triton is not None:
         split = tl.program_id(2)
         ctx = tl.load(ctx_ptr + b).to(tl.int32)
         bt_row = bt_ptr + tl.load(slots_ptr + b) * sbt
-        # The splits share this sequence's own context, in whole loop steps (only a split's last
-        # step is ragged), not the host's max_ctx: a graph passes its context bucket, up to twice
-        # the context, which left half the splits idle and the others twice as long.
+        # The splits share this sequence's own context in whole loop steps, not the host's max_ctx:
+        # a graph's context bucket (up to twice the context) left half the splits idle.
         split_tokens = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         lo = split * split_tokens
         hi = tl.minimum(lo + split_tokens, ctx)
@@ -606,8 +602,7 @@ if triton is not None:
         ).to(COMPUTE)
         # Keys below `hi` are the causal window of this tile's last token; 0 for a tile past the chunk.
         hi = tl.where(m_tile * BLOCK_M < n, start + tl.minimum(n, (m_tile + 1) * BLOCK_M), 0)
-        # Keys below `full` are seen by every row of the tile: no mask there, only on the tiles
-        # that cross the diagonal.
+        # Keys below `full` are seen by every row of the tile: only tiles across the diagonal mask.
         full = tl.minimum((start + m_tile * BLOCK_M) // BLOCK_N * BLOCK_N, hi)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

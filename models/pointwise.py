@@ -105,10 +105,9 @@ def _silu_mul(gate_up: Tensor, n: int) -> Tensor:
 
 
 def _allow_variants() -> None:
-    """Each call site hands a function its own layout (a norm of a whole row, of a per-head view
-    with another stride; one token or many), and each layout is a compiled variant: dynamo's
-    default of 8 per function would send the later ones back to eager code (with other rounding)
-    in the middle of a model. They are all made during the engine's warm-up; 64 is plenty."""
+    """Each call site's layout (a whole row, a strided per-head view; one token or many) is a
+    compiled variant, and dynamo's default of 8 per function would send later ones back to eager
+    code (other rounding) mid-model. All are made during the engine's warm-up; 64 is plenty."""
     config = torch._dynamo.config
     for limit in ("recompile_limit", "cache_size_limit"):
         if hasattr(config, limit):

@@ -19,9 +19,8 @@ from torch import Tensor
 
 
 class TritonPagedAttention(PagedAttentionBackend):
-    """The CUDA backend. Over both stores (`step_stores`) each store is attended with the
-    other store's sequences cut to their first position (in the sink), and each token keeps the
-    result of its own sequence's store."""
+    """The CUDA backend. Over both stores each is attended with the other's sequences cut to their
+    first position (in the sink), and each token keeps its own sequence's store's result."""
 
     # The step's split between the stores: (in int8, in main) per sequence and, per token,
     # [T, 1, 1] in int8. None: the step reads the main store only.
