@@ -22,10 +22,9 @@ from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
 GROUP = 32  # a Q4_0 / Q4_1 block: the int4 kernel's group size
-# The weight-only kernels' cost grows with the rows (they dequantize per row of input): past a
-# couple of rows a bfloat16 copy of the same values through oneDNN's AVX512-BF16 GEMM is faster
-# (this box, 1 thread, 3072x576: int4 0.34 ms at 1 row, 1.0 ms at 8, 90 ms at 512; bfloat16
-# dense 36 ms at 512), so prefill chunks and decode batches of more than this many rows read it.
+# The weight-only kernels dequantize per row of input, so steps of more rows than this read a
+# bfloat16 copy of the same values through oneDNN's AVX512-BF16 GEMM instead (1 thread, 3072x576:
+# int4 0.34 ms at 1 row, 1.0 ms at 8, 90 ms at 512; bfloat16 dense 36 ms at 512).
 INT4_MAX_ROWS = 2
 # The packing's inner tile over K (the only value torch's CPU packing takes).
 _INNER_K_TILES = 2

@@ -127,18 +127,12 @@ def hold_prompt_bf16(model: nn.Module) -> int:
             if isinstance(block.quantized.first, Int4Linear):
                 block.quantized.first.bf16_out_rows = PROMPT_BF16_MIN_ROWS
                 changed += 1
-        elif isinstance(block, SlotAttention):
-            qkv, o = block.qkv, block.o_proj
-            qkv.fuse()  # from the parameters as loaded (assign=True replaced the fused views)
-            assert qkv.weight is not None
-            first = PromptLinear(qkv.weight, qkv.bias, bf16_out=True)
-            block.quantize(QuantizedPair(first, PromptLinear(o.weight, o.bias)))
-            changed += 1
-        elif isinstance(block, SwiGLU) and block.quantized is None:
-            gate_up, down = block.gate_up, block.down_proj
-            gate_up.fuse()
-            assert gate_up.weight is not None
-            first = PromptLinear(gate_up.weight, gate_up.bias)
-            block.quantize(QuantizedPair(first, PromptLinear(down.weight, down.bias)))
+        elif isinstance(block, (SlotAttention, SwiGLU)) and block.quantized is None:
+            attention = isinstance(block, SlotAttention)
+            fused, second = (block.qkv, block.o_proj) if attention else (block.gate_up, block.down_proj)
+            fused.fuse()  # from the parameters as loaded (assign=True replaced the fused views)
+            assert fused.weight is not None
+            first = PromptLinear(fused.weight, fused.bias, bf16_out=attention)
+            block.quantize(QuantizedPair(first, PromptLinear(second.weight, second.bias)))
             changed += 1
     return changed

@@ -149,11 +149,10 @@ def decode_in_place(
     slots: Tensor,
     keep: Tensor,
 ) -> Tensor:
-    """One token per sequence. q, k [B, Hk, Dk] and v [B, Hv, Dv]: the conv's output before the
-    L2 norm (views with unit last stride); a, b [B, Hv]: the gate projections before their
-    activations; a_log, dt_bias [Hv]; pool [S, Hv, Dk, Dv] float32, rows `slots` [B] read and
-    written in place; keep [B] bool: False starts that row from zero state (a fresh sequence).
-    Returns o [B, Hv, Dv] in v's dtype."""
+    """One token per sequence -> o [B, Hv, Dv] in v's dtype. q, k [B, Hk, Dk], v [B, Hv, Dv]: the
+    conv's output before the L2 norm (unit last stride); a, b [B, Hv]: the gate projections before
+    their activations; a_log, dt_bias [Hv]; pool [S, Hv, Dk, Dv] float32, rows `slots` [B] read
+    and written in place; keep [B] bool: False starts that row from zero state."""
     assert triton is not None
     batch, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]

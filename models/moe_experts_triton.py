@@ -231,9 +231,8 @@ if triton is not None:
     @triton.jit
     def _program_rows(counts, pairs, tokens, E: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr):
         """(is the shared expert's, its expert, first grouped row, row count) of this program. With
-        a shared expert, program row 0 is its (rows [pairs, pairs + tokens), one per token); the
-        next take the experts that hold pairs, one each in id order (a row past the last such
-        expert gets no rows). The experts' first rows are a running sum of the counts."""
+        a shared expert, program row 0 is its (rows [pairs, pairs + tokens)); the next take the
+        experts holding pairs, one each in id order (a row past the last gets no rows)."""
         j = tl.program_id(0) - SHARED
         b = tl.arange(0, BLOCK_E)
         c = tl.load(counts + b, mask=b < E, other=0)

@@ -515,12 +515,11 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         MASK: tl.constexpr,
     ):
-        """One KV tile of the online softmax, for both kernels: the running max, sum and output
-        after keys k_start..k_start+BLOCK_N-1. MASK: MASK_NONE (every key is below hi), MASK_VALID
-        (keys from hi on count nothing: a split's ragged last tile), MASK_CAUSAL (also each query
-        row only up to its position q_pos). int8 values are exact in bf16/fp16, so their scales
-        are applied to the scores and to the probabilities rather than to K and V: one multiply
-        per token instead of per element."""
+        """One KV tile of the online softmax (keys k_start..k_start+BLOCK_N-1), for both kernels.
+        MASK: MASK_NONE (every key below hi), MASK_VALID (keys from hi on count nothing: a split's
+        ragged last tile), MASK_CAUSAL (also each row only up to its position q_pos). int8 values
+        are exact in bf16/fp16, so their scales multiply the scores and the probabilities, once a
+        token, rather than K and V element by element."""
         pos = k_start + tl.arange(0, BLOCK_N)
         valid = pos < hi
         k, v, k_scale, v_scale = _kv_rows(

@@ -7,6 +7,7 @@ waits on the host or the device: a step is captured whole in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,10 +50,8 @@ class TritonPagedAttention(PagedAttentionBackend):
         return torch.where(token_in_int8, attend_kernels(self.int8, layer, q, batch, in_main), main)
 
 
-_kernel: Any = None
-
-
-def _build() -> Any:
+@functools.cache
+def _store_kernel() -> Any:
     import triton
     import triton.language as tl
 
@@ -87,14 +86,11 @@ def _build() -> Any:
 
 
 def _launch(src: Tensor, ptrs: Tensor, store: KVStore, layer: int, batch: ForwardBatch) -> None:
-    global _kernel
-    if _kernel is None:
-        _kernel = _build()
     import triton
 
     lay = store.layout
     row = src[0].numel()
-    _kernel[(src.shape[0],)](
+    _store_kernel()[(src.shape[0],)](
         src,
         ptrs,
         store.block_table,
