@@ -75,9 +75,8 @@ def packed_bytes(model: nn.Module) -> int:
 
 @contextmanager
 def bf16_matmuls() -> Iterator[None]:
-    """oneDNN's float32 matmuls with bfloat16 inputs and float32 accumulation and outputs, for the
-    block. The mode is process-wide, not per thread: only the engine thread computes, and the
-    block holds one matmul."""
+    """oneDNN's float32 matmuls with bfloat16 inputs and float32 sums and outputs, for the block:
+    process-wide, not per thread (only the engine thread computes; the block holds one matmul)."""
     mode = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]  # not in torch's stubs
     before = mode.fp32_precision
     mode.fp32_precision = "bf16"

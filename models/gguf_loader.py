@@ -190,9 +190,8 @@ def _eos_ids(md: dict[str, Any]) -> int | list[int] | None:
 def gguf_tensors(
     gf: GGUFFile, config: dict[str, Any], dtype: torch.dtype = torch.float32, skip: Collection[str] = ()
 ) -> dict[str, Tensor]:
-    """Every tensor dequantized to dtype under its HF name, q/k rows back in HF order. Those named
-    in `skip` (held quantized by the caller) are left uninitialised: no work, and no memory
-    committed until written."""
+    """Every tensor dequantized to dtype under its HF name, q/k rows back in HF order; those in
+    `skip` (held quantized by the caller) left uninitialised: no work, no memory until written."""
     total = sum(t.nbytes for t in gf.tensors.values())
     show = sys.stderr.isatty() and total >= _PROGRESS_MIN_BYTES
     out: dict[str, Tensor] = {}

@@ -28,9 +28,8 @@ if triton is not None:
     import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
-# `experts_mlp` serves at most this many pairs (409 tokens of top-10, the `align` limit); more (a
-# prefill) take the grouped GEMM. `bench/moe_experts.py` on an H200: fused / grouped time of one
-# layer 0.53-0.67 at 128 tokens, 0.69-0.78 at 256 (at 1-32 tokens see FUSED_EXPERTS).
+# `experts_mlp` serves at most this many pairs (409 tokens of top-10, the `align` limit); more take
+# the grouped GEMM (`bench/moe_experts.py`, H200, fused / grouped: 0.53-0.67 at 128 tokens, 0.69-0.78 at 256).
 MAX_FUSED_PAIRS = moe_triton.MAX_PAIRS
 # Whether `moe.experts_forward` takes `experts_mlp` on CUDA. H200, qwen3-next-6b at batch 32
 # (`decode_profile --moe-kernel grouped fused`): a step 13.91 -> 12.21 ms, 672 fewer kernels.
@@ -76,9 +75,8 @@ def rows_per_pass(pairs: int, experts: int, shared_rows: int) -> int:
 
 
 class Fp8Scales(NamedTuple):
-    """The block scales of float8 expert weights: gate_up [E, ceil(2I / bn), ceil(H / bk)], down
-    [E, ceil(H / bn), ceil(I / bk)] float32 (a weight is its float8 value times its block's
-    scale), block = (bn, bk)."""
+    """Float8 expert weights' float32 block scales, block = (bn, bk): gate_up [E, ceil(2I / bn),
+    ceil(H / bk)], down [E, ceil(H / bn), ceil(I / bk)]."""
 
     gate_up: Tensor
     down: Tensor
@@ -86,9 +84,8 @@ class Fp8Scales(NamedTuple):
 
 
 class SharedExpert(NamedTuple):
-    """A shared expert run as one more program row of the expert kernels: every token is its row,
-    weighted by sigmoid(gate). gate_up [2I, H] and down [H, I] as a routed expert's; gate [T, 1];
-    with float8 routed experts, float8 too with their scales' layout."""
+    """A shared expert, one more program row of the expert kernels: every token its row, weighted by
+    sigmoid(gate [T, 1]); gate_up [2I, H], down [H, I] and their scales as a routed expert's."""
 
     gate_up: Tensor
     down: Tensor
@@ -252,10 +249,9 @@ if triton is not None:
         BLOCK_K: tl.constexpr, SHARED: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
         SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     ):  # fmt: skip
-        """h[r, n] = silu(x[token[r]] . gate[n]) * (x[token[r]] . up[n]) for the rows r of one
-        expert, columns n of one block; gate = w[e, :I], up = w[e, I:] (the shared expert's
-        program: w_shared, token r - pairs). SCALED: w is float8, each K step's product times
-        the scale of its (row block, K block) in s [E, ., .] (s_shared)."""
+        """h[r, n] = silu(x[token[r]] . gate[n]) * (x[token[r]] . up[n]) over one expert's rows r
+        and a block of columns n; gate = w[e, :I], up = w[e, I:] (shared: w_shared, token r - pairs).
+        SCALED: w is float8, each K step's product times its block's scale in s (s_shared)."""
         shared, e, first, count = _program_rows(counts, pairs, tokens, E, BLOCK_E, SHARED)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
@@ -302,10 +298,9 @@ if triton is not None:
         BLOCK_K: tl.constexpr, SHARED: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
         SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     ):  # fmt: skip
-        """y[order[r], n] = weights[order[r]] * (h[r] . down[e, n]) for the rows r of one expert,
-        columns n of one block: each row lands at its pair's place in float32 (the shared
-        expert's program: y[r] = sigmoid(shared_gate[r - pairs]) * (h[r] . w_shared[n])).
-        SCALED: as in `_gate_up_kernel`."""
+        """y[order[r], n] = weights[order[r]] * (h[r] . down[e, n]) in float32, each row at its
+        pair's place (shared: y[r] = sigmoid(shared_gate[r - pairs]) * (h[r] . w_shared[n]));
+        rows, columns and SCALED as in `_gate_up_kernel`."""
         shared, e, first, count = _program_rows(counts, pairs, tokens, E, BLOCK_E, SHARED)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)

@@ -65,9 +65,8 @@ class PrefillTiling:
 
 def choose_prefill_tiling(head_dim: int, dtype: torch.dtype, smem_bytes: int = 228 * 1024) -> PrefillTiling:
     """128 query tokens a tile where shared memory (smem_bytes a multiprocessor) holds it, smaller
-    tiles where not; float32 (the tests' reference path) keeps 32 x 32. H200 (`bench/paged_prefill.py
-    --sweep`): head dim 256 ran 3.3x faster at an 8k prompt in 128 x 64 tiles with 8 warps than in
-    32 x 32, the Llama-8B shape 1.4x."""
+    where not, float32 (the tests' reference) 32 x 32. H200, an 8k prompt (bench/paged_prefill.py):
+    128 x 64 tiles 3.3x faster than 32 x 32 at head dim 256 (8 warps), 1.4x for Llama-8B."""
     if dtype == torch.float32:
         return PrefillTiling(block_m=32, block_n=32, num_warps=4, num_stages=2)
     wide = head_dim > 128
@@ -293,9 +292,8 @@ def paged_prefill(
     max_ctx: int,
     tiling: PrefillTiling | None = None,
 ) -> None:
-    """q, out: [T, Hq, D], tokens of B sequences flattened; sequence b owns tokens
-    cu_lens[b]..cu_lens[b+1]-1 at positions starts[b] + i; token i attends causally to positions
-    0..starts[b]+i of its slot (cached prefix plus this chunk, all already written into the blocks).
+    """q, out: [T, Hq, D]; sequence b owns tokens cu_lens[b]..cu_lens[b+1]-1, token i at position
+    starts[b] + i attending causally to positions 0..starts[b]+i of its slot (all already written).
     max_len: longest chunk; max_ctx: longest starts+len (host ints). tiling: the chosen one if None."""
     group, head_dim = _check(q, out, kv_ptrs, block_size, num_kv_heads)
     batch, heads = slots.shape[0], q.shape[1]
@@ -577,10 +575,9 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        """One program: BLOCK_M query tokens of one sequence and one query head, over every KV tile
-        up to the causal limit of its last token (tiles past it are never loaded). The query tiles
-        are the grid's last axis, latest first: the programs with the most keys start first, so
-        a causal prompt's short programs fill in behind them instead of trailing alone."""
+        """One program: BLOCK_M query tokens of one sequence and query head, over the KV tiles up to
+        its last token's causal limit. Query tiles are the grid's last axis, latest first: the
+        programs with the most keys start first, and the short ones fill in behind them."""
         h = tl.program_id(0)
         b = tl.program_id(1)
         m_tile = tl.num_programs(2) - 1 - tl.program_id(2)

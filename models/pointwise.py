@@ -77,8 +77,7 @@ def _centered_add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float)
 
 def _gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm of x, scaled, times silu(gate)."""
-    dtype = x.dtype
-    return (weight * F.rms_norm(x, (x.shape[-1],), eps=eps) * F.silu(gate.float())).to(dtype)
+    return (weight * F.rms_norm(x, (x.shape[-1],), eps=eps) * F.silu(gate.float())).to(x.dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -121,9 +121,8 @@ def store_rows(store: KVStore, layer: int, batch: ForwardBatch, kv: Tensor) -> N
 def attend_kernels(
     store: KVStore, layer: int, q: Tensor, batch: ForwardBatch, foreign: Tensor | None
 ) -> Tensor:
-    """q [T, Hq, D] attended over one store's blocks by the Triton kernels -> [T, Hq, D].
-    `foreign` [B] marks sequences that live in the other store: they read only their first
-    position (the sink block), and the caller discards their result."""
+    """q [T, Hq, D] attended over one store's blocks -> [T, Hq, D]. `foreign` [B] marks sequences
+    of the other store: they read only their first position (the sink), their result discarded."""
     lay, cuda = store.layout, store.cuda
     assert cuda is not None
     out = torch.empty_like(q)
