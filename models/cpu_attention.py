@@ -1,22 +1,13 @@
 """CPU attention over the KV blocks in place: each sequence's blocks are read as views, never
 gathered into a copy.
 
-A CPU store keeps one layer's blocks as one tensor [block, pos, 2 * kv_heads, head_dim], so a
-run of consecutive block ids is one strided view of the positions it holds. Each sequence's
-table is cut into such runs (one run where the allocator handed its blocks out in order, as a
-prompt's blocks are), every run is attended by torch's CPU flash kernel, which also returns each
-row's log-sum-exp, and the parts merge by those (the softmax over all keys, exactly). A table in
-more than MAX_RUNS pieces (sequences that grew in turns, block by block) is gathered for that
-sequence instead: a kernel call per block costs more than the copy. So is a decode token's table in
-more than one run up to DECODE_GATHER_MAX positions, where one call over a copy beats a merge.
-
-The cached prefix is visible to every query of a chunk, so it needs no mask; grouped-query
-attention folds each KV head's group of query heads into the query rows there, so K and V are
-read once per KV head and never expanded. The chunk's own keys are attended causally.
-
-The gathering reference (a 2k-token prompt in 512-token chunks copied 2.5 prefixes' worth of KV
-per layer) still serves int8 blocks and steps over both stores; `TorchPagedAttention` picks one
-or the other per step.
+A CPU store keeps a layer's blocks as one tensor [block, pos, 2 * kv_heads, head_dim], so a run of
+consecutive block ids is one strided view. Each sequence's table is cut into such runs (one where
+the allocator handed its blocks out in order, as a prompt's are), each run is attended by torch's
+CPU flash kernel, and the parts merge by their log-sum-exp (the softmax over all keys, exactly). A
+table in more than MAX_RUNS runs, or a decode token's in more than one up to DECODE_GATHER_MAX
+positions, is gathered for that sequence instead: there the copy costs less than the calls.
+Int8 blocks and steps over both stores take the gathering path (`TorchPagedAttention`).
 """
 
 from __future__ import annotations
@@ -142,9 +133,8 @@ def table_runs(store: KVStore, batch: ForwardBatch) -> Runs:
 def attend_in_place(
     store: KVStore, layer: int, q: Tensor, batch: ForwardBatch, runs_of: Runs | None = None
 ) -> Tensor:
-    """q [T, Hq, D] of batch's tokens, each over its own sequence's cache (this step's K/V
-    already written) -> [T, Hq, D] (`runs_of`: its `table_runs`, where the step computed them
-    already). The store holds K/V in the model dtype (not int8)."""
+    """q [T, Hq, D] of batch's tokens, each over its own sequence's cache (this step's K/V already
+    written, in the model dtype) -> [T, Hq, D]; `runs_of`: `table_runs`, where computed already."""
     host = store.host
     assert host is not None and host.scale is None, "in place only over unquantized CPU blocks"
     kv_layer = host.kv[layer]
@@ -154,8 +144,7 @@ def attend_in_place(
         ctx = start + n
         source = kv_layer
         if len(runs) > MAX_RUNS or (n == 1 and len(runs) > 1 and ctx <= DECODE_GATHER_MAX):
-            # A table in many pieces: one call per piece costs more than a copy of its blocks
-            # (bench/cpu_attention.py), so this sequence's blocks are gathered, once a layer.
+            # cheaper than a kernel call per run (bench/cpu_attention.py): gathered, once a layer
             ids = torch.tensor([blk + k for _, blk, count in runs for k in range(count)])
             source, runs = kv_layer.index_select(0, ids), [(0, 0, len(ids))]
         if q.dtype != source.dtype:
@@ -174,10 +163,9 @@ def attend_in_place(
 
 # Runs of blocks attended in place, one kernel call each; a table in more pieces is gathered.
 MAX_RUNS = 2
-# A decode token whose blocks are not in order (every sequence of a batch past its prompt's
-# blocks: the batch's blocks interleave) is gathered up to this context: one flash call over a
-# copy beats a call per run plus their merge there (one layer, 2 runs, 1 thread: 33 against
-# 63 us at 43 positions, 91 against 110 at 512, even at 1k). Past it the runs merge in place.
+# A decode token whose blocks are not in order (a batch's blocks interleave past its prompts) is
+# gathered up to this context: one flash call over a copy beats a call per run plus their merge
+# (2 runs, 1 thread: 33 against 63 us at 43 positions, 91 against 110 at 512, even at 1k).
 DECODE_GATHER_MAX = 512
 
 
@@ -228,12 +216,10 @@ def _decode_runs(kvs: list[Tensor], q: Tensor, n_kv: int) -> Tensor:
 
 
 def _attend_one(keys: list[tuple[int, Tensor]], q: Tensor, start: int, n_kv: int) -> Tensor:
-    """One sequence's n tokens (absolute positions start ..) over its key runs.
-
-    Keys below `start` (the cached prefix) are visible to every query: attended with no mask,
-    each KV head's group of query heads folded into the query rows (row i * group + j: token i's
-    head j), so K/V are read once per KV head. The chunk's own keys are attended causally with
-    the KV heads repeated (n rows: a small copy). The parts merge by their log-sum-exp."""
+    """One sequence's n tokens (positions start ..) over its key runs. Keys below `start` (the
+    cached prefix) are visible to every query: no mask, each KV head's group of query heads folded
+    into the query rows (row i * group + j: token i's head j), so K/V are read once per KV head.
+    The chunk's own keys are attended causally with the KV heads repeated (n rows: a small copy)."""
     n, heads, dim = q.shape
     group = heads // n_kv
     outs, lses = [], []

@@ -1,18 +1,13 @@
 """Weight-only quantized linears for the CPU: a GGUF's 4-bit linears kept 4-bit, the output head
-8-bit, run by torch's own CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`).
+8-bit, run by torch's own CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`): a CPU
+decode step is its weight read (the default model in float32: 538 MB a token; bench/cpu_decode.py).
 
-Why: a CPU decode step reads every weight once, and on a small model that read is the step (the
-default model in float32: 538 MB a token; bench/cpu_decode.py). The GGUF's Q4_0 / Q4_1 blocks
-are 32 weights along the input with one scale (and a minimum for Q4_1): exactly the int4 kernel's
-groups of 32 with a scale and a zero point, `w = (q - 8) * scale + zero`, so the 4-bit integers
-are the file's own and only the group's scale and zero are rounded (to bfloat16). The tied
-embedding (Q8_0, groups of 32) becomes an int8 head with one scale per vocabulary row.
-
-Both kernels are vectorised only for bfloat16 inputs (float32 inputs take a scalar loop ~25x
-slower, measured on this box with torch 2.13), so each quantized linear rounds its input to
+Q4_0 / Q4_1 blocks are 32 weights along the input with one scale (and, Q4_1, a minimum): exactly
+the int4 kernel's groups with a scale and a zero point, `w = (q - 8) * scale + zero`, so the 4-bit
+integers are the file's own and only scale and zero are rounded (to bfloat16). The tied embedding
+(Q8_0) becomes an int8 head with one scale per vocabulary row. Both kernels are vectorised only for
+bfloat16 inputs (float32 takes a scalar loop ~25x slower), so each linear rounds its input to
 bfloat16 and widens its output back; norms, rope, attention and the residual stream stay float32.
-The logits move by a measured amount against the float32 path (tests/unit/test_cpu_int4.py,
-docs/BENCHMARKS.md); `--cpu-weights dense` keeps float32 weights.
 """
 
 from __future__ import annotations
@@ -27,10 +22,9 @@ from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
 GROUP = 32  # a Q4_0 / Q4_1 block: the int4 kernel's group size
-# The weight-only kernels' cost grows with the rows (they dequantize per row of input): past a
-# couple of rows a bfloat16 copy of the same values through oneDNN's AVX512-BF16 GEMM is faster
-# (this box, 1 thread, 3072x576: int4 0.34 ms at 1 row, 1.0 ms at 8, 90 ms at 512; bfloat16
-# dense 36 ms at 512), so prefill chunks and decode batches of more than this many rows read it.
+# The weight-only kernels dequantize per row of input, so steps of more rows than this read a
+# bfloat16 copy of the same values through oneDNN's AVX512-BF16 GEMM instead (1 thread, 3072x576:
+# int4 0.34 ms at 1 row, 1.0 ms at 8, 90 ms at 512; bfloat16 dense 36 ms at 512).
 INT4_MAX_ROWS = 2
 # The packing's inner tile over K (the only value torch's CPU packing takes).
 _INNER_K_TILES = 2
@@ -52,10 +46,6 @@ class Q4Weight:
     q: Tensor  # [N, K] int32, 0..15
     scale: Tensor  # [N, K / 32] float32
     minimum: Tensor  # [N, K / 32] float32
-
-    @property
-    def out_features(self) -> int:
-        return int(self.q.shape[0])
 
     def dequantize(self) -> Tensor:
         """[N, K] float32: the values the dense path computes with."""
@@ -89,7 +79,7 @@ class Int4Linear(nn.Module):
         q = torch.cat([p.q for p in parts])
         scale = torch.cat([p.scale for p in parts])
         minimum = torch.cat([p.minimum for p in parts])
-        self.out_features, self.in_features = int(q.shape[0]), int(q.shape[1])
+        self.out_features = int(q.shape[0])
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES))
         # The kernel's zero point is the value at q = 8: zero = minimum + 8 * scale.
         scales_zeros = torch.stack((scale, minimum + 8 * scale), dim=-1)  # [N, K/32, 2]

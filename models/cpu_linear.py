@@ -1,37 +1,22 @@
-"""Half-width weights for the CPU's float32 path: each linear's weight held as float16 and run by
-FBGEMM's fp16 GEMM (`quantized::linear_dynamic_fp16`), which widens the weights to float32 in
-registers and multiplies float32 activations with float32 accumulation and float32 outputs.
+"""Half-width weights for the CPU's float32 path (`--cpu-weights fp16`): each linear's weight held
+as float16 and run by FBGEMM's fp16 GEMM (`quantized::linear_dynamic_fp16`), which widens the
+weights in registers and keeps float32 activations, sums and outputs.
 
-Why: a CPU decode step reads every weight once, and on a small model that read is the step (the
-default model in float32: 538 MB a token, ~24 of a ~29 ms step on this 2-core box at 1 thread).
-float16 halves the bytes; unlike torch's weight-only int4/int8 kernels (bfloat16 activations in
-and out) nothing but the weights is rounded, and float16 keeps 11 significant bits against
-bfloat16's 8. Measured on the default model against its float32 weights
-(bench/cpu_weight_tolerance.py): max |d logit| 0.036 over the parity prompts (int4: 0.98, int8
-per output channel: 1.97), the same greedy choices, "Paris" kept; echo logprobs move up to 0.007
-nats, past the 1e-3 the lm-eval test holds float32 to, so float32 stays the default and this is
-`--cpu-weights fp16`.
+A CPU decode step is its weight read (the default model in float32: 538 MB a token, ~24 of a ~29
+ms step at 1 thread), which float16 halves; unlike torch's int4/int8 kernels (bfloat16 activations)
+only the weights are rounded, to 11 significant bits against bfloat16's 8. Against float32
+(bench/cpu_weight_tolerance.py): max |d logit| 0.036 (int4: 0.98, int8: 1.97), the same greedy
+choices, but echo logprobs move up to 0.007 nats, past the 1e-3 the lm-eval test holds float32 to,
+so float32 stays the default. Prompt chunks run through FBGEMM too: widening the weights into
+oneDNN's float32 GEMM was never faster. The packed weights are FBGEMM's own allocation, not a
+tensor, so they are not among the model's parameters: `packed_bytes` counts them.
 
-FBGEMM takes prompt chunks too: it is float32 FMA at float32 speed there, like the dense path,
-and no faster route keeps the tolerance. Widening the float16 weights per chunk into oneDNN's
-float32 GEMM was never faster (1 thread, 2026-12-02: 3072x576 at 64 / 256 / 512 rows 1.02 / 4.06 /
-8.08 ms against 1.37 / 4.55 / 8.80; 576x1536 at 512 4.20 against 4.44; unpacking FBGEMM's copy
-instead: 13.5 ms at 512). int4's prompt rows run 2x faster only because they round activations
-to bfloat16 (AVX512-BF16), which is what this form exists to avoid.
-
-The packed weights are FBGEMM's own allocation (a torch script object, not a tensor), so they
-are not among the model's parameters or buffers: `packed_bytes` counts them for the memory layer.
-
-Prompt chunks in bfloat16 (`--cpu-prefill bfloat16`, `hold_prompt_bf16`): a prompt's many rows
-make its linears compute-bound, and a CPU with AMX (or AVX512-BF16) multiplies bfloat16 several
-times faster than float32 (oneDNN, 1 thread, 3072x576 at 512 rows: 1.6 ms against 11.4). Steps of
-more than PROMPT_BF16_MIN_ROWS rows round each linear's inputs and weights to bfloat16 and keep
-float32 sums and outputs (oneDNN's bf16 "fpmath" mode over the float32 weights: no second copy
-held); the q/k/v projection's output is left in bfloat16, so the layer's attention runs in
-bfloat16 too (models/cpu_attention.py follows its queries' dtype). Decode steps and short prompts
-keep float32 bit for bit. The cost is accuracy, measured against float32 over a 2k-token prompt
-(bench/cpu_weight_tolerance.py): opt-in. Under --cpu-weights int4, whose prompt rows already
-run through bfloat16 copies of the weights, it adds attention in bfloat16.
+`--cpu-prefill bfloat16` (`hold_prompt_bf16`): steps of more than PROMPT_BF16_MIN_ROWS rows round
+each linear's inputs and weights to bfloat16 with float32 sums and outputs (oneDNN's bf16 "fpmath"
+mode over the float32 weights: no second copy), which AMX / AVX512-BF16 multiply several times
+faster (3072x576 at 512 rows: 1.6 ms against 11.4). The q/k/v output stays bfloat16, so attention
+runs in bfloat16 too (models/cpu_attention.py follows its queries' dtype). Decode steps and short
+prompts keep float32 bit for bit. Opt-in: it costs accuracy (bench/cpu_weight_tolerance.py).
 """
 
 from __future__ import annotations
@@ -68,7 +53,7 @@ class Fp16Linear(nn.Module):
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         super().__init__()
         w = weight.detach().float().contiguous()
-        self.out_features, self.in_features = int(w.shape[0]), int(w.shape[1])
+        self.out_features = int(w.shape[0])
         b = None if bias is None else bias.detach().float().contiguous()
         self.packed = torch.ops.quantized.linear_prepack_fp16(w, b)
         # FBGEMM holds N x K float16 values (its blocks pad a little more) and the float32 bias.
@@ -90,9 +75,8 @@ def packed_bytes(model: nn.Module) -> int:
 
 @contextmanager
 def bf16_matmuls() -> Iterator[None]:
-    """oneDNN's float32 matmuls with bfloat16 inputs and float32 accumulation and outputs, for the
-    block. The mode is process-wide, not per thread: only the engine thread computes, and the
-    block holds one matmul."""
+    """oneDNN's float32 matmuls with bfloat16 inputs and float32 sums and outputs, for the block:
+    process-wide, not per thread (only the engine thread computes; the block holds one matmul)."""
     mode = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]  # not in torch's stubs
     before = mode.fp32_precision
     mode.fp32_precision = "bf16"
@@ -133,28 +117,21 @@ class PromptLinear(nn.Module):
 
 def hold_prompt_bf16(model: nn.Module) -> int:
     """Run every dense attention and MLP block's linears as PromptLinears (q/k/v with bfloat16
-    outputs for prompt rows, so their attention runs in bfloat16). Blocks held int4 already run
-    prompt rows through bfloat16 copies: their q/k/v keeps its bfloat16 output for prompt rows
-    alike. The output head stays as it is (a prompt's logits are one row per sequence, and echo
-    logprobs keep its arithmetic). Returns the blocks changed."""
+    outputs for prompt rows); int4 blocks already run prompt rows through bfloat16 copies, and only
+    keep their q/k/v output bfloat16. The output head stays as it is (a prompt's logits are one row
+    per sequence, and echo logprobs keep its arithmetic). Returns the blocks changed."""
     changed = 0
     for block in model.modules():
         if isinstance(block, SlotAttention) and block.quantized is not None:
             if isinstance(block.quantized.first, Int4Linear):
                 block.quantized.first.bf16_out_rows = PROMPT_BF16_MIN_ROWS
                 changed += 1
-        elif isinstance(block, SlotAttention):
-            qkv, o = block.qkv, block.o_proj
-            qkv.fuse()  # from the parameters as loaded (assign=True replaced the fused views)
-            assert qkv.weight is not None
-            first = PromptLinear(qkv.weight, qkv.bias, bf16_out=True)
-            block.quantize(QuantizedPair(first, PromptLinear(o.weight, o.bias)))
-            changed += 1
-        elif isinstance(block, SwiGLU) and block.quantized is None:
-            gate_up, down = block.gate_up, block.down_proj
-            gate_up.fuse()
-            assert gate_up.weight is not None
-            first = PromptLinear(gate_up.weight, gate_up.bias)
-            block.quantize(QuantizedPair(first, PromptLinear(down.weight, down.bias)))
+        elif isinstance(block, (SlotAttention, SwiGLU)) and block.quantized is None:
+            attention = isinstance(block, SlotAttention)
+            fused, second = (block.qkv, block.o_proj) if attention else (block.gate_up, block.down_proj)
+            fused.fuse()  # from the parameters as loaded (assign=True replaced the fused views)
+            assert fused.weight is not None
+            first = PromptLinear(fused.weight, fused.bias, bf16_out=attention)
+            block.quantize(QuantizedPair(first, PromptLinear(second.weight, second.bias)))
             changed += 1
     return changed

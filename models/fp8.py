@@ -1,16 +1,12 @@
-"""FP8 weights kept as FP8: linears and MoE experts that hold float8 e4m3 weights with float32 block
-scales (the Hugging Face fine-grained FP8 layout: `weight` [out, in] and `weight_scale_inv`
+"""FP8 weights kept as FP8: linears and MoE experts holding float8 e4m3 weights with float32 block
+scales (Hugging Face's fine-grained FP8 layout: `weight` [out, in] and `weight_scale_inv`
 [ceil(out / bn), ceil(in / bk)]; the real weight is the float8 value times its block's scale).
 
-On a GPU that converts FP8 in hardware (compute capability 8.9+) with Triton, the GEMMs read the
-float8 weights directly (models/fp8_triton.py: half the bytes of bf16, which is what decode is
-bound by). Elsewhere the same modules compute through `dequantize_blocks` - exact, but a
-dequantized copy per call: the loader's default there is to dequantize once at load instead
-(engine `--fp8-weights`).
-
-Conversion happens in place on a model still on the meta device: an `nn.Linear` becomes an
-`Fp8Linear` (same object, so whatever holds it - `FusedLinears`, its parent - sees the change) and
-`Experts` gets float8 fused tensors plus their scales.
+On CUDA 8.9+ with Triton the GEMMs read the float8 weights directly (models/fp8_triton.py: half
+the bytes of bf16, which decode is bound by); elsewhere through `dequantize_blocks`, exact but a
+copy per call, so the loader dequantizes once at load there instead (engine `--fp8-weights`).
+Conversion is in place on the meta device: an `nn.Linear` becomes an `Fp8Linear` (same object, so
+whatever holds it sees the change) and `Experts` gets float8 fused tensors plus their scales.
 """
 
 from __future__ import annotations
@@ -101,9 +97,8 @@ def convert_linear(linear: nn.Linear, block: Block) -> None:
 
 
 def convert_experts(experts: Experts, block: Block) -> None:
-    """Give an `Experts` module float8 `gate_up_proj` / `down_proj` and their `*_scale_inv`.
-    Per-expert checkpoint tensors are placed gate rows then up rows, so a gate_up scale grid is
-    whole only when the expert intermediate size is a multiple of the block's rows."""
+    """Give an `Experts` module float8 `gate_up_proj` / `down_proj` and their `*_scale_inv` (a
+    gate_up scale grid is whole only when the intermediate size is whole blocks of rows)."""
     for name in ("gate_up_proj", "down_proj"):
         w: Tensor = getattr(experts, name)
         setattr(

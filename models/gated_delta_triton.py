@@ -1,27 +1,21 @@
-"""A decode step of a gated DeltaNet layer in two Triton kernels, in place in the slot-state pools.
+"""A decode step of a gated DeltaNet layer in Triton kernels, in place in the slot-state pools.
 
-The general path of a decode step (`GatedDeltaNet.forward`) gathers each slot's float32 state out
-of the pool, runs the recurrence (fla's kernel or the torch one) into a new state and scatters it
-back: three reads and three writes of 2 MiB a sequence and layer (Qwen3-Next's 32 value heads of
-128 x 128), plus a dozen small kernels for the gates, the q/k normalisation and the head
-expansion. On an H200 at batch 32 the gather and scatter alone took 3.3 ms of a 22 ms step of the
-Qwen3-Next-shaped 6B model. Here one program per (token, value head, block of value columns)
-reads its state tile from the pool row its slot names, applies the step and writes it back: the
-state crosses the memory bus once each way, and the gates (g = -exp(A_log) softplus(a + dt_bias),
-beta = sigmoid(b)) and the L2 norms are computed inside.
+The general path (`GatedDeltaNet.forward`) gathers each slot's float32 state out of the pool, runs
+the recurrence into a new state and scatters it back: three reads and three writes of 2 MiB a
+sequence and layer (Qwen3-Next's 32 value heads of 128 x 128), plus a dozen small kernels for the
+gates, q/k norms and head expansion; on an H200 at batch 32 the gather and scatter alone took 3.3 ms
+of a 22 ms step of the 6B model. Here one program per (token, value head, block of value columns)
+reads its state tile from its slot's pool row, applies the step (gates and L2 norms inside) and
+writes it back: the state crosses the memory bus once each way.
 
-The causal conv before it gets the same treatment (`conv_decode_in_place`: the window is the
-slot's saved K-1 inputs and the token; the new window is written back in place), replacing the
-gather, a dozen small kernels and the scatter of `causal_conv._conv_decode`. Any other step (prompt
-chunks, with or without decode tokens) takes `conv_in_place`: one kernel reads each token's window
-from the chunk and the slot's saved inputs, a second writes the slot's new last K-1 inputs back.
-It replaces, per tap, a gather, a widening copy and a multiply-add over the step's [T, C] inputs
-in float32 (`causal_conv.causal_conv1d_varlen`): on an H200, 32 prompts of 2k of the Qwen3-Next
-6B shape prefilled in 1.95 s with it (and `moe_triton.combine_pairs`) against 3.16 s.
+The causal conv before it likewise: `conv_decode_in_place` (one token a sequence: the window is the
+slot's saved K-1 inputs and the token, shifted back in place) and `conv_in_place` for any other step
+(one kernel reads each token's window from the chunk and the saved inputs, a second writes the new
+last K-1 back), where torch gathered, widened and multiply-added per tap: on an H200 32 prompts of 2k
+of the 6B shape prefilled in 1.95 s with it (and `moe_triton.combine_pairs`) against 3.16 s.
 
-Same arithmetic as `gated_delta.recurrent_gated_delta_step`, float32 throughout: state,
-recurrence and gates (the layer's torch path rounds beta to the model dtype first; here it is
-not rounded, a difference of at most half a bf16 unit in beta).
+Same arithmetic as `gated_delta.recurrent_gated_delta_step`, float32 throughout (the torch path
+rounds beta to the model dtype first; here it is not, at most half a bf16 unit of difference).
 """
 
 from __future__ import annotations
@@ -92,13 +86,10 @@ def conv_in_place(
     cu_lens: Tensor,
     seq_of_token: Tensor,
 ) -> Tensor:
-    """silu(depthwise causal conv) of a flat batch of sequences of any lengths (prompt chunks and
-    decode tokens). x [T, C] (unit last stride), sequence b's tokens rows [cu_lens[b],
-    cu_lens[b+1]) and seq_of_token [T] each row's b; pool [S, C, K-1] the slots' last K-1 inputs
-    (oldest first) in x's dtype, rows `slots` [B] read, then replaced by each sequence's last K-1
-    inputs; keep [B] bool: False starts from zeros. Returns [T, C] in x's dtype, accumulated in
-    float32 over the taps oldest first (as `causal_conv.causal_conv1d_varlen`). A decode step (one
-    token a sequence) takes `conv_decode_in_place`: one kernel."""
+    """`conv_decode_in_place` for a flat batch of sequences of any lengths: x [T, C], sequence b's
+    tokens rows [cu_lens[b], cu_lens[b+1]), seq_of_token [T] each row's b; the slots' pool rows
+    are then replaced by each sequence's last K-1 inputs. Accumulated in float32 over the taps
+    oldest first (as `causal_conv.causal_conv1d_varlen`); a decode step takes the one kernel."""
     assert triton is not None
     tokens, channels = x.shape
     batch = slots.shape[0]
@@ -158,11 +149,10 @@ def decode_in_place(
     slots: Tensor,
     keep: Tensor,
 ) -> Tensor:
-    """One token per sequence. q, k [B, Hk, Dk] and v [B, Hv, Dv]: the conv's output before the
-    L2 norm (views with unit last stride); a, b [B, Hv]: the gate projections before their
-    activations; a_log, dt_bias [Hv]; pool [S, Hv, Dk, Dv] float32, rows `slots` [B] read and
-    written in place; keep [B] bool: False starts that row from zero state (a fresh sequence).
-    Returns o [B, Hv, Dv] in v's dtype."""
+    """One token per sequence -> o [B, Hv, Dv] in v's dtype. q, k [B, Hk, Dk], v [B, Hv, Dv]: the
+    conv's output before the L2 norm (unit last stride); a, b [B, Hv]: the gate projections before
+    their activations; a_log, dt_bias [Hv]; pool [S, Hv, Dk, Dv] float32, rows `slots` [B] read
+    and written in place; keep [B] bool: False starts that row from zero state."""
     assert triton is not None
     batch, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]

@@ -1,9 +1,7 @@
 """Load a GGUF file (llama.cpp's format) into an HF-style config dict, HF-named float tensors and a
-transformers fast tokenizer, reading the file once.
-
-The work is split by concern: models/gguf_reader.py parses the file, models/gguf_quants.py
-dequantizes, models/gguf_tokenizer.py builds the tokenizer; this module maps the architecture's
-metadata to a config.json-style dict and llama.cpp's tensor names to Hugging Face's.
+transformers fast tokenizer, reading the file once: gguf_reader.py parses, gguf_quants.py
+dequantizes, gguf_tokenizer.py builds the tokenizer, and this module maps the metadata to a
+config.json-style dict and llama.cpp's tensor names to Hugging Face's.
 """
 
 from __future__ import annotations
@@ -192,9 +190,8 @@ def _eos_ids(md: dict[str, Any]) -> int | list[int] | None:
 def gguf_tensors(
     gf: GGUFFile, config: dict[str, Any], dtype: torch.dtype = torch.float32, skip: Collection[str] = ()
 ) -> dict[str, Tensor]:
-    """Every tensor dequantized to dtype under its HF name, q/k rows back in HF order. Those named
-    in `skip` (held quantized by the caller) are left uninitialised: no work, and no memory
-    committed until written."""
+    """Every tensor dequantized to dtype under its HF name, q/k rows back in HF order; those in
+    `skip` (held quantized by the caller) left uninitialised: no work, no memory until written."""
     total = sum(t.nbytes for t in gf.tensors.values())
     show = sys.stderr.isatty() and total >= _PROGRESS_MIN_BYTES
     out: dict[str, Tensor] = {}
@@ -235,8 +232,7 @@ def _hf_rows(gf: GGUFFile, info: GGUFTensorInfo, config: dict[str, Any], scratch
     n_head = next((n for part, n in heads.items() if part in hf), None)
     if not (arch.permuted_qk and n_head is not None):
         return raw
-    # reorder whole rows of the packed bytes (a row is whole blocks), so the float result is
-    # written once, already in HF order
+    # whole rows of packed bytes (a row is whole blocks): the floats are written once, in HF order
     rows = raw.reshape(info.shape[0], -1)
     out = scratch.get("rows", rows.shape, np.uint8)
     np.take(rows, qk_row_order(info.shape[0], n_head), axis=0, out=out)

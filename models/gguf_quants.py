@@ -1,10 +1,9 @@
 """Dequantize GGUF tensor data (block layouts: ggml-common.h block_* structs).
 
-Our own rather than `gguf.quants.dequantize`, which alone takes ~2 s on the default model: numpy,
-single-threaded, in cache-sized chunks, writing through reused scratch buffers. On VMs with
-free-page reporting the first touch of fresh memory costs ~10 us a page, more than the arithmetic,
-and torch's OpenMP wake-ups cost more than these element-wise ops on 2 cores; so each tensor's
-output is the only new memory it touches.
+Not `gguf.quants.dequantize`, which alone takes ~2 s on the default model: numpy, one thread, in
+cache-sized chunks through reused scratch buffers. With free-page reporting (VMs) the first touch of
+fresh memory costs ~10 us a page, more than the arithmetic, and torch's OpenMP wake-ups cost more
+than these element-wise ops on 2 cores; so each tensor's output is the only new memory it touches.
 """
 
 from __future__ import annotations
@@ -140,8 +139,7 @@ def dequantize(
     shape = (blocks.shape[0], block)
     # float32 straight into the result; another dtype goes through a float32 scratch
     out = np.empty(shape, np.float32) if dtype == torch.float32 else scratch.get("f32", shape, np.float32)
-    # in chunks that stay in cache: each value is then written to main memory once, not once
-    # per arithmetic pass
+    # in chunks that stay in cache: each value reaches main memory once, not once per pass
     step = max(1, _CHUNK_VALUES // block)
     for i in range(0, shape[0], step):
         fn(blocks[i : i + step], out[i : i + step], scratch)

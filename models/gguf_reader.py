@@ -1,10 +1,9 @@
 """Parse a GGUF file (llama.cpp's format): header, metadata and tensor table; the tensor data stays
 mapped and untouched.
 
-Why not `gguf.GGUFReader`: it builds a numpy memmap object per metadata item, which costs ~4 s for
-the default model's 98k-entry vocabulary and merge list, more than our whole 3 s load budget. The
-format is small, so we parse it ourselves (struct over an mmap) and keep the `gguf` package for its
-enums and block sizes, and as the reference our tests compare against.
+Not `gguf.GGUFReader`: its numpy memmap object per metadata item costs ~4 s for the default model's
+98k-entry vocabulary and merges, past our whole 3 s load budget. We parse with struct over an mmap
+and keep `gguf` for its enums and block sizes, and as the reference our tests compare against.
 """
 
 from __future__ import annotations

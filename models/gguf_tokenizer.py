@@ -28,9 +28,8 @@ _QWEN2_SPLIT = (
 _GPT2_PRE = ("default", "gpt2", "mpt", "olmo", "jais")
 _DIGITS_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _SPLIT_PRE = {
-    "llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
 }  # fmt: skip
 # llama.cpp (and Llama 3's tokenizer.json) take a split piece that is a vocabulary entry whole,
 # without merging, and add BOS unless the file says otherwise
@@ -96,11 +95,10 @@ def _skeleton(md: dict[str, Any], merges: list[str]) -> Tokenizer:
 
 
 def build_tokenizer(md: dict[str, Any]) -> PreTrainedTokenizerFast:
-    """A transformers fast tokenizer equal to the one the GGUF describes: vocab, merges, split
-    rules, control tokens kept whole, bos/eos/unk/pad, bos/eos insertion, chat template.
-
-    Built as tokenizer.json text that transformers parses once: handing it a Tokenizer object
-    instead costs a deep copy (serialise + parse) of the 49k-entry vocabulary and merges."""
+    """A transformers fast tokenizer equal to the one the GGUF describes (vocab, merges, split rules,
+    control tokens kept whole, special tokens and their insertion, chat template), built as
+    tokenizer.json text that transformers parses once: a Tokenizer object would cost a deep copy
+    (serialise + parse) of the 49k-entry vocabulary and merges."""
     if "tokenizer.ggml.tokens" not in md:
         raise GGUFError("GGUF has no tokenizer (tokenizer.ggml.tokens missing)")
     tokens: list[str] = md["tokenizer.ggml.tokens"]

@@ -1,23 +1,16 @@
 """The experts of a decode-sized MoE batch in three Triton kernels, bf16 or float8 weights.
 
-`experts_mlp` (`FUSED_EXPERTS`, on: see there) runs over the pairs `moe.Routing` grouped by
-expert: gate/up GEMMs of each expert's gathered token rows with SwiGLU in the epilogue; the down
-GEMM with the routing weight applied and each row written back at its pair's place; then one
-ordered sum per token over its k rows. One GEMM program per (expert holding pairs, column
-block): an expert's weights stream from memory once however many of its rows there are, and
-nothing reads the counts on the host (graph-safe). The grid has a program row for each expert
-that can hold a pair (min(pairs, experts)), not for every expert: at one token of the 80B's 512
-experts top-10 that is 11 rows of programs where it was 513, nearly all exiting at once.
+`experts_mlp` runs over the pairs `moe.Routing` grouped by expert: gate/up GEMMs of each expert's
+gathered rows with SwiGLU in the epilogue; the down GEMM with the routing weight applied, each row
+written at its pair's place; then one ordered sum per token over its k rows. One GEMM program per
+(expert holding pairs, column block): an expert's weights stream once however many rows it has,
+and no count is read on the host (graph-safe). The grid has min(pairs, experts) program rows, not
+one per expert: at one token of the 80B's 512 experts top-10, 11 where it was 513. A shared expert
+of the routed shape is one more program row of each GEMM and one more row of each token's sum.
 
-A shared expert of the routed experts' shape is one more program row of each GEMM launch
-(every token is one of its rows, weighted by the sigmoid of its gate) and one more row of each
-token's sum; the router and the shared expert's gate are one GEMM before (`SparseMoeBlock`).
-
-Float8 weights (`Fp8Scales`: e4m3 with the FP8 releases' block scales, 128 x 128) are read as
-float8, half the bytes of bf16, converted in registers and multiplied in the activations' dtype;
-each K step's partial product is scaled by its (row block, K block) scale before it joins the
-float32 sum, so the result is x times the dequantized weights: 3 kernels a MoE layer where the
-torch form of the FP8 experts and shared expert took ~45.
+Float8 weights (`Fp8Scales`, the FP8 releases' 128 x 128 blocks) are read as float8, converted in
+registers and multiplied in the activations' dtype, each K step's product scaled by its (row block,
+K block) scale before it joins the float32 sum: 3 kernels a MoE layer where the torch form took ~45.
 """
 
 from __future__ import annotations
@@ -35,23 +28,17 @@ if triton is not None:
     import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
-# `experts_mlp` serves at most this many pairs (409 tokens of top-10, the `align` limit); more (a
-# prefill) take the grouped GEMM. `bench/moe_experts.py` on an H200: fused / grouped time of one
-# layer 0.53-0.67 at 128 tokens, 0.69-0.78 at 256 (at 1-32 tokens see FUSED_EXPERTS).
+# `experts_mlp` serves at most this many pairs (409 tokens of top-10, the `align` limit); more take
+# the grouped GEMM (`bench/moe_experts.py`, H200, fused / grouped: 0.53-0.67 at 128 tokens, 0.69-0.78 at 256).
 MAX_FUSED_PAIRS = moe_triton.MAX_PAIRS
-# Whether `moe.experts_forward` takes `experts_mlp` on CUDA. Measured on an H200 (session 10,
-# `decode_profile --models qwen3-next-6b --batch 32 --no-eager --moe-kernel grouped fused`): a
-# decode step 13.91 -> 12.21 ms, its experts 3.60 ms of grouped GEMM -> 2.97 ms in the two kernels,
-# 672 fewer kernels a step. Tested against the torch path, on CUDA and under Triton's interpreter.
+# Whether `moe.experts_forward` takes `experts_mlp` on CUDA. H200, qwen3-next-6b at batch 32
+# (`decode_profile --moe-kernel grouped fused`): a step 13.91 -> 12.21 ms, 672 fewer kernels.
 FUSED_EXPERTS = True
 # Float8 experts take `experts_mlp` up to this many pairs (64 tokens of top-10), the grouped FP8
-# GEMMs (`moe.fp8_experts_forward`) beyond. Measured on an H200 (issue 32, `decode_profile --models
-# qwen3-next-80b-a3b-fp8 --batch 1 32 --moe-kernel fused grouped`): a step at 32 tokens 30.27 ->
-# 27.46 ms, its 2,160 fewer kernels saving more than the fused GEMMs' ~3 ms over the grouped
-# ones (19.9 against 16.8 ms: the float8 tiles' per-element cost); at 64 tokens the experts read
-# ~1.5x those bytes, so the two should still about break even in the fused path's favour; past
-# that the grouped GEMMs are the safer guess until `bench/moe_experts.py --fp8 --tokens 64 128`
-# says otherwise.
+# GEMMs (`moe.fp8_experts_forward`) beyond. H200, qwen3-next-80b-a3b-fp8 (`decode_profile`): a step
+# at 32 tokens 30.27 -> 27.46 ms, 2,160 fewer kernels outweighing the fused GEMMs' ~3 ms extra (the
+# float8 tiles' per-element cost); past 64 tokens the grouped GEMMs stay the safer guess until
+# `bench/moe_experts.py --fp8 --tokens 64 128` says otherwise.
 MAX_FUSED_FP8_PAIRS = 640
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -79,19 +66,17 @@ class ExpertTiling:
 
 def rows_per_pass(pairs: int, experts: int, shared_rows: int) -> int:
     """Rows of a GEMM program's pass over its expert's weights: enough that the fullest program
-    (the shared expert's, one row per token, or a routed expert with twice the mean of its
-    pairs) streams its weights once, not once per 16 rows, since a launch lasts as long as its
-    slowest program. 16 to 64: the accumulators of more rows would spill. On an H200 (session 12,
-    `bench/moe_experts.py --sweep`, the 6B cut's layer with its shared expert at 32 tokens): 16 rows
-    70.3 us, 32 rows 59.3 us, 64 rows 67.1 us; the decode step at batch 32 9.52 -> 8.76 ms."""
+    (the shared expert's, a row per token, or a routed one at twice the mean) streams its weights
+    once, since a launch lasts as long as its slowest program; 16 to 64 (more rows' accumulators
+    spill). H200, the 6B's layer at 32 tokens (`bench/moe_experts.py --sweep`): 16 / 32 / 64 rows
+    70.3 / 59.3 / 67.1 us; the decode step at batch 32 9.52 -> 8.76 ms."""
     fullest = max(shared_rows, -(-2 * pairs // experts))
     return min(64, max(16, 1 << (fullest - 1).bit_length()))
 
 
 class Fp8Scales(NamedTuple):
-    """The block scales of float8 expert weights: gate_up [E, ceil(2I / bn), ceil(H / bk)], down
-    [E, ceil(H / bn), ceil(I / bk)] float32 (a weight is its float8 value times its block's
-    scale), block = (bn, bk)."""
+    """Float8 expert weights' float32 block scales, block = (bn, bk): gate_up [E, ceil(2I / bn),
+    ceil(H / bk)], down [E, ceil(H / bn), ceil(I / bk)]."""
 
     gate_up: Tensor
     down: Tensor
@@ -99,9 +84,8 @@ class Fp8Scales(NamedTuple):
 
 
 class SharedExpert(NamedTuple):
-    """A shared expert run as one more program row of the expert kernels: every token is its row,
-    weighted by sigmoid(gate). gate_up [2I, H] and down [H, I] as a routed expert's; gate [T, 1];
-    with float8 routed experts, float8 too with their scales' layout."""
+    """A shared expert, one more program row of the expert kernels: every token its row, weighted by
+    sigmoid(gate [T, 1]); gate_up [2I, H], down [H, I] and their scales as a routed expert's."""
 
     gate_up: Tensor
     down: Tensor
@@ -118,8 +102,7 @@ def _converts_fp8(device: torch.device) -> bool:
 
 def fused_ok(x: Tensor, gate_up: Tensor, pairs: int, scales: Fp8Scales | None = None) -> bool:
     """Whether `experts_mlp` serves this batch: CUDA with Triton, the switch on, a decode-sized
-    batch (`MAX_FUSED_PAIRS`, `MAX_FUSED_FP8_PAIRS`), weights of x's dtype or float8 with their
-    scales (K blocks of 32 columns or more)."""
+    batch, weights of x's dtype or float8 with their scales (K blocks of 32 columns or more)."""
     if scales is None:
         weights_ok, most = gate_up.dtype == x.dtype, MAX_FUSED_PAIRS
     else:
@@ -153,12 +136,10 @@ def experts_mlp(
     scales: Fp8Scales | None = None,
 ) -> Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) for every token t, e the
-    pair's expert; x [T, H], weights [T, k]; (token, order, counts) the expert-grouped pairs of
-    `moe.Routing` (counts of the local experts only; with `outside`, the pairs past them, held on
-    another rank, add 0). gate_up [E, 2I, H], down [E, H, I] in x's dtype, or float8 with
-    `scales`. shared: a shared expert, one more program row of each launch (its rows: every token,
-    after the P routed pairs), its gated output in the same final sum. Returns [T, H] in x's
-    dtype."""
+    pair's expert -> [T, H] in x's dtype; x [T, H], weights [T, k]; (token, order, counts) the
+    expert-grouped pairs of `moe.Routing` (counts of the local experts only; with `outside`, the
+    pairs held on another rank add 0). gate_up [E, 2I, H], down [E, H, I] in x's dtype, or float8
+    with `scales`. shared: a shared expert, its rows every token after the P routed pairs."""
     assert triton is not None
     tiling = tiling or ExpertTiling()
     gu, dn = tiling.gate_up, tiling.down
@@ -247,9 +228,8 @@ if triton is not None:
     @triton.jit
     def _program_rows(counts, pairs, tokens, E: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr):
         """(is the shared expert's, its expert, first grouped row, row count) of this program. With
-        a shared expert, program row 0 is its (rows [pairs, pairs + tokens), one per token); the
-        next take the experts that hold pairs, one each in id order (a row past the last such
-        expert gets no rows). The experts' first rows are a running sum of the counts."""
+        a shared expert, program row 0 is its (rows [pairs, pairs + tokens)); the next take the
+        experts holding pairs, one each in id order (a row past the last gets no rows)."""
         j = tl.program_id(0) - SHARED
         b = tl.arange(0, BLOCK_E)
         c = tl.load(counts + b, mask=b < E, other=0)
@@ -269,10 +249,9 @@ if triton is not None:
         BLOCK_K: tl.constexpr, SHARED: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
         SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     ):  # fmt: skip
-        """h[r, n] = silu(x[token[r]] . gate[n]) * (x[token[r]] . up[n]) for the rows r of one
-        expert, columns n of one block; gate = w[e, :I], up = w[e, I:] (the shared expert's
-        program: w_shared, token r - pairs). SCALED: w is float8, each K step's product times
-        the scale of its (row block, K block) in s [E, ., .] (s_shared)."""
+        """h[r, n] = silu(x[token[r]] . gate[n]) * (x[token[r]] . up[n]) over one expert's rows r
+        and a block of columns n; gate = w[e, :I], up = w[e, I:] (shared: w_shared, token r - pairs).
+        SCALED: w is float8, each K step's product times its block's scale in s (s_shared)."""
         shared, e, first, count = _program_rows(counts, pairs, tokens, E, BLOCK_E, SHARED)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
@@ -319,10 +298,9 @@ if triton is not None:
         BLOCK_K: tl.constexpr, SHARED: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
         SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     ):  # fmt: skip
-        """y[order[r], n] = weights[order[r]] * (h[r] . down[e, n]) for the rows r of one expert,
-        columns n of one block: each row lands at its pair's place in float32 (the shared
-        expert's program: y[r] = sigmoid(shared_gate[r - pairs]) * (h[r] . w_shared[n])).
-        SCALED: as in `_gate_up_kernel`."""
+        """y[order[r], n] = weights[order[r]] * (h[r] . down[e, n]) in float32, each row at its
+        pair's place (shared: y[r] = sigmoid(shared_gate[r - pairs]) * (h[r] . w_shared[n]));
+        rows, columns and SCALED as in `_gate_up_kernel`."""
         shared, e, first, count = _program_rows(counts, pairs, tokens, E, BLOCK_E, SHARED)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)

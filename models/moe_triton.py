@@ -1,10 +1,6 @@
-"""MoE routing of a decode-sized batch in two Triton kernels instead of about fourteen.
-
-`moe.route` (softmax, top-k, renormalise, cast) and `moe.Routing.sort` (a stable radix argsort
-of the (token, expert) pairs, the counts, the token of each pair) launch about fourteen kernels a
-layer; in a decode step of the Qwen3-Next-shaped 6B model on an H200 (48 MoE layers) the sort
-alone took 1.3 ms of a 22 ms step at batch 32, and at batch 1 every one of those kernels is a few
-microseconds of a launch-bound step. Here:
+"""MoE routing of a decode-sized batch in two Triton kernels instead of about fourteen (`moe.route`
+and `moe.Routing.sort`'s stable radix argsort): on an H200 the sort alone took 1.3 ms of a 22 ms
+batch-32 step of the Qwen3-Next-shaped 6B model, and at batch 1 each kernel is a launch.
 
 - `route_topk`: one program per token: softmax in float32, the top k by k arg-max passes,
   optionally renormalised; weights in the logits' dtype, expert ids int64 (as `torch.topk`).
@@ -13,11 +9,8 @@ microseconds of a launch-bound step. Here:
   pair's row. Pairs of one expert keep no particular order among themselves (each row's expert
   output does not depend on it); experts' groups are in id order, as the grouped GEMM wants.
 
-Larger batches (prefill) take the torch path: their sort is a small part of a long step. Their
-combine after the grouped GEMMs is `combine_pairs`, one kernel reading each pair's row once where
-the torch form gathered, widened to float32, weighted and summed [T, k, H].
-
-The experts' GEMMs of such a batch are `models/moe_experts_triton.py`'s.
+Larger batches (prefill) take the torch path, their sort a small part of a long step, and then
+`combine_pairs` after the grouped GEMMs. The experts' fused GEMMs are models/moe_experts_triton.py.
 """
 
 from __future__ import annotations
@@ -93,10 +86,9 @@ def align(flat: Tensor, bins: int, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
 
 def combine_pairs(y: Tensor, back: Tensor, weights: Tensor, kept: Tensor | None) -> Tensor:
     """The grouped GEMM's combine: out[t] = sum_j weights[t, j] * y[back[t * k + j]] in j order,
-    float32 until the one rounding to weights' dtype; y [P, H] the pairs' expert outputs in the
-    expert-grouped order, back [P] each pair's row there, weights [T, k]; with `kept` (a device
-    scalar), rows from it on count zero (no GEMM wrote them). One kernel, reading each row once,
-    where the torch form gathers, widens, weights and sums [T, k, H] in float32."""
+    float32 until the one rounding to weights' dtype; y [P, H] the expert-grouped outputs, back [P]
+    each pair's row there, weights [T, k]; with `kept` (a device scalar), rows from it on count zero
+    (no GEMM wrote them). One kernel where the torch form gathers, widens, weights and sums."""
     assert triton is not None
     tokens, top_k = weights.shape
     hidden = y.shape[1]
@@ -121,6 +113,7 @@ def combine_pairs(y: Tensor, back: Tensor, weights: Tensor, kept: Tensor | None)
 
 
 if triton is not None:
+
     @triton.jit
     def _combine_pairs_kernel(
         y,

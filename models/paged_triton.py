@@ -1,16 +1,12 @@
 """Triton paged attention over the segmented block pool: decode (one query token per sequence,
 flash-decoding splits plus a small reduce) and prefill (causal tiles of query tokens x KV tokens).
 
-The pool layout these kernels read: segment s is a contiguous tensor
-`[seg_blocks, num_layers, block_size, 2 * num_kv_heads, head_dim]` (K heads first, then V heads),
-global block g sits in segment g // seg_blocks at index g % seg_blocks, and int8 pools carry a
-float32 `[seg_blocks, num_layers, block_size, 2 * num_kv_heads]` scale per token-head row. Segment
-base addresses are read from `kv_ptrs` / `scale_ptrs` at run time, so a captured CUDA graph stays
-valid while segments are added and dropped: only the tables' contents change, never the launch.
-Every segment base and the `kv_ptrs` table itself must be SEGMENT_ALIGN (64) byte aligned, as
-allocator addresses are: the kernels rely on it to load K/V rows as 16-byte vectors.
-
-Imports without Triton (CPU machines, CI): the kernels are defined only when Triton imports.
+Segment s is one tensor `[seg_blocks, num_layers, block_size, 2 * num_kv_heads, head_dim]` (K heads,
+then V), global block g its index g % seg_blocks in segment g // seg_blocks; int8 pools add a float32
+`[seg_blocks, num_layers, block_size, 2 * num_kv_heads]` scale per row. Segment bases are read from
+`kv_ptrs` / `scale_ptrs` at run time, so a captured CUDA graph stays valid while segments come and
+go. Every base and `kv_ptrs` itself must be SEGMENT_ALIGN-byte aligned (allocator addresses are):
+K/V rows load as 16-byte vectors. The kernels are defined only when Triton imports.
 """
 
 from __future__ import annotations
@@ -34,11 +30,9 @@ except ImportError:  # CPU-only installs: the entry points raise, the rest of ba
 # partial results costs more than the parallelism the split buys.
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
-# Programs per SM the split count aims for. Measured on an H200 (bench/paged_attention.py --sweep):
-# the Llama-8B layer with 128-token steps reads KV at 90-100% of the copy bandwidth from batch 32 up
-# with one program per SM; Qwen3-Next's (2 KV heads, head dim 256: 64 programs at batch 32 before
-# any split) wanted 6 splits at batch 32 and a 2,080-token context (72 -> 51 us a layer, 44% -> 63%
-# of the copy bandwidth), which two per SM gives (5).
+# Programs per SM the split count aims for (H200, bench/paged_attention.py --sweep): one already
+# reads Llama-8B's KV at 90-100% of copy bandwidth from batch 32; Qwen3-Next's (2 KV heads, head dim
+# 256) wanted ~6 splits at batch 32 and 2k context (72 -> 51 us a layer), which two per SM gives.
 PROGRAMS_PER_SM = 2
 # Segment bases (and the kv_ptrs table itself) must sit on this many bytes: 16 elements of fp32.
 SEGMENT_ALIGN = 64
@@ -70,11 +64,9 @@ class PrefillTiling:
 
 
 def choose_prefill_tiling(head_dim: int, dtype: torch.dtype, smem_bytes: int = 228 * 1024) -> PrefillTiling:
-    """128 query tokens a tile where shared memory holds it (`bench/paged_prefill.py --sweep` on an
-    H200, session 10: Qwen3-Next's head dim 256 ran 3.3x faster at an 8k prompt in 128 x 64 tiles
-    with 8 warps than in 32 x 32 ones, the Llama-8B shape 1.4x faster in 128 x 64), smaller tiles
-    where it does not (smem_bytes: the device's shared memory per multiprocessor). Float32 rows
-    (the reference path of tests and CPU-sized models) keep 32 x 32."""
+    """128 query tokens a tile where shared memory (smem_bytes a multiprocessor) holds it, smaller
+    where not, float32 (the tests' reference) 32 x 32. H200, an 8k prompt (bench/paged_prefill.py):
+    128 x 64 tiles 3.3x faster than 32 x 32 at head dim 256 (8 warps), 1.4x for Llama-8B."""
     if dtype == torch.float32:
         return PrefillTiling(block_m=32, block_n=32, num_warps=4, num_stages=2)
     wide = head_dim > 128
@@ -143,9 +135,8 @@ def _check(q: Tensor, out: Tensor, kv_ptrs: Tensor, block_size: int, num_kv_head
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if q.stride(-1) != 1 or out.stride(-1) != 1 or out.shape != q.shape:
         raise ValueError("q and out must have the same shape and a contiguous last dimension")
-    # The kernels address segments as offsets from kv_ptrs' own address, promised to be whole
-    # 16-element vectors: true when it and every segment base are 64-byte aligned (allocator
-    # addresses are), false for a table sliced at an odd index.
+    # The kernels address segments as whole 16-element offsets from kv_ptrs' own address
+    # (`_kv_rows`): false for a table sliced at an odd index.
     if kv_ptrs.data_ptr() % SEGMENT_ALIGN:
         raise ValueError(f"kv_ptrs must start at a {SEGMENT_ALIGN}-byte aligned address")
     return heads // num_kv_heads, head_dim
@@ -186,10 +177,9 @@ def paged_decode(
     sm_scale: float,
     max_ctx: int,
 ) -> None:
-    """q, out: [B, Hq, D] (one query token per sequence). Sequence b attends to positions
-    0..ctx_lens[b]-1 of slot slots[b] (this step's K/V already written). max_ctx: a host-side upper
-    bound on ctx_lens (the engine passes the CUDA-graph context bucket), used to choose the number of
-    context splits. No host sync and no data-dependent host logic: capturable in a CUDA graph."""
+    """q, out: [B, Hq, D]; sequence b attends to positions 0..ctx_lens[b]-1 of slot slots[b] (this
+    step's K/V already written). max_ctx: a host-side bound on ctx_lens (a graph's context bucket)
+    that picks the split count. No host sync, no data-dependent host logic: CUDA-graph capturable."""
     tiling = choose_decode_tiling(q.shape[0], num_kv_heads, max_ctx, kv_dtype, _sm_count(q.device.index or 0))
     decode_with(
         tiling,
@@ -302,9 +292,8 @@ def paged_prefill(
     max_ctx: int,
     tiling: PrefillTiling | None = None,
 ) -> None:
-    """q, out: [T, Hq, D], tokens of B sequences flattened; sequence b owns tokens
-    cu_lens[b]..cu_lens[b+1]-1 at positions starts[b] + i; token i attends causally to positions
-    0..starts[b]+i of its slot (cached prefix plus this chunk, all already written into the blocks).
+    """q, out: [T, Hq, D]; sequence b owns tokens cu_lens[b]..cu_lens[b+1]-1, token i at position
+    starts[b] + i attending causally to positions 0..starts[b]+i of its slot (all already written).
     max_len: longest chunk; max_ctx: longest starts+len (host ints). tiling: the chosen one if None."""
     group, head_dim = _check(q, out, kv_ptrs, block_size, num_kv_heads)
     batch, heads = slots.shape[0], q.shape[1]
@@ -367,14 +356,12 @@ if triton is not None:
         """K and V rows [N, D] (and their int8 scales [N]) of the positions `pos` of one slot."""
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         seg = blk // seg_blocks
-        # Token row index inside its segment, in rows of HEAD_DIM elements; int64 because a large
-        # segment passes 2**31 elements.
+        # the token's row in its segment, in HEAD_DIM elements (int64: a segment passes 2**31)
         row = (((blk % seg_blocks) * num_layers + layer) * BLOCK_SIZE + pos % BLOCK_SIZE) * (2 * HKV) + kvh
-        # Segments are addressed as element offsets from one typed pointer (the table's own
-        # address) rather than by casting each loaded address to a pointer: Triton knows nothing of
-        # a pointer made from an integer and loads through it 2 bytes at a time (8% of copy
-        # bandwidth, measured), while an offset it is told is a multiple of 16 elements (every base
-        # SEGMENT_ALIGN-aligned) lets every K/V row load as 16-byte vectors.
+        # Segments are addressed as element offsets from one typed pointer (the table's own address),
+        # not by casting each loaded address: through a pointer made from an integer Triton loads 2
+        # bytes at a time (8% of copy bandwidth, measured), while an offset it is told is a multiple
+        # of 16 elements (SEGMENT_ALIGN bases) lets every K/V row load as 16-byte vectors.
         ref = kv_ptrs.to(tl.pointer_type(KV_DTYPE), bitcast=True)
         ref_addr = kv_ptrs.to(tl.int64)
         seg_off = (tl.load(kv_ptrs + seg, mask=valid, other=ref_addr) - ref_addr) // KV_BYTES
@@ -433,9 +420,8 @@ if triton is not None:
         split = tl.program_id(2)
         ctx = tl.load(ctx_ptr + b).to(tl.int32)
         bt_row = bt_ptr + tl.load(slots_ptr + b) * sbt
-        # The splits share this sequence's own context, in whole loop steps (only a split's last
-        # step is ragged), not the host's max_ctx: a graph passes its context bucket, up to twice
-        # the context, which left half the splits idle and the others twice as long.
+        # The splits share this sequence's own context in whole loop steps, not the host's max_ctx:
+        # a graph's context bucket (up to twice the context) left half the splits idle.
         split_tokens = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         lo = split * split_tokens
         hi = tl.minimum(lo + split_tokens, ctx)
@@ -527,12 +513,11 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         MASK: tl.constexpr,
     ):
-        """One KV tile of the online softmax, for both kernels: the running max, sum and output
-        after keys k_start..k_start+BLOCK_N-1. MASK: MASK_NONE (every key is below hi), MASK_VALID
-        (keys from hi on count nothing: a split's ragged last tile), MASK_CAUSAL (also each query
-        row only up to its position q_pos). int8 values are exact in bf16/fp16, so their scales
-        are applied to the scores and to the probabilities rather than to K and V: one multiply
-        per token instead of per element."""
+        """One KV tile of the online softmax (keys k_start..k_start+BLOCK_N-1), for both kernels.
+        MASK: MASK_NONE (every key below hi), MASK_VALID (keys from hi on count nothing: a split's
+        ragged last tile), MASK_CAUSAL (also each row only up to its position q_pos). int8 values
+        are exact in bf16/fp16, so their scales multiply the scores and the probabilities, once a
+        token, rather than K and V element by element."""
         pos = k_start + tl.arange(0, BLOCK_N)
         valid = pos < hi
         k, v, k_scale, v_scale = _kv_rows(
@@ -590,10 +575,9 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        """One program: BLOCK_M query tokens of one sequence and one query head, over every KV tile
-        up to the causal limit of its last token (tiles past it are never loaded). The query tiles
-        are the grid's last axis, latest first: the programs with the most keys start first, so
-        a causal prompt's short programs fill in behind them instead of trailing alone."""
+        """One program: BLOCK_M query tokens of one sequence and query head, over the KV tiles up to
+        its last token's causal limit. Query tiles are the grid's last axis, latest first: the
+        programs with the most keys start first, and the short ones fill in behind them."""
         h = tl.program_id(0)
         b = tl.program_id(1)
         m_tile = tl.num_programs(2) - 1 - tl.program_id(2)
@@ -614,8 +598,7 @@ if triton is not None:
         ).to(COMPUTE)
         # Keys below `hi` are the causal window of this tile's last token; 0 for a tile past the chunk.
         hi = tl.where(m_tile * BLOCK_M < n, start + tl.minimum(n, (m_tile + 1) * BLOCK_M), 0)
-        # Keys below `full` are seen by every row of the tile: no mask there, only on the tiles
-        # that cross the diagonal.
+        # Keys below `full` are seen by every row of the tile: only tiles across the diagonal mask.
         full = tl.minimum((start + m_tile * BLOCK_M) // BLOCK_N * BLOCK_N, hi)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -1,20 +1,13 @@
 """The pointwise pieces of a decoder layer (norms, rope, gated activations), one kernel each on CUDA.
 
-Written out in torch, an RMSNorm in bf16 is eight kernels (cast, square, mean, add, rsqrt, two
-multiplies, cast back), rope five and SwiGLU's gate two: at decode, where each of them moves a
-few KiB, their launches are most of a layer's non-GEMM time (measured on an H200: 23 of 35 kernels
-a layer, ~1.6 ms of a 5.7 ms batch-1 step of an 8B model). On CUDA each function here is compiled
-by `torch.compile` (inductor writes one Triton kernel for it) the first time it runs, outside any
-CUDA graph (the engine warms the model up before capturing), with dynamic shapes so a new batch
-size does not compile again. The maths is the eager code below, unchanged; elsewhere (the CPU),
-and wherever compiling fails (no compiler on the machine), the eager code runs.
-
-The compiled kernels run only inside `fused()`, where the decode graphs warm up and capture: a
-replayed graph costs the host nothing, but an eager step pays dynamo's guards and wrappers on
-every call, more than the launches saved. Measured on an H200 (Llama-8B shape, a 1,024-token
-prefill, `bench/decode_profile.py --prefill 1024`): 47.6 ms compiled, 35.1 ms eager, on 26 and 31
-ms of GPU work. An eager CUDA step of many tokens runs rope and SwiGLU's gate as hand-written
-Triton kernels instead (`pointwise_triton`: one launch each, no guards).
+In torch an RMSNorm in bf16 is eight kernels, rope five and SwiGLU's gate two: at decode their
+launches are most of a layer's non-GEMM time (H200, an 8B at batch 1: 23 of 35 kernels a layer,
+~1.6 of a 5.7 ms step). Inside `fused()`, where the decode graphs warm up and capture, each function
+here runs compiled by `torch.compile` (one inductor kernel, dynamic shapes, compiled at warm-up and
+so outside any capture); elsewhere, and where compiling fails, the eager code below runs. Only
+inside: a replayed graph costs the host nothing, but an eager step pays dynamo's guards on every
+call, more than the launches saved (Llama-8B, a 1,024-token prefill: 47.6 ms compiled, 35.1 ms
+eager). Eager CUDA steps of many tokens run rope and SwiGLU's gate as `pointwise_triton` kernels.
 """
 
 from __future__ import annotations
@@ -60,13 +53,9 @@ def fused() -> Iterator[None]:
         _capturing.on = before
 
 
-# `F.rms_norm` normalises in float32 whatever the input dtype and rounds once to it: one fused
-# kernel on CUDA where the written-out form (cast, square, mean, add, rsqrt, multiply) is six,
-# which is what an eager step (prefill, a mixed step) runs.
-
-
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Normalise in float32, scale in the input dtype (as the reference does, for bf16 parity)."""
+    """Normalise in float32 (`F.rms_norm`: one kernel even in an eager step, where the written-out
+    form is six), scale in the input dtype (as the reference does, for bf16 parity)."""
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
@@ -88,8 +77,7 @@ def _centered_add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float)
 
 def _gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm of x, scaled, times silu(gate)."""
-    dtype = x.dtype
-    return (weight * F.rms_norm(x, (x.shape[-1],), eps=eps) * F.silu(gate.float())).to(dtype)
+    return (weight * F.rms_norm(x, (x.shape[-1],), eps=eps) * F.silu(gate.float())).to(x.dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -116,10 +104,9 @@ def _silu_mul(gate_up: Tensor, n: int) -> Tensor:
 
 
 def _allow_variants() -> None:
-    """Each call site hands a function its own layout (a norm of a whole row, of a per-head view
-    with another stride; one token or many), and each layout is a compiled variant: dynamo's
-    default of 8 per function would send the later ones back to eager code (with other rounding)
-    in the middle of a model. They are all made during the engine's warm-up; 64 is plenty."""
+    """Each call site's layout (a whole row, a strided per-head view; one token or many) is a
+    compiled variant, and dynamo's default of 8 per function would send later ones back to eager
+    code (other rounding) mid-model. All are made during the engine's warm-up; 64 is plenty."""
     config = torch._dynamo.config
     for limit in ("recompile_limit", "cache_size_limit"):
         if hasattr(config, limit):

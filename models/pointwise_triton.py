@@ -1,17 +1,12 @@
-"""Rotary embedding and SwiGLU's gate as one Triton kernel each, for the eager steps of CUDA
-(prefill, mixed steps), where `pointwise`'s compiled kernels do not run.
+"""Rotary embedding and SwiGLU's gate as one Triton kernel each, for CUDA's eager steps (prefill,
+mixed steps), where `pointwise`'s compiled kernels do not run.
 
-Written in torch, rope is five kernels (two products, a negation, a cat and a sum) and SwiGLU's
-gate two, each over a strided view of the fused projection's output (the q and k heads of qkv,
-the halves of gate|up), which torch's element-wise kernels read without vector loads. Measured on
-an H200 (Llama-8B shape, one 1,000-token prefill, `bench/decode_profile.py --prefill 1000`,
-session 11): 6.7 ms of the 27.9 ms of GPU work were element-wise kernels, 3.2 ms of them 160
-non-vectorised launches. Here each reads its input once and writes its output once, computing in
-float32 and rounding once (as the compiled kernels of the decode graphs do).
-
-A Triton launch costs the host more than a torch one, which an eager step of a few tokens waits
-on (its GPU work is short), so `pointwise` takes these only from `MIN_TOKENS` tokens up, where
-the GPU's share is the longer one.
+In torch rope is five kernels and the gate two, each over a strided view of a fused projection's
+output, which torch's element-wise kernels read without vector loads (H200, Llama-8B, a 1,000-token
+prefill: 3.2 of its 27.9 ms of GPU work in 160 such launches). Each kernel here reads its input and
+writes its output once, in float32, rounding once as the decode graphs' compiled kernels do. A
+Triton launch costs the host more than a torch one, which a step of a few tokens waits on, so
+`pointwise` takes these only from `MIN_TOKENS` tokens up.
 """
 
 from __future__ import annotations
