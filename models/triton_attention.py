@@ -1,13 +1,16 @@
-"""The CUDA attention backend: a Triton kernel stores this step's K/V rows into their blocks, and
-models/paged_triton.py's kernels read every sequence's blocks in place through the block table.
-A token's destination is known only on the device (its block from the table, its segment's base
-from `kv_ptrs`), so one program per token copies its row (and an int8 block's scales). Nothing
-waits on the host or the device: a step is captured whole in a CUDA graph.
+"""The CUDA attention backend: a Triton kernel stores this step's K/V rows into their blocks (here),
+and the paged attention kernels (models/paged_triton.py) read every sequence's blocks in place
+through the block table.
+
+Segments are separate allocations found through `kv_ptrs`, so the destination of a token is
+known only on the device: block = block_table[slot, pos // block_size], then the segment's base
+address from the table. One program per token copies its 2 * kv_heads * head_dim values (and, for
+int8 blocks, its 2 * kv_heads scales). Nothing here waits on the host or the device: `prepare` and
+every layer's calls only queue kernels, so a step is captured whole in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,8 +23,9 @@ from torch import Tensor
 
 
 class TritonPagedAttention(PagedAttentionBackend):
-    """The CUDA backend. Over both stores each is attended with the other's sequences cut to their
-    first position (in the sink), and each token keeps its own sequence's store's result."""
+    """The CUDA backend. Over both stores (`step_stores`) each store is attended with the
+    other store's sequences cut to their first position (in the sink), and each token keeps the
+    result of its own sequence's store."""
 
     # The step's split between the stores: (in int8, in main) per sequence and, per token,
     # [T, 1, 1] in int8. None: the step reads the main store only.
@@ -50,8 +54,10 @@ class TritonPagedAttention(PagedAttentionBackend):
         return torch.where(token_in_int8, attend_kernels(self.int8, layer, q, batch, in_main), main)
 
 
-@functools.cache
-def _store_kernel() -> Any:
+_kernel: Any = None
+
+
+def _build() -> Any:
     import triton
     import triton.language as tl
 
@@ -86,11 +92,14 @@ def _store_kernel() -> Any:
 
 
 def _launch(src: Tensor, ptrs: Tensor, store: KVStore, layer: int, batch: ForwardBatch) -> None:
+    global _kernel
+    if _kernel is None:
+        _kernel = _build()
     import triton
 
     lay = store.layout
     row = src[0].numel()
-    _store_kernel()[(src.shape[0],)](
+    _kernel[(src.shape[0],)](
         src,
         ptrs,
         store.block_table,
@@ -121,8 +130,9 @@ def store_rows(store: KVStore, layer: int, batch: ForwardBatch, kv: Tensor) -> N
 def attend_kernels(
     store: KVStore, layer: int, q: Tensor, batch: ForwardBatch, foreign: Tensor | None
 ) -> Tensor:
-    """q [T, Hq, D] attended over one store's blocks -> [T, Hq, D]. `foreign` [B] marks sequences
-    of the other store: they read only their first position (the sink), their result discarded."""
+    """q [T, Hq, D] attended over one store's blocks by the Triton kernels -> [T, Hq, D].
+    `foreign` [B] marks sequences that live in the other store: they read only their first
+    position (the sink block), and the caller discards their result."""
     lay, cuda = store.layout, store.cuda
     assert cuda is not None
     out = torch.empty_like(q)
@@ -160,9 +170,10 @@ def attend_kernels(
         if foreign is None
         else torch.where(foreign, torch.zeros_like(batch.starts), batch.starts)
     )
-    # Prompt chunks by the prefill kernel, a tail of one-token sequences (decodes beside a prompt)
-    # by the decode kernel: in the prefill kernel each took a tile of query rows, one real (Llama-8B,
-    # 32 decodes at 2k beside a 1k prompt: 29.1 ms of attention a step, now 2.4 + 2.7).
+    # Prompt chunks by the prefill kernel; a tail of one-token sequences (decodes beside a prompt)
+    # by the decode kernel. In the prefill kernel each of them took a tile of query rows, one real,
+    # over its whole context: Llama-8B shape, 32 decodes at 2k context beside a 1k prompt, 29.1 ms
+    # of attention a step, now 2.4 + 2.7 (bench/decode_profile.py --mixed).
     head = batch.tail_from or batch.num_seqs
     head_tokens = q.shape[0] - (batch.num_seqs - head)  # the tail's sequences: a token each
     paged_prefill(
