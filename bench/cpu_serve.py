@@ -1,6 +1,6 @@
 """The default model served on the CPU, side by side in one run: `ballast serve` (one server per
 --weights form: --cpu-weights dense, the default, fp16, int4; dense+bf16 and int4+bf16 with
---cpu-prefill bfloat16),
+--cpu-prefill bfloat16; FORM/512 with --prefill-chunk-tokens 512),
 llama.cpp's server on the same GGUF
 (--llama-server: a `llama-server` binary, one side per --llama-threads value; --llama-python: a
 Python with llama-cpp-python[server]), and transformers' `generate` (batch 1, the same weights in
@@ -53,6 +53,9 @@ FORMS = {
     "fp16": ["--cpu-weights", "fp16"],
     "int4": ["--cpu-weights", "int4"],
     "int4+bf16": ["--cpu-weights", "int4", "--cpu-prefill", "bfloat16"],
+    # Every step at most 512 prompt tokens (the CPU default before a lone prompt took 2,048).
+    "dense/512": ["--cpu-weights", "dense", "--prefill-chunk-tokens", "512"],
+    "int4+bf16/512": ["--cpu-weights", "int4", "--cpu-prefill", "bfloat16", "--prefill-chunk-tokens", "512"],
 }
 WORDS = ["river", "stone", "lantern", "orchard", "harbor", "meadow"]
 WORDS += ["copper", "violin", "glacier", "ember", "thistle", "compass"]

@@ -20,6 +20,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 KV_QUANT_MODES = ("none", "int8")
+DEFAULT_PREFILL_CHUNK = 2048
+CPU_BUSY_PREFILL_CHUNK = 512
 CPU_WEIGHT_MODES = ("auto", "dense", "int4", "fp16")
 # The largest prefill CUDA graph (`engine/prefill_graphs`): longer chunks are bound by their matrix
 # products, not their launches.
@@ -242,13 +244,22 @@ class EngineConfig:
         return self.fp8_weights == "keep"
 
     def resolved_prefill_chunk(self, device: torch.device) -> int:
-        """--prefill-chunk-tokens, or where 0 the device's default (never past max_model_len). On
-        a GPU fewer, bigger steps carry a burst of prompts sooner (128 streams of 1k-token prompts
-        on a 3B model: TTFT p99 4.1 s at 2,048 tokens a step, 10.4 s at 512); on the CPU a step is
-        compute-bound and a big chunk only stalls the running streams longer."""
-        if self.prefill_chunk_tokens:
-            return self.prefill_chunk_tokens
-        return min(2048 if device.type == "cuda" else 512, self.max_model_len)
+        """--prefill-chunk-tokens, or where 0 2,048 (never past max_model_len): the most prompt tokens
+        a step carries, and what the load profiles. On a GPU fewer, bigger steps carry a burst of
+        prompts sooner (128 streams of 1k-token prompts on a 3B model: TTFT p99 4.1 s at 2,048
+        tokens a step, 10.4 s at 512)."""
+        return self.prefill_chunk_tokens or min(DEFAULT_PREFILL_CHUNK, self.max_model_len)
+
+    def resolved_busy_prefill_chunk(self, device: torch.device) -> int:
+        """The most prompt tokens a step carries beside decodes. On the CPU a step is compute-bound,
+        so a chunk stalls every running stream's next token for as long as it takes: 512 there
+        unless --prefill-chunk-tokens is set. A prompt with nothing decoding beside it takes the
+        whole chunk (a lone 2,000-token prompt, default model, int4 + bfloat16 prompts, one
+        thread: first token 2.2-3.6 s in 2,048-token steps against 2.6-4.4 s in 512-token ones)."""
+        whole = self.resolved_prefill_chunk(device)
+        return (
+            whole if self.prefill_chunk_tokens or device.type != "cpu" else min(CPU_BUSY_PREFILL_CHUNK, whole)
+        )
 
     def cpu_int4(self, device: torch.device) -> bool:
         """Whether a GGUF's 4-bit linears stay 4-bit (models/cpu_int4.py); --cpu-weights int4 where

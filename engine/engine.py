@@ -44,6 +44,7 @@ class Engine:
         pool: CheckpointPool | None = None,
     ) -> None:
         self.device = config.resolved_device()
+        self.busy_prefill_chunk_tokens = config.resolved_busy_prefill_chunk(self.device)
         config = replace(config, prefill_chunk_tokens=config.resolved_prefill_chunk(self.device))
         self.config = config
         self._prefix_cfg = prefix_cache or PrefixCacheConfig()

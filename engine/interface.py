@@ -64,6 +64,7 @@ class EngineLike(Protocol):
     num_slots: int  # slots allocated at load: the hard ceiling
     max_model_len: int  # prompt + generated tokens per slot
     prefill_chunk_tokens: int  # the largest prefill the engine profiled (tokens per step)
+    busy_prefill_chunk_tokens: int  # the most prompt tokens of a step beside decodes
     # Prefill chunks end at multiples of this, where the scheduler orders checkpoint saves (a
     # recurrent state exists only at the position a chunk ended); 0 = prefix caching is off.
     checkpoint_interval: int

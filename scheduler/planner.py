@@ -63,7 +63,9 @@ class StepPlanner:
             for seq in roster.running
             if seq.phase is Phase.DECODING and seq.slot is not None
         )
-        budget = min(self._per_step - len(decodes), self._engine.prefill_chunk_tokens)
+        engine = self._engine
+        chunk = engine.busy_prefill_chunk_tokens if decodes else engine.prefill_chunk_tokens
+        budget = min(self._per_step - len(decodes), chunk)
         unfinished = [s for s in roster.running if s.phase is Phase.PREFILLING and s.prefilled < len(s.feed)]
         admitted = iter(self._gate.admit_head, None) if admit else ()
         to_prefill = itertools.chain(unfinished, admitted)

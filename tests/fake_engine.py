@@ -175,6 +175,7 @@ class FakeEngine:
         num_slots: int = 8,
         max_model_len: int = 256,
         prefill_chunk_tokens: int = 64,
+        busy_prefill_chunk_tokens: int | None = None,
         step_delay_s: float = 0.0,
         eos_after: int | None = None,
         cost_model: CostModel | None = None,
@@ -196,6 +197,8 @@ class FakeEngine:
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        # The most prompt tokens of a step beside decodes (None: the whole chunk, as on a GPU).
+        self.busy_prefill_chunk_tokens = busy_prefill_chunk_tokens or prefill_chunk_tokens
         self.cost_model = cost_model or CostModel(
             kv_bytes_per_token=1 << 16,
             state_bytes_per_slot=1 << 20,

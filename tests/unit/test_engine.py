@@ -457,13 +457,18 @@ def test_int8_and_main_pool_sequences_run_side_by_side(model: str) -> None:
 
 
 def test_the_default_prefill_chunk_follows_the_device() -> None:
-    """0 (the default) is 2048 tokens a step on CUDA, 512 on the CPU, never past max_model_len;
-    a chunk that is set is kept."""
+    """0 (the default) is 2048 tokens a step, never past max_model_len; beside decodes 512 on the
+    CPU (its steps are compute-bound: a chunk stalls the streams), the whole chunk on CUDA; a
+    chunk that is set is kept for both."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert EngineConfig().resolved_prefill_chunk(cuda) == 2048
-    assert EngineConfig().resolved_prefill_chunk(cpu) == 512
+    assert EngineConfig().resolved_prefill_chunk(cpu) == 2048
+    assert EngineConfig().resolved_busy_prefill_chunk(cuda) == 2048
+    assert EngineConfig().resolved_busy_prefill_chunk(cpu) == 512
     assert EngineConfig(max_model_len=300).resolved_prefill_chunk(cuda) == 300
+    assert EngineConfig(max_model_len=300).resolved_busy_prefill_chunk(cpu) == 300
     assert EngineConfig(prefill_chunk_tokens=700).resolved_prefill_chunk(cpu) == 700
+    assert EngineConfig(prefill_chunk_tokens=700).resolved_busy_prefill_chunk(cpu) == 700
 
 
 def test_a_preempted_decode_counts_no_token() -> None:

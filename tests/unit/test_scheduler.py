@@ -136,6 +136,26 @@ async def test_the_default_token_budget_is_the_engines_prefill_chunk(make) -> No
     await assert_idle(s, eng)
 
 
+async def test_a_prompt_beside_decodes_takes_the_engines_busy_chunk_and_alone_the_whole(make) -> None:
+    """A CPU engine's steps are compute-bound: a prompt chunk beside running streams stays at the
+    engine's busy chunk (so their next token waits no longer), and one with nothing decoding
+    takes the whole profiled chunk (its first token sooner)."""
+    s, eng = await make(SchedulerConfig(max_num_seqs=4), prefill_chunk_tokens=24, busy_prefill_chunk_tokens=6)
+    long_prompt = "the quick brown fox jumps over the lazy dog " * 3
+    first = req("first", long_prompt + "0", max_tokens=40)
+    handle = s.submit(first)
+    while not any(p.decodes for p in eng.recorded()):
+        await asyncio.sleep(0.001)
+    late = [req(i, long_prompt + str(i), max_tokens=4) for i in range(1, 3)]
+    results = await asyncio.gather(handle.collect(), *(s.submit(r).collect() for r in late))
+    assert [t for t, _, _ in results] == [calm_text(r) for r in (first, *late)]
+    plans = eng.recorded()
+    alone = [sum(len(c.token_ids) for c in p.prefills) for p in plans if p.prefills and not p.decodes]
+    beside = [sum(len(c.token_ids) for c in p.prefills) for p in plans if p.prefills and p.decodes]
+    assert alone[0] == 24 and beside and max(beside) <= 6
+    await assert_idle(s, eng)
+
+
 async def test_fcfs_admission_order_and_a_long_prompt_is_not_starved(make) -> None:
     s, eng = await make(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8), prefill_chunk_tokens=8)
     long_req = req("long", "a long prompt that needs many chunks to prefill " * 3, max_tokens=4)
