@@ -65,7 +65,7 @@ class EngineConfig:
         default=0,
         metadata=setting(
             "BALLAST_PREFILL_CHUNK_TOKENS",
-            "largest prefill one step carries (profiled at load); 0 = 2048, and on the CPU 512 beside decodes",
+            "largest prefill one step carries (profiled at load); 0 = 2048 (CPU: 512 beside decodes)",
             0,
             1 << 16,
         ),
