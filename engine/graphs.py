@@ -312,10 +312,12 @@ class DecodeGraphs(GraphSet[tuple[int, int, bool]]):
         rows: list[list[int]] = [[], [], []] if b is None else [list(b.tokens), b.starts_list, b.slots_list]
         pad = width - len(rows[0])
         fill = (PAD_TOKEN, PAD_POSITION, self.scratch_slot)
-        host = torch.tensor([row + [v] * pad for row, v in zip(rows, fill, strict=True)], dtype=torch.int64)
         # Pinned and non-blocking: a pageable copy would wait for the step still on the GPU.
         on_gpu = self._inputs.is_cuda
-        self._inputs[:, :width].copy_(host.pin_memory() if on_gpu else host, non_blocking=on_gpu)
+        host = torch.tensor(
+            [row + [v] * pad for row, v in zip(rows, fill, strict=True)], dtype=torch.int64, pin_memory=on_gpu
+        )
+        self._inputs[:, :width].copy_(host, non_blocking=on_gpu)
         if b is not None and b.fill_tokens is not None:
             b.fill_tokens(self._inputs[0, : b.num_seqs], self._inputs[2, : b.num_seqs])
 

@@ -154,7 +154,9 @@ class PrefillGraphs(GraphSet[int]):
         """The step's tokens, positions and slots (padding to `bucket`) and its sequence fields
         into the static inputs, in one copy."""
         n, w = len(tokens), self._width
-        host = torch.empty(3 * w + _SEQ_FIELDS, dtype=torch.int64)
+        # Pinned and non-blocking: a pageable copy would wait for the step still on the GPU.
+        on_gpu = self._inputs.is_cuda
+        host = torch.empty(3 * w + _SEQ_FIELDS, dtype=torch.int64, pin_memory=on_gpu)
         flat = tokens if isinstance(tokens, array) else array("q", tokens)
         host[:n] = torch.frombuffer(flat, dtype=torch.int64)
         host[n:w] = PAD_TOKEN
@@ -165,9 +167,7 @@ class PrefillGraphs(GraphSet[int]):
         seq = host[3 * w :]
         seq.zero_()
         seq[_SLOT], seq[_START], seq[_LEN], seq[_CU + 1], seq[_LAST] = slot, start, n, n, n - 1
-        # Pinned and non-blocking: a pageable copy would wait for the step still on the GPU.
-        on_gpu = self._inputs.is_cuda
-        self._inputs.copy_(host.pin_memory() if on_gpu else host, non_blocking=on_gpu)
+        self._inputs.copy_(host, non_blocking=on_gpu)
 
     def _static_batch(self, tokens: int) -> ForwardBatch:
         """The batch a graph of `tokens` rows is captured with: views of the static inputs. The

@@ -318,7 +318,7 @@ def to_device(
     the GPU runs one; the caching host allocator keeps the pinned buffer alive until the copy ran."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def column(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -331,12 +331,12 @@ def to_device_packed(host: dict[str, Tensor], dev: torch.device) -> dict[str, An
     if dev.type == "cpu":
         return dict(host)
     # One host-to-device copy instead of ten, pinned and non-blocking as in `to_device`.
-    packed, starts = pack_aligned(host.values())
-    moved = packed.pin_memory().to(dev, non_blocking=True)
+    packed, starts = pack_aligned(host.values(), pin=True)
+    moved = packed.to(dev, non_blocking=True)
     return {name: moved[at : at + v.shape[0]] for (name, v), at in zip(host.items(), starts, strict=True)}
 
 
-def pack_aligned(tensors: Iterable[Tensor]) -> tuple[Tensor, list[int]]:
+def pack_aligned(tensors: Iterable[Tensor], pin: bool = False) -> tuple[Tensor, list[int]]:
     """1-D int64 tensors laid end to end, each padded to an even length, and where each starts.
     Every view starts on a 16-byte boundary: Triton compiles a kernel once per pointer alignment,
     and unaligned views recompiled the paged prefill kernel while serving (seconds a step)."""
@@ -349,7 +349,7 @@ def pack_aligned(tensors: Iterable[Tensor]) -> tuple[Tensor, list[int]]:
         if t.shape[0] % 2:
             parts.append(t.new_zeros(1))
         at += t.shape[0] + t.shape[0] % 2
-    return torch.cat(parts), starts
+    return torch.cat(parts, out=torch.empty(at, dtype=parts[0].dtype, pin_memory=pin)), starts
 
 
 class LayerState(abc.ABC):

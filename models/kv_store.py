@@ -271,12 +271,10 @@ class KVStore:
         """Table entries start.. of the slot's row become `blocks` (one small host-to-device copy)."""
         self._record(KVStore.set_table, slot, start, tuple(blocks))
         if blocks:
-            host = torch.tensor(blocks, dtype=torch.int32)
             # Pinned and non-blocking on CUDA: a pageable copy would wait for the step on the GPU.
             on_gpu = self.block_table.is_cuda
-            self.block_table[slot, start : start + len(blocks)].copy_(
-                host.pin_memory() if on_gpu else host, non_blocking=on_gpu
-            )
+            host = torch.tensor(blocks, dtype=torch.int32, pin_memory=on_gpu)
+            self.block_table[slot, start : start + len(blocks)].copy_(host, non_blocking=on_gpu)
 
     def block_views(self, block: int) -> list[Tensor]:
         """Views of one block across every layer (K/V, and int8 scales): what parking copies."""
