@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 
 import torch
 from ballast.models.cpu_int4 import Int4Linear, QuantizedPair
@@ -41,10 +42,22 @@ def fp16_available() -> bool:
     )
 
 
+@cache
 def bf16_available() -> bool:
-    """Whether oneDNN runs bfloat16 matmuls natively on this CPU (AVX512-BF16 or AMX), not emulated."""
+    """Whether a float32 matmul under `bf16_matmuls` really rounds to bfloat16 on this CPU: one with
+    native bfloat16 arithmetic (AVX512-BF16 or AMX) whose oneDNN takes the mode. It is not enough to
+    read the flags: a CPU with AVX512-BF16 and no AMX has run the product in float32 (CI, 2026-12),
+    so one small product is tried and must differ from float32."""
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.backends.mkldnn.is_available() and native
+    if not (torch.backends.mkldnn.is_available() and native):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(PROMPT_BF16_MIN_ROWS + 36, 96, generator=gen)
+    w = torch.randn(96, 192, generator=gen)
+    with bf16_matmuls():
+        got = torch.mm(x, w)
+    rounded = x.bfloat16().float() @ w.bfloat16().float()
+    return float((got - rounded).abs().max()) < float((got - x @ w).abs().max())
 
 
 class Fp16Linear(nn.Module):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.loading import load
+from ballast.models import cpu_linear
 from ballast.models.base import ForwardBatch
 from ballast.models.cpu_linear import Fp16Linear, fp16_available, packed_bytes
 from ballast.models.llama import LlamaForCausalLM
@@ -82,3 +83,17 @@ def test_fp16_weights_demand_a_float32_cpu_engine() -> None:
     assert not EngineConfig(device="cpu", cpu_weights="fp16").cpu_int4(cpu)  # one form, not both
     assert not EngineConfig(device="cpu", cpu_weights="auto").cpu_fp16(cpu)
     assert not EngineConfig(device="cpu").cpu_fp16(cpu)  # dense by default
+
+
+def test_bf16_prompts_are_refused_where_onednn_keeps_float32() -> None:
+    """bf16_available tries the product: with oneDNN's matmuls off (as on a CPU whose oneDNN
+    ignores the bfloat16 mode) --cpu-prefill bfloat16 is an error, not a silent float32 prefill."""
+    cpu = torch.device("cpu")
+    cpu_linear.bf16_available.cache_clear()
+    try:
+        with torch.backends.mkldnn.flags(enabled=False):
+            assert not cpu_linear.bf16_available()
+            with pytest.raises(ConfigError, match="cpu-prefill"):
+                EngineConfig(device="cpu", cpu_prefill="bfloat16").cpu_prompt_bf16(cpu)
+    finally:
+        cpu_linear.bf16_available.cache_clear()
