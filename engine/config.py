@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 from ballast.engine.injected_faults import FaultSpec, parse_faults
-from ballast.models import cpu_int4, cpu_linear, fp8
+from ballast.models import cpu_blocks, cpu_int4, cpu_linear, fp8
 
 from ballast.settings import ConfigError, check, setting
 
@@ -22,7 +22,7 @@ DTYPES: dict[str, torch.dtype] = {
 KV_QUANT_MODES = ("none", "int8")
 DEFAULT_PREFILL_CHUNK = 2048
 CPU_BUSY_PREFILL_CHUNK = 512
-CPU_WEIGHT_MODES = ("auto", "dense", "int4", "fp16")
+CPU_WEIGHT_MODES = ("auto", "blocks", "dense", "int4", "fp16")
 # The largest prefill CUDA graph (`engine/prefill_graphs`): longer chunks are bound by their matrix
 # products, not their launches.
 PREFILL_GRAPH_TOKENS = 2048
@@ -98,17 +98,19 @@ class EngineConfig:
         ),
     )
     cpu_weights: str = field(
-        # dense by default: with int4 the default model's greedy answers changed (the capital of
-        # France was no longer Paris) and its echo logprobs moved 0.11 nats from transformers'.
-        default="dense",
+        # auto: the file's blocks where the kernel builds (the same arithmetic as dense, a sixth of
+        # the bytes a step reads), else dense. int4 stays opt-in: with it the default model's greedy
+        # answers changed (the capital of France was no longer Paris).
+        default="auto",
         metadata=setting(
             "BALLAST_CPU_WEIGHTS",
-            "CPU linears of a GGUF: int4 keeps its Q4_0/Q4_1 weights 4-bit and the output head int8 "
-            "(torch's weight-only CPU kernels; about 2.5x the decode speed, logits within the tolerance "
-            "docs/BENCHMARKS.md gives), fp16 holds every linear and the head as float16 with float32 "
-            "activations (FBGEMM; half the bytes a decode step reads, logits within 0.04 of float32's), "
-            "dense dequantizes every weight to --dtype; auto = int4 for a float32 CPU engine on one "
-            "device where the kernels exist",
+            "CPU linears of a GGUF: blocks multiplies its Q4_0/Q4_1/Q8_0 weights as stored, in float32 "
+            "(models/cpu_blocks.c, built for this CPU at first use; logits within ~1e-5 of dense), int4 "
+            "keeps its Q4 weights 4-bit and the head int8 through torch's weight-only kernels (bfloat16 "
+            "inputs; logits within the tolerance docs/BENCHMARKS.md gives), fp16 holds every linear and "
+            "the head as float16 with float32 activations (FBGEMM), dense dequantizes every weight to "
+            "--dtype; auto = blocks for a float32 CPU engine on one device where the kernel builds, else "
+            "dense",
             choices=CPU_WEIGHT_MODES,
         ),
     )
@@ -270,7 +272,20 @@ class EngineConfig:
                 "--cpu-weights (BALLAST_CPU_WEIGHTS)=int4 needs a float32 engine on the CPU, one device, "
                 "and torch's int4/int8 CPU kernels; use auto or dense here"
             )
-        return possible and self.cpu_weights in ("auto", "int4")
+        return possible and self.cpu_weights == "int4"
+
+    def cpu_blocks(self, device: torch.device) -> bool:
+        """Whether a GGUF's Q4/Q8 linears are multiplied as stored (models/cpu_blocks.py): auto
+        and blocks where the kernel builds; --cpu-weights blocks where it cannot is an error."""
+        if self.cpu_weights not in ("auto", "blocks"):
+            return False
+        possible = self._one_float32_cpu(device) and cpu_blocks.available()
+        if self.cpu_weights == "blocks" and not possible:
+            raise ConfigError(
+                "--cpu-weights (BALLAST_CPU_WEIGHTS)=blocks needs a float32 engine on the CPU, one device, "
+                "a C compiler ($CC or cc) and a CPU with AVX2 and FMA; use dense here"
+            )
+        return possible
 
     def cpu_fp16(self, device: torch.device) -> bool:
         """Whether a GGUF's linears are held float16 (models/cpu_linear.py): --cpu-weights fp16,
@@ -306,8 +321,8 @@ class EngineConfig:
         if not (self._one_float32_cpu(device) and self.cpu_weights != "fp16" and cpu_linear.bf16_available()):
             raise ConfigError(
                 "--cpu-prefill (BALLAST_CPU_PREFILL)=bfloat16 needs a float32 engine on the CPU, one "
-                "device, --cpu-weights dense or int4, and a CPU with bfloat16 arithmetic (AVX512-BF16 "
-                "or AMX)"
+                "device, --cpu-weights auto, blocks, dense or int4, and a CPU with bfloat16 arithmetic "
+                "(AVX512-BF16 or AMX)"
             )
         return True
 

@@ -30,7 +30,7 @@ from ballast.memory.types import MemState, Verdict
 from ballast.memory.watch import MemWatch
 from ballast.models import builtin
 from ballast.models.base import ModelError
-from ballast.models.cpu_int4 import Q4Weight
+from ballast.models.cpu_int4 import Q4Weight, Q8Weight
 from ballast.models.cpu_linear import hold_prompt_bf16, packed_bytes
 from ballast.models.default_model import DefaultModelError, default_model_path
 from ballast.models.gguf_loader import (
@@ -238,10 +238,13 @@ def load(
         # The GGUF is dequantized whole in host memory before it moves to a GPU.
         staging = weights if device.type == "cuda" else 0
         admit_load(hf_config, config, device, dtype, weights, watch, host_staging=staging)
-        q4 = _int4_weights(gf, hf_config) if config.cpu_int4(device) else {}
-        model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype, skip=q4), device)
-        if q4:
-            cast(LlamaForCausalLM, model).quantize_cpu(q4)
+        exact = config.cpu_blocks(device)
+        held = _held_weights(gf, hf_config, exact) if exact or config.cpu_int4(device) else {}
+        # the embedding table stays dense (lookups), even where the tied head reads its blocks
+        skip = {n for n in held if n != "model.embed_tokens.weight"}
+        model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype, skip=skip), device)
+        if held:
+            cast(LlamaForCausalLM, model).quantize_cpu(held, exact)
         elif config.cpu_fp16(device) and isinstance(model, LlamaForCausalLM):
             model.hold_fp16()
         if config.cpu_prompt_bf16(device):
@@ -268,14 +271,18 @@ def load(
     )
 
 
-def _int4_weights(gf: GGUFFile, hf_config: dict[str, Any]) -> dict[str, Q4Weight]:
-    """The GGUF's 4-bit weights the CPU keeps 4-bit (whole blocks of a Llama-family model)."""
+def _held_weights(gf: GGUFFile, hf_config: dict[str, Any], exact: bool) -> dict[str, Q4Weight | Q8Weight]:
+    """The GGUF's weights the CPU keeps packed (whole 4-bit blocks of a Llama-family model; with
+    exact, for block linears, its output head's Q8_0 / Q4 blocks too)."""
     if model_class(hf_config) is not LlamaForCausalLM:
         return {}
-    q4 = gguf_q4_weights(gf, hf_config)
+    packed = gguf_q4_weights(gf, hf_config, q8=exact)
     names = {hf_tensor_name(n) for n in gf.tensors if n != "rope_freqs.weight"}
+    q4 = {n for n, w in packed.items() if isinstance(w, Q4Weight)}  # a block is 4-bit whole
     keep = {w for _, _, weights in int4_blocks(q4, names) for w in weights}
-    return {n: w for n, w in q4.items() if n in keep}
+    if exact:
+        keep.add("model.embed_tokens.weight" if hf_config.get("tie_word_embeddings") else "lm_head.weight")
+    return {n: w for n, w in packed.items() if n in keep}
 
 
 def _from_tensors(

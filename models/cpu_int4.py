@@ -41,11 +41,20 @@ def kernels_available() -> bool:
 
 @dataclass(frozen=True)
 class Q4Weight:
-    """One [N, K] weight as 4-bit integers: value = q * scale + minimum, per group of 32 along K."""
+    """One [N, K] weight as 4-bit integers: value = q * scale + minimum, per group of 32 along K.
+    The integers stay packed as the file has them (`qs`: block b of a row at bytes 16 b .. 16 b + 15,
+    weight j < 16 the low nibble of byte j, weight 16 + j its high nibble)."""
 
-    q: Tensor  # [N, K] int32, 0..15
+    qs: Tensor  # [N, K / 2] uint8
     scale: Tensor  # [N, K / 32] float32
     minimum: Tensor  # [N, K / 32] float32
+
+    @property
+    def q(self) -> Tensor:
+        """[N, K] int32, 0..15."""
+        n = self.qs.shape[0]
+        blocks = self.qs.view(n, -1, GROUP // 2)
+        return torch.cat((blocks & 0xF, blocks >> 4), dim=-1).reshape(n, -1).to(torch.int32)
 
     def dequantize(self) -> Tensor:
         """[N, K] float32: the values the dense path computes with."""
@@ -55,8 +64,8 @@ class Q4Weight:
 
 def q4_weight(rows: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Q4Weight:
     """A Q4_0 / Q4_1 tensor's packed bytes, [N, row bytes], as a Q4Weight. A block is an fp16
-    scale (Q4_1: then an fp16 minimum) and 16 bytes: weight j < 16 is byte j's low nibble, weight
-    j >= 16 byte j - 16's high nibble. Q4_0 is symmetric: value = (q - 8) * scale."""
+    scale (Q4_1: then an fp16 minimum) and 16 bytes of nibbles. Q4_0 is symmetric: value =
+    (q - 8) * scale."""
     n, k = shape
     block = _Q4_BLOCK_BYTES[qtype]
     blocks = np.ascontiguousarray(rows).reshape(n, k // GROUP, block)
@@ -65,9 +74,28 @@ def q4_weight(rows: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, .
         minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     else:
         minimum = -8.0 * scale
-    qs = blocks[..., block - 16 :]
-    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, k)
-    return Q4Weight(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(scale), torch.from_numpy(minimum))
+    qs = np.ascontiguousarray(blocks[..., block - 16 :]).reshape(n, k // 2)
+    return Q4Weight(torch.from_numpy(qs), torch.from_numpy(scale), torch.from_numpy(minimum))
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """One [N, K] Q8_0 weight as the file has it: value = q * scale, per group of 32 along K."""
+
+    q: Tensor  # [N, K] int8
+    scale: Tensor  # [N, K / 32] float32
+
+    def dequantize(self) -> Tensor:
+        return self.q.float() * self.scale.repeat_interleave(GROUP, dim=1)
+
+
+def q8_weight(rows: np.ndarray, shape: tuple[int, ...]) -> Q8Weight:
+    """A Q8_0 tensor's packed bytes, [N, row bytes] (a block: an fp16 scale, then 32 int8)."""
+    n, k = shape
+    blocks = np.ascontiguousarray(rows).reshape(n, k // GROUP, 2 + GROUP)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+    return Q8Weight(torch.from_numpy(q), torch.from_numpy(scale))
 
 
 class Int4Linear(nn.Module):

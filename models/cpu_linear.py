@@ -21,13 +21,12 @@ prompts keep float32 bit for bit. Opt-in: it costs accuracy (bench/cpu_weight_to
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cache
 
 import torch
+from ballast.models.cpu_blocks import BlockLinear
 from ballast.models.cpu_int4 import Int4Linear, QuantizedPair
-from ballast.models.layers import SlotAttention, SwiGLU, linear
+from ballast.models.layers import SlotAttention, SwiGLU, bf16_matmuls, linear
 from torch import Tensor, nn
 
 # Steps of more rows than this run their linears in bfloat16 under `hold_prompt_bf16`: prompt
@@ -86,19 +85,6 @@ def packed_bytes(model: nn.Module) -> int:
     return sum(m.nbytes for m in model.modules() if isinstance(m, Fp16Linear))
 
 
-@contextmanager
-def bf16_matmuls() -> Iterator[None]:
-    """oneDNN's float32 matmuls with bfloat16 inputs and float32 sums and outputs, for the block:
-    process-wide, not per thread (only the engine thread computes; the block holds one matmul)."""
-    mode = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]  # not in torch's stubs
-    before = mode.fp32_precision
-    mode.fp32_precision = "bf16"
-    try:
-        yield
-    finally:
-        mode.fp32_precision = before
-
-
 class PromptLinear(nn.Module):
     """y = x W^T + b over a dense float32 W: rows past PROMPT_BF16_MIN_ROWS in bfloat16 (float32
     sums, and float32 out unless bf16_out), fewer rows as `layers.linear`, float32 exactly."""
@@ -131,20 +117,27 @@ class PromptLinear(nn.Module):
 def hold_prompt_bf16(model: nn.Module) -> int:
     """Run every dense attention and MLP block's linears as PromptLinears (q/k/v with bfloat16
     outputs for prompt rows); int4 blocks already run prompt rows through bfloat16 copies, and only
-    keep their q/k/v output bfloat16. The output head stays as it is (a prompt's logits are one row
+    keep their q/k/v output bfloat16; block linears (models/cpu_blocks.py) run their dequantized
+    slices in bfloat16, q/k/v out bfloat16. The output head stays as it is (a prompt's logits are one row
     per sequence, and echo logprobs keep its arithmetic). Returns the blocks changed."""
     changed = 0
     for block in model.modules():
-        if isinstance(block, SlotAttention) and block.quantized is not None:
-            if isinstance(block.quantized.first, Int4Linear):
-                block.quantized.first.bf16_out_rows = PROMPT_BF16_MIN_ROWS
-                changed += 1
-        elif isinstance(block, (SlotAttention, SwiGLU)) and block.quantized is None:
-            attention = isinstance(block, SlotAttention)
+        if not isinstance(block, (SlotAttention, SwiGLU)):
+            continue
+        attention = isinstance(block, SlotAttention)
+        pair = block.quantized
+        if pair is None:
             fused, second = (block.qkv, block.o_proj) if attention else (block.gate_up, block.down_proj)
             fused.fuse()  # from the parameters as loaded (assign=True replaced the fused views)
             assert fused.weight is not None
             first = PromptLinear(fused.weight, fused.bias, bf16_out=attention)
             block.quantize(QuantizedPair(first, PromptLinear(second.weight, second.bias)))
-            changed += 1
+        elif isinstance(pair.first, Int4Linear) and attention:
+            pair.first.bf16_out_rows = PROMPT_BF16_MIN_ROWS
+        elif isinstance(pair.first, BlockLinear) and isinstance(pair.second, BlockLinear):
+            pair.first.bf16_rows = pair.second.bf16_rows = PROMPT_BF16_MIN_ROWS
+            pair.first.bf16_out = attention
+        else:
+            continue
+        changed += 1
     return changed

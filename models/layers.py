@@ -5,7 +5,8 @@ rotary), SwiGLU MLP, and GQA attention over a `PagedKV`, all on the flat [T, hid
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+@contextmanager
+def bf16_matmuls() -> Iterator[None]:
+    """oneDNN's float32 matmuls with bfloat16 inputs and float32 sums and outputs, for the block:
+    process-wide, not per thread (only the engine thread computes; the block holds one matmul)."""
+    mode = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]  # not in torch's stubs
+    before = mode.fp32_precision
+    mode.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        mode.fp32_precision = before
 
 
 class Linear(nn.Linear):

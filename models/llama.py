@@ -9,7 +9,8 @@ from typing import Any
 
 from ballast.memory.specs import LayerSpec
 from ballast.models.base import UnsupportedModel
-from ballast.models.cpu_int4 import Int4Linear, Int8Linear, Q4Weight, QuantizedPair, drop_dense
+from ballast.models.cpu_blocks import BlockLinear
+from ballast.models.cpu_int4 import Int4Linear, Int8Linear, Q4Weight, Q8Weight, QuantizedPair, drop_dense
 from ballast.models.cpu_linear import Fp16Linear
 from ballast.models.decoder import (
     POSITIVE,
@@ -149,18 +150,29 @@ class LlamaForCausalLM(DecoderLM):
     def from_hf_config(cls, hf: Mapping[str, Any]) -> LlamaForCausalLM:
         return cls(LlamaConfig.from_hf(hf))
 
-    def quantize_cpu(self, q4: Mapping[str, Q4Weight]) -> int:
-        """Hold the blocks `int4_blocks` finds in `q4` (a GGUF's Q4 weights by HF name) as int4
-        and the output head as int8, for the CPU's weight-only kernels; returns the blocks converted."""
+    def quantize_cpu(self, held: Mapping[str, Q4Weight | Q8Weight], exact: bool = False) -> int:
+        """Hold the blocks `int4_blocks` finds in `held` (a GGUF's packed weights by HF name) packed:
+        as int4 with an int8 output head for torch's weight-only kernels, or, exact, as the file's
+        blocks for models/cpu_blocks.py (the head too where its blocks are in `held`). Returns the
+        blocks converted."""
+        q4 = {n: w for n, w in held.items() if isinstance(w, Q4Weight)}
         blocks = int4_blocks(q4, set())
         for i, where, names in blocks:
             layer = self.model.layers[i]
             assert isinstance(layer, LlamaDecoderLayer)
             parts = [q4[n] for n in names]
             block = layer.self_attn if where == "self_attn" else layer.mlp
-            block.quantize(QuantizedPair(Int4Linear(parts[:-1]), Int4Linear(parts[-1:])))
-        self.quantized_head = Int8Linear(self.lm_head.weight)
-        if not self.config.tie_word_embeddings:  # a tied head's weight is the embedding table
+            kind = BlockLinear if exact else Int4Linear
+            block.quantize(QuantizedPair(kind(parts[:-1]), kind(parts[-1:])))
+        tied = self.config.tie_word_embeddings  # a tied head's weight is the embedding table
+        head = held.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+        if exact and head is None:
+            return len(blocks)  # the head stays the dense linear
+        if exact:
+            self.quantized_head = BlockLinear(head if isinstance(head, Q8Weight) else [head])
+        else:
+            self.quantized_head = Int8Linear(self.lm_head.weight)
+        if not tied:
             drop_dense(self.lm_head)
         return len(blocks)
 

@@ -87,7 +87,7 @@ def test_gguf_load_keeps_whole_q4_blocks_int4_and_the_rest_dense(tmp_path: Path)
         torch.float32,
     )
     int4 = load(
-        EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="auto"),
+        EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="int4"),
         torch.device("cpu"),
         torch.float32,
     )
@@ -112,5 +112,6 @@ def test_int4_weights_demand_a_float32_cpu_engine() -> None:
     with pytest.raises(ConfigError, match="cpu-weights"):
         EngineConfig(device="cpu", dtype="bfloat16", cpu_weights="int4").cpu_int4(torch.device("cpu"))
     assert not EngineConfig(device="cpu", cpu_weights="dense").cpu_int4(torch.device("cpu"))
-    assert EngineConfig(device="cpu", cpu_weights="auto").cpu_int4(torch.device("cpu"))
-    assert not EngineConfig(device="cpu").cpu_int4(torch.device("cpu"))  # dense by default
+    assert EngineConfig(device="cpu", cpu_weights="int4").cpu_int4(torch.device("cpu"))
+    assert not EngineConfig(device="cpu", cpu_weights="auto").cpu_int4(torch.device("cpu"))  # opt-in
+    assert not EngineConfig(device="cpu").cpu_int4(torch.device("cpu"))

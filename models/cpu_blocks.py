@@ -1,0 +1,192 @@
+"""A GGUF's Q4_0 / Q4_1 / Q8_0 linears multiplied as the file stores them, in float32, on the CPU
+(`--cpu-weights blocks`, the default where it can hold): models/cpu_blocks.c, compiled for this CPU
+at first use.
+
+A CPU decode step is its weight read: the default model dequantized to float32 reads 538 MB a
+token. Its blocks are 96 MB (4-bit linears, the 8-bit tied head), and each block's weights are
+`d * q + m`, so `sum w x = d * sum q x + m * sum x`: the kernel multiplies the file's integers by
+float32 inputs with float32 sums, the same arithmetic as the dense path but for the order of the
+additions (logits within ~1e-5 of it, where torch's int4 kernels round inputs and scales to
+bfloat16). Steps of more than BLOCK_MAX_ROWS rows (prompt chunks) dequantize slices of the weight
+into float32 and run the dense GEMM, which beats a kernel that reads the blocks once per row.
+
+The kernel is built by the C compiler (`$CC`, else `cc`) with -march=native into the cache
+directory (`$BALLAST_CACHE_DIR`, else ~/.cache/ballast), keyed by the source, the flags, the
+compiler and this CPU's flags; where no compiler or no AVX2/FMA is found the form is unavailable
+and `auto` loads dense weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+
+import torch
+from ballast.models.cpu_int4 import GROUP, Q4Weight, Q8Weight
+from ballast.models.layers import bf16_matmuls, linear
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_blocks.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+# Rows a step multiplies straight from the blocks; more (prompt chunks) go through float32 slices.
+# At 8 rows the kernel and the dense GEMM on cached float32 weights meet (3072x576, 1 thread).
+BLOCK_MAX_ROWS = 8
+# Outputs dequantized at once for a prompt chunk: a 4,096 x 576 slice is 9 MB of float32.
+_SLICE_ROWS = 4096
+
+_P, _I, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "q4_matmul": [_P, _I, _I, _P, _I, _P, _P, _T],
+    "q8_matmul": [_P, _I, _I, _P, _I, _P, _T],
+    "q4_dequantize": [_P, _I, _I, _P, _T],
+    "q8_dequantize": [_P, _I, _I, _P, _T],
+    "blocks_simd": [],
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("BALLAST_CACHE_DIR") or Path.home() / ".cache" / "ballast")
+
+
+def _build(cc: str) -> Path:
+    """The kernel's shared object for this source, compiler and CPU, compiled once."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join((SOURCE.read_text(), *FLAGS, version, _cpu_flags())).encode()).hexdigest()
+    out = _cache_dir() / f"cpu_blocks-{key[:16]}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            built = Path(tmp) / out.name
+            cmd = [cc, *FLAGS, "-o", str(built), str(SOURCE)]
+            subprocess.run(cmd, capture_output=True, text=True, check=True)
+            os.replace(built, out)  # whole or not at all, whichever process gets there first
+    return out
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, None where it cannot be built or the CPU lacks AVX2 and FMA."""
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        log.info("--cpu-weights blocks unavailable: no C compiler (%s)", cc)
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
+        log.warning("--cpu-weights blocks unavailable: the kernel did not build: %s", detail)
+        return None
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+    return lib if lib.blocks_simd() else None
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _records(*fields: Tensor) -> Tensor:
+    """[N, K / 32, bytes] uint8: each block's fields side by side, as the kernel's structs."""
+    n, nb = fields[0].shape[:2]
+    return torch.cat([f.contiguous().view(torch.uint8).reshape(n, nb, -1) for f in fields], dim=-1)
+
+
+class BlockLinear(nn.Module):
+    """y = x W^T for W held as the file's blocks: one or more Q4 weights stacked along N (q/k/v,
+    or gate/up: one matmul), or one Q8_0 weight (the output head). x float32."""
+
+    def __init__(self, weight: Sequence[Q4Weight] | Q8Weight) -> None:
+        super().__init__()
+        if isinstance(weight, Q8Weight):
+            n, k = weight.q.shape
+            self.q4 = False
+            packed = _records(weight.scale, weight.q.view(n, k // GROUP, GROUP))
+        else:
+            n = sum(int(p.qs.shape[0]) for p in weight)
+            k = int(weight[0].qs.shape[1]) * 2
+            self.q4 = True
+            qs = torch.cat([p.qs for p in weight]).view(n, k // GROUP, GROUP // 2)
+            scale, minimum = (torch.cat([getattr(p, f) for p in weight]) for f in ("scale", "minimum"))
+            packed = _records(scale, minimum, qs)
+        self.blocks: Tensor
+        self.register_buffer("blocks", packed.reshape(n, -1))
+        self.out_features, self.in_features = n, k
+        # --cpu-prefill bfloat16 (models/cpu_linear.py): steps of more rows than bf16_rows run their
+        # GEMMs in bfloat16 (0: never), with bf16_out their output kept bfloat16 (the q/k/v
+        # projection: attention follows it).
+        self.bf16_rows = 0
+        self.bf16_out = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        if flat.dtype != torch.float32:
+            raise TypeError(f"a block linear takes float32 inputs, got {flat.dtype}")
+        if flat.shape[0] > BLOCK_MAX_ROWS:
+            y = self._through_slices(flat)
+        else:
+            y = self._from_blocks(flat.contiguous())
+        return y.view(*shape[:-1], self.out_features)
+
+    def _from_blocks(self, x: Tensor) -> Tensor:
+        lib = library()
+        assert lib is not None  # the form is only chosen where it built
+        rows, k, n, threads = x.shape[0], self.in_features, self.out_features, torch.get_num_threads()
+        y = torch.empty(rows, n)
+        if self.q4:
+            sums = torch.empty(rows, k // GROUP)
+            lib.q4_matmul(
+                x.data_ptr(), rows, k, self.blocks.data_ptr(), n, y.data_ptr(), sums.data_ptr(), threads
+            )
+        else:
+            lib.q8_matmul(x.data_ptr(), rows, k, self.blocks.data_ptr(), n, y.data_ptr(), threads)
+        return y
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> Tensor:
+        """Rows start .. stop of W as float32 (the values the dense path holds)."""
+        lib = library()
+        assert lib is not None
+        stop = self.out_features if stop is None else stop
+        w = torch.empty(stop - start, self.in_features)
+        fn = lib.q4_dequantize if self.q4 else lib.q8_dequantize
+        fn(
+            self.blocks[start].data_ptr(),
+            stop - start,
+            self.in_features,
+            w.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return w
+
+    def _through_slices(self, x: Tensor) -> Tensor:
+        """Many rows: each slice of outputs dequantized to float32, then the dense GEMM."""
+        n = self.out_features
+        bf16 = 0 < self.bf16_rows < x.shape[0]
+        parts = []
+        for start in range(0, n, _SLICE_ROWS):
+            w = self.dequantize(start, min(n, start + _SLICE_ROWS))
+            if bf16:
+                with bf16_matmuls():
+                    parts.append(torch.mm(x, w.t()))
+            else:
+                parts.append(linear(x, w))
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return y.to(torch.bfloat16) if bf16 and self.bf16_out else y

@@ -1,0 +1,163 @@
+"""The CPU's block linears (models/cpu_blocks.py, --cpu-weights blocks, the default where the kernel
+builds): a GGUF's Q4_0 / Q4_1 / Q8_0 weights multiplied as stored, in float32, against the dense
+matmul of the same values, at decode rows and through the prompt path, and a GGUF load that holds
+whole 4-bit blocks and the tied Q8_0 head as blocks. (The default model against transformers:
+tests/integration/test_engine_parity.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ballast.engine.config import EngineConfig
+from ballast.engine.loading import load
+from ballast.models import cpu_blocks
+from ballast.models.base import ForwardBatch
+from ballast.models.cpu_blocks import BLOCK_MAX_ROWS, BlockLinear
+from ballast.models.cpu_int4 import q4_weight, q8_weight
+from ballast.models.cpu_linear import bf16_available, hold_prompt_bf16
+from ballast.models.gguf_quants import dequantize
+from ballast.models.llama import LlamaForCausalLM
+from ballast.models.state import allocate_states
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+from ggufdata import random_blocks
+from test_gguf_loader import MIXED_Q4_LAYERS, write_tiny_llama
+
+from ballast.settings import ConfigError
+
+pytestmark = pytest.mark.skipif(not cpu_blocks.available(), reason="no C compiler or no AVX2/FMA here")
+CPU = torch.device("cpu")
+
+
+def _packed(qtype: QT, n: int, k: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    return random_blocks(qtype, n * k // block, rng).reshape(n, k // block * size)
+
+
+def _dense(rows: np.ndarray, qtype: QT, n: int, k: int) -> torch.Tensor:
+    return dequantize(rows.reshape(-1), qtype).reshape(n, k)
+
+
+@pytest.mark.parametrize("rows", [1, 3, BLOCK_MAX_ROWS, BLOCK_MAX_ROWS + 1, 70])
+def test_q4_blocks_multiply_as_the_dense_values_do(rows: int) -> None:
+    # two weights stacked along the outputs (q/k/v, gate/up), one of each 4-bit type
+    shapes = ((QT.Q4_1, 96), (QT.Q4_0, 40))
+    packed = [_packed(qt, n, 256, seed) for seed, (qt, n) in enumerate(shapes)]
+    layer = BlockLinear([q4_weight(p, qt, (n, 256)) for p, (qt, n) in zip(packed, shapes, strict=True)])
+    dense = torch.cat([_dense(p, qt, n, 256) for p, (qt, n) in zip(packed, shapes, strict=True)])
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
+    got, want = layer(x), x.double() @ dense.double().t()
+    assert got.dtype == torch.float32 and got.shape == (rows, 136)
+    # float32 products and sums of the file's values: only the order of the additions differs
+    assert float((got.double() - want).abs().max()) < 1e-5 * float(want.abs().max())
+    assert torch.equal(layer.dequantize(), dense)  # the prompt path's weights are the dense ones
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_a_q8_head_multiplies_as_its_dense_values_do(rows: int) -> None:
+    packed = _packed(QT.Q8_0, 4100, 64, seed=3)  # past one 4,096-output slice of the prompt path
+    head, dense = BlockLinear(q8_weight(packed, (4100, 64))), _dense(packed, QT.Q8_0, 4100, 64)
+    x = torch.randn(2, rows, 64, generator=torch.Generator().manual_seed(4))  # leading dims kept
+    got, want = head(x), x.double() @ dense.double().t()
+    assert got.shape == (2, rows, 4100)
+    assert float((got.double() - want).abs().max()) < 1e-5 * float(want.abs().max())
+
+
+def test_block_linears_refuse_other_dtypes() -> None:
+    layer = BlockLinear(q8_weight(_packed(QT.Q8_0, 32, 64), (32, 64)))
+    with pytest.raises(TypeError, match="float32"):
+        layer(torch.randn(1, 64, dtype=torch.bfloat16))
+
+
+def _logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    assert isinstance(model, LlamaForCausalLM)
+    states = allocate_states(model.layer_specs(4), 1, 64, "cpu", torch.float32)
+    with torch.inference_mode():
+        first = model(ForwardBatch.build([(0, tokens, 0)], CPU, all_logits=[True]), states)
+        step = model(ForwardBatch.build([(0, [5], len(tokens))], CPU), states)
+    return torch.cat((first, step))
+
+
+def test_the_default_holds_whole_q4_blocks_and_the_q8_head_as_blocks(tmp_path: Path) -> None:
+    tiny = write_tiny_llama(tmp_path / "q4.gguf", layer_types=MIXED_Q4_LAYERS)
+    dense = load(EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="dense"), CPU, torch.float32)
+    ours = load(EngineConfig(model=str(tiny.path), device="cpu"), CPU, torch.float32)  # auto
+    m = ours.model
+    assert isinstance(m, LlamaForCausalLM)
+    kinds = [
+        (type(b.quantized.first).__name__ if b.quantized else None)
+        for layer in m.model.layers
+        for b in (layer.self_attn, layer.mlp)
+    ]
+    assert kinds == ["BlockLinear", "BlockLinear", None, "BlockLinear"]  # layer 1's k is Q8_0: dense
+    assert isinstance(m.quantized_head, BlockLinear) and not m.quantized_head.q4
+    assert torch.equal(m.model.embed_tokens.weight, dense.model.model.embed_tokens.weight)  # lookups
+    assert ours.weights_bytes < dense.weights_bytes
+    tokens = [3, 17, 42, 99, 7, 8, 9, 10, 11, 12, 13]  # 11 rows: the prompt path, then a decode row
+    got, want = _logits(m, tokens), _logits(dense.model, tokens)
+    assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_an_untied_head_of_another_type_stays_dense(tmp_path: Path) -> None:
+    tiny = write_tiny_llama(tmp_path / "untied.gguf", tied=False, seed=3)  # output.weight is Q6_K
+    m = load(EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="blocks"), CPU, torch.float32).model
+    assert isinstance(m, LlamaForCausalLM) and m.quantized_head is None
+    want = torch.from_numpy(tiny.expected["lm_head.weight"])
+    assert torch.equal(m.lm_head.weight, want)
+
+
+def test_bf16_prompts_round_only_chunks_past_64_rows(tmp_path: Path) -> None:
+    if not bf16_available():
+        pytest.skip("no native bfloat16 matmuls on this CPU")
+    packed = _packed(QT.Q4_1, 64, 128)
+    layer = BlockLinear([q4_weight(packed, QT.Q4_1, (64, 128))])
+    plain = BlockLinear([q4_weight(packed, QT.Q4_1, (64, 128))])
+    tiny = write_tiny_llama(tmp_path / "q4.gguf", layer_types=MIXED_Q4_LAYERS)
+    m = load(EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="blocks"), CPU, torch.float32).model
+    assert hold_prompt_bf16(m) == 4  # three block pairs and the dense attention block
+    first = m.model.layers[0].self_attn.quantized.first
+    assert isinstance(first, BlockLinear) and first.bf16_rows == 64 and first.bf16_out
+    layer.bf16_rows, layer.bf16_out = 64, True
+    for rows, rounded in ((64, False), (65, True)):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+        got, exact = layer(x), plain(x)
+        assert got.dtype == (torch.bfloat16 if rounded else torch.float32)
+        assert torch.equal(got.float(), exact) != rounded
+        assert float((got.float() - exact).abs().max()) < 2e-2 * float(exact.abs().max())
+
+
+def test_the_blocks_form_is_refused_where_the_kernel_cannot_build(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    cpu_blocks.library.cache_clear()
+    try:
+        assert not cpu_blocks.available()
+        with pytest.raises(ConfigError, match="cpu-weights"):
+            EngineConfig(device="cpu", cpu_weights="blocks").cpu_blocks(CPU)
+        assert not EngineConfig(device="cpu").cpu_blocks(CPU)  # auto falls back to dense
+    finally:
+        cpu_blocks.library.cache_clear()
+    with pytest.raises(ConfigError, match="cpu-weights"):
+        EngineConfig(device="cpu", dtype="bfloat16", cpu_weights="blocks").cpu_blocks(CPU)
+
+
+def test_the_kernel_is_built_once_into_the_cache_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("BALLAST_CACHE_DIR", str(tmp_path))
+    cpu_blocks.library.cache_clear()
+    try:
+        assert cpu_blocks.available()
+        built = sorted(tmp_path.glob("cpu_blocks-*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        cpu_blocks.library.cache_clear()
+        assert cpu_blocks.available() and built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
+    finally:
+        cpu_blocks.library.cache_clear()
