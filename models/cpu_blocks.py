@@ -111,7 +111,8 @@ def _records(*fields: Tensor) -> Tensor:
 
 class BlockLinear(nn.Module):
     """y = x W^T for W held as the file's blocks: one or more Q4 weights stacked along N (q/k/v,
-    or gate/up: one matmul), or one Q8_0 weight (the output head). x float32."""
+    or gate/up: one matmul), or one Q8_0 weight (the output head). x float32 (prompt rows may be
+    bfloat16: they run through float32 slices)."""
 
     def __init__(self, weight: Sequence[Q4Weight] | Q8Weight) -> None:
         super().__init__()
@@ -138,10 +139,10 @@ class BlockLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        if flat.dtype != torch.float32:
-            raise TypeError(f"a block linear takes float32 inputs, got {flat.dtype}")
-        if flat.shape[0] > BLOCK_MAX_ROWS:
-            y = self._through_slices(flat)
+        if flat.shape[0] > BLOCK_MAX_ROWS:  # a prompt's (bfloat16 after a bfloat16 attention)
+            y = self._through_slices(flat.float())
+        elif flat.dtype != torch.float32:
+            raise TypeError(f"a block linear takes float32 decode rows, got {flat.dtype}")
         else:
             y = self._from_blocks(flat.contiguous())
         return y.view(*shape[:-1], self.out_features)

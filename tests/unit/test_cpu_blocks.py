@@ -67,15 +67,17 @@ def test_a_q8_head_multiplies_as_its_dense_values_do(rows: int) -> None:
     assert float((got.double() - want).abs().max()) < 1e-5 * float(want.abs().max())
 
 
-def test_block_linears_refuse_other_dtypes() -> None:
+def test_decode_rows_must_be_float32_and_prompt_rows_may_be_bf16() -> None:
     layer = BlockLinear(q8_weight(_packed(QT.Q8_0, 32, 64), (32, 64)))
     with pytest.raises(TypeError, match="float32"):
         layer(torch.randn(1, 64, dtype=torch.bfloat16))
+    x = torch.randn(BLOCK_MAX_ROWS + 1, 64, dtype=torch.bfloat16)  # after a bfloat16 attention
+    assert torch.equal(layer(x), layer(x.float()))
 
 
 def _logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     assert isinstance(model, LlamaForCausalLM)
-    states = allocate_states(model.layer_specs(4), 1, 64, "cpu", torch.float32)
+    states = allocate_states(model.layer_specs(4), 1, 128, "cpu", torch.float32)
     with torch.inference_mode():
         first = model(ForwardBatch.build([(0, tokens, 0)], CPU, all_logits=[True]), states)
         step = model(ForwardBatch.build([(0, [5], len(tokens))], CPU), states)
@@ -122,6 +124,10 @@ def test_bf16_prompts_round_only_chunks_past_64_rows(tmp_path: Path) -> None:
     assert hold_prompt_bf16(m) == 4  # three block pairs and the dense attention block
     first = m.model.layers[0].self_attn.quantized.first
     assert isinstance(first, BlockLinear) and first.bf16_rows == 64 and first.bf16_out
+    dense = load(EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="dense"), CPU, torch.float32)
+    tokens = [(7 * i) % 50 + 3 for i in range(70)]  # a 70-row prompt: bfloat16 through o and down too
+    got, want = _logits(m, tokens), _logits(dense.model, tokens)
+    assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
     layer.bf16_rows, layer.bf16_out = 64, True
     for rows, rounded in ((64, False), (65, True)):
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
