@@ -17,7 +17,7 @@
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define BLOCKS_AVX2 1
+#define BLOCKS_SIMD 1
 #endif
 
 #define BLOCK 32
@@ -37,9 +37,12 @@ typedef struct {
     int8_t q[BLOCK];
 } q8_block;
 
+/* 1: AVX-512 (16 lanes), 2: AVX2 + FMA (8 lanes), 0: scalar loops. */
 int blocks_simd(void) {
-#ifdef BLOCKS_AVX2
+#if defined(__AVX512F__)
     return 1;
+#elif defined(BLOCKS_SIMD)
+    return 2;
 #else
     return 0;
 #endif
@@ -56,16 +59,53 @@ static void block_sums(const float *x, int64_t rows, int64_t k, float *xs) {
         }
 }
 
-#ifdef BLOCKS_AVX2
-static inline float hsum(__m256 v) {
+#ifdef BLOCKS_SIMD
+/* A block's 32 integers as NV vectors of floats (before d and m), in the block's order. */
+#if defined(__AVX512F__)
+typedef __m512 vec;
+#define NV 2
+#define LANES 16
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vmul _mm512_mul_ps
+#define vadd _mm512_add_ps
+#define vfma _mm512_fmadd_ps
+#define vset1 _mm512_set1_ps
+#define vzero _mm512_setzero_ps
+#define vhsum _mm512_reduce_add_ps
+
+static inline void unpack_q4(const uint8_t *q, vec w[NV]) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)q);
+    __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+}
+
+static inline void unpack_q8(const int8_t *q, vec w[NV]) {
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+}
+#else
+typedef __m256 vec;
+#define NV 4
+#define LANES 8
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vmul _mm256_mul_ps
+#define vadd _mm256_add_ps
+#define vfma _mm256_fmadd_ps
+#define vset1 _mm256_set1_ps
+#define vzero _mm256_setzero_ps
+
+static inline float vhsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-/* One block's 32 weights as 4 x 8 floats (the integers, before d and m). */
-static inline void unpack_q4(const uint8_t *q, __m256 w[4]) {
+static inline void unpack_q4(const uint8_t *q, vec w[NV]) {
     __m128i bytes = _mm_loadu_si128((const __m128i *)q);
     __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
     __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
@@ -75,25 +115,24 @@ static inline void unpack_q4(const uint8_t *q, __m256 w[4]) {
     w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
-static inline void unpack_q8(const int8_t *q, __m256 w[4]) {
-    for (int i = 0; i < 4; i++) {
-        __m128i b = _mm_loadl_epi64((const __m128i *)(q + 8 * i));
-        w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    }
+static inline void unpack_q8(const int8_t *q, vec w[NV]) {
+    for (int i = 0; i < NV; i++)
+        w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i))));
 }
+#endif
 
 /* y[r][i] for rows r0 .. r0 + nr - 1 (nr <= ROWS) of one output's blocks (q4 or q8). */
 static void dot_rows(const float *x, const float *xs, int64_t k, int64_t r0, int nr, const q4_block *q4,
                      const q8_block *q8, float *out) {
     int64_t nb = k / BLOCK;
-    __m256 acc[ROWS];
+    vec acc[ROWS];
     float shift[ROWS];
     for (int r = 0; r < nr; r++) {
-        acc[r] = _mm256_setzero_ps();
+        acc[r] = vzero();
         shift[r] = 0.0f;
     }
     for (int64_t b = 0; b < nb; b++) {
-        __m256 w[4];
+        vec w[NV];
         float d, m = 0.0f;
         if (q4) {
             __builtin_prefetch((const char *)(q4 + b) + PREFETCH);
@@ -105,20 +144,18 @@ static void dot_rows(const float *x, const float *xs, int64_t k, int64_t r0, int
             unpack_q8(q8[b].q, w);
             d = q8[b].d;
         }
-        __m256 scale = _mm256_set1_ps(d);
+        vec scale = vset1(d);
         for (int r = 0; r < nr; r++) {
             const float *v = x + (r0 + r) * k + b * BLOCK;
-            __m256 s = _mm256_mul_ps(w[0], _mm256_loadu_ps(v));
-            s = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(v + 8), s);
-            s = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(v + 16), s);
-            s = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(v + 24), s);
-            acc[r] = _mm256_fmadd_ps(s, scale, acc[r]);
+            vec s = vmul(w[0], vload(v));
+            for (int j = 1; j < NV; j++) s = vfma(w[j], vload(v + LANES * j), s);
+            acc[r] = vfma(s, scale, acc[r]);
             if (q4) shift[r] += m * xs[(r0 + r) * nb + b];
         }
     }
-    for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]) + shift[r];
+    for (int r = 0; r < nr; r++) out[r] = vhsum(acc[r]) + shift[r];
 }
-#else
+#else  /* no SIMD */
 static void dot_rows(const float *x, const float *xs, int64_t k, int64_t r0, int nr, const q4_block *q4,
                      const q8_block *q8, float *out) {
     int64_t nb = k / BLOCK;
@@ -172,10 +209,16 @@ void q4_dequantize(const q4_block *w, int64_t n, int64_t k, float *out, int thre
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n * nb; i++) {
         float *o = out + i * BLOCK;
+#ifdef BLOCKS_SIMD
+        vec v[NV];
+        unpack_q4(w[i].qs, v);
+        for (int j = 0; j < NV; j++) vstore(o + LANES * j, vadd(vmul(v[j], vset1(w[i].d)), vset1(w[i].m)));
+#else
         for (int j = 0; j < 16; j++) {
             o[j] = w[i].d * (float)(w[i].qs[j] & 15) + w[i].m;
             o[j + 16] = w[i].d * (float)(w[i].qs[j] >> 4) + w[i].m;
         }
+#endif
     }
 }
 
