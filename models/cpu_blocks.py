@@ -96,7 +96,12 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
-    return lib if lib.blocks_simd() else None
+    simd = lib.blocks_simd()
+    if not simd:
+        log.info("--cpu-weights blocks unavailable: this CPU has no AVX2 and FMA")
+        return None
+    log.info("CPU block kernel: %s (%s)", lib._name, "AVX-512" if simd == 1 else "AVX2")
+    return lib
 
 
 def available() -> bool:
