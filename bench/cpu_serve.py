@@ -1,5 +1,5 @@
 """The default model served on the CPU, side by side in one run: `ballast serve` (one server per
---weights form: --cpu-weights blocks, the default, dense, fp16, int4; FORM+bf16 with
+--weights form: --cpu-weights blocks, the default, and dense; FORM+bf16 with
 --cpu-prefill bfloat16; FORM/512 with --prefill-chunk-tokens 512),
 llama.cpp's server on the same GGUF
 (--llama-server: a `llama-server` binary, one side per --llama-threads value; --llama-python: a
@@ -8,7 +8,7 @@ float32, in this process).
 
     python -m ballast.bench.cpu_serve [--rounds 3] [--new-tokens 128] [--llama-server PATH]
         [--llama-python PATH] [--llama-threads 2] [--long-prompt-words 1500]
-        [--weights blocks dense blocks+bf16 dense+bf16 fp16 int4 int4+bf16]
+        [--weights blocks dense blocks+bf16 dense+bf16]
 
 llama-server runs as `-m GGUF --host 127.0.0.1 --port P -t THREADS -c 32768 -np 8 -kvu`: 8 slots
 over one KV buffer of 8 x 4,096 positions, as each ballast server's `--max-num-seqs 8
@@ -52,12 +52,16 @@ FORMS = {
     "blocks+bf16": ["--cpu-weights", "blocks", "--cpu-prefill", "bfloat16"],
     "dense": ["--cpu-weights", "dense"],
     "dense+bf16": ["--cpu-weights", "dense", "--cpu-prefill", "bfloat16"],
-    "fp16": ["--cpu-weights", "fp16"],
-    "int4": ["--cpu-weights", "int4"],
-    "int4+bf16": ["--cpu-weights", "int4", "--cpu-prefill", "bfloat16"],
     # Every step at most 512 prompt tokens (the CPU default before a lone prompt took 2,048).
     "dense/512": ["--cpu-weights", "dense", "--prefill-chunk-tokens", "512"],
-    "int4+bf16/512": ["--cpu-weights", "int4", "--cpu-prefill", "bfloat16", "--prefill-chunk-tokens", "512"],
+    "blocks+bf16/512": [
+        "--cpu-weights",
+        "blocks",
+        "--cpu-prefill",
+        "bfloat16",
+        "--prefill-chunk-tokens",
+        "512",
+    ],
 }
 WORDS = ["river", "stone", "lantern", "orchard", "harbor", "meadow"]
 WORDS += ["copper", "violin", "glacier", "ember", "thistle", "compass"]

@@ -1,9 +1,8 @@
 """What each CPU weight form of the default model costs in accuracy and gains in speed, one run:
---cpu-weights dense (float32), fp16 (FBGEMM, float32 activations), int4 (the GGUF's 4-bit
-blocks, bfloat16 activations), dense+bf16 and int4+bf16 (with --cpu-prefill bfloat16: prompt
-chunks' linears and attention in bfloat16), and int8 with one scale per output channel
-(`_weight_int8pack_mm`, bfloat16 activations; built here from the float32 weights: measured,
-not shipped).
+--cpu-weights dense (float32), blocks (the GGUF's blocks, float32 activations: the default where
+its kernel builds), and FORM+bf16 (with --cpu-prefill bfloat16: prompt chunks' linears and
+attention in bfloat16). (Its s20 rows of int4, torch's weight-only kernels, since removed, and
+int8: docs/benchmarks-history.md.)
 
 Against transformers on the float32 weights:
 - max |d logit| and greedy choices changed, teacher-forced over the parity prompts
@@ -19,7 +18,7 @@ Against transformers on the float32 weights:
   too, which another process's burst on the shared box does not inflate), and weights held.
 
     python -m ballast.bench.cpu_weight_tolerance [--steps 40]
-        [--forms dense dense+bf16 fp16 int4 int4+bf16 int8]
+        [--forms dense blocks blocks+bf16 dense+bf16]
 
 Table on stdout, JSON to bench/results/cpu_weight_tolerance.json.
 """
@@ -41,12 +40,10 @@ from ballast.engine.engine import Engine
 from ballast.engine.generate import generate_stream
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.engine.runner import weights_bytes
-from ballast.models.cpu_int4 import Int8Linear, QuantizedPair
-from ballast.models.cpu_linear import packed_bytes
-from ballast.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from ballast.models.llama import LlamaForCausalLM
 
 RESULTS = Path(__file__).parent / "results" / "cpu_weight_tolerance.json"
-FORMS = ("dense", "dense+bf16", "fp16", "int4", "int4+bf16", "int8")
+FORMS = ("dense", "blocks", "blocks+bf16", "dense+bf16")
 LONG_TOKENS = 2000
 CHUNK = 512  # the CPU's default prefill chunk
 GREEDY = SamplingParams(temperature=0.0)
@@ -59,7 +56,7 @@ ECHO = [
 
 
 def engine(form: str) -> Engine:
-    weights = "dense" if form == "int8" else form.removesuffix("+bf16")
+    weights = form.removesuffix("+bf16")
     return Engine.load(
         EngineConfig(
             model="default",
@@ -114,19 +111,6 @@ def prefill_s(eng: Engine, ids: list[int]) -> float:
         best = min(best, time.perf_counter() - t0)
     kv.release(0)
     return best
-
-
-def hold_int8(model: LlamaForCausalLM) -> None:
-    """Every linear and the head as int8 with one scale per output row (absmax / 127)."""
-    for layer in model.model.layers:
-        assert isinstance(layer, LlamaDecoderLayer)
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv.fuse()
-        mlp.gate_up.fuse()
-        assert attn.qkv.weight is not None and mlp.gate_up.weight is not None
-        attn.quantize(QuantizedPair(Int8Linear(attn.qkv.weight), Int8Linear(attn.o_proj.weight)))
-        mlp.quantize(QuantizedPair(Int8Linear(mlp.gate_up.weight), Int8Linear(mlp.down_proj.weight)))
-    model.quantized_head = Int8Linear(model.lm_head.weight)
 
 
 def reference(dense: Engine) -> Any:
@@ -225,8 +209,6 @@ def main() -> None:
         eng = dense if form == "dense" else engine(form)
         model = eng.runner.model
         assert isinstance(model, LlamaForCausalLM)
-        if form == "int8":
-            hold_int8(model)
         worst, flips, steps = 0.0, 0, 0
         for s, ids in prompts.items():
             ours = teacher_forced(eng, s, ids, forced[s])
@@ -256,7 +238,7 @@ def main() -> None:
                 "long_prefill_s": prefill_s(eng, long_ids),
                 "decode_step_ms": wall,
                 "decode_step_thread_cpu_ms": cpu,
-                "weights_mb": (weights_bytes(model) + packed_bytes(model)) / 1e6,
+                "weights_mb": weights_bytes(model) / 1e6,
             }
         )
         if eng is not dense:

@@ -1,8 +1,8 @@
 """Decode throughput and load time of the default model (SmolLM2-135M-Instruct GGUF) on the CPU:
-ballast's Engine (submit/step, sampler included; --cpu-weights auto holds the GGUF's 4-bit linears
-int4, fp16 every linear float16 with float32 activations, dense float32; its engine thread sized
-by engine/threads.py) against transformers' `generate` on the same GGUF in float32 (--threads, or
-torch's default), same prompts, same lengths, greedy.
+ballast's Engine (submit/step, sampler included; --cpu-weights auto holds the GGUF's blocks for the
+block kernel where it builds, dense float32; its engine thread sized by engine/threads.py) against
+transformers' `generate` on the same GGUF in float32 (--threads, or torch's default), same prompts,
+same lengths, greedy.
 
 Two throughput figures per batch size: end to end (prefill + all new tokens, what a user waits
 for) and decode only (transformers: generate(N) minus generate(1); ours: the decode steps' time).
@@ -14,7 +14,7 @@ is the one least disturbed (timeit's rule). The load average is printed with the
 of this script; table on stdout, JSON to bench/results/engine_decode.json.
 
     python -m ballast.bench.engine_decode [--batches 1 8] [--new-tokens 64] [--prompt-len 24]
-        [--repeats 3] [--threads N] [--cpu-weights auto|dense|fp16|int4]
+        [--repeats 3] [--threads N] [--cpu-weights auto|blocks|dense]
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side; the best counts")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument(
-        "--cpu-weights", choices=("auto", "dense", "int4", "fp16"), default="auto", help="ours: --cpu-weights"
+        "--cpu-weights", choices=("auto", "blocks", "dense"), default="auto", help="our --cpu-weights"
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 from ballast.engine.injected_faults import FaultSpec, parse_faults
-from ballast.models import cpu_blocks, cpu_int4, cpu_linear, fp8
+from ballast.models import cpu_blocks, cpu_linear, fp8
 
 from ballast.settings import ConfigError, check, setting
 
@@ -22,7 +22,7 @@ DTYPES: dict[str, torch.dtype] = {
 KV_QUANT_MODES = ("none", "int8")
 DEFAULT_PREFILL_CHUNK = 2048
 CPU_BUSY_PREFILL_CHUNK = 512
-CPU_WEIGHT_MODES = ("auto", "blocks", "dense", "int4", "fp16")
+CPU_WEIGHT_MODES = ("auto", "blocks", "dense")
 # The largest prefill CUDA graph (`engine/prefill_graphs`): longer chunks are bound by their matrix
 # products, not their launches.
 PREFILL_GRAPH_TOKENS = 2048
@@ -98,19 +98,13 @@ class EngineConfig:
         ),
     )
     cpu_weights: str = field(
-        # auto: the file's blocks where the kernel builds (the same arithmetic as dense, a sixth of
-        # the bytes a step reads), else dense. int4 stays opt-in: with it the default model's greedy
-        # answers changed (the capital of France was no longer Paris).
         default="auto",
         metadata=setting(
             "BALLAST_CPU_WEIGHTS",
             "CPU linears of a GGUF: blocks multiplies its Q4_0/Q4_1/Q8_0 weights as stored, in float32 "
-            "(models/cpu_blocks.c, built for this CPU at first use; logits within ~1e-5 of dense), int4 "
-            "keeps its Q4 weights 4-bit and the head int8 through torch's weight-only kernels (bfloat16 "
-            "inputs; logits within the tolerance docs/BENCHMARKS.md gives), fp16 holds every linear and "
-            "the head as float16 with float32 activations (FBGEMM), dense dequantizes every weight to "
-            "--dtype; auto = blocks for a float32 CPU engine on one device where the kernel builds, else "
-            "dense",
+            "(models/cpu_blocks.c, built for this CPU at first use; logits within ~1e-4 of dense), dense "
+            "dequantizes every weight to --dtype; auto = blocks for a float32 CPU engine on one device "
+            "where the kernel builds, else dense",
             choices=CPU_WEIGHT_MODES,
         ),
     )
@@ -119,10 +113,10 @@ class EngineConfig:
         default="float32",
         metadata=setting(
             "BALLAST_CPU_PREFILL",
-            "arithmetic of a CPU engine's prompt chunks (steps of more than 64 rows), --cpu-weights "
-            "dense or int4: bfloat16 rounds their linears' and attention's inputs to bfloat16 (float32 sums; "
-            "AMX / AVX512-BF16 through oneDNN, a long prompt's prefill about 2x faster, logits within "
-            "the tolerance docs/BENCHMARKS.md gives); decode steps stay float32",
+            "arithmetic of a CPU engine's prompt chunks (steps of more than 64 rows): bfloat16 rounds "
+            "their linears' and attention's inputs to bfloat16 (float32 sums; AMX / AVX512-BF16 through "
+            "oneDNN, a long prompt's prefill about 2x faster, logits within the tolerance "
+            "docs/BENCHMARKS.md gives); decode steps stay float32",
             choices=("float32", "bfloat16"),
         ),
     )
@@ -256,23 +250,13 @@ class EngineConfig:
         """The most prompt tokens a step carries beside decodes. On the CPU a step is compute-bound,
         so a chunk stalls every running stream's next token for as long as it takes: 512 there
         unless --prefill-chunk-tokens is set. A prompt with nothing decoding beside it takes the
-        whole chunk (a lone 2,000-token prompt, default model, int4 + bfloat16 prompts, one
-        thread: first token 2.2-3.6 s in 2,048-token steps against 2.6-4.4 s in 512-token ones)."""
+        whole chunk (a lone 2,000-token prompt, default model, int4 weights (since removed) with
+        bfloat16 prompts, one thread: first token 2.2-3.6 s in 2,048-token steps against 2.6-4.4 s
+        in 512-token ones)."""
         whole = self.resolved_prefill_chunk(device)
         return (
             whole if self.prefill_chunk_tokens or device.type != "cpu" else min(CPU_BUSY_PREFILL_CHUNK, whole)
         )
-
-    def cpu_int4(self, device: torch.device) -> bool:
-        """Whether a GGUF's 4-bit linears stay 4-bit (models/cpu_int4.py); --cpu-weights int4 where
-        that cannot hold is an error, not a silent dense load."""
-        possible = self._one_float32_cpu(device) and cpu_int4.kernels_available()
-        if self.cpu_weights == "int4" and not possible:
-            raise ConfigError(
-                "--cpu-weights (BALLAST_CPU_WEIGHTS)=int4 needs a float32 engine on the CPU, one device, "
-                "and torch's int4/int8 CPU kernels; use auto or dense here"
-            )
-        return possible and self.cpu_weights == "int4"
 
     def cpu_blocks(self, device: torch.device) -> bool:
         """Whether a GGUF's Q4/Q8 linears are multiplied as stored (models/cpu_blocks.py): auto
@@ -286,18 +270,6 @@ class EngineConfig:
                 "a C compiler ($CC or cc) and a CPU with AVX2 and FMA; use dense here"
             )
         return possible
-
-    def cpu_fp16(self, device: torch.device) -> bool:
-        """Whether a GGUF's linears are held float16 (models/cpu_linear.py): --cpu-weights fp16,
-        where it cannot hold an error, not a silent dense load."""
-        if self.cpu_weights != "fp16":
-            return False
-        if not (self._one_float32_cpu(device) and cpu_linear.fp16_available()):
-            raise ConfigError(
-                "--cpu-weights (BALLAST_CPU_WEIGHTS)=fp16 needs a float32 engine on the CPU, one device, "
-                "and torch's FBGEMM fp16 GEMM (x86); use dense here"
-            )
-        return True
 
     def _one_float32_cpu(self, device: torch.device) -> bool:
         """A float32 engine on the CPU, on one device: where a GGUF's linears may stay packed."""
@@ -314,14 +286,14 @@ class EngineConfig:
 
     def cpu_prompt_bf16(self, device: torch.device) -> bool:
         """Whether prompt chunks run in bfloat16 (models/cpu_linear.py): --cpu-prefill bfloat16,
-        which needs float32 weights to hold (not --cpu-weights fp16) and a CPU with bfloat16
+        which needs float32 activations and a CPU with bfloat16
         arithmetic; an error otherwise, not a silent float32 prefill."""
         if self.cpu_prefill != "bfloat16":
             return False
-        if not (self._one_float32_cpu(device) and self.cpu_weights != "fp16" and cpu_linear.bf16_available()):
+        if not (self._one_float32_cpu(device) and cpu_linear.bf16_available()):
             raise ConfigError(
                 "--cpu-prefill (BALLAST_CPU_PREFILL)=bfloat16 needs a float32 engine on the CPU, one "
-                "device, --cpu-weights auto, blocks, dense or int4, and a CPU with bfloat16 arithmetic "
+                "device, and a CPU with bfloat16 arithmetic "
                 "(AVX512-BF16 or AMX)"
             )
         return True

@@ -30,8 +30,7 @@ from ballast.memory.types import MemState, Verdict
 from ballast.memory.watch import MemWatch
 from ballast.models import builtin
 from ballast.models.base import ModelError
-from ballast.models.cpu_int4 import Q4Weight, Q8Weight
-from ballast.models.cpu_linear import hold_prompt_bf16, packed_bytes
+from ballast.models.cpu_linear import hold_prompt_bf16
 from ballast.models.default_model import DefaultModelError, default_model_path
 from ballast.models.gguf_loader import (
     GGUFError,
@@ -44,7 +43,8 @@ from ballast.models.gguf_loader import (
 )
 from ballast.models.gguf_reader import GGUFFile
 from ballast.models.hf_loader import inspect_hf_dir, load_hf_model
-from ballast.models.llama import LlamaForCausalLM, int4_blocks
+from ballast.models.llama import LlamaForCausalLM, q4_blocks
+from ballast.models.packed import Q4Weight, Q8Weight
 from ballast.models.registry import convert_model, model_class
 from ballast.models.state import dtype_bytes
 from torch import nn
@@ -238,15 +238,12 @@ def load(
         # The GGUF is dequantized whole in host memory before it moves to a GPU.
         staging = weights if device.type == "cuda" else 0
         admit_load(hf_config, config, device, dtype, weights, watch, host_staging=staging)
-        exact = config.cpu_blocks(device)
-        held = _held_weights(gf, hf_config, exact) if exact or config.cpu_int4(device) else {}
+        held = _held_weights(gf, hf_config) if config.cpu_blocks(device) else {}
         # the embedding table stays dense (lookups), even where the tied head reads its blocks
         skip = {n for n in held if n != "model.embed_tokens.weight"}
         model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype, skip=skip), device)
         if held:
-            cast(LlamaForCausalLM, model).quantize_cpu(held, exact)
-        elif config.cpu_fp16(device) and isinstance(model, LlamaForCausalLM):
-            model.hold_fp16()
+            cast(LlamaForCausalLM, model).hold_blocks(held)
         if config.cpu_prompt_bf16(device):
             hold_prompt_bf16(model)
         hf_tok = build_tokenizer(gf.metadata)
@@ -263,7 +260,7 @@ def load(
     if tok_dir is not None:
         tokenizer = lazy_tokenizer(tok_dir)
     leases: list[Lease] = []
-    held = weights_bytes(model) + packed_bytes(model)  # FBGEMM's packed fp16 weights are not tensors
+    held = weights_bytes(model)
     if watch is not None and device.type == "cuda":
         leases.append(watch.ledger.lease(die_index(device), held, f"weights:{source.name}"))
     return LoadedModel(
@@ -271,17 +268,16 @@ def load(
     )
 
 
-def _held_weights(gf: GGUFFile, hf_config: dict[str, Any], exact: bool) -> dict[str, Q4Weight | Q8Weight]:
-    """The GGUF's weights the CPU keeps packed (whole 4-bit blocks of a Llama-family model; with
-    exact, for block linears, its output head's Q8_0 / Q4 blocks too)."""
+def _held_weights(gf: GGUFFile, hf_config: dict[str, Any]) -> dict[str, Q4Weight | Q8Weight]:
+    """The GGUF's weights the CPU keeps packed: whole 4-bit blocks of a Llama-family model, and
+    its output head's Q8_0 / Q4 blocks."""
     if model_class(hf_config) is not LlamaForCausalLM:
         return {}
-    packed = gguf_q4_weights(gf, hf_config, q8=exact)
+    packed = gguf_q4_weights(gf, hf_config)
     names = {hf_tensor_name(n) for n in gf.tensors if n != "rope_freqs.weight"}
     q4 = {n for n, w in packed.items() if isinstance(w, Q4Weight)}  # a block is 4-bit whole
-    keep = {w for _, _, weights in int4_blocks(q4, names) for w in weights}
-    if exact:
-        keep.add("model.embed_tokens.weight" if hf_config.get("tie_word_embeddings") else "lm_head.weight")
+    keep = {w for _, _, weights in q4_blocks(q4, names) for w in weights}
+    keep.add("model.embed_tokens.weight" if hf_config.get("tie_word_embeddings") else "lm_head.weight")
     return {n: w for n, w in packed.items() if n in keep}
 
 

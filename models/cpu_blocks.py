@@ -1,19 +1,15 @@
 """A GGUF's Q4_0 / Q4_1 / Q8_0 linears multiplied as the file stores them, in float32, on the CPU
-(`--cpu-weights blocks`, the default where it can hold): models/cpu_blocks.c, compiled for this CPU
-at first use.
+(`--cpu-weights blocks`, the default where it builds): the kernel is models/cpu_blocks.c.
 
-A CPU decode step is its weight read: the default model dequantized to float32 reads 538 MB a
-token. Its blocks are 96 MB (4-bit linears, the 8-bit tied head), and each block's weights are
-`d * q + m`, so `sum w x = d * sum q x + m * sum x`: the kernel multiplies the file's integers by
-float32 inputs with float32 sums, the same arithmetic as the dense path but for the order of the
-additions (logits within ~1e-5 of it, where torch's int4 kernels round inputs and scales to
-bfloat16). Steps of more than BLOCK_MAX_ROWS rows (prompt chunks) dequantize slices of the weight
-into float32 and run the dense GEMM, which beats a kernel that reads the blocks once per row.
+A CPU decode step is its weight read: the default model in float32 reads 538 MB a token, its
+blocks 96 MB. A block's weights are `d * q + m`, so `sum w x = d * sum q x + m * sum x`: the
+file's integers times float32 inputs with float32 sums, the dense path's arithmetic in another
+order of additions (the default model's logits within 6e-5 of it). Steps of more than
+BLOCK_MAX_ROWS rows (prompt chunks) dequantize slices of the weight for the dense GEMM.
 
-The kernel is built by the C compiler (`$CC`, else `cc`) with -march=native into the cache
-directory (`$BALLAST_CACHE_DIR`, else ~/.cache/ballast), keyed by the source, the flags, the
-compiler and this CPU's flags; where no compiler or no AVX2/FMA is found the form is unavailable
-and `auto` loads dense weights.
+The C compiler (`$CC`, else `cc`) builds the kernel with -march=native into the cache directory
+once, keyed by the source, flags, compiler and CPU; without a compiler or AVX2/FMA the form is
+unavailable and `auto` loads dense weights.
 """
 
 from __future__ import annotations
@@ -30,8 +26,9 @@ from functools import cache
 from pathlib import Path
 
 import torch
-from ballast.models.cpu_int4 import GROUP, Q4Weight, Q8Weight
+from ballast.models.default_model import cache_dir
 from ballast.models.layers import bf16_matmuls, linear
+from ballast.models.packed import GROUP, Q4Weight, Q8Weight
 from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
@@ -62,15 +59,11 @@ def _cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("BALLAST_CACHE_DIR") or Path.home() / ".cache" / "ballast")
-
-
 def _build(cc: str) -> Path:
     """The kernel's shared object for this source, compiler and CPU, compiled once."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256("\0".join((SOURCE.read_text(), *FLAGS, version, _cpu_flags())).encode()).hexdigest()
-    out = _cache_dir() / f"cpu_blocks-{key[:16]}.so"
+    out = cache_dir() / f"cpu_blocks-{key[:16]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:

@@ -1,17 +1,5 @@
-"""Half-width weights for the CPU's float32 path (`--cpu-weights fp16`): each linear's weight held
-as float16 and run by FBGEMM's fp16 GEMM (`quantized::linear_dynamic_fp16`), which widens the
-weights in registers and keeps float32 activations, sums and outputs.
-
-A CPU decode step is its weight read (the default model in float32: 538 MB a token, ~24 of a ~29
-ms step at 1 thread), which float16 halves; unlike torch's int4/int8 kernels (bfloat16 activations)
-only the weights are rounded, to 11 significant bits against bfloat16's 8. Against float32
-(bench/cpu_weight_tolerance.py): max |d logit| 0.036 (int4: 0.98, int8: 1.97), the same greedy
-choices, but echo logprobs move up to 0.007 nats, past the 1e-3 the lm-eval test holds float32 to,
-so float32 stays the default. Prompt chunks run through FBGEMM too: widening the weights into
-oneDNN's float32 GEMM was never faster. The packed weights are FBGEMM's own allocation, not a
-tensor, so they are not among the model's parameters: `packed_bytes` counts them.
-
-`--cpu-prefill bfloat16` (`hold_prompt_bf16`): steps of more than PROMPT_BF16_MIN_ROWS rows round
+"""bfloat16 prompt chunks on the CPU (`--cpu-prefill bfloat16`, `hold_prompt_bf16`): steps of more
+than PROMPT_BF16_MIN_ROWS rows round
 each linear's inputs and weights to bfloat16 with float32 sums and outputs (oneDNN's bf16 "fpmath"
 mode over the float32 weights: no second copy), which AMX / AVX512-BF16 multiply several times
 faster (3072x576 at 512 rows: 1.6 ms against 11.4). The q/k/v output stays bfloat16, so attention
@@ -25,20 +13,13 @@ from functools import cache
 
 import torch
 from ballast.models.cpu_blocks import BlockLinear
-from ballast.models.cpu_int4 import Int4Linear, QuantizedPair
 from ballast.models.layers import SlotAttention, SwiGLU, bf16_matmuls, linear
+from ballast.models.packed import QuantizedPair
 from torch import Tensor, nn
 
 # Steps of more rows than this run their linears in bfloat16 under `hold_prompt_bf16`: prompt
 # chunks, not decode batches of up to 64 sequences (which keep float32's exact sums).
 PROMPT_BF16_MIN_ROWS = 64
-
-
-def fp16_available() -> bool:
-    """Whether this torch build has FBGEMM's fp16 GEMM (x86 builds; FBGEMM needs AVX2)."""
-    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
-        torch.ops.quantized, "linear_prepack_fp16"
-    )
 
 
 @cache
@@ -57,32 +38,6 @@ def bf16_available() -> bool:
         got = torch.mm(x, w)
     rounded = x.bfloat16().float() @ w.bfloat16().float()
     return float((got - rounded).abs().max()) < float((got - x @ w).abs().max())
-
-
-class Fp16Linear(nn.Module):
-    """y = x W^T + b with W held as float16 in FBGEMM's packed layout; x, b and y float32."""
-
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
-        super().__init__()
-        w = weight.detach().float().contiguous()
-        self.out_features = int(w.shape[0])
-        b = None if bias is None else bias.detach().float().contiguous()
-        self.packed = torch.ops.quantized.linear_prepack_fp16(w, b)
-        # FBGEMM holds N x K float16 values (its blocks pad a little more) and the float32 bias.
-        self.nbytes = w.numel() * 2 + (0 if b is None else b.numel() * 4)
-
-    def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        if flat.dtype != torch.float32:
-            raise TypeError(f"an fp16-weight linear takes float32 inputs, got {flat.dtype}")
-        y = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)
-        return y.view(*shape[:-1], self.out_features)
-
-
-def packed_bytes(model: nn.Module) -> int:
-    """Bytes the model's fp16 linears hold outside its parameters and buffers."""
-    return sum(m.nbytes for m in model.modules() if isinstance(m, Fp16Linear))
 
 
 class PromptLinear(nn.Module):
@@ -116,9 +71,8 @@ class PromptLinear(nn.Module):
 
 def hold_prompt_bf16(model: nn.Module) -> int:
     """Run every dense attention and MLP block's linears as PromptLinears (q/k/v with bfloat16
-    outputs for prompt rows); int4 blocks already run prompt rows through bfloat16 copies, and only
-    keep their q/k/v output bfloat16; block linears (models/cpu_blocks.py) run their dequantized
-    slices in bfloat16, q/k/v out bfloat16. The output head stays as it is (a prompt's logits are one row
+    outputs for prompt rows); block linears (models/cpu_blocks.py) run their dequantized slices in
+    bfloat16, q/k/v out bfloat16. The output head stays as it is (a prompt's logits are one row
     per sequence, and echo logprobs keep its arithmetic). Returns the blocks changed."""
     changed = 0
     for block in model.modules():
@@ -132,8 +86,6 @@ def hold_prompt_bf16(model: nn.Module) -> int:
             assert fused.weight is not None
             first = PromptLinear(fused.weight, fused.bias, bf16_out=attention)
             block.quantize(QuantizedPair(first, PromptLinear(second.weight, second.bias)))
-        elif isinstance(pair.first, Int4Linear) and attention:
-            pair.first.bf16_out_rows = PROMPT_BF16_MIN_ROWS
         elif isinstance(pair.first, BlockLinear) and isinstance(pair.second, BlockLinear):
             pair.first.bf16_rows = pair.second.bf16_rows = PROMPT_BF16_MIN_ROWS
             pair.first.bf16_out = attention

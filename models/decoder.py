@@ -109,7 +109,7 @@ class DecoderLM(nn.Module):
         self.config = config
         self.model = model
         self.lm_head = lm_head
-        self.quantized_head: nn.Module | None = None  # the CPU's int8 or fp16 head, where held
+        self.quantized_head: nn.Module | None = None  # the CPU's block head, where held
         self.tie_weights()
 
     def tie_weights(self) -> None:

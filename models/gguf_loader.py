@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from ballast.models.cpu_int4 import Q4_TYPES, Q4Weight, Q8Weight, q4_weight, q8_weight
 from ballast.models.gguf_quants import Scratch, dequantize
 from ballast.models.gguf_reader import GGUFError, GGUFFile, GGUFTensorInfo, GGUFUnsupportedError, read_gguf
 from ballast.models.gguf_tokenizer import build_tokenizer
+from ballast.models.packed import Q4_TYPES, Q4Weight, Q8Weight, q4_weight, q8_weight
 from gguf import GGMLQuantizationType
 from torch import Tensor
 from tqdm import tqdm
@@ -209,16 +209,13 @@ def gguf_tensors(
     return out
 
 
-def gguf_q4_weights(gf: GGUFFile, config: dict[str, Any], q8: bool = False) -> dict[str, Q4Weight | Q8Weight]:
-    """The 4-bit (Q4_0 / Q4_1) 2-D tensors under their HF names, as the file's own integers and
-    scales (rows in HF order): what the CPU's int4 and block linears hold instead of dequantized
-    floats; with q8 the Q8_0 ones too (a block linear's output head)."""
+def gguf_q4_weights(gf: GGUFFile, config: dict[str, Any]) -> dict[str, Q4Weight | Q8Weight]:
+    """The Q4_0 / Q4_1 / Q8_0 2-D tensors under their HF names, as the file's own integers and
+    scales (rows in HF order): what the CPU's block linears hold instead of dequantized floats."""
     out: dict[str, Q4Weight | Q8Weight] = {}
     scratch = Scratch()
     for info in gf.tensors.values():
-        if len(info.shape) != 2 or not (
-            info.qtype in Q4_TYPES or (q8 and info.qtype == GGMLQuantizationType.Q8_0)
-        ):
+        if len(info.shape) != 2 or info.qtype not in (*Q4_TYPES, GGMLQuantizationType.Q8_0):
             continue
         rows = _hf_rows(gf, info, config, scratch).reshape(info.shape[0], -1)
         name = hf_tensor_name(info.name)

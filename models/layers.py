@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from ballast.models import fp8, pointwise
 from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
-from ballast.models.cpu_int4 import QuantizedPair, drop_dense
+from ballast.models.packed import QuantizedPair, drop_dense
 from ballast.models.state import PagedKV
 from torch import Tensor, nn
 
@@ -278,7 +278,7 @@ class SwiGLU(nn.Module):
         self.quantized: QuantizedPair | None = None
 
     def quantize(self, pair: QuantizedPair) -> None:
-        """Run gate/up and down through `pair` (the CPU's int4 or fp16 linears); the dense weights go."""
+        """Run gate/up and down through `pair` (the CPU's block linears); the dense weights go."""
         self.quantized = pair
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
         drop_dense(self.gate_proj, self.up_proj, self.down_proj)
@@ -358,7 +358,7 @@ class SlotAttention(nn.Module):
         self.quantized: QuantizedPair | None = None
 
     def quantize(self, pair: QuantizedPair) -> None:
-        """Run q/k/v and o through `pair` (the CPU's int4 or fp16 linears); the dense weights go."""
+        """Run q/k/v and o through `pair` (the CPU's block linears); the dense weights go."""
         self.quantized = pair
         self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         drop_dense(self.q_proj, self.k_proj, self.v_proj, self.o_proj)

@@ -10,8 +10,6 @@ from typing import Any
 from ballast.memory.specs import LayerSpec
 from ballast.models.base import UnsupportedModel
 from ballast.models.cpu_blocks import BlockLinear
-from ballast.models.cpu_int4 import Int4Linear, Int8Linear, Q4Weight, Q8Weight, QuantizedPair, drop_dense
-from ballast.models.cpu_linear import Fp16Linear
 from ballast.models.decoder import (
     POSITIVE,
     DecoderLayer,
@@ -32,6 +30,7 @@ from ballast.models.layers import (
     SlotAttention,
     SwiGLU,
 )
+from ballast.models.packed import Q4Weight, Q8Weight, QuantizedPair, drop_dense
 from ballast.models.state import LayerState, PagedKV, attention_spec
 from torch import Tensor
 
@@ -92,17 +91,17 @@ class LlamaConfig:
         )
 
 
-# The blocks held int4 on the CPU: the matmuls reading the block's input, then its output's.
-_INT4_BLOCKS = (("self_attn", ("q", "k", "v", "o")), ("mlp", ("gate", "up", "down")))
+# The blocks the CPU holds packed: the matmuls reading the block's input, then its output's.
+_Q4_BLOCKS = (("self_attn", ("q", "k", "v", "o")), ("mlp", ("gate", "up", "down")))
 
 
-def int4_blocks(q4: Collection[str], names: Collection[str]) -> list[tuple[int, str, list[str]]]:
+def q4_blocks(q4: Collection[str], names: Collection[str]) -> list[tuple[int, str, list[str]]]:
     """(layer, block, weight names) of each block whose every weight is in `q4` (4-bit in the
-    file) and none has a bias among `names`: a block is held int4 whole or not at all."""
+    file) and none has a bias among `names`: a block is held packed whole or not at all."""
     layers = {int(n.split(".")[2]) for n in q4 if n.startswith("model.layers.")}
     out = []
     for i in sorted(layers):
-        for where, parts in _INT4_BLOCKS:
+        for where, parts in _Q4_BLOCKS:
             weights = [f"model.layers.{i}.{where}.{p}_proj.weight" for p in parts]
             biased = any(w.removesuffix("weight") + "bias" in names for w in weights)
             if all(w in q4 for w in weights) and not biased:
@@ -150,53 +149,25 @@ class LlamaForCausalLM(DecoderLM):
     def from_hf_config(cls, hf: Mapping[str, Any]) -> LlamaForCausalLM:
         return cls(LlamaConfig.from_hf(hf))
 
-    def quantize_cpu(self, held: Mapping[str, Q4Weight | Q8Weight], exact: bool = False) -> int:
-        """Hold the blocks `int4_blocks` finds in `held` (a GGUF's packed weights by HF name) packed:
-        as int4 with an int8 output head for torch's weight-only kernels, or, exact, as the file's
-        blocks for models/cpu_blocks.py (the head too where its blocks are in `held`). Returns the
-        blocks converted."""
+    def hold_blocks(self, held: Mapping[str, Q4Weight | Q8Weight]) -> int:
+        """Run the blocks `q4_blocks` finds in `held` (a GGUF's packed weights by HF name) through
+        block linears (models/cpu_blocks.py), and the output head too where its blocks are in
+        `held`. Returns the blocks converted."""
         q4 = {n: w for n, w in held.items() if isinstance(w, Q4Weight)}
-        blocks = int4_blocks(q4, set())
+        blocks = q4_blocks(q4, set())
         for i, where, names in blocks:
             layer = self.model.layers[i]
             assert isinstance(layer, LlamaDecoderLayer)
             parts = [q4[n] for n in names]
             block = layer.self_attn if where == "self_attn" else layer.mlp
-            kind = BlockLinear if exact else Int4Linear
-            block.quantize(QuantizedPair(kind(parts[:-1]), kind(parts[-1:])))
+            block.quantize(QuantizedPair(BlockLinear(parts[:-1]), BlockLinear(parts[-1:])))
         tied = self.config.tie_word_embeddings  # a tied head's weight is the embedding table
         head = held.get("model.embed_tokens.weight" if tied else "lm_head.weight")
-        if exact and head is None:
-            return len(blocks)  # the head stays the dense linear
-        if exact:
+        if head is not None:
             self.quantized_head = BlockLinear(head if isinstance(head, Q8Weight) else [head])
-        else:
-            self.quantized_head = Int8Linear(self.lm_head.weight)
-        if not tied:
-            drop_dense(self.lm_head)
+            if not tied:
+                drop_dense(self.lm_head)
         return len(blocks)
-
-    def hold_fp16(self) -> None:
-        """Hold every linear and the output head as float16 for FBGEMM's fp16 GEMM (half the bytes a
-        decode step reads, activations still float32); a tied head keeps the float32 embedding."""
-        for layer in self.model.layers:
-            assert isinstance(layer, LlamaDecoderLayer)
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv, gate_up = attn.qkv, mlp.gate_up
-            qkv.fuse()  # from the parameters as loaded (assign=True replaced the fused views)
-            gate_up.fuse()
-            assert qkv.weight is not None and gate_up.weight is not None  # fuse() set them
-            o = attn.o_proj
-            attn.quantize(QuantizedPair(Fp16Linear(qkv.weight, qkv.bias), Fp16Linear(o.weight, o.bias)))
-            mlp.quantize(
-                QuantizedPair(
-                    Fp16Linear(gate_up.weight, gate_up.bias),
-                    Fp16Linear(mlp.down_proj.weight, mlp.down_proj.bias),
-                )
-            )
-        self.quantized_head = Fp16Linear(self.lm_head.weight, self.lm_head.bias)
-        if not self.config.tie_word_embeddings:
-            drop_dense(self.lm_head)
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
         c = self.config

@@ -16,10 +16,10 @@ from ballast.engine.loading import load
 from ballast.models import cpu_blocks
 from ballast.models.base import ForwardBatch
 from ballast.models.cpu_blocks import BLOCK_MAX_ROWS, BlockLinear
-from ballast.models.cpu_int4 import q4_weight, q8_weight
-from ballast.models.cpu_linear import bf16_available, hold_prompt_bf16
+from ballast.models.cpu_linear import bf16_available
 from ballast.models.gguf_quants import dequantize
 from ballast.models.llama import LlamaForCausalLM
+from ballast.models.packed import q4_weight, q8_weight
 from ballast.models.state import allocate_states
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
@@ -113,22 +113,12 @@ def test_an_untied_head_of_another_type_stays_dense(tmp_path: Path) -> None:
     assert torch.equal(m.lm_head.weight, want)
 
 
-def test_bf16_prompts_round_only_chunks_past_64_rows(tmp_path: Path) -> None:
+def test_bf16_prompts_round_only_chunks_past_their_rows() -> None:
     if not bf16_available():
         pytest.skip("no native bfloat16 matmuls on this CPU")
     packed = _packed(QT.Q4_1, 64, 128)
-    layer = BlockLinear([q4_weight(packed, QT.Q4_1, (64, 128))])
-    plain = BlockLinear([q4_weight(packed, QT.Q4_1, (64, 128))])
-    tiny = write_tiny_llama(tmp_path / "q4.gguf", layer_types=MIXED_Q4_LAYERS)
-    m = load(EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="blocks"), CPU, torch.float32).model
-    assert hold_prompt_bf16(m) == 4  # three block pairs and the dense attention block
-    first = m.model.layers[0].self_attn.quantized.first
-    assert isinstance(first, BlockLinear) and first.bf16_rows == 64 and first.bf16_out
-    dense = load(EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="dense"), CPU, torch.float32)
-    tokens = [(7 * i) % 50 + 3 for i in range(70)]  # a 70-row prompt: bfloat16 through o and down too
-    got, want = _logits(m, tokens), _logits(dense.model, tokens)
-    assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
-    layer.bf16_rows, layer.bf16_out = 64, True
+    layer, plain = (BlockLinear([q4_weight(packed, QT.Q4_1, (64, 128))]) for _ in range(2))
+    layer.bf16_rows, layer.bf16_out = 64, True  # as hold_prompt_bf16 sets a q/k/v projection
     for rows, rounded in ((64, False), (65, True)):
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
         got, exact = layer(x), plain(x)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ballast.engine.config import EngineConfig
 from ballast.engine.loading import LoadedModel, load
 from ballast.models.base import ForwardBatch
-from ballast.models.cpu_int4 import Int4Linear
+from ballast.models.cpu_blocks import BlockLinear
 from ballast.models.cpu_linear import PROMPT_BF16_MIN_ROWS, PromptLinear, bf16_available
 from ballast.models.layers import linear
 from ballast.models.llama import LlamaForCausalLM
@@ -110,35 +110,33 @@ def test_gguf_load_runs_prompts_in_bf16_and_decode_in_float32(tmp_path: Path, ar
     assert float((ours - ref).abs().amax(-1).median()) < 2e-2 * float(ref.abs().max())
 
 
-def test_bf16_prefill_needs_dense_float32_cpu_weights() -> None:
+def test_bf16_prefill_needs_a_float32_cpu_engine() -> None:
     cpu = torch.device("cpu")
     assert EngineConfig(device="cpu", cpu_weights="dense", cpu_prefill="bfloat16").cpu_prompt_bf16(cpu)
     assert not EngineConfig(device="cpu").cpu_prompt_bf16(cpu)  # float32 by default
-    assert EngineConfig(device="cpu", cpu_weights="int4", cpu_prefill="bfloat16").cpu_prompt_bf16(cpu)
-    for bad in (
-        EngineConfig(device="cpu", cpu_weights="fp16", cpu_prefill="bfloat16"),
-        EngineConfig(device="cpu", dtype="bfloat16", cpu_weights="dense", cpu_prefill="bfloat16"),
-    ):
-        with pytest.raises(ConfigError, match="cpu-prefill"):
-            bad.cpu_prompt_bf16(cpu)
+    assert EngineConfig(device="cpu", cpu_weights="blocks", cpu_prefill="bfloat16").cpu_prompt_bf16(cpu)
+    bad = EngineConfig(device="cpu", dtype="bfloat16", cpu_weights="dense", cpu_prefill="bfloat16")
+    with pytest.raises(ConfigError, match="cpu-prefill"):
+        bad.cpu_prompt_bf16(cpu)
 
 
-def test_int4_weights_keep_their_prompt_path_and_attend_in_bf16(tmp_path: Path) -> None:
-    int4, both = _loaded_twice(
-        write_tiny_llama(tmp_path / "q4.gguf", layer_types=MIXED_Q4_LAYERS).path, "int4"
+def test_block_weights_take_bf16_prompts_and_attend_in_bf16(tmp_path: Path) -> None:
+    blocks, both = _loaded_twice(
+        write_tiny_llama(tmp_path / "q4.gguf", layer_types=MIXED_Q4_LAYERS).path, "blocks"
     )
     m = both.model
     assert isinstance(m, LlamaForCausalLM)
     first, second = m.model.layers
-    assert first.self_attn.quantized is not None and isinstance(first.self_attn.quantized.first, Int4Linear)
-    assert first.self_attn.quantized.first.bf16_out_rows == PROMPT_BF16_MIN_ROWS
+    assert first.self_attn.quantized is not None
+    qkv = first.self_attn.quantized.first
+    assert isinstance(qkv, BlockLinear) and qkv.bf16_rows == PROMPT_BF16_MIN_ROWS and qkv.bf16_out
     assert second.self_attn.quantized is not None  # the dense attention: prompt linears
     assert isinstance(second.self_attn.quantized.first, PromptLinear)
-    assert both.weights_bytes == int4.weights_bytes
+    assert both.weights_bytes == blocks.weights_bytes
     short = [3, 17, 42, 99, 7]
-    assert torch.equal(_logits(m, short), _logits(int4.model, short))
+    assert torch.equal(_logits(m, short), _logits(blocks.model, short))
     gen = torch.Generator().manual_seed(4)
     long = torch.randint(3, 200, (PROMPT_BF16_MIN_ROWS + 60,), generator=gen).tolist()
-    ours, ref = _logits(m, long), _logits(int4.model, long)
+    ours, ref = _logits(m, long), _logits(blocks.model, long)  # bfloat16 through o and down too
     assert float((ours - ref).abs().amax(-1).median()) < 2e-2 * float(ref.abs().max())
     assert not torch.equal(ours, ref)

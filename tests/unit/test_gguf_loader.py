@@ -81,8 +81,8 @@ def _tensor_data(qtype: QT, shape: tuple[int, int], rng: np.random.Generator) ->
     return values.astype(np.float16) if qtype == QT.F16 else values
 
 
-# Two layers' quant types: layer 0 every linear 4-bit; layer 1 attention with one Q8_0 part (dense
-# under int4), the MLP 4-bit.
+# Two layers' quant types: layer 0 every linear 4-bit; layer 1 attention with one Q8_0 part (held
+# dense: a block is packed whole or not at all), the MLP 4-bit.
 MIXED_Q4_LAYERS = [
     {"attn_q": QT.Q4_1, "attn_k": QT.Q4_0, "attn_v": QT.Q4_1, "attn_output": QT.Q4_1,
      "ffn_gate": QT.Q4_1, "ffn_up": QT.Q4_0, "ffn_down": QT.Q4_1},
