@@ -2,7 +2,7 @@
 (`--cpu-weights blocks`, the default where it builds): the kernel is models/cpu_blocks.c.
 
 A CPU decode step is its weight read: the default model in float32 reads 538 MB a token, its
-blocks 96 MB. A block's weights are `d * q + m`, so `sum w x = d * sum q x + m * sum x`: the
+block records 112 MB. A block's weights are `d * q + m`, so `sum w x = d * sum q x + m * sum x`: the
 file's integers times float32 inputs with float32 sums, the dense path's arithmetic in another
 order of additions (the default model's logits within 6e-5 of it). Steps of more than
 BLOCK_MAX_ROWS rows (prompt chunks) dequantize slices of the weight for the dense GEMM.
