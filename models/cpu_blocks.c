@@ -122,7 +122,7 @@ static inline void unpack_q8(const int8_t *q, vec w[NV]) {
 #endif
 
 /* y[r][i] for rows r0 .. r0 + nr - 1 (nr <= ROWS) of one output's blocks (q4 or q8). */
-static void dot_rows(const float *x, const float *xs, int64_t k, int64_t r0, int nr, const q4_block *q4,
+static inline __attribute__((always_inline)) void dot_rows(const float *x, const float *xs, int64_t k, int64_t r0, int nr, const q4_block *q4,
                      const q8_block *q8, float *out) {
     int64_t nb = k / BLOCK;
     vec acc[ROWS];
@@ -186,7 +186,11 @@ static void matmul(const float *x, int64_t rows, int64_t k, const q4_block *q4, 
         for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
             int nr = rows - r0 < ROWS ? (int)(rows - r0) : ROWS;
             float out[ROWS];
-            dot_rows(x, xs, k, r0, nr, q4 ? q4 + i * nb : 0, q8 ? q8 + i * nb : 0, out);
+            const q4_block *w4 = q4 ? q4 + i * nb : 0;
+            const q8_block *w8 = q8 ? q8 + i * nb : 0;
+            if (nr == 1 && w4) dot_rows(x, xs, k, r0, 1, w4, 0, out);  /* specialised: one decode row */
+            else if (nr == 1) dot_rows(x, xs, k, r0, 1, 0, w8, out);
+            else dot_rows(x, xs, k, r0, nr, w4, w8, out);
             for (int r = 0; r < nr; r++) y[(r0 + r) * n + i] = out[r];
         }
     }
