@@ -286,15 +286,14 @@ class EngineConfig:
 
     def cpu_prompt_bf16(self, device: torch.device) -> bool:
         """Whether prompt chunks run in bfloat16 (models/cpu_linear.py): --cpu-prefill bfloat16,
-        which needs float32 activations and a CPU with bfloat16
-        arithmetic; an error otherwise, not a silent float32 prefill."""
+        which needs a float32 CPU engine and a CPU with bfloat16 arithmetic; an error otherwise,
+        not a silent float32 prefill."""
         if self.cpu_prefill != "bfloat16":
             return False
         if not (self._one_float32_cpu(device) and cpu_linear.bf16_available()):
             raise ConfigError(
                 "--cpu-prefill (BALLAST_CPU_PREFILL)=bfloat16 needs a float32 engine on the CPU, one "
-                "device, and a CPU with bfloat16 arithmetic "
-                "(AVX512-BF16 or AMX)"
+                "device, and a CPU with bfloat16 arithmetic (AVX512-BF16 or AMX)"
             )
         return True
 

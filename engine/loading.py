@@ -35,8 +35,8 @@ from ballast.models.default_model import DefaultModelError, default_model_path
 from ballast.models.gguf_loader import (
     GGUFError,
     build_tokenizer,
+    gguf_block_weights,
     gguf_config,
-    gguf_q4_weights,
     gguf_tensors,
     hf_tensor_name,
     read_gguf,
@@ -273,7 +273,7 @@ def _held_weights(gf: GGUFFile, hf_config: dict[str, Any]) -> dict[str, Q4Weight
     its output head's Q8_0 / Q4 blocks."""
     if model_class(hf_config) is not LlamaForCausalLM:
         return {}
-    packed = gguf_q4_weights(gf, hf_config)
+    packed = gguf_block_weights(gf, hf_config)
     names = {hf_tensor_name(n) for n in gf.tensors if n != "rope_freqs.weight"}
     q4 = {n for n, w in packed.items() if isinstance(w, Q4Weight)}  # a block is 4-bit whole
     keep = {w for _, _, weights in q4_blocks(q4, names) for w in weights}

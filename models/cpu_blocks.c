@@ -14,7 +14,6 @@
    are split over `threads` OpenMP threads. */
 
 #include <stdint.h>
-#include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define BLOCKS_SIMD 1
@@ -37,7 +36,8 @@ typedef struct {
     int8_t q[BLOCK];
 } q8_block;
 
-/* 1: AVX-512 (16 lanes), 2: AVX2 + FMA (8 lanes), 0: scalar loops. */
+/* 1: AVX-512 (16 lanes), 2: AVX2 + FMA (8 lanes), 0: neither (then nothing else is built, and
+   models/cpu_blocks.py leaves the form unavailable). */
 int blocks_simd(void) {
 #if defined(__AVX512F__)
     return 1;
@@ -48,6 +48,7 @@ int blocks_simd(void) {
 #endif
 }
 
+#ifdef BLOCKS_SIMD
 static void block_sums(const float *x, int64_t rows, int64_t k, float *xs) {
     int64_t nb = k / BLOCK;
     for (int64_t r = 0; r < rows; r++)
@@ -59,7 +60,6 @@ static void block_sums(const float *x, int64_t rows, int64_t k, float *xs) {
         }
 }
 
-#ifdef BLOCKS_SIMD
 /* A block's 32 integers as NV vectors of floats (before d and m), in the block's order. */
 #if defined(__AVX512F__)
 typedef __m512 vec;
@@ -122,8 +122,9 @@ static inline void unpack_q8(const int8_t *q, vec w[NV]) {
 #endif
 
 /* y[r][i] for rows r0 .. r0 + nr - 1 (nr <= ROWS) of one output's blocks (q4 or q8). */
-static inline __attribute__((always_inline)) void dot_rows(const float *x, const float *xs, int64_t k, int64_t r0, int nr, const q4_block *q4,
-                     const q8_block *q8, float *out) {
+static inline __attribute__((always_inline)) void dot_rows(const float *x, const float *xs, int64_t k,
+                                                           int64_t r0, int nr, const q4_block *q4,
+                                                           const q8_block *q8, float *out) {
     int64_t nb = k / BLOCK;
     vec acc[ROWS];
     float shift[ROWS];
@@ -155,27 +156,6 @@ static inline __attribute__((always_inline)) void dot_rows(const float *x, const
     }
     for (int r = 0; r < nr; r++) out[r] = vhsum(acc[r]) + shift[r];
 }
-#else  /* no SIMD */
-static void dot_rows(const float *x, const float *xs, int64_t k, int64_t r0, int nr, const q4_block *q4,
-                     const q8_block *q8, float *out) {
-    int64_t nb = k / BLOCK;
-    for (int r = 0; r < nr; r++) {
-        float acc = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + (r0 + r) * k + b * BLOCK;
-            float s = 0.0f;
-            if (q4) {
-                for (int j = 0; j < 16; j++) s += (q4[b].qs[j] & 15) * v[j] + (q4[b].qs[j] >> 4) * v[j + 16];
-                acc += q4[b].d * s + q4[b].m * xs[(r0 + r) * nb + b];
-            } else {
-                for (int j = 0; j < BLOCK; j++) s += q8[b].q[j] * v[j];
-                acc += q8[b].d * s;
-            }
-        }
-        out[r] = acc;
-    }
-}
-#endif
 
 static void matmul(const float *x, int64_t rows, int64_t k, const q4_block *q4, const q8_block *q8, int64_t n,
                    float *y, float *xs, int threads) {
@@ -213,16 +193,9 @@ void q4_dequantize(const q4_block *w, int64_t n, int64_t k, float *out, int thre
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n * nb; i++) {
         float *o = out + i * BLOCK;
-#ifdef BLOCKS_SIMD
         vec v[NV];
         unpack_q4(w[i].qs, v);
         for (int j = 0; j < NV; j++) vstore(o + LANES * j, vadd(vmul(v[j], vset1(w[i].d)), vset1(w[i].m)));
-#else
-        for (int j = 0; j < 16; j++) {
-            o[j] = w[i].d * (float)(w[i].qs[j] & 15) + w[i].m;
-            o[j + 16] = w[i].d * (float)(w[i].qs[j] >> 4) + w[i].m;
-        }
-#endif
     }
 }
 
@@ -232,3 +205,4 @@ void q8_dequantize(const q8_block *w, int64_t n, int64_t k, float *out, int thre
     for (int64_t i = 0; i < n * nb; i++)
         for (int j = 0; j < BLOCK; j++) out[i * BLOCK + j] = w[i].d * (float)w[i].q[j];
 }
+#endif  /* BLOCKS_SIMD */

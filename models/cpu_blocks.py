@@ -47,7 +47,6 @@ _SIGNATURES = {
     "q8_matmul": [_P, _I, _I, _P, _I, _P, _T],
     "q4_dequantize": [_P, _I, _I, _P, _T],
     "q8_dequantize": [_P, _I, _I, _P, _T],
-    "blocks_simd": [],
 }
 
 
@@ -87,12 +86,12 @@ def library() -> ctypes.CDLL | None:
         detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
         log.warning("--cpu-weights blocks unavailable: the kernel did not build: %s", detail)
         return None
-    for name, args in _SIGNATURES.items():
-        getattr(lib, name).argtypes = args
     simd = lib.blocks_simd()
-    if not simd:
+    if not simd:  # the build holds nothing else
         log.info("--cpu-weights blocks unavailable: this CPU has no AVX2 and FMA")
         return None
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
     log.info("CPU block kernel: %s (%s)", lib._name, "AVX-512" if simd == 1 else "AVX2")
     return lib
 

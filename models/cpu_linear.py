@@ -1,10 +1,10 @@
-"""bfloat16 prompt chunks on the CPU (`--cpu-prefill bfloat16`, `hold_prompt_bf16`): steps of more
-than PROMPT_BF16_MIN_ROWS rows round
-each linear's inputs and weights to bfloat16 with float32 sums and outputs (oneDNN's bf16 "fpmath"
-mode over the float32 weights: no second copy), which AMX / AVX512-BF16 multiply several times
-faster (3072x576 at 512 rows: 1.6 ms against 11.4). The q/k/v output stays bfloat16, so attention
-runs in bfloat16 too (models/cpu_attention.py follows its queries' dtype). Decode steps and short
-prompts keep float32 bit for bit. Opt-in: it costs accuracy (bench/cpu_weight_tolerance.py).
+"""bfloat16 prompt chunks on the CPU (`--cpu-prefill bfloat16`, `hold_prompt_bf16`): steps of more than
+PROMPT_BF16_MIN_ROWS rows round each linear's inputs and weights to bfloat16 with float32 sums and
+outputs (oneDNN's bf16 "fpmath" mode over the float32 weights: no second copy), which AMX /
+AVX512-BF16 multiply several times faster (3072x576 at 512 rows: 1.6 ms against 11.4). The q/k/v
+output stays bfloat16, so attention runs in bfloat16 too (models/cpu_attention.py follows its
+queries' dtype). Decode steps and short prompts keep float32 bit for bit. Opt-in: it costs accuracy
+(bench/cpu_weight_tolerance.py).
 """
 
 from __future__ import annotations

@@ -209,7 +209,7 @@ def gguf_tensors(
     return out
 
 
-def gguf_q4_weights(gf: GGUFFile, config: dict[str, Any]) -> dict[str, Q4Weight | Q8Weight]:
+def gguf_block_weights(gf: GGUFFile, config: dict[str, Any]) -> dict[str, Q4Weight | Q8Weight]:
     """The Q4_0 / Q4_1 / Q8_0 2-D tensors under their HF names, as the file's own integers and
     scales (rows in HF order): what the CPU's block linears hold instead of dequantized floats."""
     out: dict[str, Q4Weight | Q8Weight] = {}
