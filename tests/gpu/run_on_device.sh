@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # How this session's GPU checks run on the lent H200 (see /work/.library/device): the wheels the
 # image lacks come from .whl (../shared/tools/gpu-wheels.sh), the Triton cache stays in /tmp while
-# the machine is warm. Usage: tests/gpu/run_on_device.sh squeeze|suite-a|suite-b [pytest args]
+# the machine is warm. Usage: tests/gpu/run_on_device.sh squeeze|suite-a|suite-b|suite-c [pytest args]
+#   (suite-a, -b, -c: the test files in three contiguous thirds, each well inside one call's 600 s)
 #   tests/gpu/run_on_device.sh compare BASE profile|paged|serve: one bench on the package root BASE
 #   (another commit: mkdir BASE && git archive COMMIT | tar -x -C BASE), then on this tree, in one
 #   call; each side's JSON under $OUT as BENCH_base.json / BENCH_new.json (PROFILE_MODELS: the
@@ -24,10 +25,11 @@ case "$mode" in
       --streams 32 --clients 64 --prompt-words 300 --max-tokens 256 --hog-s 20 --hold-s 25 --serve-arg=--max-model-len --serve-arg=4096 \
       --serve-arg=--tokenizer --serve-arg=$tok --out $out/vram_squeeze_on.json 2>&1 | tail -25)
     ;;
-  suite-a|suite-b)
+  suite-a|suite-b|suite-c)
     files=$(ls tests/gpu/test_*.py | sort)
-    n=$(echo "$files" | wc -l); half=$(( (n + 1) / 2 ))
-    if [ "$mode" = suite-a ]; then sel=$(echo "$files" | head -n $half); else sel=$(echo "$files" | tail -n +$((half + 1))); fi
+    n=$(echo "$files" | wc -l); third=$(( (n + 2) / 3 ))
+    k=$(( $(printf %d "'${mode#suite-}") - 97 ))
+    sel=$(echo "$files" | tail -n +$((k * third + 1)) | head -n $third)
     python3 -m pytest -v -rfE -p no:cacheprovider --durations=15 -o addopts="" $sel "$@" 2>&1 | tee $out/$mode.log | tail -40
     ;;
   compare)
