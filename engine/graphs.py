@@ -333,7 +333,6 @@ class DecodeGraphs(GraphSet[tuple[int, int, bool]]):
             "starts": inp[1, :b],
             "lens": self._ones[:b],
             "cu_lens": ar[: b + 1],
-            "last_index": ar[:b],
             "logit_index": ar[:b],
             "seq_of_token": ar[:b],
             "slot_of_token": inp[2, :b],

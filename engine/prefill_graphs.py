@@ -181,7 +181,6 @@ class PrefillGraphs(GraphSet[int]):
             "starts": seq[_START : _START + 1],
             "lens": seq[_LEN : _LEN + 1],
             "cu_lens": seq[_CU : _CU + 2],
-            "last_index": seq[_LAST : _LAST + 1],
             "logit_index": seq[_LAST : _LAST + 1],
             "seq_of_token": self._zeros[:tokens],
             "slot_of_token": inp[2 * w : 2 * w + tokens],

@@ -72,7 +72,6 @@ class StepBatch(Sequence[Row]):
     starts: Tensor = field(init=False)  # [B] int64, tokens already in the slot's cache
     lens: Tensor = field(init=False)  # [B] int64, new tokens this step
     cu_lens: Tensor = field(init=False)  # [B+1] int64
-    last_index: Tensor = field(init=False)  # [B] int64, index in T of each sequence's last token
     # Rows of the flat layout whose logits the model returns: each sequence's last token, or all
     # of its tokens where asked (prompt logprobs), in sequence order.
     logit_index: Tensor = field(init=False)
@@ -302,7 +301,6 @@ def _index_tensors(slots_list: list[int], starts_list: list[int], lens_list: lis
         "starts": starts,
         "lens": lens,
         "cu_lens": cu_lens,
-        "last_index": cu_lens[1:] - 1,
         "logit_index": cu_lens[1:] - 1,
         "seq_of_token": seq_of_token,
         "slot_of_token": slots[seq_of_token],

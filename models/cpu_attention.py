@@ -5,9 +5,10 @@ A CPU store keeps a layer's blocks as one tensor [block, pos, 2 * kv_heads, head
 consecutive block ids is one strided view. Each sequence's table is cut into such runs (one where
 the allocator handed its blocks out in order, as a prompt's are), each run is attended by torch's
 CPU flash kernel, and the parts merge by their log-sum-exp (the softmax over all keys, exactly). A
-table in more than MAX_RUNS runs, or a decode token's in more than one up to DECODE_GATHER_MAX
-positions, is gathered for that sequence instead: there the copy costs less than the calls.
-Int8 blocks and steps over both stores take the gathering path (`TorchPagedAttention`).
+table in more than MAX_RUNS runs is gathered for that sequence instead: there the copy costs less
+than the calls. Steps of decode tokens only over float32 blocks go to the C kernel where it builds
+(models/cpu_blocks.py: any order of blocks, no runs). Int8 blocks and steps over both stores take
+the gathering path (`TorchPagedAttention`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ballast.models.attention import (
     write_rows,
 )
 from ballast.models.base import ForwardBatch
+from ballast.models.cpu_blocks import decode_attention, kernel_fits
 from ballast.models.kv_store import KVStore
 from torch import Tensor
 
@@ -43,6 +45,7 @@ class _Step:
     groups: tuple[PaddedGroup, ...] = ()
     ids: tuple[list[Tensor], ...] = ()  # per group, per store: the blocks it gathers
     in_int8: tuple[Tensor, ...] = ()  # per group over both stores: [B_g, 1, 1, 1] in the int8 one
+    kernel: bool = False  # decode tokens only over float32 blocks: the C kernel's
 
 
 class TorchPagedAttention(PagedAttentionBackend):
@@ -55,7 +58,9 @@ class TorchPagedAttention(PagedAttentionBackend):
         stores = self.step_stores(batch)
         rows = [row_index(s, batch) for s in stores]
         if len(stores) == 1 and not self.layout.quantized:
-            self._step = _Step(batch, rows, table_runs(self.main, batch))
+            lay = self.layout
+            kernel = batch.decode_only and lay.dtype == torch.float32 and kernel_fits(lay.head_dim)
+            self._step = _Step(batch, rows, [] if kernel else table_runs(self.main, batch), kernel=kernel)
             return
         groups = padded_groups(batch)
         ids = tuple([block_ids(s, g.batch) for s in stores] for g in groups)
@@ -77,6 +82,8 @@ class TorchPagedAttention(PagedAttentionBackend):
 
     def attend(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
         step = self._prepared(batch)
+        if step.kernel and q.dtype == torch.float32:
+            return decode_attention(self.main, layer, q, batch)
         if step.runs is not None:
             return attend_in_place(self.main, layer, q, batch, step.runs)
         q = q.to(self.layout.dtype)  # gathered K/V come in the model dtype (a bf16 prompt's too)
@@ -143,30 +150,20 @@ def attend_in_place(
     for start, n, runs in runs_of if runs_of is not None else table_runs(store, batch):
         ctx = start + n
         source = kv_layer
-        if len(runs) > MAX_RUNS or (n == 1 and len(runs) > 1 and ctx <= DECODE_GATHER_MAX):
+        if len(runs) > MAX_RUNS:
             # cheaper than a kernel call per run (bench/cpu_attention.py): gathered, once a layer
             ids = torch.tensor([blk + k for _, blk, count in runs for k in range(count)])
             source, runs = kv_layer.index_select(0, ids), [(0, 0, len(ids))]
         if q.dtype != source.dtype:
             source, runs = _in_dtype(source, runs, q.dtype)
-        n_kv = store.layout.num_kv_heads
-        if n == 1 and len(runs) == 1:  # a decode token over blocks in order: no parts to merge
-            out[first] = _decode_one(_run_view(source, runs[0], ctx)[1], q[first], n_kv)
-        elif n == 1:
-            out[first] = _decode_runs([_run_view(source, run, ctx)[1] for run in runs], q[first], n_kv)
-        else:
-            keys = [_run_view(source, run, ctx) for run in runs]
-            out[first : first + n] = _attend_one(keys, q[first : first + n], start, n_kv)
+        keys = [_run_view(source, run, ctx) for run in runs]
+        out[first : first + n] = _attend_one(keys, q[first : first + n], start, store.layout.num_kv_heads)
         first += n
     return out
 
 
 # Runs of blocks attended in place, one kernel call each; a table in more pieces is gathered.
 MAX_RUNS = 2
-# A decode token whose blocks are not in order (a batch's blocks interleave past its prompts) is
-# gathered up to this context: one flash call over a copy beats a call per run plus their merge
-# (2 runs, 1 thread: 33 against 63 us at 43 positions, 91 against 110 at 512, even at 1k).
-DECODE_GATHER_MAX = 512
 
 
 def _in_dtype(
@@ -196,23 +193,6 @@ def _flash(q: Tensor, kv: Tensor, n_kv: int, causal: bool) -> tuple[Tensor, Tens
         q, keys, values, is_causal=causal, scale=q.shape[-1] ** -0.5
     )
     return out, lse
-
-
-def _decode_one(kv: Tensor, q: Tensor, n_kv: int) -> Tensor:
-    """One decode token's q [Hq, D] over its keys kv [S, 2 * n_kv, D] -> [Hq, D]: one flash
-    call, each KV head's group of query heads as its query rows (already in head order for one
-    token), no mask. The same maths as `_attend_one` in a third of its ops (30 layers a step)."""
-    heads, dim = q.shape
-    return _flash(q.view(1, n_kv, heads // n_kv, dim), kv, n_kv, causal=False)[0].reshape(heads, dim)
-
-
-def _decode_runs(kvs: list[Tensor], q: Tensor, n_kv: int) -> Tensor:
-    """`_decode_one` over several runs of keys [S_i, 2 * n_kv, D], merged by their log-sum-exp:
-    the sums `_attend_one` forms for one token, in half its ops."""
-    heads, dim = q.shape
-    parts = [_flash(q.view(1, n_kv, heads // n_kv, dim), kv, n_kv, causal=False) for kv in kvs]
-    weight = torch.softmax(torch.stack([lse for _, lse in parts]), dim=0)  # [runs, 1, n_kv, group]
-    return (torch.stack([o for o, _ in parts]) * weight[..., None]).sum(0).reshape(heads, dim)
 
 
 def _attend_one(keys: list[tuple[int, Tensor]], q: Tensor, start: int, n_kv: int) -> Tensor:

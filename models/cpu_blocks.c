@@ -13,6 +13,7 @@
    at a time through each block, so a block's weights are unpacked once for up to 4 rows; outputs
    are split over `threads` OpenMP threads. */
 
+#include <math.h>
 #include <stdint.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -73,6 +74,12 @@ typedef __m512 vec;
 #define vset1 _mm512_set1_ps
 #define vzero _mm512_setzero_ps
 #define vhsum _mm512_reduce_add_ps
+#define vsub _mm512_sub_ps
+#define vmax _mm512_max_ps
+#define vmin _mm512_min_ps
+#define vdiv _mm512_div_ps
+#define vfloor(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+#define vpow2i(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23))
 
 static inline void unpack_q4(const uint8_t *q, vec w[NV]) {
     __m128i bytes = _mm_loadu_si128((const __m128i *)q);
@@ -97,6 +104,12 @@ typedef __m256 vec;
 #define vfma _mm256_fmadd_ps
 #define vset1 _mm256_set1_ps
 #define vzero _mm256_setzero_ps
+#define vsub _mm256_sub_ps
+#define vmax _mm256_max_ps
+#define vmin _mm256_min_ps
+#define vdiv _mm256_div_ps
+#define vfloor _mm256_floor_ps
+#define vpow2i(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23))
 
 static inline float vhsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -204,5 +217,182 @@ void q8_dequantize(const q8_block *w, int64_t n, int64_t k, float *out, int thre
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n * nb; i++)
         for (int j = 0; j < BLOCK; j++) out[i * BLOCK + j] = w[i].d * (float)w[i].q[j];
+}
+
+/* ---- One decode step of a Llama stack whose every linear is Q4 blocks (BlockDecoder) ----------
+
+   The layers' step as models/layers.py runs it on the CPU, in one call: per layer, RMSNorm, the
+   q/k/v blocks, rope on q and k (x cos + roll(x, half) [-sin | sin], as Rope.turn_), K and V
+   written to the token's (block, offset) of its table, each query head over the token's cached
+   positions (softmax in float32, exactly, not online), the o blocks and the residual add, RMSNorm,
+   the gate/up blocks, silu(gate) up, the down blocks and the residual add. float32 throughout. */
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size;
+    float eps, scale;  /* RMSNorm's epsilon; attention's head_dim ** -0.5 */
+    const int64_t *weights; /* [layers][6]: the qkv, o, gate_up, down blocks; norm weights 1 and 2 */
+    float *kv;              /* the store [layers][blocks][block_size][2 kv_heads][head_dim] */
+    int64_t kv_layer;       /* floats per layer of kv */
+    const int32_t *table;   /* [slots][table_width] each slot's block ids */
+    int64_t table_width;
+} llama_stack;
+
+/* e^x, Cephes' single-precision range reduction and polynomial (about 1 ulp over the softmax's
+   and silu's arguments; the clamp keeps 2^n a normal float). */
+static inline vec vexp(vec x) {
+    x = vmin(vmax(x, vset1(-87.3f)), vset1(88.3f));
+    vec n = vfloor(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
+    vec r = vfma(n, vset1(-0.693359375f), x);
+    r = vfma(n, vset1(2.12194440e-4f), r);
+    vec p = vset1(1.9875691500e-4f);
+    p = vfma(p, r, vset1(1.3981999507e-3f));
+    p = vfma(p, r, vset1(8.3334519073e-3f));
+    p = vfma(p, r, vset1(4.1665795894e-2f));
+    p = vfma(p, r, vset1(1.6666665459e-1f));
+    p = vfma(p, r, vset1(5.0000001201e-1f));
+    p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+    return vmul(p, vpow2i(n));
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    vec acc = vmul(vload(a), vload(b));
+    for (int64_t i = LANES; i < n; i += LANES) acc = vfma(vload(a + i), vload(b + i), acc);
+    return vhsum(acc);
+}
+
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    vec acc = vzero();
+    for (int64_t i = 0; i < n; i += LANES) acc = vfma(vload(x + i), vload(x + i), acc);
+    float r = 1.0f / sqrtf(vhsum(acc) / (float)n + eps);
+    for (int64_t i = 0; i < n; i += LANES) vstore(out + i, vmul(vmul(vload(x + i), vset1(r)), vload(w + i)));
+}
+
+static void add_into(float *h, const float *d, int64_t n) {
+    for (int64_t i = 0; i < n; i += LANES) vstore(h + i, vadd(vload(h + i), vload(d + i)));
+}
+
+/* x [heads][dim] turned in place by one position's cos / sin [dim]. */
+static void rope(float *x, int64_t heads, int64_t dim, const float *cos, const float *sin) {
+    int64_t half = dim / 2;
+    float t[512];
+    for (int64_t h = 0; h < heads; h++, x += dim) {
+        for (int64_t i = 0; i < half; i++) {
+            t[i] = x[i] * cos[i] + x[i + half] * -sin[i];
+            t[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
+        }
+        for (int64_t i = 0; i < dim; i++) x[i] = t[i];
+    }
+}
+
+/* Query heads g * group .. of one token, at cached positions 0 .. ctx - 1 (block ids `tab`), over
+   KV head g of layer `kvl`. scores: group * ctx floats of scratch. */
+static void attend(const llama_stack *s, const float *kvl, const int32_t *tab, int64_t ctx, const float *q,
+                   int64_t g, float *out, float *scores) {
+    int64_t dim = s->head_dim, group = s->heads / s->kv_heads, row = 2 * s->kv_heads * dim, bs = s->block_size;
+    for (int64_t p = 0; p < ctx; p++) {
+        const float *k = kvl + ((int64_t)tab[p / bs] * bs + p % bs) * row + g * dim;
+        for (int64_t j = 0; j < group; j++) scores[j * ctx + p] = dot(q + (g * group + j) * dim, k, dim) * s->scale;
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float *e = scores + j * ctx, top = e[0], total = 0.0f;
+        for (int64_t p = 1; p < ctx; p++) top = e[p] > top ? e[p] : top;
+        int64_t p = 0;
+        for (; p + LANES <= ctx; p += LANES) vstore(e + p, vexp(vadd(vload(e + p), vset1(-top))));
+        if (p < ctx) {
+            float tail[LANES] = {0};
+            for (int64_t i = p; i < ctx; i++) tail[i - p] = e[i] - top;
+            vstore(tail, vexp(vload(tail)));
+            for (int64_t i = p; i < ctx; i++) e[i] = tail[i - p];
+        }
+        for (p = 0; p < ctx; p++) total += e[p];
+        vec acc[512 / LANES];
+        for (int64_t i = 0; i < dim / LANES; i++) acc[i] = vzero();
+        for (p = 0; p < ctx; p++) {
+            const float *v = kvl + ((int64_t)tab[p / bs] * bs + p % bs) * row + (s->kv_heads + g) * dim;
+            vec w = vset1(e[p]);
+            for (int64_t i = 0; i < dim / LANES; i++) acc[i] = vfma(w, vload(v + LANES * i), acc[i]);
+        }
+        float *o = out + (g * group + j) * dim;
+        for (int64_t i = 0; i < dim / LANES; i++) vstore(o + LANES * i, vdiv(acc[i], vset1(total)));
+    }
+}
+
+/* Every query head of `rows` decode tokens (row r's heads at q + r * q_stride, out [rows][heads][dim])
+   over its sequence's positions 0 .. pos[r] in layer `kvl`; scores: rows * heads * (max pos + 1). */
+static void attend_rows(const llama_stack *s, const float *kvl, int64_t rows, const float *q, int64_t q_stride,
+                        const int64_t *slot, const int64_t *pos, float *out, float *scores, int threads) {
+    int64_t kvh = s->kv_heads, group = s->heads / kvh, nq = s->heads * s->head_dim, max_ctx = 0;
+    for (int64_t r = 0; r < rows; r++) max_ctx = pos[r] + 1 > max_ctx ? pos[r] + 1 : max_ctx;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t rg = 0; rg < rows * kvh; rg++) {
+        int64_t r = rg / kvh, g = rg % kvh;
+        attend(s, kvl, s->table + slot[r] * s->table_width, pos[r] + 1, q + r * q_stride, g, out + r * nq,
+               scores + rg * group * max_ctx);
+    }
+}
+
+/* Decode attention for the CPU's torch backend (models/cpu_attention.py) over a float32 store
+   layer: the `attend_rows` of a stack holding only the attention's shape. */
+void decode_attention(const float *q, int64_t rows, int64_t q_stride, const float *kvl, const int32_t *table,
+                      int64_t table_width, const int64_t *slot, const int64_t *pos, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, int64_t block_size, float scale, float *out, float *scores, int threads) {
+    llama_stack s = {0};
+    s.heads = heads, s.kv_heads = kv_heads, s.head_dim = head_dim, s.block_size = block_size, s.scale = scale;
+    s.table = table, s.table_width = table_width;
+    attend_rows(&s, kvl, rows, q, q_stride, slot, pos, out, scores, threads);
+}
+
+/* The widest input of the stack's matmuls (their block sums' scratch). */
+static int64_t widest(const llama_stack *s) {
+    int64_t nq = s->heads * s->head_dim, wide = s->inter > s->hidden ? s->inter : s->hidden;
+    return nq > wide ? nq : wide;
+}
+
+/* Floats of `work` llama_decode needs for `rows` tokens seeing at most max_ctx positions. */
+int64_t llama_decode_work(const llama_stack *s, int64_t rows, int64_t max_ctx) {
+    int64_t nq = s->heads * s->head_dim, qkv = nq + 2 * s->kv_heads * s->head_dim;
+    return rows * (2 * s->hidden + qkv + nq + 3 * s->inter + widest(s) / BLOCK + s->heads * max_ctx);
+}
+
+/* h [rows][hidden]: the embedded tokens in, the residual stream after the last layer out (its
+   MLP added; the final norm and the head are the caller's). cos / sin [rows][head_dim]: each token's
+   rotary tables; slot / pos [rows]: its sequence's table row and position (it sees 0 .. pos). */
+void llama_decode(const llama_stack *s, int64_t rows, float *h, const float *cos, const float *sin,
+                  const int64_t *slot, const int64_t *pos, float *work, int threads) {
+    int64_t hid = s->hidden, dim = s->head_dim, kvh = s->kv_heads, nq = s->heads * dim;
+    int64_t nqkv = nq + 2 * kvh * dim, inter = s->inter;
+    float *x = work, *delta = x + rows * hid, *qkv = delta + rows * hid, *att = qkv + rows * nqkv;
+    float *gu = att + rows * nq, *act = gu + rows * 2 * inter, *xs = act + rows * inter;
+    float *scores = xs + rows * (widest(s) / BLOCK);
+    for (int64_t l = 0; l < s->layers; l++) {
+        const int64_t *w = s->weights + 6 * l;
+        float *kvl = s->kv + l * s->kv_layer;
+        for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hid, (const float *)w[4], hid, s->eps, x + r * hid);
+        matmul(x, rows, hid, (const q4_block *)w[0], 0, nqkv, qkv, xs, threads);
+        for (int64_t r = 0; r < rows; r++) {
+            float *t = qkv + r * nqkv;
+            rope(t, s->heads + kvh, dim, cos + r * dim, sin + r * dim);
+            int64_t blk = s->table[slot[r] * s->table_width + pos[r] / s->block_size];
+            float *dst = kvl + (blk * s->block_size + pos[r] % s->block_size) * 2 * kvh * dim;
+            for (int64_t i = 0; i < 2 * kvh * dim; i++) dst[i] = t[nq + i];
+        }
+        attend_rows(s, kvl, rows, qkv, nqkv, slot, pos, att, scores, threads);
+        matmul(att, rows, nq, (const q4_block *)w[1], 0, hid, delta, xs, threads);
+        for (int64_t r = 0; r < rows; r++) {
+            add_into(h + r * hid, delta + r * hid, hid);
+            rms_norm(h + r * hid, (const float *)w[5], hid, s->eps, x + r * hid);
+        }
+        matmul(x, rows, hid, (const q4_block *)w[2], 0, 2 * inter, gu, xs, threads);
+        for (int64_t r = 0; r < rows; r++) {
+            const float *gate = gu + r * 2 * inter, *up = gate + inter;
+            for (int64_t i = 0; i < inter; i += LANES) {
+                vec v = vload(gate + i);
+                vec silu = vdiv(v, vadd(vset1(1.0f), vexp(vsub(vzero(), v))));
+                vstore(act + r * inter + i, vmul(silu, vload(up + i)));
+            }
+        }
+        matmul(act, rows, inter, (const q4_block *)w[3], 0, hid, delta, xs, threads);
+        for (int64_t r = 0; r < rows; r++) add_into(h + r * hid, delta + r * hid, hid);
+    }
 }
 #endif  /* BLOCKS_SIMD */

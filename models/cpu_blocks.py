@@ -24,9 +24,12 @@ import tempfile
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
+from ballast.models.base import ForwardBatch
 from ballast.models.default_model import cache_dir
+from ballast.models.kv_store import KVStore
 from ballast.models.layers import bf16_matmuls, linear
 from ballast.models.packed import GROUP, Q4Weight, Q8Weight
 from torch import Tensor, nn
@@ -47,6 +50,9 @@ _SIGNATURES = {
     "q8_matmul": [_P, _I, _I, _P, _I, _P, _T],
     "q4_dequantize": [_P, _I, _I, _P, _T],
     "q8_dequantize": [_P, _I, _I, _P, _T],
+    "llama_decode_work": [_P, _I, _I],
+    "llama_decode": [_P, _I, _P, _P, _P, _P, _P, _P, _T],
+    "decode_attention": [_P, _I, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _T],
 }
 
 
@@ -92,6 +98,7 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
+    lib.llama_decode_work.restype = _I
     log.info("CPU block kernel: %s (%s)", lib._name, "AVX-512" if simd == 1 else "AVX2")
     return lib
 
@@ -188,3 +195,83 @@ class BlockLinear(nn.Module):
                 parts.append(linear(x, w))
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return y.to(torch.bfloat16) if bf16 and self.bf16_out else y
+
+
+class _Stack(ctypes.Structure):
+    """llama_stack in models/cpu_blocks.c, field for field."""
+
+    _fields_ = [
+        *((n, _I) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size")),
+        *((n, ctypes.c_float) for n in ("eps", "scale")),
+        ("weights", _P), ("kv", _P), ("kv_layer", _I), ("table", _P), ("table_width", _I),
+    ]  # fmt: skip
+
+
+def kernel_fits(head_dim: int) -> bool:
+    """Whether the kernel's vectors tile a head (its rope and attention hold up to 512 wide)."""
+    lib = library()
+    return lib is not None and head_dim % (16 if lib.blocks_simd() == 1 else 8) == 0 and head_dim <= 512
+
+
+def decode_attention(store: KVStore, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
+    """q [T, Hq, D] float32 (rows may be strided: the q/k/v projection's views) of decode tokens,
+    each over its sequence's positions up to its own (this step's K/V written) in a float32 CPU store,
+    read in place through the table, whatever the order of its blocks -> [T, Hq, D]."""
+    lib, host, lay = library(), store.host, store.layout
+    assert lib is not None and host is not None and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+    rows, heads, dim = q.shape
+    out, scores = torch.empty(rows, heads, dim), torch.empty(rows * heads * batch.max_ctx)
+    table, index = store.block_table, (batch.slot_of_token, batch.positions)
+    lib.decode_attention(
+        q.data_ptr(), rows, q.stride(0), host.kv[layer].data_ptr(), table.data_ptr(), table.shape[1],
+        *(t.data_ptr() for t in index), heads, lay.num_kv_heads, dim, lay.block_size, dim**-0.5,
+        out.data_ptr(), scores.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+class BlockDecoder:
+    """A decode step through a Llama stack whose every linear is Q4 blocks, in one kernel call
+    (llama_decode in models/cpu_blocks.c): the ~150 small torch ops a layer otherwise runs around
+    its matmuls (norms, rope, the KV write, attention, the adds) took half a one-row step of the
+    default model. Serves steps of decode tokens only, up to BLOCK_MAX_ROWS, over a float32 CPU
+    store; the model runs any other step through its layers."""
+
+    def __init__(self, layers: Sequence[Any], heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
+        self._layers = layers  # each with self_attn, mlp (blocks held) and the two norms, HF's names
+        self._weights: Tensor | None = None  # their addresses, read at the first step (after the load)
+        hidden, inter = layers[0].mlp.down_proj.out_features, layers[0].mlp.down_proj.in_features
+        self._stack = _Stack(len(layers), hidden, heads, kv_heads, head_dim, inter, 0, eps, head_dim**-0.5)
+
+    def serves(self, batch: ForwardBatch, stores: Sequence[KVStore]) -> bool:
+        """Whether the step `batch`, over `stores` (its attention backend's `step_stores`), is one."""
+        host = stores[0].host if len(stores) == 1 else None
+        short = batch.decode_only and batch.num_tokens <= BLOCK_MAX_ROWS
+        return short and host is not None and host.kv.dtype == torch.float32
+
+    def _addresses(self) -> Tensor:
+        parts = lambda m: (m.quantized.first.blocks, m.quantized.second.blocks)  # noqa: E731
+        return torch.tensor(
+            [
+                [t.data_ptr() for t in (*parts(layer.self_attn), *parts(layer.mlp))]
+                + [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
+                for layer in self._layers
+            ],
+            dtype=torch.int64,
+        )
+
+    def __call__(self, h: Tensor, batch: ForwardBatch, cos: Tensor, sin: Tensor, store: KVStore) -> Tensor:
+        """h [T, hidden] float32, the embedded tokens, becomes the residual stream after the last
+        layer (in place); this step's K/V are written to `store`."""
+        lib, s, host = library(), self._stack, store.host
+        assert lib is not None and host is not None and all(t.is_contiguous() for t in (h, cos, sin))
+        if self._weights is None:
+            self._weights = self._addresses()
+            s.weights = self._weights.data_ptr()
+        s.kv, s.kv_layer, s.block_size = host.kv.data_ptr(), host.kv[0].numel(), store.layout.block_size
+        s.table, s.table_width = store.block_table.data_ptr(), store.block_table.shape[1]
+        stack, rows = ctypes.addressof(s), h.shape[0]
+        work = torch.empty(lib.llama_decode_work(stack, rows, batch.max_ctx))
+        tensors = (h, cos, sin, batch.slot_of_token, batch.positions, work)
+        lib.llama_decode(stack, rows, *(t.data_ptr() for t in tensors), torch.get_num_threads())
+        return h

@@ -146,5 +146,9 @@ class DecoderLM(nn.Module):
         # are asked) need the final norm and the (large) head.
         if not batch.decode_only:
             h = h.index_select(0, batch.logit_index)
+        return self.head(self.model.norm(h))
+
+    def head(self, h: Tensor) -> Tensor:
+        """Float32 logits of the final-normed rows h (the CPU's block head where held)."""
         head = self.lm_head if self.quantized_head is None else self.quantized_head
-        return head(self.model.norm(h)).float()
+        return head(h).float()

@@ -8,15 +8,17 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from ballast.models import fp8, pointwise
 from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
 from ballast.models.packed import QuantizedPair, drop_dense
-from ballast.models.state import PagedKV
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from ballast.models.state import PagedKV
 
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -294,31 +296,15 @@ class SwiGLU(nn.Module):
 
 
 class Rope:
-    """One step's rotary tables, [T, rotary_dim] each, for every layer (and on the CPU `turn_`'s)."""
+    """One step's rotary tables, [T, rotary_dim] each, for every layer."""
 
-    __slots__ = ("cos", "sin", "_in_place")
+    __slots__ = ("cos", "sin")
 
     def __init__(self, cos: Tensor, sin: Tensor) -> None:
         self.cos, self.sin = cos, sin
-        self._in_place: tuple[Tensor, Tensor] | None = None
-        if cos.device.type == "cpu":
-            half = cos.shape[-1] // 2
-            signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-            self._in_place = (cos[:, None, :], signed_sin[:, None, :])
 
     def __call__(self, x: Tensor) -> Tensor:
         return pointwise.rope(x, self.cos, self.sin)
-
-    def turns_in_place(self, x: Tensor) -> bool:
-        """Whether `turn_` can rotate x [T, heads, head_dim]: on the CPU, with every dim turning."""
-        return self._in_place is not None and x.shape[-1] == self.cos.shape[-1]
-
-    def turn_(self, x: Tensor) -> None:
-        """x rotated in place, three ops where `__call__` takes ten: rotate_half(x) * sin is
-        roll(x, half) * [-sin | sin] (the same products bit for bit), added to x * cos by addcmul."""
-        assert self._in_place is not None
-        cos, signed_sin = self._in_place
-        torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin, out=x)
 
 
 @dataclass(frozen=True)
@@ -372,10 +358,6 @@ class SlotAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = rope(self.q_norm(qkv[:, :hq])), rope(self.k_norm(qkv[:, hq : hq + hkv]))
         else:
-            if rope.turns_in_place(qk):
-                rope.turn_(qk)  # the CPU: in the projection's output, no new tensor
-            else:
-                qk = rope(qk)  # q and k heads turned in one go
-            q, k = qk.split((hq, hkv), dim=1)
+            q, k = rope(qk).split((hq, hkv), dim=1)  # q and k heads turned in one go
         state.write(step.batch, k, v)
         return out(state.attend(q, step.batch))

@@ -3,13 +3,13 @@ norms), over the slot state."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ballast.memory.specs import LayerSpec
-from ballast.models.base import UnsupportedModel
-from ballast.models.cpu_blocks import BlockLinear
+from ballast.models.base import ForwardBatch, UnsupportedModel
+from ballast.models.cpu_blocks import BlockDecoder, BlockLinear, kernel_fits
 from ballast.models.decoder import (
     POSITIVE,
     DecoderLayer,
@@ -144,6 +144,16 @@ class LlamaForCausalLM(DecoderLM):
         norm, rope = RMSNorm(c.hidden_size, c.rms_norm_eps), RotaryEmbedding(c.rope, c.head_dim)
         model = DecoderModel(c.vocab_size, c.hidden_size, layers, norm, rope)
         super().__init__(c, model, Linear(c.hidden_size, c.vocab_size, bias=False))
+        self.block_decoder: BlockDecoder | None = None  # the CPU's one-call decode step, where held
+
+    def forward(self, batch: ForwardBatch, states: Sequence[LayerState]) -> Tensor:
+        fused, state = self.block_decoder, states[0] if states else None
+        stores = state.attention.step_stores(batch) if isinstance(state, PagedKV) else []
+        if fused is None or not fused.serves(batch, stores):
+            return super().forward(batch, states)
+        h = self.model.embed_tokens(batch.token_ids)
+        h = fused(h, batch, *self.model.rotary_emb(batch.positions, h.dtype), stores[0])
+        return self.head(self.model.norm(h))
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> LlamaForCausalLM:
@@ -167,6 +177,11 @@ class LlamaForCausalLM(DecoderLM):
             self.quantized_head = BlockLinear(head if isinstance(head, Q8Weight) else [head])
             if not tied:
                 drop_dense(self.lm_head)
+        c, layers = self.config, list(self.model.layers)
+        whole = len(blocks) == 2 * len(layers) and c.rope.partial_rotary_factor == 1.0 and not c.qk_norm
+        if whole and kernel_fits(c.head_dim):  # every layer's step in the kernel
+            heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+            self.block_decoder = BlockDecoder(layers, *heads, c.rms_norm_eps)
         return len(blocks)
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:

@@ -176,55 +176,18 @@ def paged_decode(
     kv_dtype: torch.dtype,
     sm_scale: float,
     max_ctx: int,
+    tiling: DecodeTiling | None = None,
 ) -> None:
     """q, out: [B, Hq, D]; sequence b attends to positions 0..ctx_lens[b]-1 of slot slots[b] (this
     step's K/V already written). max_ctx: a host-side bound on ctx_lens (a graph's context bucket)
-    that picks the split count. No host sync, no data-dependent host logic: CUDA-graph capturable."""
-    tiling = choose_decode_tiling(q.shape[0], num_kv_heads, max_ctx, kv_dtype, _sm_count(q.device.index or 0))
-    decode_with(
-        tiling,
-        q,
-        out,
-        kv_ptrs,
-        scale_ptrs,
-        block_table,
-        slots,
-        ctx_lens,
-        layer=layer,
-        num_layers=num_layers,
-        seg_blocks=seg_blocks,
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        kv_dtype=kv_dtype,
-        sm_scale=sm_scale,
-        max_ctx=max_ctx,
-    )
-
-
-def decode_with(
-    tiling: DecodeTiling,
-    q: Tensor,
-    out: Tensor,
-    kv_ptrs: Tensor,
-    scale_ptrs: Tensor,
-    block_table: Tensor,
-    slots: Tensor,
-    ctx_lens: Tensor,
-    *,
-    layer: int,
-    num_layers: int,
-    seg_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    kv_dtype: torch.dtype,
-    sm_scale: float,
-    max_ctx: int,
-) -> None:
-    """paged_decode with an explicit tiling (the benchmark sweeps tilings through this)."""
+    that picks the split count; tiling: the chosen one if None (the benchmark sweeps others). No host
+    sync, no data-dependent host logic: CUDA-graph capturable."""
     group, head_dim = _check(q, out, kv_ptrs, block_size, num_kv_heads)
     batch, heads = q.shape[0], q.shape[1]
     if batch == 0:
         return
+    if tiling is None:
+        tiling = choose_decode_tiling(batch, num_kv_heads, max_ctx, kv_dtype, _sm_count(q.device.index or 0))
     splits = tiling.num_splits
     if splits > 1:
         part_out = torch.empty(batch, heads, splits, head_dim, device=q.device, dtype=torch.float32)

@@ -1,14 +1,15 @@
 """CPU attention in place (models/cpu_attention.py) against the gathering reference it replaces
 (models/attention.py: gather + scaled_dot_product_attention) on one real KV store: tables in
 order (one run) and shuffled (a run per block, merged by log-sum-exp), prompt chunks that cross
-block boundaries beside decode tokens, grouped-query heads."""
+block boundaries beside decode tokens, grouped-query heads; and the C kernel that serves steps of
+decode tokens over float32 blocks (models/cpu_blocks.py) against the same reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from ballast.memory.specs import AttentionSpec
-from ballast.models import cpu_attention
+from ballast.models import cpu_blocks
 from ballast.models.attention import attend_gathered, gather, padded_groups, write_rows
 from ballast.models.base import ForwardBatch
 from ballast.models.cpu_attention import attend_in_place, block_runs
@@ -31,10 +32,8 @@ def reference(store: object, q: torch.Tensor, batch: ForwardBatch) -> torch.Tens
     return out
 
 
-@pytest.mark.parametrize("tables", ["in order", "two runs", "two runs, merged", "shuffled"])
-def test_in_place_equals_the_gathered_reference(tables: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if tables == "two runs, merged":  # decode tokens over two runs merged in place, not gathered
-        monkeypatch.setattr(cpu_attention, "DECODE_GATHER_MAX", 0)
+@pytest.mark.parametrize("tables", ["in order", "two runs", "shuffled"])
+def test_in_place_equals_the_gathered_reference(tables: str) -> None:
     spec = AttentionSpec(num_kv_heads=KV_HEADS, head_dim=DIM, dtype_bytes=4)
     state = allocate_states([spec], 3, 200, "cpu", torch.float32)[0]
     assert isinstance(state, PagedKV)
@@ -55,6 +54,7 @@ def test_in_place_equals_the_gathered_reference(tables: str, monkeypatch: pytest
         [(0, 70, 70), (1, 1, 5), (2, 33, 0)],  # a chunk beside a decode token
         [(0, 1, 140), (1, 1, 6), (2, 1, 33)],  # decodes only
     ]
+    kernels_run = False
     for step in steps:
         batch = ForwardBatch.build([(s, [1] * n, start) for s, n, start in step], torch.device("cpu"))
         t = batch.token_ids.shape[0]
@@ -62,5 +62,12 @@ def test_in_place_equals_the_gathered_reference(tables: str, monkeypatch: pytest
         q = torch.randn(t, HEADS, DIM, generator=gen)
         got, want = attend_in_place(store, 0, q, batch), reference(store, q, batch)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), step
+        if batch.decode_only and cpu_blocks.kernel_fits(DIM):  # the kernel: blocks in any order
+            # q as the projection leaves it: each row's heads inside a wider q/k/v row
+            wide = torch.cat((q, torch.randn(t, 2 * KV_HEADS, DIM, generator=gen)), dim=1)[:, :HEADS]
+            kernel = cpu_blocks.decode_attention(store, 0, wide, batch)
+            assert torch.allclose(kernel, want, atol=1e-5, rtol=1e-5), step
+            kernels_run = True
+    assert kernels_run or not cpu_blocks.kernel_fits(DIM)
     if tables.startswith("two runs"):
         assert len(block_runs(store.block_table[0].tolist(), 141, store.layout.block_size)) == 2

@@ -96,6 +96,7 @@ def test_the_default_holds_whole_q4_blocks_and_the_q8_head_as_blocks(tmp_path: P
         for b in (layer.self_attn, layer.mlp)
     ]
     assert kinds == ["BlockLinear", "BlockLinear", None, "BlockLinear"]  # layer 1's k is Q8_0: dense
+    assert m.block_decoder is None  # a step in one kernel call needs every layer's blocks
     assert isinstance(m.quantized_head, BlockLinear) and not m.quantized_head.q4
     assert torch.equal(m.model.embed_tokens.weight, dense.model.model.embed_tokens.weight)  # lookups
     assert ours.weights_bytes < dense.weights_bytes
@@ -157,3 +158,56 @@ def test_the_kernel_is_built_once_into_the_cache_directory(
         assert cpu_blocks.available() and built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
     finally:
         cpu_blocks.library.cache_clear()
+
+
+def _decode_run(m: LlamaForCausalLM, prompts: list[int], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits of each step, the KV store's layer tensor) of sequences of `prompts` tokens, then
+    `steps` greedy decode steps of them all; odd slots' blocks handed out in reverse order."""
+    states = allocate_states(m.layer_specs(4), len(prompts), 96, "cpu", torch.float32)
+    store = states[0].store  # type: ignore[attr-defined]
+    for slot in range(1, len(prompts), 2):
+        store.set_table(slot, 0, store.block_table[slot].tolist()[::-1])
+    rows = [(s, [(7 * s + i) % 200 + 1 for i in range(n)], 0) for s, n in enumerate(prompts)]
+    with torch.inference_mode():
+        out = [m(ForwardBatch.build(rows, CPU), states)]
+        for k in range(steps):
+            tokens = out[-1].argmax(-1).tolist()
+            step = [(s, [tokens[s]], n + k) for s, n in enumerate(prompts)]
+            out.append(m(ForwardBatch.build(step, CPU), states))
+    return torch.stack(out), store.host.kv.clone()
+
+
+@pytest.mark.parametrize("prompts", [[9], [9, 40, 17], [5, 33, 12, 64, 3, 20, 47, 8]])
+def test_a_stack_of_q4_blocks_decodes_in_one_kernel_call_as_its_layers_do(
+    prompts: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tiny = write_tiny_llama(tmp_path / "q4.gguf", layer_types=[MIXED_Q4_LAYERS[0]] * 2, seed=5)
+    m = load(EngineConfig(model=str(tiny.path), device="cpu"), CPU, torch.float32).model
+    assert isinstance(m, LlamaForCausalLM) and m.block_decoder is not None
+    decoder, calls = m.block_decoder, []
+    call = type(decoder).__call__
+    monkeypatch.setattr(type(decoder), "__call__", lambda self, *a: calls.append(1) or call(self, *a))
+    got, got_kv = _decode_run(m, prompts, steps=4)
+    assert len(calls) == 4  # every decode step of up to BLOCK_MAX_ROWS rows, no prompt step
+    m.block_decoder = None  # the same steps through the layers (torch ops around the block linears)
+    want, want_kv = _decode_run(m, prompts, steps=4)
+    assert len(calls) == 4
+    # float32 throughout: only the order of additions (and the kernel's exp) differ
+    assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert float((got_kv - want_kv).abs().max()) < 1e-4 * float(want_kv.abs().max())  # K/V written alike
+
+
+def test_the_one_call_step_leaves_larger_and_int8_steps_to_the_layers(tmp_path: Path) -> None:
+    tiny = write_tiny_llama(tmp_path / "q4.gguf", layer_types=[MIXED_Q4_LAYERS[0]] * 2)
+    m = load(EngineConfig(model=str(tiny.path), device="cpu"), CPU, torch.float32).model
+    assert isinstance(m, LlamaForCausalLM) and m.block_decoder is not None
+    store = allocate_states(m.layer_specs(4), 1, 32, "cpu", torch.float32)[0].store  # type: ignore[attr-defined]
+    int8 = allocate_states(m.layer_specs(4), 1, 32, "cpu", torch.float32, quantized_kv=True)[0].store  # type: ignore[attr-defined]
+    decode = ForwardBatch.build([(s, [1], 3) for s in range(BLOCK_MAX_ROWS)], CPU)
+    assert m.block_decoder.serves(decode, [store])
+    assert not m.block_decoder.serves(ForwardBatch.build([(0, [1, 2], 3)], CPU), [store])  # a prompt chunk
+    assert not m.block_decoder.serves(
+        ForwardBatch.build([(s, [1], 3) for s in range(BLOCK_MAX_ROWS + 1)], CPU), [store]
+    )
+    assert not m.block_decoder.serves(decode, [int8]) and not m.block_decoder.serves(decode, [store, int8])

@@ -61,7 +61,7 @@ def test_a_prompt_is_staged_as_its_eager_batch_plus_padding(n: int, start: int) 
         assert torch.equal(
             pad, torch.full_like(pad, {"token_ids": PAD_TOKEN, "positions": PAD_POSITION}.get(field, SCRATCH))
         )
-    for field in ("slots", "starts", "lens", "cu_lens", "last_index", "logit_index"):
+    for field in ("slots", "starts", "lens", "cu_lens", "logit_index"):
         assert torch.equal(getattr(staged, field), getattr(eager, field)), field
     # a shorter prompt staged next leaves nothing of this one in its rows
     graphs._stage(3, [9, 9], 0, bucket)

@@ -18,7 +18,7 @@ def test_forward_batch_flattens_mixed_sequences() -> None:
     assert b.slot_of_token.tolist() == [3, 3, 3, 0, 5, 5]
     assert b.seq_of_token.tolist() == [0, 0, 0, 1, 2, 2]
     assert b.cu_lens.tolist() == [0, 3, 4, 6]
-    assert b.last_index.tolist() == [2, 3, 5]
+    assert b.logit_index.tolist() == [2, 3, 5]  # each sequence's last token
     assert b.pad_index.tolist() == [0, 1, 2, 3, 6, 7]  # padded layout [3 seqs, max_len 3]
     assert (b.max_len, b.max_ctx, b.num_seqs, b.num_tokens) == (3, 8, 3, 6)
     assert not b.decode_only
