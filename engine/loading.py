@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from ballast.engine import threads
 from ballast.engine.config import EngineConfig
 from ballast.engine.runner import analytic_activation_bytes, weights_bytes
 from ballast.engine.sampler import Sampler
@@ -243,7 +244,8 @@ def load(
         skip = {n for n in held if n != "model.embed_tokens.weight"}
         model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype, skip=skip), device)
         if held:
-            cast(LlamaForCausalLM, model).hold_blocks(held)
+            decode = threads.decode_threads(threads.read_cpu_share(), config.cpu_threads)
+            cast(LlamaForCausalLM, model).hold_blocks(held, decode)
         if config.cpu_prompt_bf16(device):
             hold_prompt_bf16(model)
         hf_tok = build_tokenizer(gf.metadata)

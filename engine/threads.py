@@ -106,12 +106,15 @@ def intra_op_threads(share: CpuShare, configured: int = 0) -> int:
     return max(1, share.usable - EVENT_LOOP_CPUS)
 
 
+def decode_threads(share: CpuShare, configured: int = 0) -> int:
+    """The most threads the CPU block kernel's decode step runs (models/cpu_blocks.DecodeThreads):
+    every usable CPU, the extra ones only while no other process holds them; `configured` if set."""
+    return configured if configured > 0 else share.usable
+
+
 def describe(share: CpuShare, threads: int, configured: int) -> str:
     """The start-up log line: the choice and what it came from."""
-    quota = (
-        "no cgroup CPU quota"
-        if share.quota is None
-        else f"cgroup quota {share.quota:g} CPUs ({share.cgroup})"
-    )
+    quota = f"cgroup quota {share.quota:g} CPUs ({share.cgroup})" if share.quota else "no cgroup CPU quota"
     how = "--cpu-threads" if configured > 0 else f"usable CPUs less {EVENT_LOOP_CPUS} for the event loop"
-    return f"CPU threads: {threads} ({how}; affinity {share.affinity} CPUs, {quota})"
+    decode = f"block decode steps up to {decode_threads(share, configured)}"
+    return f"CPU threads: {threads} ({how}; affinity {share.affinity} CPUs, {quota}); {decode}"

@@ -57,15 +57,13 @@ _TINY_LLAMA: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 _LLAMA_8B: dict[str, Any] = {
-    "model_type": "llama",
-    **_COMMON,
+    **_TINY_LLAMA,
     "hidden_size": 4096,
     "intermediate_size": 14336,
     "num_hidden_layers": 32,
     "num_attention_heads": 32,
     "num_key_value_heads": 8,
     "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
     "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
     "tie_word_embeddings": False,
 }

@@ -5,10 +5,9 @@ A CPU store keeps a layer's blocks as one tensor [block, pos, 2 * kv_heads, head
 consecutive block ids is one strided view. Each sequence's table is cut into such runs (one where
 the allocator handed its blocks out in order, as a prompt's are), each run is attended by torch's
 CPU flash kernel, and the parts merge by their log-sum-exp (the softmax over all keys, exactly). A
-table in more than MAX_RUNS runs is gathered for that sequence instead: there the copy costs less
-than the calls. Steps of decode tokens only over float32 blocks go to the C kernel where it builds
-(models/cpu_blocks.py: any order of blocks, no runs). Int8 blocks and steps over both stores take
-the gathering path (`TorchPagedAttention`).
+table in more than MAX_RUNS runs is gathered for that sequence: the copy costs less than the calls.
+Decode-only steps over float32 blocks go to the C kernel (models/cpu_blocks.py) where it builds;
+int8 blocks and steps over both stores take the gathering path (`TorchPagedAttention`).
 """
 
 from __future__ import annotations
@@ -103,15 +102,6 @@ class TorchPagedAttention(PagedAttentionBackend):
         if step.in_int8:
             assert self.int8 is not None
             kv = torch.where(step.in_int8[group], gather(self.int8, layer, sub, step.ids[group][1]), kv)
-        return kv
-
-    def read(self, layer: int, batch: ForwardBatch) -> Tensor:
-        """[B, max_ctx, 2 * n_kv, head_dim]: each sequence's K and V, gathered from its store."""
-        kv = gather(self.main, layer, batch)
-        if len(self.step_stores(batch)) == 2:
-            assert self.int8 is not None and self.int8_slots is not None
-            in_int8 = self.int8_slots[batch.slots].view(-1, 1, 1, 1)
-            kv = torch.where(in_int8, gather(self.int8, layer, batch), kv)
         return kv
 
 

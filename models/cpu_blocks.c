@@ -14,6 +14,7 @@
    are split over `threads` OpenMP threads. */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -50,6 +51,16 @@ int blocks_simd(void) {
 }
 
 #ifdef BLOCKS_SIMD
+/* Seconds the calling thread waited at the ends of its parallel loops for the others (a helper
+   that another process holds off its core shows here); blocks_held_up reads and clears it. */
+static double held_up;
+
+double blocks_held_up(void) {
+    double s = held_up;
+    held_up = 0.0;
+    return s;
+}
+
 static void block_sums(const float *x, int64_t rows, int64_t k, float *xs) {
     int64_t nb = k / BLOCK;
     for (int64_t r = 0; r < rows; r++)
@@ -174,19 +185,25 @@ static void matmul(const float *x, int64_t rows, int64_t k, const q4_block *q4, 
                    float *y, float *xs, int threads) {
     int64_t nb = k / BLOCK;
     if (q4) block_sums(x, rows, k, xs);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
-            int nr = rows - r0 < ROWS ? (int)(rows - r0) : ROWS;
-            float out[ROWS];
-            const q4_block *w4 = q4 ? q4 + i * nb : 0;
-            const q8_block *w8 = q8 ? q8 + i * nb : 0;
-            if (nr == 1 && w4) dot_rows(x, xs, k, r0, 1, w4, 0, out);  /* specialised: one decode row */
-            else if (nr == 1) dot_rows(x, xs, k, r0, 1, 0, w8, out);
-            else dot_rows(x, xs, k, r0, nr, w4, w8, out);
-            for (int r = 0; r < nr; r++) y[(r0 + r) * n + i] = out[r];
+    double done = 0.0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < n; i++) {
+            for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+                int nr = rows - r0 < ROWS ? (int)(rows - r0) : ROWS;
+                float out[ROWS];
+                const q4_block *w4 = q4 ? q4 + i * nb : 0;
+                const q8_block *w8 = q8 ? q8 + i * nb : 0;
+                if (nr == 1 && w4) dot_rows(x, xs, k, r0, 1, w4, 0, out);  /* specialised: one decode row */
+                else if (nr == 1) dot_rows(x, xs, k, r0, 1, 0, w8, out);
+                else dot_rows(x, xs, k, r0, nr, w4, w8, out);
+                for (int r = 0; r < nr; r++) y[(r0 + r) * n + i] = out[r];
+            }
         }
+        if (omp_get_thread_num() == 0) done = omp_get_wtime();
     }
+    if (threads > 1) held_up += omp_get_wtime() - done;
 }
 
 /* xs: rows * k / 32 floats of scratch. */
@@ -323,12 +340,18 @@ static void attend_rows(const llama_stack *s, const float *kvl, int64_t rows, co
                         const int64_t *slot, const int64_t *pos, float *out, float *scores, int threads) {
     int64_t kvh = s->kv_heads, group = s->heads / kvh, nq = s->heads * s->head_dim, max_ctx = 0;
     for (int64_t r = 0; r < rows; r++) max_ctx = pos[r] + 1 > max_ctx ? pos[r] + 1 : max_ctx;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t rg = 0; rg < rows * kvh; rg++) {
-        int64_t r = rg / kvh, g = rg % kvh;
-        attend(s, kvl, s->table + slot[r] * s->table_width, pos[r] + 1, q + r * q_stride, g, out + r * nq,
-               scores + rg * group * max_ctx);
+    double done = 0.0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t rg = 0; rg < rows * kvh; rg++) {
+            int64_t r = rg / kvh, g = rg % kvh;
+            attend(s, kvl, s->table + slot[r] * s->table_width, pos[r] + 1, q + r * q_stride, g, out + r * nq,
+                   scores + rg * group * max_ctx);
+        }
+        if (omp_get_thread_num() == 0) done = omp_get_wtime();
     }
+    if (threads > 1) held_up += omp_get_wtime() - done;
 }
 
 /* Decode attention for the CPU's torch backend (models/cpu_attention.py) over a float32 store

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
@@ -99,6 +100,7 @@ def library() -> ctypes.CDLL | None:
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
     lib.llama_decode_work.restype = _I
+    lib.blocks_held_up.restype = ctypes.c_double
     log.info("CPU block kernel: %s (%s)", lib._name, "AVX-512" if simd == 1 else "AVX2")
     return lib
 
@@ -214,9 +216,8 @@ def kernel_fits(head_dim: int) -> bool:
 
 
 def decode_attention(store: KVStore, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
-    """q [T, Hq, D] float32 (rows may be strided: the q/k/v projection's views) of decode tokens,
-    each over its sequence's positions up to its own (this step's K/V written) in a float32 CPU store,
-    read in place through the table, whatever the order of its blocks -> [T, Hq, D]."""
+    """q [T, Hq, D] float32 of decode tokens (rows strided as the q/k/v projection's views leave them)
+    over their sequences' positions up to their own in a float32 CPU store, read in place -> [T, Hq, D]."""
     lib, host, lay = library(), store.host, store.layout
     assert lib is not None and host is not None and q.stride(2) == 1 and q.stride(1) == q.shape[2]
     rows, heads, dim = q.shape
@@ -230,18 +231,56 @@ def decode_attention(store: KVStore, layer: int, q: Tensor, batch: ForwardBatch)
     return out
 
 
-class BlockDecoder:
-    """A decode step through a Llama stack whose every linear is Q4 blocks, in one kernel call
-    (llama_decode in models/cpu_blocks.c): the ~150 small torch ops a layer otherwise runs around
-    its matmuls (norms, rope, the KV write, attention, the adds) took half a one-row step of the
-    default model. Serves steps of decode tokens only, up to BLOCK_MAX_ROWS, over a float32 CPU
-    store; the model runs any other step through its layers."""
+# A step that waited this share of its time for its extra threads (another process has their cores)
+# runs the next CALM_S seconds on the engine's threads alone, doubling to CALM_MAX_S while held up.
+HELD_UP_SHARE = 0.5
+CALM_S, CALM_MAX_S = 1.0, 32.0
 
-    def __init__(self, layers: Sequence[Any], heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
-        self._layers = layers  # each with self_attn, mlp (blocks held) and the two norms, HF's names
-        self._weights: Tensor | None = None  # their addresses, read at the first step (after the load)
+
+class DecodeThreads:
+    """The one-call decode step's threads: the engine's intra-op count, up to `ceiling` (every CPU
+    the process may use, engine/threads.py) while the extra ones keep up: a core another process
+    holds costs a probe step now and then (2 idle CPUs ran the default model's step 1.8x faster)."""
+
+    def __init__(self, ceiling: int) -> None:
+        self.ceiling, self._alone_until, self._calm = ceiling, 0.0, CALM_S
+
+    def count(self, now: float) -> int:
+        floor = torch.get_num_threads()
+        return max(floor, self.ceiling) if now >= self._alone_until else floor
+
+    def settle(self, threads: int, wall: float, held_up: float, now: float) -> None:
+        """After a step of `wall` seconds on `threads`, `held_up` of them waiting for the others."""
+        if threads > torch.get_num_threads() and held_up > HELD_UP_SHARE * wall:
+            self._alone_until, self._calm = now + self._calm, min(2 * self._calm, CALM_MAX_S)
+        elif threads > torch.get_num_threads():
+            self._calm = CALM_S
+
+
+class BlockDecoder:
+    """A decode step through a Llama stack whose every linear is Q4 blocks in one kernel call
+    (llama_decode, models/cpu_blocks.c), not ~150 small torch ops a layer around the matmuls (half
+    of a one-row step of the default model): steps of decode tokens only, up to BLOCK_MAX_ROWS,
+    over a float32 CPU store; the model runs others through its layers."""
+
+    def __init__(
+        self, layers: Sequence[Any], heads: int, kv_heads: int, head_dim: int, eps: float, threads: int
+    ) -> None:
+        self.threads = DecodeThreads(threads)
+        # what the kernel reads by address (held here): each layer's blocks and its norms' weights
+        pairs = [(layer.self_attn.quantized, layer.mlp.quantized) for layer in layers]
+        self._tensors = [
+            t
+            for (a, m), layer in zip(pairs, layers, strict=True)
+            for t in (a.first.blocks, a.second.blocks, m.first.blocks, m.second.blocks)
+            + (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        ]
+        self._weights = torch.tensor([t.data_ptr() for t in self._tensors], dtype=torch.int64)
         hidden, inter = layers[0].mlp.down_proj.out_features, layers[0].mlp.down_proj.in_features
-        self._stack = _Stack(len(layers), hidden, heads, kv_heads, head_dim, inter, 0, eps, head_dim**-0.5)
+        scale = head_dim**-0.5
+        self._stack = _Stack(
+            len(layers), hidden, heads, kv_heads, head_dim, inter, 0, eps, scale, self._weights.data_ptr()
+        )
 
     def serves(self, batch: ForwardBatch, stores: Sequence[KVStore]) -> bool:
         """Whether the step `batch`, over `stores` (its attention backend's `step_stores`), is one."""
@@ -249,29 +288,18 @@ class BlockDecoder:
         short = batch.decode_only and batch.num_tokens <= BLOCK_MAX_ROWS
         return short and host is not None and host.kv.dtype == torch.float32
 
-    def _addresses(self) -> Tensor:
-        parts = lambda m: (m.quantized.first.blocks, m.quantized.second.blocks)  # noqa: E731
-        return torch.tensor(
-            [
-                [t.data_ptr() for t in (*parts(layer.self_attn), *parts(layer.mlp))]
-                + [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
-                for layer in self._layers
-            ],
-            dtype=torch.int64,
-        )
-
     def __call__(self, h: Tensor, batch: ForwardBatch, cos: Tensor, sin: Tensor, store: KVStore) -> Tensor:
         """h [T, hidden] float32, the embedded tokens, becomes the residual stream after the last
         layer (in place); this step's K/V are written to `store`."""
         lib, s, host = library(), self._stack, store.host
         assert lib is not None and host is not None and all(t.is_contiguous() for t in (h, cos, sin))
-        if self._weights is None:
-            self._weights = self._addresses()
-            s.weights = self._weights.data_ptr()
         s.kv, s.kv_layer, s.block_size = host.kv.data_ptr(), host.kv[0].numel(), store.layout.block_size
         s.table, s.table_width = store.block_table.data_ptr(), store.block_table.shape[1]
         stack, rows = ctypes.addressof(s), h.shape[0]
         work = torch.empty(lib.llama_decode_work(stack, rows, batch.max_ctx))
         tensors = (h, cos, sin, batch.slot_of_token, batch.positions, work)
-        lib.llama_decode(stack, rows, *(t.data_ptr() for t in tensors), torch.get_num_threads())
+        threads = self.threads.count(start := time.monotonic())
+        lib.llama_decode(stack, rows, *(t.data_ptr() for t in tensors), threads)
+        now = time.monotonic()
+        self.threads.settle(threads, now - start, lib.blocks_held_up(), now)
         return h

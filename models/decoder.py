@@ -9,8 +9,9 @@ from dataclasses import fields
 from typing import Any
 
 from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
+from ballast.models.cpu_blocks import BlockDecoder
 from ballast.models.layers import FusedLinears, LayerStep, RMSNorm, Rope, RotaryEmbedding, token_embedding
-from ballast.models.state import LayerState
+from ballast.models.state import LayerState, PagedKV
 from torch import Tensor, nn
 
 
@@ -110,6 +111,7 @@ class DecoderLM(nn.Module):
         self.model = model
         self.lm_head = lm_head
         self.quantized_head: nn.Module | None = None  # the CPU's block head, where held
+        self.block_decoder: BlockDecoder | None = None  # the CPU's one-call decode step, where held
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -136,19 +138,20 @@ class DecoderLM(nn.Module):
         if len(states) != len(layers):
             raise ValueError(f"{len(states)} layer states for {len(layers)} layers")
         h = self.model.embed_tokens(batch.token_ids)
-        step = self.layer_step(batch, Rope(*self.model.rotary_emb(batch.positions, h.dtype)))
-        pending: Tensor | None = None
-        for layer, state in zip(layers, states, strict=True):
-            h, pending = layer(h, pending, step, state)
-        if pending is not None:
-            h = h + pending
+        cos, sin = self.model.rotary_emb(batch.positions, h.dtype)
+        fused, first = self.block_decoder, states[0]
+        stores = first.attention.step_stores(batch) if isinstance(first, PagedKV) else []
+        if fused is not None and fused.serves(batch, stores):  # the whole stack in one kernel call
+            h = fused(h, batch, cos, sin, stores[0])
+        else:
+            step, pending = self.layer_step(batch, Rope(cos, sin)), None
+            for layer, state in zip(layers, states, strict=True):
+                h, pending = layer(h, pending, step, state)
+            if pending is not None:
+                h = h + pending
         # Only the rows asked for (each sequence's last token, or every token where prompt logprobs
         # are asked) need the final norm and the (large) head.
         if not batch.decode_only:
             h = h.index_select(0, batch.logit_index)
-        return self.head(self.model.norm(h))
-
-    def head(self, h: Tensor) -> Tensor:
-        """Float32 logits of the final-normed rows h (the CPU's block head where held)."""
         head = self.lm_head if self.quantized_head is None else self.quantized_head
-        return head(h).float()
+        return head(self.model.norm(h)).float()

@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -288,20 +288,14 @@ class SwiGLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         q = self.quantized
         first, second = (self.gate_up, self.down_proj) if q is None else (q.first, q.second)
-        gate_up = first(x)
-        if gate_up.device.type == "cpu":  # the product written into silu's output, no third tensor
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            return second(F.silu(gate).mul_(up))
-        return second(pointwise.silu_mul(gate_up, self.intermediate))
+        return second(pointwise.silu_mul(first(x), self.intermediate))
 
 
-class Rope:
+class Rope(NamedTuple):
     """One step's rotary tables, [T, rotary_dim] each, for every layer."""
 
-    __slots__ = ("cos", "sin")
-
-    def __init__(self, cos: Tensor, sin: Tensor) -> None:
-        self.cos, self.sin = cos, sin
+    cos: Tensor
+    sin: Tensor
 
     def __call__(self, x: Tensor) -> Tensor:
         return pointwise.rope(x, self.cos, self.sin)

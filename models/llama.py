@@ -3,12 +3,12 @@ norms), over the slot state."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ballast.memory.specs import LayerSpec
-from ballast.models.base import ForwardBatch, UnsupportedModel
+from ballast.models.base import UnsupportedModel
 from ballast.models.cpu_blocks import BlockDecoder, BlockLinear, kernel_fits
 from ballast.models.decoder import (
     POSITIVE,
@@ -48,7 +48,6 @@ class LlamaConfig:
     num_key_value_heads: int = field(metadata=POSITIVE)
     head_dim: int = field(metadata=POSITIVE)
     rms_norm_eps: float
-    max_position_embeddings: int = field(metadata=hf_key(2048))
     rope: RopeParams
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -144,25 +143,16 @@ class LlamaForCausalLM(DecoderLM):
         norm, rope = RMSNorm(c.hidden_size, c.rms_norm_eps), RotaryEmbedding(c.rope, c.head_dim)
         model = DecoderModel(c.vocab_size, c.hidden_size, layers, norm, rope)
         super().__init__(c, model, Linear(c.hidden_size, c.vocab_size, bias=False))
-        self.block_decoder: BlockDecoder | None = None  # the CPU's one-call decode step, where held
-
-    def forward(self, batch: ForwardBatch, states: Sequence[LayerState]) -> Tensor:
-        fused, state = self.block_decoder, states[0] if states else None
-        stores = state.attention.step_stores(batch) if isinstance(state, PagedKV) else []
-        if fused is None or not fused.serves(batch, stores):
-            return super().forward(batch, states)
-        h = self.model.embed_tokens(batch.token_ids)
-        h = fused(h, batch, *self.model.rotary_emb(batch.positions, h.dtype), stores[0])
-        return self.head(self.model.norm(h))
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> LlamaForCausalLM:
         return cls(LlamaConfig.from_hf(hf))
 
-    def hold_blocks(self, held: Mapping[str, Q4Weight | Q8Weight]) -> int:
+    def hold_blocks(self, held: Mapping[str, Q4Weight | Q8Weight], decode_threads: int = 1) -> int:
         """Run the blocks `q4_blocks` finds in `held` (a GGUF's packed weights by HF name) through
         block linears (models/cpu_blocks.py), and the output head too where its blocks are in
-        `held`. Returns the blocks converted."""
+        `held`; a stack of them all decodes in one call on up to `decode_threads`. Returns the
+        blocks converted."""
         q4 = {n: w for n, w in held.items() if isinstance(w, Q4Weight)}
         blocks = q4_blocks(q4, set())
         for i, where, names in blocks:
@@ -181,7 +171,7 @@ class LlamaForCausalLM(DecoderLM):
         whole = len(blocks) == 2 * len(layers) and c.rope.partial_rotary_factor == 1.0 and not c.qk_norm
         if whole and kernel_fits(c.head_dim):  # every layer's step in the kernel
             heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-            self.block_decoder = BlockDecoder(layers, *heads, c.rms_norm_eps)
+            self.block_decoder = BlockDecoder(layers, *heads, c.rms_norm_eps, decode_threads)
         return len(blocks)
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:

@@ -49,7 +49,6 @@ class HybridConfig:
     num_key_value_heads: int = field(metadata=hf_key(2))
     head_dim: int = field(metadata=hf_key(256))
     rms_norm_eps: float
-    max_position_embeddings: int = field(metadata=hf_key(32768, positive=False))
     rope: RopeParams
     layer_types: tuple[str, ...]
     linear_conv_kernel_dim: int = field(metadata=hf_key(4))

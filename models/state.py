@@ -76,13 +76,6 @@ class PagedKV(LayerState):
         """q [T, Hq, D] over its sequence's cache (this step's K/V written) -> [T, Hq * D]."""
         return self.attention.attend(self.layer, q, batch).view(q.shape[0], -1)
 
-    def read(self, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
-        """K and V [B, max_ctx, n_kv, head_dim] gathered from the blocks (CPU only; stale past the end)."""
-        assert isinstance(self.attention, TorchPagedAttention), "on CUDA the blocks are read in place"
-        kv = self.attention.read(self.layer, batch)
-        h = self.layout.num_kv_heads
-        return kv[:, :, :h], kv[:, :, h:]
-
 
 class RecurrentState(LayerState):
     """A linear-attention / SSM layer's fixed-size state: conv window [num_slots, *conv_shape] in the

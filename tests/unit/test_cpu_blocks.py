@@ -187,11 +187,16 @@ def test_a_stack_of_q4_blocks_decodes_in_one_kernel_call_as_its_layers_do(
     decoder, calls = m.block_decoder, []
     call = type(decoder).__call__
     monkeypatch.setattr(type(decoder), "__call__", lambda self, *a: calls.append(1) or call(self, *a))
+    decoder.threads.ceiling = 1
     got, got_kv = _decode_run(m, prompts, steps=4)
     assert len(calls) == 4  # every decode step of up to BLOCK_MAX_ROWS rows, no prompt step
+    decoder.threads.ceiling = 2  # outputs and heads split over two threads: the same sums
+    assert all(
+        torch.equal(a, b) for a, b in zip(_decode_run(m, prompts, steps=4), (got, got_kv), strict=True)
+    )
     m.block_decoder = None  # the same steps through the layers (torch ops around the block linears)
     want, want_kv = _decode_run(m, prompts, steps=4)
-    assert len(calls) == 4
+    assert len(calls) == 8
     # float32 throughout: only the order of additions (and the kernel's exp) differ
     assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
     assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -211,3 +216,25 @@ def test_the_one_call_step_leaves_larger_and_int8_steps_to_the_layers(tmp_path: 
         ForwardBatch.build([(s, [1], 3) for s in range(BLOCK_MAX_ROWS + 1)], CPU), [store]
     )
     assert not m.block_decoder.serves(decode, [int8]) and not m.block_decoder.serves(decode, [store, int8])
+
+
+def test_the_decode_step_runs_extra_threads_only_while_they_keep_up() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the engine's intra-op count (engine/threads.py)
+    try:
+        threads, calm = cpu_blocks.DecodeThreads(ceiling=2), cpu_blocks.CALM_S
+        assert threads.count(now=0.0) == 2
+        threads.settle(2, wall=0.010, held_up=0.002, now=0.0)  # the extra thread kept up
+        assert threads.count(0.0) == 2
+        threads.settle(2, wall=0.010, held_up=0.008, now=10.0)  # held up: another process has its core
+        assert threads.count(10.0 + calm / 2) == 1 and threads.count(10.0 + calm) == 2
+        threads.settle(2, wall=0.010, held_up=0.009, now=11.0)  # the probe too: twice as long alone
+        assert threads.count(11.0 + 1.5 * calm) == 1 and threads.count(11.0 + 2 * calm) == 2
+        threads.settle(1, wall=0.010, held_up=0.010, now=13.0)  # a step on the engine's threads tells nothing
+        assert threads.count(13.0) == 2
+        threads.settle(2, wall=0.010, held_up=0.001, now=13.0)  # kept up again: the next stay is short
+        threads.settle(2, wall=0.010, held_up=0.009, now=14.0)
+        assert threads.count(14.0 + calm) == 2
+        assert cpu_blocks.DecodeThreads(ceiling=1).count(0.0) == 1  # --cpu-threads 1: one thread
+    finally:
+        torch.set_num_threads(before)

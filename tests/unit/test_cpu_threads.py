@@ -11,7 +11,7 @@ import pytest
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.threads import CpuShare, describe, intra_op_threads, read_cpu_share
+from ballast.engine.threads import CpuShare, decode_threads, describe, intra_op_threads, read_cpu_share
 from memfixtures import write_file
 
 from ballast.settings import ConfigError
@@ -102,3 +102,11 @@ def test_engine_sizes_its_pool_and_logs_it(caplog: pytest.LogCaptureFixture) -> 
         assert lines[0].startswith("CPU threads: 1 (--cpu-threads; affinity ")
     finally:
         eng.shutdown()
+
+
+def test_the_block_decode_step_may_use_every_usable_cpu() -> None:
+    # its extra threads step aside while another process holds their cores (cpu_blocks.DecodeThreads)
+    assert decode_threads(CpuShare(affinity=4, quota=None, cgroup="")) == 4
+    assert decode_threads(CpuShare(affinity=4, quota=2.5, cgroup="/x")) == 2  # the quota binds
+    assert decode_threads(CpuShare(affinity=4, quota=None, cgroup=""), configured=3) == 3
+    assert intra_op_threads(CpuShare(affinity=4, quota=None, cgroup="")) == 3  # torch's pool: one fewer

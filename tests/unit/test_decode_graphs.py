@@ -13,6 +13,7 @@ from ballast.models.base import ForwardBatch
 from ballast.models.builtin import BUILTIN, init_random
 from ballast.models.registry import build_model
 from ballast.models.state import LayerState, PagedKV, allocate_states
+from test_state import read_kv
 
 CPU = torch.device("cpu")
 
@@ -70,7 +71,7 @@ def test_padded_static_batch_gives_the_plain_batch_logits_and_states(name: str) 
     real = ForwardBatch.build([(s, [0] * ctx, 0) for s in range(slots)], CPU)
     for mine, theirs in zip(padded_states, states, strict=True):
         if isinstance(mine, PagedKV) and isinstance(theirs, PagedKV):  # every real slot's KV, all positions
-            for a, b in zip(mine.read(real), theirs.read(real), strict=True):
+            for a, b in zip(read_kv(mine, real), read_kv(theirs, real), strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         for a, b in zip(mine.slot_views(0) and _tensors(mine), _tensors(theirs), strict=True):
             torch.testing.assert_close(a[:scratch], b[:scratch], rtol=1e-5, atol=1e-5)  # real slots only

@@ -13,6 +13,7 @@ from ballast.engine.kv_pool import KVPool
 from ballast.models.base import ForwardBatch
 from ballast.models.kv_store import KVStore, plan_layout
 from ballast.models.state import PagedKV
+from test_state import read_kv
 
 CPU = torch.device("cpu")
 
@@ -157,7 +158,7 @@ def test_segments_grow_on_demand_and_give_pages_back() -> None:
     n = 40
     batch = ForwardBatch.build([(0, list(range(n)), 0)], CPU)
     kv.write(batch, torch.ones(n, 2, 8), torch.ones(n, 2, 8))
-    assert kv.read(batch)[0].sum() == n * 2 * 8
+    assert read_kv(kv, batch)[0].sum() == n * 2 * 8
     pool.release(0)
     assert pool.shrink() == 2 * pool.layout.segment_bytes and pool.bytes_held == 0
     # Pages given back read as zeros when the segment comes again.
@@ -182,8 +183,8 @@ def test_attach_shares_full_blocks_and_copies_a_partial_last_one() -> None:
     assert pool.alloc.refs(shared[0]) == 3 and pool.alloc.refs(shared[2]) == 2
     # Slot 3 continues its copy; slot 0's positions are untouched.
     kv.write(ForwardBatch.build([(3, [1], n)], CPU), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
-    assert torch.equal(kv.read(ForwardBatch.build([(3, [0] * n, 0)], CPU))[0][0], keys)
-    assert torch.equal(kv.read(ForwardBatch.build([(0, [0] * n, 0)], CPU))[0][0], keys)
+    assert torch.equal(read_kv(kv, ForwardBatch.build([(3, [0] * n, 0)], CPU))[0][0], keys)
+    assert torch.equal(read_kv(kv, ForwardBatch.build([(0, [0] * n, 0)], CPU))[0][0], keys)
 
 
 def test_a_refused_grant_leaves_the_pool_as_it_was() -> None:
@@ -224,7 +225,7 @@ def test_compaction_packs_blocks_down_keeps_contents_and_gives_segments_back() -
     moves = pool.compact()
     assert moves and set(moves) == set(before) and pool.table(3) == [moves[b] for b in before]
     assert int(pool.store.block_table[3, 0]) == pool.table(3)[0]
-    assert torch.equal(kv.read(batch)[0][0], keys)
+    assert torch.equal(read_kv(kv, batch)[0][0], keys)
     assert pool.shrink() > 0 and len(pool.alloc.segments) == 2  # the sink's segment and one more
 
 

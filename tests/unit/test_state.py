@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ballast.memory.specs import AttentionSpec, RecurrentStateSpec, kv_bytes_per_token, state_bytes_per_slot
-from ballast.models.attention import padded_groups, slot_attention_mask
+from ballast.models.attention import gather, padded_groups, slot_attention_mask
 from ballast.models.base import ForwardBatch
 from ballast.models.state import PagedKV, RecurrentState, allocate_states, attention_spec
 
@@ -55,6 +55,12 @@ def test_mask_lets_each_token_see_its_cache_and_earlier_chunk_tokens() -> None:
     assert slot_attention_mask(ForwardBatch.build([(2, [7], 9)], "cpu")) is None
 
 
+def read_kv(kv: PagedKV, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [B, max_ctx, n_kv, head_dim] of batch's sequences, gathered from kv's store."""
+    both = gather(kv.store, kv.layer, batch)
+    return both[:, :, : kv.layout.num_kv_heads], both[:, :, kv.layout.num_kv_heads :]
+
+
 def _kv(num_slots: int, max_len: int, heads: int, dim: int, quantized: bool = False) -> PagedKV:
     state = allocate_states(
         [attention_spec(heads, dim, 1 if quantized else 4)],
@@ -74,10 +80,10 @@ def test_kv_write_then_read_by_slot_and_position() -> None:
     k = torch.randn(4, 2, 8)
     v = torch.randn(4, 2, 8)
     kv.write(b, k, v)
-    keys, values = kv.read(b)
+    keys, values = read_kv(kv, b)
     assert keys.shape == (2, 8, 2, 8)  # [B, max_ctx, heads, dim]
     assert torch.equal(keys[0, 5:8], k[:3]) and torch.equal(values[1, 1], v[3])
-    others, _ = kv.read(ForwardBatch.build([(1, [0] * 16, 0), (3, [0] * 16, 0)], "cpu"))
+    others, _ = read_kv(kv, ForwardBatch.build([(1, [0] * 16, 0), (3, [0] * 16, 0)], "cpu"))
     assert others.abs().sum() == 0  # other slots untouched
 
 
@@ -89,7 +95,7 @@ def test_kv_positions_cross_blocks_through_the_table() -> None:
     b = ForwardBatch.build([(0, list(range(70)), 0)], "cpu")
     k, v = torch.randn(70, 1, 4), torch.randn(70, 1, 4)
     kv.write(b, k, v)
-    keys, _ = kv.read(b)
+    keys, _ = read_kv(kv, b)
     assert torch.equal(keys[0], k)
     bs = kv.layout.block_size
     host = kv.store.host
@@ -103,7 +109,7 @@ def test_int8_kv_round_trip_is_close() -> None:
     k, v = torch.randn(6, 3, 16) * 5, torch.randn(6, 3, 16)
     kv.write(b, k, v)
     assert kv.store.host is not None and kv.store.host.kv.dtype == torch.int8
-    keys, values = kv.read(b)
+    keys, values = read_kv(kv, b)
     assert keys.dtype == torch.float32
     # Symmetric absmax int8: error at most half a step, step = row absmax / 127.
     step = k.abs().amax(-1, keepdim=True) / 127
