@@ -234,7 +234,7 @@ def decode_attention(store: KVStore, layer: int, q: Tensor, batch: ForwardBatch)
 # A step that waited this share of its time for its extra threads (another process has their cores)
 # runs the next CALM_S seconds on the engine's threads alone, doubling to CALM_MAX_S while held up.
 HELD_UP_SHARE = 0.5
-CALM_S, CALM_MAX_S = 1.0, 32.0
+CALM_S, CALM_MAX_S = 1.0, 8.0
 
 
 class DecodeThreads:

@@ -140,7 +140,7 @@ class DecoderLM(nn.Module):
         h = self.model.embed_tokens(batch.token_ids)
         cos, sin = self.model.rotary_emb(batch.positions, h.dtype)
         fused, first = self.block_decoder, states[0]
-        stores = first.attention.step_stores(batch) if isinstance(first, PagedKV) else []
+        stores = first.attention.step_stores(batch) if fused and isinstance(first, PagedKV) else []
         if fused is not None and fused.serves(batch, stores):  # the whole stack in one kernel call
             h = fused(h, batch, cos, sin, stores[0])
         else:
