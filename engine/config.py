@@ -124,8 +124,8 @@ class EngineConfig:
         default=0,
         metadata=setting(
             "BALLAST_CPU_THREADS",
-            "intra-op threads of a CPU engine; 0 = the CPUs the process may use (affinity, cgroup CPU "
-            "quota) less one for the event loop, at least one",
+            "intra-op threads of a CPU engine; 0 = the CPUs it may use (affinity, cgroup quota) less one "
+            "for the event loop, at least one (block decode steps: all, while no other process holds one)",
             0,
             4096,
         ),
