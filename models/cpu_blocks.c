@@ -252,6 +252,9 @@ typedef struct {
     int64_t kv_layer;       /* floats per layer of kv */
     const int32_t *table;   /* [slots][table_width] each slot's block ids */
     int64_t table_width;
+    const void *head;       /* the output head's blocks (Q4 when head_q4, else Q8_0), vocab outputs */
+    int64_t vocab, head_q4;
+    const float *norm;      /* the final RMSNorm's weight */
 } llama_stack;
 
 /* e^x, Cephes' single-precision range reduction and polynomial (about 1 ulp over the softmax's
@@ -377,11 +380,11 @@ int64_t llama_decode_work(const llama_stack *s, int64_t rows, int64_t max_ctx) {
     return rows * (2 * s->hidden + qkv + nq + 3 * s->inter + widest(s) / BLOCK + s->heads * max_ctx);
 }
 
-/* h [rows][hidden]: the embedded tokens in, the residual stream after the last layer out (its
-   MLP added; the final norm and the head are the caller's). cos / sin [rows][head_dim]: each token's
-   rotary tables; slot / pos [rows]: its sequence's table row and position (it sees 0 .. pos). */
+/* h [rows][hidden]: the embedded tokens (overwritten: the residual stream); logits [rows][vocab]:
+   the head's over the final norm. cos / sin [rows][head_dim]: each token's rotary tables; slot /
+   pos [rows]: its sequence's table row and position (it sees 0 .. pos). */
 void llama_decode(const llama_stack *s, int64_t rows, float *h, const float *cos, const float *sin,
-                  const int64_t *slot, const int64_t *pos, float *work, int threads) {
+                  const int64_t *slot, const int64_t *pos, float *work, float *logits, int threads) {
     int64_t hid = s->hidden, dim = s->head_dim, kvh = s->kv_heads, nq = s->heads * dim;
     int64_t nqkv = nq + 2 * kvh * dim, inter = s->inter;
     float *x = work, *delta = x + rows * hid, *qkv = delta + rows * hid, *att = qkv + rows * nqkv;
@@ -417,5 +420,8 @@ void llama_decode(const llama_stack *s, int64_t rows, float *h, const float *cos
         matmul(act, rows, inter, (const q4_block *)w[3], 0, hid, delta, xs, threads);
         for (int64_t r = 0; r < rows; r++) add_into(h + r * hid, delta + r * hid, hid);
     }
+    for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hid, s->norm, hid, s->eps, x + r * hid);
+    const q4_block *h4 = s->head_q4 ? (const q4_block *)s->head : 0;
+    matmul(x, rows, hid, h4, h4 ? 0 : (const q8_block *)s->head, s->vocab, logits, xs, threads);
 }
 #endif  /* BLOCKS_SIMD */

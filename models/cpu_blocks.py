@@ -52,7 +52,7 @@ _SIGNATURES = {
     "q4_dequantize": [_P, _I, _I, _P, _T],
     "q8_dequantize": [_P, _I, _I, _P, _T],
     "llama_decode_work": [_P, _I, _I],
-    "llama_decode": [_P, _I, _P, _P, _P, _P, _P, _P, _T],
+    "llama_decode": [_P, _I, _P, _P, _P, _P, _P, _P, _P, _T],
     "decode_attention": [_P, _I, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _T],
 }
 
@@ -206,6 +206,7 @@ class _Stack(ctypes.Structure):
         *((n, _I) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size")),
         *((n, ctypes.c_float) for n in ("eps", "scale")),
         ("weights", _P), ("kv", _P), ("kv_layer", _I), ("table", _P), ("table_width", _I),
+        ("head", _P), ("vocab", _I), ("head_q4", _I), ("norm", _P),
     ]  # fmt: skip
 
 
@@ -257,30 +258,30 @@ class DecodeThreads:
             self._calm = CALM_S
 
 
-class BlockDecoder:
-    """A decode step through a Llama stack whose every linear is Q4 blocks in one kernel call
-    (llama_decode, models/cpu_blocks.c), not ~150 small torch ops a layer around the matmuls (half
-    of a one-row step of the default model): steps of decode tokens only, up to BLOCK_MAX_ROWS,
-    over a float32 CPU store; the model runs others through its layers."""
+def _layer_tensors(layer: Any) -> tuple[Tensor, ...]:
+    """A layer's q/k/v, o, gate/up and down blocks and its two norms' weights, as the kernel reads them."""
+    a, m = layer.self_attn.quantized, layer.mlp.quantized
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return (a.first.blocks, a.second.blocks, m.first.blocks, m.second.blocks, *(n.weight for n in norms))
 
-    def __init__(
-        self, layers: Sequence[Any], heads: int, kv_heads: int, head_dim: int, eps: float, threads: int
-    ) -> None:
-        self.threads = DecodeThreads(threads)
-        # what the kernel reads by address (held here): each layer's blocks and its norms' weights
-        pairs = [(layer.self_attn.quantized, layer.mlp.quantized) for layer in layers]
-        self._tensors = [
-            t
-            for (a, m), layer in zip(pairs, layers, strict=True)
-            for t in (a.first.blocks, a.second.blocks, m.first.blocks, m.second.blocks)
-            + (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        ]
-        self._weights = torch.tensor([t.data_ptr() for t in self._tensors], dtype=torch.int64)
-        hidden, inter = layers[0].mlp.down_proj.out_features, layers[0].mlp.down_proj.in_features
-        scale = head_dim**-0.5
-        self._stack = _Stack(
-            len(layers), hidden, heads, kv_heads, head_dim, inter, 0, eps, scale, self._weights.data_ptr()
-        )
+
+class BlockDecoder:
+    """A decode step through a Llama stack whose every linear (and head) is blocks in one kernel
+    call (llama_decode, models/cpu_blocks.c), not ~150 small torch ops a layer around the matmuls
+    (half of a one-row step of the default model): steps of decode tokens only, up to
+    BLOCK_MAX_ROWS, over a float32 CPU store; the model runs others through its layers."""
+
+    def __init__(self, layers: Sequence[Any], head: BlockLinear, norm: Tensor, *shape: int | float) -> None:
+        """shape: heads, kv_heads, head_dim, RMSNorm's eps, and the most threads (DecodeThreads)."""
+        heads, kv_heads, head_dim, eps, threads = shape
+        self.threads = DecodeThreads(int(threads))
+        # what the kernel reads by address, held here: the head, the final norm, each layer's tensors
+        self._tensors = [head.blocks, norm] + [t for layer in layers for t in _layer_tensors(layer)]
+        self._weights = torch.tensor([t.data_ptr() for t in self._tensors[2:]], dtype=torch.int64)
+        down = layers[0].mlp.down_proj
+        sizes = (len(layers), down.out_features, heads, kv_heads, head_dim, down.in_features, 0, eps)
+        tables = (self._weights.data_ptr(), 0, 0, 0, 0, head.blocks.data_ptr(), head.out_features, head.q4)
+        self._stack = _Stack(*sizes, head_dim**-0.5, *tables, norm.data_ptr())
 
     def serves(self, batch: ForwardBatch, stores: Sequence[KVStore]) -> bool:
         """Whether the step `batch`, over `stores` (its attention backend's `step_stores`), is one."""
@@ -289,17 +290,18 @@ class BlockDecoder:
         return short and host is not None and host.kv.dtype == torch.float32
 
     def __call__(self, h: Tensor, batch: ForwardBatch, cos: Tensor, sin: Tensor, store: KVStore) -> Tensor:
-        """h [T, hidden] float32, the embedded tokens, becomes the residual stream after the last
-        layer (in place); this step's K/V are written to `store`."""
+        """Float32 logits [T, vocab] of h [T, hidden] float32, the embedded tokens (overwritten);
+        this step's K/V are written to `store`."""
         lib, s, host = library(), self._stack, store.host
         assert lib is not None and host is not None and all(t.is_contiguous() for t in (h, cos, sin))
         s.kv, s.kv_layer, s.block_size = host.kv.data_ptr(), host.kv[0].numel(), store.layout.block_size
         s.table, s.table_width = store.block_table.data_ptr(), store.block_table.shape[1]
         stack, rows = ctypes.addressof(s), h.shape[0]
         work = torch.empty(lib.llama_decode_work(stack, rows, batch.max_ctx))
-        tensors = (h, cos, sin, batch.slot_of_token, batch.positions, work)
+        logits = torch.empty(rows, s.vocab)
+        tensors = (h, cos, sin, batch.slot_of_token, batch.positions, work, logits)
         threads = self.threads.count(start := time.monotonic())
         lib.llama_decode(stack, rows, *(t.data_ptr() for t in tensors), threads)
         now = time.monotonic()
         self.threads.settle(threads, now - start, lib.blocks_held_up(), now)
-        return h
+        return logits

@@ -141,16 +141,14 @@ class DecoderLM(nn.Module):
         cos, sin = self.model.rotary_emb(batch.positions, h.dtype)
         fused, first = self.block_decoder, states[0]
         stores = first.attention.step_stores(batch) if fused and isinstance(first, PagedKV) else []
-        if fused is not None and fused.serves(batch, stores):  # the whole stack in one kernel call
-            h = fused(h, batch, cos, sin, stores[0])
-        else:
-            step, pending = self.layer_step(batch, Rope(cos, sin)), None
-            for layer, state in zip(layers, states, strict=True):
-                h, pending = layer(h, pending, step, state)
-            if pending is not None:
-                h = h + pending
-        # Only the rows asked for (each sequence's last token, or every token where prompt logprobs
-        # are asked) need the final norm and the (large) head.
+        if fused is not None and fused.serves(batch, stores):  # the whole step in one kernel call
+            return fused(h, batch, cos, sin, stores[0])
+        step, pending = self.layer_step(batch, Rope(cos, sin)), None
+        for layer, state in zip(layers, states, strict=True):
+            h, pending = layer(h, pending, step, state)
+        if pending is not None:
+            h = h + pending
+        # the final norm and the (large) head only for the rows asked for (last tokens; prompt logprobs)
         if not batch.decode_only:
             h = h.index_select(0, batch.logit_index)
         head = self.lm_head if self.quantized_head is None else self.quantized_head

@@ -167,11 +167,11 @@ class LlamaForCausalLM(DecoderLM):
             self.quantized_head = BlockLinear(head if isinstance(head, Q8Weight) else [head])
             if not tied:
                 drop_dense(self.lm_head)
-        c, layers = self.config, list(self.model.layers)
+        c, layers, head = self.config, list(self.model.layers), self.quantized_head
         whole = len(blocks) == 2 * len(layers) and c.rope.partial_rotary_factor == 1.0 and not c.qk_norm
-        if whole and kernel_fits(c.head_dim):  # every layer's step in the kernel
-            heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-            self.block_decoder = BlockDecoder(layers, *heads, c.rms_norm_eps, decode_threads)
+        if whole and isinstance(head, BlockLinear) and kernel_fits(c.head_dim):  # all of a step in one call
+            shape = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, decode_threads)
+            self.block_decoder = BlockDecoder(layers, head, self.model.norm.weight, *shape)
         return len(blocks)
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:

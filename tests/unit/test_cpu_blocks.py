@@ -110,6 +110,7 @@ def test_an_untied_head_of_another_type_stays_dense(tmp_path: Path) -> None:
     tiny = write_tiny_llama(tmp_path / "untied.gguf", tied=False, seed=3)  # output.weight is Q6_K
     m = load(EngineConfig(model=str(tiny.path), device="cpu", cpu_weights="blocks"), CPU, torch.float32).model
     assert isinstance(m, LlamaForCausalLM) and m.quantized_head is None
+    assert m.block_decoder is None  # a step in one call needs the head's blocks too
     want = torch.from_numpy(tiny.expected["lm_head.weight"])
     assert torch.equal(m.lm_head.weight, want)
 
