@@ -302,6 +302,5 @@ class BlockDecoder:
         tensors = (h, cos, sin, batch.slot_of_token, batch.positions, work, logits)
         threads = self.threads.count(start := time.monotonic())
         lib.llama_decode(stack, rows, *(t.data_ptr() for t in tensors), threads)
-        now = time.monotonic()
-        self.threads.settle(threads, now - start, lib.blocks_held_up(), now)
+        self.threads.settle(threads, (now := time.monotonic()) - start, lib.blocks_held_up(), now)
         return logits
