@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from ballast.bench.hybrid_decode import SMALL_HYBRID_MOE
 from ballast.bench.kv_capacity import LLAMA3_8B, qwen3_next_80b
-from ballast.models.builtin import builtin_config
-from ballast.models.registry import build_model
+from ballast.models.arch.builtin import builtin_config
+from ballast.models.arch.registry import build_model
 
 TOKENIZER_ARCHIVE = Path(__file__).parent / "tokenizer" / "smollm2.tar.gz"
 FP8_BLOCK = 128
@@ -202,8 +202,8 @@ def write_tokenizer(out: Path) -> None:
 
 def write_tokenizer_archive() -> None:
     """Rebuild the archive from the default model's GGUF (needs it fetched, i.e. a network once)."""
-    from ballast.models.default_model import default_model_path
-    from ballast.models.gguf_loader import load_gguf
+    from ballast.models.weights.default_model import default_model_path
+    from ballast.models.weights.gguf_loader import load_gguf
 
     tmp = TOKENIZER_ARCHIVE.parent / ".tokenizer-files"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,5 +1,5 @@
-"""CPU attention over the paged KV store: in place (models/cpu_attention.py) against the gathering
-reference it replaced (models/attention.py: gather every block, then scaled_dot_product_attention),
+"""CPU attention over the paged KV store: in place (models/layers/cpu_attention.py) against the gathering
+reference it replaced (models/layers/attention.py: gather every block, then scaled_dot_product_attention),
 the same store, queries and tables, interleaved, median of --repeats.
 
     python -m ballast.bench.cpu_attention [--contexts 512 1024 2048 4096] [--repeats 5] [--threads 1]
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 from ballast.memory.specs import AttentionSpec
-from ballast.models.attention import attend_gathered, gather, padded_groups
 from ballast.models.base import ForwardBatch
-from ballast.models.cpu_attention import attend_in_place
 from ballast.models.kv_store import SINK_BLOCK, KVStore
-from ballast.models.state import PagedKV, allocate_states
+from ballast.models.layers.attention import attend_gathered, gather, padded_groups
+from ballast.models.layers.cpu_attention import attend_in_place
+from ballast.models.layers.state import PagedKV, allocate_states
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_attention.json"
 HEADS, KV_HEADS, DIM, CHUNK = 9, 3, 64, 512

@@ -48,7 +48,7 @@ from openai import AsyncOpenAI
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_serve.json"
 # --weights: the flags of each ballast side
 FORMS = {
-    "blocks": ["--cpu-weights", "blocks"],  # the default where the kernel builds (models/cpu_blocks.py)
+    "blocks": ["--cpu-weights", "blocks"],  # the default where the kernel builds (models/kernels/)
     "blocks+bf16": ["--cpu-weights", "blocks", "--cpu-prefill", "bfloat16"],
     "dense": ["--cpu-weights", "dense"],
     "dense+bf16": ["--cpu-weights", "dense", "--cpu-prefill", "bfloat16"],
@@ -140,7 +140,7 @@ def transformers_rate(new_tokens: int) -> Callable[[], float]:
     """transformers' generate, batch 1, greedy, on our float32 load of the same GGUF: decode
     tok/s as (generate(N) - generate(1)) over N - 1 tokens."""
     from ballast.engine.config import EngineConfig
-    from ballast.engine.loading import load
+    from ballast.engine.runner.loading import load
     from transformers import LlamaConfig, LlamaForCausalLM
 
     dense = load(
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    from ballast.models.default_model import default_model_path
+    from ballast.models.weights.default_model import default_model_path
 
     gguf = default_model_path()
     rows: dict[str, dict[str, list[float]]] = {}

@@ -39,8 +39,8 @@ from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.generate import generate_stream
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
-from ballast.engine.runner import weights_bytes
-from ballast.models.llama import LlamaForCausalLM
+from ballast.engine.runner.model_runner import weights_bytes
+from ballast.models.arch.llama import LlamaForCausalLM
 
 RESULTS = Path(__file__).parent / "results" / "cpu_weight_tolerance.json"
 FORMS = ("dense", "blocks", "blocks+bf16", "dense+bf16")

@@ -41,8 +41,8 @@ from ballast.bench.paged_decode import free_device_memory, prefill, random_promp
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
-from ballast.models import moe_experts_triton
-from ballast.models.builtin import builtin_config
+from ballast.models.arch.builtin import builtin_config
+from ballast.models.kernels import moe_experts_triton
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 

@@ -31,8 +31,8 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
-from ballast.models.default_model import default_model_path
-from ballast.models.layers import ONEDNN_MAX_ROWS, onednn_linear_available
+from ballast.models.layers.core import ONEDNN_MAX_ROWS, onednn_linear_available
+from ballast.models.weights.default_model import default_model_path
 
 RESULTS = Path(__file__).parent / "results" / "engine_decode.json"
 GREEDY = SamplingParams(temperature=0.0)

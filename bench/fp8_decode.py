@@ -37,7 +37,7 @@ from ballast.bench.paged_decode import (
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.memory.types import GiB
-from ballast.models.builtin import builtin_config
+from ballast.models.arch.builtin import builtin_config
 
 RESULTS = Path(__file__).parent / "results" / "fp8_decode.json"
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from ballast.models.fp8 import dequantize_blocks, quantize_blocks
+from ballast.models.layers.fp8 import dequantize_blocks, quantize_blocks
 from torch import Tensor
 
 RESULTS = Path(__file__).parent / "results" / "fp8_gemm.json"
@@ -31,7 +31,7 @@ BLOCK = (128, 128)
 
 
 def variants(m: int) -> dict[str, Any]:
-    from ballast.models.fp8_triton import Tiles, tiles_for
+    from ballast.models.kernels.fp8_triton import Tiles, tiles_for
 
     out: dict[str, Any] = {"default": tiles_for(m, BLOCK)}
     if m > 128:
@@ -56,7 +56,13 @@ def time_us(fn: Callable[[], Any]) -> float:
 
 
 def bench_shape(name: str, n: int, k: int, m: int) -> list[dict[str, Any]]:
-    from ballast.models.fp8_triton import Tiles, block_fp8_matmul, dequantize, quantize_rows, w8a8_matmul
+    from ballast.models.kernels.fp8_triton import (
+        Tiles,
+        block_fp8_matmul,
+        dequantize,
+        quantize_rows,
+        w8a8_matmul,
+    )
 
     dev = torch.device("cuda")
     torch.manual_seed(0)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from ballast.bench.paged_decode import WARMUP_STEPS, bench_model, copy_bandwidth, print_table
 from ballast.memory.types import GiB
-from ballast.models.gated_delta import fla_installed
+from ballast.models.blocks.gated_delta import fla_installed
 
 RESULTS = Path(__file__).parent / "results" / "gpu_engine.json"
 H200_HBM_TB_S = 4.8

@@ -27,12 +27,12 @@ from typing import Any
 
 import llguidance
 import torch
-from ballast.engine.grammar import GrammarCompiler
 from ballast.engine.plan import SamplingParams
-from ballast.engine.sampler import Sampler
-from ballast.engine.tokenizer import Tokenizer
-from ballast.models.default_model import default_model_path
-from ballast.models.gguf_loader import build_tokenizer, read_gguf
+from ballast.engine.step.sampler import Sampler
+from ballast.engine.text.grammar import GrammarCompiler
+from ballast.engine.text.tokenizer import Tokenizer
+from ballast.models.weights.default_model import default_model_path
+from ballast.models.weights.gguf_loader import build_tokenizer, read_gguf
 
 RESULTS = Path(__file__).parent / "results" / "grammar_mask.json"
 BATCHES = (1, 8, 32)

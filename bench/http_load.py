@@ -300,8 +300,8 @@ def reference_dir() -> Path:
     """The default model as a Hugging Face directory for `transformers serve` (its GGUF path needs
     `architectures`, which the file lacks, and transformers will not save a GGUF-loaded model).
     Written once from our GGUF loader, whose tensors equal transformers' dequantization exactly."""
-    from ballast.models.default_model import default_model_path
-    from ballast.models.gguf_loader import load_gguf
+    from ballast.models.weights.default_model import default_model_path
+    from ballast.models.weights.gguf_loader import load_gguf
     from safetensors.torch import save_file
 
     gguf = default_model_path()

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from ballast.engine.runner import ATTENTION_BACKENDS
+from ballast.engine.runner.model_runner import ATTENTION_BACKENDS
+from ballast.models.arch.builtin import init_random
+from ballast.models.arch.qwen3_next import Qwen3NextForCausalLM
+from ballast.models.arch.registry import build_model
 from ballast.models.base import ForwardBatch
-from ballast.models.builtin import init_random
-from ballast.models.qwen3_next import Qwen3NextForCausalLM
-from ballast.models.registry import build_model
-from ballast.models.state import allocate_states
+from ballast.models.layers.state import allocate_states
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 

@@ -46,21 +46,21 @@ from typing import Any
 
 import torch
 from ballast.bench.http_load import write_meminfo
-from ballast.engine.blocks import blocks_for
 from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
+from ballast.engine.kv.blocks import blocks_for
 from ballast.engine.plan import SamplingParams
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader
 from ballast.memory.specs import kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import GiB, MiB
 from ballast.memory.watch import MemWatch
-from ballast.models.builtin import init_random
-from ballast.models.default_model import default_model_path
-from ballast.models.gguf_loader import build_tokenizer, read_gguf
+from ballast.models.arch.builtin import init_random
+from ballast.models.arch.registry import build_model
 from ballast.models.kv_store import BLOCK_SIZE
-from ballast.models.registry import build_model
-from ballast.models.state import dtype_bytes
+from ballast.models.layers.state import dtype_bytes
+from ballast.models.weights.default_model import default_model_path
+from ballast.models.weights.gguf_loader import build_tokenizer, read_gguf
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import Refused
 from ballast.scheduler.request import FinishEvent, GenerationRequest

@@ -26,7 +26,7 @@ _DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "load_time.json"
 def _worker_ours(path: Path) -> dict[str, float]:
     t0 = time.perf_counter()
     import torch
-    from ballast.models import gguf_loader as g
+    from ballast.models.weights import gguf_loader as g
 
     t_import = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -65,7 +65,7 @@ def _worker_transformers(path: Path) -> dict[str, float]:
     AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     t_tok = time.perf_counter() - t0
 
-    from ballast.models.gguf_loader import load_gguf
+    from ballast.models.weights.gguf_loader import load_gguf
 
     ours = load_gguf(path).tensors
     state = ref.state_dict()
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", choices=["ours", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.gguf is None:
-        from ballast.models.default_model import default_model_path
+        from ballast.models.weights.default_model import default_model_path
 
         args.gguf = default_model_path()
     if args.worker:

@@ -33,8 +33,10 @@ from typing import Any
 
 import torch
 from ballast.bench.paged_attention import copy_bandwidth, fastest, graph_time
-from ballast.models import fp8, moe, moe_experts_triton, moe_triton
-from ballast.models.moe_experts_triton import ExpertTiling, Fp8Scales, KernelTiling, SharedExpert
+from ballast.models.blocks import moe
+from ballast.models.kernels import moe_experts_triton, moe_triton
+from ballast.models.kernels.moe_experts_triton import ExpertTiling, Fp8Scales, KernelTiling, SharedExpert
+from ballast.models.layers import fp8
 from torch import nn
 
 RESULTS = Path(__file__).parent / "results" / "moe_experts.json"
@@ -105,7 +107,7 @@ def fp8_experts(gate_up: torch.Tensor, down: torch.Tensor, scales: Fp8Scales) ->
     experts, two_i, hidden = gate_up.shape
     with torch.device("meta"):
         module = moe.Experts(hidden, two_i // 2, experts)
-    fp8.convert_experts(module, scales.block)
+    moe.convert_experts(module, scales.block)
     for name, t in (("gate_up_proj", gate_up), ("down_proj", down)):
         setattr(module, name, nn.Parameter(t, requires_grad=False))
     module.gate_up_proj_scale_inv = nn.Parameter(scales.gate_up, requires_grad=False)

@@ -9,7 +9,7 @@ Both sides are timed as CUDA-graph replays, the way the engine runs decode, and 
 every layer of a pool sized to several times the L2 cache, so no layer's KV is still cached when it
 is read again. Bandwidth is KV bytes read over kernel time, as a percentage of a device copy
 measured here (copy_ of a 2 GiB tensor, read plus write bytes). --sweep also times other tilings
-and reports the fastest, which is how the defaults in models/paged_triton.py were chosen. Table on
+and reports the fastest, which is how the defaults in models/kernels/paged_triton.py were chosen. Table on
 stdout, JSON to bench/results/paged_attention.json.
 
     python -m ballast.bench.paged_attention [--batches 1 32 128] [--contexts 2048 8192] [--sweep]
@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
-from ballast.models.paged_triton import (
+from ballast.models.kernels.paged_triton import (
     DecodeTiling,
     choose_decode_tiling,
     paged_decode,

@@ -57,9 +57,9 @@ from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import LAST_SAMPLED, DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.memory.types import GiB
-from ballast.models.builtin import builtin_config
-from ballast.models.gated_delta import fla_installed
-from ballast.models.moe import Experts
+from ballast.models.arch.builtin import builtin_config
+from ballast.models.blocks.gated_delta import fla_installed
+from ballast.models.blocks.moe import Experts
 from torch import nn
 
 RESULTS = Path(__file__).parent / "results" / "paged_decode.json"

@@ -7,7 +7,7 @@ Shapes: Llama-3.1-8B (32 query heads, 8 KV heads, head dim 128) and Qwen3-Next (
 median of --repeats calls after a warm-up (prefill steps run eagerly in the engine, not from
 graphs). TFLOP/s counts the causal half: 2 matmuls x 2 FLOPs x Hq x D x L^2 / 2, against the
 dense bf16 peak (--peak-tflops, the H200's 989). --sweep also times other tilings of ours and
-reports the fastest: how `choose_prefill_tiling` in models/paged_triton.py is to be chosen.
+reports the fastest: how `choose_prefill_tiling` in models/kernels/paged_triton.py is to be chosen.
 Table on stdout, JSON to bench/results/paged_prefill.json.
 
     python -m ballast.bench.paged_prefill [--lengths 1024 4096 8192] [--sweep]
@@ -28,7 +28,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from ballast.bench.paged_attention import fastest
-from ballast.models.paged_triton import PrefillTiling, choose_prefill_tiling, paged_prefill, triton_available
+from ballast.models.kernels.paged_triton import (
+    PrefillTiling,
+    choose_prefill_tiling,
+    paged_prefill,
+    triton_available,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 RESULTS = Path(__file__).parent / "results" / "paged_prefill.json"

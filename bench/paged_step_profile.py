@@ -28,7 +28,7 @@ from ballast.engine.engine import Engine
 try:
     from ballast.engine.config import PrefixCacheConfig
 except ImportError:  # trees before the rebuild kept it beside the cache
-    from ballast.engine.prefix_cache import PrefixCacheConfig  # type: ignore[no-redef,attr-defined,unused-ignore]
+    from ballast.engine.kv.prefix_cache import PrefixCacheConfig  # type: ignore[no-redef,attr-defined,unused-ignore]
 
 RESULTS = Path(__file__).parent / "results" / "paged_step_profile.json"
 

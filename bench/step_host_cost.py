@@ -29,7 +29,7 @@ from torch import Tensor, nn
 try:
     from ballast.engine.config import PrefixCacheConfig
 except ImportError:  # trees before the rebuild kept it beside the cache
-    from ballast.engine.prefix_cache import PrefixCacheConfig  # type: ignore[no-redef,attr-defined,unused-ignore]
+    from ballast.engine.kv.prefix_cache import PrefixCacheConfig  # type: ignore[no-redef,attr-defined,unused-ignore]
 
 RESULTS = Path(__file__).parent / "results" / "step_host_cost.json"
 GREEDY = SamplingParams(temperature=0.0)

@@ -41,10 +41,10 @@ from ballast.bench.paged_decode import free_device_memory
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
-from ballast.models.builtin import builtin_config
-from ballast.models.gated_delta import GatedDeltaNet, GatedRMSNorm
-from ballast.models.qwen3_next import CenteredRMSNorm
-from ballast.models.registry import build_model
+from ballast.models.arch.builtin import builtin_config
+from ballast.models.arch.qwen3_next import CenteredRMSNorm
+from ballast.models.arch.registry import build_model
+from ballast.models.blocks.gated_delta import GatedDeltaNet, GatedRMSNorm
 from safetensors.torch import save_file
 
 RESULTS = Path(__file__).parent / "results" / "tp_decode.json"

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ballast.server import messages, responses
+from ballast.server import messages, replies, responses
 from ballast.server import protocol as p
 from ballast.server.answer import Answer
 from ballast.server.messages_out import MessageEvents, message
@@ -71,8 +71,12 @@ def responses_request() -> object:
 
 
 def chat_whole() -> object:
-    choice = p.ChatChoice(message=p.AssistantMessage(content=ANSWER.content), finish_reason="stop")
-    body = p.ChatCompletion(id="c", created=0, model="m", choices=[choice], usage=p.Usage.of(40, 64))
+    choice = replies.ChatChoice(
+        message=replies.AssistantMessage(content=ANSWER.content), finish_reason="stop"
+    )
+    body = replies.ChatCompletion(
+        id="c", created=0, model="m", choices=[choice], usage=replies.Usage.of(40, 64)
+    )
     return json.dumps(body.model_dump())
 
 
@@ -90,8 +94,11 @@ def chat_stream() -> object:
     # As the server writes a plain text chunk: the chunk rendered once around a marker, then each
     # token's JSON string between its halves.
     marker = "\x00text\x00"
-    chunk = p.ChatCompletionChunk(
-        id="c", created=0, model="m", choices=[p.ChatChunkChoice(delta=p.ChatDelta(content=marker))]
+    chunk = replies.ChatCompletionChunk(
+        id="c",
+        created=0,
+        model="m",
+        choices=[replies.ChatChunkChoice(delta=replies.ChatDelta(content=marker))],
     )
     head, tail = f"data: {json.dumps(chunk.model_dump(), separators=(',', ':'))}\n\n".split(
         json.dumps(marker)

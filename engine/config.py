@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 from ballast.engine.injected_faults import FaultSpec, parse_faults
-from ballast.models import cpu_blocks, cpu_linear, fp8
+from ballast.models.blocks import cpu_linear
+from ballast.models.kernels import cpu_kernel
+from ballast.models.layers import fp8
 
 from ballast.settings import ConfigError, check, setting
 
@@ -102,7 +104,8 @@ class EngineConfig:
         metadata=setting(
             "BALLAST_CPU_WEIGHTS",
             "CPU linears of a GGUF: blocks multiplies its Q4_0/Q4_1/Q8_0 weights as stored, in float32 "
-            "(models/cpu_blocks.c, built for this CPU at first use; logits within ~1e-4 of dense), dense "
+            "(models/kernels/cpu_blocks.c, built for this CPU at first use; logits within ~1e-4 of dense), "
+            "dense "
             "dequantizes every weight to --dtype; auto = blocks for a float32 CPU engine on one device "
             "where the kernel builds, else dense",
             choices=CPU_WEIGHT_MODES,
@@ -259,11 +262,11 @@ class EngineConfig:
         )
 
     def cpu_blocks(self, device: torch.device) -> bool:
-        """Whether a GGUF's Q4/Q8 linears are multiplied as stored (models/cpu_blocks.py): auto
+        """Whether a GGUF's Q4/Q8 linears are multiplied as stored (models/layers/cpu_blocks.py): auto
         and blocks where the kernel builds; --cpu-weights blocks where it cannot is an error."""
         if self.cpu_weights not in ("auto", "blocks"):
             return False
-        possible = self._one_float32_cpu(device) and cpu_blocks.available()
+        possible = self._one_float32_cpu(device) and cpu_kernel.available()
         if self.cpu_weights == "blocks" and not possible:
             raise ConfigError(
                 "--cpu-weights (BALLAST_CPU_WEIGHTS)=blocks needs a float32 engine on the CPU, one device, "
@@ -285,7 +288,7 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
     def cpu_prompt_bf16(self, device: torch.device) -> bool:
-        """Whether prompt chunks run in bfloat16 (models/cpu_linear.py): --cpu-prefill bfloat16,
+        """Whether prompt chunks run in bfloat16 (models/blocks/cpu_linear.py): --cpu-prefill bfloat16,
         which needs a float32 CPU engine and a CPU with bfloat16 arithmetic; an error otherwise,
         not a silent float32 prefill."""
         if self.cpu_prefill != "bfloat16":

@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 from ballast.engine.config import EngineConfig, PrefixCacheConfig
-from ballast.engine.executor import needs_host_tokens
-from ballast.engine.pipeline import LaunchedStep, StepPipeline
 from ballast.engine.plan import EngineUnhealthy, KVFigures, StepPlan, StepResult
-from ballast.engine.sampling_defaults import sampling_defaults as defaults_for
+from ballast.engine.runner.executor import needs_host_tokens
 from ballast.engine.startup import Parts, assemble, bring_up
+from ballast.engine.step.pipeline import LaunchedStep, StepPipeline
+from ballast.engine.text.sampling_defaults import sampling_defaults as defaults_for
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.watch import MemWatch
 
 if TYPE_CHECKING:
-    from ballast.engine.detok import Detokenizer
-    from ballast.engine.tokenizer import Tokenizer
+    from ballast.engine.text.detok import Detokenizer
+    from ballast.engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

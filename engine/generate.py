@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.loading import LOAD_ERRORS
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from ballast.engine.runner.loading import LOAD_ERRORS
 
 SLOT = 0
 

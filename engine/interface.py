@@ -11,7 +11,7 @@ from ballast.engine.plan import KVFigures, StepPlan, StepResult
 from ballast.memory.types import CostModel
 
 if TYPE_CHECKING:  # llguidance and torch: loaded only where grammars are compiled
-    from ballast.engine.grammar import GrammarCompiler
+    from ballast.engine.text.grammar import GrammarCompiler
 
 
 class TokenizerLike(Protocol):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ballast.engine.grammar import Constraint
+    from ballast.engine.text.grammar import Constraint
 
 
 class EngineError(RuntimeError):

@@ -12,15 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from ballast.engine import tensor_parallel, threads
-from ballast.engine.checkpoint_orders import CheckpointExecutor, build_cache
+from ballast.engine import threads
 from ballast.engine.config import EngineConfig, PrefixCacheConfig
-from ballast.engine.executor import StepExecutor
 from ballast.engine.injected_faults import FaultInjector
-from ballast.engine.kv_budget import capacity_line, segment_grant
-from ballast.engine.loading import LoadedModel, load
-from ballast.engine.prefix_cache import PrefixCache
-from ballast.engine.runner import (
+from ballast.engine.kv.kv_budget import capacity_line, segment_grant
+from ballast.engine.kv.prefix_cache import PrefixCache
+from ballast.engine.parallel import tensor_parallel
+from ballast.engine.runner.checkpoint_orders import CheckpointExecutor, build_cache
+from ballast.engine.runner.executor import StepExecutor
+from ballast.engine.runner.loading import LoadedModel, load
+from ballast.engine.runner.model_runner import (
     ModelRunner,
     Profile,
     build_cost_model,
@@ -28,14 +29,14 @@ from ballast.engine.runner import (
     profile_prefill,
     vocab_size,
 )
-from ballast.engine.slot_kv import SlotKV
-from ballast.engine.step_batch import check_slots
+from ballast.engine.runner.slot_kv import SlotKV
+from ballast.engine.step.step_batch import check_slots
 from ballast.engine.workspace import step_workspace
 from ballast.memory.ledger import Lease
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import CostModel
 from ballast.memory.watch import MemWatch
-from ballast.models import pointwise
+from ballast.models.layers import pointwise
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ballast.engine.blocks import blocks_for
+from ballast.engine.kv.blocks import blocks_for
 from ballast.engine.plan import KVFigures, KVKeep, StepResult
 from ballast.memory.types import Level, PoolRoom, VerdictKind
 from ballast.scheduler.governor import Governor

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ballast.engine.interface import EngineLike
-from ballast.engine.loading import LOAD_ERRORS
+from ballast.engine.runner.loading import LOAD_ERRORS
 from ballast.memory.metrics import AdmissionMetrics, LadderCollector, PoolCollector, register_memory_metrics
 from ballast.memory.watch import MemWatch
 from ballast.scheduler.config import SchedulerConfig

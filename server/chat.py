@@ -18,13 +18,13 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ballast.engine.grammar import (
+from ballast.engine.text.grammar import (
     Constraint,
     GrammarCompiler,
     GrammarError,
     json_object_schema,
 )
-from ballast.engine.tokenizer import Tokenizer, TokenizerError
+from ballast.engine.text.tokenizer import Tokenizer, TokenizerError
 from ballast.server import protocol as p
 from ballast.server.answer import Reading
 from ballast.server.errors import bad_request
@@ -123,8 +123,10 @@ def reading(state: ServerState, tokenizer: Any, req: p.ChatCompletionRequest, id
     schema; one call at most without parallel_tool_calls) and where its thinking starts."""
     thinking = None
     # A grammar writes a constrained answer from its first token: no thinking comes before it.
-    if not wants_grammar(req) and isinstance(tokenizer, Tokenizer) and template_thinks(
-        tokenizer.hf.chat_template, state.config.reasoning_parser
+    if (
+        not wants_grammar(req)
+        and isinstance(tokenizer, Tokenizer)
+        and template_thinks(tokenizer.hf.chat_template, state.config.reasoning_parser)
     ):
         thinking = start_of(tokenizer.decode(ids[-_PROMPT_TAIL_TOKENS:]))
     if not req.tools or req.tool_choice == "none":

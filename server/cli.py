@@ -25,7 +25,7 @@ from ballast.memory.ladder import LadderConfig, plan_for
 from ballast.memory.report import render
 from ballast.memory.types import LadderPlan, MemState
 from ballast.memory.watch import MemWatch
-from ballast.models.default_model import CACHE_ENV
+from ballast.models.cache_dir import CACHE_ENV
 from ballast.scheduler.config import SchedulerConfig
 from ballast.server import events
 from ballast.server.config import ConfigError, ServerConfig, add_flags, build, warn_unknown
@@ -190,7 +190,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     cfg = build_configs(args, env, LAYERS)
     from ballast.engine.engine import Engine  # heavy imports only once the configs are known good
-    from ballast.engine.loading import ModelSpecError, check_spec
+    from ballast.engine.runner.loading import ModelSpecError, check_spec
     from ballast.memory.pool import CheckpointPool
     from ballast.models.base import ModelError
     from ballast.server.app import create_app

@@ -12,33 +12,25 @@ says it in its last chunk as `"x_ballast_capped": true`.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, cast
 
-from ballast.engine.grammar import Constraint
 from ballast.engine.interface import TokenizerLike
 from ballast.engine.plan import SamplingParams
-from ballast.engine.tokenizer import Tokenizer
-from ballast.scheduler.errors import ContextTooLong, EngineFailed, Refused, outcome_of
+from ballast.engine.text.grammar import Constraint
+from ballast.engine.text.tokenizer import Tokenizer
+from ballast.scheduler.errors import ContextTooLong
 from ballast.scheduler.request import (
-    Event,
-    FinishEvent,
     GenerationRequest,
-    RequestHandle,
 )
-from ballast.server import chat
+from ballast.server import chat, replies
 from ballast.server import protocol as p
 from ballast.server.answer import Reading
 from ballast.server.errors import ApiError, bad_request, from_refusal
-from ballast.server.events import request_accepted, request_refused
-from ballast.server.metrics import RequestTimer
 from ballast.server.state import ServerState
-from fastapi import Request
 
 Endpoint = Literal["chat", "completion"]
 CAPPED_HEADER = "X-Ballast-Capped"
@@ -219,7 +211,7 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
     for _, ids in prompts:  # before anything is built per choice
         check_context(len(ids), req.max_tokens, max_len, "prompt")
     params = _sampling(req, sampling_defaults(state), req.logprobs, _logit_bias(tokenizer, req))
-    rid = p.new_id("cmpl")
+    rid = replies.new_id("cmpl")
     # (index among its prompt's, prompt, given as text)
     choices = [(i, ids, text is not None) for text, ids in prompts for i in range(req.n)]
     scoring = req.logprobs if req.echo else None  # echo with logprobs: the prompt's own logprobs too
@@ -268,7 +260,7 @@ def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
     params = _sampling(
         req, sampling_defaults(state), top, _logit_bias(tokenizer, req), chat.constraint(state, req, len(ids))
     )
-    rid = p.new_id("chatcmpl")
+    rid = replies.new_id("chatcmpl")
     gens = tuple(
         _generation(_choice_id(rid, i, req.n), ids, req, _choice_params(params, i), asked, max_len, True)
         for i in range(req.n)
@@ -320,124 +312,3 @@ def _generation(
         stop=req.stop_strings(),
         resent_as_text=text,
     )
-
-
-def refuse(state: ServerState, job: Job, exc: Refused, *, counted: bool = False) -> ApiError:
-    """Map a refusal for the client, mark the server unsound if the engine failed, and count it
-    (unless the request's timer already did, for an error that ended a running request)."""
-    if isinstance(exc, EngineFailed):
-        state.fail(str(exc))
-    err = from_refusal(exc, job.prompt_param)
-    request_refused(job.response_id, job.endpoint, err.status, err.code, str(exc))
-    if not counted:  # refused before its first token: how long the client waited to learn it
-        state.metrics.refused(job.endpoint, err.status, outcome_of(exc), time.monotonic() - job.received_at)
-    return err
-
-
-def finish_outcome(finish: FinishEvent) -> str:
-    """The metrics label of a finished request: its reason, or the refusal that ended it."""
-    return finish.reason if finish.error is None else outcome_of(finish.error)
-
-
-@dataclass(frozen=True)
-class Run:
-    """One submitted choice whose first event has arrived."""
-
-    handle: RequestHandle
-    events: AsyncIterator[Event]  # the one iterator over the handle's mailbox
-    first: Event
-
-
-@dataclass(frozen=True)
-class Started:
-    """Every choice of a request, submitted, each with its first event."""
-
-    runs: tuple[Run, ...]
-    timer: RequestTimer
-
-    def abort(self) -> None:
-        for run in self.runs:
-            run.handle.abort()
-
-
-async def start(state: ServerState, job: Job) -> Started:
-    """Submit every choice and wait for their first events; a refusal (now or while queued) of any
-    raises an ApiError and aborts the others. With n > 1 the first choice of each prompt goes
-    first and the others follow once it has a token: by then its prompt is prefilled, and they
-    restore it from the prefix cache (where the model and the interval allow) instead of
-    prefilling it again."""
-    assert state.scheduler is not None
-    timer = RequestTimer(state.metrics, job.endpoint, job.response_id)
-    if state.engine is not None:  # one request event per HTTP request, with its first prompt
-        request_accepted(job.endpoint, job.gens[0], state.engine.tokenizer, state.config.log_prompts)
-    runs: list[Run | None] = [None] * len(job.gens)
-    leaders = list(range(0, len(job.gens), job.n))
-    followers = [i for i in range(len(job.gens)) if i % job.n]
-    try:
-        for wave in (leaders, followers):
-            started = await asyncio.gather(
-                *(_submit(state, job, job.gens[i]) for i in wave), return_exceptions=True
-            )
-            for i, result in zip(wave, started, strict=True):
-                if isinstance(result, Run):
-                    runs[i] = result
-            failed = [r for r in started if isinstance(r, BaseException)]
-            if failed:
-                raise failed[0]
-    except BaseException:
-        for run in runs:
-            if run is not None:
-                run.handle.abort()  # cancelled or refused: free the slots of the others
-        raise
-    return Started(tuple(r for r in runs if r is not None), timer)
-
-
-async def _submit(state: ServerState, job: Job, gen: GenerationRequest) -> Run:
-    assert state.scheduler is not None
-    try:
-        handle = state.scheduler.submit(gen)
-    except Refused as exc:
-        raise refuse(state, job, exc) from exc
-    events = aiter(handle)
-    try:
-        first = await anext(events)
-    except BaseException:
-        handle.abort()  # cancelled while waiting (client gone, server stopping): free the slot
-        raise
-    if isinstance(first, FinishEvent) and first.error is not None:
-        raise refuse(state, job, first.error)
-    return Run(handle, events, first)
-
-
-async def abort_on_disconnect(request: Request, started: Started) -> None:
-    """The body has been read, so the next ASGI message is the client going away."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            started.abort()
-            return
-
-
-async def start_unless_gone(state: ServerState, job: Job, request: Request) -> Started | None:
-    """Submit and wait for the first event, as `start` does, but give up (aborting the request,
-    which frees its queue entry or slot) if the client disconnects first: a client that left while
-    queued must not cost a prefill. None when it left."""
-    starting = asyncio.ensure_future(start(state, job))
-    gone = asyncio.ensure_future(disconnected(request))
-    try:
-        await asyncio.wait((starting, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if starting.done():
-        return starting.result()
-    starting.cancel()  # start() aborts the handle when cancelled
-    with contextlib.suppress(asyncio.CancelledError, ApiError):
-        await starting
-    state.metrics.requests.labels(endpoint=job.endpoint, outcome="abort").inc()
-    return None
-
-
-async def disconnected(request: Request) -> None:
-    """Returns when the client goes away (the body has been read, so that is the next message)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

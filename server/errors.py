@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from ballast.engine.tokenizer import TokenizerInputError
+from ballast.engine.text.tokenizer import TokenizerInputError
 from ballast.memory.errors import MemoryRefused
 from ballast.scheduler.errors import (
     ContextTooLong,

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ballast.engine.prefix_keys import PrefixKey
+from ballast.engine.kv.prefix_keys import PrefixKey
 
 from ballast.settings import ConfigError, check, setting
 

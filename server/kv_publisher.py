@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import msgpack
 import zmq
-from ballast.engine.prefix_keys import PrefixKey
+from ballast.engine.kv.prefix_keys import PrefixKey
 from ballast.server.kv_events import BlockIndex, Event, KVEventsConfig, binds
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector

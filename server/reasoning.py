@@ -94,4 +94,3 @@ class ThinkSplitter:
             return []
         self._thought_started = True
         return [Thought(text)]
-

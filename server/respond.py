@@ -8,20 +8,13 @@ from dataclasses import dataclass
 
 from ballast.engine.interface import TokenizerLike
 from ballast.scheduler.request import FinishEvent, TokenEvent, TokenLogprob
-from ballast.server import protocol as p
+from ballast.server import replies
 from ballast.server.answer import Answer, read_whole
-from ballast.server.completions import (
-    CAPPED_HEADER,
-    Job,
-    Run,
-    Started,
-    abort_on_disconnect,
-    finish_outcome,
-    refuse,
-)
+from ballast.server.completions import CAPPED_HEADER, Job
 from ballast.server.metrics import RequestTimer
 from ballast.server.parts import Call
 from ballast.server.state import ServerState
+from ballast.server.submit import Run, Started, abort_on_disconnect, finish_outcome, refuse
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -31,28 +24,32 @@ def token_text(tokenizer: TokenizerLike, token_id: int) -> str:
     return tokenizer.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
 
 
-def _top(tokenizer: TokenizerLike, token_id: int, logprob: float) -> p.TopLogprob:
+def _top(tokenizer: TokenizerLike, token_id: int, logprob: float) -> replies.TopLogprob:
     raw = tokenizer.token_bytes(token_id)
-    return p.TopLogprob(
+    return replies.TopLogprob(
         token=raw.decode("utf-8", errors="backslashreplace"), logprob=logprob, bytes=list(raw)
     )
 
 
-def chat_logprobs(tokenizer: TokenizerLike, entries: tuple[TokenLogprob, ...]) -> list[p.ChatTokenLogprob]:
+def chat_logprobs(
+    tokenizer: TokenizerLike, entries: tuple[TokenLogprob, ...]
+) -> list[replies.ChatTokenLogprob]:
     out = []
     for e in entries:
         chosen = _top(tokenizer, e.token_id, e.logprob)
         top = [_top(tokenizer, tid, lp) for tid, lp in e.top]
         out.append(
-            p.ChatTokenLogprob(token=chosen.token, logprob=e.logprob, bytes=chosen.bytes, top_logprobs=top)
+            replies.ChatTokenLogprob(
+                token=chosen.token, logprob=e.logprob, bytes=chosen.bytes, top_logprobs=top
+            )
         )
     return out
 
 
 def completion_logprobs(
     tokenizer: TokenizerLike, entries: tuple[TokenLogprob, ...], offset: int
-) -> p.CompletionLogprobs:
-    out = p.CompletionLogprobs()
+) -> replies.CompletionLogprobs:
+    out = replies.CompletionLogprobs()
     for e in entries:
         text = token_text(tokenizer, e.token_id)
         out.tokens.append(text)
@@ -65,10 +62,10 @@ def completion_logprobs(
 
 def prompt_logprobs(
     tokenizer: TokenizerLike, prompt_ids: tuple[int, ...], scored: tuple[TokenLogprob, ...]
-) -> p.CompletionLogprobs:
+) -> replies.CompletionLogprobs:
     """An echoed prompt's logprobs, as the legacy completions API gives them: its first token has
     none (nothing predicts it), every later one the model's logprob given the tokens before it."""
-    out = p.CompletionLogprobs()
+    out = replies.CompletionLogprobs()
     first = token_text(tokenizer, prompt_ids[0])
     out.tokens.append(first)
     out.token_logprobs.append(None)
@@ -127,42 +124,42 @@ async def respond(state: ServerState, job: Job, started: Started, request: Reque
     finishes = [r.finish for r in results]
     completion_tokens = sum(f.completion_tokens for f in finishes)
     cached = sum(f.cached_tokens for f in finishes[:: job.n])
-    usage = p.Usage.of(job.prompt_tokens, completion_tokens, cached)
-    body: p.ChatCompletion | p.Completion
+    usage = replies.Usage.of(job.prompt_tokens, completion_tokens, cached)
+    body: replies.ChatCompletion | replies.Completion
     if job.endpoint == "chat":
         choices = [_chat_choice(tokenizer, job, i, r) for i, r in enumerate(results)]
-        body = p.ChatCompletion(
-            id=job.response_id, created=p.now(), model=job.model, choices=choices, usage=usage
+        body = replies.ChatCompletion(
+            id=job.response_id, created=replies.now(), model=job.model, choices=choices, usage=usage
         )
     else:
         cchoices = [_completion_choice(tokenizer, job, i, r) for i, r in enumerate(results)]
-        body = p.Completion(
-            id=job.response_id, created=p.now(), model=job.model, choices=cchoices, usage=usage
+        body = replies.Completion(
+            id=job.response_id, created=replies.now(), model=job.model, choices=cchoices, usage=usage
         )
     headers = {CAPPED_HEADER: "1"} if any(f.capped for f in finishes) else {}
     return JSONResponse(body.model_dump(), headers=headers)
 
 
-def _chat_choice(tokenizer: TokenizerLike, job: Job, index: int, result: Collected) -> p.ChatChoice:
-    lp = p.ChatLogprobs(content=chat_logprobs(tokenizer, result.entries)) if job.want_logprobs else None
+def _chat_choice(tokenizer: TokenizerLike, job: Job, index: int, result: Collected) -> replies.ChatChoice:
+    lp = replies.ChatLogprobs(content=chat_logprobs(tokenizer, result.entries)) if job.want_logprobs else None
     if job.reading.plain:
         answer = Answer(None, result.text, [])
     else:
         answer = read_whole(job.reading, result.text, truncated=result.finish.reason == "length")
     calls = answer.calls
-    message = p.AssistantMessage(
+    message = replies.AssistantMessage(
         content=answer.content,
         reasoning_content=answer.reasoning,
         reasoning=answer.reasoning,
         tool_calls=[response_call(c) for c in calls] or None,
     )
     reason = "tool_calls" if calls and result.finish.reason == "stop" else result.finish.reason
-    return p.ChatChoice(index=index, message=message, logprobs=lp, finish_reason=reason)
+    return replies.ChatChoice(index=index, message=message, logprobs=lp, finish_reason=reason)
 
 
 def _completion_choice(
     tokenizer: TokenizerLike, job: Job, index: int, result: Collected
-) -> p.CompletionChoice:
+) -> replies.CompletionChoice:
     echo = job.echo[index] if job.echo else ""
     clp = None
     if job.want_logprobs:
@@ -174,12 +171,12 @@ def _completion_choice(
                 getattr(clp, name).extend(getattr(generated, name))
         else:
             clp = completion_logprobs(tokenizer, result.entries, 0)
-    return p.CompletionChoice(
+    return replies.CompletionChoice(
         index=index, text=echo + result.text, logprobs=clp, finish_reason=result.finish.reason
     )
 
 
-def response_call(call: Call) -> p.ResponseToolCall:
-    return p.ResponseToolCall(
-        id=call.id, function=p.ResponseFunction(name=call.name, arguments=call.arguments)
+def response_call(call: Call) -> replies.ResponseToolCall:
+    return replies.ResponseToolCall(
+        id=call.id, function=replies.ResponseFunction(name=call.name, arguments=call.arguments)
     )

@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from ballast.engine.interface import TokenizerLike
-from ballast.server import protocol as p
+from ballast.server import replies
 from ballast.server.answer import Answer
 from ballast.server.errors import ApiError
 from ballast.server.parts import Call
@@ -60,7 +60,7 @@ class ResponseShape:
 
     def __init__(self, resp_id: str, model: str, echo: dict[str, Any], tokenizer: TokenizerLike) -> None:
         self.resp_id, self.model, self.echo, self.tokenizer = resp_id, model, echo, tokenizer
-        self.created = p.now()
+        self.created = replies.now()
 
     def body(self, items: list[dict[str, Any]], end: Ending | None) -> dict[str, Any]:
         status = "in_progress" if end is None else "incomplete" if end.reason == "length" else "completed"

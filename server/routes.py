@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ballast.server import chat
+from ballast.server import chat, replies
 from ballast.server import protocol as p
 from ballast.server.auth import bearer_dependency
 from ballast.server.completions import (
@@ -20,7 +20,6 @@ from ballast.server.completions import (
     check_token_ids,
     completion_job,
     ready_engine,
-    start_unless_gone,
 )
 from ballast.server.errors import ApiError
 from ballast.server.gateway_metrics import gateway_page
@@ -29,6 +28,7 @@ from ballast.server.respond import respond
 from ballast.server.responses_api import responses_router
 from ballast.server.state import ServerState
 from ballast.server.streaming import stream_response
+from ballast.server.submit import start_unless_gone
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -109,24 +109,24 @@ def v1_router(api_key: str | None) -> APIRouter:
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_dependency(api_key))])
 
     @v1.get("/models")
-    async def models(request: Request) -> p.ModelList:
+    async def models(request: Request) -> replies.ModelList:
         state = state_of(request)
         name = state.model_name
         if name is None or state.engine is None:
-            return p.ModelList(data=[])
+            return replies.ModelList(data=[])
         # Every name requests may give (a gateway routes only to the ids listed here).
         names = dict.fromkeys((name, *state.model_aliases))
-        created = p.now()
-        return p.ModelList(
-            data=[p.ModelCard(id=n, created=created, max_model_len=state.context_window) for n in names]
+        created = replies.now()
+        return replies.ModelList(
+            data=[replies.ModelCard(id=n, created=created, max_model_len=state.context_window) for n in names]
         )
 
     @v1.get("/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> p.ModelCard:
+    async def model(model_id: str, request: Request) -> replies.ModelCard:
         state = state_of(request)
         check_model(state, model_id)
         ready_engine(state)
-        return p.ModelCard(id=model_id, created=p.now(), max_model_len=state.context_window)
+        return replies.ModelCard(id=model_id, created=replies.now(), max_model_len=state.context_window)
 
     @v1.post("/completions", response_model=None)
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
@@ -159,7 +159,7 @@ def tokens_router(api_key: str | None) -> APIRouter:
     tokens = APIRouter(dependencies=[Depends(bearer_dependency(api_key))])
 
     @tokens.post("/tokenize")
-    async def tokenize(body: p.TokenizeRequest, request: Request) -> p.TokenizeResponse:
+    async def tokenize(body: p.TokenizeRequest, request: Request) -> replies.TokenizeResponse:
         state = state_of(request)
         if body.model is not None:
             check_model(state, body.model)
@@ -171,7 +171,7 @@ def tokens_router(api_key: str | None) -> APIRouter:
                 model=state.model_name or "", messages=body.messages or [], tools=body.tools
             )
             ids = chat.chat_prompt(state, tokenizer, req)
-        return p.TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids)
+        return replies.TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids)
 
     @tokens.get("/tokenizer_info")
     async def tokenizer_info(request: Request) -> JSONResponse:
@@ -187,13 +187,13 @@ def tokens_router(api_key: str | None) -> APIRouter:
         return JSONResponse(info)
 
     @tokens.post("/detokenize")
-    async def detokenize(body: p.DetokenizeRequest, request: Request) -> p.DetokenizeResponse:
+    async def detokenize(body: p.DetokenizeRequest, request: Request) -> replies.DetokenizeResponse:
         state = state_of(request)
         if body.model is not None:
             check_model(state, body.model)
         tokenizer, _ = ready_engine(state)
         check_token_ids(tokenizer, body.tokens, "tokens")
-        return p.DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+        return replies.DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
 
     return tokens
 

@@ -21,7 +21,7 @@ from ballast.server.metrics import HttpMetrics, SchedulerFigures
 from prometheus_client import CollectorRegistry
 
 if TYPE_CHECKING:
-    from ballast.engine.grammar import GrammarCompiler
+    from ballast.engine.text.grammar import GrammarCompiler
     from ballast.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("ballast.server")

@@ -22,12 +22,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ballast.scheduler.request import Event, FinishEvent, TokenEvent, TokenLogprob
-from ballast.server import protocol as p
+from ballast.server import replies
 from ballast.server.answer import AnswerStream
-from ballast.server.completions import Job, Run, Started, finish_outcome, refuse
+from ballast.server.completions import Job
 from ballast.server.parts import CallArguments, CallOpened, Part, Text, Thought
 from ballast.server.respond import chat_logprobs, completion_logprobs
 from ballast.server.state import ServerState
+from ballast.server.submit import Run, Started, finish_outcome, refuse
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
@@ -51,7 +52,7 @@ class _ChunkWriter:
         self.job = job
         self.index = index
         self.tokenizer = state.engine.tokenizer
-        self.created = p.now() if created is None else created
+        self.created = replies.now() if created is None else created
         self.offset = 0  # text offset for completion logprobs
         # Most chunks carry only text. Render one through the models with a marker and keep the
         # halves around it: each later text chunk is head + JSON string + tail, the same bytes the
@@ -65,18 +66,18 @@ class _ChunkWriter:
         return {"usage": None} if self.job.include_usage else {}
 
     def role(self) -> str:
-        delta = p.ChatDelta(role="assistant", content="")
-        return self._chat(p.ChatChunkChoice(index=self.index, delta=delta))
+        delta = replies.ChatDelta(role="assistant", content="")
+        return self._chat(replies.ChatChunkChoice(index=self.index, delta=delta))
 
-    def _chat(self, choice: p.ChatChunkChoice, **extra: Any) -> str:
-        chunk = p.ChatCompletionChunk(
+    def _chat(self, choice: replies.ChatChunkChoice, **extra: Any) -> str:
+        chunk = replies.ChatCompletionChunk(
             id=self.job.response_id, created=self.created, model=self.job.model, choices=[choice]
         )
         data = chunk.model_dump(exclude={"usage"})
         return sse({**data, **self._usage(), **extra})
 
-    def _completion(self, choice: p.CompletionChoice, **extra: Any) -> str:
-        chunk = p.Completion(
+    def _completion(self, choice: replies.CompletionChoice, **extra: Any) -> str:
+        chunk = replies.Completion(
             id=self.job.response_id, created=self.created, model=self.job.model, choices=[choice]
         )
         data = chunk.model_dump(exclude={"usage"})
@@ -93,32 +94,36 @@ class _ChunkWriter:
         """A chunk per part; the tokens' logprobs ride on the first (or on an empty one)."""
         lp = None
         if self.job.want_logprobs and logprobs:
-            lp = p.ChatLogprobs(content=chat_logprobs(self.tokenizer, logprobs))
+            lp = replies.ChatLogprobs(content=chat_logprobs(self.tokenizer, logprobs))
         out = ""
         for part in parts:
             delta = _delta(part)
             if delta is not None:
-                out += self._chat(p.ChatChunkChoice(index=self.index, delta=delta, logprobs=lp))
+                out += self._chat(replies.ChatChunkChoice(index=self.index, delta=delta, logprobs=lp))
                 lp = None
         if lp is not None:
-            out += self._chat(p.ChatChunkChoice(index=self.index, delta=p.ChatDelta(content=""), logprobs=lp))
+            out += self._chat(
+                replies.ChatChunkChoice(index=self.index, delta=replies.ChatDelta(content=""), logprobs=lp)
+            )
         return out
 
     def _modelled_tokens(self, event: TokenEvent) -> str:
         entries = event.logprobs or ()
         if self.job.endpoint == "chat":
             lp = (
-                p.ChatLogprobs(content=chat_logprobs(self.tokenizer, entries))
+                replies.ChatLogprobs(content=chat_logprobs(self.tokenizer, entries))
                 if self.job.want_logprobs
                 else None
             )
             return self._chat(
-                p.ChatChunkChoice(index=self.index, delta=p.ChatDelta(content=event.text), logprobs=lp)
+                replies.ChatChunkChoice(
+                    index=self.index, delta=replies.ChatDelta(content=event.text), logprobs=lp
+                )
             )
         clp = completion_logprobs(self.tokenizer, entries, self.offset) if self.job.want_logprobs else None
         self.offset += len(event.text)
         return self._completion(
-            p.CompletionChoice(index=self.index, text=event.text, logprobs=clp, finish_reason=None)
+            replies.CompletionChoice(index=self.index, text=event.text, logprobs=clp, finish_reason=None)
         )
 
     def finish(self, event: FinishEvent) -> str:
@@ -129,11 +134,12 @@ class _ChunkWriter:
                 held = self._parts(self.answer.finish(truncated=reason == "length"))
                 reason = "tool_calls" if self.answer.calls and reason == "stop" else reason
             last = self._chat(
-                p.ChatChunkChoice(index=self.index, delta=p.ChatDelta(), finish_reason=reason), **extra
+                replies.ChatChunkChoice(index=self.index, delta=replies.ChatDelta(), finish_reason=reason),
+                **extra,
             )
             return held + last
         return self._completion(
-            p.CompletionChoice(index=self.index, text="", finish_reason=event.reason), **extra
+            replies.CompletionChoice(index=self.index, text="", finish_reason=event.reason), **extra
         )
 
     def echo(self) -> str:
@@ -142,12 +148,12 @@ class _ChunkWriter:
         if not text:
             return ""
         self.offset += len(text)
-        return self._completion(p.CompletionChoice(index=self.index, text=text, finish_reason=None))
+        return self._completion(replies.CompletionChoice(index=self.index, text=text, finish_reason=None))
 
     def usage(self, finishes: list[FinishEvent]) -> str:
         completion = sum(f.completion_tokens for f in finishes)
         cached = sum(f.cached_tokens for f in finishes[:: self.job.n])
-        usage = p.Usage.of(self.job.prompt_tokens, completion, cached).model_dump()
+        usage = replies.Usage.of(self.job.prompt_tokens, completion, cached).model_dump()
         obj = "chat.completion.chunk" if self.job.endpoint == "chat" else "text_completion"
         return sse(
             {
@@ -161,19 +167,19 @@ class _ChunkWriter:
         )
 
 
-def _delta(part: Part) -> p.ChatDelta | None:
+def _delta(part: Part) -> replies.ChatDelta | None:
     if isinstance(part, Text):
-        return p.ChatDelta(content=part.text)
+        return replies.ChatDelta(content=part.text)
     if isinstance(part, Thought):
-        return p.ChatDelta(reasoning=part.text, reasoning_content=part.text)
+        return replies.ChatDelta(reasoning=part.text, reasoning_content=part.text)
     if isinstance(part, CallOpened):
-        named = p.DeltaToolCall(
-            index=part.index, id=part.id, type="function", function=p.DeltaFunction(name=part.name)
+        named = replies.DeltaToolCall(
+            index=part.index, id=part.id, type="function", function=replies.DeltaFunction(name=part.name)
         )
-        return p.ChatDelta(tool_calls=[named])
+        return replies.ChatDelta(tool_calls=[named])
     if isinstance(part, CallArguments):
-        piece = p.DeltaToolCall(index=part.index, function=p.DeltaFunction(arguments=part.text))
-        return p.ChatDelta(tool_calls=[piece])
+        piece = replies.DeltaToolCall(index=part.index, function=replies.DeltaFunction(arguments=part.text))
+        return replies.ChatDelta(tool_calls=[piece])
     return None  # CallClosed: the client has the whole call by now
 
 
@@ -208,7 +214,7 @@ async def _merged(runs: tuple[Run, ...]) -> AsyncIterator[tuple[int, Event]]:
 
 
 async def _events(state: ServerState, job: Job, started: Started) -> AsyncIterator[str]:
-    created = p.now()
+    created = replies.now()
     writers = [_ChunkWriter(job, state, i, created) for i in range(len(started.runs))]
     timer = started.timer
     generated = 0

@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any, Literal
 
-from ballast.engine.grammar import lark_json, lark_literal
+from ballast.engine.text.grammar import lark_json, lark_literal
 from ballast.server import protocol as p
 
 Style = Literal["hermes", "xml"]

@@ -15,11 +15,12 @@ from ballast.scheduler.request import FinishEvent, TokenEvent
 from ballast.server import chat
 from ballast.server import protocol as p
 from ballast.server.answer import Answer, AnswerStream, read_whole
-from ballast.server.completions import Job, Started, chat_job, finish_outcome, refuse, start_unless_gone
+from ballast.server.completions import Job, chat_job
 from ballast.server.errors import ApiError
 from ballast.server.parts import Call, CallArguments, CallClosed, CallOpened, Part, Text, Thought
 from ballast.server.respond import Collected
 from ballast.server.state import ServerState
+from ballast.server.submit import Started, finish_outcome, refuse, start_unless_gone
 from fastapi import Request
 
 Kind = Literal["thought", "text", "call"]

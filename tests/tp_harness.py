@@ -16,15 +16,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ballast.engine.tp_worker import init_group
+from ballast.engine.parallel.tp_worker import init_group
+from ballast.models.arch.builtin import init_random
+from ballast.models.arch.parallel import ShardPlan, build_shard
+from ballast.models.arch.registry import build_model
 from ballast.models.base import ForwardBatch
-from ballast.models.builtin import init_random
-from ballast.models.fp8 import quantize_blocks
-from ballast.models.hf_loader import inspect_hf_dir
-from ballast.models.parallel import ShardPlan, build_shard
-from ballast.models.registry import build_model
-from ballast.models.shard_loading import load_full_into_shard, load_hf_shard
-from ballast.models.state import allocate_states, dtype_bytes
+from ballast.models.layers.fp8 import quantize_blocks
+from ballast.models.layers.state import allocate_states, dtype_bytes
+from ballast.models.weights.hf_loader import inspect_hf_dir
+from ballast.models.weights.shard_loading import load_full_into_shard, load_hf_shard
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -112,7 +112,7 @@ def reference_logits(
 
 def dequantized_logits(checkpoint_dir: str, steps: Sequence[Step], device: str = "cuda:0") -> list[Tensor]:
     """The float32 logits of an FP8 checkpoint dequantized at load (the truth its bf16 runs round)."""
-    from ballast.models.hf_loader import load_hf_dir
+    from ballast.models.weights.hf_loader import load_hf_dir
 
     model = load_hf_dir(checkpoint_dir, torch.float32, device)
     try:

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from ballast.engine.checkpoint_buffers import checkpoint_bytes
 from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
+from ballast.engine.kv.checkpoint_buffers import checkpoint_bytes
+from ballast.engine.kv.state_copies import StateCopies
 from ballast.engine.plan import PrefillChunk, SamplingParams, StepPlan
-from ballast.engine.state_copies import StateCopies
 from ballast.memory.config import MemoryConfig
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import GiB

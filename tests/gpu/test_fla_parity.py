@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ballast.models.arch.builtin import build_builtin
 from ballast.models.base import ForwardBatch
-from ballast.models.builtin import build_builtin
-from ballast.models.gated_delta import DeltaPlan, fla_installed, gated_delta_varlen
-from ballast.models.moe import experts_forward, grouped_mm_supported, route
-from ballast.models.state import RecurrentState, allocate_states, dtype_bytes
+from ballast.models.blocks.gated_delta import DeltaPlan, fla_installed, gated_delta_varlen
+from ballast.models.blocks.moe import experts_forward, grouped_mm_supported, route
+from ballast.models.layers.state import RecurrentState, allocate_states, dtype_bytes
 from torch import nn
 
 pytestmark = [

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ballast.models.fp8 import dequantize_blocks, kernels_available, quantize_blocks
+from ballast.models.layers.fp8 import dequantize_blocks, kernels_available, quantize_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the CPU tests' helpers
 cuda = pytest.mark.skipif(
@@ -30,7 +30,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> float:
     ("n", "k", "block"), [(4096, 4096, (128, 128)), (1000, 704, (128, 128)), (96, 64, (32, 32))]
 )
 def test_dense_block_fp8_matmul(m: int, n: int, k: int, block: tuple[int, int]) -> None:
-    from ballast.models.fp8_triton import block_fp8_matmul
+    from ballast.models.kernels.fp8_triton import block_fp8_matmul
 
     torch.manual_seed(m + n)
     w, scale = quantize_blocks(torch.randn(n, k, device=DEV) * 0.02, block)
@@ -46,7 +46,7 @@ def test_fp8_activations_matmul(m: int) -> None:
     within 1/16 of itself, or e4m3's smallest step at its group's scale); the product's error is
     that of FP8 activations: ~2.5% of the output's mean magnitude (Triton's interpreter, exactly
     quantized inputs: the GEMM itself agreed to 4e-7)."""
-    from ballast.models.fp8_triton import quantize_rows, w8a8_matmul
+    from ballast.models.kernels.fp8_triton import quantize_rows, w8a8_matmul
 
     torch.manual_seed(m)
     block = (128, 128)
@@ -67,8 +67,8 @@ def test_fp8_activations_matmul(m: int) -> None:
     ("tokens", "experts", "top_k"), [(1, 512, 10), (32, 512, 10), (300, 64, 4), (7, 8, 2)]
 )
 def test_grouped_fp8_matmul_by_expert(tokens: int, experts: int, top_k: int) -> None:
-    from ballast.models.fp8_triton import Groups, grouped_fp8_matmul
-    from ballast.models.moe import Routing
+    from ballast.models.blocks.moe import Routing
+    from ballast.models.kernels.fp8_triton import Groups, grouped_fp8_matmul
 
     torch.manual_seed(tokens)
     n, k, block = 1024, 512, (128, 128)
@@ -86,7 +86,7 @@ def test_grouped_fp8_matmul_by_expert(tokens: int, experts: int, top_k: int) -> 
 @torch.no_grad()
 def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     from ballast.models.base import ForwardBatch
-    from ballast.models.state import allocate_states
+    from ballast.models.layers.state import allocate_states
 
     states = allocate_states(model.layer_specs(2), 1, 32, DEV, torch.bfloat16)
     return model(ForwardBatch.build([(0, ids, 0)], DEV), states)[0]
@@ -100,8 +100,8 @@ def test_kept_fp8_model_on_gpu_matches_its_dequantized_twin(tmp_path: Path, name
     replays graphs, and starts with the same greedy token."""
     from ballast.engine.config import EngineConfig
     from ballast.engine.engine import Engine
-    from ballast.models.builtin import build_builtin, builtin_config
-    from ballast.models.hf_loader import load_hf_dir
+    from ballast.models.arch.builtin import build_builtin, builtin_config
+    from ballast.models.weights.hf_loader import load_hf_dir
     from test_fp8_weights import greedy_run, quantize_state
     from test_hf_loader import HYBRID_IDS, write_checkpoint
 

@@ -1,4 +1,4 @@
-"""The in-place decode kernel of the gated delta rule (`models/gated_delta_triton.py`) against the
+"""The in-place decode kernel of the gated delta rule (`models/kernels/gated_delta_triton.py`) against the
 torch rule on the same inputs: outputs, the pool rows it wrote, and the rows it must leave alone.
 On CUDA; also under Triton's CPU interpreter (TRITON_INTERPRET=1 with triton installed), where it
 runs on the CPU. Skips cleanly otherwise."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from ballast.models import gated_delta_triton
-from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
-from ballast.models.gated_delta import recurrent_gated_delta_step
+from ballast.models.blocks.gated_delta import recurrent_gated_delta_step
+from ballast.models.kernels import gated_delta_triton
+from ballast.models.layers.causal_conv import ConvWindows, causal_conv1d_varlen
 from triton_kernels import DEVICE, marks
 
 pytestmark = marks(gated_delta_triton)

@@ -25,8 +25,8 @@ def variants(kernel: Any) -> int:
 
 
 def test_prefills_of_any_shape_compile_no_new_kernel_variant() -> None:
-    from ballast.models import triton_attention as paged_store
-    from ballast.models.paged_triton import _prefill_kernel
+    from ballast.models.kernels.paged_triton import _prefill_kernel
+    from ballast.models.layers import triton_attention as paged_store
 
     engine = Engine.load(
         EngineConfig(

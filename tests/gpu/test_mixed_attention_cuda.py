@@ -10,9 +10,9 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import PrefillChunk, SamplingParams, StepPlan
+from ballast.models.arch.builtin import build_builtin
 from ballast.models.base import ForwardBatch
-from ballast.models.builtin import build_builtin
-from ballast.models.state import allocate_states, dtype_bytes
+from ballast.models.layers.state import allocate_states, dtype_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA = torch.device("cuda")

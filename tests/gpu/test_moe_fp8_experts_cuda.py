@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ballast.models import fp8, moe, moe_experts_triton, moe_triton, registry
-from ballast.models.fp8 import dequantize_blocks, quantize_blocks
-from ballast.models.moe_experts_triton import Fp8Scales, SharedExpert
+from ballast.models.arch import registry
+from ballast.models.blocks import moe
+from ballast.models.kernels import moe_experts_triton, moe_triton
+from ballast.models.kernels.moe_experts_triton import Fp8Scales, SharedExpert
+from ballast.models.layers import fp8
+from ballast.models.layers.fp8 import dequantize_blocks, quantize_blocks
 from triton_kernels import DEVICE, marks
 
 pytestmark = marks(moe_triton)
@@ -180,7 +183,7 @@ def test_an_fp8_hybrid_model_decodes_the_same_tokens_with_the_fused_experts(
     logprobs with the fused FP8 expert kernels are those of the dequantizing path."""
     from ballast.engine.config import EngineConfig
     from ballast.engine.engine import Engine
-    from ballast.models.builtin import BUILTIN, builtin_config
+    from ballast.models.arch.builtin import BUILTIN, builtin_config
     from tp_harness import engine_greedy
 
     monkeypatch.setitem(

@@ -1,4 +1,4 @@
-"""The Triton routing of a decode-sized batch (`models/moe_triton.py`) against the torch path:
+"""The Triton routing of a decode-sized batch (`models/kernels/moe_triton.py`) against the torch path:
 the same top-k experts and weights, groups that hold the same pairs, and the same expert output.
 On CUDA; also under Triton's CPU interpreter (TRITON_INTERPRET=1 with triton installed)."""
 
@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ballast.models import moe, moe_experts_triton, moe_triton
-from ballast.models.layers import SwiGLU
+from ballast.models.blocks import moe
+from ballast.models.kernels import moe_experts_triton, moe_triton
+from ballast.models.layers.core import SwiGLU
 from triton_kernels import DEVICE, marks
 
 pytestmark = marks(moe_triton)

@@ -16,7 +16,7 @@ from torch import Tensor
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 triton = pytest.importorskip("triton")
 
-from ballast.models.paged_triton import paged_decode, paged_prefill, triton_available  # noqa: E402
+from ballast.models.kernels.paged_triton import paged_decode, paged_prefill, triton_available  # noqa: E402
 
 CTX_LENS = (1, 31, 32, 33, 1000, 4100)
 SHAPES = [(32, 8), (8, 8), (16, 2)]  # (Hq, Hkv): GQA 4, 1, 8

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ballast.engine.blocks import blocks_for
 from ballast.engine.engine import Engine
+from ballast.engine.kv.blocks import blocks_for
 from ballast.memory.config import MemoryConfig
 from ballast.memory.types import GiB
 from ballast.memory.watch import MemWatch

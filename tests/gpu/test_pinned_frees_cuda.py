@@ -10,9 +10,9 @@ import weakref
 
 import pytest
 import torch
-from ballast.engine.checkpoint_buffers import checkpoint_bytes
 from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
+from ballast.engine.kv.checkpoint_buffers import checkpoint_bytes
 from ballast.engine.plan import PrefillChunk, SamplingParams, StepPlan
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import GiB, MiB

@@ -1,4 +1,4 @@
-"""The Triton rope and SwiGLU-gate kernels of eager CUDA steps (`models/pointwise_triton.py`)
+"""The Triton rope and SwiGLU-gate kernels of eager CUDA steps (`models/kernels/pointwise_triton.py`)
 against the torch code they stand in for: strided views of a fused projection's output as the
 layers pass them, full and partial rotary, head counts that do not fill a block. On CUDA; also
 under Triton's CPU interpreter (TRITON_INTERPRET=1 with triton installed)."""
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ballast.models import pointwise, pointwise_triton
+from ballast.models.kernels import pointwise_triton
+from ballast.models.layers import pointwise
 from triton_kernels import DEVICE, marks
 
 pytestmark = marks(pointwise_triton)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.loading import ModelLoadRefused
+from ballast.engine.runner.loading import ModelLoadRefused
 from ballast.memory.config import MemoryConfig
 from ballast.memory.watch import MemWatch
 

@@ -8,7 +8,7 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import SamplingParams
-from ballast.engine.sampler import Sampler
+from ballast.engine.step.sampler import Sampler
 from ballast.engine.workspace import SAMPLER_BYTES_PER_LOGIT, step_workspace
 from ballast.memory.config import MemoryConfig
 from ballast.memory.watch import MemWatch

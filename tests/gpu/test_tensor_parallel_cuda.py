@@ -18,11 +18,11 @@ import torch
 from ballast.bench.kv_capacity import qwen3_next_80b
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.sharded_runner import ShardedRunner
-from ballast.engine.tp_graphs import GraphsReport
+from ballast.engine.parallel.sharded_runner import ShardedRunner
+from ballast.engine.parallel.tp_graphs import GraphsReport
 from ballast.memory.config import MemoryConfig
 from ballast.memory.watch import MemWatch
-from ballast.models.moe import grouped_mm_supported
+from ballast.models.blocks.moe import grouped_mm_supported
 from tp_harness import (
     assert_close_in_bf16,
     dequantized_logits,
@@ -218,8 +218,8 @@ def test_tp2_with_expert_parallel_matches_tp1() -> None:
     import tempfile
     from pathlib import Path
 
-    from ballast.models.fp8 import kernels_available
-    from ballast.models.hf_loader import load_hf_dir
+    from ballast.models.layers.fp8 import kernels_available
+    from ballast.models.weights.hf_loader import load_hf_dir
     from tp_harness import run_steps, write_checkpoint
 
     hf = qwen3_next_shaped()

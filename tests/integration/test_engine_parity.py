@@ -12,7 +12,7 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
-from ballast.models import cpu_blocks
+from ballast.models.kernels import cpu_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -147,7 +147,7 @@ def test_default_model_matches_transformers(default_dense: Engine) -> None:
 def test_default_model_blocks_match_transformers(default_dense: Engine) -> None:
     """--cpu-weights blocks (the CPU default where its kernel builds) against transformers on the
     float32 values of the same blocks: the float32 bound and the same greedy tokens, as dense."""
-    if not cpu_blocks.available():
+    if not cpu_kernel.available():
         pytest.skip("no C compiler or no AVX2/FMA here")
     ref = reference(default_dense)
     eng = default_engine("blocks")

@@ -19,7 +19,7 @@ import pytest
 import zmq
 from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.engine import Engine
-from ballast.engine.prefix_keys import prefix_key
+from ballast.engine.kv.prefix_keys import prefix_key
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader
 from ballast.memory.types import Level

@@ -13,7 +13,7 @@ import pytest
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import SamplingParams
-from ballast.engine.slot_kv import SlotKV
+from ballast.engine.runner.slot_kv import SlotKV
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.request import GenerationRequest
 from ballast.scheduler.scheduler import Scheduler

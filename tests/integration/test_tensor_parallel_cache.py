@@ -9,7 +9,7 @@ two GPUs."""
 from __future__ import annotations
 
 import pytest
-from ballast.engine.slot_kv import SlotKV
+from ballast.engine.runner.slot_kv import SlotKV
 from tp_cache_runs import assert_same, chat, chat_engine, generate, preempt_engine
 
 

@@ -14,8 +14,8 @@ import openai
 import pytest
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.models.default_model import default_model_path
-from ballast.models.gguf_loader import build_tokenizer, read_gguf
+from ballast.models.weights.default_model import default_model_path
+from ballast.models.weights.gguf_loader import build_tokenizer, read_gguf
 from ballast.scheduler.config import SchedulerConfig
 from ballast.server.app import create_app
 from ballast.server.config import ServerConfig

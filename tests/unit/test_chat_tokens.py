@@ -4,9 +4,9 @@ the operator asks for the old behaviour; the template's own markers are parsed e
 from __future__ import annotations
 
 import pytest
-from ballast.engine.tokenizer import Tokenizer
-from ballast.models.default_model import default_model_path
-from ballast.models.gguf_loader import build_tokenizer, read_gguf
+from ballast.engine.text.tokenizer import Tokenizer
+from ballast.models.weights.default_model import default_model_path
+from ballast.models.weights.gguf_loader import build_tokenizer, read_gguf
 from ballast.server import protocol as p
 from ballast.server.chat import chat_prompt, template_messages, template_tools
 from ballast.server.config import ServerConfig

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 import jsonschema
 import pytest
 import torch
-from ballast.engine.grammar import GrammarCompiler, GrammarError
 from ballast.engine.plan import SamplingParams
-from ballast.engine.sampler import Sampler
-from ballast.engine.tokenizer import Tokenizer
-from ballast.models.default_model import default_model_path
-from ballast.models.gguf_loader import build_tokenizer, read_gguf
+from ballast.engine.step.sampler import Sampler
+from ballast.engine.text.grammar import GrammarCompiler, GrammarError
+from ballast.engine.text.tokenizer import Tokenizer
+from ballast.models.weights.default_model import default_model_path
+from ballast.models.weights.gguf_loader import build_tokenizer, read_gguf
 
 CPU = torch.device("cpu")
 SCHEMA = {

@@ -1,20 +1,20 @@
-"""CPU attention in place (models/cpu_attention.py) against the gathering reference it replaces
-(models/attention.py: gather + scaled_dot_product_attention) on one real KV store: tables in
+"""CPU attention in place (models/layers/cpu_attention.py) against the gathering reference it replaces
+(models/layers/attention.py: gather + scaled_dot_product_attention) on one real KV store: tables in
 order (one run) and shuffled (a run per block, merged by log-sum-exp), prompt chunks that cross
 block boundaries beside decode tokens, grouped-query heads; and the C kernel that serves steps of
-decode tokens over float32 blocks (models/cpu_blocks.py) against the same reference."""
+decode tokens over float32 blocks (models/layers/cpu_blocks.py) against the same reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from ballast.memory.specs import AttentionSpec
-from ballast.models import cpu_blocks
-from ballast.models.attention import attend_gathered, gather, padded_groups, write_rows
 from ballast.models.base import ForwardBatch
-from ballast.models.cpu_attention import attend_in_place, block_runs
+from ballast.models.kernels import cpu_kernel
 from ballast.models.kv_store import SINK_BLOCK
-from ballast.models.state import PagedKV, allocate_states
+from ballast.models.layers.attention import attend_gathered, gather, padded_groups, write_rows
+from ballast.models.layers.cpu_attention import attend_in_place, block_runs
+from ballast.models.layers.state import PagedKV, allocate_states
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
 
@@ -62,12 +62,12 @@ def test_in_place_equals_the_gathered_reference(tables: str) -> None:
         q = torch.randn(t, HEADS, DIM, generator=gen)
         got, want = attend_in_place(store, 0, q, batch), reference(store, q, batch)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), step
-        if batch.decode_only and cpu_blocks.kernel_fits(DIM):  # the kernel: blocks in any order
+        if batch.decode_only and cpu_kernel.kernel_fits(DIM):  # the kernel: blocks in any order
             # q as the projection leaves it: each row's heads inside a wider q/k/v row
             wide = torch.cat((q, torch.randn(t, 2 * KV_HEADS, DIM, generator=gen)), dim=1)[:, :HEADS]
-            kernel = cpu_blocks.decode_attention(store, 0, wide, batch)
+            kernel = cpu_kernel.decode_attention(store, 0, wide, batch)
             assert torch.allclose(kernel, want, atol=1e-5, rtol=1e-5), step
             kernels_run = True
-    assert kernels_run or not cpu_blocks.kernel_fits(DIM)
+    assert kernels_run or not cpu_kernel.kernel_fits(DIM)
     if tables.startswith("two runs"):
         assert len(block_runs(store.block_table[0].tolist(), 141, store.layout.block_size)) == 2

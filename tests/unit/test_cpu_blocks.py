@@ -1,4 +1,4 @@
-"""The CPU's block linears (models/cpu_blocks.py, --cpu-weights blocks, the default where the kernel
+"""The CPU's block linears (models/layers/cpu_blocks.py, --cpu-weights blocks, the default where the kernel
 builds): a GGUF's Q4_0 / Q4_1 / Q8_0 weights multiplied as stored, in float32, against the dense
 matmul of the same values, at decode rows and through the prompt path, and a GGUF load that holds
 whole 4-bit blocks and the tied Q8_0 head as blocks. (The default model against transformers:
@@ -12,15 +12,16 @@ import numpy as np
 import pytest
 import torch
 from ballast.engine.config import EngineConfig
-from ballast.engine.loading import load
-from ballast.models import cpu_blocks
+from ballast.engine.runner.loading import load
+from ballast.models.arch.llama import LlamaForCausalLM
 from ballast.models.base import ForwardBatch
-from ballast.models.cpu_blocks import BLOCK_MAX_ROWS, BlockLinear
-from ballast.models.cpu_linear import bf16_available
-from ballast.models.gguf_quants import dequantize
-from ballast.models.llama import LlamaForCausalLM
-from ballast.models.packed import q4_weight, q8_weight
-from ballast.models.state import allocate_states
+from ballast.models.blocks.cpu_linear import bf16_available
+from ballast.models.kernels import cpu_kernel
+from ballast.models.layers import cpu_blocks
+from ballast.models.layers.cpu_blocks import BLOCK_MAX_ROWS, BlockLinear
+from ballast.models.layers.packed import q4_weight, q8_weight
+from ballast.models.layers.state import allocate_states
+from ballast.models.weights.gguf_quants import dequantize
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from ggufdata import random_blocks
@@ -28,7 +29,7 @@ from test_gguf_loader import MIXED_Q4_LAYERS, write_tiny_llama
 
 from ballast.settings import ConfigError
 
-pytestmark = pytest.mark.skipif(not cpu_blocks.available(), reason="no C compiler or no AVX2/FMA here")
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler or no AVX2/FMA here")
 CPU = torch.device("cpu")
 
 
@@ -133,14 +134,14 @@ def test_the_blocks_form_is_refused_where_the_kernel_cannot_build(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    cpu_blocks.library.cache_clear()
+    cpu_kernel.library.cache_clear()
     try:
-        assert not cpu_blocks.available()
+        assert not cpu_kernel.available()
         with pytest.raises(ConfigError, match="cpu-weights"):
             EngineConfig(device="cpu", cpu_weights="blocks").cpu_blocks(CPU)
         assert not EngineConfig(device="cpu").cpu_blocks(CPU)  # auto falls back to dense
     finally:
-        cpu_blocks.library.cache_clear()
+        cpu_kernel.library.cache_clear()
     with pytest.raises(ConfigError, match="cpu-weights"):
         EngineConfig(device="cpu", dtype="bfloat16", cpu_weights="blocks").cpu_blocks(CPU)
 
@@ -149,16 +150,16 @@ def test_the_kernel_is_built_once_into_the_cache_directory(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("BALLAST_CACHE_DIR", str(tmp_path))
-    cpu_blocks.library.cache_clear()
+    cpu_kernel.library.cache_clear()
     try:
-        assert cpu_blocks.available()
+        assert cpu_kernel.available()
         built = sorted(tmp_path.glob("cpu_blocks-*.so"))
         assert len(built) == 1
         stamp = built[0].stat().st_mtime_ns
-        cpu_blocks.library.cache_clear()
-        assert cpu_blocks.available() and built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
+        cpu_kernel.library.cache_clear()
+        assert cpu_kernel.available() and built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
     finally:
-        cpu_blocks.library.cache_clear()
+        cpu_kernel.library.cache_clear()
 
 
 def _decode_run(m: LlamaForCausalLM, prompts: list[int], steps: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Where the CPU's bfloat16 prompt chunks may run (models/cpu_linear.py `bf16_available`; what they
+"""Where the CPU's bfloat16 prompt chunks may run (models/blocks/cpu_linear.py `bf16_available`; what they
 compute: tests/unit/test_cpu_prefill.py, which needs such a CPU)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ballast.engine.config import EngineConfig
-from ballast.models import cpu_linear
+from ballast.models.blocks import cpu_linear
 
 from ballast.settings import ConfigError
 

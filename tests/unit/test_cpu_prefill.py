@@ -1,4 +1,4 @@
-"""Prompt chunks in bfloat16 on the CPU (--cpu-prefill bfloat16, models/cpu_linear.py): a
+"""Prompt chunks in bfloat16 on the CPU (--cpu-prefill bfloat16, models/blocks/cpu_linear.py): a
 prompt's rows through bfloat16 matmuls with float32 sums, its attention in bfloat16, and
 everything of a few rows (decode) float32 exactly as the dense path. (The default model against
 float32 over a 2k-token prompt: bench/cpu_weight_tolerance.py.)"""
@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ballast.engine.config import EngineConfig
-from ballast.engine.loading import LoadedModel, load
+from ballast.engine.runner.loading import LoadedModel, load
+from ballast.models.arch.llama import LlamaForCausalLM
 from ballast.models.base import ForwardBatch
-from ballast.models.cpu_blocks import BlockLinear
-from ballast.models.cpu_linear import PROMPT_BF16_MIN_ROWS, PromptLinear, bf16_available
-from ballast.models.layers import linear
-from ballast.models.llama import LlamaForCausalLM
-from ballast.models.state import allocate_states
+from ballast.models.blocks.cpu_linear import PROMPT_BF16_MIN_ROWS, PromptLinear, bf16_available
+from ballast.models.layers.core import linear
+from ballast.models.layers.cpu_blocks import BlockLinear
+from ballast.models.layers.state import allocate_states
 from test_gguf_loader import MIXED_Q4_LAYERS, write_tiny_llama
 
 from ballast.settings import ConfigError

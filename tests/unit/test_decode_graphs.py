@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ballast.engine.graphs import DecodeGraphs, GraphCaptureError, bucket_for, bucket_pairs, doubling_buckets
-from ballast.engine.runner import ModelRunner, planned_state_bytes
+from ballast.engine.graphs.decode import (
+    DecodeGraphs,
+    GraphCaptureError,
+    bucket_for,
+    bucket_pairs,
+    doubling_buckets,
+)
+from ballast.engine.runner.model_runner import ModelRunner, planned_state_bytes
+from ballast.models.arch.builtin import BUILTIN, init_random
+from ballast.models.arch.registry import build_model
 from ballast.models.base import ForwardBatch
-from ballast.models.builtin import BUILTIN, init_random
-from ballast.models.registry import build_model
-from ballast.models.state import LayerState, PagedKV, allocate_states
+from ballast.models.layers.state import LayerState, PagedKV, allocate_states
 from test_state import read_kv
 
 CPU = torch.device("cpu")

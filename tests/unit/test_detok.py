@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from ballast.engine.detok import REPLACEMENT, Detokenizer
-from ballast.engine.tokenizer import Tokenizer
+from ballast.engine.text.detok import REPLACEMENT, Detokenizer
+from ballast.engine.text.tokenizer import Tokenizer
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast

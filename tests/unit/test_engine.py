@@ -11,7 +11,6 @@ import pytest
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.loading import ModelLoadRefused, ModelSpecError, resolve
 from ballast.engine.plan import (
     DecodeToken,
     EngineUnhealthy,
@@ -22,7 +21,8 @@ from ballast.engine.plan import (
     StepPlan,
     StepResult,
 )
-from ballast.engine.runner import planned_state_bytes
+from ballast.engine.runner.loading import ModelLoadRefused, ModelSpecError, resolve
+from ballast.engine.runner.model_runner import planned_state_bytes
 from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader
 from ballast.memory.types import GiB, MiB

@@ -11,7 +11,6 @@ import pytest
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.grammar import GrammarCompiler
 from ballast.engine.plan import (
     LAST_SAMPLED,
     DecodeToken,
@@ -21,6 +20,7 @@ from ballast.engine.plan import (
     StepPlan,
     StepResult,
 )
+from ballast.engine.text.grammar import GrammarCompiler
 
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=77)

@@ -11,20 +11,20 @@ from typing import Any
 import pytest
 import torch
 from ballast.engine.config import EngineConfig
-from ballast.engine.runner import weights_bytes
-from ballast.models.base import UnsupportedModel
-from ballast.models.builtin import builtin_config
-from ballast.models.fp8 import FP8, quantize_blocks
-from ballast.models.hf_loader import inspect_hf_dir, load_hf_dir
-from ballast.models.moe import Experts, experts_forward, local_expert_ids
-from ballast.models.parallel import (
+from ballast.engine.runner.model_runner import weights_bytes
+from ballast.models.arch.builtin import builtin_config
+from ballast.models.arch.parallel import (
     ShardPlan,
     TPGroup,
     build_shard,
     check_tensor_parallel,
     shard_weights_bytes,
 )
-from ballast.models.shard_loading import load_hf_shard
+from ballast.models.base import UnsupportedModel
+from ballast.models.blocks.moe import Experts, experts_forward, local_expert_ids
+from ballast.models.layers.fp8 import FP8, quantize_blocks
+from ballast.models.weights.hf_loader import inspect_hf_dir, load_hf_dir
+from ballast.models.weights.shard_loading import load_hf_shard
 from tp_harness import (
     assert_tp_serves_like_one_device,
     full_model,

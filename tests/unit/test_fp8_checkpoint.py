@@ -14,8 +14,8 @@ from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.models.base import UnsupportedModel, WeightLoadError
-from ballast.models.fp8 import dequantize_blocks, quantize_blocks
-from ballast.models.hf_loader import inspect_hf_dir, load_hf_dir
+from ballast.models.layers.fp8 import dequantize_blocks, quantize_blocks
+from ballast.models.weights.hf_loader import inspect_hf_dir, load_hf_dir
 from safetensors.torch import save_file
 from test_hf_loader import IDS, last_logits, tiny_hf
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.loading import planned_weights_bytes
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
-from ballast.engine.runner import weights_bytes
-from ballast.models.builtin import BUILTIN, build_builtin, builtin_config
-from ballast.models.fp8 import FP8, Fp8Linear, dequantize_blocks, quantize_blocks
-from ballast.models.hf_loader import inspect_hf_dir, load_hf_dir
+from ballast.engine.runner.loading import planned_weights_bytes
+from ballast.engine.runner.model_runner import weights_bytes
+from ballast.models.arch.builtin import BUILTIN, build_builtin, builtin_config
+from ballast.models.layers.fp8 import FP8, Fp8Linear, dequantize_blocks, quantize_blocks
+from ballast.models.weights.hf_loader import inspect_hf_dir, load_hf_dir
 from test_fp8_checkpoint import BLOCK, reference, write_fp8_checkpoint
 from test_hf_loader import HYBRID_IDS, IDS, last_logits, reference_logits, split_experts, write_checkpoint
 from test_qwen3_next_parity import random_pair, reference_in_pure_torch  # noqa: F401 - autouse fixture

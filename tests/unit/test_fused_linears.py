@@ -4,8 +4,8 @@ they cannot (an FP8 part beside a bf16 one), equal to running the linears one by
 from __future__ import annotations
 
 import torch
-from ballast.models import fp8
-from ballast.models.layers import FusedLinears
+from ballast.models.layers import fp8
+from ballast.models.layers.core import FusedLinears
 from torch import nn
 
 

@@ -8,13 +8,13 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
-from ballast.models.causal_conv import ConvWindows, causal_conv1d_varlen
-from ballast.models.gated_delta import (
+from ballast.models.blocks.gated_delta import (
     DeltaPlan,
     chunk_gated_delta,
     gated_delta_varlen,
     recurrent_gated_delta_step,
 )
+from ballast.models.layers.causal_conv import ConvWindows, causal_conv1d_varlen
 from transformers.models.qwen3_next import modeling_qwen3_next as ref
 
 HK, HV, DK, DV = 2, 4, 16, 8

@@ -12,8 +12,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from ballast.models.gguf_loader import gguf_tokenizer, hf_tensor_name, load_gguf
-from ballast.models.gguf_reader import GGUFError, GGUFUnsupportedError, read_gguf
+from ballast.models.weights.gguf_loader import gguf_tokenizer, hf_tensor_name, load_gguf
+from ballast.models.weights.gguf_reader import GGUFError, GGUFUnsupportedError, read_gguf
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as QT
 from ggufdata import F16_FIELDS, hf_to_gguf_permute, random_blocks

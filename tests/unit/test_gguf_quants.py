@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ballast.models.gguf_loader import qk_row_order
-from ballast.models.gguf_quants import dequantize
-from ballast.models.gguf_reader import GGUFUnsupportedError
+from ballast.models.weights.gguf_loader import qk_row_order
+from ballast.models.weights.gguf_quants import dequantize
+from ballast.models.weights.gguf_reader import GGUFUnsupportedError
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 from ggufdata import BLOCK_TYPES, hf_to_gguf_permute, random_blocks

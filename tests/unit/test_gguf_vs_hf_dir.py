@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from ballast.models.arch.registry import build_model
 from ballast.models.base import ForwardBatch
-from ballast.models.gguf_loader import load_gguf
-from ballast.models.hf_loader import load_hf_dir
-from ballast.models.registry import build_model
-from ballast.models.state import allocate_states
+from ballast.models.layers.state import allocate_states
+from ballast.models.weights.gguf_loader import load_gguf
+from ballast.models.weights.hf_loader import load_hf_dir
 from safetensors.torch import save_file
 from test_gguf_loader import write_tiny_llama
 from torch import nn

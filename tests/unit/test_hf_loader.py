@@ -11,12 +11,12 @@ import pytest
 import torch
 import transformers
 from ballast.engine.config import EngineConfig
-from ballast.engine.loading import load
+from ballast.engine.runner.loading import load
+from ballast.models.arch.builtin import BUILTIN, build_builtin, builtin_config
+from ballast.models.arch.registry import MODEL_CLASSES, build_model
 from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel, WeightLoadError
-from ballast.models.builtin import BUILTIN, build_builtin, builtin_config
-from ballast.models.hf_loader import INDEX_FILE, inspect_hf_dir, load_hf_dir, load_hf_model
-from ballast.models.registry import MODEL_CLASSES, build_model
-from ballast.models.state import allocate_states
+from ballast.models.layers.state import allocate_states
+from ballast.models.weights.hf_loader import INDEX_FILE, inspect_hf_dir, load_hf_dir, load_hf_model
 from safetensors.torch import save_file
 from torch import nn
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from ballast.engine.kv_budget import segment_grant
-from ballast.engine.kv_pool import KVPool
+from ballast.engine.kv.kv_budget import segment_grant
+from ballast.engine.kv.kv_pool import KVPool
 from ballast.memory.config import MemoryConfig
 from ballast.memory.host_book import HostBook
 from ballast.memory.types import GiB, MiB

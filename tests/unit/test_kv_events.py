@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from ballast.engine.prefix_keys import prefix_key
+from ballast.engine.kv.prefix_keys import prefix_key
 from ballast.server.kv_events import BlockIndex, KVEventsConfig
 from ballast.server.kv_publisher import ChangeQueue, KVEventPublisher
 

@@ -8,11 +8,11 @@ from collections import Counter
 
 import pytest
 import torch
-from ballast.engine.blocks import BlockAllocator, BlockError, blocks_for
-from ballast.engine.kv_pool import KVPool
+from ballast.engine.kv.blocks import BlockAllocator, BlockError, blocks_for
+from ballast.engine.kv.kv_pool import KVPool
 from ballast.models.base import ForwardBatch
 from ballast.models.kv_store import KVStore, plan_layout
-from ballast.models.state import PagedKV
+from ballast.models.layers.state import PagedKV
 from test_state import read_kv
 
 CPU = torch.device("cpu")
@@ -230,7 +230,7 @@ def test_compaction_packs_blocks_down_keeps_contents_and_gives_segments_back() -
 
 
 def test_capacity_line_counts_tokens_sequences_and_slot_states() -> None:
-    from ballast.engine.kv_budget import capacity_line
+    from ballast.engine.kv.kv_budget import capacity_line
     from ballast.memory.types import CostModel, GiB, MiB
 
     cost = CostModel(

@@ -10,17 +10,17 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from ballast.models.arch.registry import build_model
 from ballast.models.base import ForwardBatch
-from ballast.models.layers import (
+from ballast.models.layers.core import (
     ONEDNN_MAX_ROWS,
     RopeParams,
     RotaryEmbedding,
     linear,
     rope_inv_freq,
 )
-from ballast.models.pointwise import apply_rope
-from ballast.models.registry import build_model
-from ballast.models.state import LayerState, allocate_states
+from ballast.models.layers.pointwise import apply_rope
+from ballast.models.layers.state import LayerState, allocate_states
 from torch import nn
 
 TOL = 1e-4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ballast.models.moe import (
+from ballast.models.blocks.moe import (
     SparseMoeBlock,
     experts_forward,
     grouped_mm_supported,

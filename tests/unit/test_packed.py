@@ -1,4 +1,4 @@
-"""A GGUF's packed weights as the CPU holds them (models/packed.py): the file's Q4 integers and
+"""A GGUF's packed weights as the CPU holds them (models/layers/packed.py): the file's Q4 integers and
 scales held as they are, and a block packed whole or not at all. (What the block linears compute
 with them: tests/unit/test_cpu_blocks.py.)"""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ballast.models.gguf_quants import dequantize
-from ballast.models.llama import q4_blocks
-from ballast.models.packed import q4_weight, q8_weight
+from ballast.models.arch.llama import q4_blocks
+from ballast.models.layers.packed import q4_weight, q8_weight
+from ballast.models.weights.gguf_quants import dequantize
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from ggufdata import random_blocks

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from ballast.engine.config import PREFILL_GRAPH_TOKENS, EngineConfig
-from ballast.engine.graph_runner import capture_prefill_graphs
-from ballast.engine.graphs import PAD_POSITION, PAD_TOKEN, GraphCaptureError
-from ballast.engine.prefill_graphs import GRANULE, PrefillGraphs, token_buckets
+from ballast.engine.graphs.decode import PAD_POSITION, PAD_TOKEN, GraphCaptureError
+from ballast.engine.graphs.graph_runner import capture_prefill_graphs
+from ballast.engine.graphs.prefill import GRANULE, PrefillGraphs, token_buckets
 from ballast.memory.ledger import VramLedger
 from ballast.memory.types import GiB, MiB
 from ballast.models.base import ForwardBatch

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 from ballast.memory.specs import AttentionSpec, RecurrentStateSpec
+from ballast.models.arch.registry import build_model
 from ballast.models.base import ForwardBatch, ModelConfigError, UnsupportedModel
-from ballast.models.registry import build_model
-from ballast.models.state import LayerState, PagedKV, RecurrentState, allocate_states
+from ballast.models.layers.state import LayerState, PagedKV, RecurrentState, allocate_states
 from test_state import read_kv
 from torch import nn
 from transformers import Qwen3NextConfig

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from ballast.engine.plan import SamplingParams
-from ballast.engine.sampler import Sampler, filter_logits
+from ballast.engine.step.sampler import Sampler, filter_logits
 
 CPU = torch.device("cpu")
 

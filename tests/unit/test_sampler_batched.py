@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ballast.engine.plan import SamplingParams
-from ballast.engine.sampler import Sampler
+from ballast.engine.step.sampler import Sampler
 
 CPU = torch.device("cpu")
 VOCAB = 64

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from ballast.engine.sampling_defaults import GGUF_DEFAULTS, GenerationConfigError, sampling_defaults
+from ballast.engine.text.sampling_defaults import GGUF_DEFAULTS, GenerationConfigError, sampling_defaults
 
 
 def test_generation_config_values_become_defaults(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.loading import ModelLoadRefused
-from ballast.engine.split_admission import DieNeed
+from ballast.engine.parallel.split_admission import DieNeed
+from ballast.engine.runner.loading import ModelLoadRefused
 from ballast.memory.config import MemoryConfig
 from ballast.memory.types import GiB, MiB
 from ballast.memory.watch import MemWatch

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from ballast.memory.specs import AttentionSpec, RecurrentStateSpec, kv_bytes_per_token, state_bytes_per_slot
-from ballast.models.attention import gather, padded_groups, slot_attention_mask
 from ballast.models.base import ForwardBatch
-from ballast.models.state import PagedKV, RecurrentState, allocate_states, attention_spec
+from ballast.models.layers.attention import gather, padded_groups, slot_attention_mask
+from ballast.models.layers.state import PagedKV, RecurrentState, allocate_states, attention_spec
 
 
 def test_forward_batch_flattens_mixed_sequences() -> None:

@@ -6,13 +6,13 @@ room is leased from the memory ledger."""
 from __future__ import annotations
 
 import torch
-from ballast.engine.checkpoint_buffers import checkpoint_bytes
-from ballast.engine.checkpoint_buffers import layout as _layout
-from ballast.engine.checkpoint_buffers import segment as _segment
-from ballast.engine.checkpoint_orders import staging_bytes
-from ballast.engine.state_copies import StateCopies
+from ballast.engine.kv.checkpoint_buffers import checkpoint_bytes
+from ballast.engine.kv.checkpoint_buffers import layout as _layout
+from ballast.engine.kv.checkpoint_buffers import segment as _segment
+from ballast.engine.kv.state_copies import StateCopies
+from ballast.engine.runner.checkpoint_orders import staging_bytes
 from ballast.memory.ledger import Lease, VramLedger
-from ballast.models.state import RecurrentState
+from ballast.models.layers.state import RecurrentState
 
 
 def test_staging_matches_the_host_layout_and_one_copy_fills_every_segment() -> None:

@@ -10,13 +10,13 @@ import pytest
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.kv_pool import KVPool
-from ballast.engine.loading import ModelSpecError
+from ballast.engine.kv.kv_pool import KVPool
+from ballast.engine.runner.loading import ModelSpecError
+from ballast.models.arch.builtin import builtin_config
+from ballast.models.arch.parallel import ShardPlan, apply_cut, shard_hf_config
+from ballast.models.arch.registry import MODEL_CLASSES
 from ballast.models.base import UnsupportedModel
-from ballast.models.builtin import builtin_config
 from ballast.models.kv_store import KVStore, plan_layout
-from ballast.models.parallel import ShardPlan, apply_cut, shard_hf_config
-from ballast.models.registry import MODEL_CLASSES
 from tp_harness import engine_greedy, reference_logits, sharded_logits, steps_for, write_checkpoint
 
 VOCAB = 1001  # odd: the vocabulary's last shard is padded

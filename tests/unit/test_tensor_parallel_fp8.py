@@ -13,12 +13,12 @@ import pytest
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.runner import weights_bytes
+from ballast.engine.runner.model_runner import weights_bytes
+from ballast.models.arch.builtin import builtin_config
+from ballast.models.arch.parallel import shard_weights_bytes
 from ballast.models.base import UnsupportedModel
-from ballast.models.builtin import builtin_config
-from ballast.models.fp8 import FP8
-from ballast.models.hf_loader import inspect_hf_dir, load_hf_dir
-from ballast.models.parallel import shard_weights_bytes
+from ballast.models.layers.fp8 import FP8
+from ballast.models.weights.hf_loader import inspect_hf_dir, load_hf_dir
 from tp_harness import (
     assert_tp_serves_like_one_device,
     run_steps,

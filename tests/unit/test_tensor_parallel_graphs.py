@@ -19,20 +19,20 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.faults import WorkerLost
-from ballast.engine.graphs import DecodeGraphs
-from ballast.engine.runner import ModelRunner
-from ballast.engine.sharded_runner import ShardedRunner
-from ballast.engine.tp_graphs import (
+from ballast.engine.graphs.decode import DecodeGraphs
+from ballast.engine.parallel.sharded_runner import ShardedRunner
+from ballast.engine.parallel.tp_graphs import (
     CaptureGraphs,
     GraphsReport,
     Rank0Agreement,
     ReportGraphs,
     worker_agreement,
 )
-from ballast.engine.tp_worker import StepMessage, Stop, serve
+from ballast.engine.parallel.tp_worker import StepMessage, Stop, serve
+from ballast.engine.runner.model_runner import ModelRunner
+from ballast.models.arch.builtin import BUILTIN, init_random
+from ballast.models.arch.registry import build_model
 from ballast.models.base import ForwardBatch
-from ballast.models.builtin import BUILTIN, init_random
-from ballast.models.registry import build_model
 
 CPU = torch.device("cpu")
 

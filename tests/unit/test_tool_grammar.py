@@ -9,12 +9,12 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
-from ballast.engine.grammar import GrammarCompiler
 from ballast.engine.plan import SamplingParams
-from ballast.engine.sampler import Sampler
-from ballast.engine.tokenizer import Tokenizer
-from ballast.models.default_model import default_model_path
-from ballast.models.gguf_loader import build_tokenizer, read_gguf
+from ballast.engine.step.sampler import Sampler
+from ballast.engine.text.grammar import GrammarCompiler
+from ballast.engine.text.tokenizer import Tokenizer
+from ballast.models.weights.default_model import default_model_path
+from ballast.models.weights.gguf_loader import build_tokenizer, read_gguf
 from ballast.server import protocol as p
 from ballast.server.toolcalls import parse
 from ballast.server.toolgrammar import style_of, tool_call_lark

@@ -1,0 +1,2 @@
+"""CUDA graphs: decode steps per batch and context bucket, lone prompts' prefills, and the one owner
+that chooses, captures and replays them."""

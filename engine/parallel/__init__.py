@@ -1,0 +1,2 @@
+"""Tensor parallel: rank 0's sharded runner and workers, the worker processes, their graphs in
+lockstep, and the split's admission."""

@@ -1,0 +1,306 @@
+"""Resolve a model spec, ask the memory layer, and load weights and tokenizer.
+
+Specs: `default` (the embedded SmolLM2 GGUF), `builtin:NAME` (seeded random init), a `.gguf` file,
+or a Hugging Face directory; the spec's form alone picks the loader. The memory layer is asked
+before any weight is read, and what lands on a GPU is held as a VRAM ledger lease, so the ledger
+refuses the next big allocation before the driver would OOM.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from ballast.engine import threads
+from ballast.engine.config import EngineConfig
+from ballast.engine.runner.model_runner import analytic_activation_bytes, weights_bytes
+from ballast.engine.step.sampler import Sampler
+from ballast.engine.text.sampling_defaults import GenerationConfigError
+from ballast.engine.text.tokenizer import Tokenizer, TokenizerError
+from ballast.memory.admission import admit_load_spike, admit_model_load
+from ballast.memory.errors import MemoryRefused
+from ballast.memory.ledger import Lease
+from ballast.memory.specs import kv_bytes_per_token, state_bytes_per_slot
+from ballast.memory.types import MemState, Verdict
+from ballast.memory.watch import MemWatch
+from ballast.models.arch import builtin
+from ballast.models.arch.llama import LlamaForCausalLM, q4_blocks
+from ballast.models.arch.registry import convert_model, model_class
+from ballast.models.base import ModelError
+from ballast.models.blocks.cpu_linear import hold_prompt_bf16
+from ballast.models.layers.packed import Q4Weight, Q8Weight
+from ballast.models.layers.state import dtype_bytes
+from ballast.models.weights.default_model import DefaultModelError, default_model_path
+from ballast.models.weights.gguf_loader import (
+    GGUFError,
+    build_tokenizer,
+    gguf_block_weights,
+    gguf_config,
+    gguf_tensors,
+    hf_tensor_name,
+    read_gguf,
+)
+from ballast.models.weights.gguf_reader import GGUFFile
+from ballast.models.weights.hf_loader import inspect_hf_dir, load_hf_model
+from torch import nn
+
+
+class ModelSpecError(ValueError):
+    """The model spec names nothing loadable."""
+
+
+class ModelLoadRefused(RuntimeError):
+    """The memory layer refused the load; `verdict.reason` says what did not fit."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(f"model load refused by the memory layer: {verdict.reason}")
+        self.verdict = verdict
+
+
+# Everything a load can fail with for a reason the operator can fix (a bad spec or file, a model we
+# do not implement, not enough memory, no network for the default model): report, don't trace.
+LOAD_ERRORS: tuple[type[Exception], ...] = (
+    ModelSpecError,
+    ModelLoadRefused,
+    ModelError,
+    DefaultModelError,
+    GGUFError,
+    TokenizerError,
+    MemoryRefused,
+    GenerationConfigError,
+)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "builtin" | "gguf" | "hf"
+    name: str  # what clients see as the model name
+    path: Path | None = None  # None for builtin
+
+
+def check_spec(spec: str) -> None:
+    """Fail fast on a model that names nothing loadable; the default model is fetched at load."""
+    if spec != "default":
+        resolve(spec)
+
+
+def resolve(spec: str) -> ModelSource:
+    if spec == "default":
+        path = default_model_path()
+        return ModelSource("gguf", path.stem, path)
+    if spec.startswith(builtin.PREFIX):
+        builtin.builtin_config(spec)  # raises UnsupportedModel naming the built-in models
+        return ModelSource("builtin", spec)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelSpecError(f"model {spec!r} not found (no such file or directory)")
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path.stem, path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource("hf", path.name, path)
+    raise ModelSpecError(
+        f"model {spec!r} is not 'default', 'builtin:NAME', a .gguf file or a Hugging Face directory with "
+        "config.json"
+    )
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    model: nn.Module
+    hf_config: dict[str, Any]
+    tokenizer: LazyTokenizer
+    weights_bytes: int
+    load_s: float
+    leases: list[Lease]
+
+
+class LazyTokenizer:
+    """Loads the tokenizer on first use: tests that drive a model with token ids never pay for it."""
+
+    def __init__(self, factory: Callable[[], Tokenizer]) -> None:
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._value: Tokenizer | None = None
+
+    def get(self) -> Tokenizer:
+        with self._lock:
+            if self._value is None:
+                self._value = self._factory()
+            return self._value
+
+
+def lazy_tokenizer(hf_dir: Path | None) -> LazyTokenizer:
+    """A Hugging Face directory's tokenizer or, for None, the default model's (a built-in model
+    borrows it: same vocabulary)."""
+    if hf_dir is None:
+        return LazyTokenizer(lambda: Tokenizer(build_tokenizer(read_gguf(default_model_path()).metadata)))
+    path: Path = hf_dir
+    return LazyTokenizer(lambda: Tokenizer.from_hf_dir(path))
+
+
+def planned_weights_bytes(hf_config: dict[str, Any], dtype: torch.dtype) -> int:
+    """Bytes a built-in model will hold, float8 weights and scales included (built on meta)."""
+    with torch.device("meta"):
+        model = model_class(hf_config).from_hf_config(hf_config).to(dtype)
+    fp8_weights = builtin.fp8_weights(hf_config)
+    if fp8_weights is not None:
+        convert_model(model, *fp8_weights)
+    # parameters() yields a tied parameter once, so tied embeddings are not counted twice.
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def bytes_beside_weights(
+    hf_config: Mapping[str, Any], config: EngineConfig, dtype: torch.dtype
+) -> tuple[int, int, int]:
+    """What a load needs besides the weights: (the slots' recurrent states and sampler buffers,
+    one max_model_len sequence's KV, the prefill activations), in bytes."""
+    with torch.device("meta"):
+        specs = model_class(hf_config).from_hf_config(hf_config).layer_specs(dtype_bytes(dtype))
+    slots = config.max_num_seqs + 1  # the decode graphs' scratch slot
+    vocab = int(hf_config.get("vocab_size", 0))
+    fixed = slots * state_bytes_per_slot(specs) + Sampler.planned_bytes(config.max_num_seqs, vocab)
+    activations = analytic_activation_bytes(
+        hf_config, config.prefill_chunk_tokens, config.max_model_len, dtype_bytes(dtype)
+    )
+    return fixed, kv_bytes_per_token(specs) * config.max_model_len, activations
+
+
+def admit_load(
+    hf_config: Mapping[str, Any],
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    weights: int,
+    watch: MemWatch | None,
+    *,
+    host_staging: int = 0,
+) -> None:
+    """Raise ModelLoadRefused unless the weights, the slots' fixed states, one max-length
+    sequence's KV and the prefill activations fit: on the host for a CPU engine, under the die's
+    ledger ceiling for a GPU one. host_staging: host memory the load passes through on its way to
+    a GPU (a GGUF dequantized whole, safetensors read ahead), checked with the load spike."""
+    if watch is None:
+        return  # tests and tools without a memory layer
+    mem_config = watch.config
+    state: MemState = watch.poll_now()
+    fixed, one_seq, activations = bytes_beside_weights(hf_config, config, dtype)
+    resident = weights + fixed + one_seq + activations
+    host = resident + host_staging if device.type == "cpu" else host_staging
+    spike = admit_load_spike(mem_config.load_spike_bytes, state, host_weights_bytes=host)
+    if not spike.admitted:
+        raise ModelLoadRefused(spike)
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    ceiling = watch.ledger.register_die(die_index(device), total, free)
+    verdict = admit_model_load(
+        weights + fixed,
+        one_seq,
+        activations,
+        ceiling + mem_config.die_reserve_bytes,
+        mem_config.die_reserve_bytes,
+    )
+    if not verdict.admitted:
+        raise ModelLoadRefused(verdict)
+
+
+def die_index(device: torch.device) -> int:
+    """The GPU index of a CUDA device (the current one where it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def load(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, watch: MemWatch | None = None
+) -> LoadedModel:
+    """Load the model config.model names onto device in dtype, after the memory layer agrees."""
+    source = resolve(config.model)
+    tok_dir = None if config.tokenizer is None else Path(config.tokenizer)
+    if tok_dir is not None and not tok_dir.is_dir():
+        raise ModelSpecError(f"--tokenizer {tok_dir} is not a directory")
+    t0 = time.perf_counter()
+    if source.kind == "builtin":
+        hf_config = builtin.builtin_config(source.name)
+        weights = planned_weights_bytes(hf_config, dtype)
+        admit_load(hf_config, config, device, dtype, weights, watch)
+        model = builtin.build_builtin(source.name, dtype=dtype, device=device)
+        tokenizer = lazy_tokenizer(None)
+    elif source.kind == "gguf":
+        assert source.path is not None
+        gf = read_gguf(source.path)
+        hf_config = gguf_config(gf)
+        weights = sum(math.prod(t.shape) for t in gf.tensors.values()) * dtype_bytes(dtype)
+        # The GGUF is dequantized whole in host memory before it moves to a GPU.
+        staging = weights if device.type == "cuda" else 0
+        admit_load(hf_config, config, device, dtype, weights, watch, host_staging=staging)
+        held = _held_weights(gf, hf_config) if config.cpu_blocks(device) else {}
+        # the embedding table stays dense (lookups), even where the tied head reads its blocks
+        skip = {n for n in held if n != "model.embed_tokens.weight"}
+        model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype, skip=skip), device)
+        if held:
+            decode = threads.decode_threads(threads.read_cpu_share(), config.cpu_threads)
+            cast(LlamaForCausalLM, model).hold_blocks(held, decode)
+        if config.cpu_prompt_bf16(device):
+            hold_prompt_bf16(model)
+        hf_tok = build_tokenizer(gf.metadata)
+        tokenizer = LazyTokenizer(lambda: Tokenizer(hf_tok))
+    else:
+        assert source.path is not None
+        ckpt = inspect_hf_dir(source.path)
+        hf_config = ckpt.config
+        keep_fp8 = config.keeps_fp8(device)
+        weights = ckpt.weights_bytes(dtype, keep_fp8)
+        admit_load(hf_config, config, device, dtype, weights, watch, host_staging=ckpt.transient_bytes())
+        model = load_hf_model(ckpt, dtype=dtype, device=device, keep_fp8=keep_fp8)
+        tokenizer = lazy_tokenizer(source.path)
+    if tok_dir is not None:
+        tokenizer = lazy_tokenizer(tok_dir)
+    leases: list[Lease] = []
+    held = weights_bytes(model)
+    if watch is not None and device.type == "cuda":
+        leases.append(watch.ledger.lease(die_index(device), held, f"weights:{source.name}"))
+    return LoadedModel(
+        source, model.eval(), dict(hf_config), tokenizer, held, time.perf_counter() - t0, leases
+    )
+
+
+def _held_weights(gf: GGUFFile, hf_config: dict[str, Any]) -> dict[str, Q4Weight | Q8Weight]:
+    """The GGUF's weights the CPU keeps packed: whole 4-bit blocks of a Llama-family model, and
+    its output head's Q8_0 / Q4 blocks."""
+    if model_class(hf_config) is not LlamaForCausalLM:
+        return {}
+    packed = gguf_block_weights(gf, hf_config)
+    names = {hf_tensor_name(n) for n in gf.tensors if n != "rope_freqs.weight"}
+    q4 = {n for n, w in packed.items() if isinstance(w, Q4Weight)}  # a block is 4-bit whole
+    keep = {w for _, _, weights in q4_blocks(q4, names) for w in weights}
+    keep.add("model.embed_tokens.weight" if hf_config.get("tie_word_embeddings") else "lm_head.weight")
+    return {n: w for n, w in packed.items() if n in keep}
+
+
+def _from_tensors(
+    hf_config: Mapping[str, Any], tensors: dict[str, torch.Tensor], device: torch.device
+) -> nn.Module:
+    """Build the model on the meta device and adopt the loaded tensors as its parameters."""
+    with torch.device("meta"):
+        model = model_class(hf_config).from_hf_config(hf_config)
+    # Not strict: a checkpoint with tied embeddings has no lm_head tensor; tie_weights covers it.
+    result = model.load_state_dict(tensors, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ModelSpecError(
+            f"checkpoint has tensors the model does not: {', '.join(result.unexpected_keys[:8])}"
+        )
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
+    missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
+    if missing:
+        raise ModelSpecError(
+            f"checkpoint lacks tensors for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+        )
+    return model.to(device)
