@@ -332,8 +332,9 @@ def expert_weights(experts: Experts, name: str, index: Tensor, dtype: torch.dtyp
 def fp8_experts_forward(
     module: Experts, x: Tensor, experts: Tensor, weights: Tensor, outside: bool = False
 ) -> Tensor:
-    """`experts_forward` over float8 weights: one grouped FP8 GEMM per projection where the kernels
-    run, else the dense path over only the experts that received tokens, dequantized."""
+    """`experts_forward` over float8 weights: where the kernels run, prefill-sized batches through
+    the FP8 x FP8 grouped GEMMs (`w8a8_triton`), smaller ones one weight-only grouped FP8 GEMM per
+    projection; else the dense path over only the experts that received tokens, dequantized."""
     num_experts = module.gate_up_proj.shape[0]
     if not fp8.kernels_available(x.device):
         active, local = experts.unique(return_inverse=True)
@@ -342,11 +343,17 @@ def fp8_experts_forward(
         gate_up = expert_weights(module, "gate_up_proj", held, x.dtype)
         down = expert_weights(module, "down_proj", held, x.dtype)
         return experts_forward(x, local, weights, gate_up, down, outside=outside)
+    from ballast.models.kernels import w8a8_triton
     from ballast.models.kernels.fp8_triton import Groups, grouped_fp8_matmul
 
     routing = Routing.sort(experts, num_experts, outside)
-    rows = x.index_select(0, routing.token)
     block = module.block
+    if w8a8_triton.serves(x, module.gate_up_proj, block, routing.token.shape[0]):
+        gate_up = (module.gate_up_proj, module.gate_up_proj_scale_inv)
+        down = (module.down_proj, module.down_proj_scale_inv)
+        y = w8a8_triton.experts_w8a8(x, routing.token, routing.counts, *gate_up, *down, block)
+        return routing.combine(y, weights.to(x.dtype), x.shape[0])
+    rows = x.index_select(0, routing.token)
     groups = Groups.plan(routing.counts, rows.shape[0], block)
     h = grouped_fp8_matmul(rows, groups, module.gate_up_proj, module.gate_up_proj_scale_inv, block)
     act = pointwise.silu_mul(h, h.shape[1] // 2)
