@@ -6,6 +6,8 @@ built-in model, with the step's wall time beside the GPU time of its kernels.
     python -m ballast.bench.decode_profile --prefill 1024 --batch 1 --models llama-8b   # a TTFT's prefill
     python -m ballast.bench.decode_profile --mixed 128 --models llama-8b   # decodes beside a new prompt
     python -m ballast.bench.decode_profile --models qwen3-next-6b --no-eager --moe-kernel grouped fused
+    python -m ballast.bench.decode_profile --prefill 1000 --chunk 1024 --models qwen3-next-6b-fp8 \
+        --fp8-activations off on   # FP8 prefill: weight-only against FP8 x FP8
 
 Each model is loaded through `Engine.load`, every slot is prefilled to --context, warmed up, then
 --steps decode steps run under `torch.profiler` twice: with the engine's CUDA graphs (what the
@@ -42,7 +44,7 @@ from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.models.arch.builtin import builtin_config
-from ballast.models.kernels import moe_experts_triton
+from ballast.models.kernels import moe_experts_triton, w8a8_triton
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
@@ -191,9 +193,12 @@ def bench(name: str, args: argparse.Namespace, results: list[dict[str, Any]]) ->
     # (decode graphs, prefill graphs) per engine: both, and neither (eager); for --mixed both, and
     # decode graphs alone (its mixed steps run eagerly; the first's may replay the two graphs).
     arms = [(True, True), (True, False) if args.mixed else (False, False)][: 1 if args.no_eager else 2]
-    for (graphs, prefill_graphs), kernel in ((a, k) for a in arms for k in args.moe_kernel):
+    ways = [(a, k, f) for a in arms for k in args.moe_kernel for f in args.fp8_activations]
+    for (graphs, prefill_graphs), kernel, fp8_act in ways:
         moe_experts_triton.FUSED_EXPERTS = kernel == "fused"
+        w8a8_triton.ENABLED = fp8_act == "on"
         suffix = f", {kernel} experts" if args.moe_kernel != ["grouped"] else ""
+        suffix += f", FP8 x FP8 {fp8_act}" if len(args.fp8_activations) > 1 else ""
         engine = Engine.load(
             EngineConfig(
                 model="builtin:" + name,
@@ -325,6 +330,13 @@ def main() -> None:
         choices=["grouped", "fused"],
         default=["grouped"],
         help="MoE expert kernels, each in turn: torch's grouped GEMM, or moe_experts_triton.experts_mlp",
+    )
+    ap.add_argument(
+        "--fp8-activations",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
+        help="FP8 linears and experts at prefill sizes: FP8 x FP8 (w8a8_triton) or weight-only, each in turn",
     )
     ap.add_argument("--compile", type=lambda v: v.lower() in ("1", "true", "yes"), default=True)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (--prefill)")

@@ -41,6 +41,17 @@ class SchedulerConfig:
             1 << 20,
         ),
     )
+    max_itl_ms: float = field(
+        default=0.0,
+        metadata=setting(
+            "BALLAST_MAX_ITL_MS",
+            "longest a step beside running decodes should take: its prompt tokens are sized from the "
+            "measured step times (decode-only steps, and the cost of a prompt token) to stay within it, "
+            "at least 64 a step; 0 = each such step takes the engine's whole prefill chunk",
+            0.0,
+            60000.0,
+        ),
+    )
     context_window: int = field(
         default=0,
         metadata=setting(

@@ -21,6 +21,7 @@ from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.gate import AdmissionGate
 from ballast.scheduler.governor import Governor
 from ballast.scheduler.kv_policy import KVPolicy
+from ballast.scheduler.prompt_budget import PromptBudget
 from ballast.scheduler.roster import Roster
 from ballast.scheduler.sequence import Phase, Seq
 
@@ -39,8 +40,10 @@ class StepPlanner:
         gov: Governor,
         checkpoints: CheckpointPlanner,
         kv: KVPolicy,
+        prompt_budget: PromptBudget,
     ) -> None:
         self._engine = engine
+        self._prompt_budget = prompt_budget
         self._roster = roster
         self._gate = gate
         self._gov = gov
@@ -64,7 +67,12 @@ class StepPlanner:
             if seq.phase is Phase.DECODING and seq.slot is not None
         )
         engine = self._engine
-        chunk = engine.busy_prefill_chunk_tokens if decodes else engine.prefill_chunk_tokens
+        # beside decodes, the prompt tokens that keep the step within the ITL target
+        chunk = (
+            self._prompt_budget.tokens(engine.busy_prefill_chunk_tokens)
+            if decodes
+            else engine.prefill_chunk_tokens
+        )
         budget = min(self._per_step - len(decodes), chunk)
         unfinished = [s for s in roster.running if s.phase is Phase.PREFILLING and s.prefilled < len(s.feed)]
         admitted = iter(self._gate.admit_head, None) if admit else ()

@@ -26,6 +26,7 @@ from ballast.scheduler.gate import AdmissionGate
 from ballast.scheduler.governor import Governor, GovernorSettings, SnapshotSource, VerdictRecorder
 from ballast.scheduler.kv_policy import KVPolicy, KVRoom
 from ballast.scheduler.planner import StepPlanner
+from ballast.scheduler.prompt_budget import PromptBudget
 from ballast.scheduler.request import FinishReason, GenerationRequest, RequestHandle
 from ballast.scheduler.roster import Roster
 from ballast.scheduler.sequence import Phase, Seq
@@ -93,7 +94,11 @@ class Scheduler:
         # The pools after the last step, and the decisions made from them under the ladder.
         self._kv = KVPolicy(gov, KVRoom(engine.kv_figures(), engine.kv_figures(int8=True)))
         self._gate = AdmissionGate(roster, gov, self._kv, config, limits, engine)
-        self._planner = StepPlanner(engine, config, roster, self._gate, gov, checkpoints, self._kv)
+        self.prompt_budget = PromptBudget(config.max_itl_ms / 1e3)
+        self._planner = StepPlanner(
+            engine, config, roster, self._gate, gov, checkpoints, self._kv, self.prompt_budget
+        )
+        self._last_done = 0.0  # when the last step's result came back (monotonic seconds)
         self.reused_tokens = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -254,6 +259,11 @@ class Scheduler:
         except StepFailed as failed:
             self._step_failed(step.plan, failed)
             return True
+        # The engine runs steps one after another: this one held it from its sending, or from the
+        # end of the one before (sent ahead of it), to now.
+        done, began = time.monotonic(), max(step.sent_at, self._last_done)
+        self._last_done = done
+        self.prompt_budget.observe(len(step.plan.decodes), result.prefill_tokens, done - began)
         self._apply(step.plan, result)
         return True
 

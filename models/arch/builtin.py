@@ -137,6 +137,13 @@ BUILTIN: dict[str, dict[str, Any]] = {
     # The same shapes with 26 of the 512 experts (5.8B parameters, 11.6 GB in bf16): fits one GPU,
     # so one GPU and a tensor-parallel pair can serve the same shape side by side.
     "qwen3-next-6b": {**_QWEN3_NEXT_80B, "num_experts": 26},
+    # The 6B cut in FP8 as the 80B's release holds it: the 80B's FP8 kernels at a size one load
+    # takes seconds.
+    "qwen3-next-6b-fp8": {
+        **_QWEN3_NEXT_80B,
+        "num_experts": 26,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    },
     "qwen3-next-80b-a3b-fp8": {
         **_QWEN3_NEXT_80B,
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},

@@ -210,13 +210,15 @@ def experts_w8a8(
     down: Tensor,
     down_scale: Tensor,
     block: tuple[int, int],
+    tiles: Tiles | None = None,
 ) -> Tensor:
     """down_e(silu(gate_e(x[t])) * up_e(x[t])) of every expert-grouped pair (token[r], e) -> [R, H]
     in x's dtype, rows in the grouped order; x [T, H]; counts [E] pairs per expert (pairs past
     their sum, held by another rank, are not written). Four kernels: quantize x, gate/up, silu *
     up quantized, down."""
     rows = token.shape[0]
-    groups = Groups.plan(counts, rows, block, tiles_for(rows / max(1, min(counts.numel(), rows)), block))
+    tiles = tiles or tiles_for(rows / max(1, min(counts.numel(), rows)), block)
+    groups = Groups.plan(counts, rows, block, tiles)
     q, qs = quantize_rows(x.contiguous(), block[1])
     h = grouped_w8a8_matmul(q, qs, groups, gate_up, gate_up_scale, block, x.dtype, token)
     act, act_s = silu_mul_quantize(h, block[1])
