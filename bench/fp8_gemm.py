@@ -56,13 +56,8 @@ def time_us(fn: Callable[[], Any]) -> float:
 
 
 def bench_shape(name: str, n: int, k: int, m: int) -> list[dict[str, Any]]:
-    from ballast.models.kernels.fp8_triton import (
-        Tiles,
-        block_fp8_matmul,
-        dequantize,
-        quantize_rows,
-        w8a8_matmul,
-    )
+    from ballast.models.kernels.fp8_triton import Tiles, block_fp8_matmul, dequantize
+    from ballast.models.kernels.w8a8_triton import quantize_rows, w8a8_matmul
 
     dev = torch.device("cuda")
     torch.manual_seed(0)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from ballast.models.fp8 import FP8, dequantize_blocks, quantize_blocks
+from ballast.models.layers.fp8 import FP8, dequantize_blocks, quantize_blocks
 from torch import Tensor
 
 RESULTS = Path(__file__).parent / "results" / "fp8_prefill.json"
@@ -111,8 +111,8 @@ class Rows:
 
 
 def bench_dense(rows: Rows, name: str, n: int, k: int, m: int) -> None:
-    from ballast.models.fp8_triton import Tiles, block_fp8_matmul
-    from ballast.models.w8a8_triton import quantize_rows, w8a8_matmul
+    from ballast.models.kernels.fp8_triton import Tiles, block_fp8_matmul
+    from ballast.models.kernels.w8a8_triton import quantize_rows, w8a8_matmul
 
     torch.manual_seed(n + k + m)
     w, scale = quantize_blocks(torch.randn(n, k, device=DEV) * 0.02, BLOCK)
@@ -147,9 +147,10 @@ def bench_dense(rows: Rows, name: str, n: int, k: int, m: int) -> None:
 
 
 def bench_experts(rows: Rows, tokens: int) -> None:
-    from ballast.models import pointwise, w8a8_triton
-    from ballast.models.fp8_triton import Groups, Tiles, dequantize, grouped_fp8_matmul
-    from ballast.models.moe import Routing
+    from ballast.models.kernels import w8a8_triton
+    from ballast.models.layers import pointwise
+    from ballast.models.kernels.fp8_triton import Groups, Tiles, dequantize, grouped_fp8_matmul
+    from ballast.models.blocks.moe import Routing
 
     g = torch.Generator(device=DEV).manual_seed(tokens)
     gate_up = torch.randn((EXPERTS, 2 * INTER, HIDDEN), generator=g, device=DEV, dtype=torch.bfloat16).to(FP8)
@@ -257,8 +258,8 @@ def engine_prefill(
     from ballast.engine.config import EngineConfig
     from ballast.engine.engine import Engine
     from ballast.engine.plan import DecodeToken, StepPlan
-    from ballast.models import w8a8_triton
-    from ballast.models.builtin import builtin_config
+    from ballast.models.kernels import w8a8_triton
+    from ballast.models.arch.builtin import builtin_config
 
     vocab = int(builtin_config(model)["vocab_size"])
     chunk = 8192

@@ -1,4 +1,5 @@
-"""Triton GEMMs over block-scaled float8 weights (CUDA, compute capability 8.9+).
+"""Weight-only Triton GEMMs over block-scaled float8 weights (CUDA, compute capability 8.9+); the
+FP8 x FP8 ones for prefill-sized batches are in `w8a8_triton`.
 
 Weight-only FP8: activations stay in the model's dtype; each weight tile is read as float8 (half
 the bytes of bf16, which decode is bound by), converted in registers, and its (column block, K
@@ -242,80 +243,3 @@ def grouped_fp8_matmul(
         num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     return out if t.split_k == 1 else out.to(rows.dtype)
-
-
-# --- FP8 x FP8 (activations quantized per row and 128 columns): Hopper's FP8 tensor cores ----------
-# Not yet dispatched to: bench/fp8_gemm.py measures it against the weight-only kernel and cuBLAS.
-
-
-@triton.jit
-def _quantize_rows(x_ptr, q_ptr, s_ptr, K, stride_xm, GROUPS, GROUP: tl.constexpr):
-    row = tl.program_id(0)
-    group = tl.program_id(1)
-    cols = group * GROUP + tl.arange(0, GROUP)
-    ok = cols < K
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x)), 1e-12) / 448.0  # float8 e4m3's largest value
-    q = (x / scale).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # not the default truncation
-    tl.store(q_ptr + row.to(tl.int64) * K + cols, q, mask=ok)
-    tl.store(s_ptr + row.to(tl.int64) * GROUPS + group, scale)
-
-
-def quantize_rows(x: Tensor, group: int = 128) -> tuple[Tensor, Tensor]:
-    """x [M, K] -> float8 values [M, K] and float32 scales [M, ceil(K / group)] (x ~ value * scale)."""
-    m, k = x.shape
-    groups = triton.cdiv(k, group)
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
-    if m:
-        _quantize_rows[(m, groups)](x, q, s, k, x.stride(0), groups, GROUP=group)
-    return q, s
-
-
-@triton.jit
-def _w8a8_gemm(q_ptr, as_ptr, w_ptr, s_ptr, c_ptr, M, N, K, GROUPS, stride_sn, stride_cm,
-               SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    col_ok = cols < N
-    a_ptrs = q_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
-    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k_ok = kb * BLOCK_K + ks < K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        a_s = tl.load(as_ptr + rows * GROUPS + kb, mask=row_ok, other=0.0)
-        w_s = tl.load(s_ptr + (cols // SCALE_N) * stride_sn + kb, mask=col_ok, other=0.0)
-        acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-def w8a8_matmul(
-    a: Tensor, w: Tensor, scale_inv: Tensor, block: tuple[int, int], tiles: Tiles | None = None
-) -> Tensor:
-    """`block_fp8_matmul` with the activations quantized to float8 (per row and 128 columns, the
-    weight's K block) and multiplied on FP8 tensor cores. Needs 128-column weight blocks."""
-    _check(a, w, block)
-    if block[1] != 128:
-        raise ValueError(f"FP8 x FP8 needs weight blocks of 128 columns, got {block}")
-    m, k = a.shape
-    n = w.shape[0]
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    if m == 0:
-        return out
-    q, s = quantize_rows(a.contiguous())
-    t = tiles or (Tiles(64, 128, 128, 4, 4) if m <= 64 else Tiles(128, 128, 128, 8, 3))
-    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
-    _w8a8_gemm[grid](
-        q, s, w, scale_inv, out, m, n, k, s.shape[1], scale_inv.stride(0), out.stride(0),
-        SCALE_N=block[0], BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=128,
-        num_warps=t.warps, num_stages=t.stages,
-    )  # fmt: skip
-    return out

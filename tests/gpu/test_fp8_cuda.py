@@ -46,7 +46,7 @@ def test_fp8_activations_matmul(m: int) -> None:
     within 1/16 of itself, or e4m3's smallest step at its group's scale); the product's error is
     that of FP8 activations: ~2.5% of the output's mean magnitude (Triton's interpreter, exactly
     quantized inputs: the GEMM itself agreed to 4e-7)."""
-    from ballast.models.kernels.fp8_triton import quantize_rows, w8a8_matmul
+    from ballast.models.kernels.w8a8_triton import quantize_rows, w8a8_matmul
 
     torch.manual_seed(m)
     block = (128, 128)

@@ -12,11 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from ballast.models import fp8, moe, moe_experts_triton, moe_triton
-from ballast.models.fp8 import FP8, dequantize_blocks, quantize_blocks
+from ballast.models.blocks import moe
+from ballast.models.kernels import moe_experts_triton, moe_triton
+from ballast.models.layers import fp8
+from ballast.models.layers.fp8 import FP8, dequantize_blocks, quantize_blocks
 from triton_kernels import DEVICE, marks
 
-w8a8_triton = pytest.importorskip("ballast.models.w8a8_triton")
+w8a8_triton = pytest.importorskip("ballast.models.kernels.w8a8_triton")
 pytestmark = marks(moe_triton)
 ON_CUDA = DEVICE.type == "cuda"
 BLOCK = (128, 128)
@@ -164,7 +166,7 @@ def test_grouped_gemms_at_the_80b_shapes_and_partial_blocks(
 
 
 def moe_groups(routing: moe.Routing, block_rows: int) -> object:
-    from ballast.models.fp8_triton import Groups
+    from ballast.models.kernels.fp8_triton import Groups
 
     experts = routing.counts.numel()
     return Groups.plan(
@@ -179,7 +181,7 @@ def test_fp8_moe_block_takes_the_fp8_activation_path_from_its_row_threshold(
     """An FP8 experts module past the fused kernel's pairs: with the switch on, the FP8 x FP8
     kernels (within FP8 activations' error of float32 on the dequantized weights); off, exactly
     the weight-only grouped GEMMs."""
-    from ballast.models.fp8_triton import Groups, grouped_fp8_matmul
+    from ballast.models.kernels.fp8_triton import Groups, grouped_fp8_matmul
 
     monkeypatch.setattr(moe_experts_triton, "MAX_FUSED_FP8_PAIRS", 0)
     monkeypatch.setattr(w8a8_triton, "FROM_ROWS", 16)
