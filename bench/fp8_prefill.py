@@ -265,7 +265,7 @@ def engine_prefill(
     chunk = 8192
     t = time.perf_counter()
     engine = Engine.load(
-        EngineConfig(model="builtin:" + model, device=DEV, max_num_seqs=prompts, cuda_graphs=False,
+        EngineConfig(model="builtin:" + model, device="cuda", max_num_seqs=prompts, cuda_graphs=False,
                      max_model_len=max(lengths) + new_tokens + 16, prefill_chunk_tokens=chunk)
     )  # fmt: skip
     out: dict[str, Any] = {"model": model, "prompts": prompts, "load_s": time.perf_counter() - t}
@@ -316,8 +316,8 @@ def engine_prefill(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192], help="rows of the dense GEMMs")
-    ap.add_argument("--expert-tokens", type=int, nargs="+", default=[128, 1024, 8192])
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1024, 8192], help="rows of the dense GEMMs")
+    ap.add_argument("--expert-tokens", type=int, nargs="*", default=[128, 1024, 8192])
     ap.add_argument(
         "--engine",
         nargs="+",

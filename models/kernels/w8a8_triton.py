@@ -23,13 +23,13 @@ from ballast.models.kernels.fp8_triton import Groups, Tiles
 from torch import Tensor
 
 FP8 = torch.float8_e4m3fn
-# Whether FP8 linears and experts take these kernels from `FROM_ROWS` rows on (CUDA 8.9+); off,
-# they take the weight-only kernels and dequantize + cuBLAS as before (`bench/fp8_prefill.py`
-# measures both ways).
+# Whether FP8 experts take these kernels from `FROM_ROWS` token x expert pairs on (CUDA 8.9+; below
+# 641 pairs the fused expert kernels serve them first); off, the weight-only grouped kernel as
+# before. H200, the 80B's expert layer (`bench/fp8_prefill.py`), weight-only -> FP8 x FP8: 128
+# tokens 737 -> 473 us, 1,024 tokens 1,632 -> 564 us, 8,192 tokens 5,132 -> 1,530 us.
+# Dense FP8 linears keep dequantize + cuBLAS: at the 80B's shapes this kernel was within 8% of it at
+# 1,024 rows and 13-170% slower at 8,192 rows or 64-1,024 columns (`w8a8_matmul` stays for the bench).
 ENABLED = True
-# From this many rows (a linear's tokens; an expert layer's token x expert pairs) the multiply, not
-# the weight read, bounds the GEMM; below, the weight-only kernels read the same bytes with no
-# quantizing pass.
 FROM_ROWS = 256
 
 
@@ -137,12 +137,19 @@ def _check(k: int, w: Tensor, block: tuple[int, int]) -> None:
         raise ValueError(f"activations have {k} columns, the weight {w.shape[-1]}")
 
 
-def tiles_for(rows_per_group: float, block: tuple[int, int]) -> Tiles:
-    """Row tiles of 64 (one warp group's multiply) while groups are small, 128 beyond; 128 columns
-    (one weight scale block); K steps of one scale block."""
-    if rows_per_group <= 64:
+def tiles_for(rows: int, block: tuple[int, int]) -> Tiles:
+    """A dense GEMM's tiles: 64 rows (one warp group's multiply) for few rows, else 128 x 128 (the
+    best of three tilings at the 80B's shapes, `bench/fp8_prefill.py`); K steps of one scale block."""
+    return Tiles(64, 128, block[1], 4, 4) if rows <= 64 else Tiles(128, 128, block[1], 8, 3)
+
+
+def expert_tiles(rows_per_expert: float, block: tuple[int, int]) -> Tiles:
+    """An expert tile's rows stay 64 (an expert holds ~20 rows at a 1k prompt of the 80B); beyond
+    64 rows an expert, 256 columns a tile. H200, the 80B's expert layer (`bench/fp8_prefill.py`):
+    at 1,024 tokens 64 x 128 564 us, 64 x 256 602, 128 x 128 869; at 8,192 1,821 / 1,530 / 1,791."""
+    if rows_per_expert <= 64:
         return Tiles(64, 128, block[1], 4, 4)
-    return Tiles(128, 128, block[1], 8, 3)
+    return Tiles(64, 256, block[1], 8, 3)
 
 
 def _launch(
@@ -217,7 +224,7 @@ def experts_w8a8(
     their sum, held by another rank, are not written). Four kernels: quantize x, gate/up, silu *
     up quantized, down."""
     rows = token.shape[0]
-    tiles = tiles or tiles_for(rows / max(1, min(counts.numel(), rows)), block)
+    tiles = tiles or expert_tiles(rows / max(1, min(counts.numel(), rows)), block)
     groups = Groups.plan(counts, rows, block, tiles)
     q, qs = quantize_rows(x.contiguous(), block[1])
     h = grouped_w8a8_matmul(q, qs, groups, gate_up, gate_up_scale, block, x.dtype, token)
@@ -226,8 +233,8 @@ def experts_w8a8(
 
 
 def serves(x: Tensor, w: Tensor, block: tuple[int, int], rows: int) -> bool:
-    """Whether these kernels take a GEMM of `rows` rows (a linear's tokens, an expert layer's
-    pairs) on float8 w: on, prefill-sized, blocks they handle, activations bf16 or fp16."""
+    """Whether these kernels take an expert layer of `rows` token x expert pairs on float8 w: on,
+    prefill-sized, blocks they handle, activations bf16 or fp16."""
     return (
         ENABLED
         and rows >= FROM_ROWS

@@ -58,18 +58,11 @@ def kernels_available(device: torch.device) -> bool:
 def fp8_linear(
     x: Tensor, weight: Tensor, scale_inv: Tensor, block: Block, bias: Tensor | None = None
 ) -> Tensor:
-    """x @ dequantized(weight).T (+ bias), x [..., in] in its own dtype; prefill-sized x quantized to
-    float8 per row and K block on the kernels' path (`w8a8_triton`)."""
+    """x @ dequantized(weight).T (+ bias), x [..., in] in its own dtype."""
     if kernels_available(x.device):
-        from ballast.models.kernels import w8a8_triton
         from ballast.models.kernels.fp8_triton import block_fp8_matmul
 
-        rows = x.reshape(-1, x.shape[-1])
-        if w8a8_triton.serves(x, weight, block, rows.shape[0]):
-            y = w8a8_triton.w8a8_matmul(rows, weight, scale_inv, block)
-        else:
-            y = block_fp8_matmul(rows, weight, scale_inv, block)
-        y = y.view(*x.shape[:-1], -1)
+        y = block_fp8_matmul(x.reshape(-1, x.shape[-1]), weight, scale_inv, block).view(*x.shape[:-1], -1)
     else:
         y = x @ dequantize_blocks(weight, scale_inv, block, x.dtype).T
     return y if bias is None else y + bias

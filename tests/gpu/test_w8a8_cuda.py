@@ -170,7 +170,10 @@ def moe_groups(routing: moe.Routing, block_rows: int) -> object:
 
     experts = routing.counts.numel()
     return Groups.plan(
-        routing.counts, block_rows, BLOCK, w8a8_triton.tiles_for(block_rows / min(experts, block_rows), BLOCK)
+        routing.counts,
+        block_rows,
+        BLOCK,
+        w8a8_triton.expert_tiles(block_rows / min(experts, block_rows), BLOCK),
     )
 
 
@@ -188,7 +191,7 @@ def test_fp8_moe_block_takes_the_fp8_activation_path_from_its_row_threshold(
     torch.manual_seed(0)
     experts, hidden, inter, tokens, top_k = 8, 256, 128, 24, 2
     module = moe.Experts(hidden, inter, experts).to(DEVICE)
-    fp8.convert_experts(module, BLOCK)
+    moe.convert_experts(module, BLOCK)
     with torch.no_grad():
         for name in ("gate_up_proj", "down_proj"):
             w, s = quantize_blocks(torch.randn(getattr(module, name).shape, device=DEVICE) * 0.05, BLOCK)
