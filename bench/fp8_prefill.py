@@ -255,7 +255,7 @@ def engine_prefill(
     time of prefilling `prompts` random prompts (after one warm-up of that length) in chunks of
     up to 8,192 tokens, and their greedy tokens (the first, then `new_tokens` - 1 decode steps)."""
     from ballast.bench.paged_decode import GREEDY, free_device_memory, prefill, random_prompts
-    from ballast.engine.config import EngineConfig
+    from ballast.engine.config import EngineConfig, PrefixCacheConfig
     from ballast.engine.engine import Engine
     from ballast.engine.plan import DecodeToken, StepPlan
     from ballast.models.kernels import w8a8_triton
@@ -264,9 +264,10 @@ def engine_prefill(
     vocab = int(builtin_config(model)["vocab_size"])
     chunk = 8192
     t = time.perf_counter()
-    engine = Engine.load(
+    engine = Engine.load(  # no prefix cache: every timed prefill computes its whole prompt
         EngineConfig(model="builtin:" + model, device="cuda", max_num_seqs=prompts, cuda_graphs=False,
-                     max_model_len=max(lengths) + new_tokens + 16, prefill_chunk_tokens=chunk)
+                     max_model_len=max(lengths) + new_tokens + 16, prefill_chunk_tokens=chunk),
+        prefix_cache=PrefixCacheConfig(fraction=0.0),
     )  # fmt: skip
     out: dict[str, Any] = {"model": model, "prompts": prompts, "load_s": time.perf_counter() - t}
     print(f"{model}: loaded in {out['load_s']:.1f} s", flush=True)
@@ -277,7 +278,7 @@ def engine_prefill(
             side: dict[str, Any] = out.setdefault(key, {})
             for length in lengths:
                 ids = random_prompts(prompts, length, vocab, seed=length)
-                prefill(engine, ids, chunk)  # warm-up: this side's kernels at this length
+                prefill(engine, random_prompts(prompts, length, vocab, seed=-length), chunk)  # warm-up
                 engine.submit(release).result()
                 torch.cuda.synchronize()
                 t = time.perf_counter()
