@@ -33,7 +33,9 @@ ENABLED = True
 FROM_ROWS = 256
 
 
-@triton.jit
+# Row counts are not specialized on (Triton would compile a variant for counts divisible by 16 and
+# one for the rest): a prompt of a new length after start-up must not wait for a compile.
+@triton.jit(do_not_specialize=["M"])
 def _quantize_kernel(
     x_ptr, q_ptr, s_ptr, M, K, stride_xm, GROUPS,
     SILU: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
@@ -79,7 +81,7 @@ def silu_mul_quantize(gate_up: Tensor, group: int = 128) -> tuple[Tensor, Tensor
     return _quantize(gate_up, gate_up.shape[1] // 2, group, silu=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _w8a8_gemm(
     q_ptr, qs_ptr, gather_ptr, w_ptr, ws_ptr, c_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
     M, N, K, QS_GROUPS, stride_we, stride_wn, stride_se, stride_sn, stride_cm,

@@ -133,8 +133,6 @@ def test_grouped_gemms_at_the_80b_shapes_and_partial_blocks(
     gate_up, gu_s = random_fp8((experts, 2 * inter, hidden), BLOCK, 1)
     down, dn_s = random_fp8((experts, hidden, inter), BLOCK, 2)
     choice = skewed_routing(tokens, experts, top_k, 3)
-    if not ON_CUDA:
-        pytest.skip("the interpreter's float8 -> bf16 conversion breaks the weight-only kernel")
     routing = moe.Routing.sort(choice, experts)
     assert (routing.counts == 0).sum() >= experts // 4
     x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
