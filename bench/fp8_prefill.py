@@ -248,10 +248,10 @@ def model_lines(rows: list[dict[str, Any]], tokens: list[int]) -> list[dict[str,
 
 
 def engine_prefill(
-    model: str, prompts: int, lengths: list[int], new_tokens: int, repeat: bool
+    model: str, prompts: int, lengths: list[int], new_tokens: int, rounds: int
 ) -> dict[str, Any]:
-    """One engine (eager steps, so the switch takes effect at once), FP8 x FP8 off then on (then
-    off again with `repeat`: the old path's own run-to-run agreement): per prompt length, the wall
+    """One engine (eager steps, so the switch takes effect at once), FP8 x FP8 off then on, `rounds`
+    times (keys off, on, off_2, on_2, ...): per prompt length, the wall
     time of prefilling `prompts` random prompts (after one warm-up of that length) in chunks of
     up to 8,192 tokens, and their greedy tokens (the first, then `new_tokens` - 1 decode steps)."""
     from ballast.bench.paged_decode import GREEDY, free_device_memory, prefill, random_prompts
@@ -273,8 +273,12 @@ def engine_prefill(
     print(f"{model}: loaded in {out['load_s']:.1f} s", flush=True)
     release = StepPlan(release=tuple(range(prompts)))
     try:
-        for key in ("off", "on", "off_again")[: 3 if repeat else 2]:
-            w8a8_triton.ENABLED = key == "on"
+        # off, on, then again `rounds` - 1 times: the old path's own run-to-run agreement, and
+        # whether a difference outlasts the order the two ran in
+        for key in [
+            f"{side}{'' if r == 0 else f'_{r + 1}'}" for r in range(rounds) for side in ("off", "on")
+        ]:
+            w8a8_triton.ENABLED = key.startswith("on")
             side: dict[str, Any] = out.setdefault(key, {})
             for length in lengths:
                 ids = random_prompts(prompts, length, vocab, seed=length)
@@ -310,8 +314,8 @@ def engine_prefill(
         off, on_ = out["off"][length]["tokens"], out["on"][length]["tokens"]
         out[f"same_sequences_{length}"] = sum(a == b for a, b in zip(off, on_, strict=True))
         out[f"same_first_tokens_{length}"] = sum(a[0] == b[0] for a, b in zip(off, on_, strict=True))
-        if repeat:
-            out[f"off_repeatable_{length}"] = off == out["off_again"][length]["tokens"]
+        if rounds > 1:
+            out[f"off_repeatable_{length}"] = off == out["off_2"][length]["tokens"]
     return out
 
 
@@ -322,8 +326,8 @@ def main() -> None:
     ap.add_argument(
         "--engine",
         nargs="+",
-        default=["qwen3-next-6b-fp8:4:1000,8000:24"],
-        help="MODEL:PROMPTS:LENGTHS:NEW_TOKENS: prefill through the engine, FP8 x FP8 off and on",
+        default=["qwen3-next-6b-fp8:4:1000,8000:24:2"],
+        help="MODEL:PROMPTS:LENGTHS:NEW_TOKENS[:ROUNDS]: prefill through the engine, FP8 x FP8 off and on",
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -349,11 +353,15 @@ def main() -> None:
     save()
     result["engine"] = []
     for spec in args.engine:
-        model, prompts, lengths, new = spec.split(":")
+        model, prompts, lengths, new, *rounds = spec.split(":")
         try:
             # run the old path twice (its own run-to-run agreement) where tokens are compared
             run = engine_prefill(
-                model, int(prompts), [int(n) for n in lengths.split(",")], int(new), int(new) > 1
+                model,
+                int(prompts),
+                [int(n) for n in lengths.split(",")],
+                int(new),
+                int(rounds[0]) if rounds else 1,
             )
         except Exception as e:  # noqa: BLE001 - keep the kernel table when an engine run fails
             run = {"model": model, "error": repr(e)[:300]}
@@ -375,8 +383,8 @@ def main() -> None:
         print(f"  {line['tokens']} tokens: before {line['before']:.2f}, new {line['new: FP8 x FP8']:.2f}, "
               f"fastest per GEMM {line['fastest']:.2f}")  # fmt: skip
     for run in result["engine"]:
-        print(f"\n{run['model']}:", {k: v for k, v in run.items() if k not in ("off", "on", "off_again")})
-        for key in ("off", "on", "off_again"):
+        print(f"\n{run['model']}:", {k: v for k, v in run.items() if not isinstance(v, dict)})
+        for key in (k for k, v in run.items() if isinstance(v, dict)):
             for length, r in run.get(key, {}).items():
                 print(
                     f"  FP8 x FP8 {key}, {length} tokens: {r['prefill_ms']:.1f} ms, {r['tok_s']:,.0f} tok/s"
