@@ -355,7 +355,6 @@ def main() -> None:
     for spec in args.engine:
         model, prompts, lengths, new, *rounds = spec.split(":")
         try:
-            # run the old path twice (its own run-to-run agreement) where tokens are compared
             run = engine_prefill(
                 model,
                 int(prompts),
