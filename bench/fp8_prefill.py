@@ -26,6 +26,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +144,7 @@ def bench_dense(rows: Rows, name: str, n: int, k: int, m: int) -> None:
     rows.record(name, m, "torch._scaled_mm blockwise", scaled, err, flops, n * k)
     for t in (None, Tiles(128, 256, 128, 8, 3), Tiles(128, 128, 128, 4, 4)):
         label = "new: FP8 x FP8" + ("" if t is None else f" m{t.block_m} n{t.block_n} w{t.warps} s{t.stages}")
-        rows.record(name, m, label, lambda t=t: w8a8_matmul(x, w, scale, BLOCK, t), err, flops, n * k)
+        rows.record(name, m, label, partial(w8a8_matmul, x, w, scale, BLOCK, t), err, flops, n * k)
 
 
 def bench_experts(rows: Rows, tokens: int) -> None:
@@ -310,12 +311,12 @@ def engine_prefill(
     finally:
         engine.shutdown()
         free_device_memory()
-    for length in map(str, lengths):
-        off, on_ = out["off"][length]["tokens"], out["on"][length]["tokens"]
-        out[f"same_sequences_{length}"] = sum(a == b for a, b in zip(off, on_, strict=True))
-        out[f"same_first_tokens_{length}"] = sum(a[0] == b[0] for a, b in zip(off, on_, strict=True))
+    for n in map(str, lengths):
+        off, on_ = out["off"][n]["tokens"], out["on"][n]["tokens"]
+        out[f"same_sequences_{n}"] = sum(a == b for a, b in zip(off, on_, strict=True))
+        out[f"same_first_tokens_{n}"] = sum(a[0] == b[0] for a, b in zip(off, on_, strict=True))
         if rounds > 1:
-            out[f"off_repeatable_{length}"] = off == out["off_2"][length]["tokens"]
+            out[f"off_repeatable_{n}"] = off == out["off_2"][n]["tokens"]
     return out
 
 

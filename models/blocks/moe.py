@@ -349,9 +349,10 @@ def fp8_experts_forward(
     routing = Routing.sort(experts, num_experts, outside)
     block = module.block
     if w8a8_triton.serves(x, module.gate_up_proj, block, routing.token.shape[0]):
-        gate_up = (module.gate_up_proj, module.gate_up_proj_scale_inv)
-        down = (module.down_proj, module.down_proj_scale_inv)
-        y = w8a8_triton.experts_w8a8(x, routing.token, routing.counts, *gate_up, *down, block)
+        weights_and_scales = (module.gate_up_proj, module.gate_up_proj_scale_inv, module.down_proj)
+        y = w8a8_triton.experts_w8a8(
+            x, routing.token, routing.counts, *weights_and_scales, module.down_proj_scale_inv, block
+        )
         return routing.combine(y, weights.to(x.dtype), x.shape[0])
     rows = x.index_select(0, routing.token)
     groups = Groups.plan(routing.counts, rows.shape[0], block)
