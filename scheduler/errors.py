@@ -72,17 +72,21 @@ class StepAborted(RetryLater):
 
 
 class QueueWaitTooLong(RetryLater):
-    """The request would not (or did not) get a slot within the queue-wait bound: refused at
-    once instead of waiting, so a client or load balancer can go elsewhere."""
+    """The request would not (or did not) start within the queue-wait bound, for want of a slot,
+    of KV blocks or of prefill compute (`waits_for`): refused at once instead of waiting, so a
+    client or load balancer can go elsewhere."""
 
-    def __init__(self, retry_after_s: float, wait_s: float, bound_s: float, estimated: bool) -> None:
+    def __init__(
+        self, retry_after_s: float, wait_s: float, bound_s: float, estimated: bool, waits_for: str = "a slot"
+    ) -> None:
         how = "estimated wait" if estimated else "waited"
         super().__init__(
             retry_after_s,
-            f"no slot free in time: {how} {wait_s:.3g} s > max queue wait {bound_s:g} s; "
-            f"retry after {retry_after_s:g} s",
+            f"cannot start in time (waiting for {waits_for}): {how} {wait_s:.3g} s > max queue wait "
+            f"{bound_s:g} s; retry after {retry_after_s:g} s",
         )
         self.wait_s = wait_s
+        self.waits_for = waits_for
 
 
 class RequestFailed(Refused):

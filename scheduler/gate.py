@@ -6,22 +6,31 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from ballast.engine.interface import EngineLike
 from ballast.memory.ladder import LadderConfig
 from ballast.memory.types import Level, VerdictKind
 from ballast.scheduler.config import SchedulerConfig
-from ballast.scheduler.errors import ContextTooLong, Overloaded, QueueFull, RequestTimeout
+from ballast.scheduler.errors import ContextTooLong, Overloaded, QueueFull, QueueWaitTooLong, RequestTimeout
 from ballast.scheduler.governor import Governor
 from ballast.scheduler.kv_policy import KVPolicy
 from ballast.scheduler.request import GenerationRequest, Mailbox
 from ballast.scheduler.roster import Roster
-from ballast.scheduler.sequence import Seq
-from ballast.scheduler.service_rate import QueueWaitBound
+from ballast.scheduler.sequence import Phase, Seq
+from ballast.scheduler.service_rate import StepCosts
+from ballast.scheduler.wait_projection import Demand, Placement, WaitProjection
+from ballast.scheduler.wait_ready import WaitReadiness
 
 # Admission verdicts are operator events: one record per decision, with the request's id (the
 # server's JSON log format puts the extra fields at the top level).
 verdict_log = logging.getLogger("ballast.events.request")
+
+# A request is queued on arrival only when its first token is projected within this share of the
+# bound; once queued it is refused only when the projection passes the whole bound. The gap is the
+# hysteresis between two readings of an estimate that moves with every step: a request let in at
+# 29 s must not be refused a step later at 30.1 s.
+ARRIVAL_SHARE = 0.85
 
 
 class AdmissionGate:
@@ -33,8 +42,10 @@ class AdmissionGate:
         config: SchedulerConfig,
         limits: LadderConfig,
         engine: EngineLike,
+        costs: StepCosts,
     ) -> None:
-        """limits: the operator's slots (within the engine's) and the context a request may use."""
+        """limits: the operator's slots (within the engine's) and the context a request may use.
+        costs: the steps' measured costs, which the queue-wait estimate projects with."""
         self._engine = engine
         self._roster = roster
         self._gov = gov
@@ -42,7 +53,13 @@ class AdmissionGate:
         self._cfg = config
         self._max_slots = limits.max_slots
         self.context_window = limits.context_window
-        self._wait_bound = QueueWaitBound(config.max_queue_wait_s, config.retry_after_s, roster.service)
+        self._costs = costs
+        # The queue played forward: built when needed, extended by each request queued, dropped
+        # when a step or an admission changes what it was built on.
+        self._projection: WaitProjection | None = None
+        self._fits: Callable[[int, int, bool, int], bool] = kv.fits_after([])  # the projection's room
+        self.readiness = WaitReadiness(config.max_queue_wait_s)  # /ready from the wait
+        self._probe: tuple[int, int] | None = None  # (prompt, max_tokens) of the last request queued
 
     @property
     def slot_limit(self) -> int:
@@ -57,9 +74,6 @@ class AdmissionGate:
         self._gov.check_submit()
         if len(roster.queue) >= self._cfg.max_queue:
             raise QueueFull(self._cfg.retry_after_s, self._cfg.max_queue)
-        slot_free = roster.slots.has_free(self.slot_limit)
-        if (late := self._wait_bound.late(len(roster.queue), 0.0, slot_free)) is not None:
-            raise late
         now = time.monotonic()
         deadline = req.deadline_s
         if deadline is None and self._cfg.request_timeout_s > 0:
@@ -69,8 +83,66 @@ class AdmissionGate:
         # While a REJECT holds the queue, a request no wait would serve learns it now, not after it.
         if self._gov.holding and (unservable := self._unservable(seq)) is not None:
             raise unservable
+        if (late := self._late_on_arrival(seq)) is not None:
+            raise late
         roster.queue.append(seq)
         return seq
+
+    def _late_on_arrival(self, seq: Seq) -> QueueWaitTooLong | None:
+        """The refusal of a request whose first token is projected past the bound (its share
+        ARRIVAL_SHARE of it), else None: it is queued, and counts in the projection from now on."""
+        bound = self._cfg.max_queue_wait_s
+        if bound <= 0:
+            return None
+        if self._projection is None:
+            self._projection = self._project()
+        if self._projection is None:  # the steps are not measured yet: the bound holds as waited
+            return None
+        placed = self._place(self._projection, seq)
+        if placed.at_once or placed.first_token_s <= bound * ARRIVAL_SHARE:
+            self._probe = (len(seq.feed), seq.req.max_tokens)
+            return None
+        self._projection.undo(placed)
+        self.readiness.refused(placed.first_token_s, placed.waits_for, time.monotonic())
+        return self._late(placed, 0.0, estimated=True)
+
+    def forget_projection(self) -> None:
+        """What the projection was built on changed (a step came back): build it again when needed."""
+        self._projection = None
+
+    def _project(self) -> WaitProjection | None:
+        """The running requests as the projection starts from; None until the steps are measured."""
+        if not self._costs.known:
+            return None
+        roster = self._roster
+        lengths = roster.lengths
+        running = [
+            Demand(
+                len(s.feed) - s.prefilled if s.phase is Phase.PREFILLING else 0,
+                lengths.remaining(len(s.output), s.max_tokens),
+                self._kv.blocks(s.total_tokens, bool(s.int8_kv)),
+            )
+            for s in roster.running
+        ]
+        self._fits = self._kv.fits_after(roster.charges())
+        return WaitProjection(self._costs, max(0, self.slot_limit - len(roster.running)), running)
+
+    def _place(self, projection: WaitProjection, seq: Seq) -> Placement:
+        asked = seq.req.max_tokens - len(seq.resumed)
+        int8 = bool(seq.int8_kv)
+        n_feed = len(seq.feed)
+        remaining = self._roster.lengths.remaining(len(seq.output), seq.req.max_tokens)
+        demand = Demand(n_feed, remaining, self._kv.blocks(n_feed + asked, int8))
+        fits = self._fits
+        return projection.place(demand, lambda gain: fits(n_feed, asked, int8, gain))
+
+    def _late(self, placed: Placement | None, waited: float, estimated: bool) -> QueueWaitTooLong:
+        """The refusal, told to come back when the queue should have shrunk to fit the bound."""
+        bound = self._cfg.max_queue_wait_s
+        wait = waited + (placed.first_token_s if placed is not None else 0.0)
+        retry = min(bound, max(self._cfg.retry_after_s, wait - bound))
+        waits_for = placed.waits_for if placed is not None else "a slot"
+        return QueueWaitTooLong(retry, wait, bound, estimated, waits_for)
 
     # --- while requests wait ------------------------------------------------------------------
     def govern(self) -> None:
@@ -89,17 +161,42 @@ class AdmissionGate:
                     roster.finish(seq, "error", self._gov.overloaded("queued request refused"))
 
     def _refuse_late(self, now: float) -> None:
-        """The queue-wait bound for queued requests: one that has waited max_queue_wait_s, or that
-        the measured rate says cannot start before then (a burst that came before the rate was
-        known), is refused now, not at its deadline; a preempted one (running work) never is."""
-        slot_free = self._roster.slots.has_free(self.slot_limit)
-        ahead = 0
+        """The queue-wait bound re-read for queued requests: one that has waited max_queue_wait_s,
+        or whose first token the projection now puts past it (it fell behind), is refused now, not
+        at the bound's end; a preempted one (running work) never is. FCFS: a refusal gives what it
+        would have taken to those behind it, never to anyone ahead."""
+        bound = self._cfg.max_queue_wait_s
+        if bound <= 0:
+            return
+        projection = self._projection = self._project()
         for seq in list(self._roster.queue):
-            late = None if seq.preempted else self._wait_bound.late(ahead, now - seq.submitted_at, slot_free)
-            if late is None:
-                ahead += 1
-            else:
-                self._roster.finish(seq, "error", late)
+            placed = self._place(projection, seq) if projection is not None else None
+            waited = now - seq.submitted_at
+            if seq.preempted or (
+                waited < bound
+                and (placed is None or placed.at_once or waited + placed.first_token_s <= bound)
+            ):
+                continue
+            if placed is not None and projection is not None:
+                projection.undo(placed)
+            refusal = self._late(placed, waited, estimated=waited < bound)
+            self.readiness.refused(refusal.wait_s, refusal.waits_for, now)
+            self._roster.finish(seq, "error", refusal)
+        self.readiness.update(self._probe_placement(projection), now)
+
+    def _probe_placement(self, projection: WaitProjection | None) -> Placement | None:
+        """Where a request like the last one queued would start if it came now (taken back)."""
+        if projection is None or self._probe is None:
+            return None
+        n_feed, asked = self._probe
+        remaining = self._roster.lengths.remaining(0, asked)
+        fits = self._fits
+        placed = projection.place(
+            Demand(n_feed, remaining, self._kv.blocks(n_feed + asked, False)),
+            lambda gain: fits(n_feed, asked, False, gain),
+        )
+        projection.undo(placed)
+        return placed
 
     def _unservable(self, seq: Seq) -> Overloaded | None:
         """The refusal for a request not admitted even once all running ones end, else None."""
@@ -154,6 +251,7 @@ class AdmissionGate:
                 seq, admission.verdict.kind.value, admission.verdict.fit_tokens, admission.verdict.reason
             )
             roster.place(seq, self.slot_limit)
+            self._projection = None  # it left the queue for a slot
             seq.int8_kv = int8
             seq.max_tokens = admission.max_tokens + len(seq.resumed)
             seq.capped = seq.capped or admission.capped

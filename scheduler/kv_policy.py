@@ -8,7 +8,7 @@ pool has not yet given it is promised: blocks it will still take.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ballast.engine.kv.blocks import blocks_for
@@ -118,6 +118,34 @@ class KVPolicy:
         if self._gov.verdict(n_prompt, max_tokens, room, int8).kind is VerdictKind.ADMIT:
             return False
         return self._gov.verdict(n_prompt, max_tokens, idle, int8).kind is VerdictKind.ADMIT
+
+    def fits_after(self, running: list[Charge]) -> Callable[[int, int, bool, int], bool]:
+        """For the queue-wait projection: whether a request (prompt, max_tokens, int8) is admitted
+        whole once `gain` more blocks of its pool are spare than now (what running requests give
+        back as they end, less what requests started ahead of it take). One that no wait makes
+        whole fits at once: the gate admits it now, capped (or admission refuses it)."""
+        rooms = {
+            int8: (self.room.room(int8, running), self.room.room_when_idle(int8)) for int8 in (False, True)
+        }
+
+        def fits(n_prompt: int, max_tokens: int, int8: bool, gain: int) -> bool:
+            room, idle = rooms[int8]
+            kv = self.room.figures(int8)
+            if room is None or idle is None or kv is None:
+                return True
+            shifted = PoolRoom(
+                room.free_bytes + gain * kv.block_bytes, room.promised_bytes, room.addable_bytes
+            )
+            if self._gov.verdict(n_prompt, max_tokens, shifted, int8).kind is VerdictKind.ADMIT:
+                return True
+            return self._gov.verdict(n_prompt, max_tokens, idle, int8).kind is not VerdictKind.ADMIT
+
+        return fits
+
+    def blocks(self, n_tokens: int, int8: bool) -> int:
+        """Blocks a request charged n_tokens takes of its pool, with `room`'s watermark of one."""
+        kv = self.room.figures(int8)
+        return 0 if kv is None else blocks_for(n_tokens, kv.block_size) + 1
 
     def resumable(self, n_tokens: int, int8: bool, running: list[Charge]) -> bool:
         """A preempted request (n_tokens: what it had and its next token) comes back only when its

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from collections import deque
 
 from ballast.engine.plan import SlotOutput, StepFailed, StepPlan, StepResult
@@ -18,7 +17,7 @@ from ballast.scheduler.errors import REFUSAL_OUTCOMES, Refused, RequestFailed, S
 from ballast.scheduler.kv_policy import Charge
 from ballast.scheduler.request import FinishReason, TokenEvent, TokenLogprob
 from ballast.scheduler.sequence import Phase, Seq
-from ballast.scheduler.service_rate import ServiceRate
+from ballast.scheduler.service_rate import LengthShare
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +118,7 @@ class SlotTable:
 
 
 class Roster:
-    def __init__(self, num_slots: int, turns: TurnSaves, service: ServiceRate, eos: frozenset[int]) -> None:
+    def __init__(self, num_slots: int, turns: TurnSaves, lengths: LengthShare, eos: frozenset[int]) -> None:
         self.slots = SlotTable(num_slots)
         # FCFS: only the head is ever admitted (removal from the middle is an abort, a deadline or a
         # refusal). Preempted requests go back in front and may exceed the gate's max_queue.
@@ -129,7 +128,7 @@ class Roster:
         self._turns = turns
         self._eos = eos
         self.unpark: list[tuple[int, ...]] = []  # parked sequences to drop, for the next plan
-        self.service = service
+        self.lengths = lengths  # how much of max_tokens finished requests used
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.preemptions = 0
         # Counted as each token is handed (/metrics reads it live); each request's share is its
@@ -185,6 +184,8 @@ class Roster:
                 self.unpark.append(seq.feed)
         else:
             self._leave_slot(seq, completed=reason in ("stop", "length"))
+            if reason in ("stop", "length"):
+                self.lengths.finished(len(seq.output), seq.max_tokens)
         seq.phase = Phase.FINISHED
         if reason in ("stop", "length") and not seq.detok.stopped:
             try:
@@ -203,7 +204,6 @@ class Roster:
 
     def _leave_slot(self, seq: Seq, completed: bool) -> None:
         self.running.remove(seq)
-        self.service.left_slot(time.monotonic(), backlog=bool(self.queue))
         if seq.slot is None:
             return
         if completed and seq.phase is Phase.DECODING:

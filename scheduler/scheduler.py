@@ -30,7 +30,7 @@ from ballast.scheduler.prompt_budget import PromptBudget
 from ballast.scheduler.request import FinishReason, GenerationRequest, RequestHandle
 from ballast.scheduler.roster import Roster
 from ballast.scheduler.sequence import Phase, Seq
-from ballast.scheduler.service_rate import ServiceRate
+from ballast.scheduler.service_rate import LengthShare, StepCosts
 from ballast.scheduler.watchdog import StepWatchdog, shape_of
 
 log = logging.getLogger(__name__)
@@ -88,12 +88,14 @@ class Scheduler:
             engine.recurrent_state,
         )
         self._turns = TurnSaves(checkpoints, engine.tokenizer)
-        self.service = ServiceRate()  # slots turning over under backlog: the queue-wait estimate
+        # What the queue-wait estimate projects with: the steps' measured costs, the share of
+        # max_tokens requests use.
+        self.step_costs = StepCosts()
         eos = engine.tokenizer.eos_token_ids
-        self._roster = roster = Roster(engine.num_slots, self._turns, self.service, eos)
+        self._roster = roster = Roster(engine.num_slots, self._turns, LengthShare(), eos)
         # The pools after the last step, and the decisions made from them under the ladder.
         self._kv = KVPolicy(gov, KVRoom(engine.kv_figures(), engine.kv_figures(int8=True)))
-        self._gate = AdmissionGate(roster, gov, self._kv, config, limits, engine)
+        self._gate = AdmissionGate(roster, gov, self._kv, config, limits, engine, self.step_costs)
         self.prompt_budget = PromptBudget(config.max_itl_ms / 1e3)
         self._planner = StepPlanner(
             engine, config, roster, self._gate, gov, checkpoints, self._kv, self.prompt_budget
@@ -109,6 +111,7 @@ class Scheduler:
         self.step_failures = 0  # steps the engine failed and recovered from
         self.last_step_failure: str | None = None  # its code: out_of_memory or step_error
         self.steps = 0
+        self._returned_at = 0.0  # monotonic seconds the last step came back
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -186,6 +189,12 @@ class Scheduler:
         return self._gov.stale_reason()
 
     @property
+    def wait_not_ready(self) -> str | None:
+        """Why a gateway should route elsewhere for now: a new request would wait near the
+        queue-wait bound (with hysteresis, see `wait_ready`); None when idle or not so."""
+        return None if self.idle else self._gate.readiness.reason
+
+    @property
     def idle(self) -> bool:
         return self._roster.idle
 
@@ -254,6 +263,7 @@ class Scheduler:
                 return False
             self._gate.govern()
         self._watchdog.returned(step.shape, step.sent_at)
+        self._timed(step)
         try:
             result = waiting.result()
         except StepFailed as failed:
@@ -266,6 +276,17 @@ class Scheduler:
         self.prompt_budget.observe(len(step.plan.decodes), result.prefill_tokens, done - began)
         self._apply(step.plan, result)
         return True
+
+    def _timed(self, step: _InFlight) -> None:
+        """Feed the step's engine time to the wait estimate. A step sent while the one before
+        ran (the lookahead) or right after it came back started when that one ended: the loop's
+        own time between steps is part of what each step costs."""
+        now = time.monotonic()
+        busy_from = self._returned_at if step.sent_at - self._returned_at < STEP_TICK_S else step.sent_at
+        self._returned_at = now
+        prefill = sum(len(p.token_ids) for p in step.plan.prefills)
+        self.step_costs.stepped(now - busy_from, len(step.plan.decodes), prefill)
+        self._gate.forget_projection()
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
         self.steps += 1

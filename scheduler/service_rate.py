@@ -1,68 +1,115 @@
-"""How fast the slots turn over while work waits: the service rate behind `max_queue_wait_s`.
+"""How fast the engine serves, measured: the figures the queue-wait estimate projects with.
 
-Only intervals between requests leaving slots while others waited count: one spanning a quiet spell
-would make the server look slow and refuse work it could do, so a spell without backlog breaks the
-chain.
+A queued request may wait for a slot, for KV blocks that running requests will give back, or for
+the prefill of the prompts ahead of it. Each of those waits is a number of engine steps, so what is
+measured is the steps themselves: seconds of a decode step by batch size, seconds per prefill
+token; and how much of its `max_tokens` a request really uses (most chats stop at EOS long before),
+so that a running request's end is projected from what requests like it did, not from its cap.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections import deque
 
-from ballast.scheduler.errors import QueueWaitTooLong
+from ballast.scheduler.watchdog import shape_of
 
-# A request is refused on the estimate only when it overshoots the bound by this factor: the rate
-# is measured, not known (requests ahead may leave, steps speed up once a burst's connections are
-# parsed), and a false refusal costs a client a retry elsewhere. The bound itself is enforced
-# exactly on the time a request has really waited.
-ESTIMATE_MARGIN = 1.25
+# Weight of the newest step in each running mean: steps vary (a shared CPU, a chunk's position in
+# its prompt), and a burst changes the batch within a few steps.
+EWMA = 0.25
+# A request's use of its max_tokens is projected at this quantile of the recent ones: a request
+# projected to end too early lets work in that would wait past the bound, and such a request is
+# refused late, which is what the estimate is for avoiding.
+LENGTH_QUANTILE = 0.9
 
 
-class ServiceRate:
-    def __init__(self, window: int = 64, min_samples: int = 16) -> None:
-        """min_samples: intervals needed before the rate is trusted (and a request refused on it)."""
-        if window < 1 or not 1 <= min_samples <= window:
-            raise ValueError("need window >= 1 and 1 <= min_samples <= window")
-        self._intervals: deque[float] = deque(maxlen=window)
-        self._min = min_samples
-        self._last: float | None = None
+class StepCosts:
+    """Seconds of a decode step by rows in it, and of a prefill token; None until measured. The
+    first step of each size class is not counted: it may have compiled kernels or touched pages
+    for the first time (a cold 1,300-token prefill on a CPU measured 20x a warm one)."""
 
-    def left_slot(self, now: float, backlog: bool) -> None:
-        """A request left its slot at `now`; `backlog`: others were waiting for one."""
-        if backlog and self._last is not None:
-            self._intervals.append(max(0.0, now - self._last))
-        self._last = now if backlog else None
+    def __init__(self) -> None:
+        self._seen: set[int] = set()  # size classes (shape_of) whose first step has run
+        self._decode: dict[int, float] = {}  # decode rows -> seconds of a decode-only step
+        self._rows: list[int] = []  # the keys of _decode, sorted
+        self._prefill_token_s: float | None = None
+
+    def stepped(self, seconds: float, decode_rows: int, prefill_tokens: int) -> None:
+        """A step of `decode_rows` decodes and `prefill_tokens` prompt tokens took `seconds`."""
+        shape = shape_of(prefill_tokens)
+        if shape not in self._seen:
+            self._seen.add(shape)
+            return
+        if seconds <= 0 or not math.isfinite(seconds):
+            return
+        if prefill_tokens == 0:
+            if decode_rows > 0:
+                old = self._decode.get(decode_rows)
+                if old is None:
+                    bisect.insort(self._rows, decode_rows)
+                self._decode[decode_rows] = seconds if old is None else old + EWMA * (seconds - old)
+            return
+        base = (self.decode_s(decode_rows) or 0.0) if decode_rows else 0.0
+        per = max(0.0, seconds - base) / prefill_tokens
+        old_p = self._prefill_token_s
+        self._prefill_token_s = per if old_p is None else old_p + EWMA * (per - old_p)
 
     @property
-    def per_s(self) -> float | None:
-        """Requests per second leaving slots under backlog; None until measured."""
-        if len(self._intervals) < self._min:
+    def known(self) -> bool:
+        return bool(self._rows) and self._prefill_token_s is not None
+
+    @property
+    def prefill_token_s(self) -> float:
+        return self._prefill_token_s or 0.0
+
+    def decode_s(self, rows: int) -> float | None:
+        """A decode step of `rows` rows: measured, else between the nearest measured batch sizes;
+        above the largest, along the slope of the two largest (a CPU step grows with its rows, a
+        GPU step barely does), or in proportion to rows with one size measured (the pessimistic
+        reading, until a second size is)."""
+        known = self._rows
+        if not known:
             return None
-        span = sum(self._intervals)
-        return len(self._intervals) / span if span > 0 else None
+        rows = max(1, rows)
+        if rows in self._decode:
+            return self._decode[rows]
+        i = bisect.bisect_left(known, rows)
+        if i == 0:
+            return self._decode[known[0]]
+        if i == len(known):
+            top = known[-1]
+            if len(known) == 1:
+                return self._decode[top] * rows / top
+            below = known[-2]
+            slope = max(0.0, (self._decode[top] - self._decode[below]) / (top - below))
+            return self._decode[top] + slope * (rows - top)
+        lo, hi = known[i - 1], known[i]
+        t_lo, t_hi = self._decode[lo], self._decode[hi]
+        return t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
 
-    def wait_s(self, ahead: int) -> float | None:
-        """Seconds until a request with `ahead` queued before it gets a slot, all slots busy now."""
-        rate = self.per_s
-        return None if rate is None else (ahead + 1) / rate
 
+class LengthShare:
+    """How much of their max_tokens finished requests used (EOS ends most before their cap)."""
 
-class QueueWaitBound:
-    """`max_queue_wait_s` applied: whether a queued request should be refused now rather than wait."""
+    def __init__(self, window: int = 64, min_samples: int = 8) -> None:
+        self._shares: deque[float] = deque(maxlen=window)
+        self._min = min_samples
 
-    def __init__(self, bound_s: float, retry_after_s: float, rate: ServiceRate) -> None:
-        self.bound_s = bound_s
-        self.retry_after_s = retry_after_s
-        self.rate = rate
+    def finished(self, generated: int, max_tokens: int) -> None:
+        if max_tokens > 0:
+            self._shares.append(min(1.0, generated / max_tokens))
 
-    def late(self, ahead: int, waited: float, slot_free: bool) -> QueueWaitTooLong | None:
-        """The refusal, or None to let it wait (with a slot free it starts next step)."""
-        bound = self.bound_s
-        if bound <= 0:
-            return None
-        still = 0.0 if slot_free else self.rate.wait_s(ahead) or 0.0
-        if waited < bound and waited + still <= bound * ESTIMATE_MARGIN:
-            return None
-        # Come back when the queue should have shrunk enough to fit the bound again.
-        retry = min(bound, max(self.retry_after_s, waited + still - bound))
-        return QueueWaitTooLong(retry, waited + still, bound, estimated=waited < bound)
+    @property
+    def share(self) -> float:
+        """The LENGTH_QUANTILE share of recent requests; 1.0 (the whole cap) until measured."""
+        if len(self._shares) < self._min:
+            return 1.0
+        ordered = sorted(self._shares)
+        return ordered[min(len(ordered) - 1, math.ceil(LENGTH_QUANTILE * len(ordered)) - 1)]
+
+    def remaining(self, generated: int, max_tokens: int) -> int:
+        """Tokens a request with `generated` of `max_tokens` is projected still to take; past the
+        usual share, the rest of its cap (it is one of the long ones)."""
+        expected = math.ceil(self.share * max_tokens)
+        return max(1, expected - generated) if generated < expected else max(1, max_tokens - generated)

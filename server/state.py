@@ -119,8 +119,9 @@ class ServerState:
         if stale is not None:  # the scheduler refuses new work until memory is seen again
             return stale
         # Steps failing for want of memory: at TIGHT the queue waits, at CRITICAL work is refused,
-        # so a load balancer should send it elsewhere until they calm.
-        return self.scheduler.failing_steps
+        # so a load balancer should send it elsewhere until they calm. And a queue a new request
+        # would wait near the bound in: it is about to be refused here.
+        return self.scheduler.failing_steps or self.scheduler.wait_not_ready
 
     def scheduler_figures(self) -> SchedulerFigures | None:
         s = self.scheduler

@@ -1,0 +1,101 @@
+"""When each queued request would get its first token: the FCFS queue played forward on the
+measured step costs.
+
+A request starts when three things are true at once: a slot is free, its KV blocks fit (the room
+now, plus the blocks running requests give back as they end, less what the requests started ahead
+of it take), and the prefill of every prompt ahead of it is done. Which of the three comes last is
+what it waits for. Counting slots alone (the first estimate) took a free slot for a start while
+the head waited for blocks: every request behind it waited out the whole bound and was refused
+then (a 2 GiB CPU container: 37 refusals after 30.1 s each).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ballast.scheduler.service_rate import StepCosts
+
+# Given the blocks that came back by then (net of what requests started ahead took), whether the
+# request's blocks fit: the admission verdict itself, read on the shifted room.
+Fits = Callable[[int], bool]
+
+
+@dataclass(frozen=True)
+class Demand:
+    """A request as the projection sees it."""
+
+    feed: int  # prompt tokens still to prefill
+    remaining: int  # tokens it is projected still to generate
+    blocks: int  # KV blocks its whole window takes
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Seconds from now to a request's start (its prefill may begin) and to its first token;
+    `at_once`: nothing stood in its way (a request that can start at once is never refused)."""
+
+    start_s: float
+    first_token_s: float
+    at_once: bool
+    waits_for: str  # "nothing", "a slot", "KV blocks" or "prefill compute": what came last
+    _undo: tuple[float, int, int, int, float, tuple[tuple[float, int], ...], tuple[float, int]] = field(
+        repr=False, compare=False
+    )
+
+
+class WaitProjection:
+    def __init__(self, costs: StepCosts, free_slots: int, running: Sequence[Demand]) -> None:
+        """costs: measured (`costs.known`). running: the requests in slots, in admission order."""
+        self._costs = costs
+        self._t = 0.0  # the last placed request's start: FCFS, none behind it starts earlier
+        self._free = free_slots
+        self._gain = 0  # blocks back from ends, less blocks taken by starts, so far
+        self._active = len(running)
+        self._ends: list[tuple[float, int]] = []  # heap of (seconds to a request's end, its blocks)
+        self._prefill_at = 0.0  # when the prompts ahead have all been prefilled
+        step = self._decode_step_s()
+        for d in running:  # prompts still prefilling go first, in admission order
+            first = self._prefill_at = self._prefill_at + d.feed * costs.prefill_token_s
+            self._ends.append((first + d.remaining * step, d.blocks))
+        heapq.heapify(self._ends)
+
+    def _decode_step_s(self) -> float:
+        return self._costs.decode_s(max(1, self._active)) or 0.0
+
+    def place(self, demand: Demand, fits: Fits) -> Placement:
+        """Where `demand` starts behind everything placed so far; it counts for those placed after."""
+        undo = (self._t, self._free, self._gain, self._active, self._prefill_at)
+        popped: list[tuple[float, int]] = []
+        waits_for = "nothing"
+        while self._free < 1 or not fits(self._gain):
+            if not self._ends:
+                break  # nothing more comes back: admission decides with what there is
+            waits_for = "a slot" if self._free < 1 else "KV blocks"
+            end = heapq.heappop(self._ends)
+            popped.append(end)
+            self._t = max(self._t, end[0])
+            self._free += 1
+            self._gain += end[1]
+            self._active -= 1
+        start = max(self._t, self._prefill_at)
+        if self._prefill_at > self._t:
+            waits_for = "prefill compute"
+        self._t = start
+        first = start + demand.feed * self._costs.prefill_token_s
+        self._prefill_at = first
+        self._free -= 1
+        self._gain -= demand.blocks
+        self._active += 1
+        own = (first + demand.remaining * self._decode_step_s(), demand.blocks)
+        heapq.heappush(self._ends, own)
+        return Placement(start, first, start <= 0.0, waits_for, (*undo, tuple(popped), own))
+
+    def undo(self, placement: Placement) -> None:
+        """Take back the last `place` (a request refused instead of queued)."""
+        t, free, gain, active, prefill_at, popped, own = placement._undo
+        self._ends.remove(own)
+        self._ends.extend(popped)
+        heapq.heapify(self._ends)
+        self._t, self._free, self._gain, self._active, self._prefill_at = t, free, gain, active, prefill_at

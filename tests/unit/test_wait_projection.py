@@ -1,0 +1,93 @@
+"""The queue-wait projection on given step costs: what a queued request waits for (a slot, KV
+blocks coming back, the prefill ahead of it) and when it would get its first token."""
+
+from __future__ import annotations
+
+import pytest
+from ballast.scheduler.service_rate import LengthShare, StepCosts
+from ballast.scheduler.wait_projection import Demand, WaitProjection
+
+
+def costs(decode_s: float = 0.01, prefill_token_s: float = 0.001) -> StepCosts:
+    c = StepCosts()
+    c.stepped(5.0, 1, 0)  # the first step of a size class is not counted (a cold one)
+    c.stepped(5.0, 1, 100)
+    c.stepped(decode_s, 1, 0)
+    c.stepped(decode_s + 100 * prefill_token_s, 1, 100)
+    return c
+
+
+def always(gain: int) -> bool:
+    return True
+
+
+def test_step_costs_interpolate_and_extrapolate_by_rows() -> None:
+    c = StepCosts()
+    c.stepped(1.0, 2, 0)  # a cold first decode step: not counted
+    assert not c.known and c.decode_s(4) is None
+    c.stepped(0.010, 2, 0)
+    assert c.decode_s(1) == 0.010 and c.decode_s(4) == pytest.approx(0.020)  # one size: in proportion
+    c.stepped(0.014, 4, 0)
+    assert c.decode_s(3) == pytest.approx(0.012)  # between two sizes
+    assert c.decode_s(8) == pytest.approx(0.022)  # above: the slope of the two largest
+    c.stepped(1.0, 2, 100)
+    assert not c.known
+    c.stepped(0.010 + 0.050, 2, 100)  # a step of 2 decodes and 100 prompt tokens
+    assert c.known and c.prefill_token_s == pytest.approx(0.0005)
+
+
+def test_length_share_is_the_whole_cap_until_measured() -> None:
+    lengths = LengthShare(window=16, min_samples=4)
+    assert lengths.remaining(10, 100) == 90
+    for used in (20, 25, 30, 30):
+        lengths.finished(used, 100)
+    assert lengths.share == pytest.approx(0.30)
+    assert lengths.remaining(10, 100) == 20
+    assert lengths.remaining(50, 100) == 50  # past the usual share: the rest of its cap
+
+
+def test_a_free_slot_and_room_start_at_once() -> None:
+    p = WaitProjection(costs(), free_slots=2, running=[])
+    placed = p.place(Demand(100, 10, 5), always)
+    assert placed.at_once and placed.waits_for == "nothing"
+    assert placed.first_token_s == pytest.approx(0.1)
+
+
+def test_slot_bound_the_head_waits_for_the_first_end() -> None:
+    running = [Demand(0, 50, 2), Demand(0, 20, 2)]  # decoding, 50 and 20 tokens left
+    p = WaitProjection(costs(), free_slots=0, running=running)
+    head = p.place(Demand(0, 30, 2), always)
+    assert head.waits_for == "a slot" and not head.at_once
+    # two rows decode: the step of two is twice one (measured one size only)
+    assert head.start_s == pytest.approx(20 * 0.02)
+    second = p.place(Demand(0, 30, 2), always)
+    assert second.start_s == pytest.approx(50 * 0.02)
+
+
+def test_blocks_bound_a_free_slot_does_not_make_a_start() -> None:
+    # Slots to spare, but the head's blocks fit only once 6 blocks have come back.
+    running = [Demand(0, 40, 4), Demand(0, 10, 4)]
+    p = WaitProjection(costs(), free_slots=6, running=running)
+    head = p.place(Demand(0, 10, 4), lambda gain: gain >= 6)
+    assert head.waits_for == "KV blocks"
+    assert head.start_s == pytest.approx(40 * 0.02)  # both ends were needed
+    # Behind it, a request needs 4 blocks more than the head left: it waits for the head's end.
+    behind = p.place(Demand(0, 10, 4), lambda gain: gain >= 6)
+    assert behind.start_s > head.start_s
+
+
+def test_prefill_bound_the_prompts_ahead_come_first() -> None:
+    p = WaitProjection(costs(prefill_token_s=0.002), free_slots=8, running=[Demand(1000, 10, 1)])
+    first = p.place(Demand(500, 10, 1), always)
+    assert first.waits_for == "prefill compute"
+    assert first.start_s == pytest.approx(2.0) and first.first_token_s == pytest.approx(3.0)
+
+
+def test_undo_takes_a_placement_back() -> None:
+    p = WaitProjection(costs(), free_slots=0, running=[Demand(0, 10, 2), Demand(0, 30, 2)])
+    a = p.place(Demand(0, 5, 2), always)
+    b = p.place(Demand(0, 5, 2), always)
+    p.undo(b)
+    again = p.place(Demand(0, 5, 2), always)
+    assert again.start_s == b.start_s and again.first_token_s == b.first_token_s
+    assert a.start_s < b.start_s
