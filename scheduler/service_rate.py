@@ -50,7 +50,9 @@ class StepCosts:
                     bisect.insort(self._rows, decode_rows)
                 self._decode[decode_rows] = seconds if old is None else old + EWMA * (seconds - old)
             return
-        base = (self.decode_s(decode_rows) or 0.0) if decode_rows else 0.0
+        # What a step costs beyond its prompt tokens (a row's head and sampling, the launches, the
+        # loop) is a decode step's: counted per token, it made short prompts look 30x dearer.
+        base = self.decode_s(max(1, decode_rows)) or 0.0
         per = max(0.0, seconds - base) / prefill_tokens
         old_p = self._prefill_token_s
         self._prefill_token_s = per if old_p is None else old_p + EWMA * (per - old_p)

@@ -57,7 +57,10 @@ def prompt_for(who: int, words: int) -> str:
     return " ".join(f"c{who}w{i}" for i in range(words))
 
 
-async def one(client: openai.AsyncOpenAI, who: int, words: int, max_tokens: int, out: Outcomes) -> None:
+async def one(
+    client: openai.AsyncOpenAI, who: int, words: int, max_tokens: int, out: Outcomes, read: int | None
+) -> None:
+    """One streaming chat; `read`: close the stream after its first `read` chunks (None: read all)."""
     t0 = time.monotonic()
     try:
         chunks = await client.chat.completions.create(
@@ -68,9 +71,14 @@ async def one(client: openai.AsyncOpenAI, who: int, words: int, max_tokens: int,
             stream=True,
         )
         first = None
+        n = 0
         async for chunk in chunks:
+            n += 1
             if first is None and chunk.choices and chunk.choices[0].delta.content:
                 first = time.monotonic() - t0
+            if read is not None and first is not None and n >= read:
+                await chunks.response.aclose()  # the client goes: the server aborts the request
+                break
         out.ttft_s.append(first if first is not None else time.monotonic() - t0)
         out.kinds["200"] += 1
     except openai.APIStatusError as exc:
@@ -87,12 +95,12 @@ async def one(client: openai.AsyncOpenAI, who: int, words: int, max_tokens: int,
         out.messages.append(f"{type(exc).__name__}: {exc}")
 
 
-async def burst(url: str, clients: int, words: int, max_tokens: int) -> Outcomes:
+async def burst(url: str, clients: int, words: int, max_tokens: int, read: int | None) -> Outcomes:
     out = Outcomes()
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=0)
     async with httpx.AsyncClient(limits=limits, timeout=600) as http:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, http_client=http)
-        await asyncio.gather(*(one(client, i, words, max_tokens, out) for i in range(clients)))
+        await asyncio.gather(*(one(client, i, words, max_tokens, out, read) for i in range(clients)))
     return out
 
 
@@ -107,6 +115,7 @@ def run(
     env: dict[str, str] | None = None,
     extra: tuple[str, ...] = (),
     model: str = "default",
+    read: int | None = None,
 ) -> dict[str, Any]:
     """limit: the memory cgroup's, in bytes (None: no cgroup of its own, memory is not the limit)."""
     cg = Cgroup(limit) if limit is not None else None
@@ -135,7 +144,7 @@ def run(
             )
         prompt_tokens = warmed.usage.prompt_tokens if warmed.usage else 0
         t0 = time.monotonic()
-        out = asyncio.run(burst(url, clients, words, max_tokens))
+        out = asyncio.run(burst(url, clients, words, max_tokens, read))
         wall = time.monotonic() - t0
         m = scrape(url)
         alive = proc.poll() is None
