@@ -72,6 +72,15 @@ class EngineConfig:
             1 << 16,
         ),
     )
+    fit: str = field(
+        default="on",
+        metadata=setting(
+            "BALLAST_FIT",
+            "on: where the asked slots, context and prefill chunk do not fit memory, start with fewer "
+            "(logged, and in /v1/models' max_model_len); off: refuse to start instead",
+            choices=("on", "off"),
+        ),
+    )
     kv_quant: str = field(
         default="none",
         metadata=setting(

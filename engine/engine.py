@@ -110,6 +110,11 @@ class Engine:
     def _setup(self, parts: Parts) -> None:
         loaded, runner, _, _ = parts
         self._loaded = loaded
+        if loaded.config != self.config:  # fitted to memory at load (engine/runner/load_fit)
+            self.config = cfg = loaded.config
+            self.num_slots, self.max_model_len = cfg.max_num_seqs, cfg.max_model_len
+            self.prefill_chunk_tokens = cfg.prefill_chunk_tokens
+            self.busy_prefill_chunk_tokens = min(self.busy_prefill_chunk_tokens, cfg.prefill_chunk_tokens)
         self.runner = runner
         self.model_name = loaded.source.name
         log.info(

@@ -62,6 +62,7 @@ def bring_up(
         loaded, workers = tensor_parallel.load_sharded(cfg, device, dtype, quantized, watch)
     else:
         loaded = load(cfg, device, dtype, watch)
+    cfg = loaded.config  # what fits, where the asked configuration did not
     leases = list(loaded.leases)
     try:
         profile = profile_prefill(

@@ -119,7 +119,9 @@ def load_sharded(
         workers.close(timeout_s=2.0)
         raise
     held = weights_bytes(model) * ranks_here
-    loaded = LoadedModel(source, model, hf, lazy_tokenizer(tok_dir), held, time.perf_counter() - t0, leases)
+    loaded = LoadedModel(
+        source, model, hf, lazy_tokenizer(tok_dir), held, time.perf_counter() - t0, leases, config
+    )
     log.info("tensor parallel %d: rank 0 on %s, workers pids %s", workers.world, device, workers.pids)
     return loaded, workers
 

@@ -8,6 +8,7 @@ refuses the next big allocation before the driver would OOM.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -19,15 +20,16 @@ from typing import Any, cast
 import torch
 from ballast.engine import threads
 from ballast.engine.config import EngineConfig
+from ballast.engine.runner.load_fit import MiB, LoadDoesNotFit, LoadEstimate, fitted
 from ballast.engine.runner.model_runner import analytic_activation_bytes, weights_bytes
 from ballast.engine.step.sampler import Sampler
 from ballast.engine.text.sampling_defaults import GenerationConfigError
 from ballast.engine.text.tokenizer import Tokenizer, TokenizerError
-from ballast.memory.admission import admit_load_spike, admit_model_load
+from ballast.memory.admission import admit_load_spike
 from ballast.memory.errors import MemoryRefused
 from ballast.memory.ledger import Lease
 from ballast.memory.specs import kv_bytes_per_token, state_bytes_per_slot
-from ballast.memory.types import MemState, Verdict
+from ballast.memory.types import MemState, Verdict, VerdictKind
 from ballast.memory.watch import MemWatch
 from ballast.models.arch import builtin
 from ballast.models.arch.llama import LlamaForCausalLM, q4_blocks
@@ -53,6 +55,9 @@ from torch import nn
 
 class ModelSpecError(ValueError):
     """The model spec names nothing loadable."""
+
+
+log = logging.getLogger(__name__)
 
 
 class ModelLoadRefused(RuntimeError):
@@ -119,6 +124,7 @@ class LoadedModel:
     weights_bytes: int
     load_s: float
     leases: list[Lease]
+    config: EngineConfig  # what it was loaded for: the asked configuration, or the one that fits
 
 
 class LazyTokenizer:
@@ -181,34 +187,46 @@ def admit_load(
     watch: MemWatch | None,
     *,
     host_staging: int = 0,
-) -> None:
-    """Raise ModelLoadRefused unless the weights, the slots' fixed states, one max-length
-    sequence's KV and the prefill activations fit: on the host for a CPU engine, under the die's
-    ledger ceiling for a GPU one. host_staging: host memory the load passes through on its way to
-    a GPU (a GGUF dequantized whole, safetensors read ahead), checked with the load spike."""
+) -> EngineConfig:
+    """The configuration to load with: `config` when the weights, the slots' fixed states, one
+    max-length sequence's KV and a prefill chunk's activations fit (on the host for a CPU engine,
+    under the die's ledger ceiling for a GPU one), else with `--fit on` a smaller one that does
+    (logged on one line). Raises ModelLoadRefused when nothing fits, or with `--fit off` when the
+    asked one does not. host_staging: host memory the load passes through on its way to a GPU (a
+    GGUF dequantized whole, safetensors read ahead), checked with the load spike."""
     if watch is None:
-        return  # tests and tools without a memory layer
+        return config  # tests and tools without a memory layer
     mem_config = watch.config
     state: MemState = watch.poll_now()
-    fixed, one_seq, activations = bytes_beside_weights(hf_config, config, dtype)
-    resident = weights + fixed + one_seq + activations
-    host = resident + host_staging if device.type == "cpu" else host_staging
-    spike = admit_load_spike(mem_config.load_spike_bytes, state, host_weights_bytes=host)
-    if not spike.admitted:
-        raise ModelLoadRefused(spike)
-    if device.type != "cuda":
-        return
-    free, total = torch.cuda.mem_get_info(device)
-    ceiling = watch.ledger.register_die(die_index(device), total, free)
-    verdict = admit_model_load(
-        weights + fixed,
-        one_seq,
-        activations,
-        ceiling + mem_config.die_reserve_bytes,
-        mem_config.die_reserve_bytes,
-    )
-    if not verdict.admitted:
-        raise ModelLoadRefused(verdict)
+
+    def estimate(cfg: EngineConfig) -> LoadEstimate:
+        return LoadEstimate(weights, *bytes_beside_weights(hf_config, cfg, dtype), staging=0)
+
+    if device.type == "cuda":
+        # The host only stages the load: the spike and the staging, whatever the configuration.
+        spike = admit_load_spike(mem_config.load_spike_bytes, state, host_weights_bytes=host_staging)
+        if not spike.admitted:
+            raise ModelLoadRefused(spike)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = watch.ledger.register_die(die_index(device), total, free)
+    else:
+        # On the host the weights are what loading holds (a GGUF is mapped, not read whole).
+        budget = state.host_budget_bytes
+    log.info("load estimate: %s; %.1f MiB free for it", estimate(config).describe(), budget / MiB)
+    if config.fit == "off":
+        asked = estimate(config)
+        if asked.total > budget:
+            raise ModelLoadRefused(
+                Verdict(VerdictKind.REJECT, 0, f"needs {asked.describe()}, {budget / MiB:,.1f} MiB free")
+            )
+        return config
+    try:
+        cfg, note = fitted(config, estimate, budget)
+    except LoadDoesNotFit as exc:
+        raise ModelLoadRefused(Verdict(VerdictKind.REJECT, 0, str(exc))) from None
+    if note:
+        log.warning("%s", note)
+    return cfg
 
 
 def die_index(device: torch.device) -> int:
@@ -228,20 +246,21 @@ def load(
     if source.kind == "builtin":
         hf_config = builtin.builtin_config(source.name)
         weights = planned_weights_bytes(hf_config, dtype)
-        admit_load(hf_config, config, device, dtype, weights, watch)
+        config = admit_load(hf_config, config, device, dtype, weights, watch)
         model = builtin.build_builtin(source.name, dtype=dtype, device=device)
         tokenizer = lazy_tokenizer(None)
     elif source.kind == "gguf":
         assert source.path is not None
         gf = read_gguf(source.path)
         hf_config = gguf_config(gf)
-        weights = sum(math.prod(t.shape) for t in gf.tensors.values()) * dtype_bytes(dtype)
-        # The GGUF is dequantized whole in host memory before it moves to a GPU.
-        staging = weights if device.type == "cuda" else 0
-        admit_load(hf_config, config, device, dtype, weights, watch, host_staging=staging)
         held = _held_weights(gf, hf_config) if config.cpu_blocks(device) else {}
         # the embedding table stays dense (lookups), even where the tied head reads its blocks
         skip = {n for n in held if n != "model.embed_tokens.weight"}
+        dense = sum(math.prod(t.shape) for t in gf.tensors.values()) * dtype_bytes(dtype)
+        # The GGUF is dequantized whole in host memory before it moves to a GPU.
+        staging = dense if device.type == "cuda" else 0
+        weights = _held_bytes(gf, skip, dtype) + sum(gf.tensors[_gguf_name(gf, n)].nbytes for n in held)
+        config = admit_load(hf_config, config, device, dtype, weights, watch, host_staging=staging)
         model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype, skip=skip), device)
         if held:
             decode = threads.decode_threads(threads.read_cpu_share(), config.cpu_threads)
@@ -256,7 +275,9 @@ def load(
         hf_config = ckpt.config
         keep_fp8 = config.keeps_fp8(device)
         weights = ckpt.weights_bytes(dtype, keep_fp8)
-        admit_load(hf_config, config, device, dtype, weights, watch, host_staging=ckpt.transient_bytes())
+        config = admit_load(
+            hf_config, config, device, dtype, weights, watch, host_staging=ckpt.transient_bytes()
+        )
         model = load_hf_model(ckpt, dtype=dtype, device=device, keep_fp8=keep_fp8)
         tokenizer = lazy_tokenizer(source.path)
     if tok_dir is not None:
@@ -266,7 +287,20 @@ def load(
     if watch is not None and device.type == "cuda":
         leases.append(watch.ledger.lease(die_index(device), held, f"weights:{source.name}"))
     return LoadedModel(
-        source, model.eval(), dict(hf_config), tokenizer, held, time.perf_counter() - t0, leases
+        source, model.eval(), dict(hf_config), tokenizer, held, time.perf_counter() - t0, leases, config
+    )
+
+
+def _gguf_name(gf: GGUFFile, hf_name: str) -> str:
+    return next(n for n in gf.tensors if hf_tensor_name(n) == hf_name)
+
+
+def _held_bytes(gf: GGUFFile, packed: set[str], dtype: torch.dtype) -> int:
+    """Bytes of the GGUF's tensors the model holds dense (every one not in `packed`)."""
+    return sum(
+        math.prod(t.shape) * dtype_bytes(dtype)
+        for n, t in gf.tensors.items()
+        if hf_tensor_name(n) not in packed
     )
 
 

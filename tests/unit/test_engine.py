@@ -369,15 +369,15 @@ def test_hybrid_models_run_through_the_same_engine(model: str) -> None:
 
 
 def test_the_memory_layer_gates_the_load(tmp_path: Path) -> None:
-    """16 GiB host, reserve 2.4 GiB: 100 MiB above the reserve cannot take the 512 MiB load spike;
-    8 GiB above it can, and the engine then loads."""
+    """16 GiB host, reserve 2.4 GiB: 1 MiB above the reserve cannot hold the weights and one short
+    sequence, and the refusal says what would fit; 8 GiB above it can, and the engine then loads."""
     config_mem = MemoryConfig(root=str(tmp_path))
     watch = MemWatch(config_mem, device_reader=StaticDeviceReader())
     reserve = int(0.15 * 16 * GiB)
-    write_tree(tmp_path, mem_total=16 * GiB, mem_available=reserve + 100 * MiB)
+    write_tree(tmp_path, mem_total=16 * GiB, mem_available=reserve + 1 * MiB)
     with pytest.raises(ModelLoadRefused) as refused:
         Engine.load(config(max_num_seqs=1), watch=watch)
-    assert "MiB" in str(refused.value) and refused.value.verdict.kind.value == "reject"
+    assert "would fit with" in str(refused.value) and refused.value.verdict.kind.value == "reject"
     write_tree(tmp_path, mem_total=16 * GiB, mem_available=reserve + 8 * GiB)
     eng = Engine.load(config(max_num_seqs=1), watch=watch)
     try:

@@ -1,0 +1,129 @@
+"""What a load needs beside the weights, and the configuration that fits where the asked one does
+not (`--fit on`, the default): fewer slots, a shorter context, a smaller prefill chunk, in the
+order that costs serving least, down to one short sequence. Only when the weights and that one
+short sequence cannot fit is the start refused, saying what would.
+
+llama.cpp's `--fit` shortens the context alone; vLLM refuses and asks for a lower max_model_len,
+which its users ask about again and again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from ballast.engine.config import EngineConfig
+
+MiB = 1 << 20
+# The least a fitted configuration keeps: below these a server is not worth starting.
+MIN_CHUNK = 256
+MIN_CONTEXT = 512
+
+
+@dataclass(frozen=True)
+class LoadEstimate:
+    """The load's terms, in bytes: each what the start really holds (measured against the
+    cgroup's peak at start in bench/load_fit.py), none a pad."""
+
+    weights: int  # as held: packed blocks where the CPU keeps them so
+    fixed: int  # the slots' recurrent states and the sampler's buffers
+    one_sequence: int  # KV of one max_model_len sequence: the pool must hold at least that
+    activations: int  # one prefill chunk's peak
+    staging: int  # transient host memory the load passes through (0 on the CPU: weights are mmapped)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.fixed + self.one_sequence + self.activations + self.staging
+
+    def describe(self) -> str:
+        terms = (
+            ("weights", self.weights),
+            ("states+sampler", self.fixed),
+            ("one sequence", self.one_sequence),
+            ("activations", self.activations),
+            ("staging", self.staging),
+        )
+        return " + ".join(f"{name} {n / MiB:,.1f}" for name, n in terms) + f" = {self.total / MiB:,.1f} MiB"
+
+
+Estimator = Callable[[EngineConfig], LoadEstimate]
+
+
+def fitted(config: EngineConfig, estimate: Estimator, budget: int) -> tuple[EngineConfig, str]:
+    """The asked config if its estimate fits `budget`, else the first smaller one that does and a
+    note of what was capped and why ("" when nothing was). Raises LoadDoesNotFit when even the
+    smallest (one slot, MIN_CONTEXT tokens, MIN_CHUNK a step) does not."""
+    asked = estimate(config)
+    if asked.total <= budget:
+        return config, ""
+    for candidate in _smaller(config):
+        if estimate(candidate).total <= budget:
+            return candidate, _note(config, candidate, asked, budget)
+    floor = _floor(config)
+    raise LoadDoesNotFit(estimate(floor), budget, floor)
+
+
+def _smaller(config: EngineConfig) -> Iterator[EngineConfig]:
+    """Candidates, each smaller than the last: the prefill chunk first (a smaller step costs a
+    little prompt speed), then the context (requests longer than it are refused, as asked), then
+    the slots (fewer streams at once)."""
+    cfg = config
+    chunk = _chunk(cfg)
+    while chunk > MIN_CHUNK:
+        chunk = max(MIN_CHUNK, chunk // 2)
+        cfg = dataclasses.replace(cfg, prefill_chunk_tokens=chunk)
+        yield cfg
+    while cfg.max_model_len > MIN_CONTEXT:
+        cfg = dataclasses.replace(cfg, max_model_len=max(MIN_CONTEXT, cfg.max_model_len // 2))
+        yield cfg
+    while cfg.max_num_seqs > 1:
+        cfg = dataclasses.replace(cfg, max_num_seqs=cfg.max_num_seqs // 2)
+        yield cfg
+
+
+def _chunk(config: EngineConfig) -> int:
+    return config.prefill_chunk_tokens or min(2048, config.max_model_len)
+
+
+def _floor(config: EngineConfig) -> EngineConfig:
+    return dataclasses.replace(
+        config,
+        prefill_chunk_tokens=min(MIN_CHUNK, config.max_model_len),
+        max_model_len=min(MIN_CONTEXT, config.max_model_len),
+        max_num_seqs=1,
+    )
+
+
+def _note(asked: EngineConfig, got: EngineConfig, estimate: LoadEstimate, budget: int) -> str:
+    changes = [
+        f"{name} {a} -> {g}"
+        for name, a, g in (
+            ("max_num_seqs", asked.max_num_seqs, got.max_num_seqs),
+            ("max_model_len", asked.max_model_len, got.max_model_len),
+            (
+                "prefill_chunk_tokens",
+                asked.prefill_chunk_tokens or min(2048, asked.max_model_len),
+                got.prefill_chunk_tokens,
+            ),
+        )
+        if a != g
+    ]
+    return (
+        f"fitted to memory: {', '.join(changes)} (the asked configuration needs {estimate.describe()}, "
+        f"{budget / MiB:,.1f} MiB free above the reserve; --fit off refuses instead)"
+    )
+
+
+class LoadDoesNotFit(RuntimeError):
+    """Not even the weights and one short sequence fit: what they need, and what would fit."""
+
+    def __init__(self, estimate: LoadEstimate, budget: int, floor: EngineConfig) -> None:
+        short = estimate.total - budget
+        super().__init__(
+            f"the model does not fit even with one {floor.max_model_len}-token sequence: it needs "
+            f"{estimate.describe()}, {budget / MiB:,.1f} MiB is free above the reserve; it would fit "
+            f"with {short / MiB:,.1f} MiB more (a memory limit that much higher, or a host reserve that much "
+            "smaller: BALLAST_HOST_RESERVE_MIN_BYTES, BALLAST_HOST_RESERVE_FRACTION)"
+        )
+        self.estimate = estimate
