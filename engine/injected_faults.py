@@ -3,7 +3,9 @@ process what the server does when a step hangs, runs out of memory, poisons the 
 
 Off unless set; the value is a JSON list of objects (the fields are the flag's help). `hang` and
 `slow` sleep `seconds` (default 3600 and 0.1), `oom` raises the device's out-of-memory error,
-`device_error` a context-poisoning CUDA error (the engine becomes unsound). `after_steps` counts
+`device_error` a context-poisoning CUDA error (the engine becomes unsound), `device_hang` spins a
+kernel on the GPU for `seconds` (default 3600) and waits for it, so the engine thread is blocked
+inside CUDA, not in a host sleep (CUDA only: on the CPU `hang` is the same fault). `after_steps` counts
 steps with work; `rank` picks a tensor-parallel rank (a worker's oom or device_error ends it).
 Faults fire right before the model's forward, where a stuck kernel or a failed allocation would.
 """
@@ -21,9 +23,12 @@ from ballast.settings import ConfigError
 
 log = logging.getLogger(__name__)
 
-KINDS = ("hang", "oom", "device_error", "slow")
+KINDS = ("hang", "oom", "device_error", "slow", "device_hang")
 WHENS = ("prefill", "decode", "any")
-_DEFAULT_SECONDS = {"hang": 3600.0, "slow": 0.1}
+_DEFAULT_SECONDS = {"hang": 3600.0, "slow": 0.1, "device_hang": 3600.0}
+# Clock cycles a device_hang's kernel spins per second asked: at or above a GPU's top SM clock
+# (an H200's is 1,980 MHz), so it spins at least as long as asked at any clock.
+SPIN_HZ = 2.0e9
 _FIELDS = {"kind", "after_steps", "count", "when", "seconds", "rank"}
 MAX_RANK = 7
 _LABEL = "--faults (BALLAST_FAULTS)"
@@ -96,6 +101,11 @@ class FaultInjector:
         self._rank = rank
         self._fired = [0] * len(specs)
         self._on_cuda = device.type == "cuda"
+        if not self._on_cuda and any(spec.kind == "device_hang" for spec in self._specs):
+            raise ConfigError(
+                f"{_LABEL}: device_hang spins a kernel on a GPU and needs a CUDA device; this engine "
+                f"runs on {device}, where kind hang (a step that sleeps) is the same fault"
+            )
         self.steps = 0  # steps with work seen so far
 
     def before_forward(self, prefill: bool) -> None:
@@ -118,6 +128,12 @@ class FaultInjector:
                     "fault injection: rank %d's step %d hangs for %.0f s", self._rank, step, spec.seconds
                 )
             time.sleep(spec.seconds)
+        elif spec.kind == "device_hang":
+            log.warning(
+                "fault injection: rank %d's step %d spins the GPU for %.0f s", self._rank, step, spec.seconds
+            )
+            torch.cuda._sleep(int(spec.seconds * SPIN_HZ))
+            torch.cuda.current_stream().synchronize()  # the engine thread waits inside CUDA
         elif spec.kind == "oom":
             if self._on_cuda:
                 raise torch.cuda.OutOfMemoryError(f"CUDA out of memory ({what})")

@@ -104,10 +104,14 @@ def _stream(client: openai.OpenAI, model: str, i: int, max_tokens: int, marks: l
         }
 
 
-def run_hang(watchdog_s: float = 1.0, streams: int = 3, queued: int = 2, ranks: int = 1) -> dict[str, Any]:
+def run_hang(
+    watchdog_s: float = 1.0, streams: int = 3, queued: int = 2, ranks: int = 1, kind: str = "hang"
+) -> dict[str, Any]:
     """ranks 2: tensor parallel over two CPU processes (gloo), the hang in rank 1's step: rank 0
-    waits in the step's all-reduce until its watchdog fires, and no worker may outlive it."""
-    faults = [{"kind": "hang", "after_steps": 30, "when": "decode", "seconds": 600, "rank": ranks - 1}]
+    waits in the step's all-reduce until its watchdog fires, and no worker may outlive it.
+    kind device_hang (on a GPU): the step's kernel spins on the device and the engine thread waits
+    for it inside CUDA."""
+    faults = [{"kind": kind, "after_steps": 30, "when": "decode", "seconds": 600, "rank": ranks - 1}]
     args = ["--max-num-seqs", str(streams), "--step-watchdog-s", str(watchdog_s)]
     if ranks > 1:
         args += ["--tensor-parallel-size", str(ranks), "--device", "cpu"]
@@ -132,6 +136,7 @@ def run_hang(watchdog_s: float = 1.0, streams: int = 3, queued: int = 2, ranks: 
         health = probe.first("/health", 503)
         _, alive = psutil.wait_procs(workers, timeout=10)
     return {
+        "kind": kind,
         "ranks": ranks,
         "workers": len(workers),
         "workers_alive_after_exit": len(alive),

@@ -77,3 +77,11 @@ def test_an_injected_oom_is_a_recoverable_memory_failure_of_a_real_step() -> Non
         assert again.outputs[0].token_id == tok  # the engine serves on, the same tokens
     finally:
         eng.shutdown()
+
+
+def test_a_device_hang_needs_cuda_and_says_so_on_the_cpu() -> None:
+    (spin,) = parse_faults('[{"kind": "device_hang", "after_steps": 5}]')
+    assert spin == FaultSpec("device_hang", 5, 1, "any", 3600.0, 0)
+    with pytest.raises(ConfigError, match="device_hang .* needs a CUDA device.*kind hang"):
+        FaultInjector((spin,), torch.device("cpu"))
+    FaultInjector((spin,), torch.device("cpu"), rank=1)  # another rank's fault: not this engine's
