@@ -102,7 +102,8 @@ def main() -> None:
     for case in a.case or ["8x2048"]:
         slots, length = (int(x) for x in case.split("x"))
         rows.append(one(a.model, slots, length, a.device))
-    print(f"\n{'model':<22}{'device':<8}{'slots x len':>14}{'estimate MiB':>14}{'peak MiB':>10}{'est/peak':>10}")
+    head = f"{'slots x len':>14}{'estimate MiB':>14}{'peak MiB':>10}{'est/peak':>10}"
+    print(f"\n{'model':<22}{'device':<8}{head}")
     for r in rows:
         shape = f"{r['max_num_seqs']}x{r['max_model_len']}"
         print(

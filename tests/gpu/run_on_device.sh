@@ -25,6 +25,12 @@ case "$mode" in
       --streams 32 --clients 64 --prompt-words 300 --max-tokens 256 --hog-s 20 --hold-s 25 --serve-arg=--max-model-len --serve-arg=4096 \
       --serve-arg=--tokenizer --serve-arg=$tok --out $out/vram_squeeze_on.json 2>&1 | tail -25)
     ;;
+  hang-fit)  # issue 47: a kernel that spins on the device (the watchdog, 503s, exit); the load
+    # estimate against the peak after one max-length sequence, on the 8B shape
+    timeout ${HANG_S:-75} python3 -m pytest -x -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_device_hang_cuda.py 2>&1 | tail -12
+    timeout ${FIT_S:-90} python3 -m ballast.bench.load_fit --model builtin:llama-8b --device cuda --case 128x4096 \
+      --out $out/load_fit_8b.json 2>&1 | tail -6
+    ;;
   suite-a|suite-b|suite-c)
     files=$(ls tests/gpu/test_*.py | sort)
     n=$(echo "$files" | wc -l); third=$(( (n + 2) / 3 ))
