@@ -48,7 +48,7 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-def one(model: str, slots: int, length: int, device: str) -> dict[str, Any]:
+def one(model: str, slots: int, length: int, device: str, tokenizer: str | None = None) -> dict[str, Any]:
     capture = _Capture()
     logging.getLogger("ballast.engine.runner.loading").addHandler(capture)
     logging.getLogger("ballast.engine.runner.loading").setLevel(logging.INFO)
@@ -57,7 +57,9 @@ def one(model: str, slots: int, length: int, device: str) -> dict[str, Any]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_reserved() if cuda else _status_kib("VmRSS") * 1024
-    config = EngineConfig(model=model, max_num_seqs=slots, max_model_len=length, device=device)
+    config = EngineConfig(
+        model=model, max_num_seqs=slots, max_model_len=length, device=device, tokenizer=tokenizer
+    )
     watch = MemWatch(MemoryConfig())
     engine = Engine.load(config, watch)
     try:
@@ -96,12 +98,13 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--case", action="append", default=[], help="SLOTSxLEN (default 8x2048)")
+    ap.add_argument("--tokenizer", help="a tokenizer directory (where the default's cannot be fetched)")
     ap.add_argument("--out", default=str(RESULTS))
     a = ap.parse_args()
     rows = []
     for case in a.case or ["8x2048"]:
         slots, length = (int(x) for x in case.split("x"))
-        rows.append(one(a.model, slots, length, a.device))
+        rows.append(one(a.model, slots, length, a.device, a.tokenizer))
     head = f"{'slots x len':>14}{'estimate MiB':>14}{'peak MiB':>10}{'est/peak':>10}"
     print(f"\n{'model':<22}{'device':<8}{head}")
     for r in rows:

@@ -17,8 +17,11 @@ import persistent_faults  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def test_a_kernel_spinning_on_the_device_is_caught_by_the_watchdog() -> None:
-    f = persistent_faults.run_hang(watchdog_s=2.0, kind="device_hang")
+def test_a_kernel_spinning_on_the_device_is_caught_by_the_watchdog(tmp_path: Path) -> None:
+    from ballast.bench.checkpoint_dir import write_tokenizer
+
+    write_tokenizer(tmp_path)  # the device machine cannot fetch the default model's tokenizer
+    f = persistent_faults.run_hang(watchdog_s=2.0, kind="device_hang", extra=("--tokenizer", str(tmp_path)))
     print(f)
     assert f["clients_engine_stalled"] == f["clients"] == 5, f
     assert f["health_503_code"] == "engine_stalled", f

@@ -105,14 +105,19 @@ def _stream(client: openai.OpenAI, model: str, i: int, max_tokens: int, marks: l
 
 
 def run_hang(
-    watchdog_s: float = 1.0, streams: int = 3, queued: int = 2, ranks: int = 1, kind: str = "hang"
+    watchdog_s: float = 1.0,
+    streams: int = 3,
+    queued: int = 2,
+    ranks: int = 1,
+    kind: str = "hang",
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """ranks 2: tensor parallel over two CPU processes (gloo), the hang in rank 1's step: rank 0
     waits in the step's all-reduce until its watchdog fires, and no worker may outlive it.
     kind device_hang (on a GPU): the step's kernel spins on the device and the engine thread waits
     for it inside CUDA."""
     faults = [{"kind": kind, "after_steps": 30, "when": "decode", "seconds": 600, "rank": ranks - 1}]
-    args = ["--max-num-seqs", str(streams), "--step-watchdog-s", str(watchdog_s)]
+    args = ["--max-num-seqs", str(streams), "--step-watchdog-s", str(watchdog_s), *extra]
     if ranks > 1:
         args += ["--tensor-parallel-size", str(ranks), "--device", "cpu"]
     with ballast_serve(args, env={"BALLAST_FAULTS": json.dumps(faults)}) as server:
