@@ -76,8 +76,9 @@ class SchedulerConfig:
         default=30.0,
         metadata=setting(
             "BALLAST_MAX_QUEUE_WAIT_S",
-            "longest a request may wait for a slot: one that would wait longer (estimated from the measured "
-            "service rate) or did gets 429 + Retry-After; 0 = no bound",
+            "longest a request may wait to start: one projected to wait longer (for a slot, KV blocks or "
+            "the prefill ahead, on the measured step costs) is refused at arrival, one that falls behind "
+            "while queued when it does, with 429 + Retry-After; 0 = no bound",
             0.0,
             86400.0,
         ),
