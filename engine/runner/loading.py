@@ -253,18 +253,18 @@ def load(
         assert source.path is not None
         gf = read_gguf(source.path)
         hf_config = gguf_config(gf)
-        held = _held_weights(gf, hf_config) if config.cpu_blocks(device) else {}
+        packed = _held_weights(gf, hf_config) if config.cpu_blocks(device) else {}
         # the embedding table stays dense (lookups), even where the tied head reads its blocks
-        skip = {n for n in held if n != "model.embed_tokens.weight"}
+        skip = {n for n in packed if n != "model.embed_tokens.weight"}
         dense = sum(math.prod(t.shape) for t in gf.tensors.values()) * dtype_bytes(dtype)
         # The GGUF is dequantized whole in host memory before it moves to a GPU.
         staging = dense if device.type == "cuda" else 0
-        weights = _held_bytes(gf, skip, dtype) + sum(gf.tensors[_gguf_name(gf, n)].nbytes for n in held)
+        weights = _held_bytes(gf, skip, dtype) + sum(gf.tensors[_gguf_name(gf, n)].nbytes for n in packed)
         config = admit_load(hf_config, config, device, dtype, weights, watch, host_staging=staging)
         model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype, skip=skip), device)
-        if held:
+        if packed:
             decode = threads.decode_threads(threads.read_cpu_share(), config.cpu_threads)
-            cast(LlamaForCausalLM, model).hold_blocks(held, decode)
+            cast(LlamaForCausalLM, model).hold_blocks(packed, decode)
         if config.cpu_prompt_bf16(device):
             hold_prompt_bf16(model)
         hf_tok = build_tokenizer(gf.metadata)
