@@ -94,8 +94,10 @@ class AdmissionGate:
         bound = self._cfg.max_queue_wait_s
         if bound <= 0:
             return None
-        if self._projection is None:
+        if self._projection is None:  # rebuilt since a step or an admission: the queue goes first
             self._projection = self._project()
+            for queued in self._roster.queue if self._projection is not None else ():
+                self._place(self._projection, queued)
         if self._projection is None:  # the steps are not measured yet: the bound holds as waited
             return None
         placed = self._place(self._projection, seq)

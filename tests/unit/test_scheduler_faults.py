@@ -210,3 +210,18 @@ async def test_a_detokenizer_error_ends_only_its_request(make) -> None:
     assert fin_good.reason == "length" and text == TOK.decode(expected_tokens(req(0).prompt_ids, 12))
     await settle(s, eng)
     assert s.healthy and s.outcomes["request_failed"] == 1
+
+
+async def test_a_request_arriving_mid_step_counts_the_queue_ahead_of_it(make) -> None:
+    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_queue_wait_s=1.0)
+    s, eng = await make(cfg, step_delay_s=0.01)
+    await asyncio.gather(*(s.submit(req(i, max_tokens=4)).collect() for i in range(3)))  # measured
+    running = s.submit(req(10, max_tokens=30))  # ~0.3 s in the one slot
+    await anext(aiter(running))
+    queued = [s.submit(req(11 + i, max_tokens=30)) for i in range(2)]  # ~0.6 s ahead of the next
+    s._gate.forget_projection()  # as after a step: the next arrival rebuilds the projection
+    with pytest.raises(QueueWaitTooLong):  # its first token after ~0.9 s of work ahead, not ~0.3
+        queued.append(s.submit(req(20, max_tokens=30)))
+    for h in [running, *queued]:
+        h.abort()
+    await settle(s, eng)
