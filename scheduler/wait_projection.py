@@ -57,12 +57,18 @@ class WaitProjection:
         self._prefill_at = 0.0  # when the prompts ahead have all been prefilled
         step = self._decode_step_s()
         for d in running:  # prompts still prefilling go first, in admission order
-            first = self._prefill_at = self._prefill_at + d.feed * costs.prefill_token_s
+            first = self._prefill_at = self._prefill_at + self._prefill_s(d.feed)
             self._ends.append((first + d.remaining * step, d.blocks))
         heapq.heapify(self._ends)
 
     def _decode_step_s(self) -> float:
         return self._costs.decode_s(max(1, self._active)) or 0.0
+
+    def _prefill_s(self, tokens: int) -> float:
+        """A prompt's prefill: its tokens, and the step that carries it (its rows and the head),
+        which the per-token cost is measured net of (without it a burst of short prompts came
+        out 30% quicker than it ran)."""
+        return tokens * self._costs.prefill_token_s + (self._decode_step_s() if tokens else 0.0)
 
     def place(self, demand: Demand, fits: Fits) -> Placement:
         """Where `demand` starts behind everything placed so far; it counts for those placed after."""
@@ -83,7 +89,7 @@ class WaitProjection:
         if self._prefill_at > self._t:
             waits_for = "prefill compute"
         self._t = start
-        first = start + demand.feed * self._costs.prefill_token_s
+        first = start + self._prefill_s(demand.feed)
         self._prefill_at = first
         self._free -= 1
         self._gain -= demand.blocks

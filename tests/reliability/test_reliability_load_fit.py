@@ -79,6 +79,24 @@ def test_16_slots_of_8k_start_in_3gib_and_serve_16_streams() -> None:
     assert kills == 0
 
 
+def test_in_2gib_the_context_is_capped_and_v1_models_says_so() -> None:
+    # ~700 MiB above the 1 GiB reserve: the smallest prefill chunk is not enough, the context halves.
+    cg, proc, lines = start(2 * GiB)
+    try:
+        url = _read_listen_line(proc, lines, 300)
+        wait_ready(url, 300)
+        threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
+        served_len = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+        note = next((m.group(1) for m in map(FITTED.search, lines) if m), "")
+        assert served_len < 8192 and f"max_model_len 8192 -> {served_len}" in note, lines
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+        with pytest.raises(openai.BadRequestError, match=f"maximum context length is {served_len}"):
+            client.completions.create(model="x", prompt="hi", max_tokens=served_len + 1)
+    finally:
+        kills = stop(cg, proc)
+    assert kills == 0
+
+
 def test_in_1gib_it_starts_fitted_or_refuses_naming_what_fits() -> None:
     cg, proc, lines = start(1 * GiB)
     try:
