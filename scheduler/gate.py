@@ -30,7 +30,7 @@ verdict_log = logging.getLogger("ballast.events.request")
 # bound; once queued it is refused only when the projection passes the whole bound. The gap is the
 # hysteresis between two readings of an estimate that moves with every step: a request let in at
 # 29 s must not be refused a step later at 30.1 s.
-ARRIVAL_SHARE = 0.85
+ARRIVAL_SHARE = 0.7
 
 
 class AdmissionGate:

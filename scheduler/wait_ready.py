@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from ballast.scheduler.wait_projection import Placement
 
-NOT_READY_SHARE = 0.6
-READY_SHARE = 0.3
+NOT_READY_SHARE = 0.5
+READY_SHARE = 0.25
 HOLD_S = 2.0
 
 

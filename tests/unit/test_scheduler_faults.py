@@ -145,7 +145,7 @@ async def test_with_measured_steps_a_hopeless_request_is_refused_at_submit(make)
     with pytest.raises(QueueWaitTooLong) as refused:
         for i in range(400):
             busy.append(s.submit(req(100 + i, max_tokens=40)))
-    assert len(busy) > 2 and 0 < refused.value.retry_after_s <= 1.0 and refused.value.wait_s > 0.85
+    assert len(busy) > 2 and 0 < refused.value.retry_after_s <= 1.0 and refused.value.wait_s > 0.7
     assert refused.value.waits_for == "a slot"
     results = await asyncio.gather(*(h.collect() for h in busy))
     late = [fin for _, _, fin in results if fin.reason != "length"]
