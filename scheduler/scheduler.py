@@ -269,9 +269,24 @@ class Scheduler:
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
         self.steps += 1
+        self._count_drafts(plan, result)
         self.reused_tokens += result.reused_tokens
         self._kv.room.update(result)
         self._roster.apply(plan, result)
+
+    def _count_drafts(self, plan: StepPlan, result: StepResult) -> None:
+        """What the step's decodes emitted, for the drafting governor and its metrics."""
+        drafts = self._planner.drafts
+        emitted: dict[int, int] = {}
+        for out in result.outputs:
+            emitted[out.slot] = emitted.get(out.slot, 0) + 1
+        ran = [d for d in plan.decodes if d.slot in emitted]
+        for d in ran:
+            if d.draft:
+                drafts.stats.count(len(d.draft), emitted[d.slot] - 1)
+        tokens = sum(emitted[d.slot] for d in ran)
+        drafted = any(d.draft for d in ran)
+        drafts.observe(len(ran), drafted, tokens, time.monotonic(), timed=not plan.prefills)
 
     def _step_failed(self, plan: StepPlan, failed: StepFailed) -> None:
         """The engine failed the step and recovered; failing for want of memory raises the level."""
@@ -306,6 +321,7 @@ class Scheduler:
         idle_tick_s, so buffers that age past the pool's idle limit in a long quiet spell are still
         given back; while pressure holds the queue, wake every hold_poll_s to re-read memory."""
         self._wake.clear()
+        self._planner.drafts.idle()  # the next step's result is not a decode step's time
         if self.idle:
             if self._on_idle is not None:
                 try:
