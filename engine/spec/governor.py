@@ -56,6 +56,9 @@ class DraftStats:
     steps_plain: int = 0
     drafted_at: list[int] = field(default_factory=list)  # position j (0-based): drafts proposed there
     accepted_at: list[int] = field(default_factory=list)
+    # Decisions not to draft, by why: "streams" (the load rule), "memory" (WATCH and worse),
+    # "loses" (measured slower at that batch size), "measuring" (a plain step to measure).
+    declined: dict[str, int] = field(default_factory=dict)
 
     def count(self, drafts: int, accepted: int) -> None:
         self.drafted += drafts
@@ -87,23 +90,26 @@ class DraftGovernor:
         if self.config is None:
             return False
         if level >= Level.WATCH:
-            self.reason = "memory"
-            return False
+            return self._decide(False, "memory")
         if streams >= self.config.max_streams:
-            self.reason = "streams"
-            return False
+            return self._decide(False, "streams")
         drafting, plain = self._rate(streams, True), self._rate(streams, False)
         if drafting.steps < MIN_STEPS:
-            self.reason = "measuring"
-            return True
+            return self._decide(True, "measuring")
         if plain.steps < MIN_STEPS:
-            self.reason = "measuring"
-            return False
+            return self._decide(False, "measuring")
         winner = drafting.per_second >= plain.per_second
         n = self._since_probe.get(streams, 0) + 1
         self._since_probe[streams] = 0 if n >= PROBE_EVERY else n
-        self.reason = "wins" if winner else "loses"
-        return winner if n < PROBE_EVERY else not winner
+        if n >= PROBE_EVERY:  # the kind not chosen, once, to keep its figure current
+            return self._decide(not winner, "measuring")
+        return self._decide(winner, "wins" if winner else "loses")
+
+    def _decide(self, draft: bool, reason: str) -> bool:
+        self.reason = reason
+        if not draft:
+            self.stats.declined[reason] = self.stats.declined.get(reason, 0) + 1
+        return draft
 
     def observe(self, streams: int, drafted: bool, tokens: int, now: float, timed: bool) -> None:
         """A step came back at `now`: `streams` decoding rows, whether any carried drafts, the
