@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from ballast.engine.interface import EngineLike
 from ballast.engine.plan import KVFigures, StepFailed, StepPlan, StepResult
+from ballast.engine.spec.governor import DraftStats
 from ballast.memory.ladder import LadderConfig
 from ballast.memory.types import LadderPlan, Level
 from ballast.scheduler.checkpoints import CheckpointPlanner, TurnSaves
@@ -159,6 +161,12 @@ class Scheduler:
     @property
     def preemptions(self) -> int:
         return self._roster.preemptions
+
+    @property
+    def draft_stats(self) -> DraftStats | None:
+        """A copy of speculative decoding's counters; None while drafting is off."""
+        drafts = self._planner.drafts
+        return copy.deepcopy(drafts.stats) if drafts.config is not None else None
 
     @property
     def generated_tokens(self) -> int:

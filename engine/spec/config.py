@@ -25,9 +25,13 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ConfigError(f"{FLAG}: method {self.method!r} is not supported (supported: {', '.join(METHODS)})")
+            raise ConfigError(
+                f"{FLAG}: method {self.method!r} is not supported (supported: {', '.join(METHODS)})"
+            )
         if not 1 <= self.num_speculative_tokens <= 16:
-            raise ConfigError(f"{FLAG}: num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
+            raise ConfigError(
+                f"{FLAG}: num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}"
+            )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
             raise ConfigError(
                 f"{FLAG}: need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got "
@@ -55,5 +59,7 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
     for key, value in raw.items():
         want = str if key == "method" else int
         if not isinstance(value, want) or isinstance(value, bool):
-            raise ConfigError(f"{FLAG}: {key} must be {'a string' if want is str else 'an integer'}, got {value!r}")
+            raise ConfigError(
+                f"{FLAG}: {key} must be {'a string' if want is str else 'an integer'}, got {value!r}"
+            )
     return SpeculativeConfig(**raw)

@@ -58,7 +58,9 @@ class DraftVerifier:
             if v.accepted < v.drafts:
                 cut.append((d.slot, [d.token_id, *d.draft[: v.accepted]], d.pos))
             outputs += [
-                SlotOutput(d.slot, t.token_id, t.logprob, t.top_logprobs, d.pos + 1 + j >= self._max_model_len)
+                SlotOutput(
+                    d.slot, t.token_id, t.logprob, t.top_logprobs, d.pos + 1 + j >= self._max_model_len
+                )
                 for j, t in enumerate(v.tokens)
             ]
         self._rollback.restore(cut, self._recompute)
