@@ -70,9 +70,7 @@ class StepExecutor:
         self._faults = faults
         self._leases = leases
         self._fed = DeviceFed(slot_kv.fed_at)
-        self._drafts = DraftVerifier(
-            sampler, runner.states, slot_kv.truncate, runner.forward, max_model_len
-        )
+        self._drafts = DraftVerifier(sampler, runner.states, slot_kv.truncate, runner.forward, max_model_len)
         self.num_slots = runner.num_slots
         self.max_model_len = max_model_len
         self.slot_limit = runner.num_slots  # the ladder's max_slots: no sequence starts at or past it
@@ -222,7 +220,9 @@ class StepExecutor:
                 for slot, count, end, e in zip(batch.slots_list, counts, ends, batch.all_logits, strict=True)
                 if e
             }
-            prompt_logprobs = tuple(_prompt_logprobs(asks[slot], every[slot]) for slot in every if slot in asks)
+            prompt_logprobs = tuple(
+                _prompt_logprobs(asks[slot], every[slot]) for slot in every if slot in asks
+            )
             logits = logits.index_select(0, torch.tensor([e - 1 for e in ends], device=logits.device))
             verified = self._drafts.after({s: rows for s, rows in every.items() if s not in asks}, sampling)
         return (*self._draw(batch, logits, sampling), prompt_logprobs, verified)

@@ -49,7 +49,9 @@ def build_batch(
         if d.slot in skip:
             continue
         if d.draft and (d.from_device or min(d.draft) < 0 or max(d.draft) >= vocab):
-            raise PlanError(f"slot {d.slot}: a draft needs its last token on the host and ids in 0..{vocab - 1}")
+            raise PlanError(
+                f"slot {d.slot}: a draft needs its last token on the host and ids in 0..{vocab - 1}"
+            )
         if d.from_device:
             if not sampler.has_drawn(d.slot):
                 raise PlanError(f"slot {d.slot}: a decode fed from the device, but it has drawn no token")

@@ -116,7 +116,9 @@ def llama() -> Iterator[Engine]:
     eng.shutdown()
 
 
-@pytest.mark.parametrize("model", ["builtin:tiny-llama", "builtin:tiny-qwen3-next", "builtin:tiny-qwen3.5-moe"])
+@pytest.mark.parametrize(
+    "model", ["builtin:tiny-llama", "builtin:tiny-qwen3-next", "builtin:tiny-qwen3.5-moe"]
+)
 def test_greedy_output_is_the_same_with_drafts(model: str) -> None:
     engine = tiny(model)
     try:
