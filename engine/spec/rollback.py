@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from ballast.models.state import LayerState
+from ballast.models.base import LayerState
 from torch import Tensor
 
 Snapshot = list[tuple[Tensor, ...]]  # per layer, the slot's state tensors (none for attention)

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ballast.engine.plan import DecodeToken, SamplingParams, SlotOutput, StepPlan
-from ballast.engine.sampler import Sampler
+from ballast.engine.step.sampler import Sampler
 from ballast.engine.spec.rollback import Recompute, StateRollback
 from ballast.engine.spec.verify import verify
-from ballast.models.state import LayerState
+from ballast.models.base import LayerState
 from torch import Tensor
 
 

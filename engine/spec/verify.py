@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from ballast.engine.plan import SamplingParams
-from ballast.engine.sampler import SampledToken, Sampler
+from ballast.engine.step.sampler import SampledToken, Sampler
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,12 @@ from __future__ import annotations
 from functools import cache
 
 import torch
-from ballast.engine.grammar import Constraint, GrammarCompiler
+from ballast.engine.text.grammar import Constraint, GrammarCompiler
 from ballast.engine.plan import SamplingParams
-from ballast.engine.sampler import Sampler
-from ballast.engine.tokenizer import Tokenizer
-from ballast.models.default_model import default_model_path
-from ballast.models.gguf_loader import build_tokenizer, read_gguf
+from ballast.engine.step.sampler import Sampler
+from ballast.engine.text.tokenizer import Tokenizer
+from ballast.models.weights.default_model import default_model_path
+from ballast.models.weights.gguf_loader import build_tokenizer, read_gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -15,7 +15,7 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import SamplingParams
-from ballast.engine.sampler import Sampler
+from ballast.engine.step.sampler import Sampler
 from ballast.engine.spec.config import SpeculativeConfig, parse_speculative_config
 from ballast.engine.spec.governor import DraftGovernor
 from ballast.engine.spec.ngram import propose

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from ballast.engine.blocks import blocks_for
+from ballast.engine.kv.blocks import blocks_for
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import (
