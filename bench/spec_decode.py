@@ -2,7 +2,9 @@
 serve` without drafting and with `--speculative-config` ngram, each started once, every round
 measuring both in turn (interleaved, so load from other processes hits both alike); medians.
 
-    python -m ballast.bench.spec_decode [--rounds 3] [--k 4] [--copy-tokens 400] [--story-tokens 200]
+    python -m ballast.bench.spec_decode [--rounds 3] [--k 4 7] [--copy-tokens 400] [--story-tokens 200]
+
+(one ngram server per --k value, num_speculative_tokens = k, prompt_lookup_max 4)
 
 Workloads, through the official `openai` client, streaming chat, greedy:
 - copy: a ~300-token paragraph, "repeat it exactly" (prompt lookup drafts the paragraph back);
@@ -126,12 +128,15 @@ def acceptance(before: dict[str, list[float]], after: dict[str, list[float]]) ->
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--k", type=int, nargs="+", default=[4], help="num_speculative_tokens, a server each")
     p.add_argument("--copy-tokens", type=int, default=400)
     p.add_argument("--story-tokens", type=int, default=200)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4})
+    specs = {
+        f"ngram k={k}": json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4})
+        for k in args.k
+    }
     rows: dict[str, dict[str, list[float]]] = {}
     accept: dict[str, list[list[float]]] = {}
     same_text: list[bool] = []
@@ -139,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     copied: dict[str, int] = {}
     with ExitStack() as stack:
         sides: dict[str, str] = {}
-        for name, extra in (("off", []), ("ngram", ["--speculative-config", spec])):
+        for name, extra in [("off", []), *((n, ["--speculative-config", s]) for n, s in specs.items())]:
             port = free_port()
             common = ["--max-num-seqs", "8", "--max-model-len", "4096", "--max-queue-wait-s", "600"]
             sides[name] = stack.enter_context(
@@ -156,22 +161,24 @@ def main(argv: list[str] | None = None) -> int:
             for workload, run in workloads.items():
                 texts = {}
                 for name, base in sides.items():
-                    before = positions(base) if name == "ngram" else None
+                    before = positions(base) if name != "off" else None
                     rate, text, tokens = run(base)
                     rows.setdefault(workload, {}).setdefault(name, []).append(rate)
                     texts[name] = text
                     if before is not None:
-                        accept.setdefault(workload, []).append(acceptance(before, positions(base)))
+                        accept.setdefault(f"{workload}, {name}", []).append(
+                            acceptance(before, positions(base))
+                        )
                     if workload.startswith("copy"):
                         copied[name] = tokens
                 if workload.startswith("copy"):
-                    same_text.append(texts["off"] == texts["ngram"])
+                    same_text.append(all(t == texts["off"] for t in texts.values()))
             print(f"round {r + 1}/{args.rounds}, load average {os.getloadavg()[0]:.1f}", flush=True)
     report: dict[str, Any] = {
         "model": model,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "rounds": args.rounds,
-        "speculative_config": spec,
+        "speculative_configs": specs,
         "load_average": [min(loads), max(loads)],
         "copy_completion_tokens": copied,
         "copy_same_text": same_text,
@@ -181,15 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(
         f"\n{model} on CPU ({report['machine']}), median of {args.rounds} interleaved rounds, load average "
-        f"{min(loads):.1f}-{max(loads):.1f}, {spec}"
+        f"{min(loads):.1f}-{max(loads):.1f}; ngram prompt_lookup_max 4"
     )
-    print(
-        f"{'workload':28s}{'off tok/s':>12s}{'ngram tok/s':>13s}{'ratio':>8s}   acceptance by position (last round)"
-    )
+    print(f"{'workload':28s}{'side':>12s}{'tok/s':>9s}{'vs off':>8s}   acceptance by position (last round)")
     for workload, got in rows.items():
-        off, on = statistics.median(got["off"]), statistics.median(got["ngram"])
-        last = accept.get(workload, [[]])[-1]
-        print(f"{workload:28s}{off:12.1f}{on:13.1f}{on / off:8.2f}x   {last}")
+        off = statistics.median(got["off"])
+        for name, rates in got.items():
+            rate = statistics.median(rates)
+            last = accept.get(f"{workload}, {name}", [[]])[-1]
+            print(f"{workload:28s}{name:>12s}{rate:9.1f}{rate / off:7.2f}x   {last if name != 'off' else ''}")
     print(f"copy: same text in every round: {all(same_text)}; completion tokens {copied}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -21,8 +21,10 @@ from ballast.memory.types import Level
 EMA = 0.2
 # Steps of each kind a batch size needs before the two are compared.
 MIN_STEPS = 3
-# Every this many steps at a batch size, one of the kind not chosen (its figure goes stale).
+# Every this many steps at a batch size, one of the kind not chosen (its figure goes stale); while
+# drafting loses the gap doubles up to PROBE_MAX (a losing probe costs a verify step).
 PROBE_EVERY = 24
+PROBE_MAX = 384
 # Longest step gap that counts as a step's time (a gap longer than this was idleness).
 MAX_STEP_GAP_S = 5.0
 
@@ -82,6 +84,7 @@ class DraftGovernor:
         self.stats = DraftStats()
         self._rates: dict[tuple[int, bool], _Rate] = {}
         self._since_probe: dict[int, int] = {}
+        self._probe_gap: dict[int, int] = {}
         self._last_result_at: float | None = None
         self.reason = "off" if config is None else "measuring"  # why the last decision was what it was
 
@@ -94,16 +97,26 @@ class DraftGovernor:
         if streams >= self.config.max_streams:
             return self._decide(False, "streams")
         drafting, plain = self._rate(streams, True), self._rate(streams, False)
-        if drafting.steps < MIN_STEPS:
-            return self._decide(True, "measuring")
-        if plain.steps < MIN_STEPS:
-            return self._decide(False, "measuring")
+        if drafting.steps < MIN_STEPS or plain.steps < MIN_STEPS:
+            # A batch size not measured yet: where drafting loses at fewer streams it loses here too
+            # (a bigger batch only makes the verify rows dearer).
+            if any(self._loses(b) for b in range(1, streams)):
+                return self._decide(False, "loses")
+            return self._decide(drafting.steps < MIN_STEPS, "measuring")
         winner = drafting.per_second >= plain.per_second
+        gap = self._probe_gap.get(streams, PROBE_EVERY)
         n = self._since_probe.get(streams, 0) + 1
-        self._since_probe[streams] = 0 if n >= PROBE_EVERY else n
-        if n >= PROBE_EVERY:  # the kind not chosen, once, to keep its figure current
+        self._since_probe[streams] = 0 if n >= gap else n
+        if n >= gap:  # the kind not chosen, once, to keep its figure current
+            self._probe_gap[streams] = PROBE_EVERY if winner else min(PROBE_MAX, 2 * gap)
             return self._decide(not winner, "measuring")
         return self._decide(winner, "wins" if winner else "loses")
+
+    def _loses(self, streams: int) -> bool:
+        drafting, plain = self._rates.get((streams, True)), self._rates.get((streams, False))
+        if drafting is None or plain is None or min(drafting.steps, plain.steps) < MIN_STEPS:
+            return False
+        return drafting.per_second < plain.per_second
 
     def _decide(self, draft: bool, reason: str) -> bool:
         self.reason = reason

@@ -303,3 +303,28 @@ def test_a_bad_speculative_config_is_a_clear_startup_error(text: str) -> None:
 def test_the_speculative_config_reads_vllms_keys() -> None:
     assert parse_speculative_config(NGRAM) == SpeculativeConfig("ngram", 4, 1, 3)
     assert SchedulerConfig().speculative is None
+
+
+def _steps(gov: DraftGovernor, streams: int, n: int, t0: float, seconds: float, tokens: int) -> float:
+    """n steps of the kind the governor picks, each taking `seconds` and emitting `tokens` per
+    stream when drafted (one per stream when not); returns the clock after them."""
+    now = t0
+    for _ in range(n):
+        drafted = gov.wants(streams, Level.OK)
+        now += seconds if drafted else seconds / 3
+        gov.observe(streams, drafted, streams * (tokens if drafted else 1), now, timed=True)
+    return now
+
+
+def test_the_governor_drafts_while_it_measures_faster_and_probes_less_while_it_loses() -> None:
+    config = SpeculativeConfig("ngram", 4, 1, 4)
+    wins = DraftGovernor(config)
+    _steps(wins, 1, 60, 0.0, 0.03, 4)  # a drafting step: 3x the time, 4 tokens
+    assert wins.reason == "wins" and wins.stats.steps_drafting > 50
+    loses = DraftGovernor(config)
+    _steps(loses, 1, 400, 0.0, 0.03, 2)  # 3x the time, 2 tokens: slower
+    assert loses.reason == "loses" and loses.stats.steps_drafting < 3 + 1 + 400 // 24
+    # Two streams: drafting lost at one, so it is not even measured at two.
+    before = loses.stats.steps_drafting
+    _steps(loses, 2, 10, 100.0, 0.03, 2)
+    assert loses.stats.steps_drafting == before and loses.stats.declined["loses"] > 0
