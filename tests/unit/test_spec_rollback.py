@@ -100,9 +100,13 @@ def test_a_rejection_at_any_position_leaves_the_states_of_the_run_without_drafts
     assert tokens == want[1 : accepted + 4]
 
 
-def test_a_draft_needs_host_tokens_in_range(engine: Engine) -> None:
+def test_a_failed_drafting_step_costs_only_its_sequence(engine: Engine) -> None:
     first = start(engine)
     pos = len(prompt())
     with pytest.raises(StepFailed) as failed:
         run(engine, StepPlan(decodes=(DecodeToken(SLOT, first, pos, (10**9,)),), sampling={SLOT: GREEDY}))
-    assert isinstance(failed.value.cause, PlanError)
+    assert isinstance(failed.value.cause, PlanError) and failed.value.slots == frozenset({SLOT})
+    # The failed step cost only its sequence: the slot starts again and drafts as before.
+    again = start(engine)
+    res = run(engine, StepPlan(decodes=(DecodeToken(SLOT, again, pos, (again,)),), sampling={SLOT: GREEDY}))
+    assert engine.healthy and 1 <= len(res.outputs) <= 2
