@@ -171,14 +171,13 @@ class StepPlanner:
             or self._gov.ladder.level is not Level.OK
             or self.engine_slots_wanted != self._engine_slots
             or any(d.draft for d in plan.decodes)  # where its drafts end is known only after it
-            or self.drafts.wants(len(plan.decodes), Level.OK)  # drafts need the host's tokens
         ):
             return None
         running = {seq.slot: seq for seq in roster.running if seq.slot is not None}
         rows = [(d.slot, d.pos + 1) for d in plan.decodes]
         rows += [(p.slot, p.start_pos + len(p.token_ids)) for p in plan.prefills if p.sample]
-        if {slot for slot, _ in rows} != set(running):
-            return None
+        if {slot for slot, _ in rows} != set(running) or self._drafts_next(len(rows)):
+            return None  # (a drafting plan needs the host's tokens)
         decodes = []
         sampling: dict[int, SamplingParams] = {}
         for slot, pos in rows:
@@ -187,6 +186,9 @@ class StepPlanner:
                 decodes.append(DecodeToken.ahead(slot, pos))
                 sampling[slot] = seq.req.params
         return StepPlan(decodes=tuple(decodes), sampling=sampling) if decodes else None
+
+    def _drafts_next(self, streams: int) -> bool:
+        return self.drafts.wants(streams, self._gov.ladder.level, ahead=True)
 
     @property
     def engine_slots_wanted(self) -> int:

@@ -85,11 +85,23 @@ class DraftGovernor:
         self._rates: dict[tuple[int, bool], _Rate] = {}
         self._since_probe: dict[int, int] = {}
         self._probe_gap: dict[int, int] = {}
+        self._promised: int | None = None  # streams a lookahead was told to leave to a drafting plan
         self._last_result_at: float | None = None
         self.reason = "off" if config is None else "measuring"  # why the last decision was what it was
 
-    def wants(self, streams: int, level: Level) -> bool:
-        """Whether a step of `streams` decoding streams should draft."""
+    def wants(self, streams: int, level: Level, ahead: bool = False) -> bool:
+        """Whether a step of `streams` decoding streams should draft. `ahead`: asked by the planner's
+        lookahead, whose yes hands the step to the next full plan; that plan's ask then gets the
+        same yes, so a probe decided there is not decided again."""
+        promised, self._promised = self._promised, None
+        if promised == streams and not ahead:
+            return True
+        drafting = self._wants(streams, level)
+        if ahead and drafting:
+            self._promised = streams
+        return drafting
+
+    def _wants(self, streams: int, level: Level) -> bool:
         if self.config is None:
             return False
         if level >= Level.WATCH:
