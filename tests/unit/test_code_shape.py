@@ -57,6 +57,8 @@ MAX_WING_LINES = (
     # 1,632 -> 564 / 5,132 -> 1,530 us; an 8k prompt 433 -> 317 ms, 32k 1.94 -> 1.34 s) and the
     # prompt budget beside decodes from measured step times (--max-itl-ms)
     + 270
+    + 600  # issue 49: speculative decoding (engine/spec: config, prompt lookup, the verdict, rollback,
+    # the governor; verify rows in the executor, the batch, the planner and the block kernel's step)
 )
 
 
