@@ -125,6 +125,27 @@ def acceptance(before: dict[str, list[float]], after: dict[str, list[float]]) ->
     return out
 
 
+def step_costs(rows: tuple[int, ...] = (1, 2, 3, 5, 8), reps: int = 12) -> dict[int, float]:
+    """In this process: the default model's step of one sequence feeding `rows` tokens with logits
+    at each (a verify row of rows - 1 drafts), median ms, the rows interleaved rep by rep."""
+    from ballast.engine.config import EngineConfig
+    from ballast.engine.engine import Engine
+
+    engine = Engine.load(EngineConfig(max_num_seqs=1, max_model_len=1024))
+    runner = engine.runner
+    assert runner.kv is not None and runner.kv.ensure(0, 600)
+    prompt = list(range(100, 400))
+    runner.forward([(0, prompt, 0)])
+    times: dict[int, list[float]] = {n: [] for n in rows}
+    for _ in range(reps):
+        for n in rows:
+            start = time.perf_counter()
+            runner.forward([(0, prompt[:n], 300)], [n > 1])
+            times[n].append(1000 * (time.perf_counter() - start))
+    engine.shutdown()
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -133,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--story-tokens", type=int, default=200)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    costs = step_costs()
+    print("one sequence's step, ms (median), by tokens fed with logits at each:", costs, flush=True)
     specs = {
         f"ngram k={k}": json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4})
         for k in args.k
@@ -184,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_same_text": same_text,
         "tok_s": rows,
         "acceptance_by_position": accept,
+        "verify_step_ms_by_rows": costs,
         "command": "python -m ballast.bench.spec_decode " + " ".join(argv or []),
     }
     print(
@@ -197,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             rate = statistics.median(rates)
             last = accept.get(f"{workload}, {name}", [[]])[-1]
             print(f"{workload:28s}{name:>12s}{rate:9.1f}{rate / off:7.2f}x   {last if name != 'off' else ''}")
+    print("verify step cost: " + ", ".join(f"{n} rows {ms / costs[1]:.2f}x" for n, ms in costs.items()))
     print(f"copy: same text in every round: {all(same_text)}; completion tokens {copied}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from ballast.engine.spec.config import SpeculativeConfig
 from ballast.memory.types import Level
 
-# Weight of the newest step in each running average.
-EMA = 0.2
+# Weight of the newest step in each running average: small, because on a shared machine one step's
+# time swings several-fold with other processes' load.
+EMA = 0.1
 # Steps of each kind a batch size needs before the two are compared.
-MIN_STEPS = 3
+MIN_STEPS = 4
 # Every this many steps at a batch size, one of the kind not chosen (its figure goes stale); while
 # drafting loses the gap doubles up to PROBE_MAX (a losing probe costs a verify step).
 PROBE_EVERY = 24
