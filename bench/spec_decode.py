@@ -116,11 +116,11 @@ def acceptance(before: dict[str, list[float]], after: dict[str, list[float]]) ->
     def at(d: dict[str, list[float]], kind: str, j: int) -> float:
         return d[kind][j] if j < len(d[kind]) else 0.0
 
-    out = []
+    out = []  # -1: nothing drafted at that position during the workload
     for j in range(len(after["drafted"])):
         drafted = at(after, "drafted", j) - at(before, "drafted", j)
         out.append(
-            round((at(after, "accepted", j) - at(before, "accepted", j)) / drafted, 3) if drafted else 0.0
+            round((at(after, "accepted", j) - at(before, "accepted", j)) / drafted, 3) if drafted else -1.0
         )
     return out
 
