@@ -148,10 +148,10 @@ def bench_dense(rows: Rows, name: str, n: int, k: int, m: int) -> None:
 
 
 def bench_experts(rows: Rows, tokens: int) -> None:
-    from ballast.models.kernels import w8a8_triton
-    from ballast.models.layers import pointwise
-    from ballast.models.kernels.fp8_triton import Groups, Tiles, dequantize, grouped_fp8_matmul
     from ballast.models.blocks.moe import Routing
+    from ballast.models.kernels import w8a8_triton
+    from ballast.models.kernels.fp8_triton import Groups, Tiles, dequantize, grouped_fp8_matmul
+    from ballast.models.layers import pointwise
 
     g = torch.Generator(device=DEV).manual_seed(tokens)
     gate_up = torch.randn((EXPERTS, 2 * INTER, HIDDEN), generator=g, device=DEV, dtype=torch.bfloat16).to(FP8)
@@ -259,8 +259,8 @@ def engine_prefill(
     from ballast.engine.config import EngineConfig, PrefixCacheConfig
     from ballast.engine.engine import Engine
     from ballast.engine.plan import DecodeToken, StepPlan
-    from ballast.models.kernels import w8a8_triton
     from ballast.models.arch.builtin import builtin_config
+    from ballast.models.kernels import w8a8_triton
 
     vocab = int(builtin_config(model)["vocab_size"])
     chunk = 8192

@@ -91,6 +91,9 @@ class DecodeToken:
     slot: int
     token_id: int
     pos: int
+    # Speculative tokens for positions pos + 1 ..: the step feeds them too and verifies them (each
+    # position sampled as if decoded alone); the result then carries one output per emitted token.
+    draft: tuple[int, ...] = ()
 
     @classmethod
     def ahead(cls, slot: int, pos: int) -> DecodeToken:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ballast.engine.spec.config import SpeculativeConfig, parse_speculative_config
+
 from ballast.settings import ConfigError, check, setting
 
 
@@ -129,6 +131,15 @@ class SchedulerConfig:
             3600.0,
         ),
     )
+    speculative_config: str | None = field(
+        default=None,
+        metadata=setting(
+            "BALLAST_SPECULATIVE_CONFIG",
+            'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": k, '
+            '"prompt_lookup_min": a, "prompt_lookup_max": b, "max_streams": s}; drafts only while it '
+            "measures faster, below s (8) decoding streams and below WATCH; unset = off",
+        ),
+    )
     hold_poll_s: float = field(
         default=0.02,
         metadata=setting(
@@ -138,6 +149,12 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check(self)
+        self.speculative  # noqa: B018 - a bad one is a startup error
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        text = self.speculative_config
+        return None if text is None else parse_speculative_config(text)
         # A step must fit every running request's decode token plus at least one prefill token,
         # or a long prompt could wait forever behind decodes (starvation).
         if 0 < self.max_num_batched_tokens < self.max_num_seqs:

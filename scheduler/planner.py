@@ -15,6 +15,8 @@ import itertools
 
 from ballast.engine.interface import EngineLike
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from ballast.engine.spec.governor import DraftGovernor
+from ballast.engine.spec.ngram import propose
 from ballast.memory.types import Level
 from ballast.scheduler.checkpoints import CheckpointPlanner
 from ballast.scheduler.config import SchedulerConfig
@@ -41,9 +43,11 @@ class StepPlanner:
         checkpoints: CheckpointPlanner,
         kv: KVPolicy,
         prompt_budget: PromptBudget,
+        drafts: DraftGovernor | None = None,
     ) -> None:
         self._engine = engine
         self._prompt_budget = prompt_budget
+        self.drafts = drafts or DraftGovernor(config.speculative)
         self._roster = roster
         self._gate = gate
         self._gov = gov
@@ -61,11 +65,9 @@ class StepPlanner:
         """Decodes, then prefill chunks of the oldest admitted requests, then admissions from the
         queue head (when `admit`) while budget and slots remain."""
         roster = self._roster
-        decodes = tuple(  # each feeds its last sampled token, at the position after what it consumed
-            DecodeToken(seq.slot, seq.output[-1], seq.consumed_tokens)
-            for seq in roster.running
-            if seq.phase is Phase.DECODING and seq.slot is not None
-        )
+        decoding = [seq for seq in roster.running if seq.phase is Phase.DECODING and seq.slot is not None]
+        drafting = bool(decoding) and self.drafts.wants(len(decoding), self._gov.ladder.level)
+        decodes = tuple(self._decode(seq, drafting) for seq in decoding)
         engine = self._engine
         # beside decodes, the prompt tokens that keep the step within the ITL target
         chunk = (
@@ -73,7 +75,7 @@ class StepPlanner:
             if decodes
             else engine.prefill_chunk_tokens
         )
-        budget = min(self._per_step - len(decodes), chunk)
+        budget = min(self._per_step - sum(1 + len(d.draft) for d in decodes), chunk)
         unfinished = [s for s in roster.running if s.phase is Phase.PREFILLING and s.prefilled < len(s.feed)]
         admitted = iter(self._gate.admit_head, None) if admit else ()
         to_prefill = itertools.chain(unfinished, admitted)
@@ -84,6 +86,9 @@ class StepPlanner:
         rows: tuple[DecodeToken | PrefillChunk, ...] = (*decodes, *prefills)
         sampling = {row.slot: roster.by_slot[row.slot].req.params for row in rows}
         shed, saves, restores = self._checkpoints.take_orders()
+        if drafting and saves:  # a checkpoint is of what the step feeds: no draft beside one
+            saved = {s.slot for s in saves}
+            decodes = tuple(DecodeToken(d.slot, d.token_id, d.pos) if d.slot in saved else d for d in decodes)
         release = roster.slots.take_releases()
         upcoming = itertools.islice(roster.queue, self._gate.slot_limit)
         shrink, keep = self._kv.shrink(bool(release), roster.charges(), upcoming)
@@ -100,6 +105,23 @@ class StepPlanner:
             kv_keep=keep,
             unpark=roster.take_unpark(),
         )
+
+    def _decode(self, seq: Seq, drafting: bool) -> DecodeToken:
+        """The seq's decode: its last sampled token at the position after what it consumed, and
+        when drafting, up to k prompt-lookup drafts (never past max_tokens or the context)."""
+        assert seq.slot is not None
+        pos = seq.consumed_tokens
+        config = self.drafts.config
+        draft: tuple[int, ...] = ()
+        if drafting and config is not None:
+            room = min(
+                config.num_speculative_tokens,
+                seq.max_tokens - len(seq.output) - 1,
+                self._engine.max_model_len - 1 - pos,
+            )
+            context = (*seq.req.prompt_ids, *seq.output)
+            draft = propose(context, room, config.prompt_lookup_min, config.prompt_lookup_max)
+        return DecodeToken(seq.slot, seq.output[-1], pos, draft)
 
     def _next_chunk(self, seq: Seq, budget: int) -> PrefillChunk:
         """The seq's next prefill chunk, at most `budget` tokens (the first restores a cached prefix)."""
@@ -148,13 +170,14 @@ class StepPlanner:
             or roster.slots.releases_pending
             or self._gov.ladder.level is not Level.OK
             or self.engine_slots_wanted != self._engine_slots
+            or any(d.draft for d in plan.decodes)  # where its drafts end is known only after it
         ):
             return None
         running = {seq.slot: seq for seq in roster.running if seq.slot is not None}
         rows = [(d.slot, d.pos + 1) for d in plan.decodes]
         rows += [(p.slot, p.start_pos + len(p.token_ids)) for p in plan.prefills if p.sample]
-        if {slot for slot, _ in rows} != set(running):
-            return None
+        if {slot for slot, _ in rows} != set(running) or self._drafts_next(len(rows)):
+            return None  # (a drafting plan needs the host's tokens)
         decodes = []
         sampling: dict[int, SamplingParams] = {}
         for slot, pos in rows:
@@ -163,6 +186,9 @@ class StepPlanner:
                 decodes.append(DecodeToken.ahead(slot, pos))
                 sampling[slot] = seq.req.params
         return StepPlan(decodes=tuple(decodes), sampling=sampling) if decodes else None
+
+    def _drafts_next(self, streams: int) -> bool:
+        return self.drafts.wants(streams, self._gov.ladder.level, ahead=True)
 
     @property
     def engine_slots_wanted(self) -> int:

@@ -231,7 +231,9 @@ class Roster:
                     owner.prompt_logprobs[pos] = TokenLogprob(owner.req.prompt_ids[pos], lp, top)
 
     def _deliver_tokens(self, plan: StepPlan, result: StepResult) -> None:
-        outputs = {out.slot: out for out in result.outputs}
+        outputs: dict[int, list[SlotOutput]] = {}
+        for out in result.outputs:  # a drafting slot has several, in order
+            outputs.setdefault(out.slot, []).append(out)
         for slot in [d.slot for d in plan.decodes] + [p.slot for p in plan.prefills if p.sample]:
             seq = self.by_slot.get(slot)
             if seq is None:  # ended while the step ran (aborted, timed out) or preempted by it
@@ -241,7 +243,10 @@ class Roster:
                     f"engine returned no token for slot {slot} of request {seq.req.request_id}"
                 )
             try:
-                self._on_token(seq, outputs[slot])
+                for out in outputs[slot]:  # tokens after one that ends the request are dropped
+                    if seq.phase is Phase.FINISHED:
+                        break
+                    self._on_token(seq, out)
             except Exception as exc:  # its detokenizer failed: this request's error, not the engine's
                 log.exception("request %s: output handling failed", seq.req.request_id)
                 self.finish(seq, "error", RequestFailed(exc))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from ballast.engine.interface import EngineLike
 from ballast.engine.plan import KVFigures, StepFailed, StepPlan, StepResult
+from ballast.engine.spec.governor import DraftStats
 from ballast.memory.ladder import LadderConfig
 from ballast.memory.types import LadderPlan, Level
 from ballast.scheduler.checkpoints import CheckpointPlanner, TurnSaves
@@ -164,6 +166,12 @@ class Scheduler:
         return self._roster.preemptions
 
     @property
+    def draft_stats(self) -> DraftStats | None:
+        """A copy of speculative decoding's counters; None while drafting is off."""
+        drafts = self._planner.drafts
+        return copy.deepcopy(drafts.stats) if drafts.config is not None else None
+
+    @property
     def generated_tokens(self) -> int:
         return self._roster.generated_tokens
 
@@ -290,6 +298,7 @@ class Scheduler:
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
         self.steps += 1
+        self._planner.drafts.observe_step(plan, result, time.monotonic())
         self.reused_tokens += result.reused_tokens
         self._kv.room.update(result)
         self._roster.apply(plan, result)
@@ -327,6 +336,7 @@ class Scheduler:
         idle_tick_s, so buffers that age past the pool's idle limit in a long quiet spell are still
         given back; while pressure holds the queue, wake every hold_poll_s to re-read memory."""
         self._wake.clear()
+        self._planner.drafts.idle()  # the next step's result is not a decode step's time
         if self.idle:
             if self._on_idle is not None:
                 try:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from ballast.engine.spec.governor import DraftStats
 from ballast.server import events
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -56,6 +57,7 @@ class SchedulerFigures:
         tuple[str, int], ...
     ] = ()  # per pool: of the used blocks, those only the prefix cache holds
     generated_tokens: int = 0  # tokens the scheduler has handed requests so far (every one)
+    drafts: DraftStats | None = None  # speculative decoding's counters (None: drafting is off)
 
 
 class _SchedulerCollector(Collector):
@@ -92,6 +94,8 @@ class _SchedulerCollector(Collector):
             "Prompt tokens restored from prefix checkpoints instead of prefilled",
             value=figures.reused_prompt_tokens,
         )
+        if figures.drafts is not None:
+            yield from _draft_metrics(figures.drafts)
         if not figures.kv_pools:
             return
         held = GaugeMetricFamily(
@@ -120,6 +124,48 @@ class _SchedulerCollector(Collector):
             "Sequences preempted for want of KV blocks (resumed later)",
             value=figures.preemptions,
         )
+
+
+def _draft_metrics(stats: DraftStats) -> Iterator[Metric]:
+    yield CounterMetricFamily(
+        "ballast_spec_draft_tokens", "Speculative tokens proposed (prompt lookup)", value=stats.drafted
+    )
+    yield CounterMetricFamily(
+        "ballast_spec_accepted_tokens", "Speculative tokens the target accepted", value=stats.accepted
+    )
+    steps = CounterMetricFamily(
+        "ballast_spec_steps", "Decode steps with drafts and without", labels=["drafting"]
+    )
+    steps.add_metric(["yes"], stats.steps_drafting)
+    steps.add_metric(["no"], stats.steps_plain)
+    yield steps
+    by_position = GaugeMetricFamily(
+        "ballast_spec_acceptance",
+        "Share of drafts accepted at each draft position (0 = the first after the fed token)",
+        labels=["position"],
+    )
+    drafted_at = CounterMetricFamily(
+        "ballast_spec_position_drafted", "Drafts proposed at each draft position", labels=["position"]
+    )
+    accepted_at = CounterMetricFamily(
+        "ballast_spec_position_accepted", "Drafts accepted at each draft position", labels=["position"]
+    )
+    for j, rate in enumerate(stats.acceptance_at()):
+        by_position.add_metric([str(j)], rate)
+        drafted_at.add_metric([str(j)], stats.drafted_at[j])
+        accepted_at.add_metric([str(j)], stats.accepted_at[j])
+    yield by_position
+    yield drafted_at
+    yield accepted_at
+    declined = CounterMetricFamily(
+        "ballast_spec_declined",
+        "Steps the governor ran without drafts, by why (streams: the load rule; memory: WATCH or "
+        "worse; loses: measured slower; measuring)",
+        labels=["reason"],
+    )
+    for reason, n in sorted(stats.declined.items()):
+        declined.add_metric([reason], n)
+    yield declined
 
 
 class HttpMetrics:

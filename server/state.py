@@ -139,4 +139,5 @@ class ServerState:
             s.preemptions,
             cached,
             s.generated_tokens,
+            s.draft_stats,
         )

@@ -204,6 +204,18 @@ class BlockAllocator:
             self._leave(b)
         return self.drop(table)
 
+    def truncate(self, slot: int, n_blocks: int) -> list[int]:
+        """Cut the slot's table to its first n_blocks (a rejected draft's positions); returns the
+        blocks that became free."""
+        table = self._tables.get(slot)
+        if table is None or len(table) <= n_blocks:
+            return []
+        cut = table[n_blocks:]
+        del table[n_blocks:]
+        for b in cut:
+            self._leave(b)
+        return self.drop(cut)
+
     def hold(self, blocks: Iterable[int]) -> None:
         """One more reference to each block (all must be in use)."""
         for b in blocks:

@@ -88,6 +88,11 @@ class KVPool:
             self.alloc.release(slot)
             self.store.clear_table(slot)
 
+    def truncate(self, slot: int, n_tokens: int) -> None:
+        """Keep only the blocks of the slot's first n_tokens positions (the rest were a rejected
+        draft's). The table row past them is never read: a sequence attends to what it was fed."""
+        self.alloc.truncate(slot, blocks_for(n_tokens, self.layout.block_size))
+
     def attach(self, slot: int, blocks: Sequence[int], n_tokens: int) -> bool:
         """Start the (empty) slot on `blocks` (its first n_tokens positions) by reference, copying a
         partly filled last block the slot will write into; False (nothing attached) if none is free."""

@@ -28,6 +28,7 @@ from ballast.engine.plan import (
 from ballast.engine.runner.checkpoint_orders import CheckpointExecutor
 from ballast.engine.runner.model_runner import ModelRunner
 from ballast.engine.runner.slot_kv import SlotKV
+from ballast.engine.spec.step import DraftVerifier
 from ballast.engine.step.pipeline import DrawnRow, LaunchedStep
 from ballast.engine.step.sampler import Draw, Sampler
 from ballast.engine.step.step_batch import DeviceFed, build_batch, check_slots
@@ -69,6 +70,7 @@ class StepExecutor:
         self._faults = faults
         self._leases = leases
         self._fed = DeviceFed(slot_kv.fed_at)
+        self._drafts = DraftVerifier(sampler, runner.states, slot_kv.truncate, runner.forward, max_model_len)
         self.num_slots = runner.num_slots
         self.max_model_len = max_model_len
         self.slot_limit = runner.num_slots  # the ladder's max_slots: no sequence starts at or past it
@@ -101,10 +103,11 @@ class StepExecutor:
             if preempted and preempted & set(batch.slots_list):  # the step runs without them
                 batch = self._build(plan, preempted | gone)
         self._fed.launched(plan, preempted | gone)
+        self._drafts.before(plan, preempted | gone)
         asks = {p.slot: p for p in plan.prefills if p.logprob_targets and p.slot not in preempted}
         if batch is not None:
             self._faults.before_forward(prefill=any(p.slot not in preempted for p in plan.prefills))
-        draw, rows, prompt_logprobs = self._forward(batch, plan.sampling, asks)
+        draw, rows, prompt_logprobs, verified = self._forward(batch, plan.sampling, asks)
         self._orders.save(plan, frozenset(plan.release) | preempted)
         prefill_tokens = sum(len(p.token_ids) for p in plan.prefills if p.slot not in preempted)
         self.prefilled_tokens += prefill_tokens
@@ -118,6 +121,7 @@ class StepExecutor:
             kv=self.kv_figures(),
             kv_int8=self.kv_figures(int8=True),
             prompt_logprobs=prompt_logprobs,
+            outputs=verified,  # drafting rows' tokens, final now; the draw's join them in `finish`
         )
         return LaunchedStep(plan, result, draw, rows)
 
@@ -131,7 +135,7 @@ class StepExecutor:
                 SlotOutput(slot, tok.token_id, tok.logprob, tok.top_logprobs, at_capacity)
                 for (slot, _, at_capacity), tok in zip(launched.rows, tokens, strict=True)
             )
-            result = replace(result, outputs=outputs)
+            result = replace(result, outputs=outputs + result.outputs)
         if result.prefill_tokens or result.decode_tokens:
             self._failures_in_a_row = 0
         return result
@@ -164,6 +168,7 @@ class StepExecutor:
         (one parked in this step too), and the plan's releases, unparks and shed are applied so no
         buffer or block is left behind. Each of these is idempotent."""
         slots = written_slots(plan)
+        self._drafts.forget()
         touched = sorted(s for s in slots | set(plan.release) if 0 <= s < self.num_slots)
         self._fed.dropped(frozenset(touched))
         for tokens in plan.unpark:
@@ -201,21 +206,26 @@ class StepExecutor:
 
     def _forward(
         self, batch: StepBatch | None, sampling: dict[int, SamplingParams], asks: dict[int, PrefillChunk]
-    ) -> tuple[Draw | None, tuple[DrawnRow, ...], tuple[PromptLogprobs, ...]]:
+    ) -> tuple[Draw | None, tuple[DrawnRow, ...], tuple[PromptLogprobs, ...], tuple[SlotOutput, ...]]:
         if batch is None:
-            return None, (), ()
+            return None, (), (), ()
         logits = self._runner.forward(batch)
         prompt_logprobs: tuple[PromptLogprobs, ...] = ()
-        if asks:  # rows: every token of the sequences that asked, the last token of the others
+        verified: tuple[SlotOutput, ...] = ()
+        if batch.all_logits:  # rows: every token of the sequences that asked or draft, the last of the others
             counts = [n if e else 1 for n, e in zip(batch.lens_list, batch.all_logits, strict=True)]
             ends = list(accumulate(counts))
+            every = {
+                slot: logits[end - count : end]
+                for slot, count, end, e in zip(batch.slots_list, counts, ends, batch.all_logits, strict=True)
+                if e
+            }
             prompt_logprobs = tuple(
-                _prompt_logprobs(asks[slot], logits[end - count : end])
-                for slot, count, end in zip(batch.slots_list, counts, ends, strict=True)
-                if slot in asks
+                _prompt_logprobs(asks[slot], every[slot]) for slot in every if slot in asks
             )
             logits = logits.index_select(0, torch.tensor([e - 1 for e in ends], device=logits.device))
-        return (*self._draw(batch, logits, sampling), prompt_logprobs)
+            verified = self._drafts.after({s: rows for s, rows in every.items() if s not in asks}, sampling)
+        return (*self._draw(batch, logits, sampling), prompt_logprobs, verified)
 
     def _apply_slot_limit(self, plan: StepPlan) -> None:
         """The ladder's slot limit, as the plan resizes it (running sequences keep their slots)."""

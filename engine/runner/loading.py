@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 from ballast.engine import threads
 from ballast.engine.config import EngineConfig
-from ballast.engine.runner.load_fit import MiB, LoadDoesNotFit, LoadEstimate, fitted
+from ballast.engine.runner.load_fit import LoadDoesNotFit, LoadEstimate, MiB, fitted
 from ballast.engine.runner.model_runner import analytic_activation_bytes, weights_bytes
 from ballast.engine.step.sampler import Sampler
 from ballast.engine.text.sampling_defaults import GenerationConfigError

@@ -70,6 +70,15 @@ class SlotKV:
         if fed is not None and pos < len(fed):
             fed[pos] = token
 
+    def truncate(self, slot: int, n_tokens: int) -> None:
+        """The slot's sequence holds only its first n_tokens positions (a draft was cut): what it
+        was fed, and its blocks, end there."""
+        fed = self._fed.get(slot)
+        if fed is not None:
+            del fed[n_tokens:]
+        if self._kv is not None:
+            self._kv.pool_of(slot).truncate(slot, n_tokens)
+
     def drop(self, slots: Sequence[int]) -> None:
         """The slots' sequences are gone: blocks back to their pools, slots back to the main pool."""
         for slot in slots:

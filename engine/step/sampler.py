@@ -24,6 +24,8 @@ from ballast.engine.text.grammar import SlotMatchers
 from ballast.models.base import column, to_device
 
 _MASK64 = (1 << 64) - 1
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
+_NOISE_FLOOR = torch.finfo(torch.float32).tiny
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,9 @@ class Sampler:
         )
         probs = torch.softmax(filtered, dim=-1)
         noise = self._noise(probs, chosen, slot_index if rows is None else slot_index.index_select(0, rows))
-        drawn = (probs / noise).argmax(dim=-1)
+        # A zero in the noise would make a masked token's 0 / 0 a NaN, and argmax picks NaN: with
+        # the floor, a token of probability 0 scores exactly 0 and never wins.
+        drawn = (probs / noise.clamp_min_(_NOISE_FLOOR)).argmax(dim=-1)
         return drawn if rows is None else tokens.index_copy(0, rows, drawn)
 
     def _noise(
@@ -227,8 +231,10 @@ class Sampler:
         """Exp(1) values [B, vocab], a pure function of (seed, counter, token index) per row."""
         row_key = _mix(seeds ^ _mix(counters + 1))
         bits = _mix(row_key.unsqueeze(-1) + self._lanes)
-        uniform = (_shift_right(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
-        return -torch.log(uniform)
+        # (x + 0.5) / 2^24 for the top 24 bits; in float32 the largest, 2^24 - 0.5, rounds to 2^24,
+        # a uniform of 1 and a noise of 0, so the top is held to the largest float below 1.
+        uniform = (_shift_right(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+        return -torch.log(uniform.clamp_max_(_BELOW_ONE))
 
     def _record(self, slot_index: torch.Tensor, tokens: torch.Tensor) -> None:
         # One kernel each on the flattened tables (an accumulating index_put_ sorts its indices

@@ -48,6 +48,10 @@ def build_batch(
     for d in plan.decodes:
         if d.slot in skip:
             continue
+        if d.draft and (d.from_device or min(d.draft) < 0 or max(d.draft) >= vocab):
+            raise PlanError(
+                f"slot {d.slot}: a draft needs its last token on the host and ids in 0..{vocab - 1}"
+            )
         if d.from_device:
             if not sampler.has_drawn(d.slot):
                 raise PlanError(f"slot {d.slot}: a decode fed from the device, but it has drawn no token")
@@ -56,10 +60,12 @@ def build_batch(
             raise PlanError(f"slot {d.slot}: token ids must be in 0..{vocab - 1}")
         slots.append(d.slot)
         starts.append(d.pos)
-        lens.append(1)
+        lens.append(1 + len(d.draft))
         tokens.append(d.token_id)
-        sampled.append(True)
-        every.append(False)
+        tokens.extend(d.draft)
+        # A drafting row is verified position by position (engine.spec), not drawn with the rest.
+        sampled.append(not d.draft)
+        every.append(bool(d.draft))
     if not slots:
         return None
     if max(map(operator.add, starts, lens)) > max_model_len:

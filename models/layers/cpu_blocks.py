@@ -156,8 +156,9 @@ def _layer_tensors(layer: Any) -> tuple[Tensor, ...]:
 class BlockDecoder:
     """A decode step through a Llama stack whose every linear (and head) is blocks in one kernel
     call (llama_decode, models/kernels/cpu_blocks.c), not ~150 small torch ops a layer around the matmuls
-    (half of a one-row step of the default model): steps of decode tokens only, up to
-    BLOCK_MAX_ROWS, over a float32 CPU store; the model runs others through its layers."""
+    (half of a one-row step of the default model): steps of decode tokens (and verify rows, whose
+    every token is scored) up to BLOCK_MAX_ROWS tokens, over a float32 CPU store; the model runs
+    others through its layers."""
 
     def __init__(self, layers: Sequence[Any], head: BlockLinear, norm: Tensor, *shape: int | float) -> None:
         """shape: heads, kv_heads, head_dim, RMSNorm's eps, and the most threads (DecodeThreads)."""
@@ -174,7 +175,11 @@ class BlockDecoder:
     def serves(self, batch: ForwardBatch, stores: Sequence[KVStore]) -> bool:
         """Whether the step `batch`, over `stores` (its attention backend's `step_stores`), is one."""
         host = stores[0].host if len(stores) == 1 else None
-        short = batch.decode_only and batch.num_tokens <= BLOCK_MAX_ROWS
+        # The kernel writes every token's K/V before any attends, and returns every token's logits:
+        # a sequence's several tokens (a speculative verify row, logits at each) run in it too.
+        every = batch.all_logits or (False,) * batch.num_seqs
+        rows = batch.decode_only or all(n == 1 or e for n, e in zip(batch.lens_list, every, strict=True))
+        short = rows and batch.num_tokens <= BLOCK_MAX_ROWS
         return short and host is not None and host.kv.dtype == torch.float32
 
     def __call__(self, h: Tensor, batch: ForwardBatch, cos: Tensor, sin: Tensor, store: KVStore) -> Tensor:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 from ballast.models.blocks import moe
 from ballast.models.kernels import moe_experts_triton, moe_triton
 from ballast.models.layers import fp8
 from ballast.models.layers.fp8 import FP8, dequantize_blocks, quantize_blocks
+from torch import Tensor
 from triton_kernels import DEVICE, marks
 
 w8a8_triton = pytest.importorskip("ballast.models.kernels.w8a8_triton")

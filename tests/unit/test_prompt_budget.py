@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.prompt_budget import PromptBudget
+
 from ballast.settings import ConfigError
 
 

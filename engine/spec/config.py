@@ -1,0 +1,65 @@
+"""`--speculative-config` (BALLAST_SPECULATIVE_CONFIG): vLLM's JSON form, checked once at start."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ballast.settings import ConfigError
+
+METHODS = ("ngram",)  # "mtp" is not built yet: a config asking for it is refused, not ignored
+FLAG = "--speculative-config / BALLAST_SPECULATIVE_CONFIG"
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_streams"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # k: drafts verified per sequence and step
+    prompt_lookup_min: int = 1  # shortest suffix n-gram looked up in the context
+    prompt_lookup_max: int = 4  # longest
+    # Drafting pays at small batches (a step reads the weights once for every row) and costs at
+    # large ones (the verify positions are compute): from this many decoding streams on, none.
+    max_streams: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(
+                f"{FLAG}: method {self.method!r} is not supported (supported: {', '.join(METHODS)})"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(
+                f"{FLAG}: num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
+            raise ConfigError(
+                f"{FLAG}: need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if not 1 <= self.max_streams <= 1 << 16:
+            raise ConfigError(f"{FLAG}: max_streams must be in 1..65536, got {self.max_streams}")
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig | None:
+    """The config a flag's JSON text asks for; None for an empty text (drafting off)."""
+    if not text.strip():
+        return None
+    try:
+        raw: Any = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{FLAG}: not JSON ({exc.msg} at column {exc.colno})") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{FLAG}: expected a JSON object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise ConfigError(f"{FLAG}: unknown keys {unknown} (known: {sorted(_KEYS)})")
+    if "method" not in raw:
+        raise ConfigError(f"{FLAG}: 'method' is required")
+    for key, value in raw.items():
+        want = str if key == "method" else int
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise ConfigError(
+                f"{FLAG}: {key} must be {'a string' if want is str else 'an integer'}, got {value!r}"
+            )
+    return SpeculativeConfig(**raw)

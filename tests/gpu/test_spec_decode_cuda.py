@@ -1,0 +1,117 @@
+"""On CUDA: a verify step rejected at any position leaves the no-draft run's recurrent states and
+next tokens (tiny Qwen3-Next, float32), and drafting on gives the greedy text of drafting off through
+the scheduler (tiny models in float32; the 6.2B Qwen3-Next cut in bfloat16). Skips without CUDA."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+import torch
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
+from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan, StepResult
+from ballast.scheduler.config import SchedulerConfig
+from ballast.scheduler.request import GenerationRequest
+from ballast.scheduler.scheduler import Scheduler
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
+# Random-init models rarely repeat themselves: a bias keeps the output to five tokens (the model
+# still chooses among them), so prompt lookup drafts and the drafts are both kept and cut.
+NARROW = SamplingParams(temperature=0.0, logit_bias=tuple((t, 60.0) for t in (11, 12, 13, 14, 15)))
+GREEDY = SamplingParams(temperature=0.0)
+SLOT, K = 1, 3
+
+
+def load(model: str, dtype: str) -> Engine:
+    return Engine.load(
+        EngineConfig(
+            model=model,
+            device="cuda",
+            dtype=dtype,
+            max_num_seqs=4,
+            max_model_len=256,
+            prefill_chunk_tokens=128,
+        )
+    )
+
+
+def run(engine: Engine, plan: StepPlan) -> StepResult:
+    return engine.submit(plan).result(timeout=120)
+
+
+def looping(seed: int) -> tuple[int, ...]:
+    return tuple(torch.randint(3, 3000, (10,), generator=torch.Generator().manual_seed(seed)).tolist() * 3)
+
+
+def serve(
+    engine: Engine, reqs: Sequence[GenerationRequest], spec: str | None
+) -> tuple[list[tuple[int, ...]], int]:
+    async def go() -> tuple[list[tuple[int, ...]], int]:
+        s = Scheduler(engine, SchedulerConfig(max_num_seqs=4, speculative_config=spec))
+        await s.start()
+        try:
+            out = await asyncio.gather(*(s.submit(r).collect() for r in reqs))
+        finally:
+            await s.stop()
+        return [o[1] for o in out], s._planner.drafts.stats.accepted
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("model", "dtype"),
+    [
+        ("builtin:tiny-qwen3-next", "float32"),
+        ("builtin:tiny-llama", "float32"),
+        ("builtin:qwen3-next-6b", "bfloat16"),
+    ],
+)
+def test_greedy_text_is_the_same_with_drafts(model: str, dtype: str) -> None:
+    engine = load(model, dtype)
+    try:
+        reqs = [GenerationRequest(f"r{i}", looping(i), NARROW, max_tokens=32) for i in range(2)]
+        off, _ = serve(engine, reqs, None)
+        on, accepted = serve(engine, reqs, NGRAM)
+    finally:
+        engine.shutdown()
+    assert on == off
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("accepted", [0, 1, K])
+def test_a_rejected_draft_leaves_the_states_of_the_run_without_drafts(accepted: int) -> None:
+    engine = load("builtin:tiny-qwen3-next", "float32")
+    prompt = looping(7)
+    pos = len(prompt)
+
+    def start() -> int:
+        plan = StepPlan(
+            prefills=(PrefillChunk(SLOT, prompt, 0, True),), sampling={SLOT: GREEDY}, release=(SLOT,)
+        )
+        return run(engine, plan).outputs[0].token_id
+
+    def states() -> list[torch.Tensor]:
+        return [t.clone() for s in engine.runner.states for t in s.slot_views(SLOT)]
+
+    try:
+        want, after = [start()], []
+        for i in range(K + 2):
+            res = run(
+                engine, StepPlan(decodes=(DecodeToken(SLOT, want[-1], pos + i),), sampling={SLOT: GREEDY})
+            )
+            want.append(res.outputs[0].token_id)
+            after.append(states())
+        first = start()
+        draft = tuple(want[1 : 1 + K])
+        if accepted < K:
+            draft = (*draft[:accepted], (draft[accepted] + 1) % 3000, *draft[accepted + 1 :])
+        res = run(engine, StepPlan(decodes=(DecodeToken(SLOT, first, pos, draft),), sampling={SLOT: GREEDY}))
+        assert [o.token_id for o in res.outputs] == want[1 : accepted + 2]
+        for ours, theirs in zip(states(), after[accepted], strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    finally:
+        engine.shutdown()

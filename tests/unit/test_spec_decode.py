@@ -1,0 +1,330 @@
+"""Speculative decoding through the real scheduler and engine (built-in tiny models and the default
+model, CPU): drafting on gives the same greedy and seeded output as drafting off, with stops,
+max_tokens, logprobs, several copies of a request, grammars and prefix hits; the load rule turns
+it off under 8 streams and from WATCH; rejection sampling keeps the target's distribution."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
+from ballast.engine.plan import SamplingParams
+from ballast.engine.spec.config import SpeculativeConfig, parse_speculative_config
+from ballast.engine.spec.governor import DraftGovernor
+from ballast.engine.spec.ngram import propose
+from ballast.engine.spec.verify import verify
+from ballast.engine.step.sampler import Sampler
+from ballast.memory.config import MemoryConfig
+from ballast.memory.device import StaticDeviceReader
+from ballast.memory.types import Level
+from ballast.memory.watch import MemWatch
+from ballast.scheduler.config import SchedulerConfig
+from ballast.scheduler.request import FinishEvent, GenerationRequest, TokenEvent
+from ballast.scheduler.scheduler import Scheduler
+from memfixtures import level_tree
+from scipy.stats import chi2
+
+from ballast.settings import ConfigError
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+GREEDY = SamplingParams(temperature=0.0)
+# A random-init model's greedy text hardly repeats, so prompt lookup would rarely draft: a bias
+# keeps the output to five tokens, which the model still chooses among (drafts both kept and cut).
+FEW = tuple((t, 60.0) for t in (11, 12, 13, 14, 15))
+NARROW = SamplingParams(temperature=0.0, logit_bias=FEW)
+Outcome = tuple[str, tuple[int, ...], FinishEvent, list[TokenEvent]]
+
+
+def tiny(model: str, **kw: object) -> Engine:
+    base: dict[str, object] = {
+        "model": model,
+        "device": "cpu",
+        "max_num_seqs": 8,
+        "max_model_len": 256,
+        "prefill_chunk_tokens": 256,
+    }
+    base.update(kw)
+    return Engine.load(EngineConfig(**base))  # type: ignore[arg-type]
+
+
+def looping_prompt(seed: int, span: int = 10, times: int = 3) -> tuple[int, ...]:
+    """A random span said `times` times: prompt lookup has something to draft from."""
+    base = torch.randint(3, 3000, (span,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return tuple(base * times)
+
+
+async def _events(s: Scheduler, req: GenerationRequest) -> Outcome:
+    handle = s.submit(req)
+    events = [e async for e in handle if isinstance(e, TokenEvent)]
+    assert handle.finish is not None
+    ids = tuple(t for e in events for t in e.token_ids)
+    return "".join(e.text for e in events), ids, handle.finish, events
+
+
+def serve(
+    engine: Engine,
+    reqs: Sequence[GenerationRequest],
+    spec: str | None,
+    *,
+    memwatch: MemWatch | None = None,
+    sequential: bool = False,
+) -> tuple[list[Outcome], DraftGovernor]:
+    """Run the requests through a fresh scheduler (all at once, or one after another)."""
+
+    async def go() -> tuple[list[Outcome], DraftGovernor]:
+        config = SchedulerConfig(max_num_seqs=8, speculative_config=spec, stale_snapshot_s=0.0)
+        s = Scheduler(engine, config, memwatch=memwatch)
+        await s.start()
+        try:
+            if sequential:
+                out = [await _events(s, r) for r in reqs]
+            else:
+                out = list(await asyncio.gather(*(_events(s, r) for r in reqs)))
+        finally:
+            await s.stop()
+        return out, s._planner.drafts
+
+    return asyncio.run(go())
+
+
+def same(off: list[Outcome], on: list[Outcome]) -> None:
+    for (text_a, ids_a, fin_a, ev_a), (text_b, ids_b, fin_b, ev_b) in zip(off, on, strict=True):
+        assert ids_a == ids_b and text_a == text_b
+        assert (fin_a.reason, fin_a.completion_tokens, fin_a.cached_tokens) == (
+            fin_b.reason,
+            fin_b.completion_tokens,
+            fin_b.cached_tokens,
+        )
+        lp_a = [lp for e in ev_a for lp in e.logprobs or ()]
+        lp_b = [lp for e in ev_b for lp in e.logprobs or ()]
+        assert [lp.token_id for lp in lp_a] == [lp.token_id for lp in lp_b]
+        for a, b in zip(lp_a, lp_b, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+@pytest.fixture(scope="module")
+def llama() -> Iterator[Engine]:
+    eng = tiny("builtin:tiny-llama")
+    yield eng
+    eng.shutdown()
+
+
+@pytest.mark.parametrize(
+    "model", ["builtin:tiny-llama", "builtin:tiny-qwen3-next", "builtin:tiny-qwen3.5-moe"]
+)
+def test_greedy_output_is_the_same_with_drafts(model: str) -> None:
+    engine = tiny(model)
+    try:
+        reqs = [GenerationRequest(f"r{i}", looping_prompt(i), NARROW, max_tokens=40) for i in range(3)]
+        off, _ = serve(engine, reqs, None)
+        on, drafts = serve(engine, reqs, NGRAM)
+    finally:
+        engine.shutdown()
+    same(off, on)
+    stats = drafts.stats
+    assert stats.steps_drafting > 0 and stats.accepted > 0
+
+
+def test_seeded_sampling_stops_logprobs_and_copies_are_the_same_with_drafts(llama: Engine) -> None:
+    sampled = SamplingParams(temperature=0.7, top_p=0.95, seed=11, frequency_penalty=0.2, logprobs=2)
+    prompt = looping_prompt(3)
+    base = [
+        GenerationRequest("greedy", prompt, SamplingParams(temperature=0.0, logprobs=3), max_tokens=37),
+        GenerationRequest("seeded", prompt, sampled, max_tokens=30),
+    ]
+    off, _ = serve(llama, base, None)
+    # A stop string cut from the greedy answer's middle, and n = 3 copies of the seeded request.
+    stop = off[0][0][len(off[0][0]) // 2 :][:6]
+    assert stop
+    reqs = [
+        *base,
+        GenerationRequest("stopped", prompt, GREEDY, max_tokens=37, stop=(stop,)),
+        *(GenerationRequest(f"copy{i}", prompt, sampled, max_tokens=30) for i in range(3)),
+    ]
+    off, _ = serve(llama, reqs, None)
+    on, drafts = serve(llama, reqs, NGRAM)
+    same(off, on)
+    assert off[2][2].reason == "stop" and stop not in off[2][0]
+    assert drafts.stats.accepted > 0
+
+
+def test_a_grammar_holds_while_drafting(llama: Engine) -> None:
+    tok = llama.tokenizer
+    compiler = tok.grammar_compiler(llama.vocab_size)
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer"}},
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    }
+    # The prompt shows answers to copy from: drafts propose them, the grammar judges each position.
+    prompt = tuple(tok.encode('{"color": "red", "n": 12} {"color": "blue", "n": 7} ' * 3))
+    constraint = compiler.constraint(compiler.json_schema(schema), len(prompt))
+    reqs = [
+        GenerationRequest(
+            f"g{i}", prompt, SamplingParams(temperature=t, seed=i, constraint=constraint), max_tokens=40
+        )
+        for i, t in enumerate((0.0, 0.0, 1.0))
+    ]
+    off, _ = serve(llama, reqs, None)
+    on, drafts = serve(llama, reqs, NGRAM)
+    same(off, on)
+    for text, _, fin, _ in on:
+        if fin.reason == "stop":
+            answer = json.loads(text)
+            assert answer["color"] in ("red", "green", "blue") and isinstance(answer["n"], int)
+    assert drafts.stats.drafted > 0
+
+
+def test_a_prefix_hit_while_drafting_gives_the_same_answer() -> None:
+    engine = tiny("builtin:tiny-qwen3-next")
+    try:
+        first = GenerationRequest("t1", looping_prompt(5), NARROW, max_tokens=24)
+        off, _ = serve(engine, [first], None)
+        follow = GenerationRequest(
+            "t2", first.prompt_ids + off[0][1] + looping_prompt(6, 4, 2), NARROW, max_tokens=24
+        )
+        off, _ = serve(engine, [first, follow], None, sequential=True)
+        on, drafts = serve(engine, [first, follow], NGRAM, sequential=True)
+    finally:
+        engine.shutdown()
+    same(off, on)
+    assert on[1][2].cached_tokens > 0  # the second turn restored the first's checkpoint
+    assert drafts.stats.drafted > 0
+
+
+def test_eight_streams_turn_drafting_off_and_two_draft(llama: Engine) -> None:
+    eight = [GenerationRequest(f"r{i}", looping_prompt(i), GREEDY, max_tokens=24) for i in range(8)]
+    off, _ = serve(llama, eight, None)
+    on, drafts = serve(llama, eight, NGRAM)
+    same(off, on)
+    assert drafts.stats.steps_drafting == 0 and drafts.stats.drafted == 0
+    assert drafts.stats.declined.get("streams", 0) > 0
+    _, two = serve(llama, eight[:2], NGRAM)
+    assert two.stats.steps_drafting > 0
+
+
+def test_from_watch_on_no_drafts(llama: Engine, tmp_path: Path) -> None:
+    mem = MemoryConfig(root=str(tmp_path))
+    level_tree(tmp_path, Level.WATCH, config=mem)
+    watch = MemWatch(mem, StaticDeviceReader())
+    watch.poll_now()
+    reqs = [GenerationRequest("r", looping_prompt(1), GREEDY, max_tokens=24)]
+    on, drafts = serve(llama, reqs, NGRAM, memwatch=watch)
+    assert drafts.stats.steps_drafting == 0 and drafts.stats.declined.get("memory", 0) > 0
+    level_tree(tmp_path, Level.OK, config=mem)
+    watch.poll_now()
+    calm, calm_drafts = serve(llama, reqs, NGRAM, memwatch=watch)
+    assert calm_drafts.stats.steps_drafting > 0
+    same(on, calm)
+
+
+def test_the_default_model_copies_a_paragraph_the_same_with_drafts() -> None:
+    engine = Engine.load(EngineConfig(max_num_seqs=2, max_model_len=1024))
+    try:
+        text = (
+            "The keeper climbed the stairs each evening with a brass lamp and a notebook of the weather, "
+            "the ships and the birds that nested in the rocks below the light."
+        )
+        ids = tuple(
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": "Repeat exactly:\n\n" + text}])
+        )
+        reqs = [GenerationRequest("copy", ids, GREEDY, max_tokens=60)]
+        off, _ = serve(engine, reqs, None)
+        on, drafts = serve(engine, reqs, NGRAM)
+    finally:
+        engine.shutdown()
+    same(off, on)
+    assert drafts.stats.accepted > drafts.stats.drafted // 2  # a copy is mostly accepted
+
+
+def test_rejection_sampling_keeps_the_targets_distribution(llama: Engine) -> None:
+    """Two drafted positions over a tiny model's own logits (top 6 at temperature 1): the emitted
+    pairs follow p1(x) for x != d1 and p1(d1) p2(y) after an accepted d1 (chi-square, 11 dof)."""
+    tokens = [*looping_prompt(2), 5, 6]
+    runner = llama.runner
+    assert runner.kv is not None and runner.kv.ensure(0, len(tokens))  # the engine is idle: slot 0 is free
+    # Three positions' logits (two drafts and the bonus), over the first 64 ids to keep it small.
+    rows = runner.forward([(0, tokens, 0)], [True])[-3:, :64].float()
+    runner.kv.release(0)
+    runner.reset([0])
+    params = SamplingParams(temperature=1.0, top_k=6)
+    probs = [torch.softmax(r.masked_fill(r < r.topk(6).values[-1], float("-inf")), -1) for r in rows]
+    d1, d2 = int(probs[0].argmax()), int(probs[1].topk(2).indices[1])  # the second is often rejected
+    n = 6000
+    sampler = Sampler(num_slots=n, vocab_size=rows.shape[1], device=torch.device("cpu"), seed=3)
+    verdicts = verify(sampler, [rows] * n, list(range(n)), [(d1, d2)] * n, [params] * n)
+    counts: dict[tuple[int, ...], int] = {}
+    for v in verdicts:
+        key = tuple(t.token_id for t in v.tokens[:2])
+        counts[key] = counts.get(key, 0) + 1
+    top1, top2 = probs[0].topk(6).indices.tolist(), probs[1].topk(6).indices.tolist()
+    cells = [((x,), float(probs[0][x])) for x in top1 if x != d1]
+    cells += [((d1, y), float(probs[0][d1] * probs[1][y])) for y in top2]
+    assert sum(p for _, p in cells) == pytest.approx(1.0, abs=1e-4)
+    assert sum(counts.get(key, 0) for key, _ in cells) == n  # nothing outside the target's support
+    stat = sum((counts.get(key, 0) - n * p) ** 2 / (n * p) for key, p in cells)
+    assert stat < chi2.ppf(0.999, len(cells) - 1)
+    assert sum(v.accepted for v in verdicts) > 0
+
+
+def test_prompt_lookup_drafts_the_latest_longest_match() -> None:
+    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2, 1, 3) == (7, 1)  # the latest "1 2 3"
+    assert propose([5, 6, 5, 6, 5], 4, 1, 2) == (6, 5, 6, 5)  # a repeat drafts on past the end
+    assert propose([1, 2, 3, 4], 3, 1, 3) == ()  # nothing recurs
+    assert propose([1, 2, 1, 2], 3, 3, 3) == ()  # only n-grams of 3 count
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{",
+        "[1]",
+        '{"method": "eagle"}',
+        '{"num_speculative_tokens": 3}',
+        '{"method": "ngram", "num_speculative_tokens": 0}',
+        '{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+        '{"method": "ngram", "num_speculative_tokens": "3"}',
+        '{"method": "ngram", "lookahead": 3}',
+    ],
+)
+def test_a_bad_speculative_config_is_a_clear_startup_error(text: str) -> None:
+    with pytest.raises(ConfigError, match="speculative-config"):
+        SchedulerConfig(speculative_config=text)
+
+
+def test_the_speculative_config_reads_vllms_keys() -> None:
+    assert parse_speculative_config(NGRAM) == SpeculativeConfig("ngram", 4, 1, 3)
+    assert SchedulerConfig().speculative is None
+
+
+def _steps(gov: DraftGovernor, streams: int, n: int, t0: float, seconds: float, tokens: int) -> float:
+    """n steps of the kind the governor picks, each taking `seconds` and emitting `tokens` per
+    stream when drafted (one per stream when not); returns the clock after them."""
+    now = t0
+    for _ in range(n):
+        drafted = gov.wants(streams, Level.OK)
+        now += seconds if drafted else seconds / 3
+        gov.observe(streams, drafted, streams * (tokens if drafted else 1), now, timed=True)
+    return now
+
+
+def test_the_governor_drafts_while_it_measures_faster_and_probes_less_while_it_loses() -> None:
+    config = SpeculativeConfig("ngram", 4, 1, 4)
+    wins = DraftGovernor(config)
+    _steps(wins, 1, 60, 0.0, 0.03, 4)  # a drafting step: 3x the time, 4 tokens
+    assert wins.reason == "wins" and wins.stats.steps_drafting > 50
+    loses = DraftGovernor(config)
+    _steps(loses, 1, 400, 0.0, 0.03, 2)  # 3x the time, 2 tokens: slower
+    assert loses.reason == "loses" and loses.stats.steps_drafting < 3 + 1 + 400 // 24
+    # Two streams: drafting lost at one, so it is not even measured at two.
+    before = loses.stats.steps_drafting
+    _steps(loses, 2, 10, 100.0, 0.03, 2)
+    assert loses.stats.steps_drafting == before and loses.stats.declined["loses"] > 0
