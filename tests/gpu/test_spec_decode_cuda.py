@@ -5,7 +5,9 @@ the scheduler (tiny models in float32; the 6.2B Qwen3-Next cut in bfloat16). Ski
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,9 +29,15 @@ SLOT, K = 1, 3
 
 
 def load(model: str, dtype: str) -> Engine:
+    from ballast.bench.checkpoint_dir import write_tokenizer
+
+    # the device machine cannot fetch the default model's tokenizer: the benches' own, written here
+    tok = Path(tempfile.mkdtemp(prefix="spec-tok-"))
+    write_tokenizer(tok)
     return Engine.load(
         EngineConfig(
             model=model,
+            tokenizer=str(tok),
             device="cuda",
             dtype=dtype,
             max_num_seqs=4,
