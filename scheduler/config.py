@@ -150,11 +150,6 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         check(self)
         self.speculative  # noqa: B018 - a bad one is a startup error
-
-    @property
-    def speculative(self) -> SpeculativeConfig | None:
-        text = self.speculative_config
-        return None if text is None else parse_speculative_config(text)
         # A step must fit every running request's decode token plus at least one prefill token,
         # or a long prompt could wait forever behind decodes (starvation).
         if 0 < self.max_num_batched_tokens < self.max_num_seqs:
@@ -162,6 +157,11 @@ class SchedulerConfig:
                 f"BALLAST_MAX_NUM_BATCHED_TOKENS={self.max_num_batched_tokens} must be >= "
                 f"BALLAST_MAX_NUM_SEQS={self.max_num_seqs}"
             )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        text = self.speculative_config
+        return None if text is None else parse_speculative_config(text)
 
     def window_for(self, max_model_len: int) -> int:
         """The context (prompt + new tokens) a request may use with this model, before the ladder
