@@ -123,6 +123,8 @@ class Outcome:
     itl_s: list[float] = field(default_factory=list)
     tokens: int = 0
     error: str = ""
+    text: str = ""  # the streamed answer
+    wall_s: float = 0.0  # from sending to the stream's end
 
 
 async def one_stream(client: AsyncOpenAI, model: str, text: str, new_tokens: int) -> Outcome:
@@ -142,6 +144,7 @@ async def one_stream(client: AsyncOpenAI, model: str, text: str, new_tokens: int
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices and chunk.choices[0].delta.content:
+                out.text += chunk.choices[0].delta.content
                 if out.ttft_s == 0.0:
                     out.ttft_s = now - start
                 else:
@@ -149,6 +152,7 @@ async def one_stream(client: AsyncOpenAI, model: str, text: str, new_tokens: int
                 last = now
             if chunk.usage is not None:
                 out.tokens = chunk.usage.completion_tokens
+        out.wall_s = time.perf_counter() - start
     except Exception as exc:  # a dropped stream is a result here, not a crash of the bench
         out.error = f"{type(exc).__name__}: {exc}"[:200]
     return out

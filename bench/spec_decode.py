@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from ballast.bench.http_load import free_port, serve_command, server
+from ballast.bench.http_load import free_port, one_stream, serve_command, server, story
 from openai import AsyncOpenAI
 
 RESULTS = Path(__file__).resolve().parent / "results" / "spec_decode.json"
@@ -56,49 +56,24 @@ TOPICS = ["a lighthouse", "the ocean", "a robot", "autumn", "a train", "the moon
 _POSITION = re.compile(r'^ballast_spec_position_(drafted|accepted)_total\{position="(\d+)"\} (\S+)$', re.M)
 
 
-async def stream(
-    client: AsyncOpenAI, model: str, text: str, new_tokens: int
-) -> tuple[str, int, float, float]:
-    """(text, completion tokens, seconds to the first token, seconds in all) of one streaming chat."""
-    start = time.perf_counter()
-    first = 0.0
-    parts: list[str] = []
-    tokens = 0
-    out = await client.chat.completions.create(
-        model=model,
-        stream=True,
-        max_tokens=new_tokens,
-        temperature=0.0,
-        stream_options={"include_usage": True},
-        messages=[{"role": "user", "content": text}],
-    )
-    async for chunk in out:
-        if chunk.choices and chunk.choices[0].delta.content:
-            first = first or time.perf_counter() - start
-            parts.append(chunk.choices[0].delta.content)
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    return "".join(parts), tokens, first, time.perf_counter() - start
-
-
 async def one(base: str, model: str, text: str, new_tokens: int) -> tuple[float, str, int]:
     client = AsyncOpenAI(base_url=base + "/v1", api_key="bench", timeout=900, max_retries=0)
-    answer, tokens, first, wall = await stream(client, model, text, new_tokens)
+    out = await one_stream(client, model, text, new_tokens)
     await client.close()
-    if tokens < 2:
-        raise RuntimeError(f"{base}: {tokens} tokens")
-    return (tokens - 1) / (wall - first), answer, tokens
+    if out.error or out.tokens < 2:
+        raise RuntimeError(f"{base}: {out.tokens} tokens {out.error}")
+    return (out.tokens - 1) / (out.wall_s - out.ttft_s), out.text, out.tokens
 
 
 async def eight(base: str, model: str, new_tokens: int) -> float:
     client = AsyncOpenAI(base_url=base + "/v1", api_key="bench", timeout=900, max_retries=0)
     start = time.perf_counter()
-    outs = await asyncio.gather(
-        *(stream(client, model, f"Write a long story about {t}.", new_tokens) for t in TOPICS)
-    )
+    outs = await asyncio.gather(*(one_stream(client, model, story(t), new_tokens) for t in TOPICS))
     wall = time.perf_counter() - start
     await client.close()
-    return sum(o[1] for o in outs) / wall
+    if failed := [o.error for o in outs if o.error]:
+        raise RuntimeError(f"{base}: {failed[0]}")
+    return sum(o.tokens for o in outs) / wall
 
 
 def positions(base: str) -> dict[str, list[float]]:
