@@ -35,8 +35,10 @@ def test_wheel_contains_and_imports_every_subpackage(tmp_path: Path) -> None:
     )
     (wheel,) = out.glob("ballast_llm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for sub in SUBPACKAGES:
-        assert f"ballast/{sub}/__init__.py" in names, f"wheel lacks ballast/{sub}"
+    for sub in SUBPACKAGES:  # every package folder, nested ones too (engine/spec was left out once)
+        for init in sorted((ROOT / sub).rglob("__init__.py")):
+            rel = init.parent.relative_to(ROOT).as_posix()
+            assert f"ballast/{rel}/__init__.py" in names, f"wheel lacks ballast/{rel}"
     assert "ballast/memory/types.py" in names
     assert "ballast/server/dashboard.html" in names, "the /dashboard page is package data"
     assert not any(n.startswith(("memory/", "tests/")) for n in names), (
