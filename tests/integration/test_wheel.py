@@ -6,6 +6,7 @@ install would hide.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,6 +17,11 @@ SUBPACKAGES = ("memory", "models", "engine", "scheduler", "server", "bench")
 
 
 def test_wheel_contains_and_imports_every_subpackage(tmp_path: Path) -> None:
+    # Built from a clean copy: setuptools reuses a build/ folder left in the checkout, which kept a
+    # package the list had dropped.
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "tests", "docs", "deploy")
+    shutil.copytree(ROOT, src, ignore=skip)
     out = tmp_path / "wheel"
     subprocess.run(
         [
@@ -28,7 +34,7 @@ def test_wheel_contains_and_imports_every_subpackage(tmp_path: Path) -> None:
             "-q",
             "-w",
             str(out),
-            str(ROOT),
+            str(src),
         ],
         check=True,
         cwd=tmp_path,
