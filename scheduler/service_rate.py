@@ -15,9 +15,30 @@ from collections import deque
 
 from ballast.scheduler.watchdog import shape_of
 
-# Weight of the newest step in each running mean: steps vary (a shared CPU, a chunk's position in
-# its prompt), and a burst changes the batch within a few steps.
-EWMA = 0.25
+# Each cost is the mean of the middle half of its last WINDOW samples. Steps vary a lot: a step
+# sent ahead of the one before is timed from that one's end, so a batch's steps alternate between
+# ~1 ms and ~100 ms (the pair's sum is right); and one step of a process the OS put aside took 3.4 s
+# among 100 ms ones on a shared 2-core box, which a running mean (weight 0.25) carried into a 39 s
+# projected wait and a 429 for four chats. The middle half drops such spikes, averages the
+# alternation, and follows a real change (a bigger batch, a longer context) within 3/4 of a window.
+WINDOW = 12
+
+
+class _Recent:
+    """The last WINDOW samples of one cost; their interquartile mean."""
+
+    def __init__(self) -> None:
+        self._samples: deque[float] = deque(maxlen=WINDOW)
+
+    def add(self, x: float) -> None:
+        self._samples.append(x)
+
+    @property
+    def value(self) -> float:
+        ordered = sorted(self._samples)
+        cut = len(ordered) // 4
+        middle = ordered[cut : len(ordered) - cut]
+        return sum(middle) / len(middle)
 # A request's use of its max_tokens is projected at this quantile of the recent ones: a request
 # projected to end too early lets work in that would wait past the bound, and such a request is
 # refused late, which is what the estimate is for avoiding.
@@ -31,9 +52,9 @@ class StepCosts:
 
     def __init__(self) -> None:
         self._seen: set[int] = set()  # size classes (shape_of) whose first step has run
-        self._decode: dict[int, float] = {}  # decode rows -> seconds of a decode-only step
+        self._decode: dict[int, _Recent] = {}  # decode rows -> seconds of a decode-only step
         self._rows: list[int] = []  # the keys of _decode, sorted
-        self._prefill_token_s: float | None = None
+        self._prefill_token: _Recent | None = None
 
     def stepped(self, seconds: float, decode_rows: int, prefill_tokens: int) -> None:
         """A step of `decode_rows` decodes and `prefill_tokens` prompt tokens took `seconds`."""
@@ -45,25 +66,25 @@ class StepCosts:
             return
         if prefill_tokens == 0:
             if decode_rows > 0:
-                old = self._decode.get(decode_rows)
-                if old is None:
+                if decode_rows not in self._decode:
                     bisect.insort(self._rows, decode_rows)
-                self._decode[decode_rows] = seconds if old is None else old + EWMA * (seconds - old)
+                    self._decode[decode_rows] = _Recent()
+                self._decode[decode_rows].add(seconds)
             return
         # What a step costs beyond its prompt tokens (a row's head and sampling, the launches, the
         # loop) is a decode step's: counted per token, it made short prompts look 30x dearer.
         base = self.decode_s(max(1, decode_rows)) or 0.0
-        per = max(0.0, seconds - base) / prefill_tokens
-        old_p = self._prefill_token_s
-        self._prefill_token_s = per if old_p is None else old_p + EWMA * (per - old_p)
+        if self._prefill_token is None:
+            self._prefill_token = _Recent()
+        self._prefill_token.add(max(0.0, seconds - base) / prefill_tokens)
 
     @property
     def known(self) -> bool:
-        return bool(self._rows) and self._prefill_token_s is not None
+        return bool(self._rows) and self._prefill_token is not None
 
     @property
     def prefill_token_s(self) -> float:
-        return self._prefill_token_s or 0.0
+        return self._prefill_token.value if self._prefill_token is not None else 0.0
 
     def decode_s(self, rows: int) -> float | None:
         """A decode step of `rows` rows: measured, else between the nearest measured batch sizes;
@@ -75,19 +96,20 @@ class StepCosts:
             return None
         rows = max(1, rows)
         if rows in self._decode:
-            return self._decode[rows]
+            return self._decode[rows].value
         i = bisect.bisect_left(known, rows)
         if i == 0:
-            return self._decode[known[0]]
+            return self._decode[known[0]].value
         if i == len(known):
             top = known[-1]
+            t_top = self._decode[top].value
             if len(known) == 1:
-                return self._decode[top] * rows / top
+                return t_top * rows / top
             below = known[-2]
-            slope = max(0.0, (self._decode[top] - self._decode[below]) / (top - below))
-            return self._decode[top] + slope * (rows - top)
+            slope = max(0.0, (t_top - self._decode[below].value) / (top - below))
+            return t_top + slope * (rows - top)
         lo, hi = known[i - 1], known[i]
-        t_lo, t_hi = self._decode[lo], self._decode[hi]
+        t_lo, t_hi = self._decode[lo].value, self._decode[hi].value
         return t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
 
 

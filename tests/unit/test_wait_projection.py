@@ -36,6 +36,22 @@ def test_step_costs_interpolate_and_extrapolate_by_rows() -> None:
     assert c.known and c.prefill_token_s == pytest.approx(0.0005)
 
 
+def test_step_costs_shrug_off_a_spike_average_an_alternation_and_follow_a_change() -> None:
+    c = StepCosts()
+    c.stepped(1.0, 4, 0)  # cold
+    for _ in range(11):
+        c.stepped(0.100, 4, 0)
+    c.stepped(3.4, 4, 0)  # a step of a process the OS put aside
+    assert c.decode_s(4) == pytest.approx(0.100)
+    for _ in range(6):  # steps sent ahead of the one before: timed ~1 ms / ~100 ms by turns
+        c.stepped(0.001, 4, 0)
+        c.stepped(0.199, 4, 0)
+    assert c.decode_s(4) == pytest.approx(0.100, rel=0.05)
+    for _ in range(9):  # a real change (the batch's contexts grew), followed within 3/4 of a window
+        c.stepped(0.300, 4, 0)
+    assert c.decode_s(4) == pytest.approx(0.300)
+
+
 def test_length_share_is_the_whole_cap_until_measured() -> None:
     lengths = LengthShare(window=16, min_samples=4)
     assert lengths.remaining(10, 100) == 90
