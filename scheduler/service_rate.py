@@ -39,6 +39,8 @@ class _Recent:
         cut = len(ordered) // 4
         middle = ordered[cut : len(ordered) - cut]
         return sum(middle) / len(middle)
+
+
 # A request's use of its max_tokens is projected at this quantile of the recent ones: a request
 # projected to end too early lets work in that would wait past the bound, and such a request is
 # refused late, which is what the estimate is for avoiding.
