@@ -12,8 +12,8 @@ A built-in model is served with the committed SmolLM2 tokenizer (bench/tokenizer
 
 Each stream is one streaming chat completion through the official `openai` client: a user
 message of ~--prompt-tokens tokens (different words per request, so no two prompts share more than
-the chat template's system prompt) and --new-tokens new tokens, greedy. At each stream count N the
-bench keeps N requests in flight until --requests-per-stream x N have run (at least --min-requests)
+the chat template's system prompt) and --new-tokens new tokens, greedy (--temperature: sampled). At
+each stream count N the bench keeps N requests in flight until --requests-per-stream x N have run (at least --min-requests)
 after one warm-up request. Throughput is completion tokens over the wall time of that load; TTFT
 is from sending the request to the first content chunk; ITL is the gap between content chunks.
 Where 1 is among the stream counts, the engine's own batch-1 decode rate on the same model is
@@ -80,7 +80,7 @@ async def load(
     async def gated(i: int) -> Outcome:
         async with gate:
             return await one_stream(
-                client, model, prompt_text(offset + i, args.prompt_tokens), args.new_tokens
+                client, model, prompt_text(offset + i, args.prompt_tokens), args.new_tokens, args.temperature
             )
 
     await one_stream(client, model, prompt_text(-1, args.prompt_tokens), 4)  # warm-up
@@ -207,6 +207,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=None, help="default 1 8 32 128 256")
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0, help="of every request (0: greedy)")
     ap.add_argument("--requests-per-stream", type=int, default=None, help="default 2 (--quick 1)")
     ap.add_argument("--min-requests", type=int, default=None, help="default 4 (--quick 2)")
     ap.add_argument("--reference", choices=["transformers", "none"], default="transformers")
