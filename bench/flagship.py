@@ -87,7 +87,8 @@ def line(r: dict[str, Any]) -> str:
     if r["row"] == "first":
         return (
             f"  first request of ~{r['prompt_tokens']} tokens after /ready: TTFT "
-            f"{1e3 * r['cold_ttft_s']:.0f} ms, warm {1e3 * r['warm_ttft_s']:.0f} ms ({r['cold_over_warm']:.2f}x)"
+            f"{1e3 * r['cold_ttft_s']:.0f} ms, warm {1e3 * r['warm_ttft_s']:.0f} ms "
+            f"({r['cold_over_warm']:.2f}x)"
         )
     return (
         f"  {r['label']:>12}: {r['tok_s']:8.1f} tok/s  TTFT p50/p99 {r['ttft_p50_s']:.3f}/"
