@@ -14,8 +14,8 @@ Each stream is one streaming chat completion through the official `openai` clien
 message of ~--prompt-tokens tokens (different words per request, so no two prompts share more than
 the chat template's system prompt) and --new-tokens new tokens, greedy (--temperature: sampled). At
 each stream count N the bench keeps N requests in flight until --requests-per-stream x N have run
-(at least --min-requests) after one warm-up request. Throughput is completion tokens over the wall time of that load; TTFT
-is from sending the request to the first content chunk; ITL is the gap between content chunks.
+(at least --min-requests) after one warm-up request. Throughput is completion tokens over the wall
+time of that load; TTFT is from sending the request to the first content chunk; ITL is the gap between content chunks.
 Where 1 is among the stream counts, the engine's own batch-1 decode rate on the same model is
 measured first in this process (`step_overlap.engine_rates`: one step at a time and pipelined),
 and one stream's decode rate over HTTP is reported against it (the issue's aim: >= 0.85).
