@@ -12,13 +12,13 @@ A built-in model is served with the committed SmolLM2 tokenizer (bench/tokenizer
 
 Each stream is one streaming chat completion through the official `openai` client: a user
 message of ~--prompt-tokens tokens (different words per request, so no two prompts share more than
-the chat template's system prompt) and --new-tokens new tokens, greedy (--temperature: sampled). At
-each stream count N the bench keeps N requests in flight until --requests-per-stream x N have run
-(at least --min-requests) after one warm-up request. Throughput is completion tokens over the wall
-time of that load; TTFT is from sending the request to the first content chunk; ITL is the gap
-between content chunks. Where 1 is among the stream counts, the engine's own batch-1 decode rate on
-the same model is measured first in this process (`step_overlap.engine_rates`: one step at a time and pipelined),
-and one stream's decode rate over HTTP is reported against it (the issue's aim: >= 0.85).
+the chat template's system prompt) and --new-tokens new tokens, greedy (or at --temperature).
+At each stream count N the bench keeps N requests in flight until --requests-per-stream x N have
+run (at least --min-requests) after one warm-up request. Throughput is completion tokens over the
+wall time of that load; TTFT is from sending the request to the first content chunk; ITL is the
+gap between content chunks. Where 1 is among the stream counts, the engine's own batch-1 decode
+rate on the same model is measured first in this process (`step_overlap.engine_rates`: one step
+at a time and pipelined), and one stream's decode rate over HTTP is reported against it (the issue's aim: >= 0.85).
 Defaults: 1/8/32/128/256 streams, ~1,000-token prompts, 256 new tokens, the Llama-3B shape
 written by bench/checkpoint_dir. `--quick`: 1/32/128 streams, one request per stream (two at 1),
 and the reference at most at 128. Both servers are started here on free ports and stopped after;
