@@ -18,7 +18,8 @@ run (at least --min-requests) after one warm-up request. Throughput is completio
 wall time of that load; TTFT is from sending the request to the first content chunk; ITL is the
 gap between content chunks. Where 1 is among the stream counts, the engine's own batch-1 decode
 rate on the same model is measured first in this process (`step_overlap.engine_rates`: one step
-at a time and pipelined), and one stream's decode rate over HTTP is reported against it (the issue's aim: >= 0.85).
+at a time and pipelined), and one stream's decode rate over HTTP is reported against it (the
+issue's aim: >= 0.85).
 Defaults: 1/8/32/128/256 streams, ~1,000-token prompts, 256 new tokens, the Llama-3B shape
 written by bench/checkpoint_dir. `--quick`: 1/32/128 streams, one request per stream (two at 1),
 and the reference at most at 128. Both servers are started here on free ports and stopped after;
