@@ -223,7 +223,8 @@ def prefill_ab(args: argparse.Namespace) -> dict[str, Any]:
                     entry = out.setdefault(side, {}).setdefault(str(n), {"ms": []})
                     entry["ms"] += [1e3 * x for x in times]
                     if r == 0:
-                        entry["profile"] = kernel_count(lambda n=n: once(random_prompts(1, n, vocab, seed=7)), cuda)
+                        ids = random_prompts(1, n, vocab, seed=7)
+                        entry["profile"] = kernel_count(lambda ids=ids: once(ids), cuda)
         for side in ("off", "on"):
             for n, entry in out[side].items():
                 entry["median_ms"] = statistics.median(entry["ms"])
@@ -252,7 +253,8 @@ def kernel_count(fn: Any, cuda: bool) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the timings stand without their profile
         return {"error": repr(e)[:200]}
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:5]
-    return {"count": len(kernels), "gpu_ms": sum(by_name.values()), "top_ms": {k: round(v, 2) for k, v in top}}
+    top_ms = {k: round(v, 2) for k, v in top}
+    return {"count": len(kernels), "gpu_ms": sum(by_name.values()), "top_ms": top_ms}
 
 
 def ab_line(entry: dict[str, Any]) -> str:
