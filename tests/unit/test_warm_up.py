@@ -1,0 +1,97 @@
+"""Start-up's warm-up (engine/runner/warm_up.py): the steps it runs meet every size class and kind
+a served step can, and running them on the runner leaves no trace (blocks, segments, states)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ballast.engine.runner.model_runner import ModelRunner
+from ballast.engine.runner.warm_up import SEQUENCE_KINDS, kind, model_sizes, size_classes, steps, warm_up
+from ballast.models.arch.builtin import BUILTIN, init_random
+from ballast.models.arch.registry import build_model
+
+CPU = torch.device("cpu")
+
+
+def triton_kind(n: int) -> object:
+    """Triton's own specialization of an integer argument where Triton is here, else the rule."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        return kind(n)
+    return native_specialize_impl(BaseBackend, n, False, True, True)
+
+
+def compiled_per(n: int, multiples: tuple[int, ...] = (1,)) -> tuple[object, ...]:
+    return tuple((1 << max(0, (m * n - 1).bit_length()), triton_kind(m * n)) for m in multiples)
+
+
+@pytest.mark.parametrize("top", [1, 2, 17, 100, 2048 + 15])
+@pytest.mark.parametrize("multiples", [(1,), (1, 10)])
+def test_every_size_class_and_kind_up_to_the_top_is_met(top: int, multiples: tuple[int, ...]) -> None:
+    sizes = size_classes(top, multiples=multiples)
+    met = {compiled_per(n, multiples) for n in sizes}
+    assert {compiled_per(n, multiples) for n in range(1, top + 1)} == met
+    assert len(sizes) == len(met)  # one step of each
+
+
+def test_each_threshold_is_met_on_both_sides() -> None:
+    sizes = size_classes(2063, thresholds=(26, 42, 65, 410, 5000))
+    for t in (26, 42, 65, 410):
+        assert any(n < t for n in sizes) and t in sizes  # the first size at or past it is t
+    assert size_classes(2063, thresholds=(5000,)) == size_classes(2063)  # past what a step carries
+
+
+def test_steps_run_each_size_alone_and_beside_decodes_within_the_slots() -> None:
+    plan = steps(64, 15)
+    assert all(1 <= chunk <= 64 and decodes <= 15 for chunk, decodes in plan)
+    by_total: dict[int, set[int]] = {}
+    for chunk, decodes in plan:
+        by_total.setdefault(chunk + decodes, set()).add(1 + decodes)
+    assert set(by_total) == set(size_classes(64 + 15))
+    for total, seqs in by_total.items():
+        if 16 <= total <= 64:
+            assert seqs == set(SEQUENCE_KINDS)  # 1, 2 and 16 sequences
+    for total in (n for n in by_total if n > 64):  # past the chunk: beside as many decodes as it needs
+        assert min(by_total[total]) == 1 + total - 64
+    assert steps(64, 0) == [(n, 0) for n in size_classes(64)]  # one slot: chunks alone
+    moe = steps(64, 15, thresholds=(26,), multiples=(10,))
+    assert set(plan) < set(moe)
+    assert all(d == 0 or c + d > 64 for c, d in set(moe) - set(plan))  # the further classes alone
+
+
+def test_warm_up_runs_its_steps_on_the_runner_and_leaves_no_trace() -> None:
+    """The real runner (tiny hybrid MoE: attention KV in the pool, recurrent states per slot):
+    after warm-up no slot holds a block, the pool holds what it held, and a prompt's logits equal
+    a fresh runner's (every state it touched is reset)."""
+    model = build_model(BUILTIN["tiny-qwen3-next"])
+    init_random(model, 0)
+
+    def runner() -> ModelRunner:
+        return ModelRunner(model, CPU, torch.float32, 3, 64, False, 0)
+
+    warmed, fresh = runner(), runner()
+    assert warmed.kv_manager is not None
+    held = [p.bytes_held for p in warmed.pools]
+    plan = warm_up(warmed, 8)
+    assert plan == steps(8, 2, *model_sizes(model))
+    assert max(c for c, _ in plan) == 8 and max(d for _, d in plan) == 2
+    assert all(warmed.kv_manager.held(s) == 0 for s in range(3))
+    assert [p.bytes_held for p in warmed.pools] == held
+    prompt = [(1, list(range(3, 30)), 0)]
+    for r in (warmed, fresh):
+        assert r.kv is not None and r.kv.ensure(1, 27)
+    torch.testing.assert_close(warmed.forward(prompt), fresh.forward(prompt), rtol=0, atol=0)
+
+
+def test_the_moe_block_names_where_its_kernels_change() -> None:
+    """The 80B's routing (512 experts, top-10): the FP8 x FP8 experts from 256 pairs (26 tokens),
+    the fused FP8 experts up to 640 (65 from), the routing kernel up to 4,096 (410 from), expert
+    tiles 256 wide past 64 rows an expert (3,277 from)."""
+    pytest.importorskip("triton")
+    from ballast.models.blocks.moe import SparseMoeBlock
+
+    block = SparseMoeBlock(8, 512, 10, 4, 4, normalize=True)
+    assert block.token_thresholds() == (26, 65, 410, 3277)
+    assert block.token_multiples() == (10,)
