@@ -88,9 +88,10 @@ def model_sizes(model: nn.Module) -> tuple[set[int], set[int]]:
     thresholds: set[int] = set()
     multiples: set[int] = {1}
     for m in model.modules():
-        if hasattr(m, "token_thresholds"):
-            thresholds.update(m.token_thresholds())
-            multiples.update(m.token_multiples())
+        named, times = getattr(m, "token_thresholds", None), getattr(m, "token_multiples", None)
+        if callable(named) and callable(times):
+            thresholds.update(named())
+            multiples.update(times())
     return thresholds, multiples
 
 
