@@ -105,6 +105,7 @@ def warm_up(runner: ModelRunner, max_chunk: int, thresholds: Iterable[int] = ())
     slots = list(range(1 + max_decodes))
     context = 16  # each decode token's position: it attends to a few cached ones
     kv = runner.kv_manager
+    free = [p.alloc.free_blocks for p in kv.pools] if kv is not None else []  # kept free after
     started = last = time.monotonic()
     try:
         if kv is not None:
@@ -131,8 +132,8 @@ def warm_up(runner: ModelRunner, max_chunk: int, thresholds: Iterable[int] = ())
     finally:
         if kv is not None:
             kv.release(slots)
-            for pool in kv.pools:
-                pool.shrink()
+            for pool, keep in zip(kv.pools, free, strict=True):
+                pool.shrink(keep)  # the segments it added, none it had
         runner.reset(slots)
     log.info(
         "warm-up: %d steps (prompt chunks of 1-%d tokens alone and beside up to %d decodes) in %.1f s: "

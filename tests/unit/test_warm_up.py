@@ -73,10 +73,12 @@ def test_warm_up_runs_its_steps_on_the_runner_and_leaves_no_trace() -> None:
 
     warmed, fresh = runner(), runner()
     assert warmed.kv_manager is not None
+    assert warmed.kv is not None and warmed.kv.reserve(1)  # a segment held before: kept
     held = [p.bytes_held for p in warmed.pools]
-    plan = warm_up(warmed, 8)
-    assert plan == steps(8, 2, *model_sizes(model))
-    assert max(c for c, _ in plan) == 8 and max(d for _, d in plan) == 2
+    assert held[0] > 0
+    plan = warm_up(warmed, 4)
+    assert plan == steps(4, 2, *model_sizes(model))
+    assert max(c for c, _ in plan) == 4 and max(d for _, d in plan) == 2
     assert all(warmed.kv_manager.held(s) == 0 for s in range(3))
     assert [p.bytes_held for p in warmed.pools] == held
     prompt = [(1, list(range(3, 30)), 0)]
