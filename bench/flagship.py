@@ -159,7 +159,8 @@ def serve(args: argparse.Namespace, run: Run, rows: list[str], label: str, extra
     max_seqs = 4 if args.tiny else 128
     cmd = serve_command(args.model, port, "--max-num-seqs", str(max_seqs), "--max-queue", "4096")
     # info: start-up's lines (the load, the graphs, the warm-up's steps and time) in the server's log
-    cmd += ["--device", args.device, "--max-model-len", str(args.max_model_len), "--log-level", "info", *extra]
+    cmd += ["--device", args.device, "--max-model-len", str(args.max_model_len), "--log-level", "info"]
+    cmd += extra
     if args.tokenizer is not None:
         cmd += ["--tokenizer", str(args.tokenizer)]
     log = args.out.parent / f"flagship_{label}_server.log"

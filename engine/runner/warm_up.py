@@ -7,9 +7,10 @@ Triton compiles a kernel once per kind of each integer argument (1, a multiple o
 `kind`) and once per constexpr; the launchers pick constexprs by size (the next power of two of
 the tokens or of the token x expert pairs), and paths and tilings by thresholds. So a step's
 kernels follow, for its token count n and each multiple m x n a module launches over (the MoE
-block's pairs), the power-of-two class and the kind of m x n, and the side of each threshold n is
-on (`key`). `size_classes` walks every n up to the most tokens a step carries (a chunk beside a
-decode per other slot) and keeps the first of each key. Each of the plain token count's classes
+block's pairs) and each count of d-token chunks ceil(n / d) (gated DeltaNet's 64), the power-of-two
+class and the kind, and the side of each threshold n is on (`key`). `size_classes` walks every n
+up to the most tokens a step carries (a chunk beside a decode per other slot) and keeps the first
+of each key. Each of the plain token count's classes
 also runs beside one decode and beside 15 (1, 2, 16 sequences: the three kinds of a count).
 
 The steps run through the runner's own forward on its real slots: the KV blocks they write come
@@ -40,23 +41,26 @@ def kind(n: int) -> int:
     return 1 if n == 1 else 16 if n % 16 == 0 else 0
 
 
-def key(n: int, thresholds: Iterable[int] = (), multiples: Iterable[int] = (1,)) -> tuple[object, ...]:
+def key(
+    n: int, thresholds: Iterable[int] = (), multiples: Iterable[int] = (1,), divisors: Iterable[int] = ()
+) -> tuple[object, ...]:
     """What the kernels of a step of n tokens are compiled per (see the module's docstring)."""
-    return (
-        *((1 << max(0, (m * n - 1).bit_length()), kind(m * n)) for m in multiples),
-        *(n >= t for t in thresholds),
-    )
+    counts = [*(m * n for m in multiples), *(-(-n // d) for d in divisors)]
+    return (*((1 << max(0, (c - 1).bit_length()), kind(c)) for c in counts), *(n >= t for t in thresholds))
 
 
 def size_classes(
-    max_tokens: int, thresholds: Iterable[int] = (), multiples: Iterable[int] = (1,)
+    max_tokens: int,
+    thresholds: Iterable[int] = (),
+    multiples: Iterable[int] = (1,),
+    divisors: Iterable[int] = (),
 ) -> list[int]:
     """The first token count of each `key` from 1 to max_tokens, ascending."""
-    thresholds, multiples = sorted(set(thresholds)), sorted({1, *multiples})
+    shape = (sorted(set(thresholds)), sorted({1, *multiples}), sorted(set(divisors)))
     seen: set[tuple[object, ...]] = set()
     out = []
     for n in range(1, max_tokens + 1):
-        k = key(n, thresholds, multiples)
+        k = key(n, *shape)
         if k not in seen:
             seen.add(k)
             out.append(n)
@@ -64,16 +68,20 @@ def size_classes(
 
 
 def steps(
-    max_chunk: int, max_decodes: int, thresholds: Iterable[int] = (), multiples: Iterable[int] = (1,)
+    max_chunk: int,
+    max_decodes: int,
+    thresholds: Iterable[int] = (),
+    multiples: Iterable[int] = (1,),
+    divisors: Iterable[int] = (),
 ) -> list[tuple[int, int]]:
     """(prompt chunk tokens, decode tokens beside it) of every warm-up step, up to max_chunk +
     max_decodes tokens: each size class of the plain token count alone and beside 1 and 15 decodes
-    where the slots allow, each further class of the multiples and thresholds alone (a size past
-    the chunk: beside as many decodes as it needs)."""
+    where the slots allow, each further class of the multiples, divisors and thresholds alone (a
+    size past the chunk: beside as many decodes as it needs)."""
     top = max_chunk + max_decodes
     plain = size_classes(top)
     out: list[tuple[int, int]] = []
-    for n in sorted({*plain, *size_classes(top, thresholds, multiples)}):
+    for n in sorted({*plain, *size_classes(top, thresholds, multiples, divisors)}):
         for seqs in SEQUENCE_KINDS if n in plain else SEQUENCE_KINDS[:1]:
             decodes = max(min(seqs - 1, max_decodes), n - max_chunk)  # as many as the slots hold
             chunk = n - decodes
@@ -82,17 +90,19 @@ def steps(
     return out
 
 
-def model_sizes(model: nn.Module) -> tuple[set[int], set[int]]:
-    """The token thresholds from which its modules' kernels change, and the multiples of the token
-    count they launch over (`token_thresholds`, `token_multiples`)."""
-    thresholds: set[int] = set()
-    multiples: set[int] = {1}
+def model_sizes(model: nn.Module) -> tuple[set[int], set[int], set[int]]:
+    """What its modules name (each method optional): the token thresholds from which their
+    kernels change (`token_thresholds`), the multiples of the token count they launch over
+    (`token_multiples`) and the chunk sizes they count the tokens in (`token_divisors`)."""
+    named: tuple[set[int], set[int], set[int]] = (set(), {1}, set())
     for m in model.modules():
-        named, times = getattr(m, "token_thresholds", None), getattr(m, "token_multiples", None)
-        if callable(named) and callable(times):
-            thresholds.update(named())
-            multiples.update(times())
-    return thresholds, multiples
+        for found, method in zip(
+            named, ("token_thresholds", "token_multiples", "token_divisors"), strict=True
+        ):
+            sizes = getattr(m, method, None)
+            if callable(sizes):
+                found.update(sizes())
+    return named
 
 
 def warm_up(runner: ModelRunner, max_chunk: int, thresholds: Iterable[int] = ()) -> list[tuple[int, int]]:
@@ -100,8 +110,8 @@ def warm_up(runner: ModelRunner, max_chunk: int, thresholds: Iterable[int] = ())
     states back; the steps run, in order. Raises what a step raises (a start-up that cannot run
     its own steps should not report ready)."""
     max_decodes = min(runner.num_slots - 1, max(SEQUENCE_KINDS) - 1)
-    named, multiples = model_sizes(runner.model)
-    plan = steps(max_chunk, max_decodes, {*thresholds, *named}, multiples)
+    named, multiples, divisors = model_sizes(runner.model)
+    plan = steps(max_chunk, max_decodes, {*thresholds, *named}, multiples, divisors)
     slots = list(range(1 + max_decodes))
     context = 16  # each decode token's position: it attends to a few cached ones
     kv = runner.kv_manager

@@ -23,16 +23,21 @@ def triton_kind(n: int) -> object:
     return native_specialize_impl(BaseBackend, n, False, True, True)
 
 
-def compiled_per(n: int, multiples: tuple[int, ...] = (1,)) -> tuple[object, ...]:
-    return tuple((1 << max(0, (m * n - 1).bit_length()), triton_kind(m * n)) for m in multiples)
+def compiled_per(
+    n: int, multiples: tuple[int, ...] = (1,), divisors: tuple[int, ...] = ()
+) -> tuple[object, ...]:
+    counts = [*(m * n for m in multiples), *(-(-n // d) for d in divisors)]
+    return tuple((1 << max(0, (c - 1).bit_length()), triton_kind(c)) for c in counts)
 
 
 @pytest.mark.parametrize("top", [1, 2, 17, 100, 2048 + 15])
-@pytest.mark.parametrize("multiples", [(1,), (1, 10)])
-def test_every_size_class_and_kind_up_to_the_top_is_met(top: int, multiples: tuple[int, ...]) -> None:
-    sizes = size_classes(top, multiples=multiples)
-    met = {compiled_per(n, multiples) for n in sizes}
-    assert {compiled_per(n, multiples) for n in range(1, top + 1)} == met
+@pytest.mark.parametrize(("multiples", "divisors"), [((1,), ()), ((1, 10), ()), ((1, 10), (64,))])
+def test_every_size_class_and_kind_up_to_the_top_is_met(
+    top: int, multiples: tuple[int, ...], divisors: tuple[int, ...]
+) -> None:
+    sizes = size_classes(top, multiples=multiples, divisors=divisors)
+    met = {compiled_per(n, multiples, divisors) for n in sizes}
+    assert {compiled_per(n, multiples, divisors) for n in range(1, top + 1)} == met
     assert len(sizes) == len(met)  # one step of each
 
 
@@ -56,7 +61,7 @@ def test_steps_run_each_size_alone_and_beside_decodes_within_the_slots() -> None
     for total in (n for n in by_total if n > 64):  # past the chunk: beside as many decodes as it needs
         assert min(by_total[total]) == 1 + total - 64
     assert steps(64, 0) == [(n, 0) for n in size_classes(64)]  # one slot: chunks alone
-    moe = steps(64, 15, thresholds=(26,), multiples=(10,))
+    moe = steps(64, 15, thresholds=(26,), multiples=(10,), divisors=(16,))
     assert set(plan) < set(moe)
     assert all(d == 0 or c + d > 64 for c, d in set(moe) - set(plan))  # the further classes alone
 
