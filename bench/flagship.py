@@ -55,6 +55,7 @@ AIMS_6B = {"128": (3500.0, 4.0, None)}
 # (streams, new tokens, requests) of each load row; 6.2B cut: 128 streams only (--rows 128)
 LOADS = {"one": (1, 128, 4), "peer": (10, 1024, 10), "32": (32, 128, 64), "128": (128, 128, 128)}
 PHASE_S = {"prefill_ab": 120.0, "budget": 150.0}  # what a later phase is planned to take (80B)
+ROW_S = {"first": 15.0, "one": 10.0, "peer": 30.0, "32": 25.0, "128": 45.0}  # and each row
 
 
 class Run:
@@ -172,6 +173,10 @@ def serve(args: argparse.Namespace, run: Run, rows: list[str], label: str, extra
         served = httpx.get(base + "/v1/models").json()["data"][0]["id"]
         print(f"ballast serve {' '.join(cmd[4:])}: ready in {ready:.1f} s", flush=True)
         for key in rows:
+            if run.left_s() < (0.1 if args.tiny else 1.0) * ROW_S[key]:
+                run.result.setdefault("skipped", []).append(f"{key} ({label}): {run.left_s():.0f} s left")
+                run.save()
+                continue
             if key == "first":
                 for n in args.first_lengths:
                     run.add(asyncio.run(first_request(base, served, n, args.temperature, args.warm_repeats)))
@@ -292,6 +297,8 @@ def table(result: dict[str, Any]) -> str:
             f"{r['itl_p99_ms']:.1f} | {', '.join('-' if a is None else f'{a:g}' for a in aim)} | "
             f"{r['completed']}/{r['requests']} |"
         )
+    if result.get("skipped"):
+        lines.append(f"skipped before the deadline: {'; '.join(result['skipped'])}")
     ab = result.get("prefill_ab")
     if isinstance(ab, dict) and "off" in ab:
         for n in ab["off"]:
@@ -336,11 +343,13 @@ def main() -> None:
         if args.prefill_lengths and run.left_s() > scale * PHASE_S["prefill_ab"]:
             run.result["prefill_ab"] = prefill_ab(args)
             run.save()
+        elif args.prefill_lengths:
+            run.result.setdefault("skipped", []).append(f"the prefill A/B: {run.left_s():.0f} s left")
         if args.budget_ms > 0 and args.budget_rows and run.left_s() > scale * PHASE_S["budget"]:
             label = f"itl{args.budget_ms:g}ms"
             serve(args, run, args.budget_rows, label, [*extra, "--max-itl-ms", str(args.budget_ms)])
         elif args.budget_ms > 0:
-            run.result["budget_skipped"] = f"{run.left_s():.0f} s left"
+            run.result.setdefault("skipped", []).append(f"the --max-itl-ms start: {run.left_s():.0f} s left")
     finally:
         run.result["wall_s"] = time.monotonic() - run.started
         run.save()
