@@ -335,6 +335,7 @@ def main() -> None:
         args.tokenizer = args.work_dir / "smollm2-tokenizer"
         args.tokenizer.mkdir(parents=True, exist_ok=True)
         write_tokenizer(args.tokenizer)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     run = Run(args)
     extra = args.server_args.split()
     try:
