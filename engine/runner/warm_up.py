@@ -11,7 +11,8 @@ block's pairs) and each count of d-token chunks ceil(n / d) (gated DeltaNet's 64
 class and the kind, and the side of each threshold n is on (`key`). `size_classes` walks every n
 up to the most tokens a step carries (a chunk beside a decode per other slot) and keeps the first
 of each key. Each of the plain token count's classes
-also runs beside one decode and beside 15 (1, 2, 16 sequences: the three kinds of a count).
+also runs as 2 and 16 prompts and beside 1 and 15 decodes (`SHAPES`: the three kinds of a count of
+prompts and of decodes, which kernels that split a step see).
 
 The steps run through the runner's own forward on its real slots: the KV blocks they write come
 from the pool under the memory layer's grants (its segments given back after), the states and
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from ballast.engine.runner.model_runner import ModelRunner
@@ -31,8 +33,26 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-# Sequence counts a step is warmed at: one of each kind of an integer argument (1, other, x16).
-SEQUENCE_KINDS = (1, 2, 16)
+# (prompts, decodes) of a step a size is warmed as: each count one of each kind of an integer
+# argument (1, other, x16), as the kernels that split a step into its prompts and its decodes see them
+SHAPES = ((1, 0), (1, 1), (1, 15), (2, 0), (16, 0))
+
+
+class Step(NamedTuple):
+    """A warm-up step: `chunk` prompt tokens over `prompts` sequences, beside `decodes` tokens."""
+
+    chunk: int
+    prompts: int
+    decodes: int
+
+    def rows(self, context: int) -> list[Row]:
+        """Prompt i in slot i from position 0 (the first takes the remainder of an uneven split),
+        then one decode token a slot at position `context`."""
+        part, extra = divmod(self.chunk, self.prompts)
+        rows: list[Row] = [(i, [0] * (part + (extra if i == 0 else 0)), 0) for i in range(self.prompts)]
+        return rows + [(self.prompts + j, [0], context) for j in range(self.decodes)]
+
+
 PROGRESS_S = 5.0  # a progress line at most this often
 
 
@@ -69,24 +89,24 @@ def size_classes(
 
 def steps(
     max_chunk: int,
-    max_decodes: int,
+    slots: int,
     thresholds: Iterable[int] = (),
     multiples: Iterable[int] = (1,),
     divisors: Iterable[int] = (),
-) -> list[tuple[int, int]]:
-    """(prompt chunk tokens, decode tokens beside it) of every warm-up step, up to max_chunk +
-    max_decodes tokens: each size class of the plain token count alone and beside 1 and 15 decodes
-    where the slots allow, each further class of the multiples, divisors and thresholds alone (a
-    size past the chunk: beside as many decodes as it needs)."""
-    top = max_chunk + max_decodes
+) -> list[Step]:
+    """Every warm-up step, up to max_chunk + slots - 1 tokens (a full chunk beside a decode in every
+    other slot): each size class of the plain token count in every one of SHAPES the slots hold,
+    each further class of the multiples, divisors and thresholds as one prompt (a size past the
+    chunk: beside as many decodes as it needs)."""
+    top = max_chunk + slots - 1
     plain = size_classes(top)
-    out: list[tuple[int, int]] = []
+    out: list[Step] = []
     for n in sorted({*plain, *size_classes(top, thresholds, multiples, divisors)}):
-        for seqs in SEQUENCE_KINDS if n in plain else SEQUENCE_KINDS[:1]:
-            decodes = max(min(seqs - 1, max_decodes), n - max_chunk)  # as many as the slots hold
-            chunk = n - decodes
-            if 1 <= chunk <= max_chunk and decodes <= max_decodes and (chunk, decodes) not in out:
-                out.append((chunk, decodes))
+        for prompts, beside in SHAPES if n in plain else SHAPES[:1]:
+            decodes = max(beside, n - max_chunk)
+            step = Step(n - decodes, prompts, decodes)
+            if prompts <= step.chunk <= max_chunk and prompts + decodes <= slots and step not in out:
+                out.append(step)
     return out
 
 
@@ -105,52 +125,44 @@ def model_sizes(model: nn.Module) -> tuple[set[int], set[int], set[int]]:
     return named
 
 
-def warm_up(runner: ModelRunner, max_chunk: int, thresholds: Iterable[int] = ()) -> list[tuple[int, int]]:
+def warm_up(runner: ModelRunner, max_chunk: int, thresholds: Iterable[int] = ()) -> list[Step]:
     """Run `steps` on the runner's slots 0.. (nothing is served yet), then give their blocks and
     states back; the steps run, in order. Raises what a step raises (a start-up that cannot run
     its own steps should not report ready)."""
-    max_decodes = min(runner.num_slots - 1, max(SEQUENCE_KINDS) - 1)
+    slots = min(runner.num_slots, max(p + d for p, d in SHAPES))
     named, multiples, divisors = model_sizes(runner.model)
-    plan = steps(max_chunk, max_decodes, {*thresholds, *named}, multiples, divisors)
-    slots = list(range(1 + max_decodes))
+    plan = steps(max_chunk, slots, {*thresholds, *named}, multiples, divisors)
     context = 16  # each decode token's position: it attends to a few cached ones
     kv = runner.kv_manager
     free = [p.alloc.free_blocks for p in kv.pools] if kv is not None else []  # kept free after
     started = last = time.monotonic()
     try:
-        if kv is not None:
-            pool = kv.main
-            ok = pool.ensure(0, max_chunk) and all(pool.ensure(s, context + 1) for s in slots[1:])
-            if not ok:
-                log.warning(
-                    "warm-up: no KV blocks for a %d-token prompt; first requests may compile", max_chunk
-                )
-                return []
-        for i, (chunk, decodes) in enumerate(plan):
-            runner.reset(slots[: 1 + decodes])
-            rows: list[Row] = [(0, [0] * chunk, 0)]
-            rows += [(s, [0], context) for s in slots[1 : 1 + decodes]]
+        for i, step in enumerate(plan):
+            rows = step.rows(context)
+            runner.reset([slot for slot, _, _ in rows])
+            if kv is not None and not all(kv.main.ensure(s, start + len(t)) for s, t, start in rows):
+                log.warning("warm-up: no KV blocks for %s; requests may compile after /ready", step)
+                return plan[:i]
             runner.forward(rows)
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
             now = time.monotonic()
             if now - last >= PROGRESS_S:
-                log.info(
-                    "warm-up: step %d of %d (%d prompt + %d decode tokens)", i + 1, len(plan), chunk, decodes
-                )
+                log.info("warm-up: step %d of %d (%s)", i + 1, len(plan), step)
                 last = now
     finally:
+        every = list(range(slots))
         if kv is not None:
-            kv.release(slots)
+            kv.release(every)
             for pool, keep in zip(kv.pools, free, strict=True):
                 pool.shrink(keep)  # the segments it added, none it had
-        runner.reset(slots)
+        runner.reset(every)
     log.info(
-        "warm-up: %d steps (prompt chunks of 1-%d tokens alone and beside up to %d decodes) in %.1f s: "
-        "every kernel variant a step can meet is compiled before /ready",
+        "warm-up: %d steps (prompt chunks of 1-%d tokens in 1, 2 or 16 prompts, alone and beside up to "
+        "%d decodes) in %.1f s: every kernel variant a step can meet is compiled before /ready",
         len(plan),
         max_chunk,
-        max_decodes,
+        slots - 1,
         time.monotonic() - started,
     )
     return plan

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ballast.engine.runner.model_runner import ModelRunner
-from ballast.engine.runner.warm_up import SEQUENCE_KINDS, kind, model_sizes, size_classes, steps, warm_up
+from ballast.engine.runner.warm_up import SHAPES, Step, kind, model_sizes, size_classes, steps, warm_up
 from ballast.models.arch.builtin import BUILTIN, init_random
 from ballast.models.arch.registry import build_model
 
@@ -48,22 +48,30 @@ def test_each_threshold_is_met_on_both_sides() -> None:
     assert size_classes(2063, thresholds=(5000,)) == size_classes(2063)  # past what a step carries
 
 
-def test_steps_run_each_size_alone_and_beside_decodes_within_the_slots() -> None:
-    plan = steps(64, 15)
-    assert all(1 <= chunk <= 64 and decodes <= 15 for chunk, decodes in plan)
-    by_total: dict[int, set[int]] = {}
-    for chunk, decodes in plan:
-        by_total.setdefault(chunk + decodes, set()).add(1 + decodes)
+def test_steps_run_each_size_in_every_shape_within_the_slots() -> None:
+    plan = steps(64, 16)
+    assert all(p <= c <= 64 and p + d <= 16 for c, p, d in plan)
+    by_total: dict[int, set[tuple[int, int]]] = {}
+    for chunk, prompts, decodes in plan:
+        by_total.setdefault(chunk + decodes, set()).add((prompts, decodes))
     assert set(by_total) == set(size_classes(64 + 15))
-    for total, seqs in by_total.items():
+    for total, shapes in by_total.items():
         if 16 <= total <= 64:
-            assert seqs == set(SEQUENCE_KINDS)  # 1, 2 and 16 sequences
+            assert shapes == set(SHAPES)  # 1, 2 and 16 prompts; beside 0, 1 and 15 decodes
     for total in (n for n in by_total if n > 64):  # past the chunk: beside as many decodes as it needs
-        assert min(by_total[total]) == 1 + total - 64
-    assert steps(64, 0) == [(n, 0) for n in size_classes(64)]  # one slot: chunks alone
-    moe = steps(64, 15, thresholds=(26,), multiples=(10,), divisors=(16,))
+        assert min(d for _, d in by_total[total]) == total - 64
+    assert steps(64, 1) == [Step(n, 1, 0) for n in size_classes(64)]  # one slot: one prompt alone
+    moe = steps(64, 16, thresholds=(26,), multiples=(10,), divisors=(16,))
     assert set(plan) < set(moe)
-    assert all(d == 0 or c + d > 64 for c, d in set(moe) - set(plan))  # the further classes alone
+    assert all(s.prompts == 1 and (s.decodes == 0 or s.chunk + s.decodes > 64) for s in set(moe) - set(plan))
+    rows = Step(11, 2, 3).rows(context=16)
+    assert [(slot, len(t), start) for slot, t, start in rows] == [
+        (0, 6, 0),
+        (1, 5, 0),
+        (2, 1, 16),
+        (3, 1, 16),
+        (4, 1, 16),
+    ]
 
 
 def test_warm_up_runs_its_steps_on_the_runner_and_leaves_no_trace() -> None:
@@ -82,8 +90,9 @@ def test_warm_up_runs_its_steps_on_the_runner_and_leaves_no_trace() -> None:
     held = [p.bytes_held for p in warmed.pools]
     assert held[0] > 0
     plan = warm_up(warmed, 4)
-    assert plan == steps(4, 2, *model_sizes(model))
-    assert max(c for c, _ in plan) == 4 and max(d for _, d in plan) == 2
+    assert plan == steps(4, 3, *model_sizes(model))
+    assert max(s.chunk for s in plan) == 4 and max(s.prompts for s in plan) == 2
+    assert max(s.decodes for s in plan) == 1  # 5 tokens: the chunk beside a decode
     assert all(warmed.kv_manager.held(s) == 0 for s in range(3))
     assert [p.bytes_held for p in warmed.pools] == held
     prompt = [(1, list(range(3, 30)), 0)]
