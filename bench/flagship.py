@@ -172,6 +172,8 @@ def serve(args: argparse.Namespace, run: Run, rows: list[str], label: str, extra
         run.save()
         served = httpx.get(base + "/v1/models").json()["data"][0]["id"]
         print(f"ballast serve {' '.join(cmd[4:])}: ready in {ready:.1f} s", flush=True)
+        run.result.setdefault("startup", {})[label] = startup_lines(log)
+        run.save()
         for key in rows:
             if run.left_s() < (0.1 if args.tiny else 1.0) * ROW_S[key]:
                 run.result.setdefault("skipped", []).append(f"{key} ({label}): {run.left_s():.0f} s left")
@@ -182,6 +184,13 @@ def serve(args: argparse.Namespace, run: Run, rows: list[str], label: str, extra
                     run.add(asyncio.run(first_request(base, served, n, args.temperature, args.warm_repeats)))
             else:
                 run.add(load_row(base, served, key, args, key if label == "default" else f"{key}, {label}"))
+
+
+def startup_lines(log: Path) -> list[str]:
+    """The server log's lines on what start-up did: the load, the graphs, the warm-up's steps."""
+    keep = ("warm-up:", "graphs:", "ballast.engine.engine: engine:", "load estimate", "ready: serving")
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return [line[-300:] for line in lines if any(k in line for k in keep)][-8:]
 
 
 def prefill_ab(args: argparse.Namespace) -> dict[str, Any]:
@@ -297,6 +306,8 @@ def table(result: dict[str, Any]) -> str:
             f"{r['itl_p99_ms']:.1f} | {', '.join('-' if a is None else f'{a:g}' for a in aim)} | "
             f"{r['completed']}/{r['requests']} |"
         )
+    for label, found in result.get("startup", {}).items():
+        lines += [f"start-up ({label}): {line}" for line in found if "warm-up:" in line][-1:]
     if result.get("skipped"):
         lines.append(f"skipped before the deadline: {'; '.join(result['skipped'])}")
     ab = result.get("prefill_ab")
