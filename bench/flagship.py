@@ -353,7 +353,10 @@ def main() -> None:
         serve(args, run, args.rows, "default", extra)
         scale = 0.1 if args.tiny else 1.0
         if args.prefill_lengths and run.left_s() > scale * PHASE_S["prefill_ab"]:
-            run.result["prefill_ab"] = prefill_ab(args)
+            try:
+                run.result["prefill_ab"] = prefill_ab(args)
+            except Exception as e:  # noqa: BLE001 - the rows stand, and the budgeted start may still run
+                run.result["prefill_ab"] = {"error": repr(e)[:300]}
             run.save()
         elif args.prefill_lengths:
             run.result.setdefault("skipped", []).append(f"the prefill A/B: {run.left_s():.0f} s left")
