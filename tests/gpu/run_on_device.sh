@@ -10,7 +10,8 @@
 #   tests/gpu/run_on_device.sh flagship [bench/flagship args]: issue 48's aims table on the 80B FP8
 #   (one server start: first request after /ready, 1 / 10 (1,024 new) / 32 / 128 streams; then the
 #   engine's prefill with the FP8 x FP8 experts off and on, then --max-itl-ms 60 at 32 / 128 streams,
-#   each only where its time is left before the deadline); ~300 s on a cold Triton cache, under 545 s
+#   each only where its time is left before the deadline): the start ~200-300 s on a cold Triton cache
+#   (start-up's warm-up included), the rows ~70 s, the A/B ~90 s, the budgeted start ~150 s; <= 545 s
 #   tests/gpu/run_on_device.sh flagship-6b: the 6.2B cut (qwen3-next-6b) at 128 streams, ~150 s
 #   tests/gpu/run_on_device.sh moe-decode: the 80B's FP8 expert layer at 32 / 64 / 128 tokens, the
 #   fused kernels (their tilings swept at 32) and the FP8 x FP8 experts at each tiling, ~4 min
