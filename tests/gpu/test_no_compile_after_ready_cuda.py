@@ -22,6 +22,8 @@ GREEDY = SamplingParams(temperature=0.0)
 def test_prompts_of_new_lengths_compile_nothing_after_load() -> None:
     import triton
 
+    if getattr(getattr(triton, "knobs", None), "runtime", None) is None:
+        pytest.skip("this Triton has no compile hooks (triton.knobs, 3.4 on)")
     engine = Engine.load(
         EngineConfig(
             model="builtin:tiny-qwen3-next", device="cuda", dtype="bfloat16", max_num_seqs=8,
