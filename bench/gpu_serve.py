@@ -12,13 +12,14 @@ A built-in model is served with the committed SmolLM2 tokenizer (bench/tokenizer
 
 Each stream is one streaming chat completion through the official `openai` client: a user
 message of ~--prompt-tokens tokens (different words per request, so no two prompts share more than
-the chat template's system prompt) and --new-tokens new tokens, greedy. At each stream count N the
-bench keeps N requests in flight until --requests-per-stream x N have run (at least --min-requests)
-after one warm-up request. Throughput is completion tokens over the wall time of that load; TTFT
-is from sending the request to the first content chunk; ITL is the gap between content chunks.
-Where 1 is among the stream counts, the engine's own batch-1 decode rate on the same model is
-measured first in this process (`step_overlap.engine_rates`: one step at a time and pipelined),
-and one stream's decode rate over HTTP is reported against it (the issue's aim: >= 0.85).
+the chat template's system prompt) and --new-tokens new tokens, greedy (or at --temperature).
+At each stream count N the bench keeps N requests in flight until --requests-per-stream x N have
+run (at least --min-requests) after one warm-up request. Throughput is completion tokens over the
+wall time of that load; TTFT is from sending the request to the first content chunk; ITL is the
+gap between content chunks. Where 1 is among the stream counts, the engine's own batch-1 decode
+rate on the same model is measured first in this process (`step_overlap.engine_rates`: one step
+at a time and pipelined), and one stream's decode rate over HTTP is reported against it (the
+issue's aim: >= 0.85).
 Defaults: 1/8/32/128/256 streams, ~1,000-token prompts, 256 new tokens, the Llama-3B shape
 written by bench/checkpoint_dir. `--quick`: 1/32/128 streams, one request per stream (two at 1),
 and the reference at most at 128. Both servers are started here on free ports and stopped after;
@@ -80,7 +81,7 @@ async def load(
     async def gated(i: int) -> Outcome:
         async with gate:
             return await one_stream(
-                client, model, prompt_text(offset + i, args.prompt_tokens), args.new_tokens
+                client, model, prompt_text(offset + i, args.prompt_tokens), args.new_tokens, args.temperature
             )
 
     await one_stream(client, model, prompt_text(-1, args.prompt_tokens), 4)  # warm-up
@@ -207,6 +208,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=None, help="default 1 8 32 128 256")
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0, help="of every request (0: greedy)")
     ap.add_argument("--requests-per-stream", type=int, default=None, help="default 2 (--quick 1)")
     ap.add_argument("--min-requests", type=int, default=None, help="default 4 (--quick 2)")
     ap.add_argument("--reference", choices=["transformers", "none"], default="transformers")

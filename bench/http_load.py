@@ -127,7 +127,9 @@ class Outcome:
     wall_s: float = 0.0  # from sending to the stream's end
 
 
-async def one_stream(client: AsyncOpenAI, model: str, text: str, new_tokens: int) -> Outcome:
+async def one_stream(
+    client: AsyncOpenAI, model: str, text: str, new_tokens: int, temperature: float = 0.0
+) -> Outcome:
     """One streaming chat of `text` as the user message: TTFT, ITL, completion tokens."""
     out = Outcome()
     start = time.perf_counter()
@@ -137,7 +139,7 @@ async def one_stream(client: AsyncOpenAI, model: str, text: str, new_tokens: int
             model=model,
             stream=True,
             max_tokens=new_tokens,
-            temperature=0.0,
+            temperature=temperature,
             stream_options={"include_usage": True},
             messages=[{"role": "user", "content": text}],
         )

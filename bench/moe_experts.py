@@ -17,7 +17,11 @@ fused kernels (rows a pass, then the gate/up kernel, then the down kernel, each 
 before) and reports the fastest: how `ExpertTiling`'s defaults are chosen. Table on stdout, JSON
 to bench/results/moe_experts.json.
 
-    python -m ballast.bench.moe_experts [--tokens 1 8 32 128 256] [--sweep] [--fp8]
+    python -m ballast.bench.moe_experts [--tokens 1 8 32 128 256] [--sweep] [--fp8 [--w8a8-sweep]]
+
+--w8a8-sweep (with --fp8) times the FP8 x FP8 grouped experts (`w8a8_triton`, what the engine runs
+from 256 token x expert pairs) at each of W8A8_TILES' expert tilings, the shared expert included as
+on the grouped side: the decode sizes of 32-128 streams (issue 48) choose between the paths here.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from ballast.bench.paged_attention import copy_bandwidth, fastest, graph_time
 from ballast.models.blocks import moe
 from ballast.models.kernels import moe_experts_triton, moe_triton
+from ballast.models.kernels.fp8_triton import Tiles
 from ballast.models.kernels.moe_experts_triton import ExpertTiling, Fp8Scales, KernelTiling, SharedExpert
 from ballast.models.layers import fp8
 from torch import nn
@@ -115,7 +120,7 @@ def fp8_experts(gate_up: torch.Tensor, down: torch.Tensor, scales: Fp8Scales) ->
     return module
 
 
-def torch_side(layers: Layers, i: int) -> None:
+def torch_side(layers: Layers, i: int) -> torch.Tensor:
     """Layer i the way the engine ran it off the fused path: routed experts, then the shared
     expert's own GEMMs, SwiGLU, gate and add."""
     x, e, w, s = layers.x, layers.ids[i], layers.weights[i], layers.shared[i]
@@ -130,7 +135,57 @@ def torch_side(layers: Layers, i: int) -> None:
         h = fp8.fp8_linear(x, s.gate_up, s.gate_up_scale, BLOCK)
         act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
         out = fp8.fp8_linear(act, s.down, s.down_scale, BLOCK)
-    routed.add_(torch.sigmoid(s.gate) * out)
+    return routed.add_(torch.sigmoid(s.gate) * out)
+
+
+def w8a8_side(layers: Layers, i: int, tiles: Tiles) -> torch.Tensor:
+    """Layer i through the FP8 x FP8 grouped GEMMs (`w8a8_triton.experts_w8a8`, the path of 256
+    pairs and more) at the given expert tiling, then the shared expert as `torch_side` runs it."""
+    from ballast.models.kernels import w8a8_triton
+
+    assert layers.modules is not None
+    x, e, w, s, m = layers.x, layers.ids[i], layers.weights[i], layers.shared[i], layers.modules[i]
+    r = moe.Routing.sort(e, m.gate_up_proj.shape[0])
+    y = w8a8_triton.experts_w8a8(
+        x, r.token, r.counts, m.gate_up_proj, m.gate_up_proj_scale_inv, m.down_proj, m.down_proj_scale_inv,
+        BLOCK, tiles,
+    )  # fmt: skip
+    routed = r.combine(y, w.to(x.dtype), x.shape[0])
+    assert s.gate_up_scale is not None and s.down_scale is not None
+    inter = s.down.shape[1]
+    h = fp8.fp8_linear(x, s.gate_up, s.gate_up_scale, BLOCK)
+    out = fp8.fp8_linear(torch.nn.functional.silu(h[:, :inter]) * h[:, inter:], s.down, s.down_scale, BLOCK)
+    return routed.add_(torch.sigmoid(s.gate) * out)
+
+
+# --w8a8-sweep: expert tilings of the FP8 x FP8 GEMMs (rows, columns, K = the scale block, warps, stages)
+W8A8_TILES = [
+    Tiles(16, 128, 128, 4, 4),
+    Tiles(32, 128, 128, 4, 4),
+    Tiles(64, 64, 128, 4, 4),
+    Tiles(64, 128, 128, 4, 4),
+    Tiles(64, 256, 128, 8, 3),
+    Tiles(128, 128, 128, 8, 3),
+]
+
+
+def w8a8_sweep(layers: Layers, repeats: int) -> tuple[Tiles, float, dict[str, float]]:
+    """Every W8A8_TILES tiling of the FP8 x FP8 experts over the layers: the fastest, its time,
+    and each one's us."""
+    times: dict[str, float] = {}
+
+    def time_of(tiles: Tiles) -> float:
+        def run() -> None:
+            for i in range(len(layers.ids)):
+                w8a8_side(layers, i, tiles)
+
+        t = graph_time(run, len(layers.ids), repeats)
+        times[f"{tiles.block_m}x{tiles.block_n}/{tiles.warps}w{tiles.stages}s"] = 1e6 * t
+        print(f"  w8a8 {1e6 * t:8.1f} us {tiles}", flush=True)
+        return t
+
+    best, t_best = fastest(W8A8_TILES, time_of)
+    return best, t_best, times
 
 
 def run_layers(layers: Layers, fused: bool, tiling: ExpertTiling | None = None) -> Callable[[], None]:
@@ -184,6 +239,11 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time other tilings of the fused kernels")
     ap.add_argument("--sweep-tokens", type=int, nargs="+", default=[1, 32], help="the batches --sweep tries")
     ap.add_argument("--fp8", action="store_true", help="float8 weights with 128 x 128 block scales")
+    ap.add_argument(
+        "--w8a8-sweep",
+        action="store_true",
+        help="with --fp8: the FP8 x FP8 experts at each tiling (W8A8_TILES)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     if not (torch.cuda.is_available() and moe_triton.triton is not None):
@@ -205,14 +265,23 @@ def main() -> None:
             if args.sweep and tokens in args.sweep_tokens:
                 best, t_best = sweep(layers, max(3, args.repeats // 2))
                 row["best_tiling"], row["best_us"] = dataclasses.asdict(best), 1e6 * t_best
-            for side in ("grouped", "fused", "best"):
+            if args.w8a8_sweep and args.fp8:
+                tiles, t_w8a8, row["w8a8_us_by_tiles"] = w8a8_sweep(layers, max(3, args.repeats // 2))
+                row["w8a8_best_tiles"], row["w8a8_best_us"] = tiles._asdict(), 1e6 * t_w8a8
+            for side in ("grouped", "fused", "best", "w8a8_best"):
                 if f"{side}_us" in row:
                     row[f"{side}_bw_pct"] = 100 * floor / (row[f"{side}_us"] / 1e6)
             print(
                 f"{shape} {tokens:>4} tokens: grouped {row['grouped_us']:8.1f} us "
                 f"({row['grouped_bw_pct']:4.1f}% bw)  fused {row['fused_us']:8.1f} us "
                 f"({row['fused_bw_pct']:4.1f}% bw)"
-                + (f"  best {row['best_us']:8.1f} us {row['best_tiling']}" if "best_us" in row else ""),
+                + (f"  best {row['best_us']:8.1f} us {row['best_tiling']}" if "best_us" in row else "")
+                + (
+                    f"  w8a8 best {row['w8a8_best_us']:8.1f} us ({row['w8a8_best_bw_pct']:4.1f}% bw) "
+                    f"{row['w8a8_best_tiles']}"
+                    if "w8a8_best_us" in row
+                    else ""
+                ),
                 flush=True,
             )
             rows.append(row)

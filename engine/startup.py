@@ -30,6 +30,7 @@ from ballast.engine.runner.model_runner import (
     vocab_size,
 )
 from ballast.engine.runner.slot_kv import SlotKV
+from ballast.engine.runner.warm_up import warm_up
 from ballast.engine.step.step_batch import check_slots
 from ballast.engine.workspace import step_workspace
 from ballast.memory.ledger import Lease
@@ -99,6 +100,8 @@ def bring_up(
         )
         if graphs:
             leases.extend(runner.graph_runner.capture_at_start(watch, dies, cfg.prefill_graph_tokens(device)))
+        if device.type == "cuda" and workers is None:  # Triton's kernels: none compiles after /ready
+            warm_up(runner, cfg.prefill_chunk_tokens)
     except BaseException:
         for lease in leases:
             lease.release()

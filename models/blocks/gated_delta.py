@@ -349,6 +349,10 @@ class GatedDeltaNet(nn.Module):
         """x [T, H] -> (q|k|v [T, conv_channels], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
         raise NotImplementedError
 
+    def token_divisors(self) -> tuple[int, ...]:
+        """Its chunked kernels (fla's and the padded path) count a prompt in CHUNK-token chunks."""
+        return (CHUNK,)
+
     def forward(self, x: Tensor, step: HybridStep, state: LayerState) -> Tensor:
         if not isinstance(state, RecurrentState):
             raise TypeError(f"a linear-attention layer needs a RecurrentState, got {type(state).__name__}")

@@ -304,6 +304,27 @@ class SparseMoeBlock(nn.Module):
         self.gates.fuse(keep_values)
         self.shared_expert.gate_up.fuse(keep_values)
 
+    def token_thresholds(self) -> tuple[int, ...]:
+        """The token counts from which this block's kernels change (its token x expert pairs pass
+        a kernel's limit: the routing kernel's, the fused expert kernels', the FP8 x FP8 experts'
+        and their tiling's): start-up's warm-up steps meet each on both sides."""
+        pairs = [
+            moe_triton.MAX_PAIRS,
+            moe_experts_triton.MAX_FUSED_PAIRS,
+            moe_experts_triton.MAX_FUSED_FP8_PAIRS,
+        ]
+        pairs = [p + 1 for p in pairs]  # each serves up to its limit
+        try:
+            from ballast.models.kernels import w8a8_triton
+        except ImportError:  # no Triton: the torch paths, no kernel limits
+            return ()
+        pairs += [w8a8_triton.FROM_ROWS, w8a8_triton.EXPERT_TILE_ROWS * self.gate.out_features + 1]
+        return tuple(sorted({-(-p // self.top_k) for p in pairs}))
+
+    def token_multiples(self) -> tuple[int, ...]:
+        """Its kernels launch over the token x expert pairs: top_k x the tokens."""
+        return (self.top_k,)
+
     def forward(self, x: Tensor) -> Tensor:
         logits, shared_gate = self.gates.outputs(x)
         weights, experts = route(logits, self.top_k, self.normalize)

@@ -31,6 +31,7 @@ FP8 = torch.float8_e4m3fn
 # 1,024 rows and 13-170% slower at 8,192 rows or 64-1,024 columns (`w8a8_matmul` stays for the bench).
 ENABLED = True
 FROM_ROWS = 256
+EXPERT_TILE_ROWS = 64  # rows per expert from which an expert tile is 256 columns wide
 
 
 # Row counts are not specialized on (Triton would compile a variant for counts divisible by 16 and
@@ -149,7 +150,7 @@ def expert_tiles(rows_per_expert: float, block: tuple[int, int]) -> Tiles:
     """An expert tile's rows stay 64 (an expert holds ~20 rows at a 1k prompt of the 80B); beyond
     64 rows an expert, 256 columns a tile. H200, the 80B's expert layer (`bench/fp8_prefill.py`):
     at 1,024 tokens 64 x 128 564 us, 64 x 256 602, 128 x 128 869; at 8,192 1,821 / 1,530 / 1,791."""
-    if rows_per_expert <= 64:
+    if rows_per_expert <= EXPERT_TILE_ROWS:
         return Tiles(64, 128, block[1], 4, 4)
     return Tiles(64, 256, block[1], 8, 3)
 

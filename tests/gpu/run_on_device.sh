@@ -7,6 +7,14 @@
 #   (another commit: mkdir BASE && git archive COMMIT | tar -x -C BASE), then on this tree, in one
 #   call; each side's JSON under $OUT as BENCH_base.json / BENCH_new.json (PROFILE_MODELS: the
 #   profile's models, default llama-8b qwen3-next-6b)
+#   tests/gpu/run_on_device.sh flagship [bench/flagship args]: issue 48's aims table on the 80B FP8
+#   (one server start: first request after /ready, 1 / 10 (1,024 new) / 32 / 128 streams; then the
+#   engine's prefill with the FP8 x FP8 experts off and on, then --max-itl-ms 60 at 32 / 128 streams,
+#   each only where its time is left before the deadline): the start ~200-300 s on a cold Triton cache
+#   (start-up's warm-up included), the rows ~70 s, the A/B ~90 s, the budgeted start ~150 s; <= 545 s
+#   tests/gpu/run_on_device.sh flagship-6b: the 6.2B cut (qwen3-next-6b) at 128 streams, ~150 s
+#   tests/gpu/run_on_device.sh moe-decode: the 80B's FP8 expert layer at 32 / 64 / 128 tokens, the
+#   fused kernels (their tilings swept at 32) and the FP8 x FP8 experts at each tiling, ~4 min
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 3; }
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
@@ -32,6 +40,19 @@ case "$mode" in
     python3 -c "from ballast.bench.checkpoint_dir import write_tokenizer; from pathlib import Path; write_tokenizer(Path('$tok'))"
     timeout ${FIT_S:-90} python3 -m ballast.bench.load_fit --model builtin:llama-8b --device cuda --case 128x4096 \
       --tokenizer $tok --out $out/load_fit_8b.json 2>&1 | tail -6
+    ;;
+  flagship)  # issue 48 (bench/flagship.py): JSON and the servers' logs under $OUT
+    timeout ${FLAGSHIP_S:-545} python3 -m ballast.bench.flagship --deadline-s ${DEADLINE_S:-530} \
+      --out $out/flagship.json "$@" 2>&1 | tail -${TAIL:-45}
+    ;;
+  flagship-6b)
+    timeout ${FLAGSHIP_S:-300} python3 -m ballast.bench.flagship --model builtin:qwen3-next-6b --rows first 128 \
+      --prefill-lengths --budget-rows 128 --deadline-s ${DEADLINE_S:-280} --out $out/flagship_6b.json "$@" 2>&1 \
+      | tail -${TAIL:-30}
+    ;;
+  moe-decode)  # issue 48: which expert path and tiling serve 32-128 decode tokens (bench/moe_experts.py)
+    timeout ${MOE_S:-420} python3 -m ballast.bench.moe_experts --shapes qwen3-next-80b --fp8 --tokens 32 64 128 \
+      --w8a8-sweep --sweep --sweep-tokens 32 --repeats 6 --out $out/moe_decode.json "$@" 2>&1 | tail -${TAIL:-30}
     ;;
   suite-a|suite-b|suite-c)
     files=$(ls tests/gpu/test_*.py | sort)

@@ -66,6 +66,10 @@ MAX_WING_LINES = (
     # issue 47, session 25: step costs as the middle half of their last samples, not a running mean
     # (one descheduled 3.4 s step made four chats a 39 s projected wait and a 429)
     + 20
+    # issue 48, session 25: start-up runs one step of every size class and kind a served step meets
+    # (engine/runner/warm_up.py, the MoE block's thresholds): no Triton compile after /ready (the
+    # 80B's first request of a new length waited 1.5-2.1 s; `run_on_device.sh flagship` measures it)
+    + 197
 )
 
 
