@@ -210,13 +210,14 @@ def admit_load(
     if watch is None:
         return config  # tests and tools without a memory layer
     mem_config = watch.config
-    state: MemState = watch.poll_now()
-
     # A CUDA load's host staging is checked as the host's load spike below, not against the die.
     staging = host_staging if device.type == "cpu" else 0
 
     def estimate(cfg: EngineConfig) -> LoadEstimate:
         return LoadEstimate(weights, *bytes_beside_weights(hf_config, cfg, dtype, device.type), staging)
+
+    asked = estimate(config)
+    state: MemState = watch.poll_now()
 
     if device.type == "cuda":
         # The host only stages the load: the spike and the staging, whatever the configuration.
@@ -228,9 +229,8 @@ def admit_load(
     else:
         # On the host the weights are what loading holds (a GGUF is mapped, not read whole).
         budget = state.host_budget_bytes
-    log.info("load estimate: %s; %.1f MiB free for it", estimate(config).describe(), budget / MiB)
+    log.info("load estimate: %s; %.1f MiB free for it", asked.describe(), budget / MiB)
     if config.fit == "off":
-        asked = estimate(config)
         if asked.total > budget:
             raise ModelLoadRefused(
                 Verdict(VerdictKind.REJECT, 0, f"needs {asked.describe()}, {budget / MiB:,.1f} MiB free")
