@@ -33,7 +33,7 @@ case "$mode" in
     timeout ${HANG_S:-75} python3 -m pytest -x -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_device_hang_cuda.py 2>&1 | tail -12
     tok=/tmp/tok; mkdir -p $tok
     python3 -c "from ballast.bench.checkpoint_dir import write_tokenizer; from pathlib import Path; write_tokenizer(Path('$tok'))"
-    timeout ${FIT_S:-90} python3 -m ballast.bench.load_fit --model builtin:llama-8b --device cuda --case 128x4096 \
+    timeout ${FIT_S:-120} python3 -m ballast.bench.load_fit --model builtin:llama-8b --device cuda --case 128x4096 \
       --tokenizer $tok --out $out/load_fit_8b.json 2>&1 | tail -6
     ;;
   suite-a|suite-b|suite-c)
