@@ -344,7 +344,7 @@ def one_request(url: str, i: int, max_tokens: int, prompt_words: int) -> tuple[s
             lines = []
             for line in r.iter_lines():
                 lines.append(line)
-                if first != first and r.status_code == 200 and '"content"' in line:
+                if first != first and r.status_code == 200 and _has_text(line):
                     first = time.monotonic() - sent
             text = "\n".join(lines)
         if r.status_code == 200:
@@ -354,6 +354,17 @@ def one_request(url: str, i: int, max_tokens: int, prompt_words: int) -> tuple[s
     except httpx.HTTPError as exc:
         kind, status_s = type(exc).__name__, time.monotonic() - sent
     return kind, status_s, first
+
+
+def _has_text(line: str) -> bool:
+    """An SSE chunk carrying generated text (not the role chunk's empty content)."""
+    if not line.startswith("data: {"):
+        return False
+    try:
+        choices = json.loads(line[len("data: ") :]).get("choices") or [{}]
+    except json.JSONDecodeError:
+        return False
+    return bool((choices[0].get("delta") or {}).get("content"))
 
 
 def run_burst(
