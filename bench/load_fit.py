@@ -2,8 +2,9 @@
 process for each configuration, the estimate it logs ("load estimate: weights .. = N MiB") is read
 back, one max-length sequence is served (what the estimate keeps room for), and the estimate is set
 against the peak: on the CPU the process's resident high-water mark (VmHWM) above its resident
-size before the load, on a GPU torch's peak reserved bytes. The
-estimate must stay within 25% of the peak (no term padded), else a start that fits is refused.
+size before the load, on a GPU torch's peak reserved bytes. Each case runs in a process of its own
+(VmHWM never falls). The estimate must stay within 25% of the peak (no term padded), else a start
+that fits is refused; and not under it by more than the host reserve covers, else a start OOMs.
 
     python -m ballast.bench.load_fit [--model default] [--case 8x2048 --case 16x8192 ...]
 
@@ -16,6 +17,8 @@ import argparse
 import json
 import logging
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +103,20 @@ def main() -> None:
     ap.add_argument("--case", action="append", default=[], help="SLOTSxLEN (default 8x2048)")
     ap.add_argument("--tokenizer", help="a tokenizer directory (where the default's cannot be fetched)")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # one case, this process: JSON on stdout
     a = ap.parse_args()
+    if a.one:
+        slots, length = (int(x) for x in a.one.split("x"))
+        print(json.dumps(one(a.model, slots, length, a.device, a.tokenizer)))
+        return
     rows = []
     for case in a.case or ["8x2048"]:
-        slots, length = (int(x) for x in case.split("x"))
-        rows.append(one(a.model, slots, length, a.device, a.tokenizer))
+        cmd = [sys.executable, "-m", "ballast.bench.load_fit", "--one", case, "--model", a.model]
+        cmd += ["--device", a.device, *(["--tokenizer", a.tokenizer] if a.tokenizer else [])]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"case {case} failed:\n{done.stderr[-3000:]}")
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     head = f"{'slots x len':>14}{'estimate MiB':>14}{'peak MiB':>10}{'est/peak':>10}"
     print(f"\n{'model':<22}{'device':<8}{head}")
     for r in rows:

@@ -23,28 +23,31 @@ MIN_CONTEXT = 512
 
 @dataclass(frozen=True)
 class LoadEstimate:
-    """The load's terms, in bytes: each what the start really holds (measured against the
-    cgroup's peak at start in bench/load_fit.py), none a pad."""
+    """The load's terms, in bytes: each what the start really holds on the path that will run
+    (measured against the peak at start in bench/load_fit.py), none a pad. The staging is gone
+    before the first step, so the peak is the weights and the larger of it and what serving holds."""
 
-    weights: int  # as held: packed blocks where the CPU keeps them so
+    weights: int  # as held: a CPU block linear's integers and float32 scales
     fixed: int  # the slots' recurrent states and the sampler's buffers
-    one_sequence: int  # KV of one max_model_len sequence: the pool must hold at least that
-    activations: int  # one prefill chunk's peak
-    staging: int  # transient host memory the load passes through (0 on the CPU: weights are mmapped)
+    one_sequence: int  # KV of one max_model_len sequence, in the whole segments the pool commits
+    activations: int  # one prefill chunk's peak (engine/runner/activations.py)
+    staging: int  # host memory the load passes through (CPU: a GGUF's mapped pages, blocks as read)
 
     @property
     def total(self) -> int:
-        return self.weights + self.fixed + self.one_sequence + self.activations + self.staging
+        return self.weights + max(self.staging, self.fixed + self.one_sequence + self.activations)
 
     def describe(self) -> str:
-        terms = (
-            ("weights", self.weights),
+        serving = (
             ("states+sampler", self.fixed),
             ("one sequence", self.one_sequence),
             ("activations", self.activations),
-            ("staging", self.staging),
         )
-        return " + ".join(f"{name} {n / MiB:,.1f}" for name, n in terms) + f" = {self.total / MiB:,.1f} MiB"
+        terms = " + ".join(f"{name} {n / MiB:,.1f}" for name, n in serving)
+        return (
+            f"weights {self.weights / MiB:,.1f} + max(staging {self.staging / MiB:,.1f}, {terms})"
+            f" = {self.total / MiB:,.1f} MiB"
+        )
 
 
 Estimator = Callable[[EngineConfig], LoadEstimate]

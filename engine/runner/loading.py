@@ -20,15 +20,16 @@ from typing import Any, cast
 import torch
 from ballast.engine import threads
 from ballast.engine.config import EngineConfig
+from ballast.engine.runner.activations import activation_bytes, prefill_path
 from ballast.engine.runner.load_fit import LoadDoesNotFit, LoadEstimate, MiB, fitted
-from ballast.engine.runner.model_runner import analytic_activation_bytes, weights_bytes
+from ballast.engine.runner.model_runner import weights_bytes
 from ballast.engine.step.sampler import Sampler
 from ballast.engine.text.sampling_defaults import GenerationConfigError
 from ballast.engine.text.tokenizer import Tokenizer, TokenizerError
 from ballast.memory.admission import admit_load_spike
 from ballast.memory.errors import MemoryRefused
 from ballast.memory.ledger import Lease
-from ballast.memory.specs import kv_bytes_per_token, state_bytes_per_slot
+from ballast.memory.specs import AttentionSpec, state_bytes_per_slot
 from ballast.memory.types import MemState, Verdict, VerdictKind
 from ballast.memory.watch import MemWatch
 from ballast.models.arch import builtin
@@ -36,6 +37,7 @@ from ballast.models.arch.llama import LlamaForCausalLM, q4_blocks
 from ballast.models.arch.registry import convert_model, model_class
 from ballast.models.base import ModelError
 from ballast.models.blocks.cpu_linear import hold_prompt_bf16
+from ballast.models.kv_store import plan_layout
 from ballast.models.layers.packed import Q4Weight, Q8Weight
 from ballast.models.layers.state import dtype_bytes
 from ballast.models.weights.default_model import DefaultModelError, default_model_path
@@ -163,19 +165,30 @@ def planned_weights_bytes(hf_config: dict[str, Any], dtype: torch.dtype) -> int:
 
 
 def bytes_beside_weights(
-    hf_config: Mapping[str, Any], config: EngineConfig, dtype: torch.dtype
+    hf_config: Mapping[str, Any], config: EngineConfig, dtype: torch.dtype, device_type: str = "cuda"
 ) -> tuple[int, int, int]:
     """What a load needs besides the weights: (the slots' recurrent states and sampler buffers,
-    one max_model_len sequence's KV, the prefill activations), in bytes."""
+    one max_model_len sequence's KV in the whole segments the pool commits for it, the prefill
+    activations on the path that will run), in bytes."""
     with torch.device("meta"):
         specs = model_class(hf_config).from_hf_config(hf_config).layer_specs(dtype_bytes(dtype))
     slots = config.max_num_seqs + 1  # the decode graphs' scratch slot
     vocab = int(hf_config.get("vocab_size", 0))
     fixed = slots * state_bytes_per_slot(specs) + Sampler.planned_bytes(config.max_num_seqs, vocab)
-    activations = analytic_activation_bytes(
-        hf_config, config.prefill_chunk_tokens, config.max_model_len, dtype_bytes(dtype)
-    )
-    return fixed, kv_bytes_per_token(specs) * config.max_model_len, activations
+    device = torch.device(device_type)
+    quantized = config.kv_quant == "int8"
+    chunk = config.resolved_prefill_chunk(device)
+    path = prefill_path(device_type, quantized)
+    activations = activation_bytes(hf_config, chunk, config.max_model_len, dtype_bytes(dtype), path)
+    attn = [x for x in specs if isinstance(x, AttentionSpec)]
+    if not attn:
+        return fixed, 0, activations
+    lay = plan_layout(
+        len(attn), attn[0].num_kv_heads, attn[0].head_dim, dtype, quantized, 1, config.max_model_len,
+        device, segment_bytes=config.kv_segment_bytes,
+    )  # fmt: skip
+    segments = -(-(lay.max_blocks_per_seq + 1) // lay.seg_blocks)  # its blocks and the sink
+    return fixed, segments * lay.segment_bytes, activations
 
 
 def admit_load(
@@ -197,10 +210,14 @@ def admit_load(
     if watch is None:
         return config  # tests and tools without a memory layer
     mem_config = watch.config
-    state: MemState = watch.poll_now()
+    # A CUDA load's host staging is checked as the host's load spike below, not against the die.
+    staging = host_staging if device.type == "cpu" else 0
 
     def estimate(cfg: EngineConfig) -> LoadEstimate:
-        return LoadEstimate(weights, *bytes_beside_weights(hf_config, cfg, dtype), staging=0)
+        return LoadEstimate(weights, *bytes_beside_weights(hf_config, cfg, dtype, device.type), staging)
+
+    asked = estimate(config)
+    state: MemState = watch.poll_now()
 
     if device.type == "cuda":
         # The host only stages the load: the spike and the staging, whatever the configuration.
@@ -212,9 +229,8 @@ def admit_load(
     else:
         # On the host the weights are what loading holds (a GGUF is mapped, not read whole).
         budget = state.host_budget_bytes
-    log.info("load estimate: %s; %.1f MiB free for it", estimate(config).describe(), budget / MiB)
+    log.info("load estimate: %s; %.1f MiB free for it", asked.describe(), budget / MiB)
     if config.fit == "off":
-        asked = estimate(config)
         if asked.total > budget:
             raise ModelLoadRefused(
                 Verdict(VerdictKind.REJECT, 0, f"needs {asked.describe()}, {budget / MiB:,.1f} MiB free")
@@ -257,9 +273,12 @@ def load(
         # the embedding table stays dense (lookups), even where the tied head reads its blocks
         skip = {n for n in packed if n != "model.embed_tokens.weight"}
         dense = sum(math.prod(t.shape) for t in gf.tensors.values()) * dtype_bytes(dtype)
-        # The GGUF is dequantized whole in host memory before it moves to a GPU.
-        staging = dense if device.type == "cuda" else 0
-        weights = _held_bytes(gf, skip, dtype) + sum(gf.tensors[_gguf_name(gf, n)].nbytes for n in packed)
+        held_blocks = sum(_record_bytes(w) for w in packed.values())
+        # The GGUF is dequantized whole in host memory before it moves to a GPU; on the CPU the load
+        # passes through the file's mapped pages and the blocks as read, before their records.
+        file_bytes = sum(t.nbytes for t in gf.tensors.values())
+        staging = dense if device.type == "cuda" else file_bytes + held_blocks
+        weights = _held_bytes(gf, skip, dtype) + held_blocks
         config = admit_load(hf_config, config, device, dtype, weights, watch, host_staging=staging)
         model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype, skip=skip), device)
         if packed:
@@ -291,8 +310,15 @@ def load(
     )
 
 
-def _gguf_name(gf: GGUFFile, hf_name: str) -> str:
-    return next(n for n in gf.tensors if hf_tensor_name(n) == hf_name)
+def _record_bytes(weight: Q4Weight | Q8Weight) -> int:
+    """Bytes a block linear holds for a weight: its integers and float32 scales (a Q4_1 block's 20
+    bytes in the file are 24 held)."""
+    fields = (
+        (weight.qs, weight.scale, weight.minimum)
+        if isinstance(weight, Q4Weight)
+        else (weight.q, weight.scale)
+    )
+    return sum(t.numel() * t.element_size() for t in fields)
 
 
 def _held_bytes(gf: GGUFFile, packed: set[str], dtype: torch.dtype) -> int:

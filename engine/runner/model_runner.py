@@ -16,6 +16,7 @@ import torch
 from ballast.engine.graphs.decode import PAD_POSITION
 from ballast.engine.graphs.graph_runner import GraphRunner
 from ballast.engine.kv.kv_pool import Acquire, KVManager, KVPool
+from ballast.engine.runner.activations import activation_bytes
 from ballast.engine.step.sampler import Sampler
 from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
 from ballast.memory.types import CostModel
@@ -56,37 +57,6 @@ def vocab_size(model: nn.Module) -> int:
     return int(as_causal_lm(model).config.vocab_size)
 
 
-def analytic_activation_bytes(hf_config: Mapping[str, Any], tokens: int, context: int, act_bytes: int) -> int:
-    """Upper estimate of the live activation bytes of one prefill chunk of `tokens` tokens that
-    attends to `context` cached positions, for CPU where no allocator reports a peak.
-
-    Inference mode frees each layer's intermediates before the next layer runs, so the peak is the
-    residual stream plus the larger of one attention block and one MLP block:
-      attention: q, k, v and their rotated copies, the gathered K/V view expanded to all query
-        heads (GQA), float32 scores and softmax (heads x tokens x context), the attention output;
-      MLP: gate, up and their product (3 x intermediate per token), the projection back;
-    plus float32 logits of the chunk's last token. Hybrid / MoE configs contribute their larger
-    intermediate (routed experts x moe_intermediate_size) through the same MLP term.
-    """
-    h = int(hf_config.get("hidden_size", 0))
-    heads = int(hf_config.get("num_attention_heads", 0) or 1)
-    kv_heads = int(hf_config.get("num_key_value_heads", 0) or heads)
-    head_dim = int(hf_config.get("head_dim", 0) or (h // heads))
-    inter = int(hf_config.get("intermediate_size", 0) or 0)
-    moe_inter = int(hf_config.get("moe_intermediate_size", 0) or 0) * int(
-        hf_config.get("num_experts_per_tok", 0) or 0
-    )
-    inter = max(inter, moe_inter + int(hf_config.get("shared_expert_intermediate_size", 0) or 0))
-    vocab = int(hf_config.get("vocab_size", 0))
-    residual = 2 * tokens * h * act_bytes
-    qkv = tokens * (2 * heads + 3 * kv_heads) * head_dim * act_bytes
-    kv_view = 2 * context * heads * head_dim * act_bytes
-    scores = 2 * heads * tokens * context * 4
-    attention = qkv + kv_view + scores + tokens * (heads * head_dim + h) * act_bytes
-    mlp = tokens * (3 * inter + h) * act_bytes
-    return residual + max(attention, mlp) + vocab * 4
-
-
 def warm_kernels(
     model: nn.Module, specs: Sequence[LayerSpec], tokens: int, device: torch.device, dtype: torch.dtype
 ) -> None:
@@ -123,7 +93,7 @@ def profile_prefill(
 
     On CUDA: run that prefill on a throwaway one-slot cache and take the allocator's peak. On CPU
     no allocator reports a peak (tracemalloc does not see torch's allocations), so the figure is
-    `analytic_activation_bytes`, and a short warm-up prefill checks the model runs."""
+    `activations.activation_bytes`, and a short warm-up prefill checks the model runs."""
     start = max(0, max_model_len - chunk_tokens)
     specs = as_causal_lm(model).layer_specs(dtype_bytes(dtype))
     # First forwards allocate one-time buffers (the cuBLAS workspace, ~32 MiB) that are not
@@ -147,13 +117,14 @@ def profile_prefill(
         )
         return Profile(chunk_tokens, int(peak), measured=True)
     # On CPU the figure is analytic: the short warm-up proved the model runs, and a full chunk
-    # would add seconds to every load for nothing measured.
+    # would add seconds to every load for nothing measured. The larger of the two CPU paths: the
+    # ladder may start sequences in int8 blocks (the gathered path) under pressure.
     act_bytes = torch.empty((), dtype=dtype).element_size()
-    return Profile(
-        chunk_tokens,
-        analytic_activation_bytes(hf_config, chunk_tokens, start + chunk_tokens, act_bytes),
-        measured=False,
+    peak = max(
+        activation_bytes(hf_config, chunk_tokens, start + chunk_tokens, act_bytes, path)
+        for path in ("cpu", "cpu-gathered")
     )
+    return Profile(chunk_tokens, peak, measured=False)
 
 
 def build_cost_model(

@@ -13,6 +13,14 @@ each GPU's level went. Outcomes name the error code of a stream that ended in an
     python tests/reliability/vram_squeeze.py --model /path/to/hf-dir [--mode both|on|off] [--out vram.json]
         [--hog-gpu N] [--serve-arg=--tokenizer --serve-arg=DIR ...]
 
+The issue-47 burst (`--burst N`): the server first serves `--warm-streams` streams together, then
+the second process takes all but ~200 MiB and holds, then `--clients` streaming clients send N
+requests between them (each once its last answered). Printed: the server's p99 time to a 429/503
+(`ballast_refusal_seconds`) and the client's, completed against refused, the served TTFT p99, and
+any OOM in the server's log. E.g. (tests/gpu/run_on_device.sh squeeze, the 8B shape):
+    python tests/reliability/vram_squeeze.py --model builtin:llama-8b --mode on --streams 128 \
+        --warm-streams 8 --clients 64 --burst 192 --prompt-words 260 --max-tokens 128
+
 `--device cpu` runs the same flow on the CPU at a tiny size without the second process (no VRAM
 to take): a check of the script itself before GPU time, e.g.
     python tests/reliability/vram_squeeze.py --device cpu --model builtin:tiny-qwen3-next --mode on \
@@ -28,6 +36,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +60,8 @@ while True:
     held.append(torch.empty(take, dtype=torch.uint8, device=f"cuda:{gpu}"))
     print(free // 2**20, flush=True)
     time.sleep(every)
-time.sleep(hold)
+print("filled", flush=True)
+time.sleep(hold if hold >= 0 else 1e9)
 """
 
 
@@ -316,6 +326,163 @@ def run_mode(
                 p.wait()
 
 
+def one_request(url: str, i: int, max_tokens: int, prompt_words: int) -> tuple[str, float, float]:
+    """One streaming chat: (outcome as `streams` names it, seconds to the status line, seconds to
+    the first content token or nan)."""
+    filler = " ".join(f"river{(i * 7 + w) % 997}" for w in range(prompt_words))
+    body = {
+        "model": "x",
+        "messages": [{"role": "user", "content": f"Write a long story number {i}. {filler}"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    sent, first = time.monotonic(), float("nan")
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+            status_s = time.monotonic() - sent
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                if first != first and r.status_code == 200 and _has_text(line):
+                    first = time.monotonic() - sent
+            text = "\n".join(lines)
+        if r.status_code == 200:
+            kind = "completed" if "[DONE]" in text else f"error_event:{_error_code(text)}"
+        else:
+            kind = f"{r.status_code}:{_refusal_code(text)}"
+    except httpx.HTTPError as exc:
+        kind, status_s = type(exc).__name__, time.monotonic() - sent
+    return kind, status_s, first
+
+
+def _has_text(line: str) -> bool:
+    """An SSE chunk carrying generated text (not the role chunk's empty content)."""
+    if not line.startswith("data: {"):
+        return False
+    try:
+        choices = json.loads(line[len("data: ") :]).get("choices") or [{}]
+    except json.JSONDecodeError:
+        return False
+    return bool((choices[0].get("delta") or {}).get("content"))
+
+
+def run_burst(
+    model: str,
+    serve_args: list[str],
+    streams_n: int,
+    warm: int,
+    clients: int,
+    burst: int,
+    max_tokens: int,
+    prompt_words: int,
+    hog_gpu: int | None,
+    device: str = "cuda",
+    deadline_s: float = 150,
+    log: Path | None = None,
+) -> dict[str, Any]:
+    """Issue 47's squeeze: `warm` streams served together, then (hog_gpu set) a co-tenant takes all
+    but ~200 MiB and holds, then `clients` clients send `burst` requests between them."""
+    args = [
+        "--model",
+        model,
+        "--device",
+        device,
+        "--max-num-seqs",
+        str(streams_n),
+        "--served-model-name",
+        "x",
+    ]
+    args += ["--host", "127.0.0.1", "--port", "0", *serve_args]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ballast.server.cli", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    hog = None
+    try:
+        started = time.monotonic()
+        url = _read_listen_line(proc, lines, 600)
+        wait_ready(url, 600)
+        threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
+        print(f"  server ready in {time.monotonic() - started:.0f} s; warming at {warm} streams", flush=True)
+        with ThreadPoolExecutor(warm) as ex:
+            warmed = Counter(
+                k for k, _, _ in ex.map(lambda i: one_request(url, i, max_tokens, prompt_words), range(warm))
+            )
+        free_mib = float("nan")
+        if hog_gpu is not None:
+            hog = subprocess.Popen(
+                [sys.executable, "-c", HOG, str(200 * MiB), str(256 * MiB), "0.2", "-1", str(hog_gpu)],
+                text=True,
+                stdout=subprocess.PIPE,
+            )
+            assert hog.stdout is not None
+            for line in hog.stdout:  # its free MiB at each step, then "filled"
+                if line.strip() == "filled":
+                    break
+            free_mib = total(scrape(url), "ballast_gpu_memory_free_bytes") / MiB
+        print(
+            f"  warm {dict(warmed)}; co-tenant holds, {free_mib:,.0f} MiB free; "
+            f"{burst} requests from {clients} clients",
+            flush=True,
+        )
+        todo = iter(range(burst))
+        lock = threading.Lock()
+        results: list[tuple[str, float, float]] = []
+        t0 = time.monotonic()
+
+        def client() -> None:
+            while time.monotonic() - t0 < deadline_s:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                r = one_request(url, 1000 + i, max_tokens, prompt_words)
+                with lock:
+                    results.append(r)
+
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline_s + 30 - (time.monotonic() - t0)))
+        burst_s = time.monotonic() - t0
+        alive = proc.poll() is None
+        final = scrape(url) if alive else {}
+        counts = Counter(k for k, _, _ in results)
+        refused = [s for k, s, _ in results if k.startswith(("429:", "503:"))]
+        ttft = [f for k, _, f in results if k == "completed" and f == f]
+        oom = [ln for ln in lines if "CUDA out of memory" in ln or "OutOfMemoryError" in ln]
+        return {
+            "warm": dict(warmed),
+            "gpu_free_mib_after_cotenant": free_mib,
+            "burst_s": round(burst_s, 1),
+            "sent": len(results),
+            "outcomes": dict(counts),
+            "completed": counts.get("completed", 0),
+            "refused": len(refused),
+            "refusal_client_p50_s": pct(refused, 50),
+            "refusal_client_p99_s": pct(refused, 99),
+            "refusal_server_count": total(final, "ballast_refusal_seconds_count"),
+            "refusal_server_under_100ms": total(final, "ballast_refusal_seconds_bucket", le="0.1"),
+            "refusal_server_p99_bucket_s": _p99_bucket(final),
+            "ttft_served_p50_s": pct(ttft, 50),
+            "ttft_served_p99_s": pct(ttft, 99),
+            "server_alive": alive,
+            "oom_in_log": len(oom),
+        }
+    finally:
+        if log is not None:
+            log.write_text("\n".join(ln.rstrip() for ln in lines if "HTTP/1.1" not in ln)[-200_000:] + "\n")
+        for p in (hog, proc):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="scenario 4: VRAM squeeze (CUDA)")
     ap.add_argument("--model", required=True)
@@ -330,13 +497,40 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=2000)
     ap.add_argument("--hog-s", type=float, default=30, help="seconds the hog takes to fill")
     ap.add_argument("--hold-s", type=float, default=30, help="seconds the hog holds what it took")
-    ap.add_argument("--prompt-words", type=int, default=0, help="filler words per prompt (~1.3 tokens each)")
+    ap.add_argument(
+        "--prompt-words",
+        type=int,
+        default=0,
+        help="filler words per prompt (~3.8 tokens each: 260 make ~1k tokens)",
+    )
     ap.add_argument("--clients", type=int, default=0, help="client threads (default: streams + 8)")
+    ap.add_argument("--burst", type=int, default=0, help="issue 47: this many requests after the squeeze")
+    ap.add_argument("--warm-streams", type=int, default=8, help="--burst: streams served together first")
+    ap.add_argument("--deadline-s", type=float, default=150, help="--burst: no request sent after this")
     a = ap.parse_args()
     import torch
 
     if a.device == "cuda" and not torch.cuda.is_available():
         print("skipped: no CUDA device")
+        return
+    if a.burst:
+        r = run_burst(
+            a.model,
+            a.serve_arg,
+            a.streams,
+            a.warm_streams,
+            a.clients or a.streams,
+            a.burst,
+            a.max_tokens,
+            a.prompt_words,
+            a.hog_gpu if a.device == "cuda" else None,
+            a.device,
+            a.deadline_s,
+            Path(a.out).with_suffix(".log") if a.out else None,
+        )
+        print(json.dumps(r, indent=1), flush=True)
+        if a.out:
+            Path(a.out).write_text(json.dumps(r, indent=2) + "\n")
         return
     results = []
     for governed in {"both": (True, False), "on": (True,), "off": (False,)}[a.mode]:

@@ -61,6 +61,10 @@ MAX_WING_LINES = (
     # at 0.75 s p99 instead of 45 at 30.5 s), /ready from the wait, a load that fits its container
     # (16 x 8k in 3 GiB starts instead of being refused), device_hang
     + 552
+    # issue 47, s25: each load-estimate term on the path that runs (engine/runner/activations.py:
+    # no float32 scores the CPU's flash path never holds; the pool's whole segments; a GGUF's load
+    # staging): the default model at 16 x 8k estimated 788 against a measured 832 MiB, not 1,784
+    + 80
     + 600  # issue 49: speculative decoding (engine/spec: config, prompt lookup, the verdict, rollback,
     # the governor; verify rows in the executor, the batch, the planner and the block kernel's step)
     # issue 47, session 25: step costs as the middle half of their last samples, not a running mean

@@ -3,9 +3,14 @@ then the context, then the slots; refused, naming what would fit, only below one
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 from ballast.engine.config import EngineConfig
+from ballast.engine.runner.activations import activation_bytes, prefill_path
 from ballast.engine.runner.load_fit import LoadDoesNotFit, LoadEstimate, MiB, fitted
+from ballast.engine.runner.loading import bytes_beside_weights
 
 
 def estimate(cfg: EngineConfig) -> LoadEstimate:
@@ -14,7 +19,7 @@ def estimate(cfg: EngineConfig) -> LoadEstimate:
         weights=200 * MiB,
         fixed=cfg.max_num_seqs * MiB,
         one_sequence=cfg.max_model_len * 45 * 1024,
-        activations=chunk * cfg.max_model_len * 72,  # grows with chunk x context, as scores do
+        activations=chunk * cfg.max_model_len * 72,  # a steep one: the fit's order is what is tested
         staging=0,
     )
 
@@ -38,3 +43,57 @@ def test_the_prefill_chunk_goes_first_then_the_context_then_the_slots() -> None:
 def test_below_one_short_sequence_it_refuses_naming_what_would_fit() -> None:
     with pytest.raises(LoadDoesNotFit, match=r"one 512-token sequence.*would fit with [0-9.,]+ MiB more"):
         fitted(EngineConfig(max_num_seqs=16, max_model_len=8192), estimate, 100 * MiB)
+
+
+# SmolLM2-135M's shape (the default model's): 9 query heads over 3 KV heads of 64.
+SMOL = {
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+}
+
+
+def test_no_attention_path_holds_scores_over_the_context() -> None:
+    """CPU flash in place, CPU gathered (int8 blocks) and CUDA: a chunk's bytes grow with the
+    context by one layer's K/V (CPU; and the gathered path's mask, 5 bytes a query-key pair), never
+    by float32 [heads, tokens, context] scores."""
+    one_layer_kv = 2 * 3 * 64 * 4
+    grow = {
+        p: activation_bytes(SMOL, 2048, 8192, 4, p) - activation_bytes(SMOL, 2048, 2048, 4, p)
+        for p in ("cpu", "device")
+    }
+    assert grow["cpu"] == 6144 * one_layer_kv
+    gathered = activation_bytes(SMOL, 2048, 16384, 4, "cpu-gathered") - activation_bytes(
+        SMOL, 2048, 8192, 4, "cpu-gathered"
+    )
+    assert gathered == 2 * 8192 * (one_layer_kv + 2048 * 5)  # the heap factor on both
+    assert grow["device"] == 0
+    assert 3 * activation_bytes(SMOL, 2048, 8192, 4, "cpu") < 9 * 2048 * 8192 * 4
+    assert prefill_path("cpu", False) == "cpu" and prefill_path("cpu", True) == "cpu-gathered"
+    assert prefill_path("cuda", False) == "device"
+
+
+def test_the_staging_is_gone_before_serving_holds_anything() -> None:
+    est = LoadEstimate(
+        weights=200 * MiB, fixed=MiB, one_sequence=100 * MiB, activations=50 * MiB, staging=120 * MiB
+    )
+    assert est.total == 351 * MiB
+    assert dataclasses.replace(est, staging=400 * MiB).total == 600 * MiB
+    assert (
+        "max(staging 120.0, states+sampler 1.0 + one sequence 100.0 + activations 50.0) = 351.0 MiB"
+        in est.describe()
+    )
+
+
+def test_one_sequence_counts_the_whole_segments_the_pool_commits() -> None:
+    """A CPU pool writes a 64 MiB segment whole when it adds it: one 8k sequence (45 KiB a token,
+    360 MiB) and the sink take six."""
+    cfg = EngineConfig(max_num_seqs=16, max_model_len=8192, device="cpu")
+    _, one_sequence, _ = bytes_beside_weights(SMOL, cfg, torch.float32, "cpu")
+    assert 8192 * 45 * 1024 < one_sequence < 8192 * 45 * 1024 + 64 * MiB
+    big = dataclasses.replace(cfg, kv_segment_bytes=512 * MiB)
+    assert 511 * MiB < bytes_beside_weights(SMOL, big, torch.float32, "cpu")[1] <= 512 * MiB  # one segment
