@@ -89,6 +89,8 @@ class DraftGovernor:
         self._probe_gap: dict[int, int] = {}
         self._promised: int | None = None  # streams a lookahead was told to leave to a drafting plan
         self._last_result_at: float | None = None
+        # The engine's MTP drafts, by slot: (the position the slot's next decode feeds, drafts).
+        self.proposals: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.reason = "off" if config is None else "measuring"  # why the last decision was what it was
 
     def wants(self, streams: int, level: Level, ahead: bool = False) -> bool:
@@ -139,7 +141,9 @@ class DraftGovernor:
         return draft
 
     def observe_step(self, plan: StepPlan, result: StepResult, now: float) -> None:
-        """Count what a finished step's decodes emitted (drafted, accepted) and time it."""
+        """Count what a finished step's decodes emitted (drafted, accepted) and time it; keep
+        the drafts the engine proposed for the next step."""
+        self.proposals = {slot: (pos, drafts) for slot, pos, drafts in result.proposals}
         emitted: dict[int, int] = {}
         for out in result.outputs:
             emitted[out.slot] = emitted.get(out.slot, 0) + 1
