@@ -63,6 +63,9 @@ MAX_WING_LINES = (
     + 552
     + 600  # issue 49: speculative decoding (engine/spec: config, prompt lookup, the verdict, rollback,
     # the governor; verify rows in the executor, the batch, the planner and the block kernel's step)
+    # issue 49, MTP: Qwen3-Next's multi-token-prediction layer loaded (HF checkpoints, random for
+    # built-ins) and drafting from the target's hidden states with its KV in the slot's blocks
+    + 380
 )
 
 
