@@ -84,7 +84,9 @@ def plain_run(engine: Engine, prompt: tuple[int, ...], n: int) -> tuple[list[int
     out, times = [_start(engine, prompt)], []
     while len(out) < n + 1:
         pos = len(prompt) + len(out) - 1
-        toks, dt = _step(engine, StepPlan(decodes=(DecodeToken(SLOT, out[-1], pos),), sampling={SLOT: GREEDY}))
+        toks, dt = _step(
+            engine, StepPlan(decodes=(DecodeToken(SLOT, out[-1], pos),), sampling={SLOT: GREEDY})
+        )
         out += toks
         times.append(dt)
     return out, times
@@ -124,7 +126,9 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     try:
         vocab = engine.vocab_size
-        prompt = tuple(torch.randint(3, vocab, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist())
+        prompt = tuple(
+            torch.randint(3, vocab, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+        )
         plain_run(engine, prompt, min(8, args.tokens))  # warm-up: graphs, kernels' first calls
         oracle_run(engine, prompt, min(8, args.tokens), OracleDrafter([0] * 16, args.k, 0.5, vocab))
         tokens, decode_s = plain_run(engine, prompt, args.tokens)
@@ -167,20 +171,23 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(bench_model(name, args))
         r = rows[-1]
         print(
-            f"{name} on {r['device']} (load {r['load_s']} s), k={args.k}: decode step {r['decode_step_ms']:.2f} ms, "
-            f"{r['plain_tok_s']:.1f} tok/s",
+            f"{name} on {r['device']} (load {r['load_s']} s), k={args.k}: "
+            f"decode step {r['decode_step_ms']:.2f} ms, {r['plain_tok_s']:.1f} tok/s",
             flush=True,
         )
         for tag in ("oracle100", "oracle50"):
             print(
-                f"  {tag}: verify step {r[f'{tag}_verify_step_ms']:.2f} ms = {r[f'{tag}_verify_over_decode']:.2f}x "
-                f"a decode step (aim <= 1.3); {r[f'{tag}_tok_s']:.1f} tok/s = {r[f'{tag}_speedup']:.2f}x "
+                f"  {tag}: verify step {r[f'{tag}_verify_step_ms']:.2f} ms = "
+                f"{r[f'{tag}_verify_over_decode']:.2f}x a decode step (aim <= 1.3); "
+                f"{r[f'{tag}_tok_s']:.1f} tok/s = {r[f'{tag}_speedup']:.2f}x "
                 f"(aim at 100%: >= 2.5x); acceptance {r[f'{tag}_acceptance']:.2f}; "
                 f"same text as plain: {r[f'{tag}_same_text']}",
                 flush=True,
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"k": args.k, "prompt": args.prompt, "tokens": args.tokens, "rows": rows}, indent=1))
+    args.out.write_text(
+        json.dumps({"k": args.k, "prompt": args.prompt, "tokens": args.tokens, "rows": rows}, indent=1)
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -84,7 +84,13 @@ class Engine:
 
     def _load(self) -> Parts:
         return bring_up(
-            self.config, self.device, self.dtype, self._watch, self.dies, lambda: self.gpu_die, self.mtp_drafts > 0
+            self.config,
+            self.device,
+            self.dtype,
+            self._watch,
+            self.dies,
+            lambda: self.gpu_die,
+            self.mtp_drafts > 0,
         )
 
     @property

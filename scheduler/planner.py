@@ -27,6 +27,7 @@ from ballast.scheduler.kv_policy import KVPolicy
 from ballast.scheduler.prompt_budget import PromptBudget
 from ballast.scheduler.roster import Roster
 from ballast.scheduler.sequence import Phase, Seq
+
 from ballast.settings import ConfigError
 
 # Tokens per prefill chunk of a request that scores its prompt: the model returns a row of

@@ -29,7 +29,9 @@ from torch import Tensor
 class DraftingModel(Protocol):
     last_hidden: Tensor | None
 
-    def mtp_forward(self, batch: StepBatch, hidden: Tensor, states: list[LayerState], depth: int = 0) -> Tensor: ...
+    def mtp_forward(
+        self, batch: StepBatch, hidden: Tensor, states: list[LayerState], depth: int = 0
+    ) -> Tensor: ...
 
     def mtp_logits(self, normed: Tensor) -> Tensor: ...
 
@@ -151,5 +153,7 @@ class MTPDrafter:
     def _batch(self, rows: list[tuple[int, list[int], int]]) -> StepBatch:
         tokens = array("q", [t for _, ts, _ in rows for t in ts])
         return self._place(
-            StepBatch.of_lists([s for s, _, _ in rows], [p for _, _, p in rows], [len(t) for _, t, _ in rows], tokens)
+            StepBatch.of_lists(
+                [s for s, _, _ in rows], [p for _, _, p in rows], [len(t) for _, t, _ in rows], tokens
+            )
         )

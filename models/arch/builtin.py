@@ -169,7 +169,6 @@ def builtin_config(name: str, mtp: bool = False) -> dict[str, Any]:
     return without_mtp(dict(BUILTIN[key]), mtp)
 
 
-
 def init_random(model: nn.Module, seed: int) -> None:
     """Seeded init: norms 1, biases 0, others N(0, 0.02) like HF's initializer_range, on the CPU
     generator (the same weights on any device) up to DEVICE_INIT_PARAMS. A model's own rules

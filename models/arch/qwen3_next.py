@@ -328,7 +328,9 @@ class Qwen3NextForCausalLM(DecoderLM):
             self.mtp.layers if self.mtp is not None else ()
         )
 
-    def mtp_forward(self, batch: ForwardBatch, hidden: Tensor, states: list[LayerState], depth: int = 0) -> Tensor:
+    def mtp_forward(
+        self, batch: ForwardBatch, hidden: Tensor, states: list[LayerState], depth: int = 0
+    ) -> Tensor:
         """The MTP layer's normed output at every row of `batch`, whose tokens are the ones after
         each row's position (what the target chose there) and `hidden` the target's normed hidden
         states at those positions; writes the layer's KV. `mtp_logits` of a row: the next draft."""

@@ -63,7 +63,10 @@ def reference_mtp(model: Qwen3NextForCausalLM, next_tokens: list[int], hidden: T
     eps, t, d = c.rms_norm_eps, len(next_tokens), c.head_dim
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     e = model.model.embed_tokens.weight.detach().float()[torch.tensor(next_tokens)]
-    x = torch.cat([_rms(e, p["pre_fc_norm_embedding.weight"], eps), _rms(hidden, p["pre_fc_norm_hidden.weight"], eps)], -1)
+    x = torch.cat(
+        [_rms(e, p["pre_fc_norm_embedding.weight"], eps), _rms(hidden, p["pre_fc_norm_hidden.weight"], eps)],
+        -1,
+    )
     x = x @ p["fc.weight"].T
     a = "layers.0.self_attn."
     y = _rms(x, p["layers.0.input_layernorm.weight"], eps)
@@ -92,7 +95,9 @@ def reference_mtp(model: Qwen3NextForCausalLM, next_tokens: list[int], hidden: T
             gate_proj, up = (p[m + "experts.gate_up_proj"][ex] @ y[row]).chunk(2)
             moe[row] += w * (p[m + "experts.down_proj"][ex] @ (F.silu(gate_proj) * up))
     s = m + "shared_expert."
-    shared = (F.silu(y @ p[s + "gate_proj.weight"].T) * (y @ p[s + "up_proj.weight"].T)) @ p[s + "down_proj.weight"].T
+    shared = (F.silu(y @ p[s + "gate_proj.weight"].T) * (y @ p[s + "up_proj.weight"].T)) @ p[
+        s + "down_proj.weight"
+    ].T
     x = x + moe + torch.sigmoid(y @ p[m + "shared_expert_gate.weight"].T) * shared
     return _rms(x, p["norm.weight"], eps)
 
@@ -176,7 +181,9 @@ def test_the_engines_drafts_are_the_formulas_after_chunked_prefill_decodes_and_v
     seq = prompt + out
     assert list(drafts) == _greedy_drafts(model, seq, K)
     for _ in range(2):
-        out, drafts = step(StepPlan(decodes=(DecodeToken(slot, seq[-1], len(seq) - 1),), sampling={slot: GREEDY}))
+        out, drafts = step(
+            StepPlan(decodes=(DecodeToken(slot, seq[-1], len(seq) - 1),), sampling={slot: GREEDY})
+        )
         seq += out
         assert list(drafts) == _greedy_drafts(model, seq, K)
     # verify steps: the MTP drafts themselves (random weights: mostly rejected), then the target's
@@ -248,7 +255,9 @@ def test_mtp_on_a_model_without_an_mtp_layer_is_a_clear_error() -> None:
         plain.shutdown()
 
 
-def test_a_checkpoints_mtp_tensors_load_only_for_drafting(tmp_path: Path, model: Qwen3NextForCausalLM) -> None:
+def test_a_checkpoints_mtp_tensors_load_only_for_drafting(
+    tmp_path: Path, model: Qwen3NextForCausalLM
+) -> None:
     config = {**builtin_config(MODEL, mtp=True)}
     config.pop("seed")
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -258,4 +267,4 @@ def test_a_checkpoints_mtp_tensors_load_only_for_drafting(tmp_path: Path, model:
         assert torch.equal(with_mtp.state_dict()[name], p), name
     plain = inspect_hf_dir(tmp_path)
     assert not any(k.startswith("mtp.") for k in plain.tensors)
-    assert getattr(load_hf_model(plain), "mtp") is None
+    assert load_hf_model(plain).mtp is None
