@@ -14,7 +14,7 @@ import pytest
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.plan import SamplingParams
+from ballast.engine.plan import SamplingParams, StepPlan
 from ballast.engine.spec.config import SpeculativeConfig, parse_speculative_config
 from ballast.engine.spec.governor import DraftGovernor
 from ballast.engine.spec.ngram import propose
@@ -27,7 +27,7 @@ from ballast.memory.watch import MemWatch
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.request import FinishEvent, GenerationRequest, TokenEvent
 from ballast.scheduler.scheduler import Scheduler
-from memfixtures import level_tree
+from memfixtures import level_tree, limited_grants
 from scipy.stats import chi2
 
 from ballast.settings import ConfigError
@@ -183,21 +183,51 @@ def test_a_grammar_holds_while_drafting(llama: Engine) -> None:
     assert drafts.stats.drafted > 0
 
 
-def test_a_prefix_hit_while_drafting_gives_the_same_answer() -> None:
+class CacheEvents:
+    """What the prefix cache tells the KV-event publisher (`CacheListener`), recorded."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[int, ...]] = []
+        self.gone = 0
+
+    def stored(self, key: object, tokens: Sequence[int]) -> None:
+        self.saved.append(tuple(tokens))
+
+    def removed(self, key: object) -> None:
+        self.gone += 1
+
+    def cleared(self) -> None:
+        self.gone += 1
+
+
+def test_a_prefix_hit_while_drafting_gives_the_same_answer_and_kv_events() -> None:
+    """A second turn restores the first's checkpoint while drafting; the prefix cache stores the
+    same entries with and without drafts (so the KV events a router reads are the same), none
+    holding a rejected draft."""
     engine = tiny("builtin:tiny-qwen3-next")
+    cache = engine.prefix_cache
+    assert cache is not None
+    runs = []
     try:
         first = GenerationRequest("t1", looping_prompt(5), NARROW, max_tokens=24)
         off, _ = serve(engine, [first], None)
         follow = GenerationRequest(
             "t2", first.prompt_ids + off[0][1] + looping_prompt(6, 4, 2), NARROW, max_tokens=24
         )
-        off, _ = serve(engine, [first, follow], None, sequential=True)
-        on, drafts = serve(engine, [first, follow], NGRAM, sequential=True)
+        for spec in (None, NGRAM):
+            engine.submit(StepPlan(shed_prefix_cache=True)).result(timeout=60)
+            cache.listener = events = CacheEvents()
+            out, drafts = serve(engine, [first, follow], spec, sequential=True)
+            runs.append((out, drafts, events))
     finally:
         engine.shutdown()
+    (off, _, off_events), (on, drafts, on_events) = runs
     same(off, on)
     assert on[1][2].cached_tokens > 0  # the second turn restored the first's checkpoint
-    assert drafts.stats.drafted > 0
+    assert drafts.stats.drafted > 0 and drafts.stats.accepted < drafts.stats.drafted
+    assert on_events.saved == off_events.saved and on_events.saved and on_events.gone == off_events.gone
+    texts = [req.prompt_ids + o[1] for req, o in zip((first, follow), on, strict=True)]
+    assert all(any(t[: len(saved)] == saved for t in texts) for saved in on_events.saved)
 
 
 def test_eight_streams_turn_drafting_off_and_two_draft(llama: Engine) -> None:
@@ -328,3 +358,21 @@ def test_the_governor_drafts_while_it_measures_faster_and_probes_less_while_it_l
     before = loses.stats.steps_drafting
     _steps(loses, 2, 10, 100.0, 0.03, 2)
     assert loses.stats.steps_drafting == before and loses.stats.declined["loses"] > 0
+
+
+def test_preemption_while_drafting_keeps_the_text() -> None:
+    """A KV pool of one 4-block segment for three streams: blocks run short mid-run and sequences
+    are preempted (recomputed on resume) with and without drafts; the text is the same."""
+    engine = tiny("builtin:tiny-llama", max_model_len=128, prefill_chunk_tokens=64, kv_segment_bytes=64 << 10)
+    try:
+        kv = engine.runner.kv
+        assert kv is not None and kv.layout.block_size == 32
+        kv._acquire = limited_grants(1)
+        reqs = [GenerationRequest(f"r{i}", looping_prompt(i), NARROW, max_tokens=40) for i in range(3)]
+        off, _ = serve(engine, reqs, None)
+        before = engine.slot_kv.preemptions
+        on, drafts = serve(engine, reqs, NGRAM)
+    finally:
+        engine.shutdown()
+    same(off, on)
+    assert engine.slot_kv.preemptions > before > 0 and drafts.stats.accepted > 0
