@@ -124,7 +124,7 @@ class StepPlanner:
         draft: tuple[int, ...] = ()
         if drafting and config is not None:
             room = min(
-                config.num_speculative_tokens,
+                self.drafts.length(),
                 seq.max_tokens - len(seq.output) - 1,
                 self._engine.max_model_len - 1 - pos,
             )

@@ -14,7 +14,7 @@ import pytest
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.plan import SamplingParams, StepPlan
+from ballast.engine.plan import DecodeToken, SamplingParams, SlotOutput, StepPlan, StepResult
 from ballast.engine.spec.config import SpeculativeConfig, parse_speculative_config
 from ballast.engine.spec.governor import DraftGovernor
 from ballast.engine.spec.ngram import propose
@@ -376,3 +376,28 @@ def test_preemption_while_drafting_keeps_the_text() -> None:
         engine.shutdown()
     same(off, on)
     assert engine.slot_kv.preemptions > before > 0 and drafts.stats.accepted > 0
+
+
+def test_the_draft_length_follows_the_acceptance_by_position() -> None:
+    """Position j is drafted while drafts through j - 1 are mostly kept: a free story (the first
+    draft rejected) drafts one token at a time, a copy (all kept) grows back to k, a workload
+    that keeps two of four drafts three (the third to keep measuring it)."""
+    gov = DraftGovernor(SpeculativeConfig("ngram", 4, 1, 4))
+    assert gov.length() == 4  # nothing measured yet: all k
+
+    def step(keep: int) -> None:
+        n = gov.length()
+        plan = StepPlan(decodes=(DecodeToken(0, 5, 10, (7,) * n),))
+        kept = min(keep, n)
+        gov.observe_step(plan, StepResult(outputs=(SlotOutput(0, 7, None, (), False),) * (kept + 1)), 1.0)
+
+    for _ in range(6):
+        step(0)
+    assert gov.length() == 1
+    for _ in range(20):
+        step(4)
+    assert gov.length() == 4
+    for _ in range(20):
+        step(2)
+    assert gov.length() == 3
+    assert gov.stats.drafted_at[0] == 46 and gov.stats.accepted_at[3] < gov.stats.drafted_at[3]
