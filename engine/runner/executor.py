@@ -141,7 +141,13 @@ class StepExecutor:
             result = replace(result, outputs=outputs + result.outputs)
         if self._mtp is not None:
             drafting = frozenset(d.slot for d in launched.plan.decodes if d.draft)
-            result = replace(result, proposals=self._mtp.propose(result.outputs, drafting))
+            try:
+                result = replace(result, proposals=self._mtp.propose(result.outputs, drafting))
+            except Exception as exc:  # the step's tokens stand; short of memory, no drafts this time
+                if not is_memory_fault(exc) or is_device_fault(exc):
+                    raise
+                log.warning("MTP drafts skipped for want of memory: %s", exc)
+                self._mtp.forget()
         if result.prefill_tokens or result.decode_tokens:
             self._failures_in_a_row = 0
         return result
