@@ -29,13 +29,14 @@ PROBE_EVERY = 24
 PROBE_MAX = 384
 # Longest step gap that counts as a step's time (a gap longer than this was idleness).
 MAX_STEP_GAP_S = 5.0
-# How far ahead to draft: position j (0-based) is drafted while the positions before it are each
-# accepted (all of them through j) in at least this share of recent rows. Each verify row costs
-# more the longer it is (on a compute-bound CPU step 1 / 2 / 4 drafts measured 1.1x / 1.6x / 2.9x
-# a decode step), so a workload that rarely accepts drafts only one at a time, and the step-time
-# comparison above then weighs that cheap form against plain steps.
+# How far ahead to draft: position j (0-based) is drafted once drafts through j - 1 were all
+# accepted in at least this share of recent rows (position 0 always; the length grows one
+# position at a time as acceptance shows, like a slow start). Each verify row costs more the
+# longer it is (on a compute-bound CPU step 1 / 2 / 4 drafts measured 1.1x / 1.6x / 2.9x a decode
+# step), so a workload that rarely accepts drafts one token at a time, and the step-time
+# comparison above weighs that cheap form against plain steps.
 MIN_ACCEPTANCE = 0.3
-# Weight of the newest row in each position's running acceptance (from 1: a fresh position is drafted).
+# Weight of the newest row in each position's running acceptance (its first row sets it).
 ACCEPT_EMA = 0.25
 
 
@@ -118,8 +119,8 @@ class DraftGovernor:
         """Drafts to propose now: 1, and one more for each leading position whose recent
         acceptance (all drafts through it kept) is at least MIN_ACCEPTANCE; at most k."""
         k = self.config.num_speculative_tokens if self.config is not None else 0
-        n = 1
-        while n < k and (n > len(self._acceptance) or self._acceptance[n - 1] >= MIN_ACCEPTANCE):
+        acc, n = self._acceptance, 1
+        while n < k and n <= len(acc) and acc[n - 1] >= MIN_ACCEPTANCE:
             n += 1
         return n
 
@@ -175,9 +176,12 @@ class DraftGovernor:
 
     def _accepted(self, drafts: int, accepted: int) -> None:
         acc = self._acceptance
-        acc.extend([1.0] * (drafts - len(acc)))
         for j in range(drafts):
-            acc[j] += ACCEPT_EMA * (float(j < accepted) - acc[j])
+            kept = float(j < accepted)
+            if j < len(acc):
+                acc[j] += ACCEPT_EMA * (kept - acc[j])
+            else:
+                acc.append(kept)
 
     def observe(self, streams: int, drafted: bool, tokens: int, now: float, timed: bool) -> None:
         """A step came back at `now`: `streams` decoding rows, whether any carried drafts, the
