@@ -66,7 +66,7 @@ MAX_WING_LINES = (
     # issue 49, MTP: Qwen3-Next's multi-token-prediction layer loaded (HF checkpoints, random for
     # built-ins) and drafting from the target's hidden states with its KV in the slot's blocks
     + 380
-    + 35  # issue 49: the draft length follows the acceptance by position (governor)
+    + 40  # issue 49: the draft length follows the acceptance by position (governor)
 )
 
 

@@ -240,7 +240,8 @@ def test_greedy_output_with_mtp_drafts_equals_without(engine: Engine) -> None:
     on, stats = _serve(engine, MTP, reqs)
     assert on == off and all(len(o) == 24 for o in on)
     assert stats.steps_drafting > 0 and stats.drafted > 0  # type: ignore[attr-defined]
-    assert len(stats.drafted_at) == K  # type: ignore[attr-defined]
+    # random weights: no draft is kept, so drafts stay one at a time (the length by acceptance)
+    assert stats.drafted_at == [stats.drafted]  # type: ignore[attr-defined]
 
 
 def test_mtp_on_a_model_without_an_mtp_layer_is_a_clear_error() -> None:
