@@ -42,7 +42,9 @@ class Engine:
         *,
         prefix_cache: PrefixCacheConfig | None = None,
         pool: CheckpointPool | None = None,
+        mtp_drafts: int = 0,
     ) -> None:
+        self.mtp_drafts = mtp_drafts  # drafts per step from the model's MTP layer (0: none)
         self.device = config.resolved_device()
         self.busy_prefill_chunk_tokens = config.resolved_busy_prefill_chunk(self.device)
         config = replace(config, prefill_chunk_tokens=config.resolved_prefill_chunk(self.device))
@@ -72,13 +74,24 @@ class Engine:
         *,
         prefix_cache: PrefixCacheConfig | None = None,
         pool: CheckpointPool | None = None,
+        mtp_drafts: int = 0,
     ) -> Engine:
         """Load the model, profile a prefill, allocate slot states. prefix_cache: the checkpoint
-        cache's settings (default: on); pool: where its buffers come from and go back to."""
-        return cls(config, watch, prefix_cache=prefix_cache, pool=pool)
+        cache's settings (default: on); pool: where its buffers come from and go back to;
+        mtp_drafts: load the model's MTP layer and draft this many tokens a step from it (the
+        scheduler's `--speculative-config` method "mtp")."""
+        return cls(config, watch, prefix_cache=prefix_cache, pool=pool, mtp_drafts=mtp_drafts)
 
     def _load(self) -> Parts:
-        return bring_up(self.config, self.device, self.dtype, self._watch, self.dies, lambda: self.gpu_die)
+        return bring_up(
+            self.config,
+            self.device,
+            self.dtype,
+            self._watch,
+            self.dies,
+            lambda: self.gpu_die,
+            self.mtp_drafts > 0,
+        )
 
     @property
     def dies(self) -> list[int]:
@@ -127,7 +140,14 @@ class Engine:
             loaded.load_s,
         )
         built = assemble(
-            parts, self.config, self.dtype, self._watch, self._pool, self._prefix_cfg, self._capacity_bytes
+            parts,
+            self.config,
+            self.dtype,
+            self._watch,
+            self._pool,
+            self._prefix_cfg,
+            self._capacity_bytes,
+            self.mtp_drafts,
         )
         self._steps = built.steps
         self.vocab_size = built.steps.vocab_size
@@ -139,7 +159,8 @@ class Engine:
         self.checkpoint_interval = self._cache.interval if self.prefix_cache is not None else 0
         self.recurrent_state = self.cost_model.state_bytes_per_slot > 0
         self.quantized_kv = runner.quantized_kv
-        self.decodes_ahead = self.config.tensor_parallel_size == 1
+        # An MTP drafter reads each step's tokens before the next step runs: no step ahead.
+        self.decodes_ahead = self.config.tensor_parallel_size == 1 and not self.mtp_drafts
         log.info("%s", built.capacity)
         self._pipeline = StepPipeline(
             self._executor, self.launch, self._steps.finish, self._on_step_failure, needs_host_tokens

@@ -223,6 +223,9 @@ class StepResult:
     kv: KVFigures | None = None  # the main KV pool
     kv_int8: KVFigures | None = None  # the int8 pool new sequences use under pressure, if any
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # for chunks that asked (logprob_targets)
+    # The MTP drafter's drafts (engine.spec.mtp): (slot, the position its next decode feeds, the
+    # drafts after it) for every slot that emitted a token; empty without an MTP drafter.
+    proposals: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
 
 class StepFailed(Exception):

@@ -10,6 +10,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from ballast.engine import threads
@@ -20,7 +21,7 @@ from ballast.engine.kv.prefix_cache import PrefixCache
 from ballast.engine.parallel import tensor_parallel
 from ballast.engine.runner.checkpoint_orders import CheckpointExecutor, build_cache
 from ballast.engine.runner.executor import StepExecutor
-from ballast.engine.runner.loading import LoadedModel, load
+from ballast.engine.runner.loading import LoadedModel, ModelSpecError, load
 from ballast.engine.runner.model_runner import (
     ModelRunner,
     Profile,
@@ -31,12 +32,14 @@ from ballast.engine.runner.model_runner import (
 )
 from ballast.engine.runner.slot_kv import SlotKV
 from ballast.engine.runner.warm_up import warm_up
+from ballast.engine.spec.mtp import DraftingModel, MTPDrafter
 from ballast.engine.step.step_batch import check_slots
 from ballast.engine.workspace import step_workspace
 from ballast.memory.ledger import Lease
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import CostModel
 from ballast.memory.watch import MemWatch
+from ballast.models.base import StepBatch
 from ballast.models.layers import pointwise
 
 log = logging.getLogger(__name__)
@@ -51,18 +54,21 @@ def bring_up(
     watch: MemWatch | None,
     dies: list[int],
     gpu_die: Callable[[], int | None],
+    mtp: bool = False,
 ) -> Parts:
     """dies: every GPU the engine's ranks use (empty on the host); gpu_die: the one admission
-    checks, asked once the model is loaded."""
+    checks, asked once the model is loaded; mtp: load the model's MTP layer to draft from."""
     pointwise.set_enabled(cfg.compile)  # the decode graphs' capture compiles them
     if device.type == "cpu":
         set_cpu_threads(cfg.cpu_threads)
     quantized = cfg.kv_quant == "int8"  # the operator's choice alone: never the level at load
     workers = None
     if cfg.tensor_parallel_size > 1:
+        if mtp:
+            raise ModelSpecError("--speculative-config method 'mtp' is not built for tensor parallel")
         loaded, workers = tensor_parallel.load_sharded(cfg, device, dtype, quantized, watch)
     else:
-        loaded = load(cfg, device, dtype, watch)
+        loaded = load(cfg, device, dtype, watch, mtp)
     cfg = loaded.config  # what fits, where the asked configuration did not
     leases = list(loaded.leases)
     try:
@@ -70,7 +76,8 @@ def bring_up(
             loaded.model, loaded.hf_config, cfg.prefill_chunk_tokens, cfg.max_model_len, device, dtype
         )
         # Under tensor parallel only with --tp-cuda-graphs: every rank captures (tp_graphs).
-        graphs = cfg.decode_graphs(device)
+        # MTP drafts from each step's hidden states, which a replayed graph does not hand back.
+        graphs = cfg.decode_graphs(device) and not mtp
         die = gpu_die()
         if watch is not None and die is not None:
             # Lease before allocating: the ledger refuses before the driver would OOM. Every
@@ -152,9 +159,11 @@ def assemble(
     pool: CheckpointPool | None,
     prefix: PrefixCacheConfig,
     capacity_bytes: Callable[[], int],
+    mtp_drafts: int = 0,
 ) -> Assembled:
     """pool: where the cache's buffers come from and go back to; capacity_bytes: what the KV pool
-    could still be granted now (for the start-up report)."""
+    could still be granted now (for the start-up report); mtp_drafts: drafts per step from the
+    model's MTP layer (0: none)."""
     loaded, runner, profile, leases = parts
     block = runner.kv.layout.block_size if runner.kv is not None else 1
     cost = build_cost_model(loaded.model, dtype, profile, loaded.weights_bytes, block)
@@ -169,8 +178,31 @@ def assemble(
     if cfg.fault_specs:
         log.warning("BALLAST_FAULTS is set: injecting %s into engine steps", list(cfg.fault_specs))
     faults = FaultInjector(cfg.fault_specs, runner.device)
+    mtp = None
+    if mtp_drafts:
+        kv = runner.kv_manager
+
+        def ensure(slot: int, n: int) -> bool:
+            return kv is None or slot_kv.pool_of(slot).ensure(slot, n)
+
+        def place(batch: StepBatch) -> StepBatch:
+            runner.mark_kv(batch)
+            return batch.place(runner.device)
+
+        model = cast(DraftingModel, loaded.model)
+        mtp = MTPDrafter(model, runner.states, mtp_drafts, ensure, place, cfg.max_model_len)
     steps = StepExecutor(
-        runner, runner.sampler, slot_kv, cache, prefix_cache, orders, pool, faults, leases, cfg.max_model_len
+        runner,
+        runner.sampler,
+        slot_kv,
+        cache,
+        prefix_cache,
+        orders,
+        pool,
+        faults,
+        leases,
+        cfg.max_model_len,
+        mtp,
     )
     workspace = step_workspace(cfg.max_num_seqs, runner.sampler.vocab_size, dtype.itemsize)
     room = capacity_bytes()

@@ -135,7 +135,7 @@ class SchedulerConfig:
         default=None,
         metadata=setting(
             "BALLAST_SPECULATIVE_CONFIG",
-            'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": k, '
+            'speculative decoding, vLLM\'s JSON: {"method": "ngram" or "mtp", "num_speculative_tokens": k, '
             '"prompt_lookup_min": a, "prompt_lookup_max": b, "max_streams": s}; drafts only while it '
             "measures faster, below s (8) decoding streams and below WATCH; unset = off",
         ),

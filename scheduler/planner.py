@@ -15,6 +15,7 @@ import itertools
 
 from ballast.engine.interface import EngineLike
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from ballast.engine.spec.config import FLAG
 from ballast.engine.spec.governor import DraftGovernor
 from ballast.engine.spec.ngram import propose
 from ballast.memory.types import Level
@@ -26,6 +27,8 @@ from ballast.scheduler.kv_policy import KVPolicy
 from ballast.scheduler.prompt_budget import PromptBudget
 from ballast.scheduler.roster import Roster
 from ballast.scheduler.sequence import Phase, Seq
+
+from ballast.settings import ConfigError
 
 # Tokens per prefill chunk of a request that scores its prompt: the model returns a row of
 # logits (vocabulary-sized, float32) for every one of them.
@@ -48,6 +51,12 @@ class StepPlanner:
         self._engine = engine
         self._prompt_budget = prompt_budget
         self.drafts = drafts or DraftGovernor(config.speculative)
+        spec = self.drafts.config
+        if spec is not None and spec.method == "mtp" and not getattr(engine, "mtp_drafts", 0):
+            raise ConfigError(
+                f"{FLAG}: method 'mtp' drafts from the engine's MTP layer, and this engine was "
+                "loaded without one (Engine.load(..., mtp_drafts=k))"
+            )
         self._roster = roster
         self._gate = gate
         self._gov = gov
@@ -115,12 +124,16 @@ class StepPlanner:
         draft: tuple[int, ...] = ()
         if drafting and config is not None:
             room = min(
-                config.num_speculative_tokens,
+                self.drafts.length(),
                 seq.max_tokens - len(seq.output) - 1,
                 self._engine.max_model_len - 1 - pos,
             )
-            context = (*seq.req.prompt_ids, *seq.output)
-            draft = propose(context, room, config.prompt_lookup_min, config.prompt_lookup_max)
+            if config.method == "mtp":  # the engine's, from the last step, if made for this position
+                at, proposed = self.drafts.proposals.get(seq.slot, (-1, ()))
+                draft = proposed[: max(0, room)] if at == pos else ()
+            else:
+                context = (*seq.req.prompt_ids, *seq.output)
+                draft = propose(context, room, config.prompt_lookup_min, config.prompt_lookup_max)
         return DecodeToken(seq.slot, seq.output[-1], pos, draft)
 
     def _next_chunk(self, seq: Seq, budget: int) -> PrefillChunk:

@@ -246,7 +246,9 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         # The main KV pool's format is the operator's (--kv-quant), whatever the level at load: a
         # PSI blip then must not make it int8 for the process's life. Pressure acts at run time,
         # where the ladder starts new sequences in the int8 pool while WATCH lasts.
-        engine = Engine.load(engine_cfg, watch, prefix_cache=prefix_cfg, pool=pool)
+        spec = sched_cfg.speculative
+        mtp = spec.num_speculative_tokens if spec is not None and spec.method == "mtp" else 0
+        engine = Engine.load(engine_cfg, watch, prefix_cache=prefix_cfg, pool=pool, mtp_drafts=mtp)
         if kv_events is not None:
             kv_events.attach(engine)
         return engine

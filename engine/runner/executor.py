@@ -28,6 +28,7 @@ from ballast.engine.plan import (
 from ballast.engine.runner.checkpoint_orders import CheckpointExecutor
 from ballast.engine.runner.model_runner import ModelRunner
 from ballast.engine.runner.slot_kv import SlotKV
+from ballast.engine.spec.mtp import MTPDrafter
 from ballast.engine.spec.step import DraftVerifier
 from ballast.engine.step.pipeline import DrawnRow, LaunchedStep
 from ballast.engine.step.sampler import Draw, Sampler
@@ -59,8 +60,10 @@ class StepExecutor:
         faults: FaultInjector,
         leases: list[Lease],
         max_model_len: int,
+        mtp: MTPDrafter | None = None,
     ) -> None:
         self._runner = runner
+        self._mtp = mtp  # drafts for the next step from the model's MTP layer (None: none)
         self._sampler = sampler
         self._slot_kv = slot_kv
         self._cache = cache
@@ -136,6 +139,15 @@ class StepExecutor:
                 for (slot, _, at_capacity), tok in zip(launched.rows, tokens, strict=True)
             )
             result = replace(result, outputs=outputs + result.outputs)
+        if self._mtp is not None:
+            drafting = frozenset(d.slot for d in launched.plan.decodes if d.draft)
+            try:
+                result = replace(result, proposals=self._mtp.propose(result.outputs, drafting))
+            except Exception as exc:  # the step's tokens stand; short of memory, no drafts this time
+                if not is_memory_fault(exc) or is_device_fault(exc):
+                    raise
+                log.warning("MTP drafts skipped for want of memory: %s", exc)
+                self._mtp.forget()
         if result.prefill_tokens or result.decode_tokens:
             self._failures_in_a_row = 0
         return result
@@ -170,6 +182,9 @@ class StepExecutor:
         slots = written_slots(plan)
         self._drafts.forget()
         touched = sorted(s for s in slots | set(plan.release) if 0 <= s < self.num_slots)
+        if self._mtp is not None:
+            self._mtp.forget()
+            self._mtp.drop(touched)
         self._fed.dropped(frozenset(touched))
         for tokens in plan.unpark:
             self._cache.parked.unpark(tokens)
@@ -208,8 +223,12 @@ class StepExecutor:
         self, batch: StepBatch | None, sampling: dict[int, SamplingParams], asks: dict[int, PrefillChunk]
     ) -> tuple[Draw | None, tuple[DrawnRow, ...], tuple[PromptLogprobs, ...], tuple[SlotOutput, ...]]:
         if batch is None:
+            if self._mtp is not None:
+                self._mtp.ran(None)
             return None, (), (), ()
         logits = self._runner.forward(batch)
+        if self._mtp is not None:  # its hidden states, before a rollback's recompute replaces them
+            self._mtp.ran(batch)
         prompt_logprobs: tuple[PromptLogprobs, ...] = ()
         verified: tuple[SlotOutput, ...] = ()
         if batch.all_logits:  # rows: every token of the sequences that asked or draft, the last of the others
@@ -245,6 +264,8 @@ class StepExecutor:
         self._orders.save(released, frozenset())
         self._sampler.reset(plan.release)
         self._slot_kv.drop(plan.release)
+        if self._mtp is not None:
+            self._mtp.drop(plan.release)
         if plan.shrink_kv:
             # TIGHT and worse: free segments beyond what the scheduler's requests are about to take
             # go back to the device / host at once; CRITICAL keeps nothing free, so the pools shrink

@@ -251,19 +251,24 @@ def die_index(device: torch.device) -> int:
 
 
 def load(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype, watch: MemWatch | None = None
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    watch: MemWatch | None = None,
+    mtp: bool = False,
 ) -> LoadedModel:
-    """Load the model config.model names onto device in dtype, after the memory layer agrees."""
+    """Load the model config.model names onto device in dtype, after the memory layer agrees.
+    mtp: with its multi-token-prediction layers, to draft from (an error where it has none)."""
     source = resolve(config.model)
     tok_dir = None if config.tokenizer is None else Path(config.tokenizer)
     if tok_dir is not None and not tok_dir.is_dir():
         raise ModelSpecError(f"--tokenizer {tok_dir} is not a directory")
     t0 = time.perf_counter()
     if source.kind == "builtin":
-        hf_config = builtin.builtin_config(source.name)
+        hf_config = builtin.builtin_config(source.name, mtp)
         weights = planned_weights_bytes(hf_config, dtype)
         config = admit_load(hf_config, config, device, dtype, weights, watch)
-        model = builtin.build_builtin(source.name, dtype=dtype, device=device)
+        model = builtin.build_builtin(source.name, dtype=dtype, device=device, mtp=mtp)
         tokenizer = lazy_tokenizer(None)
     elif source.kind == "gguf":
         assert source.path is not None
@@ -290,7 +295,7 @@ def load(
         tokenizer = LazyTokenizer(lambda: Tokenizer(hf_tok))
     else:
         assert source.path is not None
-        ckpt = inspect_hf_dir(source.path)
+        ckpt = inspect_hf_dir(source.path, mtp)
         hf_config = ckpt.config
         keep_fp8 = config.keeps_fp8(device)
         weights = ckpt.weights_bytes(dtype, keep_fp8)
@@ -299,6 +304,12 @@ def load(
         )
         model = load_hf_model(ckpt, dtype=dtype, device=device, keep_fp8=keep_fp8)
         tokenizer = lazy_tokenizer(source.path)
+    if mtp and getattr(model, "mtp", None) is None:
+        raise ModelSpecError(
+            f"--speculative-config method 'mtp' needs a model with a multi-token-prediction layer "
+            f"(config num_nextn_predict_layers > 0 and its mtp.* tensors); {config.model} has none "
+            "(use method 'ngram')"
+        )
     if tok_dir is not None:
         tokenizer = lazy_tokenizer(tok_dir)
     leases: list[Lease] = []

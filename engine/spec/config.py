@@ -8,7 +8,9 @@ from typing import Any
 
 from ballast.settings import ConfigError
 
-METHODS = ("ngram",)  # "mtp" is not built yet: a config asking for it is refused, not ignored
+# ngram: prompt lookup (engine.spec.ngram), any model; mtp: the model's multi-token-prediction
+# layer (engine.spec.mtp), a model that carries one (the engine refuses one that does not).
+METHODS = ("ngram", "mtp")
 FLAG = "--speculative-config / BALLAST_SPECULATIVE_CONFIG"
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_streams"}
 

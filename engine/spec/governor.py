@@ -29,6 +29,15 @@ PROBE_EVERY = 24
 PROBE_MAX = 384
 # Longest step gap that counts as a step's time (a gap longer than this was idleness).
 MAX_STEP_GAP_S = 5.0
+# How far ahead to draft: position j (0-based) is drafted once drafts through j - 1 were all
+# accepted in at least this share of recent rows (position 0 always; the length grows one
+# position at a time as acceptance shows, like a slow start). Each verify row costs more the
+# longer it is (on a compute-bound CPU step 1 / 2 / 4 drafts measured 1.1x / 1.6x / 2.9x a decode
+# step), so a workload that rarely accepts drafts one token at a time, and the step-time
+# comparison above weighs that cheap form against plain steps.
+MIN_ACCEPTANCE = 0.3
+# Weight of the newest row in each position's running acceptance (its first row sets it).
+ACCEPT_EMA = 0.25
 
 
 @dataclass
@@ -89,6 +98,9 @@ class DraftGovernor:
         self._probe_gap: dict[int, int] = {}
         self._promised: int | None = None  # streams a lookahead was told to leave to a drafting plan
         self._last_result_at: float | None = None
+        self._acceptance: list[float] = []  # per draft position, a running share accepted through it
+        # The engine's MTP drafts, by slot: (the position the slot's next decode feeds, drafts).
+        self.proposals: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.reason = "off" if config is None else "measuring"  # why the last decision was what it was
 
     def wants(self, streams: int, level: Level, ahead: bool = False) -> bool:
@@ -102,6 +114,15 @@ class DraftGovernor:
         if ahead and drafting:
             self._promised = streams
         return drafting
+
+    def length(self) -> int:
+        """Drafts to propose now: 1, and one more for each leading position whose recent
+        acceptance (all drafts through it kept) is at least MIN_ACCEPTANCE; at most k."""
+        k = self.config.num_speculative_tokens if self.config is not None else 0
+        acc, n = self._acceptance, 1
+        while n < k and n <= len(acc) and acc[n - 1] >= MIN_ACCEPTANCE:
+            n += 1
+        return n
 
     def _wants(self, streams: int, level: Level) -> bool:
         if self.config is None:
@@ -139,7 +160,9 @@ class DraftGovernor:
         return draft
 
     def observe_step(self, plan: StepPlan, result: StepResult, now: float) -> None:
-        """Count what a finished step's decodes emitted (drafted, accepted) and time it."""
+        """Count what a finished step's decodes emitted (drafted, accepted) and time it; keep
+        the drafts the engine proposed for the next step."""
+        self.proposals = {slot: (pos, drafts) for slot, pos, drafts in result.proposals}
         emitted: dict[int, int] = {}
         for out in result.outputs:
             emitted[out.slot] = emitted.get(out.slot, 0) + 1
@@ -147,8 +170,18 @@ class DraftGovernor:
         for d in ran:
             if d.draft:
                 self.stats.count(len(d.draft), emitted[d.slot] - 1)
+                self._accepted(len(d.draft), emitted[d.slot] - 1)
         tokens = sum(emitted[d.slot] for d in ran)
         self.observe(len(ran), any(d.draft for d in ran), tokens, now, timed=not plan.prefills)
+
+    def _accepted(self, drafts: int, accepted: int) -> None:
+        acc = self._acceptance
+        for j in range(drafts):
+            kept = float(j < accepted)
+            if j < len(acc):
+                acc[j] += ACCEPT_EMA * (kept - acc[j])
+            else:
+                acc.append(kept)
 
     def observe(self, streams: int, drafted: bool, tokens: int, now: float, timed: bool) -> None:
         """A step came back at `now`: `streams` decoding rows, whether any carried drafts, the

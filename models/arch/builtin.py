@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from ballast.models.arch.registry import build_model
+from ballast.models.arch.registry import build_model, without_mtp
 from ballast.models.base import UnsupportedModel
 from ballast.models.layers import fp8
 from torch import nn
@@ -89,6 +89,7 @@ _QWEN3_NEXT_80B: dict[str, Any] = {
     "norm_topk_prob": True,
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
+    "num_nextn_predict_layers": 1,
     "max_position_embeddings": 262144,
     "rms_norm_eps": 1e-06,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
@@ -114,6 +115,7 @@ BUILTIN: dict[str, dict[str, Any]] = {
         "intermediate_size": 128,
         "norm_topk_prob": True,
         "mlp_only_layers": [1],
+        "num_nextn_predict_layers": 1,  # a random MTP layer, built when drafting asks for it
     },
     # Llama-3.2-1B's shape: big enough that KV and the GPU's memory matter (32 KiB of KV a token).
     "llama-1b": {
@@ -156,14 +158,15 @@ BUILTIN: dict[str, dict[str, Any]] = {
 }
 
 
-def builtin_config(name: str) -> dict[str, Any]:
-    """The config of `builtin:NAME` (the prefix is optional); a copy, safe to change."""
+def builtin_config(name: str, mtp: bool = False) -> dict[str, Any]:
+    """The config of `builtin:NAME` (the prefix is optional); a copy, safe to change. mtp: keep
+    its multi-token-prediction layers (else `num_nextn_predict_layers` is 0: none built)."""
     key = name.removeprefix(PREFIX)
     if key not in BUILTIN:
         raise UnsupportedModel(
             f"no built-in model {name!r}; built in: {', '.join(PREFIX + n for n in sorted(BUILTIN))}"
         )
-    return dict(BUILTIN[key])
+    return without_mtp(dict(BUILTIN[key]), mtp)
 
 
 def init_random(model: nn.Module, seed: int) -> None:
@@ -199,9 +202,9 @@ def fp8_weights(cfg: dict[str, Any]) -> tuple[Callable[[str], bool], fp8.Block] 
 
 
 def build_builtin(
-    name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", mtp: bool = False
 ) -> nn.Module:
-    cfg = builtin_config(name)
+    cfg = builtin_config(name, mtp)
     model = build_model(cfg, dtype=dtype, device=device, fp8=fp8_weights(cfg))
     init_random(model, int(cfg.get("seed", 0)))
     return model

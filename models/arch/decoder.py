@@ -119,6 +119,10 @@ class DecoderLM(nn.Module):
         self.lm_head = lm_head
         self.quantized_head: nn.Module | None = None  # the CPU's block head, where held
         self.block_decoder: BlockDecoder | None = None  # the CPU's one-call decode step, where held
+        # Layer states past the decoder's (a drafting layer's KV, `layer_specs` lists them last);
+        # where there are any, `last_hidden` keeps each forward's normed hidden states, every row.
+        self.extra_states = 0
+        self.last_hidden: Tensor | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -142,8 +146,9 @@ class DecoderLM(nn.Module):
     def forward(self, batch: ForwardBatch, states: Sequence[LayerState]) -> Tensor:
         """Logits [B, vocab] (float32) at each sequence's last token; updates states in place."""
         layers = self.model.layers
-        if len(states) != len(layers):
+        if len(states) != len(layers) + self.extra_states:
             raise ValueError(f"{len(states)} layer states for {len(layers)} layers")
+        states = states[: len(layers)]
         h = self.model.embed_tokens(batch.token_ids)
         cos, sin = self.model.rotary_emb(batch.positions, h.dtype)
         fused, first = self.block_decoder, states[0]
@@ -156,7 +161,10 @@ class DecoderLM(nn.Module):
         if pending is not None:
             h = h + pending
         # the final norm and the (large) head only for the rows asked for (last tokens; prompt logprobs)
+        head = self.lm_head if self.quantized_head is None else self.quantized_head
+        if self.extra_states:
+            self.last_hidden = normed = self.model.norm(h)
+            return head(normed if batch.decode_only else normed.index_select(0, batch.logit_index)).float()
         if not batch.decode_only:
             h = h.index_select(0, batch.logit_index)
-        head = self.lm_head if self.quantized_head is None else self.quantized_head
         return head(self.model.norm(h)).float()

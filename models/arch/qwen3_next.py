@@ -10,7 +10,7 @@ only `layer_specs` and `forward(batch, states)`, so nothing outside this file kn
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from ballast.models.arch.decoder import (
     hf_ints,
     hf_key,
 )
+from ballast.models.arch.mtp import MultiTokenPredictor
 from ballast.models.base import ForwardBatch, ModelConfigError
 from ballast.models.blocks.gated_delta import GatedDeltaNet, HybridStep
 from ballast.models.blocks.moe import SparseMoeBlock
@@ -72,6 +73,8 @@ class HybridConfig:
     intermediate_size: int = field(metadata=hf_key(5632, positive=False))  # dense-MLP layers (0: none)
     decoder_sparse_step: int = field(metadata=hf_key(1))
     mlp_only_layers: tuple[int, ...]
+    # Multi-token-prediction layers (`mtp.*`, models/arch/mtp.py); 0 unless drafting with them.
+    num_nextn_predict_layers: int = field(metadata=hf_key(0, positive=False))
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
@@ -113,7 +116,8 @@ class HybridConfig:
         check_hf(hf, model_type, model_types)
         ints = hf_ints(cls, hf)
         if all_sparse:
-            ints.update(intermediate_size=0, decoder_sparse_step=1)
+            # Qwen3.5's MTP layer is not built (its tensors are dropped): no drafting from it.
+            ints.update(intermediate_size=0, decoder_sparse_step=1, num_nextn_predict_layers=0)
         kinds = hf.get("layer_types")
         if kinds is None:
             interval = hf_int(hf, "full_attention_interval", 4)
@@ -277,6 +281,20 @@ class Qwen3NextForCausalLM(DecoderLM):
         norm, rope = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps), RotaryEmbedding(c.rope, c.head_dim)
         model = DecoderModel(c.vocab_size, c.hidden_size, layers, norm, rope)
         super().__init__(c, model, nn.Linear(c.hidden_size, c.vocab_size, bias=False))
+        # Registered after the decoder and the head, so a random init gives those the same weights
+        # with or without it.
+        self.mtp: MultiTokenPredictor | None = None
+        if c.num_nextn_predict_layers > 0:
+            full = replace(c, layer_types=(FULL,) * c.num_hidden_layers)
+            self.mtp = MultiTokenPredictor(
+                c.hidden_size,
+                lambda: CenteredRMSNorm(c.hidden_size, c.rms_norm_eps),
+                (
+                    HybridDecoderLayer(full, i, self.linear_attention_class)
+                    for i in range(c.num_nextn_predict_layers)
+                ),
+            )
+            self.extra_states = c.num_nextn_predict_layers
         # Which gated-delta kernels to use: None picks fla where it applies; False forces the
         # pure-torch forms (e.g. to compare the two on one set of weights).
         self.use_fla: bool | None = None
@@ -287,8 +305,9 @@ class Qwen3NextForCausalLM(DecoderLM):
 
     @staticmethod
     def checkpoint_key(hf_key: str) -> str | None:
-        """Our parameter name for a checkpoint tensor; None for the unused multi-token-prediction head."""
-        return None if hf_key.startswith("mtp.") else hf_key
+        """Our parameter name for a checkpoint tensor (`mtp.*` too: the loader drops those unless
+        the config keeps `num_nextn_predict_layers`)."""
+        return hf_key
 
     def layer_specs(self, kv_dtype_bytes: int) -> list[LayerSpec]:
         c = self.config
@@ -304,7 +323,28 @@ class Qwen3NextForCausalLM(DecoderLM):
             state_dtype_bytes=4,
         )
         full = attention_spec(c.num_key_value_heads, c.head_dim, kv_dtype_bytes)
-        return [linear if kind == LINEAR else full for kind in c.layer_types]
+        # The MTP layers' attention KV after the decoder's layers (`extra_states`).
+        return [linear if kind == LINEAR else full for kind in c.layer_types] + [full] * len(
+            self.mtp.layers if self.mtp is not None else ()
+        )
+
+    def mtp_forward(
+        self, batch: ForwardBatch, hidden: Tensor, states: list[LayerState], depth: int = 0
+    ) -> Tensor:
+        """The MTP layer's normed output at every row of `batch`, whose tokens are the ones after
+        each row's position (what the target chose there) and `hidden` the target's normed hidden
+        states at those positions; writes the layer's KV. `mtp_logits` of a row: the next draft."""
+        assert self.mtp is not None, "built without num_nextn_predict_layers"
+        embedded = self.model.embed_tokens(batch.token_ids)
+        cos, sin = self.model.rotary_emb(batch.positions, embedded.dtype)
+        state = states[len(self.model.layers) + depth % len(self.mtp.layers)]
+        if isinstance(state, PagedKV):
+            state.begin(batch)
+        return self.mtp(embedded, hidden.to(embedded.dtype), Rope(cos, sin), batch, state, depth)
+
+    def mtp_logits(self, normed: Tensor) -> Tensor:
+        head = self.lm_head if self.quantized_head is None else self.quantized_head
+        return head(normed).float()
 
     def layer_step(self, batch: ForwardBatch, rope: Rope) -> HybridStep:
         return HybridStep.build(batch, rope, self.config.linear_conv_kernel_dim, self.use_fla)

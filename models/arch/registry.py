@@ -37,6 +37,14 @@ def model_class(hf_config: Mapping[str, Any]) -> Any:
     return cls
 
 
+def without_mtp(hf_config: dict[str, Any], keep: bool = False) -> dict[str, Any]:
+    """The config with its MTP layers dropped (`num_nextn_predict_layers` 0) unless `keep`: they
+    are built and loaded only for drafting (the 80B's is 1.5B parameters)."""
+    if not keep and hf_config.get("num_nextn_predict_layers"):
+        hf_config["num_nextn_predict_layers"] = 0
+    return hf_config
+
+
 def build_model(
     hf_config: Mapping[str, Any],
     dtype: torch.dtype = torch.float32,

@@ -65,6 +65,12 @@ class PagedKV(LayerState):
         if saved:
             raise ValueError("an attention layer's checkpoint holds no tensors (its blocks are shared)")
 
+    def begin(self, batch: ForwardBatch) -> None:
+        """A pass that runs this layer alone (a drafting layer's) prepares its batch here; in a
+        model's forward the first attention layer does, in `write`."""
+        if not self._prepares:
+            self.attention.prepare(batch)
+
     def write(self, batch: ForwardBatch, k: Tensor, v: Tensor) -> None:
         """Store this step's k, v [T, n_kv_heads, head_dim] at every token's (slot, position); the
         engine grows the slot's table to cover it before the step."""

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from ballast.memory.types import MiB
-from ballast.models.arch.registry import build_model, model_class
+from ballast.models.arch.registry import build_model, model_class, without_mtp
 from ballast.models.base import ModelConfigError, UnsupportedModel, WeightLoadError
 from ballast.models.blocks.moe import fused_param, per_expert_target, place_expert_tensor
 from ballast.models.layers.fp8 import FP8, dequantize_blocks
@@ -149,13 +149,14 @@ def _weight_files(path: Path) -> list[Path]:
     raise WeightLoadError(f"{path} has no safetensors weights (only safetensors are supported)")
 
 
-def inspect_hf_dir(path: str | Path) -> HFCheckpoint:
+def inspect_hf_dir(path: str | Path, mtp: bool = False) -> HFCheckpoint:
     """Config and tensor table of an HF directory, from the headers only; tensors the model does
-    not use are left out, so the byte figures count only what loads."""
+    not use are left out, so the byte figures count only what loads. mtp: keep the
+    multi-token-prediction layers (`mtp.*`, for drafting); else they are dropped."""
     root = Path(path)
     if not root.is_dir():
         raise WeightLoadError(f"{root} is not a directory")
-    config = read_config(root)
+    config = without_mtp(read_config(root), mtp)
     fp8_block = _fp8_block(config)
     model_key = getattr(model_class(config), "checkpoint_key", None)
     tensors: dict[str, TensorInfo] = {}
@@ -169,6 +170,8 @@ def inspect_hf_dir(path: str | Path) -> HFCheckpoint:
                             f"tensor {name} appears in {tensors[name].file.name} and {file.name}"
                         )
                     key = name if model_key is None else model_key(name)
+                    if not mtp and name.startswith("mtp."):
+                        continue
                     if key is None or key.endswith(_IGNORED_SUFFIXES):
                         continue
                     sl = f.get_slice(name)

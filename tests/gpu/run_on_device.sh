@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How this session's GPU checks run on the lent H200 (see /work/.library/device): the wheels the
 # image lacks come from .whl (../shared/tools/gpu-wheels.sh), the Triton cache stays in /tmp while
-# the machine is warm. Usage: tests/gpu/run_on_device.sh squeeze|suite-a|suite-b|suite-c [pytest args]
+# the machine is warm. Usage: tests/gpu/run_on_device.sh squeeze|suite-a|suite-b|suite-c|spec [pytest args]
 #   (suite-a, -b, -c: the test files in three contiguous thirds, each well inside one call's 600 s)
 #   tests/gpu/run_on_device.sh compare BASE profile|paged|serve: one bench on the package root BASE
 #   (another commit: mkdir BASE && git archive COMMIT | tar -x -C BASE), then on this tree, in one
@@ -63,6 +63,15 @@ case "$mode" in
     k=$(( $(printf %d "'${mode#suite-}") - 97 ))
     sel=$(echo "$files" | tail -n +$((k * third + 1)) | head -n $third)
     python3 -m pytest -v -rfE -p no:cacheprovider --durations=15 -o addopts="" $sel "$@" 2>&1 | tee $out/$mode.log | tail -40
+    ;;
+  spec)  # issue 49: the spec-decode GPU tests (the 6.2B's greedy parity with drafts among them),
+    # then the oracle-drafter bench (bench/spec_oracle.py) on the 6.2B and on the 80B FP8, each in
+    # its own process and file, so a cold 80B load cut by its timeout keeps the 6.2B's row
+    timeout ${SPEC_TEST_S:-100} python3 -m pytest -v -rfE -p no:cacheprovider --durations=8 -o addopts="" \
+      tests/gpu/test_spec_decode_cuda.py 2>&1 | tee $out/spec_tests.log | tail -22
+    for m in qwen3-next-6b:${SPEC_6B_S:-60} qwen3-next-80b-a3b-fp8:${SPEC_80B_S:-140}; do
+      timeout ${m#*:} python3 -m ballast.bench.spec_oracle --models ${m%:*} --out $out/spec_oracle_${m%:*}.json 2>&1 | tail -4
+    done
     ;;
   compare)
     base=$1; what=$2; shift 2

@@ -1,6 +1,7 @@
 """On CUDA: a verify step rejected at any position leaves the no-draft run's recurrent states and
 next tokens (tiny Qwen3-Next, float32), and drafting on gives the greedy text of drafting off through
-the scheduler (tiny models in float32; the 6.2B Qwen3-Next cut in bfloat16). Skips without CUDA."""
+the scheduler (tiny models in float32; the 6.2B Qwen3-Next cut in bfloat16), with prompt lookup and
+with the MTP layer's drafts. Skips without CUDA."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ GREEDY = SamplingParams(temperature=0.0)
 SLOT, K = 1, 3
 
 
-def load(model: str, dtype: str) -> Engine:
+def load(model: str, dtype: str, mtp_drafts: int = 0) -> Engine:
     from ballast.bench.checkpoint_dir import write_tokenizer
 
     # the device machine cannot fetch the default model's tokenizer: the benches' own, written here
@@ -43,7 +44,8 @@ def load(model: str, dtype: str) -> Engine:
             max_num_seqs=4,
             max_model_len=256,
             prefill_chunk_tokens=128,
-        )
+        ),
+        mtp_drafts=mtp_drafts,
     )
 
 
@@ -123,3 +125,16 @@ def test_a_rejected_draft_leaves_the_states_of_the_run_without_drafts(accepted: 
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     finally:
         engine.shutdown()
+
+
+def test_greedy_text_is_the_same_with_mtp_drafts() -> None:
+    """The MTP drafter on CUDA (its pass after every step, its KV a layer of the slot's blocks,
+    no decode graphs): random weights draft poorly, so this holds the text, not the acceptance."""
+    engine = load("builtin:tiny-qwen3-next", "float32", mtp_drafts=K)
+    try:
+        reqs = [GenerationRequest(f"r{i}", looping(i), GREEDY, max_tokens=32) for i in range(2)]
+        off, _ = serve(engine, reqs, None)
+        on, _ = serve(engine, reqs, '{"method": "mtp", "num_speculative_tokens": 3}')
+    finally:
+        engine.shutdown()
+    assert on == off

@@ -74,6 +74,10 @@ MAX_WING_LINES = (
     # (engine/runner/warm_up.py, the MoE block's thresholds): no Triton compile after /ready (the
     # 80B's first request of a new length waited 1.5-2.1 s; `run_on_device.sh flagship` measures it)
     + 197
+    # issue 49, MTP: Qwen3-Next's multi-token-prediction layer loaded (HF checkpoints, random for
+    # built-ins) and drafting from the target's hidden states with its KV in the slot's blocks
+    + 383  # (3 of them where it meets issue 48's warm-up in start-up)
+    + 40  # issue 49: the draft length follows the acceptance by position (governor)
 )
 
 

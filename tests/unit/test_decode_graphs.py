@@ -15,7 +15,7 @@ from ballast.engine.graphs.decode import (
     doubling_buckets,
 )
 from ballast.engine.runner.model_runner import ModelRunner, planned_state_bytes
-from ballast.models.arch.builtin import BUILTIN, init_random
+from ballast.models.arch.builtin import builtin_config, init_random
 from ballast.models.arch.registry import build_model
 from ballast.models.base import ForwardBatch
 from ballast.models.layers.state import LayerState, PagedKV, allocate_states
@@ -59,7 +59,7 @@ def test_a_graph_serves_only_decode_steps_of_a_captured_bucket() -> None:
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-next", "tiny-qwen3.5-moe"])
 def test_padded_static_batch_gives_the_plain_batch_logits_and_states(name: str) -> None:
-    model = build_model(BUILTIN[name])
+    model = build_model(builtin_config(name))
     init_random(model, seed=0)
     slots, scratch, ctx = 3, 3, 64
     padded_states, states = (
@@ -91,7 +91,7 @@ def _tensors(state: LayerState) -> list[torch.Tensor]:
 def test_the_scratch_slot_is_allocated_and_planned_alike(scratch: bool) -> None:
     """The ledger is asked for what the runner allocates, scratch slot included (the slot
     graphs pad into is memory like any other)."""
-    model = build_model(BUILTIN["tiny-qwen3-next"])
+    model = build_model(builtin_config("tiny-qwen3-next"))
     init_random(model, seed=0)
     runner = ModelRunner(
         model,

@@ -30,7 +30,7 @@ from ballast.engine.parallel.tp_graphs import (
 )
 from ballast.engine.parallel.tp_worker import StepMessage, Stop, serve
 from ballast.engine.runner.model_runner import ModelRunner
-from ballast.models.arch.builtin import BUILTIN, init_random
+from ballast.models.arch.builtin import builtin_config, init_random
 from ballast.models.arch.registry import build_model
 from ballast.models.base import ForwardBatch
 
@@ -80,7 +80,7 @@ def test_every_rank_stops_at_the_bucket_any_rank_failed() -> None:
 
 
 def tiny_runner() -> ModelRunner:
-    model = build_model(BUILTIN["tiny-qwen3-next"])
+    model = build_model(builtin_config("tiny-qwen3-next"))
     init_random(model, seed=0)
     return ModelRunner(model, CPU, torch.float32, 2, 64, False, 0, scratch_slot=True)
 

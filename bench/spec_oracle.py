@@ -1,0 +1,196 @@
+"""What a verify step costs against a decode step, with an oracle drafter (bench only).
+
+    python -m ballast.bench.spec_oracle [--models qwen3-next-6b qwen3-next-80b-a3b-fp8] [--k 3]
+        [--prompt 256] [--tokens 64] [--device cuda] [--out FILE]
+
+The drafts here come from no model: `OracleDrafter` replays the target's own greedy tokens from a
+first run without drafts, so acceptance is whatever the bench sets, 100% or 50% (the wrong draft
+moves through positions 0..k so the accepted count cycles k, 0, 1, .., k-1: half on average at
+k = 3). It measures the ceiling drafting can reach on this model and GPU, and the cost of
+verifying k drafts; no server path uses it. Issue 49's aims: a verify step of k = 3 costs at most
+1.3x a decode step, and at 100% acceptance one stream runs at least 2.5x the tokens per second.
+
+Per model, one stream (slot 0), greedy, through `Engine.submit` one step at a time (no step
+ahead), the engine as the server builds it (decode CUDA graphs where the device has them):
+  1. plain: the prompt, then --tokens decode steps; each step timed; its tokens are the oracle;
+  2. oracle 100% and oracle 50%: the same prompt again, then steps carrying k drafts each from
+     the oracle until --tokens tokens are out; each step timed.
+Reported: the median decode step and verify step (ms), their ratio, tokens/s of each run and the
+speed-up, the measured acceptance, and whether each run's text equals the plain run's (a verify
+step's logits can differ from a decode step's in the last bits: a greedy tie would show here).
+Table on stdout, JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from ballast.bench.paged_decode import free_device_memory, sync
+from ballast.engine.config import EngineConfig
+from ballast.engine.engine import Engine
+from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+
+GREEDY = SamplingParams(temperature=0.0)
+SLOT = 0
+RESULTS = Path(__file__).parent / "results" / "spec_oracle.json"
+
+
+@dataclass
+class OracleDrafter:
+    """Bench only: drafts are the target's own greedy tokens of an earlier run (`tokens`, the
+    output after the prompt); `acceptance` 1.0 drafts them as they are, 0.5 puts one wrong token
+    at a position that cycles through 0..k (k: none wrong), so the accepted count cycles."""
+
+    tokens: list[int]
+    k: int
+    acceptance: float
+    vocab: int
+    _step: int = 0
+
+    def draft(self, emitted: int) -> tuple[int, ...]:
+        """k drafts after the first `emitted` output tokens (fewer near the run's end)."""
+        drafts = list(self.tokens[emitted : emitted + self.k])
+        if self.acceptance < 1.0 and drafts:
+            wrong_at = self._step % (self.k + 1)
+            if wrong_at < len(drafts):
+                drafts[wrong_at] = (drafts[wrong_at] + 1) % self.vocab
+        self._step += 1
+        return tuple(drafts)
+
+
+def _step(engine: Engine, plan: StepPlan) -> tuple[list[int], float]:
+    t0 = time.perf_counter()
+    res = engine.submit(plan).result(timeout=300)
+    sync(engine.device)
+    return [o.token_id for o in res.outputs if o.slot == SLOT], time.perf_counter() - t0
+
+
+def _start(engine: Engine, prompt: tuple[int, ...]) -> int:
+    """The prompt in one chunk after the slot's release; its first token."""
+    plan = StepPlan(prefills=(PrefillChunk(SLOT, prompt, 0, True),), sampling={SLOT: GREEDY}, release=(SLOT,))
+    out, _ = _step(engine, plan)
+    return out[0]
+
+
+def plain_run(engine: Engine, prompt: tuple[int, ...], n: int) -> tuple[list[int], list[float]]:
+    """The prompt, then n decode steps: (the output tokens, each step's seconds)."""
+    out, times = [_start(engine, prompt)], []
+    while len(out) < n + 1:
+        pos = len(prompt) + len(out) - 1
+        toks, dt = _step(
+            engine, StepPlan(decodes=(DecodeToken(SLOT, out[-1], pos),), sampling={SLOT: GREEDY})
+        )
+        out += toks
+        times.append(dt)
+    return out, times
+
+
+def oracle_run(
+    engine: Engine, prompt: tuple[int, ...], n: int, drafter: OracleDrafter
+) -> tuple[list[int], list[float], int, int]:
+    """The prompt, then verify steps with the drafter's drafts until n more tokens are out:
+    (output tokens, each step's seconds, drafts proposed, drafts accepted)."""
+    out, times, drafted, accepted = [_start(engine, prompt)], [], 0, 0
+    while len(out) < n + 1:
+        pos = len(prompt) + len(out) - 1
+        room = n + 1 - len(out) - 1
+        draft = drafter.draft(len(out))[: max(0, room)]
+        toks, dt = _step(
+            engine, StepPlan(decodes=(DecodeToken(SLOT, out[-1], pos, draft),), sampling={SLOT: GREEDY})
+        )
+        drafted += len(draft)
+        accepted += len(toks) - 1
+        out += toks
+        times.append(dt)
+    return out[: n + 1], times, drafted, accepted
+
+
+def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    engine = Engine.load(
+        EngineConfig(
+            model="builtin:" + name,
+            device=args.device,
+            max_num_seqs=2,
+            max_model_len=args.prompt + args.tokens + 2 * args.k + 16,
+            prefill_chunk_tokens=max(256, args.prompt),
+        )
+    )
+    load_s = time.perf_counter() - t0
+    try:
+        vocab = engine.vocab_size
+        prompt = tuple(
+            torch.randint(3, vocab, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+        )
+        plain_run(engine, prompt, min(8, args.tokens))  # warm-up: graphs, kernels' first calls
+        oracle_run(engine, prompt, min(8, args.tokens), OracleDrafter([0] * 16, args.k, 0.5, vocab))
+        tokens, decode_s = plain_run(engine, prompt, args.tokens)
+        row: dict[str, Any] = {
+            "model": name,
+            "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
+            "k": args.k,
+            "load_s": round(load_s, 1),
+            "decode_step_ms": 1e3 * statistics.median(decode_s),
+            "plain_tok_s": len(decode_s) / sum(decode_s),
+        }
+        for acceptance in (1.0, 0.5):
+            drafter = OracleDrafter(tokens, args.k, acceptance, vocab)
+            out, verify_s, drafted, accepted = oracle_run(engine, prompt, args.tokens, drafter)
+            tag = f"oracle{round(acceptance * 100)}"
+            row[f"{tag}_verify_step_ms"] = 1e3 * statistics.median(verify_s)
+            row[f"{tag}_verify_over_decode"] = row[f"{tag}_verify_step_ms"] / row["decode_step_ms"]
+            row[f"{tag}_tok_s"] = (len(out) - 1) / sum(verify_s)
+            row[f"{tag}_speedup"] = row[f"{tag}_tok_s"] / row["plain_tok_s"]
+            row[f"{tag}_acceptance"] = accepted / drafted if drafted else 0.0
+            row[f"{tag}_same_text"] = out == tokens
+        return row
+    finally:
+        engine.shutdown()
+        del engine
+        free_device_memory()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["qwen3-next-6b", "qwen3-next-80b-a3b-fp8"])
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    rows = []
+    for name in args.models:
+        rows.append(bench_model(name, args))
+        r = rows[-1]
+        print(
+            f"{name} on {r['device']} (load {r['load_s']} s), k={args.k}: "
+            f"decode step {r['decode_step_ms']:.2f} ms, {r['plain_tok_s']:.1f} tok/s",
+            flush=True,
+        )
+        for tag in ("oracle100", "oracle50"):
+            print(
+                f"  {tag}: verify step {r[f'{tag}_verify_step_ms']:.2f} ms = "
+                f"{r[f'{tag}_verify_over_decode']:.2f}x a decode step (aim <= 1.3); "
+                f"{r[f'{tag}_tok_s']:.1f} tok/s = {r[f'{tag}_speedup']:.2f}x "
+                f"(aim at 100%: >= 2.5x); acceptance {r[f'{tag}_acceptance']:.2f}; "
+                f"same text as plain: {r[f'{tag}_same_text']}",
+                flush=True,
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"k": args.k, "prompt": args.prompt, "tokens": args.tokens, "rows": rows}, indent=1)
+    )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
