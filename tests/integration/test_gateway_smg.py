@@ -19,7 +19,7 @@ from ballast.memory.config import MemoryConfig
 from ballast.memory.types import Level
 from memfixtures import level_tree
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # timed: run alone (see pyproject's markers)
 
 REPLICAS = 3
 ARGS = ["--model", "default", "--served-model-name", "default", "--max-num-seqs", "8"]

@@ -13,7 +13,7 @@ import openai
 import pytest
 from ballast.bench.fleet import PROBE_INTERVAL_S, Fleet, FleetError, smg_binary, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # timed: run alone (see pyproject's markers)
 
 BOUND_S = 10.0
 ARGS = ["--model", "builtin:tiny-llama", "--served-model-name", "m", "--max-num-seqs", "1"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import overload
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # timed: run alone (see pyproject's markers)
 
 
 def test_overload_every_request_completes_or_is_refused_fast() -> None:

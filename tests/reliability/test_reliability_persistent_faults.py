@@ -8,7 +8,7 @@ from __future__ import annotations
 import persistent_faults
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # timed: run alone (see pyproject's markers)
 
 
 def test_a_hung_step_ends_every_request_reports_unsound_and_exits() -> None:

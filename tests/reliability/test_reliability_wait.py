@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import wait_refusals
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # timed: run alone (see pyproject's markers)
 GiB = 1 << 30
 MiB = 1 << 20
 
