@@ -11,7 +11,6 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.kv.blocks import blocks_for
-from memfixtures import limited_grants
 from ballast.engine.plan import (
     DecodeToken,
     PlanError,
@@ -21,6 +20,7 @@ from ballast.engine.plan import (
     StepPlan,
     StepResult,
 )
+from memfixtures import limited_grants
 
 GREEDY = SamplingParams(temperature=0.0)
 K = 3
@@ -132,8 +132,17 @@ def test_a_drafting_row_preempted_for_blocks_runs_none_of_its_draft() -> None:
         assert kv is not None
         kv._acquire = limited_grants(1)
         n = kv.layout.block_size
-        prompts = {s: tuple(torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(s)).tolist()) for s in (0, 1)}
-        res = run(eng, StepPlan(prefills=tuple(PrefillChunk(s, p, 0, True) for s, p in prompts.items()), sampling=dict.fromkeys(prompts, GREEDY)))
+        prompts = {
+            s: tuple(torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(s)).tolist())
+            for s in (0, 1)
+        }
+        res = run(
+            eng,
+            StepPlan(
+                prefills=tuple(PrefillChunk(s, p, 0, True) for s, p in prompts.items()),
+                sampling=dict.fromkeys(prompts, GREEDY),
+            ),
+        )
         last = {o.slot: o.token_id for o in res.outputs}
         assert kv.figures().free_blocks == 1
         decodes = (DecodeToken(0, last[0], n), DecodeToken(1, last[1], n, (last[1],) * K))
@@ -141,13 +150,21 @@ def test_a_drafting_row_preempted_for_blocks_runs_none_of_its_draft() -> None:
         assert res.preempted == (1,) and [o.slot for o in res.outputs] == [0]
         assert res.decode_tokens == 1 and kv.table(1) == [] and eng.healthy
         # slot 1 again from its prompt (slot 0 released): greedy alone, then a draft of those tokens
-        res = run(eng, StepPlan(prefills=(PrefillChunk(1, prompts[1], 0, True),), sampling={1: GREEDY}, release=(0,)))
+        res = run(
+            eng,
+            StepPlan(prefills=(PrefillChunk(1, prompts[1], 0, True),), sampling={1: GREEDY}, release=(0,)),
+        )
         want = [res.outputs[0].token_id]
         for i in range(K + 1):
             step = StepPlan(decodes=(DecodeToken(1, want[-1], n + i),), sampling={1: GREEDY})
             want.append(run(eng, step).outputs[0].token_id)
-        run(eng, StepPlan(prefills=(PrefillChunk(1, prompts[1], 0, True),), sampling={1: GREEDY}, release=(1,)))
-        res = run(eng, StepPlan(decodes=(DecodeToken(1, want[0], n, tuple(want[1 : K + 1])),), sampling={1: GREEDY}))
+        run(
+            eng,
+            StepPlan(prefills=(PrefillChunk(1, prompts[1], 0, True),), sampling={1: GREEDY}, release=(1,)),
+        )
+        res = run(
+            eng, StepPlan(decodes=(DecodeToken(1, want[0], n, tuple(want[1 : K + 1])),), sampling={1: GREEDY})
+        )
         assert [o.token_id for o in res.outputs] == want[1:]
     finally:
         eng.shutdown()
