@@ -151,6 +151,29 @@ def _per_gpu(m: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def _spawn(
+    model: str, device: str, streams_n: int, extra: list[str]
+) -> tuple[subprocess.Popen[str], list[str]]:
+    """`ballast serve` of the model on a free port; its output lines are collected in the list."""
+    args = ["--model", model, "--device", device, "--max-num-seqs", str(streams_n)]
+    args += ["--served-model-name", "x", "--host", "127.0.0.1", "--port", "0", *extra]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ballast.server.cli", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return proc, []
+
+
+def _until_ready(proc: subprocess.Popen[str], lines: list[str]) -> str:
+    """The server's URL once /ready says 200; its later output keeps going into `lines`."""
+    url = _read_listen_line(proc, lines, 600)
+    wait_ready(url, 600)
+    threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
+    return url
+
+
 def run_mode(
     model: str,
     governed: bool,
@@ -168,29 +191,8 @@ def run_mode(
 ) -> dict[str, Any]:
     """hog_gpu None: no second process (the CPU check of the script). `progress` prints the
     timeline every 10 s; `log` gets the server's output when the mode ends."""
-    args = [
-        "--model",
-        model,
-        "--device",
-        device,
-        "--max-num-seqs",
-        str(streams_n),
-        "--served-model-name",
-        "x",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        *([] if governed else ["--ladder-disable", "1"]),
-        *serve_args,
-    ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ballast.server.cli", "serve", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
+    extra = [*([] if governed else ["--ladder-disable", "1"]), *serve_args]
+    proc, lines = _spawn(model, device, streams_n, extra)
     counts: Counter[str] = Counter()
     lock, stop = threading.Lock(), threading.Event()
     timeline: list[dict[str, float]] = []
@@ -198,11 +200,9 @@ def run_mode(
     hog = None
     try:
         started = time.monotonic()
-        url = _read_listen_line(proc, lines, 600)
-        wait_ready(url, 600)
+        url = _until_ready(proc, lines)
         if progress:
             print(f"  server ready in {time.monotonic() - started:.0f} s", flush=True)
-        threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
         for i in range(clients or streams_n + 8):  # more than the slots: new ones keep arriving
             threading.Thread(
                 target=streams,
@@ -383,30 +383,11 @@ def run_burst(
 ) -> dict[str, Any]:
     """Issue 47's squeeze: `warm` streams served together, then (hog_gpu set) a co-tenant takes all
     but ~200 MiB and holds, then `clients` clients send `burst` requests between them."""
-    args = [
-        "--model",
-        model,
-        "--device",
-        device,
-        "--max-num-seqs",
-        str(streams_n),
-        "--served-model-name",
-        "x",
-    ]
-    args += ["--host", "127.0.0.1", "--port", "0", *serve_args]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ballast.server.cli", "serve", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
+    proc, lines = _spawn(model, device, streams_n, serve_args)
     hog = None
     try:
         started = time.monotonic()
-        url = _read_listen_line(proc, lines, 600)
-        wait_ready(url, 600)
-        threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
+        url = _until_ready(proc, lines)
         print(f"  server ready in {time.monotonic() - started:.0f} s; warming at {warm} streams", flush=True)
         with ThreadPoolExecutor(warm) as ex:
             warmed = Counter(
