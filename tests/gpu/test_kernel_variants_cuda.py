@@ -12,11 +12,9 @@ import pytest
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from engine_steps import fresh_prompts_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 def variants(kernel: Any) -> int:
@@ -36,20 +34,8 @@ def test_prefills_of_any_shape_compile_no_new_kernel_variant() -> None:
     try:
 
         def step(lengths: list[int], seed: int, decode: bool = False) -> None:
-            """One step: a fresh prompt of each length in its own slot (and, with decode, one
-            decode token of slot 3 beside them); then the slots are released."""
-            gen = torch.Generator().manual_seed(seed)
-            prefills = tuple(
-                PrefillChunk(s, tuple(torch.randint(5, 500, (n,), generator=gen).tolist()), 0, True)
-                for s, n in enumerate(lengths)
-            )
-            decodes: tuple[DecodeToken, ...] = ()
-            if decode:
-                engine.step(StepPlan(prefills=(PrefillChunk(3, (7, 8, 9), 0, True),), sampling={3: GREEDY}))
-                decodes = (DecodeToken(3, 11, 3),)
-            slots = [*range(len(lengths)), *([3] if decode else [])]
-            engine.step(StepPlan(prefills=prefills, decodes=decodes, sampling=dict.fromkeys(slots, GREEDY)))
-            engine.step(StepPlan(release=tuple(slots)))
+
+            fresh_prompts_step(engine, lengths, seed, 3 if decode else None)
 
         step([64], 0)
         step([33, 7], 1)

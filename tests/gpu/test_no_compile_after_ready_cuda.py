@@ -12,11 +12,9 @@ import pytest
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from engine_steps import fresh_prompts_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 def test_prompts_of_new_lengths_compile_nothing_after_load() -> None:
@@ -41,18 +39,8 @@ def test_prompts_of_new_lengths_compile_nothing_after_load() -> None:
     try:
 
         def step(lengths: list[int], seed: int, decode: bool = False) -> None:
-            gen = torch.Generator().manual_seed(seed)
-            prefills = tuple(
-                PrefillChunk(s, tuple(torch.randint(5, 500, (n,), generator=gen).tolist()), 0, True)
-                for s, n in enumerate(lengths)
-            )
-            decodes: tuple[DecodeToken, ...] = ()
-            if decode:
-                engine.step(StepPlan(prefills=(PrefillChunk(7, (7, 8, 9), 0, True),), sampling={7: GREEDY}))
-                decodes = (DecodeToken(7, 11, 3),)
-            slots = [*range(len(lengths)), *([7] if decode else [])]
-            engine.step(StepPlan(prefills=prefills, decodes=decodes, sampling=dict.fromkeys(slots, GREEDY)))
-            engine.step(StepPlan(release=tuple(slots)))
+
+            fresh_prompts_step(engine, lengths, seed, 7 if decode else None)
 
         for seed, lengths in enumerate([[266], [3], [48], [200, 31], [411], [97, 5, 6], [512], [25, 26]]):
             step(lengths, seed)

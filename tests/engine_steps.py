@@ -1,0 +1,31 @@
+"""Engine steps the GPU compile tests drive: fresh prompts of given lengths, optionally beside a
+decode token, each in a slot of its own, then released."""
+
+from __future__ import annotations
+
+import torch
+from ballast.engine.engine import Engine
+from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def fresh_prompts_step(engine: Engine, lengths: list[int], seed: int, decode_slot: int | None = None) -> None:
+    """One step: a fresh random prompt of each length in slots 0.. (with decode_slot, that slot's
+    3-token prompt first, then its one decode token beside them); then every slot is released."""
+    gen = torch.Generator().manual_seed(seed)
+    prefills = tuple(
+        PrefillChunk(s, tuple(torch.randint(5, 500, (n,), generator=gen).tolist()), 0, True)
+        for s, n in enumerate(lengths)
+    )
+    decodes: tuple[DecodeToken, ...] = ()
+    if decode_slot is not None:
+        engine.step(
+            StepPlan(
+                prefills=(PrefillChunk(decode_slot, (7, 8, 9), 0, True),), sampling={decode_slot: GREEDY}
+            )
+        )
+        decodes = (DecodeToken(decode_slot, 11, 3),)
+    slots = [*range(len(lengths)), *([decode_slot] if decode_slot is not None else [])]
+    engine.step(StepPlan(prefills=prefills, decodes=decodes, sampling=dict.fromkeys(slots, GREEDY)))
+    engine.step(StepPlan(release=tuple(slots)))
