@@ -25,17 +25,20 @@ MIN_CONTEXT = 512
 class LoadEstimate:
     """The load's terms, in bytes: each what the start really holds on the path that will run
     (measured against the peak at start in bench/load_fit.py), none a pad. The staging is gone
-    before the first step, so the peak is the weights and the larger of it and what serving holds."""
+    before the first step (the load hands the freed heap back: memory/heap.py), so the peak is the
+    weights, the tokenizer and the larger of the staging and what serving holds."""
 
     weights: int  # as held: a CPU block linear's integers and float32 scales
     fixed: int  # the slots' recurrent states and the sampler's buffers
     one_sequence: int  # KV of one max_model_len sequence, in the whole segments the pool commits
     activations: int  # one prefill chunk's peak (engine/runner/activations.py)
     staging: int  # host memory the load passes through (CPU: a GGUF's mapped pages, blocks as read)
+    tokenizer: int = 0  # resident bytes the tokenizer took as the load built it (measured there)
 
     @property
     def total(self) -> int:
-        return self.weights + max(self.staging, self.fixed + self.one_sequence + self.activations)
+        serving = self.fixed + self.one_sequence + self.activations
+        return self.weights + self.tokenizer + max(self.staging, serving)
 
     def describe(self) -> str:
         serving = (
@@ -45,7 +48,7 @@ class LoadEstimate:
         )
         terms = " + ".join(f"{name} {n / MiB:,.1f}" for name, n in serving)
         return (
-            f"weights {self.weights / MiB:,.1f} + max(staging {self.staging / MiB:,.1f}, {terms})"
+            f"weights {self.weights / MiB:,.1f} + tokenizer {self.tokenizer / MiB:,.1f} + max(staging {self.staging / MiB:,.1f}, {terms})"
             f" = {self.total / MiB:,.1f} MiB"
         )
 
