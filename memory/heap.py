@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from collections.abc import Callable
+from typing import cast
 
 import psutil
 
@@ -23,10 +25,10 @@ def resident_bytes() -> int:
 
 
 @functools.cache
-def _malloc_trim() -> ctypes._CFuncPtr | None:
+def _malloc_trim() -> Callable[[int], int] | None:
     name = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
+        return cast(Callable[[int], int], ctypes.CDLL(name).malloc_trim) if name else None
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to hand back this way
         return None
 
