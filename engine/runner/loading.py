@@ -21,7 +21,7 @@ import torch
 from ballast.engine import threads
 from ballast.engine.config import EngineConfig
 from ballast.engine.runner.activations import activation_bytes, prefill_path
-from ballast.engine.runner.load_fit import LoadDoesNotFit, LoadEstimate, MiB, fitted
+from ballast.engine.runner.load_fit import CPU_CODE_BYTES, LoadDoesNotFit, LoadEstimate, MiB, fitted
 from ballast.engine.runner.model_runner import weights_bytes
 from ballast.engine.step.sampler import Sampler
 from ballast.engine.text.sampling_defaults import GenerationConfigError
@@ -229,7 +229,9 @@ def admit_load(
 
     def estimate(cfg: EngineConfig) -> LoadEstimate:
         beside = bytes_beside_weights(hf_config, cfg, dtype, device.type)
-        return LoadEstimate(weights, *beside, staging, tokenizer if device.type == "cpu" else 0)
+        host = device.type == "cpu"  # a GPU's estimate is of the die: the host's bytes are not in it
+        code = CPU_CODE_BYTES if host else 0
+        return LoadEstimate(weights, *beside, staging, tokenizer if host else 0, code)
 
     asked = estimate(config)
     state: MemState = watch.poll_now()
@@ -283,8 +285,7 @@ def load(
     if source.kind == "builtin":
         hf_config = builtin.builtin_config(source.name, mtp)
         weights = planned_weights_bytes(hf_config, dtype)
-        # the default model's tokenizer, which a built-in model borrows, is not counted: it may
-        # have to be fetched, and these are test models
+        # the default model's tokenizer (a built-in test model borrows it) may be fetched: not built
         tok_bytes = _built(asked_tok, watch) if asked_tok is not None else 0
         config = admit_load(hf_config, config, device, dtype, weights, watch, tokenizer=tok_bytes)
         model = builtin.build_builtin(source.name, dtype=dtype, device=device, mtp=mtp)
