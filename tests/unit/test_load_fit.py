@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from ballast.engine.config import EngineConfig
-from ballast.engine.runner.activations import activation_bytes, prefill_path
+from ballast.engine.runner.activations import CPU_HEAP_FACTOR, activation_bytes, prefill_path
 from ballast.engine.runner.load_fit import LoadDoesNotFit, LoadEstimate, MiB, fitted
 from ballast.engine.runner.loading import bytes_beside_weights
 from ballast.memory import heap
@@ -71,9 +71,9 @@ def test_no_attention_path_holds_scores_over_the_context() -> None:
     gathered = activation_bytes(SMOL, 2048, 16384, 4, "cpu-gathered") - activation_bytes(
         SMOL, 2048, 8192, 4, "cpu-gathered"
     )
-    assert gathered == 2 * 8192 * (one_layer_kv + 2048 * 5)  # the heap factor on both
+    assert gathered == pytest.approx(CPU_HEAP_FACTOR * 8192 * (one_layer_kv + 2048 * 5), abs=1)  # both
     assert grow["device"] == 0
-    assert 3 * activation_bytes(SMOL, 2048, 8192, 4, "cpu") < 9 * 2048 * 8192 * 4
+    assert 2 * activation_bytes(SMOL, 2048, 8192, 4, "cpu") < 9 * 2048 * 8192 * 4  # scores alone
     assert prefill_path("cpu", False) == "cpu" and prefill_path("cpu", True) == "cpu-gathered"
     assert prefill_path("cuda", False) == "device"
 
