@@ -35,6 +35,7 @@ from ballast.engine.runner.warm_up import warm_up
 from ballast.engine.spec.mtp import DraftingModel, MTPDrafter
 from ballast.engine.step.step_batch import check_slots
 from ballast.engine.workspace import step_workspace
+from ballast.memory import heap
 from ballast.memory.ledger import Lease
 from ballast.memory.pool import CheckpointPool
 from ballast.memory.types import CostModel
@@ -69,6 +70,7 @@ def bring_up(
         loaded, workers = tensor_parallel.load_sharded(cfg, device, dtype, quantized, watch)
     else:
         loaded = load(cfg, device, dtype, watch, mtp)
+    heap.trim()  # the load's staging is freed: its heap back to the OS, as the load estimate counts it
     cfg = loaded.config  # what fits, where the asked configuration did not
     leases = list(loaded.leases)
     try:

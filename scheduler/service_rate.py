@@ -25,16 +25,23 @@ WINDOW = 12
 
 
 class _Recent:
-    """The last WINDOW samples of one cost; their interquartile mean."""
+    """The last WINDOW samples of one cost; their interquartile mean. Until one is measured, the
+    least of the first steps (a first step is never quicker than a warm one: it errs long)."""
 
     def __init__(self) -> None:
         self._samples: deque[float] = deque(maxlen=WINDOW)
+        self._first = math.inf
 
-    def add(self, x: float) -> None:
-        self._samples.append(x)
+    def add(self, x: float, first: bool = False) -> None:
+        if first:
+            self._first = min(self._first, x)
+        else:
+            self._samples.append(x)
 
     @property
     def value(self) -> float:
+        if not self._samples:
+            return self._first
         ordered = sorted(self._samples)
         cut = len(ordered) // 4
         middle = ordered[cut : len(ordered) - cut]
@@ -48,9 +55,15 @@ LENGTH_QUANTILE = 0.9
 
 
 class StepCosts:
-    """Seconds of a decode step by rows in it, and of a prefill token; None until measured. The
-    first step of each size class is not counted: it may have compiled kernels or touched pages
-    for the first time (a cold 1,300-token prefill on a CPU measured 20x a warm one)."""
+    """Seconds of a decode step by rows in it, and of a prefill token; None until a step is
+    measured. The first step of each size class is not counted among the samples: it may have
+    compiled kernels or touched pages for the first time (a cold 1,300-token prefill on a CPU
+    measured 20x a warm one). It stands in for a cost no warm step has measured yet, and goes when
+    one has: left out, a server whose warm-up prefilled once (one first step) knew no prefill cost,
+    queued a burst of 24 requests on 2 slots and refused 22 at the end of the bound (2.4 s) instead
+    of at arrival. On a CPU the first 400-token prefill after start-up measured as a warm one
+    (1.92 against 1.64-1.86 s: the load's short forwards took the first-call costs), and a GPU's
+    start-up warm-up runs every size class before /ready."""
 
     def __init__(self) -> None:
         self._seen: set[int] = set()  # size classes (shape_of) whose first step has run
@@ -61,9 +74,8 @@ class StepCosts:
     def stepped(self, seconds: float, decode_rows: int, prefill_tokens: int) -> None:
         """A step of `decode_rows` decodes and `prefill_tokens` prompt tokens took `seconds`."""
         shape = shape_of(prefill_tokens)
-        if shape not in self._seen:
-            self._seen.add(shape)
-            return
+        first = shape not in self._seen
+        self._seen.add(shape)
         if seconds <= 0 or not math.isfinite(seconds):
             return
         if prefill_tokens == 0:
@@ -71,14 +83,14 @@ class StepCosts:
                 if decode_rows not in self._decode:
                     bisect.insort(self._rows, decode_rows)
                     self._decode[decode_rows] = _Recent()
-                self._decode[decode_rows].add(seconds)
+                self._decode[decode_rows].add(seconds, first)
             return
         # What a step costs beyond its prompt tokens (a row's head and sampling, the launches, the
         # loop) is a decode step's: counted per token, it made short prompts look 30x dearer.
         base = self.decode_s(max(1, decode_rows)) or 0.0
         if self._prefill_token is None:
             self._prefill_token = _Recent()
-        self._prefill_token.add(max(0.0, seconds - base) / prefill_tokens)
+        self._prefill_token.add(max(0.0, seconds - base) / prefill_tokens, first)
 
     @property
     def known(self) -> bool:

@@ -19,23 +19,31 @@ MiB = 1 << 20
 # The least a fitted configuration keeps: below these a server is not worth starting.
 MIN_CHUNK = 256
 MIN_CONTEXT = 512
+# torch's code a CPU load and its first forwards page in (file-backed, resident, in the cgroup's
+# count): measured over the default model's load in /proc/self/smaps, libtorch_cpu.so 11.9 MiB,
+# the tokenizers library 1.6, libtorch_python 1.4.
+CPU_CODE_BYTES = 15 * MiB
 
 
 @dataclass(frozen=True)
 class LoadEstimate:
     """The load's terms, in bytes: each what the start really holds on the path that will run
     (measured against the peak at start in bench/load_fit.py), none a pad. The staging is gone
-    before the first step, so the peak is the weights and the larger of it and what serving holds."""
+    before the first step (the load hands the freed heap back: memory/heap.py), so the peak is the
+    weights, the tokenizer and the larger of the staging and what serving holds."""
 
     weights: int  # as held: a CPU block linear's integers and float32 scales
     fixed: int  # the slots' recurrent states and the sampler's buffers
     one_sequence: int  # KV of one max_model_len sequence, in the whole segments the pool commits
     activations: int  # one prefill chunk's peak (engine/runner/activations.py)
     staging: int  # host memory the load passes through (CPU: a GGUF's mapped pages, blocks as read)
+    tokenizer: int = 0  # resident bytes the tokenizer took as the load built it (measured there)
+    code: int = 0  # library code the load and the first steps page in (CPU_CODE_BYTES on a CPU)
 
     @property
     def total(self) -> int:
-        return self.weights + max(self.staging, self.fixed + self.one_sequence + self.activations)
+        serving = self.fixed + self.one_sequence + self.activations
+        return self.weights + self.tokenizer + self.code + max(self.staging, serving)
 
     def describe(self) -> str:
         serving = (
@@ -45,7 +53,8 @@ class LoadEstimate:
         )
         terms = " + ".join(f"{name} {n / MiB:,.1f}" for name, n in serving)
         return (
-            f"weights {self.weights / MiB:,.1f} + max(staging {self.staging / MiB:,.1f}, {terms})"
+            f"weights {self.weights / MiB:,.1f} + tokenizer {self.tokenizer / MiB:,.1f}"
+            f" + code {self.code / MiB:,.1f} + max(staging {self.staging / MiB:,.1f}, {terms})"
             f" = {self.total / MiB:,.1f} MiB"
         )
 

@@ -21,11 +21,12 @@ import torch
 from ballast.engine import threads
 from ballast.engine.config import EngineConfig
 from ballast.engine.runner.activations import activation_bytes, prefill_path
-from ballast.engine.runner.load_fit import LoadDoesNotFit, LoadEstimate, MiB, fitted
+from ballast.engine.runner.load_fit import CPU_CODE_BYTES, LoadDoesNotFit, LoadEstimate, MiB, fitted
 from ballast.engine.runner.model_runner import weights_bytes
 from ballast.engine.step.sampler import Sampler
 from ballast.engine.text.sampling_defaults import GenerationConfigError
 from ballast.engine.text.tokenizer import Tokenizer, TokenizerError
+from ballast.memory import heap
 from ballast.memory.admission import admit_load_spike
 from ballast.memory.errors import MemoryRefused
 from ballast.memory.ledger import Lease
@@ -153,6 +154,17 @@ def lazy_tokenizer(hf_dir: Path | None) -> LazyTokenizer:
     return LazyTokenizer(lambda: Tokenizer.from_hf_dir(path))
 
 
+def _built(tokenizer: LazyTokenizer, watch: MemWatch | None) -> int:
+    """Resident bytes the tokenizer takes, measured as it is built now (a server builds it at start
+    anyway: 14 MiB for the default model's 49k vocabulary); 0 without a memory layer (tests that
+    drive a model with token ids never build it)."""
+    if watch is None:
+        return 0
+    before = heap.resident_bytes()
+    tokenizer.get()
+    return max(0, heap.resident_bytes() - before)
+
+
 def planned_weights_bytes(hf_config: dict[str, Any], dtype: torch.dtype) -> int:
     """Bytes a built-in model will hold, float8 weights and scales included (built on meta)."""
     with torch.device("meta"):
@@ -200,13 +212,15 @@ def admit_load(
     watch: MemWatch | None,
     *,
     host_staging: int = 0,
+    tokenizer: int = 0,
 ) -> EngineConfig:
     """The configuration to load with: `config` when the weights, the slots' fixed states, one
     max-length sequence's KV and a prefill chunk's activations fit (on the host for a CPU engine,
     under the die's ledger ceiling for a GPU one), else with `--fit on` a smaller one that does
     (logged on one line). Raises ModelLoadRefused when nothing fits, or with `--fit off` when the
     asked one does not. host_staging: host memory the load passes through on its way to a GPU (a
-    GGUF dequantized whole, safetensors read ahead), checked with the load spike."""
+    GGUF dequantized whole, safetensors read ahead), checked with the load spike. tokenizer: the
+    resident bytes the tokenizer took as it was built (`_built`)."""
     if watch is None:
         return config  # tests and tools without a memory layer
     mem_config = watch.config
@@ -214,7 +228,10 @@ def admit_load(
     staging = host_staging if device.type == "cpu" else 0
 
     def estimate(cfg: EngineConfig) -> LoadEstimate:
-        return LoadEstimate(weights, *bytes_beside_weights(hf_config, cfg, dtype, device.type), staging)
+        beside = bytes_beside_weights(hf_config, cfg, dtype, device.type)
+        host = device.type == "cpu"  # a GPU's estimate is of the die: the host's bytes are not in it
+        code = CPU_CODE_BYTES if host else 0
+        return LoadEstimate(weights, *beside, staging, tokenizer if host else 0, code)
 
     asked = estimate(config)
     state: MemState = watch.poll_now()
@@ -264,16 +281,22 @@ def load(
     if tok_dir is not None and not tok_dir.is_dir():
         raise ModelSpecError(f"--tokenizer {tok_dir} is not a directory")
     t0 = time.perf_counter()
+    asked_tok = None if tok_dir is None else lazy_tokenizer(tok_dir)
     if source.kind == "builtin":
         hf_config = builtin.builtin_config(source.name, mtp)
         weights = planned_weights_bytes(hf_config, dtype)
-        config = admit_load(hf_config, config, device, dtype, weights, watch)
+        # the default model's tokenizer (a built-in test model borrows it) may be fetched: not built
+        tok_bytes = _built(asked_tok, watch) if asked_tok is not None else 0
+        config = admit_load(hf_config, config, device, dtype, weights, watch, tokenizer=tok_bytes)
         model = builtin.build_builtin(source.name, dtype=dtype, device=device, mtp=mtp)
-        tokenizer = lazy_tokenizer(None)
+        tokenizer = asked_tok or lazy_tokenizer(None)
     elif source.kind == "gguf":
         assert source.path is not None
         gf = read_gguf(source.path)
         hf_config = gguf_config(gf)
+        meta = gf.metadata
+        tokenizer = asked_tok or LazyTokenizer(lambda: Tokenizer(build_tokenizer(meta)))
+        tok_bytes = _built(tokenizer, watch)  # first: the heap holds nothing freed yet
         packed = _held_weights(gf, hf_config) if config.cpu_blocks(device) else {}
         # the embedding table stays dense (lookups), even where the tied head reads its blocks
         skip = {n for n in packed if n != "model.embed_tokens.weight"}
@@ -284,34 +307,34 @@ def load(
         file_bytes = sum(t.nbytes for t in gf.tensors.values())
         staging = dense if device.type == "cuda" else file_bytes + held_blocks
         weights = _held_bytes(gf, skip, dtype) + held_blocks
-        config = admit_load(hf_config, config, device, dtype, weights, watch, host_staging=staging)
+        config = admit_load(
+            hf_config, config, device, dtype, weights, watch, host_staging=staging, tokenizer=tok_bytes
+        )
         model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype, skip=skip), device)
         if packed:
             decode = threads.decode_threads(threads.read_cpu_share(), config.cpu_threads)
             cast(LlamaForCausalLM, model).hold_blocks(packed, decode)
         if config.cpu_prompt_bf16(device):
             hold_prompt_bf16(model)
-        hf_tok = build_tokenizer(gf.metadata)
-        tokenizer = LazyTokenizer(lambda: Tokenizer(hf_tok))
     else:
         assert source.path is not None
         ckpt = inspect_hf_dir(source.path, mtp)
         hf_config = ckpt.config
         keep_fp8 = config.keeps_fp8(device)
         weights = ckpt.weights_bytes(dtype, keep_fp8)
+        tokenizer = asked_tok or lazy_tokenizer(source.path)
+        tok_bytes = _built(tokenizer, watch)
         config = admit_load(
-            hf_config, config, device, dtype, weights, watch, host_staging=ckpt.transient_bytes()
-        )
+            hf_config, config, device, dtype, weights, watch,
+            host_staging=ckpt.transient_bytes(), tokenizer=tok_bytes,
+        )  # fmt: skip
         model = load_hf_model(ckpt, dtype=dtype, device=device, keep_fp8=keep_fp8)
-        tokenizer = lazy_tokenizer(source.path)
     if mtp and getattr(model, "mtp", None) is None:
         raise ModelSpecError(
             f"--speculative-config method 'mtp' needs a model with a multi-token-prediction layer "
             f"(config num_nextn_predict_layers > 0 and its mtp.* tensors); {config.model} has none "
             "(use method 'ngram')"
         )
-    if tok_dir is not None:
-        tokenizer = lazy_tokenizer(tok_dir)
     leases: list[Lease] = []
     held = weights_bytes(model)
     if watch is not None and device.type == "cuda":

@@ -81,7 +81,7 @@ def test_16_slots_of_8k_start_in_3gib_and_serve_16_streams() -> None:
 
 def test_in_1_85gib_the_context_is_capped_and_v1_models_says_so() -> None:
     # ~550 MiB above the 1 GiB reserve (2 GiB leave ~700): the estimate at 8k with the smallest
-    # prefill chunk (639 MiB) does not fit, at 4k (443 MiB) it does: the context halves.
+    # prefill chunk (681 MiB) does not fit, at 4k (485 MiB) it does: the context halves.
     cg, proc, lines = start(int(1.85 * GiB))
     try:
         url = _read_listen_line(proc, lines, 300)

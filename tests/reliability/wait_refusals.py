@@ -135,8 +135,8 @@ def run(
         url = _read_listen_line(proc, lines, 300)
         wait_ready(url, 300)
         threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
-        # Warm: the server has served before the burst (its step times are measured; the first
-        # step of each size is not counted).
+        # Warm: the server has served before the burst (its step times are measured: the second
+        # request's steps are warm ones; a size's first step only stands in until one is).
         warm = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
         for k in range(2):
             warmed = warm.chat.completions.create(

@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 import torch
 from ballast.engine.config import EngineConfig
-from ballast.engine.runner.activations import activation_bytes, prefill_path
+from ballast.engine.runner.activations import CPU_HEAP_FACTOR, activation_bytes, prefill_path
 from ballast.engine.runner.load_fit import LoadDoesNotFit, LoadEstimate, MiB, fitted
 from ballast.engine.runner.loading import bytes_beside_weights
+from ballast.memory import heap
 
 
 def estimate(cfg: EngineConfig) -> LoadEstimate:
@@ -70,9 +71,9 @@ def test_no_attention_path_holds_scores_over_the_context() -> None:
     gathered = activation_bytes(SMOL, 2048, 16384, 4, "cpu-gathered") - activation_bytes(
         SMOL, 2048, 8192, 4, "cpu-gathered"
     )
-    assert gathered == 2 * 8192 * (one_layer_kv + 2048 * 5)  # the heap factor on both
+    assert gathered == pytest.approx(CPU_HEAP_FACTOR * 8192 * (one_layer_kv + 2048 * 5), abs=1)  # both
     assert grow["device"] == 0
-    assert 3 * activation_bytes(SMOL, 2048, 8192, 4, "cpu") < 9 * 2048 * 8192 * 4
+    assert 2 * activation_bytes(SMOL, 2048, 8192, 4, "cpu") < 9 * 2048 * 8192 * 4  # scores alone
     assert prefill_path("cpu", False) == "cpu" and prefill_path("cpu", True) == "cpu-gathered"
     assert prefill_path("cuda", False) == "device"
 
@@ -87,6 +88,27 @@ def test_the_staging_is_gone_before_serving_holds_anything() -> None:
         "max(staging 120.0, states+sampler 1.0 + one sequence 100.0 + activations 50.0) = 351.0 MiB"
         in est.describe()
     )
+    # the tokenizer is held while the load stages and while serving: beside both
+    assert dataclasses.replace(est, tokenizer=20 * MiB).total == 371 * MiB
+    assert dataclasses.replace(est, tokenizer=20 * MiB, staging=400 * MiB).total == 620 * MiB
+
+
+def test_the_heap_a_load_freed_goes_back_to_the_os() -> None:
+    """The estimate takes the staging as gone before the first step: glibc kept 89 MiB of the
+    default model's freed blocks resident until start-up trims the heap (memory/heap.py)."""
+    if not heap.trim():
+        pytest.skip("no glibc malloc_trim here")
+    before = heap.resident_bytes()
+    held = [bytearray(64 * 1024) for _ in range(1024)]  # 64 MiB in chunks under the mmap threshold
+    pin = bytearray(64 * 1024)  # above them: the heap's top cannot shrink past it on its own
+    grown = heap.resident_bytes() - before
+    del held
+    kept = heap.resident_bytes() - before
+    heap.trim()
+    after = heap.resident_bytes() - before
+    assert grown > 48 * MiB and kept > grown - 8 * MiB, (grown, kept)  # freed, still resident
+    assert after < grown / 4, (grown, after)
+    del pin
 
 
 def test_one_sequence_counts_the_whole_segments_the_pool_commits() -> None:

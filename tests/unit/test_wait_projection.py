@@ -17,21 +17,46 @@ def costs(decode_s: float = 0.01, prefill_token_s: float = 0.001) -> StepCosts:
     return c
 
 
+def test_before_a_warm_step_the_first_steps_refuse_a_burst_at_arrival() -> None:
+    """Issue 47's CPU burst (default model, 2 slots, bound 2 s): the warm-up's only prefill was a
+    first step (two 400-token prompts in 2.8 s), which was not counted; with no prefill cost known
+    the gate queued all 24 requests of the burst and refused 22 at the end of the bound. With the
+    first steps standing in, every request after the first is projected past the bound."""
+    c = StepCosts()
+    c.stepped(2.8, 0, 800)  # the warm-up's one prefill step: a first one
+    c.stepped(0.040, 2, 0)  # its first decode step
+    assert c.known and c.prefill_token_s == pytest.approx(2.8 / 800)
+    p = WaitProjection(c, 2, [])
+    first, second = (p.place(Demand(400, 32, 4), always) for _ in range(2))
+    assert first.at_once and first.first_token_s == pytest.approx(1.44)
+    # the second has a slot but waits for the first's prefill: its first token (2.9 s, as the
+    # served ones' 2.8-3.5 s were) is past the bound, and it is refused at arrival
+    assert second.waits_for == "prefill compute" and second.first_token_s > 2.0
+    # ... and as soon as a warm step is measured it is the cost, not the first one
+    c.stepped(0.030, 2, 0)
+    assert c.decode_s(2) == pytest.approx(0.030)
+    c.stepped(0.030 + 400 * 0.001, 2, 400)  # another first step (its class's): the lesser stands in
+    assert c.prefill_token_s == pytest.approx(0.001)
+    c.stepped(0.030 + 800 * 0.0012, 2, 800)  # a warm one: the cost from now on
+    assert c.prefill_token_s == pytest.approx(0.0012)
+
+
 def always(gain: int) -> bool:
     return True
 
 
 def test_step_costs_interpolate_and_extrapolate_by_rows() -> None:
     c = StepCosts()
-    c.stepped(1.0, 2, 0)  # a cold first decode step: not counted
     assert not c.known and c.decode_s(4) is None
+    c.stepped(1.0, 2, 0)  # a cold first decode step: it stands in until a warm one is measured
+    assert c.decode_s(2) == 1.0 and not c.known  # no prefill cost yet
     c.stepped(0.010, 2, 0)
     assert c.decode_s(1) == 0.010 and c.decode_s(4) == pytest.approx(0.020)  # one size: in proportion
     c.stepped(0.014, 4, 0)
     assert c.decode_s(3) == pytest.approx(0.012)  # between two sizes
     assert c.decode_s(8) == pytest.approx(0.022)  # above: the slope of the two largest
-    c.stepped(1.0, 2, 100)
-    assert not c.known
+    c.stepped(1.0, 2, 100)  # the first prefill: its cost until a warm one
+    assert c.known and c.prefill_token_s == pytest.approx(0.0099)
     c.stepped(0.010 + 0.050, 2, 100)  # a step of 2 decodes and 100 prompt tokens
     assert c.known and c.prefill_token_s == pytest.approx(0.0005)
 
