@@ -75,7 +75,8 @@ class StepPlanner:
         queue head (when `admit`) while budget and slots remain."""
         roster = self._roster
         decoding = [seq for seq in roster.running if seq.phase is Phase.DECODING and seq.slot is not None]
-        drafting = bool(decoding) and self.drafts.wants([s.slot for s in decoding], self._gov.ladder.level)
+        slots = [seq.slot for seq in decoding if seq.slot is not None]
+        drafting = bool(slots) and self.drafts.wants(slots, self._gov.ladder.level)
         decodes = tuple(self._decode(seq, drafting) for seq in decoding)
         engine = self._engine
         # beside decodes, the prompt tokens that keep the step within the ITL target
@@ -151,14 +152,12 @@ class StepPlanner:
         drafts.observe_step(plan, result, now)
         if drafts.config is None:
             return
-        decoding = [s for s in self._roster.running if s.phase is Phase.DECODING and s.slot is not None]
-        drafts.keep({s.slot for s in decoding if s.slot is not None})
-        if len(decoding) >= drafts.config.max_streams or self._gov.ladder.level >= Level.WATCH:
-            return
-        for seq in decoding:
-            assert seq.slot is not None
-            if drafts.needs_check(seq.slot):
-                drafts.check(seq.slot, seq.consumed_tokens, self._proposal(seq, seq.consumed_tokens))
+        decoding = {s.slot: s for s in self._roster.running if s.phase is Phase.DECODING and s.slot is not None}
+        drafts.keep(set(decoding))
+        if len(decoding) < drafts.config.max_streams and self._gov.ladder.level < Level.WATCH:
+            for slot, seq in decoding.items():
+                if drafts.needs_check(slot):
+                    drafts.check(slot, seq.consumed_tokens, self._proposal(seq, seq.consumed_tokens))
 
     def _next_chunk(self, seq: Seq, budget: int) -> PrefillChunk:
         """The seq's next prefill chunk, at most `budget` tokens (the first restores a cached prefix)."""

@@ -78,6 +78,11 @@ MAX_WING_LINES = (
     # built-ins) and drafting from the target's hidden states with its KV in the slot's blocks
     + 383  # (3 of them where it meets issue 48's warm-up in start-up)
     + 40  # issue 49: the draft length follows the acceptance by position (governor)
+    # issue 49, s25: each sequence's acceptance checked for free (its proposal against the tokens
+    # that come, drafting or not) against the measured cost of a drafted position: a copy served
+    # after a story drafts within 3 steps (it waited out a 24-384-step verdict), and a story and a
+    # copy in one batch each draft their own length
+    + 65
 )
 
 

@@ -39,6 +39,8 @@ GREEDY = SamplingParams(temperature=0.0)
 # keeps the output to five tokens, which the model still chooses among (drafts both kept and cut).
 FEW = tuple((t, 60.0) for t in (11, 12, 13, 14, 15))
 NARROW = SamplingParams(temperature=0.0, logit_bias=FEW)
+# The same five tokens drawn (seeded): drafts are kept often enough to be drafted, and cut too.
+DRAWN = SamplingParams(temperature=1.0, seed=7, logit_bias=FEW)
 Outcome = tuple[str, tuple[int, ...], FinishEvent, list[TokenEvent]]
 
 
@@ -210,10 +212,10 @@ def test_a_prefix_hit_while_drafting_gives_the_same_answer_and_kv_events() -> No
     assert cache is not None
     runs = []
     try:
-        first = GenerationRequest("t1", looping_prompt(5), NARROW, max_tokens=24)
+        first = GenerationRequest("t1", looping_prompt(5), DRAWN, max_tokens=24)
         off, _ = serve(engine, [first], None)
         follow = GenerationRequest(
-            "t2", first.prompt_ids + off[0][1] + looping_prompt(6, 4, 2), NARROW, max_tokens=24
+            "t2", first.prompt_ids + off[0][1] + looping_prompt(6, 4, 2), DRAWN, max_tokens=24
         )
         for spec in (None, NGRAM):
             engine.submit(StepPlan(shed_prefix_cache=True)).result(timeout=60)
