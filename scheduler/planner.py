@@ -152,7 +152,9 @@ class StepPlanner:
         drafts.observe_step(plan, result, now)
         if drafts.config is None:
             return
-        decoding = {s.slot: s for s in self._roster.running if s.phase is Phase.DECODING and s.slot is not None}
+        decoding = {
+            s.slot: s for s in self._roster.running if s.phase is Phase.DECODING and s.slot is not None
+        }
         drafts.keep(set(decoding))
         if len(decoding) < drafts.config.max_streams and self._gov.ladder.level < Level.WATCH:
             for slot, seq in decoding.items():

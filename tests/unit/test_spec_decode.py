@@ -315,6 +315,29 @@ def test_prompt_lookup_drafts_the_latest_longest_match() -> None:
     assert propose([1, 2, 1, 2], 3, 3, 3) == ()  # only n-grams of 3 count
 
 
+def test_prompt_lookup_matches_a_plain_search() -> None:
+    """The byte search against the definition, on contexts whose ids' bytes also match off the
+    word boundaries (256 is 00 01 00 00; 65536 is 00 00 01 00)."""
+
+    def lookup(ctx: list[int], k: int, lo: int, hi: int) -> tuple[int, ...]:
+        size = len(ctx)
+        for n in range(min(hi, size - 1), lo - 1, -1):
+            for start in range(size - n - 1, -1, -1):
+                if k and ctx[start : start + n] == ctx[size - n :]:
+                    out: list[int] = []
+                    for at in range(start + n, start + n + k):
+                        out.append(ctx[at] if at < size else out[at - size])
+                    return tuple(out)
+        return ()
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        ctx = [rng.choice((0, 1, 256, 65536, 65537, 2, 131328)) for _ in range(rng.randrange(30))]
+        k, lo = rng.randrange(5), rng.randrange(1, 4)
+        hi = rng.randrange(lo, 6)
+        assert propose(ctx, k, lo, hi) == lookup(ctx, k, lo, hi), (ctx, k, lo, hi)
+
+
 @pytest.mark.parametrize(
     "text",
     [
