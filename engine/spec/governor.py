@@ -11,12 +11,12 @@ ten, a free story one in ten at its first position). Both are measured:
 - the cost of a drafted position at each batch size: the step time of drafting steps over their
   drafted positions against plain steps (running averages).
 A drafted position is worth its acceptance in tokens and costs c seconds where a plain step costs
-t per token, so a sequence drafts the leading positions whose acceptance is at least c / t (its
-own length; none for a story once measured, all k for a copy, in one batch). Until a batch size's
-costs are measured it drafts the positions with some acceptance to measure them; a drafting batch
-size runs a plain step now and then to keep t current. Beyond the measure, two rules: none from
-`max_streams` decoding streams on, and none from WATCH on (a verify step's extra rows are
-activations, memory the ladder is then taking back).
+t per token, so a sequence drafts the leading positions whose acceptance is at least c / t (in
+one batch, a copy all k, a story none or one). Until a batch size's costs are measured it drafts
+the positions with some acceptance to measure them; a drafting batch size runs a plain step now
+and then to keep t current. Beyond the measure, two rules: none from `max_streams` decoding
+streams on, and none from WATCH on (a verify step's extra rows are activations, memory the
+ladder is then taking back).
 """
 
 from __future__ import annotations
