@@ -13,14 +13,16 @@ ten, a free story one in ten at its first position). Both are measured:
 A drafted position is worth its acceptance in tokens and costs c seconds where a plain step costs
 t per token, so a sequence drafts the leading positions whose acceptance is at least c / t (in
 one batch, a copy all k, a story none or one). Until a batch size's costs are measured it drafts
-the positions with some acceptance to measure them; a drafting batch size runs a plain step now
-and then to keep t current. Beyond the measure, two rules: none from `max_streams` decoding
+the positions with some acceptance to measure them; every PROBE_EVERY steps one of the kind not
+chosen keeps both times current. Beyond the measure, two rules: none from `max_streams` decoding
 streams on, and none from WATCH on (a verify step's extra rows are activations, memory the
 ladder is then taking back).
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,12 +30,13 @@ from ballast.engine.plan import StepPlan, StepResult
 from ballast.engine.spec.config import SpeculativeConfig
 from ballast.memory.types import Level
 
-# Weight of the newest step in each running average: small, because on a shared machine one step's
-# time swings several-fold with other processes' load.
-EMA = 0.1
+# Each kind of step at a batch size is judged by the medians of its last WINDOW steps: on a shared
+# machine one step's time swings several-fold with other processes' load (a running average kept a
+# spike for hundreds of steps: drafting "cost" 9x a step and stopped for good).
+WINDOW = 9
 # Steps of each kind a batch size needs before its costs count as measured.
 MIN_STEPS = 4
-# Every this many drafting steps at a batch size, a plain one (its time goes stale otherwise).
+# Every this many steps at a batch size, one of the kind not chosen (its times go stale otherwise).
 PROBE_EVERY = 24
 # Longest step gap that counts as a step's time (a gap longer than this was idleness).
 MAX_STEP_GAP_S = 5.0
@@ -46,19 +49,17 @@ ACCEPT_EMA = 0.25
 
 @dataclass
 class _Rate:
-    """Running averages of one kind of step at one batch size."""
+    """One kind of step at one batch size: (seconds, tokens, positions drafted) of its last steps."""
 
     steps: int = 0
-    seconds: float = 0.0
-    tokens: float = 0.0
-    drafts: float = 0.0  # positions drafted
+    last: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def add(self, seconds: float, tokens: int, drafts: int) -> None:
-        w = 1.0 if self.steps == 0 else EMA
-        self.seconds += w * (seconds - self.seconds)
-        self.tokens += w * (tokens - self.tokens)
-        self.drafts += w * (drafts - self.drafts)
+        self.last.append((seconds, tokens, drafts))
         self.steps += 1
+
+    def median(self, i: int) -> float:
+        return statistics.median(step[i] for step in self.last)
 
 
 @dataclass
@@ -112,7 +113,7 @@ class DraftGovernor:
         self.acceptance: list[float] = []
         self._slot_acceptance: dict[int, list[float]] = {}
         self._checks: dict[int, tuple[int, tuple[int, ...]]] = {}
-        self._lengths: dict[int, int] = {}
+        self._lengths: dict[int, int] = {}  # drafts by slot in the step `wants` said yes to
         # The engine's MTP drafts, by slot: (the position the slot's next decode feeds, drafts).
         self.proposals: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.reason = "off" if config is None else "measuring"  # why the last decision was what it was
@@ -148,23 +149,30 @@ class DraftGovernor:
             return self._decide(False, "measuring")
         bar = MIN_ACCEPTANCE
         if measured:  # a drafted position's seconds over a plain step's seconds per token
-            cost = max(0.0, drafted.seconds - plain.seconds) / max(drafted.drafts, 1e-9)
-            bar = max(bar, cost * plain.tokens / plain.seconds)
-        k = self.config.num_speculative_tokens
+            cost = max(0.0, drafted.median(0) - plain.median(0)) / max(drafted.median(2), 1.0)
+            bar = max(bar, cost * plain.median(1) / plain.median(0))
+        lengths = self._lengths_at(slots, bar)
+        since = self._since_probe.get(streams, 0) + 1
+        probe = measured and since >= PROBE_EVERY
+        self._since_probe[streams] = 0 if probe else since
+        if probe:  # once, the kind not chosen: its times go stale (a spike would stay)
+            lengths = {} if lengths else self._lengths_at(slots, MIN_ACCEPTANCE)
+        self._lengths = lengths
+        if not lengths:
+            return self._decide(False, "measuring" if probe else "loses")
+        return self._decide(True, "wins" if measured and not probe else "measuring")
+
+    def _lengths_at(self, slots: Sequence[int], bar: float) -> dict[int, int]:
+        """Per slot, the leading positions whose acceptance (its own, else all sequences') reaches `bar`."""
+        k = self.config.num_speculative_tokens if self.config else 0
+        lengths: dict[int, int] = {}
         for slot in slots:
             own, n = self._slot_acceptance.get(slot, []), 0
             while n < k and (own[n] if n < len(own) else self._overall(n)) >= bar:
                 n += 1
             if n:
-                self._lengths[slot] = n
-        if not self._lengths:
-            return self._decide(False, "loses")
-        since = self._since_probe.get(streams, 0) + 1
-        self._since_probe[streams] = since % PROBE_EVERY
-        if measured and since >= PROBE_EVERY:  # a plain step, to keep its time current
-            self._lengths = {}
-            return self._decide(False, "measuring")
-        return self._decide(True, "wins" if measured else "measuring")
+                lengths[slot] = n
+        return lengths
 
     def _overall(self, j: int) -> float:
         return self.acceptance[j] if j < len(self.acceptance) else 0.0
