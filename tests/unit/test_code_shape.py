@@ -82,8 +82,9 @@ MAX_WING_LINES = (
     # that come, drafting or not) against the measured cost of a drafted position: a copy served
     # after a story drafts within 3 steps (it waited out a 24-384-step verdict), and a story and a
     # copy in one batch each draft their own length; prompt lookup searched as bytes (4k tokens
-    # 1.3 ms -> 0.24 ms), as every decoding sequence now gets a proposal checked after each step
-    + 58
+    # 1.3 ms -> 0.24 ms), as every decoding sequence now gets a proposal checked after each step;
+    # step costs as medians of the last 9 (a spike kept by a running average stopped drafting)
+    + 66
 )
 
 
