@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 
 from ballast.engine.interface import EngineLike
-from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan, StepResult
 from ballast.engine.spec.config import FLAG
 from ballast.engine.spec.governor import DraftGovernor
 from ballast.engine.spec.ngram import propose
@@ -75,7 +75,8 @@ class StepPlanner:
         queue head (when `admit`) while budget and slots remain."""
         roster = self._roster
         decoding = [seq for seq in roster.running if seq.phase is Phase.DECODING and seq.slot is not None]
-        drafting = bool(decoding) and self.drafts.wants(len(decoding), self._gov.ladder.level)
+        slots = [seq.slot for seq in decoding if seq.slot is not None]
+        drafting = bool(slots) and self.drafts.wants(slots, self._gov.ladder.level)
         decodes = tuple(self._decode(seq, drafting) for seq in decoding)
         engine = self._engine
         # beside decodes, the prompt tokens that keep the step within the ITL target
@@ -117,24 +118,48 @@ class StepPlanner:
 
     def _decode(self, seq: Seq, drafting: bool) -> DecodeToken:
         """The seq's decode: its last sampled token at the position after what it consumed, and
-        when drafting, up to k prompt-lookup drafts (never past max_tokens or the context)."""
+        when drafting, the drafts the governor gives it (never past max_tokens or the context)."""
         assert seq.slot is not None
         pos = seq.consumed_tokens
-        config = self.drafts.config
+        room = min(
+            self.drafts.length(seq.slot) if drafting else 0,
+            seq.max_tokens - len(seq.output) - 1,
+            self._engine.max_model_len - 1 - pos,
+        )
         draft: tuple[int, ...] = ()
-        if drafting and config is not None:
-            room = min(
-                self.drafts.length(),
-                seq.max_tokens - len(seq.output) - 1,
-                self._engine.max_model_len - 1 - pos,
-            )
-            if config.method == "mtp":  # the engine's, from the last step, if made for this position
-                at, proposed = self.drafts.proposals.get(seq.slot, (-1, ()))
-                draft = proposed[: max(0, room)] if at == pos else ()
-            else:
-                context = (*seq.req.prompt_ids, *seq.output)
-                draft = propose(context, room, config.prompt_lookup_min, config.prompt_lookup_max)
+        if room > 0:
+            proposal = self._proposal(seq, pos)
+            self.drafts.check(seq.slot, pos, proposal)  # its positions past the drafts checked too
+            draft = proposal[:room]
         return DecodeToken(seq.slot, seq.output[-1], pos, draft)
+
+    def _proposal(self, seq: Seq, pos: int) -> tuple[int, ...]:
+        """k drafts for the seq's decode at `pos`: the engine's MTP drafts made for it, or prompt lookup."""
+        config = self.drafts.config
+        assert config is not None and seq.slot is not None
+        if config.method == "mtp":  # the engine's, from the last step, if made for this position
+            at, proposed = self.drafts.proposals.get(seq.slot, (-1, ()))
+            return proposed if at == pos else ()
+        context = (*seq.req.prompt_ids, *seq.output)
+        k = config.num_speculative_tokens
+        return propose(context, k, config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def observed(self, plan: StepPlan, result: StepResult, now: float) -> None:
+        """After a step is applied: the governor learns from it, and every decoding seq without a
+        proposal under check gets one (checked against the tokens to come: acceptance for free,
+        while it drafts or not; none where it could not draft anyway)."""
+        drafts = self.drafts
+        drafts.observe_step(plan, result, now)
+        if drafts.config is None:
+            return
+        decoding = {
+            s.slot: s for s in self._roster.running if s.phase is Phase.DECODING and s.slot is not None
+        }
+        drafts.keep(set(decoding))
+        if len(decoding) < drafts.config.max_streams and self._gov.ladder.level < Level.WATCH:
+            for slot, seq in decoding.items():
+                if drafts.needs_check(slot):
+                    drafts.check(slot, seq.consumed_tokens, self._proposal(seq, seq.consumed_tokens))
 
     def _next_chunk(self, seq: Seq, budget: int) -> PrefillChunk:
         """The seq's next prefill chunk, at most `budget` tokens (the first restores a cached prefix)."""
@@ -189,7 +214,7 @@ class StepPlanner:
         running = {seq.slot: seq for seq in roster.running if seq.slot is not None}
         rows = [(d.slot, d.pos + 1) for d in plan.decodes]
         rows += [(p.slot, p.start_pos + len(p.token_ids)) for p in plan.prefills if p.sample]
-        if {slot for slot, _ in rows} != set(running) or self._drafts_next(len(rows)):
+        if {slot for slot, _ in rows} != set(running) or self._drafts_next([slot for slot, _ in rows]):
             return None  # (a drafting plan needs the host's tokens)
         decodes = []
         sampling: dict[int, SamplingParams] = {}
@@ -200,8 +225,8 @@ class StepPlanner:
                 sampling[slot] = seq.req.params
         return StepPlan(decodes=tuple(decodes), sampling=sampling) if decodes else None
 
-    def _drafts_next(self, streams: int) -> bool:
-        return self.drafts.wants(streams, self._gov.ladder.level, ahead=True)
+    def _drafts_next(self, slots: list[int]) -> bool:
+        return self.drafts.wants(slots, self._gov.ladder.level, ahead=True)
 
     @property
     def engine_slots_wanted(self) -> int:

@@ -298,10 +298,10 @@ class Scheduler:
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
         self.steps += 1
-        self._planner.drafts.observe_step(plan, result, time.monotonic())
         self.reused_tokens += result.reused_tokens
         self._kv.room.update(result)
         self._roster.apply(plan, result)
+        self._planner.observed(plan, result, time.monotonic())
 
     def _step_failed(self, plan: StepPlan, failed: StepFailed) -> None:
         """The engine failed the step and recovered; failing for want of memory raises the level."""

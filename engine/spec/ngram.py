@@ -4,28 +4,27 @@ edits, quoting, summaries that reuse phrases) is drafted whole."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
+
+WORD = array("i").itemsize  # bytes per token id: a match is a byte match at a word boundary
 
 
 def propose(context: Sequence[int], k: int, min_n: int, max_n: int) -> tuple[int, ...]:
-    """Up to k tokens continuing `context` (prompt + output), or () when no suffix n-gram recurs."""
+    """Up to k tokens continuing `context` (prompt + output), or () when no suffix n-gram recurs.
+    (Searched as bytes, in C: every decoding sequence gets a proposal checked after each step.)"""
     size = len(context)
     if k <= 0 or size < min_n + 1:
         return ()
-    tokens = list(context)
+    buf = array("i", context).tobytes()
     for n in range(min(max_n, size - 1), min_n - 1, -1):
-        suffix = tokens[size - n :]
-        first = suffix[0]
-        # Latest occurrence that ends before the suffix itself, scanning backwards.
-        start = size - n - 1
-        while start >= 0:
-            try:
-                start = _rindex(tokens, first, start)
-            except ValueError:
-                break
-            if tokens[start : start + n] == suffix:
-                return _continuation(tokens, start + n, k)
-            start -= 1
+        suffix = buf[WORD * (size - n) :]
+        # Latest occurrence that starts before the suffix itself (it may overlap it).
+        at = buf.rfind(suffix, 0, WORD * (size - 1))
+        while at > 0 and at % WORD:
+            at = buf.rfind(suffix, 0, at + len(suffix) - 1)
+        if at >= 0:
+            return _continuation(list(context), at // WORD + n, k)
     return ()
 
 
@@ -38,11 +37,3 @@ def _continuation(tokens: list[int], source: int, k: int) -> tuple[int, ...]:
         at = source + j
         out.append(tokens[at] if at < size else out[at - size])
     return tuple(out)
-
-
-def _rindex(tokens: list[int], value: int, end: int) -> int:
-    """The last index <= end holding value (ValueError if none)."""
-    for i in range(end, -1, -1):
-        if tokens[i] == value:
-            return i
-    raise ValueError(value)

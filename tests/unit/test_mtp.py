@@ -218,6 +218,9 @@ def _target_greedy(model: Qwen3NextForCausalLM, sequence: list[int], n: int) -> 
 def _serve(engine: Engine, spec: str | None, reqs: list[GenerationRequest]) -> tuple[list[list[int]], object]:
     async def go() -> tuple[list[list[int]], object]:
         s = Scheduler(engine, SchedulerConfig(max_num_seqs=4, speculative_config=spec, stale_snapshot_s=0.0))
+        # Random MTP weights draft nothing the target keeps, which the governor learns from the
+        # first check: a governor that has seen drafts kept tries them on each new sequence.
+        s._planner.drafts.acceptance = [1.0] * K
         await s.start()
         try:
             outs = await asyncio.gather(*(_ids_of(s, r) for r in reqs))
@@ -240,8 +243,8 @@ def test_greedy_output_with_mtp_drafts_equals_without(engine: Engine) -> None:
     on, stats = _serve(engine, MTP, reqs)
     assert on == off and all(len(o) == 24 for o in on)
     assert stats.steps_drafting > 0 and stats.drafted > 0  # type: ignore[attr-defined]
-    # random weights: no draft is kept, so drafts stay one at a time (the length by acceptance)
-    assert stats.drafted_at == [stats.drafted]  # type: ignore[attr-defined]
+    # random weights: no draft is kept, and a sequence whose drafts were checked drafts no more
+    assert stats.accepted == 0 and stats.drafted <= 3 * K  # type: ignore[attr-defined]
 
 
 def test_mtp_on_a_model_without_an_mtp_layer_is_a_clear_error() -> None:
