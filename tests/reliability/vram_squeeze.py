@@ -65,6 +65,18 @@ time.sleep(hold if hold >= 0 else 1e9)
 """
 
 
+def _story(i: int, max_tokens: int, prompt_words: int) -> dict[str, Any]:
+    """Client i's streaming chat: a story asked for, after `prompt_words` filler words."""
+    filler = " ".join(f"river{(i * 7 + w) % 997}" for w in range(prompt_words))
+    return {
+        "model": "x",
+        "messages": [{"role": "user", "content": f"Write a long story number {i}. {filler}"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+
+
 def streams(
     url: str,
     stop: threading.Event,
@@ -77,14 +89,7 @@ def streams(
 ) -> None:
     """One client in a loop; `refusals` gets the seconds each 429/503 took to arrive (the client's
     clock, from sending the request to its status line)."""
-    filler = " ".join(f"river{(i * 7 + w) % 997}" for w in range(prompt_words))
-    body = {
-        "model": "x",
-        "messages": [{"role": "user", "content": f"Write a long story number {i}. {filler}"}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
+    body = _story(i, max_tokens, prompt_words)
     while not stop.is_set():
         sent = time.monotonic()
         try:
@@ -170,7 +175,7 @@ def _until_ready(proc: subprocess.Popen[str], lines: list[str]) -> str:
     """The server's URL once /ready says 200; its later output keeps going into `lines`."""
     url = _read_listen_line(proc, lines, 600)
     wait_ready(url, 600)
-    threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
+    threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True).start()
     return url
 
 
@@ -329,14 +334,7 @@ def run_mode(
 def one_request(url: str, i: int, max_tokens: int, prompt_words: int) -> tuple[str, float, float]:
     """One streaming chat: (outcome as `streams` names it, seconds to the status line, seconds to
     the first content token or nan)."""
-    filler = " ".join(f"river{(i * 7 + w) % 997}" for w in range(prompt_words))
-    body = {
-        "model": "x",
-        "messages": [{"role": "user", "content": f"Write a long story number {i}. {filler}"}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
+    body = _story(i, max_tokens, prompt_words)
     sent, first = time.monotonic(), float("nan")
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
