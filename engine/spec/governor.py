@@ -9,7 +9,7 @@ ten, a free story one in ten at its first position). Both are measured:
   step verified drafts or not (a plain step checks one position of a standing proposal, a verify
   row its drafts and the token after them); a sequence's unchecked positions take all sequences';
 - the cost of a drafted position at each batch size: the step time of drafting steps over their
-  drafted positions against plain steps (running averages).
+  drafted positions against plain steps (medians of the last WINDOW steps of each kind).
 A drafted position is worth its acceptance in tokens and costs c seconds where a plain step costs
 t per token, so a sequence drafts the leading positions whose acceptance is at least c / t (in
 one batch, a copy all k, a story none or one). Until a batch size's costs are measured it drafts
