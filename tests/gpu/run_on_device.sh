@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How this session's GPU checks run on the lent H200 (see /work/.library/device): the wheels the
 # image lacks come from .whl (../shared/tools/gpu-wheels.sh), the Triton cache stays in /tmp while
-# the machine is warm. Usage: tests/gpu/run_on_device.sh squeeze|suite-a|suite-b|suite-c|spec [pytest args]
+# the machine is warm. Usage: tests/gpu/run_on_device.sh squeeze|hang-fit|fit|suite-a|suite-b|suite-c|spec [pytest args]
 #   (suite-a, -b, -c: the test files in three contiguous thirds, each well inside one call's 600 s)
 #   tests/gpu/run_on_device.sh compare BASE profile|paged|serve: one bench on the package root BASE
 #   (another commit: mkdir BASE && git archive COMMIT | tar -x -C BASE), then on this tree, in one
@@ -39,6 +39,8 @@ case "$mode" in
   hang-fit)  # issue 47: a kernel that spins on the device (the watchdog, 503s, exit); the load
     # estimate against the peak after one max-length sequence, on the 8B shape
     timeout ${HANG_S:-75} python3 -m pytest -x -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_device_hang_cuda.py 2>&1 | tail -12
+    ;&
+  fit)  # the load estimate against the peak only (~2 min)
     tok=/tmp/tok; mkdir -p $tok
     python3 -c "from ballast.bench.checkpoint_dir import write_tokenizer; from pathlib import Path; write_tokenizer(Path('$tok'))"
     timeout ${FIT_S:-120} python3 -m ballast.bench.load_fit --model builtin:llama-8b --device cuda --case 128x4096 \
