@@ -47,7 +47,8 @@ class Placement:
 
 class WaitProjection:
     def __init__(self, costs: StepCosts, free_slots: int, running: Sequence[Demand]) -> None:
-        """costs: measured (`costs.known`). running: the requests in slots, in admission order."""
+        """costs: measured, or bounded by a step in flight (`costs.known`). running: the requests
+        in slots, in admission order."""
         self._costs = costs
         self._t = 0.0  # the last placed request's start: FCFS, none behind it starts earlier
         self._free = free_slots
@@ -68,7 +69,7 @@ class WaitProjection:
         """A prompt's prefill: its tokens, and the step that carries it (its rows and the head),
         which the per-token cost is measured net of (without it a burst of short prompts came
         out 30% quicker than it ran)."""
-        return tokens * self._costs.prefill_token_s + (self._decode_step_s() if tokens else 0.0)
+        return self._costs.prefill_s(tokens, self._active) if tokens else 0.0
 
     def place(self, demand: Demand, fits: Fits) -> Placement:
         """Where `demand` starts behind everything placed so far; it counts for those placed after."""

@@ -5,6 +5,8 @@ with 429/503 and Retry-After; a served request gets its first token within the b
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import wait_refusals
 
@@ -44,6 +46,25 @@ def test_slot_bound_two_slots_refuse_the_burst_tail_at_arrival() -> None:
     bound = 2.0
     f = wait_refusals.run(None, 2, 40, 8, 64, bound, max_len=256, model="builtin:tiny-llama")
     check(f, bound, "a slot")
+
+
+def test_before_any_step_returns_the_step_in_flight_refuses_before_the_bound() -> None:
+    # A fresh server (no warm-up: no step measured) whose first prefill step crawls for 3 s (the
+    # `slow` fault, a slow box's big prefill made certain): 8 chats on 2 slots, bound 2 s. Each
+    # queued behind that step gets its first token after 3 s. Nothing was projected until a step
+    # came back, so each was refused at 2 s, the bound's end (the CPU burst's warm phase: 6 such).
+    # The step in flight bounds the costs from below while it runs: they are refused as it passes
+    # the bound. The served got their first token after the fault's 3 s, so TTFT is not checked.
+    bound = 2.0
+    env = {"BALLAST_FAULTS": json.dumps([{"kind": "slow", "when": "prefill", "seconds": 3}])}
+    f = wait_refusals.run(
+        None, 2, 8, 4, 64, bound, max_len=256, model="builtin:tiny-llama", env=env, warm=False
+    )
+    outcomes = f["outcomes"]
+    assert set(outcomes) <= {"200", "429", "503"}, f["examples"]
+    assert outcomes.get("200", 0) >= 1 and outcomes.get("429", 0) + outcomes.get("503", 0) >= 1, outcomes
+    assert f["refusal_max_s"] < 0.75 * bound, f  # never at the bound's end
+    assert f["server_alive"]
 
 
 def test_compute_bound_the_prefill_ahead_refuses_at_arrival() -> None:

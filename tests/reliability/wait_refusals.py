@@ -116,8 +116,11 @@ def run(
     extra: tuple[str, ...] = (),
     model: str = "default",
     read: int | None = None,
+    warm: bool = True,
 ) -> dict[str, Any]:
-    """limit: the memory cgroup's, in bytes (None: no cgroup of its own, memory is not the limit)."""
+    """limit: the memory cgroup's, in bytes (None: no cgroup of its own, memory is not the limit).
+    warm: serve two requests before the burst (False: the burst meets a server that has measured
+    no step)."""
     cg = Cgroup(limit) if limit is not None else None
     args = ["--model", model, "--max-num-seqs", str(slots), "--max-model-len", str(max_len)]
     args += ["--max-queue-wait-s", str(bound_s), *extra]
@@ -137,12 +140,13 @@ def run(
         threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
         # Warm: the server has served before the burst (its step times are measured: the second
         # request's steps are warm ones; a size's first step only stands in until one is).
-        warm = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
-        for k in range(2):
-            warmed = warm.chat.completions.create(
+        warmer = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+        prompt_tokens = 0
+        for k in range(2 if warm else 0):
+            warmed = warmer.chat.completions.create(
                 model="x", messages=[{"role": "user", "content": prompt_for(-1 - k, words)}], max_tokens=8
             )
-        prompt_tokens = warmed.usage.prompt_tokens if warmed.usage else 0
+            prompt_tokens = warmed.usage.prompt_tokens if warmed.usage else 0
         t0 = time.monotonic()
         out = asyncio.run(burst(url, clients, words, max_tokens, read))
         wall = time.monotonic() - t0

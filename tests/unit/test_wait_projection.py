@@ -4,8 +4,9 @@ blocks coming back, the prefill ahead of it) and when it would get its first tok
 from __future__ import annotations
 
 import pytest
+from ballast.scheduler.gate import ARRIVAL_SHARE
 from ballast.scheduler.service_rate import LengthShare, StepCosts
-from ballast.scheduler.wait_projection import Demand, WaitProjection
+from ballast.scheduler.wait_projection import Demand, Placement, WaitProjection
 
 
 def costs(decode_s: float = 0.01, prefill_token_s: float = 0.001) -> StepCosts:
@@ -45,11 +46,46 @@ def always(gain: int) -> bool:
     return True
 
 
+def test_before_any_step_returns_the_step_in_flight_bounds_the_wait_from_below() -> None:
+    """Issue 47's CPU burst, its warm phase: 8 requests of ~400 tokens asking 32 reach a fresh
+    server (2 slots, bound 2 s). The first step, the first two prompts, is in flight and nothing is
+    measured: there was no projection, the other 6 were queued and each refused at 2 s. The step
+    in flight bounds every cost from below as it runs (e x min(tokens, its tokens) / its tokens);
+    the third's projection passes the bound while it runs, and never exceeds what the measured
+    costs project."""
+    now = [0.0]
+    c = StepCosts(clock=lambda: now[0])
+    assert not c.known
+    c.sent(0, 800, since=0.0)
+    assert c.known
+    running = [Demand(0, 32, 4), Demand(0, 32, 4)]  # their prompts are the step in flight
+
+    def third() -> Placement:
+        return WaitProjection(c, 0, running).place(Demand(400, 32, 4), always)
+
+    now[0] = 0.1
+    early = third()
+    assert early.waits_for == "a slot" and not early.at_once
+    assert 0.1 + early.first_token_s < 2.0 * ARRIVAL_SHARE  # queued on arrival
+    now[0] = 1.3
+    late = third()
+    assert 1.3 + late.first_token_s > 2.0  # refused at this tick, 0.7 s before the bound
+    # a floor, not a guess: a prompt longer than the step in flight is not scaled up from it
+    assert c.prefill_s(8000, 0) == pytest.approx(1.3) and c.decode_s(2) == pytest.approx(1.3 * 2 / 800)
+    c.stepped(1.9, 0, 800)  # the step came back (2.4 ms a prompt token); then a 2-row decode step
+    assert c.prefill_s(8000, 0) == pytest.approx(8000 * 1.9 / 800)
+    c.sent(2, 0, since=1.9)
+    now[0] = 1.94
+    c.stepped(0.04, 2, 0)
+    assert third().first_token_s >= late.first_token_s
+
+
 def test_step_costs_interpolate_and_extrapolate_by_rows() -> None:
     c = StepCosts()
     assert not c.known and c.decode_s(4) is None
     c.stepped(1.0, 2, 0)  # a cold first decode step: it stands in until a warm one is measured
-    assert c.decode_s(2) == 1.0 and not c.known  # no prefill cost yet
+    assert c.decode_s(2) == 1.0 and c.known  # no prefill cost yet: a prompt costs its step's base
+    assert c.prefill_s(100, 2) == 1.0
     c.stepped(0.010, 2, 0)
     assert c.decode_s(1) == 0.010 and c.decode_s(4) == pytest.approx(0.020)  # one size: in proportion
     c.stepped(0.014, 4, 0)
