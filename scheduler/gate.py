@@ -101,7 +101,7 @@ class AdmissionGate:
         if self._projection is None:  # the steps are not measured yet: the bound holds as waited
             return None
         placed = self._place(self._projection, seq)
-        if placed.at_once or placed.first_token_s <= bound * ARRIVAL_SHARE:
+        if placed.unblamed(bound * ARRIVAL_SHARE) or placed.first_token_s <= bound * ARRIVAL_SHARE:
             self._probe = (len(seq.feed), seq.req.max_tokens)
             return None
         self._projection.undo(placed)
@@ -176,7 +176,11 @@ class AdmissionGate:
             waited = now - seq.submitted_at
             if seq.preempted or (
                 waited < bound
-                and (placed is None or placed.at_once or waited + placed.first_token_s <= bound)
+                and (
+                    placed is None
+                    or placed.unblamed(bound * ARRIVAL_SHARE)
+                    or waited + placed.first_token_s <= bound
+                )
             ):
                 continue
             if placed is not None and projection is not None:

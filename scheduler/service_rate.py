@@ -79,19 +79,29 @@ class StepCosts:
         self._rows: list[int] = []  # the keys of _decode, sorted
         self._prefill_token: _Recent | None = None
         self._clock = clock
-        self._flight: tuple[int, float] | None = None  # (tokens, busy since) of the step in flight
+        # (decode rows, prompt tokens, busy since) of the step in flight
+        self._flight: tuple[int, int, float] | None = None
 
     def sent(self, decode_rows: int, prefill_tokens: int, since: float) -> None:
         """The step the loop now waits for, busy on the engine since `since` (the clock's)."""
-        n = decode_rows + prefill_tokens
-        self._flight = (n, since) if n > 0 else None
+        busy = decode_rows + prefill_tokens > 0
+        self._flight = (decode_rows, prefill_tokens, since) if busy else None
 
     def _floor(self, tokens: int) -> float | None:
         """The least a step of `tokens` tokens takes, from the step in flight; None without one."""
         if self._flight is None:
             return None
-        n, since = self._flight
-        return max(0.0, self._clock() - since) * min(tokens, n) / n
+        rows, prompt, since = self._flight
+        return max(0.0, self._clock() - since) * min(tokens, rows + prompt) / (rows + prompt)
+
+    def in_flight_s(self) -> float:
+        """What the step in flight is projected still to take: nothing queued starts before it
+        ends (0 without one, or past its projection)."""
+        if self._flight is None:
+            return 0.0
+        rows, prompt, since = self._flight
+        whole = self.prefill_s(prompt, rows) if prompt else (self.decode_s(rows) or 0.0)
+        return max(0.0, whole - (self._clock() - since))
 
     def stepped(self, seconds: float, decode_rows: int, prefill_tokens: int) -> None:
         """A step of `decode_rows` decodes and `prefill_tokens` prompt tokens took `seconds`."""

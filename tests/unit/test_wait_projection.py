@@ -80,6 +80,32 @@ def test_before_any_step_returns_the_step_in_flight_bounds_the_wait_from_below()
     assert third().first_token_s >= late.first_token_s
 
 
+def test_nothing_starts_before_the_step_in_flight_ends() -> None:
+    """The compute-bound burst (32 slots, bound 6 s, ~440-token prompts at ~4 ms a token): a
+    request came while the first two prompts were prefilled together. Their tokens count as done
+    once sent, and the projection started now: the newcomer, behind nothing it could see, was
+    projected at 1.7 s, queued, and got its first token at 4.3 s (7.0 s on a loaded box). Now it
+    starts when the step in flight is projected to end, and is refused at arrival."""
+    now = [0.0]
+    c = StepCosts(clock=lambda: now[0])
+    c.stepped(2.0, 1, 440)  # a first prefill: it stands in
+    c.stepped(0.02, 1, 0)
+    c.sent(0, 880, since=0.0)  # the two prompts
+    now[0] = 0.1
+    placed = WaitProjection(c, 30, [Demand(0, 4, 4), Demand(0, 4, 4)]).place(Demand(440, 4, 4), always)
+    whole = 880 * c.prefill_token_s + 0.02
+    assert placed.at_once and placed.start_s == pytest.approx(whole - 0.1)  # behind the step alone
+    assert placed.first_token_s > 6.0 * ARRIVAL_SHARE and not placed.unblamed(6.0 * ARRIVAL_SHARE)
+    # a prompt whose own prefill alone passes the share is not the wait's doing: it is served
+    long = WaitProjection(c, 30, []).place(Demand(2000, 4, 16), always)
+    assert long.at_once and long.unblamed(6.0 * ARRIVAL_SHARE)
+    # past its projection the step in flight is taken to end now
+    now[0] = 9.0
+    assert (
+        c.in_flight_s() == 0.0 and WaitProjection(c, 30, []).place(Demand(440, 4, 4), always).start_s == 0.0
+    )
+
+
 def test_step_costs_interpolate_and_extrapolate_by_rows() -> None:
     c = StepCosts()
     assert not c.known and c.decode_s(4) is None
