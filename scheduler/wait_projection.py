@@ -46,7 +46,7 @@ class Placement:
 
     def unblamed(self, limit_s: float) -> bool:
         """Nothing but the step in flight is ahead of it and its own prefill alone passes
-        `limit_s`: no wait is to blame and none would help (it is served, as on an idle server)."""
+        `limit_s` (the bound): no wait is to blame and none would help (served, as when idle)."""
         return self.at_once and self.first_token_s - self.start_s > limit_s
 
 
@@ -95,8 +95,8 @@ class WaitProjection:
             self._gain += end[1]
             self._active -= 1
         start = max(self._t, self._prefill_at)
-        if self._prefill_at > self._t:
-            waits_for = "prefill compute"
+        if self._prefill_at > self._t or (waits_for == "nothing" and 0 < start <= self._origin):
+            waits_for = "prefill compute"  # the prompts ahead, or the step in flight
         self._t = start
         first = start + self._prefill_s(demand.feed)
         self._prefill_at = first

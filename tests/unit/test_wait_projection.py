@@ -95,10 +95,11 @@ def test_nothing_starts_before_the_step_in_flight_ends() -> None:
     placed = WaitProjection(c, 30, [Demand(0, 4, 4), Demand(0, 4, 4)]).place(Demand(440, 4, 4), always)
     whole = 880 * c.prefill_token_s + 0.02
     assert placed.at_once and placed.start_s == pytest.approx(whole - 0.1)  # behind the step alone
+    assert placed.waits_for == "prefill compute"
     assert placed.first_token_s > 6.0 * ARRIVAL_SHARE and not placed.unblamed(6.0 * ARRIVAL_SHARE)
-    # a prompt whose own prefill alone passes the share is not the wait's doing: it is served
+    # a prompt whose own prefill alone passes the bound is not the wait's doing: it is served
     long = WaitProjection(c, 30, []).place(Demand(2000, 4, 16), always)
-    assert long.at_once and long.unblamed(6.0 * ARRIVAL_SHARE)
+    assert long.at_once and long.unblamed(6.0)
     # past its projection the step in flight is taken to end now
     now[0] = 9.0
     assert (
