@@ -101,7 +101,11 @@ class AdmissionGate:
         if self._projection is None:  # the steps are not measured yet: the bound holds as waited
             return None
         placed = self._place(self._projection, seq)
-        if placed.at_once or placed.first_token_s <= bound * ARRIVAL_SHARE:
+        share = bound * ARRIVAL_SHARE
+        # A prompt whose own prefill alone passes the share, behind nothing but the step in flight,
+        # is queued if its first token meets the bound itself (on an idle server it is served).
+        long_next = placed.unblamed(share) and placed.first_token_s <= bound
+        if placed.first_token_s <= share or long_next or placed.unblamed(bound):
             self._probe = (len(seq.feed), seq.req.max_tokens)
             return None
         self._projection.undo(placed)
@@ -176,7 +180,7 @@ class AdmissionGate:
             waited = now - seq.submitted_at
             if seq.preempted or (
                 waited < bound
-                and (placed is None or placed.at_once or waited + placed.first_token_s <= bound)
+                and (placed is None or placed.unblamed(bound) or waited + placed.first_token_s <= bound)
             ):
                 continue
             if placed is not None and projection is not None:

@@ -266,12 +266,15 @@ class Scheduler:
         """Wait for a step and apply it; False when it outlived the watchdog (everything ended).
         The loop wakes every tick meanwhile, so deadlines and the queue-wait bound hold."""
         waiting = asyncio.wrap_future(step.result)
+        # Busy from its sending, or from the return of the one before (see `_timed`).
+        busy_from = self._returned_at if step.sent_at - self._returned_at < STEP_TICK_S else step.sent_at
+        self.step_costs.sent(len(step.plan.decodes), _prompt_tokens(step.plan), busy_from)
         while not (await asyncio.wait({waiting}, timeout=STEP_TICK_S))[0]:
             if self._stall_check(step):
                 return False
             self._gate.govern()
         self._watchdog.returned(step.shape, step.sent_at)
-        self._timed(step)
+        self._timed(step, busy_from)
         try:
             result = waiting.result()
         except StepFailed as failed:
@@ -285,15 +288,12 @@ class Scheduler:
         self._apply(step.plan, result)
         return True
 
-    def _timed(self, step: _InFlight) -> None:
+    def _timed(self, step: _InFlight, busy_from: float) -> None:
         """Feed the step's engine time to the wait estimate. A step sent while the one before
         ran (the lookahead) or right after it came back started when that one ended: the loop's
         own time between steps is part of what each step costs."""
-        now = time.monotonic()
-        busy_from = self._returned_at if step.sent_at - self._returned_at < STEP_TICK_S else step.sent_at
-        self._returned_at = now
-        prefill = sum(len(p.token_ids) for p in step.plan.prefills)
-        self.step_costs.stepped(now - busy_from, len(step.plan.decodes), prefill)
+        now = self._returned_at = time.monotonic()
+        self.step_costs.stepped(now - busy_from, len(step.plan.decodes), _prompt_tokens(step.plan))
         self._gate.forget_projection()
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
@@ -350,3 +350,7 @@ class Scheduler:
         # A timeout is a tick, not an error: go round, re-read the snapshot, maybe trim again.
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
+
+
+def _prompt_tokens(plan: StepPlan) -> int:
+    return sum(len(p.token_ids) for p in plan.prefills)

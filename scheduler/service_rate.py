@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from collections import deque
+from collections.abc import Callable
 
 from ballast.scheduler.watchdog import shape_of
 
@@ -63,16 +65,47 @@ class StepCosts:
     queued a burst of 24 requests on 2 slots and refused 22 at the end of the bound (2.4 s) instead
     of at arrival. On a CPU the first 400-token prefill after start-up measured as a warm one
     (1.92 against 1.64-1.86 s: the load's short forwards took the first-call costs), and a GPU's
-    start-up warm-up runs every size class before /ready."""
+    start-up warm-up runs every size class before /ready.
 
-    def __init__(self) -> None:
+    Before a kind is measured, the step in flight bounds it from below: run `e` s over `n` tokens
+    (rows and prompt tokens), a step of m tokens takes at least e x min(m, n) / n (a step's time
+    grows from a base >= 0 with its tokens; a decode row costs no less than a prompt token). With
+    no projection before the first step came back, the CPU burst's warm phase queued 6 requests
+    and refused each at its bound's end (2 s); the floor refuses them as it passes the bound."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._seen: set[int] = set()  # size classes (shape_of) whose first step has run
         self._decode: dict[int, _Recent] = {}  # decode rows -> seconds of a decode-only step
         self._rows: list[int] = []  # the keys of _decode, sorted
         self._prefill_token: _Recent | None = None
+        self._clock = clock
+        # (decode rows, prompt tokens, busy since) of the step in flight
+        self._flight: tuple[int, int, float] | None = None
+
+    def sent(self, decode_rows: int, prefill_tokens: int, since: float) -> None:
+        """The step the loop now waits for, busy on the engine since `since` (the clock's)."""
+        busy = decode_rows + prefill_tokens > 0
+        self._flight = (decode_rows, prefill_tokens, since) if busy else None
+
+    def _floor(self, tokens: int) -> float | None:
+        """The least a step of `tokens` tokens takes, from the step in flight; None without one."""
+        if self._flight is None:
+            return None
+        rows, prompt, since = self._flight
+        return max(0.0, self._clock() - since) * min(tokens, rows + prompt) / (rows + prompt)
+
+    def in_flight_s(self) -> float:
+        """What the step in flight is projected still to take: nothing queued starts before it
+        ends (0 without one, or past its projection)."""
+        if self._flight is None:
+            return 0.0
+        rows, prompt, since = self._flight
+        whole = self.prefill_s(prompt, rows) if prompt else (self.decode_s(rows) or 0.0)
+        return max(0.0, whole - (self._clock() - since))
 
     def stepped(self, seconds: float, decode_rows: int, prefill_tokens: int) -> None:
         """A step of `decode_rows` decodes and `prefill_tokens` prompt tokens took `seconds`."""
+        self._flight = None
         shape = shape_of(prefill_tokens)
         first = shape not in self._seen
         self._seen.add(shape)
@@ -87,20 +120,33 @@ class StepCosts:
             return
         # What a step costs beyond its prompt tokens (a row's head and sampling, the launches, the
         # loop) is a decode step's: counted per token, it made short prompts look 30x dearer.
-        base = self.decode_s(max(1, decode_rows)) or 0.0
+        base = self._measured_decode_s(max(1, decode_rows)) or 0.0
         if self._prefill_token is None:
             self._prefill_token = _Recent()
         self._prefill_token.add(max(0.0, seconds - base) / prefill_tokens, first)
 
     @property
     def known(self) -> bool:
-        return bool(self._rows) and self._prefill_token is not None
+        """Whether there is anything to project with: a measured step, or one in flight."""
+        return bool(self._rows) or self._prefill_token is not None or self._flight is not None
 
     @property
     def prefill_token_s(self) -> float:
         return self._prefill_token.value if self._prefill_token is not None else 0.0
 
+    def prefill_s(self, tokens: int, decode_rows: int) -> float:
+        """A step of `tokens` prompt tokens beside `decode_rows` rows (a decode step's base too)."""
+        if self._prefill_token is None and (lower := self._floor(tokens + decode_rows)) is not None:
+            return lower
+        return tokens * self.prefill_token_s + (self.decode_s(max(1, decode_rows)) or 0.0)
+
     def decode_s(self, rows: int) -> float | None:
+        """A decode step of `rows` rows: measured (see `_measured_decode_s`), else the least the
+        step in flight says it takes; None with neither."""
+        measured = self._measured_decode_s(rows)
+        return measured if measured is not None else self._floor(max(1, rows))
+
+    def _measured_decode_s(self, rows: int) -> float | None:
         """A decode step of `rows` rows: measured, else between the nearest measured batch sizes;
         above the largest, along the slope of the two largest (a CPU step grows with its rows, a
         GPU step barely does), or in proportion to rows with one size measured (the pessimistic

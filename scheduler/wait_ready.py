@@ -27,7 +27,8 @@ class WaitReadiness:
         bound = self._bound
         if bound <= 0:
             return
-        wait = None if probe is None or probe.at_once else probe.first_token_s
+        # behind nothing but the step in flight, its wait is that step's end (its own prefill is none)
+        wait = None if probe is None else probe.start_s if probe.at_once else probe.first_token_s
         if self.reason is None:
             if wait is not None and probe is not None and wait > bound * NOT_READY_SHARE:
                 self._turn(wait, probe.waits_for, now)

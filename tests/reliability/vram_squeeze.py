@@ -388,9 +388,9 @@ def run_burst(
         url = _until_ready(proc, lines)
         print(f"  server ready in {time.monotonic() - started:.0f} s; warming at {warm} streams", flush=True)
         with ThreadPoolExecutor(warm) as ex:
-            warmed = Counter(
-                k for k, _, _ in ex.map(lambda i: one_request(url, i, max_tokens, prompt_words), range(warm))
-            )
+            warm_results = list(ex.map(lambda i: one_request(url, i, max_tokens, prompt_words), range(warm)))
+        warmed = Counter(k for k, _, _ in warm_results)
+        warm_refused = [s for k, s, _ in warm_results if k.startswith(("429:", "503:"))]
         free_mib = float("nan")
         if hog_gpu is not None:
             hog = subprocess.Popen(
@@ -437,6 +437,8 @@ def run_burst(
         oom = [ln for ln in lines if "CUDA out of memory" in ln or "OutOfMemoryError" in ln]
         return {
             "warm": dict(warmed),
+            # The warm phase's requests reach a server that has measured no step yet
+            "warm_refusal_client_s": sorted(round(x, 2) for x in warm_refused),
             "gpu_free_mib_after_cotenant": free_mib,
             "burst_s": round(burst_s, 1),
             "sent": len(results),

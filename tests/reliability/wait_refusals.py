@@ -116,12 +116,15 @@ def run(
     extra: tuple[str, ...] = (),
     model: str = "default",
     read: int | None = None,
+    warm: bool = True,
 ) -> dict[str, Any]:
-    """limit: the memory cgroup's, in bytes (None: no cgroup of its own, memory is not the limit)."""
+    """limit: the memory cgroup's, in bytes (None: no cgroup of its own, memory is not the limit).
+    warm: serve two requests before the burst (False: the burst meets a server that has measured
+    no step)."""
     cg = Cgroup(limit) if limit is not None else None
     args = ["--model", model, "--max-num-seqs", str(slots), "--max-model-len", str(max_len)]
     args += ["--max-queue-wait-s", str(bound_s), *extra]
-    args += ["--served-model-name", "x", "--host", "127.0.0.1", "--port", "0"]
+    args += ["--served-model-name", "x", "--host", "127.0.0.1", "--port", "0", "--log-format", "json"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "ballast.server.cli", "serve", *args],
         stdout=subprocess.PIPE,
@@ -137,15 +140,20 @@ def run(
         threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout or ()], daemon=True).start()
         # Warm: the server has served before the burst (its step times are measured: the second
         # request's steps are warm ones; a size's first step only stands in until one is).
-        warm = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
-        for k in range(2):
-            warmed = warm.chat.completions.create(
+        warmer = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+        prompt_tokens = 0
+        n_warm = 2 if warm else 0
+        for k in range(n_warm):
+            warmed = warmer.chat.completions.create(
                 model="x", messages=[{"role": "user", "content": prompt_for(-1 - k, words)}], max_tokens=8
             )
-        prompt_tokens = warmed.usage.prompt_tokens if warmed.usage else 0
+            prompt_tokens = warmed.usage.prompt_tokens if warmed.usage else 0
         t0 = time.monotonic()
         out = asyncio.run(burst(url, clients, words, max_tokens, read))
         wall = time.monotonic() - t0
+        until = time.monotonic() + 10  # a served request's `finished` line may trail its stream's end
+        while len(_server_ttfts(lines, n_warm)) < out.kinds["200"] and time.monotonic() < until:
+            time.sleep(0.05)
         m = scrape(url)
         alive = proc.poll() is None
     finally:
@@ -180,6 +188,10 @@ def run(
         "ttft_p50_s": pct(out.ttft_s, 50),
         "ttft_p99_s": pct(out.ttft_s, 99),
         "ttft_max_s": max(out.ttft_s, default=0.0),
+        "ttft_s": sorted(out.ttft_s),
+        # the server's own clock, from the request's submission (where its queue wait starts) to its
+        # first token, from each served request's `finished` event (the warm-up's come first)
+        "server_ttft_s": sorted(_server_ttfts(lines, n_warm)),
         "retry_after_min_s": min(out.retry_after_s, default=0.0),
         "retry_after_max_s": max(out.retry_after_s, default=0.0),
         "server_refusals": served_429 + served_503,
@@ -189,9 +201,26 @@ def run(
         "server_alive": alive,
         "oom_kills": oom,
         "examples": out.messages,
-        "server_errors": [x.rstrip() for x in lines if "Traceback" in x or " ERROR " in x][-20:],
+        "server_errors": [x.rstrip() for x in lines if "Traceback" in x or '"level": "ERROR"' in x][-20:],
         "server_log_tail": [x.rstrip() for x in lines[-60:]],
     }
+
+
+def _server_ttfts(lines: list[str], skip: int) -> list[float]:
+    """The served requests' times to first token, in the server's log order, less the first `skip`."""
+    return [t for t in (_finished_ttft(x) for x in list(lines)) if t is not None][skip:]
+
+
+def _finished_ttft(line: str) -> float | None:
+    """A served request's time to first token, from its `finished` event (JSON log), else None."""
+    if not line.startswith("{"):
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    ttft = record.get("ttft_s") if record.get("event") == "finished" else None
+    return float(ttft) if ttft is not None else None
 
 
 def main() -> None:

@@ -90,6 +90,11 @@ MAX_WING_LINES = (
     # 1.3 ms -> 0.24 ms), as every decoding sequence now gets a proposal checked after each step;
     # step costs as medians of the last 9 (a spike kept by a running average stopped drafting)
     + 66
+    # issue 47, s26: the step in flight bounds the unmeasured step costs from below (requests queued
+    # before a fresh server's first step came back: refused at 0.46 s p50 / 0.79 s max, not each at
+    # the end of its 2 s bound), and nothing is projected to start before it ends (a request that
+    # came during a 2.8 s prefill step was projected at 1.7 s and served at 4.3 s)
+    + 64
 )
 
 

@@ -4,8 +4,9 @@ blocks coming back, the prefill ahead of it) and when it would get its first tok
 from __future__ import annotations
 
 import pytest
+from ballast.scheduler.gate import ARRIVAL_SHARE
 from ballast.scheduler.service_rate import LengthShare, StepCosts
-from ballast.scheduler.wait_projection import Demand, WaitProjection
+from ballast.scheduler.wait_projection import Demand, Placement, WaitProjection
 
 
 def costs(decode_s: float = 0.01, prefill_token_s: float = 0.001) -> StepCosts:
@@ -45,11 +46,73 @@ def always(gain: int) -> bool:
     return True
 
 
+def test_before_any_step_returns_the_step_in_flight_bounds_the_wait_from_below() -> None:
+    """Issue 47's CPU burst, its warm phase: 8 requests of ~400 tokens asking 32 reach a fresh
+    server (2 slots, bound 2 s). The first step, the first two prompts, is in flight and nothing is
+    measured: there was no projection, the other 6 were queued and each refused at 2 s. The step
+    in flight bounds every cost from below as it runs (e x min(tokens, its tokens) / its tokens);
+    the third's projection passes the bound while it runs, and never exceeds what the measured
+    costs project."""
+    now = [0.0]
+    c = StepCosts(clock=lambda: now[0])
+    assert not c.known
+    c.sent(0, 800, since=0.0)
+    assert c.known
+    running = [Demand(0, 32, 4), Demand(0, 32, 4)]  # their prompts are the step in flight
+
+    def third() -> Placement:
+        return WaitProjection(c, 0, running).place(Demand(400, 32, 4), always)
+
+    now[0] = 0.1
+    early = third()
+    assert early.waits_for == "a slot" and not early.at_once
+    assert 0.1 + early.first_token_s < 2.0 * ARRIVAL_SHARE  # queued on arrival
+    now[0] = 1.3
+    late = third()
+    assert 1.3 + late.first_token_s > 2.0  # refused at this tick, 0.7 s before the bound
+    # a floor, not a guess: a prompt longer than the step in flight is not scaled up from it
+    assert c.prefill_s(8000, 0) == pytest.approx(1.3) and c.decode_s(2) == pytest.approx(1.3 * 2 / 800)
+    c.stepped(1.9, 0, 800)  # the step came back (2.4 ms a prompt token); then a 2-row decode step
+    assert c.prefill_s(8000, 0) == pytest.approx(8000 * 1.9 / 800)
+    c.sent(2, 0, since=1.9)
+    now[0] = 1.94
+    c.stepped(0.04, 2, 0)
+    assert third().first_token_s >= late.first_token_s
+
+
+def test_nothing_starts_before_the_step_in_flight_ends() -> None:
+    """The compute-bound burst (32 slots, bound 6 s, ~440-token prompts at ~4 ms a token): a
+    request came while the first two prompts were prefilled together. Their tokens count as done
+    once sent, and the projection started now: the newcomer, behind nothing it could see, was
+    projected at 1.7 s, queued, and got its first token at 4.3 s (7.0 s on a loaded box). Now it
+    starts when the step in flight is projected to end, and is refused at arrival."""
+    now = [0.0]
+    c = StepCosts(clock=lambda: now[0])
+    c.stepped(2.0, 1, 440)  # a first prefill: it stands in
+    c.stepped(0.02, 1, 0)
+    c.sent(0, 880, since=0.0)  # the two prompts
+    now[0] = 0.1
+    placed = WaitProjection(c, 30, [Demand(0, 4, 4), Demand(0, 4, 4)]).place(Demand(440, 4, 4), always)
+    whole = 880 * c.prefill_token_s + 0.02
+    assert placed.at_once and placed.start_s == pytest.approx(whole - 0.1)  # behind the step alone
+    assert placed.waits_for == "prefill compute"
+    assert placed.first_token_s > 6.0 * ARRIVAL_SHARE and not placed.unblamed(6.0 * ARRIVAL_SHARE)
+    # a prompt whose own prefill alone passes the bound is not the wait's doing: it is served
+    long = WaitProjection(c, 30, []).place(Demand(2000, 4, 16), always)
+    assert long.at_once and long.unblamed(6.0)
+    # past its projection the step in flight is taken to end now
+    now[0] = 9.0
+    assert (
+        c.in_flight_s() == 0.0 and WaitProjection(c, 30, []).place(Demand(440, 4, 4), always).start_s == 0.0
+    )
+
+
 def test_step_costs_interpolate_and_extrapolate_by_rows() -> None:
     c = StepCosts()
     assert not c.known and c.decode_s(4) is None
     c.stepped(1.0, 2, 0)  # a cold first decode step: it stands in until a warm one is measured
-    assert c.decode_s(2) == 1.0 and not c.known  # no prefill cost yet
+    assert c.decode_s(2) == 1.0 and c.known  # no prefill cost yet: a prompt costs its step's base
+    assert c.prefill_s(100, 2) == 1.0
     c.stepped(0.010, 2, 0)
     assert c.decode_s(1) == 0.010 and c.decode_s(4) == pytest.approx(0.020)  # one size: in proportion
     c.stepped(0.014, 4, 0)
