@@ -83,7 +83,11 @@ def serve(
     [
         ("builtin:tiny-qwen3-next", "float32"),
         ("builtin:tiny-llama", "float32"),
-        ("builtin:qwen3-next-6b", "bfloat16"),
+        # float32: in bf16 a verify row (a prompt chunk's kernels) and a decode row (the decode
+        # graph's) round differently, and the biased logits (60 + x: steps of 0.25 in bf16) tie
+        # often among random weights. On the H100 (s26) the bf16 6.2B's texts parted at token 17
+        # of 32 in one of the two; float32 gave the same text.
+        ("builtin:qwen3-next-6b", "float32"),
     ],
 )
 def test_greedy_text_is_the_same_with_drafts(model: str, dtype: str) -> None:
