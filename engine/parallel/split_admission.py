@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 from ballast.engine.config import EngineConfig
-from ballast.engine.runner.loading import ModelLoadRefused, bytes_beside_weights
+from ballast.engine.runner.load_fit import bytes_beside_weights
+from ballast.engine.runner.loading import ModelLoadRefused
 from ballast.memory.admission import DieSlice, admit_load_spike, admit_model_load_split
 from ballast.memory.config import MemoryConfig
 from ballast.memory.types import Verdict

@@ -10,10 +10,19 @@ which its users ask about again and again.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from ballast.engine.config import EngineConfig
+from ballast.engine.runner.activations import activation_bytes, prefill_path
+from ballast.engine.step.sampler import Sampler
+from ballast.engine.workspace import step_workspace
+from ballast.memory.specs import AttentionSpec, state_bytes_per_slot
+from ballast.models.arch.registry import model_class
+from ballast.models.kv_store import plan_layout
+from ballast.models.layers.state import dtype_bytes
 
 MiB = 1 << 20
 # The least a fitted configuration keeps: below these a server is not worth starting.
@@ -57,6 +66,38 @@ class LoadEstimate:
             f" + code {self.code / MiB:,.1f} + max(staging {self.staging / MiB:,.1f}, {terms})"
             f" = {self.total / MiB:,.1f} MiB"
         )
+
+
+def bytes_beside_weights(
+    hf_config: Mapping[str, Any], config: EngineConfig, dtype: torch.dtype, device_type: str = "cuda"
+) -> tuple[int, int, int]:
+    """What a load needs besides the weights: (the slots' recurrent states and sampler buffers,
+    with on a GPU the step workspace start-up leases there (a full batch's sampling, a prompt-
+    logprob chunk: 552 MiB for 128 slots of a 49k vocabulary, left out until s26), one
+    max_model_len sequence's KV in the whole segments the pool commits for it, the prefill
+    activations on the path that will run), in bytes."""
+    with torch.device("meta"):
+        specs = model_class(hf_config).from_hf_config(hf_config).layer_specs(dtype_bytes(dtype))
+    slots = config.max_num_seqs + 1  # the decode graphs' scratch slot
+    vocab = int(hf_config.get("vocab_size", 0))
+    fixed = slots * state_bytes_per_slot(specs) + Sampler.planned_bytes(config.max_num_seqs, vocab)
+    if device_type == "cuda":  # engine/startup.py leases it on every die before the first step
+        workspace = step_workspace(config.max_num_seqs, vocab, dtype_bytes(dtype))
+        fixed += workspace.sampler_bytes + workspace.prompt_logprobs_bytes
+    device = torch.device(device_type)
+    quantized = config.kv_quant == "int8"
+    chunk = config.resolved_prefill_chunk(device)
+    path = prefill_path(device_type, quantized)
+    activations = activation_bytes(hf_config, chunk, config.max_model_len, dtype_bytes(dtype), path)
+    attn = [x for x in specs if isinstance(x, AttentionSpec)]
+    if not attn:
+        return fixed, 0, activations
+    lay = plan_layout(
+        len(attn), attn[0].num_kv_heads, attn[0].head_dim, dtype, quantized, 1, config.max_model_len,
+        device, segment_bytes=config.kv_segment_bytes,
+    )  # fmt: skip
+    segments = -(-(lay.max_blocks_per_seq + 1) // lay.seg_blocks)  # its blocks and the sink
+    return fixed, segments * lay.segment_bytes, activations
 
 
 Estimator = Callable[[EngineConfig], LoadEstimate]

@@ -20,17 +20,21 @@ from typing import Any, cast
 import torch
 from ballast.engine import threads
 from ballast.engine.config import EngineConfig
-from ballast.engine.runner.activations import activation_bytes, prefill_path
-from ballast.engine.runner.load_fit import CPU_CODE_BYTES, LoadDoesNotFit, LoadEstimate, MiB, fitted
+from ballast.engine.runner.load_fit import (
+    CPU_CODE_BYTES,
+    LoadDoesNotFit,
+    LoadEstimate,
+    MiB,
+    bytes_beside_weights,
+    fitted,
+)
 from ballast.engine.runner.model_runner import weights_bytes
-from ballast.engine.step.sampler import Sampler
 from ballast.engine.text.sampling_defaults import GenerationConfigError
 from ballast.engine.text.tokenizer import Tokenizer, TokenizerError
 from ballast.memory import heap
 from ballast.memory.admission import admit_load_spike
 from ballast.memory.errors import MemoryRefused
 from ballast.memory.ledger import Lease
-from ballast.memory.specs import AttentionSpec, state_bytes_per_slot
 from ballast.memory.types import MemState, Verdict, VerdictKind
 from ballast.memory.watch import MemWatch
 from ballast.models.arch import builtin
@@ -38,7 +42,6 @@ from ballast.models.arch.llama import LlamaForCausalLM, q4_blocks
 from ballast.models.arch.registry import convert_model, model_class
 from ballast.models.base import ModelError
 from ballast.models.blocks.cpu_linear import hold_prompt_bf16
-from ballast.models.kv_store import plan_layout
 from ballast.models.layers.packed import Q4Weight, Q8Weight
 from ballast.models.layers.state import dtype_bytes
 from ballast.models.weights.default_model import DefaultModelError, default_model_path
@@ -174,33 +177,6 @@ def planned_weights_bytes(hf_config: dict[str, Any], dtype: torch.dtype) -> int:
         convert_model(model, *fp8_weights)
     # parameters() yields a tied parameter once, so tied embeddings are not counted twice.
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def bytes_beside_weights(
-    hf_config: Mapping[str, Any], config: EngineConfig, dtype: torch.dtype, device_type: str = "cuda"
-) -> tuple[int, int, int]:
-    """What a load needs besides the weights: (the slots' recurrent states and sampler buffers,
-    one max_model_len sequence's KV in the whole segments the pool commits for it, the prefill
-    activations on the path that will run), in bytes."""
-    with torch.device("meta"):
-        specs = model_class(hf_config).from_hf_config(hf_config).layer_specs(dtype_bytes(dtype))
-    slots = config.max_num_seqs + 1  # the decode graphs' scratch slot
-    vocab = int(hf_config.get("vocab_size", 0))
-    fixed = slots * state_bytes_per_slot(specs) + Sampler.planned_bytes(config.max_num_seqs, vocab)
-    device = torch.device(device_type)
-    quantized = config.kv_quant == "int8"
-    chunk = config.resolved_prefill_chunk(device)
-    path = prefill_path(device_type, quantized)
-    activations = activation_bytes(hf_config, chunk, config.max_model_len, dtype_bytes(dtype), path)
-    attn = [x for x in specs if isinstance(x, AttentionSpec)]
-    if not attn:
-        return fixed, 0, activations
-    lay = plan_layout(
-        len(attn), attn[0].num_kv_heads, attn[0].head_dim, dtype, quantized, 1, config.max_model_len,
-        device, segment_bytes=config.kv_segment_bytes,
-    )  # fmt: skip
-    segments = -(-(lay.max_blocks_per_seq + 1) // lay.seg_blocks)  # its blocks and the sink
-    return fixed, segments * lay.segment_bytes, activations
 
 
 def admit_load(

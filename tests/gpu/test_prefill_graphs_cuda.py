@@ -202,7 +202,8 @@ def test_a_prompt_beside_decodes_replays_both_graphs(pair: tuple[Engine, Engine,
         return runner.forward([(2, p2, 0), (0, [5], len(p0)), (1, [6], len(p1))]).float().cpu()
 
     # Counted from here: start-up's warm-up (engine/runner/warm_up.py) ran split steps of its own.
-    split, split_eager = with_graphs.runner.graph_runner.split_replays, eager.runner.graph_runner.split_replays
+    split = with_graphs.runner.graph_runner.split_replays
+    split_eager = eager.runner.graph_runner.split_replays
     got = tokens(with_graphs)
     assert with_graphs.runner.graph_runner.split_replays == split + 1
     want = tokens(eager)

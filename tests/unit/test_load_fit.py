@@ -9,8 +9,7 @@ import pytest
 import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.runner.activations import CPU_HEAP_FACTOR, activation_bytes, prefill_path
-from ballast.engine.runner.load_fit import LoadDoesNotFit, LoadEstimate, MiB, fitted
-from ballast.engine.runner.loading import bytes_beside_weights
+from ballast.engine.runner.load_fit import LoadDoesNotFit, LoadEstimate, MiB, bytes_beside_weights, fitted
 from ballast.memory import heap
 
 
@@ -119,3 +118,17 @@ def test_one_sequence_counts_the_whole_segments_the_pool_commits() -> None:
     assert 8192 * 45 * 1024 < one_sequence < 8192 * 45 * 1024 + 64 * MiB
     big = dataclasses.replace(cfg, kv_segment_bytes=512 * MiB)
     assert 511 * MiB < bytes_beside_weights(SMOL, big, torch.float32, "cpu")[1] <= 512 * MiB  # one segment
+
+
+def test_a_gpu_estimate_carries_the_step_workspace_start_up_leases() -> None:
+    """engine/startup.py leases a full batch's sampling workspace and a prompt-logprob chunk on the
+    die before the first step; the load estimate counts them there (on the 8B shape at 128 slots,
+    552 MiB it left out), so a start they do not fit is fitted or refused before the weights load.
+    A CPU engine leases neither."""
+    from ballast.engine.workspace import step_workspace
+
+    cfg = EngineConfig(max_num_seqs=128, max_model_len=4096)
+    gpu, _, _ = bytes_beside_weights(SMOL, cfg, torch.bfloat16, "cuda")
+    cpu, _, _ = bytes_beside_weights(SMOL, cfg, torch.bfloat16, "cpu")
+    workspace = step_workspace(128, SMOL["vocab_size"], 2)
+    assert gpu - cpu == workspace.sampler_bytes + workspace.prompt_logprobs_bytes > 500 * MiB
