@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -122,11 +123,15 @@ def _error_code(text: str) -> str:
 
 def _refusal_code(text: str) -> str:
     """The OpenAI error body's code (else type) of a refused request."""
+    return str(_refusal_error(text).get("code") or _refusal_error(text).get("type") or "unknown")
+
+
+def _refusal_error(text: str) -> dict[str, Any]:
     try:
         err = json.loads(text).get("error", {})
     except (json.JSONDecodeError, AttributeError):
-        return "unknown"
-    return str(err.get("code") or err.get("type") or "unknown")
+        return {}
+    return err if isinstance(err, dict) else {}
 
 
 def _p99_bucket(m: dict[str, float]) -> float:
@@ -331,11 +336,11 @@ def run_mode(
                 p.wait()
 
 
-def one_request(url: str, i: int, max_tokens: int, prompt_words: int) -> tuple[str, float, float]:
+def one_request(url: str, i: int, max_tokens: int, prompt_words: int) -> tuple[str, float, float, str]:
     """One streaming chat: (outcome as `streams` names it, seconds to the status line, seconds to
-    the first content token or nan)."""
+    the first content token or nan, a refusal's message or "")."""
     body = _story(i, max_tokens, prompt_words)
-    sent, first = time.monotonic(), float("nan")
+    sent, first, message = time.monotonic(), float("nan"), ""
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
             status_s = time.monotonic() - sent
@@ -348,10 +353,10 @@ def one_request(url: str, i: int, max_tokens: int, prompt_words: int) -> tuple[s
         if r.status_code == 200:
             kind = "completed" if "[DONE]" in text else f"error_event:{_error_code(text)}"
         else:
-            kind = f"{r.status_code}:{_refusal_code(text)}"
+            kind, message = f"{r.status_code}:{_refusal_code(text)}", str(_refusal_error(text).get("message"))
     except httpx.HTTPError as exc:
         kind, status_s = type(exc).__name__, time.monotonic() - sent
-    return kind, status_s, first
+    return kind, status_s, first, message
 
 
 def _has_text(line: str) -> bool:
@@ -389,8 +394,8 @@ def run_burst(
         print(f"  server ready in {time.monotonic() - started:.0f} s; warming at {warm} streams", flush=True)
         with ThreadPoolExecutor(warm) as ex:
             warm_results = list(ex.map(lambda i: one_request(url, i, max_tokens, prompt_words), range(warm)))
-        warmed = Counter(k for k, _, _ in warm_results)
-        warm_refused = [s for k, s, _ in warm_results if k.startswith(("429:", "503:"))]
+        warmed = Counter(k for k, _, _, _ in warm_results)
+        warm_refused = [s for k, s, _, _ in warm_results if k.startswith(("429:", "503:"))]
         free_mib = float("nan")
         if hog_gpu is not None:
             hog = subprocess.Popen(
@@ -410,7 +415,7 @@ def run_burst(
         )
         todo = iter(range(burst))
         lock = threading.Lock()
-        results: list[tuple[str, float, float]] = []
+        results: list[tuple[str, float, float, str]] = []
         t0 = time.monotonic()
 
         def client() -> None:
@@ -431,9 +436,11 @@ def run_burst(
         burst_s = time.monotonic() - t0
         alive = proc.poll() is None
         final = scrape(url) if alive else {}
-        counts = Counter(k for k, _, _ in results)
-        refused = [s for k, s, _ in results if k.startswith(("429:", "503:"))]
-        ttft = [f for k, _, f in results if k == "completed" and f == f]
+        counts = Counter(k for k, _, _, _ in results)
+        refused = [s for k, s, _, _ in results if k.startswith(("429:", "503:"))]
+        ttft = [f for k, _, f, _ in results if k == "completed" and f == f]
+        # why they were refused: each distinct message with digits masked, and how often
+        said = Counter(re.sub(r"[0-9][0-9.,]*", "#", m) for _, _, _, m in results if m)
         oom = [ln for ln in lines if "CUDA out of memory" in ln or "OutOfMemoryError" in ln]
         return {
             "warm": dict(warmed),
@@ -443,6 +450,7 @@ def run_burst(
             "burst_s": round(burst_s, 1),
             "sent": len(results),
             "outcomes": dict(counts),
+            "refusal_messages": dict(said.most_common(6)),
             "completed": counts.get("completed", 0),
             "refused": len(refused),
             "refusal_client_p50_s": pct(refused, 50),
