@@ -1,7 +1,7 @@
 """What a verify step costs against a decode step, with an oracle drafter (bench only).
 
     python -m ballast.bench.spec_oracle [--models qwen3-next-6b qwen3-next-80b-a3b-fp8] [--k 3]
-        [--prompt 256] [--tokens 64] [--device cuda] [--out FILE]
+        [--prompt 256] [--tokens 64] [--device cuda] [--dtype auto] [--out FILE]
 
 The drafts here come from no model: `OracleDrafter` replays the target's own greedy tokens from a
 first run without drafts, so acceptance is whatever the bench sets, 100% or 50% (the wrong draft
@@ -17,7 +17,10 @@ ahead), the engine as the server builds it (decode CUDA graphs where the device 
      the oracle until --tokens tokens are out; each step timed.
 Reported: the median decode step and verify step (ms), their ratio, tokens/s of each run and the
 speed-up, the measured acceptance, and whether each run's text equals the plain run's (a verify
-step's logits can differ from a decode step's in the last bits: a greedy tie would show here).
+step's logits can differ from a decode step's in the last bits: a greedy tie would show here) and
+where it first parts from it: past that token the oracle drafts a text that is not being written,
+so every draft is rejected (s26, the 6.2B in bf16 on an H100: parted at the first verify step,
+acceptance 0.00); `--dtype float32` keeps the ties away.
 Table on stdout, JSON to --out.
 """
 
@@ -118,6 +121,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         EngineConfig(
             model="builtin:" + name,
             device=args.device,
+            dtype=args.dtype,
             max_num_seqs=2,
             max_model_len=args.prompt + args.tokens + 2 * args.k + 16,
             prefill_chunk_tokens=max(256, args.prompt),
@@ -135,6 +139,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {
             "model": name,
             "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
+            "dtype": args.dtype,
             "k": args.k,
             "load_s": round(load_s, 1),
             "decode_step_ms": 1e3 * statistics.median(decode_s),
@@ -150,6 +155,9 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             row[f"{tag}_speedup"] = row[f"{tag}_tok_s"] / row["plain_tok_s"]
             row[f"{tag}_acceptance"] = accepted / drafted if drafted else 0.0
             row[f"{tag}_same_text"] = out == tokens
+            row[f"{tag}_parted_at"] = next(
+                (i for i, (a, b) in enumerate(zip(out, tokens, strict=True)) if a != b), None
+            )
         return row
     finally:
         engine.shutdown()
@@ -164,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="auto", help="as the server's --dtype (float32: no bf16 ties)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     rows = []
@@ -181,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r[f'{tag}_verify_over_decode']:.2f}x a decode step (aim <= 1.3); "
                 f"{r[f'{tag}_tok_s']:.1f} tok/s = {r[f'{tag}_speedup']:.2f}x "
                 f"(aim at 100%: >= 2.5x); acceptance {r[f'{tag}_acceptance']:.2f}; "
-                f"same text as plain: {r[f'{tag}_same_text']}",
+                f"same text as plain: {r[f'{tag}_same_text']}"
+                + ("" if r[f"{tag}_parted_at"] is None else f" (parted at token {r[f'{tag}_parted_at']})"),
                 flush=True,
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
