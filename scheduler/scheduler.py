@@ -140,8 +140,7 @@ class Scheduler:
 
     @property
     def unsound_reason(self) -> str | None:
-        error = self.stalled or self.failure
-        return None if error is None else str(error)
+        return None if (error := self.stalled or self.failure) is None else str(error)
 
     # --- figures: what the server, /metrics and the dashboard read (live views, never copies) ---
     @property
@@ -211,6 +210,10 @@ class Scheduler:
         return dict(self._roster.outcomes)
 
     # --- intake ---------------------------------------------------------------------------
+    def refuse_early(self) -> None:
+        """Raise, counted, what `submit` would for any prompt (AdmissionGate.refuse_early)."""
+        self._gate.refuse_early()
+
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Queue a request; raises a `Refused` (ContextTooLong, Overloaded, ...) at once."""
         try:

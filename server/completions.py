@@ -158,6 +158,14 @@ def ready_engine(state: ServerState) -> tuple[TokenizerLike, int]:
     return state.engine.tokenizer, state.context_window
 
 
+def refuse_early(state: ServerState) -> None:
+    """Raise the scheduler's refusal that no prompt would change (a `Refused`: the caller maps it
+    with `submit.refusal`) before the prompt is built: a chat template and tokens take the event
+    loop milliseconds a request, and refused requests waited behind each other's."""
+    assert state.scheduler is not None  # ready_engine said so
+    state.scheduler.refuse_early()
+
+
 def check_token_ids(tokenizer: TokenizerLike, ids: Sequence[int], param: str = "prompt") -> None:
     """A client's token ids reach the embedding as they are; one out of range would fail the step
     and with it the whole engine, so it is refused here as bad input. The protocol states no
@@ -207,6 +215,7 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of not in (None, 1, req.n):
         raise bad_request("best_of must equal n (no server-side ranking)", param="best_of")
+    refuse_early(state)
     prompts = _prompts(tokenizer, req.prompt)
     for _, ids in prompts:  # before anything is built per choice
         check_context(len(ids), req.max_tokens, max_len, "prompt")
@@ -253,6 +262,7 @@ def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
     tokenizer, max_len = ready_engine(state)
     _common_checks(req)
     chat.check_tools(req)
+    refuse_early(state)
     ids = tuple(chat.chat_prompt(state, tokenizer, req))  # one tuple, shared by every choice
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     check_context(len(ids), asked, max_len, "messages")

@@ -9,7 +9,9 @@ and give what vLLM's do. Anthropic Messages and OpenAI Responses have routes of 
 from __future__ import annotations
 
 import asyncio
+import time
 
+from ballast.scheduler.errors import Refused
 from ballast.server import chat, replies
 from ballast.server import protocol as p
 from ballast.server.auth import bearer_dependency
@@ -28,7 +30,7 @@ from ballast.server.respond import respond
 from ballast.server.responses_api import responses_router
 from ballast.server.state import ServerState
 from ballast.server.streaming import stream_response
-from ballast.server.submit import start_unless_gone
+from ballast.server.submit import refusal, start_unless_gone
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -130,16 +132,18 @@ def v1_router(api_key: str | None) -> APIRouter:
 
     @v1.post("/completions", response_model=None)
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
-        state = state_of(request)
+        state, arrived = state_of(request), time.monotonic()
         try:
             job = completion_job(state, body)
         except ApiError as exc:
             raise _invalid(state, "completion", exc) from exc
+        except Refused as exc:  # before its prompt was built (refuse_early)
+            raise refusal(state, exc, replies.new_id("cmpl"), "completion", "prompt", arrived) from exc
         return await _answer(state, job, request)
 
     @v1.post("/chat/completions", response_model=None)
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
-        state = state_of(request)
+        state, arrived = state_of(request), time.monotonic()
         try:
             # Building a grammar (and, once, the tokenizer's grammar view) takes milliseconds to a
             # second: off the event loop, so other requests' tokens keep flowing meanwhile.
@@ -150,6 +154,8 @@ def v1_router(api_key: str | None) -> APIRouter:
             )
         except ApiError as exc:
             raise _invalid(state, "chat", exc) from exc
+        except Refused as exc:  # before its prompt was built (refuse_early)
+            raise refusal(state, exc, replies.new_id("chatcmpl"), "chat", "messages", arrived) from exc
         return await _answer(state, job, request)
 
     return v1

@@ -27,12 +27,21 @@ from fastapi import Request
 def refuse(state: ServerState, job: Job, exc: Refused, *, counted: bool = False) -> ApiError:
     """Map a refusal for the client, mark the server unsound if the engine failed, and count it
     (unless the request's timer already did, for an error that ended a running request)."""
+    since = None if counted else job.received_at
+    return refusal(state, exc, job.response_id, job.endpoint, job.prompt_param, since)
+
+
+def refusal(
+    state: ServerState, exc: Refused, request_id: str, endpoint: str, prompt_param: str, since: float | None
+) -> ApiError:
+    """`refuse` for a request whose job may not be built yet (refused before its prompt was:
+    Scheduler.refuse_early); `since`: when it arrived, None when it is counted already."""
     if isinstance(exc, EngineFailed):
         state.fail(str(exc))
-    err = from_refusal(exc, job.prompt_param)
-    request_refused(job.response_id, job.endpoint, err.status, err.code, str(exc))
-    if not counted:  # refused before its first token: how long the client waited to learn it
-        state.metrics.refused(job.endpoint, err.status, outcome_of(exc), time.monotonic() - job.received_at)
+    err = from_refusal(exc, prompt_param)
+    request_refused(request_id, endpoint, err.status, err.code, str(exc))
+    if since is not None:  # refused before its first token: how long the client waited to learn it
+        state.metrics.refused(endpoint, err.status, outcome_of(exc), time.monotonic() - since)
     return err
 
 

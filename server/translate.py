@@ -6,13 +6,15 @@ event shapes; the driver here feeds it, counts the request and ends it as chat s
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from ballast.engine.interface import TokenizerLike
+from ballast.scheduler.errors import Refused
 from ballast.scheduler.request import FinishEvent, TokenEvent
-from ballast.server import chat
+from ballast.server import chat, replies
 from ballast.server import protocol as p
 from ballast.server.answer import Answer, AnswerStream, read_whole
 from ballast.server.completions import Job, chat_job
@@ -20,7 +22,7 @@ from ballast.server.errors import ApiError
 from ballast.server.parts import Call, CallArguments, CallClosed, CallOpened, Part, Text, Thought
 from ballast.server.respond import Collected
 from ballast.server.state import ServerState
-from ballast.server.submit import Started, finish_outcome, refuse, start_unless_gone
+from ballast.server.submit import Started, finish_outcome, refusal, refuse, start_unless_gone
 from fastapi import Request
 
 Kind = Literal["thought", "text", "call"]
@@ -169,6 +171,7 @@ async def start_chat(
     """Translate a request into a chat one, build its job (a grammar compiles off the event loop)
     and start it; None when the client went away first. A request that cannot be translated or
     built counts as invalid."""
+    arrived = time.monotonic()
     try:
         req = translate()
         job = (
@@ -177,5 +180,7 @@ async def start_chat(
     except ApiError:
         state.metrics.requests.labels(endpoint="chat", outcome="invalid").inc()
         raise
+    except Refused as exc:  # before its prompt was built (refuse_early)
+        raise refusal(state, exc, replies.new_id("chatcmpl"), "chat", "messages", arrived) from exc
     started = await start_unless_gone(state, job, request)
     return None if started is None else (job, started)

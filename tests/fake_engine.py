@@ -86,7 +86,10 @@ class FakeTokenizer:
                 i += 1
         return ids
 
+    templated = 0  # chat prompts built (a refusal no prompt changes comes before any: refuse_early)
+
     def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        self.templated += 1
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
 

@@ -311,11 +311,44 @@ async def test_requests_no_wait_would_serve_are_refused_together_not_one_per_pol
         assert s.outcomes["overloaded"] == 10
         with pytest.raises(Overloaded):  # the hold lasts: refused before it is queued
             s.submit(req(10, max_tokens=16, words=40))
+        s.refuse_early()  # a one-token prompt would fit: nothing to refuse before a prompt is built
         small = req(11, max_tokens=4, words=1)
         waiting = s.submit(small)
         watch.poll_now()  # memory seen again: the hold lifts and the small one fits
         text, _, fin = await asyncio.wait_for(waiting.collect(), 10)
         assert fin.reason == "length" and text == calm(small)
+    finally:
+        await s.stop()
+        eng.shutdown()
+
+
+async def test_a_hold_no_prompt_would_pass_is_refused_before_the_prompt_is_built(tmp_path: Path) -> None:
+    """TIGHT with 32 KiB above the reserve, a token's KV 64 KiB: no prompt fits, in either KV
+    format. Once admission's REJECT holds the queue, `refuse_early` (which the server asks before
+    building a prompt: template and tokens take the event loop milliseconds a request) refuses as
+    submit would; with room for a short prompt it refuses nothing."""
+    cfg = MemoryConfig(root=str(tmp_path))
+    reserve = host_reserve_bytes(16 * GiB, cfg)
+    write_tree(tmp_path, mem_total=16 * GiB, mem_available=reserve + 32 * 1024)
+    watch = MemWatch(cfg, StaticDeviceReader())
+    assert watch.poll_now().level is Level.TIGHT
+    eng = FakeEngine(max_model_len=512, prefill_chunk_tokens=512)  # 64 KiB of KV a token
+    s = Scheduler(eng, SchedulerConfig(max_num_seqs=8), memwatch=watch)
+    await s.start()
+    try:
+        s.refuse_early()  # no REJECT yet: the request is queued and admission decides
+        _, _, fin = await asyncio.wait_for(s.submit(req(0, max_tokens=4, words=1)).collect(), 10)
+        assert isinstance(fin.error, Overloaded)
+        with pytest.raises(Overloaded) as early:
+            s.refuse_early()
+        with pytest.raises(Overloaded) as submitted:
+            s.submit(req(1, max_tokens=4, words=1))
+        assert "not even 2 tokens fit" in early.value.reason  # the least any request needs
+        assert early.value.reason.split(":")[0] == submitted.value.reason.split(":")[0]
+        assert s.outcomes["overloaded"] == 3
+        write_tree(tmp_path, mem_total=16 * GiB, mem_available=reserve + 12 * MiB)
+        watch.poll_now()
+        s.refuse_early()
     finally:
         await s.stop()
         eng.shutdown()

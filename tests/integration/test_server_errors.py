@@ -219,7 +219,7 @@ def test_openai_client_raises_typed_errors(calm: str) -> None:
 
 
 def test_critical_pressure_gives_503_with_retry_after_then_recovers(tmp_path: Path) -> None:
-    with serve(tmp_path, Level.CRITICAL, wait_for_ready=False) as (url, state, _):
+    with serve(tmp_path, Level.CRITICAL, wait_for_ready=False) as (url, state, fake):
         deadline = time.monotonic() + 30
         while state.scheduler is None and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -233,6 +233,7 @@ def test_critical_pressure_gives_503_with_retry_after_then_recovers(tmp_path: Pa
             r = httpx.post(url + path, json=body)
             assert_openai_error(r, 503, type="server_overloaded")
             assert int(r.headers["retry-after"]) >= 1
+        assert fake.tokenizer.templated == 0  # refused before its prompt was built
         metrics = httpx.get(url + "/metrics").text
         assert 'ballast_http_rejections_total{status="503"} 2.0' in metrics
 
@@ -249,7 +250,7 @@ def test_queue_full_is_429_with_retry_after(tmp_path: Path) -> None:
     with serve(tmp_path, scheduler=sched, engine=FakeEngine(num_slots=1, step_delay_s=0.05)) as (
         url,
         state,
-        _,
+        fake,
     ):
         running = {**CHAT, "max_tokens": 40, "stream": True}
         with httpx.stream("POST", url + "/v1/chat/completions", json=running) as first:
@@ -263,9 +264,14 @@ def test_queue_full_is_429_with_retry_after(tmp_path: Path) -> None:
             )
             waiter.start()  # B waits in the queue
             _wait_until(lambda: state.scheduler is not None and state.scheduler.queue_depth == 1)
+            built = fake.tokenizer.templated
             r = httpx.post(url + "/v1/chat/completions", json=CHAT)  # C: no room
             assert_openai_error(r, 429, code="queue_full")
             assert int(r.headers["retry-after"]) >= 1
+            # no prompt changes a full queue's refusal: it comes before C's chat template ran
+            assert fake.tokenizer.templated == built
+            completion = httpx.post(url + "/v1/completions", json={"model": CHAT["model"], "prompt": "hi"})
+            assert_openai_error(completion, 429, code="queue_full")
         waiter.join(timeout=60)
         _wait_until(lambda: state.scheduler is not None and state.scheduler.idle)
 
