@@ -51,7 +51,7 @@ class Job:
     reading: Reading = Reading()  # what to read out of the answer: thinking, tool calls
     n: int = 1  # choices per prompt
     echo: tuple[str, ...] = ()  # per choice, the prompt text put before its answer (completions' echo)
-    # When the request was parsed and tokenized (monotonic): a refusal's time runs from here.
+    # When the request arrived (intake.arrived_at; monotonic): a refusal's time and TTFT run from here.
     received_at: float = field(default_factory=time.monotonic)
 
     @property

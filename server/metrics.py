@@ -233,11 +233,14 @@ class HttpMetrics:
 class RequestTimer:
     """Token timing of one request: TTFT at the first token, inter-token latency after it."""
 
-    def __init__(self, metrics: HttpMetrics, endpoint: str, request_id: str = "") -> None:
+    def __init__(
+        self, metrics: HttpMetrics, endpoint: str, request_id: str = "", start: float | None = None
+    ) -> None:
+        """start: when the request arrived (monotonic; now when None)."""
         self._metrics = metrics
         self._endpoint = endpoint
         self._request_id = request_id
-        self._start = time.monotonic()
+        self._start = time.monotonic() if start is None else start
         self._last: float | None = None
         self._ttft: float | None = None
         self.generated = 0  # tokens seen so far

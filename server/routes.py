@@ -9,7 +9,7 @@ and give what vLLM's do. Anthropic Messages and OpenAI Responses have routes of 
 from __future__ import annotations
 
 import asyncio
-import time
+from dataclasses import replace
 
 from ballast.scheduler.errors import Refused
 from ballast.server import chat, replies
@@ -25,6 +25,7 @@ from ballast.server.completions import (
 )
 from ballast.server.errors import ApiError
 from ballast.server.gateway_metrics import gateway_page
+from ballast.server.intake import arrived_at
 from ballast.server.messages_api import messages_router
 from ballast.server.respond import respond
 from ballast.server.responses_api import responses_router
@@ -132,9 +133,9 @@ def v1_router(api_key: str | None) -> APIRouter:
 
     @v1.post("/completions", response_model=None)
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
-        state, arrived = state_of(request), time.monotonic()
+        state, arrived = state_of(request), arrived_at(request)
         try:
-            job = completion_job(state, body)
+            job = replace(completion_job(state, body), received_at=arrived)
         except ApiError as exc:
             raise _invalid(state, "completion", exc) from exc
         except Refused as exc:  # before its prompt was built (refuse_early)
@@ -143,7 +144,7 @@ def v1_router(api_key: str | None) -> APIRouter:
 
     @v1.post("/chat/completions", response_model=None)
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
-        state, arrived = state_of(request), time.monotonic()
+        state, arrived = state_of(request), arrived_at(request)
         try:
             # Building a grammar (and, once, the tokenizer's grammar view) takes milliseconds to a
             # second: off the event loop, so other requests' tokens keep flowing meanwhile.
@@ -156,7 +157,7 @@ def v1_router(api_key: str | None) -> APIRouter:
             raise _invalid(state, "chat", exc) from exc
         except Refused as exc:  # before its prompt was built (refuse_early)
             raise refusal(state, exc, replies.new_id("chatcmpl"), "chat", "messages", arrived) from exc
-        return await _answer(state, job, request)
+        return await _answer(state, replace(job, received_at=arrived), request)
 
     return v1
 

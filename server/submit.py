@@ -78,7 +78,7 @@ async def start(state: ServerState, job: Job) -> Started:
     restore it from the prefix cache (where the model and the interval allow) instead of
     prefilling it again."""
     assert state.scheduler is not None
-    timer = RequestTimer(state.metrics, job.endpoint, job.response_id)
+    timer = RequestTimer(state.metrics, job.endpoint, job.response_id, job.received_at)
     if state.engine is not None:  # one request event per HTTP request, with its first prompt
         request_accepted(job.endpoint, job.gens[0], state.engine.tokenizer, state.config.log_prompts)
     runs: list[Run | None] = [None] * len(job.gens)

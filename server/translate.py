@@ -6,9 +6,8 @@ event shapes; the driver here feeds it, counts the request and ends it as chat s
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from ballast.engine.interface import TokenizerLike
@@ -19,6 +18,7 @@ from ballast.server import protocol as p
 from ballast.server.answer import Answer, AnswerStream, read_whole
 from ballast.server.completions import Job, chat_job
 from ballast.server.errors import ApiError
+from ballast.server.intake import arrived_at
 from ballast.server.parts import Call, CallArguments, CallClosed, CallOpened, Part, Text, Thought
 from ballast.server.respond import Collected
 from ballast.server.state import ServerState
@@ -171,7 +171,7 @@ async def start_chat(
     """Translate a request into a chat one, build its job (a grammar compiles off the event loop)
     and start it; None when the client went away first. A request that cannot be translated or
     built counts as invalid."""
-    arrived = time.monotonic()
+    arrived = arrived_at(request)
     try:
         req = translate()
         job = (
@@ -182,5 +182,6 @@ async def start_chat(
         raise
     except Refused as exc:  # before its prompt was built (refuse_early)
         raise refusal(state, exc, replies.new_id("chatcmpl"), "chat", "messages", arrived) from exc
+    job = replace(job, received_at=arrived)
     started = await start_unless_gone(state, job, request)
     return None if started is None else (job, started)

@@ -6,6 +6,7 @@ failure (500, /health down); plus client disconnects freeing their slot and the 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -509,3 +510,26 @@ def test_n_choices_prefill_their_prompt_once(tmp_path: Path) -> None:
         assert (
             len({c["message"]["content"] for c in r.json()["choices"]}) == 1
         )  # greedy: the same answer thrice
+
+
+def test_a_refusal_is_timed_from_the_request_s_arrival(tmp_path: Path) -> None:
+    """`ballast_refusal_seconds` runs from when the request's head reached the server, not from
+    when its prompt was built: a body that comes 0.3 s after the head is in the refusal's time
+    (before s26 the clock started after parsing and templating, and a burst of long chats read
+    25 ms at the server while its clients waited up to 1 s)."""
+    with serve(tmp_path, Level.CRITICAL, wait_for_ready=False) as (url, state, _):
+        deadline = time.monotonic() + 30
+        while state.scheduler is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+        def slow_body() -> Iterator[bytes]:
+            time.sleep(0.3)
+            yield json.dumps(CHAT).encode()
+
+        r = httpx.post(
+            url + "/v1/chat/completions", content=slow_body(), headers={"content-type": "application/json"}
+        )
+        assert_openai_error(r, 503, type="server_overloaded")
+        page = httpx.get(url + "/metrics").text
+        waited = re.search(r'^ballast_refusal_seconds_sum\{status="503"\} (\S+)$', page, re.M)
+        assert waited is not None and float(waited.group(1)) >= 0.3
