@@ -295,14 +295,7 @@ async def test_requests_no_wait_would_serve_are_refused_together_not_one_per_pol
     same pass (before, one per memory poll: 503s after 12.3 s p50 under an H200 squeeze). While
     the hold lasts, a new such request is refused synchronously by submit; a small one waits and
     is served after the next poll."""
-    cfg = MemoryConfig(root=str(tmp_path))
-    reserve = host_reserve_bytes(16 * GiB, cfg)
-    write_tree(tmp_path, mem_total=16 * GiB, mem_available=reserve + 12 * MiB)
-    watch = MemWatch(cfg, StaticDeviceReader())
-    assert watch.poll_now().level is Level.TIGHT
-    eng = FakeEngine(max_model_len=512, prefill_chunk_tokens=512)  # 64 KiB of KV a token
-    s = Scheduler(eng, SchedulerConfig(max_num_seqs=8), memwatch=watch)
-    await s.start()
+    s, watch, eng = await _at_tight(tmp_path, 12 * MiB)
     try:
         big = [req(i, max_tokens=16, words=40) for i in range(10)]  # ~215 prompt tokens: 13 MiB of KV alone
         handles = [s.submit(r) for r in big]
@@ -327,14 +320,7 @@ async def test_a_hold_no_prompt_would_pass_is_refused_before_the_prompt_is_built
     format. Once admission's REJECT holds the queue, `refuse_early` (which the server asks before
     building a prompt: template and tokens take the event loop milliseconds a request) refuses as
     submit would; with room for a short prompt it refuses nothing."""
-    cfg = MemoryConfig(root=str(tmp_path))
-    reserve = host_reserve_bytes(16 * GiB, cfg)
-    write_tree(tmp_path, mem_total=16 * GiB, mem_available=reserve + 32 * 1024)
-    watch = MemWatch(cfg, StaticDeviceReader())
-    assert watch.poll_now().level is Level.TIGHT
-    eng = FakeEngine(max_model_len=512, prefill_chunk_tokens=512)  # 64 KiB of KV a token
-    s = Scheduler(eng, SchedulerConfig(max_num_seqs=8), memwatch=watch)
-    await s.start()
+    s, watch, eng = await _at_tight(tmp_path, 32 * 1024)
     try:
         s.refuse_early()  # no REJECT yet: the request is queued and admission decides
         _, _, fin = await asyncio.wait_for(s.submit(req(0, max_tokens=4, words=1)).collect(), 10)
@@ -346,9 +332,26 @@ async def test_a_hold_no_prompt_would_pass_is_refused_before_the_prompt_is_built
         assert "not even 2 tokens fit" in early.value.reason  # the least any request needs
         assert early.value.reason.split(":")[0] == submitted.value.reason.split(":")[0]
         assert s.outcomes["overloaded"] == 3
-        write_tree(tmp_path, mem_total=16 * GiB, mem_available=reserve + 12 * MiB)
+        _host(tmp_path, 12 * MiB)
         watch.poll_now()
         s.refuse_early()
     finally:
         await s.stop()
         eng.shutdown()
+
+
+def _host(root: Path, above_reserve: int) -> MemoryConfig:
+    """A 16 GiB host with `above_reserve` bytes available above its reserve."""
+    cfg = MemoryConfig(root=str(root))
+    write_tree(root, mem_total=16 * GiB, mem_available=host_reserve_bytes(16 * GiB, cfg) + above_reserve)
+    return cfg
+
+
+async def _at_tight(root: Path, above_reserve: int) -> tuple[Scheduler, MemWatch, FakeEngine]:
+    """A started scheduler on `_host` (TIGHT) over a fake engine whose token takes 64 KiB of KV."""
+    watch = MemWatch(_host(root, above_reserve), StaticDeviceReader())
+    assert watch.poll_now().level is Level.TIGHT
+    eng = FakeEngine(max_model_len=512, prefill_chunk_tokens=512)
+    s = Scheduler(eng, SchedulerConfig(max_num_seqs=8), memwatch=watch)
+    await s.start()
+    return s, watch, eng
