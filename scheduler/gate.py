@@ -76,21 +76,42 @@ class AdmissionGate:
     def refuse_early(self) -> None:
         """Before a request's prompt is built: the refusals no prompt changes, as `accept` would
         raise them (CRITICAL pressure, a full queue, a memory hold not even a one-token prompt
-        passes). A ~1k-token chat's template and tokens take the event loop milliseconds; under a
-        co-tenant's squeeze (s26, H100, the 8B) 189 refusals of under 100 ms at the server took
-        1.3 s p50 / 2.0 s p99 at the client, each waiting behind the others' prompts."""
+        passes, a wait past the bound for the least request). A ~1k-token chat's template and
+        tokens take the event loop milliseconds; under a co-tenant's squeeze (s26, H100, the 8B)
+        189 refusals of under 100 ms at the server took 1.3 s p50 / 2.0 s p99 at the client."""
         try:
             self._gov.check_submit()
             if len(self._roster.queue) >= self._cfg.max_queue:
                 raise QueueFull(self._cfg.retry_after_s, self._cfg.max_queue)
-            if not self._gov.holding:
-                return
-            verdicts = [self._gov.verdict(1, 1, self._kv.room.room_when_idle(q), q) for q in (False, True)]
-            if all(v.kind is VerdictKind.REJECT for v in verdicts):  # in either KV format
-                raise self._gov.overloaded(verdicts[0].reason or "admission refused")
+            if self._gov.holding:
+                verdicts = [
+                    self._gov.verdict(1, 1, self._kv.room.room_when_idle(q), q) for q in (False, True)
+                ]
+                if all(v.kind is VerdictKind.REJECT for v in verdicts):  # in either KV format
+                    raise self._gov.overloaded(verdicts[0].reason or "admission refused")
+            if (late := self._late_for_any()) is not None:
+                raise late
         except Refused as refusal:
             self._roster.count(refusal)
             raise
+
+    def _late_for_any(self) -> QueueWaitTooLong | None:
+        """`_late_on_arrival`'s refusal of the least request (one prompt token, one asked), else
+        None. Any request it refuses: none starts sooner or has its first token sooner, and one
+        behind more than the step in flight is never spared as `unblamed`."""
+        bound = self._cfg.max_queue_wait_s
+        projection = self._current_projection() if bound > 0 else None
+        if projection is None:
+            return None
+        for q in (False, True):  # in either KV format
+            placed = projection.place(
+                Demand(1, 1, self._kv.blocks(2, q)), lambda g, q=q: self._fits(1, 1, q, g)
+            )
+            projection.undo(placed)
+            if placed.at_once or placed.first_token_s <= bound * ARRIVAL_SHARE:
+                return None
+        self.readiness.refused(placed.first_token_s, placed.waits_for, time.monotonic())
+        return self._late(placed, 0.0, estimated=True)
 
     def accept(self, req: GenerationRequest) -> Seq:
         """Queue a request; raises ContextTooLong, Overloaded, QueueFull or QueueWaitTooLong at once."""
@@ -120,13 +141,10 @@ class AdmissionGate:
         bound = self._cfg.max_queue_wait_s
         if bound <= 0:
             return None
-        if self._projection is None:  # rebuilt since a step or an admission: the queue goes first
-            self._projection = self._project()
-            for queued in self._roster.queue if self._projection is not None else ():
-                self._place(self._projection, queued)
-        if self._projection is None:  # the steps are not measured yet: the bound holds as waited
+        projection = self._current_projection()
+        if projection is None:  # the steps are not measured yet: the bound holds as waited
             return None
-        placed = self._place(self._projection, seq)
+        placed = self._place(projection, seq)
         share = bound * ARRIVAL_SHARE
         # A prompt whose own prefill alone passes the share, behind nothing but the step in flight,
         # is queued if its first token meets the bound itself (on an idle server it is served).
@@ -134,9 +152,17 @@ class AdmissionGate:
         if placed.first_token_s <= share or long_next or placed.unblamed(bound):
             self._probe = (len(seq.feed), seq.req.max_tokens)
             return None
-        self._projection.undo(placed)
+        projection.undo(placed)
         self.readiness.refused(placed.first_token_s, placed.waits_for, time.monotonic())
         return self._late(placed, 0.0, estimated=True)
+
+    def _current_projection(self) -> WaitProjection | None:
+        """The projection with the queue placed in it, rebuilt since a step or an admission."""
+        if self._projection is None:
+            self._projection = self._project()
+            for queued in self._roster.queue if self._projection is not None else ():
+                self._place(self._projection, queued)
+        return self._projection
 
     def forget_projection(self) -> None:
         """What the projection was built on changed (a step came back): build it again when needed."""

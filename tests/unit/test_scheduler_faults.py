@@ -147,12 +147,17 @@ async def test_with_measured_steps_a_hopeless_request_is_refused_at_submit(make)
             busy.append(s.submit(req(100 + i, max_tokens=40)))
     assert len(busy) > 2 and 0 < refused.value.retry_after_s <= 1.0 and refused.value.wait_s > 0.7
     assert refused.value.waits_for == "a slot"
+    # The least request (one token) would wait past the bound too: refused before a prompt is built
+    with pytest.raises(QueueWaitTooLong) as early:
+        s.refuse_early()
+    assert early.value.waits_for == "a slot" and 0.7 < early.value.wait_s <= refused.value.wait_s
     results = await asyncio.gather(*(h.collect() for h in busy))
     late = [fin for _, _, fin in results if fin.reason != "length"]
     assert all(isinstance(fin.error, QueueWaitTooLong) for fin in late)
     assert len(late) <= len(busy) // 4  # the arrival share's headroom keeps the estimate's noise out
-    assert s.outcomes["queue_wait"] == 1 + len(late)
+    assert s.outcomes["queue_wait"] == 2 + len(late)
     await settle(s, eng)
+    s.refuse_early()  # the queue drained: nothing to refuse before a prompt is built
 
 
 class FrozenWatch:
