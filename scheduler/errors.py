@@ -77,13 +77,23 @@ class QueueWaitTooLong(RetryLater):
     client or load balancer can go elsewhere."""
 
     def __init__(
-        self, retry_after_s: float, wait_s: float, bound_s: float, estimated: bool, waits_for: str = "a slot"
+        self,
+        retry_after_s: float,
+        wait_s: float,
+        bound_s: float,
+        estimated: bool,
+        waits_for: str = "a slot",
+        share: float = 1.0,
     ) -> None:
+        """share: the part of the bound the wait was held to (a new request's projection: 0.7)."""
         how = "estimated wait" if estimated else "waited"
+        limit = (
+            f"max queue wait {bound_s:g} s" if share == 1.0 else f"{share:g} of max queue wait {bound_s:g} s"
+        )
         super().__init__(
             retry_after_s,
-            f"cannot start in time (waiting for {waits_for}): {how} {wait_s:.3g} s > max queue wait "
-            f"{bound_s:g} s; retry after {retry_after_s:g} s",
+            f"cannot start in time (waiting for {waits_for}): {how} {wait_s:.3g} s > {limit}; "
+            f"retry after {retry_after_s:g} s",
         )
         self.wait_s = wait_s
         self.waits_for = waits_for

@@ -111,7 +111,7 @@ class AdmissionGate:
             if placed.at_once or placed.first_token_s <= bound * ARRIVAL_SHARE:
                 return None
         self.readiness.refused(placed.first_token_s, placed.waits_for, time.monotonic())
-        return self._late(placed, 0.0, estimated=True)
+        return self._late(placed, 0.0, estimated=True, share=ARRIVAL_SHARE)
 
     def accept(self, req: GenerationRequest) -> Seq:
         """Queue a request; raises ContextTooLong, Overloaded, QueueFull or QueueWaitTooLong at once."""
@@ -154,7 +154,7 @@ class AdmissionGate:
             return None
         projection.undo(placed)
         self.readiness.refused(placed.first_token_s, placed.waits_for, time.monotonic())
-        return self._late(placed, 0.0, estimated=True)
+        return self._late(placed, 0.0, estimated=True, share=ARRIVAL_SHARE)
 
     def _current_projection(self) -> WaitProjection | None:
         """The projection with the queue placed in it, rebuilt since a step or an admission."""
@@ -194,13 +194,16 @@ class AdmissionGate:
         fits = self._fits
         return projection.place(demand, lambda gain: fits(n_feed, asked, int8, gain))
 
-    def _late(self, placed: Placement | None, waited: float, estimated: bool) -> QueueWaitTooLong:
-        """The refusal, told to come back when the queue should have shrunk to fit the bound."""
+    def _late(
+        self, placed: Placement | None, waited: float, estimated: bool, share: float = 1.0
+    ) -> QueueWaitTooLong:
+        """The refusal, told to come back when the queue should have shrunk to fit the bound
+        (`share` of it: the part a new request's projection is held to)."""
         bound = self._cfg.max_queue_wait_s
         wait = waited + (placed.first_token_s if placed is not None else 0.0)
         retry = min(bound, max(self._cfg.retry_after_s, wait - bound))
         waits_for = placed.waits_for if placed is not None else "a slot"
-        return QueueWaitTooLong(retry, wait, bound, estimated, waits_for)
+        return QueueWaitTooLong(retry, wait, bound, estimated, waits_for, share)
 
     # --- while requests wait ------------------------------------------------------------------
     def govern(self) -> None:

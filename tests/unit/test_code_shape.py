@@ -104,6 +104,9 @@ MAX_WING_LINES = (
     # request (one token) past the bound is such a refusal too
     + 29
     + 26
+    # s26: a refusal at arrival names the share of the bound it was held to ("estimated wait 21.5 s
+    # > max queue wait 30 s" read as a contradiction; it was held to 0.7 of it)
+    + 13
 )
 
 

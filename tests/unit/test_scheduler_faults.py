@@ -147,6 +147,7 @@ async def test_with_measured_steps_a_hopeless_request_is_refused_at_submit(make)
             busy.append(s.submit(req(100 + i, max_tokens=40)))
     assert len(busy) > 2 and 0 < refused.value.retry_after_s <= 1.0 and refused.value.wait_s > 0.7
     assert refused.value.waits_for == "a slot"
+    assert "> 0.7 of max queue wait 1 s" in str(refused.value)  # the limit it was held to, at arrival
     # The least request (one token) would wait past the bound too: refused before a prompt is built
     with pytest.raises(QueueWaitTooLong) as early:
         s.refuse_early()
