@@ -12,6 +12,7 @@ says it in its last chunk as `"x_ballast_capped": true`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -163,6 +164,10 @@ def refuse_early(state: ServerState) -> None:
     with `submit.refusal`) before the prompt is built: a chat template and tokens take the event
     loop milliseconds a request, and refused requests waited behind each other's."""
     assert state.scheduler is not None  # ready_engine said so
+    try:  # the scheduler's state is the event loop's: a job built in a worker thread (a grammar)
+        asyncio.get_running_loop()  # leaves its refusals to submit, on the loop
+    except RuntimeError:
+        return
     state.scheduler.refuse_early()
 
 
