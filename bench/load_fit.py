@@ -7,7 +7,12 @@ size before the load, on a GPU torch's peak reserved bytes. Each case runs in a 
 (VmHWM never falls). The estimate must stay within 25% of the peak (no term padded), else a start
 that fits is refused; and never under it, else a start that does not fit is let in to OOM.
 
-    python -m ballast.bench.load_fit [--model default] [--case 8x2048 --case 16x8192 ...]
+On a GPU each row also says where the bytes went: torch's allocated and reserved bytes after each
+phase of the start (the weights, the prefill profile, the graphs' capture, the warm-up, serving),
+and with `--segments` the caching allocator's segments alive at the reserved peak, summed by the
+innermost ballast frame that asked for them (torch's allocation history, segment events only).
+
+    python -m ballast.bench.load_fit [--model default] [--case 8x2048 --case 16x8192 ...] [--segments]
 
 Table on stdout, JSON to bench/results/load_fit.json (or --out).
 """
@@ -52,7 +57,92 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-def one(model: str, slots: int, length: int, device: str, tokenizer: str | None = None) -> dict[str, Any]:
+class _Phases:
+    """torch's allocated / reserved / peak-reserved MiB after each phase of the start: the startup
+    module's steps wrapped in this process only (a bench's view, nothing the engine keeps)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self._undo: list[tuple[object, str, Any]] = []
+
+    def read(self, phase: str) -> None:
+        torch.cuda.synchronize()
+        self.rows.append(
+            {
+                "phase": phase,
+                "allocated_mib": round(torch.cuda.memory_allocated() / MiB, 1),
+                "reserved_mib": round(torch.cuda.memory_reserved() / MiB, 1),
+                "peak_reserved_mib": round(torch.cuda.max_memory_reserved() / MiB, 1),
+            }
+        )
+
+    def wrap(self, owner: object, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            self.read(phase)
+            return out
+
+        self._undo.append((owner, name, inner))
+        setattr(owner, name, wrapped)
+
+    def __enter__(self) -> _Phases:
+        from ballast.engine import startup
+        from ballast.engine.graphs.graph_runner import GraphRunner
+
+        self.read("before the load")
+        self.wrap(startup, "load", "weights loaded")
+        self.wrap(startup, "profile_prefill", "prefill profiled")
+        self.wrap(GraphRunner, "capture_at_start", "graphs captured")
+        self.wrap(startup, "warm_up", "warmed up")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, inner in reversed(self._undo):
+            setattr(owner, name, inner)
+
+
+def segments_at_peak(snapshot: dict[str, Any], top: int = 15) -> list[tuple[str, float]]:
+    """From torch's allocation history (segment events): the segments alive when reserved bytes
+    peaked, summed by the innermost ballast frame of the call that made each (MiB, largest first)."""
+    alive: dict[int, tuple[int, str]] = {}
+    at_peak: dict[int, tuple[int, str]] = {}
+    reserved = peak = 0
+    for event in (e for trace in snapshot.get("device_traces", []) for e in trace):
+        action, addr, size = event.get("action"), event.get("addr", 0), event.get("size", 0)
+        if action in ("segment_alloc", "segment_map"):
+            frames = event.get("frames") or []
+            where = next(
+                (f"{f['filename'].split('/ballast/')[-1]}:{f['line']} {f['name']}" for f in frames
+                 if "/ballast/" in f.get("filename", "") and "/bench/" not in f["filename"]),
+                frames[0]["name"] if frames else "?",
+            )  # fmt: skip
+            alive[addr] = (size, where)
+            reserved += size
+            if reserved > peak:
+                peak, at_peak = reserved, dict(alive)
+        elif action in ("segment_free", "segment_unmap") and addr in alive:
+            reserved -= alive.pop(addr)[0]
+    sums: dict[str, int] = {}
+    for size, where in at_peak.values():
+        sums[where] = sums.get(where, 0) + size
+    return [(w, round(n / MiB, 1)) for w, n in sorted(sums.items(), key=lambda x: -x[1])[:top]]
+
+
+def _record_segments() -> None:
+    import inspect
+
+    record = torch.cuda.memory._record_memory_history
+    kwargs: dict[str, Any] = {"context": "all", "stacks": "python", "max_entries": 6_000_000}
+    if "skip_actions" in inspect.signature(record).parameters:  # else every allocation, in a long ring
+        kwargs["skip_actions"] = ["alloc", "free_requested", "free_completed"]
+    record(enabled="all", **kwargs)
+
+
+def one(
+    model: str, slots: int, length: int, device: str, tokenizer: str | None = None, segments: bool = False
+) -> dict[str, Any]:
     capture = _Capture()
     logging.getLogger("ballast.engine.runner.loading").addHandler(capture)
     logging.getLogger("ballast.engine.runner.loading").setLevel(logging.INFO)
@@ -65,7 +155,14 @@ def one(model: str, slots: int, length: int, device: str, tokenizer: str | None 
         model=model, max_num_seqs=slots, max_model_len=length, device=device, tokenizer=tokenizer
     )
     watch = MemWatch(MemoryConfig())
-    engine = Engine.load(config, watch)
+    phases = _Phases()
+    if cuda and segments:
+        _record_segments()
+    if cuda:
+        with phases:
+            engine = Engine.load(config, watch)
+    else:
+        engine = Engine.load(config, watch)
     try:
         # What the estimate claims room for: one max-length sequence, its prompt in full chunks;
         # twice, as a server serves more than one (glibc's heap grew 12-15 MiB on the second).
@@ -74,7 +171,7 @@ def one(model: str, slots: int, length: int, device: str, tokenizer: str | None 
             for _ in generate_stream(engine, prompt, SamplingParams(temperature=0.0), 2):
                 pass
         if cuda:
-            torch.cuda.synchronize()
+            phases.read("served")
             peak = torch.cuda.max_memory_reserved() - before
         else:
             peak = _status_kib("VmHWM") * 1024 - before
@@ -92,6 +189,8 @@ def one(model: str, slots: int, length: int, device: str, tokenizer: str | None 
             "peak_at_start_mib": peak / MiB,
             "estimate_over_peak": estimate / peak if peak > 0 else float("nan"),
             "fitted": fitted,
+            "phases": phases.rows,
+            "segments_at_peak": segments_at_peak(torch.cuda.memory._snapshot()) if cuda and segments else [],
         }
     finally:
         engine.shutdown()
@@ -105,17 +204,19 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--case", action="append", default=[], help="SLOTSxLEN (default 8x2048)")
     ap.add_argument("--tokenizer", help="a tokenizer directory (where the default's cannot be fetched)")
+    ap.add_argument("--segments", action="store_true", help="on a GPU: the segments at the peak, by frame")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--one", help=argparse.SUPPRESS)  # one case, this process: JSON on stdout
     a = ap.parse_args()
     if a.one:
         slots, length = (int(x) for x in a.one.split("x"))
-        print(json.dumps(one(a.model, slots, length, a.device, a.tokenizer)))
+        print(json.dumps(one(a.model, slots, length, a.device, a.tokenizer, a.segments)))
         return
     rows = []
     for case in a.case or ["8x2048"]:
         cmd = [sys.executable, "-m", "ballast.bench.load_fit", "--one", case, "--model", a.model]
         cmd += ["--device", a.device, *(["--tokenizer", a.tokenizer] if a.tokenizer else [])]
+        cmd += ["--segments"] if a.segments else []
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise SystemExit(f"case {case} failed:\n{done.stderr[-3000:]}")
@@ -129,6 +230,11 @@ def main() -> None:
             f"{r['peak_at_start_mib']:>10.1f}{r['estimate_over_peak']:>10.2f}"
         )
         print(f"  terms: {r['estimate_terms']}")
+        for p in r["phases"]:
+            print(f"  {p['phase']:<18} allocated {p['allocated_mib']:>10,.1f}  reserved {p['reserved_mib']:>10,.1f}"
+                  f"  peak reserved {p['peak_reserved_mib']:>10,.1f} MiB")  # fmt: skip
+        for where, mib in r["segments_at_peak"]:
+            print(f"  {mib:>10,.1f} MiB  {where}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
 

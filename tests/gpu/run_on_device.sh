@@ -43,8 +43,8 @@ case "$mode" in
   fit)  # the load estimate against the peak only (~2 min)
     tok=/tmp/tok; mkdir -p $tok
     python3 -c "from ballast.bench.checkpoint_dir import write_tokenizer; from pathlib import Path; write_tokenizer(Path('$tok'))"
-    timeout ${FIT_S:-120} python3 -m ballast.bench.load_fit --model builtin:llama-8b --device cuda --case 128x4096 \
-      --tokenizer $tok --out $out/load_fit_8b.json 2>&1 | tail -6
+    timeout ${FIT_S:-170} python3 -m ballast.bench.load_fit --model builtin:llama-8b --device cuda --case 128x4096 --segments \
+      --tokenizer $tok --out $out/load_fit_8b.json 2>&1 | tail -30
     ;;
   flagship)  # issue 48 (bench/flagship.py): JSON and the servers' logs under $OUT
     timeout ${FLAGSHIP_S:-545} python3 -m ballast.bench.flagship --deadline-s ${DEADLINE_S:-530} \
