@@ -231,8 +231,8 @@ def main() -> None:
         )
         print(f"  terms: {r['estimate_terms']}")
         for p in r["phases"]:
-            print(f"  {p['phase']:<18} allocated {p['allocated_mib']:>10,.1f}  reserved {p['reserved_mib']:>10,.1f}"
-                  f"  peak reserved {p['peak_reserved_mib']:>10,.1f} MiB")  # fmt: skip
+            mib = " / ".join(f"{p[k]:,.1f}" for k in ("allocated_mib", "reserved_mib", "peak_reserved_mib"))
+            print(f"  {p['phase']:<18} allocated / reserved / peak reserved {mib} MiB")
         for where, mib in r["segments_at_peak"]:
             print(f"  {mib:>10,.1f} MiB  {where}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
