@@ -85,6 +85,18 @@ class SchedulerConfig:
             86400.0,
         ),
     )
+    kv_keep_s: float = field(
+        default=60.0,
+        metadata=setting(
+            "BALLAST_KV_KEEP_S",
+            "at TIGHT the KV pools give back only free blocks beyond the most their requests held within "
+            "this many seconds (and what running and queued requests will take): segments unused that "
+            "long go back to a co-tenant, a working set it did not take stays for the next requests; "
+            "0 = keep only what running and queued requests will take. CRITICAL gives every free block back",
+            0.0,
+            86400.0,
+        ),
+    )
     stale_snapshot_s: float = field(
         default=5.0,
         metadata=setting(

@@ -8,6 +8,8 @@ pool has not yet given it is promised: blocks it will still take.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -28,15 +30,38 @@ class Charge:
 
 
 class KVRoom:
-    def __init__(self, main: KVFigures | None, int8: KVFigures | None) -> None:
+    def __init__(
+        self,
+        main: KVFigures | None,
+        int8: KVFigures | None,
+        keep_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.main = main
         self.int8 = int8
+        self._keep_s, self._clock = keep_s, clock
+        # (when, blocks sequences held) after each step, each pool: the window's peak first
+        self._held: dict[bool, deque[tuple[float, int]]] = {False: deque(), True: deque()}
 
     def update(self, result: StepResult) -> None:
         if result.kv is not None:
             self.main = result.kv
         if result.kv_int8 is not None:
             self.int8 = result.kv_int8
+        now = self._clock()
+        for int8, kv in ((False, result.kv), (True, result.kv_int8)):
+            if kv is not None and self._keep_s > 0:
+                held, n = self._held[int8], kv.used_blocks - kv.evictable_blocks
+                while held and held[-1][1] <= n:  # a later, larger figure outlives it in the window
+                    held.pop()
+                held.append((now, n))
+
+    def recent_peak(self, int8: bool) -> int:
+        """The most blocks the pool's sequences held after any step of the last keep_s seconds."""
+        held, since = self._held[int8], self._clock() - self._keep_s
+        while held and held[0][0] < since:
+            held.popleft()
+        return held[0][1] if held else 0
 
     def pools(self) -> list[tuple[str, KVFigures]]:
         return [(name, f) for name, f in (("main", self.main), ("int8", self.int8)) if f is not None]
@@ -69,13 +94,18 @@ class KVRoom:
         return spare >= blocks_for(n_tokens, kv.block_size)
 
     def keep(self, charges: Iterable[Charge]) -> KVKeep:
-        """The free blocks each pool keeps when the ladder shrinks it (with `room`'s watermark)."""
+        """The free blocks each pool keeps when the ladder shrinks it: what `charges` will still
+        take (with `room`'s watermark), and at least what brings the pool back to the most its
+        sequences held in the last keep_s seconds (the working set new requests will take)."""
         charges = list(charges)
-        main, int8 = self.main, self.int8
-        return KVKeep(
-            self._promised(main, False, charges, watermark=1) if main is not None else 0,
-            self._promised(int8, True, charges, watermark=1) if int8 is not None else 0,
-        )
+
+        def kept(kv: KVFigures | None, int8: bool) -> int:
+            if kv is None:
+                return 0
+            working = self.recent_peak(int8) - (kv.used_blocks - kv.evictable_blocks)
+            return max(self._promised(kv, int8, charges, watermark=1), working)
+
+        return KVKeep(kept(self.main, False), kept(self.int8, True))
 
     @staticmethod
     def _promised(kv: KVFigures, int8: bool, running: Iterable[Charge], watermark: int) -> int:
@@ -165,10 +195,12 @@ class KVPolicy:
         return send, keep
 
     def _keep_now(self, running: list[Charge], upcoming: Iterable[Seq]) -> KVKeep:
-        """At TIGHT the pools keep what running requests and the queue's next ones would still take;
-        only the surplus goes back. More helps only if the pressure is ours: on an H200 under a
-        co-tenant, segments given back were taken by no one, the pool could not grow again, and new
-        requests stalled until the queue bound refused them. At CRITICAL all free blocks go back."""
+        """At TIGHT the pools keep what running requests and the queue's next ones would still take,
+        and their recent working set (`KVRoom.keep`); only the surplus goes back. More helps only if
+        the pressure is ours: under a co-tenant, segments given back were taken by no one and the
+        pool could not grow again (an H200: new requests stalled until the queue bound refused
+        them; an H100 at s26, before the working set was kept: the 1 GiB given back while the server
+        was idle left room for 3 of a burst's 192 requests). At CRITICAL all free blocks go back."""
         if self._gov.ladder.level >= Level.CRITICAL:
             return KVKeep()
         charges = list(running)

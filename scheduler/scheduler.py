@@ -96,7 +96,8 @@ class Scheduler:
         eos = engine.tokenizer.eos_token_ids
         self._roster = roster = Roster(engine.num_slots, self._turns, LengthShare(), eos)
         # The pools after the last step, and the decisions made from them under the ladder.
-        self._kv = KVPolicy(gov, KVRoom(engine.kv_figures(), engine.kv_figures(int8=True)))
+        rooms = KVRoom(engine.kv_figures(), engine.kv_figures(int8=True), config.kv_keep_s)
+        self._kv = KVPolicy(gov, rooms)
         self._gate = AdmissionGate(roster, gov, self._kv, config, limits, engine, self.step_costs)
         self.prompt_budget = PromptBudget(config.max_itl_ms / 1e3)
         self._planner = StepPlanner(

@@ -243,6 +243,69 @@ async def test_tight_keeps_the_free_blocks_that_queued_requests_need(tmp_path: P
     assert all(b <= a for a, b in itertools.pairwise(held)), held  # and the pool never grew again
 
 
+async def _long_after_a_short(tmp_path: Path, keep_s: float) -> tuple[int, int, list[int], int, bool]:
+    """4 longer requests at OK, then TIGHT: one short request (the shrink comes with its steps,
+    nothing else queued), then the 4 longer ones again. Returns the main pool's bytes after the calm
+    run and after the short request, its bytes at every event of the second run, the most blocks
+    the int8 pool held then, and whether that run's texts were the calm run's."""
+    tmp_path.mkdir()
+    signals = Signals(tmp_path, Level.OK)
+    engine = Engine.load(CFG, signals.watch)
+    main, int8 = engine.runner.kv, engine.runner.kv_int8
+    assert main is not None and int8 is not None
+    sched = Scheduler(engine, SchedulerConfig(max_num_seqs=4, kv_keep_s=keep_s), memwatch=signals.watch)
+    held: list[int] = []
+    int8_peak = [0]
+
+    async def collect(asked: list[tuple[int, ...]], n_tokens: int) -> list[tuple[int, ...]]:
+        handles = [
+            sched.submit(GenerationRequest(f"k{i}-{n_tokens}-{len(held)}", p, GREEDY, max_tokens=n_tokens))
+            for i, p in enumerate(asked)
+        ]
+        texts = []
+        for h in handles:
+            toks: list[int] = []
+            async for ev in h:
+                held.append(main.bytes_held)
+                int8_peak[0] = max(int8_peak[0], int8.figures().used_blocks)
+                if isinstance(ev, TokenEvent):
+                    toks.extend(ev.token_ids)
+                elif isinstance(ev, FinishEvent):
+                    assert ev.reason == "length"
+            texts.append(tuple(toks))
+        return texts
+
+    await sched.start()
+    try:
+        calm = await collect(prompts()[:4], 96)  # within TIGHT's halved window
+        grown = main.bytes_held
+        signals.set(Level.TIGHT)
+        await collect([prompts()[5][:8]], 4)
+        after_short = main.bytes_held
+        held.clear()
+        again = await asyncio.wait_for(collect(prompts()[:4], 96), 60)
+    finally:
+        await sched.stop()
+        engine.shutdown()
+    assert engine.slot_kv.preemptions == 0
+    return grown, after_short, held, int8_peak[0], again == calm
+
+
+async def test_tight_keeps_the_working_set_for_requests_that_come_after_a_lull(tmp_path: Path) -> None:
+    """The free blocks the pool's sequences held in the last `kv_keep_s` seconds stay at TIGHT even
+    while nothing is queued: requests that come after a lull start on them, with the calm run's
+    text, and no pool grows. With `kv_keep_s=0` the lull gave them back, and the same requests
+    needed new memory at TIGHT: the main pool may not grow there, so they went to int8 blocks (their
+    text no longer the calm run's). On an H100 under a co-tenant there was no new memory at all:
+    3 of a burst's 192 requests were served (s26)."""
+    grown, after_short, held, int8_peak, same = await _long_after_a_short(tmp_path / "keep", 60.0)
+    assert after_short >= grown - CFG.kv_segment_bytes  # at most the surplus segment went back
+    assert same and max(held) <= after_short and int8_peak == 0  # they ran on what was kept
+    grown, after_short, held, int8_peak, same = await _long_after_a_short(tmp_path / "none", 0.0)
+    assert after_short < grown - CFG.kv_segment_bytes and max(held) <= after_short
+    assert int8_peak > 0 and not same
+
+
 async def test_a_scheduler_states_its_slot_limit_to_an_engine_another_one_narrowed() -> None:
     """The engine refuses sequences started past its slot limit, which the last plan set: a
     scheduler taking over an engine that an earlier one (with one slot) left at limit 1 states
