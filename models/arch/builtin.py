@@ -171,8 +171,10 @@ def builtin_config(name: str, mtp: bool = False) -> dict[str, Any]:
 
 def init_random(model: nn.Module, seed: int) -> None:
     """Seeded init: norms 1, biases 0, others N(0, 0.02) like HF's initializer_range, on the CPU
-    generator (the same weights on any device) up to DEVICE_INIT_PARAMS. A model's own rules
-    (e.g. a decay's A_log) come after, from its `init_random_weights(generator)`."""
+    generator (the same weights on any device) up to DEVICE_INIT_PARAMS; past it on the device, in
+    place: a float32 draw and its scaled copy per tensor took 1.5 GiB more of the device for the 8B's
+    embedding alone, a start's transient no real checkpoint has. A model's own rules (e.g. a decay's
+    A_log) come after, from its `init_random_weights(generator)`."""
     first = next(model.parameters())
     big = sum(p.numel() for p in model.parameters()) > DEVICE_INIT_PARAMS
     gen = torch.Generator(first.device if big else "cpu").manual_seed(seed)
@@ -184,6 +186,8 @@ def init_random(model: nn.Module, seed: int) -> None:
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
+            elif big:
+                p.normal_(0.0, 0.02, generator=gen)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, device=gen.device) * 0.02)
         fp8.init_random_fp8(model, gen)
