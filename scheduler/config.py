@@ -86,7 +86,7 @@ class SchedulerConfig:
         ),
     )
     kv_keep_s: float = field(
-        default=60.0,
+        default=300.0,
         metadata=setting(
             "BALLAST_KV_KEEP_S",
             "at TIGHT the KV pools give back only free blocks beyond the most their requests held within "

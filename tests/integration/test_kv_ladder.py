@@ -298,7 +298,8 @@ async def test_tight_keeps_the_working_set_for_requests_that_come_after_a_lull(t
     needed new memory at TIGHT: the main pool may not grow there, so they went to int8 blocks (their
     text no longer the calm run's). On an H100 under a co-tenant there was no new memory at all:
     3 of a burst's 192 requests were served (s26)."""
-    grown, after_short, held, int8_peak, same = await _long_after_a_short(tmp_path / "keep", 60.0)
+    default = SchedulerConfig().kv_keep_s
+    grown, after_short, held, int8_peak, same = await _long_after_a_short(tmp_path / "keep", default)
     assert after_short >= grown - CFG.kv_segment_bytes  # at most the surplus segment went back
     assert same and max(held) <= after_short and int8_peak == 0  # they ran on what was kept
     grown, after_short, held, int8_peak, same = await _long_after_a_short(tmp_path / "none", 0.0)
