@@ -131,14 +131,15 @@ class DecoderLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def fuse_projections(self, keep_values: bool = True) -> None:
-        """Run every `FusedLinears` of the layers as one matmul. build_model does this before any
-        weight is loaded (keep_values=False: nothing to copy, no transient second copy); loading
-        with copy_ keeps the fusion, and a forward re-fuses after anything re-creates the parameters."""
+    def fuse_projections(self, keep_values: bool = True, device: torch.device | str | None = None) -> None:
+        """Run every `FusedLinears` of the layers as one matmul. build_model does this on the meta
+        device with the model's device (keep_values=False: nothing to copy; each fused weight made
+        there once, its linears views); loading with copy_ keeps the fusion, and a forward re-fuses
+        after anything re-creates the parameters."""
         for module in self.modules():
             for fused in vars(module).values():
                 if isinstance(fused, FusedLinears):
-                    fused.fuse(keep_values)
+                    fused.fuse(keep_values, device)
 
     def layer_step(self, batch: ForwardBatch, rope: Rope) -> LayerStep:
         return LayerStep(batch, rope)

@@ -12,10 +12,10 @@ from ballast.models.arch.qwen3_next import Qwen3_5MoeForCausalLM, Qwen3NextForCa
 from ballast.models.base import UnsupportedModel
 from ballast.models.blocks.moe import Experts, convert_experts
 from ballast.models.layers.fp8 import Block, convert_linear
-from torch import nn
+from torch import Tensor, nn
 
 # Every class here has `from_hf_config(hf)`, `layer_specs`, `forward(batch, states)`, and optionally
-# `tie_weights()` and `fuse_projections(keep_values)`, called once the parameters have storage.
+# `tie_weights()` and `fuse_projections(keep_values, device)`.
 MODEL_CLASSES: dict[str, Any] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
@@ -63,14 +63,28 @@ def build_model(
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """A model built on the meta device with real (still uninitialised) storage on device."""
-    model = model.to_empty(device=device)
-    tie = getattr(model, "tie_weights", None)
-    if tie is not None:
-        tie()  # to_empty gives tied parameters separate storage; share them again
+    """A model built on the meta device with real (still uninitialised) storage on device, each
+    weight allocated once: the fused projections' tensors first (their linears views into them),
+    then every tensor still on meta, a tied head the embedding's. `to_empty` then fusing gave
+    each linear (and a tied head) storage of its own that the fusing freed, on a GPU into the
+    caching allocator: 8.5 GiB on the 8B shape (q, k, v, gate and up of 32 layers), whose load
+    estimate was 7.1 GiB under its measured peak (s26, H100)."""
     fuse = getattr(model, "fuse_projections", None)
     if fuse is not None:
-        fuse(keep_values=False)  # the parameters hold nothing yet
+        fuse(keep_values=False, device=device)  # the parameters hold nothing yet
+    made: dict[int, tuple[Tensor, Tensor]] = {}  # a meta tensor met twice (tied) is made once
+
+    def place(t: Tensor) -> Tensor:
+        if not t.is_meta:
+            return t
+        if id(t) not in made:
+            made[id(t)] = (t, torch.empty_like(t, device=device))
+        return made[id(t)][1]
+
+    model._apply(place)
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()  # one Parameter in both places again (_apply wrapped the shared storage twice)
     return model.eval()
 
 

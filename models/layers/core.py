@@ -4,6 +4,8 @@ rotary), SwiGLU MLP, and GQA attention over a `PagedKV`, all on the flat [T, hid
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -187,10 +189,10 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _empty_cat(tensors: Sequence[Tensor]) -> Tensor:
-    """The shape torch.cat would give, uninitialised."""
+def _empty_cat(tensors: Sequence[Tensor], device: torch.device | str | None = None) -> Tensor:
+    """The shape torch.cat would give, uninitialised, on `device` (default: the tensors')."""
     first = tensors[0]
-    return first.new_empty((sum(t.shape[0] for t in tensors), *first.shape[1:]))
+    return first.new_empty((sum(t.shape[0] for t in tensors), *first.shape[1:]), device=device)
 
 
 class FusedLinears:
@@ -213,8 +215,10 @@ class FusedLinears:
         self._names: list[str] = []  # the tensors fused, of each linear
         self._ptrs: list[int] = []
 
-    def fuse(self, keep_values: bool = True) -> None:
-        """keep_values=False (parameters not yet loaded) skips copying what they hold."""
+    def fuse(self, keep_values: bool = True, device: torch.device | str | None = None) -> None:
+        """keep_values=False (parameters not yet loaded) skips copying what they hold; with
+        `device` the fused tensors are made there (linears still on the meta device get their
+        storage as views of them, and never one of their own)."""
         biases = [lin.bias for lin in self.linears]
         if any(b is None for b in biases) and any(b is not None for b in biases):
             raise ValueError("cannot fuse linears where only some have a bias")
@@ -223,7 +227,7 @@ class FusedLinears:
         if len(kinds) > 1 or (block and any(lin.out_features % block[0] for lin in self.linears)):
             self.separate = True
             return
-        join = torch.cat if keep_values else _empty_cat
+        join = torch.cat if keep_values else functools.partial(_empty_cat, device=device)
         names = self._names = [
             "weight",
             *(["bias"] if biases[0] is not None else []),
