@@ -99,11 +99,10 @@ class Scheduler:
         rooms = KVRoom(engine.kv_figures(), engine.kv_figures(int8=True), config.kv_keep_s)
         self._kv = KVPolicy(gov, rooms)
         self._gate = AdmissionGate(roster, gov, self._kv, config, limits, engine, self.step_costs)
-        self.prompt_budget = PromptBudget(config.max_itl_ms / 1e3)
+        self.prompt_budget = PromptBudget(config.max_itl_ms / 1e3, self.step_costs)
         self._planner = StepPlanner(
             engine, config, roster, self._gate, gov, checkpoints, self._kv, self.prompt_budget
         )
-        self._last_done = 0.0  # when the last step's result came back (monotonic seconds)
         self.reused_tokens = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -284,11 +283,6 @@ class Scheduler:
         except StepFailed as failed:
             self._step_failed(step.plan, failed)
             return True
-        # The engine runs steps one after another: this one held it from its sending, or from the
-        # end of the one before (sent ahead of it), to now.
-        done, began = time.monotonic(), max(step.sent_at, self._last_done)
-        self._last_done = done
-        self.prompt_budget.observe(len(step.plan.decodes), result.prefill_tokens, done - began)
         self._apply(step.plan, result)
         return True
 
