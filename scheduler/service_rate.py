@@ -1,4 +1,5 @@
-"""How fast the engine serves, measured: the figures the queue-wait estimate projects with.
+"""How fast the engine serves, measured: the figures the queue-wait estimate projects with, and
+the prompt budget beside decodes (`prompt_budget.py`) sizes steps by.
 
 A queued request may wait for a slot, for KV blocks that running requests will give back, or for
 the prefill of the prompts ahead of it. Each of those waits is a number of engine steps, so what is
