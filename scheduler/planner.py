@@ -81,7 +81,7 @@ class StepPlanner:
         engine = self._engine
         # beside decodes, the prompt tokens that keep the step within the ITL target
         chunk = (
-            self._prompt_budget.tokens(engine.busy_prefill_chunk_tokens)
+            self._prompt_budget.tokens(engine.busy_prefill_chunk_tokens, len(decodes))
             if decodes
             else engine.prefill_chunk_tokens
         )

@@ -99,11 +99,10 @@ class Scheduler:
         rooms = KVRoom(engine.kv_figures(), engine.kv_figures(int8=True), config.kv_keep_s)
         self._kv = KVPolicy(gov, rooms)
         self._gate = AdmissionGate(roster, gov, self._kv, config, limits, engine, self.step_costs)
-        self.prompt_budget = PromptBudget(config.max_itl_ms / 1e3)
+        self.prompt_budget = PromptBudget(config.max_itl_ms / 1e3, self.step_costs)
         self._planner = StepPlanner(
             engine, config, roster, self._gate, gov, checkpoints, self._kv, self.prompt_budget
         )
-        self._last_done = 0.0  # when the last step's result came back (monotonic seconds)
         self.reused_tokens = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -274,30 +273,25 @@ class Scheduler:
         busy_from = self._returned_at if step.sent_at - self._returned_at < STEP_TICK_S else step.sent_at
         self.step_costs.sent(len(step.plan.decodes), _prompt_tokens(step.plan), busy_from)
         while not (await asyncio.wait({waiting}, timeout=STEP_TICK_S))[0]:
-            if self._stall_check(step):
+            if self._stall_check(step, busy_from):
                 return False
             self._gate.govern()
-        self._watchdog.returned(step.shape, step.sent_at)
         self._timed(step, busy_from)
         try:
             result = waiting.result()
         except StepFailed as failed:
             self._step_failed(step.plan, failed)
             return True
-        # The engine runs steps one after another: this one held it from its sending, or from the
-        # end of the one before (sent ahead of it), to now.
-        done, began = time.monotonic(), max(step.sent_at, self._last_done)
-        self._last_done = done
-        self.prompt_budget.observe(len(step.plan.decodes), result.prefill_tokens, done - began)
         self._apply(step.plan, result)
         return True
 
     def _timed(self, step: _InFlight, busy_from: float) -> None:
-        """Feed the step's engine time to the wait estimate. A step sent while the one before
-        ran (the lookahead) or right after it came back started when that one ended: the loop's
-        own time between steps is part of what each step costs."""
+        """Feed the step's engine time to the wait estimate and the watchdog. A step sent while
+        the one before ran (the lookahead) or right after it came back started when that one
+        ended: the loop's own time between steps is part of what each step costs."""
         now = self._returned_at = time.monotonic()
         self.step_costs.stepped(now - busy_from, len(step.plan.decodes), _prompt_tokens(step.plan))
+        self._watchdog.completed(step.shape, now - busy_from)
         self._gate.forget_projection()
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
@@ -316,9 +310,9 @@ class Scheduler:
             self._gov.step_failed_on_memory()
         self._roster.step_failed(plan, failed, self._cfg.retry_after_s)
 
-    def _stall_check(self, step: _InFlight) -> bool:
+    def _stall_check(self, step: _InFlight, busy_from: float) -> bool:
         """End everything when the step has run past the watchdog's deadline."""
-        if (overdue := self._watchdog.overdue(step.shape, step.sent_at)) is None:
+        if (overdue := self._watchdog.overdue(step.shape, busy_from)) is None:
             return False
         ran, deadline = overdue
         self.stalled = EngineStalled(self._cfg.retry_after_s, ran, deadline)

@@ -1,4 +1,5 @@
-"""How fast the engine serves, measured: the figures the queue-wait estimate projects with.
+"""How fast the engine serves, measured: the figures the queue-wait estimate projects with, and
+the prompt budget beside decodes (`prompt_budget.py`) sizes steps by.
 
 A queued request may wait for a slot, for KV blocks that running requests will give back, or for
 the prefill of the prompts ahead of it. Each of those waits is a number of engine steps, so what is
@@ -24,6 +25,9 @@ from ballast.scheduler.watchdog import shape_of
 # projected wait and a 429 for four chats. The middle half drops such spikes, averages the
 # alternation, and follows a real change (a bigger batch, a longer context) within 3/4 of a window.
 WINDOW = 12
+# Steps with fewer prompt tokens than this do not measure a prompt token's cost: their difference
+# from a decode step's is mostly noise.
+MIN_MEASURED_TOKENS = 16
 
 
 class _Recent:
@@ -117,6 +121,8 @@ class StepCosts:
                     bisect.insort(self._rows, decode_rows)
                     self._decode[decode_rows] = _Recent()
                 self._decode[decode_rows].add(seconds, first)
+            return
+        if prefill_tokens < MIN_MEASURED_TOKENS:
             return
         # What a step costs beyond its prompt tokens (a row's head and sampling, the launches, the
         # loop) is a decode step's: counted per token, it made short prompts look 30x dearer.

@@ -4,7 +4,8 @@ A step that never returns (a spinning kernel, a deadlocked collective) would hol
 forever while the probes stay green. The deadline per size class of the step's prefill (a 2k
 prefill and a decode differ a hundredfold) is max(floor, STEP_P99_FACTOR x the class's recent
 p99). A class's first step may compile kernels: it gets NEW_SHAPE_FACTOR x the floor and is not
-timed. A step's time runs from when it could start (submission, or the previous step's end).
+timed. A step's time runs from when it could start (the scheduler's: its sending, or the return
+of the step before), the time `StepCosts` measures.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ class StepWatchdog:
     def __init__(self, floor_s: float) -> None:
         self.floor_s = floor_s
         self._classes: dict[int, _Times] = {}
-        self._last_done = 0.0  # when the last step returned (a step queued behind it starts then)
 
     @property
     def enabled(self) -> bool:
@@ -68,16 +68,11 @@ class StepWatchdog:
         else:
             seen.add(seconds)
 
-    def returned(self, shape: int, sent_at: float) -> None:
-        """A step of `shape` submitted at `sent_at` (monotonic seconds) has returned now."""
-        now = time.monotonic()
-        self.completed(shape, now - max(sent_at, self._last_done))
-        self._last_done = now
-
-    def overdue(self, shape: int, sent_at: float) -> tuple[float, float] | None:
-        """(seconds it has run, its deadline) for a step in flight past its deadline; else None."""
+    def overdue(self, shape: int, since: float) -> tuple[float, float] | None:
+        """(seconds it has run, its deadline) for a step in flight since `since` (monotonic
+        seconds) past its deadline; else None."""
         if not self.enabled:
             return None
         deadline = self.deadline_s(shape)
-        ran = time.monotonic() - max(sent_at, self._last_done)
+        ran = time.monotonic() - since
         return (ran, deadline) if ran >= deadline else None

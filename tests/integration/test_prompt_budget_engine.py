@@ -80,15 +80,15 @@ def test_without_a_target_each_step_beside_the_stream_takes_the_busy_chunk(unlim
 
 
 async def test_with_a_target_the_prompt_is_split_while_the_stream_decodes_every_step(unlimited) -> None:
-    """A target below a decode step's own time: after the first step beside the stream (which
-    measures what a prompt token costs) each carries at most the floor, 64 tokens; every one of
-    those steps also carries the stream's decode, and the tokens match the unlimited run."""
+    """A target below a decode step's own time: each step beside the stream carries the floor, 64
+    tokens, the first too (the stream's own prompt measured what a prompt token costs, and its
+    decode steps the base); every one of those steps also carries the stream's decode, and the
+    tokens match the unlimited run."""
     plans, tokens, sched = await run(0.001)
     beside = long_chunks_beside_the_stream(plans)
-    budget = sched.prompt_budget
-    assert budget.decode_s is not None and budget.token_s is not None and budget.token_s > 0
-    assert beside[0] == BUSY_CHUNK - 1 and max(beside[1:]) == budget.floor
-    assert beside.count(budget.floor) >= (len(LONG) - BUSY_CHUNK) // budget.floor - 1
+    costs, floor = sched.step_costs, sched.prompt_budget.floor
+    assert costs.decode_s(1) is not None and costs.prefill_token_s > 0
+    assert max(beside) == floor and beside.count(floor) >= len(LONG) // floor - 1
     prompt_steps = [
         p for p in plans if any(c.start_pos < len(LONG) and len(c.token_ids) > 0 for c in p.prefills)
     ]
