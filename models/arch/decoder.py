@@ -131,7 +131,7 @@ class DecoderLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def fuse_projections(self, keep_values: bool = True, device: torch.device | str | None = None) -> None:
+    def fuse_projections(self, keep_values: bool = True, device: str | None = None) -> None:
         """Run every `FusedLinears` of the layers as one matmul. build_model does this on the meta
         device with the model's device (keep_values=False: nothing to copy; each fused weight made
         there once, its linears views); loading with copy_ keeps the fusion, and a forward re-fuses

@@ -71,7 +71,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     estimate was 7.1 GiB under its measured peak (s26, H100)."""
     fuse = getattr(model, "fuse_projections", None)
     if fuse is not None:
-        fuse(keep_values=False, device=device)  # the parameters hold nothing yet
+        fuse(keep_values=False, device=str(device))  # the parameters hold nothing yet
     made: dict[int, tuple[Tensor, Tensor]] = {}  # a meta tensor met twice (tied) is made once
 
     def place(t: Tensor) -> Tensor:

@@ -5,7 +5,6 @@ rotary), SwiGLU MLP, and GQA attention over a `PagedKV`, all on the flat [T, hid
 from __future__ import annotations
 
 import functools
-
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager

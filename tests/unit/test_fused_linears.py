@@ -60,7 +60,8 @@ class _Created(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket.__name__ in self.FACTORIES and isinstance(out, torch.Tensor) and not out.is_meta:
+        made = func.overloadpacket.__name__ in self.FACTORIES and isinstance(out, torch.Tensor)
+        if made and not out.is_meta:
             self.bytes += out.numel() * out.element_size()
         return out
 
