@@ -114,8 +114,15 @@ class Governor:
     def verdict(
         self, n_prompt: int, max_tokens: int, pool: PoolRoom | None = None, quantized: bool = False
     ) -> Verdict:
-        """What `admit` would decide now, without counting it or acting on it."""
+        """What `admit` would decide now, without counting it or acting on it. The ladder's
+        narrower window saves new memory: a request the pool's spare blocks hold whole needs none,
+        and runs at the operator's window (the 8B squeeze at TIGHT, s27: 152 of 192 requests of
+        ~1k tokens refused for a 1,024-token window beside a kept working set)."""
         window = self._plan.context_window
+        asked = self._s.ladder.context_window
+        if window < asked and pool is not None:
+            held = self._cost.cache_bytes(min(n_prompt + max_tokens, asked), quantized)
+            window = asked if held <= pool.spare_bytes else window
         if self._state is None:  # no memory signals: only the window applies (fail open)
             fit = min(n_prompt + max_tokens, window)
             kind = VerdictKind.ADMIT if fit == n_prompt + max_tokens else VerdictKind.CAP

@@ -111,8 +111,10 @@ MAX_WING_LINES = (
     # H100 squeeze gave the 1 GiB its warm-up had used back while idle and then served 3 of a
     # burst's 192; on the CPU requests after a lull went to int8 blocks); a model's weights
     # allocated once (fusing after to_empty freed 8.5 GiB of the 8B's q/k/v/gate/up into the
-    # caching allocator); less the prompt budget read from the step costs (-23)
-    + 45
+    # caching allocator); the ladder's narrower window only for requests that need new memory
+    # (152 of the squeeze's 192 refused for it beside a kept working set); less the prompt budget
+    # read from the step costs (-23)
+    + 51
 )
 
 

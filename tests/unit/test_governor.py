@@ -9,7 +9,7 @@ from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader
 from ballast.memory.ladder import LadderConfig
 from ballast.memory.metrics import AdmissionMetrics
-from ballast.memory.types import CostModel, GiB, Level, MiB
+from ballast.memory.types import CostModel, GiB, Level, MiB, PoolRoom
 from ballast.memory.watch import MemWatch
 from ballast.scheduler.errors import Overloaded
 from ballast.scheduler.governor import Governor, GovernorSettings
@@ -84,6 +84,24 @@ def test_admit_caps_max_tokens_to_the_ladder_window(tmp_path: Path) -> None:
     capped = gov.admit(100, 500)
     assert (capped.max_tokens, capped.capped) == (412, True)
     assert verdicts(registry, "admit", "none") == 1 and verdicts(registry, "cap", "window") == 1
+
+
+def test_the_ladder_window_binds_only_requests_that_need_new_memory(tmp_path: Path) -> None:
+    """At TIGHT the window halves (512 here) for requests that would take new memory; one whose
+    whole window the pool's spare blocks hold costs none and runs at the operator's window (1,024).
+    Blocks running requests are promised do not count."""
+    gov, watch, cfg, _ = make(tmp_path)
+    go(tmp_path, watch, cfg, Level.TIGHT, gov)
+    need = CHEAP.cache_bytes(700, False)
+    held = PoolRoom(free_bytes=need, addable_bytes=0)
+    whole = gov.admit(600, 100, held)
+    assert (whole.max_tokens, whole.capped) == (100, False)
+    promised = PoolRoom(free_bytes=need, promised_bytes=need // 2, addable_bytes=0)
+    with pytest.raises(Overloaded) as refused:
+        gov.admit(600, 100, promised)  # the prompt alone is past the TIGHT window
+    assert "context window limit" in refused.value.reason
+    capped = gov.admit(100, 500, PoolRoom(free_bytes=CHEAP.cache_bytes(600, False) - 1, addable_bytes=0))
+    assert (capped.max_tokens, capped.capped) == (412, True)  # short of the whole: the window binds
 
 
 def test_admit_caps_to_the_host_budget(tmp_path: Path) -> None:
