@@ -206,41 +206,54 @@ async def test_tight_keeps_the_free_blocks_that_queued_requests_need(tmp_path: P
     assert main is not None and int8 is not None
     sched = Scheduler(engine, SchedulerConfig(max_num_seqs=4), memwatch=watch)  # TIGHT: 2 slots
     asked = prompts()[:4]
-    held: list[int] = []
-    int8_used = [0]
-
-    async def collect(n_tokens: int) -> list[tuple[tuple[int, ...], str]]:
-        handles = [
-            sched.submit(GenerationRequest(f"t{i}-{n_tokens}", p, GREEDY, max_tokens=n_tokens))
-            for i, p in enumerate(asked)
-        ]
-        out = []
-        for h in handles:
-            toks: list[int] = []
-            async for ev in h:
-                held.append(main.bytes_held)
-                int8_used[0] = max(int8_used[0], int8.figures().used_blocks)
-                if isinstance(ev, TokenEvent):
-                    toks.extend(ev.token_ids)
-                elif isinstance(ev, FinishEvent):
-                    out.append((tuple(toks), ev.reason))
-        return out
-
+    pools = Watched(sched, engine)
     await sched.start()
     try:
-        calm = await collect(160)  # at OK the pool grows for 4 long sequences
+        calm = await pools.run(asked, 160)  # at OK the pool grows for 4 long sequences
         grown = main.bytes_held
         signals.set(Level.TIGHT)
-        held.clear()
-        tight = await asyncio.wait_for(collect(48), 60)  # 2 start, 2 wait in the queue for a slot
+        pools.held.clear()
+        tight = await asyncio.wait_for(pools.run(asked, 48), 60)  # 2 start, 2 wait for a slot
     finally:
         await sched.stop()
         engine.shutdown()
     assert [r for _, r in calm] == ["length"] * 4 and [r for _, r in tight] == ["length"] * 4
     assert [t for t, _ in tight] == [t[:48] for t, _ in calm]
-    assert engine.slot_kv.preemptions == 0 and int8_used[0] == 0
-    assert min(held) < grown  # the surplus went back
-    assert all(b <= a for a, b in itertools.pairwise(held)), held  # and the pool never grew again
+    assert engine.slot_kv.preemptions == 0 and pools.int8_peak == 0
+    assert min(pools.held) < grown  # the surplus went back
+    assert all(b <= a for a, b in itertools.pairwise(pools.held)), pools.held  # and it never grew again
+
+
+class Watched:
+    """Runs requests to their end, reading the main pool's bytes and the most blocks the int8
+    pool used at every event."""
+
+    def __init__(self, sched: Scheduler, engine: Engine) -> None:
+        self._sched, self._main, self._int8 = sched, engine.runner.kv, engine.runner.kv_int8
+        self.held: list[int] = []
+        self.int8_peak = 0
+        self._sent = 0
+
+    async def run(self, asked: list[tuple[int, ...]], n_tokens: int) -> list[tuple[tuple[int, ...], str]]:
+        """(text, finish reason) of each prompt in `asked`, given n_tokens new tokens."""
+        assert self._main is not None and self._int8 is not None
+        handles = []
+        for p in asked:
+            self._sent += 1
+            handles.append(
+                self._sched.submit(GenerationRequest(f"w{self._sent}", p, GREEDY, max_tokens=n_tokens))
+            )
+        out = []
+        for h in handles:
+            toks: list[int] = []
+            async for ev in h:
+                self.held.append(self._main.bytes_held)
+                self.int8_peak = max(self.int8_peak, self._int8.figures().used_blocks)
+                if isinstance(ev, TokenEvent):
+                    toks.extend(ev.token_ids)
+                elif isinstance(ev, FinishEvent):
+                    out.append((tuple(toks), ev.reason))
+        return out
 
 
 async def _long_after_a_short(tmp_path: Path, keep_s: float) -> tuple[int, int, list[int], int, bool]:
@@ -254,41 +267,22 @@ async def _long_after_a_short(tmp_path: Path, keep_s: float) -> tuple[int, int, 
     main, int8 = engine.runner.kv, engine.runner.kv_int8
     assert main is not None and int8 is not None
     sched = Scheduler(engine, SchedulerConfig(max_num_seqs=4, kv_keep_s=keep_s), memwatch=signals.watch)
-    held: list[int] = []
-    int8_peak = [0]
-
-    async def collect(asked: list[tuple[int, ...]], n_tokens: int) -> list[tuple[int, ...]]:
-        handles = [
-            sched.submit(GenerationRequest(f"k{i}-{n_tokens}-{len(held)}", p, GREEDY, max_tokens=n_tokens))
-            for i, p in enumerate(asked)
-        ]
-        texts = []
-        for h in handles:
-            toks: list[int] = []
-            async for ev in h:
-                held.append(main.bytes_held)
-                int8_peak[0] = max(int8_peak[0], int8.figures().used_blocks)
-                if isinstance(ev, TokenEvent):
-                    toks.extend(ev.token_ids)
-                elif isinstance(ev, FinishEvent):
-                    assert ev.reason == "length"
-            texts.append(tuple(toks))
-        return texts
-
+    pools = Watched(sched, engine)
     await sched.start()
     try:
-        calm = await collect(prompts()[:4], 96)  # within TIGHT's halved window
+        calm = await pools.run(prompts()[:4], 96)  # within TIGHT's halved window
         grown = main.bytes_held
         signals.set(Level.TIGHT)
-        await collect([prompts()[5][:8]], 4)
+        await pools.run([prompts()[5][:8]], 4)
         after_short = main.bytes_held
-        held.clear()
-        again = await asyncio.wait_for(collect(prompts()[:4], 96), 60)
+        pools.held.clear()
+        again = await asyncio.wait_for(pools.run(prompts()[:4], 96), 60)
     finally:
         await sched.stop()
         engine.shutdown()
     assert engine.slot_kv.preemptions == 0
-    return grown, after_short, held, int8_peak[0], again == calm
+    assert [r for _, r in calm] == ["length"] * 4 and [r for _, r in again] == ["length"] * 4
+    return grown, after_short, pools.held, pools.int8_peak, again == calm
 
 
 async def test_tight_keeps_the_working_set_for_requests_that_come_after_a_lull(tmp_path: Path) -> None:
