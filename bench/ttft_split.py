@@ -100,14 +100,14 @@ def serve_probed(out: Path, argv: list[str]) -> int:
     import ballast.engine.engine as engine
     import ballast.scheduler.request as request
     import ballast.scheduler.scheduler as scheduler
-    import ballast.server.routes as routes
+    import ballast.server.completions as completions
     import uvicorn
     from ballast.server.cli import main as cli_main
 
     protocol = getattr(http, "HttpToolsProtocol", None) or http.H11Protocol  # type: ignore[attr-defined]
     _wrap(protocol, "data_received", "recv")
     _wrap(http.RequestResponseCycle, "send", "send")
-    _wrap(routes, "chat_job", "chat_job", after=True)
+    _wrap(completions, "chat_job", "chat_job", after=True)  # in the worker thread `built` sends it to
     _wrap(engine.Engine, "launch", "launch", after=True)
     _wrap(engine.Engine, "finish", "finish", after=True)
     _wrap(scheduler.Scheduler, "_apply", "apply", after=True)

@@ -208,7 +208,9 @@ def _prompts(
     return out
 
 
-def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
+def completion_checks(state: ServerState, req: p.CompletionRequest) -> tuple[str, TokenizerLike, int]:
+    """The request's own checks (400s), then the refusals no prompt changes (on the event loop):
+    what may run before its prompt is built. (model id, tokenizer, context limit)"""
     model = check_model(state, req.model)
     tokenizer, max_len = ready_engine(state)
     _common_checks(req)
@@ -221,6 +223,11 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
     if req.best_of not in (None, 1, req.n):
         raise bad_request("best_of must equal n (no server-side ranking)", param="best_of")
     refuse_early(state)
+    return model, tokenizer, max_len
+
+
+def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
+    model, tokenizer, max_len = completion_checks(state, req)
     prompts = _prompts(tokenizer, req.prompt)
     for _, ids in prompts:  # before anything is built per choice
         check_context(len(ids), req.max_tokens, max_len, "prompt")
@@ -262,12 +269,30 @@ def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
     )
 
 
-def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
+def chat_checks(state: ServerState, req: p.ChatCompletionRequest) -> tuple[str, TokenizerLike, int]:
+    """As `completion_checks`, for a chat request."""
     model = check_model(state, req.model)
     tokenizer, max_len = ready_engine(state)
     _common_checks(req)
     chat.check_tools(req)
     refuse_early(state)
+    return model, tokenizer, max_len
+
+
+async def built(state: ServerState, req: p.ChatCompletionRequest | p.CompletionRequest) -> Job:
+    """The request's job, its checks and early refusals on the event loop, its prompt (tokens,
+    a grammar) built in a worker thread. On the loop a 2k-token prompt's tokens took 8.5 ms on a
+    2-core CPU, and every other request's refusal and every stream's tokens waited behind them;
+    threads encode side by side (the tokenizer releases the GIL)."""
+    if isinstance(req, p.ChatCompletionRequest):
+        chat_checks(state, req)
+        return await asyncio.to_thread(chat_job, state, req)
+    completion_checks(state, req)
+    return await asyncio.to_thread(completion_job, state, req)
+
+
+def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
+    model, tokenizer, max_len = chat_checks(state, req)
     ids = tuple(chat.chat_prompt(state, tokenizer, req))  # one tuple, shared by every choice
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     check_context(len(ids), asked, max_len, "messages")

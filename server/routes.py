@@ -8,21 +8,13 @@ and give what vLLM's do. Anthropic Messages and OpenAI Responses have routes of 
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
 
 from ballast.scheduler.errors import Refused
 from ballast.server import chat, replies
 from ballast.server import protocol as p
 from ballast.server.auth import bearer_dependency
-from ballast.server.completions import (
-    Job,
-    chat_job,
-    check_model,
-    check_token_ids,
-    completion_job,
-    ready_engine,
-)
+from ballast.server.completions import Job, built, check_model, check_token_ids, ready_engine
 from ballast.server.errors import ApiError
 from ballast.server.gateway_metrics import gateway_page
 from ballast.server.intake import arrived_at
@@ -135,7 +127,7 @@ def v1_router(api_key: str | None) -> APIRouter:
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
         state, arrived = state_of(request), arrived_at(request)
         try:
-            job = replace(completion_job(state, body), received_at=arrived)
+            job = replace(await built(state, body), received_at=arrived)
         except ApiError as exc:
             raise _invalid(state, "completion", exc) from exc
         except Refused as exc:  # before its prompt was built (refuse_early)
@@ -146,13 +138,7 @@ def v1_router(api_key: str | None) -> APIRouter:
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
         state, arrived = state_of(request), arrived_at(request)
         try:
-            # Building a grammar (and, once, the tokenizer's grammar view) takes milliseconds to a
-            # second: off the event loop, so other requests' tokens keep flowing meanwhile.
-            job = (
-                await asyncio.to_thread(chat_job, state, body)
-                if chat.wants_grammar(body)
-                else chat_job(state, body)
-            )
+            job = await built(state, body)
         except ApiError as exc:
             raise _invalid(state, "chat", exc) from exc
         except Refused as exc:  # before its prompt was built (refuse_early)

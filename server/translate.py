@@ -5,7 +5,6 @@ event shapes; the driver here feeds it, counts the request and ends it as chat s
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -13,10 +12,10 @@ from typing import Literal
 from ballast.engine.interface import TokenizerLike
 from ballast.scheduler.errors import Refused
 from ballast.scheduler.request import FinishEvent, TokenEvent
-from ballast.server import chat, replies
 from ballast.server import protocol as p
+from ballast.server import replies
 from ballast.server.answer import Answer, AnswerStream, read_whole
-from ballast.server.completions import Job, chat_job
+from ballast.server.completions import Job, built
 from ballast.server.errors import ApiError
 from ballast.server.intake import arrived_at
 from ballast.server.parts import Call, CallArguments, CallClosed, CallOpened, Part, Text, Thought
@@ -168,15 +167,13 @@ async def stream_blocks(
 async def start_chat(
     state: ServerState, translate: Callable[[], p.ChatCompletionRequest], request: Request
 ) -> tuple[Job, Started] | None:
-    """Translate a request into a chat one, build its job (a grammar compiles off the event loop)
+    """Translate a request into a chat one, build its job (its prompt off the event loop)
     and start it; None when the client went away first. A request that cannot be translated or
     built counts as invalid."""
     arrived = arrived_at(request)
     try:
         req = translate()
-        job = (
-            await asyncio.to_thread(chat_job, state, req) if chat.wants_grammar(req) else chat_job(state, req)
-        )
+        job = await built(state, req)
     except ApiError:
         state.metrics.requests.labels(endpoint="chat", outcome="invalid").inc()
         raise

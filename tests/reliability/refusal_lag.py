@@ -1,7 +1,7 @@
 """How long a refused request waits, at the client and at the server, when many arrive at once.
 
     python tests/reliability/refusal_lag.py [--clients 64] [--per-client 3] [--prompt-words 700]
-        [--model default] [--out FILE]
+        [--model default] [--after-prompt] [--out FILE]
 
 One server (`ballast serve`, `--max-num-seqs 1 --max-queue 0`: every request is refused with 429
 `queue_full`, a refusal no prompt changes); `--clients` threads each send `--per-client` streaming
@@ -10,6 +10,11 @@ the client's time from sending to the status line (p50, p99), the server's own
 `ballast_refusal_seconds` (mean), the statuses. Before the server asked for such refusals ahead of
 building the prompt (s26), each waited behind the others' chat templates and tokens on the event
 loop (8.6 ms a 2.7k-token prompt on a 2-core CPU). The clients share the machine with the server.
+
+`--after-prompt`: answers that need the prompt instead. The queue is open and each chat asks for
+4,000 new tokens beside its ~2.7k-token prompt, past the 4,096-token context: a 400 that only the
+prompt's length decides, so each waits for its own prompt to be built (since s27 in a worker
+thread, before on the event loop behind every other request's).
 """
 
 from __future__ import annotations
@@ -28,10 +33,13 @@ from ballast.bench.http_load import free_port, serve_command, server
 _SERVER = re.compile(r"^ballast_refusal_seconds_(sum|count)\{[^}]*\} (\S+)$", re.M)
 
 
-def run(model: str, clients: int, per_client: int, words: int) -> dict[str, object]:
+def run(
+    model: str, clients: int, per_client: int, words: int, after_prompt: bool = False
+) -> dict[str, object]:
     text = " ".join(f"word{i}" for i in range(words))
     port = free_port()
-    args = ("--max-num-seqs", "1", "--max-queue", "0", "--max-model-len", "4096")
+    args = ("--max-num-seqs", "1", *(() if after_prompt else ("--max-queue", "0")), "--max-model-len", "4096")
+    max_tokens = 4000 if after_prompt else 64
     with server(serve_command(model, port, *args), {}, "/ready", port) as base:
         name = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
         waits: list[float] = []
@@ -44,7 +52,7 @@ def run(model: str, clients: int, per_client: int, words: int) -> dict[str, obje
                     body = {
                         "model": name,
                         "messages": [{"role": "user", "content": f"Story {c}-{r}. {text}"}],
-                        "max_tokens": 64,
+                        "max_tokens": max_tokens,
                         "stream": True,
                     }
                     sent = time.monotonic()
@@ -69,6 +77,7 @@ def run(model: str, clients: int, per_client: int, words: int) -> dict[str, obje
         "clients": clients,
         "per_client": per_client,
         "prompt_words": words,
+        "after_prompt": after_prompt,
         "statuses": statuses,
         "client_p50_s": statistics.median(waits),
         "client_p99_s": waits[min(len(waits) - 1, int(len(waits) * 0.99))],
@@ -82,9 +91,10 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--per-client", type=int, default=3)
     ap.add_argument("--prompt-words", type=int, default=700)
+    ap.add_argument("--after-prompt", action="store_true", help="400s the prompt's length decides")
     ap.add_argument("--out", default="refusal_lag.json")
     a = ap.parse_args()
-    r = run(a.model, a.clients, a.per_client, a.prompt_words)
+    r = run(a.model, a.clients, a.per_client, a.prompt_words, a.after_prompt)
     print(
         f"{r['clients']} clients x {r['per_client']} chats of {r['prompt_words']} words: "
         f"statuses {r['statuses']}; "
