@@ -270,13 +270,13 @@ async def _long_after_a_short(tmp_path: Path, keep_s: float) -> tuple[int, int, 
     pools = Watched(sched, engine)
     await sched.start()
     try:
-        calm = await pools.run(prompts()[:4], 96)  # within TIGHT's halved window
+        calm = await pools.run(prompts()[:4], 200)  # past TIGHT's halved window (128)
         grown = main.bytes_held
         signals.set(Level.TIGHT)
         await pools.run([prompts()[5][:8]], 4)
         after_short = main.bytes_held
         pools.held.clear()
-        again = await asyncio.wait_for(pools.run(prompts()[:4], 96), 60)
+        again = await asyncio.wait_for(pools.run(prompts()[:4], 200), 60)
     finally:
         await sched.stop()
         engine.shutdown()
@@ -288,10 +288,12 @@ async def _long_after_a_short(tmp_path: Path, keep_s: float) -> tuple[int, int, 
 async def test_tight_keeps_the_working_set_for_requests_that_come_after_a_lull(tmp_path: Path) -> None:
     """The free blocks the pool's sequences held in the last `kv_keep_s` seconds stay at TIGHT even
     while nothing is queued: requests that come after a lull start on them, with the calm run's
-    text, and no pool grows. With `kv_keep_s=0` the lull gave them back, and the same requests
-    needed new memory at TIGHT: the main pool may not grow there, so they went to int8 blocks (their
-    text no longer the calm run's). On an H100 under a co-tenant there was no new memory at all:
-    3 of a burst's 192 requests were served (s26)."""
+    text, and no pool grows. They ask for more than TIGHT's halved window (128): on blocks the pool
+    holds they run whole (the narrower window binds only requests that need new memory; without
+    that they were capped, their texts cut short). With `kv_keep_s=0` the lull gave them back, and
+    the same requests needed new memory at TIGHT: the main pool may not grow there, so they went to
+    int8 blocks (their text no longer the calm run's). On an H100 under a co-tenant there was no
+    new memory at all: 3 of a burst's 192 requests were served (s26)."""
     default = SchedulerConfig().kv_keep_s
     grown, after_short, held, int8_peak, same = await _long_after_a_short(tmp_path / "keep", default)
     assert after_short >= grown - CFG.kv_segment_bytes  # at most the surplus segment went back
