@@ -7,7 +7,7 @@ prefill graphs on and off.
 Per arm (`--prefill-graphs true` / `false`), `ballast serve` runs in a child process started
 through this module (`--serve-probed FILE`), which wraps the functions that mark a request's path
 and writes their timestamps to FILE when the server exits: the HTTP protocol receiving bytes, the
-chat handler's template and tokenizing (`chat_job`), the engine thread's `launch` and `finish` of
+chat handler's template and tokenizing (`chat_built`), the engine thread's `launch` and `finish` of
 a step, the scheduler's `_apply` of a result, the request's mailbox receiving its first token, and
 the ASGI `send` of the response. The client is the official openai client, one stream: after
 --warmup requests, --requests streaming chats, each a new ~--prompt-tokens-token message (no two
@@ -17,8 +17,8 @@ every process of the host), so the server's marks fall between the client's send
 content chunk. Segments, median over requests:
 
 - client to server: the openai client building and sending the request, until uvicorn reads it;
-- HTTP to handler: parsing, validation, up to `chat_job`;
-- template + tokenize: `chat_job`;
+- HTTP to handler: parsing, validation, up to `chat_built`;
+- template + tokenize: `chat_built` (a worker thread);
 - to the engine: submitting, scheduling, until the engine thread starts launching the step;
 - prefill launch (host): the engine thread launching the prompt's step (eager: every kernel;
   graph: staging the inputs and one replay); the first step, where a prompt takes more than one
@@ -107,7 +107,7 @@ def serve_probed(out: Path, argv: list[str]) -> int:
     protocol = getattr(http, "HttpToolsProtocol", None) or http.H11Protocol  # type: ignore[attr-defined]
     _wrap(protocol, "data_received", "recv")
     _wrap(http.RequestResponseCycle, "send", "send")
-    _wrap(completions, "chat_job", "chat_job", after=True)  # in the worker thread `built` sends it to
+    _wrap(completions, "chat_built", "chat_job", after=True)  # the prompt, in a worker thread
     _wrap(engine.Engine, "launch", "launch", after=True)
     _wrap(engine.Engine, "finish", "finish", after=True)
     _wrap(scheduler.Scheduler, "_apply", "apply", after=True)

@@ -227,7 +227,13 @@ def completion_checks(state: ServerState, req: p.CompletionRequest) -> tuple[str
 
 
 def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
-    model, tokenizer, max_len = completion_checks(state, req)
+    return completion_built(state, req, *completion_checks(state, req))
+
+
+def completion_built(
+    state: ServerState, req: p.CompletionRequest, model: str, tokenizer: TokenizerLike, max_len: int
+) -> Job:
+    """The job of a request `completion_checks` passed: its prompt's tokens and generations."""
     prompts = _prompts(tokenizer, req.prompt)
     for _, ids in prompts:  # before anything is built per choice
         check_context(len(ids), req.max_tokens, max_len, "prompt")
@@ -285,14 +291,18 @@ async def built(state: ServerState, req: p.ChatCompletionRequest | p.CompletionR
     2-core CPU, and every other request's refusal and every stream's tokens waited behind them;
     threads encode side by side (the tokenizer releases the GIL)."""
     if isinstance(req, p.ChatCompletionRequest):
-        chat_checks(state, req)
-        return await asyncio.to_thread(chat_job, state, req)
-    completion_checks(state, req)
-    return await asyncio.to_thread(completion_job, state, req)
+        return await asyncio.to_thread(chat_built, state, req, *chat_checks(state, req))
+    return await asyncio.to_thread(completion_built, state, req, *completion_checks(state, req))
 
 
 def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
-    model, tokenizer, max_len = chat_checks(state, req)
+    return chat_built(state, req, *chat_checks(state, req))
+
+
+def chat_built(
+    state: ServerState, req: p.ChatCompletionRequest, model: str, tokenizer: TokenizerLike, max_len: int
+) -> Job:
+    """The job of a request `chat_checks` passed: its prompt (template, tokens, any grammar)."""
     ids = tuple(chat.chat_prompt(state, tokenizer, req))  # one tuple, shared by every choice
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     check_context(len(ids), asked, max_len, "messages")
