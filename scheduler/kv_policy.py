@@ -102,7 +102,9 @@ class KVRoom:
         def kept(kv: KVFigures | None, int8: bool) -> int:
             if kv is None:
                 return 0
-            working = self.recent_peak(int8) - (kv.used_blocks - kv.evictable_blocks)
+            # not the figures' used blocks: a step old, they count requests that ended in it
+            held = sum(blocks_for(c.held_tokens, kv.block_size) for c in charges if c.int8 == int8)
+            working = self.recent_peak(int8) - held
             return max(self._promised(kv, int8, charges, watermark=1), working)
 
         return KVKeep(kept(self.main, False), kept(self.int8, True))
@@ -129,12 +131,18 @@ class KVPolicy:
         else as it would start now. The quantized-KV rung (WATCH) puts new sequences in int8 to add
         fewer bytes, but free main-pool blocks cost no new memory, so a sequence they hold whole
         starts there (else the int8 pool grows just when memory is short: on an H200 a co-tenant's
-        squeeze held every new request beside a main pool with blocks to spare)."""
+        squeeze held every new request beside a main pool with blocks to spare). Nor does one the
+        int8 pool cannot take whole now and the main pool can once running requests end: it waits."""
         if seq.int8_kv is not None:
             return seq.int8_kv
         if not self._gov.ladder.force_quantized_kv or self.room.int8 is None:
             return False
-        return not self.room.holds(False, n_tokens, running)
+        n, asked, admit = len(seq.feed), n_tokens - len(seq.feed), VerdictKind.ADMIT
+        if self.room.holds(False, n_tokens, running):
+            return False
+        if self._gov.verdict(n, asked, self.room.room(True, running), True).kind is admit:
+            return True
+        return self._gov.verdict(n, asked, self.room.room_when_idle(False), False).kind is not admit
 
     def waits_for_blocks(
         self, n_prompt: int, max_tokens: int, int8: bool, running: list[Charge], busy: bool
@@ -205,7 +213,8 @@ class KVPolicy:
             return KVKeep()
         charges = list(running)
         window = self._gov.ladder.context_window
-        for seq in upcoming:
-            n = seq.total_tokens if seq.preempted else min(seq.total_tokens, window)
-            charges.append(Charge(n, 0, self.in_int8(seq, n, charges)))
+        for seq in upcoming:  # in the pool admission will put it in, charged as it will be
+            int8 = self.in_int8(seq, seq.total_tokens, charges)
+            n = seq.total_tokens if seq.preempted or not int8 else min(seq.total_tokens, window)
+            charges.append(Charge(n, 0, int8))
         return self.room.keep(charges)

@@ -204,7 +204,8 @@ async def test_tight_keeps_the_free_blocks_that_queued_requests_need(tmp_path: P
     engine = Engine.load(CFG, watch)
     main, int8 = engine.runner.kv, engine.runner.kv_int8
     assert main is not None and int8 is not None
-    sched = Scheduler(engine, SchedulerConfig(max_num_seqs=4), memwatch=watch)  # TIGHT: 2 slots
+    # TIGHT: 2 slots. No working set kept (kv_keep_s 0): what is kept is for the queue alone
+    sched = Scheduler(engine, SchedulerConfig(max_num_seqs=4, kv_keep_s=0.0), memwatch=watch)
     asked = prompts()[:4]
     pools = Watched(sched, engine)
     await sched.start()
@@ -328,3 +329,36 @@ async def test_a_scheduler_states_its_slot_limit_to_an_engine_another_one_narrow
             await second.stop()
     finally:
         engine.shutdown()
+
+
+async def test_at_tight_requests_wait_for_kept_main_blocks_rather_than_start_cut_in_int8(
+    tmp_path: Path,
+) -> None:
+    """At TIGHT the main pool keeps the blocks of 2 long sequences, the ladder allows 4 slots, and
+    4 requests past TIGHT's halved window (128) come. 2 start on the kept blocks; the other 2 wait
+    for those blocks and then run whole, with the calm run's text; the int8 pool takes nothing and
+    no pool grows. Sent to the int8 pool because the main pool's blocks were busy, they met the
+    halved window there and were cut short; on an H100 under a co-tenant, where the int8 pool had no
+    memory to grow, 184 of a burst's 192 were refused beside main blocks that would have served
+    them in turn (s28)."""
+    signals = Signals(tmp_path, Level.OK)
+    engine = Engine.load(CFG, signals.watch)
+    main = engine.runner.kv
+    assert main is not None
+    sched = Scheduler(engine, SchedulerConfig(max_num_seqs=8), memwatch=signals.watch)  # TIGHT: 4
+    pools = Watched(sched, engine)
+    await sched.start()
+    try:
+        calm = await pools.run(prompts()[:2], 200)  # the main pool grows for 2 long sequences
+        grown = main.bytes_held
+        signals.set(Level.TIGHT)
+        pools.held.clear()
+        tight = await asyncio.wait_for(pools.run(prompts()[:2] * 2, 200), 60)
+        limit = sched.slot_limit
+    finally:
+        await sched.stop()
+        engine.shutdown()
+    assert limit == 4  # slots were not what held them back
+    assert [r for _, r in tight] == ["length"] * 4
+    assert tight == calm * 2 and pools.int8_peak == 0
+    assert max(pools.held) <= grown

@@ -115,6 +115,11 @@ MAX_WING_LINES = (
     # (152 of the squeeze's 192 refused for it beside a kept working set); less the prompt budget
     # read from the step costs (-23)
     + 51
+    # issue 47, s28: a request the main pool takes whole once running ones end waits for its
+    # blocks rather than start cut short in (or be refused by) an int8 pool that cannot take it
+    # (184 of the H100 squeeze's 192 refused); the working set kept against the blocks sequences
+    # hold, not a step-old figure that gave it all back when its last requests ended together
+    + 9
 )
 
 
