@@ -15,6 +15,7 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan, StepResult
+from ballast.engine.workspace import VerifySize
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.request import GenerationRequest
 from ballast.scheduler.scheduler import Scheduler
@@ -46,6 +47,7 @@ def load(model: str, dtype: str, mtp_drafts: int = 0) -> Engine:
             prefill_chunk_tokens=128,
         ),
         mtp_drafts=mtp_drafts,
+        verify=VerifySize(4, 4),  # 4 streams of up to 4 drafts: the rollback's per-position states
     )
 
 

@@ -115,6 +115,12 @@ MAX_WING_LINES = (
     # (152 of the squeeze's 192 refused for it beside a kept working set); less the prompt budget
     # read from the step costs (-23)
     + 51
+    # issue 49, s28: a hybrid's rejected drafts rolled back to the state its verify step kept after
+    # the last accepted token (a verify row runs the rule token by token, in torch and in the Triton
+    # decode kernel, into a workspace sized at load and leased with the slot states), in place of
+    # restoring a copy and running a second forward over the accepted tokens; the rule's torch and
+    # fla forms moved to models/blocks/delta_rule.py to keep gated_delta.py under 400 lines
+    + 264
 )
 
 
