@@ -46,7 +46,7 @@ class Engine:
         verify: VerifySize | None = None,
     ) -> None:
         self.mtp_drafts = mtp_drafts  # drafts per step from the model's MTP layer (0: none)
-        self.verify = verify or VerifySize()  # the verify workspace's size (none: rollback recomputes)
+        self.verify = verify or VerifySize()  # the verify workspace's size (none: a hybrid cannot draft)
         self.device = config.resolved_device()
         self.busy_prefill_chunk_tokens = config.resolved_busy_prefill_chunk(self.device)
         config = replace(config, prefill_chunk_tokens=config.resolved_prefill_chunk(self.device))

@@ -61,7 +61,7 @@ def bring_up(
     """dies: every GPU the engine's ranks use (empty on the host); gpu_die: the one admission
     checks, asked once the model is loaded; mtp: load the model's MTP layer to draft from; verify:
     the verify steps the recurrent states keep per-position states for (none under tensor
-    parallel: the workers would have to roll back too, so a rejected draft is recomputed there)."""
+    parallel: the workers would have to roll back too, so a hybrid does not draft there)."""
     pointwise.set_enabled(cfg.compile)  # the decode graphs' capture compiles them
     if device.type == "cpu":
         set_cpu_threads(cfg.cpu_threads)
