@@ -134,6 +134,7 @@ class Engine:
             self.prefill_chunk_tokens = cfg.prefill_chunk_tokens
             self.busy_prefill_chunk_tokens = min(self.busy_prefill_chunk_tokens, cfg.prefill_chunk_tokens)
         self.runner = runner
+        self.verify = runner.verify  # what start-up allocated (none under tensor parallel)
         self.model_name = loaded.source.name
         log.info(
             "engine: %s on %s (%s), up to %d sequences x %d tokens, load %.2fs",

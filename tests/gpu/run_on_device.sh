@@ -66,11 +66,14 @@ case "$mode" in
     sel=$(echo "$files" | tail -n +$((k * third + 1)) | head -n $third)
     python3 -m pytest -v -rfE -p no:cacheprovider --durations=15 -o addopts="" $sel "$@" 2>&1 | tee $out/$mode.log | tail -40
     ;;
-  spec)  # issue 49: the spec-decode GPU tests (the 6.2B's greedy parity with drafts among them),
-    # then the oracle-drafter bench (bench/spec_oracle.py) on the 6.2B and on the 80B FP8, each in
-    # its own process and file, so a cold 80B load cut by its timeout keeps the 6.2B's row
-    timeout ${SPEC_TEST_S:-100} python3 -m pytest -v -rfE -p no:cacheprovider --durations=8 -o addopts="" \
-      tests/gpu/test_spec_decode_cuda.py 2>&1 | tee $out/spec_tests.log | tail -22
+  spec)  # issue 49: the spec-decode GPU tests (the 6.2B's greedy parity with drafts among them; the
+    # Triton kernel's verify rows keeping their per-position states, s28), then the oracle-drafter
+    # bench (bench/spec_oracle.py) on the 6.2B and on the 80B FP8, each in its own process and file,
+    # so a cold 80B load cut by its timeout keeps the 6.2B's row
+    timeout ${SPEC_TEST_S:-120} python3 -m pytest -v -rfE -p no:cacheprovider --durations=8 -o addopts="" \
+      tests/gpu/test_spec_decode_cuda.py \
+      tests/gpu/test_gated_delta_decode_cuda.py::test_verify_rows_keep_the_state_after_each_position \
+      2>&1 | tee $out/spec_tests.log | tail -24
     # the 6.2B in float32: in bf16 its first verify step parted from the oracle's text (a tie of
     # random weights) and every draft after it was rejected (s26, H100)
     timeout ${SPEC_6B_S:-90} python3 -m ballast.bench.spec_oracle --models qwen3-next-6b --dtype float32 \
