@@ -139,7 +139,9 @@ def test_a_rejected_draft_leaves_the_states_of_the_run_without_drafts(accepted: 
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
         recurrent = [s for s in engine.runner.states if isinstance(s, RecurrentState)]
         if accepted < K:  # the state the verify step kept after its last accepted position
-            assert recurrent and all(torch.equal(s.recurrent[SLOT], s.kept_states[0, accepted]) for s in recurrent)
+            assert recurrent and all(
+                torch.equal(s.recurrent[SLOT], s.kept_states[0, accepted]) for s in recurrent
+            )
     finally:
         engine.shutdown()
 
