@@ -73,6 +73,7 @@ case "$mode" in
     timeout ${SPEC_TEST_S:-120} python3 -m pytest -v -rfE -p no:cacheprovider --durations=8 -o addopts="" \
       tests/gpu/test_spec_decode_cuda.py \
       tests/gpu/test_gated_delta_decode_cuda.py::test_verify_rows_keep_the_state_after_each_position \
+      tests/gpu/test_gated_delta_decode_cuda.py::test_a_verify_row_through_the_model_keeps_what_decode_steps_reach \
       2>&1 | tee $out/spec_tests.log | tail -24
     # the 6.2B in float32: in bf16 its first verify step parted from the oracle's text (a tie of
     # random weights) and every draft after it was rejected (s26, H100)

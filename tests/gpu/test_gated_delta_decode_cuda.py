@@ -186,3 +186,45 @@ def test_conv_in_place_matches_the_torch_conv_over_a_step_of_chunks(
     torch.testing.assert_close(out.float(), want_out.float(), atol=tol, rtol=tol)
     assert torch.equal(pool[slots], want_state)  # the last K-1 inputs, bit for bit
     assert torch.equal(pool[untouched], others)
+
+
+def test_a_verify_row_through_the_model_keeps_what_decode_steps_reach(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The layer's CUDA path end to end (the conv in place, the rule in place, the workspace):
+    tiny Qwen3-Next, a prompt, then its next three tokens either as three decode steps or as one
+    verify row; the verify row's kept states after each position are the decode steps' states
+    (the recurrent state, and the conv window its kept inputs give), which the rollback copies."""
+    from ballast.engine.runner.model_runner import ModelRunner
+    from ballast.engine.workspace import VerifySize
+    from ballast.models.arch.builtin import builtin_config, init_random
+    from ballast.models.arch.registry import build_model
+    from ballast.models.base import StepBatch
+    from ballast.models.layers.state import RecurrentState
+
+    monkeypatch.setattr(gated_delta_triton, "available", lambda x: True)  # the interpreter's CPU too
+    model = build_model(builtin_config("tiny-qwen3-next"))
+    init_random(model, seed=0)
+    model.to(DEVICE)
+    prompt, nexts = list(range(3, 12)), [40, 41, 42]
+
+    def runner() -> tuple[ModelRunner, list[RecurrentState]]:
+        r = ModelRunner(model, DEVICE, torch.float32, 2, 32, False, 0, verify=VerifySize(1, len(nexts)))
+        assert r.kv is not None and r.kv.ensure(0, 16)
+        r.forward([(0, prompt, 0)])
+        return r, [s for s in r.states if isinstance(s, RecurrentState)]
+
+    plain, plain_states = runner()
+    after = []
+    for j, token in enumerate([7, *nexts[:-1]]):
+        plain.forward([(0, [token], len(prompt) + j)])
+        after.append([(s.recurrent[0].clone(), s.conv[0].clone()) for s in plain_states])
+    drafting, kept = runner()
+    batch = StepBatch.of([(0, [7, *nexts], len(prompt))], all_logits=(True,))
+    batch.verify = (True,)
+    drafting.forward(batch)
+    hist = kept[0].conv.shape[-1]
+    for j in range(len(nexts)):
+        for s, (recurrent, conv) in zip(kept, after[j], strict=True):
+            torch.testing.assert_close(s.kept_states[0, j], recurrent, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(s.kept_inputs[0, :, j + 1 : j + 1 + hist], conv, atol=1e-5, rtol=1e-5)
