@@ -73,7 +73,7 @@ def bring_up(
             raise ModelSpecError("--speculative-config method 'mtp' is not built for tensor parallel")
         loaded, workers = tensor_parallel.load_sharded(cfg, device, dtype, quantized, watch)
     else:
-        loaded = load(cfg, device, dtype, watch, mtp)
+        loaded = load(cfg, device, dtype, watch, mtp, verify)
     heap.trim()  # the load's staging is freed: its heap back to the OS, as the load estimate counts it
     cfg = loaded.config  # what fits, where the asked configuration did not
     leases = list(loaded.leases)

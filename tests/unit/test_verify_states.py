@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ballast.engine.config import EngineConfig
+from ballast.engine.runner.load_fit import bytes_beside_weights
 from ballast.engine.runner.model_runner import ModelRunner, planned_state_bytes
 from ballast.engine.workspace import VerifySize
 from ballast.models.arch.builtin import builtin_config, init_random
@@ -85,8 +87,9 @@ def test_the_conv_window_after_any_position_is_its_inputs(position: int) -> None
         st.keep_inputs(torch.tensor([0, 1, 2]), x[None, :drafts].expand(3, -1, -1))
 
 
-def test_the_verify_workspace_is_what_the_ledger_is_asked_for() -> None:
-    model = build_model(builtin_config("tiny-qwen3-next"))
+def test_the_verify_workspace_is_what_the_ledger_is_asked_for_and_the_load_fit_counts() -> None:
+    hf = builtin_config("tiny-qwen3-next")
+    model = build_model(hf)
     init_random(model, seed=0)
     size = VerifySize(rows=2, drafts=3)
     runner = ModelRunner(model, CPU, torch.float32, 3, 32, quantized_kv=False, seed=0, verify=size)
@@ -101,3 +104,6 @@ def test_the_verify_workspace_is_what_the_ledger_is_asked_for() -> None:
     per_row += channels * (c.linear_conv_kernel_dim - 1 + 3) * 4
     layers = sum(t == "linear_attention" for t in c.layer_types)
     assert runner.state_bytes - plain == 2 * layers * per_row
+    cfg = EngineConfig(model="builtin:tiny-qwen3-next", device="cpu", max_num_seqs=3, max_model_len=32)
+    fixed = bytes_beside_weights(hf, cfg, torch.float32, "cpu", size)[0]
+    assert fixed - bytes_beside_weights(hf, cfg, torch.float32, "cpu")[0] == 2 * layers * per_row
