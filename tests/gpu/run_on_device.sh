@@ -3,7 +3,7 @@
 # image lacks come from .whl (../shared/tools/gpu-wheels.sh), the Triton cache stays in /tmp while
 # the machine is warm. Usage: tests/gpu/run_on_device.sh squeeze|hang-fit|fit|suite-a|suite-b|suite-c|spec [pytest args]
 #   (suite-a, -b, -c: the test files in three contiguous thirds, each well inside one call's 600 s)
-#   tests/gpu/run_on_device.sh compare BASE profile|paged|serve: one bench on the package root BASE
+#   tests/gpu/run_on_device.sh compare BASE profile|paged|serve|spec: one bench on the package root BASE
 #   (another commit: mkdir BASE && git archive COMMIT | tar -x -C BASE), then on this tree, in one
 #   call; each side's JSON under $OUT as BENCH_base.json / BENCH_new.json (PROFILE_MODELS: the
 #   profile's models, default llama-8b qwen3-next-6b)
@@ -91,6 +91,7 @@ case "$mode" in
         profile) set -- decode_profile --models ${PROFILE_MODELS:-llama-8b qwen3-next-6b} --batch 1 32 --no-eager ;;
         paged) set -- paged_decode --quick --models llama-8b qwen3-next --no-reference ;;
         serve) set -- gpu_serve --quick --shape llama-3b --reference none --no-engine-rate ;;
+        spec) set -- spec_oracle --models qwen3-next-6b --dtype float32 ;;  # s28: the rollback's A/B
       esac
       echo "== $1 $name"
       (cd $dir && PYTHONPATH=/tmp/site:$dir timeout ${SIDE_S:-280} python3 -m ballast.bench."$@" --out $out/$1_$name.json 2>&1 | tail -${TAIL:-14})
