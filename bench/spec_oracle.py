@@ -39,6 +39,7 @@ from ballast.bench.paged_decode import free_device_memory, sync
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from ballast.engine.workspace import VerifySize
 
 GREEDY = SamplingParams(temperature=0.0)
 SLOT = 0
@@ -125,7 +126,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             max_num_seqs=2,
             max_model_len=args.prompt + args.tokens + 2 * args.k + 16,
             prefill_chunk_tokens=max(256, args.prompt),
-        )
+        ),
+        verify=VerifySize(1, args.k),  # a hybrid's rejected drafts: the states its verify step kept
     )
     load_s = time.perf_counter() - t0
     try:

@@ -19,7 +19,7 @@ import torch
 from ballast.engine.config import EngineConfig, PrefixCacheConfig
 from ballast.engine.plan import EngineUnhealthy, KVFigures, StepPlan, StepResult
 from ballast.engine.runner.executor import needs_host_tokens
-from ballast.engine.startup import Parts, assemble, bring_up
+from ballast.engine.startup import Parts, VerifySize, assemble, bring_up
 from ballast.engine.step.pipeline import LaunchedStep, StepPipeline
 from ballast.engine.text.sampling_defaults import sampling_defaults as defaults_for
 from ballast.memory.pool import CheckpointPool
@@ -43,8 +43,10 @@ class Engine:
         prefix_cache: PrefixCacheConfig | None = None,
         pool: CheckpointPool | None = None,
         mtp_drafts: int = 0,
+        verify: VerifySize | None = None,
     ) -> None:
         self.mtp_drafts = mtp_drafts  # drafts per step from the model's MTP layer (0: none)
+        self.verify = verify or VerifySize()  # the verify workspace's size (none: a hybrid cannot draft)
         self.device = config.resolved_device()
         self.busy_prefill_chunk_tokens = config.resolved_busy_prefill_chunk(self.device)
         config = replace(config, prefill_chunk_tokens=config.resolved_prefill_chunk(self.device))
@@ -75,12 +77,14 @@ class Engine:
         prefix_cache: PrefixCacheConfig | None = None,
         pool: CheckpointPool | None = None,
         mtp_drafts: int = 0,
+        verify: VerifySize | None = None,
     ) -> Engine:
         """Load the model, profile a prefill, allocate slot states. prefix_cache: the checkpoint
         cache's settings (default: on); pool: where its buffers come from and go back to;
         mtp_drafts: load the model's MTP layer and draft this many tokens a step from it (the
-        scheduler's `--speculative-config` method "mtp")."""
-        return cls(config, watch, prefix_cache=prefix_cache, pool=pool, mtp_drafts=mtp_drafts)
+        scheduler's `--speculative-config` method "mtp"); verify: the verify steps to size the
+        recurrent states' rollback workspace for (`SpeculativeConfig.verify_size`)."""
+        return cls(config, watch, prefix_cache=prefix_cache, pool=pool, mtp_drafts=mtp_drafts, verify=verify)
 
     def _load(self) -> Parts:
         return bring_up(
@@ -91,6 +95,7 @@ class Engine:
             self.dies,
             lambda: self.gpu_die,
             self.mtp_drafts > 0,
+            self.verify,
         )
 
     @property
@@ -129,6 +134,7 @@ class Engine:
             self.prefill_chunk_tokens = cfg.prefill_chunk_tokens
             self.busy_prefill_chunk_tokens = min(self.busy_prefill_chunk_tokens, cfg.prefill_chunk_tokens)
         self.runner = runner
+        self.verify = runner.verify  # what start-up allocated (none under tensor parallel)
         self.model_name = loaded.source.name
         log.info(
             "engine: %s on %s (%s), up to %d sequences x %d tokens, load %.2fs",

@@ -34,7 +34,7 @@ from ballast.engine.runner.slot_kv import SlotKV
 from ballast.engine.runner.warm_up import warm_up
 from ballast.engine.spec.mtp import DraftingModel, MTPDrafter
 from ballast.engine.step.step_batch import check_slots
-from ballast.engine.workspace import step_workspace
+from ballast.engine.workspace import VerifySize, step_workspace
 from ballast.memory import heap
 from ballast.memory.ledger import Lease
 from ballast.memory.pool import CheckpointPool
@@ -56,20 +56,24 @@ def bring_up(
     dies: list[int],
     gpu_die: Callable[[], int | None],
     mtp: bool = False,
+    verify: VerifySize | None = None,
 ) -> Parts:
     """dies: every GPU the engine's ranks use (empty on the host); gpu_die: the one admission
-    checks, asked once the model is loaded; mtp: load the model's MTP layer to draft from."""
+    checks, asked once the model is loaded; mtp: load the model's MTP layer to draft from; verify:
+    the verify steps the recurrent states keep per-position states for (none under tensor
+    parallel: the workers would have to roll back too, so a hybrid does not draft there)."""
     pointwise.set_enabled(cfg.compile)  # the decode graphs' capture compiles them
     if device.type == "cpu":
         set_cpu_threads(cfg.cpu_threads)
     quantized = cfg.kv_quant == "int8"  # the operator's choice alone: never the level at load
     workers = None
+    verify = verify if verify is not None and cfg.tensor_parallel_size == 1 else VerifySize()
     if cfg.tensor_parallel_size > 1:
         if mtp:
             raise ModelSpecError("--speculative-config method 'mtp' is not built for tensor parallel")
         loaded, workers = tensor_parallel.load_sharded(cfg, device, dtype, quantized, watch)
     else:
-        loaded = load(cfg, device, dtype, watch, mtp)
+        loaded = load(cfg, device, dtype, watch, mtp, verify)
     heap.trim()  # the load's staging is freed: its heap back to the OS, as the load estimate counts it
     cfg = loaded.config  # what fits, where the asked configuration did not
     leases = list(loaded.leases)
@@ -84,7 +88,7 @@ def bring_up(
         if watch is not None and die is not None:
             # Lease before allocating: the ledger refuses before the driver would OOM. Every
             # rank allocates the same slot states and activations on its own die.
-            planned = planned_state_bytes(loaded.model, dtype, cfg.max_num_seqs, graphs)
+            planned = planned_state_bytes(loaded.model, dtype, cfg.max_num_seqs, graphs, verify)
             workspace = step_workspace(cfg.max_num_seqs, vocab_size(loaded.model), dtype.itemsize)
             for tag, nbytes in (
                 (f"slot-states:{loaded.source.name}", planned),
@@ -101,7 +105,12 @@ def bring_up(
                 else segment_grant(watch, die)
             )
         args = (loaded.model, device, dtype, cfg.max_num_seqs, cfg.max_model_len, quantized)
-        kwargs = {"scratch_slot": graphs, "acquire": acquire, "segment_bytes": cfg.kv_segment_bytes}
+        kwargs = {
+            "scratch_slot": graphs,
+            "acquire": acquire,
+            "segment_bytes": cfg.kv_segment_bytes,
+            "verify": verify,
+        }
         runner = (
             tensor_parallel.ShardedRunner(*args, cfg.seed, workers=workers, **kwargs)
             if workers is not None

@@ -37,6 +37,17 @@ class StepWorkspace:
         )
 
 
+@dataclass(frozen=True)
+class VerifySize:
+    """The verify steps the engine is loaded for (engine.spec): up to `rows` drafting sequences a
+    step, of up to `drafts` drafts each. A hybrid's recurrent layers keep the state after each
+    drafted position of each such row in a workspace this size, allocated with the slot states at
+    load and leased with them, so a rejected draft is undone by a copy (`LayerState.roll_back`)."""
+
+    rows: int = 0
+    drafts: int = 0
+
+
 def step_workspace(num_slots: int, vocab_size: int, logits_bytes: int) -> StepWorkspace:
     """The bound for a step of up to num_slots sampled rows. Prompt logprobs: the chunk's logits
     at the model's dtype (logits_bytes), their float32 copy and its log-softmax."""

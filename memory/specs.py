@@ -43,6 +43,17 @@ class RecurrentStateSpec:
             state *= d
         return conv + state
 
+    def bytes_per_verify_row(self, drafts: int) -> int:
+        """What a verify row of up to `drafts` drafts keeps for its rollback: the state after each
+        drafted position, and the conv's saved inputs followed by the drafts' inputs."""
+        conv = self.conv_dtype_bytes * (self.conv_shape[-1] + drafts)
+        for d in self.conv_shape[:-1]:
+            conv *= d
+        state = self.state_dtype_bytes * drafts
+        for d in self.state_shape:
+            state *= d
+        return conv + state
+
 
 LayerSpec = AttentionSpec | RecurrentStateSpec
 
@@ -53,3 +64,8 @@ def kv_bytes_per_token(specs: Iterable[LayerSpec]) -> int:
 
 def state_bytes_per_slot(specs: Iterable[LayerSpec]) -> int:
     return sum(s.bytes_per_slot for s in specs if isinstance(s, RecurrentStateSpec))
+
+
+def verify_bytes(specs: Iterable[LayerSpec], rows: int, drafts: int) -> int:
+    """The verify workspace for `rows` drafting sequences of up to `drafts` drafts a step."""
+    return rows * sum(s.bytes_per_verify_row(drafts) for s in specs if isinstance(s, RecurrentStateSpec))

@@ -66,6 +66,9 @@ class StepBatch(Sequence[Row]):
     # Some sequence keeps its KV in int8 blocks beside others in the model dtype (the ladder's int8
     # rung): attention writes and reads both stores, each sequence keeping its own store's result.
     uses_int8_kv: bool = False
+    # Per sequence: a verify row (a decode and its drafts) whose recurrent layers keep the state
+    # after each position, in the order of such rows, for the rollback (`LayerState.roll_back`).
+    verify: tuple[bool, ...] = ()
     token_ids: Tensor = field(init=False)  # [T] int64
     positions: Tensor = field(init=False)  # [T] int64, absolute position in the slot's sequence
     slots: Tensor = field(init=False)  # [B] int64
@@ -365,6 +368,11 @@ class LayerState(abc.ABC):
     @abc.abstractmethod
     def load(self, slot: int, saved: Sequence[Tensor]) -> None:
         """Put tensors shaped like `slot_views` (from any slot) into this slot."""
+
+    def roll_back(self, slot: int, row: int, position: int) -> None:
+        """After a verify step (`StepBatch.verify`): the slot's state becomes the one its verify row
+        `row` had after `position`. None here: attention's rejected KV is cut by the block table."""
+        return None
 
     @property
     @abc.abstractmethod

@@ -57,6 +57,8 @@ class StepPlanner:
                 f"{FLAG}: method 'mtp' drafts from the engine's MTP layer, and this engine was "
                 "loaded without one (Engine.load(..., mtp_drafts=k))"
             )
+        if spec is not None and engine.recurrent_state:
+            spec.check_verify(getattr(engine, "verify", None), engine.num_slots)
         self._roster = roster
         self._gate = gate
         self._gov = gov

@@ -248,7 +248,10 @@ def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         # where the ladder starts new sequences in the int8 pool while WATCH lasts.
         spec = sched_cfg.speculative
         mtp = spec.num_speculative_tokens if spec is not None and spec.method == "mtp" else 0
-        engine = Engine.load(engine_cfg, watch, prefix_cache=prefix_cfg, pool=pool, mtp_drafts=mtp)
+        verify = spec.verify_size(engine_cfg.max_num_seqs) if spec is not None else None
+        engine = Engine.load(
+            engine_cfg, watch, prefix_cache=prefix_cfg, pool=pool, mtp_drafts=mtp, verify=verify
+        )
         if kv_events is not None:
             kv_events.attach(engine)
         return engine

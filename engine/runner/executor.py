@@ -73,7 +73,7 @@ class StepExecutor:
         self._faults = faults
         self._leases = leases
         self._fed = DeviceFed(slot_kv.fed_at)
-        self._drafts = DraftVerifier(sampler, runner.states, slot_kv.truncate, runner.forward, max_model_len)
+        self._drafts = DraftVerifier(sampler, runner.states, slot_kv.truncate, max_model_len, runner.verify)
         self.num_slots = runner.num_slots
         self.max_model_len = max_model_len
         self.slot_limit = runner.num_slots  # the ladder's max_slots: no sequence starts at or past it
@@ -106,7 +106,7 @@ class StepExecutor:
             if preempted and preempted & set(batch.slots_list):  # the step runs without them
                 batch = self._build(plan, preempted | gone)
         self._fed.launched(plan, preempted | gone)
-        self._drafts.before(plan, preempted | gone)
+        self._drafts.before(plan, preempted | gone, batch)
         asks = {p.slot: p for p in plan.prefills if p.logprob_targets and p.slot not in preempted}
         if batch is not None:
             self._faults.before_forward(prefill=any(p.slot not in preempted for p in plan.prefills))
@@ -227,7 +227,7 @@ class StepExecutor:
                 self._mtp.ran(None)
             return None, (), (), ()
         logits = self._runner.forward(batch)
-        if self._mtp is not None:  # its hidden states, before a rollback's recompute replaces them
+        if self._mtp is not None:
             self._mtp.ran(batch)
         prompt_logprobs: tuple[PromptLogprobs, ...] = ()
         verified: tuple[SlotOutput, ...] = ()

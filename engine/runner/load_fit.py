@@ -18,8 +18,8 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.runner.activations import activation_bytes, prefill_path
 from ballast.engine.step.sampler import Sampler
-from ballast.engine.workspace import step_workspace
-from ballast.memory.specs import AttentionSpec, state_bytes_per_slot
+from ballast.engine.workspace import VerifySize, step_workspace
+from ballast.memory.specs import AttentionSpec, state_bytes_per_slot, verify_bytes
 from ballast.models.arch.registry import model_class
 from ballast.models.kv_store import plan_layout
 from ballast.models.layers.state import dtype_bytes
@@ -69,18 +69,24 @@ class LoadEstimate:
 
 
 def bytes_beside_weights(
-    hf_config: Mapping[str, Any], config: EngineConfig, dtype: torch.dtype, device_type: str = "cuda"
+    hf_config: Mapping[str, Any],
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device_type: str = "cuda",
+    verify: VerifySize | None = None,
 ) -> tuple[int, int, int]:
-    """What a load needs besides the weights: (the slots' recurrent states and sampler buffers,
-    with on a GPU the step workspace start-up leases there (a full batch's sampling, a prompt-
-    logprob chunk: 552 MiB for 128 slots of a 49k vocabulary, left out until s26), one
-    max_model_len sequence's KV in the whole segments the pool commits for it, the prefill
-    activations on the path that will run), in bytes."""
+    """What a load needs besides the weights: (the slots' recurrent states, their verify workspace
+    and sampler buffers, with on a GPU the step workspace start-up leases there (a full batch's
+    sampling, a prompt-logprob chunk: 552 MiB for 128 slots of a 49k vocabulary, left out until
+    s26), one max_model_len sequence's KV in the whole segments the pool commits for it, the
+    prefill activations on the path that will run), in bytes."""
     with torch.device("meta"):
         specs = model_class(hf_config).from_hf_config(hf_config).layer_specs(dtype_bytes(dtype))
     slots = config.max_num_seqs + 1  # the decode graphs' scratch slot
     vocab = int(hf_config.get("vocab_size", 0))
     fixed = slots * state_bytes_per_slot(specs) + Sampler.planned_bytes(config.max_num_seqs, vocab)
+    if verify is not None:
+        fixed += verify_bytes(specs, verify.rows, verify.drafts)
     if device_type == "cuda":  # engine/startup.py leases it on every die before the first step
         workspace = step_workspace(config.max_num_seqs, vocab, dtype_bytes(dtype))
         fixed += workspace.sampler_bytes + workspace.prompt_logprobs_bytes

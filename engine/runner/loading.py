@@ -8,6 +8,7 @@ refuses the next big allocation before the driver would OOM.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -31,6 +32,7 @@ from ballast.engine.runner.load_fit import (
 from ballast.engine.runner.model_runner import weights_bytes
 from ballast.engine.text.sampling_defaults import GenerationConfigError
 from ballast.engine.text.tokenizer import Tokenizer, TokenizerError
+from ballast.engine.workspace import VerifySize
 from ballast.memory import heap
 from ballast.memory.admission import admit_load_spike
 from ballast.memory.errors import MemoryRefused
@@ -189,6 +191,7 @@ def admit_load(
     *,
     host_staging: int = 0,
     tokenizer: int = 0,
+    verify: VerifySize | None = None,
 ) -> EngineConfig:
     """The configuration to load with: `config` when the weights, the slots' fixed states, one
     max-length sequence's KV and a prefill chunk's activations fit (on the host for a CPU engine,
@@ -204,7 +207,7 @@ def admit_load(
     staging = host_staging if device.type == "cpu" else 0
 
     def estimate(cfg: EngineConfig) -> LoadEstimate:
-        beside = bytes_beside_weights(hf_config, cfg, dtype, device.type)
+        beside = bytes_beside_weights(hf_config, cfg, dtype, device.type, verify)
         host = device.type == "cpu"  # a GPU's estimate is of the die: the host's bytes are not in it
         code = CPU_CODE_BYTES if host else 0
         return LoadEstimate(weights, *beside, staging, tokenizer if host else 0, code)
@@ -249,9 +252,12 @@ def load(
     dtype: torch.dtype,
     watch: MemWatch | None = None,
     mtp: bool = False,
+    verify: VerifySize | None = None,
 ) -> LoadedModel:
     """Load the model config.model names onto device in dtype, after the memory layer agrees.
-    mtp: with its multi-token-prediction layers, to draft from (an error where it has none)."""
+    mtp: with its multi-token-prediction layers, to draft from (an error where it has none);
+    verify: the verify workspace start-up allocates beside the slot states (`VerifySize`)."""
+    admit = functools.partial(admit_load, verify=verify)
     source = resolve(config.model)
     tok_dir = None if config.tokenizer is None else Path(config.tokenizer)
     if tok_dir is not None and not tok_dir.is_dir():
@@ -263,7 +269,7 @@ def load(
         weights = planned_weights_bytes(hf_config, dtype)
         # the default model's tokenizer (a built-in test model borrows it) may be fetched: not built
         tok_bytes = _built(asked_tok, watch) if asked_tok is not None else 0
-        config = admit_load(hf_config, config, device, dtype, weights, watch, tokenizer=tok_bytes)
+        config = admit(hf_config, config, device, dtype, weights, watch, tokenizer=tok_bytes)
         model = builtin.build_builtin(source.name, dtype=dtype, device=device, mtp=mtp)
         tokenizer = asked_tok or lazy_tokenizer(None)
     elif source.kind == "gguf":
@@ -283,7 +289,7 @@ def load(
         file_bytes = sum(t.nbytes for t in gf.tensors.values())
         staging = dense if device.type == "cuda" else file_bytes + held_blocks
         weights = _held_bytes(gf, skip, dtype) + held_blocks
-        config = admit_load(
+        config = admit(
             hf_config, config, device, dtype, weights, watch, host_staging=staging, tokenizer=tok_bytes
         )
         model = _from_tensors(hf_config, gguf_tensors(gf, hf_config, dtype, skip=skip), device)
@@ -300,7 +306,7 @@ def load(
         weights = ckpt.weights_bytes(dtype, keep_fp8)
         tokenizer = asked_tok or lazy_tokenizer(source.path)
         tok_bytes = _built(tokenizer, watch)
-        config = admit_load(
+        config = admit(
             hf_config, config, device, dtype, weights, watch,
             host_staging=ckpt.transient_bytes(), tokenizer=tok_bytes,
         )  # fmt: skip

@@ -18,7 +18,8 @@ from ballast.engine.graphs.graph_runner import GraphRunner
 from ballast.engine.kv.kv_pool import Acquire, KVManager, KVPool
 from ballast.engine.runner.activations import activation_bytes
 from ballast.engine.step.sampler import Sampler
-from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot
+from ballast.engine.workspace import VerifySize
+from ballast.memory.specs import LayerSpec, kv_bytes_per_token, state_bytes_per_slot, verify_bytes
 from ballast.memory.types import CostModel
 from ballast.models.base import CausalLM, ForwardBatch, Rows, StepBatch, to_device
 from ballast.models.layers.state import LayerState, allocate_states, build_states, dtype_bytes, kv_store_for
@@ -150,15 +151,23 @@ def build_cost_model(
 
 
 def planned_state_bytes(
-    model: nn.Module, dtype: torch.dtype, num_slots: int, scratch_slot: bool = False
+    model: nn.Module,
+    dtype: torch.dtype,
+    num_slots: int,
+    scratch_slot: bool = False,
+    verify: VerifySize | None = None,
 ) -> int:
-    """Bytes `ModelRunner` allocates at load for these settings (per-slot recurrent states and the
-    sampler's buffers), from the layer specs alone, so the VRAM ledger can be asked before anything
-    is allocated. KV blocks are not in it: the pool leases them segment by segment."""
+    """Bytes `ModelRunner` allocates at load for these settings (per-slot recurrent states, their
+    verify workspace and the sampler's buffers), from the layer specs alone, so the VRAM ledger can
+    be asked before anything is allocated. KV blocks are not in it: the pool leases them segment
+    by segment."""
     lm = as_causal_lm(model)
-    recurrent = state_bytes_per_slot(lm.layer_specs(dtype_bytes(dtype)))
-    return (num_slots + int(scratch_slot)) * recurrent + Sampler.planned_bytes(
-        num_slots, int(lm.config.vocab_size)
+    specs = lm.layer_specs(dtype_bytes(dtype))
+    kept = verify_bytes(specs, verify.rows, verify.drafts) if verify is not None else 0
+    return (
+        (num_slots + int(scratch_slot)) * state_bytes_per_slot(specs)
+        + kept
+        + Sampler.planned_bytes(num_slots, int(lm.config.vocab_size))
     )
 
 
@@ -183,6 +192,7 @@ class ModelRunner:
         scratch_slot: bool = False,
         acquire: Acquire | None = None,
         segment_bytes: int = 0,
+        verify: VerifySize | None = None,
     ) -> None:
         self.model = model
         self.device = device
@@ -208,7 +218,10 @@ class ModelRunner:
         self.kv = self.kv_manager.main if self.kv_manager is not None else None
         self.kv_int8 = self.kv_manager.int8 if self.kv_manager is not None else None
         attention = self.kv_manager.attention() if self.kv_manager is not None else None
-        self.states: list[LayerState] = build_states(specs, self._state_slots, attention, device, dtype)
+        # verify: the recurrent states' workspace for verify steps of this size (`VerifySize`)
+        self.verify = verify or VerifySize()
+        kept = (self.verify.rows, self.verify.drafts)
+        self.states: list[LayerState] = build_states(specs, self._state_slots, attention, device, dtype, kept)
         vocab = int(lm.config.vocab_size)
         self.sampler = Sampler(num_slots, vocab, device, seed)
         self.graph_runner = GraphRunner(

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 from ballast.engine.runner.model_runner import ModelRunner
-from ballast.models.base import Row
+from ballast.models.base import Row, StepBatch
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,7 @@ def warm_up(runner: ModelRunner, max_chunk: int, thresholds: Iterable[int] = ())
             if now - last >= PROGRESS_S:
                 log.info("warm-up: step %d of %d (%s)", i + 1, len(plan), step)
                 last = now
+        verify_step(runner, context)
     finally:
         every = list(range(slots))
         if kv is not None:
@@ -166,3 +167,19 @@ def warm_up(runner: ModelRunner, max_chunk: int, thresholds: Iterable[int] = ())
         time.monotonic() - started,
     )
     return plan
+
+
+def verify_step(runner: ModelRunner, context: int) -> None:
+    """Where the runner keeps verify rows' per-position states: one verify row of the most drafts
+    beside a decode (the recurrent layers' kernel keeps its states then, a variant of its own)."""
+    size = runner.verify
+    if not size.rows or runner.num_slots < 2:
+        return
+    rows: list[Row] = [(0, [0] * (1 + size.drafts), context), (1, [0], context)]
+    kv = runner.kv_manager
+    if kv is not None and not all(kv.main.ensure(s, start + len(t)) for s, t, start in rows):
+        return
+    batch = StepBatch.of(rows, all_logits=(True, False))
+    batch.verify = (True, False)
+    runner.reset([0, 1])
+    runner.forward(batch)

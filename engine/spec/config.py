@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ballast.engine.workspace import VerifySize
+
 from ballast.settings import ConfigError
 
 # ngram: prompt lookup (engine.spec.ngram), any model; mtp: the model's multi-token-prediction
@@ -41,6 +43,22 @@ class SpeculativeConfig:
             )
         if not 1 <= self.max_streams <= 1 << 16:
             raise ConfigError(f"{FLAG}: max_streams must be in 1..65536, got {self.max_streams}")
+
+    def verify_size(self, max_num_seqs: int) -> VerifySize:
+        """The verify steps this drafting asks of an engine of max_num_seqs slots: fewer streams
+        than max_streams draft (the planner's rule), k drafts each at most."""
+        return VerifySize(min(max_num_seqs, self.max_streams - 1), self.num_speculative_tokens)
+
+    def check_verify(self, size: VerifySize | None, max_num_seqs: int) -> None:
+        """A hybrid model rolls a rejected draft back to the state its verify step kept: its engine
+        must keep them for the verify steps this drafting makes."""
+        need, have = self.verify_size(max_num_seqs), size or VerifySize()
+        if have.rows < need.rows or have.drafts < need.drafts:
+            raise ConfigError(
+                f"{FLAG}: a hybrid model's verify steps keep per-position states, for {need.rows} "
+                f"rows of {need.drafts} drafts here; this engine keeps {have.rows} of {have.drafts} "
+                "(Engine.load(..., verify=SpeculativeConfig.verify_size(n)); none under tensor parallel)"
+            )
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:

@@ -8,22 +8,34 @@ L2-normalised and q scaled by k_dim^-1/2:
     o  = S^T q
 
 Decode takes the recurrent form, prefill the chunked (WY / UT-transform) form, which makes
-64-token chunks a few matmuls and scans only across chunks; on CUDA with `fla` and a half-precision
-model both go to its kernels. The state and recurrence are float32 whatever the model dtype: the
-state integrates over the whole sequence and bf16 would drift. `GatedDeltaNet` is the layer around
-the rule; architectures subclass it for their input projections.
+64-token chunks a few matmuls and scans only across chunks (`delta_rule`); on CUDA with `fla` and a
+half-precision model prefill goes to its kernels, decode to ours (`gated_delta_triton`). A verify
+row (a decode and its drafts, `StepBatch.verify`) takes the recurrent form token by token and keeps
+the state after each position in the slot state's verify workspace, for the rollback. The state
+and recurrence are float32 whatever the model dtype: the state integrates over the whole sequence
+and bf16 would drift. `GatedDeltaNet` is the layer around the rule; architectures subclass it for
+their input projections.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
+from itertools import accumulate
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from ballast.models.base import ForwardBatch, to_device_packed
+from ballast.models.blocks.delta_rule import (
+    CHUNK,
+    chunk_gated_delta,
+    fla_decode,
+    fla_installed,
+    fla_prefill,
+    recurrent_gated_delta_rows,
+    recurrent_gated_delta_step,
+)
 from ballast.models.kernels import gated_delta_triton
 from ballast.models.layers import pointwise
 from ballast.models.layers.causal_conv import ConvWindows, causal_conv1d_varlen
@@ -51,90 +63,10 @@ class LinearAttentionShape(Protocol):
     def linear_num_value_heads(self) -> int: ...
 
 
-CHUNK = 64
-
-
-def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, the normalisation fla applies in-kernel.
-    As an RMS norm (x / sqrt(mean(x^2) + eps / D)) scaled by 1 / sqrt(D): one fused kernel."""
-    dim = x.shape[-1]
-    return F.rms_norm(x, (dim,), eps=eps / dim) * dim**-0.5
-
-
-def _expand_heads(x: Tensor, num_v_heads: int, dim: int) -> Tensor:
-    """Grouped value heads: q/k head h serves value heads [h*r, (h+1)*r)."""
-    ratio = num_v_heads // x.shape[dim]
-    return x if ratio == 1 else x.repeat_interleave(ratio, dim=dim)
-
-
-def recurrent_gated_delta_step(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
-) -> tuple[Tensor, Tensor]:
-    """One token for each of B sequences: q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]; state
-    [B, Hv, Dk, Dv] -> (o [B, Hv, Dv] in v's dtype, new state float32)."""
-    num_v_heads = v.shape[-2]
-    q = _expand_heads(l2norm(q.float()), num_v_heads, 1) * q.shape[-1] ** -0.5
-    k = _expand_heads(l2norm(k.float()), num_v_heads, 1)
-    s = state.float() * g.float().exp()[..., None, None]
-    predicted = (k.unsqueeze(-2) @ s).squeeze(-2)  # S^T k: [B, Hv, Dv]
-    delta = (v.float() - predicted) * beta.float().unsqueeze(-1)
-    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    o = (q.unsqueeze(-2) @ s).squeeze(-2)
-    return o.to(v.dtype), s
-
-
-def chunk_gated_delta(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, chunk: int = CHUNK
-) -> tuple[Tensor, Tensor]:
-    """B sequences of (padded) length L, each from its own initial state: q, k [B, L, Hk, Dk];
-    v [B, L, Hv, Dv]; g, beta [B, L, Hv] -> (o [B, L, Hv, Dv] in v's dtype, final state float32).
-    Padding must carry g = 0 and beta = 0, so the state passes through it unchanged."""
-    batch, length, _, k_dim = k.shape
-    num_v_heads, v_dim = v.shape[-2:]
-    pad = (-length) % chunk
-    n_chunks = (length + pad) // chunk
-
-    def to_chunks(x: Tensor) -> Tensor:
-        # [B, L, H, ...] -> [B, H, N, C, ...] float32, zero-padded to whole chunks
-        x = x.float().transpose(1, 2)
-        x = F.pad(x, (0, pad)) if x.dim() == 3 else F.pad(x, (0, 0, 0, pad))
-        return x.reshape(batch, num_v_heads, n_chunks, chunk, *x.shape[3:])
-
-    qc = to_chunks(_expand_heads(l2norm(q.float()), num_v_heads, 2)) * k_dim**-0.5
-    kc = to_chunks(_expand_heads(l2norm(k.float()), num_v_heads, 2))
-    vc, gc, bc = to_chunks(v), to_chunks(g), to_chunks(beta)
-
-    cum = gc.cumsum(dim=-1)  # log of the decay from the chunk start through each position
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    # decay[i, j] = prod of exp(g) over (j, i] for j <= i, else 0
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
-
-    k_beta = kc * bc.unsqueeze(-1)
-    # UT transform: (I + strict_lower(beta k k^T * decay))^-1 applied to the per-token writes
-    system = ((k_beta @ kc.transpose(-1, -2)) * decay).tril(-1)
-    rhs = torch.cat([vc * bc.unsqueeze(-1), k_beta * cum.exp().unsqueeze(-1)], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    u, w = solved[..., :v_dim], solved[..., v_dim:]
-
-    intra = (qc @ kc.transpose(-1, -2)) * decay
-    q_decayed = qc * cum.exp().unsqueeze(-1)
-    last = cum[..., -1:]
-    k_to_end = kc * (last - cum).exp().unsqueeze(-1)
-    chunk_decay = last.exp().unsqueeze(-1)  # [B, H, N, 1, 1]
-
-    s = initial_state.float()
-    out = torch.empty_like(u)
-    for n in range(n_chunks):  # the scan across chunks; tokens inside a chunk are matmuls
-        v_new = u[:, :, n] - w[:, :, n] @ s
-        out[:, :, n] = q_decayed[:, :, n] @ s + intra[:, :, n] @ v_new
-        s = s * chunk_decay[:, :, n] + k_to_end[:, :, n].transpose(-1, -2) @ v_new
-    out = out.reshape(batch, num_v_heads, -1, v_dim)[:, :, :length].transpose(1, 2)
-    return out.to(v.dtype), s
-
-
 @dataclass(frozen=True)
 class DeltaPlan:
     """How one step's sequences go through the rule: decode tokens the recurrent form together,
+    verify rows the recurrent form token by token (padded to one length, like prefill chunks),
     prefill chunks the chunked form together. Built once a step, shared by every layer."""
 
     decode_seqs: Tensor  # [Bd] sequence indices with one new token
@@ -145,10 +77,14 @@ class DeltaPlan:
     prefill_cu_lens: Tensor  # [Bp + 1] int64, for varlen kernels
     prefill_len: int  # longest prefill run (the padded length)
     all_decode: bool  # every sequence has one token: no regrouping needed
-    all_prefill: bool = False  # every sequence has several: no regrouping needed either
+    all_prefill: bool = False  # every sequence is a prefill chunk: no regrouping needed either
+    verify_seqs: Tensor | None = None  # [Bv] the verify rows (StepBatch.verify), in batch order
+    verify_tokens: Tensor | None = None  # [Tv] their token indices, row after row
+    verify_padded: Tensor | None = None  # [Tv] each one's row in a [Bv * verify_len] padded layout
+    verify_len: int = 0
 
     @classmethod
-    def build(cls, lens_list: list[int], device: torch.device) -> DeltaPlan:
+    def build(cls, lens_list: list[int], device: torch.device, verify: tuple[bool, ...] = ()) -> DeltaPlan:
         if max(lens_list) == 1:  # a decode step: token i is sequence i; no host tensors to copy
             seqs = torch.arange(len(lens_list), device=device)
             none = seqs[:0]
@@ -157,31 +93,36 @@ class DeltaPlan:
         cu = torch.zeros(len(lens_list) + 1, dtype=torch.int64)
         torch.cumsum(lens, 0, out=cu[1:])
         single = lens == 1
+        rows = torch.tensor(verify, dtype=torch.bool) if verify else torch.zeros_like(single)
         decode_seqs = single.nonzero().flatten()
-        prefill_seqs = (~single).nonzero().flatten()
-        p_lens = lens[prefill_seqs]
-        p_len = int(p_lens.max()) if len(p_lens) else 0
-        local = torch.repeat_interleave(torch.arange(len(p_lens)), p_lens)
-        p_cu = torch.zeros(len(p_lens) + 1, dtype=torch.int64)
-        torch.cumsum(p_lens, 0, out=p_cu[1:])
-        offset = torch.arange(int(p_lens.sum())) - p_cu[local]
-        host = {
-            "decode_seqs": decode_seqs,
-            "decode_tokens": cu[decode_seqs],
-            "prefill_seqs": prefill_seqs,
-            "prefill_tokens": cu[prefill_seqs][local] + offset,
-            "prefill_padded": local * p_len + offset,
-            "prefill_cu_lens": p_cu,
-        }
-        all_prefill = not len(decode_seqs)
+        host = {"decode_seqs": decode_seqs, "decode_tokens": cu[decode_seqs]}
+        p_len, host["prefill_cu_lens"] = _padded(
+            host, "prefill", (~single & ~rows).nonzero().flatten(), lens, cu
+        )
+        v_len = _padded(host, "verify", rows.nonzero().flatten(), lens, cu)[0] if verify else 0
+        all_prefill = not len(decode_seqs) and not v_len
         return cls(
-            **to_device_packed(host, device), prefill_len=p_len, all_decode=False, all_prefill=all_prefill
+            **to_device_packed(host, device),
+            prefill_len=p_len,
+            all_decode=False,
+            all_prefill=all_prefill,
+            verify_len=v_len,
         )
 
 
-@lru_cache(maxsize=1)
-def fla_installed() -> bool:
-    return importlib.util.find_spec("fla") is not None
+def _padded(host: dict[str, Tensor], name: str, seqs: Tensor, lens: Tensor, cu: Tensor) -> tuple[int, Tensor]:
+    """Sequences `seqs` laid out padded to their longest (into host: `{name}_seqs`, `_tokens`,
+    `_padded`); that length and their cumulative lengths."""
+    s_lens = lens[seqs]
+    s_len = int(s_lens.max()) if len(s_lens) else 0
+    local = torch.repeat_interleave(torch.arange(len(s_lens)), s_lens)
+    s_cu = torch.zeros(len(s_lens) + 1, dtype=torch.int64)
+    torch.cumsum(s_lens, 0, out=s_cu[1:])
+    offset = torch.arange(int(s_lens.sum())) - s_cu[local]
+    host[f"{name}_seqs"] = seqs
+    host[f"{name}_tokens"] = cu[seqs][local] + offset
+    host[f"{name}_padded"] = local * s_len + offset
+    return s_len, s_cu
 
 
 def gated_delta_varlen(
@@ -193,14 +134,20 @@ def gated_delta_varlen(
     state: Tensor,
     plan: DeltaPlan,
     use_fla: bool | None = None,
+    kept: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The rule over a flat batch: q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; state
     [B, Hv, Dk, Dv] before this step -> (o [T, Hv, Dv], new state float32). use_fla None: fla
-    where it applies."""
+    where it applies. kept [>= Bv, >= verify_len - 1, Hv, Dk, Dv]: where the plan's verify rows
+    leave the state after each of their positions but the last (row i: the i-th verify row)."""
     if use_fla is None:  # fla's chunk kernel is CUDA-only and refuses float32 inputs
         use_fla = v.is_cuda and v.dtype in (torch.bfloat16, torch.float16) and fla_installed()
-    decode = _fla_decode if use_fla else recurrent_gated_delta_step
-    prefill = partial(_fla_prefill if use_fla else _padded_prefill, plan=plan)
+    decode = fla_decode if use_fla else recurrent_gated_delta_step
+    if use_fla:
+        prefill = partial(fla_prefill, cu_lens=plan.prefill_cu_lens)
+    else:
+        prefill = partial(_padded_prefill, plan=plan)
+    verify = partial(_padded_rows, plan=plan, kept=kept)
     if plan.all_decode:  # the common decode step: sequences are already in order, one token each
         return decode(q, k, v, g, beta, state)
     if plan.all_prefill:  # prompt chunks alone: they too are in order already
@@ -209,9 +156,10 @@ def gated_delta_varlen(
     new_state = torch.empty(state.shape, dtype=torch.float32, device=state.device)
     for idx, seqs, form in (
         (plan.decode_tokens, plan.decode_seqs, decode),
+        (plan.verify_tokens, plan.verify_seqs, verify),
         (plan.prefill_tokens, plan.prefill_seqs, prefill),
     ):
-        if seqs.numel():
+        if seqs is not None and idx is not None and seqs.numel():
             out[idx], new_state[seqs] = form(q[idx], k[idx], v[idx], g[idx], beta[idx], state[seqs])
     return out, new_state
 
@@ -221,56 +169,25 @@ def _padded_prefill(
 ) -> tuple[Tensor, Tensor]:
     # Pad the prefill sequences to one length so they run as one batch; zero g/beta on the
     # padding leaves each state untouched there (see chunk_gated_delta).
-    rows = state.shape[0] * plan.prefill_len
-
-    def padded(x: Tensor) -> Tensor:
-        buf = x.new_zeros((rows, *x.shape[1:]))
-        buf[plan.prefill_padded] = x
-        return buf.reshape(state.shape[0], plan.prefill_len, *x.shape[1:])
-
-    o, s = chunk_gated_delta(padded(q), padded(k), padded(v), padded(g), padded(beta), state)
-    return o.reshape(rows, *o.shape[2:])[plan.prefill_padded], s
+    pad = partial(_pad, index=plan.prefill_padded, length=plan.prefill_len, batch=state.shape[0])
+    o, s = chunk_gated_delta(pad(q), pad(k), pad(v), pad(g), pad(beta), state)
+    return o.flatten(0, 1)[plan.prefill_padded], s
 
 
-def _fla_prefill(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, plan: DeltaPlan
-) -> tuple[Tensor, Tensor]:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    hv = v.shape[-2]
-    # q/k heads expanded here: only some fla releases support grouped values in-kernel. q, k, v
-    # may be views into the conv's output: fla's kernels read contiguous copies.
-    o, s = chunk_gated_delta_rule(
-        q=_expand_heads(q, hv, 1).contiguous().unsqueeze(0),
-        k=_expand_heads(k, hv, 1).contiguous().unsqueeze(0),
-        v=v.contiguous().unsqueeze(0),
-        g=g.float().unsqueeze(0),
-        beta=beta.unsqueeze(0),
-        initial_state=state.float().contiguous(),
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        cu_seqlens=plan.prefill_cu_lens,
-    )
-    return o.squeeze(0).to(v.dtype), s.float()
+def _padded_rows(*inputs: Tensor, plan: DeltaPlan, kept: Tensor | None) -> tuple[Tensor, Tensor]:
+    # The verify rows (q, k, v, g, beta, state), padded alike, run token by token; their
+    # per-position states into `kept`.
+    *x, state = inputs
+    assert plan.verify_padded is not None and kept is not None, "verify rows need a verify workspace"
+    pad = partial(_pad, index=plan.verify_padded, length=plan.verify_len, batch=state.shape[0])
+    o, s = recurrent_gated_delta_rows(*map(pad, x), state, kept[: state.shape[0]])
+    return o.flatten(0, 1)[plan.verify_padded], s
 
 
-def _fla_decode(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
-) -> tuple[Tensor, Tensor]:
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
-    hv = v.shape[-2]
-    o, s = fused_recurrent_gated_delta_rule(
-        q=_expand_heads(q, hv, 1).unsqueeze(1),
-        k=_expand_heads(k, hv, 1).unsqueeze(1),
-        v=v.unsqueeze(1),
-        g=g.float().unsqueeze(1),
-        beta=beta.unsqueeze(1),
-        initial_state=state.float().contiguous(),
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-    )
-    return o.squeeze(1).to(v.dtype), s.float()
+def _pad(x: Tensor, index: Tensor, length: int, batch: int) -> Tensor:
+    buf = x.new_zeros((batch * length, *x.shape[1:]))
+    buf[index] = x
+    return buf.reshape(batch, length, *x.shape[1:])
 
 
 class GatedRMSNorm(nn.Module):
@@ -286,6 +203,36 @@ class GatedRMSNorm(nn.Module):
 
 
 @dataclass(frozen=True)
+class VerifyRows:
+    """A step's verify rows (`StepBatch.verify`) as the linear-attention layers keep their states:
+    row i is the batch's i-th verify row; each keeps the state after its first `drafts` positions
+    (the last one's is the slot's own) and its conv inputs (`RecurrentState.keep_inputs`)."""
+
+    slots: Tensor  # [Bv] their slots
+    inputs: Tensor  # [Bv * drafts] each row's first `drafts` tokens (a shorter row repeats its last)
+    row_of_seq: Tensor  # [B] each sequence's verify row, -1 for the others
+    drafts: int  # the most drafts a row carries this step
+
+    @classmethod
+    def build(cls, batch: ForwardBatch) -> VerifyRows | None:
+        seqs = [b for b, kept in enumerate(batch.verify) if kept]
+        if not seqs:
+            return None
+        lens = batch.lens_list
+        cu = [0, *accumulate(lens)]
+        drafts = max(lens[b] for b in seqs) - 1
+        row_of_seq = [-1] * len(lens)
+        for i, b in enumerate(seqs):
+            row_of_seq[b] = i
+        host = {
+            "slots": torch.tensor([batch.slots_list[b] for b in seqs]),
+            "inputs": torch.tensor([cu[b] + min(j, lens[b] - 1) for b in seqs for j in range(drafts)]),
+            "row_of_seq": torch.tensor(row_of_seq),
+        }
+        return cls(**to_device_packed(host, batch.device), drafts=drafts)
+
+
+@dataclass(frozen=True)
 class HybridStep(LayerStep):
     """A hybrid model's `LayerStep`: also what its linear-attention layers share."""
 
@@ -295,15 +242,19 @@ class HybridStep(LayerStep):
     any_fresh: bool  # some sequence starts at position 0 this step (host-side mirror)
     use_fla: bool | None  # None: fla kernels where they apply (CUDA, half precision, installed)
     # On CUDA (unless use_fla is False: the torch reference everywhere) the conv runs in place in
-    # the state pool (`gated_delta_triton.conv_in_place`); in a decode step the rule does too
-    # (`in_place`).
+    # the state pool (`gated_delta_triton.conv_in_place`); in a step of decode and verify rows alone
+    # the rule does too (`in_place`).
     conv_in_place: bool
     in_place: bool
+    verify: VerifyRows | None  # the rows whose per-position states are kept (None: none)
 
     @classmethod
     def build(cls, batch: ForwardBatch, rope: Rope, conv_kernel: int, use_fla: bool | None) -> HybridStep:
-        plan = DeltaPlan.build(batch.lens_list, batch.device)
+        plan = DeltaPlan.build(batch.lens_list, batch.device, batch.verify)
         kernels = use_fla is not False and gated_delta_triton.available(batch.starts)
+        short = plan.all_decode or all(
+            n == 1 or v for n, v in zip(batch.lens_list, batch.verify, strict=False)
+        )
         b = batch
         windows = None if kernels else ConvWindows.build(b.cu_lens, b.lens, b.seq_of_token, conv_kernel)
         return cls(
@@ -315,7 +266,8 @@ class HybridStep(LayerStep):
             any_fresh=min(batch.starts_list) == 0,
             use_fla=use_fla,
             conv_in_place=kernels,
-            in_place=plan.all_decode and kernels,
+            in_place=short and kernels,
+            verify=VerifyRows.build(batch) if batch.verify else None,
         )
 
 
@@ -361,6 +313,9 @@ class GatedDeltaNet(nn.Module):
         keep = step.has_history
         qkv, z, b, a = self.project(x)
         weight = self.conv1d.weight.squeeze(1)
+        verify = step.verify
+        if verify is not None:  # before the conv replaces the slots' saved inputs
+            state.keep_inputs(verify.slots, qkv[verify.inputs].view(-1, verify.drafts, qkv.shape[-1]))
         if step.conv_in_place:
             batch = step.batch
             mixed = gated_delta_triton.conv_in_place(
@@ -379,14 +334,17 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(t, self.k_heads, self.k_dim)
         v = v.reshape(t, self.v_heads, self.v_dim)
         if step.in_place:  # the recurrent state is float32 by construction (the module doc)
-            out = gated_delta_triton.decode_in_place(
-                q, k, v, a, b, self.A_log, self.dt_bias, state.recurrent, slots, keep
-            )
+            out = gated_delta_triton.rows_in_place(
+                q, k, v, a, b, self.A_log, self.dt_bias, state.recurrent, slots, keep,
+                None if step.plan.all_decode else step.batch.cu_lens,
+                (state.kept_states, verify.row_of_seq) if verify is not None else None,
+            )  # fmt: skip
         else:
             rec0 = state.recurrent.index_select(0, slots)
             if step.any_fresh:
                 rec0 = torch.where(keep[:, None, None, None], rec0, 0)
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-            out, new_rec = gated_delta_varlen(q, k, v, g, b.sigmoid(), rec0, step.plan, step.use_fla)
+            kept = state.kept_states
+            out, new_rec = gated_delta_varlen(q, k, v, g, b.sigmoid(), rec0, step.plan, step.use_fla, kept)
             state.recurrent.index_copy_(0, slots, new_rec.to(state.recurrent.dtype))
         return self.out_proj(self.norm(out, z).reshape(t, self.value_width))

@@ -14,7 +14,12 @@ slot's saved K-1 inputs and the token, shifted back in place) and `conv_in_place
 last K-1 back), where torch gathered, widened and multiply-added per tap: on an H200 32 prompts of 2k
 of the 6B shape prefilled in 1.95 s with it (and `moe_triton.combine_pairs`) against 3.16 s.
 
-Same arithmetic as `gated_delta.recurrent_gated_delta_step`, float32 throughout (the torch path
+A verify row (a decode and its drafts, engine.spec) takes the same kernel (`rows_in_place`): its
+program keeps the state tile in registers across the row's tokens, one decode step's arithmetic
+each, and writes the state after each position but the last to the verify workspace, from which
+the rollback takes the one after the last accepted token.
+
+Same arithmetic as `delta_rule.recurrent_gated_delta_step`, float32 throughout (the torch path
 rounds beta to the model dtype first; here it is not, at most half a bf16 unit of difference).
 """
 
@@ -137,7 +142,7 @@ def conv_in_place(
     return out
 
 
-def decode_in_place(
+def rows_in_place(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -148,21 +153,30 @@ def decode_in_place(
     pool: Tensor,
     slots: Tensor,
     keep: Tensor,
+    cu_lens: Tensor | None = None,
+    kept: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """One token per sequence -> o [B, Hv, Dv] in v's dtype. q, k [B, Hk, Dk], v [B, Hv, Dv]: the
-    conv's output before the L2 norm (unit last stride); a, b [B, Hv]: the gate projections before
-    their activations; a_log, dt_bias [Hv]; pool [S, Hv, Dk, Dv] float32, rows `slots` [B] read
-    and written in place; keep [B] bool: False starts that row from zero state."""
+    """A step of decode and verify rows -> o [T, Hv, Dv] in v's dtype. q, k [T, Hk, Dk], v [T, Hv,
+    Dv]: the conv's output before the L2 norm (unit last stride); a, b [T, Hv]: the gate
+    projections before their activations; a_log, dt_bias [Hv]; pool [S, Hv, Dk, Dv] float32, rows
+    `slots` [B] read and written in place; keep [B] bool: False starts that row from zero state.
+    Sequence i's tokens are rows [cu_lens[i], cu_lens[i+1]) (None: one each), run token by token.
+    kept (states [R, D, Hv, Dk, Dv] float32, row_of_seq [B]): sequence i with r = row_of_seq[i] >= 0
+    leaves the state after each of its positions but the last in states[r, 0 .. len - 2]."""
     assert triton is not None
-    batch, hk, dk = q.shape
+    tokens, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
+    batch = slots.shape[0]
     assert pool.dtype == torch.float32 and pool.is_contiguous() and pool.shape[1:] == (hv, dk, dv)
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and hv % hk == 0
-    out = torch.empty((batch, hv, dv), dtype=v.dtype, device=v.device)
+    assert cu_lens is not None or tokens == batch
+    out = torch.empty((tokens, hv, dv), dtype=v.dtype, device=v.device)
     if batch == 0:
         return out
+    states, row_of_seq = kept if kept is not None else (pool[:, None], slots)  # (unread without kept)
+    assert states.dtype == torch.float32 and states.is_contiguous() and states.shape[2:] == (hv, dk, dv)
     grid = (triton.cdiv(dv, BLOCK_V), batch * hv)
-    _gated_delta_decode_kernel[grid](
+    _gated_delta_rows_kernel[grid](
         q,
         k,
         v,
@@ -173,6 +187,9 @@ def decode_in_place(
         pool,
         slots,
         keep,
+        cu_lens if cu_lens is not None else slots,
+        states,
+        row_of_seq,
         out,
         q.stride(0),
         q.stride(1),
@@ -192,6 +209,9 @@ def decode_in_place(
         DV=dv,
         BLOCK_K=triton.next_power_of_2(dk),
         BLOCK_V=BLOCK_V,
+        ONE_TOKEN=cu_lens is None,
+        KEEP=kept is not None,
+        KEPT_LEN=states.shape[1],
         num_warps=4,
     )
     return out
@@ -328,7 +348,7 @@ if triton is not None:
         tl.store(rows + cols[None, :], new.to(pool.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _gated_delta_decode_kernel(
+    def _gated_delta_rows_kernel(
         q,
         k,
         v,
@@ -339,6 +359,9 @@ if triton is not None:
         pool,
         slots,
         keep,
+        cu_lens,
+        kept,
+        kept_row,
         out,
         q_tok,
         q_head,
@@ -358,35 +381,52 @@ if triton is not None:
         DV: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        ONE_TOKEN: tl.constexpr,
+        KEEP: tl.constexpr,
+        KEPT_LEN: tl.constexpr,
     ):
         col = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
         row = tl.program_id(1)
-        t = row // HV
+        seq = row // HV
         h = row % HV
         kh = h // GROUP
         dims = tl.arange(0, BLOCK_K)
         in_k = dims < DK
         in_v = col < DV
-
-        bq = tl.load(q + t * q_tok + kh * q_head + dims, mask=in_k, other=0.0).to(tl.float32)
-        bk = tl.load(k + t * k_tok + kh * k_head + dims, mask=in_k, other=0.0).to(tl.float32)
-        bq = bq / tl.sqrt(tl.sum(bq * bq) + eps) * scale
-        bk = bk / tl.sqrt(tl.sum(bk * bk) + eps)
-        bv = tl.load(v + t * v_tok + h * v_head + col, mask=in_v, other=0.0).to(tl.float32)
-
-        x = tl.load(a + t * a_tok + h * a_head).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        decay = tl.exp(-tl.exp(tl.load(a_log + h).to(tl.float32)) * softplus)
-        b_raw = tl.load(b + t * b_tok + h * b_head)
-        beta = tl.sigmoid(b_raw.to(tl.float32))
-
-        tile = pool + tl.load(slots + t).to(tl.int64) * (HV * DK * DV) + h * (DK * DV)
-        tile = tile + dims[:, None] * DV + col[None, :]
         inside = in_k[:, None] & in_v[None, :]
+        if ONE_TOKEN:
+            first = seq
+            last = seq + 1
+        else:
+            first = tl.load(cu_lens + seq)
+            last = tl.load(cu_lens + seq + 1)
+
+        tile = pool + tl.load(slots + seq).to(tl.int64) * (HV * DK * DV) + h * (DK * DV)
+        tile = tile + dims[:, None] * DV + col[None, :]
         s = tl.load(tile, mask=inside, other=0.0)
-        s = tl.where(tl.load(keep + t) != 0, s, 0.0) * decay
-        delta = (bv - tl.sum(s * bk[:, None], 0)) * beta
-        s = s + bk[:, None] * delta[None, :]
-        o = tl.sum(s * bq[:, None], 0)
-        tl.store(out + (t * HV + h) * DV + col, o.to(out.dtype.element_ty), mask=in_v)
+        s = tl.where(tl.load(keep + seq) != 0, s, 0.0)
+        if KEEP:  # this sequence's verify row (-1: none): the state after each position but the last
+            kept_at = tl.load(kept_row + seq)
+            kept_tile = kept + tl.maximum(kept_at, 0).to(tl.int64) * (KEPT_LEN * HV * DK * DV)
+            kept_tile = kept_tile + h * (DK * DV) + dims[:, None] * DV + col[None, :]
+        for t in range(first, last):
+            bq = tl.load(q + t * q_tok + kh * q_head + dims, mask=in_k, other=0.0).to(tl.float32)
+            bk = tl.load(k + t * k_tok + kh * k_head + dims, mask=in_k, other=0.0).to(tl.float32)
+            bq = bq / tl.sqrt(tl.sum(bq * bq) + eps) * scale
+            bk = bk / tl.sqrt(tl.sum(bk * bk) + eps)
+            bv = tl.load(v + t * v_tok + h * v_head + col, mask=in_v, other=0.0).to(tl.float32)
+
+            x = tl.load(a + t * a_tok + h * a_head).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+            decay = tl.exp(-tl.exp(tl.load(a_log + h).to(tl.float32)) * softplus)
+            beta = tl.sigmoid(tl.load(b + t * b_tok + h * b_head).to(tl.float32))
+
+            s = s * decay
+            delta = (bv - tl.sum(s * bk[:, None], 0)) * beta
+            s = s + bk[:, None] * delta[None, :]
+            o = tl.sum(s * bq[:, None], 0)
+            tl.store(out + (t * HV + h) * DV + col, o.to(out.dtype.element_ty), mask=in_v)
+            if KEEP:
+                at = kept_tile + (t - first).to(tl.int64) * (HV * DK * DV)
+                tl.store(at, s, mask=inside & (kept_at >= 0) & (t < last - 1))
         tl.store(tile, s, mask=inside)

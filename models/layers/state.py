@@ -86,7 +86,13 @@ class PagedKV(LayerState):
 class RecurrentState(LayerState):
     """A linear-attention / SSM layer's fixed-size state: conv window [num_slots, *conv_shape] in the
     model dtype and recurrent state [num_slots, *state_shape] in float32 (as the reference keeps it:
-    the recurrence accumulates over the whole sequence and bf16 would drift)."""
+    the recurrence accumulates over the whole sequence and bf16 would drift).
+
+    Beside them, sized at load for verify steps of up to `verify_rows` drafting sequences of up to
+    `drafts` drafts each (engine.spec): per verify row, the state after each of its first `drafts`
+    positions (`kept_states`, the step writes them) and its conv inputs, the K-1 saved before the
+    step then its first `drafts` tokens' (`kept_inputs`), since the conv state after position j is
+    the last K-1 inputs up to j. `roll_back` takes a slot back to one of them."""
 
     def __init__(
         self,
@@ -96,15 +102,21 @@ class RecurrentState(LayerState):
         dtype: torch.dtype,
         device: torch.device | str,
         state_dtype: torch.dtype = torch.float32,
+        verify_rows: int = 0,
+        drafts: int = 0,
     ) -> None:
         if num_slots <= 0:
             raise ValueError(f"RecurrentState needs num_slots > 0, got {num_slots}")
         self.conv = torch.zeros((num_slots, *conv_shape), dtype=dtype, device=device)
         self.recurrent = torch.zeros((num_slots, *state_shape), dtype=state_dtype, device=device)
+        rows = verify_rows if drafts else 0
+        self.kept_states = torch.zeros((rows, drafts, *state_shape), dtype=state_dtype, device=device)
+        inputs = (*conv_shape[:-1], conv_shape[-1] + drafts)
+        self.kept_inputs = torch.zeros((rows, *inputs), dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
-        return self.conv.nbytes + self.recurrent.nbytes
+        return self.conv.nbytes + self.recurrent.nbytes + self.kept_states.nbytes + self.kept_inputs.nbytes
 
     def reset(self, slots: Tensor) -> None:
         # Unlike KV, this state is read whole at every step, so a new sequence must start from zero.
@@ -123,6 +135,24 @@ class RecurrentState(LayerState):
         self.conv[slot].copy_(saved[0], non_blocking=True)
         self.recurrent[slot].copy_(saved[1], non_blocking=True)
 
+    def keep_inputs(self, slots: Tensor, x: Tensor) -> None:
+        """A verify step, before its conv: verify row i keeps slot slots[i]'s saved inputs and x[i]
+        [n, C], its first n tokens' conv inputs."""
+        rows, n = x.shape[0], x.shape[1]
+        if rows > self.kept_states.shape[0] or n > self.kept_states.shape[1]:
+            raise ValueError(
+                f"a verify step of {rows} rows of up to {n} drafts; the workspace holds "
+                f"{self.kept_states.shape[0]} of {self.kept_states.shape[1]}"
+            )
+        hist = self.conv.shape[-1]
+        self.kept_inputs[:rows, ..., :hist] = self.conv.index_select(0, slots)
+        self.kept_inputs[:rows, ..., hist : hist + n] = x.transpose(1, 2)
+
+    def roll_back(self, slot: int, row: int, position: int) -> None:
+        hist = self.conv.shape[-1]
+        self.recurrent[slot].copy_(self.kept_states[row, position])
+        self.conv[slot].copy_(self.kept_inputs[row, ..., position + 1 : position + 1 + hist])
+
 
 def build_states(
     specs: Sequence[LayerSpec],
@@ -130,8 +160,10 @@ def build_states(
     store: PagedAttentionBackend | KVStore | None,
     device: torch.device | str,
     dtype: torch.dtype,
+    verify: tuple[int, int] = (0, 0),
 ) -> list[LayerState]:
-    """One state per decoder layer by its spec: a `PagedKV` over one backend, or a `RecurrentState`."""
+    """One state per decoder layer by its spec: a `PagedKV` over one backend, or a `RecurrentState`
+    (with a verify workspace of verify = (rows, drafts), `RecurrentState`'s doc)."""
     states: list[LayerState] = []
     attn = 0
     for spec in specs:
@@ -145,7 +177,9 @@ def build_states(
         elif isinstance(spec, RecurrentStateSpec):
             state_dtype = torch.float32 if spec.state_dtype_bytes == 4 else dtype
             states.append(
-                RecurrentState(num_slots, spec.conv_shape, spec.state_shape, dtype, device, state_dtype)
+                RecurrentState(
+                    num_slots, spec.conv_shape, spec.state_shape, dtype, device, state_dtype, *verify
+                )
             )
         else:
             raise TypeError(f"no state kind for spec {spec!r}")

@@ -3,7 +3,7 @@
 # image lacks come from .whl (../shared/tools/gpu-wheels.sh), the Triton cache stays in /tmp while
 # the machine is warm. Usage: tests/gpu/run_on_device.sh squeeze|hang-fit|fit|suite-a|suite-b|suite-c|spec [pytest args]
 #   (suite-a, -b, -c: the test files in three contiguous thirds, each well inside one call's 600 s)
-#   tests/gpu/run_on_device.sh compare BASE profile|paged|serve: one bench on the package root BASE
+#   tests/gpu/run_on_device.sh compare BASE profile|paged|serve|spec: one bench on the package root BASE
 #   (another commit: mkdir BASE && git archive COMMIT | tar -x -C BASE), then on this tree, in one
 #   call; each side's JSON under $OUT as BENCH_base.json / BENCH_new.json (PROFILE_MODELS: the
 #   profile's models, default llama-8b qwen3-next-6b)
@@ -66,11 +66,15 @@ case "$mode" in
     sel=$(echo "$files" | tail -n +$((k * third + 1)) | head -n $third)
     python3 -m pytest -v -rfE -p no:cacheprovider --durations=15 -o addopts="" $sel "$@" 2>&1 | tee $out/$mode.log | tail -40
     ;;
-  spec)  # issue 49: the spec-decode GPU tests (the 6.2B's greedy parity with drafts among them),
-    # then the oracle-drafter bench (bench/spec_oracle.py) on the 6.2B and on the 80B FP8, each in
-    # its own process and file, so a cold 80B load cut by its timeout keeps the 6.2B's row
-    timeout ${SPEC_TEST_S:-100} python3 -m pytest -v -rfE -p no:cacheprovider --durations=8 -o addopts="" \
-      tests/gpu/test_spec_decode_cuda.py 2>&1 | tee $out/spec_tests.log | tail -22
+  spec)  # issue 49: the spec-decode GPU tests (the 6.2B's greedy parity with drafts among them; the
+    # Triton kernel's verify rows keeping their per-position states, s28), then the oracle-drafter
+    # bench (bench/spec_oracle.py) on the 6.2B and on the 80B FP8, each in its own process and file,
+    # so a cold 80B load cut by its timeout keeps the 6.2B's row
+    timeout ${SPEC_TEST_S:-120} python3 -m pytest -v -rfE -p no:cacheprovider --durations=8 -o addopts="" \
+      tests/gpu/test_spec_decode_cuda.py \
+      tests/gpu/test_gated_delta_decode_cuda.py::test_verify_rows_keep_the_state_after_each_position \
+      tests/gpu/test_gated_delta_decode_cuda.py::test_a_verify_row_through_the_model_keeps_what_decode_steps_reach \
+      2>&1 | tee $out/spec_tests.log | tail -24
     # the 6.2B in float32: in bf16 its first verify step parted from the oracle's text (a tie of
     # random weights) and every draft after it was rejected (s26, H100)
     timeout ${SPEC_6B_S:-90} python3 -m ballast.bench.spec_oracle --models qwen3-next-6b --dtype float32 \
@@ -87,6 +91,7 @@ case "$mode" in
         profile) set -- decode_profile --models ${PROFILE_MODELS:-llama-8b qwen3-next-6b} --batch 1 32 --no-eager ;;
         paged) set -- paged_decode --quick --models llama-8b qwen3-next --no-reference ;;
         serve) set -- gpu_serve --quick --shape llama-3b --reference none --no-engine-rate ;;
+        spec) set -- spec_oracle --models qwen3-next-6b --dtype float32 ;;  # s28: the rollback's A/B
       esac
       echo "== $1 $name"
       (cd $dir && PYTHONPATH=/tmp/site:$dir timeout ${SIDE_S:-280} python3 -m ballast.bench."$@" --out $out/$1_$name.json 2>&1 | tail -${TAIL:-14})

@@ -59,7 +59,7 @@ SHAPES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"b{s[0]}-hk{s[1]}-hv{s[2]}-d{s[3]}x{s[4]}" for s in SHAPES])
-def test_decode_in_place_matches_the_torch_rule(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+def test_a_decode_step_in_place_matches_the_torch_rule(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     batch, hk, hv, dk, dv = shape
     # scattered rows of a pool larger than the batch, no repeats
     slots = torch.randperm(batch + 4, generator=torch.Generator().manual_seed(batch))[:batch].tolist()
@@ -67,7 +67,7 @@ def test_decode_in_place_matches_the_torch_rule(shape: tuple[int, ...], dtype: t
     want_o, want_pool = _reference(c)
     untouched = [r for r in range(c["pool"].shape[0]) if r not in slots]
     before = c["pool"][untouched].clone()
-    o = gated_delta_triton.decode_in_place(**c)
+    o = gated_delta_triton.rows_in_place(**c)
     assert o.dtype == dtype and o.shape == (batch, hv, dv)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(o.float(), want_o.float(), atol=tol, rtol=tol)
@@ -81,10 +81,40 @@ def test_a_fresh_row_ignores_what_its_slot_held() -> None:
     c = _case(3, 2, 4, 64, 64, torch.float32, [0, 1, 2])
     c["pool"][1] = float("nan")  # row 1 is fresh (keep[1] is False)
     want_o, want_pool = _reference({**c, "pool": torch.nan_to_num(c["pool"])})
-    o = gated_delta_triton.decode_in_place(**c)
+    o = gated_delta_triton.rows_in_place(**c)
     assert torch.isfinite(o).all() and torch.isfinite(c["pool"][1]).all()
     torch.testing.assert_close(o, want_o, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(c["pool"], want_pool, atol=1e-4, rtol=1e-4)
+
+
+def test_verify_rows_keep_the_state_after_each_position() -> None:
+    """A step of verify rows (a decode and its drafts) beside a plain decode, in the one kernel:
+    each row runs token by token from its slot's state, as that many decode steps would, and a
+    verify row leaves the state after each of its positions but the last in its workspace row;
+    what the rollback copies back. Against the torch rule, token by token."""
+    lens, rows = [3, 1, 4], [0, -1, 1]  # a verify row of 2 drafts, a decode, one of 3 drafts
+    c = _case(sum(lens), 2, 4, 16, 40, torch.float32, [5, 0, 2, 3, 4, 1, 6, 7])  # v past one block
+    c["slots"], c["keep"] = (
+        torch.tensor([2, 0, 5], device=DEVICE),
+        torch.ones(3, dtype=torch.bool, device=DEVICE),
+    )
+    kept = torch.full((2, 3, 4, 16, 40), float("nan"), device=DEVICE)  # unwritten places stay NaN
+    pool = c["pool"].clone()
+    cu = torch.tensor([0, 3, 4, 8], device=DEVICE)
+    o = gated_delta_triton.rows_in_place(**c, cu_lens=cu, kept=(kept, torch.tensor(rows, device=DEVICE)))
+    g = -c["a_log"].float().exp() * F.softplus(c["a"].float() + c["dt_bias"].float())
+    beta = c["b"].float().sigmoid()
+    for i, (n, row) in enumerate(zip(lens, rows, strict=True)):
+        s = pool[c["slots"][i]][None]
+        for j, t in enumerate(range(int(cu[i]), int(cu[i]) + n)):
+            want, s = recurrent_gated_delta_step(
+                c["q"][t : t + 1], c["k"][t : t + 1], c["v"][t : t + 1], g[t : t + 1], beta[t : t + 1], s
+            )
+            torch.testing.assert_close(o[t : t + 1], want, atol=1e-5, rtol=1e-5)
+            if row >= 0 and j < n - 1:
+                torch.testing.assert_close(kept[row, j], s[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c["pool"][c["slots"][i]], s[0], atol=1e-5, rtol=1e-5)
+    assert kept[0, 2].isnan().all()  # the 2-draft row keeps two states, no more
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -156,3 +186,45 @@ def test_conv_in_place_matches_the_torch_conv_over_a_step_of_chunks(
     torch.testing.assert_close(out.float(), want_out.float(), atol=tol, rtol=tol)
     assert torch.equal(pool[slots], want_state)  # the last K-1 inputs, bit for bit
     assert torch.equal(pool[untouched], others)
+
+
+def test_a_verify_row_through_the_model_keeps_what_decode_steps_reach(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The layer's CUDA path end to end (the conv in place, the rule in place, the workspace):
+    tiny Qwen3-Next, a prompt, then its next three tokens either as three decode steps or as one
+    verify row; the verify row's kept states after each position are the decode steps' states
+    (the recurrent state, and the conv window its kept inputs give), which the rollback copies."""
+    from ballast.engine.runner.model_runner import ModelRunner
+    from ballast.engine.workspace import VerifySize
+    from ballast.models.arch.builtin import builtin_config, init_random
+    from ballast.models.arch.registry import build_model
+    from ballast.models.base import StepBatch
+    from ballast.models.layers.state import RecurrentState
+
+    monkeypatch.setattr(gated_delta_triton, "available", lambda x: True)  # the interpreter's CPU too
+    model = build_model(builtin_config("tiny-qwen3-next"))
+    init_random(model, seed=0)
+    model.to(DEVICE)
+    prompt, nexts = list(range(3, 12)), [40, 41, 42]
+
+    def runner() -> tuple[ModelRunner, list[RecurrentState]]:
+        r = ModelRunner(model, DEVICE, torch.float32, 2, 32, False, 0, verify=VerifySize(1, len(nexts)))
+        assert r.kv is not None and r.kv.ensure(0, 16)
+        r.forward([(0, prompt, 0)])
+        return r, [s for s in r.states if isinstance(s, RecurrentState)]
+
+    plain, plain_states = runner()
+    after = []
+    for j, token in enumerate([7, *nexts[:-1]]):
+        plain.forward([(0, [token], len(prompt) + j)])
+        after.append([(s.recurrent[0].clone(), s.conv[0].clone()) for s in plain_states])
+    drafting, kept = runner()
+    batch = StepBatch.of([(0, [7, *nexts], len(prompt))], all_logits=(True,))
+    batch.verify = (True,)
+    drafting.forward(batch)
+    hist = kept[0].conv.shape[-1]
+    for j in range(len(nexts)):
+        for s, (recurrent, conv) in zip(kept, after[j], strict=True):
+            torch.testing.assert_close(s.kept_states[0, j], recurrent, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(s.kept_inputs[0, :, j + 1 : j + 1 + hist], conv, atol=1e-5, rtol=1e-5)

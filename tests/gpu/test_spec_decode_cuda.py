@@ -1,5 +1,6 @@
 """On CUDA: a verify step rejected at any position leaves the no-draft run's recurrent states and
-next tokens (tiny Qwen3-Next, float32), and drafting on gives the greedy text of drafting off through
+next tokens (tiny Qwen3-Next, float32: the states its verify step kept in the Triton kernel, copied
+back), and drafting on gives the greedy text of drafting off through
 the scheduler (tiny models in float32; the 6.2B Qwen3-Next cut in bfloat16), with prompt lookup and
 with the MTP layer's drafts. Skips without CUDA."""
 
@@ -15,6 +16,8 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan, StepResult
+from ballast.engine.workspace import VerifySize
+from ballast.models.layers.state import RecurrentState
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.request import GenerationRequest
 from ballast.scheduler.scheduler import Scheduler
@@ -46,6 +49,7 @@ def load(model: str, dtype: str, mtp_drafts: int = 0) -> Engine:
             prefill_chunk_tokens=128,
         ),
         mtp_drafts=mtp_drafts,
+        verify=VerifySize(4, 4),  # 4 streams of up to 4 drafts: the rollback's per-position states
     )
 
 
@@ -133,6 +137,11 @@ def test_a_rejected_draft_leaves_the_states_of_the_run_without_drafts(accepted: 
         assert [o.token_id for o in res.outputs] == want[1 : accepted + 2]
         for ours, theirs in zip(states(), after[accepted], strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        recurrent = [s for s in engine.runner.states if isinstance(s, RecurrentState)]
+        if accepted < K:  # the state the verify step kept after its last accepted position
+            assert recurrent and all(
+                torch.equal(s.recurrent[SLOT], s.kept_states[0, accepted]) for s in recurrent
+            )
     finally:
         engine.shutdown()
 

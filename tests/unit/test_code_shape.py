@@ -120,6 +120,14 @@ MAX_WING_LINES = (
     # (184 of the H100 squeeze's 192 refused); the working set kept against the blocks sequences
     # hold, not a step-old figure that gave it all back when its last requests ended together
     + 9
+    # issue 49, s28: a hybrid's rejected drafts rolled back to the state its verify step kept after
+    # the last accepted token (a verify row runs the rule token by token, in torch and in the Triton
+    # decode kernel, into a workspace sized at load and leased with the slot states), in place of
+    # restoring a copy and running a second forward over the accepted tokens (start-up's warm-up
+    # runs a verify step so its kernel variant compiles before /ready; the load's fit counts the
+    # workspace); the rule's torch and fla forms moved to models/blocks/delta_rule.py to keep
+    # gated_delta.py under 400 lines
+    + 294
 )
 
 

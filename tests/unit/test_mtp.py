@@ -22,6 +22,7 @@ from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.engine.runner.loading import ModelSpecError
+from ballast.engine.workspace import VerifySize
 from ballast.models.arch.builtin import build_builtin, builtin_config
 from ballast.models.arch.qwen3_next import Qwen3NextForCausalLM
 from ballast.models.base import ForwardBatch
@@ -156,6 +157,7 @@ def engine() -> Iterator[Engine]:
     eng = Engine.load(
         EngineConfig(model=MODEL, device="cpu", max_num_seqs=4, max_model_len=128, prefill_chunk_tokens=16),
         mtp_drafts=K,
+        verify=VerifySize(4, K),
     )
     yield eng
     eng.shutdown()

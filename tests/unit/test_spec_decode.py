@@ -53,7 +53,10 @@ def tiny(model: str, **kw: object) -> Engine:
         "prefill_chunk_tokens": 256,
     }
     base.update(kw)
-    return Engine.load(EngineConfig(**base))  # type: ignore[arg-type]
+    config = EngineConfig(**base)  # type: ignore[arg-type]
+    spec = parse_speculative_config(NGRAM)
+    assert spec is not None  # a hybrid's rejected drafts roll back to the states its verify step kept
+    return Engine.load(config, verify=spec.verify_size(config.max_num_seqs))
 
 
 def looping_prompt(seed: int, span: int = 10, times: int = 3) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """A verify step's rollback on real built-in models (CPU, float32): whatever position a draft is
 rejected at, the slot ends with the recurrent states, KV blocks and fed record of the run that
-never drafted, and goes on to emit the same tokens."""
+never drafted, and goes on to emit the same tokens: the hybrid's from the states its verify step
+kept, copied back (no second forward)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,13 @@ from ballast.engine.plan import (
     StepPlan,
     StepResult,
 )
+from ballast.engine.workspace import VerifySize
+from ballast.models.layers.state import RecurrentState
+from ballast.scheduler.config import SchedulerConfig
+from ballast.scheduler.scheduler import Scheduler
 from memfixtures import limited_grants
+
+from ballast.settings import ConfigError
 
 GREEDY = SamplingParams(temperature=0.0)
 K = 3
@@ -32,7 +39,8 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     eng = Engine.load(
         EngineConfig(
             model=request.param, device="cpu", max_num_seqs=2, max_model_len=64, prefill_chunk_tokens=32
-        )
+        ),
+        verify=VerifySize(1, K),
     )
     yield eng
     eng.shutdown()
@@ -70,24 +78,33 @@ def reference(engine: Engine, steps: int) -> tuple[list[int], list[list[torch.Te
     return tokens, after
 
 
-@pytest.mark.parametrize("accepted", [0, 1, K - 1, K])
+@pytest.mark.parametrize(
+    ("accepted", "all_wrong"), [(0, True), (0, False), (1, False), (K - 1, False), (K, False)]
+)
 def test_a_rejection_at_any_position_leaves_the_states_of_the_run_without_drafts(
-    engine: Engine, accepted: int
+    engine: Engine, accepted: int, all_wrong: bool
 ) -> None:
     want, want_states = reference(engine, K + 4)
     first = start(engine)
     assert first == want[0]
-    # Drafts: the true continuation, wrong from position `accepted` on.
+    # Drafts: the true continuation, wrong at position `accepted` (all_wrong: at every position).
     draft = tuple(want[1 : 1 + K])
     if accepted < K:
-        draft = (*draft[:accepted], (draft[accepted] + 1) % 200, *draft[accepted + 1 :])
+        draft = tuple((t + 1) % 200 if j == accepted or all_wrong else t for j, t in enumerate(draft))
     pos = len(prompt())
     res = run(engine, StepPlan(decodes=(DecodeToken(SLOT, first, pos, draft),), sampling={SLOT: GREEDY}))
     got = [o.token_id for o in res.outputs]
     assert got == want[1 : accepted + 2]  # the accepted drafts, then the target's own token
     fed = pos + 1 + accepted  # positions the slot now holds
+    # Not bit for bit: the verify row's projections multiply 4 rows at once, which the CPU's
+    # matmul rounds otherwise than 1 row (1.2e-7 seen); the rule itself keeps a decode step's bits
+    # (test_verify_states.py).
     for ours, theirs in zip(states(engine), want_states[accepted], strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    if accepted < K and engine.recurrent_state:  # the state is the one the verify step kept
+        kept = [s.kept_states[0, accepted] for s in engine.runner.states if isinstance(s, RecurrentState)]
+        recurrent = [s.recurrent[SLOT] for s in engine.runner.states if isinstance(s, RecurrentState)]
+        assert kept and all(torch.equal(a, b) for a, b in zip(kept, recurrent, strict=True))
     kv = engine.runner.kv
     if kv is not None:
         assert len(kv.table(SLOT)) == blocks_for(fed, kv.layout.block_size)
@@ -166,5 +183,27 @@ def test_a_drafting_row_preempted_for_blocks_runs_none_of_its_draft() -> None:
             eng, StepPlan(decodes=(DecodeToken(1, want[0], n, tuple(want[1 : K + 1])),), sampling={1: GREEDY})
         )
         assert [o.token_id for o in res.outputs] == want[1:]
+    finally:
+        eng.shutdown()
+
+
+def test_a_hybrid_without_a_verify_workspace_refuses_drafts() -> None:
+    """Its rejected drafts would have no state to go back to: a scheduler that would draft refuses
+    to start on it, and a drafting step handed to it fails for its sequence alone."""
+    eng = Engine.load(
+        EngineConfig(model="builtin:tiny-qwen3-next", device="cpu", max_num_seqs=2, max_model_len=64)
+    )
+    try:
+        with pytest.raises(ConfigError, match="keeps 0 of 0"):
+            Scheduler(eng, SchedulerConfig(max_num_seqs=2, speculative_config='{"method": "ngram"}'))
+        first = start(eng)
+        with pytest.raises(StepFailed, match="Engine.load"):
+            run(
+                eng,
+                StepPlan(
+                    decodes=(DecodeToken(SLOT, first, len(prompt()), (first,)),), sampling={SLOT: GREEDY}
+                ),
+            )
+        assert eng.healthy
     finally:
         eng.shutdown()

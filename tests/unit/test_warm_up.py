@@ -7,8 +7,10 @@ import pytest
 import torch
 from ballast.engine.runner.model_runner import ModelRunner
 from ballast.engine.runner.warm_up import SHAPES, Step, kind, model_sizes, size_classes, steps, warm_up
+from ballast.engine.workspace import VerifySize
 from ballast.models.arch.builtin import BUILTIN, init_random
 from ballast.models.arch.registry import build_model
+from ballast.models.layers.state import RecurrentState
 
 CPU = torch.device("cpu")
 
@@ -86,12 +88,13 @@ def test_steps_run_each_size_in_every_shape_within_the_slots() -> None:
 def test_warm_up_runs_its_steps_on_the_runner_and_leaves_no_trace() -> None:
     """The real runner (tiny hybrid MoE: attention KV in the pool, recurrent states per slot):
     after warm-up no slot holds a block, the pool holds what it held, and a prompt's logits equal
-    a fresh runner's (every state it touched is reset)."""
+    a fresh runner's (every state it touched is reset). Loaded for verify steps, it runs one too
+    (its recurrent layers keep per-position states)."""
     model = build_model(BUILTIN["tiny-qwen3-next"])
     init_random(model, 0)
 
     def runner() -> ModelRunner:
-        return ModelRunner(model, CPU, torch.float32, 3, 64, False, 0)
+        return ModelRunner(model, CPU, torch.float32, 3, 64, False, 0, verify=VerifySize(2, 3))
 
     warmed, fresh = runner(), runner()
     assert warmed.kv_manager is not None
@@ -103,6 +106,8 @@ def test_warm_up_runs_its_steps_on_the_runner_and_leaves_no_trace() -> None:
     assert max(s.chunk for s in plan) == 2 and {s.prompts for s in plan} == {1, 2}
     assert max(s.decodes for s in plan) >= 1
     assert all(warmed.kv_manager.held(s) == 0 for s in range(3))
+    kept = [s.kept_states for s in warmed.states if isinstance(s, RecurrentState)]
+    assert kept and all(k[0, :3].any() and not k[1].any() for k in kept)  # one verify row of 3 drafts
     assert [p.bytes_held for p in warmed.pools] == held
     prompt = [(1, list(range(3, 30)), 0)]
     for r in (warmed, fresh):
