@@ -22,7 +22,7 @@
 #endif
 
 #define BLOCK 32
-#define ROWS 4
+#define ROWS 8  /* rows a pass over a weight block serves: a verify step of up to 8 at once */
 /* Bytes ahead of the block in hand that a step asks the memory for: one thread's loads alone
    leave DRAM idle between misses (3072 x 576 Q4, one row, weights not cached: 0.35 ms with no
    prefetch, 0.11 ms at 4 KiB). */
@@ -129,14 +129,15 @@ static inline float vhsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* Each 8 bytes widened to 32-bit lanes straight from memory, then their low and high nibbles. */
 static inline void unpack_q4(const uint8_t *q, vec w[NV]) {
-    __m128i bytes = _mm_loadu_si128((const __m128i *)q);
-    __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+    __m256i low = _mm256_set1_epi32(0x0F);
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low));
+    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
+    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 }
 
 static inline void unpack_q8(const int8_t *q, vec w[NV]) {
@@ -145,46 +146,61 @@ static inline void unpack_q8(const int8_t *q, vec w[NV]) {
 }
 #endif
 
-/* y[r][i] for rows r0 .. r0 + nr - 1 (nr <= ROWS) of one output's blocks (q4 or q8). */
+/* y[r][i] for rows r0 .. r0 + NR - 1 (NR <= ROWS, a constant in each copy) of one output's blocks
+   (q4 or q8). Each block's weights are made the dense path's float32 values once (Q4 d q + m, two
+   roundings; Q8 d q), then each row sums its 32 products in 4 lanes-wide chains, added to its
+   accumulator a block: the same arithmetic whichever rows share the call. */
 static inline __attribute__((always_inline)) void dot_rows(const float *x, const float *xs, int64_t k,
-                                                           int64_t r0, int nr, const q4_block *q4,
+                                                           int64_t r0, const int NR, const q4_block *q4,
                                                            const q8_block *q8, float *out) {
+    (void)xs;
     int64_t nb = k / BLOCK;
     vec acc[ROWS];
-    float shift[ROWS];
-    for (int r = 0; r < nr; r++) {
-        acc[r] = vzero();
-        shift[r] = 0.0f;
-    }
+    for (int r = 0; r < NR; r++) acc[r] = vzero();
     for (int64_t b = 0; b < nb; b++) {
         vec w[NV];
-        float d, m = 0.0f;
         if (q4) {
             __builtin_prefetch((const char *)(q4 + b) + PREFETCH);
             unpack_q4(q4[b].qs, w);
-            d = q4[b].d;
-            m = q4[b].m;
+            vec d = vset1(q4[b].d), m = vset1(q4[b].m);
+            for (int j = 0; j < NV; j++) w[j] = vfma(w[j], d, m);  /* = fl(fl(d q) + m): d q is exact */
         } else {
             __builtin_prefetch((const char *)(q8 + b) + PREFETCH);
             unpack_q8(q8[b].q, w);
-            d = q8[b].d;
+            vec d = vset1(q8[b].d);
+            for (int j = 0; j < NV; j++) w[j] = vmul(w[j], d);
         }
-        vec scale = vset1(d);
-        for (int r = 0; r < nr; r++) {
+        for (int r = 0; r < NR; r++) {
             const float *v = x + (r0 + r) * k + b * BLOCK;
             vec s = vmul(w[0], vload(v));
             for (int j = 1; j < NV; j++) s = vfma(w[j], vload(v + LANES * j), s);
-            acc[r] = vfma(s, scale, acc[r]);
-            if (q4) shift[r] += m * xs[(r0 + r) * nb + b];
+            acc[r] = vadd(acc[r], s);
         }
     }
-    for (int r = 0; r < nr; r++) out[r] = vhsum(acc[r]) + shift[r];
+    for (int r = 0; r < NR; r++) out[r] = vhsum(acc[r]);
 }
+
+/* One copy a row count and type (each unrolled over its rows, with its own registers). */
+typedef void (*dot_fn)(const float *, const float *, int64_t, int64_t, const q4_block *, const q8_block *, float *);
+#define DOT_COPIES(c) \
+    static __attribute__((noinline)) void dot_q4_##c(const float *x, const float *xs, int64_t k, int64_t r0, \
+                                                     const q4_block *q4, const q8_block *q8, float *out) { \
+        (void)q8; \
+        dot_rows(x, xs, k, r0, c, q4, 0, out); \
+    } \
+    static __attribute__((noinline)) void dot_q8_##c(const float *x, const float *xs, int64_t k, int64_t r0, \
+                                                     const q4_block *q4, const q8_block *q8, float *out) { \
+        (void)q4; \
+        dot_rows(x, xs, k, r0, c, 0, q8, out); \
+    }
+DOT_COPIES(1) DOT_COPIES(2) DOT_COPIES(3) DOT_COPIES(4) DOT_COPIES(5) DOT_COPIES(6) DOT_COPIES(7) DOT_COPIES(8)
+#undef DOT_COPIES
+static const dot_fn dot_q4[ROWS + 1] = {0, dot_q4_1, dot_q4_2, dot_q4_3, dot_q4_4, dot_q4_5, dot_q4_6, dot_q4_7, dot_q4_8};
+static const dot_fn dot_q8[ROWS + 1] = {0, dot_q8_1, dot_q8_2, dot_q8_3, dot_q8_4, dot_q8_5, dot_q8_6, dot_q8_7, dot_q8_8};
 
 static void matmul(const float *x, int64_t rows, int64_t k, const q4_block *q4, const q8_block *q8, int64_t n,
                    float *y, float *xs, int threads) {
     int64_t nb = k / BLOCK;
-    if (q4) block_sums(x, rows, k, xs);
     double done = 0.0;
 #pragma omp parallel num_threads(threads)
     {
@@ -193,11 +209,8 @@ static void matmul(const float *x, int64_t rows, int64_t k, const q4_block *q4, 
             for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
                 int nr = rows - r0 < ROWS ? (int)(rows - r0) : ROWS;
                 float out[ROWS];
-                const q4_block *w4 = q4 ? q4 + i * nb : 0;
-                const q8_block *w8 = q8 ? q8 + i * nb : 0;
-                if (nr == 1 && w4) dot_rows(x, xs, k, r0, 1, w4, 0, out);  /* specialised: one decode row */
-                else if (nr == 1) dot_rows(x, xs, k, r0, 1, 0, w8, out);
-                else dot_rows(x, xs, k, r0, nr, w4, w8, out);
+                if (q4) dot_q4[nr](x, xs, k, r0, q4 + i * nb, 0, out);
+                else dot_q8[nr](x, xs, k, r0, 0, q8 + i * nb, out);
                 for (int r = 0; r < nr; r++) y[(r0 + r) * n + i] = out[r];
             }
         }
