@@ -317,53 +317,106 @@ static void rope(float *x, int64_t heads, int64_t dim, const float *cos, const f
     }
 }
 
-/* Query heads g * group .. of one token, at cached positions 0 .. ctx - 1 (block ids `tab`), over
-   KV head g of layer `kvl`. scores: group * ctx floats of scratch. */
-static void attend(const llama_stack *s, const float *kvl, const int32_t *tab, int64_t ctx, const float *q,
-                   int64_t g, float *out, float *scores) {
-    int64_t dim = s->head_dim, group = s->heads / s->kv_heads, row = 2 * s->kv_heads * dim, bs = s->block_size;
-    for (int64_t p = 0; p < ctx; p++) {
-        const float *k = kvl + ((int64_t)tab[p / bs] * bs + p % bs) * row + g * dim;
-        for (int64_t j = 0; j < group; j++) scores[j * ctx + p] = dot(q + (g * group + j) * dim, k, dim) * s->scale;
+/* The cached positions of a sequence in order, block by block (no division a position). */
+typedef struct {
+    const float *kvl;
+    const int32_t *tab;
+    int64_t bs, row, blk, off;
+} walk;
+
+static inline const float *next_position(walk *w) {
+    const float *at = w->kvl + ((int64_t)w->tab[w->blk] * w->bs + w->off) * w->row;
+    if (++w->off == w->bs) w->off = 0, w->blk++;
+    return at;
+}
+
+/* Query head qj (of KV head g) of one token, at cached positions 0 .. ctx - 1 (block ids `tab`) of
+   layer `kvl`, into out [dim]. e: ctx floats of scratch. A row's result depends only on its own
+   query and positions (the same whichever rows share the step). */
+static void attend(const llama_stack *s, const float *kvl, const int32_t *tab, int64_t ctx, const float *qj,
+                   int64_t g, float *out, float *e) {
+    int64_t dim = s->head_dim, bs = s->block_size;
+    const walk start = {kvl, tab, bs, 2 * s->kv_heads * dim, 0, 0};
+    walk w = start;
+    int64_t p = 0;
+    for (; p + 8 <= ctx; p += 8) {  /* 8 positions' dots at once: 8 chains of FMAs, one reduction */
+        __m256 a[8];
+        const float *k[8];
+        for (int i = 0; i < 8; i++) k[i] = next_position(&w) + g * dim;
+        for (int i = 0; i < 8; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(qj), _mm256_loadu_ps(k[i]));
+        for (int64_t d = 8; d < dim; d += 8) {
+            __m256 qd = _mm256_loadu_ps(qj + d);
+            for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[i] + d), a[i]);
+        }
+        __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+        __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+        _mm256_storeu_ps(e + p, _mm256_mul_ps(sum, _mm256_set1_ps(s->scale)));
     }
-    for (int64_t j = 0; j < group; j++) {
-        float *e = scores + j * ctx, top = e[0], total = 0.0f;
-        for (int64_t p = 1; p < ctx; p++) top = e[p] > top ? e[p] : top;
-        int64_t p = 0;
-        for (; p + LANES <= ctx; p += LANES) vstore(e + p, vexp(vadd(vload(e + p), vset1(-top))));
-        if (p < ctx) {
-            float tail[LANES] = {0};
-            for (int64_t i = p; i < ctx; i++) tail[i - p] = e[i] - top;
-            vstore(tail, vexp(vload(tail)));
-            for (int64_t i = p; i < ctx; i++) e[i] = tail[i - p];
-        }
-        for (p = 0; p < ctx; p++) total += e[p];
-        vec acc[512 / LANES];
-        for (int64_t i = 0; i < dim / LANES; i++) acc[i] = vzero();
-        for (p = 0; p < ctx; p++) {
-            const float *v = kvl + ((int64_t)tab[p / bs] * bs + p % bs) * row + (s->kv_heads + g) * dim;
-            vec w = vset1(e[p]);
-            for (int64_t i = 0; i < dim / LANES; i++) acc[i] = vfma(w, vload(v + LANES * i), acc[i]);
-        }
-        float *o = out + (g * group + j) * dim;
-        for (int64_t i = 0; i < dim / LANES; i++) vstore(o + LANES * i, vdiv(acc[i], vset1(total)));
+    for (; p < ctx; p++) e[p] = dot(qj, next_position(&w) + g * dim, dim) * s->scale;
+    /* softmax: the largest (any order gives it), then e^(x - top) and their sum lane by lane */
+    int64_t full = ctx / LANES * LANES;
+    float top = e[0], total;
+    if (full) {
+        vec m = vload(e);
+        for (p = LANES; p < full; p += LANES) m = vmax(m, vload(e + p));
+        float lanes[LANES];
+        vstore(lanes, m);
+        for (int i = 0; i < LANES; i++) top = lanes[i] > top ? lanes[i] : top;
+    }
+    for (p = full; p < ctx; p++) top = e[p] > top ? e[p] : top;
+    vec sums = vzero();
+    for (p = 0; p < full; p += LANES) {
+        vec x = vexp(vadd(vload(e + p), vset1(-top)));
+        vstore(e + p, x);
+        sums = vadd(sums, x);
+    }
+    total = vhsum(sums);
+    if (p < ctx) {
+        float tail[LANES] = {0};
+        for (int64_t i = p; i < ctx; i++) tail[i - p] = e[i] - top;
+        vstore(tail, vexp(vload(tail)));
+        for (int64_t i = p; i < ctx; i++) total += (e[i] = tail[i - p]);
+    }
+    /* sum_p e_p v_p, 8 vectors of the head at a time held in registers over the positions */
+    for (int64_t c = 0; c < dim; c += 8 * LANES) {
+        int n = dim - c < 8 * LANES ? (int)((dim - c) / LANES) : 8;
+        vec acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = vzero();
+        w = start;
+        if (n == 8)  /* a head of 8 vectors (64 floats on AVX2): no test a vector */
+            for (p = 0; p < ctx; p++) {
+                const float *v = next_position(&w) + (s->kv_heads + g) * dim + c;
+                vec weight = vset1(e[p]);
+                for (int i = 0; i < 8; i++) acc[i] = vfma(weight, vload(v + LANES * i), acc[i]);
+            }
+        else
+            for (p = 0; p < ctx; p++) {
+                const float *v = next_position(&w) + (s->kv_heads + g) * dim + c;
+                vec weight = vset1(e[p]);
+                for (int i = 0; i < 8; i++)
+                    if (i < n) acc[i] = vfma(weight, vload(v + LANES * i), acc[i]);
+            }
+        for (int i = 0; i < n; i++) vstore(out + c + LANES * i, vdiv(acc[i], vset1(total)));
     }
 }
 
 /* Every query head of `rows` decode tokens (row r's heads at q + r * q_stride, out [rows][heads][dim])
-   over its sequence's positions 0 .. pos[r] in layer `kvl`; scores: rows * heads * (max pos + 1). */
+   over its sequence's positions 0 .. pos[r] in layer `kvl`; scores: rows * heads * (max pos + 1).
+   One query head a work item, KV head by KV head (a verify step's rows read one head's keys and
+   values while they are cached), split over the threads. */
 static void attend_rows(const llama_stack *s, const float *kvl, int64_t rows, const float *q, int64_t q_stride,
                         const int64_t *slot, const int64_t *pos, float *out, float *scores, int threads) {
-    int64_t kvh = s->kv_heads, group = s->heads / kvh, nq = s->heads * s->head_dim, max_ctx = 0;
+    int64_t kvh = s->kv_heads, group = s->heads / kvh, dim = s->head_dim, nq = s->heads * dim, max_ctx = 0;
     for (int64_t r = 0; r < rows; r++) max_ctx = pos[r] + 1 > max_ctx ? pos[r] + 1 : max_ctx;
     double done = 0.0;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static) nowait
-        for (int64_t rg = 0; rg < rows * kvh; rg++) {
-            int64_t r = rg / kvh, g = rg % kvh;
-            attend(s, kvl, s->table + slot[r] * s->table_width, pos[r] + 1, q + r * q_stride, g, out + r * nq,
-                   scores + rg * group * max_ctx);
+        for (int64_t it = 0; it < rows * s->heads; it++) {
+            int64_t g = it / (rows * group), r = it % (rows * group) / group, h = g * group + it % group;
+            attend(s, kvl, s->table + slot[r] * s->table_width, pos[r] + 1, q + r * q_stride + h * dim, g,
+                   out + r * nq + h * dim, scores + it * max_ctx);
         }
         if (omp_get_thread_num() == 0) done = omp_get_wtime();
     }
