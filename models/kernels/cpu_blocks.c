@@ -1,17 +1,19 @@
 /* A GGUF's Q4_0 / Q4_1 / Q8_0 weights multiplied as they are stored, in float32 (models/cpu_blocks.py).
 
    A block is 32 weights along the input: Q4 w = d * q + m (q in 0..15; Q4_0's m is -8 d), Q8_0
-   w = d * q (q in -127..127). Over a block, sum_j w_j x_j = d * sum_j q_j x_j + m * sum_j x_j, so
-   each output sums d times its integer-weighted block sums, plus m times the block's input sum
-   (one per input row and block, shared by every output). The products and sums are float32, as
-   the dense path's: the results differ from it only in the order of the additions.
+   w = d * q (q in -127..127). Each block's weights are made their float32 values once, as the dense
+   path holds them (Q4 fma(q, d, m): d is a float16 value and q has 4 bits, so d q is exact and the
+   one rounding is the dense path's d q + m), and each row multiplies those by its float32 inputs:
+   the dense path's products, summed in another order. A row costs 4 loads and 4 multiply-adds
+   a block (8 lanes), the unpacking is shared by the rows in the call, and a row's sums are the
+   same bit for bit whichever rows share it (a verify step's logits are the decode step's).
 
    Layout (the caller's tensors, all contiguous): x [rows, k] float32, y [rows, n] float32, and
    the weight as n rows of k / 32 blocks, each block one record (a decode step streams them once, in
    order, prefetching ahead): Q4 {float d, m; 16 bytes, weight j < 16 byte j's low nibble, weight
-   16 + j its high nibble (GGUF's order)}, Q8 {float d; 32 int8}. k is a multiple of 32. Rows go 4
-   at a time through each block, so a block's weights are unpacked once for up to 4 rows; outputs
-   are split over `threads` OpenMP threads. */
+   16 + j its high nibble (GGUF's order)}, Q8 {float d; 32 int8}. k is a multiple of 32. Rows go up
+   to 8 at a time through each block (a verify step of k + 1 <= 8 rows unpacks each block once);
+   outputs are split over `threads` OpenMP threads. */
 
 #include <math.h>
 #include <omp.h>
@@ -59,17 +61,6 @@ double blocks_held_up(void) {
     double s = held_up;
     held_up = 0.0;
     return s;
-}
-
-static void block_sums(const float *x, int64_t rows, int64_t k, float *xs) {
-    int64_t nb = k / BLOCK;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + r * k + b * BLOCK;
-            float s = 0.0f;
-            for (int j = 0; j < BLOCK; j++) s += v[j];
-            xs[r * nb + b] = s;
-        }
 }
 
 /* A block's 32 integers as NV vectors of floats (before d and m), in the block's order. */
@@ -150,10 +141,9 @@ static inline void unpack_q8(const int8_t *q, vec w[NV]) {
    (q4 or q8). Each block's weights are made the dense path's float32 values once (Q4 d q + m, two
    roundings; Q8 d q), then each row sums its 32 products in 4 lanes-wide chains, added to its
    accumulator a block: the same arithmetic whichever rows share the call. */
-static inline __attribute__((always_inline)) void dot_rows(const float *x, const float *xs, int64_t k,
+static inline __attribute__((always_inline)) void dot_rows(const float *x, int64_t k,
                                                            int64_t r0, const int NR, const q4_block *q4,
                                                            const q8_block *q8, float *out) {
-    (void)xs;
     int64_t nb = k / BLOCK;
     vec acc[ROWS];
     for (int r = 0; r < NR; r++) acc[r] = vzero();
@@ -181,17 +171,17 @@ static inline __attribute__((always_inline)) void dot_rows(const float *x, const
 }
 
 /* One copy a row count and type (each unrolled over its rows, with its own registers). */
-typedef void (*dot_fn)(const float *, const float *, int64_t, int64_t, const q4_block *, const q8_block *, float *);
+typedef void (*dot_fn)(const float *, int64_t, int64_t, const q4_block *, const q8_block *, float *);
 #define DOT_COPIES(c) \
-    static __attribute__((noinline)) void dot_q4_##c(const float *x, const float *xs, int64_t k, int64_t r0, \
+    static __attribute__((noinline)) void dot_q4_##c(const float *x, int64_t k, int64_t r0, \
                                                      const q4_block *q4, const q8_block *q8, float *out) { \
         (void)q8; \
-        dot_rows(x, xs, k, r0, c, q4, 0, out); \
+        dot_rows(x, k, r0, c, q4, 0, out); \
     } \
-    static __attribute__((noinline)) void dot_q8_##c(const float *x, const float *xs, int64_t k, int64_t r0, \
+    static __attribute__((noinline)) void dot_q8_##c(const float *x, int64_t k, int64_t r0, \
                                                      const q4_block *q4, const q8_block *q8, float *out) { \
         (void)q4; \
-        dot_rows(x, xs, k, r0, c, 0, q8, out); \
+        dot_rows(x, k, r0, c, 0, q8, out); \
     }
 DOT_COPIES(1) DOT_COPIES(2) DOT_COPIES(3) DOT_COPIES(4) DOT_COPIES(5) DOT_COPIES(6) DOT_COPIES(7) DOT_COPIES(8)
 #undef DOT_COPIES
@@ -199,7 +189,7 @@ static const dot_fn dot_q4[ROWS + 1] = {0, dot_q4_1, dot_q4_2, dot_q4_3, dot_q4_
 static const dot_fn dot_q8[ROWS + 1] = {0, dot_q8_1, dot_q8_2, dot_q8_3, dot_q8_4, dot_q8_5, dot_q8_6, dot_q8_7, dot_q8_8};
 
 static void matmul(const float *x, int64_t rows, int64_t k, const q4_block *q4, const q8_block *q8, int64_t n,
-                   float *y, float *xs, int threads) {
+                   float *y, int threads) {
     int64_t nb = k / BLOCK;
     double done = 0.0;
 #pragma omp parallel num_threads(threads)
@@ -209,8 +199,8 @@ static void matmul(const float *x, int64_t rows, int64_t k, const q4_block *q4, 
             for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
                 int nr = rows - r0 < ROWS ? (int)(rows - r0) : ROWS;
                 float out[ROWS];
-                if (q4) dot_q4[nr](x, xs, k, r0, q4 + i * nb, 0, out);
-                else dot_q8[nr](x, xs, k, r0, 0, q8 + i * nb, out);
+                if (q4) dot_q4[nr](x, k, r0, q4 + i * nb, 0, out);
+                else dot_q8[nr](x, k, r0, 0, q8 + i * nb, out);
                 for (int r = 0; r < nr; r++) y[(r0 + r) * n + i] = out[r];
             }
         }
@@ -219,14 +209,12 @@ static void matmul(const float *x, int64_t rows, int64_t k, const q4_block *q4, 
     if (threads > 1) held_up += omp_get_wtime() - done;
 }
 
-/* xs: rows * k / 32 floats of scratch. */
-void q4_matmul(const float *x, int64_t rows, int64_t k, const q4_block *w, int64_t n, float *y, float *xs,
-               int threads) {
-    matmul(x, rows, k, w, 0, n, y, xs, threads);
+void q4_matmul(const float *x, int64_t rows, int64_t k, const q4_block *w, int64_t n, float *y, int threads) {
+    matmul(x, rows, k, w, 0, n, y, threads);
 }
 
 void q8_matmul(const float *x, int64_t rows, int64_t k, const q8_block *w, int64_t n, float *y, int threads) {
-    matmul(x, rows, k, 0, w, n, y, 0, threads);
+    matmul(x, rows, k, 0, w, n, y, threads);
 }
 
 /* The float32 values [n, k] of n rows of blocks, as the dense path holds them (Q4: d q + m, two
@@ -434,16 +422,10 @@ void decode_attention(const float *q, int64_t rows, int64_t q_stride, const floa
     attend_rows(&s, kvl, rows, q, q_stride, slot, pos, out, scores, threads);
 }
 
-/* The widest input of the stack's matmuls (their block sums' scratch). */
-static int64_t widest(const llama_stack *s) {
-    int64_t nq = s->heads * s->head_dim, wide = s->inter > s->hidden ? s->inter : s->hidden;
-    return nq > wide ? nq : wide;
-}
-
 /* Floats of `work` llama_decode needs for `rows` tokens seeing at most max_ctx positions. */
 int64_t llama_decode_work(const llama_stack *s, int64_t rows, int64_t max_ctx) {
     int64_t nq = s->heads * s->head_dim, qkv = nq + 2 * s->kv_heads * s->head_dim;
-    return rows * (2 * s->hidden + qkv + nq + 3 * s->inter + widest(s) / BLOCK + s->heads * max_ctx);
+    return rows * (2 * s->hidden + qkv + nq + 3 * s->inter + s->heads * max_ctx);
 }
 
 /* h [rows][hidden]: the embedded tokens (overwritten: the residual stream); logits [rows][vocab]:
@@ -454,13 +436,13 @@ void llama_decode(const llama_stack *s, int64_t rows, float *h, const float *cos
     int64_t hid = s->hidden, dim = s->head_dim, kvh = s->kv_heads, nq = s->heads * dim;
     int64_t nqkv = nq + 2 * kvh * dim, inter = s->inter;
     float *x = work, *delta = x + rows * hid, *qkv = delta + rows * hid, *att = qkv + rows * nqkv;
-    float *gu = att + rows * nq, *act = gu + rows * 2 * inter, *xs = act + rows * inter;
-    float *scores = xs + rows * (widest(s) / BLOCK);
+    float *gu = att + rows * nq, *act = gu + rows * 2 * inter;
+    float *scores = act + rows * inter;
     for (int64_t l = 0; l < s->layers; l++) {
         const int64_t *w = s->weights + 6 * l;
         float *kvl = s->kv + l * s->kv_layer;
         for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hid, (const float *)w[4], hid, s->eps, x + r * hid);
-        matmul(x, rows, hid, (const q4_block *)w[0], 0, nqkv, qkv, xs, threads);
+        matmul(x, rows, hid, (const q4_block *)w[0], 0, nqkv, qkv, threads);
         for (int64_t r = 0; r < rows; r++) {
             float *t = qkv + r * nqkv;
             rope(t, s->heads + kvh, dim, cos + r * dim, sin + r * dim);
@@ -469,12 +451,12 @@ void llama_decode(const llama_stack *s, int64_t rows, float *h, const float *cos
             for (int64_t i = 0; i < 2 * kvh * dim; i++) dst[i] = t[nq + i];
         }
         attend_rows(s, kvl, rows, qkv, nqkv, slot, pos, att, scores, threads);
-        matmul(att, rows, nq, (const q4_block *)w[1], 0, hid, delta, xs, threads);
+        matmul(att, rows, nq, (const q4_block *)w[1], 0, hid, delta, threads);
         for (int64_t r = 0; r < rows; r++) {
             add_into(h + r * hid, delta + r * hid, hid);
             rms_norm(h + r * hid, (const float *)w[5], hid, s->eps, x + r * hid);
         }
-        matmul(x, rows, hid, (const q4_block *)w[2], 0, 2 * inter, gu, xs, threads);
+        matmul(x, rows, hid, (const q4_block *)w[2], 0, 2 * inter, gu, threads);
         for (int64_t r = 0; r < rows; r++) {
             const float *gate = gu + r * 2 * inter, *up = gate + inter;
             for (int64_t i = 0; i < inter; i += LANES) {
@@ -483,11 +465,11 @@ void llama_decode(const llama_stack *s, int64_t rows, float *h, const float *cos
                 vstore(act + r * inter + i, vmul(silu, vload(up + i)));
             }
         }
-        matmul(act, rows, inter, (const q4_block *)w[3], 0, hid, delta, xs, threads);
+        matmul(act, rows, inter, (const q4_block *)w[3], 0, hid, delta, threads);
         for (int64_t r = 0; r < rows; r++) add_into(h + r * hid, delta + r * hid, hid);
     }
     for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hid, s->norm, hid, s->eps, x + r * hid);
     const q4_block *h4 = s->head_q4 ? (const q4_block *)s->head : 0;
-    matmul(x, rows, hid, h4, h4 ? 0 : (const q8_block *)s->head, s->vocab, logits, xs, threads);
+    matmul(x, rows, hid, h4, h4 ? 0 : (const q8_block *)s->head, s->vocab, logits, threads);
 }
 #endif  /* BLOCKS_SIMD */
