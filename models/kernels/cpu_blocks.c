@@ -318,32 +318,24 @@ static inline const float *next_position(walk *w) {
     return at;
 }
 
-/* Query head qj (of KV head g) of one token, at cached positions 0 .. ctx - 1 (block ids `tab`) of
-   layer `kvl`, into out [dim]. e: ctx floats of scratch. A row's result depends only on its own
-   query and positions (the same whichever rows share the step). */
-static void attend(const llama_stack *s, const float *kvl, const int32_t *tab, int64_t ctx, const float *qj,
-                   int64_t g, float *out, float *e) {
-    int64_t dim = s->head_dim, bs = s->block_size;
-    const walk start = {kvl, tab, bs, 2 * s->kv_heads * dim, 0, 0};
-    walk w = start;
-    int64_t p = 0;
-    for (; p + 8 <= ctx; p += 8) {  /* 8 positions' dots at once: 8 chains of FMAs, one reduction */
-        __m256 a[8];
-        const float *k[8];
-        for (int i = 0; i < 8; i++) k[i] = next_position(&w) + g * dim;
-        for (int i = 0; i < 8; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(qj), _mm256_loadu_ps(k[i]));
-        for (int64_t d = 8; d < dim; d += 8) {
-            __m256 qd = _mm256_loadu_ps(qj + d);
-            for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[i] + d), a[i]);
-        }
-        __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-        __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-        __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-        _mm256_storeu_ps(e + p, _mm256_mul_ps(sum, _mm256_set1_ps(s->scale)));
+/* The scores e [ctx] of query head qj over KV head g's keys: in the row's 8-position tiles from 0,
+   each tile's 8 dots at once (8 chains of FMAs, one reduction), then the rest one by one. */
+static void tile_scores(const llama_stack *s, const float *qj, const float *const k[8], float *e) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(qj), _mm256_loadu_ps(k[i]));
+    for (int64_t d = 8; d < s->head_dim; d += 8) {
+        __m256 qd = _mm256_loadu_ps(qj + d);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[i] + d), a[i]);
     }
-    for (; p < ctx; p++) e[p] = dot(qj, next_position(&w) + g * dim, dim) * s->scale;
-    /* softmax: the largest (any order gives it), then e^(x - top) and their sum lane by lane */
-    int64_t full = ctx / LANES * LANES;
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    _mm256_storeu_ps(e, _mm256_mul_ps(sum, _mm256_set1_ps(s->scale)));
+}
+
+/* e [ctx] made e^(x - max) in place; their sum (lane by lane, then the lanes). */
+static float softmax_weights(float *e, int64_t ctx) {
+    int64_t full = ctx / LANES * LANES, p;
     float top = e[0], total;
     if (full) {
         vec m = vload(e);
@@ -366,45 +358,100 @@ static void attend(const llama_stack *s, const float *kvl, const int32_t *tab, i
         vstore(tail, vexp(vload(tail)));
         for (int64_t i = p; i < ctx; i++) total += (e[i] = tail[i - p]);
     }
-    /* sum_p e_p v_p, 8 vectors of the head at a time held in registers over the positions */
+    return total;
+}
+
+#define TILE 16  /* positions whose values a run's rows take in turn while they are in L1 */
+
+/* Query head h of `nr` rows of one sequence (block ids `tab`; row r sees positions 0 .. pos[r], its
+   query at q + r * q_stride, its output at out + r * o_stride, its scores at e[r]) in layer `kvl`.
+   The rows take each tile of keys and values in turn while it is cached; a row's arithmetic is
+   the same whichever rows share the call (one row alone keeps its sums in registers). */
+static void attend_run(const llama_stack *s, const float *kvl, const int32_t *tab, const int64_t *pos, int nr,
+                       const float *q, int64_t q_stride, int64_t h, float *out, int64_t o_stride, float *const *e) {
+    int64_t dim = s->head_dim, g = h / (s->heads / s->kv_heads), bs = s->block_size, ctx[ROWS], most = 0;
+    const walk start = {kvl, tab, bs, 2 * s->kv_heads * dim, 0, 0};
+    for (int r = 0; r < nr; r++) ctx[r] = pos[r] + 1, most = ctx[r] > most ? ctx[r] : most;
+    walk w = start;
+    for (int64_t p = 0; p + 8 <= most; p += 8) {
+        const float *k[8];
+        for (int i = 0; i < 8; i++) k[i] = next_position(&w) + g * dim;
+        for (int r = 0; r < nr; r++)
+            if (p + 8 <= ctx[r]) tile_scores(s, q + r * q_stride + h * dim, k, e[r] + p);
+    }
+    float total[ROWS];
+    for (int r = 0; r < nr; r++) {
+        for (int64_t p = ctx[r] / 8 * 8; p < ctx[r]; p++) {
+            const float *k = kvl + ((int64_t)tab[p / bs] * bs + p % bs) * start.row + g * dim;
+            e[r][p] = dot(q + r * q_stride + h * dim, k, dim) * s->scale;
+        }
+        total[r] = softmax_weights(e[r], ctx[r]);
+    }
+    /* sum_p e_p v_p, 8 vectors of the head at a time, in order of p */
+    int64_t vo = (s->kv_heads + g) * dim;
     for (int64_t c = 0; c < dim; c += 8 * LANES) {
         int n = dim - c < 8 * LANES ? (int)((dim - c) / LANES) : 8;
-        vec acc[8];
-        for (int i = 0; i < 8; i++) acc[i] = vzero();
-        w = start;
-        if (n == 8)  /* a head of 8 vectors (64 floats on AVX2): no test a vector */
-            for (p = 0; p < ctx; p++) {
-                const float *v = next_position(&w) + (s->kv_heads + g) * dim + c;
-                vec weight = vset1(e[p]);
+        if (nr == 1 && n == 8) {  /* one row: its sums held in registers over every position */
+            vec acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = vzero();
+            w = start;
+            for (int64_t p = 0; p < ctx[0]; p++) {
+                const float *v = next_position(&w) + vo + c;
+                vec weight = vset1(e[0][p]);
                 for (int i = 0; i < 8; i++) acc[i] = vfma(weight, vload(v + LANES * i), acc[i]);
             }
-        else
-            for (p = 0; p < ctx; p++) {
-                const float *v = next_position(&w) + (s->kv_heads + g) * dim + c;
-                vec weight = vset1(e[p]);
-                for (int i = 0; i < 8; i++)
-                    if (i < n) acc[i] = vfma(weight, vload(v + LANES * i), acc[i]);
+            for (int i = 0; i < 8; i++) vstore(out + c + LANES * i, vdiv(acc[i], vset1(total[0])));
+            continue;
+        }
+        vec sums[ROWS][8];
+        for (int r = 0; r < nr; r++)
+            for (int i = 0; i < 8; i++) sums[r][i] = vzero();
+        w = start;
+        for (int64_t p0 = 0; p0 < most; p0 += TILE) {
+            const float *v[TILE];
+            int64_t end = most - p0 < TILE ? most : p0 + TILE;
+            for (int64_t p = p0; p < end; p++) v[p - p0] = next_position(&w) + vo + c;
+            for (int r = 0; r < nr; r++) {
+                int64_t stop = ctx[r] < end ? ctx[r] : end;
+                vec acc[8];
+                for (int i = 0; i < 8; i++) acc[i] = sums[r][i];
+                for (int64_t p = p0; p < stop; p++) {
+                    vec weight = vset1(e[r][p]);
+                    for (int i = 0; i < 8; i++)
+                        if (i < n) acc[i] = vfma(weight, vload(v[p - p0] + LANES * i), acc[i]);
+                }
+                for (int i = 0; i < 8; i++) sums[r][i] = acc[i];
             }
-        for (int i = 0; i < n; i++) vstore(out + c + LANES * i, vdiv(acc[i], vset1(total)));
+        }
+        for (int r = 0; r < nr; r++)
+            for (int i = 0; i < n; i++) vstore(out + r * o_stride + c + LANES * i, vdiv(sums[r][i], vset1(total[r])));
     }
 }
 
 /* Every query head of `rows` decode tokens (row r's heads at q + r * q_stride, out [rows][heads][dim])
    over its sequence's positions 0 .. pos[r] in layer `kvl`; scores: rows * heads * (max pos + 1).
-   One query head a work item, KV head by KV head (a verify step's rows read one head's keys and
-   values while they are cached), split over the threads. */
+   Consecutive rows of one sequence (a verify step's, up to ROWS) go together, a query head of them a
+   work item, split over the threads. */
 static void attend_rows(const llama_stack *s, const float *kvl, int64_t rows, const float *q, int64_t q_stride,
                         const int64_t *slot, const int64_t *pos, float *out, float *scores, int threads) {
-    int64_t kvh = s->kv_heads, group = s->heads / kvh, dim = s->head_dim, nq = s->heads * dim, max_ctx = 0;
-    for (int64_t r = 0; r < rows; r++) max_ctx = pos[r] + 1 > max_ctx ? pos[r] + 1 : max_ctx;
+    int64_t heads = s->heads, dim = s->head_dim, nq = heads * dim, max_ctx = 0, runs = 0;
+    int64_t first[rows + 1];
+    for (int64_t r = 0; r < rows; r++) {
+        max_ctx = pos[r] + 1 > max_ctx ? pos[r] + 1 : max_ctx;
+        if (r == 0 || slot[r] != slot[r - 1] || r - first[runs - 1] == ROWS) first[runs++] = r;
+    }
+    first[runs] = rows;
     double done = 0.0;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static) nowait
-        for (int64_t it = 0; it < rows * s->heads; it++) {
-            int64_t g = it / (rows * group), r = it % (rows * group) / group, h = g * group + it % group;
-            attend(s, kvl, s->table + slot[r] * s->table_width, pos[r] + 1, q + r * q_stride + h * dim, g,
-                   out + r * nq + h * dim, scores + it * max_ctx);
+        for (int64_t it = 0; it < runs * heads; it++) {
+            int64_t r0 = first[it / heads], h = it % heads;
+            int nr = (int)(first[it / heads + 1] - r0);
+            float *e[ROWS];
+            for (int r = 0; r < nr; r++) e[r] = scores + ((r0 + r) * heads + h) * max_ctx;
+            attend_run(s, kvl, s->table + slot[r0] * s->table_width, pos + r0, nr, q + r0 * q_stride, q_stride, h,
+                       out + r0 * nq + h * dim, nq, e);
         }
         if (omp_get_thread_num() == 0) done = omp_get_wtime();
     }
