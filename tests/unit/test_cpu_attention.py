@@ -91,5 +91,6 @@ def test_the_kernel_gives_a_verify_row_what_it_gets_alone() -> None:
     together = cpu_kernel.decode_attention(store, 0, q, step)
     assert torch.allclose(together, reference(store, q, step), atol=1e-5, rtol=1e-5)
     for row, (slot, pos) in enumerate([(0, 59 + i) for i in range(6)] + [(1, 20)]):
-        alone = ForwardBatch.build([(slot, [1], pos)], cpu)
-        assert torch.equal(cpu_kernel.decode_attention(store, 0, q[row : row + 1], alone)[0], together[row]), row
+        one = ForwardBatch.build([(slot, [1], pos)], cpu)
+        alone = cpu_kernel.decode_attention(store, 0, q[row : row + 1], one)
+        assert torch.equal(alone[0], together[row]), row
