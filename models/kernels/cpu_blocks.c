@@ -138,9 +138,9 @@ static inline void unpack_q8(const int8_t *q, vec w[NV]) {
 #endif
 
 /* y[r][i] for rows r0 .. r0 + NR - 1 (NR <= ROWS, a constant in each copy) of one output's blocks
-   (q4 or q8). Each block's weights are made the dense path's float32 values once (Q4 d q + m, two
-   roundings; Q8 d q), then each row sums its 32 products in 4 lanes-wide chains, added to its
-   accumulator a block: the same arithmetic whichever rows share the call. */
+   (q4 or q8). Each block's weights are made the dense path's float32 values once (Q4 fma(q, d, m),
+   Q8 d q), then each row sums its 32 products in one chain of lane-wide multiply-adds, added to
+   its accumulator a block: the same arithmetic whichever rows share the call. */
 static inline __attribute__((always_inline)) void dot_rows(const float *x, int64_t k,
                                                            int64_t r0, const int NR, const q4_block *q4,
                                                            const q8_block *q8, float *out) {
