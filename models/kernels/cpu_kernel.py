@@ -30,7 +30,7 @@ SOURCE = Path(__file__).with_name("cpu_blocks.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _P, _I, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    "q4_matmul": [_P, _I, _I, _P, _I, _P, _P, _T],
+    "q4_matmul": [_P, _I, _I, _P, _I, _P, _T],
     "q8_matmul": [_P, _I, _I, _P, _I, _P, _T],
     "q4_dequantize": [_P, _I, _I, _P, _T],
     "q8_dequantize": [_P, _I, _I, _P, _T],

@@ -71,3 +71,26 @@ def test_in_place_equals_the_gathered_reference(tables: str) -> None:
     assert kernels_run or not cpu_kernel.kernel_fits(DIM)
     if tables.startswith("two runs"):
         assert len(block_runs(store.block_table[0].tolist(), 141, store.layout.block_size)) == 2
+
+
+def test_the_kernel_gives_a_verify_row_what_it_gets_alone() -> None:
+    """A verify step's rows (one sequence's consecutive positions) share each tile of keys and values
+    in the kernel: each row's output is the reference's, and the one it gets alone, bit for bit (a
+    head of 64: one row alone keeps its sums in registers, several go through memory)."""
+    if not cpu_kernel.kernel_fits(64):
+        pytest.skip("no C kernel here")
+    spec = AttentionSpec(num_kv_heads=KV_HEADS, head_dim=64, dtype_bytes=4)
+    state = allocate_states([spec], 2, 200, "cpu", torch.float32)[0]
+    assert isinstance(state, PagedKV)
+    store, gen, cpu = state.store, torch.Generator().manual_seed(2), torch.device("cpu")
+    prompt = ForwardBatch.build([(0, [1] * 59, 0), (1, [1] * 20, 0)], cpu)
+    step = ForwardBatch.build([(0, [1] * 6, 59), (1, [1], 20)], cpu, all_logits=[True, False])
+    for batch in (prompt, step):
+        write_rows(store, 0, batch, torch.randn(batch.token_ids.shape[0], 2 * KV_HEADS, 64, generator=gen))
+    q = torch.randn(7, HEADS, 64, generator=gen)
+    together = cpu_kernel.decode_attention(store, 0, q, step)
+    assert torch.allclose(together, reference(store, q, step), atol=1e-5, rtol=1e-5)
+    for row, (slot, pos) in enumerate([(0, 59 + i) for i in range(6)] + [(1, 20)]):
+        one = ForwardBatch.build([(slot, [1], pos)], cpu)
+        alone = cpu_kernel.decode_attention(store, 0, q[row : row + 1], one)
+        assert torch.equal(alone[0], together[row]), row

@@ -43,7 +43,7 @@ def _dense(rows: np.ndarray, qtype: QT, n: int, k: int) -> torch.Tensor:
     return dequantize(rows.reshape(-1), qtype).reshape(n, k)
 
 
-@pytest.mark.parametrize("rows", [1, 3, BLOCK_MAX_ROWS, BLOCK_MAX_ROWS + 1, 70])
+@pytest.mark.parametrize("rows", [1, 3, 5, BLOCK_MAX_ROWS, BLOCK_MAX_ROWS + 1, 70])
 def test_q4_blocks_multiply_as_the_dense_values_do(rows: int) -> None:
     # two weights stacked along the outputs (q/k/v, gate/up), one of each 4-bit type
     shapes = ((QT.Q4_1, 96), (QT.Q4_0, 40))
@@ -66,6 +66,20 @@ def test_a_q8_head_multiplies_as_its_dense_values_do(rows: int) -> None:
     got, want = head(x), x.double() @ dense.double().t()
     assert got.shape == (2, rows, 4100)
     assert float((got.double() - want).abs().max()) < 1e-5 * float(want.abs().max())
+
+
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it() -> None:
+    """Up to BLOCK_MAX_ROWS rows share each block's unpacking, one at a time or 8 together: the same
+    sums bit for bit (a speculative verify row's logits are the decode step's, so greedy text is the
+    same with drafts)."""
+    q4 = BlockLinear([q4_weight(_packed(QT.Q4_1, 24, 128), QT.Q4_1, (24, 128))])
+    q8 = BlockLinear(q8_weight(_packed(QT.Q8_0, 24, 128, seed=2), (24, 128)))
+    x = torch.randn(BLOCK_MAX_ROWS, 128, generator=torch.Generator().manual_seed(5))
+    for layer in (q4, q8):
+        alone = torch.cat([layer(row[None]) for row in x])
+        for rows in range(2, BLOCK_MAX_ROWS + 1):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+            assert torch.equal(layer(x[-rows:]), alone[-rows:]), rows
 
 
 def test_decode_rows_must_be_float32_and_prompt_rows_may_be_bf16() -> None:
