@@ -12,6 +12,7 @@ from ballast.models.blocks.gated_delta import DeltaPlan, fla_installed, gated_de
 from ballast.models.blocks.moe import experts_forward, grouped_mm_supported, route
 from ballast.models.layers.state import RecurrentState, allocate_states, dtype_bytes
 from torch import nn
+from triton_kernels import delta_rule_inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,14 +26,7 @@ MODELS = ["builtin:tiny-qwen3-next", "builtin:tiny-qwen3.5-moe"]
 def _rule_inputs(
     lens: list[int], hk: int = 4, hv: int = 8, dk: int = 64, dv: int = 64
 ) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(0)
-    t, b = sum(lens), len(lens)
-    q = torch.randn(t, hk, dk, generator=gen)
-    k = torch.randn(t, hk, dk, generator=gen)
-    v = torch.randn(t, hv, dv, generator=gen)
-    g = -torch.rand(t, hv, generator=gen) * 0.5
-    beta = torch.rand(t, hv, generator=gen)
-    state = torch.randn(b, hv, dk, dv, generator=gen) * 0.1
+    q, k, v, g, beta, state = delta_rule_inputs(sum(lens), len(lens), (hk, hv, dk, dv), 0.5, 0.1)
     return (
         q.bfloat16().to(CUDA),
         k.bfloat16().to(CUDA),

@@ -15,20 +15,14 @@ from ballast.models.arch.registry import build_model
 from ballast.models.blocks.gated_delta import DeltaPlan, gated_delta_varlen, recurrent_gated_delta_step
 from ballast.models.layers.causal_conv import ConvWindows, causal_conv1d_varlen
 from ballast.models.layers.state import RecurrentState
+from triton_kernels import delta_rule_inputs
 
 HK, HV, DK, DV = 2, 4, 16, 8
 CPU = torch.device("cpu")
 
 
-def _flat(tokens: int, batch: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(tokens, HK, DK, generator=gen)
-    k = torch.randn(tokens, HK, DK, generator=gen)
-    v = torch.randn(tokens, HV, DV, generator=gen)
-    g = -torch.rand(tokens, HV, generator=gen) * 1.5
-    beta = torch.rand(tokens, HV, generator=gen)
-    state = torch.randn(batch, HV, DK, DV, generator=gen) * 0.3
-    return q, k, v, g, beta, state
+def _flat(tokens: int, batch: int) -> tuple[torch.Tensor, ...]:
+    return delta_rule_inputs(tokens, batch, (HK, HV, DK, DV), 1.5, 0.3)
 
 
 def test_verify_rows_keep_each_positions_state_with_a_decode_steps_bits() -> None:
