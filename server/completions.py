@@ -226,10 +226,6 @@ def completion_checks(state: ServerState, req: p.CompletionRequest) -> tuple[str
     return model, tokenizer, max_len
 
 
-def completion_job(state: ServerState, req: p.CompletionRequest) -> Job:
-    return completion_built(state, req, *completion_checks(state, req))
-
-
 def completion_built(
     state: ServerState, req: p.CompletionRequest, model: str, tokenizer: TokenizerLike, max_len: int
 ) -> Job:
@@ -293,10 +289,6 @@ async def built(state: ServerState, req: p.ChatCompletionRequest | p.CompletionR
     if isinstance(req, p.ChatCompletionRequest):
         return await asyncio.to_thread(chat_built, state, req, *chat_checks(state, req))
     return await asyncio.to_thread(completion_built, state, req, *completion_checks(state, req))
-
-
-def chat_job(state: ServerState, req: p.ChatCompletionRequest) -> Job:
-    return chat_built(state, req, *chat_checks(state, req))
 
 
 def chat_built(

@@ -5,6 +5,7 @@ Retry-After where the host is short), and a stop list is capped with a 400 that 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import tracemalloc
@@ -20,7 +21,7 @@ from ballast.memory.watch import MemWatch
 from ballast.scheduler.config import SchedulerConfig
 from ballast.server import protocol as p
 from ballast.server.app import create_app
-from ballast.server.completions import completion_job
+from ballast.server.completions import built
 from ballast.server.config import ServerConfig
 from ballast.server.errors import ApiError
 from ballast.server.state import ServerState
@@ -55,7 +56,7 @@ def test_a_64_choice_request_with_a_huge_prompt_is_refused_before_it_copies(
     tracemalloc.start()
     try:
         with pytest.raises(ApiError) as refused:
-            completion_job(state, req)
+            asyncio.run(built(state, req))  # its checks, then its prompt in a worker thread
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -69,7 +70,8 @@ def test_a_64_choice_request_with_a_huge_prompt_is_refused_before_it_copies(
 
 def test_one_prompt_is_shared_by_every_choice(calm: tuple[str, ServerState]) -> None:
     _, state = calm
-    job = completion_job(state, p.CompletionRequest(model="fake-model", prompt=[7] * 100, n=8, max_tokens=4))
+    req = p.CompletionRequest(model="fake-model", prompt=[7] * 100, n=8, max_tokens=4)
+    job = asyncio.run(built(state, req))
     assert len(job.gens) == 8 and all(g.prompt_ids is job.gens[0].prompt_ids for g in job.gens)
 
 
