@@ -17,6 +17,13 @@ prompts and of decodes, which kernels that split a step see).
 The steps run through the runner's own forward on its real slots: the KV blocks they write come
 from the pool under the memory layer's grants (its segments given back after), the states and
 activations are the ones leased at start-up. Logged: how many steps, of what, in how long.
+
+They run largest first: CUDA's caching allocator keeps each segment a step took, and a step
+larger than every segment cached takes new ones, so ascending sizes left the segments of every
+size class reserved (~940 MiB on the 8B shape against a 232 MiB chunk's live peak, s27); from the
+largest down, each step reuses the first one's. On CUDA the sampler then draws one full batch on
+its widest path, so the workspace start-up leases for it is held from the start (the load
+estimate counts it; otherwise the first full batch after /ready allocated it).
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
+from ballast.engine.plan import SamplingParams
 from ballast.engine.runner.model_runner import ModelRunner
+from ballast.engine.step.sampler import Sampler
 from ballast.models.base import Row, StepBatch
 from torch import nn
 
@@ -97,11 +106,11 @@ def steps(
     """Every warm-up step, up to max_chunk + slots - 1 tokens (a full chunk beside a decode in every
     other slot): each size class of the plain token count in every one of SHAPES the slots hold,
     each further class of the multiples, divisors and thresholds as one prompt (a size past the
-    chunk: beside as many decodes as it needs)."""
+    chunk: beside as many decodes as it needs). The largest steps first (the module's docstring)."""
     top = max_chunk + slots - 1
     plain = size_classes(top)
     out: list[Step] = []
-    for n in sorted({*plain, *size_classes(top, thresholds, multiples, divisors)}):
+    for n in sorted({*plain, *size_classes(top, thresholds, multiples, divisors)}, reverse=True):
         for prompts, beside in SHAPES if n in plain else SHAPES[:1]:
             decodes = max(beside, n - max_chunk)
             step = Step(n - decodes, prompts, decodes)
@@ -151,6 +160,8 @@ def warm_up(runner: ModelRunner, max_chunk: int, thresholds: Iterable[int] = ())
                 log.info("warm-up: step %d of %d (%s)", i + 1, len(plan), step)
                 last = now
         verify_step(runner, context)
+        if runner.device.type == "cuda":
+            full_batch_draw(runner.sampler)
     finally:
         every = list(range(slots))
         if kv is not None:
@@ -167,6 +178,19 @@ def warm_up(runner: ModelRunner, max_chunk: int, thresholds: Iterable[int] = ())
         time.monotonic() - started,
     )
     return plan
+
+
+def full_batch_draw(sampler: Sampler) -> None:
+    """One draw for every slot on the sampler's widest path (top-p and top-k, seeded rows,
+    penalties, logprobs: every temporary at once), then the slots' sampling state reset."""
+    rows = list(range(sampler.num_slots))
+    widest = [
+        SamplingParams(top_p=0.9, top_k=50, seed=i if i % 2 else None, repetition_penalty=1.1, logprobs=5)
+        for i in rows
+    ]
+    logits = torch.zeros(len(rows), sampler.vocab_size, device=sampler.device)
+    sampler.sample(logits, rows, widest)
+    sampler.reset(rows)
 
 
 def verify_step(runner: ModelRunner, context: int) -> None:

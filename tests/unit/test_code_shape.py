@@ -98,6 +98,10 @@ MAX_WING_LINES = (
     # issue 47, s26: a GPU load estimate counts the step workspace start-up leases on the die (the
     # 8B at 128 slots: 552 MiB it left out; its estimate read 0.66 of the H100's peak)
     + 18
+    # issue 47, s29: warm-up's steps largest first (ascending, the caching allocator kept every size
+    # class's segments: ~940 MiB on the 8B against a 232 MiB chunk) and a full batch drawn at start
+    # (the sampler's leased workspace held from the start, not at the first full batch)
+    + 20
     # issue 47, s26: the refusals no prompt changes come before the prompt is built (a full queue
     # on this CPU, 64 clients x 3 chats of 2.7k tokens: client p50 / p99 0.17 / 0.88-1.02 s ->
     # 0.05 / 0.25-0.34 s, the server's own 25 ms -> 0.3 ms); the wait projected for the least

@@ -5,8 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ballast.engine.plan import SamplingParams
 from ballast.engine.runner.model_runner import ModelRunner
-from ballast.engine.runner.warm_up import SHAPES, Step, kind, model_sizes, size_classes, steps, warm_up
+from ballast.engine.runner.warm_up import (
+    SHAPES,
+    Step,
+    full_batch_draw,
+    kind,
+    model_sizes,
+    size_classes,
+    steps,
+    warm_up,
+)
+from ballast.engine.step.sampler import Sampler
 from ballast.engine.workspace import VerifySize
 from ballast.models.arch.builtin import BUILTIN, init_random
 from ballast.models.arch.registry import build_model
@@ -71,7 +82,9 @@ def test_steps_run_each_size_in_every_shape_within_the_slots() -> None:
             assert shapes == set(SHAPES)  # 1, 2 and 16 prompts; beside 0, 1 and 15 decodes
     for total in (n for n in by_total if n > 64):  # past the chunk: beside as many decodes as it needs
         assert min(d for _, d in by_total[total]) == total - 64
-    assert steps(64, 1) == [Step(n, 1, 0) for n in size_classes(64)]  # one slot: one prompt alone
+    assert steps(64, 1) == [Step(n, 1, 0) for n in reversed(size_classes(64))]  # one slot: one prompt alone
+    totals = [c + d for c, _, d in plan]
+    assert totals == sorted(totals, reverse=True)  # largest first: later steps reuse its segments
     moe = steps(64, 16, thresholds=(26,), multiples=(10,), divisors=(16,))
     assert set(plan) < set(moe)
     assert all(s.prompts == 1 and (s.decodes == 0 or s.chunk + s.decodes > 64) for s in set(moe) - set(plan))
@@ -125,3 +138,15 @@ def test_the_moe_block_names_where_its_kernels_change() -> None:
     block = SparseMoeBlock(8, 512, 10, 4, 4, normalize=True)
     assert block.token_thresholds() == (26, 65, 410, 3277)
     assert block.token_multiples() == (10,)
+
+
+def test_the_full_batch_draw_leaves_no_trace() -> None:
+    """Start-up's draw for every slot (on CUDA: the sampler's workspace held from the start) leaves
+    the slots as a fresh sampler's: nothing drawn, no penalty counts, seeded draws from the first."""
+    warmed, fresh = Sampler(4, 300, CPU, seed=3), Sampler(4, 300, CPU, seed=3)
+    full_batch_draw(warmed)
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.0, seed=7, frequency_penalty=0.5)] * 4
+    assert not any(warmed.has_drawn(s) for s in range(4))
+    for _ in range(3):
+        assert warmed.sample(logits, range(4), params) == fresh.sample(logits, range(4), params)
