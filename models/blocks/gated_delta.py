@@ -184,6 +184,12 @@ def _padded_rows(*inputs: Tensor, plan: DeltaPlan, kept: Tensor | None) -> tuple
     return o.flatten(0, 1)[plan.verify_padded], s
 
 
+def rows_only(lens_list: list[int], verify: tuple[bool, ...]) -> bool:
+    """A step of decode tokens and verify rows alone (`StepBatch.verify`: one flag a sequence, or
+    none): what the in-place kernel runs token by token. A prompt chunk goes to the chunked form."""
+    return all(n == 1 or (bool(verify) and verify[b]) for b, n in enumerate(lens_list))
+
+
 def _pad(x: Tensor, index: Tensor, length: int, batch: int) -> Tensor:
     buf = x.new_zeros((batch * length, *x.shape[1:]))
     buf[index] = x
@@ -252,9 +258,7 @@ class HybridStep(LayerStep):
     def build(cls, batch: ForwardBatch, rope: Rope, conv_kernel: int, use_fla: bool | None) -> HybridStep:
         plan = DeltaPlan.build(batch.lens_list, batch.device, batch.verify)
         kernels = use_fla is not False and gated_delta_triton.available(batch.starts)
-        short = plan.all_decode or all(
-            n == 1 or v for n, v in zip(batch.lens_list, batch.verify, strict=False)
-        )
+        short = plan.all_decode or rows_only(batch.lens_list, batch.verify)
         b = batch
         windows = None if kernels else ConvWindows.build(b.cu_lens, b.lens, b.seq_of_token, conv_kernel)
         return cls(
