@@ -448,6 +448,10 @@ def run_burst(
         ttft = [f for k, _, f, _ in results if k == "completed" and f == f]
         # why they were refused: each distinct message with digits masked, and how often
         said = Counter(re.sub(r"[0-9][0-9.,]*", "#", m) for _, _, _, m in results if m)
+        # the waits the refusals at arrival were projected, beside the served requests' real ones
+        projected = [
+            float(x) for _, _, _, m in results for x in re.findall(r"estimated wait ([0-9.]+) s", m or "")
+        ]
         oom = [ln for ln in lines if "CUDA out of memory" in ln or "OutOfMemoryError" in ln]
         return {
             "warm": dict(warmed),
@@ -467,6 +471,8 @@ def run_burst(
             "refusal_server_p99_bucket_s": _p99_bucket(final),
             "ttft_served_p50_s": pct(ttft, 50),
             "ttft_served_p99_s": pct(ttft, 99),
+            "ttft_served_max_s": max(ttft, default=float("nan")),
+            "refusal_projected_wait_min_p50_s": [min(projected, default=float("nan")), pct(projected, 50)],
             "server_alive": alive,
             "oom_in_log": len(oom),
         }
