@@ -84,11 +84,17 @@ class DeltaPlan:
     verify_len: int = 0
 
     @classmethod
-    def build(cls, lens_list: list[int], device: torch.device, verify: tuple[bool, ...] = ()) -> DeltaPlan:
-        if max(lens_list) == 1:  # a decode step: token i is sequence i; no host tensors to copy
-            seqs = torch.arange(len(lens_list), device=device)
+    def build(
+        cls, lens_list: list[int], device: torch.device, verify: tuple[bool, ...] = (), in_place: bool = False
+    ) -> DeltaPlan:
+        """in_place: a step of decode and verify rows alone that the in-place kernel runs from the
+        batch's own index tensors: nothing to regroup, so no host tensor is copied (a verify graph
+        captures this step)."""
+        one_each = max(lens_list) == 1
+        if one_each or in_place:  # a decode step: token i is sequence i; no host tensors to copy
+            seqs = torch.arange(len(lens_list) if one_each else 0, device=device)
             none = seqs[:0]
-            return cls(seqs, seqs, none, none, none, seqs.new_zeros(1), prefill_len=0, all_decode=True)
+            return cls(seqs, seqs, none, none, none, seqs.new_zeros(1), prefill_len=0, all_decode=one_each)
         lens = torch.tensor(lens_list, dtype=torch.int64)
         cu = torch.zeros(len(lens_list) + 1, dtype=torch.int64)
         torch.cumsum(lens, 0, out=cu[1:])
@@ -184,6 +190,12 @@ def _padded_rows(*inputs: Tensor, plan: DeltaPlan, kept: Tensor | None) -> tuple
     return o.flatten(0, 1)[plan.verify_padded], s
 
 
+def rows_only(lens_list: list[int], verify: tuple[bool, ...]) -> bool:
+    """A step of decode tokens and verify rows alone (`StepBatch.verify`: one flag a sequence, or
+    none): what the in-place kernel runs token by token. A prompt chunk goes to the chunked form."""
+    return all(n == 1 or (bool(verify) and verify[b]) for b, n in enumerate(lens_list))
+
+
 def _pad(x: Tensor, index: Tensor, length: int, batch: int) -> Tensor:
     buf = x.new_zeros((batch * length, *x.shape[1:]))
     buf[index] = x
@@ -219,6 +231,11 @@ class VerifyRows:
         if not seqs:
             return None
         lens = batch.lens_list
+        if len(seqs) == len(lens) and min(lens) == max(lens):  # every row verifies as many drafts:
+            # made on the device, no host copy (what a verify graph captures)
+            rows, drafts = torch.arange(len(lens), device=batch.device), lens[0] - 1
+            inputs = rows[:, None] * lens[0] + torch.arange(drafts, device=batch.device)
+            return cls(batch.slots, inputs.flatten(), rows, drafts)
         cu = [0, *accumulate(lens)]
         drafts = max(lens[b] for b in seqs) - 1
         row_of_seq = [-1] * len(lens)
@@ -250,11 +267,9 @@ class HybridStep(LayerStep):
 
     @classmethod
     def build(cls, batch: ForwardBatch, rope: Rope, conv_kernel: int, use_fla: bool | None) -> HybridStep:
-        plan = DeltaPlan.build(batch.lens_list, batch.device, batch.verify)
         kernels = use_fla is not False and gated_delta_triton.available(batch.starts)
-        short = plan.all_decode or all(
-            n == 1 or v for n, v in zip(batch.lens_list, batch.verify, strict=False)
-        )
+        in_place = kernels and rows_only(batch.lens_list, batch.verify)
+        plan = DeltaPlan.build(batch.lens_list, batch.device, batch.verify, in_place)
         b = batch
         windows = None if kernels else ConvWindows.build(b.cu_lens, b.lens, b.seq_of_token, conv_kernel)
         return cls(
@@ -266,7 +281,7 @@ class HybridStep(LayerStep):
             any_fresh=min(batch.starts_list) == 0,
             use_fla=use_fla,
             conv_in_place=kernels,
-            in_place=short and kernels,
+            in_place=in_place,
             verify=VerifyRows.build(batch) if batch.verify else None,
         )
 

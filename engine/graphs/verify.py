@@ -1,0 +1,207 @@
+"""CUDA graphs of verify steps (engine.spec): every sequence of the step a decode token and its k
+drafts, k + 1 tokens with logits at each, its recurrent layers keeping the state after each
+position in the workspace the runner leases (`VerifySize`). Eager, such a step is bound by kernel
+launches as a decode step is (the 6.2B hybrid's one-row verify step ran ~100 ms on an H100 against
+a 5.1 ms replayed decode step, s26); replayed, it is one launch.
+
+A step of n such rows replays the graph of the smallest batch bucket >= n (1, 2, 4, ... up to the
+workspace's rows): one graph a bucket serves every context, since the prefill attention kernel a
+verify row takes reads each row's context on the device (a decode graph's split-K tiling follows
+its context bucket; this kernel's does not). Rows with fewer drafts, a step mixing verify rows with
+other rows, or one reading the int8 KV store run eagerly. Padding rows feed token 0 at positions
+PAD_POSITION.. of the decode graphs' scratch slot (its one block holds them) and keep their states
+in workspace rows no real row of the step uses.
+
+Inputs enter through one static buffer (`verify_layout`: tokens, positions and slot of each token,
+then each row's slot and start; one host-to-device copy a step); every graph writes one static
+[rows x (k + 1), vocab] logits buffer, valid until the next replay. What the graphs' pool holds is
+measured and leased by the caller (tag cuda-graphs-verify).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from ballast.engine.graphs.decode import (
+    PAD_POSITION,
+    PAD_TOKEN,
+    Forward,
+    GraphCaptureError,
+    GraphSet,
+    as_batch,
+    bucket_for,
+    doubling_buckets,
+)
+from ballast.models.base import Rows, StepBatch
+from ballast.models.layers import pointwise
+from torch import Tensor
+
+TOKEN_FIELDS = ("token_ids", "positions", "slot_of_token")  # width x length entries each
+ROW_FIELDS = ("slots", "starts")  # width entries each
+
+
+def verify_layout(width: int, length: int) -> dict[str, tuple[int, int]]:
+    """Where each staged field sits in the static buffer of up to `width` rows of `length` tokens:
+    name -> (offset, entries). Every field starts on 16 bytes (an even int64 offset): Triton
+    compiles a kernel once per alignment of a pointer argument."""
+    out: dict[str, tuple[int, int]] = {}
+    at = 0
+    for name in TOKEN_FIELDS + ROW_FIELDS:
+        size = width * length if name in TOKEN_FIELDS else width
+        out[name] = (at, size)
+        at += size + size % 2
+    return out
+
+
+def buffer_size(layout: dict[str, tuple[int, int]]) -> int:
+    at, size = max(layout.values())
+    return at + size + size % 2
+
+
+def verify_bucket(batch: StepBatch, buckets: Sequence[int], length: int, keep: bool) -> int | None:
+    """The batch bucket of a step a verify graph serves, or None: every sequence `length` tokens
+    with logits at each, all marked to keep their per-position states (`StepBatch.verify`) where
+    the model keeps them (`keep`: it has recurrent layers), none marked where it does not."""
+    n = batch.num_seqs
+    if min(batch.lens_list) != length or batch.max_len != length:
+        return None
+    if len(batch.all_logits) != n or not all(batch.all_logits):
+        return None
+    marked = len(batch.verify) == n and all(batch.verify)
+    if (keep and not marked) or (not keep and any(batch.verify)):
+        return None
+    return bucket_for(buckets, n)
+
+
+def staged(
+    batch: StepBatch | None, width: int, length: int, scratch_slot: int, out: Tensor | None = None
+) -> Tensor:
+    """The static buffer's host image for this step (None: padding alone): its rows, then padding
+    rows at the scratch slot, positions PAD_POSITION .. PAD_POSITION + length - 1."""
+    layout = verify_layout(width, length)
+    host = out if out is not None else torch.zeros(buffer_size(layout), dtype=torch.int64)
+    n = batch.num_seqs if batch is not None else 0
+    slots, starts = (torch.full((width,), v, dtype=torch.int64) for v in (scratch_slot, PAD_POSITION))
+    tokens = torch.full((width * length,), PAD_TOKEN, dtype=torch.int64)
+    if batch is not None:
+        slots[:n] = torch.tensor(batch.slots_list, dtype=torch.int64)
+        starts[:n] = torch.tensor(batch.starts_list, dtype=torch.int64)
+        tokens[: n * length] = torch.frombuffer(batch.tokens, dtype=torch.int64)
+    fields = {
+        "token_ids": tokens,
+        "positions": (starts[:, None] + torch.arange(length)).flatten(),
+        "slot_of_token": slots.repeat_interleave(length),
+        "slots": slots,
+        "starts": starts,
+    }
+    for name, (at, size) in layout.items():
+        host[at : at + size] = fields[name]
+    return host
+
+
+class VerifyGraphs(GraphSet[int]):
+    """Verify-step graphs over a model's slot states and verify workspace, per batch bucket."""
+
+    def __init__(
+        self, device: torch.device, scratch_slot: int, rows: int, drafts: int, max_context: int, keep: bool
+    ) -> None:
+        """rows, drafts: the verify steps the workspace is sized for (`VerifySize`); keep: the
+        model's recurrent layers keep per-position states (the rows are marked to)."""
+        super().__init__(device)
+        if drafts < 1:
+            raise GraphCaptureError(f"a verify graph needs at least one draft a row, got {drafts}")
+        self.scratch_slot = scratch_slot
+        self.length = drafts + 1
+        self.buckets = doubling_buckets(1, rows)
+        self.max_context = max_context
+        self.keep = keep
+        width = self.buckets[-1]
+        self._layout = verify_layout(width, self.length)
+        self._inputs = torch.zeros(buffer_size(self._layout), dtype=torch.int64, device=device)
+        # What does not change from step to step: every row `length` tokens, logits at each.
+        self._lens = torch.full((width,), self.length, dtype=torch.int64, device=device)
+        self._cu_lens = torch.arange(width + 1, dtype=torch.int64, device=device) * self.length
+        self._arange = torch.arange(width * self.length, dtype=torch.int64, device=device)
+        self._seq_of_token = torch.arange(width, dtype=torch.int64, device=device).repeat_interleave(self.length)
+
+    def capture(self, forward: Forward) -> int:
+        """Capture every bucket, largest first so the others fit in the pool it sized. Returns the
+        bytes the device allocator holds more than before; raises GraphCaptureError (none kept)."""
+        before = self._reserved()
+        self._pool = torch.cuda.graph_pool_handle()
+        try:
+            for b in reversed(self.buckets):
+                self._stage(None)
+                batch = self._static_batch(b)
+                with pointwise.fused():  # as the decode graphs: fused kernels cost a replay nothing
+                    eager = forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
+                    self._record(b, forward, batch, eager, self.buckets[-1] * self.length)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            self.release()
+            raise GraphCaptureError(f"verify graph capture failed: {type(e).__name__}: {e}") from e
+        self.held_bytes = max(0, self._reserved() - before)
+        return self.held_bytes
+
+    def release(self) -> None:
+        """Drop every graph and its output."""
+        self._drop()
+
+    def bucket_of(self, seqs: StepBatch | Rows) -> int | None:
+        """The bucket of a step these graphs serve (`verify_bucket`), captured or not."""
+        return verify_bucket(as_batch(seqs), self.buckets, self.length, self.keep) if seqs else None
+
+    def can_use(self, seqs: StepBatch | Rows, mixed: bool = False) -> bool:
+        """A captured graph serves this step (`verify_bucket`); `mixed`: the int8 KV store is in
+        use (another kernel sequence, run eagerly)."""
+        return bool(self._graphs) and not mixed and self.bucket_of(seqs) in self._graphs
+
+    def replay(self, seqs: StepBatch | Rows) -> Tensor:
+        """Logits [n x (k + 1), vocab], row after row, position after position; a view of the
+        graphs' output, valid until the next replay. Call only where `can_use(seqs)`."""
+        batch = as_batch(seqs)
+        bucket = self.bucket_of(batch)
+        assert bucket in self._graphs and self._logits is not None, "replay needs can_use(seqs)"
+        self._stage(batch)
+        self._graphs[bucket].replay()
+        self.replays += 1
+        return self._logits[: batch.num_seqs * self.length]
+
+    def _stage(self, batch: StepBatch | None) -> None:
+        """The step's rows (and padding) into the static inputs, one copy, then the token ids the
+        host does not hold filled on the device."""
+        # Pinned and non-blocking: a pageable copy would wait for the step still on the GPU.
+        on_gpu = self._inputs.is_cuda
+        host = torch.empty(self._inputs.shape[0], dtype=torch.int64, pin_memory=on_gpu)
+        staged(batch, self.buckets[-1], self.length, self.scratch_slot, host)
+        self._inputs.copy_(host, non_blocking=on_gpu)
+        if batch is not None and batch.fill_tokens is not None:
+            n = batch.num_seqs * self.length
+            batch.fill_tokens(self.field("token_ids")[:n], self.field("slot_of_token")[:n])
+
+    def field(self, name: str) -> Tensor:
+        at, size = self._layout[name]
+        return self._inputs[at : at + size]
+
+    def _static_batch(self, b: int) -> StepBatch:
+        """The batch a graph of b rows is captured with: views of the static inputs and constants.
+        The host-side lists fix shapes and branches only (b rows of `length` tokens, none at 0)."""
+        t = b * self.length
+        ar = self._arange
+        tensors = {
+            "token_ids": self.field("token_ids")[:t],
+            "positions": self.field("positions")[:t],
+            "slots": self.field("slots")[:b],
+            "starts": self.field("starts")[:b],
+            "lens": self._lens[:b],
+            "cu_lens": self._cu_lens[: b + 1],
+            "logit_index": ar[:t],
+            "seq_of_token": self._seq_of_token[:t],
+            "slot_of_token": self.field("slot_of_token")[:t],
+            "pad_index": ar[:t],
+        }
+        lens = [self.length] * b
+        batch = StepBatch.over(tensors, [self.scratch_slot] * b, [PAD_POSITION] * b, lens, self.max_context)
+        batch.all_logits = (True,) * b
+        batch.verify = (True,) * b if self.keep else ()
+        return batch
