@@ -5,8 +5,9 @@ leases from the memory layer, and the lockstep with the other ranks under tensor
 
 A step is served by a decode graph (every sequence feeds one token), else a verify graph (every
 sequence a decode and its k drafts, where the engine drafts), else a prefill graph (one prompt
-chunk alone), else both (a chunk then decodes, where `PrefillGraphs.split_pays`), else eagerly. Graphs are a speed-up, never a reason to fail: a capture that fails on any rank, or a
-ledger without room for them, leaves that kind of step eager (logged).
+chunk alone), else both (a chunk then decodes, where `PrefillGraphs.split_pays`), else eagerly.
+Graphs are a speed-up, never a reason to fail: a capture that fails on any rank, or a ledger
+without room for them, leaves that kind of step eager (logged).
 """
 
 from __future__ import annotations
@@ -205,8 +206,8 @@ class GraphRunner:
 
     def capture_at_start(self, watch: MemWatch | None, dies: list[int], prefill_tokens: int) -> list[Lease]:
         """The decode graphs, then the verify and the prefill graphs, each under its leases."""
-        leases = capture_graphs(self, watch, dies)
-        return leases + capture_verify_graphs(self, watch, dies) + capture_prefill_graphs(self, watch, dies, prefill_tokens)
+        leases = capture_graphs(self, watch, dies) + capture_verify_graphs(self, watch, dies)
+        return leases + capture_prefill_graphs(self, watch, dies, prefill_tokens)
 
 
 def capture_graphs(graphs: GraphRunner, watch: MemWatch | None, dies: Sequence[int]) -> list[Lease]:

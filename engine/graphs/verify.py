@@ -123,7 +123,7 @@ class VerifyGraphs(GraphSet[int]):
         self._lens = torch.full((width,), self.length, dtype=torch.int64, device=device)
         self._cu_lens = torch.arange(width + 1, dtype=torch.int64, device=device) * self.length
         self._arange = torch.arange(width * self.length, dtype=torch.int64, device=device)
-        self._seq_of_token = torch.arange(width, dtype=torch.int64, device=device).repeat_interleave(self.length)
+        self._seq_of_token = self._arange // self.length
 
     def capture(self, forward: Forward) -> int:
         """Capture every bucket, largest first so the others fit in the pool it sized. Returns the

@@ -115,7 +115,7 @@ def model(request: pytest.FixtureRequest) -> torch.nn.Module:
     return m
 
 
-def test_the_padded_static_batch_gives_the_eager_verify_steps_logits_and_states(model: torch.nn.Module) -> None:
+def test_the_padded_static_batch_gives_the_eager_steps_logits_and_states(model: torch.nn.Module) -> None:
     """Two verify rows in a graph of 4 (two padding rows in the scratch slot, keeping their
     states in workspace rows 2 and 3): the real rows' logits, kept states and slot states are the
     plain eager step's."""
