@@ -293,8 +293,9 @@ def capture_verify_graphs(graphs: GraphRunner, watch: MemWatch | None, dies: Seq
     if v is None:
         return []
     log.info(
-        "verify graphs: %d captured (up to %d rows of %d tokens, every context), %.1f MiB",
+        "verify graphs: %d captured (one row of 2-%d tokens, up to %d rows of %d; every context), %.1f MiB",
         v.captured,
+        v.length,
         v.buckets[-1],
         v.length,
         held / MiB,

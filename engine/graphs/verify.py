@@ -4,18 +4,20 @@ position in the workspace the runner leases (`VerifySize`). Eager, such a step i
 launches as a decode step is (the 6.2B hybrid's one-row verify step ran ~100 ms on an H100 against
 a 5.1 ms replayed decode step, s26); replayed, it is one launch.
 
-A step of n such rows replays the graph of the smallest batch bucket >= n (1, 2, 4, ... up to the
-workspace's rows): one graph a bucket serves every context, since the prefill attention kernel a
-verify row takes reads each row's context on the device (a decode graph's split-K tiling follows
-its context bucket; this kernel's does not). Rows with fewer drafts, a step mixing verify rows with
-other rows, or one reading the int8 KV store run eagerly. Padding rows feed token 0 at positions
-PAD_POSITION.. of the decode graphs' scratch slot (its one block holds them) and keep their states
-in workspace rows no real row of the step uses.
+A step of n such rows of m tokens replays the graph of the smallest batch bucket >= n (1, 2, 4, ...
+up to the workspace's rows) and m: one row at every draft length (one stream drafts the length its
+acceptance pays for), more rows at k + 1 tokens (`verify_keys`). One graph serves every context,
+since the prefill attention kernel a verify row takes reads each row's context on the device (a
+decode graph's split-K tiling follows its context bucket; this kernel's does not). Rows of unequal
+length, more rows of fewer drafts, verify rows beside other rows, or a step reading the int8 KV
+store run eagerly. Padding rows feed token 0 at positions PAD_POSITION.. of the decode graphs'
+scratch slot (its one block holds them) and keep their states in workspace rows no real row of the
+step uses.
 
 Inputs enter through one static buffer (`verify_layout`: tokens, positions and slot of each token,
 then each row's slot and start; one host-to-device copy a step); every graph writes one static
-[rows x (k + 1), vocab] logits buffer, valid until the next replay. What the graphs' pool holds is
-measured and leased by the caller (tag cuda-graphs-verify).
+[rows x (k + 1), vocab] logits buffer (its first n x m rows), valid until the next replay. What
+the graphs' pool holds is measured and leased by the caller (tag cuda-graphs-verify).
 """
 
 from __future__ import annotations
@@ -59,27 +61,42 @@ def buffer_size(layout: dict[str, tuple[int, int]]) -> int:
     return at + size + size % 2
 
 
-def verify_bucket(batch: StepBatch, buckets: Sequence[int], length: int, keep: bool) -> int | None:
-    """The batch bucket of a step a verify graph serves, or None: every sequence `length` tokens
-    with logits at each, all marked to keep their per-position states (`StepBatch.verify`) where
-    the model keeps them (`keep`: it has recurrent layers), none marked where it does not."""
-    n = batch.num_seqs
-    if min(batch.lens_list) != length or batch.max_len != length:
+def verify_keys(buckets: Sequence[int], drafts: int) -> tuple[tuple[int, int], ...]:
+    """The (rows, tokens a row) graphs to capture, largest first: one row at every draft length
+    (one stream drafts what its acceptance pays for, the governor's choice step by step), more rows
+    at the longest (k + 1 tokens each)."""
+    keys = {(1, n + 1) for n in range(1, drafts + 1)} | {(b, drafts + 1) for b in buckets}
+    return tuple(sorted(keys, key=lambda key: (key[0] * key[1], key), reverse=True))
+
+
+def verify_key(batch: StepBatch, buckets: Sequence[int], keep: bool) -> tuple[int, int] | None:
+    """(batch bucket, tokens a row) of a step a verify graph may serve, or None: every sequence
+    as many tokens, more than one, with logits at each, all marked to keep their per-position
+    states (`StepBatch.verify`) where the model keeps them (`keep`: it has recurrent layers), none
+    marked where it does not."""
+    n, length = batch.num_seqs, batch.max_len
+    if length < 2 or min(batch.lens_list) != length:
         return None
     if len(batch.all_logits) != n or not all(batch.all_logits):
         return None
     marked = len(batch.verify) == n and all(batch.verify)
     if (keep and not marked) or (not keep and any(batch.verify)):
         return None
-    return bucket_for(buckets, n)
+    bucket = bucket_for(buckets, n)
+    return None if bucket is None else (bucket, length)
 
 
 def staged(
-    batch: StepBatch | None, width: int, length: int, scratch_slot: int, out: Tensor | None = None
+    batch: StepBatch | None,
+    layout: dict[str, tuple[int, int]],
+    width: int,
+    length: int,
+    scratch_slot: int,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """The static buffer's host image for this step (None: padding alone): its rows, then padding
-    rows at the scratch slot, positions PAD_POSITION .. PAD_POSITION + length - 1."""
-    layout = verify_layout(width, length)
+    """The static buffer's host image (`layout`) for this step of rows of `length` tokens (None:
+    padding alone): its rows, then padding rows at the scratch slot, positions PAD_POSITION ..
+    PAD_POSITION + length - 1; the token fields' first width x length entries."""
     host = out if out is not None else torch.zeros(buffer_size(layout), dtype=torch.int64)
     n = batch.num_seqs if batch is not None else 0
     slots, starts = (torch.full((width,), v, dtype=torch.int64) for v in (scratch_slot, PAD_POSITION))
@@ -95,13 +112,13 @@ def staged(
         "slots": slots,
         "starts": starts,
     }
-    for name, (at, size) in layout.items():
-        host[at : at + size] = fields[name]
+    for name, (at, _) in layout.items():
+        host[at : at + fields[name].shape[0]] = fields[name]
     return host
 
 
-class VerifyGraphs(GraphSet[int]):
-    """Verify-step graphs over a model's slot states and verify workspace, per batch bucket."""
+class VerifyGraphs(GraphSet[tuple[int, int]]):
+    """Verify-step graphs over a model's slot states and verify workspace, per (rows, tokens a row)."""
 
     def __init__(
         self, device: torch.device, scratch_slot: int, rows: int, drafts: int, max_context: int, keep: bool
@@ -112,31 +129,32 @@ class VerifyGraphs(GraphSet[int]):
         if drafts < 1:
             raise GraphCaptureError(f"a verify graph needs at least one draft a row, got {drafts}")
         self.scratch_slot = scratch_slot
-        self.length = drafts + 1
         self.buckets = doubling_buckets(1, rows)
+        self.keys = verify_keys(self.buckets, drafts)
         self.max_context = max_context
         self.keep = keep
-        width = self.buckets[-1]
-        self._layout = verify_layout(width, self.length)
+        self._width, self.length = self.buckets[-1], drafts + 1
+        self._layout = verify_layout(self._width, self.length)
         self._inputs = torch.zeros(buffer_size(self._layout), dtype=torch.int64, device=device)
-        # What does not change from step to step: every row `length` tokens, logits at each.
-        self._lens = torch.full((width,), self.length, dtype=torch.int64, device=device)
-        self._cu_lens = torch.arange(width + 1, dtype=torch.int64, device=device) * self.length
-        self._arange = torch.arange(width * self.length, dtype=torch.int64, device=device)
-        self._seq_of_token = self._arange // self.length
+        self._arange = torch.arange(self._width * self.length, dtype=torch.int64, device=device)
+        # What does not change from step to step, per row length n: lens, cu_lens, each token's row.
+        ar = self._arange
+        self._fixed = {
+            n: (ar[: self._width] * 0 + n, ar[: self._width + 1] * n, ar // n) for _, n in self.keys
+        }
 
     def capture(self, forward: Forward) -> int:
-        """Capture every bucket, largest first so the others fit in the pool it sized. Returns the
+        """Capture every key, largest first so the others fit in the pool it sized. Returns the
         bytes the device allocator holds more than before; raises GraphCaptureError (none kept)."""
         before = self._reserved()
         self._pool = torch.cuda.graph_pool_handle()
         try:
-            for b in reversed(self.buckets):
-                self._stage(None)
-                batch = self._static_batch(b)
+            for key in self.keys:
+                self._stage(None, key[1])
+                batch = self._static_batch(*key)
                 with pointwise.fused():  # as the decode graphs: fused kernels cost a replay nothing
                     eager = forward(batch)  # first eagerly: kernels compiled and tuned outside the capture
-                    self._record(b, forward, batch, eager, self.buckets[-1] * self.length)
+                    self._record(key, forward, batch, eager, self._width * self.length)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self.release()
             raise GraphCaptureError(f"verify graph capture failed: {type(e).__name__}: {e}") from e
@@ -147,61 +165,61 @@ class VerifyGraphs(GraphSet[int]):
         """Drop every graph and its output."""
         self._drop()
 
-    def bucket_of(self, seqs: StepBatch | Rows) -> int | None:
-        """The bucket of a step these graphs serve (`verify_bucket`), captured or not."""
-        return verify_bucket(as_batch(seqs), self.buckets, self.length, self.keep) if seqs else None
+    def key_of(self, seqs: StepBatch | Rows) -> tuple[int, int] | None:
+        """The key of a step these graphs serve (`verify_key`), captured or not."""
+        return verify_key(as_batch(seqs), self.buckets, self.keep) if seqs else None
 
     def can_use(self, seqs: StepBatch | Rows, mixed: bool = False) -> bool:
-        """A captured graph serves this step (`verify_bucket`); `mixed`: the int8 KV store is in
-        use (another kernel sequence, run eagerly)."""
-        return bool(self._graphs) and not mixed and self.bucket_of(seqs) in self._graphs
+        """A captured graph serves this step (`verify_key`); `mixed`: the int8 KV store is in use
+        (another kernel sequence, run eagerly)."""
+        return bool(self._graphs) and not mixed and self.key_of(seqs) in self._graphs
 
     def replay(self, seqs: StepBatch | Rows) -> Tensor:
-        """Logits [n x (k + 1), vocab], row after row, position after position; a view of the
+        """Logits [n x tokens a row, vocab], row after row, position after position; a view of the
         graphs' output, valid until the next replay. Call only where `can_use(seqs)`."""
         batch = as_batch(seqs)
-        bucket = self.bucket_of(batch)
-        assert bucket in self._graphs and self._logits is not None, "replay needs can_use(seqs)"
-        self._stage(batch)
-        self._graphs[bucket].replay()
+        key = self.key_of(batch)
+        assert key in self._graphs and self._logits is not None, "replay needs can_use(seqs)"
+        self._stage(batch, key[1])
+        self._graphs[key].replay()
         self.replays += 1
-        return self._logits[: batch.num_seqs * self.length]
+        return self._logits[: batch.num_seqs * key[1]]
 
-    def _stage(self, batch: StepBatch | None) -> None:
+    def _stage(self, batch: StepBatch | None, length: int) -> None:
         """The step's rows (and padding) into the static inputs, one copy, then the token ids the
         host does not hold filled on the device."""
         # Pinned and non-blocking: a pageable copy would wait for the step still on the GPU.
         on_gpu = self._inputs.is_cuda
         host = torch.empty(self._inputs.shape[0], dtype=torch.int64, pin_memory=on_gpu)
-        staged(batch, self.buckets[-1], self.length, self.scratch_slot, host)
+        staged(batch, self._layout, self._width, length, self.scratch_slot, host)
         self._inputs.copy_(host, non_blocking=on_gpu)
         if batch is not None and batch.fill_tokens is not None:
-            n = batch.num_seqs * self.length
+            n = batch.num_seqs * length
             batch.fill_tokens(self.field("token_ids")[:n], self.field("slot_of_token")[:n])
 
     def field(self, name: str) -> Tensor:
         at, size = self._layout[name]
         return self._inputs[at : at + size]
 
-    def _static_batch(self, b: int) -> StepBatch:
-        """The batch a graph of b rows is captured with: views of the static inputs and constants.
-        The host-side lists fix shapes and branches only (b rows of `length` tokens, none at 0)."""
-        t = b * self.length
-        ar = self._arange
+    def _static_batch(self, b: int, length: int) -> StepBatch:
+        """The batch a graph of b rows of `length` tokens is captured with: views of the static
+        inputs and constants. The host-side lists fix shapes and branches only (none at 0)."""
+        t, ar = b * length, self._arange
+        lens, cu_lens, seq_of_token = self._fixed[length]
         tensors = {
             "token_ids": self.field("token_ids")[:t],
             "positions": self.field("positions")[:t],
             "slots": self.field("slots")[:b],
             "starts": self.field("starts")[:b],
-            "lens": self._lens[:b],
-            "cu_lens": self._cu_lens[: b + 1],
+            "lens": lens[:b],
+            "cu_lens": cu_lens[: b + 1],
             "logit_index": ar[:t],
-            "seq_of_token": self._seq_of_token[:t],
+            "seq_of_token": seq_of_token[:t],
             "slot_of_token": self.field("slot_of_token")[:t],
             "pad_index": ar[:t],
         }
-        lens = [self.length] * b
-        batch = StepBatch.over(tensors, [self.scratch_slot] * b, [PAD_POSITION] * b, lens, self.max_context)
+        rows = [length] * b
+        batch = StepBatch.over(tensors, [self.scratch_slot] * b, [PAD_POSITION] * b, rows, self.max_context)
         batch.all_logits = (True,) * b
         batch.verify = (True,) * b if self.keep else ()
         return batch

@@ -90,15 +90,16 @@ def kept(runner: ModelRunner, n: int) -> list[torch.Tensor]:
 def test_captured_at_start_and_leased(loaded: tuple[Engine, MemWatch, str]) -> None:
     engine, watch, _ = loaded
     graphs = engine.runner.graph_runner.verify_graphs
-    assert graphs is not None and graphs.buckets == (1, 2, 4) and graphs.captured == 3
-    assert graphs.length == K + 1 and graphs.keep == keeps(engine.runner)
+    assert graphs is not None and graphs.buckets == (1, 2, 4) and graphs.length == K + 1
+    assert graphs.captured == len(graphs.keys) == 5  # one row of 1, 2 or 3 drafts; 2 and 4 rows of 3
+    assert graphs.keep == keeps(engine.runner)
     held = dict(watch.ledger.leases(torch.cuda.current_device()))
     assert graphs.held_bytes > 0 and held["cuda-graphs-verify"] == graphs.held_bytes
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "drafts"), [(1, K), (2, K), (3, K), (4, K), (1, 1)])
 def test_a_replayed_verify_step_gives_the_eager_steps_logits_and_states(
-    loaded: tuple[Engine, MemWatch, str], n: int
+    loaded: tuple[Engine, MemWatch, str], n: int, drafts: int
 ) -> None:
     engine, _, dtype = loaded
     runner = engine.runner
@@ -108,13 +109,13 @@ def test_a_replayed_verify_step_gives_the_eager_steps_logits_and_states(
     prompts = {s: prompt(9 + 5 * s, s) for s in slots}
     runner.reset(slots)
     for s, p in prompts.items():
-        assert runner.kv.ensure(s, len(p) + K + 1)
+        assert runner.kv.ensure(s, len(p) + drafts + 1)
     runner.forward([(s, p, 0) for s, p in prompts.items()])
-    rows = [(s, [7 + s, *prompt(K, 100 + s)], len(p)) for s, p in prompts.items()]
+    rows = [(s, [7 + s, *prompt(drafts, 100 + s)], len(p)) for s, p in prompts.items()]
     before = snapshot(runner, slots)
     replays = graphs.replays
     got = runner.forward(verify_batch(rows, keep)).clone()
-    assert graphs.replays == replays + 1 and got.shape[0] == n * (K + 1)
+    assert graphs.replays == replays + 1 and got.shape[0] == n * (drafts + 1)
     got_states, got_kept = flat(snapshot(runner, slots)), kept(runner, n)
     restore(runner, before)  # the states before the step, then the same step eagerly
     want = runner._eager(verify_batch(rows, keep))
@@ -132,9 +133,9 @@ def test_a_replayed_verify_step_gives_the_eager_steps_logits_and_states(
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("accepted", [0, 2, K])
+@pytest.mark.parametrize(("drafts", "accepted"), [(K, 0), (K, 2), (K, K), (2, 1)])
 def test_a_draft_rejected_after_a_replayed_step_leaves_the_plain_runs_states(
-    loaded: tuple[Engine, MemWatch, str], accepted: int
+    loaded: tuple[Engine, MemWatch, str], drafts: int, accepted: int
 ) -> None:
     """Through the engine's plans (the executor's verdict and rollback): the same tokens as the
     plain decode steps, and the slot's states theirs (a hybrid's: the state its replayed step kept
@@ -157,11 +158,11 @@ def test_a_draft_rejected_after_a_replayed_step_leaves_the_plain_runs_states(
         return [t.clone() for s in engine.runner.states for t in s.slot_views(slot)]
 
     want, after = [start()], []
-    for i in range(K + 1):
+    for i in range(drafts + 1):
         want += step(StepPlan(decodes=(DecodeToken(slot, want[-1], len(p) + i),), sampling={slot: GREEDY}))
         after.append(states())
-    draft = list(want[1 : 1 + K])
-    if accepted < K:
+    draft = list(want[1 : 1 + drafts])
+    if accepted < drafts:
         draft[accepted] = (draft[accepted] + 1) % 250
     first, replays = start(), graphs.replays
     got = step(StepPlan(decodes=(DecodeToken(slot, first, len(p), tuple(draft)),), sampling={slot: GREEDY}))
@@ -170,5 +171,5 @@ def test_a_draft_rejected_after_a_replayed_step_leaves_the_plain_runs_states(
     for ours, theirs in zip(states(), after[accepted], strict=True):  # the plain run: decode kernels
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     recurrent = [s for s in engine.runner.states if isinstance(s, RecurrentState)]
-    if accepted < K:  # the state the replayed step kept after its last accepted position
+    if accepted < drafts:  # the state the replayed step kept after its last accepted position
         assert all(torch.equal(s.recurrent[slot], s.kept_states[0, accepted]) for s in recurrent)

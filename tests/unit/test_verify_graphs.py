@@ -12,7 +12,14 @@ import pytest
 import torch
 from ballast.engine.graphs.decode import PAD_POSITION, PAD_TOKEN
 from ballast.engine.graphs.graph_runner import capture_verify_graphs
-from ballast.engine.graphs.verify import VerifyGraphs, buffer_size, staged, verify_bucket, verify_layout
+from ballast.engine.graphs.verify import (
+    VerifyGraphs,
+    buffer_size,
+    staged,
+    verify_key,
+    verify_keys,
+    verify_layout,
+)
 from ballast.engine.runner.model_runner import ModelRunner
 from ballast.engine.workspace import VerifySize
 from ballast.memory.ledger import VramLedger
@@ -45,44 +52,53 @@ def test_the_layout_puts_every_field_on_16_bytes_without_overlap() -> None:
         assert buffer_size(layout) >= spans[-1][0] + spans[-1][1] and buffer_size(layout) % 2 == 0
 
 
-def test_a_graph_serves_steps_of_verify_rows_of_its_length_alone() -> None:
-    buckets, length = (1, 2, 4, 7), K + 1
+def test_one_row_at_every_draft_length_more_rows_at_the_longest_largest_first() -> None:
+    assert verify_keys((1, 2, 4, 7), 3) == ((7, 4), (4, 4), (2, 4), (1, 4), (1, 3), (1, 2))
+    assert verify_keys((1,), 1) == ((1, 2),)
+
+
+def test_a_graph_serves_steps_of_verify_rows_of_one_length_alone() -> None:
+    buckets = (1, 2, 4, 7)
     row = [5, 6, 7, 8]
-    assert verify_bucket(verify_batch([(0, row, 10)]), buckets, length, True) == 1
-    assert verify_bucket(verify_batch([(s, row, 10) for s in range(3)]), buckets, length, True) == 4
-    assert verify_bucket(verify_batch([(s, row, 10) for s in range(7)]), buckets, length, True) == 7
-    assert verify_bucket(verify_batch([(s, row, 10) for s in range(8)]), buckets, length, True) is None
-    assert verify_bucket(verify_batch([(0, row[:3], 10)]), buckets, length, True) is None  # fewer drafts
-    assert verify_bucket(verify_batch([(0, row, 10), (1, row[:2], 10)]), buckets, length, True) is None
+    assert verify_key(verify_batch([(0, row, 10)]), buckets, True) == (1, 4)
+    assert verify_key(verify_batch([(0, row[:2], 10)]), buckets, True) == (1, 2)  # one draft
+    assert verify_key(verify_batch([(s, row, 10) for s in range(3)]), buckets, True) == (4, 4)
+    assert verify_key(verify_batch([(s, row[:3], 10) for s in range(2)]), buckets, True) == (2, 3)
+    assert verify_key(verify_batch([(s, row, 10) for s in range(7)]), buckets, True) == (7, 4)
+    assert verify_key(verify_batch([(s, row, 10) for s in range(8)]), buckets, True) is None
+    assert verify_key(verify_batch([(0, row, 10), (1, row[:2], 10)]), buckets, True) is None
     beside = StepBatch.of([(0, row, 10), (1, [9], 4)], all_logits=(True, False))  # a decode beside
     beside.verify = (True, False)
-    assert verify_bucket(beside, buckets, length, True) is None
+    assert verify_key(beside, buckets, True) is None
+    assert verify_key(verify_batch([(0, [9], 10)]), buckets, True) is None  # a decode, no draft
     unmarked = verify_batch([(0, row, 10)], keep=False)  # a hybrid's rows must keep their states
-    assert verify_bucket(unmarked, buckets, length, True) is None
+    assert verify_key(unmarked, buckets, True) is None
     # an attention-only model marks nothing: its rows of k + 1 tokens with every logit are served
-    assert verify_bucket(unmarked, buckets, length, False) == 1
-    assert verify_bucket(verify_batch([(0, row, 10)]), buckets, length, False) is None
+    assert verify_key(unmarked, buckets, False) == (1, 4)
+    assert verify_key(verify_batch([(0, row, 10)]), buckets, False) is None
     last_only = StepBatch.of([(0, row, 10)])  # a prompt chunk of k + 1 tokens, its last logit
-    assert verify_bucket(last_only, buckets, length, False) is None
+    assert verify_key(last_only, buckets, False) is None
 
 
 def test_nothing_is_served_before_a_capture_nor_a_step_on_the_int8_store() -> None:
     graphs = VerifyGraphs(CPU, SCRATCH, rows=3, drafts=K, max_context=64, keep=True)
     assert graphs.buckets == (1, 2, 3) and graphs.length == K + 1
+    assert graphs.keys == ((3, 4), (2, 4), (1, 4), (1, 3), (1, 2))
     batch = verify_batch([(0, [5, 6, 7, 8], 10)])
-    assert graphs.bucket_of(batch) == 1 and not graphs.can_use(batch)
-    graphs._graphs[1] = None  # type: ignore[assignment]  # stands for a capture
+    assert graphs.key_of(batch) == (1, 4) and not graphs.can_use(batch)
+    graphs._graphs[(1, 4)] = None  # type: ignore[assignment]  # stands for a capture
     assert graphs.can_use(batch) and not graphs.can_use(batch, mixed=True)
-    assert not graphs.can_use(verify_batch([(0, [5, 6, 7, 8], 10), (1, [5, 6, 7, 8], 3)]))  # (2): none
+    assert not graphs.can_use(verify_batch([(0, [5, 6, 7], 10)]))  # (1, 3): not captured
     assert not graphs.can_use([])
 
 
 def test_a_step_is_staged_as_its_eager_batch_plus_padding_rows() -> None:
-    width, length = 4, K + 1
-    rows = [(2, [11, 12, 13, 14], 9), (0, [21, 22, 23, 24], 30)]
-    host = staged(verify_batch(rows), width, length, SCRATCH)
+    width, length = 4, K  # rows of 2 drafts in a buffer laid out for rows of K
+    rows = [(2, [11, 12, 13], 9), (0, [21, 22, 23], 30)]
+    layout = verify_layout(width, K + 1)
+    host = staged(verify_batch(rows), layout, width, length, SCRATCH)
     eager = StepBatch.build(rows, CPU, all_logits=(True, True))
-    fields = {name: host[at : at + n] for name, (at, n) in verify_layout(width, length).items()}
+    fields = {name: host[at : at + n] for name, (at, n) in layout.items()}
     real = len(rows) * length
     for name in ("token_ids", "positions", "slot_of_token"):
         assert torch.equal(fields[name][:real], getattr(eager, name)), name
@@ -92,7 +108,8 @@ def test_a_step_is_staged_as_its_eager_batch_plus_padding_rows() -> None:
     assert fields["positions"][pad].tolist() == [PAD_POSITION + j for j in range(length)] * 2
     assert fields["slots"][2:].eq(SCRATCH).all() and fields["starts"][2:].eq(PAD_POSITION).all()
     # padding alone: what a capture runs over
-    assert torch.equal(staged(None, width, length, SCRATCH)[: width * length], torch.full((16,), PAD_TOKEN))
+    alone = staged(None, layout, width, K + 1, SCRATCH)
+    assert torch.equal(alone[: width * (K + 1)], torch.full((width * (K + 1),), PAD_TOKEN))
 
 
 def test_a_step_of_verify_rows_builds_its_kept_rows_on_the_device_as_the_mixed_step_does() -> None:
@@ -115,13 +132,18 @@ def model(request: pytest.FixtureRequest) -> torch.nn.Module:
     return m
 
 
-def test_the_padded_static_batch_gives_the_eager_steps_logits_and_states(model: torch.nn.Module) -> None:
-    """Two verify rows in a graph of 4 (two padding rows in the scratch slot, keeping their
-    states in workspace rows 2 and 3): the real rows' logits, kept states and slot states are the
-    plain eager step's."""
+@pytest.mark.parametrize(("n", "bucket", "length"), [(2, 4, K + 1), (1, 1, 2)])
+def test_the_padded_static_batch_gives_the_eager_steps_logits_and_states(
+    model: torch.nn.Module, n: int, bucket: int, length: int
+) -> None:
+    """Two verify rows of K drafts in a graph of 4 (two padding rows in the scratch slot, keeping
+    their states in workspace rows 2 and 3), and one row of one draft: the real rows' logits,
+    kept states and slot states are the plain eager step's."""
     size, slots, ctx = VerifySize(4, K), 3, 64
     prompts = {0: list(range(5, 14)), 2: list(range(40, 47))}
-    rows = [(2, [31, 32, 33, 34], len(prompts[2])), (0, [17, 18, 19, 20], len(prompts[0]))]
+    rows = [(2, [31, 32, 33, 34][:length], len(prompts[2])), (0, [17, 18, 19, 20][:length], len(prompts[0]))][
+        :n
+    ]
 
     def runner() -> ModelRunner:
         r = ModelRunner(model, CPU, torch.float32, slots, ctx, False, 0, scratch_slot=True, verify=size)
@@ -134,18 +156,19 @@ def test_the_padded_static_batch_gives_the_eager_steps_logits_and_states(model: 
     padded, plain = runner(), runner()
     keep = any(s.slot_views(0) for s in plain.states)
     graphs = VerifyGraphs(CPU, slots, size.rows, size.drafts, ctx, keep)
-    graphs._stage(verify_batch(rows, keep))
-    got = padded._run(graphs._static_batch(4))
+    assert (bucket, length) in graphs.keys
+    graphs._stage(verify_batch(rows, keep), length)
+    got = padded._run(graphs._static_batch(bucket, length))
     want = plain._run(verify_batch(rows, keep))
-    assert got.shape[0] == 4 * (K + 1) and want.shape[0] == 2 * (K + 1)
+    assert got.shape[0] == bucket * length and want.shape[0] == n * length
     torch.testing.assert_close(got[: want.shape[0]], want, rtol=1e-5, atol=1e-5)
     for mine, theirs in zip(padded.states, plain.states, strict=True):
         if isinstance(mine, RecurrentState) and isinstance(theirs, RecurrentState):
             for a, b in ((mine.recurrent, theirs.recurrent), (mine.conv, theirs.conv)):
                 torch.testing.assert_close(a[:slots], b[:slots], rtol=1e-5, atol=1e-5)
-            assert theirs.kept_states[:2].abs().sum() > 0  # the eager step kept them
+            assert theirs.kept_states[:n, : length - 1].abs().sum() > 0  # the eager step kept them
             for a, b in ((mine.kept_states, theirs.kept_states), (mine.kept_inputs, theirs.kept_inputs)):
-                torch.testing.assert_close(a[:2], b[:2], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(a[:n], b[:n], rtol=1e-5, atol=1e-5)
     assert keep == any(isinstance(s, RecurrentState) for s in plain.states)
 
 
