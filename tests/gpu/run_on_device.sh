@@ -67,12 +67,12 @@ case "$mode" in
     python3 -m pytest -v -rfE -p no:cacheprovider --durations=15 -o addopts="" $sel "$@" 2>&1 | tee $out/$mode.log | tail -40
     ;;
   spec)  # issue 49: the verify graphs' tests (s29: a replayed verify step against the eager one, tiny
-    # models, ~60 s), the spec-decode GPU tests (the 6.2B's greedy parity with drafts among them; the
-    # Triton kernel's verify rows keeping their per-position states, s28), then the oracle-drafter
-    # bench (bench/spec_oracle.py: verify graphs captured and replayed, verify step over decode step)
-    # on the 6.2B and on the 80B FP8, each in its own process and file, so a cold 80B load cut by its
+    # models, ~40 s on a warm Triton cache), the spec-decode GPU tests (the 6.2B's greedy parity with
+    # drafts among them; the Triton kernel's verify rows keeping their per-position states, s28), then
+    # the oracle-drafter bench (bench/spec_oracle.py: verify graphs captured and replayed, verify step
+    # over decode step) on the 6.2B and on the 80B FP8, each in its own process and file, so a cold 80B load cut by its
     # timeout keeps the 6.2B's row; <= 300 s warm without the 80B
-    timeout ${SPEC_GRAPHS_S:-75} python3 -m pytest -v -rfE -p no:cacheprovider --durations=5 -o addopts="" \
+    timeout ${SPEC_GRAPHS_S:-120} python3 -m pytest -v -rfE -p no:cacheprovider --durations=5 -o addopts="" \
       tests/gpu/test_verify_graphs_cuda.py 2>&1 | tee $out/verify_graphs_tests.log | tail -16
     timeout ${SPEC_TEST_S:-120} python3 -m pytest -v -rfE -p no:cacheprovider --durations=8 -o addopts="" \
       tests/gpu/test_spec_decode_cuda.py \
