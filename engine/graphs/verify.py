@@ -1,8 +1,9 @@
-"""CUDA graphs of verify steps (engine.spec): every sequence of the step a decode token and its k
-drafts, k + 1 tokens with logits at each, its recurrent layers keeping the state after each
-position in the workspace the runner leases (`VerifySize`). Eager, such a step is bound by kernel
-launches as a decode step is (the 6.2B hybrid's one-row verify step ran ~100 ms on an H100 against
-a 5.1 ms replayed decode step, s26); replayed, it is one launch.
+"""CUDA graphs of verify steps (engine.spec): every sequence of the step a decode token and its
+drafts, with logits at each token, its recurrent layers keeping the state after each position in
+the workspace the runner leases (`VerifySize`). Eager, such a step is bound by kernel launches as
+a decode step is (the 6.2B hybrid's one-row step of 3 drafts took 113-128 ms on an H100, s26's
+second forward after a rejection included, against a 5.1 ms replayed decode step); replayed, it
+is one launch.
 
 A step of n such rows of m tokens replays the graph of the smallest batch bucket >= n (1, 2, 4, ...
 up to the workspace's rows) and m: one row at every draft length (one stream drafts the length its
@@ -11,7 +12,7 @@ since the prefill attention kernel a verify row takes reads each row's context o
 decode graph's split-K tiling follows its context bucket; this kernel's does not). Rows of unequal
 length, more rows of fewer drafts, verify rows beside other rows, or a step reading the int8 KV
 store run eagerly. Padding rows feed token 0 at positions PAD_POSITION.. of the decode graphs'
-scratch slot (its one block holds them) and keep their states in workspace rows no real row of the
+scratch slot (given KV blocks for them first) and keep their states in workspace rows no real row of the
 step uses.
 
 Inputs enter through one static buffer (`verify_layout`: tokens, positions and slot of each token,
