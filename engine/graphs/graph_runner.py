@@ -4,7 +4,7 @@ leases from the memory layer, and the lockstep with the other ranks under tensor
 (`Lockstep`).
 
 A step is served by a decode graph (every sequence feeds one token), else a verify graph (every
-sequence a decode and its k drafts, where the engine drafts), else a prefill graph (one prompt
+sequence a decode and its drafts, where the engine drafts), else a prefill graph (one prompt
 chunk alone), else both (a chunk then decodes, where `PrefillGraphs.split_pays`), else eagerly.
 Graphs are a speed-up, never a reason to fail: a capture that fails on any rank, or a ledger
 without room for them, leaves that kind of step eager (logged).

@@ -100,21 +100,21 @@ def staged(
     PAD_POSITION + length - 1; the token fields' first width x length entries."""
     host = out if out is not None else torch.zeros(buffer_size(layout), dtype=torch.int64)
     n = batch.num_seqs if batch is not None else 0
-    slots, starts = (torch.full((width,), v, dtype=torch.int64) for v in (scratch_slot, PAD_POSITION))
-    tokens = torch.full((width * length,), PAD_TOKEN, dtype=torch.int64)
-    if batch is not None:
-        slots[:n] = torch.tensor(batch.slots_list, dtype=torch.int64)
-        starts[:n] = torch.tensor(batch.starts_list, dtype=torch.int64)
-        tokens[: n * length] = torch.frombuffer(batch.tokens, dtype=torch.int64)
-    fields = {
+    pad = width - n
+    slots = (batch.slots_list if batch is not None else []) + [scratch_slot] * pad
+    starts = (batch.starts_list if batch is not None else []) + [PAD_POSITION] * pad
+    tokens = (batch.tokens.tolist() if batch is not None else []) + [PAD_TOKEN] * (pad * length)
+    fields = {  # plain lists: a step's few hundred entries cost microseconds, not a tensor op each
         "token_ids": tokens,
-        "positions": (starts[:, None] + torch.arange(length)).flatten(),
-        "slot_of_token": slots.repeat_interleave(length),
+        "positions": [start + j for start in starts for j in range(length)],
+        "slot_of_token": [slot for slot in slots for _ in range(length)],
         "slots": slots,
         "starts": starts,
     }
+    image = [0] * host.shape[0]
     for name, (at, _) in layout.items():
-        host[at : at + fields[name].shape[0]] = fields[name]
+        image[at : at + len(fields[name])] = fields[name]
+    host.copy_(torch.tensor(image, dtype=torch.int64))
     return host
 
 
