@@ -12,7 +12,12 @@ from ballast.engine.runner.model_runner import ModelRunner, planned_state_bytes
 from ballast.engine.workspace import VerifySize
 from ballast.models.arch.builtin import builtin_config, init_random
 from ballast.models.arch.registry import build_model
-from ballast.models.blocks.gated_delta import DeltaPlan, gated_delta_varlen, recurrent_gated_delta_step
+from ballast.models.blocks.gated_delta import (
+    DeltaPlan,
+    gated_delta_varlen,
+    recurrent_gated_delta_step,
+    rows_only,
+)
 from ballast.models.layers.causal_conv import ConvWindows, causal_conv1d_varlen
 from ballast.models.layers.state import RecurrentState
 from triton_kernels import delta_rule_inputs
@@ -101,3 +106,13 @@ def test_the_verify_workspace_is_what_the_ledger_is_asked_for_and_the_load_fit_c
     cfg = EngineConfig(model="builtin:tiny-qwen3-next", device="cpu", max_num_seqs=3, max_model_len=32)
     fixed = bytes_beside_weights(hf, cfg, torch.float32, "cpu", size)[0]
     assert fixed - bytes_beside_weights(hf, cfg, torch.float32, "cpu")[0] == 2 * layers * per_row
+
+
+def test_only_decode_tokens_and_verify_rows_take_the_in_place_row_kernel() -> None:
+    """A prompt chunk goes to the chunked form, verify flags or none (s28 read an empty flag tuple
+    as "every row verifies", and a hybrid's GPU prefill ran the gated delta rule token by token)."""
+    assert not rows_only([5], ())
+    assert not rows_only([5, 1], ())
+    assert not rows_only([4, 5], (True, False))
+    assert rows_only([1, 1], ())
+    assert rows_only([4, 1], (True, False))
