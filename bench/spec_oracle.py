@@ -16,11 +16,14 @@ ahead), the engine as the server builds it (decode CUDA graphs where the device 
   2. oracle 100% and oracle 50%: the same prompt again, then steps carrying k drafts each from
      the oracle until --tokens tokens are out; each step timed.
 Reported: the median decode step and verify step (ms), their ratio, tokens/s of each run and the
-speed-up, the measured acceptance, and whether each run's text equals the plain run's (a verify
-step's logits can differ from a decode step's in the last bits: a greedy tie would show here) and
-where it first parts from it: past that token the oracle drafts a text that is not being written,
-so every draft is rejected (s26, the 6.2B in bf16 on an H100: parted at the first verify step,
-acceptance 0.00); `--dtype float32` keeps the ties away.
+speed-up, how many verify graphs were captured and how many of each run's verify steps replayed
+one (a step of fewer drafts, near the run's end, runs eagerly), the measured acceptance, and
+whether each run's text equals the plain run's (a verify step's logits can differ from a decode
+step's in the last bits: a greedy tie would show here) and where it first parts from it: past
+that token the oracle drafts a text that is not being written, so every draft is rejected (s26,
+the 6.2B in bf16 on an H100: parted at the first verify step, acceptance 0.00); `--dtype float32`
+keeps the ties away. Steps replaying verify graphs: the engine loaded for verify steps of one row
+of k drafts (`VerifySize(1, k)`), as a server with `--speculative-config` is for its own.
 Table on stdout, JSON to --out.
 """
 
@@ -132,6 +135,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     try:
         vocab = engine.vocab_size
+        graphs = engine.runner.graph_runner.verify_graphs  # None: verify steps run eagerly
         prompt = tuple(
             torch.randint(3, vocab, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
         )
@@ -146,11 +150,15 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "load_s": round(load_s, 1),
             "decode_step_ms": 1e3 * statistics.median(decode_s),
             "plain_tok_s": len(decode_s) / sum(decode_s),
+            "verify_graphs": graphs.captured if graphs is not None else 0,
         }
         for acceptance in (1.0, 0.5):
             drafter = OracleDrafter(tokens, args.k, acceptance, vocab)
+            replays = graphs.replays if graphs is not None else 0
             out, verify_s, drafted, accepted = oracle_run(engine, prompt, args.tokens, drafter)
             tag = f"oracle{round(acceptance * 100)}"
+            row[f"{tag}_verify_steps"] = len(verify_s)
+            row[f"{tag}_verify_replays"] = (graphs.replays if graphs is not None else 0) - replays
             row[f"{tag}_verify_step_ms"] = 1e3 * statistics.median(verify_s)
             row[f"{tag}_verify_over_decode"] = row[f"{tag}_verify_step_ms"] / row["decode_step_ms"]
             row[f"{tag}_tok_s"] = (len(out) - 1) / sum(verify_s)
@@ -192,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r[f'{tag}_verify_over_decode']:.2f}x a decode step (aim <= 1.3); "
                 f"{r[f'{tag}_tok_s']:.1f} tok/s = {r[f'{tag}_speedup']:.2f}x "
                 f"(aim at 100%: >= 2.5x); acceptance {r[f'{tag}_acceptance']:.2f}; "
-                f"same text as plain: {r[f'{tag}_same_text']}"
+                f"same text as plain: {r[f'{tag}_same_text']}; {r[f'{tag}_verify_replays']} of "
+                f"{r[f'{tag}_verify_steps']} verify steps replayed a graph ({r['verify_graphs']} captured)"
                 + ("" if r[f"{tag}_parted_at"] is None else f" (parted at token {r[f'{tag}_parted_at']})"),
                 flush=True,
             )

@@ -1,11 +1,13 @@
-"""The one owner of a runner's CUDA graphs: decode (`DecodeGraphs`) and prefill (`PrefillGraphs`)
-graphs, the choice of which serves a step, their capture at start-up under leases from the memory
-layer, and the lockstep with the other ranks under tensor parallel (`Lockstep`).
+"""The one owner of a runner's CUDA graphs: decode (`DecodeGraphs`), verify (`VerifyGraphs`) and
+prefill (`PrefillGraphs`) graphs, the choice of which serves a step, their capture at start-up under
+leases from the memory layer, and the lockstep with the other ranks under tensor parallel
+(`Lockstep`).
 
-A step is served by a decode graph (every sequence feeds one token), else a prefill graph (one
-prompt chunk alone), else both (a chunk then decodes, where `PrefillGraphs.split_pays`), else
-eagerly. Graphs are a speed-up, never a reason to fail: a capture that fails on any rank, or a
-ledger without room for them, leaves that kind of step eager (logged).
+A step is served by a decode graph (every sequence feeds one token), else a verify graph (every
+sequence a decode and its drafts, where the engine drafts), else a prefill graph (one prompt
+chunk alone), else both (a chunk then decodes, where `PrefillGraphs.split_pays`), else eagerly.
+Graphs are a speed-up, never a reason to fail: a capture that fails on any rank, or a ledger
+without room for them, leaves that kind of step eager (logged).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import logging
 from collections.abc import Callable, Sequence
 
 import torch
-from ballast.engine.graphs.decode import Agree, DecodeGraphs, Forward, GraphCaptureError
+from ballast.engine.graphs.decode import PAD_POSITION, Agree, DecodeGraphs, Forward, GraphCaptureError
 from ballast.engine.graphs.prefill import GRANULE, PrefillGraphs
+from ballast.engine.graphs.verify import VerifyGraphs
 from ballast.engine.kv.kv_budget import segment_grant
+from ballast.engine.workspace import VerifySize
 from ballast.memory.errors import LedgerFull
 from ballast.memory.ledger import Lease
 from ballast.memory.types import MiB
@@ -56,14 +60,17 @@ class GraphRunner:
         max_model_len: int,
         scratch_slot: bool,
         run: Forward,
-        scratch_block: Callable[[], bool] = lambda: True,
+        scratch_block: Callable[[int], bool] = lambda n: True,
         prefill_safe: bool = False,
         kv_per_weight: float = 0.0,
+        verify: tuple[VerifySize, bool] = (VerifySize(), False),
     ) -> None:
-        """scratch_slot: the states hold a slot past num_slots for padding rows; scratch_block gives
-        it its KV block (False: none to be had). run: the forward the graphs capture.
-        prefill_safe: the model's rows meet only in attention. kv_per_weight: one token's KV bytes
-        over the weights' bytes (what a split step's decode replay reads besides the weights)."""
+        """scratch_slot: the states hold a slot past num_slots for padding rows; scratch_block(n)
+        gives it KV blocks for its first n positions (False: none to be had). run: the forward the
+        graphs capture. prefill_safe: the model's rows meet only in attention. kv_per_weight: one
+        token's KV bytes over the weights' bytes (what a split step's decode replay reads besides
+        the weights). verify: the verify steps the engine drafts in (none: no verify graphs), and
+        whether the model's recurrent layers keep their per-position states."""
         self.device = device
         self.num_slots = num_slots
         self.max_model_len = max_model_len
@@ -72,8 +79,10 @@ class GraphRunner:
         self._scratch_block = scratch_block
         self._prefill_safe = prefill_safe
         self._kv_per_weight = kv_per_weight
+        self._verify = verify
         self.lockstep = Lockstep()
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.split_replays = 0  # steps of a prompt chunk and decodes run as the two graphs' replays
 
@@ -84,6 +93,8 @@ class GraphRunner:
         KV store is in use (another kernel sequence: its own decode variant, no prefill graph)."""
         if self.graphs is not None and self.graphs.can_use(batch, mixed):
             return self._replay(batch, mixed)
+        if self.verify_graphs is not None and self.verify_graphs.can_use(batch, mixed):
+            return self.verify_graphs.replay(batch)
         if self.prefill_graphs is not None and self.prefill_graphs.can_use(batch, mixed=mixed):
             return self.prefill_graphs.replay(batch)
         split = self._split(batch, mixed)
@@ -128,7 +139,7 @@ class GraphRunner:
         rank. Returns the bytes they hold here; raises GraphCaptureError if the model cannot be
         captured."""
         self.check_capturable()
-        if not self._scratch_block():
+        if not self._scratch_block(PAD_POSITION + 1):
             raise GraphCaptureError("no KV block for the graphs' scratch slot")
         return self.lockstep.capture(self.capture_in_lockstep)
 
@@ -154,6 +165,26 @@ class GraphRunner:
         self.prefill_graphs = graphs
         return held
 
+    def capture_verify_graphs(self) -> int | None:
+        """After the decode graphs (whose scratch slot takes the padding rows): verify graphs of
+        the engine's verify steps; their bytes held. None (verify rows stay eager) without drafting,
+        under tensor parallel, or without scratch blocks for a padding row; raises
+        GraphCaptureError if the capture fails (nothing kept)."""
+        size, keep = self._verify
+        if self.graphs is None or not size.rows or not size.drafts or not self.lockstep.alone:
+            return None
+        if not self._scratch_block(PAD_POSITION + size.drafts + 1):
+            return None
+        graphs = VerifyGraphs(self.device, self.num_slots, size.rows, size.drafts, self.max_model_len, keep)
+        held = graphs.capture(self._run)
+        self.verify_graphs = graphs
+        return held
+
+    def release_verify_graphs(self) -> None:
+        if self.verify_graphs is not None:
+            self.verify_graphs.release()
+            self.verify_graphs = None
+
     @property
     def graph_bytes_per_rank(self) -> list[int]:
         """What the decode graphs hold on each rank's device (none without graphs)."""
@@ -167,14 +198,16 @@ class GraphRunner:
     def release_graphs(self) -> None:
         """Every rank drops its graphs; every step runs eagerly from now."""
         self.release_prefill_graphs()
+        self.release_verify_graphs()
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
             self.lockstep.released()
 
     def capture_at_start(self, watch: MemWatch | None, dies: list[int], prefill_tokens: int) -> list[Lease]:
-        """The decode graphs, then the prefill graphs, each under its leases (returned)."""
-        return capture_graphs(self, watch, dies) + capture_prefill_graphs(self, watch, dies, prefill_tokens)
+        """The decode graphs, then the verify and the prefill graphs, each under its leases."""
+        leases = capture_graphs(self, watch, dies) + capture_verify_graphs(self, watch, dies)
+        return leases + capture_prefill_graphs(self, watch, dies, prefill_tokens)
 
 
 def capture_graphs(graphs: GraphRunner, watch: MemWatch | None, dies: Sequence[int]) -> list[Lease]:
@@ -226,16 +259,10 @@ def capture_prefill_graphs(
         return []
     if held is None:
         return []  # the model's rows meet outside attention: eager prefill
-    leases: list[Lease] = []
-    if watch is not None:
-        try:
-            leases.append(watch.ledger.lease(dies[0], held, "cuda-graphs-prefill"))
-        except LedgerFull as e:
-            graphs.release_prefill_graphs()
-            log.warning("no VRAM for prefill graphs (%s); prefill runs eagerly", e)
-            return []
+    leases = lease_or_drop(watch, dies, held, "prefill", graphs.release_prefill_graphs)
     p = graphs.prefill_graphs
-    assert p is not None
+    if p is None:
+        return []
     log.info(
         "prefill graphs: %d captured (one prompt of up to %d tokens, in steps of %d), %.1f MiB; "
         "replays %.2f-%.2f ms of GPU time against %.2f ms to launch an eager step (what decides "
@@ -249,3 +276,43 @@ def capture_prefill_graphs(
         1e3 * p.eager_host_s,
     )
     return leases
+
+
+def capture_verify_graphs(graphs: GraphRunner, watch: MemWatch | None, dies: Sequence[int]) -> list[Lease]:
+    """Verify graphs under their lease (tag cuda-graphs-verify), or none where the engine does not
+    draft, a capture fails or the ledger has no room: verify rows stay eager (logged)."""
+    try:
+        held = graphs.capture_verify_graphs()
+    except GraphCaptureError as e:
+        log.warning("%s; verify rows run eagerly", e)
+        return []
+    if held is None:
+        return []
+    leases = lease_or_drop(watch, dies, held, "verify", graphs.release_verify_graphs)
+    v = graphs.verify_graphs
+    if v is None:
+        return []
+    log.info(
+        "verify graphs: %d captured (one row of 2-%d tokens, up to %d rows of %d; every context), %.1f MiB",
+        v.captured,
+        v.length,
+        v.buckets[-1],
+        v.length,
+        held / MiB,
+    )
+    return leases
+
+
+def lease_or_drop(
+    watch: MemWatch | None, dies: Sequence[int], held: int, kind: str, drop: Callable[[], None]
+) -> list[Lease]:
+    """The lease of a graph set's `held` bytes on rank 0's die (tag cuda-graphs-{kind}; none
+    without a watch), or none and the set dropped (`drop`) where the ledger has no room for it."""
+    if watch is None:
+        return []
+    try:
+        return [watch.ledger.lease(dies[0], held, f"cuda-graphs-{kind}")]
+    except LedgerFull as e:
+        drop()
+        log.warning("no VRAM for %s graphs (%s); those steps run eagerly", kind, e)
+        return []

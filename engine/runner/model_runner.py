@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from ballast.engine.graphs.decode import PAD_POSITION
 from ballast.engine.graphs.graph_runner import GraphRunner
 from ballast.engine.kv.kv_pool import Acquire, KVManager, KVPool
 from ballast.engine.runner.activations import activation_bytes
@@ -233,6 +232,7 @@ class ModelRunner:
             self._scratch_block,
             prefill_safe=main is not None and as_causal_lm(model).prefill_graphs_safe,
             kv_per_weight=kv_bytes_per_token(specs) / max(1, weights_bytes(model)) if scratch_slot else 0.0,
+            verify=(self.verify, any(s.slot_views(0) for s in self.states)),  # recurrent: rows keep states
         )
 
     @property
@@ -272,9 +272,9 @@ class ModelRunner:
             state.reset(index)
         self.sampler.reset(slots)
 
-    def _scratch_block(self) -> bool:
-        """Give the graphs' scratch slot its KV block (padding rows write there)."""
-        return self.kv is None or self.kv.ensure(self.num_slots, PAD_POSITION + 1)
+    def _scratch_block(self, positions: int) -> bool:
+        """Give the graphs' scratch slot KV blocks for its first `positions` (padding rows write there)."""
+        return self.kv is None or self.kv.ensure(self.num_slots, positions)
 
     def forward(self, seqs: StepBatch | Rows, all_logits: Sequence[bool] = ()) -> Tensor:
         """Logits at each sequence's last token (at every token of the sequences all_logits marks),

@@ -194,16 +194,20 @@ def full_batch_draw(sampler: Sampler) -> None:
 
 
 def verify_step(runner: ModelRunner, context: int) -> None:
-    """Where the runner keeps verify rows' per-position states: one verify row of the most drafts
-    beside a decode (the recurrent layers' kernel keeps its states then, a variant of its own)."""
+    """Where the engine drafts: one verify row of the most drafts alone (a verify graph's step, or
+    its kernels' variant where none was captured), then beside a decode (the recurrent layers'
+    kernel keeps its states then, a variant of its own); marked as the executor marks them."""
     size = runner.verify
     if not size.rows or runner.num_slots < 2:
         return
-    rows: list[Row] = [(0, [0] * (1 + size.drafts), context), (1, [0], context)]
-    kv = runner.kv_manager
-    if kv is not None and not all(kv.main.ensure(s, start + len(t)) for s, t, start in rows):
-        return
-    batch = StepBatch.of(rows, all_logits=(True, False))
-    batch.verify = (True, False)
-    runner.reset([0, 1])
-    runner.forward(batch)
+    keep = any(s.slot_views(0) for s in runner.states)  # `StateRollback.save`'s rule
+    row: Row = (0, [0] * (1 + size.drafts), context)
+    for rows in ([row], [row, (1, [0], context)]):
+        kv = runner.kv_manager
+        if kv is not None and not all(kv.main.ensure(s, start + len(t)) for s, t, start in rows):
+            return
+        every = (True, False)[: len(rows)]
+        batch = StepBatch.of(rows, all_logits=every)
+        batch.verify = every if keep else ()
+        runner.reset([s for s, _, _ in rows])
+        runner.forward(batch)

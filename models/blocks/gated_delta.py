@@ -84,11 +84,17 @@ class DeltaPlan:
     verify_len: int = 0
 
     @classmethod
-    def build(cls, lens_list: list[int], device: torch.device, verify: tuple[bool, ...] = ()) -> DeltaPlan:
-        if max(lens_list) == 1:  # a decode step: token i is sequence i; no host tensors to copy
-            seqs = torch.arange(len(lens_list), device=device)
+    def build(
+        cls, lens_list: list[int], device: torch.device, verify: tuple[bool, ...] = (), in_place: bool = False
+    ) -> DeltaPlan:
+        """in_place: a step of decode and verify rows alone that the in-place kernel runs from the
+        batch's own index tensors: nothing to regroup, so no host tensor is copied (a verify graph
+        captures this step)."""
+        one_each = max(lens_list) == 1
+        if one_each or in_place:  # a decode step: token i is sequence i; no host tensors to copy
+            seqs = torch.arange(len(lens_list) if one_each else 0, device=device)
             none = seqs[:0]
-            return cls(seqs, seqs, none, none, none, seqs.new_zeros(1), prefill_len=0, all_decode=True)
+            return cls(seqs, seqs, none, none, none, seqs.new_zeros(1), prefill_len=0, all_decode=one_each)
         lens = torch.tensor(lens_list, dtype=torch.int64)
         cu = torch.zeros(len(lens_list) + 1, dtype=torch.int64)
         torch.cumsum(lens, 0, out=cu[1:])
@@ -225,6 +231,11 @@ class VerifyRows:
         if not seqs:
             return None
         lens = batch.lens_list
+        if len(seqs) == len(lens) and min(lens) == max(lens):  # every row verifies as many drafts:
+            # made on the device, no host copy (what a verify graph captures)
+            rows, drafts = torch.arange(len(lens), device=batch.device), lens[0] - 1
+            inputs = rows[:, None] * lens[0] + torch.arange(drafts, device=batch.device)
+            return cls(batch.slots, inputs.flatten(), rows, drafts)
         cu = [0, *accumulate(lens)]
         drafts = max(lens[b] for b in seqs) - 1
         row_of_seq = [-1] * len(lens)
@@ -256,9 +267,9 @@ class HybridStep(LayerStep):
 
     @classmethod
     def build(cls, batch: ForwardBatch, rope: Rope, conv_kernel: int, use_fla: bool | None) -> HybridStep:
-        plan = DeltaPlan.build(batch.lens_list, batch.device, batch.verify)
         kernels = use_fla is not False and gated_delta_triton.available(batch.starts)
-        short = plan.all_decode or rows_only(batch.lens_list, batch.verify)
+        in_place = kernels and rows_only(batch.lens_list, batch.verify)
+        plan = DeltaPlan.build(batch.lens_list, batch.device, batch.verify, in_place)
         b = batch
         windows = None if kernels else ConvWindows.build(b.cu_lens, b.lens, b.seq_of_token, conv_kernel)
         return cls(
@@ -270,7 +281,7 @@ class HybridStep(LayerStep):
             any_fresh=min(batch.starts_list) == 0,
             use_fla=use_fla,
             conv_in_place=kernels,
-            in_place=short and kernels,
+            in_place=in_place,
             verify=VerifyRows.build(batch) if batch.verify else None,
         )
 

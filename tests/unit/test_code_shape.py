@@ -132,6 +132,11 @@ MAX_WING_LINES = (
     # workspace); the rule's torch and fla forms moved to models/blocks/delta_rule.py to keep
     # gated_delta.py under 400 lines
     + 294
+    # issue 49, s29: verify steps (every row a decode and its drafts: one row at any draft length,
+    # more rows at k) replayed as CUDA graphs, captured at start where the engine drafts and leased
+    # (cuda-graphs-verify): the aim's k=3 verify step of the 6.2B took 113-128 ms eagerly (with s26's
+    # second forward), against a 5.1 ms decode graph (H100); its replayed figure: `run_on_device.sh spec`
+    + 312
 )
 
 
