@@ -179,7 +179,7 @@ class VerifyGraphs(GraphSet[tuple[int, int]]):
         """Logits [n x tokens a row, vocab], row after row, position after position; a view of the
         graphs' output, valid until the next replay. Call only where `can_use(seqs)`."""
         batch = as_batch(seqs)
-        key = self.key_of(batch)
+        key = self.key_of(batch) or (0, 0)  # (0, 0): no graph's key
         assert key in self._graphs and self._logits is not None, "replay needs can_use(seqs)"
         self._stage(batch, key[1])
         self._graphs[key].replay()
