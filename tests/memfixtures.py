@@ -18,9 +18,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Literal
 
 from ballast.memory.config import MemoryConfig
+from ballast.memory.ledger import VramLedger
 from ballast.memory.levels import host_reserve_bytes
 from ballast.memory.types import GiB, Level
 
@@ -169,3 +171,11 @@ def limited_grants(grants: int) -> Callable[[int], Callable[[], None] | None]:
         return lambda: held.__setitem__(0, held[0] - 1)
 
     return acquire
+
+
+def ledger_watch(room: int) -> SimpleNamespace:
+    """What graph capture reads of a MemWatch: `.ledger`, a real VRAM ledger of one die (0) with
+    `room` bytes, all of them free and usable."""
+    ledger = VramLedger(die_reserve_bytes=0, usable_fraction=1.0)
+    ledger.register_die(0, total_bytes=room, free_bytes=room)
+    return SimpleNamespace(ledger=ledger)

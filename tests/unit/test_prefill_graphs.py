@@ -5,17 +5,15 @@ slot's padding position), and how their memory is leased from a real VRAM ledger
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from ballast.engine.config import PREFILL_GRAPH_TOKENS, EngineConfig
 from ballast.engine.graphs.decode import PAD_POSITION, PAD_TOKEN, GraphCaptureError
 from ballast.engine.graphs.graph_runner import capture_prefill_graphs
 from ballast.engine.graphs.prefill import GRANULE, PrefillGraphs, token_buckets
-from ballast.memory.ledger import VramLedger
 from ballast.memory.types import GiB, MiB
 from ballast.models.base import ForwardBatch
+from memfixtures import ledger_watch
 
 SCRATCH = 4
 
@@ -97,20 +95,14 @@ class _Runner:
         self.prefill_graphs = None
 
 
-def _watch(room: int) -> SimpleNamespace:
-    ledger = VramLedger(die_reserve_bytes=0, usable_fraction=1.0)
-    ledger.register_die(0, total_bytes=room, free_bytes=room)
-    return SimpleNamespace(ledger=ledger)
-
-
 def test_prefill_graphs_are_leased_apart_and_dropped_where_the_ledger_has_no_room() -> None:
     held = 200 * MiB
-    watch, runner = _watch(1024 * MiB), _Runner(held)
+    watch, runner = ledger_watch(1024 * MiB), _Runner(held)
     leases = capture_prefill_graphs(runner, watch, [0], 2048)  # type: ignore[arg-type]
     assert [(lease.tag, lease.nbytes) for lease in leases] == [("cuda-graphs-prefill", held)]
     assert runner.prefill_graphs is not None and watch.ledger.held(0) == held
     # no room: the graphs go (prefill runs eagerly), nothing stays leased
-    watch, runner = _watch(100 * MiB), _Runner(held)
+    watch, runner = ledger_watch(100 * MiB), _Runner(held)
     assert capture_prefill_graphs(runner, watch, [0], 2048) == []  # type: ignore[arg-type]
     assert runner.prefill_graphs is None and watch.ledger.held(0) == 0
 
@@ -120,9 +112,9 @@ def test_no_prefill_graphs_where_they_are_not_asked_for_or_cannot_be_had() -> No
         (_Runner(MiB), 0),  # --prefill-graphs false, the CPU, tensor parallel
         (_Runner(MiB, decode_graphs=False), 2048),  # the decode graphs failed: no scratch slot block
     ):
-        assert capture_prefill_graphs(runner, _watch(GiB), [0], max_tokens) == []  # type: ignore[arg-type]
+        assert capture_prefill_graphs(runner, ledger_watch(GiB), [0], max_tokens) == []  # type: ignore[arg-type]
         assert runner.asked == 0 and runner.prefill_graphs is None
     for runner in (_Runner(None), _Runner(MiB, error="capture failed")):  # a hybrid model; a failure
-        watch = _watch(GiB)
+        watch = ledger_watch(GiB)
         assert capture_prefill_graphs(runner, watch, [0], 2048) == []  # type: ignore[arg-type]
         assert runner.asked == 1 and runner.prefill_graphs is None and watch.ledger.held(0) == 0

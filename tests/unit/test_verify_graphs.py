@@ -6,8 +6,6 @@ how their memory is leased from a real VRAM ledger, or dropped where it has no r
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from ballast.engine.graphs.decode import PAD_POSITION, PAD_TOKEN
@@ -22,13 +20,13 @@ from ballast.engine.graphs.verify import (
 )
 from ballast.engine.runner.model_runner import ModelRunner
 from ballast.engine.workspace import VerifySize
-from ballast.memory.ledger import VramLedger
 from ballast.memory.types import GiB, MiB
 from ballast.models.arch.builtin import builtin_config, init_random
 from ballast.models.arch.registry import build_model
 from ballast.models.base import StepBatch
 from ballast.models.blocks.gated_delta import VerifyRows, rows_only
 from ballast.models.layers.state import RecurrentState
+from memfixtures import ledger_watch
 
 CPU = torch.device("cpu")
 SCRATCH = 4
@@ -189,20 +187,14 @@ class _Runner:
         self.verify_graphs = None
 
 
-def _watch(room: int) -> SimpleNamespace:
-    ledger = VramLedger(die_reserve_bytes=0, usable_fraction=1.0)
-    ledger.register_die(0, total_bytes=room, free_bytes=room)
-    return SimpleNamespace(ledger=ledger)
-
-
 def test_verify_graphs_are_leased_apart_and_dropped_where_the_ledger_has_no_room() -> None:
     held = 100 * MiB
-    watch, runner = _watch(GiB), _Runner(held)
+    watch, runner = ledger_watch(GiB), _Runner(held)
     leases = capture_verify_graphs(runner, watch, [0])  # type: ignore[arg-type]
     assert [(lease.tag, lease.nbytes) for lease in leases] == [("cuda-graphs-verify", held)]
     assert runner.verify_graphs is not None and watch.ledger.held(0) == held
-    watch, runner = _watch(50 * MiB), _Runner(held)  # no room: dropped, verify rows run eagerly
+    watch, runner = ledger_watch(50 * MiB), _Runner(held)  # no room: dropped, verify rows run eagerly
     assert capture_verify_graphs(runner, watch, [0]) == []  # type: ignore[arg-type]
     assert runner.verify_graphs is None and watch.ledger.held(0) == 0
-    watch, runner = _watch(GiB), _Runner(None)  # no drafting, or no decode graphs: none asked
+    watch, runner = ledger_watch(GiB), _Runner(None)  # no drafting, or no decode graphs: none asked
     assert capture_verify_graphs(runner, watch, [0]) == [] and watch.ledger.held(0) == 0  # type: ignore[arg-type]
