@@ -170,6 +170,20 @@ class Sampler:
             out.append(SampledToken(token, float(row[1]), top))
         return out
 
+    def take(self, chosen: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Tokens chosen without `draw` (engine/spec/verify.py's plain rows), per slot in order:
+        recorded as their draws would have been (penalty counts, draw counters, last token)."""
+        chosen = [(slot, tokens) for slot, tokens in chosen if tokens]
+        if not chosen:
+            return
+        slots = to_device([slot for slot, row in chosen for _ in row], torch.long, self.device)
+        self._count(slots, to_device([t for _, row in chosen for t in row], torch.long, self.device))
+        last = to_device([slot for slot, _ in chosen], torch.long, self.device)
+        self.last_tokens.index_copy_(
+            0, last, to_device([row[-1] for _, row in chosen], torch.long, self.device)
+        )
+        self._drawn.update(slot for slot, _ in chosen)
+
     def _apply_penalties(
         self, logits: torch.Tensor, slot_index: torch.Tensor, params: Sequence[SamplingParams]
     ) -> torch.Tensor:
@@ -237,13 +251,17 @@ class Sampler:
         return -torch.log(uniform.clamp_max_(_BELOW_ONE))
 
     def _record(self, slot_index: torch.Tensor, tokens: torch.Tensor) -> None:
+        """One token a row; rows are distinct slots."""
+        self._count(slot_index, tokens)
+        self.last_tokens.index_copy_(0, slot_index, tokens)
+
+    def _count(self, slot_index: torch.Tensor, tokens: torch.Tensor) -> None:
         # One kernel each on the flattened tables (an accumulating index_put_ sorts its indices
-        # on CUDA first); rows are distinct slots, so no two updates hit the same cell.
+        # on CUDA first); index_add_ adds a repeated slot or token once for each time it comes.
         flat = slot_index * self.vocab_size + tokens
         self._counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=self._counts.dtype))
         self._seen.view(-1).index_fill_(0, flat, True)
         self._draws.index_add_(0, slot_index, torch.ones_like(slot_index))
-        self.last_tokens.index_copy_(0, slot_index, tokens)
 
 
 def filter_logits(

@@ -311,6 +311,33 @@ def test_rejection_sampling_keeps_the_targets_distribution(llama: Engine) -> Non
     assert sum(v.accepted for v in verdicts) > 0
 
 
+def test_plain_greedy_rows_take_their_verdicts_in_one_draw_as_position_by_position() -> None:
+    """Greedy rows without penalties, bias, grammar or logprobs take every position's argmax at
+    once; the same rows asking logprobs (which change no choice) draw position by position. Both
+    emit the same tokens and leave the sampler as drawn: penalty counts, draw counters, last
+    tokens, and a seeded draw after them the same."""
+    vocab, k, n = 50, 4, 6
+    logits = torch.randn(n, k + 1, vocab, generator=torch.Generator().manual_seed(1))
+    best = logits.argmax(-1)
+    # row i keeps its first i drafts (the rest wrong); rows 5+ all of them
+    drafts = [
+        tuple(int(t) if j < i else (int(t) + 1) % vocab for j, t in enumerate(best[i, :k])) for i in range(n)
+    ]
+    slots = [3, 0, 5, 1, 4, 2]
+    one, each = (Sampler(n, vocab, torch.device("cpu"), seed=2) for _ in range(2))
+    plain = verify(one, list(logits), slots, drafts, [SamplingParams(temperature=0.0)] * n)
+    stepped = verify(each, list(logits), slots, drafts, [SamplingParams(temperature=0.0, logprobs=0)] * n)
+    assert [[t.token_id for t in v.tokens] for v in plain] == [
+        [t.token_id for t in v.tokens] for v in stepped
+    ]
+    assert [v.accepted for v in plain] == [0, 1, 2, 3, 4, 4]
+    for a, b in ((one._counts, each._counts), (one._draws, each._draws), (one.last_tokens, each.last_tokens)):
+        assert torch.equal(a, b)
+    assert all(one.has_drawn(s) for s in slots)
+    seeded = [SamplingParams(temperature=1.0, seed=9, frequency_penalty=0.5)] * n
+    assert one.sample(logits[:, 0], slots, seeded) == each.sample(logits[:, 0], slots, seeded)
+
+
 def test_prompt_lookup_drafts_the_latest_longest_match() -> None:
     assert propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2, 1, 3) == (7, 1)  # the latest "1 2 3"
     assert propose([5, 6, 5, 6, 5], 4, 1, 2) == (6, 5, 6, 5)  # a repeat drafts on past the end
