@@ -12,20 +12,21 @@ verifying k drafts; no server path uses it. Issue 49's aims: a verify step of k 
 
 Per model, one stream (slot 0), greedy, through `Engine.submit` one step at a time (no step
 ahead), the engine as the server builds it (decode CUDA graphs where the device has them):
-  1. plain: the prompt, then --tokens decode steps; each step timed; its tokens are the oracle;
-  2. oracle 100% and oracle 50%: the same prompt again, then steps carrying k drafts each from
+  1. plain: the prompt, then --tokens decode steps; each step timed;
+  2. the oracle: the text a run drafting it at 100% reproduces (`settled`, up to --settle verify
+     runs, each drafting the last one's output, from the plain run's). A verify step's logits can
+     differ from a decode step's in the last bits, and a greedy tie then parts the texts (s26, the
+     6.2B in bf16: at the first verify step; s29, the 80B FP8: at token 2); past that token an
+     oracle of the plain text drafts a text that is not being written, and every draft is rejected;
+  3. oracle 100% and oracle 50%: the same prompt again, then steps carrying k drafts each from
      the oracle until --tokens tokens are out; each step timed.
 Reported: the median decode step and verify step (ms), their ratio, tokens/s of each run and the
-speed-up (and the speed-up k + 1 tokens a step would give at the median verify step's cost: where
-the text parts from the oracle's, the measured one says nothing of the step), how many verify
-graphs were captured and how many of each run's verify steps replayed one (a step of fewer drafts,
-near the run's end, runs eagerly), the measured acceptance, and
-whether each run's text equals the plain run's (a verify step's logits can differ from a decode
-step's in the last bits: a greedy tie would show here) and where it first parts from it: past
-that token the oracle drafts a text that is not being written, so every draft is rejected (s26,
-the 6.2B in bf16 on an H100: parted at the first verify step, acceptance 0.00); `--dtype float32`
-keeps the ties away. Steps replaying verify graphs: the engine loaded for verify steps of one row
-of k drafts (`VerifySize(1, k)`), as a server with `--speculative-config` is for its own.
+speed-up (and the speed-up k + 1 tokens a step would give at the median verify step's cost), how
+many verify graphs were captured and how many of each run's verify steps replayed one (a step of
+fewer drafts, near the run's end, runs eagerly), the measured acceptance, whether each run's text
+equals the oracle's and where it first parts from it, and whether the oracle is the plain run's
+text. Steps replaying verify graphs: the engine loaded for verify steps of one row of k drafts
+(`VerifySize(1, k)`), as a server with `--speculative-config` is for its own.
 Table on stdout, JSON to --out.
 """
 
@@ -121,6 +122,23 @@ def oracle_run(
     return out[: n + 1], times, drafted, accepted
 
 
+def settled(
+    engine: Engine, prompt: tuple[int, ...], n: int, plain: list[int], k: int, runs: int
+) -> tuple[list[int], int]:
+    """The oracle text a 100% run reproduces, and the verify runs it took: each run drafts the last
+    one's output. A verify row's logits can part from a decode step's in the last bits (bf16, random
+    weights: the 80B FP8 at its second token, s29); a run emits the verify path's own choice at the
+    first such token and agrees with every row before it, so each run fixes at least one more
+    position of the rows a 100% run lays out. `runs` 0: the plain run's text as it is."""
+    tokens = plain
+    for i in range(runs):
+        out = oracle_run(engine, prompt, n, OracleDrafter(tokens, k, 1.0, engine.vocab_size))[0]
+        if out == tokens:
+            return tokens, i + 1
+        tokens = out
+    return tokens, runs
+
+
 def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     engine = Engine.load(
@@ -143,7 +161,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         )
         plain_run(engine, prompt, min(8, args.tokens))  # warm-up: graphs, kernels' first calls
         oracle_run(engine, prompt, min(8, args.tokens), OracleDrafter([0] * 16, args.k, 0.5, vocab))
-        tokens, decode_s = plain_run(engine, prompt, args.tokens)
+        plain, decode_s = plain_run(engine, prompt, args.tokens)
+        tokens, settle_runs = settled(engine, prompt, args.tokens, plain, args.k, args.settle)
         row: dict[str, Any] = {
             "model": name,
             "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
@@ -153,6 +172,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "decode_step_ms": 1e3 * statistics.median(decode_s),
             "plain_tok_s": len(decode_s) / sum(decode_s),
             "verify_graphs": graphs.captured if graphs is not None else 0,
+            "oracle_settle_runs": settle_runs,
+            "oracle_is_plain_text": tokens == plain,
         }
         for acceptance in (1.0, 0.5):
             drafter = OracleDrafter(tokens, args.k, acceptance, vocab)
@@ -188,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto", help="as the server's --dtype (float32: no bf16 ties)")
+    p.add_argument(
+        "--settle", type=int, default=32, help="verify runs at most to find the text a 100%% run reproduces"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     rows = []
@@ -196,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         print(
             f"{name} on {r['device']} (load {r['load_s']} s), k={args.k}: "
-            f"decode step {r['decode_step_ms']:.2f} ms, {r['plain_tok_s']:.1f} tok/s",
+            f"decode step {r['decode_step_ms']:.2f} ms, {r['plain_tok_s']:.1f} tok/s; oracle: "
+            + ("the plain run's text" if r["oracle_is_plain_text"] else "not the plain run's text")
+            + f", reproduced after {r['oracle_settle_runs']} verify run(s)",
             flush=True,
         )
         for tag in ("oracle100", "oracle50"):
@@ -206,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r[f'{tag}_tok_s']:.1f} tok/s = {r[f'{tag}_speedup']:.2f}x "
                 f"(aim at 100%: >= 2.5x; {r[f'{tag}_speedup_if_all_accepted']:.2f}x at this step cost "
                 f"if all were accepted); acceptance {r[f'{tag}_acceptance']:.2f}; "
-                f"same text as plain: {r[f'{tag}_same_text']}; {r[f'{tag}_verify_replays']} of "
+                f"same text as the oracle: {r[f'{tag}_same_text']}; {r[f'{tag}_verify_replays']} of "
                 f"{r[f'{tag}_verify_steps']} verify steps replayed a graph ({r['verify_graphs']} captured)"
                 + ("" if r[f"{tag}_parted_at"] is None else f" (parted at token {r[f'{tag}_parted_at']})"),
                 flush=True,

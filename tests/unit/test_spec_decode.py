@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ballast.bench.spec_oracle import plain_run, settled
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, SamplingParams, SlotOutput, StepPlan, StepResult
@@ -336,6 +337,17 @@ def test_plain_greedy_rows_take_their_verdicts_in_one_draw_as_position_by_positi
     assert all(one.has_drawn(s) for s in slots)
     seeded = [SamplingParams(temperature=1.0, seed=9, frequency_penalty=0.5)] * n
     assert one.sample(logits[:, 0], slots, seeded) == each.sample(logits[:, 0], slots, seeded)
+
+
+def test_the_oracle_bench_settles_on_the_text_a_run_drafting_it_reproduces(llama: Engine) -> None:
+    """bench/spec_oracle.py: an oracle one token off (as a bf16 tie between a verify row and a
+    decode step leaves it) is replaced by the verify run's own text, which the next run reproduces;
+    a right oracle stands after one run."""
+    prompt = looping_prompt(3)
+    plain, _ = plain_run(llama, prompt, 12)
+    wrong = [*plain[:5], (plain[5] + 1) % llama.vocab_size, *plain[6:]]
+    assert settled(llama, prompt, 12, wrong, 3, 8) == (plain, 2)
+    assert settled(llama, prompt, 12, plain, 3, 8) == (plain, 1)
 
 
 def test_prompt_lookup_drafts_the_latest_longest_match() -> None:
