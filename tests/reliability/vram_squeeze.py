@@ -39,7 +39,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import harness  # noqa: F401 - tests/ and tests/integration on sys.path
 import httpx
@@ -336,13 +336,24 @@ def run_mode(
                 p.wait()
 
 
+class Outcome(NamedTuple):
+    """One streaming chat: its outcome as `streams` names it, seconds to the status line, seconds
+    to the first content token (nan: none), a refusal's message ("" else), and when it was sent
+    (this process's monotonic clock)."""
+
+    kind: str
+    status_s: float
+    first_s: float
+    message: str
+    sent: float
+
+
 def one_request(
     url: str, i: int, max_tokens: int, prompt_words: int, http: httpx.Client | None = None
-) -> tuple[str, float, float, str]:
-    """One streaming chat: (outcome as `streams` names it, seconds to the status line, seconds to
-    the first content token or nan, a refusal's message or ""). http: the client's own connection
-    pool, made before the clock starts (a client made per request costs ~30 ms of this process's
-    CPU under the GIL for its TLS context: 64 threads queued behind one another's, s27)."""
+) -> Outcome:
+    """http: the client's own connection pool, made before the clock starts (a client made per
+    request costs ~30 ms of this process's CPU under the GIL for its TLS context: 64 threads
+    queued behind one another's, s27)."""
     body = _story(i, max_tokens, prompt_words)
     sent, first, message = time.monotonic(), float("nan"), ""
     try:
@@ -360,7 +371,24 @@ def one_request(
             kind, message = f"{r.status_code}:{_refusal_code(text)}", str(_refusal_error(text).get("message"))
     except httpx.HTTPError as exc:
         kind, status_s = type(exc).__name__, time.monotonic() - sent
-    return kind, status_s, first, message
+    return Outcome(kind, status_s, first, message, sent)
+
+
+def projected_past_floor(results: list[Outcome]) -> list[float]:
+    """Per refusal that names its projected wait: how far that wait passes a floor of the real one,
+    the last first token of the served requests sent before it (FCFS: it would have started after
+    them), from its sending (s). What is left is its own prefill and the decode steps beside it: a
+    figure well past a lone request's first token (`ttft_served_min_s`) reads as an early refusal."""
+    wait = re.compile(r"estimated wait ([0-9.]+) s")
+    served = [(o.sent, o.sent + o.first_s) for o in results if o.kind == "completed"]
+    served = [(sent, first) for sent, first in served if first == first]  # nan: no first token
+    out = []
+    for o in results:
+        projected = wait.findall(o.message)
+        ahead = [first for sent, first in served if sent <= o.sent]
+        if projected and ahead:
+            out.append(round(float(projected[0]) - max(0.0, max(ahead) - o.sent), 3))
+    return out
 
 
 def _has_text(line: str) -> bool:
@@ -398,8 +426,8 @@ def run_burst(
         print(f"  server ready in {time.monotonic() - started:.0f} s; warming at {warm} streams", flush=True)
         with ThreadPoolExecutor(warm) as ex:
             warm_results = list(ex.map(lambda i: one_request(url, i, max_tokens, prompt_words), range(warm)))
-        warmed = Counter(k for k, _, _, _ in warm_results)
-        warm_refused = [s for k, s, _, _ in warm_results if k.startswith(("429:", "503:"))]
+        warmed = Counter(o.kind for o in warm_results)
+        warm_refused = [o.status_s for o in warm_results if o.kind.startswith(("429:", "503:"))]
         free_mib = float("nan")
         if hog_gpu is not None:
             hog = subprocess.Popen(
@@ -419,7 +447,7 @@ def run_burst(
         )
         todo = iter(range(burst))
         lock = threading.Lock()
-        results: list[tuple[str, float, float, str]] = []
+        results: list[Outcome] = []
         https = [httpx.Client(timeout=600) for _ in range(clients)]  # each client's keep-alive pool
         t0 = time.monotonic()
 
@@ -443,15 +471,14 @@ def run_burst(
             http.close()
         alive = proc.poll() is None
         final = scrape(url) if alive else {}
-        counts = Counter(k for k, _, _, _ in results)
-        refused = [s for k, s, _, _ in results if k.startswith(("429:", "503:"))]
-        ttft = [f for k, _, f, _ in results if k == "completed" and f == f]
+        counts = Counter(o.kind for o in results)
+        refused = [o.status_s for o in results if o.kind.startswith(("429:", "503:"))]
+        ttft = [o.first_s for o in results if o.kind == "completed" and o.first_s == o.first_s]
         # why they were refused: each distinct message with digits masked, and how often
-        said = Counter(re.sub(r"[0-9][0-9.,]*", "#", m) for _, _, _, m in results if m)
-        # the waits the refusals at arrival were projected, beside the served requests' real ones
-        projected = [
-            float(x) for _, _, _, m in results for x in re.findall(r"estimated wait ([0-9.]+) s", m or "")
-        ]
+        said = Counter(re.sub(r"[0-9][0-9.,]*", "#", o.message) for o in results if o.message)
+        # the waits the refusals at arrival were projected, against the queue ahead of each
+        projected = [float(x) for o in results for x in re.findall(r"estimated wait ([0-9.]+) s", o.message)]
+        past_floor = projected_past_floor(results)
         oom = [ln for ln in lines if "CUDA out of memory" in ln or "OutOfMemoryError" in ln]
         return {
             "warm": dict(warmed),
@@ -473,6 +500,12 @@ def run_burst(
             "ttft_served_p99_s": pct(ttft, 99),
             "ttft_served_max_s": max(ttft, default=float("nan")),
             "refusal_projected_wait_min_p50_s": [min(projected, default=float("nan")), pct(projected, 50)],
+            # each such refusal's projected wait past the last first token of those sent before it
+            "refusal_projected_past_floor_min_p50_s": [
+                min(past_floor, default=float("nan")),
+                pct(past_floor, 50),
+            ],
+            "ttft_served_min_s": min(ttft, default=float("nan")),
             "server_alive": alive,
             "oom_in_log": len(oom),
         }
