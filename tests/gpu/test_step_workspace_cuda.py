@@ -50,3 +50,26 @@ def test_the_workspace_is_leased_at_load() -> None:
         assert leases["prompt-logprobs"] == ws.prompt_logprobs_bytes
     finally:
         engine.shutdown()
+
+
+def test_the_first_full_batch_after_start_up_allocates_nothing() -> None:
+    """Start-up's warm-up draws one full batch on the sampler's widest path, so the workspace it
+    leases is held from the start: the first full batch a server samples takes no new segment."""
+    watch = MemWatch(MemoryConfig())
+    watch.poll_now()
+    engine = Engine.load(EngineConfig(model="builtin:tiny-llama", device="cuda", max_num_seqs=64), watch)
+    try:
+        sampler = engine.runner.sampler
+        rows = list(range(sampler.num_slots))
+        logits = torch.randn(len(rows), sampler.vocab_size, device="cuda")  # float32, as heads give
+        widest = [
+            SamplingParams(top_p=0.9, top_k=50, seed=i if i % 2 else None, repetition_penalty=1.1, logprobs=5)
+            for i in rows
+        ]
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        sampler.sample(logits, rows, widest)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_reserved() == before
+    finally:
+        engine.shutdown()
