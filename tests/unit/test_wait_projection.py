@@ -195,3 +195,19 @@ def test_undo_takes_a_placement_back() -> None:
     again = p.place(Demand(0, 5, 2), always)
     assert again.start_s == b.start_s and again.first_token_s == b.first_token_s
     assert a.start_s < b.start_s
+
+
+def test_what_it_waits_for_is_what_held_the_queue_longest() -> None:
+    """CI's 2-core box: 2 slots decoding 40 tokens each, a queue of short prompts behind them. Two
+    requests that start on two ends a few ms apart serialise their prefills, so the second's last
+    hold was the prompt just ahead of it (~30 ms) after ~0.4 s of waiting for a slot: it was
+    refused as "waiting for prefill compute". The name is the cause that held the queue longest."""
+    c = costs(decode_s=0.005, prefill_token_s=0.002)  # a slow prefill: 30 ms a 10-token prompt
+    p = WaitProjection(c, free_slots=0, running=[Demand(0, 40, 1), Demand(0, 41, 1)])
+    placed = [p.place(Demand(10, 40, 1), always) for _ in range(6)]
+    assert [x.waits_for for x in placed] == ["a slot"] * 6
+    # the second of each pair did start on the prefill ahead of it, not on its slot's end
+    assert placed[1].start_s == pytest.approx(placed[0].first_token_s)
+    # where the prompts ahead are most of the wait, they are named
+    q = WaitProjection(costs(prefill_token_s=0.01), free_slots=0, running=[Demand(0, 2, 1), Demand(0, 2, 1)])
+    assert [q.place(Demand(100, 2, 1), always).waits_for for _ in range(3)][-1] == "prefill compute"
