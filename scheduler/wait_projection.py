@@ -3,12 +3,10 @@ measured step costs.
 
 A request starts when three things are true at once: a slot is free, its KV blocks fit (the room
 now, plus the blocks running requests give back as they end, less what the requests started ahead
-of it take), and the prefill of every prompt ahead of it is done. What it waits for is the one of
-the three that held the queue back longest up to its start (the last one alone named a request
-behind two long decodes "prefill compute" for a few ms of the prompt just ahead). Counting slots
-alone (the first estimate) took a free slot for a start while the head waited for blocks: every
-request behind it waited out the whole bound and was refused then (a 2 GiB CPU container: 37
-refusals after 30.1 s each).
+of it take), and the prefill of every prompt ahead of it is done. It waits for the one that held
+the queue longest. Counting slots alone (the first estimate) took a free slot for a start while
+the head waited for blocks: every request behind it waited out the whole bound and was refused
+then (a 2 GiB CPU container: 37 refusals after 30.1 s each).
 """
 
 from __future__ import annotations
@@ -22,11 +20,8 @@ from ballast.scheduler.service_rate import StepCosts
 # Given the blocks that came back by then (net of what requests started ahead took), whether the
 # request's blocks fit: the admission verdict itself, read on the shifted room.
 Fits = Callable[[int], bool]
-# Seconds the queue was held back by each cause, up to the last placed request's start.
-Blame = tuple[tuple[str, float], ...]
-# What `place` changed, to take it back: the clock, slots, blocks, rows, prefill end, blame, the
-# ends it popped and the one it pushed.
-Undo = tuple[float, int, int, int, float, Blame, tuple[tuple[float, int], ...], tuple[float, int]]
+# What `place` changed: clock, slots, blocks, rows, prefill end, blame, ends popped, end pushed.
+Undo = tuple[float, int, int, int, float, tuple[float, ...], tuple[tuple[float, int], ...], tuple[float, int]]
 
 
 @dataclass(frozen=True)
@@ -69,7 +64,7 @@ class WaitProjection:
         self._active = len(running)
         self._ends: list[tuple[float, int]] = []  # heap of (seconds to a request's end, its blocks)
         self._prefill_at = self._origin  # when the prompts ahead have all been prefilled
-        self._blame: dict[str, float] = dict.fromkeys(("a slot", "KV blocks", "prefill compute"), 0.0)
+        self._blame = dict.fromkeys(("a slot", "KV blocks", "prefill compute"), 0.0)  # seconds held, by cause
         step = self._decode_step_s()
         for d in running:  # prompts still prefilling go first, in admission order
             first = self._prefill_at = self._prefill_at + self._prefill_s(d.feed)
@@ -87,7 +82,7 @@ class WaitProjection:
 
     def place(self, demand: Demand, fits: Fits) -> Placement:
         """Where `demand` starts behind everything placed so far; it counts for those placed after."""
-        undo = (self._t, self._free, self._gain, self._active, self._prefill_at, tuple(self._blame.items()))
+        undo = (self._t, self._free, self._gain, self._active, self._prefill_at, tuple(self._blame.values()))
         popped: list[tuple[float, int]] = []
         while self._free < 1 or not fits(self._gain):
             if not self._ends:
@@ -97,22 +92,15 @@ class WaitProjection:
             popped.append(end)
             self._blame[cause] += max(0.0, end[0] - self._t)
             self._t = max(self._t, end[0])
-            self._free += 1
-            self._gain += end[1]
-            self._active -= 1
+            self._free, self._gain, self._active = self._free + 1, self._gain + end[1], self._active - 1
         start = max(self._t, self._prefill_at)
         self._blame["prefill compute"] += start - self._t  # the prompts ahead
-        cause, held = max(self._blame.items(), key=lambda kv: kv[1])
-        if held > 0:
-            waits_for = cause
-        else:  # nothing but the step in flight, if any, is ahead of it
+        waits_for = max(self._blame, key=self._blame.__getitem__)  # what held the queue longest, or
+        if not self._blame[waits_for]:  # nothing but the step in flight, if any
             waits_for = "prefill compute" if 0 < start <= self._origin else "nothing"
         self._t = start
-        first = start + self._prefill_s(demand.feed)
-        self._prefill_at = first
-        self._free -= 1
-        self._gain -= demand.blocks
-        self._active += 1
+        first = self._prefill_at = start + self._prefill_s(demand.feed)
+        self._free, self._gain, self._active = self._free - 1, self._gain - demand.blocks, self._active + 1
         own = (first + demand.remaining * self._decode_step_s(), demand.blocks)
         heapq.heappush(self._ends, own)
         return Placement(start, first, start <= self._origin, waits_for, (*undo, tuple(popped), own))
@@ -120,7 +108,7 @@ class WaitProjection:
     def undo(self, placement: Placement) -> None:
         """Take back the last `place` (a request refused instead of queued)."""
         t, free, gain, active, prefill_at, blame, popped, own = placement._undo
-        self._blame = dict(blame)
+        self._blame = dict(zip(self._blame, blame, strict=True))
         self._ends.remove(own)
         self._ends.extend(popped)
         heapq.heapify(self._ends)
