@@ -72,9 +72,10 @@ case "$mode" in
     # the oracle-drafter bench (bench/spec_oracle.py: verify graphs captured and replayed, verify step
     # over decode step) on the 6.2B and on the 80B FP8, each in its own process and file, so a cold 80B load cut by its
     # timeout keeps the 6.2B's row; <= 400 s without the 80B
-    timeout ${SPEC_GRAPHS_S:-120} python3 -m pytest -v -rfE -p no:cacheprovider --durations=5 -o addopts="" \
+    # each part's time limit (seconds) in SPEC_GRAPHS_S, SPEC_TEST_S, SPEC_6B_S, SPEC_80B_S; 0 skips it
+    [ "${SPEC_GRAPHS_S:-120}" = 0 ] || timeout ${SPEC_GRAPHS_S:-120} python3 -m pytest -v -rfE -p no:cacheprovider --durations=5 -o addopts="" \
       tests/gpu/test_verify_graphs_cuda.py 2>&1 | tee $out/verify_graphs_tests.log | tail -16
-    timeout ${SPEC_TEST_S:-120} python3 -m pytest -v -rfE -p no:cacheprovider --durations=8 -o addopts="" \
+    [ "${SPEC_TEST_S:-120}" = 0 ] || timeout ${SPEC_TEST_S:-120} python3 -m pytest -v -rfE -p no:cacheprovider --durations=8 -o addopts="" \
       tests/gpu/test_spec_decode_cuda.py \
       tests/gpu/test_gated_delta_decode_cuda.py::test_verify_rows_keep_the_state_after_each_position \
       tests/gpu/test_gated_delta_decode_cuda.py::test_a_verify_row_through_the_model_keeps_what_decode_steps_reach \
@@ -82,10 +83,10 @@ case "$mode" in
     # the 6.2B in float32: in bf16 its first verify step parted from the oracle's text (a tie of
     # random weights) and every draft after it was rejected (s26, H100); on a cold Triton cache it
     # did not finish in 90 s (s29, H100)
-    timeout ${SPEC_6B_S:-160} python3 -m ballast.bench.spec_oracle --models qwen3-next-6b --dtype float32 \
+    [ "${SPEC_6B_S:-160}" = 0 ] || timeout ${SPEC_6B_S:-160} python3 -m ballast.bench.spec_oracle --models qwen3-next-6b --dtype float32 \
       --out $out/spec_oracle_qwen3-next-6b.json 2>&1 | tail -4
     [ "${SPEC_80B_S:-200}" = 0 ] || timeout ${SPEC_80B_S:-200} python3 -m ballast.bench.spec_oracle \
-      --models qwen3-next-80b-a3b-fp8 --out $out/spec_oracle_qwen3-next-80b-a3b-fp8.json 2>&1 | tail -4  # 0: none
+      --models qwen3-next-80b-a3b-fp8 --out $out/spec_oracle_qwen3-next-80b-a3b-fp8.json 2>&1 | tail -4
     ;;
   compare)
     base=$1; what=$2; shift 2
