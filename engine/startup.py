@@ -200,8 +200,8 @@ def assemble(
             runner.mark_kv(batch)
             return batch.place(runner.device)
 
-        model = cast(DraftingModel, loaded.model)
-        mtp = MTPDrafter(model, runner.states, mtp_drafts, ensure, place, cfg.max_model_len)
+        model, rows = cast(DraftingModel, loaded.model), runner.verify.rows  # rows: the most that draft
+        mtp = MTPDrafter(model, runner.states, mtp_drafts, ensure, place, cfg.max_model_len, rows)
     steps = StepExecutor(
         runner,
         runner.sampler,

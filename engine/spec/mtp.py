@@ -11,6 +11,8 @@ accepts with exactly the target's probability of it, so sampled outputs keep the
 A prompt chunk that does not end its prompt leaves its last position for the next chunk (the
 token after it is that chunk's first). The drafts go back with the step's result as proposals for
 the slot's next decode (`StepResult.proposals`); the planner uses them while the governor drafts.
+A step of more emitting slots than may draft (verify rows: none from `max_streams` on) runs the
+first pass alone, for the layer's KV: k heads and k - 1 passes would be drafts no step verifies.
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ class MTPDrafter:
         ensure: Callable[[int, int], bool],
         place: Callable[[StepBatch], StepBatch],
         max_len: int,
+        max_rows: int = 0,
     ) -> None:
         self._model = model
+        self._max_rows = max_rows  # the most emitting slots a step drafts for (0: any number)
         self._states = states
         self.k = k
         self._ensure = ensure
@@ -122,6 +126,8 @@ class MTPDrafter:
         ends = {slot: start + len(tokens) for slot, tokens, start in rows}  # next decode's position
         with torch.inference_mode():
             normed = model.mtp_forward(self._batch(rows), hidden, self._states)
+            if 0 < self._max_rows < len(drafts):
+                return ()  # the layer's KV is written; no step verifies drafts at this batch
             last = torch.cumsum(torch.tensor([len(t) for _, t, _ in rows]), 0) - 1
             normed = normed.index_select(0, last.to(normed.device))
             keep = [i for i, (slot, _, _) in enumerate(rows) if slot in drafts]

@@ -140,6 +140,10 @@ MAX_WING_LINES = (
     # issue 49, s29: a plain greedy row's verdicts in one copy to the host, not a draw and a wait a
     # position (one k=4 verdict on the CPU, vocab 49,152: 1.21 -> 0.52 ms; on a GPU 4 syncs -> 1)
     + 39
+    # issue 49, s30: an MTP step of more emitting streams than draft (from max_streams on) writes
+    # the layer's KV and proposes nothing: no k heads and k - 1 eager passes a step for no drafts
+    # (the queue-wait blame of s30 came in at -1, so +5 here)
+    + 5
 )
 
 

@@ -205,6 +205,49 @@ def test_the_engines_drafts_are_the_formulas_after_chunked_prefill_decodes_and_v
     assert list(drafts) == _greedy_drafts(model, seq, K)
 
 
+def test_a_step_of_more_streams_than_draft_writes_the_mtp_kv_and_proposes_nothing() -> None:
+    """Drafting stops from max_streams decoding streams on (the engine's verify rows: here 1), so a
+    step of two emitting slots runs only the MTP pass that writes the layer's KV: no heads, no
+    drafts. Once one stream is left its drafts are the formula's over its whole sequence, which
+    they are only if the steps that proposed nothing still wrote the layer's KV."""
+    eng = Engine.load(
+        EngineConfig(model=MODEL, device="cpu", max_num_seqs=4, max_model_len=128, prefill_chunk_tokens=16),
+        mtp_drafts=K,
+        verify=VerifySize(1, K),
+    )
+    try:
+        model = eng.runner.model
+        assert isinstance(model, Qwen3NextForCausalLM) and model.mtp is not None
+        with torch.no_grad():  # attention that counts: the drafts follow the KV of every position
+            for name, w in model.mtp.named_parameters():
+                if "self_attn" in name and name.endswith("proj.weight"):
+                    w.mul_(30.0)
+        seqs = {0: _ids(10, 7), 1: _ids(12, 8)}
+        both = {slot: GREEDY for slot in seqs}
+        res = eng.submit(
+            StepPlan(
+                prefills=tuple(PrefillChunk(s, tuple(ids), 0, True) for s, ids in seqs.items()), sampling=both
+            )
+        ).result(timeout=60)
+        for _ in range(3):
+            assert res.proposals == () and {o.slot for o in res.outputs} == {0, 1}
+            for o in res.outputs:
+                seqs[o.slot].append(o.token_id)
+            decodes = tuple(DecodeToken(s, ids[-1], len(ids) - 1) for s, ids in seqs.items())
+            res = eng.submit(StepPlan(decodes=decodes, sampling=both)).result(timeout=60)
+        for o in res.outputs:
+            seqs[o.slot].append(o.token_id)
+        seq = seqs[0]
+        res = eng.submit(
+            StepPlan(decodes=(DecodeToken(0, seq[-1], len(seq) - 1),), sampling={0: GREEDY})
+        ).result(timeout=60)
+        seq += [o.token_id for o in res.outputs]
+        ((slot, pos, drafts),) = res.proposals
+        assert (slot, pos) == (0, len(seq) - 1) and list(drafts) == _greedy_drafts(model, seq, K)
+    finally:
+        eng.shutdown()
+
+
 @torch.inference_mode()
 def _target_greedy(model: Qwen3NextForCausalLM, sequence: list[int], n: int) -> list[int]:
     """The target's next n greedy tokens after `sequence` (fresh states, no drafts)."""
