@@ -151,6 +151,7 @@ class AdmissionGate:
         long_next = placed.unblamed(share) and placed.first_token_s <= bound
         if placed.first_token_s <= share or long_next or placed.unblamed(bound):
             self._probe = (len(seq.feed), seq.req.max_tokens)
+            seq.projected_wait_s = placed.first_token_s / projection.factor
             return None
         projection.undo(placed)
         self.readiness.refused(placed.first_token_s, placed.waits_for, time.monotonic())
@@ -183,7 +184,8 @@ class AdmissionGate:
             for s in roster.running
         ]
         self._fits = self._kv.fits_after(roster.charges())
-        return WaitProjection(self._costs, max(0, self.slot_limit - len(roster.running)), running)
+        free = max(0, self.slot_limit - len(roster.running))
+        return WaitProjection(self._costs, free, running, roster.accuracy.factor)
 
     def _place(self, projection: WaitProjection, seq: Seq) -> Placement:
         asked = seq.req.max_tokens - len(seq.resumed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections import deque
 
 from ballast.engine.plan import SlotOutput, StepFailed, StepPlan, StepResult
@@ -17,7 +18,7 @@ from ballast.scheduler.errors import REFUSAL_OUTCOMES, Refused, RequestFailed, S
 from ballast.scheduler.kv_policy import Charge
 from ballast.scheduler.request import FinishReason, TokenEvent, TokenLogprob
 from ballast.scheduler.sequence import Phase, Seq
-from ballast.scheduler.service_rate import LengthShare
+from ballast.scheduler.service_rate import LengthShare, WaitAccuracy
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class Roster:
         self._eos = eos
         self.unpark: list[tuple[int, ...]] = []  # parked sequences to drop, for the next plan
         self.lengths = lengths  # how much of max_tokens finished requests used
+        self.accuracy = WaitAccuracy()  # how queued requests' first tokens came against their projection
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.preemptions = 0
         # Counted as each token is handed (/metrics reads it live); each request's share is its
@@ -255,6 +257,8 @@ class Roster:
         seq.phase = Phase.DECODING
         seq.output.append(out.token_id)
         self.generated_tokens += 1
+        if len(seq.output) == 1 and seq.projected_wait_s:
+            self.accuracy.first_token(seq.projected_wait_s, time.monotonic() - seq.submitted_at)
         logprobs = None
         if seq.req.params.logprobs is not None and out.logprob is not None:
             logprobs = (TokenLogprob(out.token_id, out.logprob, out.top_logprobs),)

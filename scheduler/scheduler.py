@@ -175,6 +175,11 @@ class Scheduler:
         return self._roster.generated_tokens
 
     @property
+    def wait_factor(self) -> float:
+        """What the queue-wait projection is read times: its measured error (`WaitAccuracy`)."""
+        return self._roster.accuracy.factor
+
+    @property
     def pressure_level(self) -> Level:
         return self._gov.pressure_level
 

@@ -44,6 +44,9 @@ class Seq:
     # how many decode-only steps it was in that failed so.
     chunk_cap: int = 0
     memory_strikes: int = 0
+    # Seconds from submission to its first token the queue-wait projection gave it as it was
+    # queued, before the measured factor (0: it was not projected); what that factor is taken from.
+    projected_wait_s: float = 0.0
 
     @property
     def feed(self) -> tuple[int, ...]:

@@ -51,11 +51,15 @@ class Placement:
 
 
 class WaitProjection:
-    def __init__(self, costs: StepCosts, free_slots: int, running: Sequence[Demand]) -> None:
+    def __init__(
+        self, costs: StepCosts, free_slots: int, running: Sequence[Demand], factor: float = 1.0
+    ) -> None:
         """costs: measured, or bounded by a step in flight (`costs.known`). running: the requests
         in slots, in admission order, their prompt tokens in the step in flight counted as done;
         nothing starts before that step ends. Taken as over at once, it let a request that came
-        while two 440-token prompts were prefilled (2.8 s) in at 1.7 s projected: served at 4.3 s."""
+        while two 440-token prompts were prefilled (2.8 s) in at 1.7 s projected: served at 4.3 s.
+        factor: what the placements' seconds are multiplied by (`WaitAccuracy.factor`)."""
+        self.factor = factor
         self._costs = costs
         self._origin = costs.in_flight_s()  # when the step in flight ends
         self._t = self._origin  # the last placed request's start: FCFS, none behind it starts earlier
@@ -103,7 +107,8 @@ class WaitProjection:
         self._free, self._gain, self._active = self._free - 1, self._gain - demand.blocks, self._active + 1
         own = (first + demand.remaining * self._decode_step_s(), demand.blocks)
         heapq.heappush(self._ends, own)
-        return Placement(start, first, start <= self._origin, waits_for, (*undo, tuple(popped), own))
+        f = self.factor
+        return Placement(start * f, first * f, start <= self._origin, waits_for, (*undo, tuple(popped), own))
 
     def undo(self, placement: Placement) -> None:
         """Take back the last `place` (a request refused instead of queued)."""

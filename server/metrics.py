@@ -58,6 +58,7 @@ class SchedulerFigures:
     ] = ()  # per pool: of the used blocks, those only the prefix cache holds
     generated_tokens: int = 0  # tokens the scheduler has handed requests so far (every one)
     drafts: DraftStats | None = None  # speculative decoding's counters (None: drafting is off)
+    queue_wait_factor: float = 1.0  # what the queue-wait projection is read times (its measured error)
 
 
 class _SchedulerCollector(Collector):
@@ -88,6 +89,12 @@ class _SchedulerCollector(Collector):
             "ballast_scheduler_pressure_level",
             "Scheduler's pressure level (0 OK .. 3 CRITICAL)",
             value=figures.pressure_level,
+        )
+        yield GaugeMetricFamily(
+            "ballast_queue_wait_factor",
+            "Median ratio of queued requests' real waits for a first token to the waits projected as "
+            "each was queued; the projection deciding refusals is read times it (1 until measured)",
+            value=figures.queue_wait_factor,
         )
         yield CounterMetricFamily(
             "ballast_prompt_tokens_reused",

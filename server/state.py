@@ -140,4 +140,5 @@ class ServerState:
             cached,
             s.generated_tokens,
             s.draft_stats,
+            s.wait_factor,
         )

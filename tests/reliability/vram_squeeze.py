@@ -415,9 +415,11 @@ def run_burst(
     device: str = "cuda",
     deadline_s: float = 150,
     log: Path | None = None,
+    bursts: int = 1,
 ) -> dict[str, Any]:
     """Issue 47's squeeze: `warm` streams served together, then (hog_gpu set) a co-tenant takes all
-    but ~200 MiB and holds, then `clients` clients send `burst` requests between them."""
+    but ~200 MiB and holds, then `clients` clients send `burst` requests between them, `bursts`
+    times over (the first burst's figures at the top, the later ones' in "bursts")."""
     proc, lines = _spawn(model, device, streams_n, serve_args)
     hog = None
     try:
@@ -445,69 +447,19 @@ def run_burst(
             f"{burst} requests from {clients} clients",
             flush=True,
         )
-        todo = iter(range(burst))
-        lock = threading.Lock()
-        results: list[Outcome] = []
-        https = [httpx.Client(timeout=600) for _ in range(clients)]  # each client's keep-alive pool
-        t0 = time.monotonic()
-
-        def client(http: httpx.Client) -> None:
-            while time.monotonic() - t0 < deadline_s:
-                with lock:
-                    i = next(todo, None)
-                if i is None:
-                    return
-                r = one_request(url, 1000 + i, max_tokens, prompt_words, http)
-                with lock:
-                    results.append(r)
-
-        threads = [threading.Thread(target=client, args=(http,), daemon=True) for http in https]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(max(0.0, deadline_s + 30 - (time.monotonic() - t0)))
-        burst_s = time.monotonic() - t0
-        for http in https:
-            http.close()
-        alive = proc.poll() is None
-        final = scrape(url) if alive else {}
-        counts = Counter(o.kind for o in results)
-        refused = [o.status_s for o in results if o.kind.startswith(("429:", "503:"))]
-        ttft = [o.first_s for o in results if o.kind == "completed" and o.first_s == o.first_s]
-        # why they were refused: each distinct message with digits masked, and how often
-        said = Counter(re.sub(r"[0-9][0-9.,]*", "#", o.message) for o in results if o.message)
-        # the waits the refusals at arrival were projected, against the queue ahead of each
-        projected = [float(x) for o in results for x in re.findall(r"estimated wait ([0-9.]+) s", o.message)]
-        past_floor = projected_past_floor(results)
-        oom = [ln for ln in lines if "CUDA out of memory" in ln or "OutOfMemoryError" in ln]
+        rounds = []
+        for n in range(bursts):  # the second is projected with what the first measured
+            rounds.append(
+                _one_burst(url, proc, lines, clients, burst, n * burst, max_tokens, prompt_words, deadline_s)
+            )
+            print(f"  burst {n + 1}: {rounds[-1]['outcomes']}", flush=True)
         return {
             "warm": dict(warmed),
             # The warm phase's requests reach a server that has measured no step yet
             "warm_refusal_client_s": sorted(round(x, 2) for x in warm_refused),
             "gpu_free_mib_after_cotenant": free_mib,
-            "burst_s": round(burst_s, 1),
-            "sent": len(results),
-            "outcomes": dict(counts),
-            "refusal_messages": dict(said.most_common(6)),
-            "completed": counts.get("completed", 0),
-            "refused": len(refused),
-            "refusal_client_p50_s": pct(refused, 50),
-            "refusal_client_p99_s": pct(refused, 99),
-            "refusal_server_count": total(final, "ballast_refusal_seconds_count"),
-            "refusal_server_under_100ms": total(final, "ballast_refusal_seconds_bucket", le="0.1"),
-            "refusal_server_p99_bucket_s": _p99_bucket(final),
-            "ttft_served_p50_s": pct(ttft, 50),
-            "ttft_served_p99_s": pct(ttft, 99),
-            "ttft_served_max_s": max(ttft, default=float("nan")),
-            "refusal_projected_wait_min_p50_s": [min(projected, default=float("nan")), pct(projected, 50)],
-            # each such refusal's projected wait past the last first token of those sent before it
-            "refusal_projected_past_floor_min_p50_s": [
-                min(past_floor, default=float("nan")),
-                pct(past_floor, 50),
-            ],
-            "ttft_served_min_s": min(ttft, default=float("nan")),
-            "server_alive": alive,
-            "oom_in_log": len(oom),
+            **rounds[0],
+            "bursts": rounds[1:],
         }
     finally:
         if log is not None:
@@ -516,6 +468,85 @@ def run_burst(
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _one_burst(
+    url: str,
+    proc: subprocess.Popen,
+    lines: list[str],
+    clients: int,
+    burst: int,
+    first_id: int,
+    max_tokens: int,
+    prompt_words: int,
+    deadline_s: float,
+) -> dict[str, Any]:
+    """`clients` clients send `burst` requests between them; what came of them, the server's
+    refusal counts taken since the burst began."""
+    before = scrape(url)
+    todo = iter(range(first_id, first_id + burst))
+    lock = threading.Lock()
+    results: list[Outcome] = []
+    https = [httpx.Client(timeout=600) for _ in range(clients)]  # each client's keep-alive pool
+    t0 = time.monotonic()
+
+    def client(http: httpx.Client) -> None:
+        while time.monotonic() - t0 < deadline_s:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            r = one_request(url, 1000 + i, max_tokens, prompt_words, http)
+            with lock:
+                results.append(r)
+
+    threads = [threading.Thread(target=client, args=(http,), daemon=True) for http in https]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline_s + 30 - (time.monotonic() - t0)))
+    burst_s = time.monotonic() - t0
+    for http in https:
+        http.close()
+    alive = proc.poll() is None
+    final = scrape(url) if alive else {}
+    since = {k: v - before.get(k, 0.0) for k, v in final.items()}  # the refusal counters' share
+    counts = Counter(o.kind for o in results)
+    refused = [o.status_s for o in results if o.kind.startswith(("429:", "503:"))]
+    ttft = [o.first_s for o in results if o.kind == "completed" and o.first_s == o.first_s]
+    # why they were refused: each distinct message with digits masked, and how often
+    said = Counter(re.sub(r"[0-9][0-9.,]*", "#", o.message) for o in results if o.message)
+    # the waits the refusals at arrival were projected, against the queue ahead of each
+    projected = [float(x) for o in results for x in re.findall(r"estimated wait ([0-9.]+) s", o.message)]
+    past_floor = projected_past_floor(results)
+    oom = [ln for ln in lines if "CUDA out of memory" in ln or "OutOfMemoryError" in ln]
+    return {
+        "burst_s": round(burst_s, 1),
+        "sent": len(results),
+        "outcomes": dict(counts),
+        "refusal_messages": dict(said.most_common(6)),
+        "completed": counts.get("completed", 0),
+        "refused": len(refused),
+        "refusal_client_p50_s": pct(refused, 50),
+        "refusal_client_p99_s": pct(refused, 99),
+        "refusal_server_count": total(since, "ballast_refusal_seconds_count"),
+        "refusal_server_under_100ms": total(since, "ballast_refusal_seconds_bucket", le="0.1"),
+        "refusal_server_p99_bucket_s": _p99_bucket(since),
+        "ttft_served_p50_s": pct(ttft, 50),
+        "ttft_served_p99_s": pct(ttft, 99),
+        "ttft_served_max_s": max(ttft, default=float("nan")),
+        "refusal_projected_wait_min_p50_s": [min(projected, default=float("nan")), pct(projected, 50)],
+        # each such refusal's projected wait past the last first token of those sent before it
+        "refusal_projected_past_floor_min_p50_s": [
+            min(past_floor, default=float("nan")),
+            pct(past_floor, 50),
+        ],
+        "ttft_served_min_s": min(ttft, default=float("nan")),
+        # the queued requests' real waits over their projections (median): the next burst's factor
+        "queue_wait_factor_after": total(final, "ballast_queue_wait_factor"),
+        "server_alive": alive,
+        "oom_in_log": len(oom),
+    }
 
 
 def main() -> None:
@@ -542,6 +573,7 @@ def main() -> None:
     ap.add_argument("--burst", type=int, default=0, help="issue 47: this many requests after the squeeze")
     ap.add_argument("--warm-streams", type=int, default=8, help="--burst: streams served together first")
     ap.add_argument("--deadline-s", type=float, default=150, help="--burst: no request sent after this")
+    ap.add_argument("--bursts", type=int, default=1, help="--burst: this many bursts, one after another")
     a = ap.parse_args()
     import torch
 
@@ -562,6 +594,7 @@ def main() -> None:
             a.device,
             a.deadline_s,
             Path(a.out).with_suffix(".log") if a.out else None,
+            a.bursts,
         )
         print(json.dumps(r, indent=1), flush=True)
         if a.out:

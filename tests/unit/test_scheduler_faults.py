@@ -161,6 +161,44 @@ async def test_with_measured_steps_a_hopeless_request_is_refused_at_submit(make)
     s.refuse_early()  # the queue drained: nothing to refuse before a prompt is built
 
 
+async def test_the_projection_is_read_times_its_measured_error(make) -> None:
+    """The requests a burst queued measure how their first tokens came against their projection;
+    that factor is what the next burst is projected with: read at 0.7, more are queued before the
+    first refusal than at 1, and the refusal quotes the wait as read."""
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_queue_wait_s=1.5)
+    s, eng = await make(cfg, step_delay_s=0.005)
+    warm = [s.submit(req(i, max_tokens=6)) for i in range(4)]
+    await asyncio.gather(*(h.collect() for h in warm))
+    assert s.wait_factor == 1.0
+
+    async def burst(base: int) -> tuple[int, QueueWaitTooLong]:
+        busy: list = []
+        with pytest.raises(QueueWaitTooLong) as refused:
+            for i in range(400):
+                busy.append(s.submit(req(base + i, max_tokens=20)))
+        await asyncio.gather(*(h.collect() for h in busy))
+        await settle(s, eng)
+        return len(busy), refused.value
+
+    await burst(100)
+    # measured on the requests they queued: on the fake engine's steady steps, near right
+    assert s.wait_factor != 1.0 and 0.7 < s.wait_factor < 1.5
+    accuracy = s._roster.accuracy
+
+    async def read_at(ratio: float, base: int) -> tuple[int, QueueWaitTooLong]:
+        for _ in range(64):  # a whole window of first tokens at `ratio` of their projection
+            accuracy.first_token(1.0, ratio)
+        assert s.wait_factor == pytest.approx(ratio)
+        s._gate.forget_projection()  # as a step coming back with those tokens would
+        return await burst(base)
+
+    queued, refusal = await read_at(1.0, 1000)
+    more, read = await read_at(0.7, 2000)
+    assert more > queued * 1.2, (queued, more)
+    assert read.wait_s > 1.05 and refusal.wait_s > 1.05  # each past the arrival share, as read
+    await settle(s, eng)
+
+
 class FrozenWatch:
     """A MemWatch whose polls stopped succeeding: read() keeps returning one old snapshot."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from ballast.scheduler.gate import ARRIVAL_SHARE
-from ballast.scheduler.service_rate import LengthShare, StepCosts
+from ballast.scheduler.service_rate import WAIT_FACTOR_RANGE, LengthShare, StepCosts, WaitAccuracy
 from ballast.scheduler.wait_projection import Demand, Placement, WaitProjection
 
 
@@ -211,3 +211,35 @@ def test_what_it_waits_for_is_what_held_the_queue_longest() -> None:
     # where the prompts ahead are most of the wait, they are named
     q = WaitProjection(costs(prefill_token_s=0.01), free_slots=0, running=[Demand(0, 2, 1), Demand(0, 2, 1)])
     assert [q.place(Demand(100, 2, 1), always).waits_for for _ in range(3)][-1] == "prefill compute"
+
+
+def test_wait_accuracy_is_the_median_real_over_projected_wait_once_measured() -> None:
+    acc = WaitAccuracy(window=8, min_samples=4, least_s=0.5)
+    for projected, waited in ((10.0, 8.0), (2.0, 1.7), (4.0, 3.6)):
+        acc.first_token(projected, waited)
+    assert acc.factor == 1.0  # three measured: not yet
+    acc.first_token(0.3, 3.0)  # projected under least_s: the step in flight, not the queue
+    assert acc.factor == 1.0
+    acc.first_token(5.0, 4.5)
+    assert acc.factor == pytest.approx((0.85 + 0.9) / 2)  # ratios 0.8, 0.85, 0.9, 0.9
+    for _ in range(8):  # the window moves on: a projection that now errs short reads above 1
+        acc.first_token(2.0, 3.0)
+    assert acc.factor == pytest.approx(1.5)
+    for _ in range(8):  # and the range holds it: never under the arrival share, at most 2
+        acc.first_token(10.0, 1.0)
+    assert acc.factor == WAIT_FACTOR_RANGE[0] == ARRIVAL_SHARE
+    for _ in range(8):
+        acc.first_token(1.0, 9.0)
+    assert acc.factor == WAIT_FACTOR_RANGE[1]
+
+
+def test_placements_are_read_times_the_factor() -> None:
+    running = [Demand(0, 50, 2), Demand(0, 20, 2)]
+    plain, read = (WaitProjection(costs(), 0, running, factor=f) for f in (1.0, 0.7))
+    for _ in range(3):
+        a, b = plain.place(Demand(100, 30, 2), always), read.place(Demand(100, 30, 2), always)
+        assert b.start_s == pytest.approx(0.7 * a.start_s)
+        assert b.first_token_s == pytest.approx(0.7 * a.first_token_s)
+        assert (a.at_once, a.waits_for) == (b.at_once, b.waits_for)
+    idle = WaitProjection(costs(), 2, [], factor=0.7).place(Demand(100, 10, 5), always)
+    assert idle.at_once and idle.waits_for == "nothing"
