@@ -48,6 +48,8 @@ from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepP
 from ballast.engine.workspace import VerifySize
 
 GREEDY = SamplingParams(temperature=0.0)
+# Rated HBM bandwidth by the card's name (bytes/s): what a step's bytes are put against
+RATED_HBM = {"H100": 3.35e12, "H200": 4.8e12}
 SLOT = 0
 RESULTS = Path(__file__).parent / "results" / "spec_oracle.json"
 
@@ -73,6 +75,40 @@ class OracleDrafter:
                 drafts[wrong_at] = (drafts[wrong_at] + 1) % self.vocab
         self._step += 1
         return tuple(drafts)
+
+
+def step_bytes(model: torch.nn.Module, rows: int) -> float:
+    """Bytes a step of `rows` tokens of one sequence must move, routing uniform (random weights
+    route near it): each weight once (of the embedding table only its rows), of each layer's
+    routed experts only those one of the rows picks, E (1 - (1 - top_k / E)^rows) expected, and
+    each recurrent state read once and written after every row (a verify row keeps the state
+    after each drafted position for its rollback). The floor a step's time has at the card's
+    bandwidth: a verify step of k drafts reads k + 1 tokens' experts where a decode step reads one's."""
+    cfg = model.config  # type: ignore[union-attr]
+    top_k = getattr(cfg, "num_experts_per_tok", 0)
+    head = model.get_submodule("lm_head").weight  # type: ignore[union-attr]
+    skip = {
+        id(mod.weight)
+        for mod in model.modules()
+        if isinstance(mod, torch.nn.Embedding) and mod.weight is not head
+    }
+    seen: set[int] = set()
+    total = 0.0
+    for name, mod in model.named_modules():
+        if name.startswith("mtp"):  # the drafter's layer: not the target's step
+            continue
+        own = [t for t in (*mod.parameters(recurse=False), *mod.buffers(recurse=False)) if id(t) not in seen]
+        seen.update(id(t) for t in own)
+        nbytes = sum(t.numel() * t.element_size() for t in own if id(t) not in skip)
+        experts = getattr(mod, "gate_up_proj", None)
+        if experts is not None and top_k:  # a routed expert set: the experts the rows pick
+            e = experts.shape[0]
+            nbytes *= 1 - (1 - top_k / e) ** rows
+        total += nbytes
+    linear = sum(kind == "linear_attention" for kind in getattr(cfg, "layer_types", ()))
+    state = linear * getattr(cfg, "linear_num_value_heads", 0) * getattr(cfg, "linear_key_head_dim", 0)
+    state *= getattr(cfg, "linear_value_head_dim", 0) * 4  # float32 states
+    return total + state * (1 + rows)
 
 
 def _step(engine: Engine, plan: StepPlan) -> tuple[list[int], float]:
@@ -175,6 +211,15 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "oracle_settle_runs": settle_runs,
             "oracle_is_plain_text": tokens == plain,
         }
+        # the steps' bytes, their floor at the card's rated bandwidth, and how near each step ran
+        rated = next((bw for card, bw in RATED_HBM.items() if card in row["device"]), None)
+        model = engine.runner.model
+        decode_b, verify_b = step_bytes(model, 1), step_bytes(model, args.k + 1)
+        row["decode_step_gb"], row["verify_step_gb"] = decode_b / 1e9, verify_b / 1e9
+        row["verify_floor_over_decode"] = verify_b / decode_b
+        row["speedup_at_the_floor"] = (args.k + 1) * decode_b / verify_b
+        if rated is not None:
+            row["decode_hbm_pct"] = 100 * decode_b / rated / (row["decode_step_ms"] / 1e3)
         for acceptance in (1.0, 0.5):
             drafter = OracleDrafter(tokens, args.k, acceptance, vocab)
             replays = graphs.replays if graphs is not None else 0
@@ -190,6 +235,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             # what k + 1 tokens a verify step would give at this step cost, whatever was accepted
             # (random weights in bf16 tie often, and a text that parts leaves every draft rejected)
             row[f"{tag}_speedup_if_all_accepted"] = (args.k + 1) / row[f"{tag}_verify_over_decode"]
+            if rated is not None:
+                row[f"{tag}_verify_hbm_pct"] = 100 * verify_b / rated / (row[f"{tag}_verify_step_ms"] / 1e3)
             row[f"{tag}_same_text"] = out == tokens
             row[f"{tag}_parted_at"] = next(
                 (i for i, (a, b) in enumerate(zip(out, tokens, strict=True)) if a != b), None
@@ -225,9 +272,18 @@ def main(argv: list[str] | None = None) -> int:
             + f", reproduced after {r['oracle_settle_runs']} verify run(s)",
             flush=True,
         )
+        hbm = f" ({r['decode_hbm_pct']:.0f}% of HBM)" if "decode_hbm_pct" in r else ""
+        print(
+            f"  bytes a step moves: decode {r['decode_step_gb']:.2f} GB{hbm}, "
+            f"verify {r['verify_step_gb']:.2f} GB (uniform routing): a verify step's floor is "
+            f"{r['verify_floor_over_decode']:.2f}x a decode step's, "
+            f"{r['speedup_at_the_floor']:.2f}x tok/s at 100% with both at the floor",
+            flush=True,
+        )
         for tag in ("oracle100", "oracle50"):
+            hbm = f" ({r[f'{tag}_verify_hbm_pct']:.0f}% of HBM)" if f"{tag}_verify_hbm_pct" in r else ""
             print(
-                f"  {tag}: verify step {r[f'{tag}_verify_step_ms']:.2f} ms = "
+                f"  {tag}: verify step {r[f'{tag}_verify_step_ms']:.2f} ms{hbm} = "
                 f"{r[f'{tag}_verify_over_decode']:.2f}x a decode step (aim <= 1.3); "
                 f"{r[f'{tag}_tok_s']:.1f} tok/s = {r[f'{tag}_speedup']:.2f}x "
                 f"(aim at 100%: >= 2.5x; {r[f'{tag}_speedup_if_all_accepted']:.2f}x at this step cost "

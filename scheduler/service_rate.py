@@ -214,11 +214,12 @@ WAIT_FACTOR_RANGE = (0.7, 2.0)
 class WaitAccuracy:
     """How the first tokens of queued requests came against the wait projected when each was
     queued: the factor the projection is read with. The projection models the steps, not the
-    engine's every choice (prompts sharing a chunk, a running request's growth), and on one GPU
-    it erred long: an H100 squeeze refused at arrival requests projected at 23.3 s whose first
-    token the served ahead of them put nearer 15 s, the bound 30 s. The factor is the median ratio
-    of the real wait to the projected one over the last `window` requests projected to wait at
-    least `least_s` (a shorter wait is mostly the step in flight), 1 until `min_samples` are."""
+    engine's every choice (prompts sharing a chunk, steps of mixed sizes), and where it errs long
+    it refuses what would run: an H100 squeeze (s31, bound 30 s) refused at arrival requests
+    projected at 23.3 s, each 8.7 s or more past the first token of the last request served ahead
+    of it. The factor is the median ratio of the real wait to the projected one over the last
+    `window` requests projected to wait at least `least_s` (a shorter wait is mostly the step in
+    flight), 1 until `min_samples` are."""
 
     def __init__(self, window: int = 32, min_samples: int = 8, least_s: float = 0.2) -> None:
         self._ratios: deque[float] = deque(maxlen=window)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ballast.bench.spec_oracle import plain_run, settled
+from ballast.bench.spec_oracle import plain_run, settled, step_bytes
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, SamplingParams, SlotOutput, StepPlan, StepResult
@@ -26,6 +26,7 @@ from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader
 from ballast.memory.types import Level
 from ballast.memory.watch import MemWatch
+from ballast.models.arch.builtin import build_builtin
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.request import FinishEvent, GenerationRequest, TokenEvent
 from ballast.scheduler.scheduler import Scheduler
@@ -348,6 +349,24 @@ def test_the_oracle_bench_settles_on_the_text_a_run_drafting_it_reproduces(llama
     wrong = [*plain[:5], (plain[5] + 1) % llama.vocab_size, *plain[6:]]
     assert settled(llama, prompt, 12, wrong, 3, 8) == (plain, 2)
     assert settled(llama, prompt, 12, plain, 3, 8) == (plain, 1)
+
+
+def test_step_bytes_count_the_experts_a_steps_tokens_pick() -> None:
+    """bench/spec_oracle.py's floor: a dense model's step moves its weights once whatever its rows
+    (a tied embedding read as the head); a hybrid MoE's moves top_k / E of each expert set for one
+    token and nearly all of it for many, and its recurrent states once read and once per row written."""
+    llama = build_builtin("tiny-llama")
+    assert step_bytes(llama, 1) == step_bytes(llama, 4) == sum(p.nbytes for p in llama.parameters())
+    moe = build_builtin("tiny-qwen3-next")
+    cfg = moe.config
+    named = dict(moe.named_parameters())
+    experts = sum(p.nbytes for n, p in named.items() if ".experts." in n)
+    rest = sum(p.nbytes for n, p in named.items() if ".experts." not in n and "embed_tokens" not in n)
+    state = 3 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    share = cfg.num_experts_per_tok / cfg.num_experts
+    assert step_bytes(moe, 1) == pytest.approx(rest + share * experts + 2 * state)
+    assert step_bytes(moe, 4) == pytest.approx(rest + (1 - (1 - share) ** 4) * experts + 5 * state)
+    assert step_bytes(moe, 4096) == pytest.approx(rest + experts + 4097 * state)
 
 
 def test_prompt_lookup_drafts_the_latest_longest_match() -> None:
