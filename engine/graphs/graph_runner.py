@@ -159,13 +159,8 @@ class GraphRunner:
     def capture_in_lockstep(self, agree: Agree | None) -> int:
         """Capture the decode graphs over the scratch slot's blocks (under tensor parallel rank 0
         gave them), agreeing with the other ranks after each bucket; the bytes held here."""
-        graphs = DecodeGraphs(
-            self.device,
-            self.num_slots,
-            self.num_slots,
-            self.max_model_len,
-            late_mixed=agree is None,
-            leftover=self._leftover,
+        graphs = DecodeGraphs(  # the int8-KV variant captured late on one GPU only
+            self.device, self.num_slots, self.num_slots, self.max_model_len, agree is None, self._leftover
         )
         held = graphs.capture(self._run, agree)
         self.graphs = graphs

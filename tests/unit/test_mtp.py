@@ -325,7 +325,9 @@ def test_a_checkpoints_mtp_tensors_load_only_for_drafting(
     assert load_hf_model(plain).mtp is None
 
 
-def _captured_on_cpu(graphs: GraphSet[Any], key: Any, run: Callable[[StepBatch], Tensor], batch: StepBatch) -> None:
+def _captured_on_cpu(
+    graphs: GraphSet[Any], key: Any, run: Callable[[StepBatch], Tensor], batch: StepBatch
+) -> None:
     """What a capture does, less CUDA: the forward over the static batch leaves its logits and
     hidden states (in a graph's pool, rewritten by each replay), the set keeps them. The graph
     stands for a replay of these same inputs, which would write the same values there again."""
