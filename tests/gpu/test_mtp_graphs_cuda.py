@@ -97,6 +97,8 @@ def test_a_replayed_step_hands_back_the_eager_steps_hidden_states(
         last = getattr(runner.model, "last_hidden", None)
         assert last is not None and last.shape[0] == n * length
         hidden.append(last.clone())
+        for s in slots:  # the blocks back: the tests below serve through the engine's own plans
+            runner.kv.release(s)
     replayed, eager = hidden
     print(f"{kind} n={n}: worst |replayed - eager| hidden {(replayed - eager).abs().max():.2e}")
     torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)  # identical in practice
