@@ -81,9 +81,9 @@ def bring_up(
         profile = profile_prefill(
             loaded.model, loaded.hf_config, cfg.prefill_chunk_tokens, cfg.max_model_len, device, dtype
         )
-        # Under tensor parallel only with --tp-cuda-graphs: every rank captures (tp_graphs).
-        # MTP drafts from each step's hidden states, which a replayed graph does not hand back.
-        graphs = cfg.decode_graphs(device) and not mtp
+        # Under tensor parallel only with --tp-cuda-graphs: every rank captures (tp_graphs). With
+        # MTP each replay hands back the hidden states the drafter reads (graphs.decode.Leftover).
+        graphs = cfg.decode_graphs(device)
         die = gpu_die()
         if watch is not None and die is not None:
             # Lease before allocating: the ledger refuses before the driver would OOM. Every

@@ -7,7 +7,8 @@ A step of n sequences reading up to c positions replays the graph of the smalles
 (1, 2, 4, ... and `--max-num-seqs` itself) and context bucket >= c. Padding rows feed token 0 at
 position 1 of a scratch slot (one past the scheduler's), so they write nothing a sequence reads.
 Inputs enter through one static [3, batch] buffer (one host-to-device copy a step); every graph
-writes one static [batch, vocab] logits buffer, valid until the next replay.
+writes one static [batch, vocab] logits buffer, valid until the next replay. A model that keeps
+its hidden states for a drafter (MTP) gets them back after each replay too (`Leftover`).
 
 A step holding a sequence of the int8 KV store (the ladder's quantized-KV rung) runs another kernel
 sequence: the "mixed" variant, captured per bucket at its first use under a grant from the memory
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 from ballast.engine.kv.kv_pool import Acquire
@@ -96,11 +97,37 @@ def bucket_for(buckets: Sequence[int], n: int) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-class GraphSet(Generic[K]):
-    """Graphs of one forward, keyed by K, sharing one memory pool and one logits buffer."""
+class Leftover:
+    """What a forward leaves on the model besides its logits, where the model keeps it (a
+    drafter's normed hidden states, `last_hidden`, kept where it has `extra_states`): one row per
+    token of the step, in the step's order. A capture leaves it in the graph's pool, where each
+    replay rewrites it; the graph set keeps it per graph and hands it back after each replay, cut
+    to the step's tokens (padding rows come after them)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    @staticmethod
+    def of(model: Any) -> Leftover | None:
+        return Leftover(model) if getattr(model, "extra_states", 0) else None
+
+    def take(self) -> Tensor | None:
+        """What the last forward left (None: nothing since the last take)."""
+        value, self._model.last_hidden = self._model.last_hidden, None
+        return cast(Tensor | None, value)
+
+    def put(self, value: Tensor) -> None:
+        self._model.last_hidden = value
+
+
+class GraphSet(Generic[K]):
+    """Graphs of one forward, keyed by K, sharing one memory pool and one logits buffer, and
+    handing back what else the forward leaves on the model (`Leftover`, where there is one)."""
+
+    def __init__(self, device: torch.device, leftover: Leftover | None = None) -> None:
         self.device = device
+        self.leftover = leftover
+        self._left: dict[K, Tensor] = {}  # per graph: what its capture left, rewritten by each replay
         self._graphs: dict[K, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None  # torch.cuda.graph_pool_handle(), from the first capture
         self._logits: Tensor | None = None  # every graph writes its rows here
@@ -124,14 +151,31 @@ class GraphSet(Generic[K]):
         out = self._logits[: eager.shape[0]]
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
+        if self.leftover is not None:
+            self.leftover.take()  # the eager run's: the capture's own is kept
         with torch.cuda.graph(graph, pool=self._pool):
             out.copy_(forward(batch))
         torch.cuda.synchronize(self.device)
         self._graphs[key] = graph
+        self._keep(key)
+
+    def _keep(self, key: K) -> None:
+        """After the forward captured as key's graph: what it left on the model, kept."""
+        if self.leftover is not None:
+            left = self.leftover.take()
+            if left is None:
+                raise GraphCaptureError("the forward left none of the hidden states the model keeps")
+            self._left[key] = left
+
+    def _hand_back(self, key: K, tokens: int) -> None:
+        """After key's replay: what its forward left on the model, for the step's first `tokens`."""
+        if self.leftover is not None:
+            self.leftover.put(self._left[key][:tokens])
 
     def _drop(self) -> None:
         """Drop every graph and the output; the pool's memory goes back to the allocator's cache."""
         self._graphs.clear()
+        self._left.clear()
         self._logits = None
         self.held_bytes = 0
         if self.device.type == "cuda":  # CPU sets exist in tests of the choices alone
@@ -149,9 +193,10 @@ class DecodeGraphs(GraphSet[tuple[int, int, bool]]):
         max_batch: int,
         max_context: int,
         late_mixed: bool = True,
+        leftover: Leftover | None = None,
     ) -> None:
         """late_mixed: capture the int8-KV variant of a bucket at its first use (one GPU only)."""
-        super().__init__(device)
+        super().__init__(device, leftover)
         self.late_mixed = late_mixed
         self.scratch_slot = scratch_slot
         self.batch_buckets = doubling_buckets(1, max_batch)
@@ -295,6 +340,7 @@ class DecodeGraphs(GraphSet[tuple[int, int, bool]]):
         assert self._logits is not None
         self._graphs[key].replay()
         self.replays += 1
+        self._hand_back(key, n)
         return self._logits[:n]
 
     def key_of(self, seqs: StepBatch | Rows, mixed: bool = False) -> tuple[int, int, bool] | None:

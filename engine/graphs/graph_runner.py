@@ -16,7 +16,14 @@ import logging
 from collections.abc import Callable, Sequence
 
 import torch
-from ballast.engine.graphs.decode import PAD_POSITION, Agree, DecodeGraphs, Forward, GraphCaptureError
+from ballast.engine.graphs.decode import (
+    PAD_POSITION,
+    Agree,
+    DecodeGraphs,
+    Forward,
+    GraphCaptureError,
+    Leftover,
+)
 from ballast.engine.graphs.prefill import GRANULE, PrefillGraphs
 from ballast.engine.graphs.verify import VerifyGraphs
 from ballast.engine.kv.kv_budget import segment_grant
@@ -64,13 +71,15 @@ class GraphRunner:
         prefill_safe: bool = False,
         kv_per_weight: float = 0.0,
         verify: tuple[VerifySize, bool] = (VerifySize(), False),
+        leftover: Leftover | None = None,
     ) -> None:
         """scratch_slot: the states hold a slot past num_slots for padding rows; scratch_block(n)
         gives it KV blocks for its first n positions (False: none to be had). run: the forward the
         graphs capture. prefill_safe: the model's rows meet only in attention. kv_per_weight: one
         token's KV bytes over the weights' bytes (what a split step's decode replay reads besides
         the weights). verify: the verify steps the engine drafts in (none: no verify graphs), and
-        whether the model's recurrent layers keep their per-position states."""
+        whether the model's recurrent layers keep their per-position states. leftover: what else
+        the forward leaves on the model (hidden states a drafter reads), handed back by replays."""
         self.device = device
         self.num_slots = num_slots
         self.max_model_len = max_model_len
@@ -80,6 +89,7 @@ class GraphRunner:
         self._prefill_safe = prefill_safe
         self._kv_per_weight = kv_per_weight
         self._verify = verify
+        self._leftover = leftover
         self.lockstep = Lockstep()
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
@@ -109,10 +119,13 @@ class GraphRunner:
     def _split(self, batch: StepBatch, mixed: bool) -> tuple[StepBatch, StepBatch] | None:
         """The step as a prompt chunk and decode tokens where both graphs serve them and their
         replays pay (`PrefillGraphs.split_pays`; the decode replay reads the weights and its
-        sequences' KV), or None."""
+        sequences' KV), or None (also where replays hand back what the forward leaves on the
+        model: each would hand back its half alone)."""
         prefill, decode = self.prefill_graphs, self.graphs
         n = batch.num_seqs
         if prefill is None or decode is None or n < 2 or mixed or any(batch.all_logits):
+            return None
+        if self._leftover is not None:
             return None
         head, rest = batch.part(0, 1), batch.part(1, n)
         if not prefill.can_use(head) or not decode.can_use(rest):
@@ -146,8 +159,8 @@ class GraphRunner:
     def capture_in_lockstep(self, agree: Agree | None) -> int:
         """Capture the decode graphs over the scratch slot's blocks (under tensor parallel rank 0
         gave them), agreeing with the other ranks after each bucket; the bytes held here."""
-        graphs = DecodeGraphs(
-            self.device, self.num_slots, self.num_slots, self.max_model_len, late_mixed=agree is None
+        graphs = DecodeGraphs(  # the int8-KV variant captured late on one GPU only
+            self.device, self.num_slots, self.num_slots, self.max_model_len, agree is None, self._leftover
         )
         held = graphs.capture(self._run, agree)
         self.graphs = graphs
@@ -160,7 +173,7 @@ class GraphRunner:
         the smallest graph; raises GraphCaptureError if the capture fails (nothing kept)."""
         if self.graphs is None or not self._prefill_safe or not self.lockstep.alone or max_tokens < GRANULE:
             return None
-        graphs = PrefillGraphs(self.device, self.num_slots, max_tokens)
+        graphs = PrefillGraphs(self.device, self.num_slots, max_tokens, leftover=self._leftover)
         held = graphs.capture(self._run)
         self.prefill_graphs = graphs
         return held
@@ -175,7 +188,9 @@ class GraphRunner:
             return None
         if not self._scratch_block(PAD_POSITION + size.drafts + 1):
             return None
-        graphs = VerifyGraphs(self.device, self.num_slots, size.rows, size.drafts, self.max_model_len, keep)
+        graphs = VerifyGraphs(
+            self.device, self.num_slots, size.rows, size.drafts, self.max_model_len, keep, self._leftover
+        )
         held = graphs.capture(self._run)
         self.verify_graphs = graphs
         return held

@@ -31,6 +31,7 @@ from ballast.engine.graphs.decode import (
     Forward,
     GraphCaptureError,
     GraphSet,
+    Leftover,
     as_batch,
 )
 from ballast.models.base import ForwardBatch, Rows, StepBatch
@@ -54,10 +55,15 @@ class PrefillGraphs(GraphSet[int]):
     """Prefill graphs of one sequence, per token bucket."""
 
     def __init__(
-        self, device: torch.device, scratch_slot: int, max_tokens: int, granule: int = GRANULE
+        self,
+        device: torch.device,
+        scratch_slot: int,
+        max_tokens: int,
+        granule: int = GRANULE,
+        leftover: Leftover | None = None,
     ) -> None:
         """scratch_slot: the decode graphs' padding slot (it must hold a KV block for PAD_POSITION)."""
-        super().__init__(device)
+        super().__init__(device, leftover)
         self.scratch_slot = scratch_slot
         self.buckets = token_buckets(max_tokens, granule)
         if not self.buckets:
@@ -155,6 +161,7 @@ class PrefillGraphs(GraphSet[int]):
         self._stage(batch.slots_list[0], batch.tokens, batch.starts_list[0], bucket)
         self._graphs[bucket].replay()
         self.replays += 1
+        self._hand_back(bucket, batch.lens_list[0])
         return self._logits
 
     def _stage(self, slot: int, tokens: Sequence[int], start: int, bucket: int) -> None:

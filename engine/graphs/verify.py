@@ -32,6 +32,7 @@ from ballast.engine.graphs.decode import (
     Forward,
     GraphCaptureError,
     GraphSet,
+    Leftover,
     as_batch,
     bucket_for,
     doubling_buckets,
@@ -122,11 +123,18 @@ class VerifyGraphs(GraphSet[tuple[int, int]]):
     """Verify-step graphs over a model's slot states and verify workspace, per (rows, tokens a row)."""
 
     def __init__(
-        self, device: torch.device, scratch_slot: int, rows: int, drafts: int, max_context: int, keep: bool
+        self,
+        device: torch.device,
+        scratch_slot: int,
+        rows: int,
+        drafts: int,
+        max_context: int,
+        keep: bool,
+        leftover: Leftover | None = None,
     ) -> None:
         """rows, drafts: the verify steps the workspace is sized for (`VerifySize`); keep: the
         model's recurrent layers keep per-position states (the rows are marked to)."""
-        super().__init__(device)
+        super().__init__(device, leftover)
         if drafts < 1:
             raise GraphCaptureError(f"a verify graph needs at least one draft a row, got {drafts}")
         self.scratch_slot = scratch_slot
@@ -184,6 +192,7 @@ class VerifyGraphs(GraphSet[tuple[int, int]]):
         self._stage(batch, key[1])
         self._graphs[key].replay()
         self.replays += 1
+        self._hand_back(key, batch.num_seqs * key[1])
         return self._logits[: batch.num_seqs * key[1]]
 
     def _stage(self, batch: StepBatch | None, length: int) -> None:

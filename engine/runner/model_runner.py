@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from ballast.engine.graphs.decode import Leftover
 from ballast.engine.graphs.graph_runner import GraphRunner
 from ballast.engine.kv.kv_pool import Acquire, KVManager, KVPool
 from ballast.engine.runner.activations import activation_bytes
@@ -233,6 +234,7 @@ class ModelRunner:
             prefill_safe=main is not None and as_causal_lm(model).prefill_graphs_safe,
             kv_per_weight=kv_bytes_per_token(specs) / max(1, weights_bytes(model)) if scratch_slot else 0.0,
             verify=(self.verify, any(s.slot_views(0) for s in self.states)),  # recurrent: rows keep states
+            leftover=Leftover.of(model),  # the hidden states an MTP drafter reads
         )
 
     @property

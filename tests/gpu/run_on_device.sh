@@ -67,15 +67,19 @@ case "$mode" in
     sel=$(echo "$files" | tail -n +$((k * third + 1)) | head -n $third)
     python3 -m pytest -v -rfE -p no:cacheprovider --durations=15 -o addopts="" $sel "$@" 2>&1 | tee $out/$mode.log | tail -40
     ;;
-  spec)  # issue 49: the verify graphs' tests (s29: a replayed verify step against the eager one, tiny
+  spec)  # issue 49: the verify and MTP graphs' tests (s29: a replayed verify step against the eager one, tiny
     # models, ~40 s on a warm Triton cache), the spec-decode GPU tests (the 6.2B's greedy parity with
     # drafts among them; the Triton kernel's verify rows keeping their per-position states, s28), then
     # the oracle-drafter bench (bench/spec_oracle.py: verify graphs captured and replayed, verify step
     # over decode step) on the 6.2B and on the 80B FP8, each in its own process and file, so a cold 80B load cut by its
-    # timeout keeps the 6.2B's row; <= 400 s without the 80B
-    # each part's time limit (seconds) in SPEC_GRAPHS_S, SPEC_TEST_S, SPEC_6B_S, SPEC_80B_S; 0 skips it
+    # timeout keeps the 6.2B's row; <= 520 s without the 80B (SPEC_80B_S=0: the 80B in a call of its own)
+    # each part's time limit (seconds) in SPEC_GRAPHS_S, SPEC_MTP_S, SPEC_TEST_S, SPEC_6B_S, SPEC_80B_S; 0 skips it
     [ "${SPEC_GRAPHS_S:-120}" = 0 ] || timeout ${SPEC_GRAPHS_S:-120} python3 -m pytest -v -rfE -p no:cacheprovider --durations=5 -o addopts="" \
       tests/gpu/test_verify_graphs_cuda.py 2>&1 | tee $out/verify_graphs_tests.log | tail -16
+    # MTP with decode and verify graphs (s29): replays hand back the drafter's hidden states, drafts
+    # and greedy text as the eager engine's; tiny-qwen3-next, two engines, ~30-60 s
+    [ "${SPEC_MTP_S:-120}" = 0 ] || timeout ${SPEC_MTP_S:-120} python3 -m pytest -v -rfE -s -p no:cacheprovider --durations=5 -o addopts="" \
+      tests/gpu/test_mtp_graphs_cuda.py 2>&1 | tee $out/mtp_graphs_tests.log | tail -20
     [ "${SPEC_TEST_S:-120}" = 0 ] || timeout ${SPEC_TEST_S:-120} python3 -m pytest -v -rfE -p no:cacheprovider --durations=8 -o addopts="" \
       tests/gpu/test_spec_decode_cuda.py \
       tests/gpu/test_gated_delta_decode_cuda.py::test_verify_rows_keep_the_state_after_each_position \

@@ -148,9 +148,9 @@ def test_a_rejected_draft_leaves_the_states_of_the_run_without_drafts(accepted: 
 
 def test_greedy_text_is_the_same_with_mtp_drafts() -> None:
     """The MTP drafter on CUDA (its pass after every step, its KV a layer of the slot's blocks,
-    no decode graphs): random weights draft poorly, so this holds the text, not the acceptance
-    (a governor that learns each sequence's acceptance would not draft them: it is started as one
-    that has seen drafts kept)."""
+    decode and verify graphs handing back its hidden states): random weights draft poorly, so this
+    holds the text, not the acceptance (a governor that learns each sequence's acceptance would not
+    draft them: it is started as one that has seen drafts kept)."""
     engine = load("builtin:tiny-qwen3-next", "float32", mtp_drafts=K)
     try:
         reqs = [GenerationRequest(f"r{i}", looping(i), GREEDY, max_tokens=32) for i in range(2)]

@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
+from ballast.engine.graphs.decode import PAD_POSITION, DecodeGraphs, GraphCaptureError, GraphSet, Leftover
+from ballast.engine.graphs.verify import VerifyGraphs
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.engine.runner.loading import ModelSpecError
+from ballast.engine.runner.model_runner import ModelRunner
 from ballast.engine.workspace import VerifySize
 from ballast.models.arch.builtin import build_builtin, builtin_config
 from ballast.models.arch.qwen3_next import Qwen3NextForCausalLM
-from ballast.models.base import ForwardBatch
+from ballast.models.base import ForwardBatch, StepBatch
 from ballast.models.layers.state import allocate_states
 from ballast.models.weights.hf_loader import inspect_hf_dir, load_hf_model
 from ballast.scheduler.config import SchedulerConfig
@@ -37,6 +42,7 @@ from torch import Tensor
 from ballast.settings import ConfigError
 
 MODEL = "builtin:tiny-qwen3-next"
+CPU = torch.device("cpu")
 K = 3
 MTP = json.dumps({"method": "mtp", "num_speculative_tokens": K})
 GREEDY = SamplingParams(temperature=0.0)
@@ -317,3 +323,67 @@ def test_a_checkpoints_mtp_tensors_load_only_for_drafting(
     plain = inspect_hf_dir(tmp_path)
     assert not any(k.startswith("mtp.") for k in plain.tensors)
     assert load_hf_model(plain).mtp is None
+
+
+def _captured_on_cpu(
+    graphs: GraphSet[Any], key: Any, run: Callable[[StepBatch], Tensor], batch: StepBatch
+) -> None:
+    """What a capture does, less CUDA: the forward over the static batch leaves its logits and
+    hidden states (in a graph's pool, rewritten by each replay), the set keeps them. The graph
+    stands for a replay of these same inputs, which would write the same values there again."""
+    assert graphs.leftover is not None
+    graphs.leftover.take()
+    graphs._logits = run(batch)
+    graphs._graphs[key] = SimpleNamespace(replay=lambda: None)  # type: ignore[assignment]
+    graphs._keep(key)
+
+
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+def test_a_replay_hands_back_the_eager_steps_hidden_states_row_for_row(
+    model: Qwen3NextForCausalLM, kind: str
+) -> None:
+    """Three sequences in a graph of 4 (a padding row in the scratch slot): as decode tokens, or as
+    verify rows of K drafts. What the replay hands back as `last_hidden` (what the MTP drafter
+    reads) is the plain eager step's, every token's row in the step's order, and the logits too."""
+    slots, ctx, size = 3, 64, VerifySize(4, K)
+    prompts = {0: _ids(9, 11), 1: _ids(12, 15), 2: _ids(7, 12)}
+    length = 1 if kind == "decode" else K + 1
+    rows = [(s, _ids(length, 13 + s), len(prompts[s])) for s in (2, 0, 1)]
+
+    def runner() -> ModelRunner:
+        r = ModelRunner(model, CPU, torch.float32, slots, ctx, False, 0, scratch_slot=True, verify=size)
+        assert r.kv is not None and r._scratch_block(PAD_POSITION + K + 1)
+        for s, p in prompts.items():
+            assert r.kv.ensure(s, len(p) + K + 1)
+        r.forward([(s, p, 0) for s, p in prompts.items()])
+        return r
+
+    padded, plain = runner(), runner()
+    leftover = padded.graph_runner._leftover
+    assert leftover is not None and Leftover.of(torch.nn.Linear(1, 1)) is None
+
+    def step() -> StepBatch:
+        batch = StepBatch.of(rows, all_logits=(True,) * 3 if kind == "verify" else ())
+        batch.verify = (True,) * 3 if kind == "verify" else ()
+        return batch
+
+    if kind == "decode":
+        decode = DecodeGraphs(CPU, slots, 4, ctx, leftover=leftover)
+        key = (4, ctx, False)
+        decode._stage(step(), 4)
+        _captured_on_cpu(decode, key, padded._run, decode._static_batch(4, ctx))
+        got = decode.launch(decode.stage(step()), 3)
+    else:
+        verify = VerifyGraphs(CPU, slots, size.rows, size.drafts, ctx, True, leftover)
+        verify._stage(step(), length)
+        _captured_on_cpu(verify, (4, length), padded._run, verify._static_batch(4, length))
+        got = verify.replay(step())
+    hidden = model.last_hidden
+    want = plain._run(step())
+    assert hidden is not None and model.last_hidden is not None and hidden is not model.last_hidden
+    assert hidden.shape == model.last_hidden.shape == (3 * length, model.config.hidden_size)
+    torch.testing.assert_close(hidden, model.last_hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    model.last_hidden = None  # a forward that leaves none: nothing for a capture to keep
+    with pytest.raises(GraphCaptureError, match="hidden states"):
+        (decode if kind == "decode" else verify)._keep(key if kind == "decode" else (4, length))
