@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -205,38 +206,29 @@ class LengthShare:
         return max(1, expected - generated) if generated < expected else max(1, max_tokens - generated)
 
 
-# The factor a projected wait is read with stays in this range. Below: a request is queued on
-# arrival only when its wait is projected within ARRIVAL_SHARE (0.7) of the bound; read at 0.7 of
-# itself, the projection as built must still put its first token within the bound itself.
+# The factor a projected wait is read with stays in this range: read at 0.7 (ARRIVAL_SHARE), a
+# request queued on arrival still has its wait projected, as built, within the bound itself.
 WAIT_FACTOR_RANGE = (0.7, 2.0)
 
 
 class WaitAccuracy:
-    """How the first tokens of queued requests came against the wait projected when each was
-    queued: the factor the projection is read with. The projection models the steps, not the
-    engine's every choice (prompts sharing a chunk, steps of mixed sizes), and where it errs long
-    it refuses what would run: an H100 squeeze (s31, bound 30 s) refused at arrival requests
-    projected at 23.3 s, each 8.7 s or more past the first token of the last request served ahead
-    of it. The factor is the median ratio of the real wait to the projected one over the last
-    `window` requests projected to wait at least `least_s` (a shorter wait is mostly the step in
-    flight), 1 until `min_samples` are."""
+    """The median ratio of queued requests' real waits for a first token to the waits projected as
+    each was queued (the last `window` projected at `least_s` or more, where the step in flight is
+    not most of it; 1 until `min_samples` are): what the projection is read times. It models steps,
+    not the engine's every choice, and where it errs long it refuses what would run (an H100
+    squeeze, s31: refusals at arrival projected at 23.3 s, each 8.7 s or more past the first token
+    of the last request served ahead of it, the bound 30 s)."""
 
-    def __init__(self, window: int = 32, min_samples: int = 8, least_s: float = 0.2) -> None:
+    def __init__(self, window: int = 32, min_samples: int = 8, least_s: float = 1.0) -> None:
         self._ratios: deque[float] = deque(maxlen=window)
         self._min, self._least = min_samples, least_s
 
     def first_token(self, projected_s: float, waited_s: float) -> None:
-        """A request projected (unscaled) `projected_s` from its submission got its first token
-        after `waited_s`."""
-        if projected_s >= self._least and waited_s > 0:
+        if projected_s >= self._least:
             self._ratios.append(waited_s / projected_s)
 
     @property
     def factor(self) -> float:
         if len(self._ratios) < self._min:
             return 1.0
-        ordered = sorted(self._ratios)
-        n = len(ordered)
-        median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
-        low, high = WAIT_FACTOR_RANGE
-        return min(high, max(low, median))
+        return min(WAIT_FACTOR_RANGE[1], max(WAIT_FACTOR_RANGE[0], statistics.median(self._ratios)))
