@@ -1,11 +1,15 @@
-"""Engine steps the GPU compile tests drive: fresh prompts of given lengths, optionally beside a
-decode token, each in a slot of its own, then released."""
+"""Engine steps the tests drive: fresh prompts of given lengths, optionally beside a decode token,
+each in a slot of its own, then released (the GPU compile tests); a CPU model runner whose slots
+are prefilled, for graph-against-eager steps (the verify and MTP graph tests)."""
 
 from __future__ import annotations
 
 import torch
 from ballast.engine.engine import Engine
+from ballast.engine.graphs.decode import PAD_POSITION
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from ballast.engine.runner.model_runner import ModelRunner
+from ballast.engine.workspace import VerifySize
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -29,3 +33,18 @@ def fresh_prompts_step(engine: Engine, lengths: list[int], seed: int, decode_slo
     slots = [*range(len(lengths)), *([decode_slot] if decode_slot is not None else [])]
     engine.step(StepPlan(prefills=prefills, decodes=decodes, sampling=dict.fromkeys(slots, GREEDY)))
     engine.step(StepPlan(release=tuple(slots)))
+
+
+def prefilled_runner(
+    model: torch.nn.Module, prompts: dict[int, list[int]], slots: int, ctx: int, size: VerifySize
+) -> ModelRunner:
+    """A float32 CPU runner of `slots` slots (and the scratch slot graphs pad into), each prompt
+    prefilled in its slot with room for a verify row of `size.drafts` drafts after it."""
+    r = ModelRunner(
+        model, torch.device("cpu"), torch.float32, slots, ctx, False, 0, scratch_slot=True, verify=size
+    )
+    assert r.kv is not None and r._scratch_block(PAD_POSITION + size.drafts + 1)
+    for s, p in prompts.items():
+        assert r.kv.ensure(s, len(p) + size.drafts + 1)
+    r.forward([(s, p, 0) for s, p in prompts.items()])
+    return r

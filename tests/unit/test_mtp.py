@@ -22,11 +22,10 @@ import torch
 import torch.nn.functional as F
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
-from ballast.engine.graphs.decode import PAD_POSITION, DecodeGraphs, GraphCaptureError, GraphSet, Leftover
+from ballast.engine.graphs.decode import DecodeGraphs, GraphCaptureError, GraphSet, Leftover
 from ballast.engine.graphs.verify import VerifyGraphs
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.engine.runner.loading import ModelSpecError
-from ballast.engine.runner.model_runner import ModelRunner
 from ballast.engine.workspace import VerifySize
 from ballast.models.arch.builtin import build_builtin, builtin_config
 from ballast.models.arch.qwen3_next import Qwen3NextForCausalLM
@@ -36,6 +35,7 @@ from ballast.models.weights.hf_loader import inspect_hf_dir, load_hf_model
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.request import GenerationRequest
 from ballast.scheduler.scheduler import Scheduler
+from engine_steps import prefilled_runner
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -350,15 +350,7 @@ def test_a_replay_hands_back_the_eager_steps_hidden_states_row_for_row(
     length = 1 if kind == "decode" else K + 1
     rows = [(s, _ids(length, 13 + s), len(prompts[s])) for s in (2, 0, 1)]
 
-    def runner() -> ModelRunner:
-        r = ModelRunner(model, CPU, torch.float32, slots, ctx, False, 0, scratch_slot=True, verify=size)
-        assert r.kv is not None and r._scratch_block(PAD_POSITION + K + 1)
-        for s, p in prompts.items():
-            assert r.kv.ensure(s, len(p) + K + 1)
-        r.forward([(s, p, 0) for s, p in prompts.items()])
-        return r
-
-    padded, plain = runner(), runner()
+    padded, plain = (prefilled_runner(model, prompts, slots, ctx, size) for _ in range(2))
     leftover = padded.graph_runner._leftover
     assert leftover is not None and Leftover.of(torch.nn.Linear(1, 1)) is None
 

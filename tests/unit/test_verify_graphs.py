@@ -18,7 +18,6 @@ from ballast.engine.graphs.verify import (
     verify_keys,
     verify_layout,
 )
-from ballast.engine.runner.model_runner import ModelRunner
 from ballast.engine.workspace import VerifySize
 from ballast.memory.types import GiB, MiB
 from ballast.models.arch.builtin import builtin_config, init_random
@@ -26,6 +25,7 @@ from ballast.models.arch.registry import build_model
 from ballast.models.base import StepBatch
 from ballast.models.blocks.gated_delta import VerifyRows, rows_only
 from ballast.models.layers.state import RecurrentState
+from engine_steps import prefilled_runner
 from memfixtures import ledger_watch
 
 CPU = torch.device("cpu")
@@ -143,15 +143,7 @@ def test_the_padded_static_batch_gives_the_eager_steps_logits_and_states(
         :n
     ]
 
-    def runner() -> ModelRunner:
-        r = ModelRunner(model, CPU, torch.float32, slots, ctx, False, 0, scratch_slot=True, verify=size)
-        assert r.kv is not None and r._scratch_block(PAD_POSITION + K + 1)
-        for s, p in prompts.items():
-            assert r.kv.ensure(s, len(p) + K + 1)
-        r.forward([(s, p, 0) for s, p in prompts.items()])
-        return r
-
-    padded, plain = runner(), runner()
+    padded, plain = (prefilled_runner(model, prompts, slots, ctx, size) for _ in range(2))
     keep = any(s.slot_views(0) for s in plain.states)
     graphs = VerifyGraphs(CPU, slots, size.rows, size.drafts, ctx, keep)
     assert (bucket, length) in graphs.keys
