@@ -65,7 +65,7 @@ class AdmissionGate:
         # when a step or an admission changes what it was built on.
         self._projection: WaitProjection | None = None
         self._fits: Callable[[int, int, bool, int], bool] = kv.fits_after([])  # the projection's room
-        self.readiness = WaitReadiness(config.max_queue_wait_s)  # /ready from the wait
+        self.readiness = WaitReadiness(config.max_queue_wait_s, self._inputs)  # /ready from the wait
         self._probe: tuple[int, int] | None = None  # (prompt, max_tokens) of the last request queued
 
     @property
@@ -156,6 +156,16 @@ class AdmissionGate:
         projection.undo(placed)
         self.readiness.refused(placed.first_token_s, placed.waits_for, time.monotonic())
         return self._late(placed, 0.0, estimated=True, share=ARRIVAL_SHARE)
+
+    def _inputs(self) -> str:
+        """What the projection stands on, as the log says it when /ready turns for the wait."""
+        rows, costs, kv = len(self._roster.running), self._costs, self._kv.room.main
+        free = kv.free_blocks if kv is not None else 0
+        return (
+            f"{rows} running, {len(self._roster.queue)} queued, {free} free KV blocks, a decode step of "
+            f"{1e3 * (costs.decode_s(rows) or 0.0):.1f} ms at {max(1, rows)} rows, "
+            f"{1e6 * costs.prefill_token_s:.1f} us a prompt token, read x{self._roster.accuracy.factor:.2f}"
+        )
 
     def _current_projection(self) -> WaitProjection | None:
         """The projection with the queue placed in it, rebuilt since a step or an admission."""

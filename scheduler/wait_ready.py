@@ -9,7 +9,12 @@ after it turned.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 from ballast.scheduler.wait_projection import Placement
+
+log = logging.getLogger(__name__)
 
 NOT_READY_SHARE = 0.5
 READY_SHARE = 0.25
@@ -17,8 +22,9 @@ HOLD_S = 2.0
 
 
 class WaitReadiness:
-    def __init__(self, bound_s: float) -> None:
-        self._bound = bound_s
+    def __init__(self, bound_s: float, inputs: Callable[[], str] = str) -> None:
+        """inputs: what the projection stands on now, for the log line of each turn to not ready."""
+        self._bound, self._inputs = bound_s, inputs
         self.reason: str | None = None  # why a gateway should not route here now; None: it may
         self._since = 0.0
 
@@ -41,6 +47,13 @@ class WaitReadiness:
             self._turn(wait_s, waits_for, now)
 
     def _turn(self, wait_s: float, waits_for: str, now: float) -> None:
+        if self.reason is None:
+            log.info(
+                "not ready for the queue wait: %.1f s for %s, projected on %s",
+                wait_s,
+                waits_for,
+                self._inputs(),
+            )
         self.reason = (
             f"queue wait: a new request would wait {wait_s:.1f} s for {waits_for} "
             f"(max queue wait {self._bound:g} s)"

@@ -36,6 +36,7 @@ case "$mode" in
     (cd tests/reliability && timeout ${SQUEEZE_S:-270} python3 vram_squeeze.py --model builtin:llama-8b --mode on \
       --streams 128 --warm-streams 8 --clients 64 --burst 192 --bursts 2 --prompt-words 260 --max-tokens 128 --deadline-s 90 \
       --serve-arg=--tokenizer --serve-arg=$tok --out $out/squeeze_8b.json 2>&1 | tail -72)
+    grep "not ready for the queue wait" $out/squeeze_8b.log | head -4  # what the projection stood on
     ;;
   hang-fit)  # issue 47: a kernel that spins on the device (the watchdog, 503s, exit); the load
     # estimate against the peak after one max-length sequence, on the 8B shape
