@@ -90,9 +90,9 @@ case "$mode" in
     # random weights) and every draft after it was rejected (s26, H100); on a cold Triton cache it
     # did not finish in 90 s (s29, H100)
     [ "${SPEC_6B_S:-160}" = 0 ] || timeout ${SPEC_6B_S:-160} python3 -m ballast.bench.spec_oracle --models qwen3-next-6b --dtype float32 \
-      --out $out/spec_oracle_qwen3-next-6b.json 2>&1 | tail -4
+      --out $out/spec_oracle_qwen3-next-6b.json 2>&1 | tail -5
     [ "${SPEC_80B_S:-200}" = 0 ] || timeout ${SPEC_80B_S:-200} python3 -m ballast.bench.spec_oracle \
-      --models qwen3-next-80b-a3b-fp8 --out $out/spec_oracle_qwen3-next-80b-a3b-fp8.json 2>&1 | tail -4
+      --models qwen3-next-80b-a3b-fp8 --out $out/spec_oracle_qwen3-next-80b-a3b-fp8.json 2>&1 | tail -5
     ;;
   compare)
     base=$1; what=$2; shift 2
