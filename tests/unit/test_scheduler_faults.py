@@ -180,7 +180,7 @@ async def test_the_projection_is_read_times_its_measured_error(make) -> None:
         busy: list = []
         with pytest.raises(QueueWaitTooLong) as refused:
             for i in range(400):
-                busy.append(s.submit(req(base + i, max_tokens=20)))
+                busy.append(s.submit(req(base + i, max_tokens=10)))
         await asyncio.gather(*(h.collect() for h in busy))
         await settle(s, eng)
         return len(busy), refused.value
