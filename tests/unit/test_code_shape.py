@@ -151,8 +151,8 @@ MAX_WING_LINES = (
     # issue 47, s31: the queue-wait projection read times its measured error, the median of queued
     # requests' real over projected waits (scheduler/service_rate.py WaitAccuracy): the H100
     # squeeze refused at arrival on waits projected 8.7 s or more past the first token of the last
-    # request served ahead; the fake engine's bursts measure 1.11-1.16, and a burst read at 0.7
-    # queues ~1.4x the requests before its first refusal (tests/unit/test_scheduler_faults.py); and
+    # request served ahead; the fake engine's bursts measure 1.15-1.24, and a burst read at 0.7
+    # queues ~1.45x the requests before its first refusal (tests/unit/test_scheduler_faults.py); and
     # /ready's turn for the wait logs once what the projection stood on (running, queued, free KV
     # blocks, step costs, the factor): the squeeze's log could not say which term ran long
     + 71
