@@ -113,13 +113,16 @@ class ReadModel:
     kv_bytes_per_token: int
     state_bytes_per_slot: int
 
-    def step_bytes(self, batch: int, context: float) -> float:
-        """Bytes a decode step of `batch` sequences at `context` positions must read (and write,
-        for recurrent state)."""
+    def step_bytes(self, batch: int, context: float, rows: int = 1) -> float:
+        """Bytes a step of `batch` sequences at `context` positions must read (and write, for
+        recurrent state), each sequence `rows` tokens (a verify row: its decode token and drafts,
+        the recurrent state written after each; the experts its tokens pick, routing uniform)."""
         dense = self.weights_bytes - self.embed_bytes - self.moe_layers * self.experts * self.expert_bytes
-        touched = self.experts * (1 - (1 - self.top_k / self.experts) ** batch) if self.experts else 0.0
+        tokens = batch * rows
+        touched = self.experts * (1 - (1 - self.top_k / self.experts) ** tokens) if self.experts else 0.0
         experts = self.moe_layers * touched * self.expert_bytes
-        return dense + experts + batch * (context * self.kv_bytes_per_token + 2 * self.state_bytes_per_slot)
+        per_seq = context * self.kv_bytes_per_token + (1 + rows) * self.state_bytes_per_slot
+        return dense + experts + batch * per_seq
 
 
 def read_model(engine: Engine, cfg: dict[str, Any]) -> ReadModel:

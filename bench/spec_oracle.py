@@ -41,11 +41,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from ballast.bench.paged_decode import free_device_memory, sync
+from ballast.bench.paged_decode import free_device_memory, read_model, sync
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.engine.workspace import VerifySize
+from ballast.models.arch.builtin import builtin_config
 
 GREEDY = SamplingParams(temperature=0.0)
 # Rated HBM bandwidth by the card's name (bytes/s): what a step's bytes are put against
@@ -75,40 +76,6 @@ class OracleDrafter:
                 drafts[wrong_at] = (drafts[wrong_at] + 1) % self.vocab
         self._step += 1
         return tuple(drafts)
-
-
-def step_bytes(model: torch.nn.Module, rows: int) -> float:
-    """Bytes a step of `rows` tokens of one sequence must move, routing uniform (random weights
-    route near it): each weight once (of the embedding table only its rows), of each layer's
-    routed experts only those one of the rows picks, E (1 - (1 - top_k / E)^rows) expected, and
-    each recurrent state read once and written after every row (a verify row keeps the state
-    after each drafted position for its rollback). The floor a step's time has at the card's
-    bandwidth: a verify step of k drafts reads k + 1 tokens' experts where a decode step reads one's."""
-    cfg = model.config  # type: ignore[union-attr]
-    top_k = getattr(cfg, "num_experts_per_tok", 0)
-    head = model.get_submodule("lm_head").weight  # type: ignore[union-attr]
-    skip = {
-        id(mod.weight)
-        for mod in model.modules()
-        if isinstance(mod, torch.nn.Embedding) and mod.weight is not head
-    }
-    seen: set[int] = set()
-    total = 0.0
-    for name, mod in model.named_modules():
-        if name.startswith("mtp"):  # the drafter's layer: not the target's step
-            continue
-        own = [t for t in (*mod.parameters(recurse=False), *mod.buffers(recurse=False)) if id(t) not in seen]
-        seen.update(id(t) for t in own)
-        nbytes = sum(t.numel() * t.element_size() for t in own if id(t) not in skip)
-        experts = getattr(mod, "gate_up_proj", None)
-        if experts is not None and top_k:  # a routed expert set: the experts the rows pick
-            e = experts.shape[0]
-            nbytes *= 1 - (1 - top_k / e) ** rows
-        total += nbytes
-    linear = sum(kind == "linear_attention" for kind in getattr(cfg, "layer_types", ()))
-    state = linear * getattr(cfg, "linear_num_value_heads", 0) * getattr(cfg, "linear_key_head_dim", 0)
-    state *= getattr(cfg, "linear_value_head_dim", 0) * 4  # float32 states
-    return total + state * (1 + rows)
 
 
 def _step(engine: Engine, plan: StepPlan) -> tuple[list[int], float]:
@@ -213,8 +180,9 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         }
         # the steps' bytes, their floor at the card's rated bandwidth, and how near each step ran
         rated = next((bw for card, bw in RATED_HBM.items() if card in row["device"]), None)
-        model = engine.runner.model
-        decode_b, verify_b = step_bytes(model, 1), step_bytes(model, args.k + 1)
+        bytes_of = read_model(engine, builtin_config(name)).step_bytes  # routing uniform, as random weights
+        context = args.prompt + args.tokens / 2
+        decode_b, verify_b = bytes_of(1, context), bytes_of(1, context, args.k + 1)
         row["decode_step_gb"], row["verify_step_gb"] = decode_b / 1e9, verify_b / 1e9
         row["verify_floor_over_decode"] = verify_b / decode_b
         row["speedup_at_the_floor"] = (args.k + 1) * decode_b / verify_b

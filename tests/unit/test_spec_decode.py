@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ballast.bench.spec_oracle import plain_run, settled, step_bytes
+from ballast.bench.paged_decode import read_model
+from ballast.bench.spec_oracle import plain_run, settled
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, SamplingParams, SlotOutput, StepPlan, StepResult
@@ -26,7 +27,7 @@ from ballast.memory.config import MemoryConfig
 from ballast.memory.device import StaticDeviceReader
 from ballast.memory.types import Level
 from ballast.memory.watch import MemWatch
-from ballast.models.arch.builtin import build_builtin
+from ballast.models.arch.builtin import builtin_config
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.request import FinishEvent, GenerationRequest, TokenEvent
 from ballast.scheduler.scheduler import Scheduler
@@ -351,22 +352,28 @@ def test_the_oracle_bench_settles_on_the_text_a_run_drafting_it_reproduces(llama
     assert settled(llama, prompt, 12, plain, 3, 8) == (plain, 1)
 
 
-def test_step_bytes_count_the_experts_a_steps_tokens_pick() -> None:
-    """bench/spec_oracle.py's floor: a dense model's step moves its weights once whatever its rows
-    (a tied embedding read as the head); a hybrid MoE's moves top_k / E of each expert set for one
-    token and nearly all of it for many, and its recurrent states once read and once per row written."""
-    llama = build_builtin("tiny-llama")
-    assert step_bytes(llama, 1) == step_bytes(llama, 4) == sum(p.nbytes for p in llama.parameters())
-    moe = build_builtin("tiny-qwen3-next")
-    cfg = moe.config
-    named = dict(moe.named_parameters())
-    experts = sum(p.nbytes for n, p in named.items() if ".experts." in n)
-    rest = sum(p.nbytes for n, p in named.items() if ".experts." not in n and "embed_tokens" not in n)
-    state = 3 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    share = cfg.num_experts_per_tok / cfg.num_experts
-    assert step_bytes(moe, 1) == pytest.approx(rest + share * experts + 2 * state)
-    assert step_bytes(moe, 4) == pytest.approx(rest + (1 - (1 - share) ** 4) * experts + 5 * state)
-    assert step_bytes(moe, 4096) == pytest.approx(rest + experts + 4097 * state)
+def test_a_verify_row_moves_the_experts_its_tokens_pick() -> None:
+    """bench/spec_oracle.py's floor, from bench/paged_decode.py's `ReadModel`: a verify row of 4
+    tokens touches the experts 4 one-token sequences would (routing uniform), reads its KV once and
+    writes its recurrent state after each token; a row of many tokens touches every expert."""
+    engine = Engine.load(
+        EngineConfig(model="builtin:tiny-qwen3-next", device="cpu", max_num_seqs=2, max_model_len=256)
+    )
+    try:
+        rm = read_model(engine, builtin_config("tiny-qwen3-next"))
+        named = dict(engine.runner.model.named_parameters())
+    finally:
+        engine.shutdown()
+    assert rm.moe_layers * rm.experts * rm.expert_bytes == sum(
+        p.nbytes for n, p in named.items() if ".experts." in n
+    )
+    kv, state = 100 * rm.kv_bytes_per_token, rm.state_bytes_per_slot
+    assert kv > 0 and state > 0
+    row, four = rm.step_bytes(1, 100, rows=4), rm.step_bytes(4, 100)
+    assert row - (kv + 5 * state) == pytest.approx(four - 4 * (kv + 2 * state))
+    assert rm.step_bytes(1, 100) < row < four
+    every = rm.weights_bytes - rm.embed_bytes
+    assert rm.step_bytes(1, 0, rows=4096) == pytest.approx(every + 4097 * state)
 
 
 def test_prompt_lookup_drafts_the_latest_longest_match() -> None:
