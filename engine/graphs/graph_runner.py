@@ -123,9 +123,7 @@ class GraphRunner:
         model: each would hand back its half alone)."""
         prefill, decode = self.prefill_graphs, self.graphs
         n = batch.num_seqs
-        if prefill is None or decode is None or n < 2 or mixed or any(batch.all_logits):
-            return None
-        if self._leftover is not None:
+        if prefill is None or decode is None or n < 2 or mixed or any(batch.all_logits) or self._leftover:
             return None
         head, rest = batch.part(0, 1), batch.part(1, n)
         if not prefill.can_use(head) or not decode.can_use(rest):
