@@ -7,7 +7,6 @@ without CUDA."""
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +18,8 @@ from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan
 from ballast.engine.workspace import VerifySize
 from ballast.models.base import StepBatch
-from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.request import GenerationRequest
-from ballast.scheduler.scheduler import Scheduler
+from engine_steps import graphs_and_eager, serve_drafting
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -52,10 +50,7 @@ def load(graphs: bool) -> Engine:
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[Engine, Engine]]:
-    with_graphs, eager = load(True), load(False)
-    yield with_graphs, eager
-    with_graphs.shutdown()
-    eager.shutdown()
+    yield from graphs_and_eager(load)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -147,19 +142,8 @@ def test_greedy_text_with_mtp_drafts_is_the_text_without_and_decodes_replay(
     assert graphs is not None
     reqs = [GenerationRequest(f"r{i}", tuple(prompt(20 + 7 * i, i)), GREEDY, max_tokens=32) for i in range(2)]
 
-    async def serve(spec: str | None) -> tuple[list[tuple[int, ...]], int]:
-        s = Scheduler(engine, SchedulerConfig(max_num_seqs=4, speculative_config=spec))
-        if spec is not None:  # random weights draft poorly: a governor that has seen drafts kept
-            s._planner.drafts.acceptance = [1.0] * K
-        await s.start()
-        try:
-            out = await asyncio.gather(*(s.submit(r).collect() for r in reqs))
-        finally:
-            await s.stop()
-        return [o[1] for o in out], s._planner.drafts.stats.drafted
-
-    off, _ = asyncio.run(serve(None))
+    off, _ = serve_drafting(engine, reqs, None)
     replays = graphs.replays
-    on, drafted = asyncio.run(serve(MTP))
-    assert on == off and drafted > 0
+    on, stats = serve_drafting(engine, reqs, MTP, tried=True)
+    assert on == off and stats.drafted > 0
     assert graphs.replays > replays  # decode steps with MTP on replay graphs

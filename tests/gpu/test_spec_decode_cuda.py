@@ -6,9 +6,7 @@ with the MTP layer's drafts. Skips without CUDA."""
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -18,9 +16,8 @@ from ballast.engine.engine import Engine
 from ballast.engine.plan import DecodeToken, PrefillChunk, SamplingParams, StepPlan, StepResult
 from ballast.engine.workspace import VerifySize
 from ballast.models.layers.state import RecurrentState
-from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.request import GenerationRequest
-from ballast.scheduler.scheduler import Scheduler
+from engine_steps import serve_drafting
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -61,27 +58,6 @@ def looping(seed: int) -> tuple[int, ...]:
     return tuple(torch.randint(3, 3000, (10,), generator=torch.Generator().manual_seed(seed)).tolist() * 3)
 
 
-def serve(
-    engine: Engine, reqs: Sequence[GenerationRequest], spec: str | None, tried: bool = False
-) -> tuple[list[tuple[int, ...]], int]:
-    """The requests' tokens and the drafts kept; `tried`: the governor starts as one that has seen
-    drafts kept, so each new sequence drafts until its own checks say otherwise."""
-
-    async def go() -> tuple[list[tuple[int, ...]], int]:
-        s = Scheduler(engine, SchedulerConfig(max_num_seqs=4, speculative_config=spec))
-        if tried:
-            s._planner.drafts.acceptance = [1.0] * K
-        await s.start()
-        try:
-            out = await asyncio.gather(*(s.submit(r).collect() for r in reqs))
-        finally:
-            await s.stop()
-        stats = s._planner.drafts.stats
-        return [o[1] for o in out], stats.accepted if not tried else stats.drafted
-
-    return asyncio.run(go())
-
-
 @pytest.mark.parametrize(
     ("model", "dtype"),
     [
@@ -98,8 +74,9 @@ def test_greedy_text_is_the_same_with_drafts(model: str, dtype: str) -> None:
     engine = load(model, dtype)
     try:
         reqs = [GenerationRequest(f"r{i}", looping(i), NARROW, max_tokens=32) for i in range(2)]
-        off, _ = serve(engine, reqs, None)
-        on, accepted = serve(engine, reqs, NGRAM)
+        off, _ = serve_drafting(engine, reqs, None)
+        on, stats = serve_drafting(engine, reqs, NGRAM)
+        accepted = stats.accepted
     finally:
         engine.shutdown()
     assert on == off
@@ -154,8 +131,9 @@ def test_greedy_text_is_the_same_with_mtp_drafts() -> None:
     engine = load("builtin:tiny-qwen3-next", "float32", mtp_drafts=K)
     try:
         reqs = [GenerationRequest(f"r{i}", looping(i), GREEDY, max_tokens=32) for i in range(2)]
-        off, _ = serve(engine, reqs, None)
-        on, drafted = serve(engine, reqs, '{"method": "mtp", "num_speculative_tokens": 3}', tried=True)
+        off, _ = serve_drafting(engine, reqs, None)
+        on, stats = serve_drafting(engine, reqs, '{"method": "mtp", "num_speculative_tokens": 3}', tried=True)
+        drafted = stats.drafted
     finally:
         engine.shutdown()
     assert on == off and drafted > 0

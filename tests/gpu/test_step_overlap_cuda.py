@@ -13,6 +13,7 @@ import torch
 from ballast.engine.config import EngineConfig
 from ballast.engine.engine import Engine
 from ballast.engine.plan import LAST_SAMPLED, DecodeToken, PrefillChunk, SamplingParams, StepPlan
+from engine_steps import graphs_and_eager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -48,10 +49,7 @@ def load(graphs: bool) -> Engine:
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[Engine, Engine]]:
-    with_graphs, eager = load(True), load(False)
-    yield with_graphs, eager
-    with_graphs.shutdown()
-    eager.shutdown()
+    yield from graphs_and_eager(load)
 
 
 def prompt(slot: int) -> tuple[int, ...]:
