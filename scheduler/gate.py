@@ -108,6 +108,7 @@ class AdmissionGate:
                 Demand(1, 1, self._kv.blocks(2, q)), lambda g, q=q: self._fits(1, 1, q, g)
             )
             projection.undo(placed)
+            placed = placed.read(self._roster.accuracy.factor)
             if placed.at_once or placed.first_token_s <= bound * ARRIVAL_SHARE:
                 return None
         self.readiness.refused(placed.first_token_s, placed.waits_for, time.monotonic())
@@ -144,16 +145,17 @@ class AdmissionGate:
         projection = self._current_projection()
         if projection is None:  # the steps are not measured yet: the bound holds as waited
             return None
-        placed = self._place(projection, seq)
+        raw = self._place(projection, seq)
+        placed = raw.read(self._roster.accuracy.factor)  # its admission reads the measured error
         share = bound * ARRIVAL_SHARE
         # A prompt whose own prefill alone passes the share, behind nothing but the step in flight,
         # is queued if its first token meets the bound itself (on an idle server it is served).
         long_next = placed.unblamed(share) and placed.first_token_s <= bound
         if placed.first_token_s <= share or long_next or placed.unblamed(bound):
             self._probe = (len(seq.feed), seq.req.max_tokens)
-            seq.projected_wait_s = placed.first_token_s / projection.factor
+            seq.projected_wait_s = raw.first_token_s
             return None
-        projection.undo(placed)
+        projection.undo(raw)
         self.readiness.refused(placed.first_token_s, placed.waits_for, time.monotonic())
         return self._late(placed, 0.0, estimated=True, share=ARRIVAL_SHARE)
 
@@ -195,7 +197,7 @@ class AdmissionGate:
         ]
         self._fits = self._kv.fits_after(roster.charges())
         free = max(0, self.slot_limit - len(roster.running))
-        return WaitProjection(self._costs, free, running, roster.accuracy.factor)
+        return WaitProjection(self._costs, free, running)
 
     def _place(self, projection: WaitProjection, seq: Seq) -> Placement:
         asked = seq.req.max_tokens - len(seq.resumed)
@@ -237,7 +239,9 @@ class AdmissionGate:
         """The queue-wait bound re-read for queued requests: one that has waited max_queue_wait_s,
         or whose first token the projection now puts past it (it fell behind), is refused now, not
         at the bound's end; a preempted one (running work) never is. FCFS: a refusal gives what it
-        would have taken to those behind it, never to anyone ahead."""
+        would have taken to those behind it, never to anyone ahead. The projection is read as it
+        is, not times its measured error: a factor that moved under a standing queue turned
+        requests let in into refusals after seconds (an H100 squeeze, s32: 8 of 136, at 1-5 s)."""
         bound = self._cfg.max_queue_wait_s
         if bound <= 0:
             return
@@ -258,7 +262,8 @@ class AdmissionGate:
         self.readiness.update(self._probe_placement(projection), now)
 
     def _probe_placement(self, projection: WaitProjection | None) -> Placement | None:
-        """Where a request like the last one queued would start if it came now (taken back)."""
+        """Where a request like the last one queued would start if it came now (taken back), read
+        times the measured error as its admission would read it."""
         if projection is None or self._probe is None:
             return None
         n_feed, asked = self._probe
@@ -269,7 +274,7 @@ class AdmissionGate:
             lambda gain: fits(n_feed, asked, False, gain),
         )
         projection.undo(placed)
-        return placed
+        return placed.read(self._roster.accuracy.factor)
 
     def _unservable(self, seq: Seq) -> Overloaded | None:
         """The refusal for a request not admitted even once all running ones end, else None."""

@@ -21,6 +21,7 @@ from ballast.scheduler.sequence import Phase, Seq
 from ballast.scheduler.service_rate import LengthShare, WaitAccuracy
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger("ballast.events.request")  # per-request events (quiet in text mode)
 
 OUTCOMES = ("stop", "length", "abort", *REFUSAL_OUTCOMES)
 
@@ -119,7 +120,14 @@ class SlotTable:
 
 
 class Roster:
-    def __init__(self, num_slots: int, turns: TurnSaves, lengths: LengthShare, eos: frozenset[int]) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        turns: TurnSaves,
+        lengths: LengthShare,
+        accuracy: WaitAccuracy,
+        eos: frozenset[int],
+    ) -> None:
         self.slots = SlotTable(num_slots)
         # FCFS: only the head is ever admitted (removal from the middle is an abort, a deadline or a
         # refusal). Preempted requests go back in front and may exceed the gate's max_queue.
@@ -130,7 +138,7 @@ class Roster:
         self._eos = eos
         self.unpark: list[tuple[int, ...]] = []  # parked sequences to drop, for the next plan
         self.lengths = lengths  # how much of max_tokens finished requests used
-        self.accuracy = WaitAccuracy()  # how queued requests' first tokens came against their projection
+        self.accuracy = accuracy  # how queued requests' first tokens came against their projection
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.preemptions = 0
         # Counted as each token is handed (/metrics reads it live); each request's share is its
@@ -258,7 +266,16 @@ class Roster:
         seq.output.append(out.token_id)
         self.generated_tokens += 1
         if len(seq.output) == 1 and seq.projected_wait_s:
-            self.accuracy.first_token(seq.projected_wait_s, time.monotonic() - seq.submitted_at)
+            waited = time.monotonic() - seq.submitted_at
+            self.accuracy.first_token(seq.projected_wait_s, waited)
+            event = {"event": "first_token", "request_id": seq.req.request_id, "waited_s": round(waited, 3)}
+            request_log.info(
+                "request %s: first token after %.3f s, projected %.3f s as queued",
+                seq.req.request_id,
+                waited,
+                seq.projected_wait_s,
+                extra={**event, "projected_s": round(seq.projected_wait_s, 3)},
+            )
         logprobs = None
         if seq.req.params.logprobs is not None and out.logprob is not None:
             logprobs = (TokenLogprob(out.token_id, out.logprob, out.top_logprobs),)

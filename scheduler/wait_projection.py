@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ballast.scheduler.service_rate import StepCosts
 
@@ -44,6 +44,11 @@ class Placement:
     waits_for: str  # "nothing", "a slot", "KV blocks" or "prefill compute": what held it longest
     _undo: Undo = field(repr=False, compare=False)
 
+    def read(self, factor: float) -> Placement:
+        """The placement with its seconds times `factor` (the projection's measured error, as a
+        new request's admission reads it); taken back with the projection's `undo` as itself."""
+        return replace(self, start_s=self.start_s * factor, first_token_s=self.first_token_s * factor)
+
     def unblamed(self, limit_s: float) -> bool:
         """Nothing but the step in flight is ahead of it and its own prefill alone passes
         `limit_s` (the bound): no wait is to blame and none would help (served, as when idle)."""
@@ -51,15 +56,11 @@ class Placement:
 
 
 class WaitProjection:
-    def __init__(
-        self, costs: StepCosts, free_slots: int, running: Sequence[Demand], factor: float = 1.0
-    ) -> None:
+    def __init__(self, costs: StepCosts, free_slots: int, running: Sequence[Demand]) -> None:
         """costs: measured, or bounded by a step in flight (`costs.known`). running: the requests
         in slots, in admission order, their prompt tokens in the step in flight counted as done;
         nothing starts before that step ends. Taken as over at once, it let a request that came
-        while two 440-token prompts were prefilled (2.8 s) in at 1.7 s projected: served at 4.3 s.
-        factor: what the placements' seconds are multiplied by (`WaitAccuracy.factor`)."""
-        self.factor = factor
+        while two 440-token prompts were prefilled (2.8 s) in at 1.7 s projected: served at 4.3 s."""
         self._costs = costs
         self._origin = costs.in_flight_s()  # when the step in flight ends
         self._t = self._origin  # the last placed request's start: FCFS, none behind it starts earlier
@@ -107,8 +108,7 @@ class WaitProjection:
         self._free, self._gain, self._active = self._free - 1, self._gain - demand.blocks, self._active + 1
         own = (first + demand.remaining * self._decode_step_s(), demand.blocks)
         heapq.heappush(self._ends, own)
-        f = self.factor
-        return Placement(start * f, first * f, start <= self._origin, waits_for, (*undo, tuple(popped), own))
+        return Placement(start, first, start <= self._origin, waits_for, (*undo, tuple(popped), own))
 
     def undo(self, placement: Placement) -> None:
         """Take back the last `place` (a request refused instead of queued)."""

@@ -27,14 +27,16 @@ mode=$1; shift
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 case "$mode" in
   squeeze)  # issue 47's scenario: the 8B shape at 128 slots, warmed at 8 streams; a co-tenant takes
-    # all but ~200 MiB and holds; 64 streaming clients send 192 requests of ~1k-token prompts, twice
-    # (the second burst is projected with the factor the first one's queued requests measured).
+    # all but ~200 MiB and holds; 64 streaming clients send 192 requests of ~1k-token prompts, three
+    # times (a later burst is projected with the factor the queued requests before it measured; the
+    # server's debug log gives each queued request's first token against its projection, by bin).
     # Prints the p99 time to a 429/503 at the server and the client, completed against refused, the
     # served TTFT p99 and OOM lines; JSON in $OUT/squeeze_8b.json, the server's log beside it. ~240 s.
     tok=/tmp/tok; mkdir -p $tok
     python3 -c "from ballast.bench.checkpoint_dir import write_tokenizer; from pathlib import Path; write_tokenizer(Path('$tok'))"
     (cd tests/reliability && timeout ${SQUEEZE_S:-270} python3 vram_squeeze.py --model builtin:llama-8b --mode on \
-      --streams 128 --warm-streams 8 --clients 64 --burst 192 --bursts 2 --prompt-words 260 --max-tokens 128 --deadline-s 90 \
+      --streams 128 --warm-streams 8 --clients 64 --burst 192 --bursts 3 --prompt-words 260 --max-tokens 128 --deadline-s 90 \
+      --serve-arg=--log-level --serve-arg=debug \
       --serve-arg=--tokenizer --serve-arg=$tok --out $out/squeeze_8b.json 2>&1 | tail -72)
     grep "not ready for the queue wait" $out/squeeze_8b.log | head -4  # what the projection stood on
     ;;

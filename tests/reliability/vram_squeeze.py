@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -463,7 +465,7 @@ def run_burst(
         }
     finally:
         if log is not None:
-            log.write_text("\n".join(ln.rstrip() for ln in lines if "HTTP/1.1" not in ln)[-200_000:] + "\n")
+            log.write_text("\n".join(ln.rstrip() for ln in lines if "HTTP/1.1" not in ln)[-800_000:] + "\n")
         for p in (hog, proc):
             if p is not None and p.poll() is None:
                 p.kill()
@@ -483,7 +485,7 @@ def _one_burst(
 ) -> dict[str, Any]:
     """`clients` clients send `burst` requests between them; what came of them, the server's
     refusal counts taken since the burst began."""
-    before = scrape(url)
+    before, seen = scrape(url), len(lines)
     todo = iter(range(first_id, first_id + burst))
     lock = threading.Lock()
     results: list[Outcome] = []
@@ -544,8 +546,32 @@ def _one_burst(
         "ttft_served_min_s": min(ttft, default=float("nan")),
         # the queued requests' real waits over their projections (median): the next burst's factor
         "queue_wait_factor_after": total(final, "ballast_queue_wait_factor"),
+        # how queued requests' first tokens came against the waits projected for them, by projection
+        "first_token_over_projected": projection_error(lines[seen:]),
         "server_alive": alive,
         "oom_in_log": len(oom),
+    }
+
+
+# The server's per-request event (`--log-level debug`) for a queued request's first token
+FIRST_TOKEN = re.compile(r"first token after ([0-9.]+) s, projected ([0-9.]+) s as queued")
+PROJECTED_BINS_S = (1.0, 5.0, 10.0, 15.0, 21.0)
+
+
+def projection_error(lines: list[str]) -> dict[str, list[float]]:
+    """Queued requests' real waits over their projections, by the wait projected (a bin from each
+    of PROJECTED_BINS_S to the next): [count, median, min, max]."""
+    bins: dict[str, list[float]] = {}
+    edges = (*PROJECTED_BINS_S, math.inf)
+    for line in lines:
+        if (m := FIRST_TOKEN.search(line)) is None or float(m[2]) < edges[0]:
+            continue
+        waited, projected = float(m[1]), float(m[2])
+        lo = max(e for e in edges if e <= projected)
+        bins.setdefault(f"{lo:g}-{edges[edges.index(lo) + 1]:g} s", []).append(waited / projected)
+    return {
+        k: [len(v), round(statistics.median(v), 2), round(min(v), 2), round(max(v), 2)]
+        for k, v in sorted(bins.items(), key=lambda kv: float(kv[0].split("-")[0]))
     }
 
 

@@ -189,12 +189,36 @@ async def test_the_projection_is_read_times_its_measured_error(make) -> None:
     # measured on the first tokens of the requests it queued (a fake engine's own error)
     assert s.wait_factor != 1.0 and 0.7 <= s.wait_factor <= 2.0
     for _ in range(64):  # a whole window of first tokens at 0.7 of their projection
-        s._roster.accuracy.first_token(1.0, 0.7)
+        s._roster.accuracy.first_token(2.0, 1.4)
     assert s.wait_factor == pytest.approx(0.7)
     s._gate.forget_projection()  # as a step coming back with those tokens would
     more, read = await burst(2000)
     assert more > queued * 1.2, (queued, more)
     assert read.wait_s > 2.1 and refusal.wait_s > 2.1  # each past the arrival share, as read
+    await settle(s, eng)
+
+
+async def test_a_factor_that_rises_under_a_standing_queue_refuses_arrivals_not_the_queued(make) -> None:
+    """Requests queued at one reading of the projection keep their place when its measured error
+    moves: the re-read that refuses a queued request that fell behind reads the projection as it
+    is. Read times 2 there, half the queue was refused seconds after it was let in."""
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_queue_wait_s=3.0)
+    s, eng = await make(cfg, step_delay_s=0.005)
+    await asyncio.gather(*(s.submit(req(i, max_tokens=6)).collect() for i in range(4)))
+    queued: list = []
+    with pytest.raises(QueueWaitTooLong):
+        for i in range(400):
+            queued.append(s.submit(req(100 + i, max_tokens=10)))
+    for _ in range(64):  # the projection now measured to err short by half
+        s._roster.accuracy.first_token(2.0, 4.0)
+    assert s.wait_factor == 2.0
+    s._gate.forget_projection()
+    with pytest.raises(QueueWaitTooLong) as refused:  # a new request is read times 2: refused
+        s.submit(req(999, max_tokens=10))
+    assert refused.value.wait_s > 2.1
+    results = await asyncio.gather(*(h.collect() for h in queued))
+    late = [fin for _, _, fin in results if fin.reason != "length"]
+    assert len(late) <= len(queued) // 4, (len(late), len(queued))
     await settle(s, eng)
 
 
