@@ -217,9 +217,9 @@ class WaitAccuracy:
     what a new request's projection is read times. It models steps, not the engine's every choice,
     and where it errs long it refuses what would run (an H100 squeeze, s31: refusals at arrival
     projected at 23.3 s, each 8.7 s or more past the first token of the last request served ahead
-    of it, the bound 30 s). Its error is not one ratio along a queue: the same squeeze's waits
-    projected at 1 s or more came 1.7x their projection (s32), so the scheduler counts only waits
-    projected near where admission decides (`least_s`)."""
+    of it, the bound 30 s). Its error is not one ratio along a queue: in the same squeeze (s32)
+    waits projected at 1-10 s came 2.0-2.8x their projection and those at 15-21 s 0.81-0.96x, so
+    the scheduler counts only waits projected near where admission decides (`least_s`)."""
 
     def __init__(self, window: int = 32, min_samples: int = 8, least_s: float = 1.0) -> None:
         self._ratios: deque[float] = deque(maxlen=window)
