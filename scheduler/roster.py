@@ -121,14 +121,9 @@ class SlotTable:
 
 class Roster:
     def __init__(
-        self,
-        num_slots: int,
-        turns: TurnSaves,
-        lengths: LengthShare,
-        accuracy: WaitAccuracy,
-        eos: frozenset[int],
+        self, slots: int, turns: TurnSaves, lengths: LengthShare, accuracy: WaitAccuracy, eos: frozenset[int]
     ) -> None:
-        self.slots = SlotTable(num_slots)
+        self.slots = SlotTable(slots)
         # FCFS: only the head is ever admitted (removal from the middle is an abort, a deadline or a
         # refusal). Preempted requests go back in front and may exceed the gate's max_queue.
         self.queue: deque[Seq] = deque()
@@ -268,14 +263,8 @@ class Roster:
         if len(seq.output) == 1 and seq.projected_wait_s:
             waited = time.monotonic() - seq.submitted_at
             self.accuracy.first_token(seq.projected_wait_s, waited)
-            event = {"event": "first_token", "request_id": seq.req.request_id, "waited_s": round(waited, 3)}
-            request_log.info(
-                "request %s: first token after %.3f s, projected %.3f s as queued",
-                seq.req.request_id,
-                waited,
-                seq.projected_wait_s,
-                extra={**event, "projected_s": round(seq.projected_wait_s, 3)},
-            )
+            said = f"first token after {waited:.3f} s, projected {seq.projected_wait_s:.3f} s as queued"
+            request_log.info("request %s: %s", seq.req.request_id, said, extra={"event": "first_token"})
         logprobs = None
         if seq.req.params.logprobs is not None and out.logprob is not None:
             logprobs = (TokenLogprob(out.token_id, out.logprob, out.top_logprobs),)

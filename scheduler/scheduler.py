@@ -24,7 +24,7 @@ from ballast.memory.types import LadderPlan, Level
 from ballast.scheduler.checkpoints import CheckpointPlanner, TurnSaves
 from ballast.scheduler.config import SchedulerConfig
 from ballast.scheduler.errors import EngineFailed, EngineStalled, Overloaded, Refused
-from ballast.scheduler.gate import ARRIVAL_SHARE, AdmissionGate
+from ballast.scheduler.gate import AdmissionGate
 from ballast.scheduler.governor import Governor, GovernorSettings, SnapshotSource, VerdictRecorder
 from ballast.scheduler.kv_policy import KVPolicy, KVRoom
 from ballast.scheduler.planner import StepPlanner
@@ -90,14 +90,11 @@ class Scheduler:
             engine.recurrent_state,
         )
         self._turns = TurnSaves(checkpoints, engine.tokenizer)
-        # What the queue-wait estimate projects with: the steps' measured costs, the share of
-        # max_tokens requests use.
+        # What the queue-wait estimate projects with: step costs, max_tokens used, its own error
         self.step_costs = StepCosts()
         eos = engine.tokenizer.eos_token_ids
-        # The projection's error is measured where admission decides: on waits projected at half
-        # the arrival share of the bound or more (at the head of a queue it erred the other way).
-        accuracy = WaitAccuracy(least_s=max(1.0, config.max_queue_wait_s * ARRIVAL_SHARE / 2))
-        self._roster = roster = Roster(engine.num_slots, self._turns, LengthShare(), accuracy, eos)
+        lengths, accuracy = LengthShare(), WaitAccuracy(config.max_queue_wait_s)
+        self._roster = roster = Roster(engine.num_slots, self._turns, lengths, accuracy, eos)
         # The pools after the last step, and the decisions made from them under the ladder.
         rooms = KVRoom(engine.kv_figures(), engine.kv_figures(int8=True), config.kv_keep_s)
         self._kv = KVPolicy(gov, rooms)

@@ -209,21 +209,24 @@ class LengthShare:
 # The factor a projected wait is read with stays in this range: read at 0.7 (ARRIVAL_SHARE), a
 # request queued on arrival still has its wait projected, as built, within the bound itself.
 WAIT_FACTOR_RANGE = (0.7, 2.0)
+# Its error is measured on waits projected at this share of the bound or more (half the arrival
+# share of 0.7, near where admission decides), and at least 1 s.
+MEASURED_SHARE = 0.35
 
 
 class WaitAccuracy:
     """The median ratio of queued requests' real waits for a first token to the waits projected as
-    each was queued (the last `window` projected at `least_s` or more; 1 until `min_samples` are):
+    each was queued (the last `window`, of waits projected near the decision; 1 until `min_samples` are):
     what a new request's projection is read times. It models steps, not the engine's every choice,
     and where it errs long it refuses what would run (an H100 squeeze, s31: refusals at arrival
     projected at 23.3 s, each 8.7 s or more past the first token of the last request served ahead
     of it, the bound 30 s). Its error is not one ratio along a queue: in the same squeeze (s32)
     waits projected at 1-10 s came 2.0-2.8x their projection and those at 15-21 s 0.81-0.96x, so
-    the scheduler counts only waits projected near where admission decides (`least_s`)."""
+    only waits projected near where admission decides count (MEASURED_SHARE of `bound_s`)."""
 
-    def __init__(self, window: int = 32, min_samples: int = 8, least_s: float = 1.0) -> None:
+    def __init__(self, bound_s: float, window: int = 32, min_samples: int = 8) -> None:
         self._ratios: deque[float] = deque(maxlen=window)
-        self._min, self._least = min_samples, least_s
+        self._min, self._least = min_samples, max(1.0, bound_s * MEASURED_SHARE)
 
     def first_token(self, projected_s: float, waited_s: float) -> None:
         if projected_s >= self._least:

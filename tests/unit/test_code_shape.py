@@ -156,6 +156,12 @@ MAX_WING_LINES = (
     # /ready's turn for the wait logs once what the projection stood on (running, queued, free KV
     # blocks, step costs, the factor): the squeeze's log could not say which term ran long
     + 71
+    # issue 47, s32: that factor reads a new request's projection only, and is measured on waits
+    # projected at 0.35 of the bound or more (read everywhere, it refused 8 of 136 let-in requests
+    # after 1-5 s when it rose under a standing queue, and served 56 of 192 on an H100 squeeze; now
+    # 140-146); each queued request's first token against its projection as a request event (the
+    # squeeze's table of the projection's error by projected wait)
+    + 14
 )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -166,10 +167,12 @@ async def test_with_measured_steps_a_hopeless_request_is_refused_at_submit(make,
     s.refuse_early()  # the queue drained: nothing to refuse before a prompt is built
 
 
-async def test_the_projection_is_read_times_its_measured_error(make) -> None:
+async def test_the_projection_is_read_times_its_measured_error(make, caplog) -> None:
     """The requests a burst queued measure how their first tokens came against their projection;
     that factor is what the next burst is projected with: read at 0.7, more are queued before the
-    first refusal than at 1, and the refusal quotes the wait as read."""
+    first refusal than at 1, and the refusal quotes the wait as read. Each such first token is a
+    request event with both waits (what the GPU squeeze bins the projection's error from)."""
+    caplog.set_level(logging.INFO, "ballast.events.request")
     cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_queue_wait_s=3.0)
     s, eng = await make(cfg, step_delay_s=0.005)
     warm = [s.submit(req(i, max_tokens=6)) for i in range(4)]
@@ -186,6 +189,9 @@ async def test_the_projection_is_read_times_its_measured_error(make) -> None:
         return len(busy), refused.value
 
     queued, refusal = await burst(1000)  # read at 1: nothing measured yet
+    said = [r.getMessage() for r in caplog.records if getattr(r, "event", None) == "first_token"]
+    waits = [re.search(r"first token after ([0-9.]+) s, projected ([0-9.]+) s as queued", m) for m in said]
+    assert len(waits) >= 8 and all(w is not None and float(w[2]) > 0 for w in waits), said[:3]
     # measured on the first tokens of the requests it queued (a fake engine's own error)
     assert s.wait_factor != 1.0 and 0.7 <= s.wait_factor <= 2.0
     for _ in range(64):  # a whole window of first tokens at 0.7 of their projection

@@ -214,11 +214,11 @@ def test_what_it_waits_for_is_what_held_the_queue_longest() -> None:
 
 
 def test_wait_accuracy_is_the_median_real_over_projected_wait_once_measured() -> None:
-    acc = WaitAccuracy(window=8, min_samples=4, least_s=0.5)
+    acc = WaitAccuracy(bound_s=1.0, window=8, min_samples=4)  # waits projected at 1 s or more count
     for projected, waited in ((10.0, 8.0), (2.0, 1.7), (4.0, 3.6)):
         acc.first_token(projected, waited)
     assert acc.factor == 1.0  # three measured: not yet
-    acc.first_token(0.3, 3.0)  # projected under least_s: the step in flight, not the queue
+    acc.first_token(0.3, 3.0)  # projected under 1 s: the step in flight, not the queue
     assert acc.factor == 1.0
     acc.first_token(5.0, 4.5)
     assert acc.factor == pytest.approx((0.85 + 0.9) / 2)  # ratios 0.8, 0.85, 0.9, 0.9
@@ -231,6 +231,13 @@ def test_wait_accuracy_is_the_median_real_over_projected_wait_once_measured() ->
     for _ in range(8):
         acc.first_token(1.0, 9.0)
     assert acc.factor == WAIT_FACTOR_RANGE[1]
+    # A 30 s bound counts waits projected at 10.5 s or more: where admission decides, not the
+    # queue's head (an H100 squeeze, s32: 2.0-2.8x at 1-10 s, 0.81-0.96x at 15-21 s)
+    far = WaitAccuracy(bound_s=30.0, min_samples=1)
+    far.first_token(10.0, 25.0)
+    assert far.factor == 1.0
+    far.first_token(12.0, 9.6)
+    assert far.factor == pytest.approx(0.8)
 
 
 def test_placements_are_read_times_the_factor() -> None:
