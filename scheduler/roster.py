@@ -263,8 +263,10 @@ class Roster:
         if len(seq.output) == 1 and seq.projected_wait_s:
             waited = time.monotonic() - seq.submitted_at
             self.accuracy.first_token(seq.projected_wait_s, waited)
-            said = f"first token after {waited:.3f} s, projected {seq.projected_wait_s:.3f} s as queued"
-            request_log.info("request %s: %s", seq.req.request_id, said, extra={"event": "first_token"})
+            rid, projected = seq.req.request_id, seq.projected_wait_s
+            fields = {"event": "first_token", "request_id": rid, "waited_s": waited, "projected_s": projected}
+            said = f"first token after {waited:.3f} s, projected {projected:.3f} s as queued"
+            request_log.info("request %s: %s", rid, said, extra=fields)
         logprobs = None
         if seq.req.params.logprobs is not None and out.logprob is not None:
             logprobs = (TokenLogprob(out.token_id, out.logprob, out.top_logprobs),)

@@ -9,6 +9,8 @@ is logged once, where it is decided:
 - `request` / `finished` / `refused` (logger `ballast.events.request`): a request was accepted
   for scheduling, ended (outcome, tokens, latencies), or was refused (status and reason).
 - `verdict` (logger `ballast.events.request`, logged by the scheduler): admission's answer.
+- `first_token` (the same logger, by the scheduler): a request queued with a projected wait got its
+  first token, after how long against the projection (the queue-wait estimate's error).
 
 Prompt and output text are never logged, unless the operator asks for prompts (`--log-prompts`).
 Per-request events are quiet in text mode unless the log level is debug: a busy server would

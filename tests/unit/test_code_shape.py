@@ -160,8 +160,8 @@ MAX_WING_LINES = (
     # projected at 0.35 of the bound or more (read everywhere, it refused 8 of 136 let-in requests
     # after 1-5 s when it rose under a standing queue, and served 56 of 192 on an H100 squeeze; now
     # 140-146); each queued request's first token against its projection as a request event (the
-    # squeeze's table of the projection's error by projected wait)
-    + 14
+    # squeeze's table of the projection's error by projected wait; its fields in JSON logs)
+    + 16
 )
 
 
