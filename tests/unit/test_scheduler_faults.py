@@ -207,7 +207,7 @@ async def test_the_projection_is_read_times_its_measured_error(make, caplog) -> 
 async def test_a_factor_that_rises_under_a_standing_queue_refuses_arrivals_not_the_queued(make) -> None:
     """Requests queued at one reading of the projection keep their place when its measured error
     moves: the re-read that refuses a queued request that fell behind reads the projection as it
-    is. Read times 2 there, half the queue was refused seconds after it was let in."""
+    is. Read times 2 there, 26 of 72 queued were refused seconds after they were let in."""
     cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_queue_wait_s=3.0)
     s, eng = await make(cfg, step_delay_s=0.005)
     await asyncio.gather(*(s.submit(req(i, max_tokens=6)).collect() for i in range(4)))
