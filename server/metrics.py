@@ -58,7 +58,7 @@ class SchedulerFigures:
     ] = ()  # per pool: of the used blocks, those only the prefix cache holds
     generated_tokens: int = 0  # tokens the scheduler has handed requests so far (every one)
     drafts: DraftStats | None = None  # speculative decoding's counters (None: drafting is off)
-    queue_wait_factor: float = 1.0  # what the queue-wait projection is read times (its measured error)
+    queue_wait_factor: float = 1.0  # what a new request's queue-wait projection is read times
 
 
 class _SchedulerCollector(Collector):
@@ -93,7 +93,8 @@ class _SchedulerCollector(Collector):
         yield GaugeMetricFamily(
             "ballast_queue_wait_factor",
             "Median ratio of queued requests' real waits for a first token to the waits projected as "
-            "each was queued; the projection deciding refusals is read times it (1 until measured)",
+            "each was queued (waits projected at 0.35 of the bound or more); a new request's "
+            "projection is read times it, queued ones' are not (1 until measured)",
             value=figures.queue_wait_factor,
         )
         yield CounterMetricFamily(
